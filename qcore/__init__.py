@@ -1,0 +1,95 @@
+"""qcore: tensor quantization schemes as data, one portable byte format, pluggable backends.
+
+>>> import numpy as np, qcore
+>>> q = qcore.quantize(np.linspace(-1, 1, 64, dtype=np.float32), "q4s/block32:f16", backend="reference")
+>>> q.to_data().nbytes
+36
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import (
+    BackendNotFoundError,
+    BackendUnavailableError,
+    InputError,
+    InvalidDataError,
+    QCoreError,
+    SchemeError,
+    UnsupportedSchemeError,
+)
+from .hookspecs import hookimpl
+from .payload import QuantizedData
+from .protocol import Backend, BaseBackend, QParams, QTensor, Support
+from .registry import backend, backends
+from .scheme import (
+    PRESETS,
+    BlockLevel,
+    Native,
+    PackedNative,
+    PackedU32,
+    QuantMode,
+    QuantScheme,
+    QuantStore,
+    QuantValue,
+    ScaleDtype,
+    StoreKind,
+    TensorLevel,
+    scheme,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    # schemes
+    "QuantScheme", "QuantValue", "QuantMode", "QuantStore", "StoreKind", "ScaleDtype",
+    "BlockLevel", "TensorLevel", "Native", "PackedU32", "PackedNative", "PRESETS", "scheme",
+    # data and backends
+    "QuantizedData", "QParams", "QTensor", "Support", "Backend", "BaseBackend", "hookimpl",
+    "backend", "backends", "quantize", "dequantize", "calibrate", "save", "load",
+    # errors
+    "QCoreError", "SchemeError", "UnsupportedSchemeError", "InvalidDataError", "InputError",
+    "BackendNotFoundError", "BackendUnavailableError",
+]
+
+
+def quantize(x: Any, scheme: QuantScheme | str, backend: str | Backend | None = None, *,
+             params: QParams | None = None, method: str = "minmax") -> QTensor:
+    """Quantize `x` on `backend` (None -> $QCORE_BACKEND, else auto)."""
+    from .registry import backend as get
+
+    be = get(backend) if not isinstance(backend, Backend) else backend
+    return be.quantize(x, scheme, params=params, method=method)
+
+
+def calibrate(x: Any, scheme: QuantScheme | str, backend: str | Backend | None = None, *,
+              method: str = "minmax") -> QParams:
+    """Scales for `x` under `scheme` on `backend`."""
+    from .registry import backend as get
+
+    be = get(backend) if not isinstance(backend, Backend) else backend
+    return be.calibrate(x, scheme, method)
+
+
+def dequantize(q: QTensor, dtype: Any = np.float32) -> Any:
+    """Dequantize on the tensor's own backend."""
+    if not isinstance(q, QTensor):
+        raise InputError(f"dequantize takes a QTensor, got {type(q).__name__}")
+    return q.dequantize(dtype)
+
+
+def save(path, tensors, metadata=None) -> None:
+    """Write quantized and float tensors to a safetensors file (see `qcore.io`)."""
+    from .io import save as _save
+
+    _save(path, tensors, metadata)
+
+
+def load(path, backend: str | Backend | None = None):
+    """Read a file written by `save`; quantized tensors land on `backend`."""
+    from .io import load as _load
+
+    return _load(path, backend)

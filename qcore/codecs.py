@@ -1,0 +1,306 @@
+"""Trait tables for quantized values and scale dtypes (SPEC §1, §2).
+
+One frozen row per value (`VALUES`) and per scale dtype (`SCALES`). Code reads the rows' fields;
+it never tests which value or dtype it holds. A new format is one new row.
+
+Everything here is plain numpy over float32 and its bit patterns, so the rules read as the
+spec states them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable
+
+import numpy as np
+
+__all__ = [
+    "ValueTraits",
+    "ScaleTraits",
+    "VALUES",
+    "SCALES",
+    "f32_bits",
+    "bits_f32",
+    "minifloat_values",
+]
+
+F32_TINY = np.float32(1.17549435e-38)  # smallest normal f32, the floor of a two-level global scale
+
+
+def f32_bits(x: np.ndarray) -> np.ndarray:
+    """The IEEE bit patterns of a float32 array, as uint32."""
+    return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+
+
+def bits_f32(b: np.ndarray) -> np.ndarray:
+    """The float32 values of uint32 bit patterns."""
+    return np.ascontiguousarray(b, dtype=np.uint32).view(np.float32)
+
+
+# --------------------------------------------------------------------------- minifloats
+
+
+def minifloat_values(exp_bits: int, man_bits: int, bias: int, n_finite: int) -> np.ndarray:
+    """Magnitudes of the non-negative codes 0..n_finite-1 of a sign/exponent/mantissa format.
+
+    Code c has exponent field c >> man_bits and mantissa field c & (2**man_bits - 1); exponent
+    field 0 is subnormal (value f * 2**(1 - bias - man_bits)). The codes are in increasing
+    order of value, so the table is sorted.
+    """
+    codes = np.arange(n_finite, dtype=np.int64)
+    e = codes >> man_bits
+    f = codes & ((1 << man_bits) - 1)
+    normal = np.ldexp(1.0 + f / (1 << man_bits), e - bias)
+    subnormal = np.ldexp(f.astype(np.float64), 1 - bias - man_bits)
+    return np.where(e == 0, subnormal, normal).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class ValueTraits:
+    """One row of the value table: what a quantized value is and how it maps to and from f32.
+
+    `qmin`/`qmax` bound the representable range, `half_range` is the spec's `h`, and for
+    minifloats `magnitudes` lists the finite non-negative values by code (sign bit excluded).
+    """
+
+    name: str
+    bits: int
+    is_float: bool
+    qmin: float
+    qmax: float
+    half_range: float
+    exp_bits: int = 0
+    man_bits: int = 0
+    bias: int = 0
+    n_finite: int = 0  # count of finite non-negative codes, minifloats only
+    special: Callable[[np.ndarray], np.ndarray] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def codes_per_u32(self) -> int:
+        return 32 // self.bits
+
+    @property
+    def codes_per_u8(self) -> int:
+        return 8 // self.bits
+
+    @property
+    def sign_bit(self) -> int:
+        return 1 << (self.bits - 1)
+
+    @cached_property
+    def magnitudes(self) -> np.ndarray:
+        return minifloat_values(self.exp_bits, self.man_bits, self.bias, self.n_finite)
+
+    @property
+    def code_dtype(self) -> np.dtype:
+        """Dtype of unpacked codes: int8 for integers, uint8 for minifloat codes (SPEC §3)."""
+        return np.dtype(np.uint8 if self.is_float else np.int8)
+
+    # ----------------------------------------------------------------- encode / decode
+    def encode(self, y: np.ndarray) -> np.ndarray:
+        """Codes for f32 `y` = x / e (SPEC §2.5): integers round half to even and clamp;
+        minifloats saturate at ±max and round to the nearest value, ties to even mantissa."""
+        y = np.asarray(y, dtype=np.float32)
+        if not self.is_float:
+            q = np.clip(np.rint(y), self.qmin, self.qmax)
+            return q.astype(np.int8)
+        mags = self.magnitudes
+        a = np.minimum(np.abs(y), np.float32(self.qmax))
+        hi = np.searchsorted(mags, a, side="left")  # mags[hi-1] < a <= mags[hi]
+        lo = np.maximum(hi - 1, 0)
+        # Neighbouring minifloats lie within a factor 2, so these differences are exact (Sterbenz).
+        d_lo = a - mags[lo]
+        d_hi = mags[hi] - a
+        pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))  # tie: the even code
+        code = np.where(pick_hi, hi, lo).astype(np.uint8)
+        sign = np.signbit(y).astype(np.uint8) << np.uint8(self.bits - 1)
+        return code | sign
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        """f32 values of codes; NaN/inf codes of E4M3/E5M2 decode as NaN/inf."""
+        codes = np.asarray(codes)
+        if not self.is_float:
+            return codes.astype(np.float32)
+        return self.decode_table[codes.astype(np.uint8) & np.uint8((1 << self.bits) - 1)]
+
+    @cached_property
+    def decode_table(self) -> np.ndarray:
+        """f32 value of every code 0 .. 2**bits - 1 (minifloats)."""
+        half = 1 << (self.bits - 1)
+        mags = np.full(half, np.nan, dtype=np.float32)
+        mags[: self.n_finite] = self.magnitudes
+        if self.special is not None:
+            mags = self.special(mags)
+        return np.concatenate([mags, -mags]).astype(np.float32)
+
+    def zero_code(self) -> int:
+        """The encoding of +0."""
+        return 0
+
+    @property
+    def field_mask(self) -> int:
+        return (1 << self.bits) - 1
+
+
+def _int_row(name: str, bits: int, full: bool) -> ValueTraits:
+    qmax = (1 << (bits - 1)) - 1
+    qmin = -qmax - 1 if full else -qmax
+    return ValueTraits(name, bits, False, float(qmin), float(qmax), (qmax - qmin) / 2)
+
+
+def _e5m2_specials(mags: np.ndarray) -> np.ndarray:
+    out = mags.copy()
+    out[0x7C] = np.inf  # IEEE: exponent all ones, mantissa 0
+    return out
+
+
+def _float_row(name, bits, exp_bits, man_bits, bias, n_finite, special=None) -> ValueTraits:
+    mx = float(minifloat_values(exp_bits, man_bits, bias, n_finite)[-1])
+    return ValueTraits(name, bits, True, -mx, mx, mx, exp_bits, man_bits, bias, n_finite, special)
+
+
+VALUES: dict[str, ValueTraits] = {
+    row.name: row
+    for row in (
+        _int_row("q8f", 8, True),
+        _int_row("q8s", 8, False),
+        _int_row("q4f", 4, True),
+        _int_row("q4s", 4, False),
+        _int_row("q2f", 2, True),
+        _int_row("q2s", 2, False),
+        # OCP E4M3FN: bias 7, no inf, only S.1111.111 is NaN -> finite codes 0..0x7E, max 448.
+        _float_row("e4m3", 8, 4, 3, 7, 0x7F),
+        # OCP E5M2: bias 15, IEEE inf/NaN -> finite codes 0..0x7B, max 57344.
+        _float_row("e5m2", 8, 5, 2, 15, 0x7C, _e5m2_specials),
+        # OCP FP4 E2M1: bias 1, codes 0..7 = 0, .5, 1, 1.5, 2, 3, 4, 6, no inf/NaN.
+        _float_row("e2m1", 4, 2, 1, 1, 8),
+    )
+}
+
+
+# --------------------------------------------------------------------------- scale dtypes
+
+def _round_up_f32(s: np.ndarray) -> np.ndarray:
+    return s
+
+
+def _round_up_bits(s: np.ndarray, add: int, mask: int) -> np.ndarray:
+    """`(bits + add) & mask`: round a non-negative f32 up to fewer mantissa bits (SPEC §2.3)."""
+    b = f32_bits(s).astype(np.uint64)
+    return bits_f32(((b + add) & mask).astype(np.uint32))
+
+
+def _round_up_grid(s: np.ndarray, quantum: float) -> np.ndarray:
+    """`ceil(s / q) * q` for the subnormal range of a narrow format (exact in f32)."""
+    q = np.float32(quantum)
+    return (np.ceil(s / q) * q).astype(np.float32)
+
+
+def _round_up_f16(s):
+    out = _round_up_bits(s, 0x1FFF, 0xFFFFE000)
+    out = np.where(s < np.float32(2.0**-14), _round_up_grid(s, 2.0**-24), out)
+    return np.where(s >= np.float32(65504.0), np.float32(65504.0), out).astype(np.float32)
+
+
+BF16_MAX = float(bits_f32(np.array([0x7F7F0000], dtype=np.uint32))[0])
+
+
+def _round_up_bf16(s):
+    out = _round_up_bits(s, 0xFFFF, 0xFFFF0000)
+    return np.where(s >= np.float32(BF16_MAX), np.float32(BF16_MAX), out).astype(np.float32)
+
+
+def _round_up_ue4m3(s):
+    out = _round_up_bits(s, 0xFFFFF, 0xFFF00000)
+    out = np.where(s < np.float32(2.0**-6), _round_up_grid(s, 2.0**-9), out)
+    return np.where(s >= np.float32(448.0), np.float32(448.0), out).astype(np.float32)
+
+
+UE8M0_MIN = float(np.float32(2.0**-127))
+
+
+def _round_up_ue8m0(s):
+    out = _round_up_bits(s, 0x7FFFFF, 0xFF800000)  # the next power of two at or above s
+    out = np.where(s <= np.float32(2.0**-127), np.float32(2.0**-127), out)
+    return np.where(s >= np.float32(2.0**127), np.float32(2.0**127), out).astype(np.float32)
+
+
+# storage: f32 (already representable) -> little-endian unsigned words; and back
+
+
+def _enc_f32(s):
+    return np.asarray(s, dtype="<f4").view("<u4")
+
+
+def _dec_f32(u):
+    return np.asarray(u, dtype="<u4").view("<f4").astype(np.float32)
+
+
+def _enc_f16(s):
+    return np.asarray(s, dtype=np.float32).astype("<f2").view("<u2")
+
+
+def _dec_f16(u):
+    return np.asarray(u, dtype="<u2").view("<f2").astype(np.float32)
+
+
+def _enc_bf16(s):
+    return (f32_bits(s) >> np.uint32(16)).astype("<u2")  # BF16 = top 16 bits of f32
+
+
+def _dec_bf16(u):
+    return bits_f32(np.asarray(u, dtype=np.uint32) << np.uint32(16))
+
+
+def _enc_ue4m3(s):
+    return VALUES["e4m3"].encode(np.asarray(s, dtype=np.float32)).astype(np.uint8)
+
+
+def _dec_ue4m3(u):
+    return VALUES["e4m3"].decode(np.asarray(u, dtype=np.uint8))
+
+
+def _enc_ue8m0(s):
+    # exponent field of 2**k; the subnormal 2**-127 (bits 0x00400000) has field 0 = byte 0.
+    return (f32_bits(s) >> np.uint32(23)).astype(np.uint8)
+
+
+def _dec_ue8m0(u):
+    e = np.asarray(u, dtype=np.uint32)
+    bits = np.where(e == 0, np.uint32(0x00400000), e << np.uint32(23))
+    out = bits_f32(bits.astype(np.uint32)).copy()
+    out[e == 255] = np.nan  # 0xFF is NaN (rejected by payload validation)
+    return out
+
+
+@dataclass(frozen=True)
+class ScaleTraits:
+    """One row of the scale-dtype table (SPEC §1, §2.3, §3)."""
+
+    name: str
+    nbytes: int
+    max_value: float
+    round_up: Callable[[np.ndarray], np.ndarray] = field(compare=False, repr=False)
+    encode: Callable[[np.ndarray], np.ndarray] = field(compare=False, repr=False)
+    decode: Callable[[np.ndarray], np.ndarray] = field(compare=False, repr=False)
+    zero: float = 0.0  # what a zero scale is stored as (UE8M0 has no zero: 2**-127)
+
+    @property
+    def word_dtype(self) -> np.dtype:
+        return np.dtype({1: "<u1", 2: "<u2", 4: "<u4"}[self.nbytes])
+
+    def store(self, s: np.ndarray) -> np.ndarray:
+        """Round raw non-negative f32 scales up to this dtype; result decoded back to f32."""
+        return self.round_up(np.asarray(s, dtype=np.float32))
+
+
+SCALES: dict[str, ScaleTraits] = {
+    row.name: row
+    for row in (
+        ScaleTraits("f32", 4, float(np.finfo(np.float32).max), _round_up_f32, _enc_f32, _dec_f32),
+        ScaleTraits("f16", 2, 65504.0, _round_up_f16, _enc_f16, _dec_f16),
+        ScaleTraits("bf16", 2, BF16_MAX, _round_up_bf16, _enc_bf16, _dec_bf16),
+        ScaleTraits("ue8m0", 1, 2.0**127, _round_up_ue8m0, _enc_ue8m0, _dec_ue8m0, zero=UE8M0_MIN),
+        ScaleTraits("ue4m3", 1, 448.0, _round_up_ue4m3, _enc_ue4m3, _dec_ue4m3),
+    )
+}

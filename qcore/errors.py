@@ -1,0 +1,43 @@
+"""The qcore error tree (SPEC §5).
+
+Every error names the offending thing, the rule it broke and a way out.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "QCoreError",
+    "SchemeError",
+    "UnsupportedSchemeError",
+    "InvalidDataError",
+    "InputError",
+    "BackendNotFoundError",
+    "BackendUnavailableError",
+]
+
+
+class QCoreError(Exception):
+    """Base of every error qcore raises on purpose."""
+
+
+class SchemeError(QCoreError, ValueError):
+    """A `QuantScheme` breaks a validity rule (SPEC §1), or its text does not parse."""
+
+
+class UnsupportedSchemeError(QCoreError, NotImplementedError):
+    """A backend was asked to handle a scheme its `supports()` rejects (SPEC §4)."""
+
+
+class InvalidDataError(QCoreError, ValueError):
+    """Portable bytes do not match what their shape and scheme require (SPEC §3)."""
+
+
+class InputError(QCoreError, ValueError):
+    """An input tensor or explicit parameter is unusable (SPEC §2)."""
+
+
+class BackendNotFoundError(QCoreError, LookupError):
+    """No backend is registered under the requested name."""
+
+
+class BackendUnavailableError(QCoreError, RuntimeError):
+    """The backend is installed, but its device or runtime is missing."""

@@ -1,0 +1,183 @@
+"""Tensor ops on quantized tensors, shared by every backend (reshape, permute, slice, cat, matmul).
+
+Where the layout allows, an op moves codes and scales and stays exact:
+
+| op      | exact when                                                               |
+|---------|--------------------------------------------------------------------------|
+| permute | always (block dims are permuted with the axes)                           |
+| reshape | per-tensor, or the trailing axes a block spans keep their extents        |
+| slice   | per-tensor, or every cut falls on a block edge (or the tensor's end)     |
+| cat     | equal per-tensor scales / globals, and every part but the last fills     |
+|         | whole blocks along the axis                                              |
+
+Otherwise the op dequantizes, applies itself to the floats and requantizes with the same scheme
+(calibrated afresh). `matmul` never materialises the whole float weight.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from . import layout
+from .errors import InputError
+from .payload import QuantizedData
+from .scheme import BlockLevel, QuantScheme
+
+if TYPE_CHECKING:
+    from .protocol import BaseBackend, QTensor
+
+__all__ = ["reshape", "permute", "slice_", "cat", "matmul"]
+
+
+def _requantize(be: "BaseBackend", q: "QTensor", fn) -> "QTensor":
+    x = be.to_numpy(be.dequantize(q))
+    return be.quantize(fn(x), q.scheme)
+
+
+def _rebuild(be, scheme, shape, codes, scales, g) -> "QTensor":
+    return be.from_data(QuantizedData.from_parts(tuple(shape), scheme, codes, scales, g))
+
+
+def reshape(be: "BaseBackend", q: "QTensor", shape: Sequence[int]) -> "QTensor":
+    try:
+        shape = tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise InputError(f"reshape needs ints, got {shape!r}") from None
+    try:
+        new = np.empty(q.shape, dtype=np.uint8).reshape(shape).shape  # resolves -1, checks size
+    except ValueError as e:
+        raise InputError(f"cannot reshape {q.shape} to {shape}: {e}") from None
+    layout.check_shape(new)
+    block = q.scheme.block
+    k = len(block.dims) if block else 0
+    exact = block is None or (len(new) >= k and new[len(new) - k:] == q.shape[len(q.shape) - k:])
+    try:
+        layout.packing_axis(new, q.scheme)
+    except InputError:
+        exact = False
+    if not exact:
+        return _requantize(be, q, lambda x: x.reshape(new))
+    d = be.into_data(q)
+    grid = layout.grid_shape(new, q.scheme)
+    return _rebuild(be, q.scheme, new, d.codes().reshape(new), d.scales().reshape(grid), d.global_scale())
+
+
+def permute(be: "BaseBackend", q: "QTensor", axes: Sequence[int]) -> "QTensor":
+    rank = len(q.shape)
+    try:
+        axes = tuple(operator.index(a) % rank if -rank <= operator.index(a) < rank else rank for a in axes)
+    except TypeError:
+        raise InputError(f"permute needs int axes, got {axes!r}") from None
+    if sorted(axes) != list(range(rank)):
+        raise InputError(f"axes {axes} are not a permutation of range({rank})")
+    d = be.into_data(q)
+    new_shape = tuple(q.shape[a] for a in axes)
+    scheme = q.scheme
+    scales = d.scales()
+    if scheme.block is not None:
+        full = layout.full_block(q.shape, scheme)
+        dims = tuple(full[a] for a in axes)
+        trimmed = dims
+        while len(trimmed) > 1 and trimmed[0] == 1:
+            trimmed = trimmed[1:]
+        if len(trimmed) > 5:
+            raise InputError(
+                f"permuting {q.shape} by {axes} would need a {len(trimmed)}-dim block; blocks have at most 5"
+            )
+        scheme = replace(scheme, block=BlockLevel(trimmed, scheme.block.dtype))
+        scales = np.transpose(scales, axes)
+    return _rebuild(be, scheme, new_shape, np.transpose(d.codes(), axes), scales, d.global_scale())
+
+
+def _norm_index(index, shape) -> list[tuple[int, int]]:
+    if isinstance(index, slice):
+        index = (index,)
+    index = tuple(index)
+    if len(index) > len(shape):
+        raise InputError(f"slice has {len(index)} entries for rank {len(shape)}")
+    out = []
+    for i, d in enumerate(shape):
+        s = index[i] if i < len(index) else slice(None)
+        if not isinstance(s, slice):
+            raise InputError(f"slice entries must be slice objects (rank is kept), got {s!r}")
+        start, stop, step = s.indices(d)
+        if step != 1:
+            raise InputError(f"slice steps other than 1 are not supported, got {s}; permute or requantize instead")
+        out.append((start, max(start, stop)))
+    return out
+
+
+def slice_(be: "BaseBackend", q: "QTensor", index) -> "QTensor":
+    bounds = _norm_index(index, q.shape)
+    sl = tuple(slice(a, b) for a, b in bounds)
+    new_shape = tuple(b - a for a, b in bounds)
+    block = layout.full_block(q.shape, q.scheme)
+    if block is not None:
+        aligned = all(a % bl == 0 and (b % bl == 0 or b == d) for (a, b), bl, d in zip(bounds, block, q.shape))
+        if not aligned:
+            return _requantize(be, q, lambda x: x[sl])
+    d = be.into_data(q)
+    scales = d.scales()
+    if block is not None:
+        scales = scales[tuple(slice(a // bl, -(-b // bl)) for (a, b), bl in zip(bounds, block))]
+    return _rebuild(be, q.scheme, new_shape, d.codes()[sl], scales, d.global_scale())
+
+
+def cat(be: "BaseBackend", qs: Sequence["QTensor"], axis: int = 0) -> "QTensor":
+    if not qs:
+        raise InputError("cat needs at least one tensor")
+    scheme, rank = qs[0].scheme, len(qs[0].shape)
+    if any(q.scheme != scheme for q in qs):
+        raise InputError(f"cat needs one scheme, got {sorted({str(q.scheme) for q in qs})}; requantize first")
+    if not -rank <= axis < rank:
+        raise InputError(f"axis {axis} out of range for rank {rank}")
+    axis %= rank
+    for q in qs:
+        if len(q.shape) != rank or any(q.shape[i] != qs[0].shape[i] for i in range(rank) if i != axis):
+            raise InputError(f"cat shapes differ off axis {axis}: {[q.shape for q in qs]}")
+    datas = [be.into_data(q) for q in qs]
+    block = layout.full_block(qs[0].shape, scheme)
+    globals_ = {np.float32(d.global_scale()).tobytes() for d in datas} if scheme.two_level else {b""}
+    if block is None:
+        exact = len({d.scales().tobytes() for d in datas}) == 1
+    else:
+        exact = len(globals_) == 1 and all(q.shape[axis] % block[axis] == 0 for q in qs[:-1])
+    if not exact:
+        x = np.concatenate([be.to_numpy(be.dequantize(q)) for q in qs], axis=axis)
+        return be.quantize(x, scheme)
+    codes = np.concatenate([d.codes() for d in datas], axis=axis)
+    scales = datas[0].scales() if block is None else np.concatenate([d.scales() for d in datas], axis=axis)
+    return _rebuild(be, scheme, codes.shape, codes, scales, datas[0].global_scale())
+
+
+def matmul(be: "BaseBackend", x: Any, w: "QTensor", rows_per_step: int = 1024) -> np.ndarray:
+    """`x @ dequantize(w)` with f32 accumulation, dequantizing `rows_per_step` rows of w at a time
+    (rounded to whole blocks), so the full float weight never exists."""
+    from .reference import decode, effective_scale
+    from .protocol import QParams
+
+    if len(w.shape) != 2:
+        raise InputError(f"matmul needs a 2-D weight [K, N], got shape {w.shape}")
+    x = np.asarray(be.to_numpy(x) if not isinstance(x, np.ndarray) else x)
+    if x.dtype.kind != "f":
+        raise InputError(f"matmul needs a float x, got {x.dtype}")
+    x = x.astype(np.float32, copy=False)
+    K, N = w.shape
+    if x.ndim < 1 or x.shape[-1] != K:
+        raise InputError(f"matmul shapes do not fit: x {x.shape} @ w {w.shape}")
+    d = be.into_data(w)
+    codes, scales, g = d.codes(), d.scales(), d.global_scale()
+    block = layout.full_block(w.shape, w.scheme)
+    br = block[0] if block else 1
+    step = max(br, (rows_per_step // br) * br)
+    out = np.zeros(x.shape[:-1] + (N,), dtype=np.float32)
+    for k0 in range(0, K, step):
+        k1 = min(K, k0 + step)
+        sub_scales = scales if block is None else scales[k0 // br: -(-k1 // br)]
+        e = effective_scale(QParams(sub_scales, g), (k1 - k0, N), w.scheme)
+        wf = (decode(codes[k0:k1], w.scheme) * e).astype(np.float32)
+        out += x[..., k0:k1] @ wf
+    return out

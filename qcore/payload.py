@@ -1,0 +1,179 @@
+"""Portable bytes: `QuantizedData` = shape + scheme + payload (SPEC §3).
+
+Layout, little-endian, dense, no padding between sections:
+
+    [values][scales: one per slot, row-major over the block grid][global f32][table f32 x 2**bits]
+
+The payload length is fully determined by shape and scheme; anything else is `InvalidDataError`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from . import layout
+from .errors import InputError, InvalidDataError, SchemeError
+from .scheme import QuantScheme, scheme as parse_scheme, _check_table
+
+__all__ = ["QuantizedData", "Sections", "sections"]
+
+
+@dataclass(frozen=True)
+class Sections:
+    """Byte offsets of the payload's sections for one shape and scheme."""
+
+    values: int
+    scales: int
+    global_: int
+    table: int
+
+    @property
+    def total(self) -> int:
+        return self.values + self.scales + self.global_ + self.table
+
+
+def sections(shape: Sequence[int], scheme: QuantScheme) -> Sections:
+    """The size of each payload section (bytes) for `shape` and `scheme`."""
+    return Sections(
+        values=layout.values_nbytes(shape, scheme),
+        scales=layout.scales_count(shape, scheme) * scheme.slot_dtype.traits.nbytes,
+        global_=4 if scheme.two_level else 0,
+        table=4 * (1 << scheme.bits) if scheme.is_lookup else 0,
+    )
+
+
+@dataclass(frozen=True, eq=True)
+class QuantizedData:
+    """A quantized tensor in the portable byte format; validated on construction.
+
+    `scheme` may be given as text; for a LOOKUP scheme whose table travels in the payload
+    (`q4s-lookup/...`), `.scheme` carries the table read from the payload.
+    """
+
+    shape: tuple[int, ...]
+    scheme: QuantScheme
+    payload: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        try:
+            sch = parse_scheme(self.scheme)
+        except SchemeError as e:
+            raise InvalidDataError(f"payload scheme is not valid: {e}") from None
+        try:
+            shape = layout.check_shape(self.shape)
+            sec = sections(shape, sch)
+        except InputError as e:
+            raise InvalidDataError(f"payload shape {self.shape!r} does not fit {sch}: {e}") from None
+        payload = bytes(self.payload)
+        if len(payload) != sec.total:
+            raise InvalidDataError(
+                f"payload of {sch} with shape {shape} must be {sec.total} bytes "
+                f"(values {sec.values} + scales {sec.scales} + global {sec.global_} + table {sec.table}), "
+                f"got {len(payload)}"
+            )
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "payload", payload)
+        object.__setattr__(self, "_sec", sec)
+        if sch.is_lookup:
+            tab = np.frombuffer(payload, dtype="<f4", count=1 << sch.bits, offset=sec.total - sec.table)
+            try:
+                checked = _check_table(tab, sch.bits)
+            except SchemeError as e:
+                raise InvalidDataError(f"payload table of {sch} is bad: {e}") from None
+            if sch.table is not None and sch.table != checked:
+                raise InvalidDataError(
+                    f"payload table differs from the named table of {sch}; "
+                    f"write the scheme as {sch.value}-lookup to carry a custom table"
+                )
+            sch = QuantScheme(sch.value, sch.mode, checked, sch.block, sch.tensor, sch._store)
+        object.__setattr__(self, "scheme", sch)
+        scales = self.scales()
+        bad = ~np.isfinite(scales) | np.signbit(scales)
+        if bad.any():
+            i = int(np.flatnonzero(bad.reshape(-1))[0])
+            raw = self._scale_words().reshape(-1)[i]
+            raise InvalidDataError(
+                f"scale slot {i} of {sch} is {scales.reshape(-1)[i]} (stored word 0x{int(raw):x}); "
+                "scales must be finite and >= 0"
+            )
+        g = self.global_scale()
+        if g is not None and (not math.isfinite(g) or math.copysign(1.0, g) < 0):
+            raise InvalidDataError(f"global scale of {sch} is {g}; it must be finite and >= 0")
+
+    # ------------------------------------------------------------------ views
+    @property
+    def nbytes(self) -> int:
+        return len(self.payload)
+
+    @property
+    def _offsets(self) -> tuple[int, int, int]:
+        sec: Sections = self._sec  # type: ignore[attr-defined]
+        return sec.values, sec.values + sec.scales, sec.values + sec.scales + sec.global_
+
+    def values_bytes(self) -> bytes:
+        return self.payload[: self._offsets[0]]
+
+    def _scale_words(self) -> np.ndarray:
+        a, b, _ = self._offsets
+        tr = self.scheme.slot_dtype.traits
+        return np.frombuffer(self.payload[a:b], dtype=tr.word_dtype)
+
+    def codes(self) -> np.ndarray:
+        """Unpacked codes in the tensor's shape: int8 for integers, uint8 for minifloat codes and
+        LOOKUP indices."""
+        return layout.unpack(np.frombuffer(self.values_bytes(), np.uint8), self.shape, self.scheme)
+
+    def scales(self) -> np.ndarray:
+        """Stored scales decoded to float32, in the block-grid shape (per-tensor: shape ())."""
+        tr = self.scheme.slot_dtype.traits
+        return tr.decode(self._scale_words()).astype(np.float32).reshape(layout.grid_shape(self.shape, self.scheme))
+
+    def global_scale(self) -> float | None:
+        """The two-level f32 global scale, or None."""
+        if not self.scheme.two_level:
+            return None
+        _, b, _ = self._offsets
+        return float(np.frombuffer(self.payload, "<f4", count=1, offset=b)[0])
+
+    def table(self) -> np.ndarray | None:
+        """The LOOKUP table as float32, or None."""
+        if not self.scheme.is_lookup:
+            return None
+        return np.asarray(self.scheme.table, dtype=np.float32)
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_parts(
+        cls,
+        shape: Sequence[int],
+        scheme: QuantScheme,
+        codes: np.ndarray,
+        scales: np.ndarray,
+        global_scale: float | None = None,
+    ) -> "QuantizedData":
+        """Assemble the payload from unpacked codes and stored (already rounded-up) scales."""
+        scheme = parse_scheme(scheme)
+        tr = scheme.slot_dtype.traits
+        parts = [
+            layout.pack(np.asarray(codes, dtype=scheme.code_dtype).reshape(shape), scheme).tobytes(),
+            np.ascontiguousarray(tr.encode(np.asarray(scales, dtype=np.float32).reshape(-1))).tobytes(),
+        ]
+        if scheme.two_level:
+            parts.append(np.asarray([global_scale], dtype="<f4").tobytes())
+        if scheme.is_lookup:
+            parts.append(np.asarray(scheme.require_table(), dtype="<f4").tobytes())
+        return cls(tuple(shape), scheme, b"".join(parts))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, QuantizedData):
+            return NotImplemented
+        return (self.shape, str(self.scheme), self.payload) == (other.shape, str(other.scheme), other.payload)
+
+    def __hash__(self) -> int:
+        return hash((self.shape, str(self.scheme), self.payload))
+
+    def __repr__(self) -> str:
+        return f"QuantizedData(shape={self.shape}, scheme='{self.scheme}', nbytes={self.nbytes})"

@@ -1,0 +1,340 @@
+"""The `Backend` protocol, its shared base class, and the values it trades in (SPEC §4, §6).
+
+A backend supplies kernels and a `supports()` declaration; `BaseBackend` does everything else
+once for all of them: scheme parsing, the capability check at every entry point, shape and
+parameter validation, and the error text. Plugins subclass `BaseBackend` and fill in the
+`_underscore` hooks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from . import layout
+from .checks import check_input_dtype, check_output_dtype
+from .errors import BackendUnavailableError, InputError, UnsupportedSchemeError
+from .payload import QuantizedData, sections
+from .scheme import QuantScheme, scheme as parse_scheme
+
+__all__ = ["Support", "QParams", "QTensor", "Backend", "BaseBackend", "CALIBRATION_METHODS"]
+
+CALIBRATION_METHODS = ("minmax", "absmean")
+
+
+@dataclass(frozen=True)
+class Support:
+    """A capability answer: truthy when supported, else falsy with `.reason`."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @classmethod
+    def yes(cls) -> "Support":
+        return cls(True)
+
+    @classmethod
+    def no(cls, reason: str) -> "Support":
+        return cls(False, reason)
+
+    def __repr__(self) -> str:
+        return "Support(yes)" if self.ok else f"Support(no: {self.reason})"
+
+
+@dataclass(frozen=True)
+class QParams:
+    """Stored scales (rounded up, decoded to f32) in the block-grid shape, and the two-level global."""
+
+    scales: np.ndarray
+    global_scale: float | None = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, QParams):
+            return NotImplemented
+        a, b = np.asarray(self.scales, np.float32), np.asarray(other.scales, np.float32)
+        return (
+            a.shape == b.shape
+            and a.tobytes() == b.tobytes()
+            and (self.global_scale is None) == (other.global_scale is None)
+            and (self.global_scale is None or np.float32(self.global_scale).tobytes()
+                 == np.float32(other.global_scale).tobytes())
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class QTensor:
+    """A quantized tensor held by one backend; `data` is that backend's own representation."""
+
+    __slots__ = ("backend", "scheme", "shape", "data")
+
+    def __init__(self, backend: "Backend", scheme: QuantScheme, shape: Sequence[int], data: Any):
+        self.backend = backend
+        self.scheme = scheme
+        self.shape = tuple(int(d) for d in shape)
+        self.data = data
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the portable payload (SPEC §3)."""
+        return sections(self.shape, self.scheme).total
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dequantize(self, dtype: Any = np.float32) -> Any:
+        return self.backend.dequantize(self, dtype=dtype)
+
+    def numpy(self, dtype: Any = np.float32) -> np.ndarray:
+        """Dequantize and copy to a host numpy array."""
+        return self.backend.to_numpy(self.dequantize(dtype))
+
+    def to_data(self) -> QuantizedData:
+        return self.backend.into_data(self)
+
+    def to(self, backend: "str | Backend") -> "QTensor":
+        """Move to another backend through the portable bytes."""
+        if isinstance(backend, str):
+            from .registry import backend as get_backend
+
+            backend = get_backend(backend)
+        return backend.from_data(self.to_data())
+
+    def __repr__(self) -> str:
+        return f"QTensor(shape={self.shape}, scheme='{self.scheme}', backend='{self.backend.name}')"
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What every backend offers (SPEC §4, §6). `BaseBackend` implements it over a few hooks."""
+
+    name: str
+    priority: int
+
+    def available(self) -> bool: ...
+    def describe(self) -> str: ...
+    def supports(self, scheme: QuantScheme | str) -> Support: ...
+    def calibrate(self, x: Any, scheme: QuantScheme | str, method: str = "minmax") -> QParams: ...
+    def quantize(self, x: Any, scheme: QuantScheme | str, *, params: QParams | None = None,
+                 method: str = "minmax") -> QTensor: ...
+    def dequantize(self, q: QTensor, dtype: Any = np.float32) -> Any: ...
+    def from_data(self, data: QuantizedData) -> QTensor: ...
+    def into_data(self, q: QTensor) -> QuantizedData: ...
+    def to_numpy(self, array: Any) -> np.ndarray: ...
+    def reshape(self, q: QTensor, shape: Sequence[int]) -> QTensor: ...
+    def permute(self, q: QTensor, axes: Sequence[int]) -> QTensor: ...
+    def slice(self, q: QTensor, index: Sequence[slice]) -> QTensor: ...
+    def cat(self, qs: Sequence[QTensor], axis: int = 0) -> QTensor: ...
+    def matmul(self, x: Any, w: QTensor) -> Any: ...
+
+
+class BaseBackend:
+    """Shared logic of every backend: checks first, then the backend's `_hooks`.
+
+    Subclasses set `name` and `priority` and implement `available`, `describe`, `_supports`,
+    `_calibrate`, `_quantize`, `_dequantize`, `_from_data`, `_into_data`, `to_numpy`, and may
+    override `_shape_dtype` (for device arrays) and the tensor ops. Hooks receive a parsed,
+    supported scheme, checked shapes and rounded explicit parameters; `_calibrate` and
+    `_quantize` must raise `InputError` for non-finite inputs (see `qcore.checks`).
+    """
+
+    name: str = "?"
+    priority: int = 0
+
+    # ------------------------------------------------------------------ capability
+    def available(self) -> bool:
+        return True
+
+    def describe(self) -> str:
+        return self.name
+
+    def _supports(self, scheme: QuantScheme) -> Support:
+        raise NotImplementedError("backends declare their capability in _supports()")
+
+    def supports(self, scheme: QuantScheme | str) -> Support:
+        """Whether this backend handles `scheme` (a `Support`: truthy, or falsy with `.reason`)."""
+        return self._supports(parse_scheme(scheme))
+
+    def _require(self, scheme: QuantScheme | str) -> QuantScheme:
+        """Parse, then refuse before touching data: unavailable device or unsupported scheme."""
+        scheme = parse_scheme(scheme)
+        if not self.available():
+            raise BackendUnavailableError(
+                f"backend '{self.name}' is not available: {self.describe()}; "
+                "pick another with qcore.backend(name) or leave it to 'auto'"
+            )
+        sup = self._supports(scheme)
+        if not sup:
+            from .registry import supporting_backends
+
+            others = [n for n in supporting_backends(scheme) if n != self.name]
+            where = f"backends that do: {', '.join(others)}" if others else "no installed backend does"
+            raise UnsupportedSchemeError(
+                f"backend '{self.name}' does not support {scheme}: {sup.reason}; {where}"
+            )
+        return scheme
+
+    # ------------------------------------------------------------------ input checks
+    def _shape_dtype(self, x: Any) -> tuple[tuple[int, ...], np.dtype]:
+        """Shape and dtype of an input without copying it (override for device arrays)."""
+        if isinstance(x, np.ndarray):
+            return x.shape, x.dtype
+        if isinstance(x, (list, tuple, int, float)):
+            a = np.asarray(x)
+            if a.dtype.kind in "iub":
+                raise InputError(f"input holds {a.dtype} values; quantize float arrays")
+            return a.shape, np.dtype(np.float64)
+        raise InputError(f"backend '{self.name}' cannot read a {type(x).__name__}; pass a numpy array")
+
+    def _check_input(self, x: Any, scheme: QuantScheme) -> tuple[int, ...]:
+        shape, dtype = self._shape_dtype(x)
+        check_input_dtype(dtype)
+        shape = layout.check_shape(shape)
+        layout.grid_shape(shape, scheme)  # block rank <= tensor rank
+        layout.packing_axis(shape, scheme)  # packing axis < rank
+        if scheme.is_lookup:
+            scheme.require_table()
+        return shape
+
+    def _check_params(self, params: Any, shape: tuple[int, ...], scheme: QuantScheme) -> QParams:
+        """Explicit user parameters: finite, >= 0, grid-shaped; rounded up like calibrated ones."""
+        if not isinstance(params, QParams):
+            raise InputError(f"params must be a QParams, got {type(params).__name__}")
+        grid = layout.grid_shape(shape, scheme)
+        try:
+            s = np.asarray(params.scales, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise InputError(f"params.scales must be numbers, got {params.scales!r}") from None
+        if grid == () and s.size == 1:
+            s = s.reshape(())
+        if s.shape != grid:
+            raise InputError(
+                f"params.scales has shape {s.shape} but {scheme} on shape {shape} has block grid {grid}"
+            )
+        if not np.all(np.isfinite(s)) or np.any(s < 0) or np.any(np.signbit(s)):
+            raise InputError("params.scales must be finite and >= 0; calibrate() gives valid ones")
+        if np.any(s > np.finfo(np.float32).max):
+            raise InputError("params.scales overflow float32; give scales <= 3.4e38")
+        g = params.global_scale
+        if scheme.two_level:
+            if g is None or not isinstance(g, (int, float, np.floating, np.integer)) or not math.isfinite(g) \
+                    or g < 0 or abs(g) > np.finfo(np.float32).max or math.copysign(1.0, g) < 0:
+                raise InputError(f"{scheme} is two-level: params.global_scale must be a finite float >= 0, got {g!r}")
+            g = float(np.float32(g))
+        elif g is not None:
+            raise InputError(f"{scheme} has one scale level: params.global_scale must be None, got {g!r}")
+        stored = scheme.slot_dtype.traits.store(s.astype(np.float32)).reshape(grid)
+        return QParams(stored, g)
+
+    @staticmethod
+    def _check_method(method: str) -> str:
+        if method not in CALIBRATION_METHODS:
+            raise InputError(f"unknown calibration method {method!r}; use one of {CALIBRATION_METHODS}")
+        return method
+
+    def _own(self, q: Any) -> QTensor:
+        if not isinstance(q, QTensor):
+            raise InputError(f"expected a QTensor, got {type(q).__name__}")
+        if q.backend is not self and q.backend.name != self.name:
+            raise InputError(f"QTensor lives on backend '{q.backend.name}'; move it with q.to('{self.name}')")
+        self._require(q.scheme)
+        return q
+
+    # ------------------------------------------------------------------ entry points
+    def calibrate(self, x: Any, scheme: QuantScheme | str, method: str = "minmax") -> QParams:
+        """Scales for `x` under `scheme` (SPEC §2.1-2.3): stored, rounded-up, grid-shaped."""
+        scheme = self._require(scheme)
+        self._check_method(method)
+        self._check_input(x, scheme)
+        return self._calibrate(x, scheme, method)
+
+    def quantize(self, x: Any, scheme: QuantScheme | str, *, params: QParams | None = None,
+                 method: str = "minmax") -> QTensor:
+        """Quantize `x` (calibrated, or with explicit `params`) (SPEC §2)."""
+        scheme = self._require(scheme)
+        self._check_method(method)
+        shape = self._check_input(x, scheme)
+        if params is not None:
+            params = self._check_params(params, shape, scheme)
+        return QTensor(self, scheme, shape, self._quantize(x, scheme, params, method))
+
+    def dequantize(self, q: QTensor, dtype: Any = np.float32) -> Any:
+        """`decode(q) * e` in f32, cast to `dtype` (SPEC §2.6)."""
+        q = self._own(q)
+        return self._dequantize(q.data, check_output_dtype(dtype))
+
+    def from_data(self, data: QuantizedData) -> QTensor:
+        """Load portable bytes onto this backend."""
+        if not isinstance(data, QuantizedData):
+            raise InputError(f"from_data takes a QuantizedData, got {type(data).__name__}")
+        scheme = self._require(data.scheme)
+        return QTensor(self, data.scheme, data.shape, self._from_data(data))
+
+    def into_data(self, q: QTensor) -> QuantizedData:
+        """The portable bytes of `q`."""
+        q = self._own(q)
+        return self._into_data(q.data)
+
+    # ------------------------------------------------------------------ tensor ops
+    def reshape(self, q: QTensor, shape: Sequence[int]) -> QTensor:
+        from . import ops
+
+        q = self._own(q)
+        return ops.reshape(self, q, shape)
+
+    def permute(self, q: QTensor, axes: Sequence[int]) -> QTensor:
+        from . import ops
+
+        q = self._own(q)
+        return ops.permute(self, q, axes)
+
+    def transpose(self, q: QTensor) -> QTensor:
+        """Reverse the axes (`permute` with the axes reversed)."""
+        return self.permute(q, tuple(range(len(q.shape)))[::-1])
+
+    def slice(self, q: QTensor, index: Sequence[slice] | slice) -> QTensor:
+        from . import ops
+
+        q = self._own(q)
+        return ops.slice_(self, q, index)
+
+    def cat(self, qs: Sequence[QTensor], axis: int = 0) -> QTensor:
+        from . import ops
+
+        qs = [self._own(q) for q in qs]
+        return ops.cat(self, qs, axis)
+
+    def matmul(self, x: Any, w: QTensor) -> Any:
+        """`x @ dequantize(w)` for float `x` [..., K] and quantized `w` [K, N], block by block."""
+        from . import ops
+
+        w = self._own(w)
+        return ops.matmul(self, x, w)
+
+    # ------------------------------------------------------------------ hooks
+    def _calibrate(self, x: Any, scheme: QuantScheme, method: str) -> QParams:
+        raise NotImplementedError
+
+    def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> Any:
+        raise NotImplementedError
+
+    def _dequantize(self, data: Any, dtype: np.dtype) -> Any:
+        raise NotImplementedError
+
+    def _from_data(self, data: QuantizedData) -> Any:
+        raise NotImplementedError
+
+    def _into_data(self, data: Any) -> QuantizedData:
+        raise NotImplementedError
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        return np.asarray(array)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} '{self.name}'>"

@@ -1,0 +1,234 @@
+"""Backend discovery and selection (SPEC §4).
+
+Plugins are found through the `qcore` entry point group and loaded one by one, so a broken
+plugin is recorded (see `plugin_errors()`) instead of taking the others down.
+Selection: `backend(name)`; no name -> `$QCORE_BACKEND`, else `auto`, which picks per scheme the
+highest-priority available backend that supports it.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from importlib.metadata import entry_points
+from typing import Any, Sequence
+
+import numpy as np
+import pluggy
+
+from . import hookspecs
+from .errors import BackendNotFoundError, BackendUnavailableError, UnsupportedSchemeError
+from .payload import QuantizedData
+from .protocol import Backend, QParams, QTensor, Support
+from .scheme import QuantScheme, scheme as parse_scheme
+
+__all__ = [
+    "ENV_VAR",
+    "AutoBackend",
+    "backend",
+    "backends",
+    "registered",
+    "plugin_errors",
+    "supporting_backends",
+    "register",
+    "reset",
+]
+
+ENV_VAR = "QCORE_BACKEND"
+_lock = threading.RLock()
+_registry: dict[str, Backend] | None = None
+_errors: dict[str, str] = {}
+
+
+def _check_backend(obj: Any, origin: str) -> Backend:
+    missing = [m for m in ("name", "priority", "available", "describe", "supports", "quantize",
+                           "dequantize", "from_data", "into_data", "to_numpy", "calibrate")
+               if not hasattr(obj, m)]
+    if missing:
+        raise TypeError(f"plugin {origin} returned {obj!r}, which lacks {', '.join(missing)} of qcore.Backend")
+    return obj
+
+
+def _load() -> dict[str, Backend]:
+    global _registry
+    with _lock:
+        if _registry is not None:
+            return _registry
+        pm = pluggy.PluginManager(hookspecs.PROJECT)
+        pm.add_hookspecs(hookspecs)
+        found: dict[str, Backend] = {}
+        _errors.clear()
+        eps = list(entry_points(group=hookspecs.PROJECT))
+        if not any(ep.name == "reference" for ep in eps):  # a source tree that was never installed
+            from . import _builtin
+
+            pm.register(_builtin, name="reference")
+        for ep in eps:
+            try:
+                pm.register(ep.load(), name=ep.name)
+            except Exception as e:  # one broken plugin must not hide the others
+                _errors[ep.name] = f"{type(e).__name__}: {e}"
+        for impl in pm.hook.qcore_register_backends.get_hookimpls():
+            origin = impl.plugin_name
+            try:
+                result = impl.function()
+                for be in result or []:
+                    be = _check_backend(be, origin)
+                    if be.name in found or be.name == "auto":
+                        raise ValueError(f"backend name '{be.name}' is already taken")
+                    found[be.name] = be
+            except Exception as e:
+                _errors[origin] = f"{type(e).__name__}: {e}"
+        _registry = found
+        return found
+
+
+def register(be: Backend) -> None:
+    """Add a backend by hand (tests, notebooks); entry points are the normal way."""
+    with _lock:
+        reg = _load()
+        _check_backend(be, "register()")
+        if be.name in reg:
+            raise ValueError(f"backend name '{be.name}' is already taken")
+        reg[be.name] = be
+
+
+def reset() -> None:
+    """Forget the registry so the next call rediscovers plugins."""
+    global _registry
+    with _lock:
+        _registry = None
+
+
+def registered() -> dict[str, Backend]:
+    """Every registered backend by name, available or not."""
+    return dict(_load())
+
+
+def plugin_errors() -> dict[str, str]:
+    """Plugins whose entry point or hook failed, with the error."""
+    _load()
+    return dict(_errors)
+
+
+def backends() -> list[str]:
+    """Names of the registered backends, sorted."""
+    return sorted(_load())
+
+
+def _by_priority() -> list[Backend]:
+    return sorted(_load().values(), key=lambda b: (-int(b.priority), b.name))
+
+
+def _safe_available(be: Backend) -> bool:
+    try:
+        return bool(be.available())
+    except Exception:
+        return False
+
+
+def supporting_backends(scheme: QuantScheme | str) -> list[str]:
+    """Available backends whose `supports(scheme)` is truthy, highest priority first."""
+    scheme = parse_scheme(scheme)
+    out = []
+    for be in _by_priority():
+        try:
+            if _safe_available(be) and be.supports(scheme):
+                out.append(be.name)
+        except Exception:
+            continue
+    return out
+
+
+def backend(name: str | None = None) -> Backend:
+    """The backend called `name`; None -> `$QCORE_BACKEND`, else `auto`."""
+    if name is None:
+        name = os.environ.get(ENV_VAR) or "auto"
+    if isinstance(name, str) and name == "auto":
+        return AutoBackend()
+    if not isinstance(name, str):
+        if isinstance(name, Backend):
+            return name
+        raise BackendNotFoundError(f"a backend is named by a string, got {name!r}")
+    reg = _load()
+    if name not in reg:
+        hint = ""
+        if name in _errors:
+            hint = f" (its plugin failed to load: {_errors[name]})"
+        raise BackendNotFoundError(
+            f"no backend named '{name}'{hint}; installed: {', '.join(sorted(reg)) or 'none'}, or 'auto'. "
+            f"A plugin may provide it: pip install qcore-{name}"
+        )
+    be = reg[name]
+    if not _safe_available(be):
+        raise BackendUnavailableError(
+            f"backend '{name}' is installed but not available: {be.describe()}; "
+            f"use one of {', '.join(n for n in sorted(reg) if _safe_available(reg[n]))} or 'auto'"
+        )
+    return be
+
+
+class AutoBackend:
+    """Per scheme, the highest-priority available backend that supports it."""
+
+    name = "auto"
+    priority = -1
+
+    def pick(self, scheme: QuantScheme | str) -> Backend:
+        scheme = parse_scheme(scheme)
+        for be in _by_priority():
+            if _safe_available(be) and be.supports(scheme):
+                return be
+        raise UnsupportedSchemeError(f"no available backend supports {scheme}; installed: {', '.join(backends())}")
+
+    def available(self) -> bool:
+        return True
+
+    def describe(self) -> str:
+        order = ", ".join(b.name for b in _by_priority() if _safe_available(b))
+        return f"picks per scheme among: {order}"
+
+    def supports(self, scheme: QuantScheme | str) -> Support:
+        names = supporting_backends(scheme)
+        return Support.yes() if names else Support.no("no available backend supports it")
+
+    def calibrate(self, x: Any, scheme: QuantScheme | str, method: str = "minmax") -> QParams:
+        return self.pick(scheme).calibrate(x, scheme, method)
+
+    def quantize(self, x: Any, scheme: QuantScheme | str, *, params: QParams | None = None,
+                 method: str = "minmax") -> QTensor:
+        return self.pick(scheme).quantize(x, scheme, params=params, method=method)
+
+    def dequantize(self, q: QTensor, dtype: Any = np.float32) -> Any:
+        return q.backend.dequantize(q, dtype=dtype)
+
+    def from_data(self, data: QuantizedData) -> QTensor:
+        return self.pick(data.scheme).from_data(data)
+
+    def into_data(self, q: QTensor) -> QuantizedData:
+        return q.backend.into_data(q)
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        for be in _by_priority():
+            try:
+                return be.to_numpy(array)
+            except Exception:
+                continue
+        return np.asarray(array)
+
+    def reshape(self, q: QTensor, shape: Sequence[int]) -> QTensor:
+        return q.backend.reshape(q, shape)
+
+    def permute(self, q: QTensor, axes: Sequence[int]) -> QTensor:
+        return q.backend.permute(q, axes)
+
+    def slice(self, q: QTensor, index) -> QTensor:
+        return q.backend.slice(q, index)
+
+    def cat(self, qs: Sequence[QTensor], axis: int = 0) -> QTensor:
+        return qs[0].backend.cat(qs, axis)
+
+    def matmul(self, x: Any, w: QTensor) -> Any:
+        return w.backend.matmul(x, w)
+
+    def __repr__(self) -> str:
+        return "<AutoBackend>"

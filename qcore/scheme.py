@@ -1,0 +1,434 @@
+"""Quantization schemes as immutable values, their validity rules and text form (SPEC §1)."""
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, replace
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .codecs import SCALES, VALUES, ScaleTraits, ValueTraits
+from .errors import SchemeError
+
+__all__ = [
+    "QuantValue",
+    "QuantMode",
+    "ScaleDtype",
+    "StoreKind",
+    "QuantStore",
+    "Native",
+    "PackedU32",
+    "PackedNative",
+    "BlockLevel",
+    "TensorLevel",
+    "QuantScheme",
+    "TABLES",
+    "PRESETS",
+    "scheme",
+]
+
+
+class QuantValue(enum.Enum):
+    """What one quantized element is; `.traits` is its row in `codecs.VALUES`."""
+
+    Q8F = "q8f"
+    Q8S = "q8s"
+    Q4F = "q4f"
+    Q4S = "q4s"
+    Q2F = "q2f"
+    Q2S = "q2s"
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+    E2M1 = "e2m1"
+
+    @property
+    def traits(self) -> ValueTraits:
+        return VALUES[self.value]
+
+    @property
+    def bits(self) -> int:
+        return self.traits.bits
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class QuantMode(enum.Enum):
+    """SYMMETRIC: codes are the value format itself. LOOKUP: codes index a table."""
+
+    SYMMETRIC = "symmetric"
+    LOOKUP = "lookup"
+
+
+class ScaleDtype(enum.Enum):
+    """How a scale is stored; `.traits` is its row in `codecs.SCALES`."""
+
+    F32 = "f32"
+    F16 = "f16"
+    BF16 = "bf16"
+    UE8M0 = "ue8m0"
+    UE4M3 = "ue4m3"
+
+    @property
+    def traits(self) -> ScaleTraits:
+        return SCALES[self.value]
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class StoreKind(enum.Enum):
+    NATIVE = "native"
+    PACKED_U32 = "packed_u32"
+    PACKED_NATIVE = "packed_native"
+
+
+@dataclass(frozen=True)
+class QuantStore:
+    """Where codes live in the payload (SPEC §3). `dim` is the packing axis counted from the end.
+
+    PackedU32(d): 32/bits fields per little-endian u32 word along axis `rank - 1 - d`;
+    PackedNative(d): 8/bits fields per byte. Element k of a run sits in bits [k*bits, (k+1)*bits):
+
+        u32 word of Q4S, elements e0..e7:   | e7 | e6 | e5 | e4 | e3 | e2 | e1 | e0 |
+                                            bit 31                          bit 0
+    """
+
+    kind: StoreKind
+    dim: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, (int, np.integer)) or isinstance(self.dim, bool) or self.dim < 0:
+            raise SchemeError(f"packing axis must be an int >= 0, got {self.dim!r}; use e.g. PackedU32(0)")
+        if self.kind is StoreKind.NATIVE and self.dim != 0:
+            raise SchemeError(f"Native store has no packing axis, got dim={self.dim}; use Native()")
+        object.__setattr__(self, "dim", int(self.dim))
+
+    @property
+    def word_bits(self) -> int:
+        return 32 if self.kind is StoreKind.PACKED_U32 else 8
+
+    def __str__(self) -> str:
+        if self.kind is StoreKind.NATIVE:
+            return "native"
+        return self.kind.value + (f":{self.dim}" if self.dim else "")
+
+
+def Native() -> QuantStore:
+    """One byte per element, row-major."""
+    return QuantStore(StoreKind.NATIVE)
+
+
+def PackedU32(dim: int = 0) -> QuantStore:
+    """32/bits fields per u32 word along axis `rank - 1 - dim`."""
+    return QuantStore(StoreKind.PACKED_U32, dim)
+
+
+def PackedNative(dim: int = 0) -> QuantStore:
+    """8/bits fields per byte along axis `rank - 1 - dim` (sub-byte values only)."""
+    return QuantStore(StoreKind.PACKED_NATIVE, dim)
+
+
+@dataclass(frozen=True)
+class BlockLevel:
+    """One scale per block of `dims`, aligned to the trailing tensor axes."""
+
+    dims: tuple[int, ...]
+    dtype: ScaleDtype = ScaleDtype.F32
+
+
+@dataclass(frozen=True)
+class TensorLevel:
+    """One scale for the whole tensor."""
+
+    dtype: ScaleDtype = ScaleDtype.F32
+
+
+def _normalize_dims(dims: int | Iterable[int]) -> tuple[int, ...]:
+    if isinstance(dims, (int, np.integer)):
+        dims = (dims,)
+    try:
+        dims = tuple(dims)
+    except TypeError:
+        raise SchemeError(f"block dims must be ints, got {dims!r}; use e.g. per_block([32])") from None
+    if not 1 <= len(dims) <= 5:
+        raise SchemeError(f"block dims need 1 to 5 entries, got {list(dims)}; use e.g. per_block([32])")
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1:
+            raise SchemeError(f"block dims must be positive ints, got {list(dims)}; use e.g. per_block([32])")
+    dims = tuple(int(d) for d in dims)
+    while len(dims) > 1 and dims[0] == 1:  # [1, 32] == [32]
+        dims = dims[1:]
+    return dims
+
+
+NF4 = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+TABLES: dict[str, tuple[float, ...]] = {"nf4": tuple(float(np.float32(v)) for v in NF4)}
+"""Named lookup tables that travel by name in the text form (`q4s-lookup[nf4]`)."""
+
+
+def _coerce(enum_cls, v, what: str):
+    if isinstance(v, enum_cls):
+        return v
+    if isinstance(v, str):
+        try:
+            return enum_cls(v.lower())
+        except ValueError:
+            pass
+    choices = ", ".join(m.value for m in enum_cls)
+    raise SchemeError(f"unknown {what} {v!r}; use one of {choices}")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """An immutable, hashable quantization scheme (SPEC §1).
+
+    Build with the builder methods, or parse text with `qcore.scheme(...)`:
+
+    >>> QuantScheme().with_value(QuantValue.Q4S).per_block([32], ScaleDtype.F16)
+    QuantScheme('q4s/block32:f16')
+    """
+
+    value: QuantValue = QuantValue.Q8S
+    mode: QuantMode = QuantMode.SYMMETRIC
+    table: tuple[float, ...] | None = None
+    block: BlockLevel | None = None
+    tensor: TensorLevel | None = None
+    _store: QuantStore | None = None  # None = the default store for the value
+
+    def __post_init__(self) -> None:
+        value = _coerce(QuantValue, self.value, "value")
+        mode = _coerce(QuantMode, self.mode, "mode")
+        object.__setattr__(self, "value", value)
+        object.__setattr__(self, "mode", mode)
+        t = value.traits
+        # A per-tensor F32 level alone is the same as no level: normalise so both compare equal.
+        if self.block is None and self.tensor == TensorLevel(ScaleDtype.F32):
+            object.__setattr__(self, "tensor", None)
+        if self._store is not None and self._store == self.default_store(value):
+            object.__setattr__(self, "_store", None)
+        store = self.store
+        if store.kind is StoreKind.NATIVE and t.bits != 8:
+            raise SchemeError(
+                f"Native store needs an 8-bit value, got {value}; use PackedU32(0) or PackedNative(0)"
+            )
+        if store.kind is StoreKind.PACKED_NATIVE and t.bits == 8:
+            raise SchemeError(
+                f"PackedNative store needs a sub-byte value (4 or 2 bits), got {value}; use Native()"
+            )
+        if self.two_level:
+            if self.block.dtype not in (ScaleDtype.F16, ScaleDtype.UE4M3):
+                raise SchemeError(
+                    f"two-level scales need block dtype f16 or ue4m3, got {self.block.dtype}; "
+                    "use per_block(dims, UE4M3) + per_tensor(F32)"
+                )
+            if self.tensor.dtype is not ScaleDtype.F32:
+                raise SchemeError(
+                    f"two-level scales need tensor dtype f32, got {self.tensor.dtype}; use per_tensor(F32)"
+                )
+        if mode is QuantMode.LOOKUP:
+            if t.is_float:
+                raise SchemeError(
+                    f"LOOKUP needs an integer value (its bit width sizes the table), got {value}; "
+                    "use q4s or q8s"
+                )
+            if self.table is not None:
+                object.__setattr__(self, "table", _check_table(self.table, t.bits))
+        elif self.table is not None:
+            raise SchemeError("a table is only meaningful with mode LOOKUP; use with_mode(LOOKUP, table)")
+
+    # ------------------------------------------------------------------ derived facts
+    @staticmethod
+    def default_store(value: QuantValue) -> QuantStore:
+        """`Native` for 8-bit values, `PackedU32(0)` for sub-byte ones."""
+        return Native() if value.bits == 8 else PackedU32(0)
+
+    @property
+    def store(self) -> QuantStore:
+        return self._store if self._store is not None else self.default_store(self.value)
+
+    @property
+    def traits(self) -> ValueTraits:
+        return self.value.traits
+
+    @property
+    def bits(self) -> int:
+        return self.value.bits
+
+    @property
+    def two_level(self) -> bool:
+        return self.block is not None and self.tensor is not None
+
+    @property
+    def slot_dtype(self) -> ScaleDtype:
+        """Dtype of the stored scale slots: the block dtype, else the tensor dtype, else F32."""
+        if self.block is not None:
+            return self.block.dtype
+        return self.tensor.dtype if self.tensor is not None else ScaleDtype.F32
+
+    @property
+    def code_dtype(self) -> np.dtype:
+        """Dtype of unpacked codes: int8 for integer values, uint8 for minifloat codes and
+        LOOKUP indices (SPEC §3)."""
+        return np.dtype(np.uint8 if (self.traits.is_float or self.is_lookup) else np.int8)
+
+    @property
+    def is_lookup(self) -> bool:
+        return self.mode is QuantMode.LOOKUP
+
+    @property
+    def table_name(self) -> str | None:
+        for name, tab in TABLES.items():
+            if self.table == tab:
+                return name
+        return None
+
+    @property
+    def half_range(self) -> float:
+        """The spec's `h`: `(qmax - qmin) / 2`, or `max |table|` for LOOKUP."""
+        if self.is_lookup:
+            return float(np.max(np.abs(np.asarray(self.require_table(), dtype=np.float32))))
+        return self.traits.half_range
+
+    def require_table(self) -> tuple[float, ...]:
+        if self.table is None:
+            raise SchemeError(
+                f"{self} has a custom table that is carried by a payload; "
+                "give it with with_mode(QuantMode.LOOKUP, table=[...])"
+            )
+        return self.table
+
+    # ------------------------------------------------------------------ builders
+    def with_value(self, value: QuantValue | str) -> "QuantScheme":
+        return replace(self, value=_coerce(QuantValue, value, "value"))
+
+    def with_store(self, store: QuantStore) -> "QuantScheme":
+        if not isinstance(store, QuantStore):
+            raise SchemeError(f"store must be a QuantStore, got {store!r}; use Native(), PackedU32(d), PackedNative(d)")
+        return replace(self, _store=store)
+
+    def with_mode(self, mode: QuantMode | str, table: Sequence[float] | str | None = None) -> "QuantScheme":
+        mode = _coerce(QuantMode, mode, "mode")
+        if mode is QuantMode.LOOKUP:
+            if table is None:
+                raise SchemeError(f"LOOKUP needs a table; use with_mode(LOOKUP, table=[...]) or table='nf4'")
+            if isinstance(table, str):
+                if table not in TABLES:
+                    raise SchemeError(f"unknown table {table!r}; use one of {sorted(TABLES)} or a list of floats")
+                table = TABLES[table]
+            return replace(self, mode=mode, table=tuple(table))
+        return replace(self, mode=mode, table=None)
+
+    def per_block(self, dims: int | Iterable[int], dtype: ScaleDtype | str = ScaleDtype.F32) -> "QuantScheme":
+        return replace(self, block=BlockLevel(_normalize_dims(dims), _coerce(ScaleDtype, dtype, "scale dtype")))
+
+    def per_tensor(self, dtype: ScaleDtype | str = ScaleDtype.F32) -> "QuantScheme":
+        return replace(self, tensor=TensorLevel(_coerce(ScaleDtype, dtype, "scale dtype")))
+
+    # ------------------------------------------------------------------ text
+    def __str__(self) -> str:
+        head = self.value.value
+        if self.is_lookup:
+            name = self.table_name
+            head += "-lookup" + (f"[{name}]" if name else "")
+        parts = [head]
+        if self.block is not None:
+            parts.append("block" + "x".join(map(str, self.block.dims)) + f":{self.block.dtype}")
+        if self.tensor is not None:
+            parts.append(f"tensor:{self.tensor.dtype}")
+        if self._store is not None:
+            parts.append(str(self._store))
+        return "/".join(parts)
+
+    def __repr__(self) -> str:
+        return f"QuantScheme({str(self)!r})"
+
+    @classmethod
+    def parse(cls, text: str) -> "QuantScheme":
+        return scheme(text)
+
+
+def _check_table(table, bits: int) -> tuple[float, ...]:
+    try:
+        arr = np.asarray(table, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise SchemeError(f"LOOKUP table must be a list of floats, got {table!r}") from None
+    n = 1 << bits
+    if arr.ndim != 1 or arr.size != n:
+        raise SchemeError(f"LOOKUP table for a {bits}-bit value needs exactly {n} entries, got {arr.size}")
+    with np.errstate(over="ignore"):
+        f = arr.astype(np.float32)
+    if not np.all(np.isfinite(f)):
+        raise SchemeError("LOOKUP table entries must be finite float32 values")
+    if not np.all(np.diff(f) > 0):
+        raise SchemeError("LOOKUP table must be strictly increasing (as float32)")
+    if not np.any(f != 0):
+        raise SchemeError("LOOKUP table must not be all zero")
+    return tuple(float(v) for v in f)
+
+
+PRESETS: dict[str, QuantScheme] = {
+    "nvfp4": QuantScheme(QuantValue.E2M1).per_block([16], ScaleDtype.UE4M3).per_tensor(ScaleDtype.F32)
+    .with_store(PackedNative(0)),
+    "mxfp4": QuantScheme(QuantValue.E2M1).per_block([32], ScaleDtype.UE8M0).with_store(PackedNative(0)),
+    "mxfp8": QuantScheme(QuantValue.E4M3).per_block([32], ScaleDtype.UE8M0).with_store(Native()),
+    "nf4": QuantScheme(QuantValue.Q4S).with_mode(QuantMode.LOOKUP, "nf4").per_block([64], ScaleDtype.F32),
+}
+
+_HEAD = re.compile(r"^(?P<value>[a-z0-9]+)(?P<lookup>-lookup(\[(?P<table>[a-z0-9_]+)\])?)?$")
+_BLOCK = re.compile(r"^block(?P<dims>\d+(x\d+)*)(:(?P<dtype>[a-z0-9]+))?$")
+_TENSOR = re.compile(r"^tensor(:(?P<dtype>[a-z0-9]+))?$")
+_STORE = re.compile(r"^(?P<kind>native|packed_u32|packed_native)(:(?P<dim>\d+))?$")
+
+_EXAMPLES = "e.g. 'q8s', 'q4s/block32:f16', 'e2m1/block16:ue4m3/tensor:f32/packed_native', 'nf4'"
+
+
+def scheme(text: str | QuantScheme) -> QuantScheme:
+    """Parse the text form of a scheme (SPEC §1), or pass a `QuantScheme` through.
+
+    >>> str(scheme("q4s/block32:f16"))
+    'q4s/block32:f16'
+    """
+    if isinstance(text, QuantScheme):
+        return text
+    if not isinstance(text, str):
+        raise SchemeError(f"a scheme is text or a QuantScheme, got {type(text).__name__}; {_EXAMPLES}")
+    t = text.strip().lower()
+    if t in PRESETS:
+        return PRESETS[t]
+    pieces = t.split("/")
+    m = _HEAD.match(pieces[0])
+    if not m:
+        raise SchemeError(f"cannot parse scheme {text!r}: bad value {pieces[0]!r}; {_EXAMPLES}")
+    kwargs: dict = {"value": _coerce(QuantValue, m["value"], "value")}
+    if m["lookup"]:
+        kwargs["mode"] = QuantMode.LOOKUP
+        if m["table"]:
+            if m["table"] not in TABLES:
+                raise SchemeError(f"unknown lookup table {m['table']!r} in {text!r}; known: {sorted(TABLES)}")
+            kwargs["table"] = TABLES[m["table"]]
+    seen: set[str] = set()
+    for piece in pieces[1:]:
+        for what, rx in (("block", _BLOCK), ("tensor", _TENSOR), ("store", _STORE)):
+            pm = rx.match(piece)
+            if pm:
+                break
+        else:
+            raise SchemeError(f"cannot parse scheme {text!r}: unknown part {piece!r}; {_EXAMPLES}")
+        if what in seen:
+            raise SchemeError(f"cannot parse scheme {text!r}: {what} given twice")
+        seen.add(what)
+        if what == "block":
+            dtype = _coerce(ScaleDtype, pm["dtype"] or "f32", "scale dtype")
+            kwargs["block"] = BlockLevel(_normalize_dims(int(d) for d in pm["dims"].split("x")), dtype)
+        elif what == "tensor":
+            kwargs["tensor"] = TensorLevel(_coerce(ScaleDtype, pm["dtype"] or "f32", "scale dtype"))
+        else:
+            kwargs["_store"] = QuantStore(StoreKind(pm["kind"]), int(pm["dim"] or 0))
+    return QuantScheme(**kwargs)
