@@ -187,13 +187,14 @@ def _round_up_f32(s: np.ndarray) -> np.ndarray:
 def _round_up_bits(s: np.ndarray, add: int, mask: int) -> np.ndarray:
     """`(bits + add) & mask`: round a non-negative f32 up to fewer mantissa bits (SPEC §2.3)."""
     b = f32_bits(s).astype(np.uint64)
-    return bits_f32(((b + add) & mask).astype(np.uint32))
+    return bits_f32(((b + np.uint64(add)) & np.uint64(mask)).astype(np.uint32))
 
 
 def _round_up_grid(s: np.ndarray, quantum: float) -> np.ndarray:
     """`ceil(s / q) * q` for the subnormal range of a narrow format (exact in f32)."""
     q = np.float32(quantum)
-    return (np.ceil(s / q) * q).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (np.ceil(s / q) * q).astype(np.float32)
 
 
 def _round_up_f16(s):

@@ -183,8 +183,8 @@ class BaseBackend:
     # ------------------------------------------------------------------ input checks
     def _shape_dtype(self, x: Any) -> tuple[tuple[int, ...], np.dtype]:
         """Shape and dtype of an input without copying it (override for device arrays)."""
-        if isinstance(x, np.ndarray):
-            return x.shape, x.dtype
+        if isinstance(x, (np.ndarray, np.generic)):
+            return np.shape(x), x.dtype
         if isinstance(x, (list, tuple, int, float)):
             a = np.asarray(x)
             if a.dtype.kind in "iub":

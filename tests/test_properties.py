@@ -1,0 +1,61 @@
+"""Property tests (hypothesis): random shapes and schemes on the reference backend."""
+import numpy as np
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import qcore
+from qcore import Native, PackedNative, PackedU32, QuantScheme, QuantValue, ScaleDtype
+
+ref = qcore.backend("reference")
+DTYPES = list(ScaleDtype)
+
+
+@st.composite
+def cases(draw):
+    rank = draw(st.integers(1, 4))
+    shape = tuple(draw(st.lists(st.integers(0, 9), min_size=rank, max_size=rank)))
+    value = draw(st.sampled_from(list(QuantValue)))
+    s = QuantScheme(value)
+    if not value.traits.is_float and draw(st.booleans()):
+        n = 1 << value.bits
+        steps = draw(st.lists(st.floats(0.125, 4.0, width=32), min_size=n, max_size=n))
+        table = np.cumsum(np.float32(steps)) - np.float32(sum(steps) / 2)
+        s = s.with_mode("lookup", [float(t) for t in table])
+    level = draw(st.sampled_from(["none", "tensor", "block", "two"]))
+    bdims = draw(st.lists(st.integers(1, 5), min_size=1, max_size=rank))
+    if level == "tensor":
+        s = s.per_tensor(draw(st.sampled_from(DTYPES)))
+    elif level == "block":
+        s = s.per_block(bdims, draw(st.sampled_from(DTYPES)))
+    elif level == "two":
+        s = s.per_block(bdims, draw(st.sampled_from([ScaleDtype.F16, ScaleDtype.UE4M3]))).per_tensor()
+    d = draw(st.integers(0, rank - 1))
+    stores = [PackedU32(d)] + ([Native()] if value.bits == 8 else [PackedNative(d)])
+    s = s.with_store(draw(st.sampled_from(stores)))
+    seed = draw(st.integers(0, 2**31))
+    mag = draw(st.sampled_from([1e-3, 1.0, 1e3]))
+    x = (np.random.default_rng(seed).standard_normal(shape) * mag).astype(np.float32)
+    return s, x
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_round_trip_codes_range_and_error_bound(case):
+    s, x = case
+    q = ref.quantize(x, s)
+    d = q.to_data()
+    assert ref.from_data(d).to_data() == d
+    assert qcore.QuantizedData(d.shape, str(d.scheme), d.payload) == d
+    codes = d.codes()
+    t = s.traits
+    if s.is_lookup:
+        assert codes.max(initial=0) < (1 << t.bits)
+    elif not t.is_float:
+        assert codes.min(initial=0) >= t.qmin and codes.max(initial=0) <= t.qmax
+    if not t.is_float and not s.is_lookup and x.size:
+        from qcore.reference import effective_scale
+
+        e = effective_scale(qcore.QParams(d.scales(), d.global_scale()), x.shape, s)
+        err = np.abs(q.numpy() - x)
+        # e/2, plus a few f32 ulps of x for the rounding of x / e (full-range y may reach 127.5000x)
+        bound = e * np.float32(0.5) + 4 * np.finfo(np.float32).eps * np.abs(x) + 1e-30
+        assert np.all(err <= bound)
