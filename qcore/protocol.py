@@ -7,6 +7,7 @@ parameter validation, and the error text. Plugins subclass `BaseBackend` and fil
 """
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
@@ -134,7 +135,7 @@ class Backend(Protocol):
     def matmul(self, x: Any, w: QTensor) -> Any: ...
 
 
-class BaseBackend:
+class BaseBackend(abc.ABC):
     """Shared logic of every backend: checks first, then the backend's `_hooks`.
 
     Subclasses set `name` and `priority` and implement `available`, `describe`, `_supports`,
@@ -154,8 +155,9 @@ class BaseBackend:
     def describe(self) -> str:
         return self.name
 
+    @abc.abstractmethod
     def _supports(self, scheme: QuantScheme) -> Support:
-        raise NotImplementedError("backends declare their capability in _supports()")
+        """Declare capability as data: `Support.yes()` or `Support.no(reason)`."""
 
     def supports(self, scheme: QuantScheme | str) -> Support:
         """Whether this backend handles `scheme` (a `Support`: truthy, or falsy with `.reason`)."""
@@ -318,20 +320,25 @@ class BaseBackend:
         return ops.matmul(self, x, w)
 
     # ------------------------------------------------------------------ hooks
+    @abc.abstractmethod
     def _calibrate(self, x: Any, scheme: QuantScheme, method: str) -> QParams:
-        raise NotImplementedError
+        """Stored scales for input `x` (SPEC §2.1-2.3)."""
 
+    @abc.abstractmethod
     def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> Any:
-        raise NotImplementedError
+        """This backend's representation of quantized `x`; `params` are rounded, or None."""
 
+    @abc.abstractmethod
     def _dequantize(self, data: Any, dtype: np.dtype) -> Any:
-        raise NotImplementedError
+        """`decode * e` in f32, cast to `dtype`, as this backend's array."""
 
+    @abc.abstractmethod
     def _from_data(self, data: QuantizedData) -> Any:
-        raise NotImplementedError
+        """This backend's representation of validated portable bytes."""
 
+    @abc.abstractmethod
     def _into_data(self, data: Any) -> QuantizedData:
-        raise NotImplementedError
+        """The portable bytes of this backend's representation."""
 
     def to_numpy(self, array: Any) -> np.ndarray:
         return np.asarray(array)
