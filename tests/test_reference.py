@@ -154,7 +154,7 @@ def test_custom_lookup_from_text_cannot_quantize():
 def test_qtensor_surface():
     x = np.random.default_rng(1).standard_normal((4, 40)).astype(np.float32)
     q = qcore.quantize(x, "q4s/block32:f16", backend="reference")
-    assert q.shape == (4, 40) and q.backend is ref and str(q.scheme) == "q4s/block32:f16"
+    assert q.shape == (4, 40) and q.backend.name == "reference" and str(q.scheme) == "q4s/block32:f16"
     assert q.nbytes == len(q.to_data().payload) == 4 * 5 * 4 + 4 * 2 * 2  # 5 u32 words per row of 40, 2 f16 scales
     assert q.to("reference").to_data() == q.to_data()
     np.testing.assert_array_equal(qcore.dequantize(q), q.numpy())
