@@ -1,0 +1,396 @@
+"""Quantized tensors in standard safetensors files (format described in `docs/format.md`).
+
+A quantized tensor is stored as its portable payload (SPEC §3) in a 1-D U8 tensor under its own
+name; the header's `__metadata__` (a flat str->str map) carries what is needed to read it back:
+
+    qcore.format_version   "1"
+    qcore.<name>.scheme    canonical scheme text, e.g. "q4s/block32:f16"
+    qcore.<name>.shape     the logical shape as a JSON list, e.g. "[384, 1536]"
+
+Any other tensor (floats that were not quantized, integer buffers) is stored as it is. The
+`qcore.` prefix of the metadata is reserved; other keys are the caller's own metadata.
+
+Writes are atomic: the file is built under a temporary name in the target's directory, flushed
+to disk and moved over the target with `os.replace`, so an interrupted write leaves nothing.
+Files are deterministic: the same tensors and metadata give the same bytes, whichever backend
+quantized them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with numpy, so safetensors can read them)
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from .errors import InputError, InvalidDataError, QCoreError
+from .payload import QuantizedData, sections
+from .protocol import Backend, QTensor
+from .scheme import QuantScheme, scheme as parse_scheme
+
+__all__ = [
+    "FORMAT_VERSION",
+    "VERSION_KEY",
+    "Entry",
+    "FileInfo",
+    "atomic_write",
+    "save",
+    "load",
+    "load_data",
+    "read_info",
+    "scheme_key",
+    "shape_key",
+]
+
+FORMAT_VERSION = "1"
+PREFIX = "qcore."
+VERSION_KEY = "qcore.format_version"
+_SCHEME, _SHAPE = ".scheme", ".shape"
+_RESERVED_NAME = "__metadata__"
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def scheme_key(name: str) -> str:
+    """Metadata key holding the scheme text of quantized tensor `name`."""
+    return f"{PREFIX}{name}{_SCHEME}"
+
+
+def shape_key(name: str) -> str:
+    """Metadata key holding the logical shape (JSON list) of quantized tensor `name`."""
+    return f"{PREFIX}{name}{_SHAPE}"
+
+
+# ---------------------------------------------------------------------------------------- save
+def _as_entry(name: Any, value: Any) -> QuantizedData | np.ndarray:
+    if not isinstance(name, str) or not name:
+        raise InputError(f"tensor names must be non-empty strings, got {name!r}")
+    if name == _RESERVED_NAME:
+        raise InputError(f"'{_RESERVED_NAME}' is reserved by safetensors; rename that tensor")
+    if isinstance(value, QTensor):
+        return value.to_data()
+    if isinstance(value, QuantizedData):
+        return value
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biufcV" or value.dtype.fields is not None:
+            raise InputError(f"tensor '{name}' has dtype {value.dtype}, which safetensors cannot store")
+        return np.ascontiguousarray(value)
+    raise InputError(
+        f"tensor '{name}' is a {type(value).__name__}; save takes QTensor, QuantizedData or numpy "
+        "arrays (convert device arrays with backend.to_numpy)"
+    )
+
+
+def _check_user_metadata(metadata: Any) -> dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InputError(f"metadata must be a dict of str -> str, got {type(metadata).__name__}")
+    out: dict[str, str] = {}
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InputError(f"metadata must map str -> str, got {k!r}: {v!r}")
+        if k.startswith(PREFIX):
+            raise InputError(f"metadata key {k!r} uses the reserved prefix '{PREFIX}'; pick another name")
+        out[k] = v
+    return out
+
+
+def save(path: PathLike, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> None:
+    """Write `tensors` (QTensor, QuantizedData or numpy arrays) to a safetensors file, atomically.
+
+    Quantized tensors are written as their portable payload (U8) plus two metadata keys; numpy
+    arrays are written unchanged. `metadata` is extra str->str header metadata (keys must not start
+    with 'qcore.'). Nothing is written unless every tensor is valid.
+    """
+    if not isinstance(tensors, Mapping):
+        raise InputError(f"save takes a dict of name -> tensor, got {type(tensors).__name__}")
+    header = {VERSION_KEY: FORMAT_VERSION}
+    header.update(_check_user_metadata(metadata))
+    arrays: dict[str, np.ndarray] = {}
+    for name, value in tensors.items():
+        entry = _as_entry(name, value)
+        if isinstance(entry, QuantizedData):
+            arrays[name] = np.frombuffer(entry.payload, dtype=np.uint8)
+            header[scheme_key(name)] = str(entry.scheme)
+            header[shape_key(name)] = json.dumps(list(entry.shape))
+        else:
+            arrays[name] = entry
+    _atomic_write(os.fspath(path), lambda tmp: save_file(arrays, tmp, metadata=header), _canonical_header)
+
+
+def atomic_write(path: PathLike, write) -> None:
+    """Run `write(tmp_path)`, then move the finished file over `path` (see `save`); for reports."""
+    _atomic_write(os.fspath(path), write, None)
+
+
+def _atomic_write(path: str, write, finish) -> None:
+    """Run `write(tmp)` on a temp file next to `path`, fsync it, then `os.replace` it into place.
+
+    Any exception (KeyboardInterrupt included) removes the temp file and leaves `path` untouched.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "r+b") as f:
+            if finish is not None:
+                finish(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, _default_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def _default_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _canonical_header(f) -> None:
+    """Sort the `__metadata__` keys in place, so equal inputs give equal files.
+
+    safetensors writes its metadata map in hash order; the rewrite keeps every byte outside the
+    header and keeps the header's length, or leaves the file as it is.
+    """
+    raw = f.read(8)
+    if len(raw) != 8:
+        return
+    n = int.from_bytes(raw, "little")
+    text = f.read(n)
+    try:
+        head = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return
+    meta = head.get(_RESERVED_NAME)
+    if not isinstance(meta, dict):
+        return
+    head[_RESERVED_NAME] = dict(sorted(meta.items()))
+    new = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    body = text.rstrip(b" ")
+    if len(new) != len(body):
+        return
+    f.seek(8)
+    f.write(new + b" " * (n - len(new)))
+
+
+# ---------------------------------------------------------------------------------------- read
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a file as the header describes it (no data read)."""
+
+    name: str
+    dtype: str                      # safetensors dtype as stored ("U8" for quantized tensors)
+    shape: tuple[int, ...]          # logical shape (quantized: the tensor's, not the payload's)
+    nbytes: int                     # bytes stored in the file
+    scheme: QuantScheme | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.scheme is not None
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """What `read_info` finds in a file's header."""
+
+    path: str
+    format_version: str | None       # None: a plain safetensors file, not written by qcore
+    entries: list[Entry] = field(default_factory=list)
+    metadata: dict[str, str] = field(default_factory=dict)   # the caller's own keys
+    file_size: int = 0
+
+
+_ITEMSIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8,
+}
+
+
+def _open(path: PathLike):
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise FileNotFoundError(2, "No such file", p)
+    try:
+        return safe_open(p, framework="np")
+    except SafetensorError as e:
+        raise InvalidDataError(f"{p} is not a valid safetensors file: {e}") from None
+    except OSError:
+        raise
+    except Exception as e:  # the Rust layer raises a few other types on bad headers
+        raise InvalidDataError(f"{p} is not a valid safetensors file: {e}") from None
+
+
+def _parse_shape(text: str, name: str, where: str) -> tuple[int, ...]:
+    try:
+        v = json.loads(text)
+    except ValueError:
+        v = None
+    if not isinstance(v, list) or not v or not all(type(d) is int and d >= 0 for d in v):
+        raise InvalidDataError(
+            f"{where}: key '{shape_key(name)}' must be a JSON list of one or more ints >= 0, got {text!r}"
+        )
+    return tuple(v)
+
+
+def _quantized_index(meta: dict[str, str], names: set[str], where: str) -> tuple[str | None, dict, dict]:
+    """Split header metadata into (format version, {name: (scheme, shape)}, user metadata)."""
+    version = meta.get(VERSION_KEY)
+    user = {k: v for k, v in meta.items() if not k.startswith(PREFIX)}
+    ours = {k: v for k, v in meta.items() if k.startswith(PREFIX) and k != VERSION_KEY}
+    if version is None:
+        if ours:
+            raise InvalidDataError(f"{where}: has qcore keys ({next(iter(ours))!r}) but no '{VERSION_KEY}'")
+        return None, {}, user
+    if version != FORMAT_VERSION:
+        raise InvalidDataError(
+            f"{where}: qcore format version {version!r} is not supported (this qcore reads "
+            f"{FORMAT_VERSION!r}); upgrade qcore"
+        )
+    schemes: dict[str, str] = {}
+    shapes: dict[str, str] = {}
+    for k, v in ours.items():
+        if k.endswith(_SCHEME):
+            schemes[k[len(PREFIX):-len(_SCHEME)]] = v
+        elif k.endswith(_SHAPE):
+            shapes[k[len(PREFIX):-len(_SHAPE)]] = v
+        else:
+            raise InvalidDataError(f"{where}: unknown metadata key {k!r} (qcore format {FORMAT_VERSION})")
+    index = {}
+    for name in sorted(set(schemes) | set(shapes)):
+        if name not in schemes or name not in shapes:
+            missing = scheme_key(name) if name not in schemes else shape_key(name)
+            raise InvalidDataError(f"{where}: tensor '{name}' lacks the metadata key '{missing}'")
+        if name not in names:
+            raise InvalidDataError(f"{where}: metadata describes tensor '{name}', which the file does not hold")
+        try:
+            sch = parse_scheme(schemes[name])
+        except QCoreError as e:
+            raise InvalidDataError(f"{where}: tensor '{name}' has a bad scheme: {e}") from None
+        index[name] = (sch, _parse_shape(shapes[name], name, where))
+    return version, index, user
+
+
+def read_info(path: PathLike) -> FileInfo:
+    """Describe a file from its header alone: tensors, schemes, logical shapes, stored sizes.
+
+    Checks every quantized entry's stored size against its scheme and shape (SPEC §3).
+    """
+    p = os.fspath(path)
+    with _open(p) as f:
+        meta = f.metadata() or {}
+        names = list(f.keys())
+        version, index, user = _quantized_index(meta, set(names), p)
+        entries = []
+        for name in names:
+            sl = f.get_slice(name)
+            dtype, stored_shape = str(sl.get_dtype()), tuple(int(d) for d in sl.get_shape())
+            nbytes = int(np.prod(stored_shape, dtype=np.int64)) * _ITEMSIZE.get(dtype, 1)
+            if name in index:
+                sch, shape = index[name]
+                _check_stored(p, name, dtype, stored_shape, sch, shape)
+                entries.append(Entry(name, dtype, shape, nbytes, sch))
+            else:
+                entries.append(Entry(name, dtype, stored_shape, nbytes))
+    return FileInfo(p, version, entries, user, os.path.getsize(p))
+
+
+def _check_stored(where: str, name: str, dtype: str, stored_shape: tuple[int, ...],
+                  sch: QuantScheme, shape: tuple[int, ...]) -> None:
+    if dtype != "U8" or len(stored_shape) != 1:
+        raise InvalidDataError(
+            f"{where}: quantized tensor '{name}' must be stored as 1-D U8, got {dtype} {list(stored_shape)}"
+        )
+    try:
+        want = sections(shape, sch).total
+    except QCoreError as e:
+        raise InvalidDataError(f"{where}: tensor '{name}': shape {list(shape)} does not fit {sch}: {e}") from None
+    if stored_shape[0] != want:
+        raise InvalidDataError(
+            f"{where}: tensor '{name}' ({sch}, shape {list(shape)}) needs a {want}-byte payload, "
+            f"the file holds {stored_shape[0]} bytes"
+        )
+
+
+def load_data(path: PathLike) -> dict[str, QuantizedData | np.ndarray]:
+    """Read a file into portable values: `QuantizedData` for quantized tensors, numpy otherwise.
+
+    Needs no backend. A plain safetensors file (no qcore metadata) loads as numpy arrays.
+    """
+    p = os.fspath(path)
+    out: dict[str, QuantizedData | np.ndarray] = {}
+    with _open(p) as f:
+        meta = f.metadata() or {}
+        names = list(f.keys())
+        _, index, _ = _quantized_index(meta, set(names), p)
+        for name in names:
+            try:
+                arr = f.get_tensor(name)
+            except Exception as e:
+                raise InvalidDataError(f"{p}: cannot read tensor '{name}': {e}") from None
+            if name in index:
+                sch, shape = index[name]
+                _check_stored(p, name, str(f.get_slice(name).get_dtype()), arr.shape, sch, shape)
+                try:
+                    out[name] = QuantizedData(shape, sch, arr.tobytes())
+                except InvalidDataError as e:
+                    raise InvalidDataError(f"{p}: tensor '{name}': {e}") from None
+            else:
+                out[name] = arr
+    return out
+
+
+def load(path: PathLike, backend: str | Backend | None = None) -> dict[str, QTensor | np.ndarray]:
+    """Read a file written by `save`: quantized tensors become QTensors on `backend`.
+
+    `backend` None -> `$QCORE_BACKEND`, else `auto` (per scheme, the best available backend that
+    supports it). Float tensors come back as numpy arrays. The payload bytes are loaded as they are,
+    so `q.to_data()` gives the same bytes on every backend.
+    """
+    from .registry import backend as get_backend
+
+    data = load_data(path)
+    be = get_backend(backend)
+    out: dict[str, QTensor | np.ndarray] = {}
+    for name, d in data.items():
+        if isinstance(d, QuantizedData):
+            try:
+                out[name] = be.from_data(d)
+            except QCoreError as e:
+                raise type(e)(f"tensor '{name}': {e}") from None
+        else:
+            out[name] = d
+    return out
