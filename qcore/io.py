@@ -80,7 +80,7 @@ def _as_entry(name: Any, value: Any) -> QuantizedData | np.ndarray:
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in "biufcV" or value.dtype.fields is not None:
             raise InputError(f"tensor '{name}' has dtype {value.dtype}, which safetensors cannot store")
-        return np.ascontiguousarray(value)
+        return value if value.flags.c_contiguous else value.copy(order="C")  # keeps 0-d arrays 0-d
     raise InputError(
         f"tensor '{name}' is a {type(value).__name__}; save takes QTensor, QuantizedData or numpy "
         "arrays (convert device arrays with backend.to_numpy)"
