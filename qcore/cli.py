@@ -48,7 +48,7 @@ def _console(stderr: bool = False):
 
     stream = sys.stderr if stderr else sys.stdout
     wide = None if stream.isatty() else 160  # rich would wrap tables at 80 columns in a pipe
-    return Console(file=stream, width=wide, highlight=False, soft_wrap=False)
+    return Console(file=stream, width=wide, highlight=False, soft_wrap=True)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -448,7 +448,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     n_el = max(256, int(args.size_mb * 1e6 / 4) // 256 * 256)
     x = np.random.default_rng(0).standard_normal((n_el // 256, 256)).astype(np.float32)
     out = _console()
-    out.print(f"[bold]quantize + dequantize throughput[/], GB/s of float32 input ({x.nbytes / 1e6:.1f} MB, "
+    out.print(f"[bold]quantize + dequantize throughput[/], GB/s of float32 input ({x.nbytes / 1e6:.2f} MB, "
               f"host to host, best of {args.repeat})")
     table = Table()
     table.add_column("backend")
