@@ -1,0 +1,72 @@
+"""qcore's conformance suite: a scheme means the same bytes on every backend.
+
+It checks a backend against the `reference` backend (the executable SPEC) over an enumerated
+scheme space (every value x mode x level x store, see `cases.py`) on seeded inputs:
+
+- **supported** schemes: `calibrate`, `quantize` (calibrated and explicit params), `dequantize`,
+  `into_data`, `from_data` agree with the reference bit for bit, and runs are deterministic;
+- **unsupported** schemes: every entry point raises `UnsupportedSchemeError` and touches nothing;
+  "not supported" is its own outcome, not a failure (like ggml's test-backend-ops);
+- **bad input / bad payloads** raise the SPEC §5 error types and nothing else;
+- **ops** (reshape, permute, slice, cat, matmul) match the reference within `Tolerances`;
+- **cross-backend**: a payload made by one backend loads on every other that supports it.
+
+Three ways to run it:
+
+1. From your own tests (pytest), like pandas' extension tests and fsspec's abstract tests::
+
+       from qcore.conformance import ConformanceFixtures, ConformanceTests
+       class MyFixtures(ConformanceFixtures):          # conftest.py
+           @pytest.fixture
+           def backend(self):
+               return MyBackend()
+       class TestMine(ConformanceTests, MyFixtures):   # test_conformance.py
+           pass
+
+   Knobs for slow backends (class attributes): `max_elements`, `max_schemes`,
+   `shapes_per_scheme`, `full`. Optional fixtures: `expected_support`, `tolerances`,
+   `peer_backends`, `reference`. Options: `--qcore-full`, `--qcore-seed N`,
+   `--qcore-max-elements N`, `--qcore-max-schemes N`.
+2. Against installed backends by name: `pytest --pyargs qcore.conformance --qcore-backend NAME`.
+3. Without pytest, with a capability matrix: `qcore conformance --backend NAME [--full] [--seed N]`
+   (`qcore.conformance.runner.main(argv)`), or the functions in `checks` directly.
+
+In CI, `QCORE_REQUIRE_BACKENDS=a,b` (or `all`) and `QCORE_REQUIRE_CUDA=1` turn "backend not
+installed / not available" from a skip into a failure (`installed_backend`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    # pytest side (imports pytest when first used)
+    "ConformanceFixtures", "ConformanceTests", "BaseSchemeTests", "BaseBadInputTests",
+    "BaseOpsTests", "BaseCrossBackendTests", "installed_backend", "required_backends",
+    # plain functions
+    "Case", "cases", "scheme_space", "check_case", "check_supported", "check_rejected",
+    "check_bad_inputs", "check_ops", "check_cross_backend", "ConformanceFailure", "Outcome",
+    "Tolerances", "PASSED", "REJECTED", "FAILED",
+]
+
+_WHERE = {
+    **{n: "base" for n in ("ConformanceFixtures", "ConformanceTests", "BaseSchemeTests",
+                           "BaseBadInputTests", "BaseOpsTests", "BaseCrossBackendTests",
+                           "installed_backend", "required_backends")},
+    **{n: "cases" for n in ("Case", "cases", "scheme_space")},
+    **{n: "checks" for n in ("check_case", "check_supported", "check_rejected", "check_bad_inputs",
+                             "check_ops", "check_cross_backend", "ConformanceFailure", "Outcome",
+                             "Tolerances", "PASSED", "REJECTED", "FAILED")},
+}
+
+
+def __getattr__(name: str) -> Any:  # lazy: `qcore.conformance.plugin` must import cheaply
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'qcore.conformance' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f".{mod}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,325 @@
+"""The conformance runner without pytest: `qcore conformance --backend NAME [--full] [--seed N]`.
+
+`main(argv) -> int` is what the `qcore conformance` command calls. It runs every check of the
+suite on each backend (cases, bad input, ops, cross-backend), shows a progress bar, then prints a
+capability matrix per backend and one summary line each:
+
+    ndarray: 12 schemes supported and conforming, 87 rejected correctly (not supported), 0 failed
+
+Exit status: 0 when nothing failed, 1 when any check failed, 2 for a usage error (unknown or
+unavailable backend, bad option). "Not supported" is an outcome, not a failure.
+
+    usage: qcore conformance --backend NAME [--backend NAME ...] [--full] [--seed N]
+                             [--max-elements N] [--max-schemes N] [--filter TEXT]
+                             [--checks case,bad-input,ops,cross] [--max-failures N] [--no-progress]
+
+`run(backends, ...)` is the same without argument parsing or printing; it returns a `Report`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from . import cases as C
+from . import checks as K
+
+__all__ = ["main", "run", "Report", "CHECK_KINDS"]
+
+CHECK_KINDS = ("case", "bad-input", "ops", "cross")
+
+
+@dataclass
+class Report:
+    """Every outcome of a run, by backend."""
+
+    outcomes: list[K.Outcome] = field(default_factory=list)
+    schemes: dict[str, Any] = field(default_factory=dict)  # scheme text -> QuantScheme
+
+    @property
+    def failed(self) -> list[K.Outcome]:
+        return [o for o in self.outcomes if o.status == K.FAILED]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def scheme_status(self, backend: str) -> dict[str, str]:
+        """Per scheme: failed if any check failed, else passed (supported) or rejected."""
+        out: dict[str, str] = {}
+        rank = {K.FAILED: 2, K.PASSED: 1, K.REJECTED: 0}
+        for o in self.outcomes:
+            if o.backend != backend:
+                continue
+            cur = out.get(o.scheme)
+            if cur is None or rank[o.status] > rank[cur]:
+                out[o.scheme] = o.status
+        return out
+
+    def summary(self, backend: str) -> tuple[int, int, int]:
+        st = self.scheme_status(backend)
+        vals = list(st.values())
+        return vals.count(K.PASSED), vals.count(K.REJECTED), vals.count(K.FAILED)
+
+    def summary_line(self, backend: str) -> str:
+        p, r, f = self.summary(backend)
+        return (f"{backend}: {p} schemes supported and conforming, {r} rejected correctly "
+                f"(not supported), {f} failed")
+
+    @property
+    def backends(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for o in self.outcomes:
+            seen.setdefault(o.backend, None)
+        return list(seen)
+
+
+def _supported(be, case: C.Case) -> bool:
+    return bool(K.check_supports(be, case.qscheme))
+
+
+def _outcome(be, kind: str, case: C.Case, fn: Callable[[], str]) -> K.Outcome:
+    name = str(getattr(be, "name", "?"))
+    try:
+        status = fn()
+        return K.Outcome(status, name, case.scheme, kind, case.id)
+    except K.ConformanceFailure as f:
+        return K.Outcome(K.FAILED, name, case.scheme, f.check, case.id, str(f))
+    except Exception as e:  # noqa: BLE001 - a crash inside the harness is still a failure to see
+        return K.Outcome(K.FAILED, name, case.scheme, kind, case.id,
+                         f"backend '{name}' failed check '{kind}' on {case.scheme} shape {case.shape} "
+                         f"[case {case.id}]: {type(e).__name__}: {e}")
+
+
+def _one(be, kind: str, case: C.Case, ref, peers: Sequence[Any], tol: K.Tolerances) -> list[K.Outcome]:
+    if kind == "case":
+        return [K.check_case(be, case, ref)]
+
+    def body() -> str:
+        if not _supported(be, case):
+            K.check_rejected(be, case, ref)
+            return K.REJECTED
+        if kind == "bad-input":
+            K.check_bad_inputs(be, case, ref)
+        elif kind == "ops":
+            K.check_ops(be, case, ref, tol)
+        return K.PASSED
+
+    if kind == "cross":
+        if not _supported(be, case):
+            return []  # covered by the "case" check
+        out = []
+        for peer in peers:
+            try:
+                if not peer.supports(case.qscheme):
+                    continue
+            except Exception:  # noqa: BLE001
+                continue
+            out.append(_outcome(be, f"cross:{peer.name}", case,
+                                lambda p=peer: (K.check_cross_backend(be, p, case, ref), K.PASSED)[1]))
+        return out
+    return [_outcome(be, kind, case, body)]
+
+
+def plan(full: bool = False, seed: int = 0, max_elements: int | None = None,
+         max_schemes: int | None = None, filter: str | None = None,
+         kinds: Iterable[str] = CHECK_KINDS) -> list[tuple[str, C.Case]]:
+    """The (check kind, case) pairs of a run, in order."""
+    space = C.scheme_space(full)
+    if max_schemes is not None and max_schemes < len(space):
+        step = len(space) / max(max_schemes, 1)
+        space = [space[int(i * step)] for i in range(max_schemes)]
+    kinds = list(kinds)
+    items: list[tuple[str, C.Case]] = []
+    if "case" in kinds:
+        items += [("case", c) for c in C.cases(full, seed, max_elements, schemes=space)]
+    for kind in ("bad-input", "ops", "cross"):
+        if kind in kinds:
+            items += [(kind, c) for c in C.scheme_cases(kind, full, seed, max_elements, schemes=space)]
+    if filter:
+        items = [(k, c) for k, c in items if filter in c.id or filter == c.scheme]
+    return items
+
+
+def run(backends: Sequence[Any], *, full: bool = False, seed: int = 0, max_elements: int | None = None,
+        max_schemes: int | None = None, filter: str | None = None, kinds: Iterable[str] = CHECK_KINDS,
+        peers: Sequence[Any] | None = None, reference=None, tolerances: K.Tolerances | None = None,
+        progress: Callable[[str, int], None] | None = None) -> Report:
+    """Run the suite on `backends` (Backend objects). `peers`: backends to exchange payloads with
+    (default: the other backends given). `progress(backend_name, n_done)` is called per item."""
+    ref = reference or K.reference_backend()
+    tol = tolerances or K.Tolerances()
+    items = plan(full, seed, max_elements, max_schemes, filter, kinds)
+    report = Report()
+    for _, c in items:
+        report.schemes.setdefault(c.scheme, c.qscheme)
+    for be in backends:
+        others = [p for p in (peers if peers is not None else backends) if p is not be and p.name != be.name]
+        for i, (kind, case) in enumerate(items):
+            report.outcomes += _one(be, kind, case, ref, others, tol)
+            if progress is not None:
+                progress(be.name, i + 1)
+    return report
+
+
+# --------------------------------------------------------------------------- printing
+
+
+def _level_kind(s) -> str:
+    if s.block is None:
+        return "tensor"
+    dims = "x".join(map(str, s.block.dims))
+    return f"2L{dims}" if s.tensor is not None else f"b{dims}"
+
+
+_MARK = {K.PASSED: "[green]✓[/]", K.REJECTED: "[dim]–[/]", K.FAILED: "[bold red]✗[/]"}
+
+
+def _cell(statuses: list[str] | None) -> str:
+    if statuses is None:
+        return " "  # the store is not valid for this value
+    if not statuses:
+        return "[dim]·[/]"
+    if K.FAILED in statuses:
+        return _MARK[K.FAILED]
+    if len(set(statuses)) == 1:
+        return _MARK[statuses[0]]
+    return "[yellow]◐[/]"
+
+
+def matrix_tables(report: Report, backend: str):
+    """rich Tables: value x level x store (one mark per store in each cell) and a count of
+    schemes per scale slot dtype."""
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    st = report.scheme_status(backend)
+    cells: dict[tuple[str, str, str], list[str]] = defaultdict(list)
+    dtypes: dict[str, list[str]] = defaultdict(list)
+    rows: dict[str, int] = {}
+    cols: dict[str, None] = {}
+    for text, status in st.items():
+        s = report.schemes[text]
+        row, col, store = C.value_label(s), _level_kind(s), C.store_label(s)
+        rows[row] = s.bits
+        cols.setdefault(col, None)
+        cells[(row, col, store)].append(status)
+        dtypes[str(s.slot_dtype)].append(status)
+    row_order = [m for m in C.VALUE_MODES if m in rows] + [r for r in rows if r not in C.VALUE_MODES]
+    col_order = sorted(cols, key=lambda c: (0 if c == "tensor" else 1 if c.startswith("b") else 2,
+                                            len(c), c))
+    t = Table(title=f"{backend}: value x level (b = block, 2L = two-level; scale dtypes merged)",
+              caption="one mark per store: 8-bit values native, packed_u32, packed_u32:1; "
+                      "sub-byte values packed_u32, packed_u32:1, packed_native, packed_native:1\n"
+                      "✓ passed  – rejected (not supported)  ◐ mixed  ✗ failed  · not in this run",
+              box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    t.add_column("value", style="bold", no_wrap=True)
+    for c in col_order:
+        t.add_column(c, justify="left", no_wrap=True, min_width=4)
+    for r in row_order:
+        stores = C.STORES_8BIT if rows[r] == 8 else C.STORES_SUBBYTE
+        t.add_row(escape(r), *("".join(_cell(cells.get((r, c, k), [])) for k in stores)
+                               for c in col_order))
+    d = Table(title=f"{backend}: schemes by scale slot dtype", box=box.SIMPLE_HEAD)
+    d.add_column("scale dtype", style="bold")
+    for h in ("passed", "rejected", "failed"):
+        d.add_column(h, justify="right")
+    for name in ("f32", "f16", "bf16", "ue8m0", "ue4m3"):
+        v = dtypes.get(name, [])
+        d.add_row(name, str(v.count(K.PASSED)), str(v.count(K.REJECTED)),
+                  f"[bold red]{v.count(K.FAILED)}[/]" if v.count(K.FAILED) else "0")
+    return t, d
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="qcore conformance",
+        description="Check backends against the reference, bit for bit, over the scheme space.")
+    p.add_argument("--backend", action="append", required=True, metavar="NAME",
+                   help="backend to check (repeatable; 'all' = every installed, available backend)")
+    p.add_argument("--full", action="store_true", help="the whole scheme space on every shape (slow)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--max-elements", type=int, default=None, metavar="N", help="cap tensor sizes")
+    p.add_argument("--max-schemes", type=int, default=None, metavar="N",
+                   help="an evenly spaced subset of N schemes")
+    p.add_argument("--filter", default=None, metavar="TEXT",
+                   help="only cases whose id contains TEXT (ids are printed with failures)")
+    p.add_argument("--checks", default=",".join(CHECK_KINDS),
+                   help=f"comma-separated subset of {','.join(CHECK_KINDS)}")
+    p.add_argument("--max-failures", type=int, default=20, metavar="N", help="failure messages to print")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`qcore conformance`: run, print the capability matrix, return 0 (ok), 1 (failures), 2 (usage)."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .. import registry
+    from ..errors import QCoreError
+
+    console = Console()
+    err = Console(stderr=True)
+    try:
+        args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as e:
+        return int(e.code) if isinstance(e.code, int) else 2
+    kinds = [k.strip() for k in args.checks.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in CHECK_KINDS]
+    if bad:
+        err.print(f"qcore conformance: error: unknown check kind(s) {bad}; use {','.join(CHECK_KINDS)}")
+        return 2
+    names = []
+    for n in args.backend:
+        names += [x for x in n.split(",") if x]
+    if "all" in names:
+        names = [n for n in registry.backends() if _available(registry.registered()[n])]
+    try:
+        bes = [registry.backend(n) for n in names]
+    except QCoreError as e:
+        err.print(f"qcore conformance: error: {e}")
+        return 2
+    peers = [b for n, b in registry.registered().items() if n != "reference" and _available(b)]
+    items = plan(args.full, args.seed, args.max_elements, args.max_schemes, args.filter, kinds)
+    if not items:
+        err.print("qcore conformance: error: no case matches; check --filter / --max-elements")
+        return 2
+    console.print(f"qcore conformance: {len(items)} checks per backend "
+                  f"({'full space' if args.full else 'covering sample'}, seed {args.seed}) on "
+                  f"{', '.join(names)}")
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, disable=args.no_progress,
+                  transient=False) as prog:
+        tasks = {n: prog.add_task(f"[bold]{n}[/]", total=len(items)) for n in names}
+        report = run(bes, full=args.full, seed=args.seed, max_elements=args.max_elements,
+                     max_schemes=args.max_schemes, filter=args.filter, kinds=kinds, peers=peers,
+                     progress=lambda n, i: prog.update(tasks[n], completed=i))
+    for n in names:
+        t, d = matrix_tables(report, n)
+        console.print(t, width=max(console.width, 100))
+        console.print(d)
+    fails = report.failed
+    for o in fails[: args.max_failures]:
+        console.print(f"[bold red]FAILED[/] {escape(o.message)}", highlight=False, soft_wrap=True)
+    if len(fails) > args.max_failures:
+        console.print(f"... and {len(fails) - args.max_failures} more failures")
+    for n in names:
+        line = report.summary_line(n)
+        console.print(("[bold red]" if report.summary(n)[2] else "[bold green]") + line + "[/]")
+    return 1 if fails else 0
+
+
+def _available(be) -> bool:
+    try:
+        return bool(be.available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
