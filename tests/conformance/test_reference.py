@@ -1,0 +1,11 @@
+"""The conformance suite against qcore's own `reference` backend (bad input, ops, payloads;
+bit-exactness against itself is trivially true but keeps the harness honest)."""
+import pytest
+
+from qcore.conformance import ConformanceTests, installed_backend
+
+
+class TestReference(ConformanceTests):
+    @pytest.fixture
+    def backend(self):
+        return installed_backend("reference")
