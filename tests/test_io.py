@@ -318,3 +318,36 @@ def test_interrupted_overwrite_keeps_the_old_file(tmp_path, monkeypatch):
         qcore.save(path, {"w": _x((8, 8), seed=1)})
     assert os.listdir(tmp_path) == ["out.safetensors"]
     assert path.read_bytes() == before
+
+
+# ------------------------------------------------------------------------------ docs/format.md
+DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "format.md")
+
+
+def test_doc_snippet_decodes_a_file_without_qcore(tmp_path, monkeypatch):
+    import re
+
+    code = re.search(r"```python\n(import json.*?)```", open(DOC).read(), re.S).group(1)
+    q = qcore.quantize(_x((5, 7)), "q8s", backend="reference")
+    monkeypatch.chdir(tmp_path)
+    qcore.save("model.q8s.safetensors", {"w": q})
+    ns: dict = {}
+    exec(code, ns)
+    np.testing.assert_array_equal(ns["w"], q.numpy())
+
+
+def test_doc_example_header_sizes(tmp_path):
+    x = _x((384, 1536))
+    qcore.save(tmp_path / "ex.safetensors", {
+        "encoder.layer.0.output.dense.weight": qcore.quantize(x, "q4s/block32:f16", backend="reference"),
+        "encoder.layer.0.intermediate.dense.weight": qcore.quantize(x.T.copy(), "nvfp4", backend="reference"),
+        "encoder.layer.0.output.dense.bias": np.zeros(384, np.float32),
+    }, metadata={"format": "pt"})
+    head = _header(tmp_path / "ex.safetensors")
+    doc = open(DOC).read()
+    for name, entry in head.items():
+        if name != "__metadata__":
+            assert f'"{name}":' in doc and f'"shape": {entry["shape"]}' in doc
+            assert f'"data_offsets": {entry["data_offsets"]}' in doc
+    for k, v in head["__metadata__"].items():
+        assert f'"{k}": "{v}"' in doc
