@@ -1,0 +1,40 @@
+"""Shared test setup.
+
+The cuda backend's tests run on Numba's CUDA simulator unless `NUMBA_ENABLE_CUDASIM` is set
+already (`NUMBA_ENABLE_CUDASIM=0` on a GPU machine). numba reads the variable once, at
+`import numba`, so this must run before anything imports numba (no numba class names in ini
+warning filters: shared/notes/numba-cuda.md §3).
+
+`cuda_backend`: the installed, available `cuda` backend. It skips with the reason when the
+backend or the simulator is missing, and FAILS instead when `QCORE_REQUIRE_CUDA=1` (CI).
+"""
+import os
+import sys
+
+import pytest
+
+if "numba" not in sys.modules:
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+
+def pytest_report_header(config):
+    mode = "simulator" if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0") else "real GPU"
+    late = " (numba was imported before conftest: the variable had no effect)" if "numba" in sys.modules \
+        and os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" and not _sim_active() else ""
+    return f"qcore cuda tests: {mode}{late}; QCORE_REQUIRE_CUDA={os.environ.get('QCORE_REQUIRE_CUDA', '')!r}"
+
+
+def _sim_active() -> bool:
+    try:
+        import numba
+
+        return bool(numba.config.ENABLE_CUDASIM)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@pytest.fixture(scope="session")
+def cuda_backend():
+    from qcore.conformance import installed_backend
+
+    return installed_backend("cuda")
