@@ -202,7 +202,7 @@ DISTRIBUTIONS: tuple[str, ...] = (
     "normal",     # N(0, 1)
     "outliers",   # N(0, 1) with a few entries x 1000: most codes small, clipping-free max
     "ties",       # half-integers k/2 with one exact max: rint ties, minifloat midpoints
-    "rows",       # each row scaled by 2**k, k in [-20, 20]: scales across many binades
+    "rows",       # each row scaled by 2**k, k in [-20, 20] (f16: [-6, 6]): scales across binades
     "tiny",       # N(0, 1) x 1e-39 .. subnormal f32 scales, F16/UE4M3 subnormal round-up
     "huge",       # N(0, 1) x 1e4 .. the largest finite of the dtype / 2: saturating scales
     "zeros",      # all zero: zero scales, the encoding of 0, UE8M0's 2**-127
@@ -226,7 +226,8 @@ def make_input(shape: tuple[int, ...], dist: str, dtype: str, seed: int) -> np.n
             x[rng.integers(0, n)] = 8.0
     elif dist == "rows":
         rows = shape[0] if shape and shape[0] else 1
-        k = rng.integers(-20, 21, size=rows).astype(np.float64)
+        span = 6 if dtype == "f16" else 20
+        k = rng.integers(-span, span + 1, size=rows).astype(np.float64)
         x = (x.reshape(rows, -1) * np.exp2(k)[:, None]).reshape(-1) if n else x
     elif dist == "tiny":
         x = x * (1e-39 if dtype in ("f32", "f64", "bf16") else 1e-7)
@@ -237,7 +238,8 @@ def make_input(shape: tuple[int, ...], dist: str, dtype: str, seed: int) -> np.n
         x = np.zeros(n)
     elif dist == "constant":
         x = np.full(n, -rng.uniform(0.1, 10.0))
-    out = x.reshape(shape).astype(npdt)
+    lim = float(ml_dtypes.finfo(npdt).max if dtype != "f64" else np.finfo(np.float32).max) / 2
+    out = np.clip(x, -lim, lim).reshape(shape).astype(npdt)
     assert np.all(np.isfinite(out.astype(np.float64))), (dist, dtype)
     return out
 
