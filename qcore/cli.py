@@ -23,7 +23,7 @@ from . import io as qio
 from .checks import INPUT_DTYPES
 from .errors import InputError, QCoreError, UnsupportedSchemeError
 from .payload import QuantizedData
-from .scheme import PRESETS, QuantScheme, QuantValue, ScaleDtype, Native, PackedNative, PackedU32
+from .scheme import PRESETS, Native, PackedNative, PackedU32, QuantMode, QuantScheme, QuantValue, ScaleDtype
 from .scheme import scheme as parse_scheme
 
 __all__ = ["main"]
@@ -95,11 +95,18 @@ def _capability_rows() -> list[tuple[str, list[QuantScheme]]]:
     for v in QuantValue:
         rows.append((v.name, [QuantScheme(v)]))
 
+    bases = [QuantScheme(v) for v in QuantValue]
+    for v in QuantValue:  # LOOKUP variants, so a table-only backend shows its levels and stores
+        try:
+            bases.append(QuantScheme(v).with_mode(QuantMode.LOOKUP, "nf4"))
+        except QCoreError:
+            continue
+
     def variants(make) -> list[QuantScheme]:
         out = []
-        for v in QuantValue:
+        for base in bases:
             try:
-                out.append(make(QuantScheme(v)))
+                out.append(make(base))
             except QCoreError:
                 continue
         return out
