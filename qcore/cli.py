@@ -430,7 +430,7 @@ def cmd_conformance(args: argparse.Namespace, extra: list[str]) -> int:
         raise QCoreError(
             f"the conformance runner (qcore.conformance.runner) is not available in this install: {e}"
         ) from None
-    argv = ["--backend", args.backend] + (["--full"] if args.full else []) + list(extra)
+    argv = [a for name in args.backend for a in ("--backend", name)] + (["--full"] if args.full else []) + list(extra)
     rc = runner.main(argv)
     return int(rc or 0)
 
@@ -529,9 +529,11 @@ def _parser() -> _Parser:
     s.set_defaults(func=cmd_inspect)
 
     s = sub.add_parser("conformance", help="run the conformance suite against a backend",
-                       description="Run qcore's conformance suite against a backend; extra arguments "
-                                   "go to the runner.")
-    s.add_argument("--backend", required=True, help="backend to check")
+                       description="Run qcore's conformance suite against one or more backends.",
+                       epilog="Other arguments go to the runner (qcore.conformance.runner), e.g. --seed N, "
+                              "--max-elements N, --max-schemes N, --filter TEXT, --checks case,bad-input,ops,cross, "
+                              "--no-progress.")
+    s.add_argument("--backend", required=True, action="append", help="backend to check (repeatable)")
     s.add_argument("--full", action="store_true", help="run the full (slow) suite")
     s.set_defaults(func=cmd_conformance)
 
