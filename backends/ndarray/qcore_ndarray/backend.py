@@ -1,0 +1,216 @@
+"""The `ndarray` backend: Q8F/Q8S on numpy arrays with numba CPU kernels (SPEC §4).
+
+Capability (SPEC §4 table): the 8-bit integer values Q8F and Q8S, symmetric mode, every level
+(per-tensor, per-block up to 5-D, two-level), every store valid for an 8-bit value (Native,
+PackedU32(d)) and every scale dtype. Everything else gets `Support.no(reason)`, and
+`qcore.BaseBackend` turns that into `UnsupportedSchemeError` at every entry point.
+
+Results are bit-identical to the `reference` backend. The paths, by scheme:
+
+| scheme                        | passes over x                                               |
+|-------------------------------|-------------------------------------------------------------|
+| per-block, calibrated         | one: per block statistic, round up, quantize (MODE_FUSED)   |
+| per-tensor, calibrated        | two: statistic over x, then quantize (MODE_APPLY)           |
+| two-level, calibrated         | two: block statistics (MODE_STATS), then quantize           |
+| explicit params               | one: quantize with the non-finite check fused in            |
+
+The two-level normalisation and the round-up of whole scale grids use `qcore.codecs` (numpy,
+small arrays) in the order SPEC §2.2-2.3 fixes; the fused path rounds up inside the kernel with
+`kernels.round_up_scalar`, which the tests pin against `qcore.codecs` bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from qcore import layout
+from qcore.checks import raise_nonfinite, to_f32
+from qcore.codecs import F32_TINY
+from qcore.payload import QuantizedData
+from qcore.protocol import BaseBackend, QParams, Support
+from qcore.scheme import QuantScheme, StoreKind
+
+from .plan import TASK_ELEMENTS, Plan, make_plan
+
+__all__ = ["NdarrayBackend", "NdQuantized", "SUPPORTED_STORES"]
+
+SUPPORTED_STORES = frozenset({StoreKind.NATIVE, StoreKind.PACKED_U32})
+"""Stores the kernels write; with an 8-bit value these are all the valid ones (SPEC §1)."""
+
+
+@dataclass(frozen=True, eq=False)
+class NdQuantized:
+    """`QTensor.data` of this backend: the payload's value bytes, stored scales, global scale.
+
+    `values` is exactly the `[values]` section of SPEC §3 (flat uint8); `scales` are the stored
+    (rounded-up) scales decoded to f32 in the block-grid shape; `global_scale` is the two-level
+    f32, else None.
+    """
+
+    shape: tuple[int, ...]
+    scheme: QuantScheme
+    values: np.ndarray
+    scales: np.ndarray
+    global_scale: float | None
+
+
+def _kernels():
+    """The numba kernels, imported on first use so that `import qcore` stays fast."""
+    from . import kernels
+
+    return kernels
+
+
+def _flat_f32(x: Any) -> np.ndarray:
+    """Input as a flat, C-contiguous float32 array (no copy for contiguous float32, SPEC §2)."""
+    return np.ascontiguousarray(to_f32(x)).reshape(-1)
+
+
+class NdarrayBackend(BaseBackend):
+    """Q8F/Q8S at every level, store and scale dtype; numpy in and out, numba kernels inside."""
+
+    name = "ndarray"
+    priority = 20
+
+    # ------------------------------------------------------------------ capability
+    def available(self) -> bool:
+        try:
+            import numba  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def describe(self) -> str:
+        try:
+            import numba
+        except ImportError as e:
+            return f"needs numba ({e}); pip install numba"
+        return f"numba {numba.__version__} CPU kernels on {numba.get_num_threads()} threads; Q8F/Q8S only"
+
+    def _supports(self, scheme: QuantScheme) -> Support:
+        """SPEC §4: Q8F and Q8S, symmetric, any level, store and scale dtype."""
+        if scheme.is_lookup:
+            return Support.no("LOOKUP mode is not implemented (only symmetric q8f and q8s are)")
+        t = scheme.traits
+        if t.is_float or t.bits != 8:
+            return Support.no(f"value {scheme.value} is not implemented (only the 8-bit integers q8f and q8s are)")
+        if scheme.store.kind not in SUPPORTED_STORES:
+            return Support.no(f"store {scheme.store} is not implemented (native and packed_u32 are)")
+        return Support.yes()
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _store_scales(s: np.ndarray, scheme: QuantScheme) -> QParams:
+        """Raw f32 scales -> stored ones: two-level `g = max(max_b s_b / M, tiny)`, `s_b / g`
+        (SPEC §2.2), then round up to the slot dtype (SPEC §2.3)."""
+        s = np.asarray(s, dtype=np.float32)
+        g = None
+        if scheme.two_level:
+            m = np.float32(scheme.block.dtype.traits.max_value)  # M: 448 (UE4M3) or 65504 (F16)
+            top = np.max(s, initial=np.float32(0))
+            g = np.maximum(np.float32(top / m), F32_TINY)
+            s = (s / g).astype(np.float32)
+        stored = scheme.slot_dtype.traits.store(s).reshape(s.shape)
+        return QParams(stored, float(g) if g is not None else None)
+
+    @staticmethod
+    def _effective(scales: np.ndarray, g: float | None) -> np.ndarray:
+        """Per slot `e = s` or `e = f32(g * s_b)` (SPEC §2.4), flat, at least one entry."""
+        e = np.asarray(scales, dtype=np.float32).reshape(-1)
+        if g is not None:
+            e = (np.float32(g) * e).astype(np.float32)
+        return e if e.size else np.zeros(1, np.float32)
+
+    def _stats(self, flat: np.ndarray, plan: Plan, scheme: QuantScheme, method: str) -> np.ndarray:
+        """Per-slot statistic (SPEC §2.1) in the grid shape; raises InputError on NaN/Inf."""
+        k = _kernels()
+        mcode = k.METHOD_CODES[method]
+        if plan.grid == ():
+            mb, total = k.tensor_stats(flat, flat.view(np.uint32), mcode, TASK_ELEMENTS)
+            if int(mb) >= 0x7F800000:
+                raise_nonfinite(flat.reshape(plan.shape))
+            if method == "minmax":
+                return np.asarray(np.uint32(mb)).view(np.float32).reshape(())
+            n = flat.size
+            return np.asarray(np.float32(total / n) if n else np.float32(0), dtype=np.float32)
+        stats = np.zeros(plan.nslots, np.float32)
+        self._run_blocks(flat, plan, scheme, k.MODE_STATS, mcode, stats, None, None, check=True)
+        return stats.reshape(plan.grid)
+
+    def _run_blocks(self, flat, plan: Plan, scheme: QuantScheme, mode: int, mcode: int,
+                    scales_out: np.ndarray | None, escales: np.ndarray | None,
+                    values: np.ndarray | None, check: bool) -> None:
+        k = _kernels()
+        t = scheme.traits
+        ntasks = max(1, int(np.prod(plan.grd[:7])) * -(-int(plan.grd[7]) // plan.chunk))
+        bad = np.zeros(ntasks, np.uint8)
+        dummy_f = np.zeros(1, np.float32)
+        k.quantize_blocks(
+            flat, flat.view(np.uint32), *plan.args(), mode, mcode, check,
+            np.float32(scheme.half_range), np.float32(t.qmin), np.float32(t.qmax),
+            k.SCALE_CODES[scheme.slot_dtype.value],
+            dummy_f if escales is None else escales,
+            dummy_f if scales_out is None else scales_out,
+            np.zeros(1, np.int8) if values is None else values.view(np.int8),
+            bad,
+        )
+        if bad.any():
+            raise_nonfinite(flat.reshape(plan.shape))
+
+    # ------------------------------------------------------------------ hooks
+    def _calibrate(self, x: Any, scheme: QuantScheme, method: str) -> QParams:
+        flat = _flat_f32(x)
+        plan = make_plan(np.shape(x), scheme)
+        stat = self._stats(flat, plan, scheme, method)
+        s = (stat / np.float32(scheme.half_range)).astype(np.float32)
+        return self._store_scales(s, scheme)
+
+    def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> NdQuantized:
+        k = _kernels()
+        flat = _flat_f32(x)
+        shape = tuple(np.shape(x))
+        plan = make_plan(shape, scheme)
+        values = (np.zeros if plan.padded else np.empty)(plan.values_nbytes, np.uint8)
+        mcode = k.METHOD_CODES[method]
+        if params is None and plan.grid != () and not scheme.two_level:
+            stored = np.zeros(plan.nslots, np.float32)
+            self._run_blocks(flat, plan, scheme, k.MODE_FUSED, mcode, stored, None, values, check=True)
+            return NdQuantized(shape, scheme, values, stored.reshape(plan.grid), None)
+        check = params is not None  # the calibration pass has already checked x otherwise
+        if params is None:
+            s = (self._stats(flat, plan, scheme, method) / np.float32(scheme.half_range)).astype(np.float32)
+            params = self._store_scales(s, scheme)
+        stored = np.asarray(params.scales, dtype=np.float32).reshape(plan.grid)
+        e = self._effective(stored, params.global_scale)
+        self._run_blocks(flat, plan, scheme, k.MODE_APPLY, mcode, None, e, values, check=check)
+        return NdQuantized(shape, scheme, values, stored, params.global_scale)
+
+    def _dequantize(self, data: NdQuantized, dtype: np.dtype) -> np.ndarray:
+        k = _kernels()
+        plan = make_plan(data.shape, data.scheme)
+        y = np.empty(plan.size, np.float32)
+        if plan.size:
+            e = self._effective(data.scales, data.global_scale)
+            k.dequantize_blocks(data.values.view(np.int8), *plan.args(), e, y)
+        y = y.reshape(data.shape)
+        return y if dtype == np.float32 else y.astype(dtype)
+
+    def _into_data(self, data: NdQuantized) -> QuantizedData:
+        tr = data.scheme.slot_dtype.traits
+        parts = [
+            data.values.tobytes(),
+            np.ascontiguousarray(tr.encode(data.scales.reshape(-1))).tobytes(),
+        ]
+        if data.global_scale is not None:
+            parts.append(np.asarray([data.global_scale], dtype="<f4").tobytes())
+        return QuantizedData(data.shape, data.scheme, b"".join(parts))
+
+    def _from_data(self, data: QuantizedData) -> NdQuantized:
+        n = layout.values_nbytes(data.shape, data.scheme)
+        values = np.frombuffer(data.payload, dtype=np.uint8, count=n)
+        return NdQuantized(data.shape, data.scheme, values, data.scales(), data.global_scale())
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        return np.asarray(array)

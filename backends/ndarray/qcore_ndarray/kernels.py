@@ -1,0 +1,358 @@
+"""Numba CPU kernels of the `ndarray` backend (SPEC §2, §3).
+
+All kernels work on the canonical 8-axis view that `qcore_ndarray.plan` builds from a shape and
+a scheme: eight extents `shp`, block dims `blk` (per-tensor: a partition of the last axis whose
+slots all share scale 0), the block grid `grd`, element strides of the float tensor `xst`, byte
+strides of the stored values `ost`, slot strides `gst`, and the packing axis `pa` (-1 for
+Native). Axis 7 is the contiguous one.
+
+Along a packing axis (PackedU32) element i lands in word `i // npw`, byte `i % npw` of that
+little-endian word (8-bit fields: field k sits in bits [8k, 8k+8), i.e. byte k, SPEC §3).
+Output bytes are written directly in that layout; padding bytes stay as allocated (zeros).
+
+Numeric rules, in the order SPEC §2 fixes them (all float32, every literal cast explicitly so
+numba never promotes to float64):
+
+* statistic per slot: `amax = max |x|` as the max of the f32 bit patterns with the sign cleared
+  (monotone for finite floats; a pattern >= 0x7F800000 is a NaN or Inf, so the same reduction is
+  the non-finite check), or `absmean` = f64 sum of |x| over the slot's real elements, divided by
+  their count, rounded once to f32;
+* raw scale `s = f32(stat) / f32(h)`, rounded up to the scale dtype (`round_up`, SPEC §2.3);
+* `y = x / e` as a true f32 division (never a reciprocal multiply), `q = clamp(rint(y))`
+  computed as `rint(clamp(y))` (identical: the bounds are integers and rint is monotone);
+  `e == 0` gives code 0;
+* dequantize `x' = f32(q) * e`.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+__all__ = [
+    "SCALE_CODES",
+    "MODE_STATS",
+    "MODE_FUSED",
+    "MODE_APPLY",
+    "METHOD_CODES",
+    "round_up_scalar",
+    "round_up_array",
+    "tensor_stats",
+    "quantize_blocks",
+    "dequantize_blocks",
+]
+
+SCALE_CODES = {"f32": 0, "f16": 1, "bf16": 2, "ue8m0": 3, "ue4m3": 4}
+"""Scale dtype (ScaleDtype value) -> the code `round_up` switches on."""
+METHOD_CODES = {"minmax": 0, "absmean": 1}
+
+MODE_STATS = 0  # per slot: write the statistic (amax or mean |x|) to scales_out, no codes
+MODE_FUSED = 1  # per slot: statistic -> raw scale -> round up -> quantize the block (one read)
+MODE_APPLY = 2  # quantize with the given effective scale per slot
+
+_ABS = np.uint32(0x7FFFFFFF)
+_INF_BITS = np.uint32(0x7F800000)
+
+
+@intrinsic
+def _f32_bits(typingctx, x):
+    """Bit pattern of a float32 scalar, as uint32 (a plain bitcast)."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, b):
+    """float32 with bit pattern `b` (uint32)."""
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def _bits_up(s, add, mask):
+    """`(bits + add) & mask`: round a non-negative f32 up to fewer mantissa bits (SPEC §2.3)."""
+    b = np.uint64(_f32_bits(np.float32(s)))
+    r = (b + np.uint64(add)) & np.uint64(mask)
+    return _bits_f32(np.uint32(r))
+
+
+@njit(cache=True, inline="always")
+def _grid_up(s, quantum):
+    """`ceil(s / q) * q` in f32 for the subnormal range of a narrow format (exact)."""
+    q = np.float32(quantum)
+    return np.float32(np.float32(np.ceil(np.float32(s / q))) * q)
+
+
+@njit(cache=True, inline="always")
+def round_up_scalar(s, sdt):
+    """Round a raw scale `s >= 0` (f32) UP to scale dtype code `sdt` (SPEC §2.3), as f32.
+
+    Mirrors `qcore.codecs` rule for rule: F32 identity; F16 clamps at 65504, uses the 2^-24
+    grid below 2^-14, else drops 13 mantissa bits rounding up; BF16 clamps at max_bf16, else
+    drops 16 bits; UE8M0 clamps to [2^-127, 2^127], else the next power of two; UE4M3 clamps at
+    448, uses the 2^-9 grid below 2^-6, else drops 20 bits.
+    """
+    s = np.float32(s)
+    if sdt == 1:  # F16
+        if s >= np.float32(65504.0):
+            return np.float32(65504.0)
+        if s < np.float32(2.0**-14):
+            return _grid_up(s, np.float32(2.0**-24))
+        return _bits_up(s, 0x1FFF, 0xFFFFE000)
+    if sdt == 2:  # BF16 = top 16 bits of f32; max_bf16 = 0x7F7F0000
+        if s >= _bits_f32(np.uint32(0x7F7F0000)):
+            return _bits_f32(np.uint32(0x7F7F0000))
+        return _bits_up(s, 0xFFFF, 0xFFFF0000)
+    if sdt == 3:  # UE8M0: powers of two 2^-127 .. 2^127, no zero
+        if s <= np.float32(2.0**-127):
+            return np.float32(2.0**-127)
+        if s >= np.float32(2.0**127):
+            return np.float32(2.0**127)
+        return _bits_up(s, 0x7FFFFF, 0xFF800000)
+    if sdt == 4:  # UE4M3: unsigned E4M3FN, max 448, smallest 2^-9
+        if s >= np.float32(448.0):
+            return np.float32(448.0)
+        if s < np.float32(2.0**-6):
+            return _grid_up(s, np.float32(2.0**-9))
+        return _bits_up(s, 0xFFFFF, 0xFFF00000)
+    return s  # F32
+
+
+@njit(cache=True)
+def round_up_array(s, sdt):
+    """`round_up_scalar` over a float32 array (used by tests to pin it against qcore.codecs)."""
+    out = np.empty_like(s)
+    for i in range(s.size):
+        out[i] = round_up_scalar(s[i], sdt)
+    return out
+
+
+
+# Inner loops run over slices from index 0: numba then drops its negative-index wraparound
+# select and LLVM's loop vectorizer turns them into SIMD code (offset indexing stays scalar).
+
+
+@njit(cache=True, inline="always")
+def _amax_bits(xb):
+    """max of the |x| bit patterns of a uint32 slice (0 when empty)."""
+    m = np.uint32(0)
+    for j in range(xb.size):
+        m = max(m, xb[j] & _ABS)
+    return m
+
+
+@njit(cache=True, inline="always")
+def _abs_sum(x):
+    """f64 sum of |x| over a float32 slice (SPEC §2.1 absmean)."""
+    sm = 0.0
+    for j in range(x.size):
+        sm += np.float64(abs(x[j]))
+    return sm
+
+
+@njit(cache=True, inline="always")
+def _encode_contig(xs, os, e, qmin, qmax):
+    """os = clamp(rint(xs / e)) as int8; e == 0 gives code 0 (SPEC §2.5)."""
+    if e == np.float32(0.0):
+        for j in range(xs.size):
+            os[j] = np.int8(0)
+    else:
+        for j in range(xs.size):
+            y = xs[j] / e
+            y = min(max(y, qmin), qmax)
+            os[j] = np.int8(np.rint(y))
+
+
+@njit(cache=True)
+def _encode_strided(xs, out, ob, istr, e, qmin, qmax):
+    """As `_encode_contig`, writing code j to out[ob + j * istr] (packing axis not last)."""
+    for j in range(xs.size):
+        if e == np.float32(0.0):
+            out[ob + j * istr] = np.int8(0)
+        else:
+            y = xs[j] / e
+            y = min(max(y, qmin), qmax)
+            out[ob + j * istr] = np.int8(np.rint(y))
+
+
+@njit(cache=True, inline="always")
+def _decode_contig(cs, ys, e):
+    for j in range(cs.size):
+        ys[j] = np.float32(cs[j]) * e
+
+
+@njit(cache=True)
+def _decode_strided(codes, ob, istr, ys, e):
+    for j in range(ys.size):
+        ys[j] = np.float32(codes[ob + j * istr]) * e
+
+
+# --------------------------------------------------------------------------- per-tensor statistic
+
+
+@njit(parallel=True, cache=True)
+def tensor_stats(x, xb, method, chunk):
+    """One pass over flat f32 `x` (and its uint32 view `xb`): the max |x| bit pattern and, for
+    absmean, the f64 sum of |x| (SPEC §2.1). A max pattern >= 0x7F800000 means non-finite input.
+    """
+    n = x.size
+    nch = (n + chunk - 1) // chunk
+    mbs = np.zeros(max(nch, 1), np.uint32)
+    sums = np.zeros(max(nch, 1), np.float64)
+    for c in prange(nch):
+        i0 = c * chunk
+        i1 = min(n, i0 + chunk)
+        mbs[c] = _amax_bits(xb[i0:i1])
+        if method == 1:
+            sums[c] = _abs_sum(x[i0:i1])
+    return mbs.max(), sums.sum()
+
+
+# --------------------------------------------------------------------------- block kernels
+
+
+@njit(cache=True)
+def _lines(r, shp, blk, grd, xst, ost, gst, pa, npw):
+    """For task row `r` (flat index over the grid of axes 0..6): the slot index of its first
+    block, and the float offset / byte offset of every line (along axis 7) its blocks cover."""
+    g = np.empty(7, np.int64)
+    rem = r
+    for k in range(6, -1, -1):
+        g[k] = rem % grd[k]
+        rem //= grd[k]
+    lo = np.empty(7, np.int64)
+    cnt = np.empty(7, np.int64)
+    nl = 1
+    sb = 0
+    for k in range(7):
+        lo[k] = g[k] * blk[k]
+        cnt[k] = min(shp[k], lo[k] + blk[k]) - lo[k]
+        nl *= cnt[k]
+        sb += g[k] * gst[k]
+    xline = np.empty(nl, np.int64)
+    oline = np.empty(nl, np.int64)
+    idx = np.zeros(7, np.int64)
+    for line in range(nl):
+        xo = 0
+        oo = 0
+        for k in range(7):
+            i = lo[k] + idx[k]
+            xo += i * xst[k]
+            if k == pa:
+                oo += (i // npw) * ost[k] + (i % npw)
+            else:
+                oo += i * ost[k]
+        xline[line] = xo
+        oline[line] = oo
+        k = 6
+        while k >= 0:  # odometer over the block's lines
+            idx[k] += 1
+            if idx[k] < cnt[k]:
+                break
+            idx[k] = 0
+            k -= 1
+    return sb, xline, oline
+
+
+@njit(cache=True, inline="always")
+def _encode_lines(x, out, xline, oline, j0, j1, istr, e, qmin, qmax):
+    """q = clamp(rint(x / e)) for one block's lines, written as int8 at their byte offsets."""
+    for line in range(xline.size):
+        xo = xline[line]
+        oo = oline[line]
+        if istr == 1:
+            _encode_contig(x[xo + j0:xo + j1], out[oo + j0:oo + j1], e, qmin, qmax)
+        else:
+            _encode_strided(x[xo + j0:xo + j1], out, oo + j0 * istr, istr, e, qmin, qmax)
+
+
+@njit(parallel=True, cache=True)
+def quantize_blocks(x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, mode, method, check,
+                    h, qmin, qmax, sdt, escales, scales_out, out, bad):
+    """Block-wise pass over flat f32 `x` (SPEC §2.1-2.5).
+
+    mode MODE_STATS: `scales_out[slot]` = the slot statistic. MODE_FUSED: statistic -> raw
+    scale `stat / h` -> round up to `sdt` -> `scales_out[slot]`, then quantize the block while it
+    is in cache. MODE_APPLY: quantize with `escales[slot]` (with `check`, scan the block for
+    NaN/Inf first). Codes go to `out` (int8 view of the stored value bytes). A task that meets
+    a non-finite value sets `bad[task]` and stops.
+    """
+    n_outer = 1
+    for k in range(7):
+        n_outer *= grd[k]
+    g7n = grd[7]
+    n_chunks = (g7n + chunk - 1) // chunk
+    istr = 1 if pa == 7 else ost[7]
+    b7 = blk[7]
+    d7 = shp[7]
+    for t in prange(n_outer * n_chunks):
+        r = t // n_chunks
+        c = t - r * n_chunks
+        sb, xline, oline = _lines(r, shp, blk, grd, xst, ost, gst, pa, npw)
+        nl = xline.size
+        for g7 in range(c * chunk, min(g7n, c * chunk + chunk)):
+            j0 = g7 * b7
+            j1 = min(d7, j0 + b7)
+            slot = sb + g7 * gst[7]
+            if mode != 2 or check:
+                mb = np.uint32(0)
+                for line in range(nl):
+                    xo = xline[line]
+                    mb = max(mb, _amax_bits(xb[xo + j0:xo + j1]))
+                if mb >= _INF_BITS:
+                    bad[t] = 1
+                    break
+            if mode == 2:
+                e = escales[slot]
+            else:
+                if method == 1:
+                    sm = 0.0
+                    for line in range(nl):
+                        xo = xline[line]
+                        sm += _abs_sum(x[xo + j0:xo + j1])
+                    stat = np.float32(sm / np.float64(nl * (j1 - j0)))
+                else:
+                    stat = _bits_f32(np.uint32(mb))
+                if mode == 0:
+                    scales_out[slot] = stat
+                    continue
+                e = round_up_scalar(np.float32(stat / h), sdt)
+                scales_out[slot] = e
+            _encode_lines(x, out, xline, oline, j0, j1, istr, e, qmin, qmax)
+
+
+@njit(parallel=True, cache=True)
+def dequantize_blocks(codes, shp, blk, grd, xst, ost, gst, pa, npw, chunk, escales, y):
+    """`y = f32(q) * e` block by block (SPEC §2.6), reading the stored value bytes as int8."""
+    n_outer = 1
+    for k in range(7):
+        n_outer *= grd[k]
+    g7n = grd[7]
+    n_chunks = (g7n + chunk - 1) // chunk
+    istr = 1 if pa == 7 else ost[7]
+    b7 = blk[7]
+    d7 = shp[7]
+    for t in prange(n_outer * n_chunks):
+        r = t // n_chunks
+        c = t - r * n_chunks
+        sb, xline, oline = _lines(r, shp, blk, grd, xst, ost, gst, pa, npw)
+        for g7 in range(c * chunk, min(g7n, c * chunk + chunk)):
+            j0 = g7 * b7
+            j1 = min(d7, j0 + b7)
+            e = escales[sb + g7 * gst[7]]
+            for line in range(xline.size):
+                xo = xline[line]
+                oo = oline[line]
+                if istr == 1:
+                    _decode_contig(codes[oo + j0:oo + j1], y[xo + j0:xo + j1], e)
+                else:
+                    _decode_strided(codes, oo + j0 * istr, istr, y[xo + j0:xo + j1], e)
