@@ -396,3 +396,31 @@ def test_progress_bar_on_a_terminal(capsys, model, tmp_path, monkeypatch):
     assert rc == 0, err
     assert "3/3 tensors" in term.getvalue() and "quantize q8s" in term.getvalue()
     assert "layer.0.weight" in out
+
+
+class Offline(ReferenceBackend):
+    name = "offline"
+    priority = 99
+
+    def available(self):
+        return False
+
+    def describe(self):
+        return "no device found (test double)"
+
+
+def test_unavailable_backend(capsys, model, tmp_path):
+    registry.reset()
+    registry.register(Offline())
+    try:
+        rc, _, err = run(capsys, "quantize", model, tmp_path / "o.safetensors", "--scheme", "q8s", "--backend",
+                         "offline")
+        assert rc == 1
+        assert_one_line_error(err, r"backend 'offline' is installed but not available: no device found")
+        rc, out, _ = run(capsys, "backends")
+        assert rc == 0
+        assert re.search(r"offline\s+│ no\s+│ 99\s+│ no device found", out)
+        assert "offline (unavailable)" in out
+    finally:
+        registry.reset()
+    assert not (tmp_path / "o.safetensors").exists()
