@@ -230,7 +230,7 @@ def _check_backend_supports(be: Any, sch: QuantScheme) -> None:
         raise UnsupportedSchemeError(f"backend '{be.name}' does not support {sch}: {sup.reason}; {where}")
 
 
-def _progress(total_bytes: int, n: int, console):
+def _progress(console):
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                TransferSpeedColumn)
 
@@ -276,7 +276,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     out_tensors: dict[str, Any] = {}
     rows: list[_Row] = []
     compare_sqnr: dict[str, list[float]] = {t: [] for t in args.compare or []}
-    with _progress(total, len(todo), err) as bar:
+    with _progress(err) as bar:
         task = bar.add_task(f"quantize {sch}", total=total or 1, done=0, count=len(todo))
         done = 0
         for name, value in tensors.items():
