@@ -1,0 +1,17 @@
+"""qcore-cuda: the `cuda` backend of qcore (Numba-CUDA kernels; SPEC §4).
+
+Registered through the `qcore` entry point group. Importing this package does not import numba:
+the backend reports a missing GPU through `available()` / `describe()`.
+"""
+from __future__ import annotations
+
+import qcore
+
+from .backend import CudaBackend, CudaData, cuda_status
+
+__all__ = ["CudaBackend", "CudaData", "cuda_status", "qcore_register_backends"]
+
+
+@qcore.hookimpl
+def qcore_register_backends():
+    return [CudaBackend()]

@@ -1,0 +1,176 @@
+"""Host-side geometry of the cuda kernels: a tensor shape + scheme -> the `P` / `F` arrays.
+
+The kernels see a *canonical* shape: the tensor's axes after dropping extent-1 axes and merging
+neighbours that the block grid and the payload layout treat alike (SPEC §2.1, §3), so a
+[B, T, D] tensor with block [32] is a 2-D (B*T, D) problem and a per-tensor scheme on a Native
+store is 1-D. Merging keeps the row-major order of elements, scale slots and words:
+
+* two block-1 axes merge into a block-1 axis;
+* any axis merges with a right neighbour that one block spans whole (extent e, block e):
+  extent s*e, block b*e;
+* the packing axis never merges (each of its lines ends in a zero-padded word).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from qcore import layout
+from qcore.scheme import QuantScheme, StoreKind
+
+from . import kernels as K
+
+SDT_IDS = ("f32", "f16", "bf16", "ue8m0", "ue4m3")  # kernel ids of the scale dtypes, in order
+TWO_LEVEL_MAX = {"ue4m3": 448.0, "f16": 65504.0}  # M of SPEC §2.2
+RUN = 16  # elements per thread in the unfused kernels (rounded up to whole words)
+MM_CHUNK = 256  # k rows per matmul thread
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the kernels need for one shape + scheme (all host-side numpy)."""
+
+    P: np.ndarray  # int64[P_LEN]
+    F: np.ndarray  # float32[F_LEN]
+    fused: bool  # one-pass calibrate+quantize per block applies
+    n: int  # elements
+    nslots: int
+    nruns: int
+    values_nbytes: int
+    total_nbytes: int
+
+
+def _canonical(shape, block, pack):
+    """[(extent, block, is_packing_axis)] after dropping and merging axes (module docstring)."""
+    axes = []
+    for i, (s, b) in enumerate(zip(shape, block)):
+        pk = i == pack
+        b = min(b, s)
+        if s == 1 and not pk:
+            continue
+        if axes and not pk and not axes[-1][2]:
+            s0, b0, _ = axes[-1]
+            if b0 == 1 and b == 1:
+                axes[-1] = (s0 * s, 1, False)
+                continue
+            if b == s:
+                axes[-1] = (s0 * s, b0 * s, False)
+                continue
+        axes.append((s, b, pk))
+    return axes or [(1, 1, False)]
+
+
+def _row_major(ext):
+    st = [1] * len(ext)
+    for k in range(len(ext) - 2, -1, -1):
+        st[k] = st[k + 1] * ext[k + 1]
+    return st
+
+
+def lut(scheme: QuantScheme) -> np.ndarray:
+    """float32 value of every `bits`-wide field: two's-complement ints or minifloat codes."""
+    t = scheme.traits
+    f = np.arange(1 << t.bits, dtype=np.int64)
+    if t.is_float:
+        return np.ascontiguousarray(t.decode_table, dtype=np.float32)
+    half = 1 << (t.bits - 1)
+    return ((f ^ half) - half).astype(np.float32)
+
+
+def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") -> Plan:
+    """The kernel geometry of a non-empty tensor `shape` under `scheme`."""
+    t = scheme.traits
+    full = layout.full_block(shape, scheme)
+    pack = layout.packing_axis(shape, scheme)
+    block = tuple(full) if full is not None else tuple(shape)
+    axes = _canonical(shape, block, pack)
+    cr = len(axes)
+    if cr > K.MAXR:
+        raise ValueError(f"shape {shape} with {scheme} needs {cr} canonical axes; the cuda kernels take {K.MAXR}")
+    S = [a[0] for a in axes]
+    B = [a[1] for a in axes]
+    G = [-(-s // b) for s, b in zip(S, B)]
+    packed = scheme.store.kind is not StoreKind.NATIVE
+    nf = layout.fields_per_word(scheme)
+    wb = 4 if scheme.store.kind is StoreKind.PACKED_U32 else 1
+    blocked = [k for k in range(cr) if B[k] > 1]
+    if packed:
+        r = next(k for k in range(cr) if axes[k][2])
+    elif scheme.block is not None and len(blocked) == 1:
+        r = blocked[0]
+    else:
+        r = cr - 1
+    fused = (
+        scheme.block is not None
+        and not scheme.two_level
+        and all(B[k] == 1 for k in range(cr) if k != r)
+        and B[r] % nf == 0
+    )
+    rl = B[r] if fused else max(nf, RUN)
+    W = list(S)
+    W[r] = -(-S[r] // nf) if packed else S[r]
+    nrl = -(-S[r] // rl)
+    lines = math.prod(S) // S[r]
+    nslots = math.prod(G)
+    sdt = scheme.slot_dtype.value
+    snb = scheme.slot_dtype.traits.nbytes
+    values_nbytes = layout.values_nbytes(shape, scheme)
+    soff = values_nbytes
+    goff = soff + nslots * snb
+    total = goff + (4 if scheme.two_level else 0)
+    P = np.zeros(K.P_LEN, dtype=np.int64)
+    P[K.M_CR] = cr
+    P[K.M_RAX] = r
+    P[K.M_RL] = rl
+    P[K.M_NF] = nf
+    P[K.M_BITS] = t.bits
+    P[K.M_WB] = wb
+    P[K.M_NRL] = nrl
+    P[K.M_NRUNS] = nrl * lines
+    P[K.M_NSLOTS] = nslots
+    P[K.M_N] = math.prod(shape)
+    P[K.M_PERT] = scheme.block is None
+    P[K.M_TWO] = scheme.two_level
+    P[K.M_SDT] = SDT_IDS.index(sdt)
+    P[K.M_SOFF] = soff
+    P[K.M_GOFF] = goff
+    P[K.M_METHOD] = 1 if method == "absmean" else 0
+    P[K.M_ISF] = t.is_float
+    P[K.M_MB] = t.man_bits
+    P[K.M_BIAS] = t.bias
+    P[K.M_SNB] = snb
+    P[K.M_KFIRST] = next((k for k in range(cr) if k != r), 0)
+    for name, vals in ((K.O_S, S), (K.O_B, B), (K.O_G, G), (K.O_XS, _row_major(S)),
+                       (K.O_WS, _row_major(W)), (K.O_GS, _row_major(G))):
+        P[name:name + cr] = vals
+    F = np.zeros(K.F_LEN, dtype=np.float32)
+    F[K.F_H] = scheme.half_range
+    F[K.F_M] = TWO_LEVEL_MAX.get(scheme.block.dtype.value, 1.0) if scheme.two_level else 1.0
+    F[K.F_QMIN] = t.qmin
+    F[K.F_QMAX] = t.qmax
+    F[K.F_FMAX] = t.qmax
+    return Plan(P, F, fused, int(P[K.M_N]), nslots, int(P[K.M_NRUNS]), values_nbytes, total)
+
+
+def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, chunk: int = MM_CHUNK) -> np.ndarray:
+    """The `Q` array of k_matmul for a weight [K, N] and m rows of x."""
+    k_, n_ = shape
+    full = layout.full_block(shape, scheme) or (k_, n_)
+    bk, bn = min(full[0], k_), min(full[1], n_)
+    store = scheme.store
+    Q = np.zeros(K.Q_LEN, dtype=np.int64)
+    if store.kind is StoreKind.NATIVE:
+        pa, nf, wb, bits = 1, 1, 1, 8
+    else:
+        pa = 1 if layout.packing_axis(shape, scheme) == 1 else 0
+        nf, wb, bits = layout.fields_per_word(scheme), store.word_bits // 8, scheme.bits
+    kc = -(-k_ // chunk)
+    Q[K.Q_M], Q[K.Q_K], Q[K.Q_N] = m, k_, n_
+    Q[K.Q_PA], Q[K.Q_NF], Q[K.Q_BITS], Q[K.Q_WB] = pa, nf, bits, wb
+    Q[K.Q_ROWB] = -(-n_ // nf) * wb
+    Q[K.Q_BK], Q[K.Q_BN], Q[K.Q_G1] = bk, bn, -(-n_ // bn)
+    Q[K.Q_KC], Q[K.Q_CHUNK], Q[K.Q_NG] = kc, chunk, -(-n_ // K.MM_COLS)
+    Q[K.Q_TWO] = scheme.two_level
+    return Q

@@ -1,0 +1,268 @@
+"""The `cuda` backend: Numba-CUDA kernels for every non-LOOKUP scheme (SPEC §4).
+
+A quantized tensor lives on the device as its portable payload (SPEC §3): one uint8 device
+array `[values][scales][global]` that the kernels write directly, so `into_data` is one copy to
+the host and `from_data` one copy to the device. numba is imported lazily: importing this module
+(and registering the backend) never touches a driver.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from qcore import layout
+from qcore.checks import check_input_dtype, raise_nonfinite, to_f32
+from qcore.errors import InputError
+from qcore.payload import QuantizedData
+from qcore.protocol import BaseBackend, QParams, Support
+from qcore.scheme import QuantScheme
+
+__all__ = ["CudaBackend", "CudaData", "cuda_status"]
+
+
+def cuda_status() -> tuple[bool, str]:
+    """(available, why) without raising: GPU, simulator, or the reason neither works."""
+    try:
+        from numba import cuda
+    except Exception as e:  # numba, numba-cuda or cuda-bindings missing
+        return False, f"numba.cuda import failed: {type(e).__name__}: {e}"
+    import numba
+
+    try:
+        if not cuda.is_available():
+            try:
+                cuda.get_current_device()
+            except Exception as e:  # CudaSupportError (an ImportError): no driver
+                return False, " ".join(str(e).split())
+            return False, "CUDA is not available"
+        if numba.config.ENABLE_CUDASIM:
+            return True, "CUDA simulator (NUMBA_ENABLE_CUDASIM=1): correct but slow, for tests"
+        dev = cuda.get_current_device()
+        name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+        cc = ".".join(map(str, dev.compute_capability))
+        return True, f"Numba-CUDA on {name} (compute capability {cc})"
+    except Exception as e:
+        return False, f"CUDA check failed: {type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def _k():
+    from . import kernels
+
+    return kernels
+
+
+def _cuda():
+    from numba import cuda
+
+    return cuda
+
+
+def _is_device_array(x: Any) -> bool:
+    return hasattr(x, "__cuda_array_interface__") or (
+        hasattr(x, "copy_to_host") and hasattr(x, "shape") and hasattr(x, "dtype")
+    )
+
+
+@dataclass(frozen=True)
+class CudaData:
+    """A quantized tensor on the device: its portable payload as one uint8 device array."""
+
+    shape: tuple[int, ...]
+    scheme: QuantScheme
+    payload: Any  # numba device array, uint8, the SPEC §3 bytes
+
+
+class CudaBackend(BaseBackend):
+    """Numba-CUDA kernels; every scheme except LOOKUP (SPEC §4)."""
+
+    name = "cuda"
+    priority = 30
+
+    @functools.cached_property
+    def _status(self) -> tuple[bool, str]:
+        return cuda_status()
+
+    def available(self) -> bool:
+        return self._status[0]
+
+    def describe(self) -> str:
+        return self._status[1]
+
+    def _supports(self, scheme: QuantScheme) -> Support:
+        if scheme.is_lookup:
+            return Support.no("LOOKUP (table) values have no cuda kernels; use the reference backend")
+        return Support.yes()
+
+    # ------------------------------------------------------------------ inputs
+    def _shape_dtype(self, x: Any) -> tuple[tuple[int, ...], np.dtype]:
+        if _is_device_array(x) and not isinstance(x, np.ndarray):
+            cai = getattr(x, "__cuda_array_interface__", None)
+            if cai is not None:
+                return tuple(cai["shape"]), np.dtype(cai["typestr"])
+            return tuple(x.shape), np.dtype(x.dtype)
+        return super()._shape_dtype(x)
+
+    def _device_f32(self, x: Any):
+        """A flat, contiguous float32 device array of `x`: zero-copy for contiguous float32 device
+        arrays; float16/float64 device arrays are converted on the device; host arrays copied."""
+        cuda, K = _cuda(), _k()
+        if _is_device_array(x) and not isinstance(x, np.ndarray):
+            d = x if hasattr(x, "copy_to_host") else cuda.as_cuda_array(x)
+            dt = check_input_dtype(d.dtype)
+            if not d.is_c_contiguous():
+                raise InputError("the cuda backend reads C-contiguous device arrays; pass x.contiguous() / a copy")
+            flat = d.reshape(d.size)
+            if dt == np.float32:
+                return flat
+            out = cuda.device_array(d.size, dtype=np.float32)
+            if d.size:
+                kern = {np.dtype(np.float16): K.k_convert_f16, np.dtype(np.float64): K.k_convert_f64}.get(dt)
+                if kern is None:
+                    raise InputError(f"cuda device inputs of dtype {dt} are not read; convert to float32 first")
+                kern[K.launch(d.size)](flat, out)
+            return out
+        return cuda.to_device(np.ascontiguousarray(to_f32(x)).reshape(-1))
+
+    def _raise_if_flagged(self, flag, xd, shape) -> None:
+        if int(flag.copy_to_host()[0]):
+            raise_nonfinite(xd.copy_to_host().reshape(shape))
+
+    # ------------------------------------------------------------------ quantize
+    def _scratch(self):
+        """Zeroed scratch on the device: f64 sum, f32 [g, max stat, amax, -], int32 flag."""
+        z = _cuda().to_device(np.zeros(4, dtype=np.float64))
+        return z[0:1], z[1:3].view(np.float32), z[3:4].view(np.int32)
+
+    def _run_quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str):
+        from . import _plan
+
+        cuda, K = _cuda(), _k()
+        shape = tuple(int(d) for d in self._shape_dtype(x)[0])
+        xd = self._device_f32(x)
+        n = int(np.prod(shape))
+        if n == 0:  # nothing to launch: the reference builds the (scale-only) payload
+            from qcore.reference import ReferenceBackend
+
+            data = ReferenceBackend()._quantize(np.zeros(shape, np.float32), scheme, params, method)
+            return None, CudaData(shape, scheme, cuda.to_device(np.frombuffer(data.payload, np.uint8).copy()))
+        pl = _plan.plan(shape, scheme, method)
+        P, F = cuda.to_device(pl.P), cuda.to_device(pl.F)
+        payload = cuda.device_array(pl.total_nbytes, dtype=np.uint8)
+        asum, fs, flag = self._scratch()
+        gbuf = fs
+        if params is None and pl.fused:
+            K.k_quant_fused[K.launch(pl.nruns)](xd, P, F, payload, flag)
+        else:
+            stored = cuda.device_array(pl.nslots, dtype=np.float32)
+            if params is not None:
+                P_h = pl.P.copy()
+                P_h[K.M_MODE] = 1
+                P = cuda.to_device(P_h)
+                raw = cuda.to_device(np.ascontiguousarray(params.scales, dtype=np.float32).reshape(-1))
+                gbuf = cuda.to_device(np.array([params.global_scale or 0.0, 0, 0, 0], dtype=np.float32))
+            elif scheme.block is None:
+                raw = fs[2:3]
+                K.k_tensor_stats[K.launch(n)](xd, raw, asum, flag)
+            else:
+                raw = cuda.device_array(pl.nslots, dtype=np.float32)
+                K.k_slot_stats[K.launch(pl.nslots)](xd, P, raw, fs[1:2], flag)
+            K.k_scales[K.launch(pl.nslots)](raw, asum, P, F, stored, gbuf, payload)
+            K.k_quant[K.launch(pl.nruns)](xd, P, F, stored, gbuf, payload, flag)
+        return (flag, xd), CudaData(shape, scheme, payload)
+
+    def _calibrate(self, x: Any, scheme: QuantScheme, method: str) -> QParams:
+        q = self._quantize(x, scheme, None, method)
+        d = self._into_data(q)
+        return QParams(d.scales(), d.global_scale())
+
+    def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> CudaData:
+        check, data = self._run_quantize(x, scheme, params, method)
+        if check is not None:
+            self._raise_if_flagged(check[0], check[1], data.shape)
+        return data
+
+    # ------------------------------------------------------------------ dequantize
+    def _decoded_scales(self, data: CudaData, pl):
+        cuda, K = _cuda(), _k()
+        scales = cuda.device_array(max(pl.nslots, 1), dtype=np.float32)
+        gbuf = cuda.device_array(1, dtype=np.float32)
+        K.k_decode_scales[K.launch(pl.nslots)](data.payload, cuda.to_device(pl.P), scales, gbuf)
+        return scales, gbuf
+
+    def _dequantize(self, data: CudaData, dtype: np.dtype) -> Any:
+        from . import _plan
+
+        cuda, K = _cuda(), _k()
+        n = int(np.prod(data.shape))
+        if dtype not in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)):
+            # bfloat16 has no numba device dtype: dequantize to f32 on the device, round on the host
+            return self.to_numpy(self._dequantize(data, np.dtype(np.float32))).astype(dtype)
+        out = cuda.device_array(n, dtype=dtype)
+        if n:
+            pl = _plan.plan(data.shape, data.scheme)
+            scales, gbuf = self._decoded_scales(data, pl)
+            lut = cuda.to_device(_plan.lut(data.scheme))
+            K.k_dequant[K.launch(pl.nruns)](data.payload, cuda.to_device(pl.P), lut, scales, gbuf, out)
+        return out.reshape(data.shape)
+
+    # ------------------------------------------------------------------ portable bytes
+    def _from_data(self, data: QuantizedData) -> CudaData:
+        buf = np.frombuffer(data.payload, dtype=np.uint8).copy()
+        return CudaData(data.shape, data.scheme, _cuda().to_device(buf))
+
+    def _into_data(self, data: CudaData) -> QuantizedData:
+        return QuantizedData(data.shape, data.scheme, data.payload.copy_to_host().tobytes())
+
+    def to_numpy(self, array: Any) -> np.ndarray:
+        if isinstance(array, np.ndarray):
+            return array
+        if hasattr(array, "copy_to_host"):
+            return array.copy_to_host()
+        if hasattr(array, "__cuda_array_interface__"):
+            return _cuda().as_cuda_array(array).copy_to_host()
+        return np.asarray(array)
+
+    # ------------------------------------------------------------------ fused matmul
+    def matmul(self, x: Any, w) -> Any:
+        """`x @ dequantize(w)` with the weight dequantized inside the kernel.
+
+        Orientation: `x` is float [..., K] (host or device), `w` a quantized [K, N] tensor on
+        this backend (K = reduction axis, rows of w); the result is a float32 device array
+        [..., N]. Each thread owns 8 output columns of one row of x and a 256-row k-chunk;
+        per-chunk partial sums are added in a fixed order (deterministic), f32 accumulation.
+        """
+        from . import _plan
+
+        w = self._own(w)
+        if len(w.shape) != 2:
+            raise InputError(f"matmul needs a 2-D weight [K, N], got shape {w.shape}")
+        cuda, K = _cuda(), _k()
+        xshape, xdt = self._shape_dtype(x)
+        if np.dtype(xdt).kind != "f":
+            raise InputError(f"matmul needs a float x, got {xdt}")
+        k_, n_ = w.shape
+        if len(xshape) < 1 or xshape[-1] != k_:
+            raise InputError(f"matmul shapes do not fit: x {tuple(xshape)} @ w {w.shape}")
+        m = int(np.prod(xshape[:-1]))
+        out_shape = tuple(xshape[:-1]) + (n_,)
+        out = cuda.device_array(m * n_, dtype=np.float32)
+        if m == 0 or n_ == 0:
+            return out.reshape(out_shape)
+        if k_ == 0:
+            return cuda.to_device(np.zeros(m * n_, np.float32)).reshape(out_shape)
+        xd = self._device_f32(x)
+        data: CudaData = w.data
+        pl = _plan.plan(w.shape, w.scheme)
+        scales, gbuf = self._decoded_scales(data, pl)
+        Q = _plan.matmul_geometry(w.shape, w.scheme, m)
+        kc = int(Q[K.Q_KC])
+        part = out if kc == 1 else cuda.device_array(kc * m * n_, dtype=np.float32)
+        lut = cuda.to_device(_plan.lut(w.scheme))
+        total = int(Q[K.Q_NG]) * m * kc
+        K.k_matmul[K.launch(total)](xd, data.payload, cuda.to_device(Q), lut, scales, gbuf, part)
+        if kc > 1:
+            K.k_sum_parts[K.launch(m * n_)](part, np.int64(kc), np.int64(m * n_), out)
+        return out.reshape(out_shape)

@@ -1,0 +1,670 @@
+"""Numba-CUDA kernels of the `cuda` backend (SPEC §2, §3).
+
+Kernels live at module level in a module that imports `numba.cuda` at the top: the CUDA
+simulator only swaps module-global names bound to `numba.cuda`, so kernels built in closures
+would not run there (shared/notes/numba-cuda.md). `backend.py` imports this module lazily.
+
+Every kernel is a grid-stride loop over work items (a run of elements, a scale slot, ...), with
+64-bit index arithmetic; its launch config comes from `launch()`. Geometry travels in a small
+int64 array `P` (layout below, built by `_plan.py`) and float constants in a float32 array `F`,
+so each kernel has one signature (`SIGNATURES`, compiled for sm_90 by the tests).
+
+No bit casts are needed: f32 bit patterns are read and written arithmetically with
+`frexp`/`ldexp`, which are exact, so the same code runs in the simulator and on a GPU. Every
+literal is cast (`int64(...)`, `float32(...)`): compiled numba and the simulator's NumPy scalars
+promote differently otherwise.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# numba-cuda 0.30.4 registers `np.row_stack`, which numpy 2.5 removed, so no kernel compiles
+# under numpy >= 2.5 without this alias (NVIDIA/numba-cuda#907, closed as won't-fix).
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+
+from numba import config, cuda, float32, float64, int32, int64  # noqa: E402
+
+# ----------------------------------------------------------------------------- P layout
+MAXR = 12  # canonical rank limit (after merging axes; see _plan.py)
+(M_CR, M_RAX, M_RL, M_NF, M_BITS, M_WB, M_NRL, M_NRUNS, M_NSLOTS, M_N, M_PERT, M_TWO, M_SDT,
+ M_SOFF, M_GOFF, M_METHOD, M_ISF, M_MB, M_BIAS, M_SNB, M_KFIRST, M_MODE) = range(22)
+O_S = 24            # extents of the canonical axes
+O_B = O_S + MAXR    # block extents (per-tensor: the extents themselves)
+O_G = O_B + MAXR    # block-grid extents ceil(S / B)
+O_XS = O_G + MAXR   # element strides (row-major)
+O_WS = O_XS + MAXR  # word strides (row-major over the words shape)
+O_GS = O_WS + MAXR  # slot strides (row-major over the grid)
+P_LEN = O_GS + MAXR
+# F layout
+F_H, F_M, F_QMIN, F_QMAX, F_FMAX = range(5)
+F_LEN = 8
+# scale dtype ids (SPEC §1): the order of `SDT_IDS` in _plan.py
+SDT_F32, SDT_F16, SDT_BF16, SDT_UE8M0, SDT_UE4M3 = range(5)
+
+# float32 constants of SPEC §2.2-2.3, exact
+TINY = 1.17549435e-38           # smallest normal f32: floor of a two-level global scale
+P2_M14 = 6.103515625e-05        # 2**-14, smallest normal f16
+P2_M6 = 0.015625                # 2**-6, smallest normal e4m3
+P2_M126 = 1.1754943508222875e-38
+P2_M127 = 5.877471754111438e-39
+P2_127 = 1.7014118346046923e38
+BF16_MAX = 3.3895313892515355e38
+F16_MAX = 65504.0
+UE4M3_MAX = 448.0
+
+
+def launch(n: int) -> tuple[int, int]:
+    """(blocks, threads) for `n` work items of a grid-stride kernel; never 0 (callers skip n == 0).
+
+    Under the simulator the cost is per launched thread, so the grid stays tiny (2 x 32) and the
+    loops stride; on a GPU it is ~4 waves of 256-thread blocks over 132 SMs at most.
+    """
+    if config.ENABLE_CUDASIM:
+        return (max(1, min(2, -(-n // 32))), 32)
+    tpb = 256
+    return (max(1, min(-(-n // tpb), 132 * 16)), tpb)
+
+
+# ----------------------------------------------------------------------------- device math
+if config.ENABLE_CUDASIM:
+    def ldexp(x, e):
+        """x * 2**e; the simulator's math.ldexp refuses NumPy ints."""
+        return np.float32(math.ldexp(float(x), int(e)))
+else:
+    @cuda.jit(device=True, inline="always")
+    def ldexp(x, e):
+        """x * 2**e (exact); libdevice ldexpf takes an int32 exponent."""
+        return math.ldexp(x, int32(e))
+
+
+@cuda.jit(device=True, inline="always")
+def mf_code(a, mb, bias):
+    """Code of `a >= 0` (finite) in a sign-less float with `mb` mantissa bits and `bias`:
+    nearest value, ties to the even code, subnormals included (SPEC §2.5). Exact: frexp/ldexp
+    move exponents only, and `round` is round-half-even."""
+    if a < ldexp(float32(1.0), (int64(1) - bias)):
+        return int64(round(ldexp(a, (bias + mb - int64(1)))))
+    m, e = math.frexp(a)  # a = m * 2**e, m in [0.5, 1)
+    q = int64(round(ldexp(m, (mb + int64(1)))))  # 2**mb .. 2**(mb+1) (carry = next binade)
+    return ((int64(e) - int64(2) + bias) << mb) + q
+
+
+@cuda.jit(device=True, inline="always")
+def mf_value(c, mb, bias):
+    """float32 value of code `c` of a sign-less float (inverse of `mf_code`)."""
+    ex = c >> mb
+    f = c & ((int64(1) << mb) - int64(1))
+    if ex == 0:
+        return float32(ldexp(float32(f), (int64(1) - bias - mb)))
+    return float32(ldexp(float32(f + (int64(1) << mb)), ex - bias - mb))
+
+
+@cuda.jit(device=True, inline="always")
+def round_sig_up(s, p):
+    """Round `s > 0` up to `p` significant bits: `(bits + add) & mask` of SPEC §2.3."""
+    m, e = math.frexp(s)
+    q = math.ceil(ldexp(m, p))
+    return float32(ldexp(float32(q), (int64(e) - p)))
+
+
+@cuda.jit(device=True, inline="always")
+def grid_up(s, k):
+    """`ceil(s / 2**-k) * 2**-k`: the subnormal range of a narrow scale dtype (SPEC §2.3)."""
+    return float32(ldexp(float32(math.ceil(ldexp(s, k))), -k))
+
+
+@cuda.jit(device=True, inline="always")
+def round_up(s, sdt):
+    """Round a raw scale `s >= 0` UP to scale dtype `sdt`, never down (SPEC §2.3)."""
+    if sdt == SDT_F32:
+        return s
+    if sdt == SDT_UE8M0:  # the next power of two at or above s; no zero
+        if s <= float32(P2_M127):
+            return float32(P2_M127)
+        if s >= float32(P2_127):
+            return float32(P2_127)
+        return round_sig_up(s, int64(1))
+    if s == float32(0.0):
+        return s
+    if sdt == SDT_F16:
+        if s >= float32(F16_MAX):
+            return float32(F16_MAX)
+        if s < float32(P2_M14):
+            return grid_up(s, int64(24))
+        return round_sig_up(s, int64(11))
+    if sdt == SDT_BF16:
+        if s >= float32(BF16_MAX):
+            return float32(BF16_MAX)
+        if s < float32(P2_M126):
+            return grid_up(s, int64(133))
+        return round_sig_up(s, int64(8))
+    # UE4M3
+    if s >= float32(UE4M3_MAX):
+        return float32(UE4M3_MAX)
+    if s < float32(P2_M6):
+        return grid_up(s, int64(9))
+    return round_sig_up(s, int64(4))
+
+
+@cuda.jit(device=True, inline="always")
+def scale_code(s, sdt):
+    """The stored word of an (already rounded-up) scale: f32/f16/bf16 bits, UE8M0 exponent byte,
+    UE4M3 code (SPEC §1, §3)."""
+    if sdt == SDT_F32:
+        return mf_code(s, int64(23), int64(127))
+    if sdt == SDT_F16:
+        return mf_code(s, int64(10), int64(15))
+    if sdt == SDT_BF16:  # BF16 = top 16 bits of f32
+        return mf_code(s, int64(23), int64(127)) >> int64(16)
+    if sdt == SDT_UE8M0:  # s = 2**k -> byte k + 127 (2**-127 -> 0)
+        m, e = math.frexp(s)
+        return int64(e) + int64(126)
+    return mf_code(s, int64(3), int64(7))
+
+
+@cuda.jit(device=True, inline="always")
+def scale_value(c, sdt):
+    """float32 value of a stored scale word (inverse of `scale_code`)."""
+    if sdt == SDT_F32:
+        return mf_value(c, int64(23), int64(127))
+    if sdt == SDT_F16:
+        return mf_value(c, int64(10), int64(15))
+    if sdt == SDT_BF16:
+        return mf_value(c << int64(16), int64(23), int64(127))
+    if sdt == SDT_UE8M0:
+        return float32(ldexp(float32(1.0), (c - int64(127))))
+    return mf_value(c, int64(3), int64(7))
+
+
+@cuda.jit(device=True, inline="always")
+def encode(y, isf, qmin, qmax, fmax, mb, bias, bits):
+    """The `bits`-wide field of `y = x / e` (SPEC §2.5). Integers: clamp then round half to even
+    (same as clamp(rint)); minifloats: saturate at ±max, nearest, ties to even, sign of y."""
+    if isf:
+        c = mf_code(min(abs(y), fmax), mb, bias)
+        if math.copysign(float32(1.0), y) < float32(0.0):
+            c |= int64(1) << (bits - int64(1))
+        return c
+    q = int64(round(min(max(y, qmin), qmax)))
+    return q & ((int64(1) << bits) - int64(1))
+
+
+@cuda.jit(device=True, inline="always")
+def put_le(buf, off, word, nbytes):
+    """Write the low `nbytes` bytes of `word` little-endian at byte `off`."""
+    for i in range(nbytes):
+        buf[off + i] = (word >> (int64(8) * i)) & int64(0xFF)
+
+
+@cuda.jit(device=True, inline="always")
+def get_le(buf, off, nbytes):
+    w = int64(0)
+    for i in range(nbytes):
+        w |= int64(buf[off + i]) << (int64(8) * i)
+    return w
+
+
+@cuda.jit(device=True, inline="always")
+def two_level_g(gstat, h, mx):
+    """SPEC §2.2: g = max(max_b s_b / M, tiny); max_b(stat_b / h) == (max_b stat_b) / h exactly,
+    since correctly rounded division by h > 0 is monotone."""
+    return max(float32(float32(gstat / h) / mx), float32(TINY))
+
+
+@cuda.jit(device=True, inline="always")
+def run_origin(P, t):
+    """Run `t` -> (x offset, word offset, slot base, position along the run axis, element count).
+
+    A run is `RL` consecutive elements of one line along the run axis r (the packing axis, or
+    the blocked/last axis for Native); the slot base sums the other axes' grid coordinates.
+    """
+    cr = P[M_CR]
+    r = P[M_RAX]
+    nrl = P[M_NRL]
+    line = t // nrl
+    j = t - line * nrl
+    kfirst = P[M_KFIRST]
+    xo = int64(0)
+    wo = int64(0)
+    sb = int64(0)
+    k = cr - int64(1)
+    while k >= kfirst:
+        if k != r:
+            if k == kfirst:
+                i = line
+            else:
+                ext = P[O_S + k]
+                i = line % ext
+                line = line // ext
+            xo += i * P[O_XS + k]
+            wo += i * P[O_WS + k]
+            sb += (i // P[O_B + k]) * P[O_GS + k]
+        k -= int64(1)
+    p0 = j * P[M_RL]
+    cnt = min(P[M_RL], P[O_S + r] - p0)
+    return xo, wo, sb, p0, cnt
+
+
+# ----------------------------------------------------------------------------- kernels
+@cuda.jit
+def k_convert_f16(src, dst):
+    """float16 -> float32 (exact)."""
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, dst.size, step):
+        dst[i] = float32(src[i])
+
+
+@cuda.jit
+def k_convert_f64(src, dst):
+    """float64 -> float32 (round to nearest even, as numpy's astype)."""
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, dst.size, step):
+        dst[i] = float32(src[i])
+
+
+@cuda.jit
+def k_tensor_stats(x, amax, asum, flag):
+    """Per-tensor statistic: max |x| into amax[0] and sum |x| (f64) into asum[0] (SPEC §2.1);
+    flag[0] = 1 on any NaN/Inf. One shared-memory atomic per thread, one global per block."""
+    sh_max = cuda.shared.array(1, float32)
+    sh_sum = cuda.shared.array(1, float64)
+    if cuda.threadIdx.x == 0:
+        sh_max[0] = float32(0.0)
+        sh_sum[0] = float64(0.0)
+    cuda.syncthreads()
+    m = float32(0.0)
+    s = float64(0.0)
+    bad = False
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, x.size, step):
+        v = x[i]
+        if not math.isfinite(v):  # flagged; 0 keeps the rest of the kernel finite
+            bad = True
+            v = float32(0.0)
+        a = abs(v)
+        m = max(m, a)
+        s += float64(a)
+    if bad:
+        flag[0] = int32(1)
+    cuda.atomic.max(sh_max, 0, m)
+    cuda.atomic.add(sh_sum, 0, s)
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        cuda.atomic.max(amax, 0, sh_max[0])
+        cuda.atomic.add(asum, 0, sh_sum[0])
+
+
+@cuda.jit
+def k_slot_stats(x, P, stat, gstat, flag):
+    """Per block slot: max |x| or mean |x| (f64 sum, one f32 rounding) over its elements, edge
+    blocks cropped (SPEC §2.1); gstat[0] = max over slots (for two-level). Thread per slot."""
+    idx = cuda.local.array(MAXR, int64)
+    ext = cuda.local.array(MAXR, int64)
+    cr = P[M_CR]
+    absmean = P[M_METHOD] == 1
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    gm = float32(0.0)
+    bad = False
+    for sl in range(start, P[M_NSLOTS], step):
+        rem = sl
+        xo = int64(0)
+        cnt = int64(1)
+        k = cr - int64(1)
+        while k >= 0:
+            g = rem % P[O_G + k]
+            rem = rem // P[O_G + k]
+            i0 = g * P[O_B + k]
+            c = min(P[O_B + k], P[O_S + k] - i0)
+            ext[k] = c
+            idx[k] = int64(0)
+            xo += i0 * P[O_XS + k]
+            cnt *= c
+            k -= int64(1)
+        m = float32(0.0)
+        s = float64(0.0)
+        off = xo
+        for _ in range(cnt):
+            v = x[off]
+            if not math.isfinite(v):  # flagged; 0 keeps the rest of the kernel finite
+                bad = True
+                v = float32(0.0)
+            a = abs(v)
+            m = max(m, a)
+            s += float64(a)
+            k = cr - int64(1)
+            while k >= 0:  # odometer step over the box
+                idx[k] += int64(1)
+                off += P[O_XS + k]
+                if idx[k] < ext[k]:
+                    break
+                off -= ext[k] * P[O_XS + k]
+                idx[k] = int64(0)
+                k -= int64(1)
+        if absmean:
+            m = float32(s / float64(cnt))
+        stat[sl] = m
+        gm = max(gm, m)
+    if bad:
+        flag[0] = int32(1)
+    if P[M_TWO] != 0:
+        cuda.atomic.max(gstat, 0, gm)
+
+
+@cuda.jit
+def k_scales(raw, asum, P, F, stored, gbuf, payload):
+    """Scale slots -> stored scales (f32) and their payload bytes (SPEC §2.1-2.3, §3).
+
+    MODE 0: raw = statistic per slot (per-tensor: amax in raw[0], f64 sum in asum[0]);
+    s = stat / h, two-level s /= g (g from gbuf[1] = max statistic), round up.
+    MODE 1: raw = explicit stored scales (already rounded by the core), g in gbuf[0].
+    Two-level: gbuf[0] = g and its f32 bytes follow the scales.
+    """
+    sdt = P[M_SDT]
+    snb = P[M_SNB]
+    soff = P[M_SOFF]
+    two = P[M_TWO] != 0
+    explicit = P[M_MODE] == 1
+    h = F[F_H]
+    g = float32(0.0)
+    if two:
+        if explicit:
+            g = gbuf[0]
+        else:
+            g = two_level_g(gbuf[1], h, F[F_M])
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for sl in range(start, P[M_NSLOTS], step):
+        if explicit:
+            st = raw[sl]
+        else:
+            if P[M_PERT] != 0 and P[M_METHOD] == 1:
+                stat = float32(asum[0] / float64(P[M_N]))
+            else:
+                stat = raw[sl]
+            s = float32(stat / h)
+            if two:
+                s = float32(s / g)
+            st = round_up(s, sdt)
+        stored[sl] = st
+        put_le(payload, soff + sl * snb, scale_code(st, sdt), snb)
+    if two and start == 0:
+        gbuf[0] = g
+        put_le(payload, P[M_GOFF], scale_code(g, int64(SDT_F32)), int64(4))
+
+
+@cuda.jit
+def k_quant(x, P, F, stored, gbuf, payload, flag):
+    """Quantize and pack with given stored scales (SPEC §2.4-2.5, §3). Thread per run of RL
+    elements (whole words) along the run axis; e = s, or g * s_b (one f32 multiply)."""
+    r = P[M_RAX]
+    nf = P[M_NF]
+    bits = P[M_BITS]
+    wb = P[M_WB]
+    br = P[O_B + r]
+    xsr = P[O_XS + r]
+    wsr = P[O_WS + r]
+    gsr = P[O_GS + r]
+    two = P[M_TWO] != 0
+    isf = P[M_ISF] != 0
+    mb = P[M_MB]
+    bias = P[M_BIAS]
+    qmin = F[F_QMIN]
+    qmax = F[F_QMAX]
+    fmax = F[F_FMAX]
+    g = gbuf[0]
+    bad = False
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for t in range(start, P[M_NRUNS], step):
+        xo, wo, sb, p0, cnt = run_origin(P, t)
+        gi = p0 // br
+        rem = p0 - gi * br
+        e = stored[sb + gi * gsr]
+        if two:
+            e = g * e
+        nw = (cnt + nf - int64(1)) // nf
+        wi = p0 // nf
+        u = int64(0)
+        for w in range(nw):
+            word = int64(0)
+            for f in range(nf):
+                if u < cnt:
+                    if rem == br:
+                        gi += int64(1)
+                        rem = int64(0)
+                        e = stored[sb + gi * gsr]
+                        if two:
+                            e = g * e
+                    v = x[xo + (p0 + u) * xsr]
+                    if not math.isfinite(v):  # flagged; 0 keeps the rest of the kernel finite
+                        bad = True
+                        v = float32(0.0)
+                    y = float32(0.0)
+                    if e != float32(0.0):
+                        y = v / e
+                    word |= encode(y, isf, qmin, qmax, fmax, mb, bias, bits) << (f * bits)
+                    u += int64(1)
+                    rem += int64(1)
+            put_le(payload, (wo + (wi + w) * wsr) * wb, word, wb)
+    if bad:
+        flag[0] = int32(1)
+
+
+@cuda.jit
+def k_quant_fused(x, P, F, payload, flag):
+    """Calibrate and quantize one block slot per run, in one pass (SPEC §2.1-2.5, §3): the run
+    is exactly the block (one-level, block along the run axis only, whole words per block)."""
+    r = P[M_RAX]
+    nf = P[M_NF]
+    bits = P[M_BITS]
+    wb = P[M_WB]
+    xsr = P[O_XS + r]
+    wsr = P[O_WS + r]
+    gsr = P[O_GS + r]
+    isf = P[M_ISF] != 0
+    mb = P[M_MB]
+    bias = P[M_BIAS]
+    sdt = P[M_SDT]
+    snb = P[M_SNB]
+    soff = P[M_SOFF]
+    absmean = P[M_METHOD] == 1
+    h = F[F_H]
+    qmin = F[F_QMIN]
+    qmax = F[F_QMAX]
+    fmax = F[F_FMAX]
+    rl = P[M_RL]
+    bad = False
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for t in range(start, P[M_NRUNS], step):
+        xo, wo, sb, p0, cnt = run_origin(P, t)
+        base = xo + p0 * xsr
+        m = float32(0.0)
+        s = float64(0.0)
+        for u in range(cnt):
+            v = x[base + u * xsr]
+            if not math.isfinite(v):  # flagged; 0 keeps the rest of the kernel finite
+                bad = True
+                v = float32(0.0)
+            a = abs(v)
+            m = max(m, a)
+            s += float64(a)
+        if absmean:
+            m = float32(s / float64(cnt))
+        e = round_up(float32(m / h), sdt)
+        put_le(payload, soff + (sb + (p0 // rl) * gsr) * snb, scale_code(e, sdt), snb)
+        nw = (cnt + nf - int64(1)) // nf
+        wi = p0 // nf
+        for w in range(nw):
+            word = int64(0)
+            for f in range(nf):
+                u = w * nf + f
+                if u < cnt:
+                    v = x[base + u * xsr]
+                    y = float32(0.0)
+                    if e != float32(0.0) and math.isfinite(v):
+                        y = v / e
+                    word |= encode(y, isf, qmin, qmax, fmax, mb, bias, bits) << (f * bits)
+            put_le(payload, (wo + (wi + w) * wsr) * wb, word, wb)
+    if bad:
+        flag[0] = int32(1)
+
+
+@cuda.jit
+def k_decode_scales(payload, P, scales, gbuf):
+    """Stored scale words -> float32 (and the two-level global into gbuf[0])."""
+    sdt = P[M_SDT]
+    snb = P[M_SNB]
+    soff = P[M_SOFF]
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for sl in range(start, P[M_NSLOTS], step):
+        scales[sl] = scale_value(get_le(payload, soff + sl * snb, snb), sdt)
+    if start == 0:
+        gbuf[0] = float32(1.0)
+        if P[M_TWO] != 0:
+            gbuf[0] = scale_value(get_le(payload, P[M_GOFF], int64(4)), int64(SDT_F32))
+
+
+@cuda.jit
+def k_dequant(payload, P, lut, scales, gbuf, out):
+    """Unpack codes and scale: x' = decode(q) * e in f32, stored in out's dtype (SPEC §2.6).
+    Thread per run, same runs as k_quant."""
+    r = P[M_RAX]
+    nf = P[M_NF]
+    bits = P[M_BITS]
+    wb = P[M_WB]
+    br = P[O_B + r]
+    xsr = P[O_XS + r]
+    wsr = P[O_WS + r]
+    gsr = P[O_GS + r]
+    two = P[M_TWO] != 0
+    mask = (int64(1) << bits) - int64(1)
+    g = gbuf[0]
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for t in range(start, P[M_NRUNS], step):
+        xo, wo, sb, p0, cnt = run_origin(P, t)
+        gi = p0 // br
+        rem = p0 - gi * br
+        e = scales[sb + gi * gsr]
+        if two:
+            e = g * e
+        nw = (cnt + nf - int64(1)) // nf
+        wi = p0 // nf
+        u = int64(0)
+        for w in range(nw):
+            word = get_le(payload, (wo + (wi + w) * wsr) * wb, wb)
+            for f in range(nf):
+                if u < cnt:
+                    if rem == br:
+                        gi += int64(1)
+                        rem = int64(0)
+                        e = scales[sb + gi * gsr]
+                        if two:
+                            e = g * e
+                    out[xo + (p0 + u) * xsr] = lut[(word >> (f * bits)) & mask] * e
+                    u += int64(1)
+                    rem += int64(1)
+
+
+# matmul geometry (int64 array Q)
+(Q_M, Q_K, Q_N, Q_PA, Q_NF, Q_BITS, Q_WB, Q_ROWB, Q_BK, Q_BN, Q_G1, Q_KC, Q_CHUNK, Q_NG, Q_TWO) = range(15)
+Q_LEN = 16
+MM_COLS = 8  # output columns per thread
+
+
+@cuda.jit
+def k_matmul(x, payload, Q, lut, scales, gbuf, part):
+    """Fused dequantize-matmul partial sums: part[kc, m, n] = sum over the k-chunk kc of
+    x[m, k] * decode(w[k, n]) * e[k, n] (f32). Thread per (8 columns, row m, k-chunk); the
+    column group varies fastest so a warp reads consecutive bytes of one weight row."""
+    acc = cuda.local.array(MM_COLS, float32)
+    sc = cuda.local.array(MM_COLS, int64)
+    M = Q[Q_M]
+    K = Q[Q_K]
+    N = Q[Q_N]
+    pa_n = Q[Q_PA] == 1  # packing along N (or Native)
+    nf = Q[Q_NF]
+    bits = Q[Q_BITS]
+    wb = Q[Q_WB]
+    rowb = Q[Q_ROWB]
+    bk = Q[Q_BK]
+    bn = Q[Q_BN]
+    g1 = Q[Q_G1]
+    chunk = Q[Q_CHUNK]
+    ng = Q[Q_NG]
+    two = Q[Q_TWO] != 0
+    g = gbuf[0]
+    mask = (int64(1) << bits) - int64(1)
+    total = ng * M * Q[Q_KC]
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for t in range(start, total, step):
+        cg = t % ng
+        rest = t // ng
+        m = rest % M
+        kc = rest // M
+        n0 = cg * int64(MM_COLS)
+        for c in range(MM_COLS):
+            acc[c] = float32(0.0)
+            sc[c] = (n0 + c) // bn
+        k0 = kc * chunk
+        k1 = min(K, k0 + chunk)
+        kb = k0 // bk
+        krem = k0 - kb * bk
+        for k in range(k0, k1):
+            if krem == bk:
+                kb += int64(1)
+                krem = int64(0)
+            xv = x[m * K + k]
+            for c in range(MM_COLS):
+                n = n0 + c
+                if n < N:
+                    if pa_n:
+                        bitpos = n * bits
+                        byte = k * rowb + (bitpos >> int64(3))
+                    else:
+                        f = k % nf
+                        bitpos = f * bits
+                        byte = ((k // nf) * N + n) * wb + (bitpos >> int64(3))
+                    code = (int64(payload[byte]) >> (bitpos & int64(7))) & mask
+                    e = scales[kb * g1 + sc[c]]
+                    if two:
+                        e = g * e
+                    acc[c] += xv * (lut[code] * e)
+            krem += int64(1)
+        base = (kc * M + m) * N
+        for c in range(MM_COLS):
+            if n0 + c < N:
+                part[base + n0 + c] = acc[c]
+
+
+@cuda.jit
+def k_sum_parts(part, kc, mn, out):
+    """out[i] = sum over k-chunks of part[kc, i] (fixed order: deterministic)."""
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, mn, step):
+        s = float32(0.0)
+        for c in range(kc):
+            s += part[c * mn + i]
+        out[i] = s
+
+
+# Every kernel with every signature the backend launches it with (compiled for sm_90 by
+# tests/test_cuda.py::test_kernels_compile_for_sm90).
+_A = "{}[::1]"
+SIGNATURES: dict[str, list[str]] = {
+    "k_convert_f16": ["void(float16[::1], float32[::1])"],
+    "k_convert_f64": ["void(float64[::1], float32[::1])"],
+    "k_tensor_stats": ["void(float32[::1], float32[::1], float64[::1], int32[::1])"],
+    "k_slot_stats": ["void(float32[::1], int64[::1], float32[::1], float32[::1], int32[::1])"],
+    "k_scales": ["void(float32[::1], float64[::1], int64[::1], float32[::1], float32[::1], float32[::1], "
+                 "uint8[::1])"],
+    "k_quant": ["void(float32[::1], int64[::1], float32[::1], float32[::1], float32[::1], uint8[::1], "
+                "int32[::1])"],
+    "k_quant_fused": ["void(float32[::1], int64[::1], float32[::1], uint8[::1], int32[::1])"],
+    "k_decode_scales": ["void(uint8[::1], int64[::1], float32[::1], float32[::1])"],
+    "k_dequant": [f"void(uint8[::1], int64[::1], float32[::1], float32[::1], float32[::1], {t}[::1])"
+                  for t in ("float32", "float16", "float64")],
+    "k_matmul": ["void(float32[::1], uint8[::1], int64[::1], float32[::1], float32[::1], float32[::1], "
+                 "float32[::1])"],
+    "k_sum_parts": ["void(float32[::1], int64, int64, float32[::1])"],
+}

@@ -1,0 +1,395 @@
+"""The `cuda` backend (backends/cuda) against the reference, bit for bit (SPEC §2, §3).
+
+CI runs this on Numba's CUDA simulator (tests/conftest.py), with small tensors: the simulator
+pays per launched thread. On a GPU (`NUMBA_ENABLE_CUDASIM=0`) the same tests also run larger
+shapes and a tensor of more than 2**31 elements. `test_kernels_compile_for_sm90` compiles every
+kernel with every signature the backend uses for a real GPU (no driver needed).
+
+Test ids are the scheme text plus the shape, e.g. `q4s/block32:f16-(5, 70)`.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import qcore
+from qcore import QParams, QuantizedData
+from qcore.errors import InputError, UnsupportedSchemeError
+from qcore.reference import ReferenceBackend
+
+REF = ReferenceBackend()
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+INT_VALUES = ["q8f", "q8s", "q4f", "q4s", "q2f", "q2s"]
+FLOAT_VALUES = ["e4m3", "e5m2", "e2m1"]
+SCALE_DTYPES = ["f32", "f16", "bf16", "ue8m0", "ue4m3"]
+
+
+def _levels():
+    """Scale levels: per-tensor in every dtype, block32 in every dtype, a 2-D block, two-level."""
+    out = [""] + [f"tensor:{d}" for d in SCALE_DTYPES if d != "f32"]
+    out += [f"block32:{d}" for d in SCALE_DTYPES]
+    out += ["block4x8:bf16", "block3:f32", "block16:ue4m3/tensor:f32", "block16:f16/tensor:f32"]
+    return out
+
+
+def _stores(value):
+    if qcore.scheme(value).bits == 8:
+        return [""]
+    return ["", "packed_native", "packed_u32:1", "packed_native:1"]
+
+
+def _schemes():
+    out = []
+    for v in INT_VALUES + FLOAT_VALUES:
+        for lv in _levels():
+            for st in _stores(v):
+                out.append("/".join(p for p in (v, lv, st) if p))
+    return out
+
+
+SCHEMES = _schemes()
+# Shapes, picked on purpose: ragged lengths (not multiples of 8, 16 or 32), partial edge blocks
+# on every blocked axis, rank 1 to 4, a single element, and empty tensors (no launch at all).
+SHAPES_A = [(5, 70), (3, 4, 33), (2, 3, 5, 17), (33, 9), (6, 40)]
+SHAPES_B = [(70,), (1, 1), (0, 8), (3, 1), (7, 0, 3), (129,)]
+# On a GPU the same schemes also run these (more than one wave of runs, odd extents).
+SHAPES_GPU = [(257, 1031), (4, 33, 130)]
+
+
+def _fits(shape, text):
+    s = qcore.scheme(text)
+    rank = len(shape)
+    if s.block is not None and len(s.block.dims) > rank:
+        return False
+    return s.store.dim < rank
+
+
+def _cases():
+    cases = []
+    for i, text in enumerate(SCHEMES):
+        picks = [SHAPES_A[i % len(SHAPES_A)], SHAPES_B[i % len(SHAPES_B)]]
+        if not SIM:
+            picks += SHAPES_GPU
+        for shape in picks:
+            if not _fits(shape, text):
+                shape = (6, 40)
+            cases.append(pytest.param(text, shape, id=f"{text}-{shape}"))
+    return cases
+
+
+def _x(shape, seed=0, scale=3.0):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * scale).astype(np.float32)
+    if x.size > 3:  # exact zeros, a tiny value and an exact tie to exercise rounding edges
+        flat = x.reshape(-1)
+        flat[0] = 0.0
+        flat[1] = -0.0
+        flat[2] = np.float32(1e-30)
+    return x
+
+
+def assert_same_bytes(got: bytes, want: bytes, what: str) -> None:
+    """Bit-exact comparison; on failure: count of differing bytes, the first index, both values."""
+    a, b = np.frombuffer(got, np.uint8), np.frombuffer(want, np.uint8)
+    if a.shape != b.shape:
+        pytest.fail(f"{what}: {a.size} bytes, reference has {b.size}")
+    bad = np.flatnonzero(a != b)
+    if bad.size:
+        i = int(bad[0])
+        pytest.fail(f"{what}: {bad.size} of {a.size} bytes differ; first at byte {i}: "
+                    f"cuda 0x{a[i]:02x}, reference 0x{b[i]:02x}")
+
+
+def assert_same_floats(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Equal bit patterns, except that any NaN equals any NaN (NaN codes of E4M3/E5M2)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
+    ub = {2: np.uint16, 4: np.uint32, 8: np.uint64}[got.dtype.itemsize]
+    g, w = got.reshape(-1), want.reshape(-1)
+    gn, wn = np.isnan(g.astype(np.float64)), np.isnan(w.astype(np.float64))
+    bad = np.flatnonzero((g.view(ub) != w.view(ub)) & ~(gn & wn))
+    if bad.size:
+        i = int(bad[0])
+        pytest.fail(f"{what}: {bad.size} of {g.size} values differ; first at flat index {i}: "
+                    f"cuda {g[i]!r} (0x{int(g.view(ub)[i]):x}), reference {w[i]!r} (0x{int(w.view(ub)[i]):x})")
+
+
+# ----------------------------------------------------------------------------- bit-exactness
+@pytest.mark.parametrize("text, shape", _cases())
+def test_quantize_dequantize_bit_exact(cuda_backend, text, shape):
+    """Calibrate + quantize: payload bytes (codes, scales, global) identical to the reference;
+    dequantize: identical float32 bits (SPEC §2, §3)."""
+    x = _x(shape, seed=len(text) + sum(shape))
+    q = cuda_backend.quantize(x, text)
+    d = cuda_backend.into_data(q)
+    want = REF.into_data(REF.quantize(x, text))
+    assert_same_bytes(d.payload, want.payload, f"payload of {text} on {shape}")
+    y = cuda_backend.dequantize(q)
+    assert not isinstance(y, np.ndarray), "dequantize returns a device array"
+    assert_same_floats(cuda_backend.to_numpy(y), REF.dequantize(REF.from_data(want)), "dequantize")
+
+
+@pytest.mark.parametrize("text", ["q8s", "q4s/block32:f16", "e2m1/block16:ue4m3/tensor:f32/packed_native",
+                                  "q2f/block4x8:ue8m0/packed_u32:1", "e5m2/tensor:bf16"])
+def test_absmean_calibration(cuda_backend, text):
+    """absmean (mean |x|, f64 sum, one f32 rounding) per block and per tensor (SPEC §2.1)."""
+    x = _x((6, 70), seed=3)
+    got = cuda_backend.into_data(cuda_backend.quantize(x, text, method="absmean"))
+    want = REF.into_data(REF.quantize(x, text, method="absmean"))
+    assert_same_bytes(got.payload, want.payload, f"absmean payload of {text}")
+    assert cuda_backend.calibrate(x, text, method="absmean") == REF.calibrate(x, text, method="absmean")
+
+
+@pytest.mark.parametrize("sdt", SCALE_DTYPES)
+@pytest.mark.parametrize("exp", [-140, -128, -100, -20, -8, 0, 12, 20, 100, 126])
+def test_scale_round_up_across_magnitudes(cuda_backend, sdt, exp):
+    """Scales from 2**-140 to 2**126 hit every round-up branch: subnormal grids, clamps at the
+    dtype max, UE8M0's 2**-127 floor (SPEC §2.3)."""
+    x = (_x((4, 64), seed=exp + 200, scale=1.0).astype(np.float64) * 2.0 ** exp).astype(np.float32)
+    for text in (f"q8s/block32:{sdt}", f"e4m3/tensor:{sdt}"):
+        got = cuda_backend.calibrate(x, text)
+        want = REF.calibrate(x, text)
+        assert got == want, f"{text} at 2**{exp}: cuda {got.scales.ravel()[:4]}, reference {want.scales.ravel()[:4]}"
+
+
+@pytest.mark.parametrize("value", INT_VALUES + FLOAT_VALUES)
+def test_every_code_and_midpoint(cuda_backend, value):
+    """With scale 1, y = x: every representable value, every midpoint between neighbours (ties
+    to even), values beyond max (saturate), and -0 encode exactly as the reference (SPEC §2.5)."""
+    t = qcore.scheme(value).traits
+    if t.is_float:
+        mags = t.magnitudes.astype(np.float64)
+    else:
+        mags = np.arange(0, max(abs(t.qmin), t.qmax) + 1, dtype=np.float64)
+    mids = (mags[1:] + mags[:-1]) / 2
+    pts = np.concatenate([mags, mids, mids * (1 + 1e-6), mids * (1 - 1e-6), [t.qmax * 1.01, t.qmax * 9]])
+    x = np.concatenate([pts, -pts, [-0.0]]).astype(np.float32)
+    text = f"{value}/packed_native" if t.bits < 8 else value
+    p = QParams(np.float32(1.0))
+    got = cuda_backend.into_data(cuda_backend.quantize(x, text, params=p))
+    want = REF.into_data(REF.quantize(x, text, params=p))
+    assert_same_bytes(got.payload, want.payload, f"codes of {value}")
+
+
+@pytest.mark.parametrize("text", ["q8s/block32:f16", "q4s/tensor:ue4m3", "e2m1/block16:ue4m3/tensor:f32/packed_native",
+                                  "q2s/block2x4:bf16/packed_u32:1", "e5m2/block8:ue8m0"])
+def test_explicit_params(cuda_backend, text):
+    """Explicit params (rounded up by the core) quantize exactly as the reference, including a zero
+    scale (every code is the encoding of 0) and a two-level global (SPEC §2.3-2.5)."""
+    x = _x((5, 37), seed=11)
+    cal = REF.calibrate(x, text)
+    s = np.asarray(cal.scales, np.float32) * np.float32(0.7)
+    s.reshape(-1)[0] = 0.0
+    g = None if cal.global_scale is None else cal.global_scale * 1.3
+    p = QParams(s, g)
+    got = cuda_backend.into_data(cuda_backend.quantize(x, text, params=p))
+    want = REF.into_data(REF.quantize(x, text, params=p))
+    assert_same_bytes(got.payload, want.payload, f"payload of {text} with explicit params")
+
+
+def test_lookup_is_rejected(cuda_backend):
+    """LOOKUP values are declared unsupported, and every entry point refuses them before touching
+    data (SPEC §4)."""
+    sup = cuda_backend.supports("nf4")
+    assert not sup and "LOOKUP" in sup.reason
+    with pytest.raises(UnsupportedSchemeError, match=r"backend 'cuda' does not support q4s-lookup\[nf4\]"):
+        cuda_backend.quantize(np.ones((4, 64), np.float32), "nf4")
+    with pytest.raises(UnsupportedSchemeError, match="does not support"):
+        cuda_backend.from_data(REF.into_data(REF.quantize(np.ones(64, np.float32), "nf4")))
+    assert all(cuda_backend.supports(s) for s in SCHEMES)
+
+
+@pytest.mark.parametrize("text", ["q8s", "q4s/block32:f16", "e2m1/block16:ue4m3/tensor:f32/packed_native",
+                                  "q2s/block4x8:f32/packed_u32:1"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_input_raises(cuda_backend, text, bad):
+    """NaN/Inf anywhere raises InputError naming the first bad index, on every kernel path."""
+    x = _x((6, 40), seed=5)
+    x[4, 33] = bad
+    x[5, 1] = bad
+    with pytest.raises(InputError, match=r"index \(4, 33\)"):
+        cuda_backend.quantize(x, text)
+    with pytest.raises(InputError, match=r"index \(4, 33\)"):
+        cuda_backend.calibrate(x, text)
+    with pytest.raises(InputError, match=r"index \(4, 33\)"):
+        cuda_backend.quantize(x, text, params=REF.calibrate(np.zeros_like(x), text))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float64", "bfloat16"])
+def test_input_dtypes(cuda_backend, dtype):
+    """float16/bfloat16/float64 inputs are converted to float32 first, as the reference does."""
+    import ml_dtypes
+
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    x = _x((5, 70), seed=2).astype(dt)
+    for text in ("q4s/block32:f16", "e4m3/tensor:f32"):
+        got = cuda_backend.into_data(cuda_backend.quantize(x, text))
+        assert_same_bytes(got.payload, REF.into_data(REF.quantize(x, text)).payload, f"{text} from {dtype}")
+
+
+def test_device_array_inputs_are_not_copied(cuda_backend):
+    """Device arrays (numba here; CuPy/torch through __cuda_array_interface__) are read in place;
+    float16/float64 device arrays are converted on the device."""
+    from numba import cuda
+
+    x = _x((5, 70), seed=8)
+    want = REF.into_data(REF.quantize(x, "q4s/block32:f16")).payload
+    for dt in (np.float32, np.float16, np.float64):
+        xd = cuda.to_device(x.astype(dt))
+        got = cuda_backend.into_data(cuda_backend.quantize(xd, "q4s/block32:f16"))
+        if dt == np.float32:
+            assert_same_bytes(got.payload, want, "payload from a float32 device array")
+        else:
+            ref = REF.into_data(REF.quantize(x.astype(dt), "q4s/block32:f16")).payload
+            assert_same_bytes(got.payload, ref, f"payload from a {np.dtype(dt)} device array")
+
+
+@pytest.mark.parametrize("text", ["q8f/block32:bf16", "q4f/block2x16:f16/packed_native", "e4m3/block4:ue8m0",
+                                  "e2m1/block16:ue4m3/tensor:f32/packed_u32:1", "q2f/tensor:ue4m3"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "bfloat16"])
+def test_from_data_decodes_any_payload(cuda_backend, text, dtype):
+    """Random codes (every bit pattern, NaN codes included) and random valid scales: from_data
+    keeps the bytes, dequantize matches the reference in every output dtype (SPEC §2.6, §3)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(4)
+    shape = (6, 37)
+    x = _x(shape, seed=4)
+    d0 = REF.into_data(REF.quantize(x, text))
+    sch = d0.scheme
+    hi = 1 << sch.bits
+    codes = rng.integers(0, hi, size=shape).astype(np.int64)
+    if not sch.traits.is_float:
+        codes = np.where(codes >= hi // 2, codes - hi, codes)
+    scales = d0.scales() * rng.uniform(0.5, 4, d0.scales().shape).astype(np.float32)
+    scales = sch.slot_dtype.traits.store(scales.astype(np.float32))
+    data = QuantizedData.from_parts(shape, sch, codes.astype(sch.code_dtype), scales, d0.global_scale())
+    q = cuda_backend.from_data(data)
+    assert cuda_backend.into_data(q) == data
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    got = cuda_backend.to_numpy(cuda_backend.dequantize(q, dtype=dt))
+    assert_same_floats(got, REF.dequantize(REF.from_data(data), dtype=dt), f"dequantize to {dtype}")
+
+
+@pytest.mark.parametrize("text", ["q8s", "q8s/block32:f16", "q4s/block32:f16", "q4f/block8x4:bf16/packed_u32:1",
+                                  "e4m3/block32:f32", "e2m1/block16:ue4m3/tensor:f32/packed_native",
+                                  "q2s/block16:ue8m0/packed_native:1", "e5m2/tensor:ue4m3"])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_fused_matmul(cuda_backend, text, m):
+    """x [M, K] @ w [K, N] with w dequantized inside the kernel equals x @ dequantize(w) (f32
+    accumulation, so to rounding); K spans several k-chunks on a GPU."""
+    k_, n_ = (70, 37) if SIM else (1000, 300)
+    w = _x((k_, n_), seed=9)
+    x = _x((m, k_), seed=10, scale=1.0)
+    qw = cuda_backend.from_data(REF.into_data(REF.quantize(w, text)))
+    got = cuda_backend.to_numpy(cuda_backend.matmul(x, qw))
+    wf = REF.dequantize(REF.quantize(w, text)).astype(np.float64)
+    want = x.astype(np.float64) @ wf
+    assert got.shape == (m, n_) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    got3 = cuda_backend.to_numpy(cuda_backend.matmul(x.reshape(1, m, k_), qw))
+    assert got3.shape == (1, m, n_)
+
+
+def test_registered_through_entry_point(cuda_backend):
+    """`cuda` is found through the `qcore` entry point group, priority 30, and `auto` picks it for
+    the schemes it supports but not for LOOKUP."""
+    assert "cuda" in qcore.backends()
+    be = qcore.backend("cuda")
+    assert be.priority == 30 and be.available()
+    auto = qcore.backend("auto")
+    assert auto.pick("q4s/block32:f16").name == "cuda"
+    assert auto.pick("nf4").name != "cuda"
+
+
+def test_unavailable_without_gpu_or_simulator():
+    """With CUDA disabled, the backend reports unavailable (never raises) and says why; using it
+    raises BackendUnavailableError."""
+    code = textwrap.dedent("""
+        import numpy as np, qcore
+        from qcore_cuda import CudaBackend
+        be = CudaBackend()
+        assert be.available() is False, be.describe()
+        print("WHY:", be.describe())
+        try:
+            be.quantize(np.ones(4, np.float32), "q8s")
+        except qcore.BackendUnavailableError as e:
+            print("RAISED:", e)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["NUMBA_DISABLE_CUDA"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "WHY:" in out.stdout and "NUMBA_DISABLE_CUDA" in out.stdout
+    assert "RAISED: backend 'cuda' is not available" in out.stdout
+
+
+_COMPILE_ALL = textwrap.dedent("""
+    import sys
+    try:
+        from numba import cuda
+        from qcore_cuda import kernels as K
+        n = 0
+        for name, sigs in K.SIGNATURES.items():
+            for sig in sigs:
+                cuda.compile_ptx(getattr(K, name).py_func, sig, cc=(9, 0))
+                n += 1
+    except Exception as e:
+        if "DynamicLibNotFoundError" in type(e).__name__ or "libnvrtc" in str(e) or "libnvvm" in str(e):
+            print("NOLIBS:", type(e).__name__, e)
+            sys.exit(3)
+        raise
+    print("COMPILED", n)
+""")
+
+
+def test_kernels_compile_for_sm90():
+    """Every kernel with every signature the backend launches, compiled to PTX for sm_90 by the
+    real (non-simulator) numba target: catches what the simulator lets through (float16 atomics,
+    NumPy ufuncs in kernels, int/float promotion). Needs the NVRTC and NVVM libraries
+    (`pip install qcore-cuda[ptx]`), no GPU. Skips without them, fails under QCORE_REQUIRE_PTX=1."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE_ALL], env=env, capture_output=True, text=True, timeout=600)
+    if out.returncode == 3:
+        reason = f"NVRTC/NVVM libraries missing (pip install qcore-cuda[ptx]): {out.stdout.strip()[:300]}"
+        if os.environ.get("QCORE_REQUIRE_PTX", "") not in ("", "0"):
+            pytest.fail(reason + " (QCORE_REQUIRE_PTX=1)")
+        pytest.skip(reason)
+    assert out.returncode == 0, out.stderr[-3000:]
+    from qcore_cuda import kernels as K
+
+    assert f"COMPILED {sum(len(s) for s in K.SIGNATURES.values())}" in out.stdout
+
+
+@pytest.mark.skipif(SIM, reason="needs a real GPU with ~24 GB free: 2**31 + 40 elements")
+def test_more_than_2_31_elements(cuda_backend):
+    """64-bit indexing: a tensor of 2**31 + 40 elements quantizes and dequantizes correctly at
+    its far end (the pattern repeats every 64 elements, so the tail's expected bytes are known)."""
+    from numba import cuda
+
+    n = 2**31 + 40
+    pattern = _x((64,), seed=12)
+    x = np.resize(pattern, n)
+    text = "q4s/block32:f16"
+    q = cuda_backend.quantize(cuda.to_device(x), text)
+    want = REF.into_data(REF.quantize(pattern, text))
+    tail = n % 64  # the last 40 elements: a full block and a partial one (8 of 32)
+    payload = q.data.payload
+    vb = -(-n // 8) * 4  # u32 words of 8 fields
+    got_vals = payload[vb - 20: vb].copy_to_host()
+    ref_tail = REF.into_data(REF.quantize(pattern[:tail], text))
+    assert_same_bytes(got_vals.tobytes(), ref_tail.values_bytes(), "values at the tail")
+    ns = -(-n // 32)
+    got_sc = payload[vb + 2 * (ns - 2): vb + 2 * ns].copy_to_host()
+    assert_same_bytes(got_sc.tobytes(), ref_tail.payload[len(ref_tail.values_bytes()):], "scales at the tail")
+    y = cuda_backend.dequantize(q)
+    ytail = y.reshape(n)[n - tail:].copy_to_host()
+    assert_same_floats(ytail, REF.dequantize(REF.from_data(ref_tail)), "dequantized tail")
+    del y, q
+    assert want.nbytes > 0
