@@ -391,3 +391,41 @@ def test_pytest_adoption_fails_loudly(tmp_path):
     assert "backend 'broken' failed check 'quantize.codes' on q8f shape (" in out, out
     assert "the 'backend' fixture must be overridden" in out, out
     assert "broken: 0 schemes supported and conforming, 0 rejected correctly (not supported), 2 failed" in out, out
+
+
+CONFTEST_STYLE = '''
+import pytest
+from qcore.protocol import Support
+from qcore.reference import ReferenceBackend
+
+
+class Only8Bit(ReferenceBackend):
+    name = "only8"
+
+    def _supports(self, scheme):
+        return Support.yes() if scheme.bits == 8 else Support.no("sub-byte values are not implemented")
+
+
+@pytest.fixture
+def qcore_backend():
+    return Only8Bit()
+
+
+@pytest.fixture
+def qcore_expected_support():
+    return lambda scheme: True  # claims everything: the sub-byte refusals must fail
+'''
+
+
+def test_conftest_style_adoption_and_expected_support(tmp_path):
+    (tmp_path / "conftest.py").write_text(CONFTEST_STYLE)
+    (tmp_path / "test_it.py").write_text(
+        "from qcore.conformance import ConformanceTests\n\n\n"
+        "class TestOnly8(ConformanceTests):\n    max_schemes = 6\n    max_elements = 64\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_scheme"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = " ".join(r.stdout.split())
+    assert r.returncode == 1, out
+    assert "backend 'only8' failed check 'expected-support' on q2" in out, out
+    assert "supports() says False, the adopter expects True" in out, out
+    assert "only8: 3 schemes supported and conforming, 0 rejected correctly (not supported), 3 failed" in out, out

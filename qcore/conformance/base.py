@@ -1,26 +1,31 @@
 """pytest mixins and fixtures of the conformance suite, for qcore's backends and plugins alike.
 
-Adopt the suite with two tiny files (see `docs/plugins.md`)::
+Adopt the suite with two tiny files (see `docs/plugins.md`), pandas-style::
 
     # conftest.py
     import pytest
-    from qcore.conformance import ConformanceFixtures
 
-    class MyFixtures(ConformanceFixtures):
-        @pytest.fixture
-        def backend(self):
-            from my_package import MyBackend
-            return MyBackend()
+    @pytest.fixture
+    def qcore_backend():
+        from my_package import MyBackend
+        return MyBackend()
 
     # test_conformance.py
     from qcore.conformance import ConformanceTests
-    from conftest import MyFixtures
 
-    class TestMyBackend(ConformanceTests, MyFixtures):
+    class TestMyBackend(ConformanceTests):
         pass
 
-Required fixture: `backend` (fails loudly "must be overridden" until you do). Optional fixtures:
-`reference`, `tolerances`, `peer_backends`, `expected_support`. Collection-time knobs are class
+or fsspec-style, overriding the fixture on a subclass::
+
+    class TestMyBackend(ConformanceTests):
+        @pytest.fixture
+        def backend(self):
+            return MyBackend()
+
+Required fixture: `backend` (or a conftest `qcore_backend`); until given, every test fails
+loudly with "must be overridden". Optional fixtures: `reference`, `tolerances`, `peer_backends`,
+`expected_support` (or a conftest `qcore_expected_support`). Collection-time knobs are class
 attributes (parametrization happens before fixtures exist): `max_elements`, `max_schemes`,
 `shapes_per_scheme`, `full`.
 """
@@ -126,12 +131,18 @@ class ConformanceFixtures:
 
     # ------------------------------------------------------------------ fixtures
     @pytest.fixture
-    def backend(self):
-        """The backend under test (a `qcore.Backend`). Required."""
+    def backend(self, request):
+        """The backend under test (a `qcore.Backend`). Required: override it in a subclass, or
+        define a `qcore_backend` fixture in your conftest.py."""
+        try:
+            return request.getfixturevalue("qcore_backend")
+        except pytest.FixtureLookupError:
+            pass
         raise NotImplementedError(
             f"{type(self).__name__}: the 'backend' fixture must be overridden: return the "
             "qcore Backend under test (e.g. `return MyBackend()` or "
-            "`return qcore.conformance.installed_backend('name')`)")
+            "`return qcore.conformance.installed_backend('name')`), or define a `qcore_backend` "
+            "fixture in conftest.py")
 
     @pytest.fixture
     def reference(self):
@@ -161,10 +172,14 @@ class ConformanceFixtures:
         return out
 
     @pytest.fixture
-    def expected_support(self) -> Callable[[Any], bool | None] | None:
+    def expected_support(self, request) -> Callable[[Any], bool | None] | None:
         """Optional: `scheme -> bool` stating what the backend is meant to support, so a backend
-        that wrongly refuses (or claims) a scheme fails. Default None: trust `supports()`."""
-        return None
+        that wrongly refuses (or claims) a scheme fails. Default: a `qcore_expected_support`
+        fixture from conftest.py if there is one, else None (trust `supports()`)."""
+        try:
+            return request.getfixturevalue("qcore_expected_support")
+        except pytest.FixtureLookupError:
+            return None
 
     # ------------------------------------------------------------------ parametrization
     def _settings(self, config) -> dict:
@@ -202,12 +217,19 @@ def _fail(outcome_or_exc) -> None:
     pytest.fail(str(outcome_or_exc), pytrace=False)
 
 
-def _supported(backend, case) -> bool:
+def _check(fn, *args) -> Any:
+    """Run a check function; report its failure as one clean pytest failure line (outside the
+    `except`, so no chained tracebacks)."""
+    failure = None
     try:
-        return bool(K.check_supports(backend, case.qscheme))
+        return fn(*args)
     except K.ConformanceFailure as f:
-        _fail(f)
-        raise  # unreachable
+        failure = str(f)
+    _fail(failure)
+
+
+def _supported(backend, case) -> bool:
+    return bool(_check(K.check_supports, backend, case.qscheme))
 
 
 @pytest.mark.qcore_conformance
@@ -216,15 +238,17 @@ class BaseSchemeTests(ConformanceFixtures):
 
     def test_scheme(self, backend, reference, qcore_case, expected_support, request):
         outcome = K.check_case(backend, qcore_case, reference)
+        if outcome.status != K.FAILED and expected_support is not None:
+            want = expected_support(qcore_case.qscheme)
+            if want is not None and bool(want) != (outcome.status == K.PASSED):
+                outcome = K.Outcome(
+                    K.FAILED, outcome.backend, outcome.scheme, "expected-support", outcome.case,
+                    f"backend '{outcome.backend}' failed check 'expected-support' on "
+                    f"{qcore_case.scheme}: supports() says {outcome.status == K.PASSED}, "
+                    f"the adopter expects {bool(want)}")
         _record(request, outcome)
         if outcome.status == K.FAILED:
             _fail(outcome.message)
-        if expected_support is not None:
-            want = expected_support(qcore_case.qscheme)
-            if want is not None and bool(want) != (outcome.status == K.PASSED):
-                _fail(f"backend '{backend.name}' failed check 'expected-support' on "
-                      f"{qcore_case.scheme}: supports() says {outcome.status != K.REJECTED}, "
-                      f"the adopter expects {bool(want)}")
 
 
 @pytest.mark.qcore_conformance
@@ -233,13 +257,10 @@ class BaseBadInputTests(ConformanceFixtures):
 
     @_kind("bad-input")
     def test_bad_input(self, backend, reference, qcore_scheme_case):
-        try:
-            if _supported(backend, qcore_scheme_case):
-                K.check_bad_inputs(backend, qcore_scheme_case, reference)
-            else:  # unsupported comes first, even for bad input
-                K.check_rejected(backend, qcore_scheme_case, reference)
-        except K.ConformanceFailure as f:
-            _fail(f)
+        if _supported(backend, qcore_scheme_case):
+            _check(K.check_bad_inputs, backend, qcore_scheme_case, reference)
+        else:  # unsupported comes first, even for bad input
+            _check(K.check_rejected, backend, qcore_scheme_case, reference)
 
 
 @pytest.mark.qcore_conformance
@@ -248,13 +269,10 @@ class BaseOpsTests(ConformanceFixtures):
 
     @_kind("ops")
     def test_ops(self, backend, reference, tolerances, qcore_scheme_case):
-        try:
-            if _supported(backend, qcore_scheme_case):
-                K.check_ops(backend, qcore_scheme_case, reference, tolerances)
-            else:
-                K.check_rejected(backend, qcore_scheme_case, reference)
-        except K.ConformanceFailure as f:
-            _fail(f)
+        if _supported(backend, qcore_scheme_case):
+            _check(K.check_ops, backend, qcore_scheme_case, reference, tolerances)
+        else:
+            _check(K.check_rejected, backend, qcore_scheme_case, reference)
 
 
 @pytest.mark.qcore_conformance
@@ -271,10 +289,7 @@ class BaseCrossBackendTests(ConformanceFixtures):
             names = ", ".join(p.name for p in peer_backends) or "none"
             pytest.skip(f"no other installed backend supports {case.scheme} (peers: {names})")
         for peer in peers:
-            try:
-                K.check_cross_backend(backend, peer, case, reference)
-            except K.ConformanceFailure as f:
-                _fail(f)
+            _check(K.check_cross_backend, backend, peer, case, reference)
 
 
 class ConformanceTests(BaseSchemeTests, BaseBadInputTests, BaseOpsTests, BaseCrossBackendTests):

@@ -1,16 +1,14 @@
-"""Adopting qcore's conformance suite, file 1 of 2: say which backend to check."""
+"""Adopting qcore's conformance suite, file 1 of 2: which backend, and what it should support."""
 import pytest
 
-from qcore.conformance import ConformanceFixtures
+
+@pytest.fixture
+def qcore_backend():
+    from qcore_lutcpu import LutCpuBackend
+
+    return LutCpuBackend()
 
 
-class LutCpuFixtures(ConformanceFixtures):
-    @pytest.fixture
-    def backend(self):
-        from qcore_lutcpu import LutCpuBackend
-
-        return LutCpuBackend()
-
-    @pytest.fixture
-    def expected_support(self):
-        return lambda scheme: scheme.is_lookup  # LOOKUP schemes only, all of them
+@pytest.fixture
+def qcore_expected_support():
+    return lambda scheme: scheme.is_lookup  # every LOOKUP scheme, nothing else

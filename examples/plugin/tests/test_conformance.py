@@ -1,8 +1,6 @@
 """Adopting qcore's conformance suite, file 2 of 2: the whole suite, nothing to write."""
-from conftest import LutCpuFixtures
-
 from qcore.conformance import ConformanceTests
 
 
-class TestLutCpu(ConformanceTests, LutCpuFixtures):
+class TestLutCpu(ConformanceTests):
     pass
