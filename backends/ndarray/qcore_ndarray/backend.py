@@ -193,7 +193,9 @@ class NdarrayBackend(BaseBackend):
         y = np.empty(plan.size, np.float32)
         if plan.size:
             e = self._effective(data.scales, data.global_scale)
-            k.dequantize_blocks(data.values.view(np.int8), *plan.args(), e, y)
+            codes = data.values.view(np.int8)
+            codes.flags.writeable = False  # one compiled signature for owned and from_data bytes
+            k.dequantize_blocks(codes, *plan.args(), e, y)
         y = y.reshape(data.shape)
         return y if dtype == np.float32 else y.astype(dtype)
 
