@@ -218,7 +218,7 @@ def matrix_tables(report: Report, backend: str):
               box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
     t.add_column("value", style="bold", no_wrap=True)
     for c in col_order:
-        t.add_column(c, justify="left", no_wrap=True, min_width=4)
+        t.add_column(c, justify="left", no_wrap=True, min_width=max(4, len(c)))
     for r in row_order:
         stores = C.STORES_8BIT if rows[r] == 8 else C.STORES_SUBBYTE
         t.add_row(escape(r), *("".join(_cell(cells.get((r, c, k), [])) for k in stores)
@@ -301,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      progress=lambda n, i: prog.update(tasks[n], completed=i))
     for n in names:
         t, d = matrix_tables(report, n)
-        console.print(t, width=max(console.width, 100))
+        console.print(t, width=max(console.width, 100), crop=False)
         console.print(d)
     fails = report.failed
     for o in fails[: args.max_failures]:
