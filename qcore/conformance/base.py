@@ -232,7 +232,6 @@ def _supported(backend, case) -> bool:
     return bool(_check(K.check_supports, backend, case.qscheme))
 
 
-@pytest.mark.qcore_conformance
 class BaseSchemeTests(ConformanceFixtures):
     """Every case: supported -> bit-for-bit with the reference; not supported -> refused."""
 
@@ -251,7 +250,6 @@ class BaseSchemeTests(ConformanceFixtures):
             _fail(outcome.message)
 
 
-@pytest.mark.qcore_conformance
 class BaseBadInputTests(ConformanceFixtures):
     """Bad input and bad payloads raise the SPEC §5 error types, never another exception."""
 
@@ -263,7 +261,6 @@ class BaseBadInputTests(ConformanceFixtures):
             _check(K.check_rejected, backend, qcore_scheme_case, reference)
 
 
-@pytest.mark.qcore_conformance
 class BaseOpsTests(ConformanceFixtures):
     """reshape, permute, slice, cat and matmul against the reference within `tolerances`."""
 
@@ -275,7 +272,6 @@ class BaseOpsTests(ConformanceFixtures):
             _check(K.check_rejected, backend, qcore_scheme_case, reference)
 
 
-@pytest.mark.qcore_conformance
 class BaseCrossBackendTests(ConformanceFixtures):
     """A payload made by one backend loads on every other installed backend that supports it."""
 
