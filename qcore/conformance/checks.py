@@ -51,6 +51,8 @@ __all__ = [
     "check_payload_validation",
     "check_ops",
     "check_cross_backend",
+    "check_decode_random",
+    "random_payload",
     "compare_arrays",
     "compare_bytes",
     "compare_data",
@@ -174,9 +176,10 @@ def _fmt(v: Any) -> str:
 
 
 def compare_arrays(ctx: _Ctx, check: str, got: Any, want: np.ndarray, what: str = "values",
-                   shape_alias: Iterable[tuple[int, ...]] = ()) -> None:
+                   shape_alias: Iterable[tuple[int, ...]] = (), nan_equal: bool = False) -> None:
     """Bit-for-bit equality of two arrays (shape, dtype, every bit). Raises a failure with the
-    mismatch count, the first index and both values."""
+    mismatch count, the first index and both values. `nan_equal`: any NaN matches any NaN (NaN
+    payloads are not specified once a NaN code is multiplied by a scale)."""
     try:
         g = np.asarray(got)
     except Exception as e:  # noqa: BLE001
@@ -192,6 +195,8 @@ def compare_arrays(ctx: _Ctx, check: str, got: Any, want: np.ndarray, what: str 
     gb = np.ascontiguousarray(g).view(f"u{w.dtype.itemsize}")
     wb = np.ascontiguousarray(w).view(f"u{w.dtype.itemsize}")
     bad = gb != wb
+    if nan_equal and (w.dtype.kind == "f" or w.dtype.name == "bfloat16"):
+        bad &= ~(np.isnan(g.astype(np.float32)) & np.isnan(w.astype(np.float32)))
     if bad.any():
         n = int(bad.sum())
         first = np.unravel_index(int(np.flatnonzero(bad.reshape(-1))[0]), w.shape)
@@ -360,12 +365,63 @@ def check_supported(backend, case: Case, reference=None) -> None:
                ctx.call("from_data->dequantize", backend.dequantize, q2, dtype=out_dt))
     compare_arrays(ctx, "from_data->dequantize", y2, r_y, "dequantized values")
 
+    # the other built-in calibration method (SPEC §2.1: absmean, f64 sum, one f32 rounding)
+    pa = ctx.call("calibrate(absmean)", backend.calibrate, x, s, method="absmean")
+    compare_params(ctx, "calibrate(absmean)", pa, ref.calibrate(x, s, method="absmean"))
+    qa = ctx.call("quantize(absmean)", backend.quantize, x, s, method="absmean")
+    compare_data(ctx, "quantize(absmean)", ctx.call("into_data", backend.into_data, qa),
+                 ref.into_data(ref.quantize(x, s, method="absmean")))
+
+    check_decode_random(backend, case, ref)
+
     # determinism: the same call twice gives the same bits
     q3 = ctx.call("quantize", backend.quantize, x, s)
     compare_data(ctx, "deterministic.quantize", ctx.call("into_data", backend.into_data, q3), d)
     y3 = _host(ctx, "dequantize", backend, ctx.call("dequantize", backend.dequantize, q, dtype=out_dt))
     compare_arrays(ctx, "deterministic.dequantize", y3, y, "dequantized values")
     _untouched(ctx, "inputs-untouched", x, before)
+
+
+def random_payload(case: Case) -> QuantizedData:
+    """A valid payload with random contents (as gguf-py's decode fuzz): every code pattern,
+    including minifloat NaN/inf codes, negative zero and set padding bits; random storable
+    scales (zeros included) and global; the scheme's table."""
+    s = case.qscheme
+    sec = sections(case.shape, s)
+    rng = np.random.default_rng(case.input_seed ^ 0xF022)
+    values = rng.integers(0, 256, size=sec.values, dtype=np.uint8).tobytes()
+    grid = layout.grid_shape(case.shape, s)
+    raw = np.exp2(rng.uniform(-20, 8, size=grid)) * (rng.random(size=grid) > 0.1)
+    tr = s.slot_dtype.traits
+    scales = np.ascontiguousarray(tr.encode(tr.store(raw.astype(np.float32)).reshape(-1))).tobytes()
+    parts = [values, scales]
+    if s.two_level:
+        parts.append(np.array([rng.uniform(1e-3, 4.0)], "<f4").tobytes())
+    if s.is_lookup:
+        parts.append(np.asarray(s.require_table(), "<f4").tobytes())
+    return QuantizedData(case.shape, s, b"".join(parts))
+
+
+def check_decode_random(backend, case: Case, reference=None) -> None:
+    """`from_data` of random (valid) bytes decodes like the reference: the same codes, scales
+    and global back from `into_data` (padding bits are ignored on reading), and the same
+    dequantized floats (any NaN matches any NaN)."""
+    ref = reference or reference_backend()
+    ctx = _ctx(backend, case)
+    d = random_payload(case)
+    q = ctx.call("decode-random.from_data", backend.from_data, d)
+    back = ctx.call("decode-random.into_data", backend.into_data, q)
+    if not isinstance(back, QuantizedData):
+        raise ctx.fail("decode-random.into_data", f"returned {type(back).__name__}, want QuantizedData")
+    compare_arrays(ctx, "decode-random.codes", back.codes(), d.codes(), "codes")
+    compare_arrays(ctx, "decode-random.scales", back.scales(), d.scales(), "scales")
+    if back.global_scale() != d.global_scale():
+        raise ctx.fail("decode-random.global", f"global scale {back.global_scale()!r}, want {d.global_scale()!r}")
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = np.asarray(ref.dequantize(ref.from_data(d)))
+        y = _host(ctx, "decode-random.dequantize", backend,
+                  ctx.call("decode-random.dequantize", backend.dequantize, q))
+    compare_arrays(ctx, "decode-random.dequantize", y, want, "dequantized values", nan_equal=True)
 
 
 def _expect(ctx: _Ctx, check: str, exc: type, fn: Callable[[], Any], *watch: np.ndarray,
