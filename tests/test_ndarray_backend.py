@@ -368,3 +368,37 @@ def test_plan_folds_to_eight_axes():
     assert list(p.shp) == [1] * 7 + [120] and list(p.blk[-1:]) == [5]
     p = make_plan((2, 3, 4, 5), qcore.scheme("q8s/block2x5/packed_u32:2"))
     assert list(p.shp[-3:]) == [2, 3, 20] and p.pa == 6  # the packing axis is never merged
+
+
+# --------------------------------------------------------------------------- random schemes
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@st.composite
+def _scheme_and_shape(draw):
+    rank = draw(st.integers(1, 5))
+    shape = tuple(draw(st.lists(st.integers(0, 7), min_size=rank, max_size=rank)))
+    s = qcore.QuantScheme(draw(st.sampled_from(["q8s", "q8f"])))
+    level = draw(st.sampled_from(["tensor", "block", "two_level"]))
+    if level != "tensor":
+        k = draw(st.integers(1, rank))
+        dims = draw(st.lists(st.integers(1, 5), min_size=k, max_size=k))
+        dt = draw(st.sampled_from(["f16", "ue4m3"] if level == "two_level" else list(SCALES)))
+        s = s.per_block(dims, dt)
+        if level == "two_level":
+            s = s.per_tensor("f32")
+    else:
+        s = s.per_tensor(draw(st.sampled_from(list(SCALES))))
+    if draw(st.booleans()):
+        s = s.with_store(qcore.PackedU32(draw(st.integers(0, rank - 1))))
+    return s, shape
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=_scheme_and_shape(), seed=st.integers(0, 2**16), method=st.sampled_from(["minmax", "absmean"]))
+def test_random_schemes_and_shapes_are_bit_exact(case, seed, method):
+    """Any Q8 scheme on any small shape: the 8-axis folding, edge blocks and packing agree."""
+    s, shape = case
+    x = _x(shape, seed=seed) if shape else np.zeros(shape, np.float32)
+    assert_same_tensor(nd.quantize(x, s, method=method), ref.quantize(x, s, method=method))
