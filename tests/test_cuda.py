@@ -281,10 +281,13 @@ def test_from_data_decodes_any_payload(cuda_backend, text, dtype):
                                   "e4m3/block32:f32", "e2m1/block16:ue4m3/tensor:f32/packed_native",
                                   "q2s/block16:ue8m0/packed_native:1", "e5m2/tensor:ue4m3"])
 @pytest.mark.parametrize("m", [1, 3, 16])
-def test_fused_matmul(cuda_backend, text, m):
+@pytest.mark.parametrize("n_", [37, 40])
+def test_fused_matmul(cuda_backend, text, m, n_):
     """x [M, K] @ w [K, N] with w dequantized inside the kernel equals x @ dequantize(w) (f32
-    accumulation, so to rounding); K spans several k-chunks on a GPU."""
-    k_, n_ = (70, 37) if SIM else (1000, 300)
+    accumulation, so to rounding). K spans several k-chunks; N = 37 leaves a partial column group
+    (per-code path for Native), N = 40 takes the word-per-thread path."""
+    k_ = 70 if SIM else 1000
+    n_ = n_ if SIM else n_ * 8 + n_ % 8
     w = _x((k_, n_), seed=9)
     x = _x((m, k_), seed=10, scale=1.0)
     qw = cuda_backend.from_data(REF.into_data(REF.quantize(w, text)))

@@ -25,7 +25,6 @@ from . import kernels as K
 SDT_IDS = ("f32", "f16", "bf16", "ue8m0", "ue4m3")  # kernel ids of the scale dtypes, in order
 TWO_LEVEL_MAX = {"ue4m3": 448.0, "f16": 65504.0}  # M of SPEC §2.2
 RUN = 16  # elements per thread in the unfused kernels (rounded up to whole words)
-MM_CHUNK = 256  # k rows per matmul thread
 
 
 @dataclass(frozen=True)
@@ -154,7 +153,7 @@ def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") ->
     return Plan(P, F, fused, int(P[K.M_N]), nslots, int(P[K.M_NRUNS]), values_nbytes, total)
 
 
-def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, chunk: int = MM_CHUNK) -> np.ndarray:
+def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, sim: bool = False) -> np.ndarray:
     """The `Q` array of k_matmul for a weight [K, N] and m rows of x."""
     k_, n_ = shape
     full = layout.full_block(shape, scheme) or (k_, n_)
@@ -166,11 +165,25 @@ def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, chunk: 
     else:
         pa = 1 if layout.packing_axis(shape, scheme) == 1 else 0
         nf, wb, bits = layout.fields_per_word(scheme), store.word_bits // 8, scheme.bits
+    ng = -(-n_ // K.MM_COLS)
+    rowb = -(-n_ // nf) * wb
+    # k rows per thread: the largest chunk that still gives ~2 waves of 2048 threads on 132 SMs
+    # (the simulator takes 32 so that small tests span several chunks)
+    chunk = 32
+    for c in (256, 128, 64):
+        if ng * m * -(-k_ // c) >= 132 * 2048 and not sim:
+            chunk = c
+            break
     kc = -(-k_ // chunk)
+    fast = pa == 1 and rowb * 8 // bits >= ng * K.MM_COLS
     Q[K.Q_M], Q[K.Q_K], Q[K.Q_N] = m, k_, n_
     Q[K.Q_PA], Q[K.Q_NF], Q[K.Q_BITS], Q[K.Q_WB] = pa, nf, bits, wb
-    Q[K.Q_ROWB] = -(-n_ // nf) * wb
+    Q[K.Q_ROWB] = rowb
     Q[K.Q_BK], Q[K.Q_BN], Q[K.Q_G1] = bk, bn, -(-n_ // bn)
-    Q[K.Q_KC], Q[K.Q_CHUNK], Q[K.Q_NG] = kc, chunk, -(-n_ // K.MM_COLS)
+    Q[K.Q_KC], Q[K.Q_CHUNK], Q[K.Q_NG] = kc, chunk, ng
     Q[K.Q_TWO] = scheme.two_level
+    Q[K.Q_FAST] = fast
+    Q[K.Q_W32] = fast and bits >= 4 and rowb % 4 == 0
+    Q[K.Q_SAME] = bn % K.MM_COLS == 0 or -(-n_ // bn) == 1
+    Q[K.Q_ISF] = scheme.traits.is_float
     return Q

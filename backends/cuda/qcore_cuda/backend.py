@@ -8,7 +8,7 @@ the host and `from_data` one copy to the device. numba is imported lazily: impor
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -73,6 +73,7 @@ class CudaData:
     shape: tuple[int, ...]
     scheme: QuantScheme
     payload: Any  # numba device array, uint8, the SPEC §3 bytes
+    cache: dict = field(default_factory=dict, compare=False, repr=False)  # decoded scales, matmul buffers
 
 
 class CudaBackend(BaseBackend):
@@ -128,50 +129,77 @@ class CudaBackend(BaseBackend):
 
     def _raise_if_flagged(self, flag, xd, shape) -> None:
         if int(flag.copy_to_host()[0]):
+            self.__dict__.pop("_scr", None)  # fresh scratch (and flag) for the next call
             raise_nonfinite(xd.copy_to_host().reshape(shape))
 
     # ------------------------------------------------------------------ quantize
     def _scratch(self):
-        """Zeroed scratch on the device: f64 sum, f32 [g, max stat, amax, -], int32 flag."""
-        z = _cuda().to_device(np.zeros(4, dtype=np.float64))
-        return z[0:1], z[1:3].view(np.float32), z[3:4].view(np.int32)
+        """Persistent zeroed scratch on the device: f64 sum, f32 [g, max statistic, amax, -],
+        int32 non-finite flag. k_quant re-zeroes the statistics after use; the flag is only
+        ever set on an error, after which the scratch is rebuilt."""
+        scr = self.__dict__.get("_scr")
+        if scr is None:
+            z = _cuda().to_device(np.zeros(4, dtype=np.float64))
+            scr = self.__dict__["_scr"] = (z[0:1], z[1:3].view(np.float32), z[3:4].view(np.int32))
+        return scr
 
-    def _run_quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str):
+    @functools.lru_cache(maxsize=16)
+    def _prepared(self, shape: tuple[int, ...], scheme: QuantScheme, method: str):
+        """Plan and its device arrays for one shape + scheme + method, built once."""
         from . import _plan
 
         cuda, K = _cuda(), _k()
+        pl = _plan.plan(shape, scheme, method)
+        P_explicit = pl.P.copy()
+        P_explicit[K.M_MODE] = 1
+        return dict(
+            plan=pl, P=cuda.to_device(pl.P), F=cuda.to_device(pl.F), P_explicit=cuda.to_device(P_explicit),
+            stored=cuda.device_array(pl.nslots, dtype=np.float32),
+            raw=cuda.device_array(pl.nslots, dtype=np.float32),
+            lut=cuda.to_device(_plan.lut(scheme)),
+        )
+
+    def _launch_quantize(self, xd, shape, scheme: QuantScheme, params: QParams | None, method: str, payload):
+        """Enqueue the quantize kernels writing `payload` (no host synchronisation)."""
+        cuda, K = _cuda(), _k()
+        n = int(np.prod(shape))
+        pp = self._prepared(shape, scheme, method)
+        pl = pp["plan"]
+        asum, fs, flag = self._scratch()
+        gbuf, P, F = fs, pp["P"], pp["F"]
+        if params is None and pl.fused:
+            K.k_quant_fused[K.launch(pl.nruns)](xd, P, F, payload, flag)
+            return
+        if params is not None:
+            P = pp["P_explicit"]
+            raw = cuda.to_device(np.ascontiguousarray(params.scales, dtype=np.float32).reshape(-1))
+            gbuf = cuda.to_device(np.array([params.global_scale or 0.0, 0, 0, 0], dtype=np.float32))
+        elif scheme.block is None:
+            raw = fs[2:3]
+            K.k_tensor_stats[K.launch(n)](xd, raw, asum, flag)
+        else:
+            raw = pp["raw"]
+            K.k_slot_stats[K.launch(pl.nslots)](xd, P, raw, fs[1:2], flag)
+        K.k_scales[K.launch(pl.nslots)](raw, asum, P, F, pp["stored"], gbuf, payload)
+        K.k_quant[K.launch(pl.nruns)](xd, P, F, pp["stored"], gbuf, payload, flag, asum)
+
+    def _run_quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str):
+        cuda = _cuda()
         shape = tuple(int(d) for d in self._shape_dtype(x)[0])
         xd = self._device_f32(x)
-        n = int(np.prod(shape))
-        if n == 0:  # nothing to launch: the reference builds the (scale-only) payload
+        if int(np.prod(shape)) == 0:  # nothing to launch: the reference builds the (scale-only) payload
             from qcore.reference import ReferenceBackend
 
             data = ReferenceBackend()._quantize(np.zeros(shape, np.float32), scheme, params, method)
             return None, CudaData(shape, scheme, cuda.to_device(np.frombuffer(data.payload, np.uint8).copy()))
-        pl = _plan.plan(shape, scheme, method)
-        P, F = cuda.to_device(pl.P), cuda.to_device(pl.F)
+        pl = self._prepared(shape, scheme, method)["plan"]
         payload = cuda.device_array(pl.total_nbytes, dtype=np.uint8)
-        asum, fs, flag = self._scratch()
-        gbuf = fs
-        if params is None and pl.fused:
-            K.k_quant_fused[K.launch(pl.nruns)](xd, P, F, payload, flag)
-        else:
-            stored = cuda.device_array(pl.nslots, dtype=np.float32)
-            if params is not None:
-                P_h = pl.P.copy()
-                P_h[K.M_MODE] = 1
-                P = cuda.to_device(P_h)
-                raw = cuda.to_device(np.ascontiguousarray(params.scales, dtype=np.float32).reshape(-1))
-                gbuf = cuda.to_device(np.array([params.global_scale or 0.0, 0, 0, 0], dtype=np.float32))
-            elif scheme.block is None:
-                raw = fs[2:3]
-                K.k_tensor_stats[K.launch(n)](xd, raw, asum, flag)
-            else:
-                raw = cuda.device_array(pl.nslots, dtype=np.float32)
-                K.k_slot_stats[K.launch(pl.nslots)](xd, P, raw, fs[1:2], flag)
-            K.k_scales[K.launch(pl.nslots)](raw, asum, P, F, stored, gbuf, payload)
-            K.k_quant[K.launch(pl.nruns)](xd, P, F, stored, gbuf, payload, flag)
-        return (flag, xd), CudaData(shape, scheme, payload)
+        try:
+            self._launch_quantize(xd, shape, scheme, params, method, payload)
+        except BaseException:
+            self.__dict__.pop("_scr", None)  # the statistics may not have been consumed
+            raise
+        return (self._scratch()[2], xd), CudaData(shape, scheme, payload)
 
     def _calibrate(self, x: Any, scheme: QuantScheme, method: str) -> QParams:
         q = self._quantize(x, scheme, None, method)
@@ -185,27 +213,34 @@ class CudaBackend(BaseBackend):
         return data
 
     # ------------------------------------------------------------------ dequantize
-    def _decoded_scales(self, data: CudaData, pl):
-        cuda, K = _cuda(), _k()
-        scales = cuda.device_array(max(pl.nslots, 1), dtype=np.float32)
-        gbuf = cuda.device_array(1, dtype=np.float32)
-        K.k_decode_scales[K.launch(pl.nslots)](data.payload, cuda.to_device(pl.P), scales, gbuf)
-        return scales, gbuf
+    def _decoded_scales(self, data: CudaData):
+        """Device float32 scales (and the global in gbuf[0]) of a payload, decoded once."""
+        got = data.cache.get("scales")
+        if got is None:
+            cuda, K = _cuda(), _k()
+            pp = self._prepared(data.shape, data.scheme, "minmax")
+            nslots = pp["plan"].nslots
+            scales = cuda.device_array(max(nslots, 1), dtype=np.float32)
+            gbuf = cuda.device_array(1, dtype=np.float32)
+            K.k_decode_scales[K.launch(nslots)](data.payload, pp["P"], scales, gbuf)
+            got = data.cache["scales"] = (scales, gbuf)
+        return got
+
+    def _launch_dequantize(self, data: CudaData, out) -> None:
+        K = _k()
+        pp = self._prepared(data.shape, data.scheme, "minmax")
+        scales, gbuf = self._decoded_scales(data)
+        K.k_dequant[K.launch(pp["plan"].nruns)](data.payload, pp["P"], pp["lut"], scales, gbuf, out)
 
     def _dequantize(self, data: CudaData, dtype: np.dtype) -> Any:
-        from . import _plan
-
-        cuda, K = _cuda(), _k()
+        cuda = _cuda()
         n = int(np.prod(data.shape))
         if dtype not in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)):
             # bfloat16 has no numba device dtype: dequantize to f32 on the device, round on the host
             return self.to_numpy(self._dequantize(data, np.dtype(np.float32))).astype(dtype)
         out = cuda.device_array(n, dtype=dtype)
         if n:
-            pl = _plan.plan(data.shape, data.scheme)
-            scales, gbuf = self._decoded_scales(data, pl)
-            lut = cuda.to_device(_plan.lut(data.scheme))
-            K.k_dequant[K.launch(pl.nruns)](data.payload, cuda.to_device(pl.P), lut, scales, gbuf, out)
+            self._launch_dequantize(data, out)
         return out.reshape(data.shape)
 
     # ------------------------------------------------------------------ portable bytes
@@ -231,15 +266,13 @@ class CudaBackend(BaseBackend):
 
         Orientation: `x` is float [..., K] (host or device), `w` a quantized [K, N] tensor on
         this backend (K = reduction axis, rows of w); the result is a float32 device array
-        [..., N]. Each thread owns 8 output columns of one row of x and a 256-row k-chunk;
-        per-chunk partial sums are added in a fixed order (deterministic), f32 accumulation.
+        [..., N]. Each thread owns 8 output columns of one row of x and a k-chunk of 32 to 256
+        rows; per-chunk partial sums are added in a fixed order (deterministic), f32 accumulation.
         """
-        from . import _plan
-
         w = self._own(w)
         if len(w.shape) != 2:
             raise InputError(f"matmul needs a 2-D weight [K, N], got shape {w.shape}")
-        cuda, K = _cuda(), _k()
+        cuda = _cuda()
         xshape, xdt = self._shape_dtype(x)
         if np.dtype(xdt).kind != "f":
             raise InputError(f"matmul needs a float x, got {xdt}")
@@ -254,15 +287,31 @@ class CudaBackend(BaseBackend):
         if k_ == 0:
             return cuda.to_device(np.zeros(m * n_, np.float32)).reshape(out_shape)
         xd = self._device_f32(x)
-        data: CudaData = w.data
-        pl = _plan.plan(w.shape, w.scheme)
-        scales, gbuf = self._decoded_scales(data, pl)
-        Q = _plan.matmul_geometry(w.shape, w.scheme, m)
-        kc = int(Q[K.Q_KC])
-        part = out if kc == 1 else cuda.device_array(kc * m * n_, dtype=np.float32)
-        lut = cuda.to_device(_plan.lut(w.scheme))
-        total = int(Q[K.Q_NG]) * m * kc
-        K.k_matmul[K.launch(total)](xd, data.payload, cuda.to_device(Q), lut, scales, gbuf, part)
-        if kc > 1:
-            K.k_sum_parts[K.launch(m * n_)](part, np.int64(kc), np.int64(m * n_), out)
+        self._launch_matmul(xd, w.data, m, out)
         return out.reshape(out_shape)
+
+    def _launch_matmul(self, xd, data: CudaData, m: int, out) -> None:
+        from . import _plan
+
+        cuda, K = _cuda(), _k()
+        scales, gbuf = self._decoded_scales(data)
+        key = ("matmul", m)
+        mm = data.cache.get(key)
+        if mm is None:
+            from numba import config
+
+            Q = _plan.matmul_geometry(data.shape, data.scheme, m, sim=bool(config.ENABLE_CUDASIM))
+            kc = int(Q[K.Q_KC])
+            nb4 = self._prepared(data.shape, data.scheme, "minmax")["plan"].values_nbytes // 4
+            p32 = data.payload[: nb4 * 4].view(np.uint32) if Q[K.Q_W32] and nb4 else \
+                cuda.device_array(1, dtype=np.uint32)
+            mm = data.cache[key] = dict(
+                Q=cuda.to_device(Q), kc=kc, total=int(Q[K.Q_NG]) * m * kc,
+                part=cuda.device_array(kc * m * data.shape[1], dtype=np.float32) if kc > 1 else None,
+                lut=self._prepared(data.shape, data.scheme, "minmax")["lut"], p32=p32,
+            )
+        part = out if mm["part"] is None else mm["part"]
+        K.k_matmul[K.launch(mm["total"])](xd, data.payload, mm["p32"], mm["Q"], mm["lut"], scales, gbuf, part)
+        if mm["part"] is not None:
+            mn = m * data.shape[1]
+            K.k_sum_parts[K.launch(mn)](part, np.int64(mm["kc"]), np.int64(mn), out)

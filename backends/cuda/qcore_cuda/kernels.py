@@ -395,9 +395,12 @@ def k_scales(raw, asum, P, F, stored, gbuf, payload):
 
 
 @cuda.jit
-def k_quant(x, P, F, stored, gbuf, payload, flag):
+def k_quant(x, P, F, stored, gbuf, payload, flag, asum):
     """Quantize and pack with given stored scales (SPEC §2.4-2.5, §3). Thread per run of RL
-    elements (whole words) along the run axis; e = s, or g * s_b (one f32 multiply)."""
+    elements (whole words) along the run axis; e = s, or g * s_b (one f32 multiply).
+
+    The statistics scratch (asum[0], gbuf[1], gbuf[2]) is consumed by now (k_scales ran before,
+    in stream order), so thread 0 zeroes it for the next call: no memset launch per call."""
     r = P[M_RAX]
     nf = P[M_NF]
     bits = P[M_BITS]
@@ -416,6 +419,10 @@ def k_quant(x, P, F, stored, gbuf, payload, flag):
     g = gbuf[0]
     bad = False
     start, step = cuda.grid(1), cuda.gridsize(1)
+    if start == 0:
+        asum[0] = float64(0.0)
+        gbuf[1] = float32(0.0)
+        gbuf[2] = float32(0.0)
     for t in range(start, P[M_NRUNS], step):
         xo, wo, sb, p0, cnt = run_origin(P, t)
         gi = p0 // br
@@ -567,16 +574,22 @@ def k_dequant(payload, P, lut, scales, gbuf, out):
 
 
 # matmul geometry (int64 array Q)
-(Q_M, Q_K, Q_N, Q_PA, Q_NF, Q_BITS, Q_WB, Q_ROWB, Q_BK, Q_BN, Q_G1, Q_KC, Q_CHUNK, Q_NG, Q_TWO) = range(15)
-Q_LEN = 16
+(Q_M, Q_K, Q_N, Q_PA, Q_NF, Q_BITS, Q_WB, Q_ROWB, Q_BK, Q_BN, Q_G1, Q_KC, Q_CHUNK, Q_NG, Q_TWO,
+ Q_FAST, Q_W32, Q_SAME, Q_ISF) = range(19)
+Q_LEN = 20
 MM_COLS = 8  # output columns per thread
 
 
 @cuda.jit
-def k_matmul(x, payload, Q, lut, scales, gbuf, part):
+def k_matmul(x, payload, p32, Q, lut, scales, gbuf, part):
     """Fused dequantize-matmul partial sums: part[kc, m, n] = sum over the k-chunk kc of
     x[m, k] * decode(w[k, n]) * e[k, n] (f32). Thread per (8 columns, row m, k-chunk); the
-    column group varies fastest so a warp reads consecutive bytes of one weight row."""
+    column group varies fastest so a warp reads consecutive bytes of one weight row.
+
+    FAST (codes packed along N, rows long enough): the 8 codes of a thread are one `bits`-byte
+    little-endian word of the row (one or two u32 loads when W32), SAME: the 8 columns share a
+    scale slot (one scale load per row); integer codes decode arithmetically, minifloats by
+    table. Otherwise each code is fetched from its own byte (any store, any block)."""
     acc = cuda.local.array(MM_COLS, float32)
     sc = cuda.local.array(MM_COLS, int64)
     M = Q[Q_M]
@@ -593,8 +606,13 @@ def k_matmul(x, payload, Q, lut, scales, gbuf, part):
     chunk = Q[Q_CHUNK]
     ng = Q[Q_NG]
     two = Q[Q_TWO] != 0
+    fast = Q[Q_FAST] != 0
+    w32 = Q[Q_W32] != 0
+    same = Q[Q_SAME] != 0
+    isf = Q[Q_ISF] != 0
     g = gbuf[0]
     mask = (int64(1) << bits) - int64(1)
+    half = int64(1) << (bits - int64(1))
     total = ng * M * Q[Q_KC]
     start, step = cuda.grid(1), cuda.gridsize(1)
     for t in range(start, total, step):
@@ -605,7 +623,7 @@ def k_matmul(x, payload, Q, lut, scales, gbuf, part):
         n0 = cg * int64(MM_COLS)
         for c in range(MM_COLS):
             acc[c] = float32(0.0)
-            sc[c] = (n0 + c) // bn
+            sc[c] = min(n0 + c, N - int64(1)) // bn
         k0 = kc * chunk
         k1 = min(K, k0 + chunk)
         kb = k0 // bk
@@ -615,21 +633,44 @@ def k_matmul(x, payload, Q, lut, scales, gbuf, part):
                 kb += int64(1)
                 krem = int64(0)
             xv = x[m * K + k]
-            for c in range(MM_COLS):
-                n = n0 + c
-                if n < N:
-                    if pa_n:
-                        bitpos = n * bits
-                        byte = k * rowb + (bitpos >> int64(3))
+            if fast:
+                if w32:
+                    wi = (k * rowb + ((n0 * bits) >> int64(3))) >> int64(2)
+                    word = int64(p32[wi])
+                    if bits == 8:
+                        word |= int64(p32[wi + int64(1)]) << int64(32)
+                else:
+                    word = get_le(payload, k * rowb + ((n0 * bits) >> int64(3)), bits)
+                e = scales[kb * g1 + sc[0]]
+                if two:
+                    e = g * e
+                for c in range(MM_COLS):
+                    if not same:
+                        e = scales[kb * g1 + sc[c]]
+                        if two:
+                            e = g * e
+                    code = (word >> (int64(c) * bits)) & mask
+                    if isf:
+                        v = lut[code]
                     else:
-                        f = k % nf
-                        bitpos = f * bits
-                        byte = ((k // nf) * N + n) * wb + (bitpos >> int64(3))
-                    code = (int64(payload[byte]) >> (bitpos & int64(7))) & mask
-                    e = scales[kb * g1 + sc[c]]
-                    if two:
-                        e = g * e
-                    acc[c] += xv * (lut[code] * e)
+                        v = float32((code ^ half) - half)
+                    acc[c] += xv * (v * e)
+            else:
+                for c in range(MM_COLS):
+                    n = n0 + c
+                    if n < N:
+                        if pa_n:
+                            bitpos = n * bits
+                            byte = k * rowb + (bitpos >> int64(3))
+                        else:
+                            f = k % nf
+                            bitpos = f * bits
+                            byte = ((k // nf) * N + n) * wb + (bitpos >> int64(3))
+                        code = (int64(payload[byte]) >> (bitpos & int64(7))) & mask
+                        e = scales[kb * g1 + sc[c]]
+                        if two:
+                            e = g * e
+                        acc[c] += xv * (lut[code] * e)
             krem += int64(1)
         base = (kc * M + m) * N
         for c in range(MM_COLS):
@@ -659,12 +700,12 @@ SIGNATURES: dict[str, list[str]] = {
     "k_scales": ["void(float32[::1], float64[::1], int64[::1], float32[::1], float32[::1], float32[::1], "
                  "uint8[::1])"],
     "k_quant": ["void(float32[::1], int64[::1], float32[::1], float32[::1], float32[::1], uint8[::1], "
-                "int32[::1])"],
+                "int32[::1], float64[::1])"],
     "k_quant_fused": ["void(float32[::1], int64[::1], float32[::1], uint8[::1], int32[::1])"],
     "k_decode_scales": ["void(uint8[::1], int64[::1], float32[::1], float32[::1])"],
     "k_dequant": [f"void(uint8[::1], int64[::1], float32[::1], float32[::1], float32[::1], {t}[::1])"
                   for t in ("float32", "float16", "float64")],
-    "k_matmul": ["void(float32[::1], uint8[::1], int64[::1], float32[::1], float32[::1], float32[::1], "
-                 "float32[::1])"],
+    "k_matmul": ["void(float32[::1], uint8[::1], uint32[::1], int64[::1], float32[::1], float32[::1], "
+                 "float32[::1], float32[::1])"],
     "k_sum_parts": ["void(float32[::1], int64, int64, float32[::1])"],
 }

@@ -1,0 +1,252 @@
+"""GPU benchmark of the `cuda` backend (one run on an H200; needs torch with CUDA).
+
+    NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu.py [--out DIR] [--no-compile] [--quick]
+
+For a 256M-element float32 tensor [65536, 4096] it measures, with CUDA events and medians:
+
+* a device-to-device copy of the input (torch `copy_`): the bandwidth ceiling;
+* calibrate+quantize and dequantize (to float32) of five schemes on the cuda backend, as
+  - `api`: the whole `be.quantize(x, s)` / `be.dequantize(q)` call (allocation, launches, the
+    non-finite check that reads one flag back to the host),
+  - `kernels`: the kernel launches alone into preallocated buffers, timed behind a GPU sleep so
+    that Python launch latency is hidden (what the GPU spends);
+* torch doing the same maths, eager and `torch.compile`d (same bytes in and out; torch rounds
+  scales to nearest where qcore rounds up, which costs the same);
+* GB/s = (bytes read + bytes written) / time: input f32 + payload for quantize, the reverse for
+  dequantize;
+* the fused GEMV / small-M matmul x[M, 8192] @ w[8192, 8192] with w in q4s/block32:f16, against
+  torch fp16 `x @ w` (L2 flushed before every timed call: the 36 MB quantized weight would
+  otherwise stay in the 60 MB L2).
+
+Writes `gpu.json` and `gpu.md` (the table for docs/performance.md) into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ROWS, COLS = 65536, 4096  # 2**28 elements
+SCHEMES = [
+    "q8s/block32:f16",
+    "q4s/block32:f16",
+    "e4m3/block32:f32",
+    "e2m1/block16:ue4m3/tensor:f32/packed_native",  # nvfp4
+    "q8s",
+]
+
+
+def _timer(torch, fn, iters, warmup=2, hide_launch=False, flush=None):
+    """Median ms of fn() over iters, CUDA events around each call."""
+    ts = []
+    for i in range(warmup + iters):
+        if flush is not None:
+            flush.zero_()
+        torch.cuda.synchronize()
+        if hide_launch:
+            torch.cuda._sleep(2_000_000)  # ~1 ms: the GPU is busy while the host enqueues
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        if i >= warmup:
+            ts.append(s.elapsed_time(e))
+    return statistics.median(ts)
+
+
+def _torch_fns(torch):
+    """torch versions of the same maths: (quantize(x) -> tensors, dequantize(*tensors) -> f32)."""
+    E2M1_EDGES = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device="cuda")
+    E2M1_LUT = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], device="cuda")
+
+    def q_int_block(x, h, lo, hi, pack4):
+        xb = x.view(-1, 32)
+        s = (xb.abs().amax(1, keepdim=True) / h).half()
+        q = torch.round(xb / s.float()).clamp(lo, hi).to(torch.int8)
+        if pack4:
+            q = q.view(-1, 2)
+            q = (q[:, 0].to(torch.uint8) & 0xF) | (q[:, 1].to(torch.uint8) << 4)
+        return q, s
+
+    def dq_int_block(q, s, pack4):
+        if pack4:
+            lo = (q & 0xF).to(torch.int8)
+            hi = (q >> 4).to(torch.int8)
+            lo = (lo ^ 8) - 8
+            hi = (hi ^ 8) - 8
+            q = torch.stack([lo, hi], 1)
+        return (q.view(-1, 32).float() * s.float()).view(ROWS, COLS)
+
+    def q_e4m3(x):
+        xb = x.view(-1, 32)
+        s = xb.abs().amax(1, keepdim=True) / 448.0
+        return (xb / s).clamp(-448, 448).to(torch.float8_e4m3fn), s
+
+    def dq_e4m3(q, s):
+        return (q.float() * s).view(ROWS, COLS)
+
+    def q_nvfp4(x):
+        xb = x.view(-1, 16)
+        sb = xb.abs().amax(1, keepdim=True) / 6.0
+        g = torch.clamp(sb.max() / 448.0, min=1.17549435e-38)
+        sbq = (sb / g).to(torch.float8_e4m3fn)
+        y = xb / (g * sbq.float())
+        c = torch.bucketize(y.abs(), E2M1_EDGES).to(torch.uint8) | ((y < 0).to(torch.uint8) << 3)
+        c = c.view(-1, 2)
+        return c[:, 0] | (c[:, 1] << 4), sbq, g
+
+    def dq_nvfp4(p, sbq, g):
+        c = torch.stack([p & 0xF, p >> 4], 1).view(-1, 16).long()
+        return (E2M1_LUT[c] * (g * sbq.float())).view(ROWS, COLS)
+
+    def q_q8_tensor(x):
+        s = x.abs().amax() / 127.0
+        return torch.round(x / s).clamp(-127, 127).to(torch.int8), s
+
+    def dq_q8_tensor(q, s):
+        return q.float() * s
+
+    return {
+        SCHEMES[0]: (lambda x: q_int_block(x, 127.0, -127, 127, False), lambda q, s: dq_int_block(q, s, False)),
+        SCHEMES[1]: (lambda x: q_int_block(x, 7.0, -7, 7, True), lambda q, s: dq_int_block(q, s, True)),
+        SCHEMES[2]: (q_e4m3, dq_e4m3),
+        SCHEMES[3]: (q_nvfp4, dq_nvfp4),
+        SCHEMES[4]: (q_q8_tensor, dq_q8_tensor),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (~18 s per graph)")
+    ap.add_argument("--quick", action="store_true", help="fewer iterations")
+    args = ap.parse_args(argv)
+    import torch
+    from numba import config, cuda
+
+    if config.ENABLE_CUDASIM:
+        print("run with NUMBA_ENABLE_CUDASIM=0 on a GPU", file=sys.stderr)
+        return 2
+    import qcore
+
+    be = qcore.backend("cuda")
+    iters = 5 if args.quick else 15
+    n = ROWS * COLS
+    res = {"device": torch.cuda.get_device_name(), "describe": be.describe(), "n": n, "rows": []}
+    torch.manual_seed(0)
+    x = torch.randn(ROWS, COLS, device="cuda") * 3
+    xd = cuda.as_cuda_array(x)
+    y = torch.empty_like(x)
+    t = _timer(torch, lambda: y.copy_(x), iters)
+    copy_gbs = 2 * 4 * n / t / 1e6
+    res["copy"] = {"ms": t, "gbs": copy_gbs}
+    print(f"copy: {t:.3f} ms, {copy_gbs:.0f} GB/s", flush=True)
+    tfns = _torch_fns(torch)
+
+    for text in SCHEMES:
+        s = qcore.scheme(text)
+        t0 = time.time()
+        q = be.quantize(xd, s)  # compiles the kernels once
+        compile_s = time.time() - t0
+        nbytes = q.nbytes
+        qb, dqb = 4 * n + nbytes, nbytes + 4 * n
+        row = {"scheme": text, "payload_bytes": nbytes, "first_call_s": compile_s}
+        row["q_api"] = _timer(torch, lambda: be.quantize(xd, s), iters)
+        payload = cuda.device_array(nbytes, dtype=np.uint8)
+        row["q_kern"] = _timer(torch, lambda: be._launch_quantize(xd, (ROWS, COLS), s, None, "minmax", payload),
+                               iters, hide_launch=True)
+        be.dequantize(q)
+        row["dq_api"] = _timer(torch, lambda: be.dequantize(q), iters)
+        out = cuda.device_array(n, dtype=np.float32)
+        row["dq_kern"] = _timer(torch, lambda: be._launch_dequantize(q.data, out), iters, hide_launch=True)
+        qf, dqf = tfns[text]
+        parts = qf(x)
+        row["q_eager"] = _timer(torch, lambda: qf(x), iters)
+        row["dq_eager"] = _timer(torch, lambda: dqf(*parts), iters)
+        if not args.no_compile:
+            t0 = time.time()
+            cq, cdq = torch.compile(qf), torch.compile(dqf)
+            parts = cq(x)
+            cdq(*parts)
+            row["compile_s"] = time.time() - t0
+            row["q_compiled"] = _timer(torch, lambda: cq(x), iters)
+            row["dq_compiled"] = _timer(torch, lambda: cdq(*parts), iters)
+        for k in [k for k in row if k.startswith(("q_", "dq_"))]:
+            row[k + "_gbs"] = (qb if k.startswith("q_") else dqb) / row[k] / 1e6
+        res["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        del q, payload, out, parts
+
+    # fused GEMV / small-M matmul
+    K_, N_ = 8192, 8192
+    w = torch.randn(K_, N_, device="cuda")
+    qw = be.quantize(cuda.as_cuda_array(w), "q4s/block32:f16")
+    w16 = be.to_numpy(be.dequantize(qw))
+    w16 = torch.from_numpy(w16).to("cuda").half()
+    flush = torch.empty(512 * 2**20 // 4, device="cuda")
+    res["gemv"] = []
+    for m in (1, 2, 4, 8, 16):
+        xm = torch.randn(m, K_, device="cuda")
+        xm16 = xm.half()
+        xmd = cuda.as_cuda_array(xm)
+        got = torch.as_tensor(be.to_numpy(be.matmul(xmd, qw)), device="cuda")
+        want = xm16.float() @ w16.float()
+        err = float((got - want).abs().max() / want.abs().max())
+        outm = cuda.device_array(m * N_, dtype=np.float32)
+        r = {"m": m, "rel_err": err}
+        r["qcore_api"] = _timer(torch, lambda: be.matmul(xmd, qw), iters, flush=flush)
+        r["qcore_kern"] = _timer(torch, lambda: be._launch_matmul(xmd, qw.data, m, outm), iters, hide_launch=True,
+                                 flush=flush)
+        r["torch_fp16"] = _timer(torch, lambda: xm16 @ w16, iters, hide_launch=True, flush=flush)
+        r["torch_fp16_api"] = _timer(torch, lambda: xm16 @ w16, iters, flush=flush)
+        r["speedup_kern"] = r["torch_fp16"] / r["qcore_kern"]
+        r["speedup_api"] = r["torch_fp16_api"] / r["qcore_api"]
+        res["gemv"].append(r)
+        print(json.dumps(r), flush=True)
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    md = _markdown(res)
+    with open(os.path.join(args.out, "gpu.md"), "w") as f:
+        f.write(md)
+    print(md)
+    return 0
+
+
+def _markdown(res) -> str:
+    c = res["copy"]["gbs"]
+    lines = [
+        f"Device: {res['device']}; input float32 [{ROWS}, {COLS}] (2**28 elements, 1 GiB); "
+        f"device-to-device copy: {res['copy']['ms']:.3f} ms = **{c:.0f} GB/s**.",
+        "",
+        "| scheme | op | cuda kernels GB/s (% of copy) | cuda API call GB/s | torch eager GB/s | torch.compile GB/s | kernels vs compile |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        for op in ("q", "dq"):
+            k = r[f"{op}_kern_gbs"]
+            comp = r.get(f"{op}_compiled_gbs")
+            lines.append(
+                f"| `{r['scheme']}` | {'calibrate+quantize' if op == 'q' else 'dequantize'} | "
+                f"{k:.0f} ({100 * k / c:.0f}%) | {r[f'{op}_api_gbs']:.0f} | {r[f'{op}_eager_gbs']:.0f} | "
+                f"{'-' if comp is None else f'{comp:.0f}'} | {'-' if comp is None else f'{k / comp:.2f}x'} |"
+            )
+    lines += ["", "Fused matmul x[M, 8192] @ w[8192, 8192], w in `q4s/block32:f16` (L2 flushed before each call):", "",
+              "| M | cuda kernels µs | cuda API call µs | torch fp16 GPU µs | torch fp16 call µs | speedup (GPU) | speedup (calls) | max rel err vs fp16 |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in res["gemv"]:
+        lines.append(f"| {r['m']} | {1e3 * r['qcore_kern']:.1f} | {1e3 * r['qcore_api']:.1f} | "
+                     f"{1e3 * r['torch_fp16']:.1f} | {1e3 * r['torch_fp16_api']:.1f} | {r['speedup_kern']:.2f}x | "
+                     f"{r['speedup_api']:.2f}x | {r['rel_err']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
