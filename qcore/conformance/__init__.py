@@ -15,16 +15,19 @@ Three ways to run it:
 
 1. From your own tests (pytest), like pandas' extension tests and fsspec's abstract tests::
 
-       from qcore.conformance import ConformanceFixtures, ConformanceTests
-       class MyFixtures(ConformanceFixtures):          # conftest.py
-           @pytest.fixture
-           def backend(self):
-               return MyBackend()
-       class TestMine(ConformanceTests, MyFixtures):   # test_conformance.py
+       @pytest.fixture                                 # conftest.py
+       def qcore_backend():
+           return MyBackend()
+
+       from qcore.conformance import ConformanceTests  # test_conformance.py
+       class TestMine(ConformanceTests):
            pass
 
+   (or override the `backend` fixture on the class; see `base.py` and docs/plugins.md).
+
    Knobs for slow backends (class attributes): `max_elements`, `max_schemes`,
-   `shapes_per_scheme`, `full`. Optional fixtures: `expected_support`, `tolerances`,
+   `shapes_per_scheme`, `full`. Optional fixtures: `expected_support` (or a conftest
+   `qcore_expected_support`), `tolerances`,
    `peer_backends`, `reference`. Options: `--qcore-full`, `--qcore-seed N`,
    `--qcore-max-elements N`, `--qcore-max-schemes N`.
 2. Against installed backends by name: `pytest --pyargs qcore.conformance --qcore-backend NAME`.
