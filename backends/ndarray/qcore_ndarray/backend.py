@@ -155,6 +155,7 @@ class NdarrayBackend(BaseBackend):
             dummy_f if scales_out is None else scales_out,
             np.zeros(1, np.int8) if values is None else values.view(np.int8),
             bad,
+            plan.log2_block,
         )
         if bad.any():
             raise_nonfinite(flat.reshape(plan.shape))

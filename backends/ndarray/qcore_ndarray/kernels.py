@@ -275,16 +275,127 @@ def _encode_lines(x, out, xline, oline, j0, j1, istr, e, qmin, qmax):
             _encode_strided(x[xo + j0:xo + j1], out, oo + j0 * istr, istr, e, qmin, qmax)
 
 
+# --------------------------------------------------------------------------- fused fast path
+# Blocks of 2^k elements along the contiguous axis (e.g. block32). Per-block loops of 32 are too
+# short for LLVM's loop vectorizer (its reductions get no vector epilogue), so a task works on
+# its run of whole blocks with long loops instead: a max tree over the |x| bit patterns (block
+# maxima) -> scales -> a spreading tree (one scale per element) -> one division loop. The
+# arithmetic per element is the same as the general path; only the loop shape differs.
+
+
+@njit(cache=True)
+def _max2(src, dst, n, mask):
+    """dst[i] = max(src[2i] & mask, src[2i+1] & mask) for i < n: one level of the max tree."""
+    for i in range(n):
+        dst[i] = max(src[2 * i] & mask, src[2 * i + 1] & mask)
+
+
+@njit(cache=True)
+def _max4(src, dst, n, mask):
+    """dst[i] = max of src[4i .. 4i+3] & mask for i < n: two levels of the max tree at once."""
+    for i in range(n):
+        dst[i] = max(max(src[4 * i] & mask, src[4 * i + 1] & mask), max(src[4 * i + 2] & mask, src[4 * i + 3] & mask))
+
+
+@njit(cache=True)
+def _spread2(src, dst, n):
+    """dst[2i] = dst[2i+1] = src[i] for i < n: spreads one scale per block to its elements."""
+    for i in range(n):
+        v = src[i]
+        dst[2 * i] = v
+        dst[2 * i + 1] = v
+
+
+@njit(cache=True)
+def _spread4(src, dst, n):
+    """dst[4i .. 4i+3] = src[i] for i < n."""
+    for i in range(n):
+        v = src[i]
+        dst[4 * i] = v
+        dst[4 * i + 1] = v
+        dst[4 * i + 2] = v
+        dst[4 * i + 3] = v
+
+
+@njit(cache=True, error_model="numpy")
+def _encode_per_element(xs, es, os, qmin, qmax):
+    """os[j] = clamp(rint(xs[j] / es[j])), 0 where es[j] == 0 (true f32 division, SPEC §2.5).
+    The numpy error model keeps numba from raising on the (discarded) division by zero."""
+    for j in range(xs.size):
+        e = es[j]
+        nz = e != np.float32(0.0)
+        y = xs[j] / (e if nz else np.float32(1.0))
+        y = min(max(y, qmin), qmax)
+        os[j] = np.int8(np.rint(y)) if nz else np.int8(0)
+
+
+@njit(cache=True)
+def _fused_pow2(x, xb, out, x0, o0, nblocks, logb, h, qmin, qmax, sdt, scales_out, slot0, slot_step):
+    """MODE_FUSED (minmax) for `nblocks` whole blocks of 2^logb contiguous elements starting at
+    float offset x0 / byte offset o0. Returns False on a non-finite input."""
+    m = nblocks << logb
+    a = np.empty(m, np.uint32)
+    b = np.empty(m, np.uint32)
+    # Block maxima of the |x| bit patterns: tree levels of 4 (two halvings) while they fit, then
+    # one of 2; level 0 reads x and clears the sign bits, later levels ping-pong between a and b.
+    k = m
+    left = logb
+    lev = 0
+    while left > 0:
+        step = 2 if left >= 2 else 1
+        k >>= step
+        if lev == 0:
+            src = xb[x0:x0 + m]
+            mask = _ABS
+        elif lev % 2 == 1:
+            src = a
+            mask = np.uint32(0xFFFFFFFF)
+        else:
+            src = b
+            mask = np.uint32(0xFFFFFFFF)
+        dst = a if lev % 2 == 0 else b
+        if step == 2:
+            _max4(src, dst, k, mask)
+        else:
+            _max2(src, dst, k, mask)
+        lev += 1
+        left -= step
+    maxima = a if lev % 2 == 1 else b
+    ea = (b if lev % 2 == 1 else a).view(np.float32)
+    eb = maxima.view(np.float32)
+    if _amax_bits(maxima[:nblocks]) >= _INF_BITS:  # a NaN/Inf somewhere in these blocks
+        return False
+    for g in range(nblocks):
+        ea[g] = round_up_scalar(np.float32(_bits_f32(maxima[g]) / h), sdt)
+    for g in range(nblocks):
+        scales_out[slot0 + g * slot_step] = ea[g]
+    # One scale per element: the same levels, spreading (the maxima buffer is free again).
+    k = nblocks
+    left = logb
+    while left > 0:
+        step = 2 if left >= 2 else 1
+        if step == 2:
+            _spread4(ea, eb, k)
+        else:
+            _spread2(ea, eb, k)
+        k <<= step
+        ea, eb = eb, ea
+        left -= step
+    _encode_per_element(x[x0:x0 + m], ea, out[o0:o0 + m], qmin, qmax)
+    return True
+
+
 @njit(parallel=True, cache=True)
 def quantize_blocks(x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, mode, method, check,
-                    h, qmin, qmax, sdt, escales, scales_out, out, bad):
+                    h, qmin, qmax, sdt, escales, scales_out, out, bad, logb):
     """Block-wise pass over flat f32 `x` (SPEC §2.1-2.5).
 
     mode MODE_STATS: `scales_out[slot]` = the slot statistic. MODE_FUSED: statistic -> raw
     scale `stat / h` -> round up to `sdt` -> `scales_out[slot]`, then quantize the block while it
     is in cache. MODE_APPLY: quantize with `escales[slot]` (with `check`, scan the block for
     NaN/Inf first). Codes go to `out` (int8 view of the stored value bytes). A task that meets
-    a non-finite value sets `bad[task]` and stops.
+    a non-finite value sets `bad[task]` and stops. `logb` >= 1 when the plan allows the fused
+    fast path (blocks of 2^logb along axis 7 only, contiguous codes), else -1.
     """
     n_outer = 1
     for k in range(7):
@@ -299,7 +410,18 @@ def quantize_blocks(x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, mode, m
         c = t - r * n_chunks
         sb, xline, oline = _lines(r, shp, blk, grd, xst, ost, gst, pa, npw)
         nl = xline.size
-        for g7 in range(c * chunk, min(g7n, c * chunk + chunk)):
+        ga = c * chunk
+        gb = min(g7n, ga + chunk)
+        if mode == 1 and method == 0 and logb > 0 and nl == 1 and istr == 1:
+            gf = min(gb, d7 >> logb)  # whole blocks; a partial edge block takes the general path
+            if gf > ga:
+                if not _fused_pow2(x, xb, out, xline[0] + ga * b7, oline[0] + ga * b7, gf - ga, logb, h,
+                                   qmin, qmax, sdt, scales_out, sb + ga * gst[7], gst[7]):
+                    bad[t] = 1
+                    gb = ga  # skip the rest of the task
+                else:
+                    ga = gf
+        for g7 in range(ga, gb):
             j0 = g7 * b7
             j1 = min(d7, j0 + b7)
             slot = sb + g7 * gst[7]

@@ -27,7 +27,7 @@ from qcore.scheme import QuantScheme
 __all__ = ["Plan", "make_plan", "NAXES", "TASK_ELEMENTS"]
 
 NAXES = 8
-TASK_ELEMENTS = 1 << 15
+TASK_ELEMENTS = 1 << 14
 """About how many elements one parallel task handles (a few L1/L2-sized blocks)."""
 
 
@@ -60,6 +60,14 @@ class Plan:
     @property
     def size(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def log2_block(self) -> int:
+        """k when blocks are 2^k (k >= 1) elements along axis 7 only, else -1 (kernels' fast path)."""
+        b = int(self.blk[-1])
+        if self.grid == () or any(int(v) != 1 for v in self.blk[:-1]) or b < 2 or b & (b - 1):
+            return -1
+        return b.bit_length() - 1
 
     @property
     def nslots(self) -> int:
