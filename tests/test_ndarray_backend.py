@@ -363,6 +363,25 @@ def test_ops_match_reference(text):
     assert_same_bits(nd.matmul(xm, w_nd), ref.matmul(xm, w_ref), "matmul")
 
 
+@pytest.mark.parametrize("text", ["q8s", "q8f/block32:ue8m0", "q8s/block64x8:f16/packed_u32",
+                                  "q8s/block16:ue4m3/tensor:f32", "q8s/packed_u32:1"])
+def test_matmul_in_row_steps_matches_reference(text):
+    """K = 2100 spans three 1024-row steps and a partial one; the f32 sums match bit for bit."""
+    w = _x((2100, 24), seed=4)
+    xm = _x((2, 3, 2100), seed=5)
+    got = nd.matmul(xm, nd.quantize(w, text))
+    assert_same_bits(got, ref.matmul(xm, ref.quantize(w, text)), "matmul")
+    np.testing.assert_allclose(got, xm @ ref.quantize(w, text).numpy(), rtol=1e-4, atol=1e-2)
+
+
+def test_matmul_errors_come_from_the_core():
+    w = nd.quantize(_x((8, 4)), "q8s")
+    with pytest.raises(InputError, match=r"matmul shapes do not fit"):
+        nd.matmul(np.ones((2, 5), np.float32), w)
+    with pytest.raises(InputError, match="matmul needs a 2-D weight"):
+        nd.matmul(np.ones((2, 4), np.float32), nd.quantize(_x((2, 4, 4)), "q8s"))
+
+
 def test_plan_folds_to_eight_axes():
     p = make_plan((2, 3, 4, 5), qcore.scheme("q8s/block5"))
     assert list(p.shp) == [1] * 7 + [120] and list(p.blk[-1:]) == [5]

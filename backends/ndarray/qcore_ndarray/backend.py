@@ -217,3 +217,34 @@ class NdarrayBackend(BaseBackend):
 
     def to_numpy(self, array: Any) -> np.ndarray:
         return np.asarray(array)
+
+    # ------------------------------------------------------------------ ops
+    MATMUL_ROWS = 1024
+    """Rows of w dequantized per step: the same steps as `qcore.ops.matmul`, so the f32 sums
+    (and so the results) are identical to every other backend's."""
+
+    def matmul(self, x: Any, w: Any) -> Any:
+        """`x @ dequantize(w)` for float x [..., K] and w [K, N], `MATMUL_ROWS` rows of w at a time
+        (whole blocks) dequantized by the numba kernel straight from the stored bytes, so the
+        full float weight never exists. Anything unusual goes to `qcore.ops.matmul` (its checks,
+        its error text, and its generic path for a weight packed along K)."""
+        w = self._own(w)
+        if (len(w.shape) != 2 or not isinstance(x, np.ndarray) or x.dtype.kind != "f" or x.ndim < 1
+                or x.shape[-1] != w.shape[0] or w.scheme.store.kind is not StoreKind.NATIVE
+                and w.scheme.store.dim != 0):
+            return super().matmul(x, w)
+        data: NdQuantized = w.data
+        k_rows, n_cols = w.shape
+        block = layout.full_block(w.shape, w.scheme)
+        br = block[0] if block else 1
+        step = max(br, (self.MATMUL_ROWS // br) * br)
+        row_bytes = layout.values_nbytes((1, n_cols), w.scheme)  # codes of one row of w
+        x = x.astype(np.float32, copy=False)
+        out = np.zeros(x.shape[:-1] + (n_cols,), dtype=np.float32)
+        for k0 in range(0, k_rows, step):
+            k1 = min(k_rows, k0 + step)
+            scales = data.scales if block is None else data.scales[k0 // br: -(-k1 // br)]
+            rows = NdQuantized((k1 - k0, n_cols), w.scheme, data.values[k0 * row_bytes: k1 * row_bytes],
+                               scales, data.global_scale)
+            out += x[..., k0:k1] @ self._dequantize(rows, np.dtype(np.float32))
+        return out
