@@ -55,7 +55,8 @@ def to_f32(x: Any) -> np.ndarray:
     check_input_dtype(arr.dtype)
     if arr.ndim < 1:
         raise InputError("tensors need rank >= 1, got a scalar; reshape it to (1,)")
-    return arr.astype(np.float32, copy=False)
+    with np.errstate(over="ignore"):  # float64 beyond the f32 range becomes inf: reported as such
+        return arr.astype(np.float32, copy=False)
 
 
 def first_nonfinite(x: np.ndarray) -> tuple[int, ...] | None:

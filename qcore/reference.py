@@ -93,7 +93,13 @@ def effective_scale(params: QParams, shape: tuple[int, ...], scheme: QuantScheme
 
 
 def _lookup_nearest(y: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """Index minimising |y - table[i]| in f32; ties go to the lower index (argmin's first hit)."""
+    """Index minimising |y - table[i]| in f32; ties go to the lower index (argmin's first hit).
+
+    `y` is clamped to [table[0], table[-1]] first, which leaves the exact minimiser unchanged;
+    without it, a `y` far outside the table would round every f32 distance to the same value and
+    pick index 0 whatever its sign (docs/spec-choices.md).
+    """
+    y = np.clip(y, table[0], table[-1]).astype(np.float32)
     out = np.empty(y.shape, dtype=np.uint8)
     flat_y, flat_o = y.reshape(-1), out.reshape(-1)
     step = max(1, (1 << 22) // table.size)

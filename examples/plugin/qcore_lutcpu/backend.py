@@ -97,7 +97,9 @@ def element_scales(p: QParams, shape: tuple[int, ...], scheme: QuantScheme) -> n
 
 def nearest(y: np.ndarray, table: np.ndarray) -> np.ndarray:
     """SPEC §2.5 LOOKUP: the index minimising |y - table[i]| in f32; ties keep the lower index
-    (a strict `<` while scanning the table upwards)."""
+    (a strict `<` while scanning the table upwards). `y` is first clamped to the table's range
+    (docs/spec-choices.md): beyond it f32 distances would all round alike."""
+    y = np.clip(y, table[0], table[-1]).astype(np.float32)
     best = np.full(y.shape, np.inf, np.float32)
     index = np.zeros(y.shape, np.uint8)
     for i, t in enumerate(table):
