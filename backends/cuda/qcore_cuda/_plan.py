@@ -39,6 +39,10 @@ class Plan:
     nruns: int
     values_nbytes: int
     total_nbytes: int
+    RP: np.ndarray | None = None  # row-kernel geometry (int64[R_LEN]) when the layout allows
+    rows_fused: bool = False  # the row kernel calibrates blocks itself (one-level, B | 32)
+    rows_stats: bool = False  # the row kernel can compute block statistics (B | 32)
+    rows_shape: tuple[int, int] = (0, 0)  # (L, R)
 
 
 def _canonical(shape, block, pack):
@@ -150,7 +154,21 @@ def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") ->
     F[K.F_QMIN] = t.qmin
     F[K.F_QMAX] = t.qmax
     F[K.F_FMAX] = t.qmax
-    return Plan(P, F, fused, int(P[K.M_N]), nslots, int(P[K.M_NRUNS]), values_nbytes, total)
+    RP, rows_fused, rows_stats = None, False, False
+    last_packs = not packed or axes[-1][2]
+    if r == cr - 1 and last_packs and (scheme.block is None or all(B[k] == 1 for k in range(cr - 1))):
+        L = S[-1]
+        Bl = L if scheme.block is None else B[-1]
+        RP = np.zeros(K.R_LEN, dtype=np.int64)
+        RP[K.R_R], RP[K.R_L], RP[K.R_W], RP[K.R_B] = math.prod(S[:-1]), L, W[-1], Bl
+        RP[K.R_GL] = 0 if scheme.block is None else G[-1]
+        RP[K.R_NF], RP[K.R_BITS], RP[K.R_SDT], RP[K.R_SNB], RP[K.R_SOFF] = nf, t.bits, P[K.M_SDT], snb, soff
+        RP[K.R_TWO], RP[K.R_ISF], RP[K.R_MB], RP[K.R_BIAS] = scheme.two_level, t.is_float, t.man_bits, t.bias
+        RP[K.R_METHOD] = P[K.M_METHOD]
+        rows_stats = scheme.block is not None and Bl <= 32 and 32 % Bl == 0  # lane groups: powers of two
+        rows_fused = rows_stats and not scheme.two_level and Bl % nf == 0
+    return Plan(P, F, fused, int(P[K.M_N]), nslots, int(P[K.M_NRUNS]), values_nbytes, total,
+                RP, rows_fused, rows_stats, (int(RP[K.R_L]), int(RP[K.R_R])) if RP is not None else (0, 0))
 
 
 def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, sim: bool = False) -> np.ndarray:

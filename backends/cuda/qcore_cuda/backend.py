@@ -152,12 +152,25 @@ class CudaBackend(BaseBackend):
         pl = _plan.plan(shape, scheme, method)
         P_explicit = pl.P.copy()
         P_explicit[K.M_MODE] = 1
-        return dict(
+        pp = dict(
             plan=pl, P=cuda.to_device(pl.P), F=cuda.to_device(pl.F), P_explicit=cuda.to_device(P_explicit),
             stored=cuda.device_array(pl.nslots, dtype=np.float32),
             raw=cuda.device_array(pl.nslots, dtype=np.float32),
             lut=cuda.to_device(_plan.lut(scheme)),
         )
+        if pl.RP is not None:
+            for mode in (K.ROW_GIVEN, K.ROW_FUSED, K.ROW_STATS):
+                rp = pl.RP.copy()
+                rp[K.R_MODE] = mode
+                pp[("RP", mode)] = cuda.to_device(rp)
+        return pp
+
+    @staticmethod
+    def _words(payload, pl):
+        """The values section as the kernels' word array: uint32 for PackedU32, else bytes."""
+        if int(pl.P[_k().M_WB]) == 4:
+            return payload[: pl.values_nbytes].view(np.uint32)
+        return payload[: pl.values_nbytes]
 
     def _launch_quantize(self, xd, shape, scheme: QuantScheme, params: QParams | None, method: str, payload):
         """Enqueue the quantize kernels writing `payload` (no host synchronisation)."""
@@ -167,7 +180,15 @@ class CudaBackend(BaseBackend):
         pl = pp["plan"]
         asum, fs, flag = self._scratch()
         gbuf, P, F = fs, pp["P"], pp["F"]
-        if params is None and pl.fused:
+        rows = pl.RP is not None
+        if rows:
+            words = self._words(payload, pl)
+            grid, tpb = K.launch_rows(*pl.rows_shape)
+        if params is None and rows and pl.rows_fused:
+            K.k_rows_quant[grid, tpb](xd, pp[("RP", K.ROW_FUSED)], F, pp["stored"], gbuf, words, payload, flag,
+                                      pp["raw"])
+            return
+        if params is None and pl.fused and not rows:
             K.k_quant_fused[K.launch(pl.nruns)](xd, P, F, payload, flag)
             return
         if params is not None:
@@ -179,9 +200,19 @@ class CudaBackend(BaseBackend):
             K.k_tensor_stats[K.launch(n)](xd, raw, asum, flag)
         else:
             raw = pp["raw"]
-            K.k_slot_stats[K.launch(pl.nslots)](xd, P, raw, fs[1:2], flag)
+            if rows and pl.rows_stats:
+                K.k_rows_quant[grid, tpb](xd, pp[("RP", K.ROW_STATS)], F, pp["stored"], gbuf, words, payload, flag,
+                                          raw)
+            else:
+                K.k_slot_stats[K.launch(pl.nslots)](xd, P, raw, fs[1:2], flag)
         K.k_scales[K.launch(pl.nslots)](raw, asum, P, F, pp["stored"], gbuf, payload)
-        K.k_quant[K.launch(pl.nruns)](xd, P, F, pp["stored"], gbuf, payload, flag, asum)
+        if rows:
+            K.k_rows_quant[grid, tpb](xd, pp[("RP", K.ROW_GIVEN)], F, pp["stored"], gbuf, words, payload, flag,
+                                      raw)
+            if params is None:  # the statistics scratch is consumed: zero it for the next call
+                K.k_zero_stats[1, 1](asum, gbuf)
+        else:
+            K.k_quant[K.launch(pl.nruns)](xd, P, F, pp["stored"], gbuf, payload, flag, asum)
 
     def _run_quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str):
         cuda = _cuda()
@@ -229,8 +260,14 @@ class CudaBackend(BaseBackend):
     def _launch_dequantize(self, data: CudaData, out) -> None:
         K = _k()
         pp = self._prepared(data.shape, data.scheme, "minmax")
+        pl = pp["plan"]
         scales, gbuf = self._decoded_scales(data)
-        K.k_dequant[K.launch(pp["plan"].nruns)](data.payload, pp["P"], pp["lut"], scales, gbuf, out)
+        if pl.RP is not None:
+            grid, tpb = K.launch_rows(*pl.rows_shape)
+            K.k_rows_dequant[grid, tpb](self._words(data.payload, pl), pp[("RP", K.ROW_GIVEN)], pp["lut"], scales,
+                                        gbuf, out)
+        else:
+            K.k_dequant[K.launch(pl.nruns)](data.payload, pp["P"], pp["lut"], scales, gbuf, out)
 
     def _dequantize(self, data: CudaData, dtype: np.dtype) -> Any:
         cuda = _cuda()
@@ -267,7 +304,8 @@ class CudaBackend(BaseBackend):
         Orientation: `x` is float [..., K] (host or device), `w` a quantized [K, N] tensor on
         this backend (K = reduction axis, rows of w); the result is a float32 device array
         [..., N]. Each thread owns 8 output columns of one row of x and a k-chunk of 32 to 256
-        rows; per-chunk partial sums are added in a fixed order (deterministic), f32 accumulation.
+        rows; a block sums its k-chunks in shared memory and adds them to the output with f32
+        atomics, so the last bits may vary from run to run (f32 accumulation throughout).
         """
         w = self._own(w)
         if len(w.shape) != 2:
@@ -300,18 +338,15 @@ class CudaBackend(BaseBackend):
         if mm is None:
             from numba import config
 
+            pl = self._prepared(data.shape, data.scheme, "minmax")["plan"]
             Q = _plan.matmul_geometry(data.shape, data.scheme, m, sim=bool(config.ENABLE_CUDASIM))
-            kc = int(Q[K.Q_KC])
-            nb4 = self._prepared(data.shape, data.scheme, "minmax")["plan"].values_nbytes // 4
+            nb4 = pl.values_nbytes // 4
             p32 = data.payload[: nb4 * 4].view(np.uint32) if Q[K.Q_W32] and nb4 else \
                 cuda.device_array(1, dtype=np.uint32)
             mm = data.cache[key] = dict(
-                Q=cuda.to_device(Q), kc=kc, total=int(Q[K.Q_NG]) * m * kc,
-                part=cuda.device_array(kc * m * data.shape[1], dtype=np.float32) if kc > 1 else None,
+                Q=cuda.to_device(Q), launch=K.launch_matmul(int(Q[K.Q_NG]), int(Q[K.Q_KC]), m),
                 lut=self._prepared(data.shape, data.scheme, "minmax")["lut"], p32=p32,
             )
-        part = out if mm["part"] is None else mm["part"]
-        K.k_matmul[K.launch(mm["total"])](xd, data.payload, mm["p32"], mm["Q"], mm["lut"], scales, gbuf, part)
-        if mm["part"] is not None:
-            mn = m * data.shape[1]
-            K.k_sum_parts[K.launch(mn)](part, np.int64(mm["kc"]), np.int64(mn), out)
+        K.k_zero[K.launch(out.size)](out)
+        grid, block = mm["launch"]
+        K.k_matmul[grid, block](xd, data.payload, mm["p32"], mm["Q"], mm["lut"], scales, gbuf, out)

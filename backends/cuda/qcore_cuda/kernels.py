@@ -573,6 +573,193 @@ def k_dequant(payload, P, lut, scales, gbuf, out):
                     rem += int64(1)
 
 
+# ----------------------------------------------------------------------------- row kernels
+# The common layout, coalesced: the block grid splits only the last canonical axis (or the
+# scheme is per-tensor), and codes pack along that axis. The tensor is R lines of L elements;
+# a thread owns one column c (consecutive threads, consecutive columns) and strides over lines,
+# so every load and store of a warp is contiguous. Lanes of one block (B <= 32, B | 32) and of
+# one word (nf lanes) combine through warp shuffles on a GPU; the simulator has no shuffles, so
+# there the same group operations go through shared memory.
+(R_R, R_L, R_W, R_B, R_GL, R_NF, R_BITS, R_MODE, R_SDT, R_SNB, R_SOFF, R_TWO, R_ISF, R_MB, R_BIAS,
+ R_METHOD) = range(16)
+R_LEN = 16
+ROW_GIVEN, ROW_FUSED, ROW_STATS = 0, 1, 2
+ROW_TPB = 256
+
+if config.ENABLE_CUDASIM:
+    def _group(v, width, sh, op):
+        if width == 1:  # uniform across the block: no exchange needed
+            return v
+        tid = cuda.threadIdx.x
+        sh[tid] = v
+        cuda.syncthreads()
+        b = tid - tid % width
+        r = sh[b]
+        for i in range(1, width):
+            r = op(r, sh[b + i])
+        cuda.syncthreads()
+        return r
+
+    def group_max(v, width, sh):
+        """max of v over aligned groups of `width` lanes (simulator: through shared memory)."""
+        return _group(v, width, sh, max)
+
+    def group_sum(v, width, sh):
+        return _group(v, width, sh, lambda p, q: p + q)
+
+    def group_or(v, width, sh):
+        return _group(v, width, sh, lambda p, q: p | q)
+else:
+    @cuda.jit(device=True, inline="always")
+    def group_max(v, width, sh):
+        """max of v over aligned groups of `width` lanes (width a power of two <= 32)."""
+        off = width >> int64(1)
+        while off > 0:
+            v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, int32(off)))
+            off >>= int64(1)
+        return v
+
+    @cuda.jit(device=True, inline="always")
+    def group_sum(v, width, sh):
+        off = width >> int64(1)
+        while off > 0:
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, int32(off))
+            off >>= int64(1)
+        return v
+
+    @cuda.jit(device=True, inline="always")
+    def group_or(v, width, sh):
+        off = width >> int64(1)
+        while off > 0:
+            v |= cuda.shfl_xor_sync(0xFFFFFFFF, v, int32(off))
+            off >>= int64(1)
+        return v
+
+
+def launch_rows(L: int, R: int) -> tuple[tuple[int, int], int]:
+    """((blocks along L, blocks over lines), threads) for the row kernels."""
+    tpb = 32 if config.ENABLE_CUDASIM else ROW_TPB
+    gx = -(-L // tpb)
+    if config.ENABLE_CUDASIM:
+        return (gx, max(1, min(R, 2))), tpb
+    return (gx, max(1, min(R, 65535, -(-132 * 16 // gx)))), tpb
+
+
+@cuda.jit
+def k_rows_quant(x, RP, F, stored, gbuf, words, payload, flag, stat):
+    """Row kernel, three modes: GIVEN (quantize with stored scales), FUSED (block max/mean by
+    lane groups, round up, write the scale, quantize: one pass), STATS (per-slot statistic into
+    stat[], and the max over slots into gbuf[1] for two-level). Codes of nf lanes OR into one
+    word written by the word's first lane (SPEC §2, §3)."""
+    sh_f = cuda.shared.array(ROW_TPB, float32)
+    sh_d = cuda.shared.array(ROW_TPB, float64)
+    sh_i = cuda.shared.array(ROW_TPB, int64)
+    R = RP[R_R]
+    L = RP[R_L]
+    W = RP[R_W]
+    B = RP[R_B]
+    GL = RP[R_GL]
+    nf = RP[R_NF]
+    bits = RP[R_BITS]
+    mode = RP[R_MODE]
+    sdt = RP[R_SDT]
+    snb = RP[R_SNB]
+    soff = RP[R_SOFF]
+    two = RP[R_TWO] != 0
+    isf = RP[R_ISF] != 0
+    mb = RP[R_MB]
+    bias = RP[R_BIAS]
+    absmean = RP[R_METHOD] == 1
+    h = F[F_H]
+    qmin = F[F_QMIN]
+    qmax = F[F_QMAX]
+    fmax = F[F_FMAX]
+    g = gbuf[0]
+    c = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
+    valid = c < L
+    f = c % nf
+    wc = c // nf
+    scol = c // B
+    cnt = min(B, L - scol * B)
+    shift = f * bits
+    bad = False
+    gm = float32(0.0)
+    for line in range(int64(cuda.blockIdx.y), R, int64(cuda.gridDim.y)):
+        v = float32(0.0)
+        if valid:
+            v = x[line * L + c]
+            if not math.isfinite(v):  # flagged; 0 keeps the rest of the kernel finite
+                bad = True
+                v = float32(0.0)
+        slot = line * GL + scol
+        if mode == ROW_GIVEN:
+            e = float32(0.0)
+            if valid:
+                e = stored[slot]
+                if two:
+                    e = g * e
+        else:
+            a = abs(v)
+            if absmean:
+                m = float32(group_sum(float64(a), B, sh_d) / float64(cnt))
+            else:
+                m = group_max(a, B, sh_f)
+            if mode == ROW_STATS:
+                if valid and c % B == 0:
+                    stat[slot] = m
+                gm = max(gm, m)
+                continue
+            e = round_up(float32(m / h), sdt)
+            if valid and c % B == 0:
+                put_le(payload, soff + slot * snb, scale_code(e, sdt), snb)
+        field = int64(0)
+        if valid:
+            y = float32(0.0)
+            if e != float32(0.0):
+                y = v / e
+            field = encode(y, isf, qmin, qmax, fmax, mb, bias, bits) << shift
+        word = group_or(field, nf, sh_i)
+        if valid and f == 0:
+            words[line * W + wc] = word
+    if bad:
+        flag[0] = int32(1)
+    if mode == ROW_STATS and two:
+        cuda.atomic.max(gbuf, 1, gm)
+
+
+@cuda.jit
+def k_zero_stats(asum, gbuf):
+    """Zero the statistics scratch after the row path consumed it (one thread)."""
+    asum[0] = float64(0.0)
+    gbuf[1] = float32(0.0)
+    gbuf[2] = float32(0.0)
+
+
+@cuda.jit
+def k_rows_dequant(words, RP, lut, scales, gbuf, out):
+    """Row kernel: out[line, c] = decode(field c of its word) * e, coalesced (SPEC §2.6)."""
+    R = RP[R_R]
+    L = RP[R_L]
+    W = RP[R_W]
+    B = RP[R_B]
+    GL = RP[R_GL]
+    nf = RP[R_NF]
+    bits = RP[R_BITS]
+    two = RP[R_TWO] != 0
+    g = gbuf[0]
+    mask = (int64(1) << bits) - int64(1)
+    c = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
+    if c < L:
+        wc = c // nf
+        shift = (c % nf) * bits
+        scol = c // B
+        for line in range(int64(cuda.blockIdx.y), R, int64(cuda.gridDim.y)):
+            e = scales[line * GL + scol]
+            if two:
+                e = g * e
+            out[line * L + c] = lut[(int64(words[line * W + wc]) >> shift) & mask] * e
+
+
 # matmul geometry (int64 array Q)
 (Q_M, Q_K, Q_N, Q_PA, Q_NF, Q_BITS, Q_WB, Q_ROWB, Q_BK, Q_BN, Q_G1, Q_KC, Q_CHUNK, Q_NG, Q_TWO,
  Q_FAST, Q_W32, Q_SAME, Q_ISF) = range(19)
@@ -580,11 +767,17 @@ Q_LEN = 20
 MM_COLS = 8  # output columns per thread
 
 
+MM_BDX, MM_BDY = 32, 8  # matmul block: 32 column groups x 8 k-slices (simulator: 8 x 4)
+MM_SH = MM_COLS * MM_BDX * MM_BDY  # shared floats per block
+
+
 @cuda.jit
-def k_matmul(x, payload, p32, Q, lut, scales, gbuf, part):
-    """Fused dequantize-matmul partial sums: part[kc, m, n] = sum over the k-chunk kc of
-    x[m, k] * decode(w[k, n]) * e[k, n] (f32). Thread per (8 columns, row m, k-chunk); the
-    column group varies fastest so a warp reads consecutive bytes of one weight row.
+def k_matmul(x, payload, p32, Q, lut, scales, gbuf, out):
+    """Fused dequantize-matmul: out[m, n] += sum over a k-tile of x[m, k] * decode(w[k, n]) * e
+    (f32; `out` zeroed first). Block = (column groups) x (k-slices of `chunk` rows); thread
+    (tx, ty) owns 8 columns and one k-slice, the slices are summed in shared memory and each
+    block adds its 8 * blockDim.x columns to `out` with one atomic each. Consecutive tx read
+    consecutive bytes of a weight row.
 
     FAST (codes packed along N, rows long enough): the 8 codes of a thread are one `bits`-byte
     little-endian word of the row (one or two u32 loads when W32), SAME: the 8 columns share a
@@ -592,6 +785,7 @@ def k_matmul(x, payload, p32, Q, lut, scales, gbuf, part):
     table. Otherwise each code is fetched from its own byte (any store, any block)."""
     acc = cuda.local.array(MM_COLS, float32)
     sc = cuda.local.array(MM_COLS, int64)
+    sh = cuda.shared.array(MM_SH, float32)
     M = Q[Q_M]
     K = Q[Q_K]
     N = Q[Q_N]
@@ -613,80 +807,94 @@ def k_matmul(x, payload, p32, Q, lut, scales, gbuf, part):
     g = gbuf[0]
     mask = (int64(1) << bits) - int64(1)
     half = int64(1) << (bits - int64(1))
-    total = ng * M * Q[Q_KC]
-    start, step = cuda.grid(1), cuda.gridsize(1)
-    for t in range(start, total, step):
-        cg = t % ng
-        rest = t // ng
-        m = rest % M
-        kc = rest // M
-        n0 = cg * int64(MM_COLS)
+    tx = int64(cuda.threadIdx.x)
+    ty = int64(cuda.threadIdx.y)
+    bdx = int64(cuda.blockDim.x)
+    bdy = int64(cuda.blockDim.y)
+    cg = int64(cuda.blockIdx.x) * bdx + tx
+    kc = int64(cuda.blockIdx.y) * bdy + ty
+    n0 = cg * int64(MM_COLS)
+    for c in range(MM_COLS):
+        sc[c] = min(n0 + c, N - int64(1)) // bn
+    k0 = kc * chunk
+    k1 = min(K, k0 + chunk)
+    me = (ty * bdx + tx) * int64(MM_COLS)
+    for m in range(int64(cuda.blockIdx.z), M, int64(cuda.gridDim.z)):
         for c in range(MM_COLS):
             acc[c] = float32(0.0)
-            sc[c] = min(n0 + c, N - int64(1)) // bn
-        k0 = kc * chunk
-        k1 = min(K, k0 + chunk)
-        kb = k0 // bk
-        krem = k0 - kb * bk
-        for k in range(k0, k1):
-            if krem == bk:
-                kb += int64(1)
-                krem = int64(0)
-            xv = x[m * K + k]
-            if fast:
-                if w32:
-                    wi = (k * rowb + ((n0 * bits) >> int64(3))) >> int64(2)
-                    word = int64(p32[wi])
-                    if bits == 8:
-                        word |= int64(p32[wi + int64(1)]) << int64(32)
-                else:
-                    word = get_le(payload, k * rowb + ((n0 * bits) >> int64(3)), bits)
-                e = scales[kb * g1 + sc[0]]
-                if two:
-                    e = g * e
-                for c in range(MM_COLS):
-                    if not same:
-                        e = scales[kb * g1 + sc[c]]
-                        if two:
-                            e = g * e
-                    code = (word >> (int64(c) * bits)) & mask
-                    if isf:
-                        v = lut[code]
+        if cg < ng and k0 < K:
+            kb = k0 // bk
+            krem = k0 - kb * bk
+            for k in range(k0, k1):
+                if krem == bk:
+                    kb += int64(1)
+                    krem = int64(0)
+                xv = x[m * K + k]
+                if fast:
+                    if w32:
+                        wi = (k * rowb + ((n0 * bits) >> int64(3))) >> int64(2)
+                        word = int64(p32[wi])
+                        if bits == 8:
+                            word |= int64(p32[wi + int64(1)]) << int64(32)
                     else:
-                        v = float32((code ^ half) - half)
-                    acc[c] += xv * (v * e)
-            else:
-                for c in range(MM_COLS):
-                    n = n0 + c
-                    if n < N:
-                        if pa_n:
-                            bitpos = n * bits
-                            byte = k * rowb + (bitpos >> int64(3))
+                        word = get_le(payload, k * rowb + ((n0 * bits) >> int64(3)), bits)
+                    e = scales[kb * g1 + sc[0]]
+                    if two:
+                        e = g * e
+                    xe = xv * e
+                    for c in range(MM_COLS):
+                        if not same:
+                            e = scales[kb * g1 + sc[c]]
+                            if two:
+                                e = g * e
+                            xe = xv * e
+                        code = (word >> (int64(c) * bits)) & mask
+                        if isf:
+                            v = lut[code]
                         else:
-                            f = k % nf
-                            bitpos = f * bits
-                            byte = ((k // nf) * N + n) * wb + (bitpos >> int64(3))
-                        code = (int64(payload[byte]) >> (bitpos & int64(7))) & mask
-                        e = scales[kb * g1 + sc[c]]
-                        if two:
-                            e = g * e
-                        acc[c] += xv * (lut[code] * e)
-            krem += int64(1)
-        base = (kc * M + m) * N
+                            v = float32(int32((code ^ half) - half))
+                        acc[c] += xe * v
+                else:
+                    for c in range(MM_COLS):
+                        n = n0 + c
+                        if n < N:
+                            if pa_n:
+                                bitpos = n * bits
+                                byte = k * rowb + (bitpos >> int64(3))
+                            else:
+                                f = k % nf
+                                bitpos = f * bits
+                                byte = ((k // nf) * N + n) * wb + (bitpos >> int64(3))
+                            code = (int64(payload[byte]) >> (bitpos & int64(7))) & mask
+                            e = scales[kb * g1 + sc[c]]
+                            if two:
+                                e = g * e
+                            acc[c] += (xv * e) * lut[code]
+                krem += int64(1)
         for c in range(MM_COLS):
-            if n0 + c < N:
-                part[base + n0 + c] = acc[c]
+            sh[me + c] = acc[c]
+        cuda.syncthreads()
+        if ty == 0 and cg < ng:
+            for c in range(MM_COLS):
+                tot = float32(0.0)
+                for j in range(bdy):
+                    tot += sh[(j * bdx + tx) * int64(MM_COLS) + c]
+                if n0 + c < N:
+                    cuda.atomic.add(out, m * N + n0 + c, tot)
+        cuda.syncthreads()
 
 
 @cuda.jit
-def k_sum_parts(part, kc, mn, out):
-    """out[i] = sum over k-chunks of part[kc, i] (fixed order: deterministic)."""
+def k_zero(a):
     start, step = cuda.grid(1), cuda.gridsize(1)
-    for i in range(start, mn, step):
-        s = float32(0.0)
-        for c in range(kc):
-            s += part[c * mn + i]
-        out[i] = s
+    for i in range(start, a.size, step):
+        a[i] = float32(0.0)
+
+
+def launch_matmul(ng: int, kc: int, m: int) -> tuple[tuple[int, int, int], tuple[int, int]]:
+    """(grid, block) of k_matmul: column groups x k-slices x rows of x."""
+    bdx, bdy = (8, 4) if config.ENABLE_CUDASIM else (MM_BDX, MM_BDY)
+    return (-(-ng // bdx), -(-kc // bdy), max(1, min(m, 65535))), (bdx, bdy)
 
 
 # Every kernel with every signature the backend launches it with (compiled for sm_90 by
@@ -707,5 +915,10 @@ SIGNATURES: dict[str, list[str]] = {
                   for t in ("float32", "float16", "float64")],
     "k_matmul": ["void(float32[::1], uint8[::1], uint32[::1], int64[::1], float32[::1], float32[::1], "
                  "float32[::1], float32[::1])"],
-    "k_sum_parts": ["void(float32[::1], int64, int64, float32[::1])"],
+    "k_zero": ["void(float32[::1])"],
+    "k_zero_stats": ["void(float64[::1], float32[::1])"],
+    "k_rows_quant": [f"void(float32[::1], int64[::1], float32[::1], float32[::1], float32[::1], {w}[::1], uint8[::1], "
+                     "int32[::1], float32[::1])" for w in ("uint32", "uint8")],
+    "k_rows_dequant": [f"void({w}[::1], int64[::1], float32[::1], float32[::1], float32[::1], {t}[::1])"
+                       for w in ("uint32", "uint8") for t in ("float32", "float16", "float64")],
 }
