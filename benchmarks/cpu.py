@@ -26,6 +26,7 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -79,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         nd.dequantize(qs[text])
         first[f"dequantize {text}"] = time.perf_counter() - t0
+
+    # -- the same first calls in a new process, whose numba cache the calls above have filled
+    probe = ("import time, numpy as np, qcore; x = np.ones((64, 64), np.float32); be = qcore.backend('ndarray'); "
+             f"t = time.perf_counter(); [be.dequantize(be.quantize(x, s)) for s in {SCHEMES!r}]; "
+             "print(time.perf_counter() - t)")
+    warm_first = float(subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True,
+                                      text=True, env=dict(os.environ)).stdout.strip())
 
     # -- cases: (operation, scheme, backend, threads, callable, bytes moved). Repeats run
     # round-robin over a group of cases, so a burst of load from other processes hits every row
@@ -198,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "First call in a fresh process ("
               + ("warm on-disk cache" if args.warm_cache else "empty numba cache: compile included") + "):", ""]
     lines += [f"- {k}: {v:.2f} s" for k, v in first.items()]
+    lines += [f"- then, in a new process with that cache filled: {warm_first:.2f} s for all six first calls "
+              "(cache load)"]
     lines += ["", "Peak memory of quantize (tracemalloc peak / input bytes):", ""]
     lines += [f"- `{k}`: {v:.3f}x" for k, v in peaks.items()]
 
