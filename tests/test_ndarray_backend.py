@@ -259,7 +259,9 @@ def test_params_path_is_bit_exact(text):
     calibrated = ref.calibrate(x, text)
     chosen = QParams(RNG.uniform(0, 0.05, grid).astype(np.float32), 0.75 if sch.two_level else None)
     zeros = QParams(np.zeros(grid, np.float32), 0.0 if sch.two_level else None)
-    for p in (calibrated, chosen, zeros):
+    # subnormal scales: x / e overflows to inf (-> qmin/qmax) and dequantized values are subnormal
+    tiny = QParams(np.full(grid, 1e-45 if not sch.two_level else 3e-3, np.float32), 1e-42 if sch.two_level else None)
+    for p in (calibrated, chosen, zeros, tiny):
         assert_same_tensor(nd.quantize(x, text, params=p), ref.quantize(x, text, params=p))
 
 
