@@ -81,8 +81,9 @@ class Plan:
 def make_plan(shape: tuple[int, ...], scheme: QuantScheme) -> Plan:
     """Fold `shape` under `scheme` into the kernels' 8-axis view (see module docstring).
 
-    Per-tensor schemes get block 1 everywhere except a partition of the last axis into runs
-    of `TASK_ELEMENTS`, and all-zero slot strides: every element uses slot 0.
+    Per-tensor schemes get a partition into tasks of about `TASK_ELEMENTS` elements (whole
+    trailing axes, then runs of the next one) as their blocks, and all-zero slot strides: every
+    element uses slot 0.
     """
     shape = tuple(int(d) for d in shape)
     rank = len(shape)
@@ -112,8 +113,13 @@ def make_plan(shape: tuple[int, ...], scheme: QuantScheme) -> Plan:
     blk = [a[1] for a in axes]
     pa = next((k for k, a in enumerate(axes) if a[2]), -1)
 
-    if per_tensor:
-        blk[-1] = max(1, min(shp[-1], TASK_ELEMENTS))
+    if per_tensor:  # partition into tasks of about TASK_ELEMENTS, whole trailing axes first
+        room = TASK_ELEMENTS
+        for k in range(NAXES - 1, -1, -1):
+            blk[k] = max(1, min(shp[k], room))
+            room //= max(1, shp[k])
+            if room < 2:
+                break
     grd = [-(-d // b) for d, b in zip(shp, blk)]
     gst = [0] * NAXES if per_tensor else _row_major(grd)
     xst = _row_major(shp)
