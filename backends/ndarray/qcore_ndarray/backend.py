@@ -144,8 +144,7 @@ class NdarrayBackend(BaseBackend):
                     values: np.ndarray | None, check: bool) -> None:
         k = _kernels()
         t = scheme.traits
-        ntasks = max(1, int(np.prod(plan.grd[:7])) * -(-int(plan.grd[7]) // plan.chunk))
-        bad = np.zeros(ntasks, np.uint8)
+        bad = np.zeros(plan.ntasks, np.uint8)
         dummy_f = np.zeros(1, np.float32)
         k.quantize_blocks(
             flat, flat.view(np.uint32), *plan.args(), mode, mcode, check,

@@ -221,16 +221,27 @@ def tensor_stats(x, xb, method, chunk):
 
 
 @njit(cache=True)
-def _lines(r, shp, blk, grd, xst, ost, gst, pa, npw):
+def _max_lines(shp, blk):
+    """Most lines (along axis 7) one block can cover: the size of a task's line tables."""
+    n = 1
+    for k in range(7):
+        n *= max(1, min(shp[k], blk[k]))
+    return n
+
+
+@njit(cache=True)
+def _lines(r, shp, blk, grd, xst, ost, gst, pa, npw, scratch, xline, oline):
     """For task row `r` (flat index over the grid of axes 0..6): the slot index of its first
-    block, and the float offset / byte offset of every line (along axis 7) its blocks cover."""
-    g = np.empty(7, np.int64)
+    block and the number of lines its blocks cover; the float offset / byte offset of each line
+    (along axis 7) go to xline / oline. `scratch` is int64[28] of per-task working space."""
+    g = scratch[0:7]
+    lo = scratch[7:14]
+    cnt = scratch[14:21]
+    idx = scratch[21:28]
     rem = r
     for k in range(6, -1, -1):
         g[k] = rem % grd[k]
         rem //= grd[k]
-    lo = np.empty(7, np.int64)
-    cnt = np.empty(7, np.int64)
     nl = 1
     sb = 0
     for k in range(7):
@@ -238,9 +249,7 @@ def _lines(r, shp, blk, grd, xst, ost, gst, pa, npw):
         cnt[k] = min(shp[k], lo[k] + blk[k]) - lo[k]
         nl *= cnt[k]
         sb += g[k] * gst[k]
-    xline = np.empty(nl, np.int64)
-    oline = np.empty(nl, np.int64)
-    idx = np.zeros(7, np.int64)
+        idx[k] = 0
     for line in range(nl):
         xo = 0
         oo = 0
@@ -260,7 +269,7 @@ def _lines(r, shp, blk, grd, xst, ost, gst, pa, npw):
                 break
             idx[k] = 0
             k -= 1
-    return sb, xline, oline
+    return sb, nl
 
 
 @njit(cache=True, inline="always")
@@ -385,96 +394,119 @@ def _fused_pow2(x, xb, out, x0, o0, nblocks, logb, h, qmin, qmax, sdt, scales_ou
     return True
 
 
+@njit(cache=True, inline="always")
+def _quantize_row(r, c, x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, mode, method, check,
+                  h, qmin, qmax, sdt, escales, scales_out, out, logb, istr, scratch, xtab, otab):
+    """One task row `r` (grid of axes 0..6), chunk `c` of its blocks along axis 7; see
+    `quantize_blocks`. Returns False on a non-finite input."""
+    g7n = grd[7]
+    b7 = blk[7]
+    d7 = shp[7]
+    sb, nl = _lines(r, shp, blk, grd, xst, ost, gst, pa, npw, scratch, xtab, otab)
+    xline = xtab[:nl]
+    oline = otab[:nl]
+    ga = c * chunk
+    gb = min(g7n, ga + chunk)
+    if mode == 1 and method == 0 and logb > 0 and nl == 1 and istr == 1:
+        gf = min(gb, d7 >> logb)  # whole blocks; a partial edge block takes the general path
+        if gf > ga:
+            if not _fused_pow2(x, xb, out, xline[0] + ga * b7, oline[0] + ga * b7, gf - ga, logb, h,
+                               qmin, qmax, sdt, scales_out, sb + ga * gst[7], gst[7]):
+                return False
+            ga = gf
+    for g7 in range(ga, gb):
+        j0 = g7 * b7
+        j1 = min(d7, j0 + b7)
+        slot = sb + g7 * gst[7]
+        if mode != 2 or check:
+            mb = np.uint32(0)
+            for line in range(nl):
+                xo = xline[line]
+                mb = max(mb, _amax_bits(xb[xo + j0:xo + j1]))
+            if mb >= _INF_BITS:
+                return False
+        if mode == 2:
+            e = escales[slot]
+        else:
+            if method == 1:
+                sm = 0.0
+                for line in range(nl):
+                    xo = xline[line]
+                    sm += _abs_sum(x[xo + j0:xo + j1])
+                stat = np.float32(sm / np.float64(nl * (j1 - j0)))
+            else:
+                stat = _bits_f32(np.uint32(mb))
+            if mode == 0:
+                scales_out[slot] = stat
+                continue
+            e = round_up_scalar(np.float32(stat / h), sdt)
+            scales_out[slot] = e
+        _encode_lines(x, out, xline, oline, j0, j1, istr, e, qmin, qmax)
+    return True
+
+
 @njit(parallel=True, cache=True)
-def quantize_blocks(x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, mode, method, check,
+def quantize_blocks(x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows, mode, method, check,
                     h, qmin, qmax, sdt, escales, scales_out, out, bad, logb):
     """Block-wise pass over flat f32 `x` (SPEC §2.1-2.5).
 
     mode MODE_STATS: `scales_out[slot]` = the slot statistic. MODE_FUSED: statistic -> raw
     scale `stat / h` -> round up to `sdt` -> `scales_out[slot]`, then quantize the block while it
     is in cache. MODE_APPLY: quantize with `escales[slot]` (with `check`, scan the block for
-    NaN/Inf first). Codes go to `out` (int8 view of the stored value bytes). A task that meets
-    a non-finite value sets `bad[task]` and stops. `logb` >= 1 when the plan allows the fused
-    fast path (blocks of 2^logb along axis 7 only, contiguous codes), else -1.
+    NaN/Inf first). Codes go to `out` (int8 view of the stored value bytes). A task (`rows` task
+    rows x `chunk` blocks along axis 7) that meets a non-finite value sets `bad[task]` and stops.
+    `logb` >= 1 when the plan allows the fused fast path (blocks of 2^logb along axis 7 only,
+    contiguous codes), else -1.
     """
     n_outer = 1
     for k in range(7):
         n_outer *= grd[k]
-    g7n = grd[7]
-    n_chunks = (g7n + chunk - 1) // chunk
+    n_chunks = (grd[7] + chunk - 1) // chunk
+    n_groups = (n_outer + rows - 1) // rows
     istr = 1 if pa == 7 else ost[7]
-    b7 = blk[7]
-    d7 = shp[7]
-    for t in prange(n_outer * n_chunks):
-        r = t // n_chunks
-        c = t - r * n_chunks
-        sb, xline, oline = _lines(r, shp, blk, grd, xst, ost, gst, pa, npw)
-        nl = xline.size
-        ga = c * chunk
-        gb = min(g7n, ga + chunk)
-        if mode == 1 and method == 0 and logb > 0 and nl == 1 and istr == 1:
-            gf = min(gb, d7 >> logb)  # whole blocks; a partial edge block takes the general path
-            if gf > ga:
-                if not _fused_pow2(x, xb, out, xline[0] + ga * b7, oline[0] + ga * b7, gf - ga, logb, h,
-                                   qmin, qmax, sdt, scales_out, sb + ga * gst[7], gst[7]):
-                    bad[t] = 1
-                    gb = ga  # skip the rest of the task
-                else:
-                    ga = gf
-        for g7 in range(ga, gb):
-            j0 = g7 * b7
-            j1 = min(d7, j0 + b7)
-            slot = sb + g7 * gst[7]
-            if mode != 2 or check:
-                mb = np.uint32(0)
-                for line in range(nl):
-                    xo = xline[line]
-                    mb = max(mb, _amax_bits(xb[xo + j0:xo + j1]))
-                if mb >= _INF_BITS:
-                    bad[t] = 1
-                    break
-            if mode == 2:
-                e = escales[slot]
-            else:
-                if method == 1:
-                    sm = 0.0
-                    for line in range(nl):
-                        xo = xline[line]
-                        sm += _abs_sum(x[xo + j0:xo + j1])
-                    stat = np.float32(sm / np.float64(nl * (j1 - j0)))
-                else:
-                    stat = _bits_f32(np.uint32(mb))
-                if mode == 0:
-                    scales_out[slot] = stat
-                    continue
-                e = round_up_scalar(np.float32(stat / h), sdt)
-                scales_out[slot] = e
-            _encode_lines(x, out, xline, oline, j0, j1, istr, e, qmin, qmax)
+    maxl = _max_lines(shp, blk)
+    for t in prange(n_groups * n_chunks):
+        rg = t // n_chunks
+        c = t - rg * n_chunks
+        scratch = np.empty(28, np.int64)
+        xtab = np.empty(maxl, np.int64)
+        otab = np.empty(maxl, np.int64)
+        for r in range(rg * rows, min(n_outer, rg * rows + rows)):
+            if not _quantize_row(r, c, x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, mode, method, check,
+                                 h, qmin, qmax, sdt, escales, scales_out, out, logb, istr, scratch, xtab, otab):
+                bad[t] = 1
+                break
 
 
 @njit(parallel=True, cache=True)
-def dequantize_blocks(codes, shp, blk, grd, xst, ost, gst, pa, npw, chunk, escales, y):
+def dequantize_blocks(codes, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows, escales, y):
     """`y = f32(q) * e` block by block (SPEC §2.6), reading the stored value bytes as int8."""
     n_outer = 1
     for k in range(7):
         n_outer *= grd[k]
     g7n = grd[7]
     n_chunks = (g7n + chunk - 1) // chunk
+    n_groups = (n_outer + rows - 1) // rows
     istr = 1 if pa == 7 else ost[7]
     b7 = blk[7]
     d7 = shp[7]
-    for t in prange(n_outer * n_chunks):
-        r = t // n_chunks
-        c = t - r * n_chunks
-        sb, xline, oline = _lines(r, shp, blk, grd, xst, ost, gst, pa, npw)
-        for g7 in range(c * chunk, min(g7n, c * chunk + chunk)):
-            j0 = g7 * b7
-            j1 = min(d7, j0 + b7)
-            e = escales[sb + g7 * gst[7]]
-            for line in range(xline.size):
-                xo = xline[line]
-                oo = oline[line]
-                if istr == 1:
-                    _decode_contig(codes[oo + j0:oo + j1], y[xo + j0:xo + j1], e)
-                else:
-                    _decode_strided(codes, oo + j0 * istr, istr, y[xo + j0:xo + j1], e)
+    maxl = _max_lines(shp, blk)
+    for t in prange(n_groups * n_chunks):
+        rg = t // n_chunks
+        c = t - rg * n_chunks
+        scratch = np.empty(28, np.int64)
+        xtab = np.empty(maxl, np.int64)
+        otab = np.empty(maxl, np.int64)
+        for r in range(rg * rows, min(n_outer, rg * rows + rows)):
+            sb, nl = _lines(r, shp, blk, grd, xst, ost, gst, pa, npw, scratch, xtab, otab)
+            for g7 in range(c * chunk, min(g7n, c * chunk + chunk)):
+                j0 = g7 * b7
+                j1 = min(d7, j0 + b7)
+                e = escales[sb + g7 * gst[7]]
+                for line in range(nl):
+                    xo = xtab[line]
+                    oo = otab[line]
+                    if istr == 1:
+                        _decode_contig(codes[oo + j0:oo + j1], y[xo + j0:xo + j1], e)
+                    else:
+                        _decode_strided(codes, oo + j0 * istr, istr, y[xo + j0:xo + j1], e)

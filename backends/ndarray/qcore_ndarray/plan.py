@@ -55,7 +55,8 @@ class Plan:
     gst: np.ndarray
     pa: int
     npw: int
-    chunk: int
+    chunk: int  # blocks along axis 7 per task
+    rows: int  # task rows (grid of axes 0..6) per task, > 1 only when one chunk spans axis 7
 
     @property
     def size(self) -> int:
@@ -75,7 +76,14 @@ class Plan:
 
     def args(self) -> tuple:
         """The layout arguments shared by every block kernel, in kernel order."""
-        return (self.shp, self.blk, self.grd, self.xst, self.ost, self.gst, self.pa, self.npw, self.chunk)
+        return (self.shp, self.blk, self.grd, self.xst, self.ost, self.gst, self.pa, self.npw, self.chunk,
+                self.rows)
+
+    @property
+    def ntasks(self) -> int:
+        """Parallel tasks of the block kernels (at least 1): row groups x chunks along axis 7."""
+        n_outer = math.prod(int(g) for g in self.grd[:7])
+        return max(1, -(-n_outer // self.rows) * -(-int(self.grd[7]) // self.chunk))
 
 
 def make_plan(shape: tuple[int, ...], scheme: QuantScheme) -> Plan:
@@ -132,6 +140,9 @@ def make_plan(shape: tuple[int, ...], scheme: QuantScheme) -> Plan:
         ost = [s * word_bytes for s in _row_major(words)]
     per_task = math.prod(min(b, d) for b, d in zip(blk[:-1], shp[:-1])) * max(1, min(blk[-1], shp[-1]))
     chunk = max(1, TASK_ELEMENTS // max(1, per_task))
+    rows = 1
+    if chunk >= grd[-1]:  # one chunk covers axis 7: let a task take several task rows instead
+        rows = max(1, TASK_ELEMENTS // max(1, per_task * grd[-1]))
 
     as_arr = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
     nbytes = layout.values_nbytes(shape, scheme)
@@ -141,5 +152,5 @@ def make_plan(shape: tuple[int, ...], scheme: QuantScheme) -> Plan:
         values_nbytes=nbytes,
         padded=nbytes != math.prod(shape),
         shp=as_arr(shp), blk=as_arr(blk), grd=as_arr(grd), xst=as_arr(xst), ost=as_arr(ost),
-        gst=as_arr(gst), pa=pa, npw=npw, chunk=chunk,
+        gst=as_arr(gst), pa=pa, npw=npw, chunk=chunk, rows=rows,
     )
