@@ -186,12 +186,14 @@ def _encode_strided(xs, out, ob, istr, e, qmin, qmax):
 
 @njit(cache=True, inline="always")
 def _decode_contig(cs, ys, e):
+    """ys = f32(cs) * e (SPEC §2.6)."""
     for j in range(cs.size):
         ys[j] = np.float32(cs[j]) * e
 
 
 @njit(cache=True)
 def _decode_strided(codes, ob, istr, ys, e):
+    """As `_decode_contig`, reading code j from codes[ob + j * istr] (packing axis not last)."""
     for j in range(ys.size):
         ys[j] = np.float32(codes[ob + j * istr]) * e
 
