@@ -43,6 +43,7 @@ class Plan:
     rows_fused: bool = False  # the row kernel calibrates blocks itself (one-level, B | 32)
     rows_stats: bool = False  # the row kernel can compute block statistics (B | 32)
     rows_shape: tuple[int, int] = (0, 0)  # (L, R)
+    TP: np.ndarray | None = None  # tile-kernel geometry (int64[T_LEN]) for blocks B | 32 on the last axis
 
 
 def _canonical(shape, block, pack):
@@ -167,8 +168,32 @@ def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") ->
         RP[K.R_METHOD] = P[K.M_METHOD]
         rows_stats = scheme.block is not None and Bl <= 32 and 32 % Bl == 0  # lane groups: powers of two
         rows_fused = rows_stats and not scheme.two_level and Bl % nf == 0
+    if RP is not None and scheme.block is None and not packed and RP[K.R_R] == 1:
+        # per-tensor Native: every element shares slot 0, so any row split is the same tensor;
+        # lines of a few thousand give each thread many elements
+        n_ = int(RP[K.R_L])
+        for cols in (4096, 2048, 1024, 512, 256):
+            if n_ % cols == 0 and n_ > cols:
+                RP[K.R_R], RP[K.R_L], RP[K.R_W], RP[K.R_B] = n_ // cols, cols, cols, cols
+                break
+    TP = None
+    if RP is not None and rows_stats and (Bl * t.bits) % 8 == 0:
+        L, R = int(RP[K.R_L]), int(RP[K.R_R])
+        line_bytes = int(W[-1]) * wb
+        u32 = (Bl * t.bits) % 32 == 0 and line_bytes % 4 == 0
+        TP = np.zeros(K.T_LEN, dtype=np.int64)
+        TP[K.T_R], TP[K.T_L], TP[K.T_B] = R, L, Bl
+        TP[K.T_TL] = -(-L // (32 * Bl))
+        TP[K.T_NT] = R * int(TP[K.T_TL])
+        TP[K.T_BITS], TP[K.T_SDT], TP[K.T_SNB], TP[K.T_SOFF], TP[K.T_GL] = t.bits, P[K.M_SDT], snb, soff, G[-1]
+        TP[K.T_ISF], TP[K.T_MB], TP[K.T_BIAS], TP[K.T_METHOD] = t.is_float, t.man_bits, t.bias, P[K.M_METHOD]
+        TP[K.T_WL] = line_bytes // 4 if u32 else line_bytes
+        TP[K.T_U32] = u32
+        TP[K.T_MODE] = 2 if scheme.two_level else 1
+        if not scheme.two_level and not rows_fused:
+            TP = None
     return Plan(P, F, fused, int(P[K.M_N]), nslots, int(P[K.M_NRUNS]), values_nbytes, total,
-                RP, rows_fused, rows_stats, (int(RP[K.R_L]), int(RP[K.R_R])) if RP is not None else (0, 0))
+                RP, rows_fused, rows_stats, (int(RP[K.R_L]), int(RP[K.R_R])) if RP is not None else (0, 0), TP)
 
 
 def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, sim: bool = False) -> np.ndarray:

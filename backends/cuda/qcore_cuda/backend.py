@@ -158,6 +158,9 @@ class CudaBackend(BaseBackend):
             raw=cuda.device_array(pl.nslots, dtype=np.float32),
             lut=cuda.to_device(_plan.lut(scheme)),
         )
+        if pl.TP is not None:
+            pp["TP"] = cuda.to_device(pl.TP)
+            pp["dummy32"] = cuda.device_array(1, dtype=np.uint32)
         if pl.RP is not None:
             for mode in (K.ROW_GIVEN, K.ROW_FUSED, K.ROW_STATS):
                 rp = pl.RP.copy()
@@ -184,6 +187,14 @@ class CudaBackend(BaseBackend):
         if rows:
             words = self._words(payload, pl)
             grid, tpb = K.launch_rows(*pl.rows_shape)
+        tiles = params is None and pl.TP is not None
+        if tiles:
+            w8 = payload[: pl.values_nbytes]
+            w32 = w8.view(np.uint32) if pl.TP[K.T_U32] else pp["dummy32"]
+            tgrid, ttpb = K.launch_tiles(int(pl.TP[K.T_NT]))
+            if not scheme.two_level:
+                K.k_tile_quant[tgrid, ttpb](xd, pp["TP"], F, w32, w8, payload, flag, pp["raw"], gbuf)
+                return
         if params is None and rows and pl.rows_fused:
             K.k_rows_quant[grid, tpb](xd, pp[("RP", K.ROW_FUSED)], F, pp["stored"], gbuf, words, payload, flag,
                                       pp["raw"])
@@ -200,7 +211,9 @@ class CudaBackend(BaseBackend):
             K.k_tensor_stats[K.launch(n)](xd, raw, asum, flag)
         else:
             raw = pp["raw"]
-            if rows and pl.rows_stats:
+            if tiles:
+                K.k_tile_quant[tgrid, ttpb](xd, pp["TP"], F, w32, w8, payload, flag, raw, gbuf)
+            elif rows and pl.rows_stats:
                 K.k_rows_quant[grid, tpb](xd, pp[("RP", K.ROW_STATS)], F, pp["stored"], gbuf, words, payload, flag,
                                           raw)
             else:

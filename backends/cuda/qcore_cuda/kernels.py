@@ -727,6 +727,119 @@ def k_rows_quant(x, RP, F, stored, gbuf, words, payload, flag, stat):
         cuda.atomic.max(gbuf, 1, gm)
 
 
+# Tile kernel: one-level blocks of B | 32 elements along the last axis. A warp takes a tile of
+# 32 consecutive blocks of one line: coalesced loads into shared memory (padded: conflict-free
+# both ways), then lane l owns block l: its statistic, its scale (rounded once per block, not
+# once per element) and its codes, written as whole u32 words (or bytes) of the line.
+(T_R, T_L, T_B, T_TL, T_NT, T_BITS, T_SDT, T_SNB, T_SOFF, T_GL, T_ISF, T_MB, T_BIAS, T_METHOD, T_WL,
+ T_U32, T_MODE) = range(17)
+T_LEN = 20
+TILE_WARPS = 4  # warps per block on a GPU (the simulator runs one)
+TILE_SH = TILE_WARPS * 33 * 32
+
+
+@cuda.jit
+def k_tile_quant(x, TP, F, w32, w8, payload, flag, stat, gbuf):
+    """Fused calibrate+quantize (MODE 1) or block statistics only (MODE 2: stat[slot], and the
+    max over slots into gbuf[1] for two-level), one block per lane (SPEC §2.1-2.5, §3)."""
+    sh = cuda.shared.array(TILE_SH, float32)
+    R = TP[T_R]
+    L = TP[T_L]
+    B = TP[T_B]
+    TL = TP[T_TL]
+    NT = TP[T_NT]
+    bits = TP[T_BITS]
+    sdt = TP[T_SDT]
+    snb = TP[T_SNB]
+    soff = TP[T_SOFF]
+    GL = TP[T_GL]
+    isf = TP[T_ISF] != 0
+    mb = TP[T_MB]
+    bias = TP[T_BIAS]
+    absmean = TP[T_METHOD] == 1
+    WL = TP[T_WL]  # stored units (u32 words or bytes) per line
+    u32 = TP[T_U32] != 0
+    stats_only = TP[T_MODE] == 2
+    h = F[F_H]
+    qmin = F[F_QMIN]
+    qmax = F[F_QMAX]
+    fmax = F[F_FMAX]
+    tid = int64(cuda.threadIdx.x)
+    lane = tid % int64(32)
+    wid = tid // int64(32)
+    nw = int64(cuda.blockDim.x) // int64(32)
+    base = wid * int64(33 * 32)
+    ubits = int64(32) if u32 else int64(8)
+    fpu = ubits // bits  # fields per stored unit
+    upb = (B * bits) // ubits  # stored units per block
+    bad = False
+    gm = float32(0.0)
+    for tb in range(int64(cuda.blockIdx.x), (NT + nw - int64(1)) // nw, int64(cuda.gridDim.x)):
+        t = tb * nw + wid
+        live = t < NT
+        line = t // TL
+        t0 = (t - line * TL) * (B * int64(32))
+        xrow = line * L
+        for j in range(B):
+            col = t0 + j * int64(32) + lane
+            v = float32(0.0)
+            if live and col < L:
+                v = x[xrow + col]
+                if not math.isfinite(v):  # flagged; 0 keeps the rest of the kernel finite
+                    bad = True
+                    v = float32(0.0)
+            sh[base + j * int64(33) + lane] = v
+        cuda.syncthreads()
+        c0 = t0 + lane * B
+        if live and c0 < L:
+            cnt = min(B, L - c0)
+            m = float32(0.0)
+            s = float64(0.0)
+            i0 = lane * B
+            for p in range(B):
+                i = i0 + p
+                a = abs(sh[base + i + i // int64(32)])
+                m = max(m, a)
+                s += float64(a)
+            if absmean:
+                m = float32(s / float64(cnt))
+            slot = line * GL + t0 // B + lane
+            if stats_only:
+                stat[slot] = m
+                gm = max(gm, m)
+            else:
+                e = round_up(float32(m / h), sdt)
+                put_le(payload, soff + slot * snb, scale_code(e, sdt), snb)
+                u0 = (c0 * bits) // ubits
+                for q in range(upb):
+                    if u0 + q < WL:
+                        word = int64(0)
+                        for f in range(fpu):
+                            p = q * fpu + f
+                            if p < cnt:
+                                i = i0 + p
+                                y = float32(0.0)
+                                if e != float32(0.0):
+                                    y = sh[base + i + i // int64(32)] / e
+                                word |= encode(y, isf, qmin, qmax, fmax, mb, bias, bits) << (f * bits)
+                        if u32:
+                            w32[line * WL + u0 + q] = word
+                        else:
+                            w8[line * WL + u0 + q] = word
+        cuda.syncthreads()
+    if bad:
+        flag[0] = int32(1)
+    if stats_only:
+        cuda.atomic.max(gbuf, 1, gm)
+
+
+def launch_tiles(nt: int) -> tuple[int, int]:
+    if config.ENABLE_CUDASIM:
+        return (max(1, min(2, nt)), 32)
+    nw = TILE_WARPS
+    return (max(1, min(-(-nt // nw), 132 * 16)), 32 * nw)
+
+
 @cuda.jit
 def k_zero_stats(asum, gbuf):
     """Zero the statistics scratch after the row path consumed it (one thread)."""
@@ -737,7 +850,8 @@ def k_zero_stats(asum, gbuf):
 
 @cuda.jit
 def k_rows_dequant(words, RP, lut, scales, gbuf, out):
-    """Row kernel: out[line, c] = decode(field c of its word) * e, coalesced (SPEC §2.6)."""
+    """Row kernel: out[line, c] = decode(field c of its word) * e, coalesced (SPEC §2.6). Four
+    lines per step, loads first, so each thread keeps four loads in flight."""
     R = RP[R_R]
     L = RP[R_L]
     W = RP[R_W]
@@ -747,17 +861,48 @@ def k_rows_dequant(words, RP, lut, scales, gbuf, out):
     bits = RP[R_BITS]
     two = RP[R_TWO] != 0
     g = gbuf[0]
+    if not two:
+        g = float32(1.0)
     mask = (int64(1) << bits) - int64(1)
     c = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
+    gy = int64(cuda.gridDim.y)
     if c < L:
         wc = c // nf
         shift = (c % nf) * bits
         scol = c // B
-        for line in range(int64(cuda.blockIdx.y), R, int64(cuda.gridDim.y)):
-            e = scales[line * GL + scol]
-            if two:
-                e = g * e
-            out[line * L + c] = lut[(int64(words[line * W + wc]) >> shift) & mask] * e
+        for l0 in range(int64(cuda.blockIdx.y), R, int64(4) * gy):
+            l1 = l0 + gy
+            l2 = l1 + gy
+            l3 = l2 + gy
+            w0 = int64(words[l0 * W + wc])
+            e0 = scales[l0 * GL + scol]
+            w1 = int64(0)
+            w2 = int64(0)
+            w3 = int64(0)
+            e1 = float32(0.0)
+            e2 = float32(0.0)
+            e3 = float32(0.0)
+            if l1 < R:
+                w1 = int64(words[l1 * W + wc])
+                e1 = scales[l1 * GL + scol]
+            if l2 < R:
+                w2 = int64(words[l2 * W + wc])
+                e2 = scales[l2 * GL + scol]
+            if l3 < R:
+                w3 = int64(words[l3 * W + wc])
+                e3 = scales[l3 * GL + scol]
+            if two:  # e = g * s_b, one f32 multiply (one-level: e = s, no multiply)
+                e0 = g * e0
+                e1 = g * e1
+                e2 = g * e2
+                e3 = g * e3
+            out[l0 * L + c] = lut[(w0 >> shift) & mask] * e0
+            if l1 < R:
+                out[l1 * L + c] = lut[(w1 >> shift) & mask] * e1
+            if l2 < R:
+                out[l2 * L + c] = lut[(w2 >> shift) & mask] * e2
+            if l3 < R:
+                out[l3 * L + c] = lut[(w3 >> shift) & mask] * e3
 
 
 # matmul geometry (int64 array Q)
@@ -917,6 +1062,8 @@ SIGNATURES: dict[str, list[str]] = {
                  "float32[::1], float32[::1])"],
     "k_zero": ["void(float32[::1])"],
     "k_zero_stats": ["void(float64[::1], float32[::1])"],
+    "k_tile_quant": ["void(float32[::1], int64[::1], float32[::1], uint32[::1], uint8[::1], uint8[::1], int32[::1], "
+                     "float32[::1], float32[::1])"],
     "k_rows_quant": [f"void(float32[::1], int64[::1], float32[::1], float32[::1], float32[::1], {w}[::1], uint8[::1], "
                      "int32[::1], float32[::1])" for w in ("uint32", "uint8")],
     "k_rows_dequant": [f"void({w}[::1], int64[::1], float32[::1], float32[::1], float32[::1], {t}[::1])"
