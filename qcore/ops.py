@@ -24,7 +24,7 @@ import numpy as np
 from . import layout
 from .errors import InputError
 from .payload import QuantizedData
-from .scheme import BlockLevel, QuantScheme
+from .scheme import BlockLevel
 
 if TYPE_CHECKING:
     from .protocol import BaseBackend, QTensor

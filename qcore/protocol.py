@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -275,7 +275,7 @@ class BaseBackend(abc.ABC):
         """Load portable bytes onto this backend."""
         if not isinstance(data, QuantizedData):
             raise InputError(f"from_data takes a QuantizedData, got {type(data).__name__}")
-        scheme = self._require(data.scheme)
+        self._require(data.scheme)
         return QTensor(self, data.scheme, data.shape, self._from_data(data))
 
     def into_data(self, q: QTensor) -> QuantizedData:

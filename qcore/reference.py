@@ -12,7 +12,6 @@ import numpy as np
 from . import layout
 from .checks import raise_nonfinite, to_f32
 from .codecs import F32_TINY
-from .errors import InputError
 from .payload import QuantizedData
 from .protocol import BaseBackend, QParams, Support
 from .scheme import QuantScheme
@@ -25,10 +24,8 @@ __all__ = [
     "encode",
     "decode",
     "quantize_codes",
+    "store_scales",
 ]
-
-TWO_LEVEL_MAX = {"ue4m3": 448.0, "f16": 65504.0}  # M of SPEC §2.2 per block dtype
-
 
 def _blocked(x: np.ndarray, block: tuple[int, ...]) -> np.ndarray:
     """Pad `x` with zeros to whole blocks and view it as (g0, b0, g1, b1, ...)."""
@@ -76,7 +73,7 @@ def store_scales(s: np.ndarray, scheme: QuantScheme, g: np.float32 | None = None
     """Round raw scales up to the slot dtype; two-level first divides by the global `g` (§2.2)."""
     s = np.asarray(s, dtype=np.float32)
     if scheme.two_level and g is None:
-        M = np.float32(TWO_LEVEL_MAX[scheme.block.dtype.value])
+        M = np.float32(scheme.block.dtype.traits.max_value)  # M: 448 (UE4M3) or 65504 (F16)
         top = np.max(s, initial=np.float32(0))
         g = np.maximum(np.float32(top / M), F32_TINY)
         s = (s / g).astype(np.float32)

@@ -317,7 +317,7 @@ class QuantScheme:
         mode = _coerce(QuantMode, mode, "mode")
         if mode is QuantMode.LOOKUP:
             if table is None:
-                raise SchemeError(f"LOOKUP needs a table; use with_mode(LOOKUP, table=[...]) or table='nf4'")
+                raise SchemeError("LOOKUP needs a table; use with_mode(LOOKUP, table=[...]) or table='nf4'")
             if isinstance(table, str):
                 if table not in TABLES:
                     raise SchemeError(f"unknown table {table!r}; use one of {sorted(TABLES)} or a list of floats")

@@ -27,8 +27,8 @@ import numpy as np
 
 from qcore import layout
 from qcore.checks import raise_nonfinite, to_f32
-from qcore.codecs import F32_TINY
 from qcore.payload import QuantizedData
+from qcore.reference import store_scales
 from qcore.protocol import BaseBackend, QParams, Support
 from qcore.scheme import QuantScheme, StoreKind
 
@@ -102,20 +102,6 @@ class NdarrayBackend(BaseBackend):
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def _store_scales(s: np.ndarray, scheme: QuantScheme) -> QParams:
-        """Raw f32 scales -> stored ones: two-level `g = max(max_b s_b / M, tiny)`, `s_b / g`
-        (SPEC §2.2), then round up to the slot dtype (SPEC §2.3)."""
-        s = np.asarray(s, dtype=np.float32)
-        g = None
-        if scheme.two_level:
-            m = np.float32(scheme.block.dtype.traits.max_value)  # M: 448 (UE4M3) or 65504 (F16)
-            top = np.max(s, initial=np.float32(0))
-            g = np.maximum(np.float32(top / m), F32_TINY)
-            s = (s / g).astype(np.float32)
-        stored = scheme.slot_dtype.traits.store(s).reshape(s.shape)
-        return QParams(stored, float(g) if g is not None else None)
-
-    @staticmethod
     def _effective(scales: np.ndarray, g: float | None) -> np.ndarray:
         """Per slot `e = s` or `e = f32(g * s_b)` (SPEC §2.4), flat, at least one entry."""
         e = np.asarray(scales, dtype=np.float32).reshape(-1)
@@ -165,7 +151,7 @@ class NdarrayBackend(BaseBackend):
         plan = make_plan(np.shape(x), scheme)
         stat = self._stats(flat, plan, scheme, method)
         s = (stat / np.float32(scheme.half_range)).astype(np.float32)
-        return self._store_scales(s, scheme)
+        return store_scales(s, scheme)
 
     def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> NdQuantized:
         k = _kernels()
@@ -181,7 +167,7 @@ class NdarrayBackend(BaseBackend):
         check = params is not None  # the calibration pass has already checked x otherwise
         if params is None:
             s = (self._stats(flat, plan, scheme, method) / np.float32(scheme.half_range)).astype(np.float32)
-            params = self._store_scales(s, scheme)
+            params = store_scales(s, scheme)
         stored = np.asarray(params.scales, dtype=np.float32).reshape(plan.grid)
         e = self._effective(stored, params.global_scale)
         self._run_blocks(flat, plan, scheme, k.MODE_APPLY, mcode, None, e, values, check=check)

@@ -20,7 +20,6 @@ from qcore.checks import raise_nonfinite, to_f32
 
 __all__ = ["LutCpuBackend", "LutTensor"]
 
-TWO_LEVEL_MAX = {"ue4m3": np.float32(448.0), "f16": np.float32(65504.0)}  # M of SPEC §2.2
 F32_TINY = np.float32(1.17549435e-38)
 
 
@@ -78,7 +77,8 @@ def calibrate(x: np.ndarray, scheme: QuantScheme, table: np.ndarray, method: str
     g = None
     if scheme.two_level:
         top = np.float32(s.max()) if s.size else np.float32(0)
-        g = np.maximum(np.float32(top / TWO_LEVEL_MAX[scheme.block.dtype.value]), F32_TINY)
+        m = np.float32(scheme.block.dtype.traits.max_value)  # M of SPEC §2.2: 448 or 65504
+        g = np.maximum(np.float32(top / m), F32_TINY)
         s = (s / g).astype(np.float32)
     stored = scheme.slot_dtype.traits.store(np.asarray(s, np.float32)).reshape(np.shape(s))
     return QParams(stored, None if g is None else float(g))
