@@ -56,6 +56,15 @@ F16_MAX = 65504.0
 UE4M3_MAX = 448.0
 
 
+def _jit_regs(n: int):
+    """`cuda.jit` capped at `n` registers per thread on a GPU (occupancy for the memory-bound
+    kernels: uncapped, ptxas gives the tile kernel 110 and the matmul 133); the simulator
+    rejects the keyword."""
+    if config.ENABLE_CUDASIM:
+        return cuda.jit
+    return cuda.jit(max_registers=n)
+
+
 def launch(n: int) -> tuple[int, int]:
     """(blocks, threads) for `n` work items of a grid-stride kernel; never 0 (callers skip n == 0).
 
@@ -645,7 +654,7 @@ def launch_rows(L: int, R: int) -> tuple[tuple[int, int], int]:
     return (gx, max(1, min(R, 65535, -(-132 * 16 // gx)))), tpb
 
 
-@cuda.jit
+@_jit_regs(64)
 def k_rows_quant(x, RP, F, stored, gbuf, words, payload, flag, stat):
     """Row kernel, three modes: GIVEN (quantize with stored scales), FUSED (block max/mean by
     lane groups, round up, write the scale, quantize: one pass), STATS (per-slot statistic into
@@ -738,7 +747,7 @@ TILE_WARPS = 4  # warps per block on a GPU (the simulator runs one)
 TILE_SH = TILE_WARPS * 33 * 32
 
 
-@cuda.jit
+@_jit_regs(64)
 def k_tile_quant(x, TP, F, w32, w8, payload, flag, stat, gbuf):
     """Fused calibrate+quantize (MODE 1) or block statistics only (MODE 2: stat[slot], and the
     max over slots into gbuf[1] for two-level), one block per lane (SPEC §2.1-2.5, §3)."""
@@ -848,7 +857,7 @@ def k_zero_stats(asum, gbuf):
     gbuf[2] = float32(0.0)
 
 
-@cuda.jit
+@_jit_regs(40)
 def k_rows_dequant(words, RP, lut, scales, gbuf, out):
     """Row kernel: out[line, c] = decode(field c of its word) * e, coalesced (SPEC §2.6). Four
     lines per step, loads first, so each thread keeps four loads in flight."""
@@ -916,7 +925,7 @@ MM_BDX, MM_BDY = 32, 8  # matmul block: 32 column groups x 8 k-slices (simulator
 MM_SH = MM_COLS * MM_BDX * MM_BDY  # shared floats per block
 
 
-@cuda.jit
+@_jit_regs(64)
 def k_matmul(x, payload, p32, Q, lut, scales, gbuf, out):
     """Fused dequantize-matmul: out[m, n] += sum over a k-tile of x[m, k] * decode(w[k, n]) * e
     (f32; `out` zeroed first). Block = (column groups) x (k-slices of `chunk` rows); thread
