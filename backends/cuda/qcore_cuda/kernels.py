@@ -25,7 +25,7 @@ import numpy as np
 if not hasattr(np, "row_stack"):
     np.row_stack = np.vstack
 
-from numba import config, cuda, float32, float64, int32, int64  # noqa: E402
+from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: E402
 
 # ----------------------------------------------------------------------------- P layout
 MAXR = 12  # canonical rank limit (after merging axes; see _plan.py)
@@ -745,6 +745,7 @@ def k_rows_quant(x, RP, F, stored, gbuf, words, payload, flag, stat):
 T_LEN = 20
 TILE_WARPS = 4  # warps per block on a GPU (the simulator runs one)
 TILE_SH = TILE_WARPS * 33 * 32
+TILE_SHW = TILE_WARPS * 33 * 8  # staged u32 words: up to 8 per block (B = 32, 8-bit codes)
 
 
 @_jit_regs(64)
@@ -752,6 +753,7 @@ def k_tile_quant(x, TP, F, w32, w8, payload, flag, stat, gbuf):
     """Fused calibrate+quantize (MODE 1) or block statistics only (MODE 2: stat[slot], and the
     max over slots into gbuf[1] for two-level), one block per lane (SPEC §2.1-2.5, §3)."""
     sh = cuda.shared.array(TILE_SH, float32)
+    shw = cuda.shared.array(TILE_SHW, uint32)
     R = TP[T_R]
     L = TP[T_L]
     B = TP[T_B]
@@ -778,6 +780,7 @@ def k_tile_quant(x, TP, F, w32, w8, payload, flag, stat, gbuf):
     wid = tid // int64(32)
     nw = int64(cuda.blockDim.x) // int64(32)
     base = wid * int64(33 * 32)
+    wbase = wid * int64(33 * 8)
     ubits = int64(32) if u32 else int64(8)
     fpu = ubits // bits  # fields per stored unit
     upb = (B * bits) // ubits  # stored units per block
@@ -831,10 +834,17 @@ def k_tile_quant(x, TP, F, w32, w8, payload, flag, stat, gbuf):
                                 if e != float32(0.0):
                                     y = sh[base + i + i // int64(32)] / e
                                 word |= encode(y, isf, qmin, qmax, fmax, mb, bias, bits) << (f * bits)
-                        if u32:
-                            w32[line * WL + u0 + q] = word
+                        if u32:  # staged, stored coalesced below
+                            k = lane * upb + q
+                            shw[wbase + k + k // int64(32)] = word
                         else:
                             w8[line * WL + u0 + q] = word
+        cuda.syncthreads()
+        if u32 and live and not stats_only:
+            ut = (t0 * bits) // ubits  # first word of the tile in its line
+            for k in range(lane, int64(32) * upb, int64(32)):
+                if ut + k < WL:
+                    w32[line * WL + ut + k] = shw[wbase + k + k // int64(32)]
         cuda.syncthreads()
     if bad:
         flag[0] = int32(1)
