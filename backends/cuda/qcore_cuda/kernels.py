@@ -808,9 +808,11 @@ def k_tile_quant(x, TP, F, w32, w8, payload, flag, stat, gbuf):
             m = float32(0.0)
             s = float64(0.0)
             i0 = lane * B
+            # B | 32, so the lane's block never crosses a padded row: its elements sit at
+            # row + p (the padding offset (i0 + p) // 32 is the same for every p)
+            row = base + i0 + (i0 >> int64(5))
             for p in range(B):
-                i = i0 + p
-                a = abs(sh[base + i + i // int64(32)])
+                a = abs(sh[row + p])
                 m = max(m, a)
                 s += float64(a)
             if absmean:
@@ -823,17 +825,20 @@ def k_tile_quant(x, TP, F, w32, w8, payload, flag, stat, gbuf):
                 e = round_up(float32(m / h), sdt)
                 put_le(payload, soff + slot * snb, scale_code(e, sdt), snb)
                 u0 = (c0 * bits) // ubits
+                bits32 = uint32(bits)
                 for q in range(upb):
                     if u0 + q < WL:
-                        word = int64(0)
+                        word = uint32(0)  # a stored unit is at most 32 bits: assemble in 32-bit
+                        p = q * fpu
+                        sa = uint32(0)
                         for f in range(fpu):
-                            p = q * fpu + f
                             if p < cnt:
-                                i = i0 + p
                                 y = float32(0.0)
                                 if e != float32(0.0):
-                                    y = sh[base + i + i // int64(32)] / e
-                                word |= encode(y, isf, qmin, qmax, fmax, mb, bias, bits) << (f * bits)
+                                    y = sh[row + p] / e
+                                word |= uint32(encode(y, isf, qmin, qmax, fmax, mb, bias, bits)) << sa
+                            p += int64(1)
+                            sa += bits32
                         if u32:  # staged, stored coalesced below
                             k = lane * upb + q
                             shw[wbase + k + k // int64(32)] = word
