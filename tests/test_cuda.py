@@ -193,6 +193,34 @@ def test_explicit_params(cuda_backend, text):
     assert_same_bytes(got.payload, want.payload, f"payload of {text} with explicit params")
 
 
+@pytest.mark.parametrize("text", ["q4s/block32:f16", "e4m3/block16:ue8m0", "q2f/block8:bf16/packed_native"])
+def test_row_kernel_one_pass_mode(cuda_backend, text):
+    """The row kernel's one-pass mode (block max by lane groups, scale, codes) gives the
+    reference bytes. The backend routes these schemes to the tile kernel, so this test launches
+    the mode directly."""
+    from numba import cuda
+
+    from qcore_cuda import _plan
+    from qcore_cuda import kernels as K
+
+    x = _x((5, 70), seed=21)
+    pl = _plan.plan(x.shape, qcore.scheme(text))
+    assert pl.RP is not None and pl.rows_fused
+    rp = pl.RP.copy()
+    rp[K.R_MODE] = K.ROW_FUSED
+    payload = cuda.device_array(pl.total_nbytes, dtype=np.uint8)
+    words = payload[: pl.values_nbytes]
+    if pl.P[K.M_WB] == 4:
+        words = words.view(np.uint32)
+    grid, tpb = K.launch_rows(*pl.rows_shape)
+    K.k_rows_quant[grid, tpb](
+        cuda.to_device(x.reshape(-1)), cuda.to_device(rp), cuda.to_device(pl.F),
+        cuda.device_array(pl.nslots, dtype=np.float32), cuda.to_device(np.zeros(4, np.float32)), words, payload,
+        cuda.to_device(np.zeros(1, np.int32)), cuda.device_array(pl.nslots, dtype=np.float32))
+    want = REF.into_data(REF.quantize(x, text)).payload
+    assert_same_bytes(payload.copy_to_host().tobytes(), want, f"row kernel one-pass payload of {text}")
+
+
 def test_lookup_is_rejected(cuda_backend):
     """LOOKUP values are declared unsupported, and every entry point refuses them before touching
     data (SPEC §4)."""

@@ -162,7 +162,7 @@ class CudaBackend(BaseBackend):
             pp["TP"] = cuda.to_device(pl.TP)
             pp["dummy32"] = cuda.device_array(1, dtype=np.uint32)
         if pl.RP is not None:
-            for mode in (K.ROW_GIVEN, K.ROW_FUSED, K.ROW_STATS):
+            for mode in (K.ROW_GIVEN, K.ROW_STATS):
                 rp = pl.RP.copy()
                 rp[K.R_MODE] = mode
                 pp[("RP", mode)] = cuda.to_device(rp)
@@ -195,10 +195,6 @@ class CudaBackend(BaseBackend):
             if not scheme.two_level:
                 K.k_tile_quant[tgrid, ttpb](xd, pp["TP"], F, w32, w8, payload, flag, pp["raw"], gbuf)
                 return
-        if params is None and rows and pl.rows_fused:
-            K.k_rows_quant[grid, tpb](xd, pp[("RP", K.ROW_FUSED)], F, pp["stored"], gbuf, words, payload, flag,
-                                      pp["raw"])
-            return
         if params is None and pl.fused and not rows:
             K.k_quant_fused[K.launch(pl.nruns)](xd, P, F, payload, flag)
             return

@@ -659,7 +659,9 @@ def k_rows_quant(x, RP, F, stored, gbuf, words, payload, flag, stat):
     """Row kernel, three modes: GIVEN (quantize with stored scales), FUSED (block max/mean by
     lane groups, round up, write the scale, quantize: one pass), STATS (per-slot statistic into
     stat[], and the max over slots into gbuf[1] for two-level). Codes of nf lanes OR into one
-    word written by the word's first lane (SPEC §2, §3)."""
+    word written by the word's first lane (SPEC §2, §3). The backend launches GIVEN and STATS;
+    one-level blocks go to k_tile_quant, which rounds each scale once per block rather than once
+    per element (FUSED is exercised by tests/test_cuda.py::test_row_kernel_one_pass_mode)."""
     sh_f = cuda.shared.array(ROW_TPB, float32)
     sh_d = cuda.shared.array(ROW_TPB, float64)
     sh_i = cuda.shared.array(ROW_TPB, int64)
