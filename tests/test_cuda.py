@@ -365,12 +365,13 @@ _COMPILE_ALL = textwrap.dedent("""
     import sys
     try:
         from numba import cuda
-        from qcore_cuda import kernels as K
+        from qcore_cuda import kernels as K, quad as Q
         n = 0
-        for name, sigs in K.SIGNATURES.items():
-            for sig in sigs:
-                cuda.compile_ptx(getattr(K, name).py_func, sig, cc=(9, 0))
-                n += 1
+        for mod in (K, Q):
+            for name, sigs in mod.SIGNATURES.items():
+                for sig in sigs:
+                    cuda.compile_ptx(getattr(mod, name).py_func, sig, cc=(9, 0))
+                    n += 1
     except Exception as e:
         if "DynamicLibNotFoundError" in type(e).__name__ or "libnvrtc" in str(e) or "libnvvm" in str(e):
             print("NOLIBS:", type(e).__name__, e)
@@ -393,9 +394,9 @@ def test_kernels_compile_for_sm90():
             pytest.fail(reason + " (QCORE_REQUIRE_PTX=1)")
         pytest.skip(reason)
     assert out.returncode == 0, out.stderr[-3000:]
-    from qcore_cuda import kernels as K
+    from qcore_cuda import kernels as K, quad as Q
 
-    assert f"COMPILED {sum(len(s) for s in K.SIGNATURES.values())}" in out.stdout
+    assert f"COMPILED {sum(len(s) for m in (K, Q) for s in m.SIGNATURES.values())}" in out.stdout
 
 
 @pytest.mark.skipif(SIM, reason="needs a real GPU with ~24 GB free: 2**31 + 40 elements")
@@ -424,3 +425,43 @@ def test_more_than_2_31_elements(cuda_backend):
     assert_same_floats(ytail, REF.dequantize(REF.from_data(ref_tail)), "dequantized tail")
     del y, q
     assert want.nbytes > 0
+
+
+# The quad fast path (qcore_cuda/quad.py): lines of whole u32 words of codes, codes along the last
+# axis, per-tensor or power-of-two blocks along the last axis. Every value, both modes (fused
+# calibration, given scales), two-level, explicit params, dequantize.
+QUAD_LEVELS = ["", "tensor:bf16", "block4:f16", "block32:ue8m0", "block128:f32", "block16:ue4m3/tensor:f32"]
+QUAD_SCHEMES = ["/".join(p for p in (v, lv, st) if p)
+                for v in INT_VALUES + FLOAT_VALUES for lv in QUAD_LEVELS
+                for st in ([""] if qcore.scheme(v).bits == 8 else ["", "packed_native"])]
+
+
+@pytest.mark.parametrize("text", QUAD_SCHEMES)
+def test_quad_path_bit_exact(cuda_backend, text):
+    from qcore_cuda import quad
+
+    shape = (2, 128)
+    assert quad.geometry(shape, qcore.scheme(text)) is not None
+    x = _x(shape, seed=len(text))
+    for params in (None, REF.calibrate(x, text)):
+        got = cuda_backend.into_data(cuda_backend.quantize(x, text, params=params))
+        want = REF.into_data(REF.quantize(x, text, params=params))
+        assert_same_bytes(got.payload, want.payload, f"quad payload of {text} (params={params is not None})")
+    y = cuda_backend.to_numpy(cuda_backend.dequantize(cuda_backend.from_data(want)))
+    np.testing.assert_array_equal(y.view(np.uint32), REF.dequantize(REF.from_data(want)).view(np.uint32))
+
+
+@pytest.mark.parametrize("shape, text", [((2, 36), "q4s/block4:f16"), ((2, 64), "q4s/block2x32:f16"),
+                                         ((2, 64), "q4s/packed_u32:1"), ((2, 64), "q8s/block48:f16"),
+                                         ((0, 64), "q8s")])
+def test_quad_path_not_taken_when_layout_differs(shape, text):
+    from qcore_cuda import quad
+
+    assert quad.geometry(shape, qcore.scheme(text)) is None
+
+
+def test_quad_path_flags_non_finite(cuda_backend):
+    x = np.ones((2, 64), np.float32)
+    x[1, 33] = np.inf
+    with pytest.raises(InputError, match=r"inf at index \(1, 33\)"):
+        cuda_backend.quantize(x, "q4s/block32:f16")

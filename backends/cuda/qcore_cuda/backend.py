@@ -158,6 +158,15 @@ class CudaBackend(BaseBackend):
             raw=cuda.device_array(pl.nslots, dtype=np.float32),
             lut=cuda.to_device(_plan.lut(scheme)),
         )
+        from . import quad
+
+        qp = quad.geometry(shape, scheme, method)
+        if qp is not None:  # the fast path (quad.py); both modes prepared
+            for mode in (quad.QUAD_GIVEN, quad.QUAD_FUSED):
+                q = qp.copy()
+                q[quad.Q_MODE] = mode
+                pp[("QP", mode)] = cuda.to_device(q)
+            pp["nquads"] = int(qp[quad.Q_NQ])
         if pl.TP is not None:
             pp["TP"] = cuda.to_device(pl.TP)
             pp["dummy32"] = cuda.device_array(1, dtype=np.uint32)
@@ -183,7 +192,17 @@ class CudaBackend(BaseBackend):
         pl = pp["plan"]
         asum, fs, flag = self._scratch()
         gbuf, P, F = fs, pp["P"], pp["F"]
-        rows = pl.RP is not None
+        quads = ("QP", 0) in pp
+        if quads:
+            from . import quad
+
+            qw32 = payload[: pl.values_nbytes].view(np.uint32)
+            qgrid, qtpb = quad.launch(pp["nquads"])
+            if params is None and scheme.block is not None and not scheme.two_level:
+                quad.k_quad_quant[qgrid, qtpb](xd, pp[("QP", quad.QUAD_FUSED)], F, pp["stored"], gbuf, qw32, payload,
+                                               flag)
+                return
+        rows = pl.RP is not None and not quads
         if rows:
             words = self._words(payload, pl)
             grid, tpb = K.launch_rows(*pl.rows_shape)
@@ -215,7 +234,11 @@ class CudaBackend(BaseBackend):
             else:
                 K.k_slot_stats[K.launch(pl.nslots)](xd, P, raw, fs[1:2], flag)
         K.k_scales[K.launch(pl.nslots)](raw, asum, P, F, pp["stored"], gbuf, payload)
-        if rows:
+        if quads:
+            quad.k_quad_quant[qgrid, qtpb](xd, pp[("QP", quad.QUAD_GIVEN)], F, pp["stored"], gbuf, qw32, payload, flag)
+            if params is None:  # the statistics scratch is consumed: zero it for the next call
+                K.k_zero_stats[1, 1](asum, gbuf)
+        elif rows:
             K.k_rows_quant[grid, tpb](xd, pp[("RP", K.ROW_GIVEN)], F, pp["stored"], gbuf, words, payload, flag,
                                       raw)
             if params is None:  # the statistics scratch is consumed: zero it for the next call
@@ -271,7 +294,12 @@ class CudaBackend(BaseBackend):
         pp = self._prepared(data.shape, data.scheme, "minmax")
         pl = pp["plan"]
         scales, gbuf = self._decoded_scales(data)
-        if pl.RP is not None:
+        if ("QP", 0) in pp:
+            from . import quad
+
+            quad.k_quad_dequant[quad.launch(pp["nquads"])](data.payload[: pl.values_nbytes].view(np.uint32),
+                                                            pp[("QP", quad.QUAD_GIVEN)], pp["lut"], scales, gbuf, out)
+        elif pl.RP is not None:
             grid, tpb = K.launch_rows(*pl.rows_shape)
             K.k_rows_dequant[grid, tpb](self._words(data.payload, pl), pp[("RP", K.ROW_GIVEN)], pp["lut"], scales,
                                         gbuf, out)

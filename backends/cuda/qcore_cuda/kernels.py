@@ -595,29 +595,33 @@ R_LEN = 16
 ROW_GIVEN, ROW_FUSED, ROW_STATS = 0, 1, 2
 ROW_TPB = 256
 
-if config.ENABLE_CUDASIM:
-    def _group(v, width, sh, op):
-        if width == 1:  # uniform across the block: no exchange needed
-            return v
-        tid = cuda.threadIdx.x
-        sh[tid] = v
-        cuda.syncthreads()
-        b = tid - tid % width
-        r = sh[b]
-        for i in range(1, width):
-            r = op(r, sh[b + i])
-        cuda.syncthreads()
-        return r
+def sim_group(cu, v, width, sh, op):
+    """Simulator stand-in for a warp-shuffle reduction over aligned groups of `width` lanes,
+    through shared memory. `cu` is the calling kernel module's `cuda`: the simulator swaps that
+    name only in the module of the running kernel."""
+    if width == 1:  # uniform across the block: no exchange needed
+        return v
+    tid = cu.threadIdx.x
+    sh[tid] = v
+    cu.syncthreads()
+    b = tid - tid % width
+    r = sh[b]
+    for i in range(1, width):
+        r = op(r, sh[b + i])
+    cu.syncthreads()
+    return r
 
+
+if config.ENABLE_CUDASIM:
     def group_max(v, width, sh):
         """max of v over aligned groups of `width` lanes (simulator: through shared memory)."""
-        return _group(v, width, sh, max)
+        return sim_group(cuda, v, width, sh, max)
 
     def group_sum(v, width, sh):
-        return _group(v, width, sh, lambda p, q: p + q)
+        return sim_group(cuda, v, width, sh, lambda p, q: p + q)
 
     def group_or(v, width, sh):
-        return _group(v, width, sh, lambda p, q: p | q)
+        return sim_group(cuda, v, width, sh, lambda p, q: p | q)
 else:
     @cuda.jit(device=True, inline="always")
     def group_max(v, width, sh):
