@@ -430,7 +430,8 @@ def test_more_than_2_31_elements(cuda_backend):
 # The quad fast path (qcore_cuda/quad.py): lines of whole u32 words of codes, codes along the last
 # axis, per-tensor or power-of-two blocks along the last axis. Every value, both modes (fused
 # calibration, given scales), two-level, explicit params, dequantize.
-QUAD_LEVELS = ["", "tensor:bf16", "block4:f16", "block32:ue8m0", "block128:f32", "block16:ue4m3/tensor:f32"]
+QUAD_LEVELS = ["", "tensor:bf16", "block16:f16", "block32:ue8m0", "block128:f32", "block4:ue4m3/tensor:f32",
+               "block32:f16/tensor:f32"]
 QUAD_SCHEMES = ["/".join(p for p in (v, lv, st) if p)
                 for v in INT_VALUES + FLOAT_VALUES for lv in QUAD_LEVELS
                 for st in ([""] if qcore.scheme(v).bits == 8 else ["", "packed_native"])]
@@ -451,7 +452,7 @@ def test_quad_path_bit_exact(cuda_backend, text):
     np.testing.assert_array_equal(y.view(np.uint32), REF.dequantize(REF.from_data(want)).view(np.uint32))
 
 
-@pytest.mark.parametrize("shape, text", [((2, 36), "q4s/block4:f16"), ((2, 64), "q4s/block2x32:f16"),
+@pytest.mark.parametrize("shape, text", [((2, 36), "q4s/block4:f16"), ((2, 64), "q4s/block8:f16"), ((2, 64), "q4s/block2x32:f16"),
                                          ((2, 64), "q4s/packed_u32:1"), ((2, 64), "q8s/block48:f16"),
                                          ((0, 64), "q8s")])
 def test_quad_path_not_taken_when_layout_differs(shape, text):

@@ -294,12 +294,7 @@ class CudaBackend(BaseBackend):
         pp = self._prepared(data.shape, data.scheme, "minmax")
         pl = pp["plan"]
         scales, gbuf = self._decoded_scales(data)
-        if ("QP", 0) in pp:
-            from . import quad
-
-            quad.k_quad_dequant[quad.launch(pp["nquads"])](data.payload[: pl.values_nbytes].view(np.uint32),
-                                                            pp[("QP", quad.QUAD_GIVEN)], pp["lut"], scales, gbuf, out)
-        elif pl.RP is not None:
+        if pl.RP is not None:
             grid, tpb = K.launch_rows(*pl.rows_shape)
             K.k_rows_dequant[grid, tpb](self._words(data.payload, pl), pp[("RP", K.ROW_GIVEN)], pp["lut"], scales,
                                         gbuf, out)
