@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from qcore import layout
 from qcore.checks import check_input_dtype, raise_nonfinite, to_f32
 from qcore.errors import InputError
 from qcore.payload import QuantizedData
