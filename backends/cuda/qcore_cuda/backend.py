@@ -47,9 +47,19 @@ def cuda_status() -> tuple[bool, str]:
         return False, f"CUDA check failed: {type(e).__name__}: {' '.join(str(e).split())}"
 
 
+@functools.lru_cache(maxsize=None)
 def _k():
+    from numba import config
+
     from . import kernels
 
+    if config.ENABLE_CUDASIM:
+        # The simulator runs one OS thread per CUDA thread and its barriers busy-wait under the
+        # GIL; a shorter switch interval makes them 2-4x faster (shared/notes/numba-cuda.md §2).
+        # Only ever under the simulator, a testing mode.
+        import sys
+
+        sys.setswitchinterval(min(sys.getswitchinterval(), 5e-4))
     return kernels
 
 
