@@ -15,7 +15,8 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 export NUMBA_ENABLE_CUDASIM=1
 # In CI a missing backend, simulator or PTX toolchain is a failure, not a skip.
 export QCORE_REQUIRE_BACKENDS="reference,ndarray,cuda,lutcpu" QCORE_REQUIRE_CUDA=1 QCORE_REQUIRE_PTX=1
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
 # The conformance suite as a plugin author runs it: the CLI report, exit status non-zero on failure.
 "$VENV/bin/qcore" conformance --backend reference --backend ndarray --backend lutcpu --no-progress
 "$VENV/bin/qcore" conformance --backend cuda --max-elements 320 --no-progress   # CUDA simulator
+# Then every test (pytest's summary is the last line).
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
