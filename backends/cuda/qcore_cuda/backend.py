@@ -58,8 +58,13 @@ def _k():
         # GIL; a shorter switch interval makes them 2-4x faster (shared/notes/numba-cuda.md §2).
         # Only ever under the simulator, a testing mode.
         import sys
+        import warnings
 
         sys.setswitchinterval(min(sys.getswitchinterval(), 5e-4))
+        # The simulator evaluates masked-off lanes with NumPy scalars (0/0 of an empty group,
+        # x / e overflowing to inf before the clamp), which NumPy reports as RuntimeWarnings;
+        # a GPU computes the same values silently.
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"qcore_cuda\.")
     return kernels
 
 
