@@ -13,10 +13,11 @@ import pytest
 from safetensors.numpy import save_file
 
 import qcore
-from qcore import Support, registry
+from qcore import registry
 from qcore import io as qio
 from qcore.cli import error_stats, main
 from qcore.reference import ReferenceBackend
+from tests.doubles import Offline, Q8Only
 
 
 def _x(shape, seed=0):
@@ -51,14 +52,6 @@ def assert_one_line_error(err, pattern):
     assert "Traceback" not in err
 
 
-class Q8Only(ReferenceBackend):
-    name = "q8only"
-    priority = 50
-
-    def _supports(self, scheme):
-        if scheme.bits != 8 or scheme.traits.is_float:
-            return Support.no(f"{scheme.value} is not an 8-bit integer value")
-        return Support.yes()
 
 
 @pytest.fixture
@@ -398,15 +391,6 @@ def test_progress_bar_on_a_terminal(capsys, model, tmp_path, monkeypatch):
     assert "layer.0.weight" in out
 
 
-class Offline(ReferenceBackend):
-    name = "offline"
-    priority = 99
-
-    def available(self):
-        return False
-
-    def describe(self):
-        return "no device found (test double)"
 
 
 def test_unavailable_backend(capsys, model, tmp_path):

@@ -12,10 +12,10 @@ import pytest
 from safetensors.numpy import save_file
 
 import qcore
-from qcore import BackendNotFoundError, InputError, InvalidDataError, QuantizedData, Support, UnsupportedSchemeError
+from qcore import BackendNotFoundError, InputError, InvalidDataError, QuantizedData, UnsupportedSchemeError
 from qcore import io as qio
 from qcore import registry
-from qcore.reference import ReferenceBackend
+from tests.doubles import Q8Only
 
 # Odd shapes on purpose: partial edge blocks, a packing run that does not fill its last word.
 CASES = [
@@ -34,16 +34,6 @@ def _x(shape, seed=0):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
-class Q8Only(ReferenceBackend):
-    """A second backend for cross-backend tests: the reference maths, 8-bit integers only."""
-
-    name = "q8only"
-    priority = 50
-
-    def _supports(self, scheme):
-        if scheme.bits != 8 or scheme.traits.is_float:
-            return Support.no(f"{scheme.value} is not an 8-bit integer value")
-        return Support.yes()
 
 
 @pytest.fixture

@@ -1,5 +1,4 @@
 """SPEC §4: plugin discovery through entry points, selection, auto, and error text."""
-import sys
 import textwrap
 
 import numpy as np
@@ -7,10 +6,11 @@ import pytest
 
 import qcore
 from qcore import (
-    BackendNotFoundError, BackendUnavailableError, BaseBackend, InputError, Support, UnsupportedSchemeError,
+    BackendNotFoundError, BackendUnavailableError, BaseBackend, InputError, UnsupportedSchemeError,
 )
 from qcore import registry
 from qcore.reference import ReferenceBackend
+from tests.doubles import Offline, Q8Only
 
 
 @pytest.fixture
@@ -20,27 +20,8 @@ def fresh_registry():
     registry.reset()
 
 
-class Q8Only(ReferenceBackend):
-    """A test backend: the reference maths, but only for 8-bit integer values."""
-
-    name = "q8only"
-    priority = 50
-
-    def _supports(self, scheme):
-        if scheme.bits != 8 or scheme.traits.is_float:
-            return Support.no(f"{scheme.value} is not an 8-bit integer value")
-        return Support.yes()
 
 
-class Offline(ReferenceBackend):
-    name = "offline"
-    priority = 99
-
-    def available(self):
-        return False
-
-    def describe(self):
-        return "no device found (test double)"
 
 
 def test_reference_found_through_entry_point():
