@@ -309,11 +309,12 @@ def test_from_data_decodes_any_payload(cuda_backend, text, dtype):
                                   "e4m3/block32:f32", "e2m1/block16:ue4m3/tensor:f32/packed_native",
                                   "q2s/block16:ue8m0/packed_native:1", "e5m2/tensor:ue4m3"])
 @pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("n_", [37, 40])
+@pytest.mark.parametrize("n_", [37, 40, 64])
 def test_fused_matmul(cuda_backend, text, m, n_):
     """x [M, K] @ w [K, N] with w dequantized inside the kernel equals x @ dequantize(w) (f32
     accumulation, so to rounding). K spans several k-chunks; N = 37 leaves a partial column group
-    (per-code path for Native), N = 40 takes the word-per-thread path."""
+    (per-code path for Native), N = 40 takes the word-per-thread path, N = 64 (512 on a GPU) the
+    GEMV kernel for the last-axis layouts, whose results repeat bit for bit."""
     k_ = 70 if SIM else 1000
     n_ = n_ if SIM else n_ * 8 + n_ % 8
     w = _x((k_, n_), seed=9)
@@ -326,6 +327,13 @@ def test_fused_matmul(cuda_backend, text, m, n_):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     got3 = cuda_backend.to_numpy(cuda_backend.matmul(x.reshape(1, m, k_), qw))
     assert got3.shape == (1, m, n_)
+    from qcore_cuda import gemv
+
+    takes_gemv = gemv.geometry((k_, n_), qcore.scheme(text)) is not None
+    if n_ in (64, 512):
+        assert takes_gemv == (not any(t in text for t in ("x4", ":1")))
+    if takes_gemv:
+        np.testing.assert_array_equal(got3.reshape(m, n_).view(np.uint32), got.view(np.uint32))
 
 
 def test_registered_through_entry_point(cuda_backend):
@@ -365,13 +373,15 @@ _COMPILE_ALL = textwrap.dedent("""
     import sys
     try:
         from numba import cuda
-        from qcore_cuda import kernels as K, quad as Q
+        from qcore_cuda import kernels as K, fast as F, gemv as G
         n = 0
-        for mod in (K, Q):
-            for name, sigs in mod.SIGNATURES.items():
-                for sig in sigs:
-                    cuda.compile_ptx(getattr(mod, name).py_func, sig, cc=(9, 0))
-                    n += 1
+        for name, sigs in K.SIGNATURES.items():
+            for sig in sigs:
+                cuda.compile_ptx(getattr(K, name).py_func, sig, cc=(9, 0))
+                n += 1
+        for name, fn, sig, *_ in F.ptx_targets() + G.ptx_targets():
+            cuda.compile_ptx(fn, sig, cc=(9, 0))
+            n += 1
     except Exception as e:
         if "DynamicLibNotFoundError" in type(e).__name__ or "libnvrtc" in str(e) or "libnvvm" in str(e):
             print("NOLIBS:", type(e).__name__, e)
@@ -394,9 +404,10 @@ def test_kernels_compile_for_sm90():
             pytest.fail(reason + " (QCORE_REQUIRE_PTX=1)")
         pytest.skip(reason)
     assert out.returncode == 0, out.stderr[-3000:]
-    from qcore_cuda import kernels as K, quad as Q
+    from qcore_cuda import fast as F, gemv as G, kernels as K
 
-    assert f"COMPILED {sum(len(s) for m in (K, Q) for s in m.SIGNATURES.values())}" in out.stdout
+    n = sum(len(s) for s in K.SIGNATURES.values()) + len(F.ptx_targets()) + len(G.ptx_targets())
+    assert f"COMPILED {n}" in out.stdout
 
 
 @pytest.mark.skipif(SIM, reason="needs a real GPU with ~24 GB free: 2**31 + 40 elements")
@@ -427,42 +438,48 @@ def test_more_than_2_31_elements(cuda_backend):
     assert want.nbytes > 0
 
 
-# The quad fast path (qcore_cuda/quad.py): lines of whole u32 words of codes, codes along the last
-# axis, per-tensor or power-of-two blocks along the last axis. Every value, both modes (fused
-# calibration, given scales), two-level, explicit params, dequantize.
+# The fast path (qcore_cuda/fast.py): lines of whole runs of 16 elements, codes along the last
+# axis, per-tensor or power-of-two blocks along the last axis. Every value, every mode (BLOCK,
+# TWO, TENSOR calibrated; GIVEN for explicit params, absmean and blocks under 16), dequantize.
 QUAD_LEVELS = ["", "tensor:bf16", "block16:f16", "block32:ue8m0", "block128:f32", "block4:ue4m3/tensor:f32",
-               "block32:f16/tensor:f32"]
+               "block32:f16/tensor:f32", "block8:bf16", "block512:ue4m3", "block64:f16/tensor:f32"]
 QUAD_SCHEMES = ["/".join(p for p in (v, lv, st) if p)
                 for v in INT_VALUES + FLOAT_VALUES for lv in QUAD_LEVELS
                 for st in ([""] if qcore.scheme(v).bits == 8 else ["", "packed_native"])]
 
 
 @pytest.mark.parametrize("text", QUAD_SCHEMES)
-def test_quad_path_bit_exact(cuda_backend, text):
-    from qcore_cuda import quad
+def test_fast_path_bit_exact(cuda_backend, text):
+    from qcore_cuda import fast
 
-    shape = (2, 128)
-    assert quad.geometry(shape, qcore.scheme(text)) is not None
+    shape = (2, 512)
+    assert fast.geometry(shape, qcore.scheme(text)) is not None
     x = _x(shape, seed=len(text))
-    for params in (None, REF.calibrate(x, text)):
-        got = cuda_backend.into_data(cuda_backend.quantize(x, text, params=params))
-        want = REF.into_data(REF.quantize(x, text, params=params))
-        assert_same_bytes(got.payload, want.payload, f"quad payload of {text} (params={params is not None})")
+    x[1, 256:384] *= 1e-30  # tiny blocks: scale round-up near the bottom of each scale dtype
+    for params, method in ((None, "minmax"), (REF.calibrate(x, text), "minmax"), (None, "absmean")):
+        got = cuda_backend.into_data(cuda_backend.quantize(x, text, params=params, method=method))
+        want = REF.into_data(REF.quantize(x, text, params=params, method=method))
+        assert_same_bytes(got.payload, want.payload, f"fast payload of {text} (params={params is not None}, {method})")
     y = cuda_backend.to_numpy(cuda_backend.dequantize(cuda_backend.from_data(want)))
     np.testing.assert_array_equal(y.view(np.uint32), REF.dequantize(REF.from_data(want)).view(np.uint32))
 
 
-@pytest.mark.parametrize("shape, text", [((2, 36), "q4s/block4:f16"), ((2, 64), "q4s/block8:f16"), ((2, 64), "q4s/block2x32:f16"),
+@pytest.mark.parametrize("shape, text", [((2, 36), "q4s/block4:f16"), ((2, 64), "q4s/block2x32:f16"),
                                          ((2, 64), "q4s/packed_u32:1"), ((2, 64), "q8s/block48:f16"),
-                                         ((0, 64), "q8s")])
-def test_quad_path_not_taken_when_layout_differs(shape, text):
-    from qcore_cuda import quad
+                                         ((0, 64), "q8s"), ((2, 64), "nf4")])
+def test_fast_path_not_taken_when_layout_differs(shape, text):
+    from qcore_cuda import fast
 
-    assert quad.geometry(shape, qcore.scheme(text)) is None
+    assert fast.geometry(shape, qcore.scheme(text)) is None
 
 
-def test_quad_path_flags_non_finite(cuda_backend):
+@pytest.mark.parametrize("text", ["q4s/block32:f16", "q8s", "nvfp4", "e4m3/block32:f32", "q8s/block8:f16"])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_fast_path_flags_non_finite(cuda_backend, text, bad):
     x = np.ones((2, 64), np.float32)
-    x[1, 33] = np.inf
-    with pytest.raises(InputError, match=r"inf at index \(1, 33\)"):
-        cuda_backend.quantize(x, "q4s/block32:f16")
+    x[1, 33] = bad
+    with pytest.raises(InputError, match=r"(inf|nan) at index \(1, 33\)"):
+        cuda_backend.quantize(x, text)
+    q = cuda_backend.quantize(np.ones((2, 64), np.float32), text)  # the scratch is clean afterwards
+    assert_same_bytes(cuda_backend.into_data(q).payload, REF.into_data(REF.quantize(np.ones((2, 64), np.float32), text)).payload,
+                      f"{text} after a non-finite input")

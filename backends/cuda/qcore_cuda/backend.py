@@ -74,6 +74,13 @@ def _cuda():
     return cuda
 
 
+def fast_aligned(a: Any) -> bool:
+    """Whether the fast kernels' 16-byte vector accesses fit `a` (a numba device array)."""
+    from . import fast
+
+    return fast.aligned(a)
+
+
 def _is_device_array(x: Any) -> bool:
     return hasattr(x, "__cuda_array_interface__") or (
         hasattr(x, "copy_to_host") and hasattr(x, "shape") and hasattr(x, "dtype")
@@ -172,15 +179,15 @@ class CudaBackend(BaseBackend):
             raw=cuda.device_array(pl.nslots, dtype=np.float32),
             lut=cuda.to_device(_plan.lut(scheme)),
         )
-        from . import quad
+        from . import fast
 
-        qp = quad.geometry(shape, scheme, method)
-        if qp is not None:  # the fast path (quad.py); both modes prepared
-            for mode in (quad.QUAD_GIVEN, quad.QUAD_FUSED):
-                q = qp.copy()
-                q[quad.Q_MODE] = mode
-                pp[("QP", mode)] = cuda.to_device(q)
-            pp["nquads"] = int(qp[quad.Q_NQ])
+        fg = fast.geometry(shape, scheme, method)
+        if fg is not None:  # the fast path (fast.py): calibrated mode and given-scales mode
+            kind, G, C = fg
+            Gg = G.copy()
+            Gg[fast.G_MODE] = fast.MODE_GIVEN
+            pp["fast"] = dict(kind=kind, G=cuda.to_device(G), G_given=cuda.to_device(Gg), C=cuda.to_device(C),
+                              mode=int(G[fast.G_MODE]), nruns=int(G[fast.G_NRUNS]))
         if pl.TP is not None:
             pp["TP"] = cuda.to_device(pl.TP)
             pp["dummy32"] = cuda.device_array(1, dtype=np.uint32)
@@ -206,15 +213,20 @@ class CudaBackend(BaseBackend):
         pl = pp["plan"]
         asum, fs, flag = self._scratch()
         gbuf, P, F = fs, pp["P"], pp["F"]
-        quads = ("QP", 0) in pp
+        fp = pp.get("fast")
+        quads = fp is not None and fast_aligned(xd)
         if quads:
-            from . import quad
+            from . import fast
 
             qw32 = payload[: pl.values_nbytes].view(np.uint32)
-            qgrid, qtpb = quad.launch(pp["nquads"])
-            if params is None and scheme.block is not None and not scheme.two_level:
-                quad.k_quad_quant[qgrid, qtpb](xd, pp[("QP", quad.QUAD_FUSED)], F, pp["stored"], gbuf, qw32, payload,
-                                               flag)
+            qgrid, qtpb = fast.launch(fp["nruns"])
+            qkern = fast.quant_kernel(fp["kind"])
+            if params is None and fp["mode"] != fast.MODE_GIVEN:
+                if fp["mode"] != fast.MODE_BLOCK:  # pass 1: the tensor's max |x| into gbuf[1]
+                    fast.k_amax[qgrid, qtpb](xd, gbuf, flag, fp["nruns"])
+                qkern[qgrid, qtpb](xd, qw32, payload, pp["stored"], gbuf, flag, fp["G"], fp["C"])
+                if fp["mode"] != fast.MODE_BLOCK:  # the statistics scratch is consumed: zero it
+                    K.k_zero_stats[1, 1](asum, gbuf)
                 return
         rows = pl.RP is not None and not quads
         if rows:
@@ -249,7 +261,7 @@ class CudaBackend(BaseBackend):
                 K.k_slot_stats[K.launch(pl.nslots)](xd, P, raw, fs[1:2], flag)
         K.k_scales[K.launch(pl.nslots)](raw, asum, P, F, pp["stored"], gbuf, payload)
         if quads:
-            quad.k_quad_quant[qgrid, qtpb](xd, pp[("QP", quad.QUAD_GIVEN)], F, pp["stored"], gbuf, qw32, payload, flag)
+            qkern[qgrid, qtpb](xd, qw32, payload, pp["stored"], gbuf, flag, fp["G_given"], fp["C"])
             if params is None:  # the statistics scratch is consumed: zero it for the next call
                 K.k_zero_stats[1, 1](asum, gbuf)
         elif rows:
@@ -308,7 +320,13 @@ class CudaBackend(BaseBackend):
         pp = self._prepared(data.shape, data.scheme, "minmax")
         pl = pp["plan"]
         scales, gbuf = self._decoded_scales(data)
-        if pl.RP is not None:
+        fp = pp.get("fast")
+        if fp is not None and out.dtype == np.float32 and fast_aligned(out):
+            from . import fast
+
+            fast.dequant_kernel(fp["kind"])[fast.launch_dequant(fp["nruns"], 32 // fast.KIND_BITS[fp["kind"]])](
+                data.payload[: pl.values_nbytes].view(np.uint32), scales, gbuf, pp["lut"], out, fp["G"])
+        elif pl.RP is not None:
             grid, tpb = K.launch_rows(*pl.rows_shape)
             K.k_rows_dequant[grid, tpb](self._words(data.payload, pl), pp[("RP", K.ROW_GIVEN)], pp["lut"], scales,
                                         gbuf, out)
@@ -349,9 +367,13 @@ class CudaBackend(BaseBackend):
 
         Orientation: `x` is float [..., K] (host or device), `w` a quantized [K, N] tensor on
         this backend (K = reduction axis, rows of w); the result is a float32 device array
-        [..., N]. Each thread owns 8 output columns of one row of x and a k-chunk of 32 to 256
-        rows; a block sums its k-chunks in shared memory and adds them to the output with f32
-        atomics, so the last bits may vary from run to run (f32 accumulation throughout).
+        [..., N], accumulated in f32.
+
+        Weights on the fast layout (codes along N; per-tensor or power-of-two blocks along N
+        spanning a u32 word of codes) take the GEMV kernel (`gemv.py`): k-split partial sums
+        added in a fixed order, so results repeat bit for bit. Other layouts take the general
+        kernel: 8 output columns per thread, k-chunks summed in shared memory and added to the
+        output with f32 atomics (the last bits may vary from run to run).
         """
         w = self._own(w)
         if len(w.shape) != 2:
@@ -374,11 +396,35 @@ class CudaBackend(BaseBackend):
         self._launch_matmul(xd, w.data, m, out)
         return out.reshape(out_shape)
 
+    def _launch_gemv(self, xd, data: CudaData, m: int, out, scales, gbuf) -> bool:
+        """The GEMV kernel (gemv.py) when the weight's layout allows it; False otherwise."""
+        from . import gemv
+
+        if "gemv" not in data.cache:
+            data.cache["gemv"] = gemv.geometry(data.shape, data.scheme)
+        gg = data.cache["gemv"]
+        if gg is None or not fast_aligned(xd):
+            return False
+        key = ("gemv", m)
+        st = data.cache.get(key)
+        if st is None:
+            kind, Q = gg
+            pp = self._prepared(data.shape, data.scheme, "minmax")
+            kern, mb, q, grid, block, part, cnt = gemv.buffers(Q, kind, m)
+            st = data.cache[key] = dict(kern=kern, mb=mb, Q=q, grid=grid, block=block, part=part, cnt=cnt,
+                                        lut=pp["lut"], w32=data.payload[: pp["plan"].values_nbytes].view(np.uint32))
+        kern, mb = st["kern"][st["grid"], st["block"]], st["mb"]
+        for m0 in range(0, m, mb):
+            kern(xd, st["w32"], scales, gbuf, st["lut"], st["part"], st["cnt"], out, st["Q"], m0, min(mb, m - m0))
+        return True
+
     def _launch_matmul(self, xd, data: CudaData, m: int, out) -> None:
         from . import _plan
 
         cuda, K = _cuda(), _k()
         scales, gbuf = self._decoded_scales(data)
+        if self._launch_gemv(xd, data, m, out, scales, gbuf):
+            return
         key = ("matmul", m)
         mm = data.cache.get(key)
         if mm is None:

@@ -1,0 +1,522 @@
+"""Fast kernels for the commonest layout: one code stream along the last axis (SPEC §2, §3).
+
+Eligible (`geometry()`): Native, or packing along the last axis; lines a multiple of 16
+elements; one scale for the tensor, or one per block of `B` elements along the last axis only
+(`B` a power of two dividing the line; calibrated one-level blocks 16 <= B <= 512); the input
+16-byte aligned. The tensor is then a flat sequence of runs of 16 elements: run `t` is
+elements `[16t, 16t + 16)`, its codes are `16 * bits` consecutive bits of the values section
+(the same bytes for PackedU32 and PackedNative), and its scale slot is `16t >> log2(B)`.
+
+One thread owns one run per loop step: four 16-byte loads, the run's max |x| with the
+non-finite check folded in (`fmax_nan`), the block max over the `B / 16` lanes of the block
+(warp shuffles), the block scale rounded up with integer operations on its bits, the codes,
+and one 16- or 8-byte store of whole u32 words. The kernels are specialised per value kind
+(`KINDS`), so the per-element work is a handful of instructions:
+
+* integers: clamp, add 1.5 * 2**23 (round half to even, the code in the low mantissa bits);
+* E4M3 / E5M2: the sm_89+ `cvt.rn.satfinite.e4m3x2.f32` conversion (two codes per
+  instruction); E2M1: the bits of the f32, rounded to 1 mantissa bit;
+* the division `y = x / e` of SPEC §2.4 as `q = x * r`, `q + fma(-q, e, x) * r` with
+  `r = 1 / e` rounded once per block: Markstein's correction, the correctly rounded quotient
+  whenever e's significand is not all ones and nothing overflows or underflows; the kernels
+  check that per block (`fast_div_ok`) and divide with `div.rn` otherwise (docs/gpu.md).
+
+Dequantize mirrors it: one 16- or 8-byte load of codes, the slot's f32 scale, decode (integer
+sign extension, the FP8 hardware conversion, or a table in shared memory), four 16-byte stores.
+Modes of the quantize kernel (one kernel per value kind; the mode and the scale dtype are
+uniform branches):
+
+* `BLOCK`: calibrated one-level blocks: max over the block, then scale, codes (one pass);
+* `TWO`: calibrated two-level: `gs[1]` holds the tensor's max |x| (pass 1, `k_amax`);
+  `g = max(gmax / h / M, tiny)`, block scale rounded up from `(m_b / h) / g`, `e = g * s_b`;
+* `TENSOR`: calibrated per-tensor: `e` rounded up from `gs[1] / h` (pass 1, `k_amax`);
+* `GIVEN`: stored scales per slot in `stored` (explicit parameters, absmean); two-level
+  `e = gs[0] * s_b`; here the division is `div.rn` (no bound on |x / e|).
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from qcore.scheme import QuantScheme, QuantValue, StoreKind
+
+from . import kernels as K
+from .intrin import e4m3x2, e4m3x2_f32, e5m2x2, e5m2x2_f32, f16_bits, f2u, fmax_nan, ld1, ld4, st2, st4, u2f
+
+from numba import config, cuda, float32, int32, int64, uint32  # noqa: E402
+
+if config.ENABLE_CUDASIM:  # shared-memory stand-in, bound to this module's (swapped) `cuda`
+    def group_max(v, width, sh):
+        return K.sim_group(cuda, v, width, sh, max)
+
+    def qdiv(x, e, r):
+        """x / e, correctly rounded (the simulator divides; the GPU's Markstein form agrees)."""
+        return float32(x / e)
+
+    def fma(a, b, c):  # pragma: no cover - the simulator path never calls it
+        return float32(a * b + c)
+else:
+    from .kernels import group_max
+
+    fma = cuda.fma
+
+    @cuda.jit(device=True, inline="always")
+    def qdiv(x, e, r):
+        """RN(x / e) from r = RN(1 / e): Markstein's correction step (see module docstring)."""
+        q = x * r
+        return cuda.fma(cuda.fma(-q, e, x), r, q)
+
+# ----------------------------------------------------------------------------- kinds
+KIND_I8, KIND_I4, KIND_I2, KIND_E4M3, KIND_E5M2, KIND_E2M1 = range(6)
+KINDS = {
+    QuantValue.Q8F: KIND_I8, QuantValue.Q8S: KIND_I8, QuantValue.Q4F: KIND_I4, QuantValue.Q4S: KIND_I4,
+    QuantValue.Q2F: KIND_I2, QuantValue.Q2S: KIND_I2, QuantValue.E4M3: KIND_E4M3, QuantValue.E5M2: KIND_E5M2,
+    QuantValue.E2M1: KIND_E2M1,
+}
+KIND_BITS = (8, 4, 2, 8, 8, 4)
+MODE_BLOCK, MODE_TWO, MODE_TENSOR, MODE_GIVEN = range(4)
+TPB = 256
+DQ_WORDS = 8  # u32 words of codes in flight per thread (dequantize)
+TAB_KINDS = (KIND_E2M1, KIND_I4)  # decoded from a 16-entry table in shared memory (dequantize)
+
+# G (int64 geometry) layout
+G_NRUNS, G_LB, G_LGW, G_MODE, G_SDT, G_SNB, G_SOFF, G_GOFF, G_TWO = range(9)
+G_LEN = 10
+# C (float32 constants) layout
+C_H, C_M, C_QMIN, C_QMAX = range(4)
+C_LEN = 4
+
+MAGIC = 12582912.0  # 1.5 * 2**23: y + MAGIC rounds y half-to-even into the low mantissa bits
+FLT_MAX = 3.4028234663852886e38
+P2_M60 = 8.673617379884035e-19
+P2_120 = 1.329227995784916e36
+
+
+def _log2(v: int) -> int:
+    return int(v).bit_length() - 1
+
+
+def geometry(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax"):
+    """(kind, G int64[G_LEN], C float32[C_LEN]) of the fast kernels, or None when not eligible.
+    G[G_MODE] is the calibrated mode; the caller switches to MODE_GIVEN for given scales."""
+    from ._plan import SDT_IDS, TWO_LEVEL_MAX
+
+    kind = KINDS.get(scheme.value)
+    n = math.prod(shape)
+    if kind is None or scheme.is_lookup or n == 0 or len(shape) == 0:
+        return None
+    store = scheme.store
+    if store.kind is not StoreKind.NATIVE and store.dim != 0:
+        return None
+    L = shape[-1]
+    if L % 16:
+        return None
+    t = scheme.traits
+    G = np.zeros(G_LEN, dtype=np.int64)
+    C = np.zeros(C_LEN, dtype=np.float32)
+    if scheme.block is not None:
+        if len(scheme.block.dims) != 1:
+            return None
+        B = scheme.block.dims[0]
+        if B < 4 or B > 512 or B & (B - 1) or L % B:
+            return None
+        G[G_LB] = _log2(B)
+        G[G_LGW] = _log2(max(B // 16, 1))
+        G[G_MODE] = MODE_TWO if scheme.two_level else MODE_BLOCK
+        if B < 16 or method != "minmax":
+            G[G_MODE] = MODE_GIVEN  # the calibrated modes take block maxima over whole runs
+    else:
+        G[G_LB] = 62  # every run's slot is 0
+        G[G_MODE] = MODE_TENSOR if method == "minmax" else MODE_GIVEN
+    G[G_NRUNS] = n // 16
+    G[G_TWO] = scheme.two_level
+    G[G_SDT] = SDT_IDS.index(scheme.slot_dtype.value)
+    G[G_SNB] = scheme.slot_dtype.traits.nbytes
+    G[G_SOFF] = n * t.bits // 8
+    nslots = 1 if scheme.block is None else n >> int(G[G_LB])
+    G[G_GOFF] = G[G_SOFF] + nslots * G[G_SNB]
+    C[C_H] = scheme.half_range
+    C[C_M] = TWO_LEVEL_MAX.get(scheme.block.dtype.value, 1.0) if scheme.two_level else 1.0
+    C[C_QMIN] = t.qmin
+    C[C_QMAX] = t.qmax
+    return kind, G, C
+
+
+def launch_dequant(nruns: int, pw: int) -> tuple[int, int]:
+    """(blocks, threads) of the dequantize kernel: warps stride over chunks of 32 * DQ_WORDS
+    words, up to 32 blocks of 256 threads per SM (`benchmarks/gpu_tune.py`)."""
+    nch = -(-(nruns * 16 // pw) // (32 * DQ_WORDS))
+    if config.ENABLE_CUDASIM:
+        return (max(1, min(2, nch)), 32)
+    return (max(1, min(-(-nch // (TPB // 32)), 132 * 32)), TPB)
+
+
+def launch(nruns: int) -> tuple[int, int]:
+    """(blocks, threads): a few waves of 256-thread blocks on a GPU; 2 x 32 on the simulator."""
+    if config.ENABLE_CUDASIM:
+        return (max(1, min(2, -(-nruns // 32))), 32)
+    return (max(1, min(-(-nruns // TPB), 132 * 8)), TPB)
+
+
+def aligned(a) -> bool:
+    """Whether a device array's data starts on a 16-byte boundary (the vector accesses need it)."""
+    if config.ENABLE_CUDASIM:
+        return True
+    return a.__cuda_array_interface__["data"][0] % 16 == 0
+
+
+# ----------------------------------------------------------------------------- scale helpers
+@cuda.jit(device=True, inline="always")
+def _grid_up(s, up, down):
+    """ceil(s * up) * down: the subnormal range of a narrow scale dtype (exact)."""
+    return float32(math.ceil(float32(s * up))) * down
+
+
+@cuda.jit(device=True, inline="always")
+def round_up_bits(s, sdt):
+    """Round a raw scale s >= 0 (finite) UP to scale dtype `sdt` (SPEC §2.3), on its bits."""
+    if sdt == K.SDT_F32:
+        return s
+    u = f2u(s)
+    if sdt == K.SDT_F16:
+        if s >= float32(K.F16_MAX):
+            return float32(K.F16_MAX)
+        if s < float32(K.P2_M14):
+            return _grid_up(s, float32(16777216.0), float32(5.960464477539063e-08))
+        return u2f((u + uint32(0x1FFF)) & uint32(0xFFFFE000))
+    if sdt == K.SDT_BF16:
+        if s >= float32(K.BF16_MAX):
+            return float32(K.BF16_MAX)
+        return u2f((u + uint32(0xFFFF)) & uint32(0xFFFF0000))  # subnormals too: bf16 = top of f32
+    if sdt == K.SDT_UE8M0:
+        if s <= float32(K.P2_M127):
+            return float32(K.P2_M127)
+        if s >= float32(K.P2_127):
+            return float32(K.P2_127)
+        return u2f((u + uint32(0x7FFFFF)) & uint32(0xFF800000))
+    # UE4M3
+    if s >= float32(K.UE4M3_MAX):
+        return float32(K.UE4M3_MAX)
+    if s < float32(K.P2_M6):
+        return _grid_up(s, float32(512.0), float32(0.001953125))
+    return u2f((u + uint32(0xFFFFF)) & uint32(0xFFF00000))
+
+
+@cuda.jit(device=True, inline="always")
+def scale_word(e, sdt):
+    """The stored word of a rounded-up scale (SPEC §1, §3)."""
+    if sdt == K.SDT_F32:
+        return f2u(e)
+    if sdt == K.SDT_F16:
+        return f16_bits(e)
+    if sdt == K.SDT_BF16:
+        return f2u(e) >> uint32(16)
+    if sdt == K.SDT_UE8M0:
+        return (f2u(e) >> uint32(23)) & uint32(0xFF)
+    return e4m3x2(float32(0.0), e) & uint32(0xFF)
+
+
+@cuda.jit(device=True, inline="always")
+def put_word(payload, off, w, nb):
+    """Little-endian bytes of a u32 word at payload[off], nb = 1, 2 or 4."""
+    payload[off] = w & uint32(0xFF)
+    if nb > 1:
+        payload[off + int64(1)] = (w >> uint32(8)) & uint32(0xFF)
+    if nb > 2:
+        payload[off + int64(2)] = (w >> uint32(16)) & uint32(0xFF)
+        payload[off + int64(3)] = (w >> uint32(24)) & uint32(0xFF)
+
+
+@cuda.jit(device=True, inline="always")
+def fast_div_ok(e):
+    """Whether qdiv(x, e, 1 / e) is RN(x / e) for every |x / e| the calibrated modes produce."""
+    return e >= float32(P2_M60) and e <= float32(P2_120) and (f2u(e) & uint32(0x7FFFFF)) != uint32(0x7FFFFF)
+
+
+@cuda.jit(device=True, inline="always")
+def e2m1_code(y):
+    """E2M1 code of y (SPEC §2.5): saturate at 6, nearest, ties to the even code, sign of y."""
+    a = min(abs(y), float32(6.0))
+    u = f2u(a)
+    cn = ((u + uint32(0x1FFFFF) + ((u >> uint32(22)) & uint32(1))) >> uint32(22)) + uint32(4)  # - 252 (mod 8)
+    cs = f2u(a * float32(2.0) + float32(MAGIC)) & uint32(0x3)
+    c = cs if a < float32(1.0) else cn
+    return (c & uint32(0x7)) | ((f2u(y) >> uint32(28)) & uint32(0x8))
+
+
+# ----------------------------------------------------------------------------- kernels
+def _quant_kernel(kind: int):
+    """The quantize kernel of one value kind (module docstring); kind is a compile-time constant."""
+    bits = KIND_BITS[kind]
+    nw = bits // 2  # u32 words per run of 16 codes
+    per_word = 32 // bits
+    is_int = kind <= KIND_I2
+    mask = np.uint32((1 << bits) - 1)
+    k_e4m3, k_e5m2 = kind == KIND_E4M3, kind == KIND_E5M2
+
+    def k_fast_quant(x, w32, payload, stored, gs, flag, G, C):
+        sh = cuda.shared.array(TPB, float32)  # the simulator's stand-in for shuffles
+        v = cuda.local.array(16, float32)
+        y = cuda.local.array(16, float32)
+        wd = cuda.local.array(4, uint32)
+        nruns = G[G_NRUNS]
+        lb = G[G_LB]
+        lgw = G[G_LGW]
+        mode = G[G_MODE]
+        sdt = G[G_SDT]
+        snb = G[G_SNB]
+        soff = G[G_SOFF]
+        two = G[G_TWO] != int64(0)
+        h = C[C_H]
+        qmin = C[C_QMIN]
+        qmax = C[C_QMAX]
+        gw = int64(1) << lgw
+        g = gs[0]
+        et = float32(0.0)
+        if mode == MODE_TWO:
+            g = max(float32(float32(gs[1] / h) / C[C_M]), float32(K.TINY))
+        elif mode == MODE_TENSOR:
+            et = round_up_bits(float32(gs[1] / h), sdt)
+        start = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
+        stride = int64(cuda.gridDim.x) * int64(cuda.blockDim.x)
+        if start == int64(0):  # the tensor-level words
+            if mode == MODE_TWO:
+                put_word(payload, G[G_GOFF], f2u(g), int64(4))
+            elif mode == MODE_TENSOR:
+                put_word(payload, soff, scale_word(et, sdt), snb)
+        end = (nruns + int64(31)) & ~int64(31)  # whole warps iterate together (shuffles)
+        bad = False
+        for t in range(start, end, stride):
+            valid = t < nruns
+            base = t << int64(4)
+            m = float32(0.0)
+            if valid:
+                for j in range(4):
+                    a0, a1, a2, a3 = ld4(x, base + int64(4 * j))
+                    v[4 * j] = a0
+                    v[4 * j + 1] = a1
+                    v[4 * j + 2] = a2
+                    v[4 * j + 3] = a3
+                    m = fmax_nan(m, fmax_nan(fmax_nan(abs(a0), abs(a1)), fmax_nan(abs(a2), abs(a3))))
+            else:
+                for k in range(16):
+                    v[k] = float32(0.0)
+            if not m <= float32(FLT_MAX):  # NaN or Inf: flagged (the call raises InputError)
+                bad = True
+                m = float32(0.0)
+            e = et
+            if mode == MODE_BLOCK or mode == MODE_TWO:
+                m = group_max(m, gw, sh)
+                s = float32(m / h)
+                if mode == MODE_TWO:
+                    s = float32(s / g)
+                sb = round_up_bits(s, sdt)
+                e = sb
+                if mode == MODE_TWO:
+                    e = float32(g * sb)
+                if valid and (t & (gw - int64(1))) == int64(0):
+                    put_word(payload, soff + (t >> lgw) * snb, scale_word(sb, sdt), snb)
+            if mode == MODE_GIVEN:
+                if lb >= int64(4):
+                    e = float32(0.0)
+                    if valid:
+                        e = ld1(stored, base >> lb)
+                        if two:
+                            e = float32(g * e)
+                    for k in range(16):
+                        y[k] = float32(0.0)
+                        if e != float32(0.0):
+                            y[k] = float32(v[k] / e)
+                else:  # blocks shorter than a run: a scale per element
+                    for k in range(16):
+                        ek = float32(0.0)
+                        if valid:
+                            ek = stored[(base + int64(k)) >> lb]
+                            if two:
+                                ek = float32(g * ek)
+                        y[k] = float32(0.0)
+                        if ek != float32(0.0):
+                            y[k] = float32(v[k] / ek)
+            elif fast_div_ok(e):
+                r = float32(float32(1.0) / e)
+                for k in range(16):
+                    y[k] = qdiv(v[k], e, r)
+                    if not is_int:  # the sign of a zero quotient is x's (the fma sum of -0 and +0 is +0)
+                        y[k] = float32(math.copysign(y[k], v[k]))
+            else:
+                for k in range(16):
+                    y[k] = float32(0.0)
+                    if e != float32(0.0):
+                        y[k] = float32(v[k] / e)
+            # codes -> whole u32 words
+            if is_int:
+                for j in range(nw):
+                    w = uint32(0)
+                    for i in range(per_word):
+                        c = f2u(min(max(y[j * per_word + i], qmin), qmax) + float32(MAGIC)) & mask
+                        w |= c << uint32(i * bits)
+                    wd[j] = w
+            elif k_e4m3:
+                for j in range(4):
+                    wd[j] = e4m3x2(y[4 * j + 1], y[4 * j]) | (e4m3x2(y[4 * j + 3], y[4 * j + 2]) << uint32(16))
+            elif k_e5m2:
+                for j in range(4):
+                    wd[j] = e5m2x2(y[4 * j + 1], y[4 * j]) | (e5m2x2(y[4 * j + 3], y[4 * j + 2]) << uint32(16))
+            else:  # E2M1
+                for j in range(2):
+                    w = uint32(0)
+                    for i in range(8):
+                        w |= e2m1_code(y[8 * j + i]) << uint32(4 * i)
+                    wd[j] = w
+            if valid:
+                if nw == 4:
+                    st4(w32, t << int64(2), wd[0], wd[1], wd[2], wd[3])
+                elif nw == 2:
+                    st2(w32, t << int64(1), wd[0], wd[1])
+                else:
+                    w32[t] = wd[0]
+        if bad:
+            flag[0] = int32(1)
+
+    return k_fast_quant
+
+
+def decoder(kind: int, table: bool = False):
+    """Device function decode(w, tab, val, off): the `32 / bits` fields of u32 word `w` as
+    float32 into val[off:]; integers by sign-flip + exponent magic (exact), FP8 by the hardware
+    conversion, E2M1 (and int4 when `table`) from the 16-entry table `tab` (shared memory)."""
+    bits = KIND_BITS[kind]
+    per_word = 32 // bits
+    is_int = kind <= KIND_I2 and not (table and kind == KIND_I4)
+    mask = np.uint32((1 << bits) - 1)
+    sign = np.uint32(sum(1 << (bits - 1 + bits * i) for i in range(per_word)))  # sign bit of every field
+    bias = np.float32(8388608.0 + 2.0 ** (bits - 1))  # 2**23 + 2**(bits-1)
+    k_e4m3, k_e5m2 = kind == KIND_E4M3, kind == KIND_E5M2
+
+    @cuda.jit(device=True, inline="always")
+    def decode(w, tab, val, off):
+        if is_int:
+            w = w ^ sign
+            for i in range(per_word):
+                val[off + i] = u2f(((w >> uint32(i * bits)) & mask) | uint32(0x4B000000)) - bias
+        elif k_e4m3:
+            val[off], val[off + 1] = e4m3x2_f32(w)
+            val[off + 2], val[off + 3] = e4m3x2_f32(w >> uint32(16))
+        elif k_e5m2:
+            val[off], val[off + 1] = e5m2x2_f32(w)
+            val[off + 2], val[off + 3] = e5m2x2_f32(w >> uint32(16))
+        else:
+            for i in range(8):
+                val[off + i] = tab[(w >> uint32(4 * i)) & uint32(0xF)]
+
+    return decode
+
+
+def _dequant_kernel(kind: int, R: int = DQ_WORDS):
+    """Dequantize, coalesced by words: lane l of a warp owns u32 words `c*32R + 32j + l`
+    (j < R) of chunk c, so each load instruction reads 128 contiguous bytes and each 16-byte store
+    instruction writes contiguous 512-byte spans; R words are loaded before any is used."""
+    bits = KIND_BITS[kind]
+    pw = 32 // bits
+    lpw = _log2(pw)
+    decode = decoder(kind, table=True)
+    use_tab = kind in TAB_KINDS
+
+    def k_fast_dequant(w32, scales, gbuf, lut, out, G):
+        tab = cuda.shared.array(16, float32)
+        wv = cuda.local.array(R, uint32)
+        val = cuda.local.array(pw, float32)
+        if use_tab:
+            if cuda.threadIdx.x < 16:
+                tab[cuda.threadIdx.x] = lut[cuda.threadIdx.x]
+            cuda.syncthreads()
+        nwt = G[G_NRUNS] * int64(16 // pw)  # words in the tensor
+        lb = G[G_LB]
+        two = G[G_TWO] != int64(0)
+        g = gbuf[0]
+        gt = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
+        lane = gt & int64(31)
+        nwarps = (int64(cuda.gridDim.x) * int64(cuda.blockDim.x)) >> int64(5)
+        nch = (nwt + int64(32 * R - 1)) // int64(32 * R)
+        for ch in range(gt >> int64(5), nch, nwarps):
+            w0 = ch * int64(32 * R) + lane
+            for j in range(R):
+                w = w0 + int64(32 * j)
+                wv[j] = uint32(0)
+                if w < nwt:
+                    wv[j] = ld1(w32, w)
+            for j in range(R):
+                w = w0 + int64(32 * j)
+                if w < nwt:
+                    decode(wv[j], tab, val, 0)
+                    base = w << int64(lpw)
+                    if lb >= int64(lpw):
+                        e = ld1(scales, base >> lb)
+                        if two:
+                            e = float32(g * e)
+                        for i in range(pw):
+                            val[i] = val[i] * e
+                    else:
+                        for i in range(pw):
+                            ek = ld1(scales, (base + int64(i)) >> lb)
+                            if two:
+                                ek = float32(g * ek)
+                            val[i] = val[i] * ek
+                    for i in range(pw // 4):
+                        st4(out, base + int64(4 * i), val[4 * i], val[4 * i + 1], val[4 * i + 2], val[4 * i + 3])
+
+    return k_fast_dequant
+
+
+def k_amax_py(x, gs, flag, nruns):
+    """Pass 1 of the TWO and TENSOR modes: gs[1] = max |x| over the tensor, flag on NaN/Inf."""
+    shm = cuda.shared.array(1, float32)
+    if cuda.threadIdx.x == 0:
+        shm[0] = float32(0.0)
+    cuda.syncthreads()
+    m = float32(0.0)
+    start = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
+    stride = int64(cuda.gridDim.x) * int64(cuda.blockDim.x)
+    for t in range(start, nruns, stride):
+        base = t << int64(4)
+        for j in range(4):
+            a0, a1, a2, a3 = ld4(x, base + int64(4 * j))
+            m = fmax_nan(m, fmax_nan(fmax_nan(abs(a0), abs(a1)), fmax_nan(abs(a2), abs(a3))))
+    if not m <= float32(FLT_MAX):
+        flag[0] = int32(1)
+        m = float32(0.0)
+    cuda.atomic.max(shm, 0, m)
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        cuda.atomic.max(gs, 1, shm[0])
+
+
+_jit = K._jit_regs(64)
+k_amax = cuda.jit(k_amax_py)
+
+
+@lru_cache(maxsize=None)
+def quant_kernel(kind: int):
+    return _jit(_quant_kernel(kind))
+
+
+@lru_cache(maxsize=None)
+def dequant_kernel(kind: int):
+    return _jit(_dequant_kernel(kind))
+
+
+_A = "{}[::1]"
+QUANT_SIG = "void(float32[::1], uint32[::1], uint8[::1], float32[::1], float32[::1], int32[::1], int64[::1], float32[::1])"
+DEQUANT_SIG = "void(uint32[::1], float32[::1], float32[::1], float32[::1], float32[::1], int64[::1])"
+AMAX_SIG = "void(float32[::1], float32[::1], int32[::1], int64)"
+
+
+def ptx_targets():
+    """(name, python function, signature) of every fast kernel, for the compile_ptx test."""
+    out = [("k_amax", k_amax_py, AMAX_SIG)]
+    for kind in range(len(KIND_BITS)):
+        out.append((f"k_fast_quant[{kind}]", _quant_kernel(kind), QUANT_SIG))
+        out.append((f"k_fast_dequant[{kind}]", _dequant_kernel(kind), DEQUANT_SIG))
+    return out

@@ -1,0 +1,270 @@
+"""Device intrinsics numba does not expose: vector loads/stores, bit casts, NaN-propagating max,
+the sm_89+ FP8 conversions and f16 bits (PTX ISA; `numba.cuda.extending.intrinsic`).
+
+Each intrinsic has a plain-Python twin with the same results that the CUDA simulator runs
+(`NUMBA_ENABLE_CUDASIM=1`), so the kernels in `fast.py` are one source for both.
+
+* `ld4(a, i)` / `ld2(a, i)` / `st4(a, i, v0..v3)` / `st2(a, i, v0, v1)`: 16- and 8-byte
+  accesses of `a[i..i+3]` (`a[i..i+1]`); `ld1(a, i)` is `a[i]` without the negative-index fix-up;
+  `ldcg_f32(a, i)` reads a float32 past L1 (`ld.global.cg`: data other blocks wrote); the caller guarantees the alignment (`i` a multiple of 4 (2) and a 16-byte
+  aligned base) and the bounds: there is no wraparound and no bounds check.
+* `f2u(x)` / `u2f(u)`: float32 <-> uint32 bit patterns.
+* `fmax_nan(a, b)`: max that returns NaN when either is NaN (`max.NaN.f32`, sm_80+); with
+  `abs` it folds a block's max |x| and its non-finite check into one instruction per element.
+* `e4m3x2(hi, lo)` / `e5m2x2(hi, lo)`: two f32 -> two FP8 codes (hi in bits 8-15), round to
+  nearest even, saturating (`cvt.rn.satfinite.e4m3x2.f32`, sm_89+), as SPEC §2.5 wants for
+  |y| <= max (the kernels clamp first).
+* `e4m3x2_f32(c)` / `e5m2x2_f32(c)`: the reverse, exact (`cvt.rn.f16x2.e4m3x2`, then f16 -> f32).
+* `f16_bits(x)` / `f16_value(h)`: f32 -> f16 bits (round to nearest; exact for the
+  already-rounded scales the kernels pass) and back.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import config
+
+if config.ENABLE_CUDASIM:
+    import math
+
+    def ld4(a, i):
+        return a[i], a[i + 1], a[i + 2], a[i + 3]
+
+    def ld2(a, i):
+        return a[i], a[i + 1]
+
+    def ld1(a, i):
+        return a[i]
+
+    def ldcg_f32(a, i):
+        return a[i]
+
+    def st4(a, i, v0, v1, v2, v3):
+        a[i] = v0
+        a[i + 1] = v1
+        a[i + 2] = v2
+        a[i + 3] = v3
+
+    def st2(a, i, v0, v1):
+        a[i] = v0
+        a[i + 1] = v1
+
+    def f2u(x):
+        return np.float32(x).view(np.uint32)
+
+    def u2f(u):
+        return np.uint32(np.int64(u) & 0xFFFFFFFF).view(np.float32)
+
+    def fmax_nan(a, b):
+        if math.isnan(a) or math.isnan(b):
+            return np.float32(np.nan)
+        return np.float32(max(a, b))
+
+    def _fp8(v, mb, bias, fmax):
+        if math.isnan(v):
+            return 0x7F
+        a = min(abs(float(v)), fmax)  # saturate (the kernels clamp before)
+        sub = 2.0 ** (1 - bias)
+        if a < sub:
+            c = int(np.rint(a * 2.0 ** (bias + mb - 1)))
+        else:
+            m, e = math.frexp(a)
+            c = ((e - 2 + bias) << mb) + int(np.rint(m * 2.0 ** (mb + 1)))
+        if math.copysign(1.0, float(v)) < 0:
+            c |= 0x80
+        return c
+
+    def _fp8_value(c, mb, bias):
+        ex = (c >> mb) & ((1 << (7 - mb)) - 1)
+        f = c & ((1 << mb) - 1)
+        v = f * 2.0 ** (1 - bias - mb) if ex == 0 else (f + (1 << mb)) * 2.0 ** (ex - bias - mb)
+        return np.float32(-v if c & 0x80 else v)
+
+    def e4m3x2(hi, lo):
+        return np.uint32((_fp8(hi, 3, 7, 448.0) << 8) | _fp8(lo, 3, 7, 448.0))
+
+    def e5m2x2(hi, lo):
+        return np.uint32((_fp8(hi, 2, 15, 57344.0) << 8) | _fp8(lo, 2, 15, 57344.0))
+
+    def e4m3x2_f32(c):
+        c = int(c)
+        return _fp8_value(c & 0xFF, 3, 7), _fp8_value((c >> 8) & 0xFF, 3, 7)
+
+    def e5m2x2_f32(c):
+        c = int(c)
+        return _fp8_value(c & 0xFF, 2, 15), _fp8_value((c >> 8) & 0xFF, 2, 15)
+
+    def f16_bits(x):
+        return np.uint32(np.float16(x).view(np.uint16))
+
+    def f16_value(h):
+        return np.float32(np.uint16(int(h) & 0xFFFF).view(np.float16))
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    _I16, _I32, _I64, _F32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+
+    def _gptr(context, builder, aryty, ary, idxty, idx, width):
+        """Global-space pointer to `width` elements at ary.data + idx (no wraparound)."""
+        a = context.make_array(aryty)(context, builder, value=ary)
+        i = context.cast(builder, idx, idxty, types.int64)
+        elt = context.get_value_type(aryty.dtype)
+        p = builder.gep(a.data, [i])
+        vt = ir.VectorType(elt, width)
+        return builder.addrspacecast(builder.bitcast(p, vt.as_pointer()), ir.PointerType(vt, 1)), vt
+
+    def _load(n):
+        def typer(typingctx, a, i):
+            sig = types.UniTuple(a.dtype, n)(a, i)
+
+            def codegen(context, builder, sig, args):
+                p, _ = _gptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], n)
+                v = builder.load(p, align=4 * n)
+                vals = [builder.extract_element(v, ir.Constant(_I32, k)) for k in range(n)]
+                return context.make_tuple(builder, sig.return_type, vals)
+
+            return sig, codegen
+
+        return typer
+
+    @intrinsic
+    def ld4(typingctx, a, i):
+        return _load(4)(typingctx, a, i)
+
+    @intrinsic
+    def ld2(typingctx, a, i):
+        return _load(2)(typingctx, a, i)
+
+    @intrinsic
+    def ld1(typingctx, a, i):
+        def codegen(context, builder, sig, args):
+            p, _ = _gptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], 1)
+            return builder.extract_element(builder.load(p, align=a.dtype.bitwidth // 8), ir.Constant(_I32, 0))
+
+        return a.dtype(a, i), codegen
+
+    @intrinsic
+    def ldcg_f32(typingctx, a, i):
+        def codegen(context, builder, sig, args):
+            aty = sig.args[0]
+            ary = context.make_array(aty)(context, builder, value=args[0])
+            p = builder.gep(ary.data, [context.cast(builder, args[1], sig.args[1], types.int64)])
+            f = _asm(_F32, [p.type], "ld.global.cg.f32 $0, [$1];", "=f,l")
+            return builder.call(f, [p])
+
+        return types.float32(a, i), codegen
+
+    def _store(n):
+        def typer(typingctx, a, i, *vs):
+            sig = types.void(a, i, *vs)
+
+            def codegen(context, builder, sig, args):
+                aty = sig.args[0]
+                p, vt = _gptr(context, builder, aty, args[0], sig.args[1], args[1], n)
+                v = ir.Constant(vt, ir.Undefined)
+                for k in range(n):
+                    x = context.cast(builder, args[2 + k], sig.args[2 + k], aty.dtype)
+                    v = builder.insert_element(v, x, ir.Constant(_I32, k))
+                builder.store(v, p, align=4 * n)
+
+            return sig, codegen
+
+        return typer
+
+    @intrinsic
+    def st4(typingctx, a, i, v0, v1, v2, v3):
+        return _store(4)(typingctx, a, i, v0, v1, v2, v3)
+
+    @intrinsic
+    def st2(typingctx, a, i, v0, v1):
+        return _store(2)(typingctx, a, i, v0, v1)
+
+    @intrinsic
+    def f2u(typingctx, x):
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], _I32)
+
+        return types.uint32(types.float32), codegen
+
+    @intrinsic
+    def u2f(typingctx, u):
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.uint32)
+            return builder.bitcast(v, _F32)
+
+        return types.float32(u), codegen
+
+    def _asm(ret, args, text, cons):
+        return ir.InlineAsm(ir.FunctionType(ret, args), text, cons)
+
+    @intrinsic
+    def fmax_nan(typingctx, a, b):
+        def codegen(context, builder, sig, args):
+            f = _asm(_F32, [_F32, _F32], "max.NaN.f32 $0, $1, $2;", "=f,f,f")
+            return builder.call(f, list(args))
+
+        return types.float32(types.float32, types.float32), codegen
+
+    def _to_fp8(kind):
+        def typer(typingctx, hi, lo):
+            def codegen(context, builder, sig, args):
+                f = _asm(_I32, [_F32, _F32],
+                         "{ .reg .b16 t; cvt.rn.satfinite.%sx2.f32 t, $1, $2; cvt.u32.u16 $0, t; }" % kind,
+                         "=r,f,f")
+                return builder.call(f, list(args))
+
+            return types.uint32(types.float32, types.float32), codegen
+
+        return typer
+
+    @intrinsic
+    def e4m3x2(typingctx, hi, lo):
+        return _to_fp8("e4m3")(typingctx, hi, lo)
+
+    @intrinsic
+    def e5m2x2(typingctx, hi, lo):
+        return _to_fp8("e5m2")(typingctx, hi, lo)
+
+    def _from_fp8(kind):
+        def typer(typingctx, c):
+            ret = types.UniTuple(types.float32, 2)
+
+            def codegen(context, builder, sig, args):
+                st = ir.LiteralStructType([_F32, _F32])
+                f = _asm(st, [_I32],
+                         "{ .reg .b16 a, l, h; .reg .b32 d; cvt.u16.u32 a, $2; "
+                         "cvt.rn.f16x2.%sx2 d, a; mov.b32 {l, h}, d; "
+                         "cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }" % kind, "=f,=f,r")
+                c = context.cast(builder, args[0], sig.args[0], types.uint32)
+                r = builder.call(f, [c])
+                return context.make_tuple(builder, ret, [builder.extract_value(r, 0), builder.extract_value(r, 1)])
+
+            return ret(c), codegen
+
+        return typer
+
+    @intrinsic
+    def e4m3x2_f32(typingctx, c):
+        return _from_fp8("e4m3")(typingctx, c)
+
+    @intrinsic
+    def e5m2x2_f32(typingctx, c):
+        return _from_fp8("e5m2")(typingctx, c)
+
+    @intrinsic
+    def f16_bits(typingctx, x):
+        def codegen(context, builder, sig, args):
+            f = _asm(_I32, [_F32], "{ .reg .b16 h; cvt.rn.f16.f32 h, $1; cvt.u32.u16 $0, h; }", "=r,f")
+            return builder.call(f, list(args))
+
+        return types.uint32(types.float32), codegen
+
+    @intrinsic
+    def f16_value(typingctx, h):
+        def codegen(context, builder, sig, args):
+            f = _asm(_F32, [_I32], "{ .reg .b16 h; cvt.u16.u32 h, $1; cvt.f32.f16 $0, h; }", "=f,r")
+            return builder.call(f, [context.cast(builder, args[0], sig.args[0], types.uint32)])
+
+        return types.float32(h), codegen
