@@ -2,8 +2,8 @@
 
     NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_tune.py [--out DIR]
 
-* GEMV `x[M, 8192] @ w[8192, 8192]`, w in q4s/block32:f16: variants of rows in flight per
-  thread (unroll), u32 words per thread (wpt) and the register cap, each checked against the
+* GEMV `x[M, 8192] @ w[8192, 8192]`, w in q4s/block32:f16: rows in flight per thread (unroll),
+  u32 words per thread (wpt), register cap and blocks per SM varied, each checked against the
   default path's result, timed with CUDA events after an L2 flush (as in benchmarks/gpu.py).
 * Dequantize of 2**28 elements: the run layout (16 consecutive elements per thread) against the
   word layout (lanes own consecutive u32 words of codes) with 4 or 8 words in flight.
@@ -41,6 +41,7 @@ def _time(torch, fn, iters=15, flush=None):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--only", choices=("gemv", "dequant"), help="run one of the two parts")
     args = ap.parse_args(argv)
     import torch
     from numba import config, cuda
@@ -64,12 +65,14 @@ def main(argv=None) -> int:
     pp = be._prepared(data.shape, data.scheme, "minmax")
     w32 = data.payload[: pp["plan"].values_nbytes].view(np.uint32)
     kind, Q = gemv.geometry(data.shape, data.scheme)
-    for m in (1, 2, 4, 8, 16):
+    for m in (1, 2, 4, 8, 16) if args.only != "dequant" else ():
         x = torch.randn(m, K_, device="cuda")
         xd = cuda.as_cuda_array(x).reshape(m * K_)
         want = torch.as_tensor(be.to_numpy(be.matmul(cuda.as_cuda_array(x), qw)), device="cuda")
         x16, w16 = x.half(), w.half()
         torch_t = _time(torch, lambda: x16 @ w16, flush=flush)
+        # (kernel, rows per step, words per thread, pipeline stages, register cap, blocks per SM)
+        # (rows in flight per thread, u32 words per thread, register cap, blocks per SM)
         variants = [(4, 2, 64, 4), (8, 2, 64, 4), (4, 2, 64, 8), (2, 4, 64, 4), (4, 4, 128, 2), (4, 1, 64, 4),
                     (8, 1, 64, 4), (4, 1, 128, 2)]
         for unroll, wpt, regs, per_sm in variants:
@@ -91,7 +94,11 @@ def main(argv=None) -> int:
                 for m0 in range(0, m, mb):
                     kern[grid, block](xd, w32, scales, gbuf, pp["lut"], part, cnt, out, qd, m0, min(mb, m - m0))
 
-            run()
+            try:
+                run()
+            except Exception as e:  # e.g. too much shared memory for this GPU
+                print(json.dumps({"m": m, "unroll": unroll, "wpt": wpt, "error": str(e)[:200]}))
+                continue
             got = torch.as_tensor(out.copy_to_host().reshape(m, N_), device="cuda")
             err = float((got - want).abs().max() / want.abs().max())
             t = _time(torch, run, flush=flush)
@@ -104,7 +111,7 @@ def main(argv=None) -> int:
     x = torch.randn(65536, 4096, device="cuda") * 3
     xd = cuda.as_cuda_array(x)
     out = cuda.device_array(n, dtype=np.float32)
-    for text in ("q8s/block32:f16", "q4s/block32:f16", "e4m3/block32:f32", "nvfp4", "q8s"):
+    for text in ("q8s/block32:f16", "q4s/block32:f16", "e4m3/block32:f32", "nvfp4", "q8s") if args.only != "gemv" else ():
         q = be.quantize(xd, text)
         d = q.data
         pp = be._prepared(d.shape, d.scheme, "minmax")
