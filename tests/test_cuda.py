@@ -279,15 +279,17 @@ def test_device_array_inputs_are_not_copied(cuda_backend):
 
 
 @pytest.mark.parametrize("text", ["q8f/block32:bf16", "q4f/block2x16:f16/packed_native", "e4m3/block4:ue8m0",
-                                  "e2m1/block16:ue4m3/tensor:f32/packed_u32:1", "q2f/tensor:ue4m3"])
+                                  "e2m1/block16:ue4m3/tensor:f32/packed_u32:1", "q2f/tensor:ue4m3", "e5m2/block32:f16",
+                                  "q4s/block16:f16", "nvfp4"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "bfloat16"])
-def test_from_data_decodes_any_payload(cuda_backend, text, dtype):
-    """Random codes (every bit pattern, NaN codes included) and random valid scales: from_data
-    keeps the bytes, dequantize matches the reference in every output dtype (SPEC §2.6, §3)."""
+@pytest.mark.parametrize("shape", [(6, 37), (4, 64)])  # (4, 64): the fast path where the layout allows
+def test_from_data_decodes_any_payload(cuda_backend, text, dtype, shape):
+    """Random codes (every bit pattern, NaN and Inf codes included) and random valid scales:
+    from_data keeps the bytes, dequantize matches the reference in every output dtype (SPEC
+    §2.6, §3)."""
     import ml_dtypes
 
     rng = np.random.default_rng(4)
-    shape = (6, 37)
     x = _x(shape, seed=4)
     d0 = REF.into_data(REF.quantize(x, text))
     sch = d0.scheme

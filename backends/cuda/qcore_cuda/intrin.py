@@ -76,7 +76,12 @@ if config.ENABLE_CUDASIM:
     def _fp8_value(c, mb, bias):
         ex = (c >> mb) & ((1 << (7 - mb)) - 1)
         f = c & ((1 << mb) - 1)
-        v = f * 2.0 ** (1 - bias - mb) if ex == 0 else (f + (1 << mb)) * 2.0 ** (ex - bias - mb)
+        if mb == 3 and c & 0x7F == 0x7F:  # E4M3 (fn): S.1111.111 is NaN, no infinities
+            v = math.nan
+        elif mb == 2 and ex == 31:  # E5M2: IEEE-style infinities and NaNs
+            v = math.inf if f == 0 else math.nan
+        else:
+            v = f * 2.0 ** (1 - bias - mb) if ex == 0 else (f + (1 << mb)) * 2.0 ** (ex - bias - mb)
         return np.float32(-v if c & 0x80 else v)
 
     def e4m3x2(hi, lo):
