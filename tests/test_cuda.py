@@ -466,6 +466,24 @@ def test_fast_path_bit_exact(cuda_backend, text):
     np.testing.assert_array_equal(y.view(np.uint32), REF.dequantize(REF.from_data(want)).view(np.uint32))
 
 
+@pytest.mark.parametrize("offset", [0, 1, 2, 4])
+@pytest.mark.parametrize("text", ["q8s/block32:f16", "nvfp4", "e4m3"])
+def test_fast_path_unaligned_device_input(cuda_backend, text, offset):
+    """A device view starting `offset` floats into its allocation: 16-byte aligned views take
+    the fast kernels, the others the general ones; both bit-exact (on a GPU; the simulator has
+    no alignment)."""
+    from numba import cuda
+
+    x = _x((2, 64), seed=offset)
+    base = cuda.to_device(np.concatenate([np.zeros(offset, np.float32), x.reshape(-1)]))
+    view = base[offset:].reshape(2, 64)
+    got = cuda_backend.into_data(cuda_backend.quantize(view, text))
+    want = REF.into_data(REF.quantize(x, text))
+    assert_same_bytes(got.payload, want.payload, f"{text} from a view at +{offset} floats")
+    out = cuda_backend.to_numpy(cuda_backend.dequantize(cuda_backend.from_data(want)))
+    np.testing.assert_array_equal(out.view(np.uint32), REF.dequantize(REF.from_data(want)).view(np.uint32))
+
+
 @pytest.mark.parametrize("shape, text", [((2, 36), "q4s/block4:f16"), ((2, 64), "q4s/block2x32:f16"),
                                          ((2, 64), "q4s/packed_u32:1"), ((2, 64), "q8s/block48:f16"),
                                          ((0, 64), "q8s"), ((2, 64), "nf4")])
