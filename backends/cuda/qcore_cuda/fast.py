@@ -43,7 +43,7 @@ import numpy as np
 from qcore.scheme import QuantScheme, QuantValue, StoreKind
 
 from . import kernels as K
-from .intrin import e4m3x2, e4m3x2_f32, e5m2x2, e5m2x2_f32, f16_bits, f2u, fmax_nan, ld1, ld4, st2, st4, u2f
+from .intrin import e4m3x2, e4m3x2_f32, e5m2x2, e5m2x2_f32, f16_bits, f2u, fmax_nan, ld1, ld4, prmt, st2, st4, u2f
 
 from numba import config, cuda, float32, int32, int64, uint32  # noqa: E402
 
@@ -88,6 +88,7 @@ G_LEN = 10
 C_H, C_M, C_QMIN, C_QMAX = range(4)
 C_LEN = 4
 
+MAGIC_HI = np.uint32(0x4B000000)  # the f32 bits of 2**23: a byte below it is an exact integer
 MAGIC = 12582912.0  # 1.5 * 2**23: y + MAGIC rounds y half-to-even into the low mantissa bits
 FLT_MAX = 3.4028234663852886e38
 P2_M60 = 8.673617379884035e-19
@@ -397,7 +398,25 @@ def decoder(kind: int, table: bool = False):
 
     @cuda.jit(device=True, inline="always")
     def decode(w, tab, val, off):
-        if is_int:
+        if is_int and bits == 8:  # byte k under the exponent 0x4B: one byte permute per field
+            w = w ^ sign
+            val[off] = u2f(prmt(w, MAGIC_HI, 0x7650)) - bias
+            val[off + 1] = u2f(prmt(w, MAGIC_HI, 0x7651)) - bias
+            val[off + 2] = u2f(prmt(w, MAGIC_HI, 0x7652)) - bias
+            val[off + 3] = u2f(prmt(w, MAGIC_HI, 0x7653)) - bias
+        elif is_int and bits == 4:  # even fields are the low nibbles of the bytes, odd the high
+            w = w ^ sign
+            lo = w & uint32(0x0F0F0F0F)
+            hi = (w >> uint32(4)) & uint32(0x0F0F0F0F)
+            val[off] = u2f(prmt(lo, MAGIC_HI, 0x7650)) - bias
+            val[off + 1] = u2f(prmt(hi, MAGIC_HI, 0x7650)) - bias
+            val[off + 2] = u2f(prmt(lo, MAGIC_HI, 0x7651)) - bias
+            val[off + 3] = u2f(prmt(hi, MAGIC_HI, 0x7651)) - bias
+            val[off + 4] = u2f(prmt(lo, MAGIC_HI, 0x7652)) - bias
+            val[off + 5] = u2f(prmt(hi, MAGIC_HI, 0x7652)) - bias
+            val[off + 6] = u2f(prmt(lo, MAGIC_HI, 0x7653)) - bias
+            val[off + 7] = u2f(prmt(hi, MAGIC_HI, 0x7653)) - bias
+        elif is_int:
             w = w ^ sign
             for i in range(per_word):
                 val[off + i] = u2f(((w >> uint32(i * bits)) & mask) | uint32(0x4B000000)) - bias

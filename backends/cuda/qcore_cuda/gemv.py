@@ -4,12 +4,14 @@ Eligible (`geometry()`): a 2-D weight [K, N] on the fast layout (`fast.geometry`
 N, per-tensor or power-of-two blocks along N) whose blocks span at least one u32 word of
 codes (`B >= 32 / bits`), so a word's fields share one scale.
 
-Block = 32 word-columns x 8 k-lanes (256 threads); grid = (word-columns / 32, KS k-splits).
-Thread (tx, ty) owns the `32 / bits` columns of one word and the rows `k0 + ty + 8j` of its
-block's k-range: per row one coalesced u32 load (a warp reads 128 contiguous bytes), one f32
-scale, the word decoded once (`fast.decoder`) and used for up to `MB` rows of x (registers:
-`MB * 32 / bits` accumulators). Four rows are loaded before any is used, to keep loads in
-flight. The 8 k-lanes are summed in shared memory, each block writes its partial sums to
+Block = 32 word-columns x 8 k-lanes (256 threads); grid = (word-columns / 32 / WPT, KS
+k-splits). Thread (tx, ty) owns the columns of `WPT` consecutive u32 words (2 for M = 1: one
+8-byte load per row, a warp reads 256 contiguous bytes) and the rows `k0 + ty + 8j` of its
+block's k-range: per row its words, one f32 scale, x, each word decoded once
+(`fast.decoder`: byte permutes for int8/int4) and used for up to `MB` rows of x (registers:
+`MB * 32 / bits * WPT` accumulators). Rows go in steps of `UNROLL`; the next step's loads are
+issued before the current step is computed (PREFETCH), so loads stay in flight. The choices
+come from `benchmarks/gpu_tune.py` on the H200 (docs/performance.md). The 8 k-lanes are summed in shared memory, each block writes its partial sums to
 `part[KS, MB, N]`, and the last block of a column-block to finish (a counter per column-block,
 after a fence) adds the KS partials in a fixed order: the result does not depend on
 scheduling (no float atomics), and the counter is back at 0 for the next call.
@@ -30,7 +32,8 @@ from .intrin import ld1, ld2, ld4, ldcg_f32
 from numba import config, cuda, float32, int32, int64, uint32  # noqa: E402
 
 BDX, BDY = 32, 8
-UNROLL = 4  # rows in flight per thread
+UNROLL = 2  # rows per step (a step's loads are in flight while the previous step computes)
+PREFETCH = True
 WPT = 2  # u32 words per thread and row (one 8-byte load)
 RED_UNROLL = 8  # partial sums in flight in the final reduction
 # Q (int64) layout
@@ -84,7 +87,7 @@ def plan(Q: np.ndarray, wpt: int = 1, per_sm: int = 4) -> tuple[np.ndarray, tupl
     return q, (gx, ks), (BDX, BDY)
 
 
-def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, unroll: int = UNROLL):
+def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, unroll: int = UNROLL, prefetch: bool = PREFETCH):
     bits = fast.KIND_BITS[kind]
     pw = 32 // bits
     cpt = pw * wpt  # columns per thread
@@ -93,6 +96,31 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, unroll: int = UNROLL):
     nwv = unroll * wpt
     decode = fast.decoder(kind)
     is_e2m1 = kind == fast.KIND_E2M1
+
+    @cuda.jit(device=True, inline="always")
+    def load_rows(w32, scales, x, wv, ev, xv, k, kb1, nwr, wcol, N, col0, lb, one_scale, xrow):
+        """Words, scales and x of rows k + 8u (u < unroll) into wv / ev / xv (zeros past kb1)."""
+        for u in range(unroll):
+            kk = k + int64(BDY * u)
+            if kk < kb1:
+                wi = kk * nwr + wcol
+                if wpt == 1:
+                    wv[u] = ld1(w32, wi)
+                elif wpt == 2:
+                    wv[2 * u], wv[2 * u + 1] = ld2(w32, wi)
+                else:
+                    wv[4 * u], wv[4 * u + 1], wv[4 * u + 2], wv[4 * u + 3] = ld4(w32, wi)
+                if one_scale:
+                    ev[u * wpt] = ld1(scales, (kk * N + col0) >> lb)
+                else:
+                    for i in range(wpt):
+                        ev[u * wpt + i] = ld1(scales, (kk * N + col0 + int64(i * pw)) >> lb)
+                xv[u] = ld1(x, xrow + kk)
+            else:
+                for i in range(wpt):
+                    wv[u * wpt + i] = uint32(0)
+                    ev[u * wpt + i] = float32(0.0)
+                xv[u] = float32(0.0)
 
     def k_gemv(x, w32, scales, gbuf, lut, part, cnt, out, Q, m0, mc):
         tab = cuda.shared.array(16, float32)
@@ -103,6 +131,9 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, unroll: int = UNROLL):
         wv = cuda.local.array(nwv, uint32)
         ev = cuda.local.array(nwv, float32)
         xv = cuda.local.array(unroll, float32)
+        wv2 = cuda.local.array(nwv, uint32)
+        ev2 = cuda.local.array(nwv, float32)
+        xv2 = cuda.local.array(unroll, float32)
         pv = cuda.local.array(RED_UNROLL, float32)
         tx = int64(cuda.threadIdx.x)
         ty = int64(cuda.threadIdx.y)
@@ -130,28 +161,21 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, unroll: int = UNROLL):
         cuda.syncthreads()
         if wcol < nwr:
             k = kb0 + ty
+            step = int64(BDY * unroll)
+            if prefetch and k < kb1:
+                load_rows(w32, scales, x, wv2, ev2, xv2, k, kb1, nwr, wcol, N, col0, lb, one_scale, m0 * K)
             while k < kb1:
-                for u in range(unroll):  # loads first: words, scales and x of `unroll` rows in flight
-                    kk = k + int64(BDY * u)
-                    if kk < kb1:
-                        wi = kk * nwr + wcol
-                        if wpt == 1:
-                            wv[u] = ld1(w32, wi)
-                        elif wpt == 2:
-                            wv[2 * u], wv[2 * u + 1] = ld2(w32, wi)
-                        else:
-                            wv[4 * u], wv[4 * u + 1], wv[4 * u + 2], wv[4 * u + 3] = ld4(w32, wi)
-                        if one_scale:
-                            ev[u * wpt] = ld1(scales, (kk * N + col0) >> lb)
-                        else:
-                            for i in range(wpt):
-                                ev[u * wpt + i] = ld1(scales, (kk * N + col0 + int64(i * pw)) >> lb)
-                        xv[u] = ld1(x, m0 * K + kk)
-                    else:
-                        for i in range(wpt):
-                            wv[u * wpt + i] = uint32(0)
-                            ev[u * wpt + i] = float32(0.0)
-                        xv[u] = float32(0.0)
+                if prefetch:  # this step's rows were loaded during the last; start the next step's
+                    for i in range(nwv):
+                        wv[i] = wv2[i]
+                        ev[i] = ev2[i]
+                    for u in range(unroll):
+                        xv[u] = xv2[u]
+                    if k + step < kb1:
+                        load_rows(w32, scales, x, wv2, ev2, xv2, k + step, kb1, nwr, wcol, N, col0, lb, one_scale,
+                                  m0 * K)
+                else:  # loads first: words, scales and x of `unroll` rows in flight
+                    load_rows(w32, scales, x, wv, ev, xv, k, kb1, nwr, wcol, N, col0, lb, one_scale, m0 * K)
                 for u in range(unroll):
                     if k + int64(BDY * u) >= kb1:
                         break
@@ -168,7 +192,7 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, unroll: int = UNROLL):
                                     xe = float32(ld1(x, (m0 + int64(m)) * K + k + int64(BDY * u)) * e)
                                 for c in range(pw):
                                     acc[m * cpt + i * pw + c] = cuda.fma(xe, val[c], acc[m * cpt + i * pw + c])
-                k += int64(BDY * unroll)
+                k += step
         # sum the 8 k-lanes: red[ty][tx][a]
         for a in range(na):
             red[(ty * int64(BDX) + tx) * int64(na) + int64(a)] = acc[a]

@@ -8,7 +8,8 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
   accesses of `a[i..i+3]` (`a[i..i+1]`); `ld1(a, i)` is `a[i]` without the negative-index fix-up;
   `ldcg_f32(a, i)` reads a float32 past L1 (`ld.global.cg`: data other blocks wrote); the caller guarantees the alignment (`i` a multiple of 4 (2) and a 16-byte
   aligned base) and the bounds: there is no wraparound and no bounds check.
-* `f2u(x)` / `u2f(u)`: float32 <-> uint32 bit patterns.
+* `f2u(x)` / `u2f(u)`: float32 <-> uint32 bit patterns; `prmt(a, b, sel)`: byte permute
+  (`prmt.b32`, byte k of the result is byte `sel >> 4k & 7` of `b:a`; `sel` a literal).
 * `fmax_nan(a, b)`: max that returns NaN when either is NaN (`max.NaN.f32`, sm_80+); with
   `abs` it folds a block's max |x| and its non-finite check into one instruction per element.
 * `e4m3x2(hi, lo)` / `e5m2x2(hi, lo)`: two f32 -> two FP8 codes (hi in bits 8-15), round to
@@ -37,6 +38,10 @@ if config.ENABLE_CUDASIM:
 
     def ldcg_f32(a, i):
         return a[i]
+
+    def prmt(a, b, sel):
+        src = int(a) & 0xFFFFFFFF | (int(b) & 0xFFFFFFFF) << 32
+        return np.uint32(sum(((src >> (8 * ((sel >> (4 * k)) & 7))) & 0xFF) << (8 * k) for k in range(4)))
 
     def st4(a, i, v0, v1, v2, v3):
         a[i] = v0
@@ -257,6 +262,20 @@ else:
     @intrinsic
     def e5m2x2_f32(typingctx, c):
         return _from_fp8("e5m2")(typingctx, c)
+
+    @intrinsic
+    def prmt(typingctx, a, b, sel):
+        if not isinstance(sel, types.IntegerLiteral):
+            return None
+        k = sel.literal_value
+
+        def codegen(context, builder, sig, args):
+            f = _asm(_I32, [_I32, _I32], "prmt.b32 $0, $1, $2, %d;" % k, "=r,r,r")
+            ca = context.cast(builder, args[0], sig.args[0], types.uint32)
+            cb = context.cast(builder, args[1], sig.args[1], types.uint32)
+            return builder.call(f, [ca, cb])
+
+        return types.uint32(a, b, sel), codegen
 
     @intrinsic
     def f16_bits(typingctx, x):
