@@ -19,11 +19,13 @@ and one 16- or 8-byte store of whole u32 words. The kernels are specialised per 
 * the division `y = x / e` of SPEC §2.4 as `q = x * r`, `q + fma(-q, e, x) * r` with
   `r = 1 / e` rounded once per block: Markstein's correction, the correctly rounded quotient
   whenever e's significand is not all ones and nothing overflows or underflows; the kernels
-  check that per block (`fast_div_ok`) and divide with `div.rn` otherwise (docs/gpu.md).
+  check that per block (`fast_div_ok`) and divide with `div.rn` otherwise (docs/performance.md);
+  minifloat codes take the sign from x (the correction turns x = -0 into +0).
 
-Dequantize mirrors it: one 16- or 8-byte load of codes, the slot's f32 scale, decode (integer
-sign extension, the FP8 hardware conversion, or a table in shared memory), four 16-byte stores.
-Modes of the quantize kernel (one kernel per value kind; the mode and the scale dtype are
+Dequantize is coalesced by words: lane l of a warp owns u32 words `32j + l` of a chunk of
+`32 * DQ_WORDS`, loads them all first, then decodes (int8: byte permutes under the exponent of
+2**23; FP8: the hardware conversion; int4 and E2M1: a 16-entry table in shared memory),
+multiplies by the slot's f32 scale and stores 16-byte groups. Modes of the quantize kernel (one kernel per value kind; the mode and the scale dtype are
 uniform branches):
 
 * `BLOCK`: calibrated one-level blocks: max over the block, then scale, codes (one pass);
