@@ -122,9 +122,9 @@ def main(argv=None) -> int:
         nb = d.payload.size + 4 * n
         pw = 32 // fast.KIND_BITS[fp["kind"]]
         for name, kern, grid in [
-            ("words4", fast.dequant_kernel(fp["kind"]), fast.launch_dequant(fp["nruns"], pw)),
-            ("words8", _jit_regs(64)(fast._dequant_kernel(fp["kind"], 8)), fast.launch_dequant(fp["nruns"], pw)),
-            ("words4-grid8", fast.dequant_kernel(fp["kind"]), (132 * 8, 256)),
+            (f"words{fast.DQ_WORDS} (default)", fast.dequant_kernel(fp["kind"]), fast.launch_dequant(fp["nruns"], pw)),
+            ("words4", _jit_regs(64)(fast._dequant_kernel(fp["kind"], 4)), fast.launch_dequant(fp["nruns"], pw)),
+            (f"words{fast.DQ_WORDS}-grid8", fast.dequant_kernel(fp["kind"]), (132 * 8, 256)),
         ]:
             def run():
                 kern[grid](wv, sc, gb, pp["lut"], out, fp["G"])

@@ -214,8 +214,8 @@ class CudaBackend(BaseBackend):
         asum, fs, flag = self._scratch()
         gbuf, P, F = fs, pp["P"], pp["F"]
         fp = pp.get("fast")
-        quads = fp is not None and fast_aligned(xd)
-        if quads:
+        fast_path = fp is not None and fast_aligned(xd)
+        if fast_path:
             from . import fast
 
             qw32 = payload[: pl.values_nbytes].view(np.uint32)
@@ -228,7 +228,7 @@ class CudaBackend(BaseBackend):
                 if fp["mode"] != fast.MODE_BLOCK:  # the statistics scratch is consumed: zero it
                     K.k_zero_stats[1, 1](asum, gbuf)
                 return
-        rows = pl.RP is not None and not quads
+        rows = pl.RP is not None and not fast_path
         if rows:
             words = self._words(payload, pl)
             grid, tpb = K.launch_rows(*pl.rows_shape)
@@ -260,7 +260,7 @@ class CudaBackend(BaseBackend):
             else:
                 K.k_slot_stats[K.launch(pl.nslots)](xd, P, raw, fs[1:2], flag)
         K.k_scales[K.launch(pl.nslots)](raw, asum, P, F, pp["stored"], gbuf, payload)
-        if quads:
+        if fast_path:
             qkern[qgrid, qtpb](xd, qw32, payload, pp["stored"], gbuf, flag, fp["G_given"], fp["C"])
             if params is None:  # the statistics scratch is consumed: zero it for the next call
                 K.k_zero_stats[1, 1](asum, gbuf)

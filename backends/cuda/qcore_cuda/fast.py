@@ -56,13 +56,8 @@ if config.ENABLE_CUDASIM:  # shared-memory stand-in, bound to this module's (swa
     def qdiv(x, e, r):
         """x / e, correctly rounded (the simulator divides; the GPU's Markstein form agrees)."""
         return float32(x / e)
-
-    def fma(a, b, c):  # pragma: no cover - the simulator path never calls it
-        return float32(a * b + c)
 else:
     from .kernels import group_max
-
-    fma = cuda.fma
 
     @cuda.jit(device=True, inline="always")
     def qdiv(x, e, r):

@@ -16,8 +16,8 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
   nearest even, saturating (`cvt.rn.satfinite.e4m3x2.f32`, sm_89+), as SPEC §2.5 wants for
   |y| <= max (the kernels clamp first).
 * `e4m3x2_f32(c)` / `e5m2x2_f32(c)`: the reverse, exact (`cvt.rn.f16x2.e4m3x2`, then f16 -> f32).
-* `f16_bits(x)` / `f16_value(h)`: f32 -> f16 bits (round to nearest; exact for the
-  already-rounded scales the kernels pass) and back.
+* `f16_bits(x)`: f32 -> f16 bits (round to nearest; exact for the already-rounded scales the
+  kernels pass).
 """
 from __future__ import annotations
 
@@ -105,9 +105,6 @@ if config.ENABLE_CUDASIM:
 
     def f16_bits(x):
         return np.uint32(np.float16(x).view(np.uint16))
-
-    def f16_value(h):
-        return np.float32(np.uint16(int(h) & 0xFFFF).view(np.float16))
 
 else:
     from llvmlite import ir
@@ -284,11 +281,3 @@ else:
             return builder.call(f, list(args))
 
         return types.uint32(types.float32), codegen
-
-    @intrinsic
-    def f16_value(typingctx, h):
-        def codegen(context, builder, sig, args):
-            f = _asm(_F32, [_I32], "{ .reg .b16 h; cvt.u16.u32 h, $1; cvt.f32.f16 $0, h; }", "=f,r")
-            return builder.call(f, [context.cast(builder, args[0], sig.args[0], types.uint32)])
-
-        return types.float32(h), codegen
