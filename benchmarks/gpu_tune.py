@@ -1,12 +1,16 @@
 """Tuning runs for the cuda backend's fast kernels on a GPU (kernel variants side by side).
 
-    NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_tune.py [--out DIR]
+    NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_tune.py [--out DIR] [--only gemv|dequant]
 
-* GEMV `x[M, 8192] @ w[8192, 8192]`, w in q4s/block32:f16: rows in flight per thread (unroll),
-  u32 words per thread (wpt), register cap and blocks per SM varied, each checked against the
-  default path's result, timed with CUDA events after an L2 flush (as in benchmarks/gpu.py).
-* Dequantize of 2**28 elements: the run layout (16 consecutive elements per thread) against the
-  word layout (lanes own consecutive u32 words of codes) with 4 or 8 words in flight.
+* GEMV `x[M, 8192] @ w[8192, 8192]`, w in q4s/block32:f16: rows of x per launch (mb), u32
+  words per thread and row (wpt), rows per step, the prefetch pipeline, register cap and
+  blocks per SM varied; each variant's result checked against the default path's, timed with
+  CUDA events after an L2 flush (as in benchmarks/gpu.py), next to torch's fp16 matmul; then
+  M = 1 with K = 1024 (an eighth of the weight), whose time is mostly the fixed costs.
+* Dequantize of 2**28 elements: units in flight per thread, each checked bit for bit; next to
+  the ceilings of its memory traffic: a device-to-device copy, a 1 GiB fill (writes only) and
+  torch's int8 -> float32 conversion (the same 1 : 4 mix of reads and writes as int8
+  dequantize).
 
 Prints one JSON line per variant and writes gpu_tune.json into --out.
 """
@@ -22,10 +26,13 @@ import numpy as np
 
 
 def _time(torch, fn, iters=15, flush=None):
+    """Median ms of `iters` calls (CUDA events) after 2 warm-up calls, each behind a GPU sleep
+    (and, when `flush` is given, a read of that 512 MiB buffer: L2 then holds clean lines and
+    none of the weight, as in benchmarks/gpu.py)."""
     ts = []
     for i in range(iters + 2):
         if flush is not None:
-            flush.zero_()
+            flush.sum()
         torch.cuda.synchronize()
         torch.cuda._sleep(1_000_000)
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -36,6 +43,120 @@ def _time(torch, fn, iters=15, flush=None):
         if i >= 2:
             ts.append(s.elapsed_time(e))
     return statistics.median(ts)
+
+
+# GEMV variants: (mb, wpt, rows, prefetch, registers, blocks per SM)
+GEMV_VARIANTS = {
+    1: [(1, 2, 4, True, 128, 2), (1, 2, 4, False, 128, 2), (1, 2, 8, False, 128, 2), (1, 4, 4, True, 128, 2),
+        (1, 1, 4, True, 128, 2), (1, 2, 2, True, 64, 4)],
+    4: [(4, 1, 4, True, 128, 2), (4, 1, 4, False, 128, 2)],
+}
+
+
+def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, ms=None):
+    from qcore_cuda import gemv
+    from qcore_cuda.kernels import _jit_regs
+
+    torch.manual_seed(0)
+    w = torch.randn(k_, n_, device="cuda")
+    qw = be.quantize(cuda.as_cuda_array(w), "q4s/block32:f16")
+    data = qw.data
+    scales, gbuf = be._decoded_scales(data)
+    pp = be._prepared(data.shape, data.scheme, "minmax")
+    pl = pp["plan"]
+    w32 = data.payload[: pl.values_nbytes].view(np.uint32)
+    kind, Q = gemv.geometry(data.shape, data.scheme)
+    for m, variants in GEMV_VARIANTS.items():
+        if ms is not None and m not in ms:
+            continue
+        x = torch.randn(m, k_, device="cuda")
+        xd = cuda.as_cuda_array(x).reshape(m * k_)
+        want = torch.as_tensor(be.to_numpy(be.matmul(cuda.as_cuda_array(x), qw)), device="cuda")
+        x16, w16 = x.half(), w.half()
+        torch_t = _time(torch, lambda: x16 @ w16, flush=flush)
+        runs = []
+        try:  # last session's kernel, for comparison (not shipped)
+            from qcore_cuda import _gemv_old as old
+            ko, mbo, qo, go, bo, po, co = old.buffers(Q[:8], kind, m)
+            outo = cuda.device_array(m * n_, dtype=np.float32)
+            runs.append(("previous default", lambda: [ko[go, bo](xd, w32, scales, gbuf, pp["lut"], po, co, outo, qo, m0,
+                                                                 min(mbo, m - m0)) for m0 in range(0, m, mbo)], outo, {}))
+        except ImportError:
+            pass
+        for mb, wpt, rows, prefetch, regs, per_sm in variants:
+            meta = dict(mb=mb, wpt=wpt, rows=rows, prefetch=prefetch, regs=regs, per_sm=per_sm)
+            try:
+                kern = _jit_regs(regs)(gemv._gemv_kernel(kind, mb, wpt, True, rows, prefetch))
+            except Exception as e:  # a variant that does not compile is reported, not fatal
+                print(json.dumps({"m": m, **meta, "error": str(e)[:300]}), flush=True)
+                continue
+            q, grid, block = gemv.plan(Q, wpt, per_sm)
+            qd = cuda.to_device(q)
+            part = cuda.device_array(int(q[gemv.Q_KS]) * mb * n_, dtype=np.float32)
+            cnt = cuda.to_device(np.zeros(grid[0], dtype=np.int32))
+            out = cuda.device_array(m * n_, dtype=np.float32)
+
+            def run(kern=kern, grid=grid, qd=qd, part=part, cnt=cnt, out=out, mb=mb):
+                for m0 in range(0, m, mb):
+                    kern[grid, block](xd, w32, scales, gbuf, pp["lut"], part, cnt, out, qd, m0, min(mb, m - m0))
+
+            runs.append((f"mb{mb} wpt{wpt} rows{rows} {'prefetch' if prefetch else 'plain'} r{regs} x{per_sm}",
+                         run, out, dict(meta, grid=list(grid))))
+        for name, run, out, meta in runs:
+            try:
+                run()
+                got = torch.as_tensor(out.copy_to_host().reshape(m, n_), device="cuda")
+                err = float((got - want).abs().max() / want.abs().max())
+                t = _time(torch, run, flush=flush)
+            except Exception as e:  # e.g. too many resources for this GPU
+                print(json.dumps({"m": m, "variant": name, "error": str(e)[:300]}), flush=True)
+                continue
+            r = {"m": m, "k": k_, "n": n_, "variant": name, **meta, "us": round(1e3 * t, 2),
+                 "torch_fp16_us": round(1e3 * torch_t, 2), "speedup": round(torch_t / t, 3), "rel_err_vs_default": err}
+            res["gemv"].append(r)
+            print(json.dumps(r), flush=True)
+
+
+def tune_dequant(torch, cuda, be, res):
+    from qcore_cuda import fast
+    from qcore_cuda.kernels import _jit_regs
+
+    n = 2**28
+    x = torch.randn(65536, 4096, device="cuda") * 3
+    y = torch.empty_like(x)
+    i8 = torch.randint(-128, 127, (n,), dtype=torch.int8, device="cuda")
+    f32 = torch.empty(n, device="cuda")
+    for name, fn, nb in [("copy 1 GiB f32", lambda: y.copy_(x), 2 * 4 * n), ("fill 1 GiB f32", lambda: y.fill_(1.0), 4 * n),
+                         ("torch int8 -> f32", lambda: f32.copy_(i8), 5 * n)]:
+        t = _time(torch, fn)
+        r = {"scheme": "-", "variant": name, "ms": round(t, 4), "gbs": round(nb / t / 1e6, 1)}
+        res["dequant"].append(r)
+        print(json.dumps(r), flush=True)
+    xd = cuda.as_cuda_array(x)
+    out = cuda.device_array(n, dtype=np.float32)
+    for text in ("q8s/block32:f16", "q4s/block32:f16", "e4m3/block32:f32", "nvfp4", "q8s"):
+        q = be.quantize(xd, text)
+        d = q.data
+        pp = be._prepared(d.shape, d.scheme, "minmax")
+        fp = pp["fast"]
+        sc, gb = be._decoded_scales(d)
+        wv = fast.unit_view(d.payload[: pp["plan"].values_nbytes], fp["kind"])
+        want = be.to_numpy(be.dequantize(q)).reshape(n)
+        nb = d.payload.size + 4 * n
+        grid = fast.launch_dequant(fp["nruns"], fp["kind"])
+        for name, kern in [
+            (f"units{fast.DQ_UNITS} (default)", fast.dequant_kernel(fp["kind"])),
+            ("units4", _jit_regs(64)(fast._dequant_kernel(fp["kind"], 4))),
+        ]:
+            def run():
+                kern[grid](wv, sc, gb, pp["lut"], out, fp["G"])
+
+            run()
+            ok = bool(np.array_equal(out.copy_to_host().view(np.uint32), want.view(np.uint32)))
+            t = _time(torch, run)
+            r = {"scheme": text, "variant": name, "ms": round(t, 4), "gbs": round(nb / t / 1e6, 1), "bit_exact": ok}
+            res["dequant"].append(r)
+            print(json.dumps(r), flush=True)
 
 
 def main(argv=None) -> int:
@@ -50,91 +171,15 @@ def main(argv=None) -> int:
         print("run with NUMBA_ENABLE_CUDASIM=0 on a GPU", file=sys.stderr)
         return 2
     import qcore
-    from qcore_cuda import fast, gemv
-    from qcore_cuda.kernels import _jit_regs
 
     be = qcore.backend("cuda")
     res = {"gemv": [], "dequant": []}
-    flush = torch.empty(512 * 2**20 // 4, device="cuda")
-    K_ = N_ = 8192
-    torch.manual_seed(0)
-    w = torch.randn(K_, N_, device="cuda")
-    qw = be.quantize(cuda.as_cuda_array(w), "q4s/block32:f16")
-    data = qw.data
-    scales, gbuf = be._decoded_scales(data)
-    pp = be._prepared(data.shape, data.scheme, "minmax")
-    w32 = data.payload[: pp["plan"].values_nbytes].view(np.uint32)
-    kind, Q = gemv.geometry(data.shape, data.scheme)
-    for m in (1, 2, 4, 16) if args.only != "dequant" else ():
-        x = torch.randn(m, K_, device="cuda")
-        xd = cuda.as_cuda_array(x).reshape(m * K_)
-        want = torch.as_tensor(be.to_numpy(be.matmul(cuda.as_cuda_array(x), qw)), device="cuda")
-        x16, w16 = x.half(), w.half()
-        torch_t = _time(torch, lambda: x16 @ w16, flush=flush)
-        # (kernel, rows per step, words per thread, pipeline stages, register cap, blocks per SM)
-        # (rows per step, u32 words per thread, register cap, blocks per SM, prefetch the next step)
-        variants = [(4, 2, 64, 4, False), (2, 2, 64, 4, True), (3, 2, 64, 4, True), (2, 2, 64, 8, True),
-                    (4, 1, 64, 4, False), (2, 1, 64, 4, True), (4, 1, 64, 4, True)]
-        for unroll, wpt, regs, per_sm, prefetch in variants:
-            mb = gemv.config_for(kind, m, Q)[0] if wpt == 1 else 1
-            if m > 1 and wpt > 1:
-                continue
-            try:
-                kern = _jit_regs(regs)(gemv._gemv_kernel(kind, mb, wpt, unroll, prefetch))
-            except Exception as e:  # a variant that does not compile is reported, not fatal
-                print(json.dumps({"m": m, "unroll": unroll, "wpt": wpt, "regs": regs, "error": str(e)[:200]}))
-                continue
-            q, grid, block = gemv.plan(Q, wpt, per_sm)
-            qd = cuda.to_device(q)
-            part = cuda.device_array(int(q[gemv.Q_KS]) * mb * N_, dtype=np.float32)
-            cnt = cuda.to_device(np.zeros(grid[0], dtype=np.int32))
-            out = cuda.device_array(m * N_, dtype=np.float32)
-
-            def run():
-                for m0 in range(0, m, mb):
-                    kern[grid, block](xd, w32, scales, gbuf, pp["lut"], part, cnt, out, qd, m0, min(mb, m - m0))
-
-            try:
-                run()
-            except Exception as e:  # e.g. too much shared memory for this GPU
-                print(json.dumps({"m": m, "unroll": unroll, "wpt": wpt, "error": str(e)[:200]}))
-                continue
-            got = torch.as_tensor(out.copy_to_host().reshape(m, N_), device="cuda")
-            err = float((got - want).abs().max() / want.abs().max())
-            t = _time(torch, run, flush=flush)
-            r = {"m": m, "unroll": unroll, "wpt": wpt, "regs": regs, "per_sm": per_sm, "prefetch": prefetch, "mb": mb, "grid": list(grid), "us": 1e3 * t,
-                 "rel_err_vs_default": err, "torch_fp16_us": None if torch_t is None else 1e3 * torch_t}
-            res["gemv"].append(r)
-            print(json.dumps(r), flush=True)
-
-    n = 2**28
-    x = torch.randn(65536, 4096, device="cuda") * 3
-    xd = cuda.as_cuda_array(x)
-    out = cuda.device_array(n, dtype=np.float32)
-    for text in ("q8s/block32:f16", "q4s/block32:f16", "e4m3/block32:f32", "nvfp4", "q8s") if args.only != "gemv" else ():
-        q = be.quantize(xd, text)
-        d = q.data
-        pp = be._prepared(d.shape, d.scheme, "minmax")
-        fp = pp["fast"]
-        sc, gb = be._decoded_scales(d)
-        wv = d.payload[: pp["plan"].values_nbytes].view(np.uint32)
-        want = be.to_numpy(be.dequantize(q)).reshape(n)
-        nb = d.payload.size + 4 * n
-        pw = 32 // fast.KIND_BITS[fp["kind"]]
-        for name, kern, grid in [
-            (f"words{fast.DQ_WORDS} (default)", fast.dequant_kernel(fp["kind"]), fast.launch_dequant(fp["nruns"], pw)),
-            ("words4", _jit_regs(64)(fast._dequant_kernel(fp["kind"], 4)), fast.launch_dequant(fp["nruns"], pw)),
-            (f"words{fast.DQ_WORDS}-grid8", fast.dequant_kernel(fp["kind"]), (132 * 8, 256)),
-        ]:
-            def run():
-                kern[grid](wv, sc, gb, pp["lut"], out, fp["G"])
-
-            run()
-            ok = bool(np.array_equal(out.copy_to_host().view(np.uint32), want.view(np.uint32)))
-            t = _time(torch, run)
-            r = {"scheme": text, "variant": name, "ms": t, "gbs": nb / t / 1e6, "bit_exact": ok}
-            res["dequant"].append(r)
-            print(json.dumps(r), flush=True)
+    flush = torch.zeros(512 * 2**20 // 4, device="cuda")
+    if args.only != "dequant":
+        tune_gemv(torch, cuda, be, res, flush)
+        tune_gemv(torch, cuda, be, res, flush, k_=1024, ms=(1,))  # 1/8 of the weight: the fixed costs
+    if args.only != "gemv":
+        tune_dequant(torch, cuda, be, res)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_tune.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -338,6 +338,37 @@ def test_fused_matmul(cuda_backend, text, m, n_):
         np.testing.assert_array_equal(got3.reshape(m, n_).view(np.uint32), got.view(np.uint32))
 
 
+@pytest.mark.parametrize("text,n_,wpt,one", [
+    ("q4s/block32:f16", 64, 2, True),  # 8-byte loads, one scale per thread-row
+    ("q4s/block8:bf16", 64, 2, False),  # a scale slot per word
+    ("q4f/block16:f32", 48, 2, True),
+    ("e2m1/block16:ue4m3/tensor:f32/packed_native", 48, 2, True),
+    ("q8s/block4:f16", 48, 2, False),
+    ("q2s/block16:f16", 80, 1, True),  # 5 words per row: 4-byte loads
+    ("e4m3", 64, 2, True),
+])
+@pytest.mark.parametrize("m", [1, 2])
+def test_gemv_paths(cuda_backend, text, n_, wpt, one, m):
+    """Every GEMV kernel variant `config_for` picks at M = 1 (words per thread, scale slots per
+    thread-row): K leaves a thread 15 rows (3 steps of 4, both register sets of the prefetch
+    pipeline, and 3 single rows after them) under 2 k-splits; the results equal x @ dequantize(w)
+    to rounding and repeat bit for bit."""
+    from qcore_cuda import gemv
+
+    k_ = 230 if SIM else 1000 * 8 + 23
+    w = _x((k_, n_), seed=11)
+    x = _x((m, k_), seed=12, scale=1.0)
+    kind, Q = gemv.geometry((k_, n_), qcore.scheme(text))
+    if m == 1:
+        assert gemv.config_for(kind, m, Q)[1:] == (wpt, one)
+    qw = cuda_backend.from_data(REF.into_data(REF.quantize(w, text)))
+    got = cuda_backend.to_numpy(cuda_backend.matmul(x, qw))
+    want = x.astype(np.float64) @ REF.dequantize(REF.quantize(w, text)).astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    again = cuda_backend.to_numpy(cuda_backend.matmul(x, qw))
+    np.testing.assert_array_equal(again.view(np.uint32), got.view(np.uint32))
+
+
 def test_registered_through_entry_point(cuda_backend):
     """`cuda` is found through the `qcore` entry point group, priority 30, and `auto` picks it for
     the schemes it supports but not for LOOKUP."""

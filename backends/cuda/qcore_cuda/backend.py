@@ -324,8 +324,8 @@ class CudaBackend(BaseBackend):
         if fp is not None and out.dtype == np.float32 and fast_aligned(out):
             from . import fast
 
-            fast.dequant_kernel(fp["kind"])[fast.launch_dequant(fp["nruns"], 32 // fast.KIND_BITS[fp["kind"]])](
-                data.payload[: pl.values_nbytes].view(np.uint32), scales, gbuf, pp["lut"], out, fp["G"])
+            fast.dequant_kernel(fp["kind"])[fast.launch_dequant(fp["nruns"], fp["kind"])](
+                fast.unit_view(data.payload[: pl.values_nbytes], fp["kind"]), scales, gbuf, pp["lut"], out, fp["G"])
         elif pl.RP is not None:
             grid, tpb = K.launch_rows(*pl.rows_shape)
             K.k_rows_dequant[grid, tpb](self._words(data.payload, pl), pp[("RP", K.ROW_GIVEN)], pp["lut"], scales,

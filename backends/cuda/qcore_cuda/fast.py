@@ -22,10 +22,12 @@ and one 16- or 8-byte store of whole u32 words. The kernels are specialised per 
   check that per block (`fast_div_ok`) and divide with `div.rn` otherwise (docs/performance.md);
   minifloat codes take the sign from x (the correction turns x = -0 into +0).
 
-Dequantize is coalesced by words: lane l of a warp owns u32 words `32j + l` of a chunk of
-`32 * DQ_WORDS`, loads them all first, then decodes (int8: byte permutes under the exponent of
-2**23; FP8: the hardware conversion; int4 and E2M1: a 16-entry table in shared memory),
-multiplies by the slot's f32 scale and stores 16-byte groups. Modes of the quantize kernel (one kernel per value kind; the mode and the scale dtype are
+Dequantize is coalesced by units of 4 codes (a u32 of int8/FP8 codes, a u16 of 4-bit codes;
+a u32 of 16 2-bit codes): lane l of a warp owns units `32j + l` of a chunk of `32 * DQ_UNITS`,
+one warp per chunk, loads them all first, then decodes (int8/int4: byte permutes under the
+exponent of 2**23; FP8: the hardware conversion; E2M1: a 16-entry table in shared memory),
+multiplies by the slot's f32 scale and writes each unit's 16 bytes with one store, so a warp's
+store instruction covers 512 contiguous bytes. Modes of the quantize kernel (one kernel per value kind; the mode and the scale dtype are
 uniform branches):
 
 * `BLOCK`: calibrated one-level blocks: max over the block, then scale, codes (one pass);
@@ -75,8 +77,7 @@ KINDS = {
 KIND_BITS = (8, 4, 2, 8, 8, 4)
 MODE_BLOCK, MODE_TWO, MODE_TENSOR, MODE_GIVEN = range(4)
 TPB = 256
-DQ_WORDS = 8  # u32 words of codes in flight per thread (dequantize)
-TAB_KINDS = (KIND_E2M1, KIND_I4)  # decoded from a 16-entry table in shared memory (dequantize)
+DQ_UNITS = 8  # load units (`unit_codes`) in flight per thread (dequantize)
 
 # G (int64 geometry) layout
 G_NRUNS, G_LB, G_LGW, G_MODE, G_SDT, G_SNB, G_SOFF, G_GOFF, G_TWO = range(9)
@@ -142,13 +143,14 @@ def geometry(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax"
     return kind, G, C
 
 
-def launch_dequant(nruns: int, pw: int) -> tuple[int, int]:
-    """(blocks, threads) of the dequantize kernel: warps stride over chunks of 32 * DQ_WORDS
-    words, up to 32 blocks of 256 threads per SM (`benchmarks/gpu_tune.py`)."""
-    nch = -(-(nruns * 16 // pw) // (32 * DQ_WORDS))
+def launch_dequant(nruns: int, kind: int) -> tuple[int, int]:
+    """(blocks, threads) of the dequantize kernel: a warp per chunk of 32 * DQ_UNITS units
+    (measured faster than fewer warps striding over chunks, `benchmarks/gpu_tune.py`); 2 x 32
+    threads striding on the simulator."""
+    nch = -(-(nruns * 16 // unit_codes(kind)) // (32 * DQ_UNITS))
     if config.ENABLE_CUDASIM:
         return (max(1, min(2, nch)), 32)
-    return (max(1, min(-(-nch // (TPB // 32)), 132 * 32)), TPB)
+    return (max(1, -(-nch // (TPB // 32))), TPB)
 
 
 def launch(nruns: int) -> tuple[int, int]:
@@ -430,57 +432,67 @@ def decoder(kind: int, table: bool = False):
     return decode
 
 
-def _dequant_kernel(kind: int, R: int = DQ_WORDS):
-    """Dequantize, coalesced by words: lane l of a warp owns u32 words `c*32R + 32j + l`
-    (j < R) of chunk c, so each load instruction reads 128 contiguous bytes and each 16-byte store
-    instruction writes contiguous 512-byte spans; R words are loaded before any is used."""
-    bits = KIND_BITS[kind]
-    pw = 32 // bits
-    lpw = _log2(pw)
-    decode = decoder(kind, table=True)
-    use_tab = kind in TAB_KINDS
+def unit_codes(kind: int) -> int:
+    """Codes per load unit of the dequantize kernel: 4 for 8- and 4-bit codes (a u32 or a u16,
+    so one lane's output is one 16-byte store), 16 for 2-bit codes (a u32)."""
+    return 16 if KIND_BITS[kind] == 2 else 4
 
-    def k_fast_dequant(w32, scales, gbuf, lut, out, G):
+
+def unit_view(values, kind: int):
+    """The values section of a payload (uint8 device array) as the dequantize kernel's units."""
+    return values.view(np.uint16 if KIND_BITS[kind] == 4 else np.uint32)
+
+
+def _dequant_kernel(kind: int, R: int = DQ_UNITS):
+    """Dequantize, coalesced by units of `unit_codes(kind)` codes (`unit_view`): lane l of a
+    warp owns units `c*32R + 32j + l` (j < R) of chunk c, so each 16-byte store instruction
+    writes 512 contiguous bytes; R units are loaded before any is used."""
+    upc = unit_codes(kind)
+    lupc = _log2(upc)
+    decode = decoder(kind, table=kind == KIND_E2M1)
+    use_tab = kind == KIND_E2M1
+
+    def k_fast_dequant(units, scales, gbuf, lut, out, G):
         tab = cuda.shared.array(16, float32)
         wv = cuda.local.array(R, uint32)
-        val = cuda.local.array(pw, float32)
+        val = cuda.local.array(16, float32)
         if use_tab:
             if cuda.threadIdx.x < 16:
                 tab[cuda.threadIdx.x] = lut[cuda.threadIdx.x]
             cuda.syncthreads()
-        nwt = G[G_NRUNS] * int64(16 // pw)  # words in the tensor
+        nut = G[G_NRUNS] * int64(16 // upc)  # units in the tensor
         lb = G[G_LB]
         two = G[G_TWO] != int64(0)
         g = gbuf[0]
         gt = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
         lane = gt & int64(31)
         nwarps = (int64(cuda.gridDim.x) * int64(cuda.blockDim.x)) >> int64(5)
-        nch = (nwt + int64(32 * R - 1)) // int64(32 * R)
+        nch = (nut + int64(32 * R - 1)) // int64(32 * R)
         for ch in range(gt >> int64(5), nch, nwarps):
-            w0 = ch * int64(32 * R) + lane
+            u0 = ch * int64(32 * R) + lane
             for j in range(R):
-                w = w0 + int64(32 * j)
+                u = u0 + int64(32 * j)
                 wv[j] = uint32(0)
-                if w < nwt:
-                    wv[j] = ld1(w32, w)
+                if u < nut:
+                    wv[j] = uint32(ld1(units, u))
             for j in range(R):
-                w = w0 + int64(32 * j)
-                if w < nwt:
+                u = u0 + int64(32 * j)
+                if u < nut:
                     decode(wv[j], tab, val, 0)
-                    base = w << int64(lpw)
-                    if lb >= int64(lpw):
+                    base = u << int64(lupc)
+                    if lb >= int64(lupc):
                         e = ld1(scales, base >> lb)
                         if two:
                             e = float32(g * e)
-                        for i in range(pw):
+                        for i in range(upc):
                             val[i] = val[i] * e
                     else:
-                        for i in range(pw):
+                        for i in range(upc):
                             ek = ld1(scales, (base + int64(i)) >> lb)
                             if two:
                                 ek = float32(g * ek)
                             val[i] = val[i] * ek
-                    for i in range(pw // 4):
+                    for i in range(upc // 4):
                         st4(out, base + int64(4 * i), val[4 * i], val[4 * i + 1], val[4 * i + 2], val[4 * i + 3])
 
     return k_fast_dequant
@@ -525,7 +537,7 @@ def dequant_kernel(kind: int):
 
 _A = "{}[::1]"
 QUANT_SIG = "void(float32[::1], uint32[::1], uint8[::1], float32[::1], float32[::1], int32[::1], int64[::1], float32[::1])"
-DEQUANT_SIG = "void(uint32[::1], float32[::1], float32[::1], float32[::1], float32[::1], int64[::1])"
+DEQUANT_SIG = "void({}[::1], float32[::1], float32[::1], float32[::1], float32[::1], int64[::1])"
 AMAX_SIG = "void(float32[::1], float32[::1], int32[::1], int64)"
 
 
@@ -534,5 +546,6 @@ def ptx_targets():
     out = [("k_amax", k_amax_py, AMAX_SIG)]
     for kind in range(len(KIND_BITS)):
         out.append((f"k_fast_quant[{kind}]", _quant_kernel(kind), QUANT_SIG))
-        out.append((f"k_fast_dequant[{kind}]", _dequant_kernel(kind), DEQUANT_SIG))
+        out.append((f"k_fast_dequant[{kind}]", _dequant_kernel(kind),
+                    DEQUANT_SIG.format("uint16" if KIND_BITS[kind] == 4 else "uint32")))
     return out

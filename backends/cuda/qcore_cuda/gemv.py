@@ -4,19 +4,23 @@ Eligible (`geometry()`): a 2-D weight [K, N] on the fast layout (`fast.geometry`
 N, per-tensor or power-of-two blocks along N) whose blocks span at least one u32 word of
 codes (`B >= 32 / bits`), so a word's fields share one scale.
 
-Block = 32 word-columns x 8 k-lanes (256 threads); grid = (word-columns / 32 / WPT, KS
-k-splits). Thread (tx, ty) owns the columns of `WPT` consecutive u32 words (2 for M = 1: one
-8-byte load per row, a warp reads 256 contiguous bytes) and the rows `k0 + ty + 8j` of its
-block's k-range: per row its words, one f32 scale, x, each word decoded once
-(`fast.decoder`: byte permutes for int8/int4) and used for up to `MB` rows of x (registers:
-`MB * 32 / bits * WPT` accumulators). Rows go in steps of `UNROLL`; the next step's loads are
-issued before the current step is computed (PREFETCH), so loads stay in flight. The choices
-come from `benchmarks/gpu_tune.py` on the H200 (docs/performance.md). The 8 k-lanes are summed in shared memory, each block writes its partial sums to
-`part[KS, MB, N]`, and the last block of a column-block to finish (a counter per column-block,
-after a fence) adds the KS partials in a fixed order: the result does not depend on
-scheduling (no float atomics), and the counter is back at 0 for the next call.
+Block = 32 word-columns x 8 k-lanes (256 threads); grid = (word-columns / 32 / wpt, KS
+k-splits), one wave of `PER_SM` blocks per SM. Thread (tx, ty) owns the columns of `wpt`
+consecutive u32 words (`WPT` = 2 at M = 1: one 8-byte load per row, a warp reads 256
+contiguous bytes) and the rows `k0 + ty + 8j` of its block's k-range. Per row: its words, its
+f32 scale(s) and x, each word decoded once (`fast.decoder`: byte permutes for int8/int4) and
+used for up to `mb` rows of x. Rows go in steps of `ROWS`, with no bounds checks inside a step
+(the last rows of a thread go one at a time); with `PREFETCH` two register sets alternate, so
+one step's loads are in flight while the other step computes. Indices advance by addition.
+The choices come from `benchmarks/gpu_tune.py` on the H200 (docs/performance.md).
 
-M > MB runs as ceil(M / MB) launches, each reading the weight once more.
+The 8 k-lanes are summed in shared memory (odd stride: no bank conflicts), each block writes
+its partial sums to `part[KS, mb, N]`, and the last block of a column-block to finish (a
+counter per column-block, after a fence) adds the KS partials in split order, with up to
+`RED_LOADS` loads per thread in flight: the result does not depend on scheduling (no float
+atomics), and the counter is back at 0 for the next call.
+
+M > mb runs as ceil(M / mb) launches, each reading the weight once more.
 """
 from __future__ import annotations
 
@@ -32,10 +36,12 @@ from .intrin import ld1, ld2, ld4, ldcg_f32
 from numba import config, cuda, float32, int32, int64, uint32  # noqa: E402
 
 BDX, BDY = 32, 8
-UNROLL = 2  # rows per step (a step's loads are in flight while the previous step computes)
-PREFETCH = True
-WPT = 2  # u32 words per thread and row (one 8-byte load)
-RED_UNROLL = 8  # partial sums in flight in the final reduction
+ROWS = 4  # rows per step (their loads are issued together)
+PREFETCH = True  # two register sets: one step's loads in flight while the other step computes
+WPT = 2  # u32 words per thread and row at M = 1 (one 8-byte load)
+REGS = 128  # register cap per thread
+PER_SM = 2  # resident 256-thread blocks per SM the grid is sized for (REGS = 128 allows 2)
+RED_LOADS = 32  # partial sums in flight per thread in the final reduction
 # Q (int64) layout
 Q_K, Q_N, Q_NWR, Q_LB, Q_TWO, Q_KS, Q_RPB, Q_BLOCK = range(8)
 Q_LEN = 8
@@ -61,17 +67,22 @@ def geometry(shape: tuple[int, ...], scheme: QuantScheme) -> tuple[int, np.ndarr
     return kind, Q
 
 
-def config_for(kind: int, m: int, Q: np.ndarray) -> tuple[int, int]:
-    """(mb, wpt) for m rows of x: M = 1 reads two u32 words per thread and row (8-byte loads);
-    larger M one word, with up to 4 rows of x per launch (at most 32 accumulators per thread).
-    Chosen by `benchmarks/gpu_tune.py` on the H200 (docs/performance.md)."""
+def config_for(kind: int, m: int, Q: np.ndarray) -> tuple[int, int, bool]:
+    """(mb, wpt, one_scale) for m rows of x: M = 1 reads `WPT` u32 words per thread and row (16-byte
+    loads; fewer where the row's word count is not a multiple); larger M one word, with up to
+    4 rows of x per launch (at most 32 accumulators per thread). Chosen by
+    `benchmarks/gpu_tune.py` on the H200 (docs/performance.md). `one_scale`: the thread's
+    columns of a row lie under one scale slot (blocks of at least `wpt` words)."""
     pw = 32 // fast.KIND_BITS[kind]
+    mb, wpt = min(4, 32 // pw, 1 << (m - 1).bit_length()), 1
     if m == 1:
-        return 1, (WPT if int(Q[Q_NWR]) % WPT == 0 else 1)
-    return min(4, 32 // pw, 1 << (m - 1).bit_length()), 1
+        mb, wpt = 1, WPT
+        while int(Q[Q_NWR]) % wpt:
+            wpt //= 2
+    return mb, wpt, int(Q[Q_BLOCK]) >= wpt * pw
 
 
-def plan(Q: np.ndarray, wpt: int = 1, per_sm: int = 4) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
+def plan(Q: np.ndarray, wpt: int = 1, per_sm: int = PER_SM) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
     """(Q with KS/RPB, grid, block): one wave of resident 256-thread blocks (`per_sm` per SM)."""
     q = Q.copy()
     k_ = int(q[Q_K])
@@ -79,7 +90,7 @@ def plan(Q: np.ndarray, wpt: int = 1, per_sm: int = 4) -> tuple[np.ndarray, tupl
     if config.ENABLE_CUDASIM:
         ks = max(1, min(2, -(-k_ // 16)))
     else:
-        ks = max(1, min(-(-k_ // (BDY * UNROLL * 2)), (SMS * per_sm) // gx))
+        ks = max(1, min(-(-k_ // (BDY * ROWS * 2)), (SMS * per_sm) // gx))
     rpb = -(-k_ // ks)
     rpb = -(-rpb // BDY) * BDY
     ks = -(-k_ // rpb)
@@ -87,40 +98,55 @@ def plan(Q: np.ndarray, wpt: int = 1, per_sm: int = 4) -> tuple[np.ndarray, tupl
     return q, (gx, ks), (BDX, BDY)
 
 
-def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, unroll: int = UNROLL, prefetch: bool = PREFETCH):
+def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, rows: int = ROWS,
+                 prefetch: bool = PREFETCH):
+    """The GEMV kernel for value kind `kind`, `mb` rows of x per launch, `wpt` u32 words per
+    thread and row (`one_scale`: under one scale slot, else one slot per word), `rows` rows per
+    step, and (`prefetch`) two register sets that alternate: one step's loads are in flight while
+    the other step computes."""
     bits = fast.KIND_BITS[kind]
     pw = 32 // bits
     cpt = pw * wpt  # columns per thread
     na = cpt * mb  # accumulators per thread
-    red_n = BDY * BDX * na
-    nwv = unroll * wpt
+    red_n = BDY * BDX * (na + 1)
+    nbuf = rows * wpt
+    nxr = rows * mb  # (local array sizes must be single constants)
+    ipt = -(-(BDX * na) // (BDX * BDY))  # output items per thread in the final reduction
+    rb = max(1, RED_LOADS // ipt)  # partials per item per batch (ipt * rb loads in flight)
+    npv = ipt * rb
     decode = fast.decoder(kind)
     is_e2m1 = kind == fast.KIND_E2M1
 
     @cuda.jit(device=True, inline="always")
-    def load_rows(w32, scales, x, wv, ev, xv, k, kb1, nwr, wcol, N, col0, lb, one_scale, xrow):
-        """Words, scales and x of rows k + 8u (u < unroll) into wv / ev / xv (zeros past kb1)."""
-        for u in range(unroll):
-            kk = k + int64(BDY * u)
-            if kk < kb1:
-                wi = kk * nwr + wcol
-                if wpt == 1:
-                    wv[u] = ld1(w32, wi)
-                elif wpt == 2:
-                    wv[2 * u], wv[2 * u + 1] = ld2(w32, wi)
-                else:
-                    wv[4 * u], wv[4 * u + 1], wv[4 * u + 2], wv[4 * u + 3] = ld4(w32, wi)
-                if one_scale:
-                    ev[u * wpt] = ld1(scales, (kk * N + col0) >> lb)
-                else:
-                    for i in range(wpt):
-                        ev[u * wpt + i] = ld1(scales, (kk * N + col0 + int64(i * pw)) >> lb)
-                xv[u] = ld1(x, xrow + kk)
-            else:
-                for i in range(wpt):
-                    wv[u * wpt + i] = uint32(0)
-                    ev[u * wpt + i] = float32(0.0)
-                xv[u] = float32(0.0)
+    def load_row(w32, scales, x, wv, ev, xv, u, wi, si, xi, xoff, col0, lb):
+        """Row u of a step: the thread's words at wi, its scales in row-slot si, x at xi."""
+        b = u * wpt
+        if wpt == 1:
+            wv[b] = ld1(w32, wi)
+        elif wpt == 2:
+            wv[b], wv[b + 1] = ld2(w32, wi)
+        else:
+            wv[b], wv[b + 1], wv[b + 2], wv[b + 3] = ld4(w32, wi)
+        if one_scale:
+            ev[b] = ld1(scales, si + (col0 >> lb))
+        else:
+            for i in range(wpt):
+                ev[b + i] = ld1(scales, si + ((col0 + int64(i * pw)) >> lb))
+        for m in range(mb):
+            xv[u * mb + m] = ld1(x, xi + xoff[m])
+
+    @cuda.jit(device=True, inline="always")
+    def compute_row(wv, ev, xv, acc, val, tab, u, g, two):
+        """acc[m, column] += x[m] * e * decode(word) for row u of a step."""
+        for i in range(wpt):
+            e = ev[u * wpt] if one_scale else ev[u * wpt + i]
+            if two:
+                e = float32(g * e)
+            decode(wv[u * wpt + i], tab, val, 0)
+            for m in range(mb):
+                xe = float32(xv[u * mb + m] * e)
+                for c in range(pw):
+                    acc[m * cpt + i * pw + c] = cuda.fma(xe, val[c], acc[m * cpt + i * pw + c])
 
     def k_gemv(x, w32, scales, gbuf, lut, part, cnt, out, Q, m0, mc):
         tab = cuda.shared.array(16, float32)
@@ -128,13 +154,15 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, unroll: int = UNROLL, prefe
         last = cuda.shared.array(1, int32)
         acc = cuda.local.array(na, float32)
         val = cuda.local.array(pw, float32)
-        wv = cuda.local.array(nwv, uint32)
-        ev = cuda.local.array(nwv, float32)
-        xv = cuda.local.array(unroll, float32)
-        wv2 = cuda.local.array(nwv, uint32)
-        ev2 = cuda.local.array(nwv, float32)
-        xv2 = cuda.local.array(unroll, float32)
-        pv = cuda.local.array(RED_UNROLL, float32)
+        xoff = cuda.local.array(mb, int64)
+        wa = cuda.local.array(nbuf, uint32)
+        ea = cuda.local.array(nbuf, float32)
+        xa = cuda.local.array(nxr, float32)
+        wb = cuda.local.array(nbuf, uint32)
+        eb = cuda.local.array(nbuf, float32)
+        xb = cuda.local.array(nxr, float32)
+        pv = cuda.local.array(npv, float32)
+        rs = cuda.local.array(ipt, float32)
         tx = int64(cuda.threadIdx.x)
         ty = int64(cuda.threadIdx.y)
         tid = ty * int64(BDX) + tx
@@ -148,7 +176,7 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, unroll: int = UNROLL, prefe
         two = Q[Q_TWO] != int64(0)
         ks = Q[Q_KS]
         rpb = Q[Q_RPB]
-        one_scale = Q[Q_BLOCK] >= int64(cpt)  # the thread's columns share a scale slot
+        srow = N >> lb  # scale slots per row (0 for one per tensor)
         g = gbuf[0]
         bx = int64(cuda.blockIdx.x)
         by = int64(cuda.blockIdx.y)
@@ -156,54 +184,76 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, unroll: int = UNROLL, prefe
         col0 = wcol * int64(pw)
         kb0 = by * rpb
         kb1 = min(kb0 + rpb, K)
+        for m in range(mb):  # rows of x past mc read row mc - 1 (their sums are not written)
+            xoff[m] = int64(min(m, mc - int64(1))) * K
         for a in range(na):
             acc[a] = float32(0.0)
         cuda.syncthreads()
-        if wcol < nwr:
-            k = kb0 + ty
-            step = int64(BDY * unroll)
-            if prefetch and k < kb1:
-                load_rows(w32, scales, x, wv2, ev2, xv2, k, kb1, nwr, wcol, N, col0, lb, one_scale, m0 * K)
-            while k < kb1:
-                if prefetch:  # this step's rows were loaded during the last; start the next step's
-                    for i in range(nwv):
-                        wv[i] = wv2[i]
-                        ev[i] = ev2[i]
-                    for u in range(unroll):
-                        xv[u] = xv2[u]
-                    if k + step < kb1:
-                        load_rows(w32, scales, x, wv2, ev2, xv2, k + step, kb1, nwr, wcol, N, col0, lb, one_scale,
-                                  m0 * K)
-                else:  # loads first: words, scales and x of `unroll` rows in flight
-                    load_rows(w32, scales, x, wv, ev, xv, k, kb1, nwr, wcol, N, col0, lb, one_scale, m0 * K)
-                for u in range(unroll):
-                    if k + int64(BDY * u) >= kb1:
+        k = kb0 + ty
+        if wcol < nwr and k < kb1:
+            nrow = (kb1 - k + int64(BDY - 1)) // int64(BDY)  # this thread's rows: k, k + 8, ...
+            nstep = nrow // int64(rows)
+            dw = int64(BDY) * nwr
+            ds = int64(BDY) * srow
+            wi = k * nwr + wcol
+            si = k * srow
+            xi = m0 * K + k
+            if prefetch:  # steps alternate between register sets a and b
+                if nstep > int64(0):
+                    for u in range(rows):
+                        load_row(w32, scales, x, wa, ea, xa, u, wi + int64(u) * dw, si + int64(u) * ds,
+                                 xi + int64(u * BDY), xoff, col0, lb)
+                s = int64(0)
+                while s < nstep:
+                    wi += int64(rows) * dw
+                    si += int64(rows) * ds
+                    xi += int64(rows * BDY)
+                    if s + int64(1) < nstep:
+                        for u in range(rows):
+                            load_row(w32, scales, x, wb, eb, xb, u, wi + int64(u) * dw, si + int64(u) * ds,
+                                     xi + int64(u * BDY), xoff, col0, lb)
+                    for u in range(rows):
+                        compute_row(wa, ea, xa, acc, val, tab, u, g, two)
+                    if s + int64(1) >= nstep:
+                        s += int64(1)
                         break
-                    for i in range(wpt):
-                        e = ev[u * wpt] if one_scale else ev[u * wpt + i]
-                        if two:
-                            e = float32(g * e)
-                        decode(wv[u * wpt + i], tab, val, 0)
-                        for m in range(mb):
-                            if m < mc:
-                                if m == 0:
-                                    xe = float32(xv[u] * e)
-                                else:
-                                    xe = float32(ld1(x, (m0 + int64(m)) * K + k + int64(BDY * u)) * e)
-                                for c in range(pw):
-                                    acc[m * cpt + i * pw + c] = cuda.fma(xe, val[c], acc[m * cpt + i * pw + c])
-                k += step
+                    wi += int64(rows) * dw
+                    si += int64(rows) * ds
+                    xi += int64(rows * BDY)
+                    if s + int64(2) < nstep:
+                        for u in range(rows):
+                            load_row(w32, scales, x, wa, ea, xa, u, wi + int64(u) * dw, si + int64(u) * ds,
+                                     xi + int64(u * BDY), xoff, col0, lb)
+                    for u in range(rows):
+                        compute_row(wb, eb, xb, acc, val, tab, u, g, two)
+                    s += int64(2)
+            else:
+                for s in range(nstep):
+                    for u in range(rows):
+                        load_row(w32, scales, x, wa, ea, xa, u, wi + int64(u) * dw, si + int64(u) * ds,
+                                 xi + int64(u * BDY), xoff, col0, lb)
+                    for u in range(rows):
+                        compute_row(wa, ea, xa, acc, val, tab, u, g, two)
+                    wi += int64(rows) * dw
+                    si += int64(rows) * ds
+                    xi += int64(rows * BDY)
+            for r in range(nrow - nstep * int64(rows)):  # the last rows, one at a time
+                load_row(w32, scales, x, wa, ea, xa, 0, wi, si, xi, xoff, col0, lb)
+                compute_row(wa, ea, xa, acc, val, tab, 0, g, two)
+                wi += dw
+                si += ds
+                xi += int64(BDY)
         # sum the 8 k-lanes: red[ty][tx][a]
         for a in range(na):
-            red[(ty * int64(BDX) + tx) * int64(na) + int64(a)] = acc[a]
+            red[(ty * int64(BDX) + tx) * int64(na + 1) + int64(a)] = acc[a]  # odd stride: no bank conflicts
         cuda.syncthreads()
         j = tid
         while j < int64(BDX * na):
             s = float32(0.0)
-            for y in range(BDY):
-                s += red[int64(y * BDX * na) + j]
             t = j // int64(na)
             a = j - t * int64(na)
+            for y in range(BDY):
+                s += red[(int64(y * BDX) + t) * int64(na + 1) + a]
             m = a // int64(cpt)
             col = (bx * int64(BDX) + t) * int64(cpt) + (a - m * int64(cpt))
             if m < mc and col < N:
@@ -215,26 +265,34 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, unroll: int = UNROLL, prefe
             last[0] = int32(1) if cuda.atomic.add(cnt, bx, int32(1)) == ks - int64(1) else int32(0)
         cuda.syncthreads()
         if last[0] == int32(1):  # the column-block's last finisher adds the KS partials in order
-            j = tid
-            while j < int64(BDX * na):
+            b = int64(0)
+            for i in range(ipt):
+                rs[i] = float32(0.0)
+            while b < ks:  # loads of ipt items x rb partials in flight, then added in split order
+                for i in range(ipt):
+                    j = tid + int64(i * BDX * BDY)
+                    t = j // int64(na)
+                    a = j - t * int64(na)
+                    m = a // int64(cpt)
+                    col = (bx * int64(BDX) + t) * int64(cpt) + (a - m * int64(cpt))
+                    ok = j < int64(BDX * na) and m < mc and col < N
+                    for r in range(rb):
+                        pv[i * rb + r] = float32(0.0)
+                        if ok and b + int64(r) < ks:
+                            pv[i * rb + r] = ldcg_f32(part, ((b + int64(r)) * int64(mb) + m) * N + col)
+                for i in range(ipt):
+                    for r in range(rb):
+                        if b + int64(r) < ks:
+                            rs[i] += pv[i * rb + r]
+                b += int64(rb)
+            for i in range(ipt):
+                j = tid + int64(i * BDX * BDY)
                 t = j // int64(na)
                 a = j - t * int64(na)
                 m = a // int64(cpt)
                 col = (bx * int64(BDX) + t) * int64(cpt) + (a - m * int64(cpt))
-                if m < mc and col < N:
-                    s = float32(0.0)
-                    b = int64(0)
-                    while b < ks:  # RED_UNROLL loads in flight, then added in order (deterministic)
-                        for r in range(RED_UNROLL):
-                            pv[r] = float32(0.0)
-                            if b + int64(r) < ks:
-                                pv[r] = ldcg_f32(part, ((b + int64(r)) * int64(mb) + m) * N + col)
-                        for r in range(RED_UNROLL):
-                            if b + int64(r) < ks:
-                                s += pv[r]
-                        b += int64(RED_UNROLL)
-                    out[(m0 + m) * N + col] = s
-                j += int64(BDX * BDY)
+                if j < int64(BDX * na) and m < mc and col < N:
+                    out[(m0 + m) * N + col] = rs[i]
             if tid == int64(0):
                 cnt[bx] = int32(0)
 
@@ -242,10 +300,9 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, unroll: int = UNROLL, prefe
 
 
 @lru_cache(maxsize=None)
-def gemv_kernel(kind: int, mb: int, wpt: int):
-    """64 registers (4 blocks per SM): measured faster than 128 even where 32 accumulators
-    spill a few values to (L1-cached) local memory."""
-    return fast.K._jit_regs(64)(_gemv_kernel(kind, mb, wpt))
+def gemv_kernel(kind: int, mb: int, wpt: int, one_scale: bool):
+    """The kernel for `config_for`'s choice, capped at `REGS` registers (`PER_SM` blocks per SM)."""
+    return fast.K._jit_regs(REGS)(_gemv_kernel(kind, mb, wpt, one_scale))
 
 
 SIG = ("void(float32[::1], uint32[::1], float32[::1], float32[::1], float32[::1], float32[::1], int32[::1], "
@@ -257,18 +314,22 @@ def ptx_targets():
     compile_ptx test."""
     out = []
     for kind in range(len(fast.KIND_BITS)):
-        Q = np.zeros(Q_LEN, dtype=np.int64)
-        Q[Q_NWR] = 2
-        for mb, wpt in sorted({config_for(kind, m, Q) for m in (1, 2, 3, 4, 5, 16)} | {(1, 1)}):
-            out.append((f"k_gemv[{kind},{mb},{wpt}]", _gemv_kernel(kind, mb, wpt), SIG))
+        cfgs = set()
+        for nwr in (1, 2, 4):
+            for block in (32 // fast.KIND_BITS[kind], 1 << 20):
+                Q = np.zeros(Q_LEN, dtype=np.int64)
+                Q[Q_NWR], Q[Q_BLOCK] = nwr, block
+                cfgs |= {config_for(kind, m, Q) for m in (1, 2, 3, 4, 5, 16)}
+        for mb, wpt, one in sorted(cfgs):
+            out.append((f"k_gemv[{kind},{mb},{wpt},{int(one)}]", _gemv_kernel(kind, mb, wpt, one), SIG))
     return out
 
 
 def buffers(Q: np.ndarray, kind: int, m: int):
     """(kernel, mb, Q, grid, block, part, cnt) for m rows of x; part holds the largest launch's
     partial sums, cnt the zeroed column-block counters."""
-    mb, wpt = config_for(kind, m, Q)
+    mb, wpt, one = config_for(kind, m, Q)
     q, grid, block = plan(Q, wpt)
     part = cuda.device_array(max(1, int(q[Q_KS]) * mb * int(q[Q_N])), dtype=np.float32)
     cnt = cuda.to_device(np.zeros(grid[0], dtype=np.int32))
-    return gemv_kernel(kind, mb, wpt), mb, cuda.to_device(q), grid, block, part, cnt
+    return gemv_kernel(kind, mb, wpt, one), mb, cuda.to_device(q), grid, block, part, cnt
