@@ -75,14 +75,6 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, ms=None):
         x16, w16 = x.half(), w.half()
         torch_t = _time(torch, lambda: x16 @ w16, flush=flush)
         runs = []
-        try:  # last session's kernel, for comparison (not shipped)
-            from qcore_cuda import _gemv_old as old
-            ko, mbo, qo, go, bo, po, co = old.buffers(Q[:8], kind, m)
-            outo = cuda.device_array(m * n_, dtype=np.float32)
-            runs.append(("previous default", lambda: [ko[go, bo](xd, w32, scales, gbuf, pp["lut"], po, co, outo, qo, m0,
-                                                                 min(mbo, m - m0)) for m0 in range(0, m, mbo)], outo, {}))
-        except ImportError:
-            pass
         for mb, wpt, rows, prefetch, regs, per_sm in variants:
             meta = dict(mb=mb, wpt=wpt, rows=rows, prefetch=prefetch, regs=regs, per_sm=per_sm)
             try:
