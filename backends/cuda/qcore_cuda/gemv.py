@@ -148,6 +148,18 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
                 for c in range(pw):
                     acc[m * cpt + i * pw + c] = cuda.fma(xe, val[c], acc[m * cpt + i * pw + c])
 
+    @cuda.jit(device=True, inline="always")
+    def load_step(w32, scales, x, wv, ev, xv, wi, si, xi, dw, ds, xoff, col0, lb):
+        """The `rows` rows of a step starting at word index wi (rows dw words apart)."""
+        for u in range(rows):
+            load_row(w32, scales, x, wv, ev, xv, u, wi + int64(u) * dw, si + int64(u) * ds, xi + int64(u * BDY),
+                     xoff, col0, lb)
+
+    @cuda.jit(device=True, inline="always")
+    def compute_step(wv, ev, xv, acc, val, tab, g, two):
+        for u in range(rows):
+            compute_row(wv, ev, xv, acc, val, tab, u, g, two)
+
     def k_gemv(x, w32, scales, gbuf, lut, part, cnt, out, Q, m0, mc):
         tab = cuda.shared.array(16, float32)
         red = cuda.shared.array(red_n, float32)
@@ -200,20 +212,15 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
             xi = m0 * K + k
             if prefetch:  # steps alternate between register sets a and b
                 if nstep > int64(0):
-                    for u in range(rows):
-                        load_row(w32, scales, x, wa, ea, xa, u, wi + int64(u) * dw, si + int64(u) * ds,
-                                 xi + int64(u * BDY), xoff, col0, lb)
+                    load_step(w32, scales, x, wa, ea, xa, wi, si, xi, dw, ds, xoff, col0, lb)
                 s = int64(0)
                 while s < nstep:
                     wi += int64(rows) * dw
                     si += int64(rows) * ds
                     xi += int64(rows * BDY)
                     if s + int64(1) < nstep:
-                        for u in range(rows):
-                            load_row(w32, scales, x, wb, eb, xb, u, wi + int64(u) * dw, si + int64(u) * ds,
-                                     xi + int64(u * BDY), xoff, col0, lb)
-                    for u in range(rows):
-                        compute_row(wa, ea, xa, acc, val, tab, u, g, two)
+                        load_step(w32, scales, x, wb, eb, xb, wi, si, xi, dw, ds, xoff, col0, lb)
+                    compute_step(wa, ea, xa, acc, val, tab, g, two)
                     if s + int64(1) >= nstep:
                         s += int64(1)
                         break
@@ -221,19 +228,13 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
                     si += int64(rows) * ds
                     xi += int64(rows * BDY)
                     if s + int64(2) < nstep:
-                        for u in range(rows):
-                            load_row(w32, scales, x, wa, ea, xa, u, wi + int64(u) * dw, si + int64(u) * ds,
-                                     xi + int64(u * BDY), xoff, col0, lb)
-                    for u in range(rows):
-                        compute_row(wb, eb, xb, acc, val, tab, u, g, two)
+                        load_step(w32, scales, x, wa, ea, xa, wi, si, xi, dw, ds, xoff, col0, lb)
+                    compute_step(wb, eb, xb, acc, val, tab, g, two)
                     s += int64(2)
             else:
                 for s in range(nstep):
-                    for u in range(rows):
-                        load_row(w32, scales, x, wa, ea, xa, u, wi + int64(u) * dw, si + int64(u) * ds,
-                                 xi + int64(u * BDY), xoff, col0, lb)
-                    for u in range(rows):
-                        compute_row(wa, ea, xa, acc, val, tab, u, g, two)
+                    load_step(w32, scales, x, wa, ea, xa, wi, si, xi, dw, ds, xoff, col0, lb)
+                    compute_step(wa, ea, xa, acc, val, tab, g, two)
                     wi += int64(rows) * dw
                     si += int64(rows) * ds
                     xi += int64(rows * BDY)
