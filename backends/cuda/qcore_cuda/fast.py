@@ -383,13 +383,13 @@ def _quant_kernel(kind: int):
     return k_fast_quant
 
 
-def decoder(kind: int, table: bool = False):
+def decoder(kind: int):
     """Device function decode(w, tab, val, off): the `32 / bits` fields of u32 word `w` as
     float32 into val[off:]; integers by sign-flip + exponent magic (exact), FP8 by the hardware
-    conversion, E2M1 (and int4 when `table`) from the 16-entry table `tab` (shared memory)."""
+    conversion, E2M1 from the 16-entry table `tab` (shared memory)."""
     bits = KIND_BITS[kind]
     per_word = 32 // bits
-    is_int = kind <= KIND_I2 and not (table and kind == KIND_I4)
+    is_int = kind <= KIND_I2
     mask = np.uint32((1 << bits) - 1)
     sign = np.uint32(sum(1 << (bits - 1 + bits * i) for i in range(per_word)))  # sign bit of every field
     bias = np.float32(8388608.0 + 2.0 ** (bits - 1))  # 2**23 + 2**(bits-1)
@@ -438,9 +438,14 @@ def unit_codes(kind: int) -> int:
     return 16 if KIND_BITS[kind] == 2 else 4
 
 
+def unit_dtype(kind: int) -> type:
+    """The dequantize kernel's load unit: u16 for 4-bit codes, else u32 (`unit_codes`)."""
+    return np.uint16 if KIND_BITS[kind] == 4 else np.uint32
+
+
 def unit_view(values, kind: int):
     """The values section of a payload (uint8 device array) as the dequantize kernel's units."""
-    return values.view(np.uint16 if KIND_BITS[kind] == 4 else np.uint32)
+    return values.view(unit_dtype(kind))
 
 
 def _dequant_kernel(kind: int, R: int = DQ_UNITS):
@@ -449,7 +454,7 @@ def _dequant_kernel(kind: int, R: int = DQ_UNITS):
     writes 512 contiguous bytes; R units are loaded before any is used."""
     upc = unit_codes(kind)
     lupc = _log2(upc)
-    decode = decoder(kind, table=kind == KIND_E2M1)
+    decode = decoder(kind)
     use_tab = kind == KIND_E2M1
 
     def k_fast_dequant(units, scales, gbuf, lut, out, G):
@@ -547,5 +552,5 @@ def ptx_targets():
     for kind in range(len(KIND_BITS)):
         out.append((f"k_fast_quant[{kind}]", _quant_kernel(kind), QUANT_SIG))
         out.append((f"k_fast_dequant[{kind}]", _dequant_kernel(kind),
-                    DEQUANT_SIG.format("uint16" if KIND_BITS[kind] == 4 else "uint32")))
+                    DEQUANT_SIG.format(unit_dtype(kind).__name__)))
     return out

@@ -204,7 +204,7 @@ else:
         return types.float32(u), codegen
 
     def _asm(ret, args, text, cons):
-        return ir.InlineAsm(ir.FunctionType(ret, args), text, cons, side_effect=ret == ir.VoidType())
+        return ir.InlineAsm(ir.FunctionType(ret, args), text, cons)
 
     @intrinsic
     def fmax_nan(typingctx, a, b):
