@@ -44,9 +44,17 @@ SCHEMES = [
 ]
 
 
+def l2_flushes(torch):
+    """(read, write) L2 evictions over one 512 MiB buffer: `read()` leaves L2 holding clean
+    lines (a decode step's state after reading other layers' weights), `write()` leaves it full
+    of dirty lines that the next kernel must write back first."""
+    buf = torch.zeros(512 * 2**20 // 4, device="cuda")
+    return (lambda: buf.sum()), (lambda: buf.zero_())
+
+
 def _timer(torch, fn, iters, warmup=2, hide_launch=False, flush=None):
     """Median ms of fn() over iters, CUDA events around each call; `flush()` runs before each
-    call (an L2 eviction, see `_evict`)."""
+    call (an L2 eviction, `l2_flushes`)."""
     ts = []
     for i in range(warmup + iters):
         if flush is not None:
@@ -194,14 +202,7 @@ def main(argv=None) -> int:
     qw = be.quantize(cuda.as_cuda_array(w), "q4s/block32:f16")
     w16 = be.to_numpy(be.dequantize(qw))
     w16 = torch.from_numpy(w16).to("cuda").half()
-    buf = torch.zeros(512 * 2**20 // 4, device="cuda")
-
-    def flush():  # read 512 MiB: the weights leave L2, which then holds clean lines (a decode step's state)
-        buf.sum()
-
-    def flush_dirty():  # write 512 MiB: L2 full of dirty lines the next kernel must write back first
-        buf.zero_()
-
+    flush, flush_dirty = l2_flushes(torch)
     res["gemv"] = []
     for m in (1, 2, 4, 8, 16):
         xm = torch.randn(m, K_, device="cuda")

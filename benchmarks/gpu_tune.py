@@ -19,30 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import numpy as np
 
+from gpu import _timer, l2_flushes  # benchmarks/gpu.py (this script's directory is on sys.path)
 
-def _time(torch, fn, iters=15, flush=None):
-    """Median ms of `iters` calls (CUDA events) after 2 warm-up calls, each behind a GPU sleep
-    (and, when `flush` is given, a read of that 512 MiB buffer: L2 then holds clean lines and
-    none of the weight, as in benchmarks/gpu.py)."""
-    ts = []
-    for i in range(iters + 2):
-        if flush is not None:
-            flush.sum()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(1_000_000)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        if i >= 2:
-            ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
+
+def _time(torch, fn, flush=None):
+    """Median ms of 15 calls, as benchmarks/gpu.py times the kernels (`flush`: its read eviction)."""
+    return _timer(torch, fn, 15, hide_launch=True, flush=flush)
 
 
 # GEMV variants: (mb, wpt, rows, prefetch, registers, blocks per SM)
@@ -166,7 +152,7 @@ def main(argv=None) -> int:
 
     be = qcore.backend("cuda")
     res = {"gemv": [], "dequant": []}
-    flush = torch.zeros(512 * 2**20 // 4, device="cuda")
+    flush = l2_flushes(torch)[0]
     if args.only != "dequant":
         tune_gemv(torch, cuda, be, res, flush)
         tune_gemv(torch, cuda, be, res, flush, k_=1024, ms=(1,))  # 1/8 of the weight: the fixed costs
