@@ -20,7 +20,9 @@ counter per column-block, after a fence) adds the KS partials in split order, wi
 `RED_LOADS` loads per thread in flight: the result does not depend on scheduling (no float
 atomics), and the counter is back at 0 for the next call.
 
-M > mb runs as ceil(M / mb) launches, each reading the weight once more.
+M > mb runs as ceil(M / mb) launches, each reading the weight once more. The geometry Q goes to
+the kernel by value (a tuple of int64 parameters), not as a device array: a thread's first loads
+then wait on no read of Q from memory (-1 us per call on the H200, docs/performance.md).
 """
 from __future__ import annotations
 
@@ -307,7 +309,7 @@ def gemv_kernel(kind: int, mb: int, wpt: int, one_scale: bool):
 
 
 SIG = ("void(float32[::1], uint32[::1], float32[::1], float32[::1], float32[::1], float32[::1], int32[::1], "
-       "float32[::1], int64[::1], int64, int64)")
+       f"float32[::1], UniTuple(int64, {Q_LEN}), int64, int64)")
 
 
 def ptx_targets():
@@ -327,10 +329,10 @@ def ptx_targets():
 
 
 def buffers(Q: np.ndarray, kind: int, m: int):
-    """(kernel, mb, Q, grid, block, part, cnt) for m rows of x; part holds the largest launch's
-    partial sums, cnt the zeroed column-block counters."""
+    """(kernel, mb, Q, grid, block, part, cnt) for m rows of x (Q as the kernel's by-value tuple);
+    part holds the largest launch's partial sums, cnt the zeroed column-block counters."""
     mb, wpt, one = config_for(kind, m, Q)
     q, grid, block = plan(Q, wpt)
     part = cuda.device_array(max(1, int(q[Q_KS]) * mb * int(q[Q_N])), dtype=np.float32)
     cnt = cuda.to_device(np.zeros(grid[0], dtype=np.int32))
-    return gemv_kernel(kind, mb, wpt, one), mb, cuda.to_device(q), grid, block, part, cnt
+    return gemv_kernel(kind, mb, wpt, one), mb, tuple(int(v) for v in q), grid, block, part, cnt
