@@ -497,6 +497,75 @@ def test_fast_path_bit_exact(cuda_backend, text):
     np.testing.assert_array_equal(y.view(np.uint32), REF.dequantize(REF.from_data(want)).view(np.uint32))
 
 
+@pytest.mark.parametrize("cc, env, usable", [((9, 0), None, True), ((8, 9), "1", True), ((12, 0), "", True),
+                                             ((8, 6), None, False), ((8, 0), None, False), ((7, 5), None, False),
+                                             ((9, 0), "0", False), (None, None, True), (None, "0", False)])
+def test_fast_kernels_need_sm89(cc, env, usable):
+    """The fast kernels use sm_89+ FP8 conversions: older GPUs (A100 = 8.0, T4 = 7.5) and
+    QCORE_CUDA_FAST=0 get the general kernels, and the reason says which; the simulator (cc None)
+    runs the fast kernels' twins."""
+    from qcore_cuda.backend import fast_verdict
+
+    ok, why = fast_verdict(cc, env)
+    assert ok is usable
+    if not usable:
+        assert why.startswith("general kernels only")
+        if env != "0":
+            assert f"{cc[0]}.{cc[1]}" in why and "8.9" in why
+
+
+# One scheme per value kind and mode of the fast layout, and a GEMV weight.
+GENERAL_SCHEMES = ["q8s/block32:f16", "q4s/block32:f16", "q2f/block16:bf16/packed_native", "e4m3/block32:f32",
+                   "e5m2/tensor:bf16", "nvfp4", "q8s", "q8f/block8:ue8m0", "e2m1/block32:ue8m0"]
+
+
+@pytest.fixture(scope="module")
+def general_backend():
+    """A cuda backend that runs only the general kernels (QCORE_CUDA_FAST=0), as on a GPU below
+    compute capability 8.9."""
+    from qcore_cuda import CudaBackend
+
+    old = os.environ.get("QCORE_CUDA_FAST")
+    os.environ["QCORE_CUDA_FAST"] = "0"
+    try:
+        be = CudaBackend()
+        assert be.describe().endswith("general kernels only (QCORE_CUDA_FAST=0)")
+    finally:
+        if old is None:
+            del os.environ["QCORE_CUDA_FAST"]
+        else:
+            os.environ["QCORE_CUDA_FAST"] = old
+    return be
+
+
+@pytest.mark.parametrize("text", GENERAL_SCHEMES)
+def test_general_kernels_on_the_fast_layout(cuda_backend, general_backend, text):
+    """Without the fast kernels, tensors on their layout go through the general kernels: same
+    bytes as reference (calibrated, given params, absmean), same dequantized bits, and a matmul
+    without the GEMV kernel."""
+    from qcore_cuda import fast
+
+    shape = (4, 64)
+    s = qcore.scheme(text)
+    assert fast.geometry(shape, s) is not None
+    assert "fast" in cuda_backend._prepared(shape, s, "minmax")  # the default backend would take the fast path
+    assert "fast" not in general_backend._prepared(shape, s, "minmax")
+    x = _x(shape, seed=len(text))
+    for params, method in ((None, "minmax"), (REF.calibrate(x, text), "minmax"), (None, "absmean")):
+        got = general_backend.into_data(general_backend.quantize(x, text, params=params, method=method))
+        want = REF.into_data(REF.quantize(x, text, params=params, method=method))
+        assert_same_bytes(got.payload, want.payload, f"general payload of {text} (params={params is not None}, {method})")
+    want = REF.into_data(REF.quantize(x, text))
+    qw = general_backend.from_data(want)
+    y = general_backend.to_numpy(general_backend.dequantize(qw))
+    np.testing.assert_array_equal(y.view(np.uint32), REF.dequantize(REF.from_data(want)).view(np.uint32))
+    xm = _x((2, 4), seed=3, scale=1.0)
+    got = general_backend.to_numpy(general_backend.matmul(xm, qw))
+    assert "gemv" not in qw.data.cache  # the general matmul kernel, not gemv.py's
+    ref = xm.astype(np.float64) @ REF.dequantize(REF.from_data(want)).astype(np.float64)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
 @pytest.mark.parametrize("offset", [0, 1, 2, 4])
 @pytest.mark.parametrize("text", ["q8s/block32:f16", "nvfp4", "e4m3"])
 def test_fast_path_unaligned_device_input(cuda_backend, text, offset):

@@ -8,6 +8,7 @@ the host and `from_data` one copy to the device. numba is imported lazily: impor
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +75,35 @@ def _cuda():
     return cuda
 
 
+FAST_MIN_CC = (8, 9)  # cvt.rn.satfinite.e4m3x2 / .e5m2x2 and cvt.rn.f16x2.e4m3x2 (PTX ISA: sm_89+)
+
+
+def fast_verdict(cc: tuple[int, int] | None, env: str | None) -> tuple[bool, str]:
+    """(usable, why) for the fast kernels (fast.py, gemv.py) on a device of compute capability
+    `cc` (None: the simulator) with `QCORE_CUDA_FAST` set to `env`. The fast kernels use the
+    sm_89+ FP8 conversions (FP8 codes, UE4M3 scale words, FP8 decode) and sm_80's max.NaN, so
+    GPUs below compute capability 8.9 (A100, V100, T4) take the general kernels (kernels.py),
+    which write the same bytes on any GPU. `QCORE_CUDA_FAST=0` picks the general kernels anywhere
+    (tests, debugging). The simulator runs the fast kernels' Python twins, so it always can."""
+    if (env or "1").strip() == "0":
+        return False, "general kernels only (QCORE_CUDA_FAST=0)"
+    if cc is not None and tuple(cc) < FAST_MIN_CC:
+        return False, (f"general kernels only: the fast kernels need compute capability "
+                       f"{FAST_MIN_CC[0]}.{FAST_MIN_CC[1]}+ (FP8 conversions), this GPU has {cc[0]}.{cc[1]}")
+    return True, "fast kernels"
+
+
+def fast_kernels_usable() -> tuple[bool, str]:
+    """`fast_verdict` for the current device and environment; never raises."""
+    from numba import config
+
+    try:
+        cc = None if config.ENABLE_CUDASIM else tuple(_cuda().get_current_device().compute_capability)
+    except Exception as e:  # no usable device: the general kernels (which will report it)
+        return False, f"general kernels only: compute capability unknown ({type(e).__name__}: {e})"
+    return fast_verdict(cc, os.environ.get("QCORE_CUDA_FAST"))
+
+
 def fast_aligned(a: Any) -> bool:
     """Whether the fast kernels' 16-byte vector accesses fit `a` (a numba device array)."""
     from . import fast
@@ -107,11 +137,17 @@ class CudaBackend(BaseBackend):
     def _status(self) -> tuple[bool, str]:
         return cuda_status()
 
+    @functools.cached_property
+    def _fast(self) -> tuple[bool, str]:
+        """`fast_kernels_usable()`, read once per backend instance."""
+        return fast_kernels_usable()
+
     def available(self) -> bool:
         return self._status[0]
 
     def describe(self) -> str:
-        return self._status[1]
+        ok, why = self._status
+        return f"{why}; {self._fast[1]}" if ok else why
 
     def _supports(self, scheme: QuantScheme) -> Support:
         if scheme.is_lookup:
@@ -181,7 +217,7 @@ class CudaBackend(BaseBackend):
         )
         from . import fast
 
-        fg = fast.geometry(shape, scheme, method)
+        fg = fast.geometry(shape, scheme, method) if self._fast[0] else None
         if fg is not None:  # the fast path (fast.py): calibrated mode and given-scales mode
             kind, G, C = fg
             Gg = G.copy()
@@ -400,6 +436,8 @@ class CudaBackend(BaseBackend):
         """The GEMV kernel (gemv.py) when the weight's layout allows it; False otherwise."""
         from . import gemv
 
+        if not self._fast[0]:
+            return False
         if "gemv" not in data.cache:
             data.cache["gemv"] = gemv.geometry(data.shape, data.scheme)
         gg = data.cache["gemv"]
