@@ -408,13 +408,22 @@ _COMPILE_ALL = textwrap.dedent("""
         from numba import cuda
         from qcore_cuda import kernels as K, fast as F, gemv as G
         n = 0
+        newer = ("e4m3x2", "e5m2x2", "max.NaN")  # sm_89 FP8 conversions, sm_80 max.NaN
         for name, sigs in K.SIGNATURES.items():
             for sig in sigs:
                 cuda.compile_ptx(getattr(K, name).py_func, sig, cc=(9, 0))
                 n += 1
+                # the general kernels are the path of GPUs below 8.9: nothing newer than sm_75
+                ptx, _ = cuda.compile_ptx(getattr(K, name).py_func, sig, cc=(7, 5))
+                for f in newer:
+                    if f in ptx:
+                        print("NEEDS_NEWER_GPU", name, f)
+        fp8 = 0
         for name, fn, sig, *_ in F.ptx_targets() + G.ptx_targets():
-            cuda.compile_ptx(fn, sig, cc=(9, 0))
+            ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
+            fp8 += "e4m3x2" in ptx
             n += 1
+        print("FAST_FP8", fp8)
     except Exception as e:
         if "DynamicLibNotFoundError" in type(e).__name__ or "libnvrtc" in str(e) or "libnvvm" in str(e):
             print("NOLIBS:", type(e).__name__, e)
@@ -427,7 +436,8 @@ _COMPILE_ALL = textwrap.dedent("""
 def test_kernels_compile_for_sm90():
     """Every kernel with every signature the backend launches, compiled to PTX for sm_90 by the
     real (non-simulator) numba target: catches what the simulator lets through (float16 atomics,
-    NumPy ufuncs in kernels, int/float promotion). Needs the NVRTC and NVVM libraries
+    NumPy ufuncs in kernels, int/float promotion). The general kernels also compile for sm_75
+    without sm_80/sm_89 instructions (they are the path of older GPUs). Needs the NVRTC and NVVM libraries
     (`pip install qcore-cuda[ptx]`), no GPU. Skips without them, fails under QCORE_REQUIRE_PTX=1."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     out = subprocess.run([sys.executable, "-c", _COMPILE_ALL], env=env, capture_output=True, text=True, timeout=600)
@@ -441,6 +451,10 @@ def test_kernels_compile_for_sm90():
 
     n = sum(len(s) for s in K.SIGNATURES.values()) + len(F.ptx_targets()) + len(G.ptx_targets())
     assert f"COMPILED {n}" in out.stdout
+    # the general kernels (backend.fast_verdict's path below compute capability 8.9) use no
+    # sm_80+/sm_89+ instruction; the fast ones do (which is why they are gated)
+    assert "NEEDS_NEWER_GPU" not in out.stdout, out.stdout
+    assert "FAST_FP8 0" not in out.stdout
 
 
 @pytest.mark.skipif(SIM, reason="needs a real GPU with ~24 GB free: 2**31 + 40 elements")
