@@ -369,6 +369,39 @@ def test_gemv_paths(cuda_backend, text, n_, wpt, one, m):
     np.testing.assert_array_equal(again.view(np.uint32), got.view(np.uint32))
 
 
+@pytest.mark.skipif(SIM, reason="packed launches bypass numba's dispatcher only on a GPU; the simulator always "
+                             "takes the dispatcher (qcore_cuda/_launch.py)")
+@pytest.mark.parametrize("m", [1, 5])
+def test_packed_launches_repeat_results(cuda_backend, m):
+    """After the first call (through numba's dispatcher), the GEMV and dequantize launches reuse
+    their packed argument lists with new x / output pointers: results equal the first call's
+    bit for bit, and a different x gives its own product."""
+    from numba import cuda
+
+    text = "q4s/block32:f16"
+    w = _x((256, 512), seed=5)
+    qw = cuda_backend.quantize(w, text)
+    x1, x2 = _x((m, 256), seed=6, scale=1.0), _x((m, 256), seed=7, scale=1.0)
+    first = cuda_backend.to_numpy(cuda_backend.matmul(cuda.to_device(x1), qw))
+    second = cuda_backend.to_numpy(cuda_backend.matmul(cuda.to_device(x2), qw))
+    again = cuda_backend.to_numpy(cuda_backend.matmul(cuda.to_device(x1), qw))
+    mb, launch = qw.data.cache[("gemv", m)]
+    assert isinstance(launch._state, tuple), "the GEMV launch was not packed"
+    np.testing.assert_array_equal(again.view(np.uint32), first.view(np.uint32))
+    wd = REF.dequantize(REF.from_data(cuda_backend.into_data(qw))).astype(np.float64)
+    for x, got in ((x1, first), (x2, second)):
+        want = x.astype(np.float64) @ wd
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    d1 = cuda_backend.to_numpy(cuda_backend.dequantize(qw))
+    d2 = cuda_backend.dequantize(qw)
+    d3 = cuda_backend.dequantize(qw)
+    assert isinstance(qw.data.cache["dequant"]._state, tuple), "the dequantize launch was not packed"
+    assert d2.__cuda_array_interface__["data"][0] != d3.__cuda_array_interface__["data"][0]
+    for d in (d2, d3):
+        np.testing.assert_array_equal(cuda_backend.to_numpy(d).view(np.uint32), d1.view(np.uint32))
+    np.testing.assert_array_equal(d1.view(np.uint32), wd.astype(np.float32).view(np.uint32))
+
+
 def test_registered_through_entry_point(cuda_backend):
     """`cuda` is found through the `qcore` entry point group, priority 30, and `auto` picks it for
     the schemes it supports but not for LOOKUP."""

@@ -20,6 +20,8 @@ from qcore.payload import QuantizedData
 from qcore.protocol import BaseBackend, QParams, Support
 from qcore.scheme import QuantScheme
 
+from ._launch import Packed
+
 __all__ = ["CudaBackend", "CudaData", "cuda_status"]
 
 
@@ -360,8 +362,13 @@ class CudaBackend(BaseBackend):
         if fp is not None and out.dtype == np.float32 and fast_aligned(out):
             from . import fast
 
-            fast.dequant_kernel(fp["kind"])[fast.launch_dequant(fp["nruns"], fp["kind"])](
-                fast.unit_view(data.payload[: pl.values_nbytes], fp["kind"]), scales, gbuf, pp["lut"], out, fp["G"])
+            launch = data.cache.get("dequant")
+            if launch is None:  # the output changes from call to call; the rest is packed once
+                grid, block = fast.launch_dequant(fp["nruns"], fp["kind"])
+                units = fast.unit_view(data.payload[: pl.values_nbytes], fp["kind"])
+                launch = data.cache["dequant"] = Packed(fast.dequant_kernel(fp["kind"]), grid, block,
+                                                        [units, scales, gbuf, pp["lut"], out, fp["G"]], dynamic=(4,))
+            launch(out)
         elif pl.RP is not None:
             grid, tpb = K.launch_rows(*pl.rows_shape)
             K.k_rows_dequant[grid, tpb](self._words(data.payload, pl), pp[("RP", K.ROW_GIVEN)], pp["lut"], scales,
@@ -449,11 +456,13 @@ class CudaBackend(BaseBackend):
             kind, Q = gg
             pp = self._prepared(data.shape, data.scheme, "minmax")
             kern, mb, q, grid, block, part, cnt = gemv.buffers(Q, kind, m)
-            st = data.cache[key] = dict(kern=kern, mb=mb, Q=q, grid=grid, block=block, part=part, cnt=cnt,
-                                        lut=pp["lut"], w32=data.payload[: pp["plan"].values_nbytes].view(np.uint32))
-        kern, mb = st["kern"][st["grid"], st["block"]], st["mb"]
+            w32 = data.payload[: pp["plan"].values_nbytes].view(np.uint32)
+            # x, out, m0 and the row count change from call to call; the rest is packed once
+            st = data.cache[key] = (mb, Packed(kern, grid, block, [xd, w32, scales, gbuf, pp["lut"], part, cnt, out, q,
+                                                                   0, mb], dynamic=(0, 7, 9, 10)))
+        mb, launch = st
         for m0 in range(0, m, mb):
-            kern(xd, st["w32"], scales, gbuf, st["lut"], st["part"], st["cnt"], out, st["Q"], m0, min(mb, m - m0))
+            launch(xd, out, m0, min(mb, m - m0))
         return True
 
     def _launch_matmul(self, xd, data: CudaData, m: int, out) -> None:

@@ -1,0 +1,121 @@
+"""Kernel launches whose argument list is packed once (`Packed`).
+
+numba's dispatcher types and packs every argument again on every launch: about 140 us of host
+time for the GEMV's 11 arguments on the H200's host (docs/performance.md), seven times the
+kernel. A backend call that launches the same kernel on the same buffers again (a cached GEMV
+state, a dequantize into a fresh output) only changes a few device pointers and integers.
+`Packed` launches through numba's dispatcher the first time (which compiles the kernel), then
+keeps the kernel's packed argument list (numba's own `_Kernel._prepare_args`) and later only
+swaps the pointers of the arrays and the values of the integers that change, and launches with
+`cuda.core.launch`, as numba does.
+
+Anything unexpected (the simulator, another numba-cuda layout, a swapped array of another
+shape or dtype) takes the dispatcher path, so a launch is never wrong, at worst as slow as
+before. `QCORE_CUDA_PACKED=0` turns packing off.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+ARRAY_PTR = 4  # offset of the data pointer in numba's packed array: meminfo, parent, size, itemsize, data, ...
+
+
+def _enabled() -> bool:
+    from numba import config
+
+    return not config.ENABLE_CUDASIM and os.environ.get("QCORE_CUDA_PACKED", "1").strip() != "0"
+
+
+def _ptr(a: Any) -> int:
+    return int(a.__cuda_array_interface__["data"][0])
+
+
+class Packed:
+    """Launches of `dispatcher[griddim, blockdim](*args)` where only the arguments at positions
+    `dynamic` change between calls: `packed(*values)` launches with those positions replaced
+    (contiguous 1-D device arrays of the first call's dtype and length, or integers)."""
+
+    def __init__(self, dispatcher: Any, griddim: tuple, blockdim: tuple, args: Sequence[Any],
+                 dynamic: Sequence[int]):
+        self._disp = dispatcher
+        self._grid, self._block = griddim, blockdim
+        self._args = list(args)
+        self._dynamic = tuple(dynamic)
+        self._state: Any = None  # None: not packed yet; False: dispatcher only; else the packed launch
+
+    def __call__(self, *values: Any) -> None:
+        args = self._args
+        for i, v in zip(self._dynamic, values):
+            args[i] = v
+        if self._state is None:
+            self._disp[self._grid, self._block](*args)  # compiles on first use
+            self._state = self._pack(args) if _enabled() else False
+            return
+        if self._state is False or not self._swap(values):
+            self._disp[self._grid, self._block](*args)
+            return
+        launch, stream, config, kernel, kargs = self._state
+        launch(stream, config, kernel, *kargs)
+
+    # ------------------------------------------------------------------ packing
+    def _pack(self, args: list) -> Any:
+        """(launch, stream, config, kernel, kernelargs) and the positions to swap, or False."""
+        try:
+            from cuda.core import LaunchConfig, launch
+            from numba.cuda.cudadrv import driver
+
+            d = self._disp
+            argtypes = tuple(d.typeof_pyval(a) for a in args)
+            kernel = d.overloads.get(argtypes)
+            if kernel is None or getattr(kernel, "debug", False) or getattr(d, "_cooperative", False):
+                return False
+            kargs: list = []
+            spans = []
+            for t, v in zip(kernel.argument_types, args):
+                start = len(kargs)
+                kernel._prepare_args(t, v, 0, [], kargs)
+                spans.append((start, len(kargs)))
+            swaps = []
+            for i in self._dynamic:
+                a, b = spans[i]
+                v = args[i]
+                if hasattr(v, "__cuda_array_interface__"):
+                    if len(v.shape) != 1 or b - a < ARRAY_PTR + 1 or kargs[a + ARRAY_PTR] != _ptr(v):
+                        return False  # not the layout this module knows
+                    swaps.append((i, "array", a + ARRAY_PTR, (np.dtype(v.dtype), tuple(v.shape))))
+                elif isinstance(v, (int, np.integer)) and b - a == 1 and isinstance(kargs[a], ctypes._SimpleCData):
+                    swaps.append((i, "int", a, type(kargs[a])))
+                else:
+                    return False
+            self._swaps = swaps
+            try:
+                config = LaunchConfig(grid=self._grid, block=self._block, shmem_size=0, is_cooperative=False)
+            except TypeError:  # cuda.core < 1.0 spells it cooperative_launch
+                config = LaunchConfig(grid=self._grid, block=self._block, shmem_size=0, cooperative_launch=False)
+            stream = driver._to_core_stream(0)
+            return launch, stream, config, kernel._codelibrary.get_cufunc().kernel, kargs
+        except Exception:  # any other numba-cuda: the dispatcher path
+            return False
+
+    def _swap(self, values: Sequence[Any]) -> bool:
+        """Write the new values into the packed list; False (dispatcher path) if one does not fit."""
+        kargs = self._state[4]
+        new = []
+        for (i, kind, pos, what), v in zip(self._swaps, values):
+            if kind == "array":
+                cai = getattr(v, "__cuda_array_interface__", None)
+                if cai is None or (np.dtype(v.dtype), tuple(v.shape)) != what or \
+                        cai.get("strides") not in (None, (what[0].itemsize,)):
+                    return False  # packed as a contiguous 1-D array of this dtype and length
+                new.append((pos, int(cai["data"][0])))
+            else:
+                if not isinstance(v, (int, np.integer)):
+                    return False
+                new.append((pos, what(int(v))))
+        for pos, v in new:
+            kargs[pos] = v
+        return True
