@@ -402,6 +402,36 @@ def test_packed_launches_repeat_results(cuda_backend, m):
     np.testing.assert_array_equal(d1.view(np.uint32), wd.astype(np.float32).view(np.uint32))
 
 
+@pytest.mark.skipif(SIM, reason="packed launches bypass numba's dispatcher only on a GPU; the simulator always "
+                             "takes the dispatcher (qcore_cuda/_launch.py)")
+@pytest.mark.parametrize("text", ["q8s/block32:f16", "nvfp4", "q8s", "q4s/block8:f16"])
+def test_packed_quantize_launches(cuda_backend, text):
+    """The fast quantize launches, packed after their first call, write each new x's payload
+    (calibrated and explicit scales); after a non-finite input (a new scratch) they are packed
+    again and still flag and quantize correctly."""
+    from numba import cuda
+
+    be = type(cuda_backend)()  # its own scratch and plans
+    xs = [_x((4, 256), seed=s) for s in (1, 2, 3)]
+    for x in xs + xs[:1]:
+        for params in (None, REF.calibrate(x, text)):
+            got = be.into_data(be.quantize(cuda.to_device(x), text, params=params))
+            want = REF.into_data(REF.quantize(x, text, params=params))
+            assert_same_bytes(got.payload, want.payload, f"{text} (params={params is not None})")
+    pp = be._prepared((4, 256), qcore.scheme(text), "minmax")
+    packed = [p for k, v in pp.items() if isinstance(k, tuple) and k[0] == "fast_quant" for p in v[1]]
+    assert packed and all(isinstance(p._state, tuple) for p in packed if p._state is not None)
+    bad = xs[0].copy()
+    bad[1, 7] = np.nan
+    with pytest.raises(InputError):
+        be.quantize(cuda.to_device(bad), text)
+    for x in xs:
+        got = be.into_data(be.quantize(cuda.to_device(x), text))
+        assert_same_bytes(got.payload, REF.into_data(REF.quantize(x, text)).payload, f"{text} after a non-finite input")
+    with pytest.raises(InputError):
+        be.quantize(cuda.to_device(bad), text)
+
+
 def test_registered_through_entry_point(cuda_backend):
     """`cuda` is found through the `qcore` entry point group, priority 30, and `auto` picks it for
     the schemes it supports but not for LOOKUP."""

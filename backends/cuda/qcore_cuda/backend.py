@@ -243,6 +243,29 @@ class CudaBackend(BaseBackend):
             return payload[: pl.values_nbytes].view(np.uint32)
         return payload[: pl.values_nbytes]
 
+    def _fast_quant_launches(self, pp: dict, fp: dict, xd, qw32, payload, G, gbuf=None) -> tuple:
+        """The fast path's (max pass, quantize, statistics reset) launches for this plan, scratch and
+        `G` (calibrated or given mode), packed once (`_launch.Packed`): x and the payload change
+        from call to call. Given explicit scales, `gbuf` is their device copy (new each call)."""
+        from . import fast
+
+        asum, fs, flag = self._scratch()
+        key = ("fast_quant", id(G), gbuf is None)
+        got = pp.get(key)
+        if got is None or got[0] is not flag:  # a new scratch after a non-finite input: pack again
+            qgrid, qtpb = fast.launch(fp["nruns"])
+            gb = fs if gbuf is None else gbuf
+            got = pp[key] = (flag, (
+                Packed(fast.k_amax, qgrid, qtpb, [xd, fs, flag, fp["nruns"]], dynamic=(0,)),
+                Packed(fast.quant_kernel(fp["kind"]), qgrid, qtpb, [xd, qw32, payload, pp["stored"], gb, flag, G,
+                                                                    fp["C"]], dynamic=(0, 1, 2, 4)),
+                Packed(_k().k_zero_stats, 1, 1, [asum, fs], dynamic=()),
+            ))
+        amax, quant, zero = got[1]
+        if gbuf is None:
+            return amax, quant, zero
+        return amax, lambda x, w, p: quant(x, w, p, gbuf), zero
+
     def _launch_quantize(self, xd, shape, scheme: QuantScheme, params: QParams | None, method: str, payload):
         """Enqueue the quantize kernels writing `payload` (no host synchronisation)."""
         cuda, K = _cuda(), _k()
@@ -257,14 +280,13 @@ class CudaBackend(BaseBackend):
             from . import fast
 
             qw32 = payload[: pl.values_nbytes].view(np.uint32)
-            qgrid, qtpb = fast.launch(fp["nruns"])
-            qkern = fast.quant_kernel(fp["kind"])
             if params is None and fp["mode"] != fast.MODE_GIVEN:
+                amax, quant, zero = self._fast_quant_launches(pp, fp, xd, qw32, payload, fp["G"])
                 if fp["mode"] != fast.MODE_BLOCK:  # pass 1: the tensor's max |x| into gbuf[1]
-                    fast.k_amax[qgrid, qtpb](xd, gbuf, flag, fp["nruns"])
-                qkern[qgrid, qtpb](xd, qw32, payload, pp["stored"], gbuf, flag, fp["G"], fp["C"])
+                    amax(xd)
+                quant(xd, qw32, payload)
                 if fp["mode"] != fast.MODE_BLOCK:  # the statistics scratch is consumed: zero it
-                    K.k_zero_stats[1, 1](asum, gbuf)
+                    zero()
                 return
         rows = pl.RP is not None and not fast_path
         if rows:
@@ -299,9 +321,10 @@ class CudaBackend(BaseBackend):
                 K.k_slot_stats[K.launch(pl.nslots)](xd, P, raw, fs[1:2], flag)
         K.k_scales[K.launch(pl.nslots)](raw, asum, P, F, pp["stored"], gbuf, payload)
         if fast_path:
-            qkern[qgrid, qtpb](xd, qw32, payload, pp["stored"], gbuf, flag, fp["G_given"], fp["C"])
+            _, quant, zero = self._fast_quant_launches(pp, fp, xd, qw32, payload, fp["G_given"], gbuf)
+            quant(xd, qw32, payload)
             if params is None:  # the statistics scratch is consumed: zero it for the next call
-                K.k_zero_stats[1, 1](asum, gbuf)
+                zero()
         elif rows:
             K.k_rows_quant[grid, tpb](xd, pp[("RP", K.ROW_GIVEN)], F, pp["stored"], gbuf, words, payload, flag,
                                       raw)
