@@ -16,7 +16,7 @@ from qcore.conformance import cases as C
 from qcore.conformance import checks as K
 from qcore.conformance import runner
 from qcore.conformance.base import installed_backend, required_backends
-from qcore.errors import InputError, UnsupportedSchemeError
+from qcore.errors import UnsupportedSchemeError
 from qcore.payload import QuantizedData
 from qcore.protocol import QParams, Support
 from qcore.reference import ReferenceBackend

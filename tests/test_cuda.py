@@ -369,6 +369,22 @@ def test_gemv_paths(cuda_backend, text, n_, wpt, one, m):
     np.testing.assert_array_equal(again.view(np.uint32), got.view(np.uint32))
 
 
+def test_launches_hold_no_outputs(cuda_backend):
+    """The cached launches of a tensor (dequantize, GEMV) keep no reference to the arrays a call
+    passed (x, the output): a dropped output (a 1 GiB dequantize, say) is freed."""
+    from numba import cuda
+
+    qw = cuda_backend.quantize(_x((64, 64), seed=9), "q4s/block32:f16")
+    x = cuda.to_device(_x((1, 64), seed=10, scale=1.0))
+    for _ in range(2):  # the first call packs, the second swaps
+        cuda_backend.dequantize(qw)
+        cuda_backend.matmul(x, qw)
+        launches = [qw.data.cache["dequant"], qw.data.cache[("gemv", 1)][1]]
+        for launch in launches:
+            held = [launch._args[i] for i in launch._dynamic]
+            assert held == [None] * len(held), "a cached launch still holds a call's arrays"
+
+
 @pytest.mark.skipif(SIM, reason="packed launches bypass numba's dispatcher only on a GPU; the simulator always "
                              "takes the dispatcher (qcore_cuda/_launch.py)")
 @pytest.mark.parametrize("m", [1, 5])

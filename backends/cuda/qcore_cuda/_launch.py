@@ -37,7 +37,9 @@ def _ptr(a: Any) -> int:
 class Packed:
     """Launches of `dispatcher[griddim, blockdim](*args)` where only the arguments at positions
     `dynamic` change between calls: `packed(*values)` launches with those positions replaced
-    (contiguous 1-D device arrays of the first call's dtype and length, or integers)."""
+    (contiguous 1-D device arrays of the first call's dtype and length, or integers). Values for
+    the first k dynamic positions may be given; the others keep the values they were packed with.
+    No reference to a passed value outlives the call."""
 
     def __init__(self, dispatcher: Any, griddim: tuple, blockdim: tuple, args: Sequence[Any],
                  dynamic: Sequence[int]):
@@ -49,17 +51,21 @@ class Packed:
 
     def __call__(self, *values: Any) -> None:
         args = self._args
-        for i, v in zip(self._dynamic, values):
+        passed = self._dynamic[: len(values)]
+        for i, v in zip(passed, values):
             args[i] = v
-        if self._state is None:
-            self._disp[self._grid, self._block](*args)  # compiles on first use
-            self._state = self._pack(args) if _enabled() else False
-            return
-        if self._state is False or not self._swap(values):
-            self._disp[self._grid, self._block](*args)
-            return
-        launch, stream, config, kernel, kargs = self._state
-        launch(stream, config, kernel, *kargs)
+        try:
+            if self._state is None:
+                self._disp[self._grid, self._block](*args)  # compiles on first use
+                self._state = self._pack(args) if _enabled() else False
+            elif self._state is False or not self._swap(values):
+                self._disp[self._grid, self._block](*args)
+            else:
+                launch, stream, config, kernel, kargs = self._state
+                launch(stream, config, kernel, *kargs)
+        finally:
+            for i in passed:  # hold no reference to the caller's arrays (a 1 GiB output, say)
+                args[i] = None
 
     # ------------------------------------------------------------------ packing
     def _pack(self, args: list) -> Any:

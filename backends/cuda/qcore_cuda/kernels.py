@@ -760,7 +760,6 @@ def k_tile_quant(x, TP, F, w32, w8, payload, flag, stat, gbuf):
     max over slots into gbuf[1] for two-level), one block per lane (SPEC §2.1-2.5, §3)."""
     sh = cuda.shared.array(TILE_SH, float32)
     shw = cuda.shared.array(TILE_SHW, uint32)
-    R = TP[T_R]
     L = TP[T_L]
     B = TP[T_B]
     TL = TP[T_TL]
