@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -696,3 +697,43 @@ def test_fast_path_flags_non_finite(cuda_backend, text, bad):
     q = cuda_backend.quantize(np.ones((2, 64), np.float32), text)  # the scratch is clean afterwards
     assert_same_bytes(cuda_backend.into_data(q).payload, REF.into_data(REF.quantize(np.ones((2, 64), np.float32), text)).payload,
                       f"{text} after a non-finite input")
+
+
+def test_packed_launch_is_thread_safe():
+    """Threads sharing one cached launch (a tensor used by a thread pool) each launch with their
+    own values: the swap of the changing arguments and the launch happen under one lock."""
+    import threading
+
+    from qcore_cuda._launch import Packed
+
+    seen = []
+
+    class FakeDispatcher:  # records (caller, value) at launch time; yields the GIL before it
+        def __getitem__(self, config):
+            time.sleep(0)
+
+            def launch(*args):
+                seen.append((threading.get_ident(), args[0]))
+            return launch
+
+    p = Packed(FakeDispatcher(), 1, 1, [None, "static"], dynamic=(0,))
+    p._state = False  # the dispatcher path (the packed path shares the same lock)
+
+    def work(tag):
+        for k in range(300):
+            p((tag, k))
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    owner = {}
+    for ident, (tag, k) in seen:
+        assert owner.setdefault(tag, ident) == ident, "a launch ran with another thread's arguments"
+    assert len(seen) == 1200 and p._args == [None, "static"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -48,24 +49,26 @@ class Packed:
         self._args = list(args)
         self._dynamic = tuple(dynamic)
         self._state: Any = None  # None: not packed yet; False: dispatcher only; else the packed launch
+        self._lock = threading.Lock()  # threads sharing a tensor: one swap-and-launch at a time
 
     def __call__(self, *values: Any) -> None:
-        args = self._args
-        passed = self._dynamic[: len(values)]
-        for i, v in zip(passed, values):
-            args[i] = v
-        try:
-            if self._state is None:
-                self._disp[self._grid, self._block](*args)  # compiles on first use
-                self._state = self._pack(args) if _enabled() else False
-            elif self._state is False or not self._swap(values):
-                self._disp[self._grid, self._block](*args)
-            else:
-                launch, stream, config, kernel, kargs = self._state
-                launch(stream, config, kernel, *kargs)
-        finally:
-            for i in passed:  # hold no reference to the caller's arrays (a 1 GiB output, say)
-                args[i] = None
+        with self._lock:
+            args = self._args
+            passed = self._dynamic[: len(values)]
+            for i, v in zip(passed, values):
+                args[i] = v
+            try:
+                if self._state is None:
+                    self._disp[self._grid, self._block](*args)  # compiles on first use
+                    self._state = self._pack(args) if _enabled() else False
+                elif self._state is False or not self._swap(values):
+                    self._disp[self._grid, self._block](*args)
+                else:
+                    launch, stream, config, kernel, kargs = self._state
+                    launch(stream, config, kernel, *kargs)
+            finally:
+                for i in passed:  # hold no reference to the caller's arrays (a 1 GiB output, say)
+                    args[i] = None
 
     # ------------------------------------------------------------------ packing
     def _pack(self, args: list) -> Any:
