@@ -737,3 +737,31 @@ def test_packed_launch_is_thread_safe():
     for ident, (tag, k) in seen:
         assert owner.setdefault(tag, ident) == ident, "a launch ran with another thread's arguments"
     assert len(seen) == 1200 and p._args == [None, "static"]
+
+
+def test_packed_swap_rejects_what_does_not_fit():
+    """A packed launch swaps a device pointer only for a contiguous 1-D array of the packed dtype
+    and length, and an integer only for an integer; anything else sends the call to numba's
+    dispatcher (the swap reports False and changes nothing)."""
+    import ctypes
+
+    from qcore_cuda._launch import Packed
+
+    class Dev:  # a device array as far as the swap looks: __cuda_array_interface__, dtype, shape
+        def __init__(self, ptr, n, dtype=np.float32, strides=None):
+            self.dtype, self.shape = np.dtype(dtype), (n,)
+            self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (n,), "strides": strides,
+                                             "typestr": self.dtype.str, "version": 3}
+
+    p = Packed(None, 1, 1, [None, None], dynamic=(0, 1))
+    kargs = [0, 0, 8, 4, 1000, 8, 4, ctypes.c_int64(3)]
+    p._state = (None, None, None, None, kargs)
+    p._swaps = [(0, "array", 4, (np.dtype(np.float32), (8,))), (1, "int", 7, ctypes.c_int64)]
+    for bad in ([Dev(2000, 9), 5], [Dev(2000, 8, np.int32), 5], [Dev(2000, 8, strides=(8,)), 5],
+                [object(), 5], [Dev(2000, 8), 2.5]):
+        assert p._swap(bad) is False
+        assert kargs[4] == 1000 and kargs[7].value == 3
+    assert p._swap([Dev(2000, 8, strides=(4,)), 5]) is True
+    assert kargs[4] == 2000 and kargs[7].value == 5
+    assert p._swap([Dev(3000, 8)]) is True  # the first k dynamic values; the others keep theirs
+    assert kargs[4] == 3000 and kargs[7].value == 5

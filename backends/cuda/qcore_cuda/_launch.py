@@ -77,10 +77,12 @@ class Packed:
             from cuda.core import LaunchConfig, launch
             from numba.cuda.cudadrv import driver
 
+            if any(isinstance(a, np.ndarray) for a in args):
+                return False  # a host array is copied to a temporary device buffer on each launch
             d = self._disp
             argtypes = tuple(d.typeof_pyval(a) for a in args)
             kernel = d.overloads.get(argtypes)
-            if kernel is None or getattr(kernel, "debug", False) or getattr(d, "_cooperative", False):
+            if kernel is None or getattr(kernel, "debug", False) or getattr(kernel, "cooperative", False):
                 return False
             kargs: list = []
             spans = []
