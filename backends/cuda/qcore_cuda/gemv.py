@@ -162,6 +162,19 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
         for u in range(rows):
             compute_row(wv, ev, xv, acc, val, tab, u, g, two)
 
+    @cuda.jit(device=True, inline="always")
+    def next_step(w32, scales, x, wn, en, xn, wc, ec, xc, acc, val, tab, wi, si, xi, dw, ds, xoff, col0, lb, g, two,
+                  load):
+        """Advance to the next step and (`load`) issue its loads into set n, then compute set c:
+        one half of the prefetch pipeline. Returns the next step's indices."""
+        wi += int64(rows) * dw
+        si += int64(rows) * ds
+        xi += int64(rows * BDY)
+        if load:
+            load_step(w32, scales, x, wn, en, xn, wi, si, xi, dw, ds, xoff, col0, lb)
+        compute_step(wc, ec, xc, acc, val, tab, g, two)
+        return wi, si, xi
+
     def k_gemv(x, w32, scales, gbuf, lut, part, cnt, out, Q, m0, mc):
         tab = cuda.shared.array(16, float32)
         red = cuda.shared.array(red_n, float32)
@@ -217,21 +230,13 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
                     load_step(w32, scales, x, wa, ea, xa, wi, si, xi, dw, ds, xoff, col0, lb)
                 s = int64(0)
                 while s < nstep:
-                    wi += int64(rows) * dw
-                    si += int64(rows) * ds
-                    xi += int64(rows * BDY)
-                    if s + int64(1) < nstep:
-                        load_step(w32, scales, x, wb, eb, xb, wi, si, xi, dw, ds, xoff, col0, lb)
-                    compute_step(wa, ea, xa, acc, val, tab, g, two)
+                    wi, si, xi = next_step(w32, scales, x, wb, eb, xb, wa, ea, xa, acc, val, tab, wi, si, xi, dw, ds,
+                                           xoff, col0, lb, g, two, s + int64(1) < nstep)
                     if s + int64(1) >= nstep:
                         s += int64(1)
                         break
-                    wi += int64(rows) * dw
-                    si += int64(rows) * ds
-                    xi += int64(rows * BDY)
-                    if s + int64(2) < nstep:
-                        load_step(w32, scales, x, wa, ea, xa, wi, si, xi, dw, ds, xoff, col0, lb)
-                    compute_step(wb, eb, xb, acc, val, tab, g, two)
+                    wi, si, xi = next_step(w32, scales, x, wa, ea, xa, wb, eb, xb, acc, val, tab, wi, si, xi, dw, ds,
+                                           xoff, col0, lb, g, two, s + int64(2) < nstep)
                     s += int64(2)
             else:
                 for s in range(nstep):
