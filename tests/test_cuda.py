@@ -24,6 +24,9 @@ from qcore.errors import InputError, UnsupportedSchemeError
 from qcore.reference import ReferenceBackend
 
 REF = ReferenceBackend()
+# A kernel defined here must see numba.cuda as a module global: the simulator swaps the module
+# for its fake one in a kernel's globals, not in its closure (conftest.py has set the mode).
+from numba import cuda  # noqa: E402
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 
 INT_VALUES = ["q8f", "q8s", "q4f", "q4s", "q2f", "q2s"]
@@ -368,6 +371,42 @@ def test_gemv_paths(cuda_backend, text, n_, wpt, one, m):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     again = cuda_backend.to_numpy(cuda_backend.matmul(x, qw))
     np.testing.assert_array_equal(again.view(np.uint32), got.view(np.uint32))
+
+
+@pytest.mark.parametrize("kind_name", ["KIND_I4", "KIND_I2"])
+def test_offset_decoder_is_exact(cuda_backend, kind_name):
+    """The GEMV's offset decode (`fast.offset_decoder`): a * f + b equals every field's signed
+    code, for every field value in every position of the word."""
+    from numba import float32, int64, uint32
+
+    from qcore_cuda import fast
+
+    kind = getattr(fast, kind_name)
+    bits = fast.KIND_BITS[kind]
+    per = 32 // bits
+    decode, a, b = fast.offset_decoder(kind)
+    rng = np.random.default_rng(3)
+    vals = np.arange(1 << bits, dtype=np.uint32)
+    words = [sum(int(vals[(i + s) % vals.size]) << (bits * i) for i in range(per)) for s in range(vals.size)]
+    words = np.array(words + list(rng.integers(0, 2**32, 64 if SIM else 4096, dtype=np.uint64)), dtype=np.uint32)
+
+    @cuda.jit
+    def k(w, out):
+        val = cuda.local.array(16, float32)
+        tab = cuda.shared.array(16, float32)
+        i = int64(cuda.grid(1))
+        if i < w.size:
+            decode(uint32(w[i]), tab, val, 0)
+            for c in range(per):
+                out[i * int64(per) + int64(c)] = val[c]
+
+    out = cuda.device_array(words.size * per, dtype=np.float32)
+    k[(words.size + 63) // 64, 64](cuda.to_device(words), out)
+    f = out.copy_to_host().reshape(words.size, per).astype(np.float64)
+    fields = (words[:, None] >> (bits * np.arange(per, dtype=np.uint32))) & np.uint32((1 << bits) - 1)
+    codes = np.where(fields >= 1 << (bits - 1), fields.astype(np.int64) - (1 << bits), fields)
+    np.testing.assert_array_equal(a * f + b, codes)
+    assert fast.offset_decoder(fast.KIND_I8) is None and fast.offset_decoder(fast.KIND_E2M1) is None
 
 
 def test_launches_hold_no_outputs(cuda_backend):

@@ -432,6 +432,54 @@ def decoder(kind: int):
     return decode
 
 
+OFFSET_HALF = np.uint32(0x3F000000)  # the f32 bits of 0.5: a field in the top mantissa bits below it reads 0.5 + u / 2**(bits+1)
+
+
+def offset_decoder(kind: int):
+    """(decode, a, b) for the 4- and 2-bit integer kinds, else None: decode(w, tab, val, off)
+    writes, for each field of u32 word `w`, f = 0.5 + u / 2**(bits+1) with u = code + 2**(bits-1)
+    (the field with its sign bit flipped) placed in the top mantissa bits under the exponent of
+    0.5, so that code = a * f + b exactly (a = 2**(bits+1), b = -3 * 2**(bits-1)).
+
+    It is one instruction per field cheaper than `decoder` (no subtraction of the bias): a caller
+    that sums x * e * code can sum x * e * f and x * e instead and form a * sum(x e f) +
+    b * sum(x e) once at the end. The cost is ~3 bits of the f32 sum's precision (the terms carry
+    the offset). 4-bit: two shifts and two LOP3s per word put the low and high nibbles of every
+    byte at bits 3-6, then one byte permute per field moves a byte under 0.5's exponent byte."""
+    bits = KIND_BITS[kind]
+    if kind not in (KIND_I4, KIND_I2):
+        return None
+    per_word = 32 // bits
+    mask = np.uint32(((1 << bits) - 1) << (23 - bits))  # the field's place in the mantissa
+    sign = np.uint32(sum(1 << (bits - 1 + bits * i) for i in range(per_word)))
+    a, b = float(2 ** (bits + 1)), -3.0 * 2 ** (bits - 1)
+
+    @cuda.jit(device=True, inline="always")
+    def decode(w, tab, val, off):
+        if bits == 4:  # the sign-flipped nibbles at bits 3-6 of each byte
+            w = w ^ sign
+            lo = (w & uint32(0x0F0F0F0F)) << uint32(3)
+            hi = (w >> uint32(1)) & uint32(0x78787878)
+            val[off] = u2f(prmt(lo, OFFSET_HALF, 0x7044))
+            val[off + 1] = u2f(prmt(hi, OFFSET_HALF, 0x7044))
+            val[off + 2] = u2f(prmt(lo, OFFSET_HALF, 0x7144))
+            val[off + 3] = u2f(prmt(hi, OFFSET_HALF, 0x7144))
+            val[off + 4] = u2f(prmt(lo, OFFSET_HALF, 0x7244))
+            val[off + 5] = u2f(prmt(hi, OFFSET_HALF, 0x7244))
+            val[off + 6] = u2f(prmt(lo, OFFSET_HALF, 0x7344))
+            val[off + 7] = u2f(prmt(hi, OFFSET_HALF, 0x7344))
+        else:  # 2-bit field i (bits 2i, 2i+1) to mantissa bits 21-22
+            w = w ^ sign
+            for i in range(per_word):
+                if 2 * i <= 21:
+                    t = w << uint32(21 - 2 * i)
+                else:
+                    t = w >> uint32(2 * i - 21)
+                val[off + i] = u2f((t & mask) | OFFSET_HALF)
+
+    return decode, a, b
+
+
 def unit_codes(kind: int) -> int:
     """Codes per load unit of the dequantize kernel: 4 for 8- and 4-bit codes (a u32 or a u16,
     so one lane's output is one 16-byte store), 16 for 2-bit codes (a u32)."""

@@ -5,28 +5,38 @@ N, per-tensor or power-of-two blocks along N) whose blocks span at least one u32
 codes (`B >= 32 / bits`), so a word's fields share one scale.
 
 Block = 32 word-columns x 8 k-lanes (256 threads); grid = (word-columns / 32 / wpt, KS
-k-splits), one wave of `PER_SM` blocks per SM. Thread (tx, ty) owns the columns of `wpt`
-consecutive u32 words (`WPT` = 2 at M = 1: one 8-byte load per row, a warp reads 256
+k-splits), one wave of `tuning(mb).per_sm` blocks per SM. Thread (tx, ty) owns the columns of
+`wpt` consecutive u32 words (`WPT` = 2 at M <= 2: one 8-byte load per row, a warp reads 256
 contiguous bytes) and the rows `k0 + ty + 8j` of its block's k-range. Per row: its words, its
-f32 scale(s) and x, each word decoded once (`fast.decoder`: byte permutes for int8/int4) and
-used for up to `mb` rows of x. Rows go in steps of `ROWS`, with no bounds checks inside a step
-(the last rows of a thread go one at a time); with `PREFETCH` two register sets alternate, so
-one step's loads are in flight while the other step computes. Indices advance by addition.
-The choices come from `benchmarks/gpu_tune.py` on the H200 (docs/performance.md).
+f32 scale(s) and x, each word decoded once and used for up to `mb` rows of x. Rows go in steps
+of `tuning(mb).rows`, with no bounds checks inside a step (the last rows of a thread go one at
+a time); with `PREFETCH` two register sets alternate, so one step's loads are in flight while
+the other step computes. Indices advance by addition.
 
-The 8 k-lanes are summed in shared memory (odd stride: no bank conflicts), each block writes
-its partial sums to `part[KS, mb, N]`, and the last block of a column-block to finish (a
-counter per column-block, after a fence) adds the KS partials in split order, with up to
-`RED_LOADS` loads per thread in flight: the result does not depend on scheduling (no float
-atomics), and the counter is back at 0 for the next call.
+Decoding: at mb <= 2, 4- and 2-bit codes decode to f = 0.5 + u / 2**(bits+1)
+(`fast.offset_decoder`: a byte permute and an FFMA per weight, no subtraction of the bias); the
+thread also sums x * e per scale slot and forms a * sum(x e f) + b * sum(x e) once at the end.
+That costs ~3 bits of the f32 sums' precision (relative error ~5e-6 at K = 8192 against ~7e-7,
+where the weight's own quantization error is ~1e-2). Otherwise codes decode exactly
+(`fast.decoder`: byte permutes under 2**23 for integers, the FP8 conversions, E2M1's table).
+`TUNING` holds the choices per mb, from `benchmarks/gpu_tune.py` on the H200
+(docs/performance.md).
 
-M > mb runs as ceil(M / mb) launches, each reading the weight once more. The geometry Q goes to
+The 8 k-lanes are summed in shared memory (odd stride: no bank conflicts; `RED_CH`
+accumulators per pass), each block writes its partial sums to `part[KS, mb, N]`, and the last
+block of a column-block to finish (a counter per column-block, after a fence) adds the KS
+partials in split order, with up to `RED_LOADS` loads per thread in flight: the result does not
+depend on scheduling (no float atomics), and the counter is back at 0 for the next call.
+
+M > mb runs as ceil(M / mb) launches, each reading the weight once more (mb = 8 for 4-bit codes
+at M > 4, with the whole register file: `config_for`, `tuning`). The geometry Q goes to
 the kernel by value (a tuple of int64 parameters), not as a device array: a thread's first loads
 then wait on no read of Q from memory (-1 us per call on the H200, docs/performance.md).
 """
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -38,12 +48,34 @@ from .intrin import ld1, ld2, ld4, ldcg_f32
 from numba import config, cuda, float32, int32, int64, uint32  # noqa: E402
 
 BDX, BDY = 32, 8
-ROWS = 4  # rows per step (their loads are issued together)
 PREFETCH = True  # two register sets: one step's loads in flight while the other step computes
-WPT = 2  # u32 words per thread and row at M = 1 (one 8-byte load)
-REGS = 128  # register cap per thread
-PER_SM = 2  # resident 256-thread blocks per SM the grid is sized for (REGS = 128 allows 2)
+WPT = 2  # u32 words per thread and row at M <= 2 (one 8-byte load)
+MB_WIDE = 8  # rows of x per launch for M > 4 (4-bit codes): 64 accumulators per thread
+
+
+class Tuning(NamedTuple):
+    """Per rows-of-x-per-launch (mb) choices, from `benchmarks/gpu_tune.py` on the H200."""
+
+    rows: int  # rows of w per step (their loads are issued together)
+    regs: int  # register cap per thread
+    per_sm: int  # resident 256-thread blocks per SM the grid is sized for (128 registers allow 2)
+    offset: bool  # 4- and 2-bit codes through `fast.offset_decoder` (one instruction less per weight)
+
+
+# the offset decode pays at mb <= 2 (-2..3%) and costs at 4 and 8 (+4%: the x * e sums per row of x)
+TUNING = {1: Tuning(8, 128, 2, True), 2: Tuning(4, 128, 2, True), 4: Tuning(4, 128, 2, False),
+          MB_WIDE: Tuning(4, 255, 1, False)}  # 64 accumulators need the whole register file
+
+
+def tuning(mb: int, kind: int = fast.KIND_I4) -> Tuning:
+    """The choices for `mb` rows of x per launch (the next tabled mb up) and value kind `kind`:
+    2-bit codes (16 fields per word) take steps of at most 4 rows (8 do not unroll and spill)."""
+    t = TUNING[min(k for k in TUNING if k >= mb)]
+    return t._replace(rows=min(t.rows, 4)) if fast.KIND_BITS[kind] == 2 else t
+
+
 RED_LOADS = 32  # partial sums in flight per thread in the final reduction
+RED_CH = 32  # accumulators per pass of the k-lane sum (shared memory: 256 x 33 f32 at most)
 # Q (int64) layout
 Q_K, Q_N, Q_NWR, Q_LB, Q_TWO, Q_KS, Q_RPB, Q_BLOCK = range(8)
 Q_LEN = 8
@@ -70,21 +102,26 @@ def geometry(shape: tuple[int, ...], scheme: QuantScheme) -> tuple[int, np.ndarr
 
 
 def config_for(kind: int, m: int, Q: np.ndarray) -> tuple[int, int, bool]:
-    """(mb, wpt, one_scale) for m rows of x: M = 1 reads `WPT` u32 words per thread and row (16-byte
-    loads; fewer where the row's word count is not a multiple); larger M one word, with up to
-    4 rows of x per launch (at most 32 accumulators per thread). Chosen by
-    `benchmarks/gpu_tune.py` on the H200 (docs/performance.md). `one_scale`: the thread's
-    columns of a row lie under one scale slot (blocks of at least `wpt` words)."""
+    """(mb, wpt, one_scale) for m rows of x. M = 1, and M = 2 of 8- and 4-bit codes, read `WPT`
+    u32 words per thread and row (8-byte loads; fewer where the row's word count is not a
+    multiple); otherwise one word, with up to 4 rows of x per launch (at most 32 accumulators
+    per thread), or, for M > 4 rows of 4-bit codes, `MB_WIDE` (64 accumulators, `tuning`).
+    Chosen by `benchmarks/gpu_tune.py` on the H200 (docs/performance.md). `one_scale`: the
+    thread's columns of a row lie under one scale slot (blocks of at least `wpt` words)."""
     pw = 32 // fast.KIND_BITS[kind]
-    mb, wpt = min(4, 32 // pw, 1 << (m - 1).bit_length()), 1
-    if m == 1:
-        mb, wpt = 1, WPT
+    if m == 1 or (m == 2 and pw <= 8):
+        mb, wpt = m, WPT
         while int(Q[Q_NWR]) % wpt:
             wpt //= 2
+    elif m > 4 and pw == 8:
+        mb, wpt = MB_WIDE, 1
+    else:
+        mb, wpt = min(4, 32 // pw, 1 << (m - 1).bit_length()), 1
     return mb, wpt, int(Q[Q_BLOCK]) >= wpt * pw
 
 
-def plan(Q: np.ndarray, wpt: int = 1, per_sm: int = PER_SM) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
+
+def plan(Q: np.ndarray, wpt: int = 1, per_sm: int = 2, rows: int = 4) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
     """(Q with KS/RPB, grid, block): one wave of resident 256-thread blocks (`per_sm` per SM)."""
     q = Q.copy()
     k_ = int(q[Q_K])
@@ -92,7 +129,7 @@ def plan(Q: np.ndarray, wpt: int = 1, per_sm: int = PER_SM) -> tuple[np.ndarray,
     if config.ENABLE_CUDASIM:
         ks = max(1, min(2, -(-k_ // 16)))
     else:
-        ks = max(1, min(-(-k_ // (BDY * ROWS * 2)), (SMS * per_sm) // gx))
+        ks = max(1, min(-(-k_ // (BDY * rows * 2)), (SMS * per_sm) // gx))
     rpb = -(-k_ // ks)
     rpb = -(-rpb // BDY) * BDY
     ks = -(-k_ // rpb)
@@ -100,23 +137,33 @@ def plan(Q: np.ndarray, wpt: int = 1, per_sm: int = PER_SM) -> tuple[np.ndarray,
     return q, (gx, ks), (BDX, BDY)
 
 
-def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, rows: int = ROWS,
-                 prefetch: bool = PREFETCH):
+def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, rows: int | None = None,
+                 prefetch: bool = PREFETCH, offset: bool | None = None):
     """The GEMV kernel for value kind `kind`, `mb` rows of x per launch, `wpt` u32 words per
     thread and row (`one_scale`: under one scale slot, else one slot per word), `rows` rows per
     step, and (`prefetch`) two register sets that alternate: one step's loads are in flight while
-    the other step computes."""
+    the other step computes. `offset`: 4- and 2-bit codes decode to a * f + b
+    (`fast.offset_decoder`, one instruction less per weight); the thread sums x * e * f per
+    column and x * e per scale slot, and forms a * sum + b * sum(x e) before the k-lanes are added."""
+    rows = rows or tuning(mb, kind).rows
+    offset = tuning(mb, kind).offset if offset is None else offset
     bits = fast.KIND_BITS[kind]
     pw = 32 // bits
     cpt = pw * wpt  # columns per thread
     na = cpt * mb  # accumulators per thread
-    red_n = BDY * BDX * (na + 1)
+    rch = min(na, RED_CH)  # accumulators per pass of the k-lane sum
+    red_n = BDY * BDX * (rch + 1)
     nbuf = rows * wpt
     nxr = rows * mb  # (local array sizes must be single constants)
     ipt = -(-(BDX * na) // (BDX * BDY))  # output items per thread in the final reduction
     rb = max(1, RED_LOADS // ipt)  # partials per item per batch (ipt * rb loads in flight)
     npv = ipt * rb
-    decode = fast.decoder(kind)
+    od = fast.offset_decoder(kind) if offset else None
+    use_off = od is not None
+    decode, oa, ob = od if use_off else (fast.decoder(kind), 1.0, 0.0)
+    oa, ob = float32(oa), float32(ob)
+    nsl = 1 if one_scale else wpt  # scale slots per thread and row
+    ns = mb * nsl  # sums of x * e per thread (offset decode)
     is_e2m1 = kind == fast.KIND_E2M1
 
     @cuda.jit(device=True, inline="always")
@@ -138,17 +185,23 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
             xv[u * mb + m] = ld1(x, xi + xoff[m])
 
     @cuda.jit(device=True, inline="always")
-    def compute_row(wv, ev, xv, acc, val, tab, u, g, two):
-        """acc[m, column] += x[m] * e * decode(word) for row u of a step."""
+    def compute_row(wv, ev, xv, acc, val, tab, xe, sx, u, g, two):
+        """acc[m, column] += x[m] * e * decode(word) for row u of a step (and, for the offset
+        decode, sx[m, slot] += x[m] * e)."""
         for i in range(wpt):
-            e = ev[u * wpt] if one_scale else ev[u * wpt + i]
-            if two:
-                e = float32(g * e)
+            if i == 0 or not one_scale:
+                e = ev[u * wpt] if one_scale else ev[u * wpt + i]
+                if two:
+                    e = float32(g * e)
+                for m in range(mb):
+                    xe[m] = float32(xv[u * mb + m] * e)
+                    if use_off:
+                        sl = m * nsl if one_scale else m * nsl + i
+                        sx[sl] = float32(sx[sl] + xe[m])
             decode(wv[u * wpt + i], tab, val, 0)
             for m in range(mb):
-                xe = float32(xv[u * mb + m] * e)
                 for c in range(pw):
-                    acc[m * cpt + i * pw + c] = cuda.fma(xe, val[c], acc[m * cpt + i * pw + c])
+                    acc[m * cpt + i * pw + c] = cuda.fma(xe[m], val[c], acc[m * cpt + i * pw + c])
 
     @cuda.jit(device=True, inline="always")
     def load_step(w32, scales, x, wv, ev, xv, wi, si, xi, dw, ds, xoff, col0, lb):
@@ -158,13 +211,13 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
                      xoff, col0, lb)
 
     @cuda.jit(device=True, inline="always")
-    def compute_step(wv, ev, xv, acc, val, tab, g, two):
+    def compute_step(wv, ev, xv, acc, val, tab, xe, sx, g, two):
         for u in range(rows):
-            compute_row(wv, ev, xv, acc, val, tab, u, g, two)
+            compute_row(wv, ev, xv, acc, val, tab, xe, sx, u, g, two)
 
     @cuda.jit(device=True, inline="always")
-    def next_step(w32, scales, x, wn, en, xn, wc, ec, xc, acc, val, tab, wi, si, xi, dw, ds, xoff, col0, lb, g, two,
-                  load):
+    def next_step(w32, scales, x, wn, en, xn, wc, ec, xc, acc, val, tab, xe, sx, wi, si, xi, dw, ds, xoff, col0, lb,
+                  g, two, load):
         """Advance to the next step and (`load`) issue its loads into set n, then compute set c:
         one half of the prefetch pipeline. Returns the next step's indices."""
         wi += int64(rows) * dw
@@ -172,7 +225,7 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
         xi += int64(rows * BDY)
         if load:
             load_step(w32, scales, x, wn, en, xn, wi, si, xi, dw, ds, xoff, col0, lb)
-        compute_step(wc, ec, xc, acc, val, tab, g, two)
+        compute_step(wc, ec, xc, acc, val, tab, xe, sx, g, two)
         return wi, si, xi
 
     def k_gemv(x, w32, scales, gbuf, lut, part, cnt, out, Q, m0, mc):
@@ -181,6 +234,8 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
         last = cuda.shared.array(1, int32)
         acc = cuda.local.array(na, float32)
         val = cuda.local.array(pw, float32)
+        xe = cuda.local.array(mb, float32)
+        sx = cuda.local.array(ns, float32)
         xoff = cuda.local.array(mb, int64)
         wa = cuda.local.array(nbuf, uint32)
         ea = cuda.local.array(nbuf, float32)
@@ -215,6 +270,8 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
             xoff[m] = int64(min(m, mc - int64(1))) * K
         for a in range(na):
             acc[a] = float32(0.0)
+        for a in range(ns):
+            sx[a] = float32(0.0)
         cuda.syncthreads()
         k = kb0 + ty
         if wcol < nwr and k < kb1:
@@ -230,43 +287,52 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
                     load_step(w32, scales, x, wa, ea, xa, wi, si, xi, dw, ds, xoff, col0, lb)
                 s = int64(0)
                 while s < nstep:
-                    wi, si, xi = next_step(w32, scales, x, wb, eb, xb, wa, ea, xa, acc, val, tab, wi, si, xi, dw, ds,
-                                           xoff, col0, lb, g, two, s + int64(1) < nstep)
+                    wi, si, xi = next_step(w32, scales, x, wb, eb, xb, wa, ea, xa, acc, val, tab, xe, sx, wi, si, xi, dw,
+                                           ds, xoff, col0, lb, g, two, s + int64(1) < nstep)
                     if s + int64(1) >= nstep:
                         s += int64(1)
                         break
-                    wi, si, xi = next_step(w32, scales, x, wa, ea, xa, wb, eb, xb, acc, val, tab, wi, si, xi, dw, ds,
-                                           xoff, col0, lb, g, two, s + int64(2) < nstep)
+                    wi, si, xi = next_step(w32, scales, x, wa, ea, xa, wb, eb, xb, acc, val, tab, xe, sx, wi, si, xi, dw,
+                                           ds, xoff, col0, lb, g, two, s + int64(2) < nstep)
                     s += int64(2)
             else:
                 for s in range(nstep):
                     load_step(w32, scales, x, wa, ea, xa, wi, si, xi, dw, ds, xoff, col0, lb)
-                    compute_step(wa, ea, xa, acc, val, tab, g, two)
+                    compute_step(wa, ea, xa, acc, val, tab, xe, sx, g, two)
                     wi += int64(rows) * dw
                     si += int64(rows) * ds
                     xi += int64(rows * BDY)
             for r in range(nrow - nstep * int64(rows)):  # the last rows, one at a time
                 load_row(w32, scales, x, wa, ea, xa, 0, wi, si, xi, xoff, col0, lb)
-                compute_row(wa, ea, xa, acc, val, tab, 0, g, two)
+                compute_row(wa, ea, xa, acc, val, tab, xe, sx, 0, g, two)
                 wi += dw
                 si += ds
                 xi += int64(BDY)
-        # sum the 8 k-lanes: red[ty][tx][a]
-        for a in range(na):
-            red[(ty * int64(BDX) + tx) * int64(na + 1) + int64(a)] = acc[a]  # odd stride: no bank conflicts
-        cuda.syncthreads()
-        j = tid
-        while j < int64(BDX * na):
-            s = float32(0.0)
-            t = j // int64(na)
-            a = j - t * int64(na)
-            for y in range(BDY):
-                s += red[(int64(y * BDX) + t) * int64(na + 1) + a]
-            m = a // int64(cpt)
-            col = (bx * int64(BDX) + t) * int64(cpt) + (a - m * int64(cpt))
-            if m < mc and col < N:
-                part[(by * int64(mb) + m) * N + col] = s
-            j += int64(BDX * BDY)
+        if use_off:  # sum(x e code) = a * sum(x e f) + b * sum(x e): the product by a is exact
+            for a in range(na):
+                m = a // cpt
+                sl = m * nsl if one_scale else m * nsl + (a - m * cpt) // pw
+                acc[a] = cuda.fma(acc[a], oa, ob * sx[sl])
+        # sum the 8 k-lanes, rch accumulators per pass: red[ty][tx][a - a0]
+        for a0 in range(0, na, rch):
+            for a in range(a0, min(a0 + rch, na)):
+                red[(ty * int64(BDX) + tx) * int64(rch + 1) + int64(a - a0)] = acc[a]  # odd stride: no bank conflicts
+            cuda.syncthreads()
+            nc = min(rch, na - a0)
+            j = tid
+            while j < int64(BDX * nc):
+                s = float32(0.0)
+                t = j // int64(nc)
+                ac = j - t * int64(nc)
+                for y in range(BDY):
+                    s += red[(int64(y * BDX) + t) * int64(rch + 1) + ac]
+                a = ac + int64(a0)
+                m = a // int64(cpt)
+                col = (bx * int64(BDX) + t) * int64(cpt) + (a - m * int64(cpt))
+                if m < mc and col < N:
+                    part[(by * int64(mb) + m) * N + col] = s
+                j += int64(BDX * BDY)
+            cuda.syncthreads()
         cuda.threadfence()
         cuda.syncthreads()
         if tid == int64(0):
@@ -309,8 +375,8 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
 
 @lru_cache(maxsize=None)
 def gemv_kernel(kind: int, mb: int, wpt: int, one_scale: bool):
-    """The kernel for `config_for`'s choice, capped at `REGS` registers (`PER_SM` blocks per SM)."""
-    return fast.K._jit_regs(REGS)(_gemv_kernel(kind, mb, wpt, one_scale))
+    """The kernel for `config_for`'s choice, under `tuning(mb)`'s register cap."""
+    return fast.K._jit_regs(tuning(mb, kind).regs)(_gemv_kernel(kind, mb, wpt, one_scale))
 
 
 SIG = ("void(float32[::1], uint32[::1], float32[::1], float32[::1], float32[::1], float32[::1], int32[::1], "
@@ -337,7 +403,8 @@ def buffers(Q: np.ndarray, kind: int, m: int):
     """(kernel, mb, Q, grid, block, part, cnt) for m rows of x (Q as the kernel's by-value tuple);
     part holds the largest launch's partial sums, cnt the zeroed column-block counters."""
     mb, wpt, one = config_for(kind, m, Q)
-    q, grid, block = plan(Q, wpt)
+    t = tuning(mb, kind)
+    q, grid, block = plan(Q, wpt, t.per_sm, t.rows)
     part = cuda.device_array(max(1, int(q[Q_KS]) * mb * int(q[Q_N])), dtype=np.float32)
     cnt = cuda.to_device(np.zeros(grid[0], dtype=np.int32))
     return gemv_kernel(kind, mb, wpt, one), mb, tuple(int(v) for v in q), grid, block, part, cnt
