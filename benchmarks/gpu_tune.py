@@ -3,8 +3,8 @@
     NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_tune.py [--out DIR] [--only gemv|dequant]
 
 * GEMV `x[M, 8192] @ w[8192, 8192]`, w in q4s/block32:f16: rows of x per launch (mb), u32
-  words per thread and row (wpt), rows per step, the prefetch pipeline, register cap and
-  blocks per SM varied; each variant's result checked against the default path's, timed with
+  words per thread and row (wpt), rows per step, the prefetch pipeline, register cap, blocks
+  per SM and the offset decode (`gemv.OFFSET`) varied; each variant's result checked against the default path's, timed with
   CUDA events after an L2 flush (as in benchmarks/gpu.py), next to torch's fp16 matmul; then
   M = 1 with K = 1024 (an eighth of the weight), whose time is mostly the fixed costs.
 * Dequantize of 2**28 elements: units in flight per thread, each checked bit for bit; next to
@@ -31,12 +31,15 @@ def _time(torch, fn, flush=None):
     return _timer(torch, fn, 15, hide_launch=True, flush=flush)
 
 
-# GEMV variants: (mb, wpt, rows, prefetch, registers, blocks per SM); Q by value as gemv.buffers
-# passes it
+# GEMV variants: (mb, wpt, rows, prefetch, registers, blocks per SM, offset decode); Q by value as
+# gemv.buffers passes it. M > mb runs ceil(M / mb) launches.
 GEMV_VARIANTS = {
-    1: [(1, 2, 4, True, 128, 2), (1, 2, 4, False, 128, 2), (1, 2, 8, True, 128, 2), (1, 2, 4, True, 96, 2),
-        (1, 2, 4, True, 80, 3), (1, 4, 4, True, 128, 2)],
-    4: [(4, 1, 4, True, 128, 2), (4, 1, 4, False, 128, 2)],
+    1: [(1, 2, 8, True, 128, 2, True), (1, 2, 8, True, 128, 2, False), (1, 2, 4, True, 128, 2, True),
+        (1, 2, 4, True, 128, 2, False)],
+    2: [(2, 2, 4, True, 128, 2, True), (2, 1, 4, True, 128, 2, True)],
+    4: [(4, 1, 4, True, 128, 2, True), (4, 1, 4, True, 128, 2, False)],
+    8: [(8, 1, 4, True, 255, 1, True), (8, 1, 4, True, 255, 1, False), (4, 1, 4, True, 128, 2, True)],
+    16: [(8, 1, 4, True, 255, 1, True), (4, 1, 4, True, 128, 2, True)],
 }
 K1024 = {1: GEMV_VARIANTS[1][:1]}
 
@@ -72,14 +75,14 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None):
         if m == 1:
             ke, eo = _empty_kernel(cuda), cuda.device_array(1, dtype=np.float32)
             runs.append(("empty kernel, same grid", lambda: ke[(16, 16), (32, 8)](eo), None, {}))
-        for mb, wpt, rows, prefetch, regs, per_sm in vs:
-            meta = dict(mb=mb, wpt=wpt, rows=rows, prefetch=prefetch, regs=regs, per_sm=per_sm)
+        for mb, wpt, rows, prefetch, regs, per_sm, offset in vs:
+            meta = dict(mb=mb, wpt=wpt, rows=rows, prefetch=prefetch, regs=regs, per_sm=per_sm, offset=offset)
             try:
-                kern = _jit_regs(regs)(gemv._gemv_kernel(kind, mb, wpt, True, rows, prefetch))
+                kern = _jit_regs(regs)(gemv._gemv_kernel(kind, mb, wpt, True, rows, prefetch, offset))
             except Exception as e:  # a variant that does not compile is reported, not fatal
                 print(json.dumps({"m": m, **meta, "error": str(e)[:300]}), flush=True)
                 continue
-            q, grid, block = gemv.plan(Q, wpt, per_sm)
+            q, grid, block = gemv.plan(Q, wpt, per_sm, rows)
             qd = tuple(int(v) for v in q)
             part = cuda.device_array(int(q[gemv.Q_KS]) * mb * n_, dtype=np.float32)
             cnt = cuda.to_device(np.zeros(grid[0], dtype=np.int32))
@@ -89,7 +92,8 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None):
                 for m0 in range(0, m, mb):
                     kern[grid, block](xd, w32, scales, gbuf, pp["lut"], part, cnt, out, qd, m0, min(mb, m - m0))
 
-            runs.append((f"mb{mb} wpt{wpt} rows{rows} {'prefetch' if prefetch else 'plain'} r{regs} x{per_sm}",
+            runs.append((f"mb{mb} wpt{wpt} rows{rows} {'prefetch' if prefetch else 'plain'} r{regs} x{per_sm}"
+                         f"{' offset' if offset else ''}",
                          run, out, dict(meta, grid=list(grid))))
         for name, run, out, meta in runs:
             try:
@@ -136,8 +140,9 @@ def tune_dequant(torch, cuda, be, res):
         nb = d.payload.size + 4 * n
         grid = fast.launch_dequant(fp["nruns"], fp["kind"])
         for name, kern in [
-            (f"units{fast.DQ_UNITS} (default)", fast.dequant_kernel(fp["kind"])),
+            (f"units{fast.dq_units(fp['kind'])} (default)", fast.dequant_kernel(fp["kind"])),
             ("units4", _jit_regs(64)(fast._dequant_kernel(fp["kind"], 4))),
+            ("scales loaded in the store loop", _jit_regs(64)(fast._dequant_kernel(fp["kind"], None, False))),
         ]:
             def run():
                 kern[grid](wv, sc, gb, pp["lut"], out, fp["G"])

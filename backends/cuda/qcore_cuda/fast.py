@@ -23,8 +23,8 @@ and one 16- or 8-byte store of whole u32 words. The kernels are specialised per 
   minifloat codes take the sign from x (the correction turns x = -0 into +0).
 
 Dequantize is coalesced by units of 4 codes (a u32 of int8/FP8 codes, a u16 of 4-bit codes;
-a u32 of 16 2-bit codes): lane l of a warp owns units `32j + l` of a chunk of `32 * DQ_UNITS`,
-one warp per chunk, loads them all first, then decodes (int8/int4: byte permutes under the
+a u32 of 16 2-bit codes): lane l of a warp owns units `32j + l` of a chunk of `32 * dq_units`,
+one warp per chunk, loads them and their scales first, then decodes (int8/int4: byte permutes under the
 exponent of 2**23; FP8: the hardware conversion; E2M1: a 16-entry table in shared memory),
 multiplies by the slot's f32 scale and writes each unit's 16 bytes with one store, so a warp's
 store instruction covers 512 contiguous bytes. Modes of the quantize kernel (one kernel per value kind; the mode and the scale dtype are
@@ -77,7 +77,7 @@ KINDS = {
 KIND_BITS = (8, 4, 2, 8, 8, 4)
 MODE_BLOCK, MODE_TWO, MODE_TENSOR, MODE_GIVEN = range(4)
 TPB = 256
-DQ_UNITS = 8  # load units (`unit_codes`) in flight per thread (dequantize)
+DQ_UNITS = 8  # load units (`unit_codes`) of 4 codes in flight per thread (dequantize); 4 of 16 codes
 
 # G (int64 geometry) layout
 G_NRUNS, G_LB, G_LGW, G_MODE, G_SDT, G_SNB, G_SOFF, G_GOFF, G_TWO = range(9)
@@ -143,11 +143,17 @@ def geometry(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax"
     return kind, G, C
 
 
+def dq_units(kind: int) -> int:
+    """Load units in flight per thread in the dequantize kernel: `DQ_UNITS` units of 4 codes, or
+    4 of 16 codes (2-bit: 8 would not unroll, its arrays would go to local memory)."""
+    return DQ_UNITS if unit_codes(kind) == 4 else 4
+
+
 def launch_dequant(nruns: int, kind: int) -> tuple[int, int]:
-    """(blocks, threads) of the dequantize kernel: a warp per chunk of 32 * DQ_UNITS units
+    """(blocks, threads) of the dequantize kernel: a warp per chunk of 32 * `dq_units` units
     (measured faster than fewer warps striding over chunks, `benchmarks/gpu_tune.py`); 2 x 32
     threads striding on the simulator."""
-    nch = -(-(nruns * 16 // unit_codes(kind)) // (32 * DQ_UNITS))
+    nch = -(-(nruns * 16 // unit_codes(kind)) // (32 * dq_units(kind)))
     if config.ENABLE_CUDASIM:
         return (max(1, min(2, nch)), 32)
     return (max(1, -(-nch // (TPB // 32))), TPB)
@@ -496,11 +502,15 @@ def unit_view(values, kind: int):
     return values.view(unit_dtype(kind))
 
 
-def _dequant_kernel(kind: int, R: int = DQ_UNITS):
+def _dequant_kernel(kind: int, R: int | None = None, preload: bool = True):
     """Dequantize, coalesced by units of `unit_codes(kind)` codes (`unit_view`): lane l of a
     warp owns units `c*32R + 32j + l` (j < R) of chunk c, so each 16-byte store instruction
-    writes 512 contiguous bytes; R units are loaded before any is used."""
+    writes 512 contiguous bytes; R units and their scales are loaded before any is used (the
+    compiler cannot move a scale load above a store to `out`: they may alias, so a load in the
+    store loop waits a memory latency per unit whose scale is in a new line; `preload=False`
+    is that order, kept for `benchmarks/gpu_tune.py`)."""
     upc = unit_codes(kind)
+    R = R or dq_units(kind)
     lupc = _log2(upc)
     decode = decoder(kind)
     use_tab = kind == KIND_E2M1
@@ -508,6 +518,7 @@ def _dequant_kernel(kind: int, R: int = DQ_UNITS):
     def k_fast_dequant(units, scales, gbuf, lut, out, G):
         tab = cuda.shared.array(16, float32)
         wv = cuda.local.array(R, uint32)
+        ev = cuda.local.array(R, float32)
         val = cuda.local.array(16, float32)
         if use_tab:
             if cuda.threadIdx.x < 16:
@@ -523,18 +534,21 @@ def _dequant_kernel(kind: int, R: int = DQ_UNITS):
         nch = (nut + int64(32 * R - 1)) // int64(32 * R)
         for ch in range(gt >> int64(5), nch, nwarps):
             u0 = ch * int64(32 * R) + lane
-            for j in range(R):
+            for j in range(R):  # the units and their scales (one per unit when lb >= lupc), before any store
                 u = u0 + int64(32 * j)
                 wv[j] = uint32(0)
+                ev[j] = float32(0.0)
                 if u < nut:
                     wv[j] = uint32(ld1(units, u))
+                    if preload and lb >= int64(lupc):
+                        ev[j] = ld1(scales, (u << int64(lupc)) >> lb)
             for j in range(R):
                 u = u0 + int64(32 * j)
                 if u < nut:
                     decode(wv[j], tab, val, 0)
                     base = u << int64(lupc)
                     if lb >= int64(lupc):
-                        e = ld1(scales, base >> lb)
+                        e = ev[j] if preload else ld1(scales, base >> lb)
                         if two:
                             e = float32(g * e)
                         for i in range(upc):
