@@ -33,13 +33,13 @@ def _time(torch, fn, flush=None):
 
 # GEMV variants: (mb, wpt, rows, prefetch, registers, blocks per SM, offset decode); Q by value as
 # gemv.buffers passes it. M > mb runs ceil(M / mb) launches.
-GEMV_VARIANTS = {
-    1: [(1, 2, 8, True, 128, 2, True), (1, 2, 8, True, 128, 2, False), (1, 2, 4, True, 128, 2, True),
-        (1, 2, 4, True, 128, 2, False)],
-    2: [(2, 2, 4, True, 128, 2, True), (2, 1, 4, True, 128, 2, True)],
-    4: [(4, 1, 4, True, 128, 2, True), (4, 1, 4, True, 128, 2, False)],
-    8: [(8, 1, 4, True, 255, 1, True), (8, 1, 4, True, 255, 1, False), (4, 1, 4, True, 128, 2, True)],
-    16: [(8, 1, 4, True, 255, 1, True), (4, 1, 4, True, 128, 2, True)],
+GEMV_VARIANTS = {  # the first of each M is the backend's default (gemv.config_for, gemv.TUNING)
+    1: [(1, 2, 4, True, 128, 2, False), (1, 2, 4, True, 128, 2, True), (1, 2, 8, True, 128, 2, True),
+        (1, 2, 8, True, 128, 2, False)],
+    2: [(2, 2, 4, True, 128, 2, False), (2, 2, 4, True, 128, 2, True), (2, 1, 4, True, 128, 2, False)],
+    4: [(4, 1, 4, True, 128, 2, False), (4, 1, 4, True, 128, 2, True)],
+    8: [(8, 1, 4, True, 255, 1, False), (8, 1, 4, True, 255, 1, True), (4, 1, 4, True, 128, 2, False)],
+    16: [(8, 1, 4, True, 255, 1, False), (4, 1, 4, True, 128, 2, False)],
 }
 K1024 = {1: GEMV_VARIANTS[1][:1]}
 

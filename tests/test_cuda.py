@@ -409,6 +409,32 @@ def test_offset_decoder_is_exact(cuda_backend, kind_name):
     assert fast.offset_decoder(fast.KIND_I8) is None and fast.offset_decoder(fast.KIND_E2M1) is None
 
 
+@pytest.mark.parametrize("text", ["q4s/block32:f16", "q2s/block16:f16"])
+def test_gemv_offset_variant(cuda_backend, text):
+    """The GEMV's offset-decode tuning variant (`_gemv_kernel(offset=True)`, what
+    benchmarks/gpu_tune.py times) sums to x @ dequantize(w) within 1e-4, like the default."""
+    from qcore_cuda import gemv
+
+    k_, n_ = (230, 64) if SIM else (4000, 512)
+    x = _x((1, k_), seed=14, scale=1.0)
+    qw = cuda_backend.from_data(REF.into_data(REF.quantize(_x((k_, n_), seed=13), text)))
+    data = qw.data
+    scales, gbuf = cuda_backend._decoded_scales(data)
+    pp = cuda_backend._prepared(data.shape, data.scheme, "minmax")
+    w32 = data.payload[: pp["plan"].values_nbytes].view(np.uint32)
+    kind, Q = gemv.geometry(data.shape, data.scheme)
+    mb, wpt, one = gemv.config_for(kind, 1, Q)
+    q, grid, block = gemv.plan(Q, wpt)
+    part = cuda.device_array(int(q[gemv.Q_KS]) * mb * n_, dtype=np.float32)
+    cnt = cuda.to_device(np.zeros(grid[0], dtype=np.int32))
+    out = cuda.device_array(n_, dtype=np.float32)
+    kern = cuda.jit(gemv._gemv_kernel(kind, mb, wpt, one, offset=True))
+    kern[grid, block](cuda.to_device(x.reshape(-1)), w32, scales, gbuf, pp["lut"], part, cnt, out,
+                      tuple(int(v) for v in q), 0, 1)
+    want = x.astype(np.float64) @ REF.dequantize(REF.from_data(cuda_backend.into_data(qw))).astype(np.float64)
+    np.testing.assert_allclose(out.copy_to_host()[None], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
 def test_launches_hold_no_outputs(cuda_backend):
     """The cached launches of a tensor (dequantize, GEMV) keep no reference to the arrays a call
     passed (x, the output): a dropped output (a 1 GiB dequantize, say) is freed."""

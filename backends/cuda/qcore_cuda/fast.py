@@ -451,7 +451,8 @@ def offset_decoder(kind: int):
     that sums x * e * code can sum x * e * f and x * e instead and form a * sum(x e f) +
     b * sum(x e) once at the end. The cost is ~3 bits of the f32 sum's precision (the terms carry
     the offset). 4-bit: two shifts and two LOP3s per word put the low and high nibbles of every
-    byte at bits 3-6, then one byte permute per field moves a byte under 0.5's exponent byte."""
+    byte at bits 3-6, then one byte permute per field moves a byte under 0.5's exponent byte.
+    The GEMV has it as a tuning variant only (gemv.py says why: the two sums round apart)."""
     bits = KIND_BITS[kind]
     if kind not in (KIND_I4, KIND_I2):
         return None

@@ -13,13 +13,14 @@ of `tuning(mb).rows`, with no bounds checks inside a step (the last rows of a th
 a time); with `PREFETCH` two register sets alternate, so one step's loads are in flight while
 the other step computes. Indices advance by addition.
 
-Decoding: at mb <= 2, 4- and 2-bit codes decode to f = 0.5 + u / 2**(bits+1)
-(`fast.offset_decoder`: a byte permute and an FFMA per weight, no subtraction of the bias); the
-thread also sums x * e per scale slot and forms a * sum(x e f) + b * sum(x e) once at the end.
-That costs ~3 bits of the f32 sums' precision (relative error ~5e-6 at K = 8192 against ~7e-7,
-where the weight's own quantization error is ~1e-2). Otherwise codes decode exactly
-(`fast.decoder`: byte permutes under 2**23 for integers, the FP8 conversions, E2M1's table).
-`TUNING` holds the choices per mb, from `benchmarks/gpu_tune.py` on the H200
+Decoding (`fast.decoder`): byte permutes under 2**23 for integers, the FP8 conversions, E2M1's
+table. `offset=True` is a tuning variant (`benchmarks/gpu_tune.py`), off in the backend: 4- and
+2-bit codes decode to f = 0.5 + u / 2**(bits+1) (`fast.offset_decoder`: a byte permute and an
+FFMA per weight, no subtraction of the bias) and the thread takes the bias off at the end from
+a sum of x * e. It was 2-5% faster at M <= 2 on the H200, but the two sums round apart, so a
+column of zero codes under a nonzero scale sums to a few ulps of sum(x e) instead of 0, and the
+error can exceed the conformance bound (`matmul_rel * K * 2**-24 * (|x| @ |W|)`) where most
+codes are 0. `TUNING` holds the choices per mb, from `benchmarks/gpu_tune.py` on the H200
 (docs/performance.md).
 
 The 8 k-lanes are summed in shared memory (odd stride: no bank conflicts; `RED_CH`
@@ -59,19 +60,14 @@ class Tuning(NamedTuple):
     rows: int  # rows of w per step (their loads are issued together)
     regs: int  # register cap per thread
     per_sm: int  # resident 256-thread blocks per SM the grid is sized for (128 registers allow 2)
-    offset: bool  # 4- and 2-bit codes through `fast.offset_decoder` (one instruction less per weight)
 
 
-# the offset decode pays at mb <= 2 (-2..3%) and costs at 4 and 8 (+4%: the x * e sums per row of x)
-TUNING = {1: Tuning(8, 128, 2, True), 2: Tuning(4, 128, 2, True), 4: Tuning(4, 128, 2, False),
-          MB_WIDE: Tuning(4, 255, 1, False)}  # 64 accumulators need the whole register file
+TUNING = {4: Tuning(4, 128, 2), MB_WIDE: Tuning(4, 255, 1)}  # 64 accumulators need the whole register file
 
 
-def tuning(mb: int, kind: int = fast.KIND_I4) -> Tuning:
-    """The choices for `mb` rows of x per launch (the next tabled mb up) and value kind `kind`:
-    2-bit codes (16 fields per word) take steps of at most 4 rows (8 do not unroll and spill)."""
-    t = TUNING[min(k for k in TUNING if k >= mb)]
-    return t._replace(rows=min(t.rows, 4)) if fast.KIND_BITS[kind] == 2 else t
+def tuning(mb: int) -> Tuning:
+    """The choices for `mb` rows of x per launch (the next tabled mb up)."""
+    return TUNING[min(k for k in TUNING if k >= mb)]
 
 
 RED_LOADS = 32  # partial sums in flight per thread in the final reduction
@@ -138,15 +134,15 @@ def plan(Q: np.ndarray, wpt: int = 1, per_sm: int = 2, rows: int = 4) -> tuple[n
 
 
 def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, rows: int | None = None,
-                 prefetch: bool = PREFETCH, offset: bool | None = None):
+                 prefetch: bool = PREFETCH, offset: bool = False):
     """The GEMV kernel for value kind `kind`, `mb` rows of x per launch, `wpt` u32 words per
     thread and row (`one_scale`: under one scale slot, else one slot per word), `rows` rows per
     step, and (`prefetch`) two register sets that alternate: one step's loads are in flight while
-    the other step computes. `offset`: 4- and 2-bit codes decode to a * f + b
-    (`fast.offset_decoder`, one instruction less per weight); the thread sums x * e * f per
-    column and x * e per scale slot, and forms a * sum + b * sum(x e) before the k-lanes are added."""
-    rows = rows or tuning(mb, kind).rows
-    offset = tuning(mb, kind).offset if offset is None else offset
+    the other step computes. `offset` (a tuning variant, off in the backend): 4- and 2-bit codes
+    decode to a * f + b (`fast.offset_decoder`, one instruction less per weight); the thread
+    sums x * e * f per column and x * e per scale slot, and forms a * sum + b * sum(x e) before
+    the k-lanes are added."""
+    rows = rows or tuning(mb).rows
     bits = fast.KIND_BITS[kind]
     pw = 32 // bits
     cpt = pw * wpt  # columns per thread
@@ -376,7 +372,7 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
 @lru_cache(maxsize=None)
 def gemv_kernel(kind: int, mb: int, wpt: int, one_scale: bool):
     """The kernel for `config_for`'s choice, under `tuning(mb)`'s register cap."""
-    return fast.K._jit_regs(tuning(mb, kind).regs)(_gemv_kernel(kind, mb, wpt, one_scale))
+    return fast.K._jit_regs(tuning(mb).regs)(_gemv_kernel(kind, mb, wpt, one_scale))
 
 
 SIG = ("void(float32[::1], uint32[::1], float32[::1], float32[::1], float32[::1], float32[::1], int32[::1], "
@@ -403,7 +399,7 @@ def buffers(Q: np.ndarray, kind: int, m: int):
     """(kernel, mb, Q, grid, block, part, cnt) for m rows of x (Q as the kernel's by-value tuple);
     part holds the largest launch's partial sums, cnt the zeroed column-block counters."""
     mb, wpt, one = config_for(kind, m, Q)
-    t = tuning(mb, kind)
+    t = tuning(mb)
     q, grid, block = plan(Q, wpt, t.per_sm, t.rows)
     part = cuda.device_array(max(1, int(q[Q_KS]) * mb * int(q[Q_N])), dtype=np.float32)
     cnt = cuda.to_device(np.zeros(grid[0], dtype=np.int32))
