@@ -4,8 +4,8 @@
 
 * GEMV `x[M, 8192] @ w[8192, 8192]`, w in q4s/block32:f16: rows of x per launch (mb), u32
   words per thread and row (wpt), rows per step, the prefetch pipeline, register cap, blocks
-  per SM and the offset decode (`gemv.OFFSET`) varied; each variant's result checked against the default path's, timed with
-  CUDA events after an L2 flush (as in benchmarks/gpu.py), next to torch's fp16 matmul; then
+  per SM and the offset decode (`gemv._gemv_kernel(offset=True)`) varied; each variant's result
+  checked against the default path's, timed with CUDA events after an L2 flush (as in benchmarks/gpu.py), next to torch's fp16 matmul; then
   M = 1 with K = 1024 (an eighth of the weight), whose time is mostly the fixed costs.
 * Dequantize of 2**28 elements: units in flight per thread, each checked bit for bit; next to
   the ceilings of its memory traffic: a device-to-device copy, a 1 GiB fill (writes only) and

@@ -202,7 +202,6 @@ def test_row_kernel_one_pass_mode(cuda_backend, text):
     """The row kernel's one-pass mode (block max by lane groups, scale, codes) gives the
     reference bytes. The backend routes these schemes to the tile kernel, so this test launches
     the mode directly."""
-    from numba import cuda
 
     from qcore_cuda import _plan
     from qcore_cuda import kernels as K
@@ -268,7 +267,6 @@ def test_input_dtypes(cuda_backend, dtype):
 def test_device_array_inputs_are_not_copied(cuda_backend):
     """Device arrays (numba here; CuPy/torch through __cuda_array_interface__) are read in place;
     float16/float64 device arrays are converted on the device."""
-    from numba import cuda
 
     x = _x((5, 70), seed=8)
     want = REF.into_data(REF.quantize(x, "q4s/block32:f16")).payload
@@ -438,7 +436,6 @@ def test_gemv_offset_variant(cuda_backend, text):
 def test_launches_hold_no_outputs(cuda_backend):
     """The cached launches of a tensor (dequantize, GEMV) keep no reference to the arrays a call
     passed (x, the output): a dropped output (a 1 GiB dequantize, say) is freed."""
-    from numba import cuda
 
     qw = cuda_backend.quantize(_x((64, 64), seed=9), "q4s/block32:f16")
     x = cuda.to_device(_x((1, 64), seed=10, scale=1.0))
@@ -458,7 +455,6 @@ def test_packed_launches_repeat_results(cuda_backend, m):
     """After the first call (through numba's dispatcher), the GEMV and dequantize launches reuse
     their packed argument lists with new x / output pointers: results equal the first call's
     bit for bit, and a different x gives its own product."""
-    from numba import cuda
 
     text = "q4s/block32:f16"
     w = _x((256, 512), seed=5)
@@ -491,7 +487,6 @@ def test_packed_quantize_launches(cuda_backend, text):
     """The fast quantize launches, packed after their first call, write each new x's payload
     (calibrated and explicit scales); after a non-finite input (a new scratch) they are packed
     again and still flag and quantize correctly."""
-    from numba import cuda
 
     be = type(cuda_backend)()  # its own scratch and plans
     xs = [_x((4, 256), seed=s) for s in (1, 2, 3)]
@@ -606,7 +601,6 @@ def test_kernels_compile_for_sm90():
 def test_more_than_2_31_elements(cuda_backend):
     """64-bit indexing: a tensor of 2**31 + 40 elements quantizes and dequantizes correctly at
     its far end (the pattern repeats every 64 elements, so the tail's expected bytes are known)."""
-    from numba import cuda
 
     n = 2**31 + 40
     pattern = _x((64,), seed=12)
@@ -731,7 +725,6 @@ def test_fast_path_unaligned_device_input(cuda_backend, text, offset):
     """A device view starting `offset` floats into its allocation: 16-byte aligned views take
     the fast kernels, the others the general ones; both bit-exact (on a GPU; the simulator has
     no alignment)."""
-    from numba import cuda
 
     x = _x((2, 64), seed=offset)
     base = cuda.to_device(np.concatenate([np.zeros(offset, np.float32), x.reshape(-1)]))

@@ -23,9 +23,10 @@ and one 16- or 8-byte store of whole u32 words. The kernels are specialised per 
   minifloat codes take the sign from x (the correction turns x = -0 into +0).
 
 Dequantize is coalesced by units of 4 codes (a u32 of int8/FP8 codes, a u16 of 4-bit codes;
-a u32 of 16 2-bit codes): lane l of a warp owns units `32j + l` of a chunk of `32 * dq_units`,
-one warp per chunk, loads them and their scales first, then decodes (int8/int4: byte permutes under the
-exponent of 2**23; FP8: the hardware conversion; E2M1: a 16-entry table in shared memory),
+a u32 of 16 2-bit codes): lane l of a warp owns units `32j + l` of a chunk of
+`32 * dq_units`, one warp per chunk, loads them and their scales first, then decodes
+(int8/int4: byte permutes under the exponent of 2**23; FP8: the hardware conversion; E2M1: a
+16-entry table in shared memory),
 multiplies by the slot's f32 scale and writes each unit's 16 bytes with one store, so a warp's
 store instruction covers 512 contiguous bytes. Modes of the quantize kernel (one kernel per value kind; the mode and the scale dtype are
 uniform branches):
@@ -463,8 +464,8 @@ def offset_decoder(kind: int):
 
     @cuda.jit(device=True, inline="always")
     def decode(w, tab, val, off):
-        if bits == 4:  # the sign-flipped nibbles at bits 3-6 of each byte
-            w = w ^ sign
+        w = w ^ sign  # u = code + 2**(bits-1) in every field
+        if bits == 4:  # the nibbles at bits 3-6 of each byte
             lo = (w & uint32(0x0F0F0F0F)) << uint32(3)
             hi = (w >> uint32(1)) & uint32(0x78787878)
             val[off] = u2f(prmt(lo, OFFSET_HALF, 0x7044))
@@ -476,7 +477,6 @@ def offset_decoder(kind: int):
             val[off + 6] = u2f(prmt(lo, OFFSET_HALF, 0x7344))
             val[off + 7] = u2f(prmt(hi, OFFSET_HALF, 0x7344))
         else:  # 2-bit field i (bits 2i, 2i+1) to mantissa bits 21-22
-            w = w ^ sign
             for i in range(per_word):
                 if 2 * i <= 21:
                     t = w << uint32(21 - 2 * i)

@@ -116,8 +116,8 @@ def config_for(kind: int, m: int, Q: np.ndarray) -> tuple[int, int, bool]:
     return mb, wpt, int(Q[Q_BLOCK]) >= wpt * pw
 
 
-
-def plan(Q: np.ndarray, wpt: int = 1, per_sm: int = 2, rows: int = 4) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
+def plan(Q: np.ndarray, wpt: int = 1, per_sm: int = TUNING[4].per_sm,
+         rows: int = TUNING[4].rows) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
     """(Q with KS/RPB, grid, block): one wave of resident 256-thread blocks (`per_sm` per SM)."""
     q = Q.copy()
     k_ = int(q[Q_K])
