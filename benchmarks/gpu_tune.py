@@ -1,11 +1,14 @@
 """Tuning runs for the cuda backend's fast kernels on a GPU (kernel variants side by side).
 
-    NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_tune.py [--out DIR] [--only gemv|dequant]
+    NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_tune.py [--out DIR] [--only gemv|dequant] [--quick]
 
-* GEMV `x[M, 8192] @ w[8192, 8192]`, w in q4s/block32:f16: rows of x per launch (mb), u32
+* GEMV `x[M, 8192] @ w[8192, 8192]`, w in q4s/block32:f16, the FFMA kernel (gemv.py): rows of x per launch (mb), u32
   words per thread and row (wpt), rows per step, the prefetch pipeline, register cap, blocks
-  per SM and the offset decode (`gemv._gemv_kernel(offset=True)`) varied; each variant's result
-  checked against the default path's, timed with CUDA events after an L2 flush (as in benchmarks/gpu.py), next to torch's fp16 matmul; then
+  per SM and the offset decode (`gemv._gemv_kernel(offset=True)`) varied; and for M in `TC_M` the
+  tensor-core kernel (tc.py: column groups per block, steps per register set, registers, blocks per
+  SM, x read at compute time); each variant's result
+  checked against x @ dequantize(w) in f64 (largest error over the largest |result|, and over the
+  conformance suite's matmul bound), timed with CUDA events after an L2 flush (as in benchmarks/gpu.py), next to torch's fp16 matmul; then
   M = 1 with K = 1024 (an eighth of the weight), whose time is mostly the fixed costs.
 * Dequantize of 2**28 elements: units in flight per thread, each checked bit for bit; next to
   the ceilings of its memory traffic: a device-to-device copy, a 1 GiB fill (writes only) and
@@ -33,15 +36,23 @@ def _time(torch, fn, flush=None):
 
 # GEMV variants: (mb, wpt, rows, prefetch, registers, blocks per SM, offset decode); Q by value as
 # gemv.buffers passes it. M > mb runs ceil(M / mb) launches.
-GEMV_VARIANTS = {  # the first of each M is the backend's default (gemv.config_for, gemv.TUNING)
+GEMV_VARIANTS = {  # the first of each M is the FFMA kernel's default (gemv.config_for, gemv.TUNING)
     1: [(1, 2, 4, True, 128, 2, False), (1, 2, 4, True, 128, 2, True), (1, 2, 8, True, 128, 2, True),
         (1, 2, 8, True, 128, 2, False)],
     2: [(2, 2, 4, True, 128, 2, False), (2, 2, 4, True, 128, 2, True), (2, 1, 4, True, 128, 2, False)],
     4: [(4, 1, 4, True, 128, 2, False), (4, 1, 4, True, 128, 2, True)],
     8: [(8, 1, 4, True, 255, 1, False), (8, 1, 4, True, 255, 1, True), (4, 1, 4, True, 128, 2, False)],
     16: [(8, 1, 4, True, 255, 1, False), (4, 1, 4, True, 128, 2, False)],
+    5: [(8, 1, 4, True, 255, 1, False)],  # what M = 5 and 12 took before the tensor-core kernel
+    12: [(8, 1, 4, True, 255, 1, False)],
 }
 K1024 = {1: GEMV_VARIANTS[1][:1]}
+# tensor-core kernel variants (tc.py): (column groups per block, steps per register set for
+# mg = 1 and mg = 2 (None: tc.U), registers, blocks per SM, x read at compute time (`xlate`)); the
+# first is the backend's default (tc.GW, tc.U, tc.REGS, tc.PER_SM)
+TC_VARIANTS = [(1, None, None, 128, 2, False), (1, 6, 3, 128, 2, True), (1, 2, 2, 80, 3, False),
+               (2, 2, 2, 128, 2, False)]
+TC_M = (4, 5, 8, 12, 16)
 
 
 def _empty_kernel(cuda):
@@ -52,8 +63,8 @@ def _empty_kernel(cuda):
     return k_empty
 
 
-def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None):
-    from qcore_cuda import gemv
+def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quick=False):
+    from qcore_cuda import gemv, tc
     from qcore_cuda.kernels import _jit_regs
 
     torch.manual_seed(0)
@@ -65,17 +76,20 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None):
     pl = pp["plan"]
     w32 = data.payload[: pl.values_nbytes].view(np.uint32)
     kind, Q = gemv.geometry(data.shape, data.scheme)
-    for m, vs in (variants or GEMV_VARIANTS).items():
+    wd = torch.as_tensor(be.to_numpy(be.dequantize(qw)), device="cuda").double()
+    ms = variants or {**GEMV_VARIANTS, **{m: GEMV_VARIANTS.get(m, []) for m in TC_M}}
+    for m, vs in sorted(ms.items()):
         x = torch.randn(m, k_, device="cuda")
         xd = cuda.as_cuda_array(x).reshape(m * k_)
-        want = torch.as_tensor(be.to_numpy(be.matmul(cuda.as_cuda_array(x), qw)), device="cuda")
+        want = x.double() @ wd  # exact to f64, against which every variant's error is shown
+        bound = 2 * k_ * 2.0 ** -24 * (x.double().abs() @ wd.abs())  # the conformance suite's matmul bound
         x16, w16 = x.half(), w.half()
         torch_t = _time(torch, lambda: x16 @ w16, flush=flush)
         runs = []
         if m == 1:
             ke, eo = _empty_kernel(cuda), cuda.device_array(1, dtype=np.float32)
             runs.append(("empty kernel, same grid", lambda: ke[(16, 16), (32, 8)](eo), None, {}))
-        for mb, wpt, rows, prefetch, regs, per_sm, offset in vs:
+        for mb, wpt, rows, prefetch, regs, per_sm, offset in (vs[:1] if quick else vs):
             meta = dict(mb=mb, wpt=wpt, rows=rows, prefetch=prefetch, regs=regs, per_sm=per_sm, offset=offset)
             try:
                 kern = _jit_regs(regs)(gemv._gemv_kernel(kind, mb, wpt, True, rows, prefetch, offset))
@@ -95,19 +109,44 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None):
             runs.append((f"mb{mb} wpt{wpt} rows{rows} {'prefetch' if prefetch else 'plain'} r{regs} x{per_sm}"
                          f"{' offset' if offset else ''}",
                          run, out, dict(meta, grid=list(grid))))
+        if variants is None and m in TC_M and tc.geometry(data.shape, data.scheme) is not None:
+            for gw, u1, u2, regs, per_sm, xlate in TC_VARIANTS:
+                mg = 1 if m <= 8 else 2
+                u = (u1 if mg == 1 else u2) or tc.U[mg]
+                meta = dict(tc=True, mg=mg, gw=gw, u=u, regs=regs, per_sm=per_sm, xlate=xlate)
+                try:
+                    kern = _jit_regs(regs)(tc._tc_kernel(kind, mg, gw, u, xlate))
+                except Exception as e:
+                    print(json.dumps({"m": m, **meta, "error": str(e)[:300]}), flush=True)
+                    continue
+                q, grid, block = tc.plan(Q, gw, per_sm)
+                qd = tuple(int(v) for v in q)
+                part = cuda.device_array(max(1, int(q[gemv.Q_KS]) * tc.MAX_MB * n_), dtype=np.float32)
+                cnt = cuda.to_device(np.zeros(grid[0] + 1, dtype=np.int32))
+                out = cuda.device_array(m * n_, dtype=np.float32)
+                mb = 8 * mg
+
+                def run(kern=kern, grid=grid, block=block, qd=qd, part=part, cnt=cnt, out=out, mb=mb):
+                    for m0 in range(0, m, mb):
+                        kern[grid, block](xd, w32, scales, gbuf, pp["lut"], part, cnt, out, qd, m0, min(mb, m - m0))
+
+                runs.append((f"tensor cores: mg{mg} gw{gw} u{u} r{regs} x{per_sm}{' xlate' if xlate else ''}", run, out,
+                             dict(meta, grid=list(grid))))
         for name, run, out, meta in runs:
             try:
                 run()
                 err = None
+                over = None
                 if out is not None:
-                    got = torch.as_tensor(out.copy_to_host().reshape(m, n_), device="cuda")
+                    got = torch.as_tensor(out.copy_to_host().reshape(m, n_), device="cuda").double()
                     err = float((got - want).abs().max() / want.abs().max())
+                    over = float(((got - want).abs() / bound).max())  # <= 1: inside the bound
                 t = _time(torch, run, flush=flush)
             except Exception as e:  # e.g. too many resources for this GPU
                 print(json.dumps({"m": m, "variant": name, "error": str(e)[:300]}), flush=True)
                 continue
             r = {"m": m, "k": k_, "n": n_, "variant": name, **meta, "us": round(1e3 * t, 2),
-                 "torch_fp16_us": round(1e3 * torch_t, 2), "speedup": round(torch_t / t, 3), "rel_err_vs_default": err}
+                 "torch_fp16_us": round(1e3 * torch_t, 2), "speedup": round(torch_t / t, 3), "rel_err": err, "err_over_bound": over}
             res["gemv"].append(r)
             print(json.dumps(r), flush=True)
 
@@ -159,6 +198,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", choices=("gemv", "dequant"), help="run one of the two parts")
+    ap.add_argument("--quick", action="store_true", help="the FFMA GEMV's default per M only (and every tensor-core variant)")
     args = ap.parse_args(argv)
     import torch
     from numba import config, cuda
@@ -172,7 +212,7 @@ def main(argv=None) -> int:
     res = {"gemv": [], "dequant": []}
     flush = l2_flushes(torch)[0]
     if args.only != "dequant":
-        tune_gemv(torch, cuda, be, res, flush)
+        tune_gemv(torch, cuda, be, res, flush, quick=args.quick)
         tune_gemv(torch, cuda, be, res, flush, k_=1024, variants=K1024)  # 1/8 of the weight: the fixed costs
     if args.only != "gemv":
         tune_dequant(torch, cuda, be, res)

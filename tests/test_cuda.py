@@ -371,6 +371,120 @@ def test_gemv_paths(cuda_backend, text, n_, wpt, one, m):
     np.testing.assert_array_equal(again.view(np.uint32), got.view(np.uint32))
 
 
+_TC_TEXTS = ["q4s/block32:f16", "q8f/block32:f32", "q2s/block32:f16", "e4m3/block64:bf16", "e5m2",
+             "e2m1/block32:ue8m0", "e4m3/block32:ue4m3/tensor:f32", "q4f/block128:f16/packed_native"]
+# the simulator runs each mma as two block barriers: every kind once, each M on some kind
+_TC_CASES = ([(t, m) for t, m in zip(_TC_TEXTS, [5, 9, 8, 6, 16, 5, 9, 17])] if SIM else
+             [(t, m) for t in _TC_TEXTS for m in (5, 8, 9, 17)])
+
+
+@pytest.mark.parametrize("text,m", _TC_CASES)
+def test_tensor_core_gemv(cuda_backend, text, m):
+    """The tensor-core kernel (tc.py) for every value kind, one- and two-level scales: K leaves the
+    last warps a partial register set and the last block idle warps (rows masked), 2 k-splits on
+    the simulator; M = 9 takes two groups of 8 rows of x, M = 17 two launches of 16 rows
+    (the second's rows past M read row M - 1 and are not written). Results within the
+    conformance suite's matmul bound of x @ dequantize(w), and they repeat bit for bit."""
+    from qcore_cuda import tc
+
+    k_ = 136 if SIM else 8000 + 13
+    n_ = 128 if SIM else 1024
+    sch = qcore.scheme(text)
+    assert tc.geometry((k_, n_), sch) is not None and tc.use_for(m)
+    w = _x((k_, n_), seed=21)
+    x = _x((m, k_), seed=22, scale=1.0)
+    x.reshape(-1)[2] = 0.25  # (_x's 1e-30 would send its blocks to the FFMA fallback)
+    qw = cuda_backend.from_data(REF.into_data(REF.quantize(w, text)))
+    got = cuda_backend.to_numpy(cuda_backend.matmul(x, qw))
+    W = REF.dequantize(REF.quantize(w, text)).astype(np.float64)
+    want = x.astype(np.float64) @ W
+    bound = 2 * k_ * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ np.abs(W))
+    err = np.abs(got - want)
+    assert np.all(err <= bound), f"{int((err > bound).sum())} outputs past the bound, worst {np.max(err / bound):.3g}x"
+    again = cuda_backend.to_numpy(cuda_backend.matmul(x, qw))
+    np.testing.assert_array_equal(again.view(np.uint32), got.view(np.uint32))
+
+
+@pytest.mark.parametrize("mg,u", [(1, 3), (2, 2)])
+def test_tensor_core_xlate_variant(cuda_backend, mg, u):
+    """The tensor-core kernel's tuning variant that reads x when a step computes
+    (`_tc_kernel(xlate=True)`, what benchmarks/gpu_tune.py times) sums to x @ dequantize(w)
+    within the matmul bound, like the default."""
+    from qcore_cuda import tc
+
+    m = 6 if mg == 1 else 13
+    k_, n_ = (136, 64) if SIM else (4000 + 8, 512)
+    text = "q4s/block32:f16"
+    x = _x((m, k_), seed=25, scale=1.0)
+    x.reshape(-1)[2] = 0.25
+    qw = cuda_backend.from_data(REF.into_data(REF.quantize(_x((k_, n_), seed=26), text)))
+    data = qw.data
+    scales, gbuf = cuda_backend._decoded_scales(data)
+    pp = cuda_backend._prepared(data.shape, data.scheme, "minmax")
+    kind, Q = tc.geometry(data.shape, data.scheme)
+    q, grid, block = tc.plan(Q, 1)
+    part = cuda.device_array(int(q[tc.Q_KS]) * tc.MAX_MB * n_, dtype=np.float32)
+    cnt = cuda.to_device(np.zeros(grid[0] + 1, dtype=np.int32))
+    out = cuda.device_array(m * n_, dtype=np.float32)
+    kern = cuda.jit(tc._tc_kernel(kind, mg, 1, 1 if SIM else u, xlate=True))
+    kern[grid, block](cuda.to_device(x.reshape(-1)), data.payload[: pp["plan"].values_nbytes].view(np.uint32), scales,
+                      gbuf, pp["lut"], part, cnt, out, tuple(int(v) for v in q), 0, m)
+    W = REF.dequantize(REF.from_data(cuda_backend.into_data(qw))).astype(np.float64)
+    want = x.astype(np.float64) @ W
+    bound = 2 * k_ * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ np.abs(W))
+    assert np.all(np.abs(out.copy_to_host().reshape(m, n_) - want) <= bound)
+    assert cnt.copy_to_host()[-1] == 0
+
+
+@pytest.mark.parametrize("case", ["tiny", "huge", "nan", "inf", "zero_rows"])
+def test_tensor_core_gemv_range_fallback(cuda_backend, case):
+    """Where x * e leaves [2**-100, 2**100] (subnormal x, huge products, NaN, infinity), the block
+    recomputes its sums with FFMA in k order: results within the matmul bound of the f64 sum,
+    NaN and infinity where the f32 sum has them, and the kernel's fallback flag set (not for
+    zero rows of x, whose sums are exact zeros on the tensor cores)."""
+    k_, n_, m = (72, 32, 5) if SIM else (4096 + 8, 1024, 5)
+    w = _x((k_, n_), seed=23)
+    x = _x((m, k_), seed=24, scale=1.0)
+    if case == "tiny":
+        x = (x * 1e-39).astype(np.float32)  # subnormal: x * e far below 2**-100
+    elif case == "huge":
+        x = (x * 2.0 ** 110).astype(np.float32)
+    elif case == "nan":
+        x[1, 7] = np.nan
+    elif case == "inf":
+        x[2, k_ - 1] = np.inf
+    else:
+        x[[0, 3]] = 0.0
+    text = "q4s/block32:f32"
+    qw = cuda_backend.from_data(REF.into_data(REF.quantize(w, text)))
+    got = cuda_backend.to_numpy(cuda_backend.matmul(x, qw)).astype(np.float64)
+    # the kernel itself: which blocks fell back (the flag after the column-block counters)
+    from qcore_cuda import tc
+
+    data = qw.data
+    scales, gbuf = cuda_backend._decoded_scales(data)
+    pp = cuda_backend._prepared(data.shape, data.scheme, "minmax")
+    kind, Q = tc.geometry(data.shape, data.scheme)
+    kern, mb, q, grid, block, part, cnt, = tc.buffers(Q, kind, m)
+    out = cuda.device_array(m * n_, dtype=np.float32)
+    kern[grid, block](cuda.to_device(x.reshape(-1)), data.payload[: pp["plan"].values_nbytes].view(np.uint32),
+                      scales, gbuf, pp["lut"], part, cnt, out, q, 0, m)
+    np.testing.assert_array_equal(out.copy_to_host().reshape(m, n_).view(np.uint32),
+                                  got.astype(np.float32).view(np.uint32))
+    assert cnt.copy_to_host()[-1] == (0 if case == "zero_rows" else 1), "fallback flag"
+    W = REF.dequantize(REF.quantize(w, text)).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = (x.astype(np.float64) @ W).astype(np.float32).astype(np.float64)
+        bound = 2 * k_ * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ np.abs(W))
+    fin = np.isfinite(want)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)])
+    assert np.all(np.abs(got[fin] - want[fin]) <= bound[fin]), case
+    if case == "zero_rows":
+        assert np.all(got[[0, 3]] == 0)
+
+
 @pytest.mark.parametrize("kind_name", ["KIND_I4", "KIND_I2"])
 def test_offset_decoder_is_exact(cuda_backend, kind_name):
     """The GEMV's offset decode (`fast.offset_decoder`): a * f + b equals every field's signed
@@ -546,7 +660,7 @@ _COMPILE_ALL = textwrap.dedent("""
     import sys
     try:
         from numba import cuda
-        from qcore_cuda import kernels as K, fast as F, gemv as G
+        from qcore_cuda import kernels as K, fast as F, gemv as G, tc as T
         n = 0
         newer = ("e4m3x2", "e5m2x2", "max.NaN")  # sm_89 FP8 conversions, sm_80 max.NaN
         for name, sigs in K.SIGNATURES.items():
@@ -559,7 +673,7 @@ _COMPILE_ALL = textwrap.dedent("""
                     if f in ptx:
                         print("NEEDS_NEWER_GPU", name, f)
         fp8 = 0
-        for name, fn, sig, *_ in F.ptx_targets() + G.ptx_targets():
+        for name, fn, sig, *_ in F.ptx_targets() + G.ptx_targets() + T.ptx_targets():
             ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
             fp8 += "e4m3x2" in ptx
             n += 1
@@ -587,9 +701,9 @@ def test_kernels_compile_for_sm90():
             pytest.fail(reason + " (QCORE_REQUIRE_PTX=1)")
         pytest.skip(reason)
     assert out.returncode == 0, out.stderr[-3000:]
-    from qcore_cuda import fast as F, gemv as G, kernels as K
+    from qcore_cuda import fast as F, gemv as G, kernels as K, tc as T
 
-    n = sum(len(s) for s in K.SIGNATURES.values()) + len(F.ptx_targets()) + len(G.ptx_targets())
+    n = sum(len(s) for s in K.SIGNATURES.values()) + len(F.ptx_targets()) + len(G.ptx_targets()) + len(T.ptx_targets())
     assert f"COMPILED {n}" in out.stdout
     # the general kernels (backend.fast_verdict's path below compute capability 8.9) use no
     # sm_80+/sm_89+ instruction; the fast ones do (which is why they are gated)

@@ -436,8 +436,10 @@ class CudaBackend(BaseBackend):
         [..., N], accumulated in f32.
 
         Weights on the fast layout (codes along N; per-tensor or power-of-two blocks along N
-        spanning a u32 word of codes) take the GEMV kernel (`gemv.py`): k-split partial sums
-        added in a fixed order, so results repeat bit for bit. Other layouts take the general
+        spanning a u32 word of codes) take the GEMV kernel (`gemv.py`), and from M = 5 on (N a
+        multiple of 32, blocks of 32 columns or more, K >= 64) the tensor-core kernel (`tc.py`:
+        TF32 mma with x * e split in two, within the f32 accumulation bound): k-split partial
+        sums added in a fixed order, so results repeat bit for bit. Other layouts take the general
         kernel: 8 output columns per thread, k-chunks summed in shared memory and added to the
         output with f32 atomics (the last bits may vary from run to run).
         """
@@ -463,8 +465,9 @@ class CudaBackend(BaseBackend):
         return out.reshape(out_shape)
 
     def _launch_gemv(self, xd, data: CudaData, m: int, out, scales, gbuf) -> bool:
-        """The GEMV kernel (gemv.py) when the weight's layout allows it; False otherwise."""
-        from . import gemv
+        """The GEMV kernels when the weight's layout allows them (tc.py for M >= tc.MIN_M where
+        it applies, else gemv.py); False otherwise."""
+        from . import gemv, tc
 
         if not self._fast[0]:
             return False
@@ -478,7 +481,10 @@ class CudaBackend(BaseBackend):
         if st is None:
             kind, Q = gg
             pp = self._prepared(data.shape, data.scheme, "minmax")
-            kern, mb, q, grid, block, part, cnt = gemv.buffers(Q, kind, m)
+            if tc.use_for(m) and tc.geometry(data.shape, data.scheme) is not None:
+                kern, mb, q, grid, block, part, cnt = tc.buffers(Q, kind, m)
+            else:
+                kern, mb, q, grid, block, part, cnt = gemv.buffers(Q, kind, m)
             w32 = data.payload[: pp["plan"].values_nbytes].view(np.uint32)
             # x, out, m0 and the row count change from call to call; the rest is packed once
             st = data.cache[key] = (mb, Packed(kern, grid, block, [xd, w32, scales, gbuf, pp["lut"], part, cnt, out, q,

@@ -18,6 +18,16 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
 * `e4m3x2_f32(c)` / `e5m2x2_f32(c)`: the reverse, exact (`cvt.rn.f16x2.e4m3x2`, then f16 -> f32).
 * `f16_bits(x)`: f32 -> f16 bits (round to nearest; exact for the already-rounded scales the
   kernels pass).
+* `abs_bits_m1(u)`: `(u & 0x7FFFFFFF) - 1` in u32 arithmetic (an f32's |bits| - 1: 0 wraps to
+  the top), for a range check by one u32 minimum.
+* `mma_tf32(a0..a3, b0, b1, c0..c3, scr, lane, base)`: one warp-wide
+  `mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32` (PTX ISA 9.7.13.4.9): lane (g, t) =
+  (lane >> 2, lane & 3) holds A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4] (16 x 8), B[t][g],
+  B[t+4][g] (8 x 8) and C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]; returns those of C + A B.
+  Every lane of the warp must call it (it is a warp collective). The simulator's twin exchanges
+  the fragments through `scr[base : base + 192]` (a shared f32 array, one slot per warp) with
+  two block barriers, so under the simulator every thread of the block must call it the same
+  number of times; the GPU ignores `scr`, `lane` and `base`.
 """
 from __future__ import annotations
 
@@ -105,6 +115,31 @@ if config.ENABLE_CUDASIM:
 
     def f16_bits(x):
         return np.uint32(np.float16(x).view(np.uint16))
+
+    def _tf32_trunc(x):
+        """What the tensor core reads of an f32 operand: its top 19 bits."""
+        return np.uint32(np.float32(x).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+
+    def abs_bits_m1(u):
+        return np.uint32((int(u) & 0x7FFFFFFF) - 1 & 0xFFFFFFFF)
+
+    from numba import cuda as _cuda_sim  # swapped for the fake module inside device functions
+
+    @_cuda_sim.jit(device=True)
+    def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base):
+        g, t = int(lane) >> 2, int(lane) & 3
+        b = int(base)
+        for r, k, v in ((g, t, a0), (g + 8, t, a1), (g, t + 4, a2), (g + 8, t + 4, a3)):
+            scr[b + r * 8 + k] = _tf32_trunc(v)
+        scr[b + 128 + t * 8 + g] = _tf32_trunc(b0)
+        scr[b + 128 + (t + 4) * 8 + g] = _tf32_trunc(b1)
+        _cuda_sim.syncthreads()
+        out = []
+        for r, n, c in ((g, 2 * t, c0), (g, 2 * t + 1, c1), (g + 8, 2 * t, c2), (g + 8, 2 * t + 1, c3)):
+            s = float(c) + sum(float(scr[b + r * 8 + k]) * float(scr[b + 128 + k * 8 + n]) for k in range(8))
+            out.append(np.float32(s))
+        _cuda_sim.syncthreads()
+        return out[0], out[1], out[2], out[3]
 
 else:
     from llvmlite import ir
@@ -281,3 +316,29 @@ else:
             return builder.call(f, list(args))
 
         return types.uint32(types.float32), codegen
+
+    @intrinsic
+    def abs_bits_m1(typingctx, u):
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.uint32)
+            return builder.sub(builder.and_(v, ir.Constant(_I32, 0x7FFFFFFF)), ir.Constant(_I32, 1))
+
+        return types.uint32(u), codegen
+
+    @intrinsic
+    def mma_tf32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base):
+        ret = types.UniTuple(types.float32, 4)
+        sig = ret(types.float32, types.float32, types.float32, types.float32, types.float32, types.float32,
+                  types.float32, types.float32, types.float32, types.float32, scr, lane, base)
+
+        def codegen(context, builder, sig, args):
+            st = ir.LiteralStructType([_F32] * 4)
+            f = _asm(st, [_I32] * 6 + [_F32] * 4,
+                     "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                     "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                     "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            ins = [builder.bitcast(a, _I32) for a in args[:6]] + list(args[6:10])
+            r = builder.call(f, ins)
+            return context.make_tuple(builder, ret, [builder.extract_value(r, k) for k in range(4)])
+
+        return sig, codegen
