@@ -42,3 +42,24 @@ def cuda_backend():
     from qcore.conformance import installed_backend
 
     return installed_backend("cuda")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run the K-th of N interleaved parts of the collected tests (K = 1..N): splits a "
+                          "GPU run of tests/test_cuda.py over device calls with a time limit")
+
+
+def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--shard")
+    if not spec:
+        return
+    try:
+        k, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard wants K/N with 1 <= K <= N, got {spec!r}") from None
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--shard wants K/N with 1 <= K <= N, got {spec!r}")
+    keep = [it for i, it in enumerate(items) if i % n == k - 1]
+    config.hook.pytest_deselected(items=[it for i, it in enumerate(items) if i % n != k - 1])
+    items[:] = keep
