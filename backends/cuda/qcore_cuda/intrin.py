@@ -21,7 +21,7 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
 * `abs_bits_m1(u)`: `(u & 0x7FFFFFFF) - 1` in u32 arithmetic (an f32's |bits| - 1: 0 wraps to
   the top), for a range check by one u32 minimum.
 * `mma_tf32(a0..a3, b0, b1, c0..c3, scr, lane, base)`: one warp-wide
-  `mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32` (PTX ISA 9.7.13.4.9): lane (g, t) =
+  `mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32` (the PTX ISA's m16n8k8 fragments): lane (g, t) =
   (lane >> 2, lane & 3) holds A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4] (16 x 8), B[t][g],
   B[t+4][g] (8 x 8) and C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]; returns those of C + A B.
   Every lane of the warp must call it (it is a warp collective). The simulator's twin exchanges
