@@ -371,6 +371,24 @@ def test_gemv_paths(cuda_backend, text, n_, wpt, one, m):
     np.testing.assert_array_equal(again.view(np.uint32), got.view(np.uint32))
 
 
+def _launch_gemv_kernel(backend, qw, kern, grid, block, part, cnt, q, x, m, n_):
+    """One launch of a GEMV kernel (gemv.py, tc.py) on qw's device buffers, as the backend
+    launches it; returns out [m, n_] on the host."""
+    data = qw.data
+    scales, gbuf = backend._decoded_scales(data)
+    pp = backend._prepared(data.shape, data.scheme, "minmax")
+    w32 = data.payload[: pp["plan"].values_nbytes].view(np.uint32)
+    out = cuda.device_array(m * n_, dtype=np.float32)
+    kern[grid, block](cuda.to_device(x.reshape(-1)), w32, scales, gbuf, pp["lut"], part, cnt, out,
+                      tuple(int(v) for v in q), 0, m)
+    return out.copy_to_host().reshape(m, n_)
+
+
+def _matmul_bound(x, W):
+    """The conformance suite's matmul bound (matmul_rel = 2): 2 K 2**-24 (|x| @ |W|)."""
+    return 2 * x.shape[-1] * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ np.abs(W))
+
+
 _TC_TEXTS = ["q4s/block32:f16", "q8f/block32:f32", "q2s/block32:f16", "e4m3/block64:bf16", "e5m2",
              "e2m1/block32:ue8m0", "e4m3/block32:ue4m3/tensor:f32", "q4f/block64:f16/packed_native"]
 # the simulator runs each mma as two block barriers: every kind once, each M on some kind
@@ -398,7 +416,7 @@ def test_tensor_core_gemv(cuda_backend, text, m):
     got = cuda_backend.to_numpy(cuda_backend.matmul(x, qw))
     W = REF.dequantize(REF.quantize(w, text)).astype(np.float64)
     want = x.astype(np.float64) @ W
-    bound = 2 * k_ * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ np.abs(W))
+    bound = _matmul_bound(x, W)
     err = np.abs(got - want)
     assert np.all(err <= bound), f"{int((err > bound).sum())} outputs past the bound, worst {np.max(err / bound):.3g}x"
     again = cuda_backend.to_numpy(cuda_backend.matmul(x, qw))
@@ -418,21 +436,14 @@ def test_tensor_core_xlate_variant(cuda_backend, mg, u):
     x = _x((m, k_), seed=25, scale=1.0)
     x.reshape(-1)[2] = 0.25
     qw = cuda_backend.from_data(REF.into_data(REF.quantize(_x((k_, n_), seed=26), text)))
-    data = qw.data
-    scales, gbuf = cuda_backend._decoded_scales(data)
-    pp = cuda_backend._prepared(data.shape, data.scheme, "minmax")
-    kind, Q = tc.geometry(data.shape, data.scheme)
+    kind, Q = tc.geometry(qw.data.shape, qw.data.scheme)
     q, grid, block = tc.plan(Q, 1)
     part = cuda.device_array(int(q[tc.Q_KS]) * tc.MAX_MB * n_, dtype=np.float32)
     cnt = cuda.to_device(np.zeros(grid[0] + 1, dtype=np.int32))
-    out = cuda.device_array(m * n_, dtype=np.float32)
     kern = cuda.jit(tc._tc_kernel(kind, mg, 1, 1 if SIM else u, xlate=True))
-    kern[grid, block](cuda.to_device(x.reshape(-1)), data.payload[: pp["plan"].values_nbytes].view(np.uint32), scales,
-                      gbuf, pp["lut"], part, cnt, out, tuple(int(v) for v in q), 0, m)
+    got = _launch_gemv_kernel(cuda_backend, qw, kern, grid, block, part, cnt, q, x, m, n_)
     W = REF.dequantize(REF.from_data(cuda_backend.into_data(qw))).astype(np.float64)
-    want = x.astype(np.float64) @ W
-    bound = 2 * k_ * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ np.abs(W))
-    assert np.all(np.abs(out.copy_to_host().reshape(m, n_) - want) <= bound)
+    assert np.all(np.abs(got - x.astype(np.float64) @ W) <= _matmul_bound(x, W))
     assert cnt.copy_to_host()[-1] == 0
 
 
@@ -461,21 +472,15 @@ def test_tensor_core_gemv_range_fallback(cuda_backend, case):
     # the kernel itself: which blocks fell back (the flag after the column-block counters)
     from qcore_cuda import tc
 
-    data = qw.data
-    scales, gbuf = cuda_backend._decoded_scales(data)
-    pp = cuda_backend._prepared(data.shape, data.scheme, "minmax")
-    kind, Q = tc.geometry(data.shape, data.scheme)
-    kern, mb, q, grid, block, part, cnt, = tc.buffers(Q, kind, m)
-    out = cuda.device_array(m * n_, dtype=np.float32)
-    kern[grid, block](cuda.to_device(x.reshape(-1)), data.payload[: pp["plan"].values_nbytes].view(np.uint32),
-                      scales, gbuf, pp["lut"], part, cnt, out, q, 0, m)
-    np.testing.assert_array_equal(out.copy_to_host().reshape(m, n_).view(np.uint32),
-                                  got.astype(np.float32).view(np.uint32))
+    kind, Q = tc.geometry(qw.data.shape, qw.data.scheme)
+    kern, mb, q, grid, block, part, cnt = tc.buffers(Q, kind, m)
+    again = _launch_gemv_kernel(cuda_backend, qw, kern, grid, block, part, cnt, q, x, m, n_)
+    np.testing.assert_array_equal(again.view(np.uint32), got.astype(np.float32).view(np.uint32))
     assert cnt.copy_to_host()[-1] == (0 if case == "zero_rows" else 1), "fallback flag"
     W = REF.dequantize(REF.quantize(w, text)).astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
         want = (x.astype(np.float64) @ W).astype(np.float32).astype(np.float64)
-        bound = 2 * k_ * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ np.abs(W))
+        bound = _matmul_bound(x, W)
     fin = np.isfinite(want)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
@@ -530,21 +535,15 @@ def test_gemv_offset_variant(cuda_backend, text):
     k_, n_ = (230, 64) if SIM else (4000, 512)
     x = _x((1, k_), seed=14, scale=1.0)
     qw = cuda_backend.from_data(REF.into_data(REF.quantize(_x((k_, n_), seed=13), text)))
-    data = qw.data
-    scales, gbuf = cuda_backend._decoded_scales(data)
-    pp = cuda_backend._prepared(data.shape, data.scheme, "minmax")
-    w32 = data.payload[: pp["plan"].values_nbytes].view(np.uint32)
-    kind, Q = gemv.geometry(data.shape, data.scheme)
+    kind, Q = gemv.geometry(qw.data.shape, qw.data.scheme)
     mb, wpt, one = gemv.config_for(kind, 1, Q)
     q, grid, block = gemv.plan(Q, wpt)
     part = cuda.device_array(int(q[gemv.Q_KS]) * mb * n_, dtype=np.float32)
     cnt = cuda.to_device(np.zeros(grid[0], dtype=np.int32))
-    out = cuda.device_array(n_, dtype=np.float32)
     kern = cuda.jit(gemv._gemv_kernel(kind, mb, wpt, one, offset=True))
-    kern[grid, block](cuda.to_device(x.reshape(-1)), w32, scales, gbuf, pp["lut"], part, cnt, out,
-                      tuple(int(v) for v in q), 0, 1)
+    got = _launch_gemv_kernel(cuda_backend, qw, kern, grid, block, part, cnt, q, x, 1, n_)
     want = x.astype(np.float64) @ REF.dequantize(REF.from_data(cuda_backend.into_data(qw))).astype(np.float64)
-    np.testing.assert_allclose(out.copy_to_host()[None], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 def test_launches_hold_no_outputs(cuda_backend):

@@ -481,7 +481,7 @@ class CudaBackend(BaseBackend):
         if st is None:
             kind, Q = gg
             pp = self._prepared(data.shape, data.scheme, "minmax")
-            if tc.use_for(m) and tc.geometry(data.shape, data.scheme) is not None:
+            if tc.use_for(m) and tc.applies(Q):
                 kern, mb, q, grid, block, part, cnt = tc.buffers(Q, kind, m)
             else:
                 kern, mb, q, grid, block, part, cnt = gemv.buffers(Q, kind, m)

@@ -120,18 +120,24 @@ def config_for(kind: int, m: int, Q: np.ndarray) -> tuple[int, int, bool]:
 def plan(Q: np.ndarray, wpt: int = 1, per_sm: int = TUNING[4].per_sm,
          rows: int = TUNING[4].rows) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
     """(Q with KS/RPB, grid, block): one wave of resident 256-thread blocks (`per_sm` per SM)."""
+    gx = -(-int(Q[Q_NWR]) // (BDX * wpt))
+    q = k_split(Q, gx, per_sm, BDY * rows * 2, 16, BDY)
+    return q, (gx, int(q[Q_KS])), (BDX, BDY)
+
+
+def k_split(Q: np.ndarray, gx: int, per_sm: int, min_rows: int, sim_rows: int, align: int) -> np.ndarray:
+    """Q with KS/RPB for `gx` column-blocks: KS k-splits of RPB rows (a multiple of `align`), as
+    many as fill one wave of `per_sm` blocks per SM with at least `min_rows` rows each (under the
+    simulator at most 2, of at least `sim_rows`: the cost there is per launched thread)."""
     q = Q.copy()
     k_ = int(q[Q_K])
-    gx = -(-int(q[Q_NWR]) // (BDX * wpt))
     if config.ENABLE_CUDASIM:
-        ks = max(1, min(2, -(-k_ // 16)))
+        ks = max(1, min(2, -(-k_ // sim_rows)))
     else:
-        ks = max(1, min(-(-k_ // (BDY * rows * 2)), (SMS * per_sm) // gx))
-    rpb = -(-k_ // ks)
-    rpb = -(-rpb // BDY) * BDY
-    ks = -(-k_ // rpb)
-    q[Q_KS], q[Q_RPB] = ks, rpb
-    return q, (gx, ks), (BDX, BDY)
+        ks = max(1, min(-(-k_ // min_rows), (SMS * per_sm) // gx))
+    rpb = -(-(-(-k_ // ks)) // align) * align
+    q[Q_KS], q[Q_RPB] = -(-k_ // rpb), rpb
+    return q
 
 
 def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, rows: int | None = None,

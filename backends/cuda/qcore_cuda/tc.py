@@ -68,12 +68,12 @@ PER_SM = 2  # resident blocks per SM the grid is sized for
 def geometry(shape: tuple[int, ...], scheme) -> tuple[int, np.ndarray] | None:
     """(kind, Q without KS/RPB) when this kernel applies to a [K, N] weight, else None."""
     gg = gemv.geometry(shape, scheme)
-    if gg is None:
-        return None
-    kind, Q = gg
-    if int(Q[Q_N]) % GROUP or int(Q[Q_BLOCK]) < GROUP or int(Q[Q_K]) < MIN_K:
-        return None
-    return kind, Q
+    return gg if gg is not None and applies(gg[1]) else None
+
+
+def applies(Q: np.ndarray) -> bool:
+    """Whether this kernel takes a weight of GEMV geometry Q (`gemv.geometry`)."""
+    return not (int(Q[Q_N]) % GROUP or int(Q[Q_BLOCK]) < GROUP or int(Q[Q_K]) < MIN_K)
 
 
 def use_for(m: int) -> bool:
@@ -90,18 +90,10 @@ def config_for(m: int, Q: np.ndarray) -> tuple[int, int]:
 def plan(Q: np.ndarray, gw: int, per_sm: int = PER_SM) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
     """(Q with KS/RPB, grid, block): column-blocks of gw groups x KS k-splits, about one wave of
     `per_sm` blocks per SM; rpb a multiple of 8 * WARPS."""
-    q = Q.copy()
-    k_ = int(q[Q_K])
-    gx = int(q[Q_N]) // (GROUP * gw)
+    gx = int(Q[Q_N]) // (GROUP * gw)
     unit = 8 * WARPS
-    if config.ENABLE_CUDASIM:
-        ks = max(1, min(2, -(-k_ // unit)))
-    else:
-        ks = max(1, min(-(-k_ // (unit * 2)), (gemv.SMS * per_sm) // gx))
-    rpb = -(-(-(-k_ // ks)) // unit) * unit
-    ks = -(-k_ // rpb)
-    q[Q_KS], q[Q_RPB] = ks, rpb
-    return q, (gx, ks), (32, WARPS)
+    q = gemv.k_split(Q, gx, per_sm, unit * 2, unit, unit)
+    return q, (gx, int(q[Q_KS])), (32, WARPS)
 
 
 def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None, xlate: bool = False):
@@ -379,7 +371,7 @@ def buffers(Q: np.ndarray, kind: int, m: int):
     the column-block counters and, last, a flag the kernel sets when a block fell back to FFMA."""
     mg, gw = config_for(m, Q)
     q, grid, block = plan(Q, gw)
-    part = cuda.device_array(max(1, int(q[Q_KS]) * MAX_MB * int(q[Q_N])) if int(q[Q_KS]) > 1 else 1,
-                             dtype=np.float32)
+    ks = int(q[Q_KS])
+    part = cuda.device_array(ks * MAX_MB * int(q[Q_N]) if ks > 1 else 1, dtype=np.float32)  # (unused at KS = 1)
     cnt = cuda.to_device(np.zeros(grid[0] + 1, dtype=np.int32))  # + the fallback flag
     return tc_kernel(kind, mg, gw), 8 * mg, tuple(int(v) for v in q), grid, block, part, cnt
