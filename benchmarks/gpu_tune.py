@@ -53,10 +53,6 @@ K1024 = {1: GEMV_VARIANTS[1][:1]}
 TC_VARIANTS = [(1, None, None, 128, 2, False), (1, 6, 3, 128, 2, True), (1, 2, 2, 80, 3, False),
                (2, 2, 2, 128, 2, False)]
 TC_M = (4, 5, 8, 12, 16)
-# staged tensor-core kernel variants (tcs.py): (column groups per warp, rows per stage, ring stages
-# (None: tcs.Shape's choice), registers, blocks per SM); the first is the backend's default
-TCS_VARIANTS = [(2, None, None, 128, 2), (1, None, None, 128, 2), (2, 32, 3, 128, 2), (2, None, None, 255, 1)]
-TCS_M = (1, 2, 4, 5, 8, 12, 16)
 
 
 def _empty_kernel(cuda):
@@ -81,7 +77,7 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
     w32 = data.payload[: pl.values_nbytes].view(np.uint32)
     kind, Q = gemv.geometry(data.shape, data.scheme)
     wd = torch.as_tensor(be.to_numpy(be.dequantize(qw)), device="cuda").double()
-    ms = variants or {**GEMV_VARIANTS, **{m: GEMV_VARIANTS.get(m, []) for m in TC_M + TCS_M}}
+    ms = variants or {**GEMV_VARIANTS, **{m: GEMV_VARIANTS.get(m, []) for m in TC_M}}
     for m, vs in sorted(ms.items()):
         x = torch.randn(m, k_, device="cuda")
         xd = cuda.as_cuda_array(x).reshape(m * k_)
@@ -114,7 +110,7 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
                          f"{' offset' if offset else ''}",
                          run, out, dict(meta, grid=list(grid))))
         if variants is None and m in TC_M and tc.geometry(data.shape, data.scheme) is not None:
-            for gw, u1, u2, regs, per_sm, xlate in (TC_VARIANTS[:1] if quick else TC_VARIANTS):
+            for gw, u1, u2, regs, per_sm, xlate in TC_VARIANTS:
                 mg = 1 if m <= 8 else 2
                 u = (u1 if mg == 1 else u2) or tc.U[mg]
                 meta = dict(tc=True, mg=mg, gw=gw, u=u, regs=regs, per_sm=per_sm, xlate=xlate)
@@ -136,8 +132,6 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
 
                 runs.append((f"tensor cores: mg{mg} gw{gw} u{u} r{regs} x{per_sm}{' xlate' if xlate else ''}", run, out,
                              dict(meta, grid=list(grid))))
-        if variants is None and m in TCS_M and tc.geometry(data.shape, data.scheme) is not None:
-            runs += _tcs_runs(cuda, kind, Q, m, n_, (xd, w32, scales, gbuf, pp["lut"]))
         for name, run, out, meta in runs:
             try:
                 run()
@@ -155,37 +149,6 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
                  "torch_fp16_us": round(1e3 * torch_t, 2), "speedup": round(torch_t / t, 3), "rel_err": err, "err_over_bound": over}
             res["gemv"].append(r)
             print(json.dumps(r), flush=True)
-
-
-def _tcs_runs(cuda, kind, Q, m, n_, args):
-    """(name, run, out, meta) of the staged tensor-core kernel's variants for m rows of x."""
-    from qcore_cuda import fast, tcs
-    from qcore_cuda.kernels import _jit_regs
-
-    runs = []
-    mg = 1 if m <= 8 else 2
-    cw = tcs.copy_words(int(Q[tcs.Q_NWR]))
-    for gw, sr, depth, regs, per_sm in TCS_VARIANTS:
-        sh = tcs.Shape(fast.KIND_BITS[kind], gw, mg, sr, depth)
-        meta = dict(tcs=True, mg=mg, gw=gw, sr=sh.sr, depth=sh.depth, regs=regs, per_sm=per_sm)
-        try:
-            kern = _jit_regs(regs)(tcs._tcs_kernel(kind, mg, gw, cw, sh.sr, sh.depth))
-        except Exception as e:
-            print(json.dumps({"m": m, **meta, "error": str(e)[:300]}), flush=True)
-            continue
-        q, grid, block = tcs.plan(Q, kind, mg, gw, sh.sr, per_sm)
-        qd = tuple(int(v) for v in q)
-        part = cuda.device_array(max(1, int(q[tcs.Q_KS]) * tcs.MAX_MB * n_), dtype=np.float32)
-        cnt = cuda.to_device(np.zeros(grid[0] + 1, dtype=np.int32))
-        out = cuda.device_array(m * n_, dtype=np.float32)
-
-        def run(kern=kern, grid=grid, block=block, qd=qd, part=part, cnt=cnt, out=out, mb=8 * mg):
-            for m0 in range(0, m, mb):
-                kern[grid, block](args[0], *args[1:], part, cnt, out, qd, m0, min(mb, m - m0))
-
-        runs.append((f"staged tensor cores: mg{mg} gw{gw} sr{sh.sr} depth{sh.depth} r{regs} x{per_sm}", run, out,
-                     dict(meta, grid=list(grid))))
-    return runs
 
 
 def tune_dequant(torch, cuda, be, res):
@@ -235,8 +198,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", choices=("gemv", "dequant"), help="run one of the two parts")
-    ap.add_argument("--quick", action="store_true",
-                    help="the FFMA and tensor-core GEMVs' defaults per M only (and every staged tensor-core variant)")
+    ap.add_argument("--quick", action="store_true", help="the FFMA GEMV's default per M only (and every tensor-core variant)")
     args = ap.parse_args(argv)
     import torch
     from numba import config, cuda

@@ -467,7 +467,7 @@ class CudaBackend(BaseBackend):
     def _launch_gemv(self, xd, data: CudaData, m: int, out, scales, gbuf) -> bool:
         """The GEMV kernels when the weight's layout allows them (tc.py for M >= tc.MIN_M where
         it applies, else gemv.py); False otherwise."""
-        from . import gemv, tc, tcs
+        from . import gemv, tc
 
         if not self._fast[0]:
             return False
@@ -482,7 +482,7 @@ class CudaBackend(BaseBackend):
             kind, Q = gg
             pp = self._prepared(data.shape, data.scheme, "minmax")
             if tc.use_for(m) and tc.applies(Q):
-                kern, mb, q, grid, block, part, cnt = tcs.buffers(Q, kind, m)
+                kern, mb, q, grid, block, part, cnt = tc.buffers(Q, kind, m)
             else:
                 kern, mb, q, grid, block, part, cnt = gemv.buffers(Q, kind, m)
             w32 = data.payload[: pp["plan"].values_nbytes].view(np.uint32)

@@ -28,12 +28,6 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
   the fragments through `scr[base : base + 192]` (a shared f32 array, one slot per warp) with
   two block barriers, so under the simulator every thread of the block must call it the same
   number of times; the GPU ignores `scr`, `lane` and `base`.
-* `cp_async(n)(dst, di, src, si)`: copies `n` 4-byte elements `src[si..si+n)` (global) to
-  `dst[di..di+n)` (a shared array) without registers (`cp.async.cg` for 16 bytes,
-  `cp.async.ca` for 4 and 8; both indices aligned to n elements); `cp_commit()` closes the
-  thread's group of copies (`cp.async.commit_group`) and `cp_wait(n)()` waits until at most `n`
-  of its groups are pending (`cp.async.wait_group`, sm_80+). A block barrier after the wait
-  makes every thread's copies visible. The simulator's twins copy at once and do not wait.
 """
 from __future__ import annotations
 
@@ -128,20 +122,6 @@ if config.ENABLE_CUDASIM:
 
     def abs_bits_m1(u):
         return np.uint32((int(u) & 0x7FFFFFFF) - 1 & 0xFFFFFFFF)
-
-    def _cp_async(n):
-        def cp(dst, di, src, si):
-            for z in range(n):
-                dst[di + z] = src[si + z]
-        return cp
-
-    def cp_commit():
-        pass
-
-    def _cp_wait(n):
-        def wait():
-            pass
-        return wait
 
     from numba import cuda as _cuda_sim  # swapped for the fake module inside device functions
 
@@ -362,65 +342,3 @@ else:
             return context.make_tuple(builder, ret, [builder.extract_value(r, k) for k in range(4)])
 
         return sig, codegen
-
-    def _cp_async(n):
-        assert n in (1, 2, 4)
-        kind = "cg" if n == 4 else "ca"  # (cp.async.cg takes 16 bytes only)
-
-        @intrinsic
-        def cp(typingctx, dst, di, src, si):
-            def codegen(context, builder, sig, args):
-                ptrs = []
-                for aty, ary, ity, idx in ((sig.args[0], args[0], sig.args[1], args[1]),
-                                           (sig.args[2], args[2], sig.args[3], args[3])):
-                    a = context.make_array(aty)(context, builder, value=ary)
-                    ptrs.append(builder.gep(a.data, [context.cast(builder, idx, ity, types.int64)]))
-                f = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [p.type for p in ptrs]),
-                                 "{ .reg .u64 s, g; cvta.to.shared.u64 s, $0; cvta.to.global.u64 g, $1; "
-                                 f"cp.async.{kind}.shared.global [s], [g], {4 * n}; }}",
-                                 "l,l,~{memory}", side_effect=True)
-                builder.call(f, ptrs)
-                return context.get_dummy_value()
-
-            return types.void(dst, di, src, si), codegen
-
-        return cp
-
-    @intrinsic
-    def cp_commit(typingctx):
-        def codegen(context, builder, sig, args):
-            f = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.commit_group;", "~{memory}",
-                             side_effect=True)
-            builder.call(f, [])
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
-    def _cp_wait(n):
-        @intrinsic
-        def wait(typingctx):
-            def codegen(context, builder, sig, args):
-                f = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), f"cp.async.wait_group {int(n)};", "~{memory}",
-                                 side_effect=True)
-                builder.call(f, [])
-                return context.get_dummy_value()
-
-            return types.void(), codegen
-
-        return wait
-
-_CP = {}
-
-
-def cp_async(n: int):
-    """The copy of n 4-byte elements (n = 1, 2 or 4; module docstring)."""
-    if ("a", n) not in _CP:
-        _CP["a", n] = _cp_async(n)
-    return _CP["a", n]
-
-
-def cp_wait(n: int):
-    """The wait until at most n of the thread's copy groups are pending."""
-    if ("w", n) not in _CP:
-        _CP["w", n] = _cp_wait(n)
-    return _CP["w", n]

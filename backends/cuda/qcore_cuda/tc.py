@@ -96,43 +96,6 @@ def plan(Q: np.ndarray, gw: int, per_sm: int = PER_SM) -> tuple[np.ndarray, tupl
     return q, (gx, int(q[Q_KS])), (32, WARPS)
 
 
-@cuda.jit(device=True, inline="always")
-def tf32_hi(v):
-    """v rounded to 11 significant bits (half up in magnitude; v finite, below 2**127): three
-    instructions, where `cvt.rna.tf32.f32` compiles to four plus a NaN/infinity select."""
-    return u2f((f2u(v) + uint32(0x1000)) & uint32(0xFFFFE000))
-
-
-def _exact_sums(kind: int, mg: int, gw: int):
-    """The range fallback of a lane's outputs (`mg` groups of 8 rows of x, `gw` column groups)."""
-    bits = fast.KIND_BITS[kind]
-    pw = 32 // bits
-    decode = fast.decoder(kind)
-    nacc = gw * mg * 16
-    nwd = max(1, bits // 4)  # words holding 8 codes
-
-    @cuda.jit(device=True, inline="always")
-    def exact_sums(x, w32, scales, tab, val, acc, g2, kw0, kw1, nwr, srow, fofs, sofs, xofs, sh2):
-        """The lane's outputs (C rows g of its tiles: x-rows 8q + g, columns 8t..8t+7 of each
-        group) over the warp's rows [kw0, kw1) with FFMA in k order, into the hi slots of acc
-        (the lo slots 0): the FFMA kernel's arithmetic, for blocks the split cannot take."""
-        for a in range(nacc):
-            acc[a] = float32(0.0)
-        for k in range(kw0, kw1):
-            for c in range(gw):
-                e = float32(g2 * ld1(scales, k * srow + sofs[c]))
-                for i in range(nwd):
-                    decode(ld1(w32, k * nwr + fofs[c] + int64(i)) >> sh2, tab, val, i * pw)
-                for q in range(mg):
-                    xe = float32(ld1(x, xofs[q] + k) * e)
-                    for j in range(4):
-                        b = ((c * mg + q) * 4 + j) * 4
-                        for h in range(2):
-                            acc[b + h] = cuda.fma(xe, val[4 * h + j], acc[b + h])
-
-    return exact_sums
-
-
 def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None, xlate: bool = False):
     """The kernel for value kind `kind`, `mg` groups of 8 rows of x, `gw` column groups per block
     and `u` steps per register set; `xlate` (a tuning variant): x is read when a step computes
@@ -149,11 +112,18 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None, xlate: bo
     opt = nout // (32 * WARPS)  # outputs per thread in the final sum
     red_n = nout * WARPS
     nval = 2 * pw
+    nwd = max(1, bits // 4)  # words holding 8 codes (exact_sums)
     nw = u * 2 * gw  # words per register set
     nx = 1 if xlate else u * 2 * mg  # x values per register set
     scr_n = SCR * WARPS if config.ENABLE_CUDASIM else 1
     wpg = bits  # u32 words per group row
     tiny, huge = uint32(TINY), float32(HUGE)
+
+    @cuda.jit(device=True, inline="always")
+    def tf32_hi(v):
+        """v rounded to 11 significant bits (half up in magnitude; v finite, below 2**127): three
+        instructions, where `cvt.rna.tf32.f32` compiles to four plus a NaN/infinity select."""
+        return u2f((f2u(v) + uint32(0x1000)) & uint32(0xFFFFE000))
 
     def set_functions(masked: bool):
         """(load, compute) of one register set of `u` steps. Unmasked: every row of the set lies
@@ -224,7 +194,24 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None, xlate: bo
     load_full, compute_full = set_functions(False)
     load_masked, compute_masked = set_functions(True)
 
-    exact_sums = _exact_sums(kind, mg, gw)
+    @cuda.jit(device=True, inline="always")
+    def exact_sums(x, w32, scales, tab, val, acc, g2, kw0, kw1, nwr, srow, fofs, sofs, xofs, sh2):
+        """The lane's outputs (C rows g of its tiles: x-rows 8q + g, columns 8t..8t+7 of each
+        group) over the warp's rows [kw0, kw1) with FFMA in k order, into the hi slots of acc
+        (the lo slots 0): the FFMA kernel's arithmetic, for blocks the split cannot take."""
+        for a in range(nacc):
+            acc[a] = float32(0.0)
+        for k in range(kw0, kw1):
+            for c in range(gw):
+                e = float32(g2 * ld1(scales, k * srow + sofs[c]))
+                for i in range(nwd):
+                    decode(ld1(w32, k * nwr + fofs[c] + int64(i)) >> sh2, tab, val, i * pw)
+                for q in range(mg):
+                    xe = float32(ld1(x, xofs[q] + k) * e)
+                    for j in range(4):
+                        b = ((c * mg + q) * 4 + j) * 4
+                        for h in range(2):
+                            acc[b + h] = cuda.fma(xe, val[4 * h + j], acc[b + h])
 
     def k_tc(x, w32, scales, gbuf, lut, part, cnt, out, Q, m0, mc):
         tab = cuda.shared.array(16, float32)
