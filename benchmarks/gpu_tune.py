@@ -6,7 +6,7 @@
   words per thread and row (wpt), rows per step, the prefetch pipeline, register cap, blocks
   per SM and the offset decode (`gemv._gemv_kernel(offset=True)`) varied; and for M in `TC_M` the
   tensor-core kernel (tc.py: column groups per block, steps per register set, registers, blocks per
-  SM, x read at compute time); each variant's result
+  SM); each variant's result
   checked against x @ dequantize(w) in f64 (largest error over the largest |result|, and over the
   conformance suite's matmul bound), timed with CUDA events after an L2 flush (as in benchmarks/gpu.py), next to torch's fp16 matmul; then
   M = 1 with K = 1024 (an eighth of the weight), whose time is mostly the fixed costs.
@@ -48,11 +48,10 @@ GEMV_VARIANTS = {  # the first of each M is the FFMA kernel's default (gemv.conf
 }
 K1024 = {1: GEMV_VARIANTS[1][:1]}
 # tensor-core kernel variants (tc.py): (column groups per block, steps per register set for
-# mg = 1 and mg = 2 (None: tc.U), registers, blocks per SM, x read at compute time (`xlate`)); the
-# first is the backend's default (tc.GW, tc.U, tc.REGS, tc.PER_SM)
-TC_VARIANTS = [(1, None, None, 128, 2, False), (1, 6, 3, 128, 2, True), (1, 2, 2, 80, 3, False),
-               (2, 2, 2, 128, 2, False)]
-TC_M = (4, 5, 8, 12, 16)
+# mg = 1 and mg = 2 (None: tc.U), registers, blocks per SM); the first is the backend's default
+# (tc.GW, tc.U, tc.REGS, tc.PER_SM)
+TC_VARIANTS = [(1, None, None, 128, 2), (1, 2, 1, 128, 2), (1, 8, 4, 255, 1), (2, 2, 2, 128, 2)]
+TC_M = (1, 2, 4, 5, 8, 12, 16)
 
 
 def _empty_kernel(cuda):
@@ -110,12 +109,13 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
                          f"{' offset' if offset else ''}",
                          run, out, dict(meta, grid=list(grid))))
         if variants is None and m in TC_M and tc.geometry(data.shape, data.scheme) is not None:
-            for gw, u1, u2, regs, per_sm, xlate in TC_VARIANTS:
+            et = tc.slot_scales(scales, Q)
+            for gw, u1, u2, regs, per_sm in TC_VARIANTS:
                 mg = 1 if m <= 8 else 2
                 u = (u1 if mg == 1 else u2) or tc.U[mg]
-                meta = dict(tc=True, mg=mg, gw=gw, u=u, regs=regs, per_sm=per_sm, xlate=xlate)
+                meta = dict(tc=True, mg=mg, gw=gw, u=u, regs=regs, per_sm=per_sm)
                 try:
-                    kern = _jit_regs(regs)(tc._tc_kernel(kind, mg, gw, u, xlate))
+                    kern = _jit_regs(regs)(tc._tc_kernel(kind, mg, gw, u))
                 except Exception as e:
                     print(json.dumps({"m": m, **meta, "error": str(e)[:300]}), flush=True)
                     continue
@@ -128,9 +128,9 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
 
                 def run(kern=kern, grid=grid, block=block, qd=qd, part=part, cnt=cnt, out=out, mb=mb):
                     for m0 in range(0, m, mb):
-                        kern[grid, block](xd, w32, scales, gbuf, pp["lut"], part, cnt, out, qd, m0, min(mb, m - m0))
+                        kern[grid, block](xd, w32, scales, gbuf, pp["lut"], part, cnt, out, qd, m0, min(mb, m - m0), et)
 
-                runs.append((f"tensor cores: mg{mg} gw{gw} u{u} r{regs} x{per_sm}{' xlate' if xlate else ''}", run, out,
+                runs.append((f"tensor cores: mg{mg} gw{gw} u{u} r{regs} x{per_sm}", run, out,
                              dict(meta, grid=list(grid))))
         for name, run, out, meta in runs:
             try:

@@ -371,16 +371,21 @@ def test_gemv_paths(cuda_backend, text, n_, wpt, one, m):
     np.testing.assert_array_equal(again.view(np.uint32), got.view(np.uint32))
 
 
-def _launch_gemv_kernel(backend, qw, kern, grid, block, part, cnt, q, x, m, n_):
-    """One launch of a GEMV kernel (gemv.py, tc.py) on qw's device buffers, as the backend
-    launches it; returns out [m, n_] on the host."""
+def _launch_gemv_kernel(backend, qw, kern, grid, block, part, cnt, q, x, m, n_, tc=False):
+    """One launch of a GEMV kernel (gemv.py, or tc.py's with `tc`: the scales by slot last) on
+    qw's device buffers, as the backend launches it; returns out [m, n_] on the host."""
     data = qw.data
     scales, gbuf = backend._decoded_scales(data)
     pp = backend._prepared(data.shape, data.scheme, "minmax")
     w32 = data.payload[: pp["plan"].values_nbytes].view(np.uint32)
     out = cuda.device_array(m * n_, dtype=np.float32)
+    extra = []
+    if tc:
+        from qcore_cuda import tc as tc_
+
+        extra = [tc_.slot_scales(scales, np.asarray(q, dtype=np.int64))]
     kern[grid, block](cuda.to_device(x.reshape(-1)), w32, scales, gbuf, pp["lut"], part, cnt, out,
-                      tuple(int(v) for v in q), 0, m)
+                      tuple(int(v) for v in q), 0, m, *extra)
     return out.copy_to_host().reshape(m, n_)
 
 
@@ -399,13 +404,14 @@ _TC_CASES = ([(t, m) for t, m in zip(_TC_TEXTS, [5, 9, 8, 6, 16, 5, 9, 17])] if 
 @pytest.mark.parametrize("text,m", _TC_CASES)
 def test_tensor_core_gemv(cuda_backend, text, m):
     """The tensor-core kernel (tc.py) for every value kind, one- and two-level scales: K leaves the
-    last block a partial step and idle warps (rows masked; 2 k-splits on the simulator, 8 on a
-    GPU, where the last warps also get a partial register set); M = 9 takes two groups of 8 rows of x, M = 17 two launches of 16 rows
-    (the second's rows past M read row M - 1 and are not written). Results within the
-    conformance suite's matmul bound of x @ dequantize(w), and they repeat bit for bit."""
+    last block a partial register set and idle warps (rows masked; 2 k-splits on the simulator,
+    8 on a GPU, where the last warps also get a partial register set); M = 9 takes two groups
+    of 8 rows of x, M = 17 two launches of 16 rows (the second's rows past M read row M - 1 and
+    are not written). Results within the conformance suite's matmul bound of
+    x @ dequantize(w), and they repeat bit for bit."""
     from qcore_cuda import tc
 
-    k_ = 70 if SIM else 8000 + 13
+    k_ = 68 if SIM else 8000 + 12
     n_ = 64 if SIM else 1024
     sch = qcore.scheme(text)
     assert tc.geometry((k_, n_), sch) is not None and tc.use_for(m)
@@ -423,15 +429,16 @@ def test_tensor_core_gemv(cuda_backend, text, m):
     np.testing.assert_array_equal(again.view(np.uint32), got.view(np.uint32))
 
 
-@pytest.mark.parametrize("mg,u", [(1, 3), (2, 2)])
-def test_tensor_core_xlate_variant(cuda_backend, mg, u):
-    """The tensor-core kernel's tuning variant that reads x when a step computes
-    (`_tc_kernel(xlate=True)`, what benchmarks/gpu_tune.py times) sums to x @ dequantize(w)
-    within the matmul bound, like the default."""
+@pytest.mark.parametrize("mg,u", [(1, 2), (2, 4)])
+def test_tensor_core_steps_per_set(cuda_backend, mg, u):
+    """The tensor-core kernel with other steps per register set than the default (u = 2 and 4:
+    a lane's scales and x of its rows in 16-byte vector loads also on the simulator, whose
+    default u = 1 takes 8-byte ones) sums to x @ dequantize(w) within the matmul bound, without
+    the range fallback; K leaves a partial last register set."""
     from qcore_cuda import tc
 
     m = 6 if mg == 1 else 13
-    k_, n_ = (136, 64) if SIM else (4000 + 8, 512)
+    k_, n_ = (136 + 12, 64) if SIM else (4000 + 12, 512)
     text = "q4s/block32:f16"
     x = _x((m, k_), seed=25, scale=1.0)
     x.reshape(-1)[2] = 0.25
@@ -440,11 +447,27 @@ def test_tensor_core_xlate_variant(cuda_backend, mg, u):
     q, grid, block = tc.plan(Q, 1)
     part = cuda.device_array(int(q[tc.Q_KS]) * tc.MAX_MB * n_, dtype=np.float32)
     cnt = cuda.to_device(np.zeros(grid[0] + 1, dtype=np.int32))
-    kern = cuda.jit(tc._tc_kernel(kind, mg, 1, 1 if SIM else u, xlate=True))
-    got = _launch_gemv_kernel(cuda_backend, qw, kern, grid, block, part, cnt, q, x, m, n_)
+    kern = cuda.jit(tc._tc_kernel(kind, mg, 1, u))
+    got = _launch_gemv_kernel(cuda_backend, qw, kern, grid, block, part, cnt, q, x, m, n_, tc=True)
     W = REF.dequantize(REF.from_data(cuda_backend.into_data(qw))).astype(np.float64)
     assert np.all(np.abs(got - x.astype(np.float64) @ W) <= _matmul_bound(x, W))
     assert cnt.copy_to_host()[-1] == 0
+
+
+def test_tensor_core_needs_k_multiple_of_4(cuda_backend):
+    """K not a multiple of 4 (the kernel's vector loads of a lane's rows) leaves M >= 5 to the
+    FFMA GEMV kernel, with the same results within the bound."""
+    from qcore_cuda import gemv, tc
+
+    k_, n_, m = (66, 64, 5) if SIM else (4001, 256, 5)
+    text = "q4s/block32:f16"
+    kind, Q = gemv.geometry((k_, n_), qcore.scheme(text))
+    assert not tc.applies(Q) and tc.applies(gemv.geometry((-(-k_ // 4) * 4, n_), qcore.scheme(text))[1])
+    x = _x((m, k_), seed=29, scale=1.0)
+    qw = cuda_backend.from_data(REF.into_data(REF.quantize(_x((k_, n_), seed=30), text)))
+    got = cuda_backend.to_numpy(cuda_backend.matmul(x, qw))
+    W = REF.dequantize(REF.quantize(_x((k_, n_), seed=30), text)).astype(np.float64)
+    assert np.all(np.abs(got - x.astype(np.float64) @ W) <= _matmul_bound(x, W))
 
 
 @pytest.mark.parametrize("case", ["tiny", "huge", "nan", "inf", "zero_rows"])
@@ -474,7 +497,7 @@ def test_tensor_core_gemv_range_fallback(cuda_backend, case):
 
     kind, Q = tc.geometry(qw.data.shape, qw.data.scheme)
     kern, mb, q, grid, block, part, cnt = tc.buffers(Q, kind, m)
-    again = _launch_gemv_kernel(cuda_backend, qw, kern, grid, block, part, cnt, q, x, m, n_)
+    again = _launch_gemv_kernel(cuda_backend, qw, kern, grid, block, part, cnt, q, x, m, n_, tc=True)
     np.testing.assert_array_equal(again.view(np.uint32), got.astype(np.float32).view(np.uint32))
     assert cnt.copy_to_host()[-1] == (0 if case == "zero_rows" else 1), "fallback flag"
     W = REF.dequantize(REF.quantize(w, text)).astype(np.float64)

@@ -481,14 +481,18 @@ class CudaBackend(BaseBackend):
         if st is None:
             kind, Q = gg
             pp = self._prepared(data.shape, data.scheme, "minmax")
+            extra = []
             if tc.use_for(m) and tc.applies(Q):
                 kern, mb, q, grid, block, part, cnt = tc.buffers(Q, kind, m)
+                if "tc_scales" not in data.cache:
+                    data.cache["tc_scales"] = tc.slot_scales(scales, Q)
+                extra = [data.cache["tc_scales"]]
             else:
                 kern, mb, q, grid, block, part, cnt = gemv.buffers(Q, kind, m)
             w32 = data.payload[: pp["plan"].values_nbytes].view(np.uint32)
             # x, out, m0 and the row count change from call to call; the rest is packed once
             st = data.cache[key] = (mb, Packed(kern, grid, block, [xd, w32, scales, gbuf, pp["lut"], part, cnt, out, q,
-                                                                   0, mb], dynamic=(0, 7, 9, 10)))
+                                                                   0, mb] + extra, dynamic=(0, 7, 9, 10)))
         mb, launch = st
         for m0 in range(0, m, mb):
             launch(xd, out, m0, min(mb, m - m0))

@@ -44,7 +44,7 @@ import numpy as np
 
 from . import fast, gemv
 from .gemv import Q_BLOCK, Q_K, Q_KS, Q_LB, Q_N, Q_NWR, Q_RPB, Q_TWO
-from .intrin import abs_bits_m1, f2u, fmax_nan, ld1, ldcg_f32, mma_tf32, u2f
+from .intrin import abs_bits_m1, f2u, fmax_nan, ld1, ld2, ld4, ldcg_f32, mma_tf32, u2f
 
 from numba import config, cuda, float32, int32, int64, uint32  # noqa: E402
 
@@ -73,7 +73,7 @@ def geometry(shape: tuple[int, ...], scheme) -> tuple[int, np.ndarray] | None:
 
 def applies(Q: np.ndarray) -> bool:
     """Whether this kernel takes a weight of GEMV geometry Q (`gemv.geometry`)."""
-    return not (int(Q[Q_N]) % GROUP or int(Q[Q_BLOCK]) < GROUP or int(Q[Q_K]) < MIN_K)
+    return not (int(Q[Q_N]) % GROUP or int(Q[Q_BLOCK]) < GROUP or int(Q[Q_K]) < MIN_K or int(Q[Q_K]) % 4)
 
 
 def use_for(m: int) -> bool:
@@ -96,11 +96,9 @@ def plan(Q: np.ndarray, gw: int, per_sm: int = PER_SM) -> tuple[np.ndarray, tupl
     return q, (gx, int(q[Q_KS])), (32, WARPS)
 
 
-def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None, xlate: bool = False):
+def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None):
     """The kernel for value kind `kind`, `mg` groups of 8 rows of x, `gw` column groups per block
-    and `u` steps per register set; `xlate` (a tuning variant): x is read when a step computes
-    (from L1/L2: every column-block reads the same x) instead of with the set's loads, which
-    leaves registers for more steps in flight."""
+    and `u` steps per register set."""
     u = u or (1 if config.ENABLE_CUDASIM else U[mg])  # (the simulator: the fewest mma calls)
     bits = fast.KIND_BITS[kind]
     pw = 32 // bits
@@ -113,8 +111,11 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None, xlate: bo
     red_n = nout * WARPS
     nval = 2 * pw
     nwd = max(1, bits // 4)  # words holding 8 codes (exact_sums)
-    nw = u * 2 * gw  # words per register set
-    nx = 1 if xlate else u * 2 * mg  # x values per register set
+    R = 2 * u  # rows per lane and register set: k + R t .. k + R t + R - 1
+    vw = 4 if R % 4 == 0 else 2  # floats per vector load of scales and x (R is even)
+    nw = R * gw  # words per register set
+    ne = R * gw  # scales per register set
+    nx = R * mg  # x values per register set
     scr_n = SCR * WARPS if config.ENABLE_CUDASIM else 1
     wpg = bits  # u32 words per group row
     tiny, huge = uint32(TINY), float32(HUGE)
@@ -125,39 +126,55 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None, xlate: bo
         instructions, where `cvt.rna.tf32.f32` compiles to four plus a NaN/infinity select."""
         return u2f((f2u(v) + uint32(0x1000)) & uint32(0xFFFFE000))
 
+    @cuda.jit(device=True, inline="always")
+    def ldv(a, i, dst, j):
+        """dst[j..j+vw) = a[i..i+vw) (one vector load)."""
+        if vw == 4:
+            dst[j], dst[j + 1], dst[j + 2], dst[j + 3] = ld4(a, i)
+        else:
+            dst[j], dst[j + 1] = ld2(a, i)
+
     def set_functions(masked: bool):
         """(load, compute) of one register set of `u` steps. Unmasked: every row of the set lies
         in the warp's range. Masked: rows at or past kw1 read row kw1 - 1 and count as zero."""
 
         @cuda.jit(device=True, inline="always")
-        def load(w32, scales, x, wv, ev, xv, k, kw1, nwr, srow, wofs, sofs, xofs):
-            """The set's rows k + 4i (i < 2u): words, scales and x into wv/ev/xv."""
-            wi = k * nwr
-            si = k * srow
-            for i in range(2 * u):
-                r = int64(4 * i)
+        def load(w32, et, x, wv, ev, xv, kr, kw1, nwr, wofs, eofs, xofs):
+            """The lane's rows kr .. kr + R - 1: words, scales (by slot, `slot_scales`) and x into
+            wv/ev/xv; unmasked, the scales and x of the R rows come in vector loads."""
+            wi = kr * nwr
+            for i in range(R):
+                r = int64(i)
                 if masked:
-                    r = min(k + r, kw1 - int64(1)) - k
+                    r = min(kr + r, kw1 - int64(1)) - kr
                 for c in range(gw):
                     wv[i * gw + c] = ld1(w32, wi + r * nwr + wofs[c])
-                    ev[i * gw + c] = ld1(scales, si + r * srow + sofs[c])
-                if not xlate:
+                    if masked:
+                        ev[c * R + i] = ld1(et, eofs[c] + kr + r)
+                if masked:
                     for q in range(mg):
-                        xv[i * mg + q] = ld1(x, xofs[q] + k + r)
+                        xv[q * R + i] = ld1(x, xofs[q] + kr + r)
+            if not masked:
+                for i in range(0, R, vw):
+                    for c in range(gw):
+                        ldv(et, eofs[c] + kr + int64(i), ev, c * R + i)
+                    for q in range(mg):
+                        ldv(x, xofs[q] + kr + int64(i), xv, q * R + i)
 
         @cuda.jit(device=True, inline="always")
-        def compute(x, xofs, wv, ev, xv, acc, val, tab, k, kw1, g2, sh, scr, lane, base, lim, limu):
-            """The mma of the set's `u` steps; lim[0] = max |v| (NaN if any), limu[0] = min over v of
-            (|v| bits - 1) as u32 (0 wraps above every nonzero |v|)."""
+        def compute(wv, ev, xv, acc, val, tab, kr, kw1, g2, sh, scr, lane, base, lim, limu):
+            """The mma of the set's `u` steps (step s: rows kr + 2s at A/B position t, kr + 2s + 1
+            at t + 4); lim[0] = max |v| (NaN if any), limu[0] = min over v of (|v| bits - 1) as
+            u32 (0 wraps above every nonzero |v|)."""
             for s in range(u):
                 ok0 = True
                 ok1 = True
                 if masked:
-                    ok0 = k + int64(8 * s) < kw1
-                    ok1 = k + int64(8 * s + 4) < kw1
+                    ok0 = kr + int64(2 * s) < kw1
+                    ok1 = kr + int64(2 * s + 1) < kw1
                 for c in range(gw):
-                    e0 = float32(g2 * ev[(s * 2) * gw + c])  # g2 = 1 for one-level scales: exact
-                    e1 = float32(g2 * ev[(s * 2 + 1) * gw + c])
+                    e0 = float32(g2 * ev[c * R + 2 * s])  # g2 = 1 for one-level scales: exact
+                    e1 = float32(g2 * ev[c * R + 2 * s + 1])
                     w0 = wv[(s * 2) * gw + c]
                     w1 = wv[(s * 2 + 1) * gw + c]
                     if masked:
@@ -166,12 +183,8 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None, xlate: bo
                     decode(w0 >> sh, tab, val, 0)
                     decode(w1 >> sh, tab, val, pw)
                     for q in range(mg):
-                        if xlate:
-                            x0 = ld1(x, xofs[q] + min(k + int64(8 * s), kw1 - int64(1)))
-                            x1 = ld1(x, xofs[q] + min(k + int64(8 * s + 4), kw1 - int64(1)))
-                        else:
-                            x0 = xv[(s * 2) * mg + q]
-                            x1 = xv[(s * 2 + 1) * mg + q]
+                        x0 = xv[q * R + 2 * s]
+                        x1 = xv[q * R + 2 * s + 1]
                         if masked:
                             x0 = x0 if ok0 else float32(0.0)
                             x1 = x1 if ok1 else float32(0.0)
@@ -213,7 +226,7 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None, xlate: bo
                         for h in range(2):
                             acc[b + h] = cuda.fma(xe, val[4 * h + j], acc[b + h])
 
-    def k_tc(x, w32, scales, gbuf, lut, part, cnt, out, Q, m0, mc):
+    def k_tc(x, w32, scales, gbuf, lut, part, cnt, out, Q, m0, mc, et):
         tab = cuda.shared.array(16, float32)
         red = cuda.shared.array(red_n, float32)
         scr = cuda.shared.array(scr_n, float32)
@@ -221,13 +234,14 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None, xlate: bo
         acc = cuda.local.array(nacc, float32)
         val = cuda.local.array(nval, float32)
         wa = cuda.local.array(nw, uint32)
-        ea = cuda.local.array(nw, float32)
+        ea = cuda.local.array(ne, float32)
         xa = cuda.local.array(nx, float32)
         wb = cuda.local.array(nw, uint32)
-        eb = cuda.local.array(nw, float32)
+        eb = cuda.local.array(ne, float32)
         xb = cuda.local.array(nx, float32)
         wofs = cuda.local.array(gw, int64)
         sofs = cuda.local.array(gw, int64)
+        eofs = cuda.local.array(gw, int64)
         fofs = cuda.local.array(gw, int64)
         xofs = cuda.local.array(mg, int64)
         lim = cuda.local.array(1, float32)
@@ -257,6 +271,7 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None, xlate: bo
             wofs[c] = grp * int64(wpg) + ((g * int64(4 * bits)) >> int64(5))  # codes 4g..4g+3 of the group
             fofs[c] = grp * int64(wpg) + ((t * int64(8 * bits)) >> int64(5))  # codes 8t..8t+7 (exact_sums)
             sofs[c] = (grp * int64(GROUP)) >> lb
+            eofs[c] = sofs[c] * K  # the group's slot in `slot_scales` order
         for q in range(mg):  # rows of x past mc read row mc - 1 (their sums are not written)
             xofs[q] = (m0 + min(int64(8 * q) + g, mc - int64(1))) * K
         for a in range(nacc):
@@ -271,27 +286,27 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None, xlate: bo
         kw1 = min(kw0 + rpw, kb1)  # (below kw0 for the last block's idle warps: every row masked)
         nset = (rpw + int64(8 * u - 1)) // int64(8 * u)  # the same for every warp (the simulator's mma)
         nfull = max(int64(0), min(nset, (kw1 - kw0) // int64(8 * u)))  # sets whose rows all lie in [kw0, kw1)
-        k = kw0 + t  # the lane's first row; a step's rows are k and k + 4
+        k = kw0 + int64(R) * t  # the lane's first row of a set (its rows: k .. k + R - 1)
         cuda.syncthreads()
         if nfull > int64(0):
-            load_full(w32, scales, x, wa, ea, xa, k, kw1, nwr, srow, wofs, sofs, xofs)
+            load_full(w32, et, x, wa, ea, xa, k, kw1, nwr, wofs, eofs, xofs)
         st = int64(0)
         while st < nfull:  # whole sets, alternating between registers a and b
             if st + int64(1) < nfull:
-                load_full(w32, scales, x, wb, eb, xb, k + int64(8 * u), kw1, nwr, srow, wofs, sofs, xofs)
-            compute_full(x, xofs, wa, ea, xa, acc, val, tab, k, kw1, g2, sh, scr, lane, base, lim, limu)
+                load_full(w32, et, x, wb, eb, xb, k + int64(8 * u), kw1, nwr, wofs, eofs, xofs)
+            compute_full(wa, ea, xa, acc, val, tab, k, kw1, g2, sh, scr, lane, base, lim, limu)
             k += int64(8 * u)
             st += int64(1)
             if st >= nfull:
                 break
             if st + int64(1) < nfull:
-                load_full(w32, scales, x, wa, ea, xa, k + int64(8 * u), kw1, nwr, srow, wofs, sofs, xofs)
-            compute_full(x, xofs, wb, eb, xb, acc, val, tab, k, kw1, g2, sh, scr, lane, base, lim, limu)
+                load_full(w32, et, x, wa, ea, xa, k + int64(8 * u), kw1, nwr, wofs, eofs, xofs)
+            compute_full(wb, eb, xb, acc, val, tab, k, kw1, g2, sh, scr, lane, base, lim, limu)
             k += int64(8 * u)
             st += int64(1)
         while st < nset:  # the rest, rows past kw1 zeroed
-            load_masked(w32, scales, x, wa, ea, xa, k, kw1, nwr, srow, wofs, sofs, xofs)
-            compute_masked(x, xofs, wa, ea, xa, acc, val, tab, k, kw1, g2, sh, scr, lane, base, lim, limu)
+            load_masked(w32, et, x, wa, ea, xa, k, kw1, nwr, wofs, eofs, xofs)
+            compute_masked(wa, ea, xa, acc, val, tab, k, kw1, g2, sh, scr, lane, base, lim, limu)
             k += int64(8 * u)
             st += int64(1)
         bad = not (lim[0] <= huge) or limu[0] < tiny
@@ -358,12 +373,36 @@ def tc_kernel(kind: int, mg: int, gw: int):
     return fast.K._jit_regs(REGS)(_tc_kernel(kind, mg, gw))
 
 
-SIG = gemv.SIG
+SIG = gemv.SIG[:-1] + ", float32[::1])"  # the GEMV's arguments, then the scales by slot
+
+
+@cuda.jit
+def k_slot_scales(scales, et, K, srow, n):
+    """et[s * K + k] = scales[k * srow + s] for the n = max(1, srow) * K entries (grid-stride)."""
+    i = int64(cuda.grid(1))
+    step = int64(cuda.gridsize(1))
+    while i < n:
+        s = i // K
+        k = i - s * K
+        et[i] = scales[k * srow + s]
+        i += step
+
+
+def slot_scales(scales, Q: np.ndarray):
+    """The decoded f32 scales of a [K, N] weight by slot: [slots per row, K] (one row of K for a
+    scale per tensor), so that a lane's scales of consecutive rows are one vector load (the
+    backend keeps it with the weight: 4 bytes per scale slot, as many as the decoded scales)."""
+    k_, srow = int(Q[Q_K]), int(Q[Q_N]) >> int(Q[Q_LB])
+    n = max(1, srow) * k_
+    et = cuda.device_array(n, dtype=np.float32)
+    k_slot_scales[fast.K.launch(n)](scales, et, k_, srow, n)
+    return et
 
 
 def ptx_targets():
     """(name, python function, signature) of every variant the backend launches."""
-    return [(f"k_tc[{kind},{mg}]", _tc_kernel(kind, mg), SIG) for kind in range(len(fast.KIND_BITS)) for mg in (1, 2)]
+    return [(f"k_tc[{kind},{mg}]", _tc_kernel(kind, mg), SIG) for kind in range(len(fast.KIND_BITS))
+            for mg in (1, 2)] + [("k_slot_scales", k_slot_scales.py_func, "void(float32[::1], float32[::1], int64, int64, int64)")]
 
 
 def buffers(Q: np.ndarray, kind: int, m: int):
