@@ -397,8 +397,8 @@ def _matmul_bound(x, W):
 _TC_TEXTS = ["q4s/block32:f16", "q8f/block32:f32", "q2s/block32:f16", "e4m3/block64:bf16", "e5m2",
              "e2m1/block32:ue8m0", "e4m3/block32:ue4m3/tensor:f32", "q4f/block64:f16/packed_native"]
 # the simulator runs each mma as two block barriers: every kind once, each M on some kind
-_TC_CASES = ([(t, m) for t, m in zip(_TC_TEXTS, [5, 9, 8, 6, 16, 5, 9, 17])] if SIM else
-             [(t, m) for t in _TC_TEXTS for m in (5, 8, 9, 17)])
+_TC_CASES = ([(t, m) for t, m in zip(_TC_TEXTS, [4, 9, 8, 6, 16, 5, 9, 17])] if SIM else
+             [(t, m) for t in _TC_TEXTS for m in (4, 8, 9, 17)])
 
 
 @pytest.mark.parametrize("text,m", _TC_CASES)
@@ -455,7 +455,7 @@ def test_tensor_core_steps_per_set(cuda_backend, mg, u):
 
 
 def test_tensor_core_needs_k_multiple_of_4(cuda_backend):
-    """K not a multiple of 4 (the kernel's vector loads of a lane's rows) leaves M >= 5 to the
+    """K not a multiple of 4 (the kernel's vector loads of a lane's rows) leaves M >= 4 to the
     FFMA GEMV kernel, with the same results within the bound."""
     from qcore_cuda import gemv, tc
 

@@ -30,7 +30,7 @@ partials in split order, with up to `RED_LOADS` loads per thread in flight: the 
 depend on scheduling (no float atomics), and the counter is back at 0 for the next call.
 
 M > mb runs as ceil(M / mb) launches, each reading the weight once more (mb = 8 for 4-bit codes
-at M > 4, with the whole register file: `config_for`, `tuning`). From M = 5 on the backend takes
+at M > 4, with the whole register file: `config_for`, `tuning`). From M = 4 on the backend takes
 the tensor-core kernel (`tc.py`) where it applies. The geometry Q goes to
 the kernel by value (a tuple of int64 parameters), not as a device array: a thread's first loads
 then wait on no read of Q from memory (-1 us per call on the H200, docs/performance.md).

@@ -1,10 +1,11 @@
-"""Tensor-core GEMV for 5 <= M <= 16: `out[m, n] = sum_k x[m, k] * decode(w[k, n]) * e[k, n]`.
+"""Tensor-core GEMV for 4 <= M <= 16: `out[m, n] = sum_k x[m, k] * decode(w[k, n]) * e[k, n]`.
 
 The FFMA kernel (`gemv.py`) spends one FFMA per weight and row of x, and from M = 5 its
 accumulators fill the register file (M = 8: 64 per thread, one block per SM); here
 `mma.sync.m16n8k8` (TF32 in, f32 accumulate) does the products: a warp decodes each weight once
-for up to 16 rows of x. H200, q4s/block32 8192 x 8192 (docs/performance.md): M = 8 70.7 -> 46 us,
-M = 16 138 -> 66 us; at M <= 4 the FFMA kernel stays faster (39 against 42 us at M = 4).
+for up to 16 rows of x. H200, q4s/block32 8192 x 8192 (docs/performance.md): M = 4 39.0 -> 37.7
+us, M = 8 70.1 -> 38.0 us, M = 16 136.7 -> 53.8 us; at M <= 2 the FFMA kernel stays faster
+(28.7 against 37.7 us at M = 2).
 
 Precision. The scale varies along k, so it goes into the A operand: `v = x[m, k] * e[k, nb]`
 (f32, rounded as the FFMA kernel rounds it), split as `hi` = v rounded to 11 significant bits
@@ -23,9 +24,17 @@ Layout. A 32-column group of a row is 32 * bits / 32 u32 words; lane (g, t) read
 holding codes 4g..4g+3 of the group (one u32 load, shifted to the low bits), so its B values
 for tile j (j = 0..3) are column 4g + j: tile j is the columns {4g + j}, and C[r][n] of tile j is
 column 4n + j. Each of `WARPS` warps of a block takes a contiguous k-range of the block's rows
-(`rpb / WARPS`, a multiple of 8) for `GW` groups of columns and `MG` groups of 8 rows of x,
-8 rows of w per step (rows k + t and k + t + 4 for lane t), `U` steps per register set, two
-sets alternating (one set's loads in flight while the other computes). Rows past the block's
+(`rpb / WARPS`, a multiple of 8) for `GW` groups of columns and `MG` groups of 8 rows of x, in
+register sets of `U` steps of 8 rows (two sets alternating: one set's loads in flight while the
+other computes). In a set starting at row k, lane t takes the R = 2U consecutive rows
+k + R t .. k + R t + R - 1, and step s feeds rows k + R t + 2s and + 2s + 1 to A/B positions t
+and t + 4 (any bijection of a step's rows onto the 8 positions gives the same sums): so the
+lane's R scales and R x values of a row of x are R / 4 vector loads each, which the H200 serves
+in far fewer L1 wavefronts than the per-step loads of rows k + t and k + t + 4 (4 and 8 rows per
+warp instruction): M <= 8 48 -> 38 us, M = 16 66 -> 54 us. The scales come in slot order
+(`slot_scales`: [slots per row, K], built once per weight and kept with it), where a lane's
+rows are consecutive; x's rows are consecutive already (K a multiple of 4: 16-byte aligned
+rows). Weight words stay one u32 per row and group (4 rows per warp instruction). Rows past the block's
 range read a row inside it and are zeroed, so every warp runs the same steps (the simulator's
 mma twin needs every thread of the block at each call). The warps' sums meet in shared memory
 and are added in warp order; with KS > 1 k-splits the blocks write partial sums and the last
@@ -33,8 +42,8 @@ block of a column-block adds them in split order (a counter per column-block, af
 as in `gemv.py`: results do not depend on scheduling.
 
 Eligible (`geometry`): the GEMV's (`gemv.geometry`) with N a multiple of 32, blocks of at
-least 32 columns (or one scale for the tensor), K >= `MIN_K`; chosen for `MIN_M <= M`
-(`use_for`).
+least 32 columns (or one scale for the tensor), K >= `MIN_K` and a multiple of 4; chosen for
+`MIN_M <= M` (`use_for`).
 """
 from __future__ import annotations
 
@@ -51,8 +60,8 @@ from numba import config, cuda, float32, int32, int64, uint32  # noqa: E402
 WARPS = 8  # warps per block, each a contiguous k-range of the block's rows
 GROUP = 32  # columns per group: 4 tiles of 8
 MIN_K = 64  # below, the FFMA kernel (the split's 2**-21 per term against the bound's K * 2**-23)
-MIN_M = 5  # rows of x from which the backend takes this kernel (benchmarks/gpu_tune.py: the FFMA
-# kernel is faster up to M = 4 and needs its whole register file from M = 5)
+MIN_M = 4  # rows of x from which the backend takes this kernel (benchmarks/gpu_tune.py: the FFMA
+# kernel is faster at M <= 2; at M = 4 37.7 against 39.0 us)
 MAX_MB = 16  # rows of x per launch (two groups of 8)
 SCR = 192  # simulator: f32 scratch per warp for the mma twin (A 16 x 8, B 8 x 8)
 TINY = 0x0D800000 - 1  # |v| bits below 2**-100 (as |v| - 1, so that 0 wraps above)
