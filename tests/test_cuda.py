@@ -372,24 +372,20 @@ def test_gemv_paths(cuda_backend, text, n_, wpt, one, m):
 
 
 def _launch_gemv_kernel(backend, qw, kern, grid, block, part, cnt, q, x, m, n_, tc=False):
-    """One launch of a GEMV kernel (gemv.py, or tc.py's with `tc`: the scales by slot and x in
-    fragment order last) on qw's device buffers, as the backend launches it; returns out
-    [m, n_] on the host."""
+    """One launch of a GEMV kernel (gemv.py, or tc.py's with `tc`: the scales by slot last) on
+    qw's device buffers, as the backend launches it; returns out [m, n_] on the host."""
     data = qw.data
     scales, gbuf = backend._decoded_scales(data)
     pp = backend._prepared(data.shape, data.scheme, "minmax")
     w32 = data.payload[: pp["plan"].values_nbytes].view(np.uint32)
     out = cuda.device_array(m * n_, dtype=np.float32)
-    xd = cuda.to_device(x.reshape(-1))
     extra = []
     if tc:
         from qcore_cuda import tc as tc_
 
-        k_ = data.shape[0]
-        xf = tc_.x_buffer(k_)
-        tc_.x_frags(xd, xf, k_, 0, m)
-        extra = [tc_.slot_scales(scales, np.asarray(q, dtype=np.int64)), xf]
-    kern[grid, block](xd, w32, scales, gbuf, pp["lut"], part, cnt, out, tuple(int(v) for v in q), 0, m, *extra)
+        extra = [tc_.slot_scales(scales, np.asarray(q, dtype=np.int64))]
+    kern[grid, block](cuda.to_device(x.reshape(-1)), w32, scales, gbuf, pp["lut"], part, cnt, out,
+                      tuple(int(v) for v in q), 0, m, *extra)
     return out.copy_to_host().reshape(m, n_)
 
 
@@ -582,7 +578,7 @@ def test_launches_hold_no_outputs(cuda_backend):
     for _ in range(2):  # the first call packs, the second swaps
         cuda_backend.dequantize(qw)
         cuda_backend.matmul(x, qw)
-        launches = [qw.data.cache["dequant"], qw.data.cache[("gemv", 1)][-1]]
+        launches = [qw.data.cache["dequant"], qw.data.cache[("gemv", 1)][1]]
         for launch in launches:
             held = [launch._args[i] for i in launch._dynamic]
             assert held == [None] * len(held), "a cached launch still holds a call's arrays"
@@ -603,7 +599,7 @@ def test_packed_launches_repeat_results(cuda_backend, m):
     first = cuda_backend.to_numpy(cuda_backend.matmul(cuda.to_device(x1), qw))
     second = cuda_backend.to_numpy(cuda_backend.matmul(cuda.to_device(x2), qw))
     again = cuda_backend.to_numpy(cuda_backend.matmul(cuda.to_device(x1), qw))
-    launch = qw.data.cache[("gemv", m)][-1]
+    mb, launch = qw.data.cache[("gemv", m)]
     assert isinstance(launch._state, tuple), "the GEMV launch was not packed"
     np.testing.assert_array_equal(again.view(np.uint32), first.view(np.uint32))
     wd = REF.dequantize(REF.from_data(cuda_backend.into_data(qw))).astype(np.float64)
@@ -935,50 +931,6 @@ def test_packed_launch_is_thread_safe():
     for ident, (tag, k) in seen:
         assert owner.setdefault(tag, ident) == ident, "a launch ran with another thread's arguments"
     assert len(seen) == 1200 and p._args == [None, "static"]
-
-
-@pytest.mark.skipif(SIM, reason="the simulator cannot run kernels from several host threads at once (it swaps its "
-                             "fake cuda module in globally)")
-def test_tensor_core_matmul_from_threads(cuda_backend, monkeypatch):
-    """Threads multiplying one weight with their own x (M = 5: the tensor-core kernel, which
-    reads x from the weight's fragment-order buffer): each gets its own product, as computed
-    alone (the buffer's fill and the kernel launch go as one pair under a lock; a pause after
-    each fill gives the other threads their chance to refill the buffer in between)."""
-    import threading
-
-    from qcore_cuda import tc
-
-    fill = tc.x_frags
-
-    def fill_then_pause(*args):
-        fill(*args)
-        cuda.synchronize()
-        time.sleep(0.005)
-
-    monkeypatch.setattr(tc, "x_frags", fill_then_pause)
-    k_, n_, m = (64, 32, 5) if SIM else (4096, 1024, 5)
-    qw = cuda_backend.quantize(_x((k_, n_), seed=31), "q4s/block32:f16")
-    xs = [_x((m, k_), seed=40 + i, scale=1.0) for i in range(3)]
-    alone = [cuda_backend.to_numpy(cuda_backend.matmul(x, qw)) for x in xs]
-    got = {}
-
-    def work(i):
-        for r in range(2):
-            got[i, r] = cuda_backend.to_numpy(cuda_backend.matmul(xs[i], qw))
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
-    assert sorted(got) == [(i, r) for i in range(3) for r in range(2)], "a thread failed"
-    for (i, r), y in got.items():
-        np.testing.assert_array_equal(y.view(np.uint32), alone[i].view(np.uint32), f"thread {i}, call {r}")
 
 
 def test_packed_swap_rejects_what_does_not_fit():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -482,28 +481,21 @@ class CudaBackend(BaseBackend):
         if st is None:
             kind, Q = gg
             pp = self._prepared(data.shape, data.scheme, "minmax")
-            extra, xf = [], None
+            extra = []
             if tc.use_for(m) and tc.applies(Q):
                 kern, mb, q, grid, block, part, cnt = tc.buffers(Q, kind, m)
                 if "tc_scales" not in data.cache:
                     data.cache["tc_scales"] = tc.slot_scales(scales, Q)
-                xf = tc.x_buffer(int(Q[gemv.Q_K]))
-                extra = [data.cache["tc_scales"], xf]
+                extra = [data.cache["tc_scales"]]
             else:
                 kern, mb, q, grid, block, part, cnt = gemv.buffers(Q, kind, m)
             w32 = data.payload[: pp["plan"].values_nbytes].view(np.uint32)
             # x, out, m0 and the row count change from call to call; the rest is packed once
-            st = data.cache[key] = (mb, xf, threading.Lock(),
-                                    Packed(kern, grid, block, [xd, w32, scales, gbuf, pp["lut"], part, cnt, out, q,
-                                                               0, mb] + extra, dynamic=(0, 7, 9, 10)))
-        mb, xf, lock, launch = st
+            st = data.cache[key] = (mb, Packed(kern, grid, block, [xd, w32, scales, gbuf, pp["lut"], part, cnt, out, q,
+                                                                   0, mb] + extra, dynamic=(0, 7, 9, 10)))
+        mb, launch = st
         for m0 in range(0, m, mb):
-            if xf is None:
-                launch(xd, out, m0, min(mb, m - m0))
-            else:  # x in the tensor-core kernel's order, then the kernel: one pair at a time per buffer
-                with lock:
-                    tc.x_frags(xd, xf, data.shape[0], m0, min(mb, m - m0))
-                    launch(xd, out, m0, min(mb, m - m0))
+            launch(xd, out, m0, min(mb, m - m0))
         return True
 
     def _launch_matmul(self, xd, data: CudaData, m: int, out) -> None:

@@ -63,7 +63,6 @@ MIN_K = 64  # below, the FFMA kernel (the split's 2**-21 per term against the bo
 MIN_M = 4  # rows of x from which the backend takes this kernel (benchmarks/gpu_tune.py: the FFMA
 # kernel is faster at M <= 2; at M = 4 37.7 against 39.0 us)
 MAX_MB = 16  # rows of x per launch (two groups of 8)
-XF_ROW = 4 * 16  # floats per 4 rows of k in x_frags' order (16 rows of x)
 SCR = 192  # simulator: f32 scratch per warp for the mma twin (A 16 x 8, B 8 x 8)
 TINY = 0x0D800000 - 1  # |v| bits below 2**-100 (as |v| - 1, so that 0 wraps above)
 HUGE = 2.0 ** 100  # |v| above, infinities and NaNs
@@ -149,10 +148,9 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None):
         in the warp's range. Masked: rows at or past kw1 read row kw1 - 1 and count as zero."""
 
         @cuda.jit(device=True, inline="always")
-        def load(w32, et, xf, wv, ev, xv, kr, kw1, nwr, wofs, eofs, xfo):
-            """The lane's rows kr .. kr + R - 1: words, scales (by slot, `slot_scales`) and x (in
-            fragment order, `x_frags`) into wv/ev/xv; unmasked, the scales and x of the R rows
-            come in vector loads."""
+        def load(w32, et, x, wv, ev, xv, kr, kw1, nwr, wofs, eofs, xofs):
+            """The lane's rows kr .. kr + R - 1: words, scales (by slot, `slot_scales`) and x into
+            wv/ev/xv; unmasked, the scales and x of the R rows come in vector loads."""
             wi = kr * nwr
             for i in range(R):
                 r = int64(i)
@@ -163,16 +161,14 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None):
                     if masked:
                         ev[c * R + i] = ld1(et, eofs[c] + kr + r)
                 if masked:
-                    kk = kr + r
                     for q in range(mg):
-                        xv[q * R + i] = ld1(xf, (kk >> int64(2)) * int64(XF_ROW) + xfo[q] + (kk & int64(3)))
+                        xv[q * R + i] = ld1(x, xofs[q] + kr + r)
             if not masked:
                 for i in range(0, R, vw):
                     for c in range(gw):
                         ldv(et, eofs[c] + kr + int64(i), ev, c * R + i)
-                    kk = kr + int64(i)
                     for q in range(mg):
-                        ldv(xf, (kk >> int64(2)) * int64(XF_ROW) + xfo[q] + (kk & int64(3)), xv, q * R + i)
+                        ldv(x, xofs[q] + kr + int64(i), xv, q * R + i)
 
         @cuda.jit(device=True, inline="always")
         def compute(wv, ev, xv, acc, val, tab, kr, kw1, g2, sh, scr, lane, base, lim, limu):
@@ -239,7 +235,7 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None):
                         for h in range(2):
                             acc[b + h] = cuda.fma(xe, val[4 * h + j], acc[b + h])
 
-    def k_tc(x, w32, scales, gbuf, lut, part, cnt, out, Q, m0, mc, et, xf):
+    def k_tc(x, w32, scales, gbuf, lut, part, cnt, out, Q, m0, mc, et):
         tab = cuda.shared.array(16, float32)
         red = cuda.shared.array(red_n, float32)
         scr = cuda.shared.array(scr_n, float32)
@@ -257,7 +253,6 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None):
         eofs = cuda.local.array(gw, int64)
         fofs = cuda.local.array(gw, int64)
         xofs = cuda.local.array(mg, int64)
-        xfo = cuda.local.array(mg, int64)
         lim = cuda.local.array(1, float32)
         limu = cuda.local.array(1, uint32)
         lane = int64(cuda.threadIdx.x)
@@ -288,7 +283,6 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None):
             eofs[c] = sofs[c] * K  # the group's slot in `slot_scales` order
         for q in range(mg):  # rows of x past mc read row mc - 1 (their sums are not written)
             xofs[q] = (m0 + min(int64(8 * q) + g, mc - int64(1))) * K
-            xfo[q] = (int64(8 * q) + g) * int64(4)  # (x_frags repeats row mc - 1 past mc)
         for a in range(nacc):
             acc[a] = float32(0.0)
         lim[0] = float32(0.0)
@@ -304,23 +298,23 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None):
         k = kw0 + int64(R) * t  # the lane's first row of a set (its rows: k .. k + R - 1)
         cuda.syncthreads()
         if nfull > int64(0):
-            load_full(w32, et, xf, wa, ea, xa, k, kw1, nwr, wofs, eofs, xfo)
+            load_full(w32, et, x, wa, ea, xa, k, kw1, nwr, wofs, eofs, xofs)
         st = int64(0)
         while st < nfull:  # whole sets, alternating between registers a and b
             if st + int64(1) < nfull:
-                load_full(w32, et, xf, wb, eb, xb, k + int64(8 * u), kw1, nwr, wofs, eofs, xfo)
+                load_full(w32, et, x, wb, eb, xb, k + int64(8 * u), kw1, nwr, wofs, eofs, xofs)
             compute_full(wa, ea, xa, acc, val, tab, k, kw1, g2, sh, scr, lane, base, lim, limu)
             k += int64(8 * u)
             st += int64(1)
             if st >= nfull:
                 break
             if st + int64(1) < nfull:
-                load_full(w32, et, xf, wa, ea, xa, k + int64(8 * u), kw1, nwr, wofs, eofs, xfo)
+                load_full(w32, et, x, wa, ea, xa, k + int64(8 * u), kw1, nwr, wofs, eofs, xofs)
             compute_full(wb, eb, xb, acc, val, tab, k, kw1, g2, sh, scr, lane, base, lim, limu)
             k += int64(8 * u)
             st += int64(1)
         while st < nset:  # the rest, rows past kw1 zeroed
-            load_masked(w32, et, xf, wa, ea, xa, k, kw1, nwr, wofs, eofs, xfo)
+            load_masked(w32, et, x, wa, ea, xa, k, kw1, nwr, wofs, eofs, xofs)
             compute_masked(wa, ea, xa, acc, val, tab, k, kw1, g2, sh, scr, lane, base, lim, limu)
             k += int64(8 * u)
             st += int64(1)
@@ -388,7 +382,7 @@ def tc_kernel(kind: int, mg: int, gw: int):
     return fast.K._jit_regs(REGS)(_tc_kernel(kind, mg, gw))
 
 
-SIG = gemv.SIG[:-1] + ", float32[::1], float32[::1])"  # the GEMV's arguments, the scales by slot, x_frags
+SIG = gemv.SIG[:-1] + ", float32[::1])"  # the GEMV's arguments, then the scales by slot
 
 
 @cuda.jit
@@ -414,39 +408,10 @@ def slot_scales(scales, Q: np.ndarray):
     return et
 
 
-@cuda.jit
-def k_x_frags(x, xf, K, m0, mc, n):
-    """xf[(k4 * 16 + r) * 4 + c] = x[m0 + min(r, mc - 1), 4 k4 + c] for the n = 16 K entries
-    (grid-stride)."""
-    i = int64(cuda.grid(1))
-    step = int64(cuda.gridsize(1))
-    while i < n:
-        c = i & int64(3)
-        r = (i >> int64(2)) & int64(15)
-        k4 = i >> int64(6)
-        xf[i] = x[(m0 + min(r, mc - int64(1))) * K + k4 * int64(4) + c]
-        i += step
-
-
-def x_buffer(K: int):
-    """A device buffer for `x_frags` of a K-row weight: 16 K floats."""
-    return cuda.device_array(MAX_MB * K, dtype=np.float32)
-
-
-def x_frags(x, xf, K: int, m0: int, mc: int) -> None:
-    """Rows m0 .. m0 + mc - 1 of x [M, K] into xf in the kernel's fragment order: 4 consecutive
-    k of each of 16 rows (row mc - 1 repeated past mc) per 64 floats, so that a warp's loads of
-    its lanes' rows k + R t .. k + R t + 3 of x-rows 8q + g read 4 runs of 128 contiguous bytes."""
-    n = MAX_MB * K
-    k_x_frags[fast.K.launch(n)](x, xf, K, m0, mc, n)
-
-
 def ptx_targets():
     """(name, python function, signature) of every variant the backend launches."""
     return [(f"k_tc[{kind},{mg}]", _tc_kernel(kind, mg), SIG) for kind in range(len(fast.KIND_BITS))
-            for mg in (1, 2)] + [("k_slot_scales", k_slot_scales.py_func, "void(float32[::1], float32[::1], int64, int64, int64)"),
-                                 ("k_x_frags", k_x_frags.py_func,
-                                  "void(float32[::1], float32[::1], int64, int64, int64, int64)")]
+            for mg in (1, 2)] + [("k_slot_scales", k_slot_scales.py_func, "void(float32[::1], float32[::1], int64, int64, int64)")]
 
 
 def buffers(Q: np.ndarray, kind: int, m: int):
