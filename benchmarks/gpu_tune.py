@@ -62,7 +62,7 @@ def _empty_kernel(cuda):
     return k_empty
 
 
-def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quick=False):
+def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quick=False, only_m=None):
     from qcore_cuda import gemv, tc
     from qcore_cuda.kernels import _jit_regs
 
@@ -77,6 +77,8 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
     kind, Q = gemv.geometry(data.shape, data.scheme)
     wd = torch.as_tensor(be.to_numpy(be.dequantize(qw)), device="cuda").double()
     ms = variants or {**GEMV_VARIANTS, **{m: GEMV_VARIANTS.get(m, []) for m in TC_M}}
+    if only_m:
+        ms = {m: v for m, v in ms.items() if m in only_m}
     for m, vs in sorted(ms.items()):
         x = torch.randn(m, k_, device="cuda")
         xd = cuda.as_cuda_array(x).reshape(m * k_)
@@ -110,7 +112,7 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
                          run, out, dict(meta, grid=list(grid))))
         if variants is None and m in TC_M and tc.geometry(data.shape, data.scheme) is not None:
             et = tc.slot_scales(scales, Q)
-            for gw, u1, u2, regs, per_sm in TC_VARIANTS:
+            for gw, u1, u2, regs, per_sm in (TC_VARIANTS[:1] if quick else TC_VARIANTS):
                 mg = 1 if m <= 8 else 2
                 u = (u1 if mg == 1 else u2) or tc.U[mg]
                 meta = dict(tc=True, mg=mg, gw=gw, u=u, regs=regs, per_sm=per_sm)
@@ -198,7 +200,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", choices=("gemv", "dequant"), help="run one of the two parts")
-    ap.add_argument("--quick", action="store_true", help="the FFMA GEMV's default per M only (and every tensor-core variant)")
+    ap.add_argument("--quick", action="store_true", help="each GEMV kernel's default per M only")
+    ap.add_argument("--m", type=lambda t: [int(v) for v in t.split(",")], help="these M only (comma-separated)")
     args = ap.parse_args(argv)
     import torch
     from numba import config, cuda
@@ -212,7 +215,7 @@ def main(argv=None) -> int:
     res = {"gemv": [], "dequant": []}
     flush = l2_flushes(torch)[0]
     if args.only != "dequant":
-        tune_gemv(torch, cuda, be, res, flush, quick=args.quick)
+        tune_gemv(torch, cuda, be, res, flush, quick=args.quick, only_m=args.m)
         tune_gemv(torch, cuda, be, res, flush, k_=1024, variants=K1024)  # 1/8 of the weight: the fixed costs
     if args.only != "gemv":
         tune_dequant(torch, cuda, be, res)
