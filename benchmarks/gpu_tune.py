@@ -1,6 +1,6 @@
 """Tuning runs for the cuda backend's fast kernels on a GPU (kernel variants side by side).
 
-    NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_tune.py [--out DIR] [--only gemv|dequant] [--quick]
+    NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_tune.py [--out DIR] [--only gemv|dequant] [--quick] [--m 4,8,16]
 
 * GEMV `x[M, 8192] @ w[8192, 8192]`, w in q4s/block32:f16, the FFMA kernel (gemv.py): rows of x per launch (mb), u32
   words per thread and row (wpt), rows per step, the prefetch pipeline, register cap, blocks
