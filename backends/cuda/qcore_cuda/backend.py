@@ -439,9 +439,9 @@ class CudaBackend(BaseBackend):
         spanning a u32 word of codes) take the GEMV kernel (`gemv.py`), and from M = 4 on (N a
         multiple of 32, blocks of 32 columns or more, K >= 64 and a multiple of 4) the tensor-core
         kernel (`tc.py`: TF32 mma with x * e split in two, within the f32 accumulation bound):
-        k-split partial sums added in a fixed order, so results repeat bit for bit. Other layouts take the general
-        kernel: 8 output columns per thread, k-chunks summed in shared memory and added to the
-        output with f32 atomics (the last bits may vary from run to run).
+        k-split partial sums added in a fixed order, so results repeat bit for bit. Other layouts
+        take the general kernel: 8 output columns per thread, k-chunks summed in shared memory
+        and added to the output with f32 atomics (the last bits may vary from run to run).
         """
         w = self._own(w)
         if len(w.shape) != 2:

@@ -385,6 +385,9 @@ def tc_kernel(kind: int, mg: int, gw: int):
 SIG = gemv.SIG[:-1] + ", float32[::1])"  # the GEMV's arguments, then the scales by slot
 
 
+SLOT_SCALES_SIG = "void(float32[::1], float32[::1], int64, int64, int64)"
+
+
 @cuda.jit
 def k_slot_scales(scales, et, K, srow, n):
     """et[s * K + k] = scales[k * srow + s] for the n = max(1, srow) * K entries (grid-stride)."""
@@ -410,8 +413,9 @@ def slot_scales(scales, Q: np.ndarray):
 
 def ptx_targets():
     """(name, python function, signature) of every variant the backend launches."""
-    return [(f"k_tc[{kind},{mg}]", _tc_kernel(kind, mg), SIG) for kind in range(len(fast.KIND_BITS))
-            for mg in (1, 2)] + [("k_slot_scales", k_slot_scales.py_func, "void(float32[::1], float32[::1], int64, int64, int64)")]
+    tc_kernels = [(f"k_tc[{kind},{mg}]", _tc_kernel(kind, mg), SIG)
+                  for kind in range(len(fast.KIND_BITS)) for mg in (1, 2)]
+    return tc_kernels + [("k_slot_scales", k_slot_scales.py_func, SLOT_SCALES_SIG)]
 
 
 def buffers(Q: np.ndarray, kind: int, m: int):
