@@ -6,16 +6,22 @@ For a 256M-element float32 tensor [65536, 4096] it measures, with CUDA events an
 
 * a device-to-device copy of the input (torch `copy_`): the bandwidth ceiling;
 * calibrate+quantize and dequantize (to float32) of five schemes on the cuda backend, as
-  - `api`: the whole `be.quantize(x, s)` / `be.dequantize(q)` call (allocation, launches, the
-    non-finite check that reads one flag back to the host),
+  - `api`: the whole `be.quantize(x, s)` / `be.dequantize(q)` call on the torch tensor (a result
+    from the memory pool, the launches, the non-finite check that reads one flag back),
+  - `api_out`: the whole call into existing memory (`be.quantize(x, s, out=q)`,
+    `be.dequantize(q, out=y)`),
   - `kernels`: the kernel launches alone into preallocated buffers, timed behind a GPU sleep so
     that Python launch latency is hidden (what the GPU spends);
 * torch doing the same maths, eager and `torch.compile`d (same bytes in and out; torch rounds
   scales to nearest where qcore rounds up, which costs the same);
 * GB/s = (bytes read + bytes written) / time: input f32 + payload for quantize, the reverse for
   dequantize;
-* the fused GEMV / small-M matmul x[M, 8192] @ w[8192, 8192] with w in q4s/block32:f16, against
-  torch fp16 `x @ w`. Before every timed call a read of a 512 MiB buffer evicts the weight
+* the first quantize and dequantize per scheme in a fresh process (`first_call`: a child process per
+  scheme, run twice; the second finds the kernels in numba's disk cache), after CUDA is set up;
+* the fused GEMV / small-M matmul x[M, 8192] @ w[8192, 8192] with w in q4s/block32:f16 (x a torch
+  tensor), against torch fp16 `x @ w`: the kernels, the whole call (with and without `out=`),
+  and the host time of one call (`host_us`: the call's wall time while the GPU is kept busy, so
+  no launch waits); Before every timed call a read of a 512 MiB buffer evicts the weight
   from L2 (the 36 MB quantized weight would otherwise stay in the 60 MB L2) and leaves L2
   holding clean lines, as in a decode step that has just read other layers' weights; M = 1 is
   also timed after a 512 MiB *write* (the previous sessions' flush), which leaves L2 full of
@@ -70,6 +76,54 @@ def _timer(torch, fn, iters, warmup=2, hide_launch=False, flush=None):
         if i >= warmup:
             ts.append(s.elapsed_time(e))
     return statistics.median(ts)
+
+
+def _host_us(torch, fn, iters=200):
+    """Median host (wall) time of one fn() call in us, with the GPU kept busy (a sleep kernel
+    queued first) so that launches never wait for the device."""
+    ts = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_000_000)
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(ts)
+
+
+FIRST_CALL = """
+import sys, time
+import numpy as np
+from numba import cuda
+import qcore
+cuda.current_context()
+be = qcore.backend("cuda")
+x = cuda.to_device(np.random.default_rng(0).standard_normal((256, 4096)).astype(np.float32))
+cuda.synchronize()
+t0 = time.perf_counter()
+q = be.quantize(x, sys.argv[1])
+cuda.synchronize()
+t1 = time.perf_counter()
+be.dequantize(q)
+cuda.synchronize()
+t2 = time.perf_counter()
+print("FIRST", t1 - t0, t2 - t1)
+"""
+
+
+def first_calls(text):
+    """(quantize s, dequantize s) of the first calls in a fresh process, twice: the first child may
+    compile (empty disk cache), the second loads what the first saved."""
+    import subprocess
+
+    out = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", FIRST_CALL, text], capture_output=True, text=True,
+                           env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0"})
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("FIRST")]
+        out.append(tuple(float(v) for v in line[0].split()[1:]) if line else (float("nan"), float("nan")))
+    return out
 
 
 def _torch_fns(torch):
@@ -164,18 +218,24 @@ def main(argv=None) -> int:
 
     for text in SCHEMES:
         s = qcore.scheme(text)
+        fc = first_calls(text)
         t0 = time.time()
-        q = be.quantize(xd, s)  # compiles the kernels once
+        q = be.quantize(x, s)  # compiles the kernels once (or loads them from the disk cache)
         compile_s = time.time() - t0
         nbytes = q.nbytes
         qb, dqb = 4 * n + nbytes, nbytes + 4 * n
-        row = {"scheme": text, "payload_bytes": nbytes, "first_call_s": compile_s}
-        row["q_api"] = _timer(torch, lambda: be.quantize(xd, s), iters)
+        row = {"scheme": text, "payload_bytes": nbytes, "first_call_s": compile_s,
+               "fresh_process_q_s": [f[0] for f in fc], "fresh_process_dq_s": [f[1] for f in fc]}
+        row["q_api"] = _timer(torch, lambda: be.quantize(x, s), iters)
+        row["q_api_out"] = _timer(torch, lambda: be.quantize(x, s, out=q), iters)
         payload = cuda.device_array(nbytes, dtype=np.uint8)
         row["q_kern"] = _timer(torch, lambda: be._launch_quantize(xflat, (ROWS, COLS), s, None, "minmax", payload),
                                iters, hide_launch=True)
         be.dequantize(q)
         row["dq_api"] = _timer(torch, lambda: be.dequantize(q), iters)
+        yt = torch.empty_like(x)
+        row["dq_api_out"] = _timer(torch, lambda: be.dequantize(q, out=yt), iters)
+        del yt
         out = cuda.device_array(n, dtype=np.float32)
         row["dq_kern"] = _timer(torch, lambda: be._launch_dequantize(q.data, out), iters, hide_launch=True)
         qf, dqf = tfns[text]
@@ -209,12 +269,17 @@ def main(argv=None) -> int:
         xm16 = xm.half()
         xmd = cuda.as_cuda_array(xm)
         xmflat = xmd.reshape(m * K_)
-        got = torch.as_tensor(be.to_numpy(be.matmul(xmd, qw)), device="cuda")
+        got = be.matmul(xm, qw).torch()
         want = xm16.float() @ w16.float()
         err = float((got - want).abs().max() / want.abs().max())
         outm = cuda.device_array(m * N_, dtype=np.float32)
+        ot = torch.empty(m, N_, device="cuda")
         r = {"m": m, "rel_err": err}
-        r["qcore_api"] = _timer(torch, lambda: be.matmul(xmd, qw), iters, flush=flush)
+        r["qcore_api"] = _timer(torch, lambda: be.matmul(xm, qw), iters, flush=flush)
+        r["qcore_api_out"] = _timer(torch, lambda: be.matmul(xm, qw, out=ot), iters, flush=flush)
+        r["host_us"] = _host_us(torch, lambda: be.matmul(xm, qw))
+        r["host_us_out"] = _host_us(torch, lambda: be.matmul(xm, qw, out=ot))
+        r["torch_fp16_host_us"] = _host_us(torch, lambda: xm16 @ w16)
         r["qcore_kern"] = _timer(torch, lambda: be._launch_matmul(xmflat, qw.data, m, outm), iters, hide_launch=True,
                                  flush=flush)
         r["torch_fp16"] = _timer(torch, lambda: xm16 @ w16, iters, hide_launch=True, flush=flush)
@@ -225,6 +290,7 @@ def main(argv=None) -> int:
             r["torch_fp16_dirty_l2"] = _timer(torch, lambda: xm16 @ w16, iters, hide_launch=True, flush=flush_dirty)
         r["speedup_kern"] = r["torch_fp16"] / r["qcore_kern"]
         r["speedup_api"] = r["torch_fp16_api"] / r["qcore_api"]
+        r["speedup_api_out"] = r["torch_fp16_api"] / r["qcore_api_out"]
         res["gemv"].append(r)
         print(json.dumps(r), flush=True)
 
@@ -244,26 +310,33 @@ def _markdown(res) -> str:
         f"Device: {res['device']}; input float32 [{ROWS}, {COLS}] (2**28 elements, 1 GiB); "
         f"device-to-device copy: {res['copy']['ms']:.3f} ms = **{c:.0f} GB/s**.",
         "",
-        "| scheme | op | cuda kernels GB/s (% of copy) | cuda API call GB/s | torch eager GB/s | torch.compile GB/s | kernels vs compile |",
-        "|---|---|---|---|---|---|---|",
+        "| scheme | op | cuda kernels GB/s (% of copy) | API call GB/s (% of copy) | API call, out= GB/s (% of copy) "
+        "| torch eager GB/s | torch.compile GB/s | first call, fresh process (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         for op in ("q", "dq"):
             k = r[f"{op}_kern_gbs"]
             comp = r.get(f"{op}_compiled_gbs")
+            a, ao = r[f"{op}_api_gbs"], r[f"{op}_api_out_gbs"]
+            fresh = r[f"fresh_process_{op}_s"]
             lines.append(
                 f"| `{r['scheme']}` | {'calibrate+quantize' if op == 'q' else 'dequantize'} | "
-                f"{k:.0f} ({100 * k / c:.0f}%) | {r[f'{op}_api_gbs']:.0f} | {r[f'{op}_eager_gbs']:.0f} | "
-                f"{'-' if comp is None else f'{comp:.0f}'} | {'-' if comp is None else f'{k / comp:.2f}x'} |"
+                f"{k:.0f} ({100 * k / c:.0f}%) | {a:.0f} ({100 * a / c:.0f}%) | {ao:.0f} ({100 * ao / c:.0f}%) | "
+                f"{r[f'{op}_eager_gbs']:.0f} | {'-' if comp is None else f'{comp:.0f}'} | "
+                f"{fresh[1]:.2f} (first child: {fresh[0]:.2f}) |"
             )
     lines += ["", "Fused matmul x[M, 8192] @ w[8192, 8192], w in `q4s/block32:f16` (before each call a 512 MiB read "
               "evicts the weight from L2):", "",
-              "| M | cuda kernels µs | cuda API call µs | torch fp16 GPU µs | torch fp16 call µs | speedup (GPU) | speedup (calls) | max rel err vs fp16 |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| M | cuda kernels µs | API call µs | API call, out= µs | host µs per call (out=) | torch fp16 GPU µs "
+              "| torch fp16 call µs | torch host µs | speedup (GPU) | speedup (calls; out=) | max rel err vs fp16 |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["gemv"]:
         lines.append(f"| {r['m']} | {1e3 * r['qcore_kern']:.1f} | {1e3 * r['qcore_api']:.1f} | "
-                     f"{1e3 * r['torch_fp16']:.1f} | {1e3 * r['torch_fp16_api']:.1f} | {r['speedup_kern']:.2f}x | "
-                     f"{r['speedup_api']:.2f}x | {r['rel_err']:.1e} |")
+                     f"{1e3 * r['qcore_api_out']:.1f} | {r['host_us']:.1f} ({r['host_us_out']:.1f}) | "
+                     f"{1e3 * r['torch_fp16']:.1f} | {1e3 * r['torch_fp16_api']:.1f} | {r['torch_fp16_host_us']:.1f} | "
+                     f"{r['speedup_kern']:.2f}x | {r['speedup_api']:.2f}x; {r['speedup_api_out']:.2f}x | "
+                     f"{r['rel_err']:.1e} |")
     for r in res["gemv"]:
         if "qcore_kern_dirty_l2" in r:
             lines += ["", f"M = {r['m']} with the L2 left full of dirty lines before each call (a 512 MiB write, the previous "

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import qcore
 
+from ._pool import cached_bytes as pool_bytes
+from ._pool import trim as trim_pool
 from .backend import CudaBackend, CudaData, cuda_status
 
-__all__ = ["CudaBackend", "CudaData", "cuda_status", "qcore_register_backends"]
+__all__ = ["CudaBackend", "CudaData", "cuda_status", "pool_bytes", "qcore_register_backends", "trim_pool"]
 
 
 @qcore.hookimpl

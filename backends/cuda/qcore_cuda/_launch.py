@@ -6,8 +6,10 @@ kernel. A backend call that launches the same kernel on the same buffers again (
 state, a dequantize into a fresh output) only changes a few device pointers and integers.
 `Packed` launches through numba's dispatcher the first time (which compiles the kernel), then
 keeps the kernel's packed argument list (numba's own `_Kernel._prepare_args`) and later only
-swaps the pointers of the arrays and the values of the integers that change, and launches with
-`cuda.core.launch`, as numba does.
+swaps the pointers of the arrays and the values of the integers that change. The packed list is
+also held as one C `void*[]` of ctypes values (`_RawLaunch`), so a launch is one `cuLaunchKernel`
+through cuda-bindings (a few us of host time) with the argument array's address; where the driver
+refuses that, `cuda.core.launch` takes the list as numba does.
 
 Anything unexpected (the simulator, another numba-cuda layout, a swapped array of another
 shape or dtype) takes the dispatcher path, so a launch is never wrong, at worst as slow as
@@ -21,6 +23,8 @@ import threading
 from typing import Any, Sequence
 
 import numpy as np
+
+from . import _streams
 
 ARRAY_PTR = 4  # offset of the data pointer in numba's packed array: meminfo, parent, size, itemsize, data, ...
 
@@ -50,8 +54,12 @@ class Packed:
         self._dynamic = tuple(dynamic)
         self._state: Any = None  # None: not packed yet; False: dispatcher only; else the packed launch
         self._lock = threading.Lock()  # threads sharing a tensor: one swap-and-launch at a time
+        self._raw: _RawLaunch | None = None  # the packed list as a C argument array, once packed
 
-    def __call__(self, *values: Any) -> None:
+    def __call__(self, *values: Any, stream: Any = None) -> None:
+        """Launch with `values` at the first dynamic positions, on `stream` (a `_streams.StreamRef`;
+        None: the default stream)."""
+        s = _streams.DEFAULT if stream is None else stream
         with self._lock:
             args = self._args
             passed = self._dynamic[: len(values)]
@@ -59,13 +67,15 @@ class Packed:
                 args[i] = v
             try:
                 if self._state is None:
-                    self._disp[self._grid, self._block](*args)  # compiles on first use
+                    self._disp[self._grid, self._block, s.numba](*args)  # compiles on first use
                     self._state = self._pack(args) if _enabled() else False
+                    if self._state:
+                        self._raw = _RawLaunch.build(self._state[3], self._grid, self._block, self._state[4])
                 elif self._state is False or not self._swap(values):
-                    self._disp[self._grid, self._block](*args)
-                else:
-                    launch, stream, config, kernel, kargs = self._state
-                    launch(stream, config, kernel, *kargs)
+                    self._disp[self._grid, self._block, s.numba](*args)
+                elif self._raw is None or not self._raw(s.handle):
+                    launch, _, config, kernel, kargs = self._state
+                    launch(s.core, config, kernel, *kargs)
             finally:
                 for i in passed:  # hold no reference to the caller's arrays (a 1 GiB output, say)
                     args[i] = None
@@ -127,6 +137,60 @@ class Packed:
                 if not isinstance(v, (int, np.integer)):
                     return False
                 new.append((pos, what(int(v))))
+        raw = self._raw
         for pos, v in new:
             kargs[pos] = v
+            if raw is not None:
+                raw.set(pos, v)
         return True
+
+
+class _RawLaunch:
+    """One packed argument list as ctypes values and a `void*[]` of their addresses: a launch is
+    `cuLaunchKernel(kernel, grid, block, 0, stream, params)`, and a swap writes a value in place.
+    The kernel is numba's `CUkernel` (cuda.core's library kernel), which `cuLaunchKernel` takes
+    for a `CUfunction` in the current context (CUDA 12+)."""
+
+    def __init__(self, fn: int, grid: tuple, block: tuple, values: list):
+        from cuda.bindings import driver as cu
+
+        self._cu = cu
+        self._launch = cu.cuLaunchKernel
+        self._ok = cu.CUresult.CUDA_SUCCESS
+        self._fn = fn
+        self._dims = tuple(grid) + (1,) * (3 - len(grid)) + tuple(block) + (1,) * (3 - len(block))
+        self._values = values
+        self._params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
+        self._addr = ctypes.addressof(self._params)
+
+    @classmethod
+    def build(cls, kernel: Any, grid: Any, block: Any, kargs: list) -> "_RawLaunch | None":
+        """The C form of a packed list (numba's ints are 8-byte values, its ctypes values kept as
+        their own type), or None where anything does not fit (the cuda.core path then)."""
+        try:
+            values = []
+            for v in kargs:
+                if isinstance(v, ctypes._SimpleCData):
+                    values.append(type(v)(v.value))
+                elif isinstance(v, (bool, np.bool_)):
+                    values.append(ctypes.c_bool(bool(v)))
+                elif isinstance(v, (int, np.integer)):
+                    v = int(v)
+                    values.append(ctypes.c_uint64(v) if v >= 2**63 else ctypes.c_int64(v))
+                else:
+                    return None
+            grid = (grid,) if isinstance(grid, int) else tuple(grid)
+            block = (block,) if isinstance(block, int) else tuple(block)
+            return cls(int(kernel.handle), grid, block, values)
+        except Exception:
+            return None
+
+    def set(self, pos: int, v: Any) -> None:
+        """Write the swapped value at `pos` (an int pointer or a ctypes integer) in place."""
+        self._values[pos].value = v.value if isinstance(v, ctypes._SimpleCData) else int(v)
+
+    def __call__(self, stream: int) -> bool:
+        """Launch on the stream handle; False if the driver refuses it (no current context on this
+        thread, a driver without `CUkernel` launches): the caller then launches through cuda.core."""
+        gx, gy, gz, bx, by, bz = self._dims
+        return self._launch(self._fn, gx, gy, gz, bx, by, bz, 0, stream, self._addr, 0)[0] == self._ok

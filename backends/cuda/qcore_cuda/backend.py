@@ -14,13 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from qcore.checks import check_input_dtype, raise_nonfinite, to_f32
+from qcore.checks import check_input_dtype, check_output_dtype, raise_nonfinite, to_f32
 from qcore.errors import InputError
 from qcore.payload import QuantizedData
-from qcore.protocol import BaseBackend, QParams, Support
+from qcore.protocol import BaseBackend, QParams, QTensor, Support
 from qcore.scheme import QuantScheme
 
+from . import _array, _streams
 from ._launch import Packed
+from ._quiet import quiet
 
 __all__ = ["CudaBackend", "CudaData", "cuda_status"]
 
@@ -68,7 +70,17 @@ def _k():
         # x / e overflowing to inf before the clamp), which NumPy reports as RuntimeWarnings;
         # a GPU computes the same values silently.
         warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"qcore_cuda\.")
+    else:
+        from . import _diskcache, _pool, fast, gemv, tc
+
+        _diskcache.enable({"kernels": kernels, "fast": fast, "gemv": gemv, "tc": tc})
+        _pool.install()
     return kernels
+
+
+def _on(kernel: Any, cfg: tuple, s: Any) -> Any:
+    """`kernel[grid, block]` on stream `s` (a StreamRef)."""
+    return kernel[cfg[0], cfg[1], s.numba]
 
 
 def _cuda():
@@ -165,9 +177,10 @@ class CudaBackend(BaseBackend):
             return tuple(x.shape), np.dtype(x.dtype)
         return super()._shape_dtype(x)
 
-    def _device_f32(self, x: Any):
+    def _device_f32(self, x: Any, s: Any = _streams.DEFAULT):
         """A flat, contiguous float32 device array of `x`: zero-copy for contiguous float32 device
-        arrays; float16/float64 device arrays are converted on the device; host arrays copied."""
+        arrays; float16/float64 device arrays are converted on the device (on stream `s`); host
+        arrays copied."""
         cuda, K = _cuda(), _k()
         if _is_device_array(x) and not isinstance(x, np.ndarray):
             d = x if hasattr(x, "copy_to_host") else cuda.as_cuda_array(x)
@@ -177,19 +190,42 @@ class CudaBackend(BaseBackend):
             flat = d.reshape(d.size)
             if dt == np.float32:
                 return flat
-            out = cuda.device_array(d.size, dtype=np.float32)
+            out = _array.empty((d.size,), np.float32, s)
             if d.size:
                 kern = {np.dtype(np.float16): K.k_convert_f16, np.dtype(np.float64): K.k_convert_f64}.get(dt)
                 if kern is None:
                     raise InputError(f"cuda device inputs of dtype {dt} are not read; convert to float32 first")
-                kern[K.launch(d.size)](flat, out)
+                _on(kern, K.launch(d.size), s)(flat, out)
             return out
-        return cuda.to_device(np.ascontiguousarray(to_f32(x)).reshape(-1))
+        return cuda.to_device(np.ascontiguousarray(to_f32(x)).reshape(-1), stream=s.numba)
 
-    def _raise_if_flagged(self, flag, xd, shape) -> None:
-        if int(flag.copy_to_host()[0]):
+    def _read_flag(self, flag, s: Any) -> int:
+        """The non-finite flag: one 4-byte asynchronous copy into pinned memory on the call's
+        stream, then a wait for that stream alone (not the device)."""
+        from numba import config
+
+        if config.ENABLE_CUDASIM:
+            return int(flag.copy_to_host()[0])
+        from cuda.bindings import driver as cu
+
+        host = self.__dict__.get("_flag_host")
+        if host is None:
+            host = self.__dict__["_flag_host"] = _cuda().pinned_array(1, dtype=np.int32)
+        ptr = flag.__cuda_array_interface__["data"][0]
+        err = cu.cuMemcpyDtoHAsync(host.ctypes.data, ptr, 4, s.handle)[0]
+        if err == cu.CUresult.CUDA_SUCCESS:
+            err = cu.cuStreamSynchronize(s.handle)[0]
+        if err != cu.CUresult.CUDA_SUCCESS:
+            from numba.cuda.cudadrv.driver import CudaAPIError
+
+            raise CudaAPIError(err, f"reading the non-finite flag failed: {err.name}")
+        return int(host[0])
+
+    def _raise_if_flagged(self, flag, xd, shape, s: Any = _streams.DEFAULT) -> None:
+        if self._read_flag(flag, s):
             self.__dict__.pop("_scr", None)  # fresh scratch (and flag) for the next call
-            raise_nonfinite(xd.copy_to_host().reshape(shape))
+            host = xd.copy_to_host() if hasattr(xd, "copy_to_host") else _cuda().as_cuda_array(xd).copy_to_host()
+            raise_nonfinite(host.reshape(shape))
 
     # ------------------------------------------------------------------ quantize
     def _scratch(self):
@@ -243,7 +279,7 @@ class CudaBackend(BaseBackend):
             return payload[: pl.values_nbytes].view(np.uint32)
         return payload[: pl.values_nbytes]
 
-    def _fast_quant_launches(self, pp: dict, fp: dict, xd, qw32, payload, G, gbuf=None) -> tuple:
+    def _fast_quant_launches(self, pp: dict, fp: dict, xd, qw32, payload, G, gbuf=None, s: Any = None) -> tuple:
         """The fast path's (max pass, quantize, statistics reset) launches for this plan, scratch and
         `G` (calibrated or given mode), packed once (`_launch.Packed`): x and the payload change
         from call to call. Given explicit scales, `gbuf` is their device copy (new each call)."""
@@ -264,10 +300,11 @@ class CudaBackend(BaseBackend):
         amax, quant, zero = got[1]
         if gbuf is None:
             return amax, quant, zero
-        return amax, lambda x, w, p: quant(x, w, p, gbuf), zero
+        return amax, lambda x, w, p, stream=None: quant(x, w, p, gbuf, stream=stream), zero
 
-    def _launch_quantize(self, xd, shape, scheme: QuantScheme, params: QParams | None, method: str, payload):
-        """Enqueue the quantize kernels writing `payload` (no host synchronisation)."""
+    def _launch_quantize(self, xd, shape, scheme: QuantScheme, params: QParams | None, method: str, payload,
+                         s: Any = _streams.DEFAULT):
+        """Enqueue the quantize kernels writing `payload` on stream `s` (no host synchronisation)."""
         cuda, K = _cuda(), _k()
         n = int(np.prod(shape))
         pp = self._prepared(shape, scheme, method)
@@ -283,10 +320,10 @@ class CudaBackend(BaseBackend):
             if params is None and fp["mode"] != fast.MODE_GIVEN:
                 amax, quant, zero = self._fast_quant_launches(pp, fp, xd, qw32, payload, fp["G"])
                 if fp["mode"] != fast.MODE_BLOCK:  # pass 1: the tensor's max |x| into gbuf[1]
-                    amax(xd)
-                quant(xd, qw32, payload)
+                    amax(xd, stream=s)
+                quant(xd, qw32, payload, stream=s)
                 if fp["mode"] != fast.MODE_BLOCK:  # the statistics scratch is consumed: zero it
-                    zero()
+                    zero(stream=s)
                 return
         rows = pl.RP is not None and not fast_path
         if rows:
@@ -298,54 +335,60 @@ class CudaBackend(BaseBackend):
             w32 = w8.view(np.uint32) if pl.TP[K.T_U32] else pp["dummy32"]
             tgrid, ttpb = K.launch_tiles(int(pl.TP[K.T_NT]))
             if not scheme.two_level:
-                K.k_tile_quant[tgrid, ttpb](xd, pp["TP"], F, w32, w8, payload, flag, pp["raw"], gbuf)
+                _on(K.k_tile_quant, (tgrid, ttpb), s)(xd, pp["TP"], F, w32, w8, payload, flag, pp["raw"], gbuf)
                 return
         if params is None and pl.fused and not rows:
-            K.k_quant_fused[K.launch(pl.nruns)](xd, P, F, payload, flag)
+            _on(K.k_quant_fused, K.launch(pl.nruns), s)(xd, P, F, payload, flag)
             return
         if params is not None:
             P = pp["P_explicit"]
-            raw = cuda.to_device(np.ascontiguousarray(params.scales, dtype=np.float32).reshape(-1))
-            gbuf = cuda.to_device(np.array([params.global_scale or 0.0, 0, 0, 0], dtype=np.float32))
+            raw = cuda.to_device(np.ascontiguousarray(params.scales, dtype=np.float32).reshape(-1), stream=s.numba)
+            gbuf = cuda.to_device(np.array([params.global_scale or 0.0, 0, 0, 0], dtype=np.float32), stream=s.numba)
         elif scheme.block is None:
             raw = fs[2:3]
-            K.k_tensor_stats[K.launch(n)](xd, raw, asum, flag)
+            _on(K.k_tensor_stats, K.launch(n), s)(xd, raw, asum, flag)
         else:
             raw = pp["raw"]
             if tiles:
-                K.k_tile_quant[tgrid, ttpb](xd, pp["TP"], F, w32, w8, payload, flag, raw, gbuf)
+                _on(K.k_tile_quant, (tgrid, ttpb), s)(xd, pp["TP"], F, w32, w8, payload, flag, raw, gbuf)
             elif rows and pl.rows_stats:
-                K.k_rows_quant[grid, tpb](xd, pp[("RP", K.ROW_STATS)], F, pp["stored"], gbuf, words, payload, flag,
+                _on(K.k_rows_quant, (grid, tpb), s)(xd, pp[("RP", K.ROW_STATS)], F, pp["stored"], gbuf, words, payload, flag,
                                           raw)
             else:
-                K.k_slot_stats[K.launch(pl.nslots)](xd, P, raw, fs[1:2], flag)
-        K.k_scales[K.launch(pl.nslots)](raw, asum, P, F, pp["stored"], gbuf, payload)
+                _on(K.k_slot_stats, K.launch(pl.nslots), s)(xd, P, raw, fs[1:2], flag)
+        _on(K.k_scales, K.launch(pl.nslots), s)(raw, asum, P, F, pp["stored"], gbuf, payload)
         if fast_path:
             _, quant, zero = self._fast_quant_launches(pp, fp, xd, qw32, payload, fp["G_given"], gbuf)
-            quant(xd, qw32, payload)
+            quant(xd, qw32, payload, stream=s)
             if params is None:  # the statistics scratch is consumed: zero it for the next call
-                zero()
+                zero(stream=s)
         elif rows:
-            K.k_rows_quant[grid, tpb](xd, pp[("RP", K.ROW_GIVEN)], F, pp["stored"], gbuf, words, payload, flag,
+            _on(K.k_rows_quant, (grid, tpb), s)(xd, pp[("RP", K.ROW_GIVEN)], F, pp["stored"], gbuf, words, payload, flag,
                                       raw)
             if params is None:  # the statistics scratch is consumed: zero it for the next call
-                K.k_zero_stats[1, 1](asum, gbuf)
+                _on(K.k_zero_stats, (1, 1), s)(asum, gbuf)
         else:
-            K.k_quant[K.launch(pl.nruns)](xd, P, F, pp["stored"], gbuf, payload, flag, asum)
+            _on(K.k_quant, K.launch(pl.nruns), s)(xd, P, F, pp["stored"], gbuf, payload, flag, asum)
 
-    def _run_quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str):
+    def _run_quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str,
+                      s: Any = _streams.DEFAULT, payload: Any = None):
         cuda = _cuda()
         shape = tuple(int(d) for d in self._shape_dtype(x)[0])
-        xd = self._device_f32(x)
+        xd = self._device_f32(x, s)
         if int(np.prod(shape)) == 0:  # nothing to launch: the reference builds the (scale-only) payload
             from qcore.reference import ReferenceBackend
 
             data = ReferenceBackend()._quantize(np.zeros(shape, np.float32), scheme, params, method)
-            return None, CudaData(shape, scheme, cuda.to_device(np.frombuffer(data.payload, np.uint8).copy()))
+            got = np.frombuffer(data.payload, np.uint8).copy()
+            if payload is None:
+                return None, CudaData(shape, scheme, cuda.to_device(got, stream=s.numba))
+            payload.copy_to_device(got, stream=s.numba)
+            return None, CudaData(shape, scheme, payload)
         pl = self._prepared(shape, scheme, method)["plan"]
-        payload = cuda.device_array(pl.total_nbytes, dtype=np.uint8)
+        if payload is None:
+            payload = _array.empty((pl.total_nbytes,), np.uint8, s)
         try:
-            self._launch_quantize(xd, shape, scheme, params, method, payload)
+            self._launch_quantize(xd, shape, scheme, params, method, payload, s)
         except BaseException:
             self.__dict__.pop("_scr", None)  # the statistics may not have been consumed
             raise
@@ -356,14 +399,85 @@ class CudaBackend(BaseBackend):
         d = self._into_data(q)
         return QParams(d.scales(), d.global_scale())
 
-    def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> CudaData:
-        check, data = self._run_quantize(x, scheme, params, method)
+    def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str,
+                  s: Any = _streams.DEFAULT, payload: Any = None) -> CudaData:
+        check, data = self._run_quantize(x, scheme, params, method, s, payload)
         if check is not None:
-            self._raise_if_flagged(check[0], check[1], data.shape)
+            self._raise_if_flagged(check[0], check[1], data.shape, s)
         return data
 
+    def calibrate(self, x: Any, scheme: QuantScheme | str, method: str = "minmax") -> QParams:
+        with quiet():
+            return super().calibrate(x, scheme, method)
+
+    def quantize(self, x: Any, scheme: QuantScheme | str, *, params: QParams | None = None,
+                 method: str = "minmax", out: Any = None, stream: Any = None) -> QTensor:
+        """Quantize `x` (SPEC §2), as every backend does, plus:
+
+        * `out=`: write the payload into existing device memory, for loops that reuse it: a
+          QTensor of this backend with the same shape and scheme (it is overwritten and returned;
+          its cached decoded scales are refreshed), or a C-contiguous uint8 device array of the
+          payload's byte length (`q.nbytes`), which the returned QTensor then uses.
+        * `stream=`: the stream to run on (numba, torch or CuPy stream, or a cudaStream_t int);
+          by default the current stream of a torch or CuPy `x`, else the default stream. The only
+          wait is for that stream, after a 4-byte read of the non-finite flag.
+        """
+        if out is None and stream is None:
+            with quiet():
+                return super().quantize(x, scheme, params=params, method=method)
+        scheme = self._require(scheme)
+        self._check_method(method)
+        shape = self._check_input(x, scheme)
+        if params is not None:
+            params = self._check_params(params, shape, scheme)
+        s = _streams.resolve(stream, x)
+        with quiet():
+            target, payload = self._quantize_target(out, shape, scheme, method)
+            data = self._quantize(x, scheme, params, method, s, payload)
+            if target is None:
+                return QTensor(self, scheme, shape, data)
+            self._refresh_decoded(target.data, s)
+            return target
+
+    def _quantize_target(self, out: Any, shape: tuple, scheme: QuantScheme, method: str) -> tuple:
+        """(QTensor or None, payload device array or None) for quantize's `out=`."""
+        if out is None:
+            return None, None
+        nbytes = self._prepared(shape, scheme, method)["plan"].total_nbytes if int(np.prod(shape)) else None
+        if isinstance(out, QTensor):
+            out = self._own(out)
+            if tuple(out.shape) != tuple(shape) or out.scheme != scheme:
+                raise InputError(f"quantize out= is a {out.scheme} QTensor of shape {tuple(out.shape)}; this call makes "
+                                 f"{scheme} of shape {tuple(shape)}: pass a QTensor of that shape and scheme")
+            return out, out.data.payload
+        if nbytes is None:  # an empty tensor: its payload is the scale-only bytes the reference builds
+            from qcore.reference import ReferenceBackend
+
+            nbytes = ReferenceBackend()._quantize(np.zeros(shape, np.float32), scheme, None, method).nbytes
+        v = _array.check_out(out, (int(nbytes),), (np.dtype(np.uint8),), "quantize")
+        return None, v.numba()
+
+    def _refresh_decoded(self, data: CudaData, s: Any) -> None:
+        """After new bytes went into a tensor's payload: decode its scales again into the arrays
+        its cached launches point at (so those stay valid)."""
+        got = data.cache.get("scales")
+        if got is None:
+            return
+        K = _k()
+        pp = self._prepared(data.shape, data.scheme, "minmax")
+        scales, gbuf = got
+        _on(K.k_decode_scales, K.launch(max(pp["plan"].nslots, 1)), s)(data.payload, pp["P"], scales, gbuf)
+        et = data.cache.get("tc_scales")
+        if et is not None:
+            from . import fast, tc
+
+            Q = data.cache["gemv"][1]
+            k_, srow = int(Q[tc.Q_K]), int(Q[tc.Q_N]) >> int(Q[tc.Q_LB])
+            n = max(1, srow) * k_
+            _on(tc.k_slot_scales, fast.K.launch(n), s)(scales, et, k_, srow, n)
+
     # ------------------------------------------------------------------ dequantize
-    def _decoded_scales(self, data: CudaData):
+    def _decoded_scales(self, data: CudaData, s: Any = _streams.DEFAULT):
         """Device float32 scales (and the global in gbuf[0]) of a payload, decoded once."""
         got = data.cache.get("scales")
         if got is None:
@@ -372,15 +486,16 @@ class CudaBackend(BaseBackend):
             nslots = pp["plan"].nslots
             scales = cuda.device_array(max(nslots, 1), dtype=np.float32)
             gbuf = cuda.device_array(1, dtype=np.float32)
-            K.k_decode_scales[K.launch(nslots)](data.payload, pp["P"], scales, gbuf)
+            _on(K.k_decode_scales, K.launch(nslots), s)(data.payload, pp["P"], scales, gbuf)
             got = data.cache["scales"] = (scales, gbuf)
         return got
 
-    def _launch_dequantize(self, data: CudaData, out) -> None:
+    def _launch_dequantize(self, data: CudaData, out, s: Any = _streams.DEFAULT) -> None:
+        """Enqueue the dequantize kernels writing `out` (flat, C order) on stream `s`."""
         K = _k()
         pp = self._prepared(data.shape, data.scheme, "minmax")
         pl = pp["plan"]
-        scales, gbuf = self._decoded_scales(data)
+        scales, gbuf = self._decoded_scales(data, s)
         fp = pp.get("fast")
         if fp is not None and out.dtype == np.float32 and fast_aligned(out):
             from . import fast
@@ -391,24 +506,47 @@ class CudaBackend(BaseBackend):
                 units = fast.unit_view(data.payload[: pl.values_nbytes], fp["kind"])
                 launch = data.cache["dequant"] = Packed(fast.dequant_kernel(fp["kind"]), grid, block,
                                                         [units, scales, gbuf, pp["lut"], out, fp["G"]], dynamic=(4,))
-            launch(out)
-        elif pl.RP is not None:
+            launch(out, stream=s)
+            return
+        if not hasattr(out, "copy_to_host"):  # a view of a torch/CuPy out=: numba's array of it
+            out = _cuda().as_cuda_array(out)
+        if pl.RP is not None:
             grid, tpb = K.launch_rows(*pl.rows_shape)
-            K.k_rows_dequant[grid, tpb](self._words(data.payload, pl), pp[("RP", K.ROW_GIVEN)], pp["lut"], scales,
-                                        gbuf, out)
+            _on(K.k_rows_dequant, (grid, tpb), s)(self._words(data.payload, pl), pp[("RP", K.ROW_GIVEN)], pp["lut"],
+                                                  scales, gbuf, out)
         else:
-            K.k_dequant[K.launch(pl.nruns)](data.payload, pp["P"], pp["lut"], scales, gbuf, out)
+            _on(K.k_dequant, K.launch(pl.nruns), s)(data.payload, pp["P"], pp["lut"], scales, gbuf, out)
 
-    def _dequantize(self, data: CudaData, dtype: np.dtype) -> Any:
-        cuda = _cuda()
+    def _dequantize(self, data: CudaData, dtype: np.dtype, out: Any = None, s: Any = _streams.DEFAULT) -> Any:
         n = int(np.prod(data.shape))
         if dtype not in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)):
             # bfloat16 has no numba device dtype: dequantize to f32 on the device, round on the host
-            return self.to_numpy(self._dequantize(data, np.dtype(np.float32))).astype(dtype)
-        out = cuda.device_array(n, dtype=dtype)
+            return self.to_numpy(self._dequantize(data, np.dtype(np.float32), None, s)).astype(dtype)
+        if out is not None:
+            v = _array.check_out(out, data.shape, (dtype,), "dequantize")
+            if n:
+                self._launch_dequantize(data, v.arg, s)
+            return out
+        res = _array.empty(tuple(data.shape), dtype, s)
         if n:
-            self._launch_dequantize(data, out)
-        return out.reshape(data.shape)
+            self._launch_dequantize(data, _array.view_of(res).arg, s)
+        return res
+
+    def dequantize(self, q: QTensor, dtype: Any = None, *, out: Any = None, stream: Any = None) -> Any:
+        """`decode(q) * e` (SPEC §2.6) as a new device array (`QArray`: numba's array with DLPack;
+        `.torch()` gives a torch tensor over it), or into `out=`, a C-contiguous torch, CuPy or
+        numba device array of q's shape (or size) whose dtype (float32, float16, float64) is the
+        result's; `out` is returned. `stream=` as for `quantize` (default: the stream of a torch
+        or CuPy `out`, else the default stream). `dtype` defaults to out's dtype, else float32."""
+        q = self._own(q)
+        _k()  # the kernels, the memory pool and the disk cache, before the first allocation
+        if dtype is None:
+            dtype = _array.view_of(out).dtype if out is not None and _array.view_of(out) is not None else np.float32
+        dt = check_output_dtype(dtype)
+        if out is not None and dt.kind == "V":
+            raise InputError("dequantize out= takes float32, float16 or float64 arrays; leave it out for bfloat16")
+        with quiet():
+            return self._dequantize(q.data, dt, out, _streams.resolve(stream, out))
 
     # ------------------------------------------------------------------ portable bytes
     def _from_data(self, data: QuantizedData) -> CudaData:
@@ -428,12 +566,14 @@ class CudaBackend(BaseBackend):
         return np.asarray(array)
 
     # ------------------------------------------------------------------ fused matmul
-    def matmul(self, x: Any, w) -> Any:
+    def matmul(self, x: Any, w: QTensor, *, out: Any = None, stream: Any = None) -> Any:
         """`x @ dequantize(w)` with the weight dequantized inside the kernel.
 
         Orientation: `x` is float [..., K] (host or device), `w` a quantized [K, N] tensor on
         this backend (K = reduction axis, rows of w); the result is a float32 device array
-        [..., N], accumulated in f32.
+        [..., N] (a `QArray`), accumulated in f32, or `out=`: a C-contiguous float32 torch, CuPy
+        or numba device array of that shape (or size), returned. `stream=` as for `quantize`
+        (default: the stream of a torch or CuPy `x`).
 
         Weights on the fast layout (codes along N; per-tensor or power-of-two blocks along N
         spanning a u32 word of codes) take the GEMV kernel (`gemv.py`), and from M = 4 on (N a
@@ -443,28 +583,40 @@ class CudaBackend(BaseBackend):
         take the general kernel: 8 output columns per thread, k-chunks summed in shared memory
         and added to the output with f32 atomics (the last bits may vary from run to run).
         """
-        w = self._own(w)
+        if not (isinstance(w, QTensor) and w.backend is self):  # a tensor made here has a supported scheme
+            w = self._own(w)
+        _k()  # the kernels, the memory pool and the disk cache, before the first allocation
         if len(w.shape) != 2:
             raise InputError(f"matmul needs a 2-D weight [K, N], got shape {w.shape}")
-        cuda = _cuda()
-        xshape, xdt = self._shape_dtype(x)
+        xv = _array.view_of(x)
+        xshape, xdt = (xv.nd_shape, xv.dtype) if xv is not None else self._shape_dtype(x)
         if np.dtype(xdt).kind != "f":
             raise InputError(f"matmul needs a float x, got {xdt}")
         k_, n_ = w.shape
         if len(xshape) < 1 or xshape[-1] != k_:
             raise InputError(f"matmul shapes do not fit: x {tuple(xshape)} @ w {w.shape}")
-        m = int(np.prod(xshape[:-1]))
+        m = 1
+        for d in xshape[:-1]:
+            m *= d
         out_shape = tuple(xshape[:-1]) + (n_,)
-        out = cuda.device_array(m * n_, dtype=np.float32)
+        s = _streams.resolve(stream, x)
+        if out is not None:
+            ov = _array.check_out(out, out_shape, (np.dtype(np.float32),), "matmul")
+            res = out
+        else:
+            res = _array.empty(out_shape, np.float32, s)
+            ov = _array.view_of(res) if m * n_ else None
         if m == 0 or n_ == 0:
-            return out.reshape(out_shape)
-        if k_ == 0:
-            return cuda.to_device(np.zeros(m * n_, np.float32)).reshape(out_shape)
-        xd = self._device_f32(x)
-        self._launch_matmul(xd, w.data, m, out)
-        return out.reshape(out_shape)
+            return res
+        with quiet():
+            if k_ == 0:
+                ov.numba().copy_to_device(np.zeros(m * n_, np.float32), stream=s.numba)
+                return res
+            xd = xv.arg if xv is not None and xdt == np.float32 else self._device_f32(x, s)
+            self._launch_matmul(xd, w.data, m, ov.arg, s)
+        return res
 
-    def _launch_gemv(self, xd, data: CudaData, m: int, out, scales, gbuf) -> bool:
+    def _launch_gemv(self, xd, data: CudaData, m: int, out, scales, gbuf, s: Any = _streams.DEFAULT) -> bool:
         """The GEMV kernels when the weight's layout allows them (tc.py for M >= tc.MIN_M where
         it applies, else gemv.py); False otherwise."""
         from . import gemv, tc
@@ -494,16 +646,20 @@ class CudaBackend(BaseBackend):
             st = data.cache[key] = (mb, Packed(kern, grid, block, [xd, w32, scales, gbuf, pp["lut"], part, cnt, out, q,
                                                                    0, mb] + extra, dynamic=(0, 7, 9, 10)))
         mb, launch = st
+        if m <= mb:
+            launch(xd, out, 0, m, stream=s)
+            return True
         for m0 in range(0, m, mb):
-            launch(xd, out, m0, min(mb, m - m0))
+            launch(xd, out, m0, min(mb, m - m0), stream=s)
         return True
 
-    def _launch_matmul(self, xd, data: CudaData, m: int, out) -> None:
+    def _launch_matmul(self, xd, data: CudaData, m: int, out, s: Any = _streams.DEFAULT) -> None:
+        """Enqueue `out[m, N] = x[m, K] @ w` (x, out flat and C order) on stream `s`."""
         from . import _plan
 
         cuda, K = _cuda(), _k()
-        scales, gbuf = self._decoded_scales(data)
-        if self._launch_gemv(xd, data, m, out, scales, gbuf):
+        scales, gbuf = self._decoded_scales(data, s)
+        if self._launch_gemv(xd, data, m, out, scales, gbuf, s):
             return
         key = ("matmul", m)
         mm = data.cache.get(key)
@@ -519,6 +675,10 @@ class CudaBackend(BaseBackend):
                 Q=cuda.to_device(Q), launch=K.launch_matmul(int(Q[K.Q_NG]), int(Q[K.Q_KC]), m),
                 lut=self._prepared(data.shape, data.scheme, "minmax")["lut"], p32=p32,
             )
-        K.k_zero[K.launch(out.size)](out)
+        if not hasattr(out, "copy_to_host"):  # a view of the result or of out=: numba's array of it
+            out = cuda.as_cuda_array(out)
+        if not hasattr(xd, "copy_to_host"):
+            xd = cuda.as_cuda_array(xd)
+        _on(K.k_zero, K.launch(out.size), s)(out)
         grid, block = mm["launch"]
-        K.k_matmul[grid, block](xd, data.payload, mm["p32"], mm["Q"], mm["lut"], scales, gbuf, out)
+        _on(K.k_matmul, (grid, block), s)(xd, data.payload, mm["p32"], mm["Q"], mm["lut"], scales, gbuf, out)

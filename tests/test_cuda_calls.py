@@ -1,0 +1,322 @@
+"""The `cuda` backend's calls: `out=` buffers, streams, interop, the memory pool, the disk cache,
+and no numba warnings reaching users (backends/cuda/qcore_cuda: _array, _streams, _pool,
+_diskcache, _quiet; docs/gpu.md "Calls").
+
+Under the simulator (CI) the buffer and stream cases run on tiny tensors; the pool, DLPack,
+torch/CuPy streams, the disk cache and numba's warnings exist only on a GPU, so those cases skip
+there with the reason.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+
+import qcore
+from qcore.errors import InputError
+from qcore.reference import ReferenceBackend
+
+pytest.importorskip("numba")
+pytest.importorskip("qcore_cuda")
+
+from numba import cuda  # noqa: E402
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+GPU_ONLY = pytest.mark.skipif(SIM, reason="needs a GPU: the simulator has no memory pool, DLPack, torch/CuPy "
+                                          "streams, compiled kernels to cache, or numba launch warnings")
+REF = ReferenceBackend()
+W4 = "q4s/block32:f16"
+
+
+def _x(shape, seed, scale=3.0):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def _bits(a):
+    return np.asarray(a).view(np.uint32 if np.asarray(a).dtype == np.float32 else np.uint16)
+
+
+@pytest.fixture
+def be(cuda_backend):
+    return cuda_backend
+
+
+# ----------------------------------------------------------------------------- out=
+@pytest.mark.parametrize("text", [W4, "q8s", "nvfp4"])
+def test_dequantize_into_out(be, text):
+    x = _x((4, 64), seed=1)
+    q = be.quantize(x, text)
+    want = REF.dequantize(REF.quantize(x, text))
+    out = cuda.device_array((4, 64), dtype=np.float32)
+    got = be.dequantize(q, out=out)
+    assert got is out
+    np.testing.assert_array_equal(_bits(out.copy_to_host()), _bits(want))
+    flat16 = cuda.device_array(256, dtype=np.float16)  # the element count is enough; dtype from out
+    be.dequantize(q, out=flat16)
+    np.testing.assert_array_equal(flat16.copy_to_host().reshape(4, 64), want.astype(np.float16))
+
+
+def test_dequantize_out_is_checked(be):
+    q = be.quantize(_x((4, 64), seed=2), W4)
+    for bad, msg in ((cuda.device_array((4, 32), np.float32), "shape"),
+                     (cuda.device_array((4, 64), np.int32), "int32"),
+                     (np.zeros((4, 64), np.float32), "device array")):
+        with pytest.raises(InputError, match=msg):
+            be.dequantize(q, out=bad)
+    with pytest.raises(InputError, match="dtype"):
+        be.dequantize(q, np.float16, out=cuda.device_array((4, 64), np.float32))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_matmul_into_out(be, m):
+    w = _x((64, 64), seed=3)
+    qw = be.quantize(w, W4)
+    x = _x((m, 64), seed=4, scale=1.0)
+    plain = be.to_numpy(be.matmul(cuda.to_device(x), qw))
+    out = cuda.device_array((m, 64), dtype=np.float32)
+    assert be.matmul(cuda.to_device(x), qw, out=out) is out
+    np.testing.assert_array_equal(_bits(out.copy_to_host()), _bits(plain))
+    want = x.astype(np.float64) @ REF.dequantize(REF.quantize(w, W4)).astype(np.float64)
+    np.testing.assert_allclose(plain, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    with pytest.raises(InputError, match="dtype"):
+        be.matmul(cuda.to_device(x), qw, out=cuda.device_array((m, 64), np.float16))
+
+
+def test_quantize_into_a_qtensor(be):
+    """Quantizing into an existing QTensor overwrites its payload and refreshes what dequantize
+    and matmul cached from the old one (decoded scales)."""
+    x1, x2 = _x((64, 64), seed=5), _x((64, 64), seed=6, scale=0.1)
+    q = be.quantize(x1, W4)
+    v = cuda.to_device(_x((1, 64), seed=7, scale=1.0))
+    be.dequantize(q)
+    be.matmul(v, q)  # both cache the decoded scales of x1
+    again = be.quantize(cuda.to_device(x2), W4, out=q)
+    assert again is q
+    assert be.into_data(q).payload == REF.into_data(REF.quantize(x2, W4)).payload
+    W2 = REF.dequantize(REF.quantize(x2, W4))
+    np.testing.assert_array_equal(_bits(be.to_numpy(be.dequantize(q))), _bits(W2))
+    got = be.to_numpy(be.matmul(v, q))
+    want = v.copy_to_host().astype(np.float64) @ W2.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    with pytest.raises(InputError, match="shape and scheme"):
+        be.quantize(_x((4, 64), seed=8), W4, out=q)
+    with pytest.raises(InputError, match="shape and scheme"):
+        be.quantize(x1, "q8s/block32:f16", out=q)
+
+
+def test_quantize_into_a_byte_buffer(be):
+    x = _x((4, 64), seed=9)
+    want = REF.into_data(REF.quantize(x, "nvfp4")).payload
+    buf = cuda.device_array(len(want), dtype=np.uint8)
+    q = be.quantize(x, "nvfp4", out=buf)
+    assert buf.copy_to_host().tobytes() == want
+    assert be.into_data(q).payload == want
+    with pytest.raises(InputError, match="shape"):
+        be.quantize(x, "nvfp4", out=cuda.device_array(len(want) + 1, dtype=np.uint8))
+
+
+# ----------------------------------------------------------------------------- streams
+def test_calls_on_a_given_stream(be):
+    x = _x((4, 64), seed=10)
+    st = cuda.stream()
+    q = be.quantize(cuda.to_device(x), W4, stream=st)
+    y = be.dequantize(q, stream=st)
+    st.synchronize()
+    np.testing.assert_array_equal(_bits(be.to_numpy(y)), _bits(REF.dequantize(REF.quantize(x, W4))))
+    with pytest.raises(InputError, match="stream="):
+        be.dequantize(q, stream="default")
+
+
+def test_stream_handles():
+    """What `stream=` accepts: an int handle, torch's `.cuda_stream`, CuPy's `.ptr`."""
+    from qcore_cuda import _streams
+
+    class TorchLike:
+        cuda_stream = 0
+
+    class CupyLike:
+        ptr = 0
+
+    assert _streams._handle_of(0) == 0
+    assert _streams._handle_of(TorchLike()) == 0 and _streams._handle_of(CupyLike()) == 0
+    assert _streams.resolve(None, np.zeros(2)) is _streams.DEFAULT
+    with pytest.raises(InputError, match="cudaStream_t"):
+        _streams._handle_of(object())
+
+
+# ----------------------------------------------------------------------------- warnings
+def test_quiet_restores_numba_switches():
+    from numba.cuda import config
+
+    from qcore_cuda._quiet import quiet
+
+    before = (config.CUDA_LOW_OCCUPANCY_WARNINGS, config.CUDA_WARN_ON_IMPLICIT_COPY)
+    with quiet():
+        with quiet():
+            assert config.CUDA_LOW_OCCUPANCY_WARNINGS == 0
+        assert config.CUDA_WARN_ON_IMPLICIT_COPY == 0
+    assert (config.CUDA_LOW_OCCUPANCY_WARNINGS, config.CUDA_WARN_ON_IMPLICIT_COPY) == before
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("text", ["nvfp4", "q8s", "q8s/block32:f16", "e2m1/block16:ue4m3/tensor:f32"])
+def test_no_numba_warning_reaches_users(be, text):
+    """Small grids (a per-tensor scale, a statistics reset) and first compiles warn nothing."""
+    b = type(be)()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for shape in ((3, 32), (130, 64)):
+            x = _x(shape, seed=11)
+            q = b.quantize(cuda.to_device(x), text)
+            b.dequantize(q)
+            b.quantize(x, text, params=REF.calibrate(x, text))
+        qw = b.quantize(_x((64, 64), seed=12), W4)
+        b.matmul(cuda.to_device(_x((2, 64), seed=13)), qw)
+
+
+@GPU_ONLY
+def test_numba_warnings_stay_on_for_user_kernels(be):
+    from numba.core.errors import NumbaPerformanceWarning
+
+    be.quantize(_x((3, 32), seed=14), "q8s")
+
+    @cuda.jit
+    def k(a):
+        a[0] = 1.0
+
+    with pytest.warns(NumbaPerformanceWarning, match="Grid size"):
+        k[1, 1](cuda.device_array(1, np.float32))
+
+
+# ----------------------------------------------------------------------------- GPU: pool, interop
+@GPU_ONLY
+def test_results_come_from_the_pool(be):
+    from qcore_cuda import _pool, pool_bytes
+
+    q = be.quantize(_x((256, 256), seed=15), W4)
+    assert _pool.active(), "the pool was not installed (numba's default manager was in place)"
+    y = be.dequantize(q)
+    ptr = y.__cuda_array_interface__["data"][0]
+    held, used = next(iter(pool_bytes().values()))
+    assert used >= y.nbytes and held >= used
+    del y
+    y2 = be.dequantize(q)  # the freed block comes back (same stream, same size)
+    assert y2.__cuda_array_interface__["data"][0] == ptr
+    sliced = y2.reshape(256 * 256)[10:20]  # views keep the block alive without the parent
+    want = y2.copy_to_host().reshape(-1)[10:20]
+    del y2
+    np.testing.assert_array_equal(sliced.copy_to_host(), want)
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("env,manager", [({"QCORE_CUDA_POOL": "0"}, None), ({}, "user")])
+def test_pool_leaves_other_managers_alone(env, manager):
+    """`QCORE_CUDA_POOL=0`, or a numba memory manager the user set first: no pool; results still right."""
+    user = textwrap.dedent("""
+        from numba import cuda
+        from numba.cuda.cudadrv.driver import NumbaCUDAMemoryManager
+        class Mine(NumbaCUDAMemoryManager):
+            pass
+        cuda.set_memory_manager(Mine)
+    """) if manager else ""
+    code = user + textwrap.dedent("""
+        import numpy as np, qcore
+        from numba import cuda
+        from qcore_cuda import _pool
+        be = qcore.backend("cuda")
+        x = np.linspace(-3, 3, 4096, dtype=np.float32).reshape(64, 64)
+        y = be.to_numpy(be.dequantize(be.quantize(x, "q8s/block32:f16")))
+        ref = qcore.backend("reference")
+        assert np.array_equal(y, ref.dequantize(ref.quantize(x, "q8s/block32:f16")))
+        print("POOL", _pool.active(), type(cuda.current_context().memory_manager).__name__)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0", **env})
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("POOL")][0]
+    assert line.split()[1] == "False", line
+    if manager:
+        assert line.split()[2] == "Mine", line
+
+
+@GPU_ONLY
+def test_results_go_to_torch_and_cupy_without_a_copy(be):
+    torch = pytest.importorskip("torch")
+    q = be.quantize(_x((64, 64), seed=16), W4)
+    y = be.dequantize(q)
+    want = y.copy_to_host()
+    t = y.torch()
+    assert t.data_ptr() == y.__cuda_array_interface__["data"][0] and t.shape == (64, 64)
+    t2 = torch.from_dlpack(be.dequantize(q))
+    assert torch.equal(t2.cpu(), torch.from_numpy(want))
+    assert y.__dlpack_device__()[0] == 2
+    del y
+    assert torch.equal(t.cpu(), torch.from_numpy(want)), "the torch view outlived the QArray"
+    cupy = pytest.importorskip("cupy")
+    c = cupy.from_dlpack(be.dequantize(q))
+    np.testing.assert_array_equal(cupy.asnumpy(c), want)
+
+
+@GPU_ONLY
+def test_torch_inputs_outputs_and_streams(be):
+    """x and out as torch tensors, the call on torch's current (side) stream: same bits as the
+    default-stream call."""
+    torch = pytest.importorskip("torch")
+    w = _x((256, 512), seed=17)
+    qw = be.quantize(torch.from_numpy(w).cuda(), W4)
+    x = torch.randn(4, 256, device="cuda")
+    plain = be.matmul(x, qw).torch().clone()
+    side = torch.cuda.Stream()
+    out = torch.empty(4, 512, device="cuda")
+    with torch.cuda.stream(side):
+        got = be.matmul(x, qw, out=out)
+        d = torch.empty(256, 512, device="cuda")
+        be.dequantize(qw, out=d)
+    side.synchronize()
+    assert got is out and torch.equal(out, plain)
+    assert torch.equal(d.cpu(), torch.from_numpy(REF.dequantize(REF.quantize(w, W4))))
+    xq = torch.randn(64, 64, device="cuda")
+    q = be.quantize(xq, "nvfp4", stream=side)
+    assert be.into_data(q).payload == REF.into_data(REF.quantize(xq.cpu().numpy(), "nvfp4")).payload
+
+
+@GPU_ONLY
+def test_kernels_load_from_the_disk_cache(tmp_path):
+    """A second process finds the first one's compiled kernels in numba's cache (NUMBA_CACHE_DIR)."""
+    code = textwrap.dedent("""
+        import numpy as np, qcore
+        from qcore_cuda import fast
+        be = qcore.backend("cuda")
+        x = np.linspace(-3, 3, 8192, dtype=np.float32).reshape(64, 128)
+        q = be.quantize(x, "q4s/block32:f16")
+        be.to_numpy(be.dequantize(q))
+        kinds = [fast.quant_kernel(k) for k in range(len(fast.KIND_BITS))] + \\
+            [fast.dequant_kernel(k) for k in range(len(fast.KIND_BITS))]
+        hits = sum(sum(k.stats.cache_hits.values()) for k in kinds)
+        misses = sum(sum(k.stats.cache_misses.values()) for k in kinds)
+        print("CACHE", hits, misses)
+    """)
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0", "NUMBA_CACHE_DIR": str(tmp_path)}
+    runs = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs.append([int(v) for v in [ln for ln in r.stdout.splitlines() if ln.startswith("CACHE")][0].split()[1:]])
+    assert runs[0][1] >= 2, f"the first process compiled nothing it could cache: {runs}"
+    assert runs[1][0] >= 2 and runs[1][1] == 0, f"the second process compiled again: {runs}"
+
+
+def test_pool_and_cache_are_inert_under_the_simulator():
+    if not SIM:
+        pytest.skip("the simulator case; on a GPU the pool and cache tests above run")
+    from qcore_cuda import _diskcache, _pool, fast
+
+    assert _pool.install() is False and not _pool.active()
+    _diskcache.enable({"fast": fast})
+    assert not getattr(fast.quant_kernel, "_qcore_disk_cache", False)
+    assert qcore.backend("cuda").available()
