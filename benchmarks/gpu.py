@@ -16,8 +16,9 @@ For a 256M-element float32 tensor [65536, 4096] it measures, with CUDA events an
   scales to nearest where qcore rounds up, which costs the same);
 * GB/s = (bytes read + bytes written) / time: input f32 + payload for quantize, the reverse for
   dequantize;
-* the first quantize and dequantize per scheme in a fresh process (`first_call`: a child process per
-  scheme, run twice; the second finds the kernels in numba's disk cache), after CUDA is set up;
+* the first quantize and dequantize of each scheme in a fresh process (a child process that
+  takes the schemes in turn, after CUDA is set up; run twice: the first child may compile, the
+  second finds the kernels in numba's disk cache);
 * the fused GEMV / small-M matmul x[M, 8192] @ w[8192, 8192] with w in q4s/block32:f16 (x a torch
   tensor), against torch fp16 `x @ w`: the kernels, the whole call (with and without `out=`),
   and the host time of one call (`host_us`: the call's wall time while the GPU is kept busy, so
@@ -101,28 +102,37 @@ cuda.current_context()
 be = qcore.backend("cuda")
 x = cuda.to_device(np.random.default_rng(0).standard_normal((256, 4096)).astype(np.float32))
 cuda.synchronize()
-t0 = time.perf_counter()
-q = be.quantize(x, sys.argv[1])
-cuda.synchronize()
-t1 = time.perf_counter()
-be.dequantize(q)
-cuda.synchronize()
-t2 = time.perf_counter()
-print("FIRST", t1 - t0, t2 - t1)
+for text in sys.argv[1:]:
+    t0 = time.perf_counter()
+    q = be.quantize(x, text)
+    cuda.synchronize()
+    t1 = time.perf_counter()
+    be.dequantize(q)
+    cuda.synchronize()
+    t2 = time.perf_counter()
+    print("FIRST", text, t1 - t0, t2 - t1, flush=True)
 """
 
 
-def first_calls(text):
-    """(quantize s, dequantize s) of the first calls in a fresh process, twice: the first child may
-    compile (empty disk cache), the second loads what the first saved."""
+def first_calls(schemes):
+    """{scheme: [(quantize s, dequantize s) in child 1, in child 2]}: the first calls of each scheme
+    in a fresh process; the first child may compile (empty disk cache), the second loads."""
     import subprocess
 
-    out = []
+    out = {t: [] for t in schemes}
     for _ in range(2):
-        r = subprocess.run([sys.executable, "-c", FIRST_CALL, text], capture_output=True, text=True,
-                           env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0"})
-        line = [ln for ln in r.stdout.splitlines() if ln.startswith("FIRST")]
-        out.append(tuple(float(v) for v in line[0].split()[1:]) if line else (float("nan"), float("nan")))
+        try:
+            r = subprocess.run([sys.executable, "-c", FIRST_CALL, *schemes], capture_output=True, text=True,
+                               env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}, timeout=240)
+            stdout = r.stdout
+        except subprocess.TimeoutExpired as e:
+            stdout = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        for ln in stdout.splitlines():
+            if ln.startswith("FIRST"):
+                _, text, q, dq = ln.split()
+                out[text].append((float(q), float(dq)))
+    for t in schemes:
+        out[t] += [(float("nan"), float("nan"))] * (2 - len(out[t]))
     return out
 
 
@@ -215,10 +225,12 @@ def main(argv=None) -> int:
     res["copy"] = {"ms": t, "gbs": copy_gbs}
     print(f"copy: {t:.3f} ms, {copy_gbs:.0f} GB/s", flush=True)
     tfns = _torch_fns(torch)
+    fresh = first_calls(SCHEMES)
+    print("first calls in fresh processes:", json.dumps(fresh), flush=True)
 
     for text in SCHEMES:
         s = qcore.scheme(text)
-        fc = first_calls(text)
+        fc = fresh[text]
         t0 = time.time()
         q = be.quantize(x, s)  # compiles the kernels once (or loads them from the disk cache)
         compile_s = time.time() - t0
@@ -269,7 +281,7 @@ def main(argv=None) -> int:
         xm16 = xm.half()
         xmd = cuda.as_cuda_array(xm)
         xmflat = xmd.reshape(m * K_)
-        got = be.matmul(xm, qw).torch()
+        got = torch.as_tensor(be.matmul(xm, qw), device="cuda")
         want = xm16.float() @ w16.float()
         err = float((got - want).abs().max() / want.abs().max())
         outm = cuda.device_array(m * N_, dtype=np.float32)

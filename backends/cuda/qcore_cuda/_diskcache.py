@@ -6,7 +6,11 @@ signature next to its source (`qcore_cuda/__pycache__`, or numba's user-wide cac
 where that is read-only; `NUMBA_CACHE_DIR` moves it) and loads it in a later process. The keys
 hold the kernel's bytecode, its closure (the value kind a factory built it for), the GPU's
 compute capability and the numba-cuda version, so a kernel edited, built for another kind, or
-compiled for another GPU is compiled again rather than loaded.
+compiled for another GPU is compiled again rather than loaded. numba hashes a factory kernel's
+closure by pickling it, which for these closures (device functions over intrinsics) gives other
+bytes in every process, so nothing would ever be found: here the closure's part of the key is
+the factory and its arguments (`fast.dequant_kernel(3)`) plus the size and modification time of
+every qcore_cuda source file, so an edit anywhere in the package (intrin.py, say) recompiles.
 
 `enable()` turns the cache on for every kernel of kernels.py, fast.py, gemv.py and tc.py: the
 module-level ones at once, the ones the factories build (`fast.quant_kernel`, ...) as they are
@@ -16,6 +20,7 @@ turns it off.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from types import ModuleType
 from typing import Any, Callable
@@ -24,13 +29,35 @@ FACTORIES = {"fast": ("quant_kernel", "dequant_kernel"), "gemv": ("gemv_kernel",
 _done: set[str] = set()
 
 
-def _enable_one(d: Any) -> Any:
-    """Turn on caching for one kernel dispatcher (not device functions, not twice)."""
+@functools.lru_cache(maxsize=1)
+def _package_stamp() -> str:
+    """Size and modification time of every source file of qcore_cuda."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    parts = []
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            st = os.stat(os.path.join(here, name))
+            parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
+    return ";".join(parts)
+
+
+def _enable_one(d: Any, token: str = "") -> Any:
+    """Turn on caching for one kernel dispatcher (not device functions, not twice); `token`
+    names what built it (a factory and its arguments), for the key's closure part."""
     from numba.cuda.dispatcher import CUDADispatcher
 
     if isinstance(d, CUDADispatcher) and not d.targetoptions.get("device") and \
             not getattr(d, "_qcore_disk_cache", False):
         d.enable_caching()
+        cache = d._cache
+        base = type(cache)._index_key
+        closure = hashlib.sha256(f"{token}|{_package_stamp()}".encode()).hexdigest()
+
+        def index_key(sig: Any, codegen: Any) -> tuple:
+            key = base(cache, sig, codegen)  # (sig, magic, version, (code hash, closure hash)) [+ launch config]
+            return key[:3] + ((key[3][0], closure),) + key[4:]
+
+        cache._index_key = index_key
         d._qcore_disk_cache = True
     return d
 
@@ -38,7 +65,7 @@ def _enable_one(d: Any) -> Any:
 def _caching(factory: Callable) -> Callable:
     @functools.wraps(factory)
     def build(*args: Any) -> Any:
-        return _enable_one(factory(*args))
+        return _enable_one(factory(*args), f"{factory.__module__}.{factory.__qualname__}{args!r}")
     build._qcore_disk_cache = True  # type: ignore[attr-defined]
     return build
 
@@ -56,8 +83,8 @@ def enable(modules: dict[str, ModuleType]) -> None:
     for name, mod in modules.items():
         if name in _done:
             continue
-        for v in list(vars(mod).values()):
-            _enable_one(v)
+        for k, v in list(vars(mod).items()):
+            _enable_one(v, f"{mod.__name__}.{k}")
         for fname in FACTORIES.get(name, ()):
             f = getattr(mod, fname, None)
             if f is not None and not getattr(f, "_qcore_disk_cache", False):

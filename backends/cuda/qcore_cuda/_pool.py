@@ -29,7 +29,8 @@ import os
 import threading
 from typing import Any
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # install(): it makes numba's context, whose manager then asks pool_for()
+_pool_lock = threading.Lock()
 _pools: dict[int, Any] = {}  # device id -> CUmemoryPool
 _state = {"installed": False, "decided": False}
 MAX_THRESHOLD = 2**64 - 1
@@ -58,7 +59,7 @@ def pool_for(device_id: int) -> Any:
     if pool is None:
         from cuda.bindings import driver as cu
 
-        with _lock:
+        with _pool_lock:
             pool = _pools.get(device_id)
             if pool is None:
                 props = cu.CUmemPoolProps()
