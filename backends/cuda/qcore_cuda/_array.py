@@ -190,6 +190,22 @@ def qarray_class() -> Any:
     return QArray
 
 
+def empty_view(shape: tuple, dtype: np.dtype, stream: Any) -> tuple:
+    """(result, DevView of it) for a non-empty result: `empty` without reading the new array's
+    `__cuda_array_interface__` back."""
+    from numba import config
+
+    if config.ENABLE_CUDASIM:
+        res = empty(shape, dtype, stream)
+        return res, view_of(res)
+    n = 1
+    for d in shape:
+        n *= d
+    mem = _pool.alloc(n * dtype.itemsize, stream.handle, context())
+    res = (_QArray or qarray_class()).fast(shape, dtype, mem, stream.handle)
+    return res, DevView(int(mem.device_pointer), shape, dtype, res)
+
+
 def empty(shape: tuple, dtype: Any, stream: Any) -> Any:
     """An uninitialised C-contiguous QArray from the pool, in `stream`'s (a StreamRef) order
     (under the simulator: numba's simulated array)."""
@@ -294,6 +310,15 @@ def _is_sim_array(x: Any) -> bool:
     from numba import config
 
     return bool(config.ENABLE_CUDASIM) and hasattr(x, "copy_to_host") and hasattr(x, "dtype")
+
+
+def prefix(a: Any, nbytes: int, dtype: Any) -> Any:
+    """The first `nbytes` of a flat uint8 device array as `dtype` elements: a DevView of a
+    DevView (no numba slicing), else numba's slice and view."""
+    if type(a) is DevView:
+        dtype = np.dtype(dtype)
+        return DevView(a.ptr, (nbytes // dtype.itemsize,), dtype, a.base)
+    return a[:nbytes].view(dtype)
 
 
 def check_out(out: Any, shape: tuple, dtypes: tuple, what: str) -> DevView:

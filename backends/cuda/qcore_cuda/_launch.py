@@ -26,6 +26,7 @@ import numpy as np
 
 from . import _streams
 
+COUNTS = {"raw": 0, "cuda.core": 0, "dispatcher": 0}  # launches by path (benchmarks/gpu.py reports them)
 ARRAY_PTR = 4  # offset of the data pointer in numba's packed array: meminfo, parent, size, itemsize, data, ...
 
 
@@ -67,13 +68,18 @@ class Packed:
                 args[i] = v
             try:
                 if self._state is None:
+                    COUNTS["dispatcher"] += 1
                     self._disp[self._grid, self._block, s.numba](*args)  # compiles on first use
                     self._state = self._pack(args) if _enabled() else False
                     if self._state:
                         self._raw = _RawLaunch.build(self._state[3], self._grid, self._block, self._state[4])
                 elif self._state is False or not self._swap(values):
+                    COUNTS["dispatcher"] += 1
                     self._disp[self._grid, self._block, s.numba](*args)
-                elif self._raw is None or not self._raw(s.handle):
+                elif self._raw is not None and self._raw(s.handle):
+                    COUNTS["raw"] += 1
+                else:
+                    COUNTS["cuda.core"] += 1
                     launch, _, config, kernel, kargs = self._state
                     launch(s.core, config, kernel, *kargs)
             finally:

@@ -74,6 +74,14 @@ def pool_for(device_id: int) -> Any:
     return pool
 
 
+def _alloc_async(nbytes: int, pool: Any, stream: int) -> tuple:
+    global _alloc_async
+    from cuda.bindings import driver as cu
+
+    _alloc_async = cu.cuMemAllocFromPoolAsync  # looked up once
+    return _alloc_async(nbytes, pool, stream)
+
+
 def _free_async(ptr: int, stream: int) -> None:
     """The finalizer of a pool block: back to the pool in `stream`'s order. At interpreter exit
     the context may be gone; the driver frees the pool with it, so errors are ignored."""
@@ -88,7 +96,9 @@ def _free_async(ptr: int, stream: int) -> None:
 def _alloc_raw(pool: Any, nbytes: int, stream: int) -> int:
     from cuda.bindings import driver as cu
 
-    err, ptr = cu.cuMemAllocFromPoolAsync(nbytes, pool, stream)
+    err, ptr = _alloc_async(nbytes, pool, stream)
+    if not err:  # CUDA_SUCCESS
+        return int(ptr)
     if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:  # cached blocks of other sizes: give them back, retry
         _check(cu.cuStreamSynchronize(stream))
         _check(cu.cuMemPoolTrimTo(pool, 0))
@@ -207,12 +217,47 @@ def active() -> bool:
     return _state["installed"]
 
 
+_block_class: Any = None
+
+
+def _block() -> Any:
+    """`PoolBlock`: numba's MemoryPointer for one result's pool block, made without numba's
+    bookkeeping (no finalizer registry, no reference counts): the block goes back to the pool in
+    its stream's order when the object is collected. Views (slices, reshapes) are numba
+    MemoryPointers that hold it as their owner, so it outlives them."""
+    global _block_class
+    if _block_class is None:
+        from numba.cuda.cudadrv.driver import MemoryPointer
+
+        class PoolBlock(MemoryPointer):
+            __slots__ = ()
+
+            @classmethod
+            def make(cls, ctx: Any, ptr: int, size: int, stream: int) -> "PoolBlock":
+                b = cls.__new__(cls)
+                d = b.__dict__
+                d["context"], d["device_pointer"], d["handle"] = ctx, ptr, ptr
+                d["size"] = d["_cuda_memsize_"] = size
+                d["is_managed"], d["refct"], d["_owner"], d["_stream"] = False, 1, None, stream
+                return b
+
+            def free(self) -> None:  # numba frees views' owners through refct, never reaching 0 here
+                pass
+
+            def __del__(self) -> None:
+                _free_async(self.device_pointer, self._stream)
+
+        _block_class = PoolBlock
+    return _block_class
+
+
 def alloc(nbytes: int, stream: int, ctx: Any) -> Any:
     """A numba MemoryPointer of `nbytes` for a result: from the pool in `stream`'s order (freed
     in the same order when the last reference goes), else from numba's current manager."""
     if not _state["installed"]:
         return ctx.memalloc(nbytes)
-    return _owned(ctx, _alloc_raw(pool_for(int(ctx.device.id)), max(int(nbytes), 1), stream), nbytes, stream)
+    pool = _pools.get(ctx.device.id) or pool_for(int(ctx.device.id))
+    return (_block_class or _block()).make(ctx, _alloc_raw(pool, nbytes or 1, stream), nbytes, stream)
 
 
 def trim(keep_bytes: int = 0) -> None:

@@ -102,6 +102,9 @@ def _follow(x: Any) -> int:
     if mod.startswith("torch") and "torch" in sys.modules:
         torch = sys.modules["torch"]
         if isinstance(x, torch.Tensor) and x.is_cuda:
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the handle without a Stream object
+            if raw is not None:
+                return int(raw(x.get_device()))
             return int(torch.cuda.current_stream(x.device).cuda_stream)
     elif mod.startswith("cupy") and "cupy" in sys.modules:
         return int(sys.modules["cupy"].cuda.get_current_stream().ptr)

@@ -8,6 +8,7 @@ the host and `from_data` one copy to the device. numba is imported lazily: impor
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,6 +171,9 @@ class CudaBackend(BaseBackend):
 
     # ------------------------------------------------------------------ inputs
     def _shape_dtype(self, x: Any) -> tuple[tuple[int, ...], np.dtype]:
+        v = _array.view_of(x) if not isinstance(x, np.ndarray) else None
+        if v is not None:
+            return v.nd_shape, v.dtype
         if _is_device_array(x) and not isinstance(x, np.ndarray):
             cai = getattr(x, "__cuda_array_interface__", None)
             if cai is not None:
@@ -182,6 +186,9 @@ class CudaBackend(BaseBackend):
         arrays; float16/float64 device arrays are converted on the device (on stream `s`); host
         arrays copied."""
         cuda, K = _cuda(), _k()
+        v = _array.view_of(x) if not isinstance(x, np.ndarray) else None
+        if v is not None and v.dtype == np.float32:  # read in place: no numba array made
+            return v.arg
         if _is_device_array(x) and not isinstance(x, np.ndarray):
             d = x if hasattr(x, "copy_to_host") else cuda.as_cuda_array(x)
             dt = check_input_dtype(d.dtype)
@@ -211,7 +218,10 @@ class CudaBackend(BaseBackend):
         host = self.__dict__.get("_flag_host")
         if host is None:
             host = self.__dict__["_flag_host"] = _cuda().pinned_array(1, dtype=np.int32)
-        ptr = flag.__cuda_array_interface__["data"][0]
+        ptr = self.__dict__.get("_flag_ptr")
+        if ptr is None or ptr[0] is not flag:  # the flag's address, read once per scratch
+            ptr = self.__dict__["_flag_ptr"] = (flag, flag.__cuda_array_interface__["data"][0])
+        ptr = ptr[1]
         err = cu.cuMemcpyDtoHAsync(host.ctypes.data, ptr, 4, s.handle)[0]
         if err == cu.CUresult.CUDA_SUCCESS:
             err = cu.cuStreamSynchronize(s.handle)[0]
@@ -306,7 +316,7 @@ class CudaBackend(BaseBackend):
                          s: Any = _streams.DEFAULT):
         """Enqueue the quantize kernels writing `payload` on stream `s` (no host synchronisation)."""
         cuda, K = _cuda(), _k()
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         pp = self._prepared(shape, scheme, method)
         pl = pp["plan"]
         asum, fs, flag = self._scratch()
@@ -316,7 +326,7 @@ class CudaBackend(BaseBackend):
         if fast_path:
             from . import fast
 
-            qw32 = payload[: pl.values_nbytes].view(np.uint32)
+            qw32 = _array.prefix(payload, pl.values_nbytes, np.uint32)
             if params is None and fp["mode"] != fast.MODE_GIVEN:
                 amax, quant, zero = self._fast_quant_launches(pp, fp, xd, qw32, payload, fp["G"])
                 if fp["mode"] != fast.MODE_BLOCK:  # pass 1: the tensor's max |x| into gbuf[1]
@@ -325,6 +335,12 @@ class CudaBackend(BaseBackend):
                 if fp["mode"] != fast.MODE_BLOCK:  # the statistics scratch is consumed: zero it
                     zero(stream=s)
                 return
+        if type(xd) is _array.DevView:  # the dispatcher launches below: numba arrays, made once
+            xd = xd.numba()
+        if type(payload) is _array.DevView:
+            payload = payload.numba()
+            if fast_path:
+                qw32 = qw32.numba()
         rows = pl.RP is not None and not fast_path
         if rows:
             words = self._words(payload, pl)
@@ -375,7 +391,7 @@ class CudaBackend(BaseBackend):
         cuda = _cuda()
         shape = tuple(int(d) for d in self._shape_dtype(x)[0])
         xd = self._device_f32(x, s)
-        if int(np.prod(shape)) == 0:  # nothing to launch: the reference builds the (scale-only) payload
+        if math.prod(shape) == 0:  # nothing to launch: the reference builds the (scale-only) payload
             from qcore.reference import ReferenceBackend
 
             data = ReferenceBackend()._quantize(np.zeros(shape, np.float32), scheme, params, method)
@@ -386,9 +402,12 @@ class CudaBackend(BaseBackend):
             return None, CudaData(shape, scheme, payload)
         pl = self._prepared(shape, scheme, method)["plan"]
         if payload is None:
-            payload = _array.empty((pl.total_nbytes,), np.uint8, s)
+            payload, target = _array.empty_view((pl.total_nbytes,), np.dtype(np.uint8), s)
+            target = target.arg
+        else:
+            target = payload
         try:
-            self._launch_quantize(xd, shape, scheme, params, method, payload, s)
+            self._launch_quantize(xd, shape, scheme, params, method, target, s)
         except BaseException:
             self.__dict__.pop("_scr", None)  # the statistics may not have been consumed
             raise
@@ -518,7 +537,7 @@ class CudaBackend(BaseBackend):
             _on(K.k_dequant, K.launch(pl.nruns), s)(data.payload, pp["P"], pp["lut"], scales, gbuf, out)
 
     def _dequantize(self, data: CudaData, dtype: np.dtype, out: Any = None, s: Any = _streams.DEFAULT) -> Any:
-        n = int(np.prod(data.shape))
+        n = math.prod(data.shape)
         if dtype not in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)):
             # bfloat16 has no numba device dtype: dequantize to f32 on the device, round on the host
             return self.to_numpy(self._dequantize(data, np.dtype(np.float32), None, s)).astype(dtype)
@@ -527,9 +546,10 @@ class CudaBackend(BaseBackend):
             if n:
                 self._launch_dequantize(data, v.arg, s)
             return out
-        res = _array.empty(tuple(data.shape), dtype, s)
-        if n:
-            self._launch_dequantize(data, _array.view_of(res).arg, s)
+        if not n:
+            return _array.empty(tuple(data.shape), dtype, s)
+        res, v = _array.empty_view(tuple(data.shape), dtype, s)
+        self._launch_dequantize(data, v.arg, s)
         return res
 
     def dequantize(self, q: QTensor, dtype: Any = None, *, out: Any = None, stream: Any = None) -> Any:
@@ -603,11 +623,10 @@ class CudaBackend(BaseBackend):
         if out is not None:
             ov = _array.check_out(out, out_shape, (np.dtype(np.float32),), "matmul")
             res = out
+        elif m * n_:
+            res, ov = _array.empty_view(out_shape, np.dtype(np.float32), s)
         else:
-            res = _array.empty(out_shape, np.float32, s)
-            ov = _array.view_of(res) if m * n_ else None
-        if m == 0 or n_ == 0:
-            return res
+            return _array.empty(out_shape, np.float32, s)
         with quiet():
             if k_ == 0:
                 ov.numba().copy_to_device(np.zeros(m * n_, np.float32), stream=s.numba)
@@ -655,6 +674,12 @@ class CudaBackend(BaseBackend):
 
     def _launch_matmul(self, xd, data: CudaData, m: int, out, s: Any = _streams.DEFAULT) -> None:
         """Enqueue `out[m, N] = x[m, K] @ w` (x, out flat and C order) on stream `s`."""
+        st = data.cache.get(("gemv", m))
+        if st is not None and type(xd) is _array.DevView and xd.ptr % 16 == 0:  # the packed GEMV, at once
+            mb, launch = st
+            if m <= mb:
+                launch(xd, out, 0, m, stream=s)
+                return
         from . import _plan
 
         cuda, K = _cuda(), _k()
