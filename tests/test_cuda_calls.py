@@ -322,3 +322,26 @@ def test_pool_and_cache_are_inert_under_the_simulator():
     _diskcache.enable({"fast": fast})
     assert not getattr(fast.quant_kernel, "_qcore_disk_cache", False)
     assert qcore.backend("cuda").available()
+
+
+def test_views_hold_results_without_cycles():
+    """A DevView (what a launch reads of a result or an input) is no reference cycle: a result
+    goes back to the pool as soon as its last reference does, not at the next gc run."""
+    import gc
+    import weakref
+
+    from qcore_cuda._array import DevView
+
+    class Result:
+        pass
+
+    res = Result()
+    alive = weakref.ref(res)
+    v = DevView(1024, (4, 2), np.dtype(np.float32), res)
+    assert v.arg is v and v.size == 8 and v.__cuda_array_interface__["shape"] == (8,)
+    gc.disable()
+    try:
+        del res, v
+        assert alive() is None, "a DevView kept its result alive past its last reference"
+    finally:
+        gc.enable()

@@ -237,7 +237,7 @@ class DevView:
     `arg` is what a launch takes: the view itself on a GPU, the flat simulator array under the
     simulator (whose arrays have no `__cuda_array_interface__`)."""
 
-    __slots__ = ("__cuda_array_interface__", "dtype", "shape", "ptr", "base", "nd_shape", "arg")
+    __slots__ = ("__cuda_array_interface__", "dtype", "shape", "ptr", "base", "nd_shape", "_sim")
 
     def __init__(self, ptr: int, nd_shape: tuple, dtype: np.dtype, base: Any, sim: Any = None):
         n = 1
@@ -246,7 +246,11 @@ class DevView:
         self.ptr, self.dtype, self.shape, self.nd_shape, self.base = ptr, dtype, (n,), nd_shape, base
         self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (n,), "strides": None,
                                          "typestr": dtype.str, "version": 3}
-        self.arg = self if sim is None else sim
+        self._sim = sim  # never the view itself: a reference cycle would keep `base` (a result) alive until gc
+
+    @property
+    def arg(self) -> Any:
+        return self if self._sim is None else self._sim
 
     @property
     def size(self) -> int:
@@ -254,8 +258,8 @@ class DevView:
 
     def numba(self) -> Any:
         """numba's device array of this view (flat)."""
-        if self.arg is not self:
-            return self.arg
+        if self._sim is not None:
+            return self._sim
         from numba import cuda
 
         return cuda.as_cuda_array(self)

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import _streams
+from . import _array, _streams
 
 COUNTS = {"raw": 0, "cuda.core": 0, "dispatcher": 0}  # launches by path (benchmarks/gpu.py reports them)
 ARRAY_PTR = 4  # offset of the data pointer in numba's packed array: meminfo, parent, size, itemsize, data, ...
@@ -134,6 +134,11 @@ class Packed:
         new = []
         for (i, kind, pos, what), v in zip(self._swaps, values):
             if kind == "array":
+                if type(v) is _array.DevView:  # the backend's own views: C order by construction
+                    if v.dtype != what[0] or v.shape != what[1]:
+                        return False
+                    new.append((pos, v.ptr))
+                    continue
                 cai = getattr(v, "__cuda_array_interface__", None)
                 if cai is None or (np.dtype(v.dtype), tuple(v.shape)) != what or \
                         cai.get("strides") not in (None, (what[0].itemsize,)):
