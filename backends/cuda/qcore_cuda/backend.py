@@ -153,6 +153,11 @@ class CudaBackend(BaseBackend):
         return cuda_status()
 
     @functools.cached_property
+    def _checked_schemes(self) -> set:
+        """Schemes `_own` has accepted for matmul's weight: later weights in them skip the check."""
+        return set()
+
+    @functools.cached_property
     def _fast(self) -> tuple[bool, str]:
         """`fast_kernels_usable()`, read once per backend instance."""
         return fast_kernels_usable()
@@ -603,8 +608,9 @@ class CudaBackend(BaseBackend):
         take the general kernel: 8 output columns per thread, k-chunks summed in shared memory
         and added to the output with f32 atomics (the last bits may vary from run to run).
         """
-        if not (isinstance(w, QTensor) and w.backend is self):  # a tensor made here has a supported scheme
-            w = self._own(w)
+        if not (isinstance(w, QTensor) and w.backend is self and w.scheme in self._checked_schemes):
+            w = self._own(w)  # the full check (backend, availability, scheme support), once per scheme
+            self._checked_schemes.add(w.scheme)
         _k()  # the kernels, the memory pool and the disk cache, before the first allocation
         if len(w.shape) != 2:
             raise InputError(f"matmul needs a 2-D weight [K, N], got shape {w.shape}")
