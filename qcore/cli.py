@@ -21,7 +21,7 @@ import numpy as np
 from . import __version__
 from . import io as qio
 from .checks import INPUT_DTYPES
-from .errors import InputError, QCoreError, UnsupportedSchemeError
+from .errors import InputError, QCoreError
 from .payload import QuantizedData
 from .scheme import PRESETS, Native, PackedNative, PackedU32, QuantMode, QuantScheme, QuantValue, ScaleDtype
 from .scheme import scheme as parse_scheme
@@ -222,14 +222,6 @@ def _plan(name: str, value: Any, args: argparse.Namespace) -> str:
     return ""
 
 
-def _check_backend_supports(be: Any, sch: QuantScheme) -> None:
-    sup = be.supports(sch)
-    if not sup:
-        others = _registry().supporting_backends(sch)
-        where = f"backends that do: {', '.join(others)}" if others else "no installed backend does"
-        raise UnsupportedSchemeError(f"backend '{be.name}' does not support {sch}: {sup.reason}; {where}")
-
-
 def _progress(console):
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                TransferSpeedColumn)
@@ -257,7 +249,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise _UsageError("--min-size must be >= 0")
     be = get_backend(args.backend)
     for s in [sch, *compare]:
-        _check_backend_supports(be, s)
+        _registry().require_support(be, s)
     if args.report:
         from . import report
 

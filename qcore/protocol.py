@@ -15,8 +15,9 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from . import layout
+from .arithmetic import QParams
 from .checks import check_input_dtype, check_output_dtype
-from .errors import BackendUnavailableError, InputError, UnsupportedSchemeError
+from .errors import BackendUnavailableError, InputError
 from .payload import QuantizedData, sections
 from .scheme import QuantScheme, scheme as parse_scheme
 
@@ -45,28 +46,6 @@ class Support:
 
     def __repr__(self) -> str:
         return "Support(yes)" if self.ok else f"Support(no: {self.reason})"
-
-
-@dataclass(frozen=True)
-class QParams:
-    """Stored scales (rounded up, decoded to f32) in the block-grid shape, and the two-level global."""
-
-    scales: np.ndarray
-    global_scale: float | None = None
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, QParams):
-            return NotImplemented
-        a, b = np.asarray(self.scales, np.float32), np.asarray(other.scales, np.float32)
-        return (
-            a.shape == b.shape
-            and a.tobytes() == b.tobytes()
-            and (self.global_scale is None) == (other.global_scale is None)
-            and (self.global_scale is None or np.float32(self.global_scale).tobytes()
-                 == np.float32(other.global_scale).tobytes())
-        )
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 class QTensor:
@@ -171,16 +150,9 @@ class BaseBackend(abc.ABC):
                 f"backend '{self.name}' is not available: {self.describe()}; "
                 "pick another with qcore.backend(name) or leave it to 'auto'"
             )
-        sup = self._supports(scheme)
-        if not sup:
-            from .registry import supporting_backends
+        from .registry import require_support
 
-            others = [n for n in supporting_backends(scheme) if n != self.name]
-            where = f"backends that do: {', '.join(others)}" if others else "no installed backend does"
-            raise UnsupportedSchemeError(
-                f"backend '{self.name}' does not support {scheme}: {sup.reason}; {where}"
-            )
-        return scheme
+        return require_support(self, scheme)
 
     # ------------------------------------------------------------------ input checks
     def _shape_dtype(self, x: Any) -> tuple[tuple[int, ...], np.dtype]:

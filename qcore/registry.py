@@ -7,6 +7,7 @@ highest-priority available backend that supports it.
 """
 from __future__ import annotations
 
+import difflib
 import os
 import threading
 from importlib.metadata import entry_points
@@ -29,6 +30,8 @@ __all__ = [
     "registered",
     "plugin_errors",
     "supporting_backends",
+    "require_support",
+    "KNOWN_PLUGINS",
     "register",
     "reset",
 ]
@@ -139,6 +142,37 @@ def supporting_backends(scheme: QuantScheme | str) -> list[str]:
     return out
 
 
+KNOWN_PLUGINS = {"ndarray": "qcore-ndarray", "cuda": "qcore-cuda"}
+"""Backends of this project's own plugin distributions: the name to install for each."""
+
+
+def _not_found(name: str, installed: list[str]) -> str:
+    """One line for an unknown backend name: a close installed name if there is one (a typo),
+    else the plugin that provides it (for this project's own backends) or where plugins come
+    from. Never a guessed package name: that could install someone else's project."""
+    listed = f"installed: {', '.join(installed) or 'none'}, or 'auto'"
+    if name in _errors:
+        return f"no backend named '{name}' (its plugin failed to load: {_errors[name]}); {listed}"
+    close = difflib.get_close_matches(name, [*installed, "auto", *KNOWN_PLUGINS], n=1, cutoff=0.6)
+    if close and close[0] != name:
+        return f"no backend named '{name}'; did you mean '{close[0]}'? ({listed})"
+    if name in KNOWN_PLUGINS:
+        return f"no backend named '{name}': pip install {KNOWN_PLUGINS[name]} provides it ({listed})"
+    return f"no backend named '{name}'; {listed}; other backends come from plugins (docs/plugins.md)"
+
+
+def require_support(be: Backend, scheme: QuantScheme | str) -> QuantScheme:
+    """`scheme` parsed; UnsupportedSchemeError unless `be` supports it, naming the backends that
+    do. The library and the CLI raise this one message."""
+    scheme = parse_scheme(scheme)
+    sup = be.supports(scheme)
+    if not sup:
+        others = [n for n in supporting_backends(scheme) if n != be.name]
+        where = f"backends that do: {', '.join(others)}" if others else "no installed backend does"
+        raise UnsupportedSchemeError(f"backend '{be.name}' does not support {scheme}: {sup.reason}; {where}")
+    return scheme
+
+
 def backend(name: str | None = None) -> Backend:
     """The backend called `name`; None -> `$QCORE_BACKEND`, else `auto`."""
     if name is None:
@@ -151,13 +185,7 @@ def backend(name: str | None = None) -> Backend:
         raise BackendNotFoundError(f"a backend is named by a string, got {name!r}")
     reg = _load()
     if name not in reg:
-        hint = ""
-        if name in _errors:
-            hint = f" (its plugin failed to load: {_errors[name]})"
-        raise BackendNotFoundError(
-            f"no backend named '{name}'{hint}; installed: {', '.join(sorted(reg)) or 'none'}, or 'auto'. "
-            f"A plugin may provide it: pip install qcore-{name}"
-        )
+        raise BackendNotFoundError(_not_found(name, sorted(reg)))
     be = reg[name]
     if not _safe_available(be):
         raise BackendUnavailableError(

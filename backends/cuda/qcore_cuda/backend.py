@@ -25,6 +25,15 @@ from ._launch import Packed
 __all__ = ["CudaBackend", "CudaData", "cuda_status"]
 
 
+def no_device_reason(err: BaseException | None) -> str:
+    """One clean clause for "no CUDA device": numba's driver text without its "Error at driver
+    init:" wrapper and trailing punctuation, and the way out."""
+    text = " ".join(str(err).split()) if err is not None else ""
+    text = text.removeprefix("Error at driver init:").strip().rstrip(":;,. ")
+    why = f" ({text})" if text else ""
+    return f"no usable CUDA device{why}; NUMBA_ENABLE_CUDASIM=1 runs the (slow) CUDA simulator instead"
+
+
 def cuda_status() -> tuple[bool, str]:
     """(available, why) without raising: GPU, simulator, or the reason neither works."""
     try:
@@ -38,8 +47,8 @@ def cuda_status() -> tuple[bool, str]:
             try:
                 cuda.get_current_device()
             except Exception as e:  # CudaSupportError (an ImportError): no driver
-                return False, " ".join(str(e).split())
-            return False, "CUDA is not available"
+                return False, no_device_reason(e)
+            return False, no_device_reason(None)
         if numba.config.ENABLE_CUDASIM:
             return True, "CUDA simulator (NUMBA_ENABLE_CUDASIM=1): correct but slow, for tests"
         dev = cuda.get_current_device()
@@ -338,9 +347,9 @@ class CudaBackend(BaseBackend):
         shape = tuple(int(d) for d in self._shape_dtype(x)[0])
         xd = self._device_f32(x)
         if int(np.prod(shape)) == 0:  # nothing to launch: the reference builds the (scale-only) payload
-            from qcore.reference import ReferenceBackend
+            from qcore import arithmetic
 
-            data = ReferenceBackend()._quantize(np.zeros(shape, np.float32), scheme, params, method)
+            data = arithmetic.quantize(np.zeros(shape, np.float32), scheme, params, method)
             return None, CudaData(shape, scheme, cuda.to_device(np.frombuffer(data.payload, np.uint8).copy()))
         pl = self._prepared(shape, scheme, method)["plan"]
         payload = cuda.device_array(pl.total_nbytes, dtype=np.uint8)

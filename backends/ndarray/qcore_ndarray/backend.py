@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from qcore import layout
+from qcore.arithmetic import store_scales
 from qcore.checks import raise_nonfinite, to_f32
 from qcore.payload import QuantizedData
-from qcore.reference import store_scales
 from qcore.protocol import BaseBackend, QParams, Support
 from qcore.scheme import QuantScheme, StoreKind
 
