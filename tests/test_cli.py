@@ -228,7 +228,7 @@ def test_failure_mid_write_leaves_no_file(capsys, model, tmp_path, monkeypatch, 
 
 # ------------------------------------------------------------------------------ report
 def test_report_html_and_png(capsys, model, tmp_path):
-    pytest.importorskip("matplotlib", reason="reports need matplotlib (pip install 'qcore[plot]')")
+    pytest.importorskip("matplotlib", reason="reports need matplotlib (pip install 'qcore-quant[plot]')")
     rc, out, err = run(capsys, "quantize", model, tmp_path / "q.safetensors", "--scheme", "q8s", "--backend",
                        "reference", "--report", tmp_path / "r.html", "--compare", "q4s/block32:f16", "--compare", "nvfp4")
     assert rc == 0, err
