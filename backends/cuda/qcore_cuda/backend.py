@@ -67,7 +67,7 @@ def _k():
 
     if config.ENABLE_CUDASIM:
         # The simulator runs one OS thread per CUDA thread and its barriers busy-wait under the
-        # GIL; a shorter switch interval makes them 2-4x faster (shared/notes/numba-cuda.md §2).
+        # GIL; a shorter switch interval makes them 2-4x faster (docs/numba-cuda.md).
         # Only ever under the simulator, a testing mode.
         import sys
         import warnings

@@ -2,7 +2,7 @@
 
 Kernels live at module level in a module that imports `numba.cuda` at the top: the CUDA
 simulator only swaps module-global names bound to `numba.cuda`, so kernels built in closures
-would not run there (shared/notes/numba-cuda.md). `backend.py` imports this module lazily.
+would not run there (docs/numba-cuda.md). `backend.py` imports this module lazily.
 
 Every kernel is a grid-stride loop over work items (a run of elements, a scale slot, ...), with
 64-bit index arithmetic; its launch config comes from `launch()`. Geometry travels in a small
