@@ -1,8 +1,7 @@
 """Kernel launches whose argument list is packed once (`Packed`).
 
-numba's dispatcher types and packs every argument again on every launch: about 140 us of host
-time for the GEMV's 11 arguments on the H200's host (docs/performance.md), seven times the
-kernel. A backend call that launches the same kernel on the same buffers again (a cached GEMV
+numba's dispatcher types and packs every argument again on every launch, which for a GEMV of
+11 arguments costs several times the kernel's own time in host time. A backend call that launches the same kernel on the same buffers again (a cached GEMV
 state, a dequantize into a fresh output) only changes a few device pointers and integers.
 `Packed` launches through numba's dispatcher the first time (which compiles the kernel), then
 keeps the kernel's packed argument list (numba's own `_Kernel._prepare_args`) and later only

@@ -19,7 +19,7 @@ and one 16- or 8-byte store of whole u32 words. The kernels are specialised per 
 * the division `y = x / e` of SPEC §2.4 as `q = x * r`, `q + fma(-q, e, x) * r` with
   `r = 1 / e` rounded once per block: Markstein's correction, the correctly rounded quotient
   whenever e's significand is not all ones and nothing overflows or underflows; the kernels
-  check that per block (`fast_div_ok`) and divide with `div.rn` otherwise (docs/performance.md);
+  check that per block (`fast_div_ok`) and divide with `div.rn` otherwise;
   minifloat codes take the sign from x (the correction turns x = -0 into +0).
 
 Dequantize is coalesced by units of 4 codes (a u32 of int8/FP8 codes, a u16 of 4-bit codes;

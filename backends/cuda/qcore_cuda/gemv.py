@@ -17,8 +17,8 @@ Decoding (`fast.decoder`): byte permutes under 2**23 for integers, the FP8 conve
 table. Each weight is decoded to its exact code value before the multiply: decoding to an
 offset form and taking the bias off from a sum of x * e at the end saves an instruction per
 weight, but the two sums round apart, so a column of zero codes under a nonzero scale would sum
-to a few ulps of sum(x e) instead of 0, beyond the conformance bound. `TUNING` holds the choices per mb, from `benchmarks/gpu_tune.py` on the H200
-(docs/performance.md).
+to a few ulps of sum(x e) instead of 0, beyond the conformance bound. `TUNING` holds the choices per mb, the fastest variants of
+`benchmarks/gpu_tune.py` on the H200.
 
 The 8 k-lanes are summed in shared memory (odd stride: no bank conflicts; `RED_CH`
 accumulators per pass), each block writes its partial sums to `part[KS, mb, N]`, and the last
@@ -30,7 +30,7 @@ M > mb runs as ceil(M / mb) launches, each reading the weight once more (mb = 8 
 at M > 4, with the whole register file: `config_for`, `tuning`). From M = 4 on the backend takes
 the tensor-core kernel (`tc.py`) where it applies. The geometry Q goes to
 the kernel by value (a tuple of int64 parameters), not as a device array: a thread's first loads
-then wait on no read of Q from memory (-1 us per call on the H200, docs/performance.md).
+then wait on no read of Q from memory.
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def config_for(kind: int, m: int, Q: np.ndarray) -> tuple[int, int, bool]:
     u32 words per thread and row (8-byte loads; fewer where the row's word count is not a
     multiple); otherwise one word, with up to 4 rows of x per launch (at most 32 accumulators
     per thread), or, for M > 4 rows of 4-bit codes, `MB_WIDE` (64 accumulators, `tuning`).
-    Chosen by `benchmarks/gpu_tune.py` on the H200 (docs/performance.md). `one_scale`: the
+    The fastest variants of `benchmarks/gpu_tune.py` on the H200. `one_scale`: the
     thread's columns of a row lie under one scale slot (blocks of at least `wpt` words)."""
     pw = 32 // fast.KIND_BITS[kind]
     if m == 1 or (m == 2 and pw <= 8):
