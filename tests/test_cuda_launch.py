@@ -30,7 +30,7 @@ def test_launches_hold_no_outputs(cuda_backend):
         cuda_backend.matmul(x, qw)
         launches = [qw.data.cache["dequant"], qw.data.cache[("gemv", 1)][1]]
         for launch in launches:
-            held = [launch._args[i] for i in launch._dynamic]
+            held = launch.held()
             assert held == [None] * len(held), "a cached launch still holds a call's arrays"
 
 
@@ -50,7 +50,7 @@ def test_packed_launches_repeat_results(cuda_backend, m):
     second = cuda_backend.to_numpy(cuda_backend.matmul(cuda.to_device(x2), qw))
     again = cuda_backend.to_numpy(cuda_backend.matmul(cuda.to_device(x1), qw))
     mb, launch = qw.data.cache[("gemv", m)]
-    assert isinstance(launch._state, tuple), "the GEMV launch was not packed"
+    assert launch.packed, "the GEMV launch was not packed"
     np.testing.assert_array_equal(again.view(np.uint32), first.view(np.uint32))
     wd = REF.dequantize(REF.from_data(cuda_backend.into_data(qw))).astype(np.float64)
     for x, got in ((x1, first), (x2, second)):
@@ -59,7 +59,7 @@ def test_packed_launches_repeat_results(cuda_backend, m):
     d1 = cuda_backend.to_numpy(cuda_backend.dequantize(qw))
     d2 = cuda_backend.dequantize(qw)
     d3 = cuda_backend.dequantize(qw)
-    assert isinstance(qw.data.cache["dequant"]._state, tuple), "the dequantize launch was not packed"
+    assert qw.data.cache["dequant"].packed, "the dequantize launch was not packed"
     assert d2.__cuda_array_interface__["data"][0] != d3.__cuda_array_interface__["data"][0]
     for d in (d2, d3):
         np.testing.assert_array_equal(cuda_backend.to_numpy(d).view(np.uint32), d1.view(np.uint32))
@@ -83,7 +83,7 @@ def test_packed_quantize_launches(cuda_backend, text):
             assert_same_bytes(got.payload, want.payload, f"{text} (params={params is not None})")
     pp = be._prepared((4, 256), qcore.scheme(text), "minmax")
     packed = [p for k, v in pp.items() if isinstance(k, tuple) and k[0] == "fast_quant" for p in v[1]]
-    assert packed and all(isinstance(p._state, tuple) for p in packed if p._state is not None)
+    assert packed and all(p.packed for p in packed if p._state is not None)
     bad = xs[0].copy()
     bad[1, 7] = np.nan
     with pytest.raises(InputError):

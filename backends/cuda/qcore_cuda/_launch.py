@@ -123,6 +123,17 @@ class Packed:
         self._state: Any = None  # None: not packed yet; False: dispatcher only; else the packed launch
         self._lock = threading.Lock()  # threads sharing a tensor: one swap-and-launch at a time
 
+    @property
+    def packed(self) -> bool:
+        """Whether launches after the first go through the packed argument list (else numba's
+        dispatcher: not launched yet, the simulator, packing off or not possible)."""
+        return isinstance(self._state, tuple)
+
+    def held(self) -> list[Any]:
+        """The values this launch keeps at its dynamic positions between calls: all None, so a
+        caller's arrays are freed when the caller drops them."""
+        return [self._args[i] for i in self._dynamic]
+
     def __call__(self, *values: Any) -> None:
         with self._lock:
             args = self._args
