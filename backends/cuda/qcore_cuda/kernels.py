@@ -9,7 +9,8 @@ Every kernel is a grid-stride loop over work items (a run of elements, a scale s
 int64 array `P` (layout below, built by `_plan.py`) and float constants in a float32 array `F`,
 so each kernel has one signature (`SIGNATURES`, compiled for sm_90 by the tests).
 
-No bit casts are needed: f32 bit patterns are read and written arithmetically with
+Scales are rounded up and stored by `scales.py` (on the f32 bits, from the core's trait
+numbers), as in the fast kernels; minifloat codes are computed arithmetically with
 `frexp`/`ldexp`, which are exact, so the same code runs in the simulator and on a GPU. Every
 literal is cast (`int64(...)`, `float32(...)`): compiled numba and the simulator's NumPy scalars
 promote differently otherwise.
