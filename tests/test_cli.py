@@ -248,7 +248,7 @@ def test_report_without_matplotlib_is_a_clear_error(capsys, model, tmp_path, mon
     rc, _, err = run(capsys, "quantize", model, tmp_path / "q.safetensors", "--scheme", "q8s", "--backend",
                      "reference", "--report", tmp_path / "r.html")
     assert rc == 1
-    assert_one_line_error(err, r"reports need matplotlib, which is not installed: pip install 'qcore\[plot\]'")
+    assert_one_line_error(err, r"reports need matplotlib, which is not installed: pip install 'qcore-quant\[plot\]'")
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]  # checked before any work
 
 
