@@ -18,6 +18,7 @@ from .errors import (
     InvalidDataError,
     QCoreError,
     SchemeError,
+    StorageError,
     UnsupportedSchemeError,
 )
 from .hookspecs import hookimpl
@@ -52,7 +53,7 @@ __all__ = [
     "backend", "backends", "quantize", "dequantize", "calibrate", "save", "load",
     # errors
     "QCoreError", "SchemeError", "UnsupportedSchemeError", "InvalidDataError", "InputError",
-    "BackendNotFoundError", "BackendUnavailableError",
+    "BackendNotFoundError", "BackendUnavailableError", "StorageError",
 ]
 
 

@@ -11,6 +11,7 @@ import fnmatch
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from .scheme import scheme as parse_scheme
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
 
 class _UsageError(Exception):
@@ -266,6 +267,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise _UsageError("--compare only adds schemes to a --report; give --report too")
     if os.path.abspath(args.input) == os.path.abspath(args.output):
         raise InputError("OUT must differ from IN; write elsewhere and move it if you want to replace IN")
+    qio.check_output_path(args.output)  # before any work
 
     info = qio.read_info(args.input)
     tensors = qio.load_data(args.input)
@@ -354,6 +356,7 @@ def cmd_dequantize(args: argparse.Namespace) -> int:
     import ml_dtypes
 
     dtype = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(_DTYPES[args.dtype])
+    qio.check_output_path(args.output)  # before any work
     info = qio.read_info(args.input)
     loaded = qio.load(args.input, backend=args.backend)
     out: dict[str, Any] = {}
@@ -550,11 +553,52 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so the same cleanup runs (exit status 128 + 15)."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
+def _file_id(path: str | None) -> tuple[int, int, int] | None:
+    """What identifies the file at `path` now (inode, size, mtime), or None when there is none."""
+    if not path:
+        return None
     try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _interrupted_message(output: str | None, before: tuple[int, int, int] | None) -> str:
+    """Say what the interruption left: OUT written, OUT as it was, or nothing."""
+    after = _file_id(output)
+    if after is not None and after != before:
+        return f"qcore: interrupted after {output} was written (it is complete)"
+    if before is not None:
+        return f"qcore: interrupted; {output} was left as it was"
+    return "qcore: interrupted; no output file was written"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted, 143 terminated).
+
+    SIGTERM is handled like Ctrl-C: the temporary file goes, OUT is the old one or the new one.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    output: str | None = None
+    before = None
+    restore: Any = None
+    try:
+        try:
+            restore = signal.signal(signal.SIGTERM, _on_sigterm) or signal.SIG_DFL
+        except ValueError:  # not the main thread: leave SIGTERM alone
+            restore = None
         args, extra = _parser().parse_known_args(argv)
+        output = getattr(args, "output", None)
+        before = _file_id(output)
         if args.command == "conformance":
             return cmd_conformance(args, extra)
         if extra:
@@ -565,9 +609,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as e:
         print(f"qcore: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("qcore: interrupted; no output file was written", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:
+        print(_interrupted_message(output, before), file=sys.stderr)
+        return EXIT_TERMINATED if isinstance(e, _Terminated) else EXIT_INTERRUPTED
     except QCoreError as e:
         print(f"qcore: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_ERROR
@@ -575,6 +619,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         print(f"qcore: error: {where}{e.strerror or _one_line(e)}", file=sys.stderr)
         return EXIT_ERROR
+    except (MemoryError, RecursionError) as e:
+        print(f"qcore: error: out of {'memory' if isinstance(e, MemoryError) else 'stack'} "
+              f"({_one_line(e)}); try a smaller input or a backend with less memory use", file=sys.stderr)
+        return EXIT_ERROR
+    finally:
+        if restore is not None:
+            signal.signal(signal.SIGTERM, restore)
 
 
 if __name__ == "__main__":  # pragma: no cover

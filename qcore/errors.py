@@ -12,6 +12,7 @@ __all__ = [
     "InputError",
     "BackendNotFoundError",
     "BackendUnavailableError",
+    "StorageError",
 ]
 
 
@@ -41,3 +42,12 @@ class BackendNotFoundError(QCoreError, LookupError):
 
 class BackendUnavailableError(QCoreError, RuntimeError):
     """The backend is installed, but its device or runtime is missing."""
+
+
+class StorageError(QCoreError, OSError):
+    """A file could not be read or written: missing, a directory or device, unreadable, disk
+    full, read-only destination. Carries `errno` and `filename` like the `OSError` it replaces;
+    its text is the one-line message alone."""
+
+    def __str__(self) -> str:
+        return str(self.strerror) if self.strerror else super().__str__()

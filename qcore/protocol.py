@@ -188,7 +188,12 @@ class BaseBackend(abc.ABC):
         if isinstance(x, (np.ndarray, np.generic)):
             return np.shape(x), x.dtype
         if isinstance(x, (list, tuple, int, float)):
-            a = np.asarray(x)
+            try:
+                a = np.asarray(x)
+            except (ValueError, TypeError, RecursionError) as e:  # ragged or mixed nested lists
+                raise InputError(f"input list is not a rectangular array of numbers ({e}); pass a numpy array") from None
+            if a.dtype == object or a.dtype.kind in "USV":
+                raise InputError(f"input list holds {a.dtype} items, not numbers; pass a float numpy array")
             if a.dtype.kind in "iub":
                 raise InputError(f"input holds {a.dtype} values; quantize float arrays")
             return a.shape, np.dtype(np.float64)

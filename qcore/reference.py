@@ -49,7 +49,9 @@ def _slot_counts(shape: tuple[int, ...], block: tuple[int, ...]) -> np.ndarray:
 def slot_statistic(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -> np.ndarray:
     """Per scale slot: `max |x|` (minmax) or `mean |x|` (absmean, f64 sum, one f32 rounding)."""
     a = np.abs(x)
-    block = layout.full_block(x.shape, scheme)
+    block = layout.block_extents(x.shape, scheme)
+    if a.size == 0:  # O(1) whatever the extents claim: every slot holds nothing
+        return np.zeros(layout.grid_shape(x.shape, scheme), dtype=np.float32)
     if block is None:
         if method == "minmax":
             return np.asarray(np.max(a, initial=np.float32(0)), dtype=np.float32)
@@ -156,6 +158,7 @@ class ReferenceBackend(BaseBackend):
         return QuantizedData.from_parts(x.shape, scheme, codes, params.scales, params.global_scale)
 
     def _dequantize(self, data: QuantizedData, dtype: np.dtype) -> np.ndarray:
+        data.check_codes()  # SPEC v1.1 §3: corrupt codes never decode to NaN or out-of-range values
         params = QParams(data.scales(), data.global_scale())
         e = effective_scale(params, data.shape, data.scheme)
         x = (decode(data.codes(), data.scheme) * e).astype(np.float32)
