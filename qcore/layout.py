@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import InputError
-from .scheme import QuantScheme, StoreKind
+from .scheme import INT64_MAX, QuantScheme, StoreKind
 
 __all__ = [
     "check_shape",
@@ -39,6 +39,8 @@ def check_shape(shape: Sequence[int]) -> tuple[int, ...]:
         raise InputError("tensors need rank >= 1, got a scalar; reshape it to (1,)")
     if any(d < 0 for d in shape):
         raise InputError(f"shape dims must be >= 0, got {shape}")
+    if any(d > INT64_MAX for d in shape):
+        raise InputError(f"shape dims must fit int64 (<= 2**63-1), got {shape}")
     return shape
 
 

@@ -381,6 +381,7 @@ class CudaBackend(BaseBackend):
         pp = self._prepared(data.shape, data.scheme, "minmax")
         pl = pp["plan"]
         scales, gbuf = self._decoded_scales(data)
+        flag = self._code_flag(data)
         fp = pp.get("fast")
         if fp is not None and out.dtype == np.float32 and fast_aligned(out):
             from . import fast
@@ -390,14 +391,31 @@ class CudaBackend(BaseBackend):
                 grid, block = fast.launch_dequant(fp["nruns"], fp["kind"])
                 units = fast.unit_view(data.payload[: pl.values_nbytes], fp["kind"])
                 launch = data.cache["dequant"] = Packed(fast.dequant_kernel(fp["kind"]), grid, block,
-                                                        [units, scales, gbuf, pp["lut"], out, fp["G"]], dynamic=(4,))
+                                                        [units, scales, gbuf, pp["lut"], out, fp["G"], flag],
+                                                        dynamic=(4,))
             launch(out)
         elif pl.RP is not None:
             grid, tpb = K.launch_rows(*pl.rows_shape)
             K.k_rows_dequant[grid, tpb](self._words(data.payload, pl), pp[("RP", K.ROW_GIVEN)], pp["lut"], scales,
-                                        gbuf, out)
+                                        gbuf, out, flag)
         else:
-            K.k_dequant[K.launch(pl.nruns)](data.payload, pp["P"], pp["lut"], scales, gbuf, out)
+            K.k_dequant[K.launch(pl.nruns)](data.payload, pp["P"], pp["lut"], scales, gbuf, out, flag)
+
+    @staticmethod
+    def _code_flag(data: CudaData):
+        """The tensor's int32 device flag, set by the dequantize kernels on a code outside the
+        value's set (SPEC v1.1 §3); zero except between such a launch and `_raise_if_bad_codes`."""
+        flag = data.cache.get("code_flag")
+        if flag is None:
+            flag = data.cache["code_flag"] = _cuda().to_device(np.zeros(1, dtype=np.int32))
+        return flag
+
+    def _raise_if_bad_codes(self, data: CudaData) -> None:
+        """Read the flag (4 bytes); when set, re-zero it and let the core name the first bad element."""
+        flag = self._code_flag(data)
+        if int(flag.copy_to_host()[0]):
+            flag.copy_to_device(np.zeros(1, dtype=np.int32))
+            self._into_data(data).check_codes()
 
     def _dequantize(self, data: CudaData, dtype: np.dtype) -> Any:
         cuda = _cuda()
@@ -408,6 +426,7 @@ class CudaBackend(BaseBackend):
         out = cuda.device_array(n, dtype=dtype)
         if n:
             self._launch_dequantize(data, out)
+            self._raise_if_bad_codes(data)
         return out.reshape(data.shape)
 
     # ------------------------------------------------------------------ portable bytes
