@@ -13,6 +13,11 @@ import numpy as np
 from .errors import InputError
 from .scheme import INT64_MAX, QuantScheme, StoreKind
 
+MAX_EXTENT_PRODUCT = 1 << 50
+"""Largest product of a shape's non-zero extents (a thousand times the largest tensors in use):
+numpy builds an array, even an empty one, only when that product times its item size fits int64,
+and kernels add axes (codes per word) and wider items (float64) to it."""
+
 __all__ = [
     "check_shape",
     "full_block",
@@ -41,6 +46,11 @@ def check_shape(shape: Sequence[int]) -> tuple[int, ...]:
         raise InputError(f"shape dims must be >= 0, got {shape}")
     if any(d > INT64_MAX for d in shape):
         raise InputError(f"shape dims must fit int64 (<= 2**63-1), got {shape}")
+    if math.prod(d for d in shape if d) > MAX_EXTENT_PRODUCT:
+        raise InputError(
+            f"shape {shape} spans more than 2**50 elements (its non-zero extents multiplied), more than "
+            "an array can index even when empty; no real tensor is this large"
+        )
     return shape
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import layout
 from .checks import check_input_dtype, check_output_dtype
+from .codecs import F32_TINY
 from .errors import BackendUnavailableError, InputError, UnsupportedSchemeError
 from .payload import QuantizedData, sections
 from .scheme import QuantScheme, scheme as parse_scheme
@@ -67,6 +68,14 @@ class QParams:
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def empty_params(shape: tuple[int, ...], scheme: QuantScheme) -> QParams:
+    """The calibration of an empty tensor (docs/spec-choices.md): every slot's statistic is 0,
+    so zero scales stored in the slot dtype; two-level `g` is its floor 1.17549435e-38."""
+    zeros = np.zeros(layout.grid_shape(shape, scheme), dtype=np.float32)
+    stored = scheme.slot_dtype.traits.store(zeros).reshape(zeros.shape)
+    return QParams(stored, float(F32_TINY) if scheme.two_level else None)
 
 
 class QTensor:
@@ -258,7 +267,9 @@ class BaseBackend(abc.ABC):
         """Scales for `x` under `scheme` (SPEC §2.1-2.3): stored, rounded-up, grid-shaped."""
         scheme = self._require(scheme)
         self._check_method(method)
-        self._check_input(x, scheme)
+        shape = self._check_input(x, scheme)
+        if math.prod(shape) == 0:
+            return empty_params(shape, scheme)
         return self._calibrate(x, scheme, method)
 
     def quantize(self, x: Any, scheme: QuantScheme | str, *, params: QParams | None = None,
@@ -269,12 +280,24 @@ class BaseBackend(abc.ABC):
         shape = self._check_input(x, scheme)
         if params is not None:
             params = self._check_params(params, shape, scheme)
+        if math.prod(shape) == 0:  # nothing to read: O(1) whatever the other extents claim (SPEC v1.1 §3)
+            p = params or empty_params(shape, scheme)
+            codes = np.zeros(shape, dtype=scheme.code_dtype)
+            return self.from_data(QuantizedData.from_parts(shape, scheme, codes, p.scales, p.global_scale))
         return QTensor(self, scheme, shape, self._quantize(x, scheme, params, method))
 
     def dequantize(self, q: QTensor, dtype: Any = np.float32) -> Any:
-        """`decode(q) * e` in f32, cast to `dtype` (SPEC §2.6)."""
+        """`decode(q) * e` in f32, cast to `dtype` (SPEC §2.6). An empty tensor gives an empty
+        array at once, whatever its other extents claim (SPEC v1.1 §3)."""
         q = self._own(q)
-        return self._dequantize(q.data, check_output_dtype(dtype))
+        dtype = check_output_dtype(dtype)
+        if math.prod(q.shape) == 0:
+            return self._empty_output(q.shape, dtype)
+        return self._dequantize(q.data, dtype)
+
+    def _empty_output(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """This backend's empty array of `shape` (override for device arrays)."""
+        return np.zeros(shape, dtype=dtype)
 
     def from_data(self, data: QuantizedData) -> QTensor:
         """Load portable bytes onto this backend."""

@@ -437,6 +437,12 @@ class CudaBackend(BaseBackend):
     def _into_data(self, data: CudaData) -> QuantizedData:
         return QuantizedData(data.shape, data.scheme, data.payload.copy_to_host().tobytes())
 
+    def _empty_output(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """An empty device array (bfloat16, which numba lacks: an empty host array)."""
+        if dtype in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)):
+            return _cuda().device_array(0, dtype=dtype).reshape(shape)
+        return np.zeros(shape, dtype=dtype)
+
     def to_numpy(self, array: Any) -> np.ndarray:
         if isinstance(array, np.ndarray):
             return array
