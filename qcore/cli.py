@@ -582,36 +582,44 @@ def _interrupted_message(output: str | None, before: tuple[int, int, int] | None
     return "qcore: interrupted; no output file was written"
 
 
+_RUN: dict[str, Any] = {"output": None, "before": None, "restore": None, "reported": False, "rc": None}
+"""The running command's OUT, what was at OUT before, the SIGTERM handler to restore, and whether
+its outcome was reported (with which exit status): a module value, so that the `qcore` entry point (`_qcore_launch`) can
+report truthfully on a signal that lands on the first or last lines of `main`."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted, 143 terminated).
 
     SIGTERM is handled like Ctrl-C: the temporary file goes, OUT is the old one or the new one.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    output: str | None = None
-    before = None
-    restore: Any = None
-    try:
+    try:  # the first statement: a signal at any later point ends in one line and exit 130/143
+        _RUN.update(output=None, before=None, restore=None, reported=False, rc=None)
         try:
-            restore = signal.signal(signal.SIGTERM, _on_sigterm) or signal.SIG_DFL
+            _RUN["restore"] = signal.signal(signal.SIGTERM, _on_sigterm) or signal.SIG_DFL
         except ValueError:  # not the main thread: leave SIGTERM alone
-            restore = None
+            pass
+        argv = list(sys.argv[1:] if argv is None else argv)
         args, extra = _parser().parse_known_args(argv)
-        output = getattr(args, "output", None)
-        before = _file_id(output)
+        out = getattr(args, "output", None)
+        _RUN.update(output=out, before=_file_id(out))  # one step: a signal sees both or neither
         if args.command == "conformance":
             return cmd_conformance(args, extra)
         if extra:
             raise _UsageError(f"unrecognized arguments: {' '.join(extra)} (see 'qcore {args.command} --help')")
-        return int(args.func(args))
+        rc = int(args.func(args))
+        _RUN.update(reported=True, rc=rc)
+        return rc
     except SystemExit as e:  # --help, --version
         return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_ERROR)
     except _UsageError as e:
         print(f"qcore: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt as e:
-        print(_interrupted_message(output, before), file=sys.stderr)
-        return EXIT_TERMINATED if isinstance(e, _Terminated) else EXIT_INTERRUPTED
+        print(_interrupted_message(_RUN["output"], _RUN["before"]), file=sys.stderr)
+        rc = EXIT_TERMINATED if isinstance(e, _Terminated) else EXIT_INTERRUPTED
+        _RUN.update(reported=True, rc=rc)
+        return rc
     except QCoreError as e:
         print(f"qcore: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_ERROR
@@ -624,8 +632,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"({_one_line(e)}); try a smaller input or a backend with less memory use", file=sys.stderr)
         return EXIT_ERROR
     finally:
-        if restore is not None:
-            signal.signal(signal.SIGTERM, restore)
+        if _RUN["restore"] is not None:
+            signal.signal(signal.SIGTERM, _RUN["restore"])
+            _RUN["restore"] = None
 
 
 if __name__ == "__main__":  # pragma: no cover
