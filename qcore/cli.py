@@ -125,10 +125,7 @@ def _capability_rows() -> list[tuple[str, list[QuantScheme]]]:
 
 
 def _available(be: Any) -> bool:
-    try:
-        return bool(be.available())
-    except Exception:
-        return False
+    return _registry().is_available(be)
 
 
 def _supports(be: Any, schemes: list[QuantScheme]) -> bool:
@@ -154,11 +151,9 @@ def cmd_backends(args: argparse.Namespace) -> int:
     ordered = sorted(found.values(), key=lambda b: (-int(b.priority), b.name))
     avail = {}
     for be in ordered:
-        try:
-            ok = bool(be.available())
-        except Exception as e:
-            ok = False
-            desc = f"available() failed: {type(e).__name__}: {e}"
+        ok = reg.is_available(be)  # never hangs: a backend whose available() does not answer is skipped
+        if not ok and be.name in reg.plugin_errors():
+            desc = reg.plugin_errors()[be.name]
         else:
             try:
                 desc = be.describe()
@@ -172,9 +167,11 @@ def cmd_backends(args: argparse.Namespace) -> int:
               f"selection: {reg.ENV_VAR} unset -> 'auto' (highest priority available backend per scheme)")
     errors = reg.plugin_errors()
     if errors:
-        out.print("[red]plugins that failed to load:[/]")
+        out.print("[red]plugins that failed to load, and backends skipped:[/]")
         for name, err in sorted(errors.items()):
             out.print(f"  {name}: {err}", markup=False)
+    if reg.disabled_plugins():
+        out.print(f"plugins disabled by {reg.DISABLE_VAR}: {', '.join(reg.disabled_plugins())}", markup=False)
     out.print("[bold]capability[/] (yes: supported; -: rejected with a reason; levels and stores: supported with some value)")
     cap = Table()
     cap.add_column("value / level / store")
