@@ -14,6 +14,7 @@ import numpy as np
 from .errors import (
     BackendNotFoundError,
     BackendUnavailableError,
+    DeviceMemoryError,
     InputError,
     InvalidDataError,
     QCoreError,
@@ -53,7 +54,7 @@ __all__ = [
     "backend", "backends", "quantize", "dequantize", "calibrate", "save", "load",
     # errors
     "QCoreError", "SchemeError", "UnsupportedSchemeError", "InvalidDataError", "InputError",
-    "BackendNotFoundError", "BackendUnavailableError", "StorageError",
+    "BackendNotFoundError", "BackendUnavailableError", "StorageError", "DeviceMemoryError",
 ]
 
 

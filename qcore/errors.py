@@ -13,6 +13,7 @@ __all__ = [
     "BackendNotFoundError",
     "BackendUnavailableError",
     "StorageError",
+    "DeviceMemoryError",
 ]
 
 
@@ -51,3 +52,8 @@ class StorageError(QCoreError, OSError):
 
     def __str__(self) -> str:
         return str(self.strerror) if self.strerror else super().__str__()
+
+
+class DeviceMemoryError(QCoreError, MemoryError):
+    """A backend's device ran out of memory; the message names the size asked for. The backend
+    stays usable for work that fits."""

@@ -8,6 +8,7 @@ the host and `from_data` one copy to the device. numba is imported lazily: impor
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,11 +17,12 @@ import numpy as np
 
 from qcore.checks import check_input_dtype, raise_nonfinite, to_f32
 from qcore.errors import InputError
-from qcore.payload import QuantizedData
+from qcore.payload import QuantizedData, sections
 from qcore.protocol import BaseBackend, QParams, Support
 from qcore.scheme import QuantScheme
 
 from ._launch import Packed
+from ._memory import guard
 
 __all__ = ["CudaBackend", "CudaData", "cuda_status"]
 
@@ -75,6 +77,18 @@ def _cuda():
     from numba import cuda
 
     return cuda
+
+
+def _shape_of(be: "CudaBackend", x: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in be._shape_dtype(x)[0])
+
+
+def _numel(be: "CudaBackend", x: Any) -> int:
+    return math.prod(_shape_of(be, x))
+
+
+def _payload_bytes(be: "CudaBackend", x: Any, scheme: QuantScheme) -> int:
+    return sections(_shape_of(be, x), scheme).total
 
 
 FAST_MIN_CC = (8, 9)  # cvt.rn.satfinite.e4m3x2 / .e5m2x2 and cvt.rn.f16x2.e4m3x2 (PTX ISA: sm_89+)
@@ -351,11 +365,15 @@ class CudaBackend(BaseBackend):
             raise
         return (self._scratch()[2], xd), CudaData(shape, scheme, payload)
 
+    @guard(lambda self, x, scheme, method: (f"calibrate a {_shape_of(self, x)} tensor",
+                                             4 * _numel(self, x) + _payload_bytes(self, x, scheme)))
     def _calibrate(self, x: Any, scheme: QuantScheme, method: str) -> QParams:
         q = self._quantize(x, scheme, None, method)
         d = self._into_data(q)
         return QParams(d.scales(), d.global_scale())
 
+    @guard(lambda self, x, scheme, params, method: (f"quantize a {_shape_of(self, x)} tensor to {scheme}",
+                                                     4 * _numel(self, x) + _payload_bytes(self, x, scheme)))
     def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> CudaData:
         check, data = self._run_quantize(x, scheme, params, method)
         if check is not None:
@@ -417,6 +435,8 @@ class CudaBackend(BaseBackend):
             flag.copy_to_device(np.zeros(1, dtype=np.int32))
             self._into_data(data).check_codes()
 
+    @guard(lambda self, data, dtype: (f"dequantize a {data.shape} {data.scheme} tensor to {dtype}",
+                                      math.prod(data.shape) * max(4, dtype.itemsize)))
     def _dequantize(self, data: CudaData, dtype: np.dtype) -> Any:
         cuda = _cuda()
         n = int(np.prod(data.shape))
@@ -430,6 +450,7 @@ class CudaBackend(BaseBackend):
         return out.reshape(data.shape)
 
     # ------------------------------------------------------------------ portable bytes
+    @guard(lambda self, data: (f"load a {data.shape} {data.scheme} payload", data.nbytes))
     def _from_data(self, data: QuantizedData) -> CudaData:
         buf = np.frombuffer(data.payload, dtype=np.uint8).copy()
         return CudaData(data.shape, data.scheme, _cuda().to_device(buf))
@@ -453,6 +474,8 @@ class CudaBackend(BaseBackend):
         return np.asarray(array)
 
     # ------------------------------------------------------------------ fused matmul
+    @guard(lambda self, x, w: (f"multiply by a {w.shape} {w.scheme} weight",
+                               4 * (_numel(self, x) // max(1, w.shape[0]) * w.shape[-1] + _numel(self, x))))
     def matmul(self, x: Any, w) -> Any:
         """`x @ dequantize(w)` with the weight dequantized inside the kernel.
 
