@@ -121,11 +121,10 @@ def test_calibrate_empty_but_huge_input():
 
 
 # ------------------------------------------------------------------------------ block larger than the axis
-@pytest.mark.parametrize("block", [4194304, 268435456, 1 << 40])
-@pytest.mark.parametrize("value", ["q4s", "q8s", "e4m3"])
+@pytest.mark.parametrize("value,block", [("q4s", 4194304), ("q8s", 268435456), ("e4m3", 1 << 40)])
 def test_block_larger_than_axis_costs_nothing(block, value):
     """Same bytes and same values as a block equal to the extent; memory of the tensor's order."""
-    x = np.random.default_rng(0).standard_normal((6, 40)).astype(np.float32)
+    x = np.random.default_rng(0).standard_normal((3, 40)).astype(np.float32)
     for be in _backends(f"{value}/block{block}:f32"):
         same = be.quantize(x, f"{value}/block40:f32")  # also warms up (first-launch compilation)
         same.numpy()
