@@ -581,8 +581,9 @@ def _interrupted_message(output: str | None, before: tuple[int, int, int] | None
 
 _RUN: dict[str, Any] = {"output": None, "before": None, "restore": None, "reported": False, "rc": None}
 """The running command's OUT, what was at OUT before, the SIGTERM handler to restore, and whether
-its outcome was reported (with which exit status): a module value, so that the `qcore` entry point (`_qcore_launch`) can
-report truthfully on a signal that lands on the first or last lines of `main`."""
+its outcome was reported (with which exit status): a module value, so that the `qcore` entry
+point (`_qcore_launch`) can report truthfully on a signal that lands on the first or last lines
+of `main`."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

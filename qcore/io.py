@@ -141,7 +141,8 @@ def check_output_path(path: PathLike) -> str:
     p = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(p))
     if not os.path.isdir(directory):
-        raise StorageError(errno.ENOENT, f"cannot write {p}: directory {directory} does not exist (No such file or directory); create it first", p)
+        raise StorageError(errno.ENOENT, f"cannot write {p}: directory {directory} does not exist "
+                                         "(No such file or directory); create it first", p)
     if os.path.isdir(p):
         raise StorageError(errno.EISDIR, f"cannot write {p}: it is a directory; name a file inside it", p)
     if not os.access(directory, os.W_OK | os.X_OK):

@@ -200,7 +200,9 @@ class BaseBackend(abc.ABC):
             try:
                 a = np.asarray(x)
             except (ValueError, TypeError, RecursionError) as e:  # ragged or mixed nested lists
-                raise InputError(f"input list is not a rectangular array of numbers ({e}); pass a numpy array") from None
+                raise InputError(
+                    f"input list is not a rectangular array of numbers ({e}); pass a numpy array"
+                ) from None
             if a.dtype == object or a.dtype.kind in "USV":
                 raise InputError(f"input list holds {a.dtype} items, not numbers; pass a float numpy array")
             if a.dtype.kind in "iub":

@@ -19,7 +19,11 @@ QCORE_FUZZ_EXAMPLES="$(( N / 100 > 30 ? N / 100 : 30 ))" nice -n 19 "$PY" -m pyt
 QCORE_INTERRUPT_POINTS="$POINTS" nice -n 19 "$PY" -m pytest -q -p no:cacheprovider tests/test_interrupt.py
 "$PY" - "$QCORE_FUZZ_REPORT" <<'PYEOF'
 import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1])]
+last = {}
+for line in open(sys.argv[1]):  # progress lines every 1000 cases, then a final one per target
+    r = json.loads(line)
+    last[r["target"]] = r
+rows = list(last.values())
 for r in rows:
     print(f"{r['target']:>16}: {r['cases']:>7} cases, slowest {r['slowest_s'] * 1e3:7.1f} ms, "
           f"peak {r['peak_bytes'] / 1024:8.1f} KiB")

@@ -65,14 +65,16 @@ class Stats:
             self.cases += 1
             self.slowest = max(self.slowest, dt)
             self.peak = max(self.peak, peak)
+            if self.cases % 1000 == 0:  # a long run that is stopped still tells how far it got
+                self.report(final=False)
         assert peak <= PEAK_LIMIT, f"{self.target}: a case allocated {peak / MB:.1f} MiB"
 
-    def report(self) -> None:
+    def report(self, final: bool = True) -> None:
         path = os.environ.get("QCORE_FUZZ_REPORT")
         if path:
             with open(path, "a") as f:
                 f.write(json.dumps({"target": self.target, "cases": self.cases, "slowest_s": round(self.slowest, 4),
-                                    "peak_bytes": self.peak}) + "\n")
+                                    "peak_bytes": self.peak, "final": final}) + "\n")
 
 
 def only_qcore_errors(fn, *args, **kwargs):
@@ -87,16 +89,17 @@ def only_qcore_errors(fn, *args, **kwargs):
 VALUES = ["q8s", "q8f", "q4s", "q4f", "q2s", "q2f", "e4m3", "e5m2", "e2m1"]
 DTYPES = ["f32", "f16", "bf16", "ue8m0", "ue4m3"]
 NUM_TEXT = st.one_of(st.integers(0, 70).map(str), st.integers(0, 2**70).map(str),
-                     st.integers(1, 6000).map(lambda n: "9" * n), st.just("0" * 30 + "7"), st.sampled_from(["", "-1", "1e3"]))
+                     st.integers(1, 6000).map(lambda n: "9" * n), st.just("0" * 30 + "7"),
+                     st.sampled_from(["", "-1", "1e3"]))
 HEAD = st.one_of(st.sampled_from(VALUES + ["nf4", "nvfp4", "mxfp4", "mxfp8", "q5s", "lookup", "NF4", " q8s "]),
                  st.sampled_from(VALUES).map(lambda v: v + "-lookup"),
                  st.tuples(st.sampled_from(VALUES), st.sampled_from(["nf4", "x", "", "nf4]"])).map(
                      lambda t: f"{t[0]}-lookup[{t[1]}]"))
-BLOCK = st.tuples(st.lists(NUM_TEXT, min_size=1, max_size=6), st.one_of(st.none(), st.sampled_from(DTYPES + ["f8"]))).map(
-    lambda t: "block" + "x".join(t[0]) + (f":{t[1]}" if t[1] else ""))
+BLOCK = st.tuples(st.lists(NUM_TEXT, min_size=1, max_size=6),
+                  st.one_of(st.none(), st.sampled_from(DTYPES + ["f8"]))).map(lambda t: "block" + "x".join(t[0]) + (f":{t[1]}" if t[1] else ""))
 TENSOR = st.one_of(st.none(), st.sampled_from(DTYPES + ["u8"])).map(lambda d: "tensor" + (f":{d}" if d else ""))
-STORE = st.tuples(st.sampled_from(["native", "packed_u32", "packed_native", "packed"]), st.one_of(st.none(), NUM_TEXT)).map(
-    lambda t: t[0] + (f":{t[1]}" if t[1] is not None else ""))
+STORE = st.tuples(st.sampled_from(["native", "packed_u32", "packed_native", "packed"]),
+                  st.one_of(st.none(), NUM_TEXT)).map(lambda t: t[0] + (f":{t[1]}" if t[1] is not None else ""))
 JUNK = st.text(max_size=12)
 SCHEME_TEXT = st.one_of(
     st.tuples(HEAD, st.lists(st.one_of(BLOCK, TENSOR, STORE, JUNK), max_size=4)).map(lambda t: "/".join([t[0], *t[1]])),
@@ -303,7 +306,8 @@ def _mutate_header(data, raw: bytes) -> bytes:
     elif what == "drop":
         meta.pop(data.draw(st.sampled_from(sorted(meta))), None)
     else:
-        meta[data.draw(st.sampled_from(["qcore.x.scheme", "qcore.zzz", "qcore.w.shape"]))] = data.draw(st.text(max_size=10))
+        key = data.draw(st.sampled_from(["qcore.x.scheme", "qcore.zzz", "qcore.w.shape"]))
+        meta[key] = data.draw(st.text(max_size=10))
     text = json.dumps(head).encode()
     return struct.pack("<Q", len(text)) + text + body
 

@@ -179,7 +179,8 @@ def test_int64_edge_in_scheme_text_is_accepted():
 def test_huge_block_on_the_cli_is_one_line(tmp_path, capsys):
     model = tmp_path / "m.safetensors"
     save_file({"w": np.ones((4, 8), np.float32)}, str(model))
-    rc, _, err = _run(capsys, "quantize", model, tmp_path / "o.safetensors", "--scheme", "q4s/block99999999999999999999")
+    rc, _, err = _run(capsys, "quantize", model, tmp_path / "o.safetensors",
+                      "--scheme", "q4s/block99999999999999999999")
     assert rc == 1
     _one_line(err, "exceeds int64")
 
@@ -286,7 +287,8 @@ def test_read_only_destination_before_any_temp_file(tmp_path, monkeypatch, capsy
     def erofs(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
     monkeypatch.setattr(qio.tempfile, "mkstemp", erofs)
-    rc, _, err = _run(capsys, "quantize", model, tmp_path / "o.safetensors", "--scheme", "q8s", "--backend", "reference")
+    rc, _, err = _run(capsys, "quantize", model, tmp_path / "o.safetensors", "--scheme", "q8s",
+                      "--backend", "reference")
     assert rc == 1
     _one_line(err, "Read-only file system; nothing was written")
     assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
