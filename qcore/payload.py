@@ -149,8 +149,7 @@ class QuantizedData:
             return
         field_ = int(self.codes()[idx].view(np.uint8)) & ((1 << self.scheme.bits) - 1)
         t = self.scheme.traits
-        why = (f"an integer below qmin {int(t.qmin)}" if not t.is_float
-               else f"a {t.name.upper()} NaN/Inf code")
+        why = f"an integer below qmin {int(t.qmin)}" if not t.is_float else "a NaN/Inf code, not a value"
         raise InvalidDataError(
             f"element {idx} of {self.scheme} (shape {self.shape}) holds code 0x{field_:x}, {why}; "
             "quantize never writes it, so the payload is corrupt: re-create it from the float tensor"
