@@ -165,3 +165,39 @@ def test_cuda_kernels_keep_their_ptx_signatures():
 
     assert all(sig.endswith("int32[::1])") for sig in K.SIGNATURES["k_dequant"] + K.SIGNATURES["k_rows_dequant"])
     assert fast.DEQUANT_SIG.endswith("int32[::1])")
+
+
+# ------------------------------------------------------------------------------ the conformance check
+class DecodesAnything(ReferenceBackend):
+    """A backend that forgot SPEC v1.1 §3: it decodes invalid codes."""
+
+    name = "decodes-anything"
+
+    def _dequantize(self, data, dtype):
+        with np.errstate(invalid="ignore"):
+            x = qcore.reference.decode(data.codes(), data.scheme)
+            e = qcore.reference.effective_scale(qcore.QParams(data.scales(), data.global_scale()), data.shape,
+                                                data.scheme)
+            return (x * e).astype(dtype)
+
+
+@pytest.mark.parametrize("text", ["q8s", "q4s/block4:f16", "e4m3", "e5m2/block2x2:bf16", "q2s/packed_native"])
+def test_conformance_check_invalid_codes(text):
+    from qcore.conformance.cases import Case
+    from qcore.conformance.checks import ConformanceFailure
+    from qcore.conformance.invalid import check_invalid_codes
+
+    case = Case(text, (3, 4))
+    check_invalid_codes(REF, case)  # the reference conforms
+    with pytest.raises(ConformanceFailure, match=r"decoded without InvalidDataError \(SPEC v1.1 §3\)"):
+        check_invalid_codes(DecodesAnything(), case)
+
+
+def test_conformance_random_payloads_hold_only_valid_codes():
+    from qcore.conformance.cases import Case
+    from qcore.conformance.checks import random_payload
+
+    for text in ("q8s", "q4s/packed_u32:1", "e4m3/block4:ue8m0", "e5m2", "q2s/block2:f16/packed_native"):
+        for seed in range(5):
+            d = random_payload(Case(text, (5, 7), seed=seed))
+            assert d.first_invalid_code() is None, (text, seed)
