@@ -25,7 +25,7 @@ for line in open(sys.argv[1]):  # progress lines every 1000 cases, then a final 
     last[r["target"]] = r
 rows = list(last.values())
 for r in rows:
-    print(f"{r['target']:>16}: {r['cases']:>7} cases, slowest {r['slowest_s'] * 1e3:7.1f} ms, "
-          f"peak {r['peak_bytes'] / 1024:8.1f} KiB")
+    print(f"{r['target']:>16}: {r['cases']:>7} cases, slowest {r['slowest_s'] * 1e3:7.1f} ms wall "
+          f"({r.get('slowest_cpu_s', 0) * 1e3:6.1f} ms CPU), peak {r['peak_bytes'] / 1024:8.1f} KiB")
 print(f"{'total':>16}: {sum(r['cases'] for r in rows):>7} cases")
 PYEOF
