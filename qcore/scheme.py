@@ -384,7 +384,8 @@ class QuantScheme:
 
 def _check_table(table, bits: int) -> tuple[float, ...]:
     try:
-        arr = np.asarray(table, dtype=np.float64)
+        with np.errstate(invalid="ignore"):  # NaN entries (from a payload) are refused just below
+            arr = np.asarray(table, dtype=np.float64)
     except (TypeError, ValueError):
         raise SchemeError(f"LOOKUP table must be a list of floats, got {table!r}") from None
     n = 1 << bits
