@@ -14,10 +14,12 @@ import numpy as np
 from .errors import (
     BackendNotFoundError,
     BackendUnavailableError,
+    DeviceMemoryError,
     InputError,
     InvalidDataError,
     QCoreError,
     SchemeError,
+    StorageError,
     UnsupportedSchemeError,
 )
 from .hookspecs import hookimpl
@@ -52,7 +54,7 @@ __all__ = [
     "backend", "backends", "quantize", "dequantize", "calibrate", "save", "load",
     # errors
     "QCoreError", "SchemeError", "UnsupportedSchemeError", "InvalidDataError", "InputError",
-    "BackendNotFoundError", "BackendUnavailableError",
+    "BackendNotFoundError", "BackendUnavailableError", "StorageError", "DeviceMemoryError",
 ]
 
 

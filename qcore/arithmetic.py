@@ -76,7 +76,9 @@ def _slot_counts(shape: tuple[int, ...], block: tuple[int, ...]) -> np.ndarray:
 def slot_statistic(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -> np.ndarray:
     """Per scale slot: `max |x|` (minmax) or `mean |x|` (absmean, f64 sum, one f32 rounding)."""
     a = np.abs(x)
-    block = layout.full_block(x.shape, scheme)
+    block = layout.block_extents(x.shape, scheme)
+    if a.size == 0:  # O(1) whatever the extents claim: every slot holds nothing
+        return np.zeros(layout.grid_shape(x.shape, scheme), dtype=np.float32)
     if block is None:
         if method == "minmax":
             return np.asarray(np.max(a, initial=np.float32(0)), dtype=np.float32)
@@ -166,7 +168,10 @@ def quantize(x: np.ndarray, scheme: QuantScheme, params: QParams | None = None,
 
 
 def dequantize(data: QuantizedData) -> np.ndarray:
-    """SPEC §2.6: `x' = decode(q) * e` in f32."""
+    """SPEC §2.6: `x' = decode(q) * e` in f32; invalid codes (SPEC v1.1 §3) raise
+    `InvalidDataError` instead of decoding to NaN or an out-of-range value."""
+    data.check_codes()
     params = QParams(data.scales(), data.global_scale())
     e = effective_scale(params, data.shape, data.scheme)
-    return (decode(data.codes(), data.scheme) * e).astype(np.float32)
+    with np.errstate(over="ignore"):  # a valid huge scale times a code may exceed f32: inf, as the spec computes
+        return (decode(data.codes(), data.scheme) * e).astype(np.float32)

@@ -11,6 +11,7 @@ import fnmatch
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from .scheme import scheme as parse_scheme
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
 
 class _UsageError(Exception):
@@ -124,10 +125,7 @@ def _capability_rows() -> list[tuple[str, list[QuantScheme]]]:
 
 
 def _available(be: Any) -> bool:
-    try:
-        return bool(be.available())
-    except Exception:
-        return False
+    return _registry().is_available(be)
 
 
 def _supports(be: Any, schemes: list[QuantScheme]) -> bool:
@@ -153,11 +151,9 @@ def cmd_backends(args: argparse.Namespace) -> int:
     ordered = sorted(found.values(), key=lambda b: (-int(b.priority), b.name))
     avail = {}
     for be in ordered:
-        try:
-            ok = bool(be.available())
-        except Exception as e:
-            ok = False
-            desc = f"available() failed: {type(e).__name__}: {e}"
+        ok = reg.is_available(be)  # never hangs: a backend whose available() does not answer is skipped
+        if not ok and be.name in reg.plugin_errors():
+            desc = reg.plugin_errors()[be.name]
         else:
             try:
                 desc = be.describe()
@@ -171,9 +167,11 @@ def cmd_backends(args: argparse.Namespace) -> int:
               f"selection: {reg.ENV_VAR} unset -> 'auto' (highest priority available backend per scheme)")
     errors = reg.plugin_errors()
     if errors:
-        out.print("[red]plugins that failed to load:[/]")
+        out.print("[red]plugins that failed to load, and backends skipped:[/]")
         for name, err in sorted(errors.items()):
             out.print(f"  {name}: {err}", markup=False)
+    if reg.disabled_plugins():
+        out.print(f"plugins disabled by {reg.DISABLE_VAR}: {', '.join(reg.disabled_plugins())}", markup=False)
     out.print("[bold]capability[/] (yes: supported; -: rejected with a reason; levels and stores: supported with some value)")
     cap = Table()
     cap.add_column("value / level / store")
@@ -258,6 +256,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise _UsageError("--compare only adds schemes to a --report; give --report too")
     if os.path.abspath(args.input) == os.path.abspath(args.output):
         raise InputError("OUT must differ from IN; write elsewhere and move it if you want to replace IN")
+    qio.check_output_path(args.output)  # before any work
 
     info = qio.read_info(args.input)
     tensors = qio.load_data(args.input)
@@ -346,6 +345,7 @@ def cmd_dequantize(args: argparse.Namespace) -> int:
     import ml_dtypes
 
     dtype = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(_DTYPES[args.dtype])
+    qio.check_output_path(args.output)  # before any work
     info = qio.read_info(args.input)
     loaded = qio.load(args.input, backend=args.backend)
     out: dict[str, Any] = {}
@@ -542,24 +542,74 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so the same cleanup runs (exit status 128 + 15)."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
+def _file_id(path: str | None) -> tuple[int, int, int] | None:
+    """What identifies the file at `path` now (inode, size, mtime), or None when there is none."""
+    if not path:
+        return None
     try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _interrupted_message(output: str | None, before: tuple[int, int, int] | None) -> str:
+    """Say what the interruption left: OUT written, OUT as it was, or nothing."""
+    after = _file_id(output)
+    if after is not None and after != before:
+        return f"qcore: interrupted after {output} was written (it is complete)"
+    if before is not None:
+        return f"qcore: interrupted; {output} was left as it was"
+    return "qcore: interrupted; no output file was written"
+
+
+_RUN: dict[str, Any] = {"output": None, "before": None, "restore": None, "reported": False, "rc": None}
+"""The running command's OUT, what was at OUT before, the SIGTERM handler to restore, and whether
+its outcome was reported (with which exit status): a module value, so that the `qcore` entry
+point (`_qcore_launch`) can report truthfully on a signal that lands on the first or last lines
+of `main`."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted, 143 terminated).
+
+    SIGTERM is handled like Ctrl-C: the temporary file goes, OUT is the old one or the new one.
+    """
+    try:  # the first statement: a signal at any later point ends in one line and exit 130/143
+        _RUN.update(output=None, before=None, restore=None, reported=False, rc=None)
+        try:
+            _RUN["restore"] = signal.signal(signal.SIGTERM, _on_sigterm) or signal.SIG_DFL
+        except ValueError:  # not the main thread: leave SIGTERM alone
+            pass
+        argv = list(sys.argv[1:] if argv is None else argv)
         args, extra = _parser().parse_known_args(argv)
+        out = getattr(args, "output", None)
+        _RUN.update(output=out, before=_file_id(out))  # one step: a signal sees both or neither
         if args.command == "conformance":
             return cmd_conformance(args, extra)
         if extra:
             raise _UsageError(f"unrecognized arguments: {' '.join(extra)} (see 'qcore {args.command} --help')")
-        return int(args.func(args))
+        rc = int(args.func(args))
+        _RUN.update(reported=True, rc=rc)
+        return rc
     except SystemExit as e:  # --help, --version
         return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_ERROR)
     except _UsageError as e:
         print(f"qcore: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("qcore: interrupted; no output file was written", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:
+        print(_interrupted_message(_RUN["output"], _RUN["before"]), file=sys.stderr)
+        rc = EXIT_TERMINATED if isinstance(e, _Terminated) else EXIT_INTERRUPTED
+        _RUN.update(reported=True, rc=rc)
+        return rc
     except QCoreError as e:
         print(f"qcore: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_ERROR
@@ -567,6 +617,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         print(f"qcore: error: {where}{e.strerror or _one_line(e)}", file=sys.stderr)
         return EXIT_ERROR
+    except (MemoryError, RecursionError) as e:
+        print(f"qcore: error: out of {'memory' if isinstance(e, MemoryError) else 'stack'} "
+              f"({_one_line(e)}); try a smaller input or a backend with less memory use", file=sys.stderr)
+        return EXIT_ERROR
+    finally:
+        if _RUN["restore"] is not None:
+            signal.signal(signal.SIGTERM, _RUN["restore"])
+            _RUN["restore"] = None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -136,6 +136,19 @@ class ValueTraits:
             mags = self.special(mags)
         return np.concatenate([mags, -mags]).astype(np.float32)
 
+    @cached_property
+    def valid_fields(self) -> np.ndarray:
+        """bool per stored field 0 .. 2**bits - 1: whether it means a value of this format.
+
+        Integer fields below `qmin` (Q8S -128, Q4S -8, Q2S -2) and minifloat NaN/Inf codes are
+        outside the value's set (SPEC v1.1 §3); quantize never writes them.
+        """
+        fields = np.arange(1 << self.bits)
+        if self.is_float:
+            return np.isfinite(self.decode_table)
+        signed = np.where(fields >= self.sign_bit, fields - (1 << self.bits), fields)
+        return signed >= self.qmin
+
     def zero_code(self) -> int:
         """The encoding of +0."""
         return 0

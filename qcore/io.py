@@ -17,8 +17,11 @@ quantized them.
 """
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
+import stat
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,10 +32,11 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from .errors import InputError, InvalidDataError, QCoreError
+from . import _signals
+from .errors import InputError, InvalidDataError, QCoreError, StorageError
 from .payload import QuantizedData, sections
 from .protocol import Backend, QTensor
-from .scheme import QuantScheme, scheme as parse_scheme
+from .scheme import INT64_MAX, QuantScheme, scheme as parse_scheme
 
 __all__ = [
     "FORMAT_VERSION",
@@ -40,6 +44,7 @@ __all__ = [
     "Entry",
     "FileInfo",
     "atomic_write",
+    "check_output_path",
     "save",
     "load",
     "load_data",
@@ -130,28 +135,77 @@ def atomic_write(path: PathLike, write) -> None:
     _atomic_write(os.fspath(path), write, None)
 
 
+def check_output_path(path: PathLike) -> str:
+    """Refuse, before any work, an output path that cannot be written: its directory missing or
+    not a directory, not writable, or the path itself a directory. Returns the path as text."""
+    p = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(p))
+    if not os.path.isdir(directory):
+        raise StorageError(errno.ENOENT, f"cannot write {p}: directory {directory} does not exist "
+                                         "(No such file or directory); create it first", p)
+    if os.path.isdir(p):
+        raise StorageError(errno.EISDIR, f"cannot write {p}: it is a directory; name a file inside it", p)
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise StorageError(errno.EACCES, f"cannot write {p}: directory {directory} is not writable "
+                                         "(read-only or no permission); write elsewhere", p)
+    return p
+
+
+def _storage_error(path: str, e: BaseException) -> StorageError:
+    """One-line `StorageError` for a failed write of `path` (OSError or safetensors' own error)."""
+    code = getattr(e, "errno", None)
+    text = getattr(e, "strerror", None) or " ".join(str(e).split())
+    if code is None:  # safetensors wraps the OS error in its message: find the errno it names
+        for name, num in (("StorageFull", errno.ENOSPC), ("No space left", errno.ENOSPC),
+                          ("ReadOnlyFilesystem", errno.EROFS), ("PermissionDenied", errno.EACCES)):
+            if name in text:
+                code, text = num, os.strerror(num)
+                break
+    return StorageError(code or errno.EIO, f"cannot write {path}: {text}; nothing was written", path)
+
+
 def _atomic_write(path: str, write, finish) -> None:
     """Run `write(tmp)` on a temp file next to `path`, fsync it, then `os.replace` it into place.
 
-    Any exception (KeyboardInterrupt included) removes the temp file and leaves `path` untouched.
+    Any exception (KeyboardInterrupt included) removes the temp file and leaves `path` untouched;
+    creating, moving and removing the temp file are not split by SIGINT/SIGTERM (`_signals`).
+    Write failures (disk full, read-only) become one `StorageError`.
     """
+    check_output_path(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    os.close(fd)
+    tmp: str | None = None
     try:
-        write(tmp)
-        with open(tmp, "r+b") as f:
-            if finish is not None:
-                finish(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _default_mode())
-        os.replace(tmp, path)
-    except BaseException:
+        with _signals.deferred():
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+            except OSError as e:
+                raise _storage_error(path, e) from None
+            os.close(fd)
         try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+            write(tmp)
+            with open(tmp, "r+b") as f:
+                if finish is not None:
+                    finish(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, _default_mode())
+        except (OSError, SafetensorError) as e:
+            if isinstance(e, QCoreError):
+                raise
+            raise _storage_error(path, e) from None
+        with _signals.deferred():
+            try:
+                os.replace(tmp, path)
+            except OSError as e:
+                raise _storage_error(path, e) from None
+            tmp = None
+    except BaseException:
+        if tmp is not None:
+            with _signals.deferred():
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
         raise
     _fsync_dir(directory)
 
@@ -219,7 +273,7 @@ class Entry:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -240,28 +294,47 @@ _ITEMSIZE = {
 }
 
 
+def check_input_path(path: PathLike) -> str:
+    """A readable regular file, else `StorageError` naming the path (missing, a directory, a
+    device such as /dev/null, no permission). Returns the path as text."""
+    try:
+        p = os.fspath(path)
+    except TypeError:
+        raise InputError(f"a file path is a str or os.PathLike, got {type(path).__name__}") from None
+    try:
+        st = os.stat(p)
+    except OSError as e:
+        raise StorageError(e.errno, f"{p}: {e.strerror} (cannot read it)", p) from None
+    if stat.S_ISDIR(st.st_mode):
+        raise StorageError(errno.EISDIR, f"cannot read {p}: it is a directory; name a .safetensors file", p)
+    if not stat.S_ISREG(st.st_mode):
+        raise StorageError(errno.ENODEV, f"cannot read {p}: not a regular file; name a .safetensors file", p)
+    if not os.access(p, os.R_OK):
+        raise StorageError(errno.EACCES, f"cannot read {p}: permission denied", p)
+    return p
+
+
 def _open(path: PathLike):
-    p = os.fspath(path)
-    if not os.path.exists(p):
-        raise FileNotFoundError(2, "No such file", p)
+    p = check_input_path(path)
     try:
         return safe_open(p, framework="np")
     except SafetensorError as e:
-        raise InvalidDataError(f"{p} is not a valid safetensors file: {e}") from None
-    except OSError:
-        raise
+        raise InvalidDataError(f"{p} is not a valid safetensors file: {' '.join(str(e).split())}") from None
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot read {p}: {e.strerror or e}", p) from None
     except Exception as e:  # the Rust layer raises a few other types on bad headers
         raise InvalidDataError(f"{p} is not a valid safetensors file: {e}") from None
 
 
 def _parse_shape(text: str, name: str, where: str) -> tuple[int, ...]:
     try:
-        v = json.loads(text)
-    except ValueError:
+        v = json.loads(text) if len(text) < 4096 else None  # a shape is short; refuse deep nesting early
+    except (ValueError, RecursionError):
         v = None
-    if not isinstance(v, list) or not v or not all(type(d) is int and d >= 0 for d in v):
+    if not isinstance(v, list) or not v or not all(type(d) is int and 0 <= d <= INT64_MAX for d in v):
+        shown = repr(text) if len(text) <= 80 else f"{text[:60]!r}... ({len(text)} characters)"
         raise InvalidDataError(
-            f"{where}: key '{shape_key(name)}' must be a JSON list of one or more ints >= 0, got {text!r}"
+            f"{where}: key '{shape_key(name)}' must be a JSON list of one or more ints in 0..2**63-1, got {shown}"
         )
     return tuple(v)
 
@@ -318,7 +391,7 @@ def read_info(path: PathLike) -> FileInfo:
         for name in names:
             sl = f.get_slice(name)
             dtype, stored_shape = str(sl.get_dtype()), tuple(int(d) for d in sl.get_shape())
-            nbytes = int(np.prod(stored_shape, dtype=np.int64)) * _ITEMSIZE.get(dtype, 1)
+            nbytes = math.prod(stored_shape) * _ITEMSIZE.get(dtype, 1)
             if name in index:
                 sch, shape = index[name]
                 _check_stored(p, name, dtype, stored_shape, sch, shape)
@@ -345,6 +418,28 @@ def _check_stored(where: str, name: str, dtype: str, stored_shape: tuple[int, ..
         )
 
 
+_NUMPY_LACKS = {
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+}
+"""safetensors dtypes whose numpy type lives in ml_dtypes: safetensors' numpy reader cannot build
+them, so `load_data` reads their bytes itself (the header was already checked by safe_open)."""
+
+
+def _read_raw(path: str, name: str, dtype: str) -> np.ndarray:
+    """One tensor's bytes read from the file by its header offsets, viewed as `dtype`."""
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        head = json.loads(fh.read(n))
+        entry = head[name]
+        start, end = (int(v) for v in entry["data_offsets"])
+        fh.seek(8 + n + start)
+        raw = fh.read(end - start)
+    shape = tuple(int(d) for d in entry["shape"])
+    return np.frombuffer(raw, dtype=_NUMPY_LACKS[dtype]).reshape(shape).copy()
+
+
 def load_data(path: PathLike) -> dict[str, QuantizedData | np.ndarray]:
     """Read a file into portable values: `QuantizedData` for quantized tensors, numpy otherwise.
 
@@ -358,7 +453,10 @@ def load_data(path: PathLike) -> dict[str, QuantizedData | np.ndarray]:
         _, index, _ = _quantized_index(meta, set(names), p)
         for name in names:
             try:
-                arr = f.get_tensor(name)
+                dtype = str(f.get_slice(name).get_dtype())
+                arr = _read_raw(p, name, dtype) if dtype in _NUMPY_LACKS else f.get_tensor(name)
+            except QCoreError:
+                raise
             except Exception as e:
                 raise InvalidDataError(f"{p}: cannot read tensor '{name}': {e}") from None
             if name in index:

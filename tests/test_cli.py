@@ -369,7 +369,7 @@ def test_subprocess_no_tty(model, tmp_path):
     p = subprocess.run(cmd + ["inspect", str(tmp_path / "missing.safetensors")], capture_output=True, text=True,
                        env=env, timeout=120)
     assert p.returncode == 1
-    assert p.stderr.strip().splitlines() == [f"qcore: error: {tmp_path / 'missing.safetensors'}: No such file"]
+    assert p.stderr.strip().splitlines() == [f"qcore: error: {tmp_path / 'missing.safetensors'}: No such file or directory (cannot read it)"]
 
 
 def test_progress_bar_on_a_terminal(capsys, model, tmp_path, monkeypatch):

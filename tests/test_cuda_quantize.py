@@ -153,10 +153,13 @@ def test_device_array_inputs_are_not_copied(cuda_backend):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "bfloat16"])
 @pytest.mark.parametrize("shape", [(6, 37), (4, 64)])  # (4, 64): the fast path where the layout allows
 def test_from_data_decodes_any_payload(cuda_backend, text, dtype, shape):
-    """Random codes (every bit pattern, NaN and Inf codes included) and random valid scales:
-    from_data keeps the bytes, dequantize matches the reference in every output dtype (SPEC
-    §2.6, §3)."""
+    """Random codes (every bit pattern) and random valid scales: a code outside the value's set
+    (Q4S -8, E4M3/E5M2 NaN/Inf) raises InvalidDataError naming the same first element as the
+    reference (SPEC v1.1 §3); with those replaced, from_data keeps the bytes and dequantize matches
+    the reference in every output dtype (SPEC §2.6, §3)."""
     import ml_dtypes
+
+    from qcore.conformance.invalid import with_valid_codes
 
     rng = np.random.default_rng(4)
     x = sample_x(shape, seed=4)
@@ -169,9 +172,15 @@ def test_from_data_decodes_any_payload(cuda_backend, text, dtype, shape):
     scales = d0.scales() * rng.uniform(0.5, 4, d0.scales().shape).astype(np.float32)
     scales = sch.slot_dtype.traits.store(scales.astype(np.float32))
     data = QuantizedData.from_parts(shape, sch, codes.astype(sch.code_dtype), scales, d0.global_scale())
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    bad = data.first_invalid_code()
+    if bad is not None:
+        with pytest.raises(qcore.InvalidDataError, match=rf"element \({bad[0]}, {bad[1]}\) of"):
+            cuda_backend.dequantize(cuda_backend.from_data(data), dtype=dt)
+        values = with_valid_codes(data.values_bytes(), shape, sch, rng)
+        data = QuantizedData(shape, sch, values + data.payload[len(values):])
     q = cuda_backend.from_data(data)
     assert cuda_backend.into_data(q) == data
-    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     got = cuda_backend.to_numpy(cuda_backend.dequantize(q, dtype=dt))
     assert_same_floats(got, REF.dequantize(REF.from_data(data), dtype=dt), f"dequantize to {dtype}")
 

@@ -33,6 +33,7 @@ from ..payload import QuantizedData, sections
 from ..protocol import QParams, QTensor
 from ..scheme import QuantScheme, scheme as parse_scheme
 from .cases import Case, make_input, np_dtype
+from .invalid import check_invalid_codes, with_valid_codes
 
 __all__ = [
     "PASSED",
@@ -372,6 +373,7 @@ def check_supported(backend, case: Case, reference=None) -> None:
                  ref.into_data(ref.quantize(x, s, method="absmean")))
 
     check_decode_random(backend, case, ref)
+    check_invalid_codes(backend, case, ref)
 
     # determinism: the same call twice gives the same bits
     q3 = ctx.call("quantize", backend.quantize, x, s)
@@ -382,13 +384,15 @@ def check_supported(backend, case: Case, reference=None) -> None:
 
 
 def random_payload(case: Case) -> QuantizedData:
-    """A valid payload with random contents (as gguf-py's decode fuzz): every code pattern,
-    including minifloat NaN/inf codes, negative zero and set padding bits; random storable
-    scales (zeros included) and global; the scheme's table."""
+    """A valid payload with random contents (as gguf-py's decode fuzz): every valid code pattern,
+    including negative zero and set padding bits (SPEC v1.1 §3: no code outside the value's set,
+    see `invalid.with_valid_codes`); random storable scales (zeros included) and global; the
+    scheme's table."""
     s = case.qscheme
     sec = sections(case.shape, s)
     rng = np.random.default_rng(case.input_seed ^ 0xF022)
     values = rng.integers(0, 256, size=sec.values, dtype=np.uint8).tobytes()
+    values = with_valid_codes(values, case.shape, s, rng)
     grid = layout.grid_shape(case.shape, s)
     raw = np.exp2(rng.uniform(-20, 8, size=grid)) * (rng.random(size=grid) > 0.1)
     tr = s.slot_dtype.traits

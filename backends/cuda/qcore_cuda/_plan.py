@@ -73,13 +73,16 @@ def _row_major(ext):
 
 
 def lut(scheme: QuantScheme) -> np.ndarray:
-    """float32 value of every `bits`-wide field: two's-complement ints or minifloat codes."""
+    """float32 value of every `bits`-wide field: two's-complement ints or minifloat codes; NaN
+    for a field outside the value's set (SPEC v1.1 §3), which the dequantize kernels flag."""
     t = scheme.traits
     f = np.arange(1 << t.bits, dtype=np.int64)
     if t.is_float:
-        return np.ascontiguousarray(t.decode_table, dtype=np.float32)
-    half = 1 << (t.bits - 1)
-    return ((f ^ half) - half).astype(np.float32)
+        values = np.asarray(t.decode_table, dtype=np.float32)
+    else:
+        half = 1 << (t.bits - 1)
+        values = ((f ^ half) - half).astype(np.float32)
+    return np.ascontiguousarray(np.where(scheme.valid_fields, values, np.float32(np.nan)), dtype=np.float32)
 
 
 def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") -> Plan:

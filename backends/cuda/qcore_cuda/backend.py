@@ -8,6 +8,7 @@ the host and `from_data` one copy to the device. numba is imported lazily: impor
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,11 +17,12 @@ import numpy as np
 
 from qcore.checks import check_input_dtype, raise_nonfinite, to_f32
 from qcore.errors import InputError
-from qcore.payload import QuantizedData
+from qcore.payload import QuantizedData, sections
 from qcore.protocol import BaseBackend, QParams, Support
 from qcore.scheme import QuantScheme
 
 from ._launch import Packed
+from ._memory import guard
 
 __all__ = ["CudaBackend", "CudaData", "cuda_status"]
 
@@ -84,6 +86,18 @@ def _cuda():
     from numba import cuda
 
     return cuda
+
+
+def _shape_of(be: "CudaBackend", x: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in be._shape_dtype(x)[0])
+
+
+def _numel(be: "CudaBackend", x: Any) -> int:
+    return math.prod(_shape_of(be, x))
+
+
+def _payload_bytes(be: "CudaBackend", x: Any, scheme: QuantScheme) -> int:
+    return sections(_shape_of(be, x), scheme).total
 
 
 FAST_MIN_CC = (8, 9)  # cvt.rn.satfinite.e4m3x2 / .e5m2x2 and cvt.rn.f16x2.e4m3x2 (PTX ISA: sm_89+)
@@ -360,11 +374,15 @@ class CudaBackend(BaseBackend):
             raise
         return (self._scratch()[2], xd), CudaData(shape, scheme, payload)
 
+    @guard(lambda self, x, scheme, method: (f"calibrate a {_shape_of(self, x)} tensor",
+                                             4 * _numel(self, x) + _payload_bytes(self, x, scheme)))
     def _calibrate(self, x: Any, scheme: QuantScheme, method: str) -> QParams:
         q = self._quantize(x, scheme, None, method)
         d = self._into_data(q)
         return QParams(d.scales(), d.global_scale())
 
+    @guard(lambda self, x, scheme, params, method: (f"quantize a {_shape_of(self, x)} tensor to {scheme}",
+                                                     4 * _numel(self, x) + _payload_bytes(self, x, scheme)))
     def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> CudaData:
         check, data = self._run_quantize(x, scheme, params, method)
         if check is not None:
@@ -390,6 +408,7 @@ class CudaBackend(BaseBackend):
         pp = self._prepared(data.shape, data.scheme, "minmax")
         pl = pp["plan"]
         scales, gbuf = self._decoded_scales(data)
+        flag = self._code_flag(data)
         fp = pp.get("fast")
         if fp is not None and out.dtype == np.float32 and fast_aligned(out):
             from . import fast
@@ -399,15 +418,34 @@ class CudaBackend(BaseBackend):
                 grid, block = fast.launch_dequant(fp["nruns"], fp["kind"])
                 units = fast.unit_view(data.payload[: pl.values_nbytes], fp["kind"])
                 launch = data.cache["dequant"] = Packed(fast.dequant_kernel(fp["kind"]), grid, block,
-                                                        [units, scales, gbuf, pp["lut"], out, fp["G"]], dynamic=(4,))
+                                                        [units, scales, gbuf, pp["lut"], out, fp["G"], flag],
+                                                        dynamic=(4,))
             launch(out)
         elif pl.RP is not None:
             grid, tpb = K.launch_rows(*pl.rows_shape)
             K.k_rows_dequant[grid, tpb](self._words(data.payload, pl), pp[("RP", K.ROW_GIVEN)], pp["lut"], scales,
-                                        gbuf, out)
+                                        gbuf, out, flag)
         else:
-            K.k_dequant[K.launch(pl.nruns)](data.payload, pp["P"], pp["lut"], scales, gbuf, out)
+            K.k_dequant[K.launch(pl.nruns)](data.payload, pp["P"], pp["lut"], scales, gbuf, out, flag)
 
+    @staticmethod
+    def _code_flag(data: CudaData):
+        """The tensor's int32 device flag, set by the dequantize kernels on a code outside the
+        value's set (SPEC v1.1 §3); zero except between such a launch and `_raise_if_bad_codes`."""
+        flag = data.cache.get("code_flag")
+        if flag is None:
+            flag = data.cache["code_flag"] = _cuda().to_device(np.zeros(1, dtype=np.int32))
+        return flag
+
+    def _raise_if_bad_codes(self, data: CudaData) -> None:
+        """Read the flag (4 bytes); when set, re-zero it and let the core name the first bad element."""
+        flag = self._code_flag(data)
+        if int(flag.copy_to_host()[0]):
+            flag.copy_to_device(np.zeros(1, dtype=np.int32))
+            self._into_data(data).check_codes()
+
+    @guard(lambda self, data, dtype: (f"dequantize a {data.shape} {data.scheme} tensor to {dtype}",
+                                      math.prod(data.shape) * max(4, dtype.itemsize)))
     def _dequantize(self, data: CudaData, dtype: np.dtype) -> Any:
         cuda = _cuda()
         n = int(np.prod(data.shape))
@@ -417,15 +455,23 @@ class CudaBackend(BaseBackend):
         out = cuda.device_array(n, dtype=dtype)
         if n:
             self._launch_dequantize(data, out)
+            self._raise_if_bad_codes(data)
         return out.reshape(data.shape)
 
     # ------------------------------------------------------------------ portable bytes
+    @guard(lambda self, data: (f"load a {data.shape} {data.scheme} payload", data.nbytes))
     def _from_data(self, data: QuantizedData) -> CudaData:
         buf = np.frombuffer(data.payload, dtype=np.uint8).copy()
         return CudaData(data.shape, data.scheme, _cuda().to_device(buf))
 
     def _into_data(self, data: CudaData) -> QuantizedData:
         return QuantizedData(data.shape, data.scheme, data.payload.copy_to_host().tobytes())
+
+    def _empty_output(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """An empty device array (bfloat16, which numba lacks: an empty host array)."""
+        if dtype in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)):
+            return _cuda().device_array(0, dtype=dtype).reshape(shape)
+        return np.zeros(shape, dtype=dtype)
 
     def to_numpy(self, array: Any) -> np.ndarray:
         if isinstance(array, np.ndarray):
@@ -437,6 +483,8 @@ class CudaBackend(BaseBackend):
         return np.asarray(array)
 
     # ------------------------------------------------------------------ fused matmul
+    @guard(lambda self, x, w: (f"multiply by a {w.shape} {w.scheme} weight",
+                               4 * (_numel(self, x) // max(1, w.shape[0]) * w.shape[-1] + _numel(self, x))))
     def matmul(self, x: Any, w) -> Any:
         """`x @ dequantize(w)` with the weight dequantized inside the kernel.
 

@@ -82,7 +82,7 @@ TPB = 256
 DQ_UNITS = 8  # load units (`unit_codes`) of 4 codes in flight per thread (dequantize); 4 of 16 codes
 
 # G (int64 geometry) layout
-G_NRUNS, G_LB, G_LGW, G_MODE, G_SDT, G_SNB, G_SOFF, G_GOFF, G_TWO = range(9)
+G_NRUNS, G_LB, G_LGW, G_MODE, G_SDT, G_SNB, G_SOFF, G_GOFF, G_TWO, G_QMIN = range(10)
 G_LEN = 10
 # C (float32 constants) layout
 C_H, C_M, C_QMIN, C_QMAX = range(4)
@@ -131,6 +131,7 @@ def geometry(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax"
         G[G_MODE] = MODE_TENSOR if method == "minmax" else MODE_GIVEN
     G[G_NRUNS] = n // 16
     G[G_TWO] = scheme.two_level
+    G[G_QMIN] = int(t.qmin) if not t.is_float else -(1 << 62)  # dequantize flags codes below it (v1.1)
     G[G_SDT] = SCALE_IDS.index(scheme.slot_dtype.value)
     G[G_SNB] = scheme.slot_dtype.traits.nbytes
     G[G_SOFF] = n * t.bits // 8
@@ -417,7 +418,7 @@ def _dequant_kernel(kind: int, R: int | None = None, preload: bool = True):
     decode = decoder(kind)
     use_tab = kind == KIND_E2M1
 
-    def k_fast_dequant(units, scales, gbuf, lut, out, G):
+    def k_fast_dequant(units, scales, gbuf, lut, out, G, flag):
         tab = cuda.shared.array(16, float32)
         wv = cuda.local.array(R, uint32)
         ev = cuda.local.array(R, float32)
@@ -429,6 +430,8 @@ def _dequant_kernel(kind: int, R: int | None = None, preload: bool = True):
         nut = G[G_NRUNS] * int64(16 // upc)  # units in the tensor
         lb = G[G_LB]
         two = G[G_TWO] != int64(0)
+        qlo = float32(G[G_QMIN])
+        bad = False
         g = gbuf[0]
         gt = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
         lane = gt & int64(31)
@@ -448,6 +451,9 @@ def _dequant_kernel(kind: int, R: int | None = None, preload: bool = True):
                 u = u0 + int64(32 * j)
                 if u < nut:
                     decode(wv[j], tab, val, 0)
+                    for i in range(upc):  # SPEC v1.1 §3: below qmin, or a NaN/Inf minifloat code
+                        if val[i] < qlo or not math.isfinite(val[i]):
+                            bad = True
                     base = u << int64(lupc)
                     if lb >= int64(lupc):
                         e = ev[j] if preload else ld1(scales, base >> lb)
@@ -463,6 +469,8 @@ def _dequant_kernel(kind: int, R: int | None = None, preload: bool = True):
                             val[i] = val[i] * ek
                     for i in range(upc // 4):
                         st4(out, base + int64(4 * i), val[4 * i], val[4 * i + 1], val[4 * i + 2], val[4 * i + 3])
+        if bad:
+            flag[0] = int32(1)
 
     return k_fast_dequant
 
@@ -506,7 +514,7 @@ def dequant_kernel(kind: int):
 
 _A = "{}[::1]"
 QUANT_SIG = "void(float32[::1], uint32[::1], uint8[::1], float32[::1], float32[::1], int32[::1], int64[::1], float32[::1])"
-DEQUANT_SIG = "void({}[::1], float32[::1], float32[::1], float32[::1], float32[::1], int64[::1])"
+DEQUANT_SIG = "void({}[::1], float32[::1], float32[::1], float32[::1], float32[::1], int64[::1], int32[::1])"
 AMAX_SIG = "void(float32[::1], float32[::1], int32[::1], int64)"
 
 

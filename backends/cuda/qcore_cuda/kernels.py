@@ -469,9 +469,10 @@ def k_decode_scales(payload, P, scales, gbuf):
 
 
 @cuda.jit
-def k_dequant(payload, P, lut, scales, gbuf, out):
+def k_dequant(payload, P, lut, scales, gbuf, out, flag):
     """Unpack codes and scale: x' = decode(q) * e in f32, stored in out's dtype (SPEC §2.6).
-    Thread per run, same runs as k_quant."""
+    Thread per run, same runs as k_quant. `lut` holds NaN for codes outside the value's set
+    (SPEC v1.1 §3); meeting one sets flag[0] and the host names the element."""
     r = P[M_RAX]
     nf = P[M_NF]
     bits = P[M_BITS]
@@ -483,6 +484,7 @@ def k_dequant(payload, P, lut, scales, gbuf, out):
     two = P[M_TWO] != 0
     mask = (int64(1) << bits) - int64(1)
     g = gbuf[0]
+    bad = False
     start, step = cuda.grid(1), cuda.gridsize(1)
     for t in range(start, P[M_NRUNS], step):
         xo, wo, sb, p0, cnt = run_origin(P, t)
@@ -504,9 +506,14 @@ def k_dequant(payload, P, lut, scales, gbuf, out):
                         e = scales[sb + gi * gsr]
                         if two:
                             e = g * e
-                    out[xo + (p0 + u) * xsr] = lut[(word >> (f * bits)) & mask] * e
+                    d = lut[(word >> (f * bits)) & mask]
+                    if not math.isfinite(d):
+                        bad = True
+                    out[xo + (p0 + u) * xsr] = d * e
                     u += int64(1)
                     rem += int64(1)
+    if bad:
+        flag[0] = int32(1)
 
 
 # ----------------------------------------------------------------------------- row kernels
@@ -795,9 +802,10 @@ def k_zero_stats(asum, gbuf):
 
 
 @_jit_regs(40)
-def k_rows_dequant(words, RP, lut, scales, gbuf, out):
+def k_rows_dequant(words, RP, lut, scales, gbuf, out, flag):
     """Row kernel: out[line, c] = decode(field c of its word) * e, coalesced (SPEC §2.6). Four
-    lines per step, loads first, so each thread keeps four loads in flight."""
+    lines per step, loads first, so each thread keeps four loads in flight. A NaN from `lut` (a
+    code outside the value's set, SPEC v1.1 §3) sets flag[0]."""
     R = RP[R_R]
     L = RP[R_L]
     W = RP[R_W]
@@ -842,13 +850,19 @@ def k_rows_dequant(words, RP, lut, scales, gbuf, out):
                 e1 = g * e1
                 e2 = g * e2
                 e3 = g * e3
-            out[l0 * L + c] = lut[(w0 >> shift) & mask] * e0
+            d0 = lut[(w0 >> shift) & mask]
+            d1 = lut[(w1 >> shift) & mask]
+            d2 = lut[(w2 >> shift) & mask]
+            d3 = lut[(w3 >> shift) & mask]
+            out[l0 * L + c] = d0 * e0
             if l1 < R:
-                out[l1 * L + c] = lut[(w1 >> shift) & mask] * e1
+                out[l1 * L + c] = d1 * e1
             if l2 < R:
-                out[l2 * L + c] = lut[(w2 >> shift) & mask] * e2
+                out[l2 * L + c] = d2 * e2
             if l3 < R:
-                out[l3 * L + c] = lut[(w3 >> shift) & mask] * e3
+                out[l3 * L + c] = d3 * e3
+            if not (math.isfinite(d0) and math.isfinite(d1) and math.isfinite(d2) and math.isfinite(d3)):
+                flag[0] = int32(1)  # lines past R read word 0, a real field: never a false alarm
 
 
 # matmul geometry (int64 array Q)
@@ -1002,7 +1016,7 @@ SIGNATURES: dict[str, list[str]] = {
                 "int32[::1], float64[::1])"],
     "k_quant_fused": ["void(float32[::1], int64[::1], float32[::1], uint8[::1], int32[::1])"],
     "k_decode_scales": ["void(uint8[::1], int64[::1], float32[::1], float32[::1])"],
-    "k_dequant": [f"void(uint8[::1], int64[::1], float32[::1], float32[::1], float32[::1], {t}[::1])"
+    "k_dequant": [f"void(uint8[::1], int64[::1], float32[::1], float32[::1], float32[::1], {t}[::1], int32[::1])"
                   for t in ("float32", "float16", "float64")],
     "k_matmul": ["void(float32[::1], uint8[::1], uint32[::1], int64[::1], float32[::1], float32[::1], "
                  "float32[::1], float32[::1])"],
@@ -1012,6 +1026,6 @@ SIGNATURES: dict[str, list[str]] = {
                      "float32[::1], float32[::1])"],
     "k_rows_quant": [f"void(float32[::1], int64[::1], float32[::1], float32[::1], float32[::1], {w}[::1], uint8[::1], "
                      "int32[::1], float32[::1])" for w in ("uint32", "uint8")],
-    "k_rows_dequant": [f"void({w}[::1], int64[::1], float32[::1], float32[::1], float32[::1], {t}[::1])"
+    "k_rows_dequant": [f"void({w}[::1], int64[::1], float32[::1], float32[::1], float32[::1], {t}[::1], int32[::1])"
                        for w in ("uint32", "uint8") for t in ("float32", "float16", "float64")],
 }

@@ -165,17 +165,27 @@ def _encode_strided(xs, out, ob, istr, e, qmin, qmax):
 
 
 @njit(cache=True, inline="always")
-def _decode_contig(cs, ys, e):
-    """ys = f32(cs) * e (SPEC §2.6)."""
+def _decode_contig(cs, ys, e, qmin):
+    """ys = f32(cs) * e (SPEC §2.6); returns 1 when a code is below `qmin` (SPEC v1.1 §3)."""
+    low = 0
     for j in range(cs.size):
-        ys[j] = np.float32(cs[j]) * e
+        c = cs[j]
+        if c < qmin:
+            low = 1
+        ys[j] = np.float32(c) * e
+    return low
 
 
 @njit(cache=True)
-def _decode_strided(codes, ob, istr, ys, e):
+def _decode_strided(codes, ob, istr, ys, e, qmin):
     """As `_decode_contig`, reading code j from codes[ob + j * istr] (packing axis not last)."""
+    low = 0
     for j in range(ys.size):
-        ys[j] = np.float32(codes[ob + j * istr]) * e
+        c = codes[ob + j * istr]
+        if c < qmin:
+            low = 1
+        ys[j] = np.float32(c) * e
+    return low
 
 
 # --------------------------------------------------------------------------- per-tensor statistic
@@ -461,8 +471,11 @@ def quantize_blocks(x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows, m
 
 
 @njit(parallel=True, cache=True)
-def dequantize_blocks(codes, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows, escales, y):
-    """`y = f32(q) * e` block by block (SPEC §2.6), reading the stored value bytes as int8."""
+def dequantize_blocks(codes, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows, escales, y, qmin, bad):
+    """`y = f32(q) * e` block by block (SPEC §2.6), reading the stored value bytes as int8.
+
+    A task that meets a code below `qmin` (Q8S -128, SPEC v1.1 §3) sets `bad[task]`; the host
+    then names the element."""
     n_outer = 1
     for k in range(7):
         n_outer *= grd[k]
@@ -489,6 +502,8 @@ def dequantize_blocks(codes, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows,
                     xo = xtab[line]
                     oo = otab[line]
                     if istr == 1:
-                        _decode_contig(codes[oo + j0:oo + j1], y[xo + j0:xo + j1], e)
+                        low = _decode_contig(codes[oo + j0:oo + j1], y[xo + j0:xo + j1], e, qmin)
                     else:
-                        _decode_strided(codes, oo + j0 * istr, istr, y[xo + j0:xo + j1], e)
+                        low = _decode_strided(codes, oo + j0 * istr, istr, y[xo + j0:xo + j1], e, qmin)
+                    if low:
+                        bad[t] = 1
