@@ -210,8 +210,9 @@ def test_the_command_from_outside(tmp_path, model, sig):
         if p.returncode == 0:
             assert out.exists()
             continue
-        if p.returncode == -sig:  # killed before Python set up its handlers: nothing written
-            assert not out.exists()
+        if p.returncode == -sig:  # killed by the default action: before the handlers were set (nothing
+            if out.exists():      # written) or after they were restored on exit (the output complete)
+                assert qcore.load(str(out), backend="reference"), delay
             continue
         assert p.returncode in (130, 143), (delay, p.returncode, err)
         last = err.strip().splitlines()[-1]

@@ -175,8 +175,8 @@ class DecodesAnything(ReferenceBackend):
 
     def _dequantize(self, data, dtype):
         with np.errstate(invalid="ignore"):
-            x = qcore.reference.decode(data.codes(), data.scheme)
-            e = qcore.reference.effective_scale(qcore.QParams(data.scales(), data.global_scale()), data.shape,
+            x = qcore.arithmetic.decode(data.codes(), data.scheme)
+            e = qcore.arithmetic.effective_scale(qcore.QParams(data.scales(), data.global_scale()), data.shape,
                                                 data.scheme)
             return (x * e).astype(dtype)
 
