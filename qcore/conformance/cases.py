@@ -21,6 +21,8 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
+from ..errors import QCoreError
+from .inputs import SCHEME_DISTRIBUTIONS, scheme_input
 from ..scheme import PRESETS, QuantScheme, QuantStore, StoreKind, scheme as parse_scheme
 
 __all__ = [
@@ -272,8 +274,25 @@ class Case:
 
     @property
     def id(self) -> str:
-        """Readable id: scheme text, shape, input; pasteable into -k / --filter."""
-        return f"{self.scheme}-{self.shape_text}-{self.dist}-{self.dtype}-{self.index}"
+        """Readable id: scheme text, shape, input, output dtype, draw; pasteable into -k,
+        `--filter` and `qcore conformance --case` (see `from_id`)."""
+        return f"{self.scheme}-{self.shape_text}-{self.dist}-{self.dtype}-{self.out_dtype}-{self.index}"
+
+    @classmethod
+    def from_id(cls, text: str, seed: int = 0) -> "Case":
+        """The case whose `id` is `text` (with the run's `seed`): reruns one failing case."""
+        from ..errors import InputError
+
+        try:
+            scheme, shape, dist, dtype, out, index = text.strip().rsplit("-", 5)
+            shp = tuple(int(d) for d in shape.split("x"))
+            s = conformance_scheme(scheme)
+            if dist not in DISTRIBUTIONS + SCHEME_DISTRIBUTIONS or dtype not in INPUT_DTYPES or out not in INPUT_DTYPES:
+                raise ValueError(dist)
+            return cls(scheme, shp, dist, dtype, seed, int(index), out, _parsed=s)
+        except (ValueError, QCoreError) as e:
+            raise InputError(f"case id {text!r} is not SCHEME-SHAPE-DIST-DTYPE-OUT-INDEX ({e}); "
+                             "copy it from a failure line, e.g. 'q8s-6x40-grid-f32-f32-0'") from None
 
     def describe(self) -> str:
         """The line a failure prints: everything needed to rerun the case."""
@@ -286,6 +305,8 @@ class Case:
 
     def input(self) -> np.ndarray:
         """The case's input array (fresh each call, the same bytes every time)."""
+        if self.dist in SCHEME_DISTRIBUTIONS:
+            return scheme_input(self.shape, self.dist, self.qscheme, self.input_seed).astype(np_dtype(self.dtype))
         return make_input(self.shape, self.dist, self.dtype, self.input_seed)
 
     def __str__(self) -> str:
