@@ -16,7 +16,9 @@ export NUMBA_ENABLE_CUDASIM=1
 # In CI a missing backend, simulator or PTX toolchain is a failure, not a skip.
 export QCORE_REQUIRE_BACKENDS="reference,ndarray,cuda,lutcpu" QCORE_REQUIRE_CUDA=1 QCORE_REQUIRE_PTX=1
 # The conformance suite as a plugin author runs it: the CLI report, exit status non-zero on failure.
-"$VENV/bin/qcore" conformance --backend reference --backend ndarray --backend lutcpu --no-progress
-"$VENV/bin/qcore" conformance --backend cuda --max-elements 320 --no-progress   # CUDA simulator
+# --expect: SPEC §4's support of each backend, so a wrong refusal fails too.
+"$VENV/bin/qcore" conformance --backend reference --backend ndarray --backend lutcpu --no-progress \
+    --expect 'reference=*' --expect 'ndarray=q8f,q8s' --expect 'lutcpu=*-lookup*'
+"$VENV/bin/qcore" conformance --backend cuda --expect '*,!*-lookup*' --max-elements 320 --cases-per-stratum 1 --no-progress   # CUDA simulator
 # Then every test (pytest's summary is the last line).
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

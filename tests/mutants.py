@@ -461,7 +461,8 @@ class FullRoundUpOffByOne(Full):
         b = f32_bits(np.asarray(s_raw, np.float32)).astype(np.uint64)
         bumped = bits_f32(((b + np.uint64(add)) & np.uint64(mask)).astype(np.uint32)).reshape(np.shape(s_raw))
         tr = s.slot_dtype.traits
-        normal = (np.asarray(s_raw) > 0) & (np.asarray(s_raw) < np.float32(tr.max_value) / 2) & (good > np.float32(2.0 ** -6))
+        raw = np.asarray(s_raw)
+        normal = (raw > 0) & (raw < np.float32(tr.max_value) / 2) & (good > np.float32(2.0 ** -6))
         return np.where(normal, bumped, good).astype(np.float32)
 
 

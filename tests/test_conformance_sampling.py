@@ -143,3 +143,13 @@ def test_max_elements_and_empty_shapes_in_strata():
 def test_reference_default_run_over_a_slice_of_strata_passes():
     report = runner.run([ReferenceBackend()], max_schemes=24, kinds=["case"])
     assert report.ok, [o.message for o in report.failed[:2]]
+
+
+def test_expect_per_backend_on_the_command_line():
+    from qcore.conformance.runner import _expectations
+
+    e = _expectations(["ndarray=q8f,q8s", "lutcpu=*-lookup*"], ["ndarray", "lutcpu"])
+    assert e["ndarray"](qcore.scheme("q8s/block32:bf16")) and not e["ndarray"](qcore.scheme("nf4"))
+    assert e["lutcpu"](qcore.scheme("nf4")) and not e["lutcpu"](qcore.scheme("q8s"))
+    with pytest.raises(InputError, match="does not check"):
+        _expectations(["cuda=q8s"], ["ndarray"])

@@ -1,15 +1,15 @@
 """The conformance scheme space, shapes and inputs, as data (no pytest, no backend).
 
 A `Case` is fully defined by its fields and prints as a readable id that can be pasted into
-`pytest -k` or `qcore conformance --filter`:
+`pytest -k`, `qcore conformance --filter` or `qcore conformance --case` (`Case.from_id`):
 
-    q4s/block32:f16/packed_native:1 @ 6x40 normal f32 #0
+    q4s/block32:f16/packed_native:1-6x40-grid-f32-f32-0
 
 The space (SPEC §1) is every value x both modes (LOOKUP for integer values only) x every level
 (per-tensor in each scale dtype; blocks [32], [4, 8] and [3, 5] in each scale dtype; two-level
 with F16 and UE4M3 block scales) x every valid store (packing axis 0 and 1), plus the presets.
-`--full` runs all of it; the default run takes a covering sample in which every value x mode,
-every store and every level appears, so a quick run still touches every code path.
+`sampling.py` cuts it into strata and draws each run's cases from what the backend supports;
+`inputs.py` adds the scheme-aware `grid` and `bounds` inputs to the distributions here.
 """
 from __future__ import annotations
 
@@ -319,7 +319,9 @@ def cases(full: bool = False, seed: int = 0, max_elements: int | None = None,
 
     Default: each scheme on `shapes_per_scheme` (2) of the default shapes that fit, rotating so
     that every shape (the empty one and the single element included) is used; distributions and
-    input dtypes rotate too. `full`: every scheme on every shape that fits. `max_elements` caps the shapes (for slow backends, e.g. a simulator).
+    input dtypes rotate too. `full`: every scheme on every shape that fits. `max_elements` caps
+    the shapes (for slow backends, e.g. a simulator). (The suite itself draws its cases per
+    stratum, see `sampling.py`; this fixed sample is kept for callers that want one.)
     """
     space = scheme_space(full) if schemes is None else schemes
     shapes = FULL_SHAPES if full else SHAPES

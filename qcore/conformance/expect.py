@@ -109,4 +109,5 @@ def as_expectation(obj: Any) -> Callable[[QuantScheme], bool] | None:
         return parse_expect([obj])
     if isinstance(obj, (list, tuple)):
         return parse_expect([str(o) for o in obj]) or Expectation((), True)
-    raise InputError(f"expected_support must be a callable, a pattern string or a list of patterns, got {type(obj).__name__}")
+    raise InputError(f"expected_support must be a callable, a pattern string or a list of patterns, "
+                     f"got {type(obj).__name__}; e.g. 'q8s/tensor:f32/native' or lambda s: s.bits == 8")

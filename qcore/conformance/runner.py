@@ -13,7 +13,7 @@ supported scheme fails too, unless `--expect none`), 2 for a usage error (unknow
 backend, bad option). "Not supported" is an outcome, not a failure.
 
     usage: qcore conformance --backend NAME [--backend NAME ...] [--full] [--seed N]
-                             [--expect PATTERNS|@FILE|none] [--case ID] [-x]
+                             [--expect [NAME=]PATTERNS|@FILE|none] [--case ID] [-x]
                              [--max-elements N] [--max-schemes N] [--cases-per-stratum N]
                              [--filter TEXT] [--checks case,bad-input,ops,cross]
                              [--max-failures N] [--no-progress]
@@ -27,7 +27,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from . import cases as C
 from . import checks as K
@@ -107,10 +107,10 @@ def run(backends: Sequence[Any], *, full: bool = False, seed: int = 0, max_eleme
         progress: Callable[[str, int], None] | None = None) -> Report:
     """Run the suite on `backends` (Backend objects). `peers`: backends to exchange payloads with
     (default: the other backends given). `expect`: what the backends are meant to support
-    (`expect.Expectation` or `scheme -> bool`). `max_failures`: stop a backend's run after that
-    many failures. A backend's run that tested no supported scheme fails ('tested-nothing')
-    unless `expect` declares an empty support. `progress(backend_name, n_done)` is called per
-    item."""
+    (`expect.Expectation` or `scheme -> bool`, or a mapping backend name -> one).
+    `max_failures`: stop a backend's run after that many failures. A backend's run that tested
+    no supported scheme fails ('tested-nothing') unless `expect` declares an empty support.
+    `progress(backend_name, n_done)` is called per item."""
     ref = reference or K.reference_backend()
     tol = tolerances or K.Tolerances()
     st = S.Settings(full, seed, max_elements, cases_per_stratum)
@@ -122,9 +122,10 @@ def run(backends: Sequence[Any], *, full: bool = False, seed: int = 0, max_eleme
     for be in backends:
         others = [p for p in (peers if peers is not None else backends) if p is not be and p.name != be.name]
         mine: list[K.Outcome] = []
+        want = expect.get(be.name) if isinstance(expect, Mapping) else expect
         for i, (kind, stratum) in enumerate(items):
             if kind == "case":
-                mine += S.check_stratum(be, stratum, st, ref, expect, filter)
+                mine += S.check_stratum(be, stratum, st, ref, want, filter)
             else:
                 mine += S.check_group(be, kind, stratum, st, ref, tol, others, filter)
             if progress is not None:
@@ -132,7 +133,7 @@ def run(backends: Sequence[Any], *, full: bool = False, seed: int = 0, max_eleme
             if max_failures is not None and sum(o.status == K.FAILED for o in mine) >= max_failures:
                 break
         cands = [s for _, stratum in items for s in stratum.candidates]
-        if not any(o.status == K.PASSED for o in mine) and not S.supports_nothing(expect, cands):
+        if not any(o.status == K.PASSED for o in mine) and not S.supports_nothing(want, cands):
             mine.append(S.tested_nothing(str(be.name), mine, len(items)))
         report.outcomes += mine
     return report
@@ -240,7 +241,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--expect", action="append", default=[], metavar="PATTERNS",
                    help="what the backend is meant to support: comma-separated scheme patterns "
                         "(e.g. 'q8s/tensor:f32/native,q8s/block*:f32/native'), @FILE (one pattern a "
-                        "line) or 'none'; repeatable (see qcore.conformance.expect)")
+                        "line) or 'none'; NAME=PATTERNS for one backend of the run; repeatable "
+                        "(see qcore.conformance.expect)")
     p.add_argument("--case", action="append", default=[], metavar="ID",
                    help="rerun just this case id (as printed in a failure line); repeatable")
     p.add_argument("--cases-per-stratum", type=int, default=None, metavar="N",
@@ -282,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     peers = [b for n, b in registry.registered().items() if n != "reference" and _available(b)]
     try:
-        expect = parse_expect(args.expect)
+        expect = _expectations(args.expect, names)
         if args.case:
             for c in args.case:
                 C.Case.from_id(c, args.seed)
@@ -300,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         console.print(f"qcore conformance: {len(items)} strata and groups per backend "
                       f"({'full space' if args.full else 'default sample'}, seed {args.seed}"
-                      f"{', expecting ' + str(expect) if expect is not None else ''}) on {', '.join(names)}")
+                      f"{', with expectations' if expect else ''}) on {', '.join(names)}")
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console, disable=args.no_progress,
                       transient=False) as prog:
@@ -325,6 +327,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(("[bold red]" if report.summary(n)[2] else "[bold green]") + line + "[/]")
     console.print(f"ran in {elapsed:.1f} s")
     return 1 if fails else 0
+
+
+def _expectations(items: Sequence[str], names: Sequence[str]):
+    """`--expect` values: `PATTERNS` for every backend of the run, or `NAME=PATTERNS` for one."""
+    shared = [i for i in items if "=" not in i]
+    mine: dict[str, list[str]] = {}
+    for i in items:
+        if "=" in i:
+            name, _, pats = i.partition("=")
+            if name.strip() not in names:
+                from ..errors import InputError
+
+                raise InputError(f"--expect {i!r} names backend {name.strip()!r}, which this run does not "
+                                 f"check ({', '.join(names)}); use NAME=PATTERNS with a --backend NAME")
+            mine.setdefault(name.strip(), []).append(pats)
+    if not mine:
+        return parse_expect(shared)
+    return {n: parse_expect(mine.get(n, []) + shared) for n in names}
 
 
 def _available(be) -> bool:

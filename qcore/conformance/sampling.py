@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any, Callable, Sequence
 
 from ..scheme import PRESETS, QuantScheme
@@ -204,11 +204,18 @@ def check_stratum(backend, stratum: Stratum, st: Settings, reference=None,
     for ok, case in stratum_cases(stratum, sup, refused, st):
         if not _keep(case, stratum, case_filter):
             continue
+        check = K.check_supported if ok else K.check_rejected
         out.append(_run(backend, "supported" if ok else "rejected", case,
-                        lambda c=case, ok=ok: (K.check_supported(backend, c, reference) if ok
-                                               else K.check_rejected(backend, c, reference),
-                                               K.PASSED if ok else K.REJECTED)[1]))
+                        _then(partial(check, backend, case, reference), K.PASSED if ok else K.REJECTED)))
     return out
+
+
+def _then(fn: Callable[[], Any], status: str = K.PASSED) -> Callable[[], str]:
+    """`fn()` (a check that raises on failure), then `status`."""
+    def go() -> str:
+        fn()
+        return status
+    return go
 
 
 def _run(backend, check: str, case: C.Case, fn: Callable[[], str]) -> K.Outcome:
@@ -239,9 +246,10 @@ def check_group(backend, kind: str, group: Stratum, st: Settings, reference=None
             if not _keep(case, group, case_filter):
                 continue
             if kind == "bad-input":
-                out.append(_run(backend, kind, case, lambda c=case: (K.check_bad_inputs(backend, c, reference), K.PASSED)[1]))
+                out.append(_run(backend, kind, case, _then(partial(K.check_bad_inputs, backend, case, reference))))
             elif kind == "ops":
-                out.append(_run(backend, kind, case, lambda c=case: (K.check_ops(backend, c, reference, tolerances), K.PASSED)[1]))
+                out.append(_run(backend, kind, case,
+                                _then(partial(K.check_ops, backend, case, reference, tolerances))))
             else:
                 for peer in peers:
                     try:
@@ -250,13 +258,13 @@ def check_group(backend, kind: str, group: Stratum, st: Settings, reference=None
                     except Exception:  # noqa: BLE001 - a broken peer is checked in its own run
                         continue
                     out.append(_run(backend, f"cross:{_name(peer)}", case,
-                                    lambda c=case, p=peer: (K.check_cross_backend(backend, p, c, reference), K.PASSED)[1]))
+                                    _then(partial(K.check_cross_backend, backend, peer, case, reference))))
     if not sup and refused and kind != "cross":
         s = refused[i % len(refused)]
         for case in C.scheme_cases(kind, False, st.seed, st.max_elements, schemes=[s]):
             if _keep(case, group, case_filter):
                 out.append(_run(backend, "rejected", case,
-                                lambda c=case: (K.check_rejected(backend, c, reference), K.REJECTED)[1]))
+                                _then(partial(K.check_rejected, backend, case, reference), K.REJECTED)))
     return out
 
 
