@@ -121,3 +121,27 @@ def test_narrow_plugin_gets_every_supported_combination_tested():
     report = runner.run([be], kinds=["case"], expect=parse_expect([EXPECT["narrow"]]))
     passed = {o.scheme for o in report.outcomes if o.status == "passed"}
     assert any("/" not in s for s in passed) and any("block" in s for s in passed), passed
+
+
+REFUSES_ALL = '''
+import pytest
+from qcore.conformance import ConformanceTests
+from tests.test_mutants import RefusesAll
+
+
+class TestRefusesAll(ConformanceTests):
+    max_schemes = 12
+
+    @pytest.fixture
+    def backend(self):
+        return RefusesAll()
+'''
+
+
+def test_pytest_route_fails_a_run_that_tested_nothing(tmp_path):
+    f = tmp_path / "test_refuses_all.py"
+    f.write_text(REFUSES_ALL)
+    rec = _Failures()
+    rc = pytest.main([str(f), "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "-W", "ignore",
+                      "-k", "tested_something"], plugins=[rec])
+    assert rc == 1 and "the run tested nothing" in rec.lines[0], rec.lines
