@@ -146,7 +146,7 @@ def test_reference_default_run_over_a_slice_of_strata_passes():
 
 
 def test_expect_per_backend_on_the_command_line():
-    from qcore.conformance.runner import _expectations
+    from qcore.conformance.expect import per_backend as _expectations
 
     e = _expectations(["ndarray=q8f,q8s", "lutcpu=*-lookup*"], ["ndarray", "lutcpu"])
     assert e["ndarray"](qcore.scheme("q8s/block32:bf16")) and not e["ndarray"](qcore.scheme("nf4"))

@@ -44,7 +44,7 @@ import pytest
 from . import cases as C
 from . import checks as K
 from . import sampling as S
-from .expect import as_expectation
+from .expect import as_expectation, per_backend
 from .plugin import OUTCOMES
 
 __all__ = [
@@ -186,12 +186,18 @@ class ConformanceFixtures:
         """Optional: what the backend is meant to support, so a backend that wrongly refuses (or
         claims) a scheme fails: a `scheme -> bool` callable, scheme patterns (a string or a list,
         see `qcore.conformance.expect`), or `[]` / `"none"` for an empty support. Default: a
-        `qcore_expected_support` fixture from conftest.py if there is one, else None (trust
-        `supports()`)."""
+        `qcore_expected_support` fixture from conftest.py if there is one, else the
+        `--qcore-expect` option, else None (trust `supports()`)."""
         try:
             return request.getfixturevalue("qcore_expected_support")
         except pytest.FixtureLookupError:
+            pass
+        items = _opt(request.config, "qcore_expect", None) or []
+        if not items:
             return None
+        name = str(getattr(request.getfixturevalue("backend"), "name", "?"))
+        want = per_backend(items, [name] + [i.partition("=")[0].strip() for i in items if "=" in i])
+        return want.get(name) if isinstance(want, dict) else want
 
     # ------------------------------------------------------------------ parametrization
     def _settings(self, config) -> S.Settings:

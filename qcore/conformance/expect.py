@@ -24,13 +24,13 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import InputError
 from ..scheme import QuantScheme
 from .cases import level_label, store_label, value_label
 
-__all__ = ["Expectation", "as_expectation", "parse_expect", "scheme_label"]
+__all__ = ["Expectation", "as_expectation", "parse_expect", "per_backend", "scheme_label"]
 
 
 def scheme_label(s: QuantScheme) -> str:
@@ -111,3 +111,20 @@ def as_expectation(obj: Any) -> Callable[[QuantScheme], bool] | None:
         return parse_expect([str(o) for o in obj]) or Expectation((), True)
     raise InputError(f"expected_support must be a callable, a pattern string or a list of patterns, "
                      f"got {type(obj).__name__}; e.g. 'q8s/tensor:f32/native' or lambda s: s.bits == 8")
+
+
+def per_backend(items: Sequence[str], names: Sequence[str]) -> Expectation | dict[str, Expectation | None] | None:
+    """`--expect` values for a run of the backends `names`: `PATTERNS` apply to every backend,
+    `NAME=PATTERNS` to one. Returns one expectation, or one per backend name."""
+    shared = [i for i in items if "=" not in i]
+    mine: dict[str, list[str]] = {}
+    for i in items:
+        if "=" in i:
+            name, _, pats = i.partition("=")
+            if name.strip() not in names:
+                raise InputError(f"--expect {i!r} names backend {name.strip()!r}, which this run does not "
+                                 f"check ({', '.join(names)}); use NAME=PATTERNS with a --backend NAME")
+            mine.setdefault(name.strip(), []).append(pats)
+    if not mine:
+        return parse_expect(shared)
+    return {n: parse_expect(mine.get(n, []) + shared) for n in names}

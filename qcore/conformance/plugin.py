@@ -7,6 +7,8 @@ header line when a `--qcore-*` option is given, and a summary when conformance t
 Options:
   --qcore-backend NAME   backend for `pytest --pyargs qcore.conformance` (repeatable; default
                          `reference`). Adopters' own test classes name their backend in a fixture.
+  --qcore-expect P       what the backend is meant to support (as `qcore conformance --expect`),
+                         where the adopter defines no `expected_support` fixture.
   --qcore-full           every supported scheme on every shape, instead of the default draw.
   --qcore-seed N         seed of the random inputs (default 0).
   --qcore-max-elements N cap on elements per tensor (lowers a class's `max_elements`).
@@ -25,6 +27,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--qcore-backend", action="append", default=[], metavar="NAME",
                     help="backend to check with `pytest --pyargs qcore.conformance` (repeatable; "
                          "default: reference)")
+    group.addoption("--qcore-expect", action="append", default=[], metavar="PATTERNS",
+                    help="what the backend is meant to support, as `qcore conformance --expect` takes it "
+                         "(patterns, @FILE, none, NAME=PATTERNS); used where no expected_support "
+                         "fixture is defined")
     group.addoption("--qcore-full", action="store_true", default=False,
                     help="run every supported scheme of the space on every shape (slow)")
     group.addoption("--qcore-seed", type=int, default=0, metavar="N",

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from . import cases as C
 from . import checks as K
 from . import sampling as S
-from .expect import parse_expect
+from .expect import parse_expect, per_backend
 
 __all__ = ["main", "run", "run_cases", "plan", "Report", "CHECK_KINDS"]
 
@@ -284,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     peers = [b for n, b in registry.registered().items() if n != "reference" and _available(b)]
     try:
-        expect = _expectations(args.expect, names)
+        expect = per_backend(args.expect, names)
         if args.case:
             for c in args.case:
                 C.Case.from_id(c, args.seed)
@@ -327,24 +327,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(("[bold red]" if report.summary(n)[2] else "[bold green]") + line + "[/]")
     console.print(f"ran in {elapsed:.1f} s")
     return 1 if fails else 0
-
-
-def _expectations(items: Sequence[str], names: Sequence[str]):
-    """`--expect` values: `PATTERNS` for every backend of the run, or `NAME=PATTERNS` for one."""
-    shared = [i for i in items if "=" not in i]
-    mine: dict[str, list[str]] = {}
-    for i in items:
-        if "=" in i:
-            name, _, pats = i.partition("=")
-            if name.strip() not in names:
-                from ..errors import InputError
-
-                raise InputError(f"--expect {i!r} names backend {name.strip()!r}, which this run does not "
-                                 f"check ({', '.join(names)}); use NAME=PATTERNS with a --backend NAME")
-            mine.setdefault(name.strip(), []).append(pats)
-    if not mine:
-        return parse_expect(shared)
-    return {n: parse_expect(mine.get(n, []) + shared) for n in names}
 
 
 def _available(be) -> bool:
