@@ -16,10 +16,13 @@ export NUMBA_ENABLE_CUDASIM=1
 # In CI a missing backend, simulator or PTX toolchain is a failure, not a skip.
 export QCORE_REQUIRE_BACKENDS="reference,ndarray,cuda,lutcpu" QCORE_REQUIRE_CUDA=1 QCORE_REQUIRE_PTX=1
 # The conformance suite as a plugin author runs it: the CLI report, exit status non-zero on failure.
-# (pytest runs the whole suite for reference, ndarray and cuda below, tests/conformance/; the CLI
-# run of cuda is a subset, since the simulator pays per launched thread.)
-"$VENV/bin/qcore" conformance --backend reference --backend ndarray --backend lutcpu --no-progress
-"$VENV/bin/qcore" conformance --backend cuda --max-elements 320 --max-schemes 12 --no-progress
+# --expect: SPEC §4's support of each backend, so a wrong refusal fails too. pytest runs the
+# whole suite for reference, ndarray and cuda below (tests/conformance/); the CLI run of cuda is a
+# subset of strata, since the simulator pays per launched thread.
+"$VENV/bin/qcore" conformance --backend reference --backend ndarray --backend lutcpu --no-progress \
+    --expect 'reference=*' --expect 'ndarray=q8f,q8s' --expect 'lutcpu=*-lookup*'
+"$VENV/bin/qcore" conformance --backend cuda --expect '*,!*-lookup*' --max-elements 320 --max-schemes 40 \
+    --cases-per-stratum 1 --no-progress   # CUDA simulator
 # Then every test, on QCORE_TEST_WORKERS parallel workers (pytest-xdist; default: one per CPU,
 # at least 2). pytest's summary is the last line.
 WORKERS="${QCORE_TEST_WORKERS:-$(python3 -c 'import os; print(max(2, os.cpu_count() or 1))')}"
