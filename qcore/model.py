@@ -439,7 +439,7 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
     one_file = ck.single_file and limit is None
     if os.path.abspath(dst_s) in {os.path.abspath(ck.path(s)) for s in ck.shards} or \
             (not one_file and os.path.abspath(dst_s) == os.path.abspath(ck.root)):
-        raise InputError("the output must differ from the input; write elsewhere and move it if you want to replace it")
+        raise InputError("OUT must differ from IN; write elsewhere and move it if you want to replace IN")
     readers = {s: Reader(ck.path(s)) for s in ck.shards}
     try:
         shards, _ = _plan(ck, rc, limit, readers)
@@ -497,8 +497,11 @@ def _completed(path: str, marker: str) -> qio.FileInfo | None:
 
 
 # ------------------------------------------------------------------------------------ dequantize
-def dequantize_model(src: PathLike, dst: PathLike, dtype: Any = None, backend: str | Backend | None = None) -> int:
-    """Dequantize every quantized tensor of a file or checkpoint directory; returns how many.
+def dequantize_model(src: PathLike, dst: PathLike, dtype: Any = None,
+                     backend: str | Backend | None = None) -> tuple[int, int]:
+    """Dequantize every quantized tensor of a file or checkpoint directory.
+
+    Returns (tensors dequantized, tensors written).
 
     `dtype` None restores each tensor's recorded source dtype (float32 when none is recorded).
     The output has the source's structure (one file, or shards + index + other files), one
@@ -510,12 +513,12 @@ def dequantize_model(src: PathLike, dst: PathLike, dtype: Any = None, backend: s
         os.makedirs(dst_s, exist_ok=True)
         _copy_extras(ck, dst_s)
     be = None
-    n = 0
+    n = total = 0
     for shard in ck.shards:
         info = qio.read_info(ck.path(shard))
         out_path = dst_s if ck.single_file else os.path.join(dst_s, shard)
         if os.path.abspath(out_path) == os.path.abspath(ck.path(shard)):
-            raise InputError("the output must differ from the input; write elsewhere and move it if you want to replace it")
+            raise InputError("OUT must differ from IN; write elsewhere and move it if you want to replace IN")
         with Reader(ck.path(shard)) as r:
             plan = []
             for e in info.entries:
@@ -539,6 +542,7 @@ def dequantize_model(src: PathLike, dst: PathLike, dtype: Any = None, backend: s
                     w.finish(meta)
 
             qio.atomic_write(out_path, write)
+        total += len(plan)
     if ck.index_name:
         with open(os.path.join(ck.root, ck.index_name), encoding="utf-8") as f:
             doc = json.load(f)
@@ -546,4 +550,4 @@ def dequantize_model(src: PathLike, dst: PathLike, dtype: Any = None, backend: s
         doc.setdefault("metadata", {})["total_size"] = total
         text = json.dumps(doc, indent=2) + "\n"
         qio.atomic_write(os.path.join(dst_s, ck.index_name), lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
-    return n
+    return n, total
