@@ -246,13 +246,14 @@ class _Pipeline:
         return t
 
     def get(self, q: queue.Queue) -> Any:
+        """The next item; what was queued before a stop is still delivered (so a shard whose
+        tensors were all computed is finished), then `_Stopped`."""
         while True:
-            if self.stop.is_set():
-                raise _Stopped
             try:
-                return q.get(timeout=_POLL)
+                return q.get(timeout=_POLL) if not self.stop.is_set() else q.get_nowait()
             except queue.Empty:
-                continue
+                if self.stop.is_set():
+                    raise _Stopped from None
 
     def put(self, q: queue.Queue, item: Any) -> None:
         while True:
@@ -485,6 +486,11 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
     return ModelResult(os.fspath(src), dst_s, rc, be.name, ordered, files, resumed, time.perf_counter() - t0)
 
 
+def _header_len(path: str) -> int:
+    with open(path, "rb") as f:
+        return int.from_bytes(f.read(8), "little")
+
+
 def _completed(path: str, marker: str) -> qio.FileInfo | None:
     """The output shard at `path` if a previous run with the same marker completed it."""
     if not os.path.isfile(path):
@@ -546,8 +552,9 @@ def dequantize_model(src: PathLike, dst: PathLike, dtype: Any = None,
     if ck.index_name:
         with open(os.path.join(ck.root, ck.index_name), encoding="utf-8") as f:
             doc = json.load(f)
-        total = sum(os.path.getsize(os.path.join(dst_s, s)) for s in ck.shards)
-        doc.setdefault("metadata", {})["total_size"] = total
+        size = sum(os.path.getsize(os.path.join(dst_s, s)) - 8 - _header_len(os.path.join(dst_s, s))
+                   for s in ck.shards)
+        doc.setdefault("metadata", {})["total_size"] = size
         text = json.dumps(doc, indent=2) + "\n"
         qio.atomic_write(os.path.join(dst_s, ck.index_name), lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
     return n, total
