@@ -191,7 +191,7 @@ class StreamWriter:
         """Append `array` (C-contiguous numpy) under `name`."""
         if name in self._entries or name == "__metadata__":
             raise InputError(f"tensor name '{name}' is used twice or reserved in one safetensors file")
-        a = np.ascontiguousarray(array)
+        a = array if array.flags.c_contiguous else array.copy(order="C")  # (keeps 0-d arrays 0-d)
         n = a.nbytes
         if n:
             self._f.write(memoryview(a.reshape(-1).view(np.uint8)))
