@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         exe = os.path.join(os.path.dirname(sys.executable), "qcore")
         argv0 = [exe] if os.path.exists(exe) else [sys.executable, "-m", "qcore.cli"]
         t0 = time.perf_counter()
-        p = subprocess.run(argv0 + cmd, capture_output=True, text=True)
+        env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM" or v == "1"}
+        p = subprocess.run(argv0 + cmd, capture_output=True, text=True, env=env)
         cli_s = time.perf_counter() - t0
         if p.returncode != 0:
             raise SystemExit(p.stderr)

@@ -229,7 +229,7 @@ class _Pipeline:
         self.errors: list[BaseException] = []
         self.slots = threading.Semaphore(IN_FLIGHT)
         self.inbox: queue.Queue = queue.Queue()
-        self.outbox: queue.Queue = queue.Queue(maxsize=IN_FLIGHT + 2)
+        self.outbox: queue.Queue = queue.Queue(maxsize=IN_FLIGHT)
 
     def thread(self, fn: Callable[[], None]) -> threading.Thread:
         def body() -> None:

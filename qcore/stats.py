@@ -42,8 +42,7 @@ def error_stats(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         np.subtract(yf[i:i + _CHUNK], xs, out=e, casting="unsafe")
         signal += float(np.dot(xs, xs))
         noise += float(np.dot(e, e))
-        np.abs(e, out=e)
-        max_err = max(max_err, float(e.max()))
+        max_err = max(max_err, float(e.max()), -float(e.min()))
     return sqnr_db(signal, noise), max_err
 
 
