@@ -32,6 +32,11 @@ import time
 
 import numpy as np
 
+# Run as a script, this file's folder comes first on sys.path, and its name would hide Dask's
+# `distributed` package (here and in the worker processes, which inherit sys.path).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
 
 def _make(path: str, shards: int, shard_mib: float, cols: int) -> int:
     from safetensors.numpy import save_file

@@ -142,7 +142,8 @@ class Location:
             for root, _, files in os.walk(local):
                 rel = os.path.relpath(root, local)
                 for name in files:
-                    target = self.join(path, *([] if rel == "." else rel.split(os.sep)), name)
+                    parts = [] if rel == "." else rel.split(os.sep)
+                    target = os.path.join(path, *parts, name) if self.local else posixpath.join(path, *parts, name)
                     self._copy(os.path.join(root, name), target)
         else:
             self._copy(local, path)

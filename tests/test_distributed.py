@@ -135,7 +135,7 @@ def s3():
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}",
-                                                                     "region_name": "us-east-1"}}
+                                                                     "region_name": "eu-west-1"}}
     try:
         yield opts
     finally:
@@ -163,3 +163,34 @@ def test_s3_in_and_out_byte_identical(model, client, s3, tmp_path):
     assert sorted(res.resumed) == SHARDS[1:]
     fs.invalidate_cache()
     assert fs.cat(f"ckpt/out/{SHARDS[0]}") == want[SHARDS[0]]
+
+
+def test_tensor_over_worker_memory_limit_is_refused(model):
+    """The plan is checked against the workers' memory limit before any unit starts."""
+    from qcore.checkpoint import resolve
+    from qcore.distributed import Unit, _check_memory
+    from qcore.errors import InputError
+    from qcore.model import plan_shards
+    from qcore.recipe import as_recipe
+    from qcore.stfile import Reader
+
+    root, _ = model
+    ck = resolve(root / "src")
+    readers = {s: Reader(ck.path(s)) for s in ck.shards}
+    try:
+        shards, rj = plan_shards(ck, as_recipe("q8s"), None, readers)
+    finally:
+        for r in readers.values():
+            r.close()
+    units = [Unit(s, {}, "", "", "", rj, "reference") for s in shards]
+
+    class Workers:
+        def __init__(self, limit):
+            self.limit = limit
+
+        def scheduler_info(self):
+            return {"workers": {"tcp://a": {"memory_limit": self.limit}, "tcp://b": {"memory_limit": 0}}}
+
+    _check_memory(Workers(1 << 30), units)  # 1 GiB is plenty for 8 KiB tensors
+    with pytest.raises(InputError, match=r"tensor 'layers\.\d\.mlp\.weight' \(8192 bytes\).*memory limit of 1000"):
+        _check_memory(Workers(1000), units)
