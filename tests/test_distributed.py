@@ -64,8 +64,9 @@ def test_local_cluster_is_byte_identical(model, client, tmp_path):
     assert res.before == sum(r.before for r in res.tensors) and res.resumed == []
 
 
-def _kill_once_plugin(flag, victim):
-    """A worker plugin that SIGKILLs its worker while it writes `victim`'s second tensor, once."""
+def _kill_once_plugin(flag, victim, out):
+    """A worker plugin that SIGKILLs its worker while it writes tensor `victim`, once; the flag file
+    records what the destination directory `out` held at that moment."""
 
     class KillOnce(distributed.WorkerPlugin):
         def setup(self, worker):
@@ -75,7 +76,8 @@ def _kill_once_plugin(flag, victim):
 
             def killing_add(writer, name, array):
                 if name == victim and not os.path.exists(flag):
-                    open(flag, "w").close()
+                    with open(flag, "w") as f:
+                        f.write("\n".join(sorted(os.listdir(out))))
                     os.kill(os.getpid(), signal.SIGKILL)  # the worker dies with a half-written shard
                 return add(writer, name, array)
 
@@ -87,13 +89,16 @@ def _kill_once_plugin(flag, victim):
 def test_killed_worker_shard_retried_elsewhere_then_resume(model, client, tmp_path):
     root, want = model
     flag = str(tmp_path / "killed")
-    client.register_plugin(_kill_once_plugin(flag, "layers.1.mlp.weight"), name="kill-once")
+    client.register_plugin(_kill_once_plugin(flag, "layers.1.mlp.weight", str(tmp_path / "out")), name="kill-once")
     try:
         res = quantize_model_distributed(root / "src", tmp_path / "out", "q8s", "reference", rules=RULES,
                                          cluster=client)
     finally:
         client.unregister_worker_plugin("kill-once")
     assert os.path.exists(flag), "the plugin did not kill a worker"
+    at_kill = open(flag).read().split("\n")
+    assert SHARDS[1] not in at_kill  # the half-written shard only ever had a temporary name
+    assert any(n.startswith(f".{SHARDS[1]}.") and n.endswith(".tmp") for n in at_kill), at_kill
     assert tree(tmp_path / "out") == want  # no temporary file of the dead worker left either
     assert res.resumed == []
     # A rerun with resume redoes only the missing shard.
@@ -194,3 +199,14 @@ def test_tensor_over_worker_memory_limit_is_refused(model):
     _check_memory(Workers(1 << 30), units)  # 1 GiB is plenty for 8 KiB tensors
     with pytest.raises(InputError, match=r"tensor 'layers\.\d\.mlp\.weight' \(8192 bytes\).*memory limit of 1000"):
         _check_memory(Workers(1000), units)
+
+
+def test_cluster_argument_errors(model, tmp_path):
+    from qcore.errors import InputError
+
+    root, _ = model
+    with pytest.raises(InputError, match="cluster must be 'local', a Dask Cluster or Client, got 'mars'"):
+        quantize_model_distributed(root / "src", tmp_path / "a", "q8s", "reference", cluster="mars")
+    with pytest.raises(InputError, match="not both"):
+        quantize_model_distributed(root / "src", tmp_path / "b", "q8s", "reference", cluster="local",
+                                   scheduler="tcp://127.0.0.1:1")
