@@ -4,16 +4,17 @@ Usage (from the repository root, with qcore[distributed] and the backend install
 
     python benchmarks/distributed.py                                    # 8 x 64 MiB shards, ndarray
     python benchmarks/distributed.py --workers 1 --workers 2 --json out.json
-    python benchmarks/distributed.py --backend cuda --scheme nvfp4 --shards 8 --shard-mib 512 --cuda-cluster
+    python benchmarks/distributed.py --backend cuda --scheme nvfp4 --shards 8 --shard-mib 512   # one worker per GPU
 
 It writes a float32 checkpoint of `--shards` files of `--shard-mib` MiB (matrices of 4096 columns)
 into `--dir` (default a temporary directory), then measures, best of `--repeats` after one warm-up
 run (JIT compilation, page cache):
 
 * single: `qcore.quantize_model(IN, OUT, scheme, backend)` in this process;
-* cluster, for each `--workers N`: `qcore.distributed.quantize_model_distributed` on a
-  LocalCluster of N single-threaded worker processes started beforehand (its start-up time is
-  reported apart), or with `--cuda-cluster` on dask-cuda's LocalCUDACluster (one worker per GPU).
+* cluster, for each `--workers N`: `qcore.distributed.quantize_model_distributed` on the
+  cluster `--cluster local` starts (`qcore.distributed.open_client`: N single-threaded worker
+  processes, one Numba thread each; for `--backend cuda` dask-cuda's LocalCUDACluster, by
+  default one worker per visible GPU), started beforehand (its start-up time is reported apart).
 
 Each run's output is compared byte for byte with the single-process one. Throughput is source
 bytes (float32) per second. Prints a JSON document (also to `--json PATH`) with the machine.
@@ -79,18 +80,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cols", type=int, default=4096, help="columns of each matrix (default 4096)")
     ap.add_argument("--scheme", default="q8s/block32:f16")
     ap.add_argument("--backend", default="ndarray")
-    ap.add_argument("--workers", type=int, action="append", help="LocalCluster sizes to run (default: 2)")
-    ap.add_argument("--cuda-cluster", action="store_true", help="a LocalCUDACluster (one worker per GPU) instead")
+    ap.add_argument("--workers", type=int, action="append",
+                    help="cluster sizes to run (repeatable; default: 2, or one per GPU for cuda)")
     ap.add_argument("--no-stats", action="store_true", help="skip the per-tensor statistics")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs of each, best is reported (default 2)")
     ap.add_argument("--dir", default=None, help="working directory (default: a temporary one, removed after)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the JSON document here")
     args = ap.parse_args(argv)
 
-    import distributed
-
     import qcore
-    from qcore.distributed import quantize_model_distributed
+    from qcore.distributed import open_client, quantize_model_distributed
 
     work = args.dir or tempfile.mkdtemp(prefix="qcore-bench-dist-")
     try:
@@ -101,23 +100,16 @@ def main(argv: list[str] | None = None) -> dict:
         t = _best(lambda: qcore.quantize_model(src, single_out, args.scheme, args.backend, **kw), args.repeats)
         runs = [{"mode": "single-process", "workers": 1, "seconds": round(t, 3),
                  "MB_per_s": round(nbytes / t / 1e6, 1)}]
-        sizes = [0] if args.cuda_cluster else (args.workers or [2])
-        for n in sizes:
+        cuda = args.backend == "cuda"
+        for n in args.workers or [None if cuda else 2]:
             t0 = time.perf_counter()
-            if args.cuda_cluster:
-                from dask_cuda import LocalCUDACluster
-
-                cluster = LocalCUDACluster()
-            else:
-                cluster = distributed.LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
-                                                   dashboard_address=":0")
-            with cluster, distributed.Client(cluster) as client:
+            with open_client("local", backend=args.backend, workers=n) as client:
                 start = time.perf_counter() - t0
                 n = len(client.scheduler_info()["workers"])
                 out = os.path.join(work, f"cluster{n}")
                 t = _best(lambda: quantize_model_distributed(src, out, args.scheme, args.backend, cluster=client,
                                                              **kw), args.repeats)
-                runs.append({"mode": "LocalCUDACluster" if args.cuda_cluster else "LocalCluster", "workers": n,
+                runs.append({"mode": "LocalCUDACluster" if cuda else "LocalCluster", "workers": n,
                              "seconds": round(t, 3), "MB_per_s": round(nbytes / t / 1e6, 1),
                              "cluster_start_s": round(start, 2), "identical": _same(out, single_out)})
         doc = {"benchmark": "distributed", "backend": args.backend, "scheme": args.scheme,

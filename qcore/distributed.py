@@ -46,6 +46,9 @@ __all__ = ["Unit", "run_unit", "quantize_model_distributed", "open_client"]
 
 INTERPRETER_BYTES = 300 << 20   # a worker's own footprint beside a unit's tensors
 KEY_PREFIX = "qcore-shard"
+# A LocalCluster has one single-threaded worker process per core; Numba's parallel kernels (the
+# ndarray backend) would otherwise start a thread per core in every one of them.
+ONE_CORE_ENV = {"NUMBA_NUM_THREADS": "1"}
 
 
 @dataclass
@@ -113,7 +116,7 @@ def open_client(cluster: Any = None, scheduler: str | None = None, backend: str 
     """A Dask client for `scheduler` (an address), `cluster` ("local", a Cluster or a Client).
 
     "local" starts a LocalCluster of single-threaded worker processes (`workers` of them, default
-    one per core), or for the cuda backend dask-cuda's LocalCUDACluster (one worker per visible
+    one per core, each with one Numba thread), or for the cuda backend dask-cuda's LocalCUDACluster (one worker per visible
     GPU). What this opens it closes; a Client or Cluster passed in is left running.
     """
     dd = _distributed()
@@ -133,7 +136,8 @@ def open_client(cluster: Any = None, scheduler: str | None = None, backend: str 
                                      "dask-cuda: pip install 'qcore[distributed-cuda]'") from None
                 c = stack.enter_context(LocalCUDACluster(n_workers=workers))
             else:
-                c = stack.enter_context(dd.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True))
+                c = stack.enter_context(dd.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                                        env=dict(ONE_CORE_ENV)))
             client = stack.enter_context(dd.Client(c))
         elif cluster is not None and hasattr(cluster, "scheduler_address"):
             client = stack.enter_context(dd.Client(cluster))
