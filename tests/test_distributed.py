@@ -210,3 +210,20 @@ def test_cluster_argument_errors(model, tmp_path):
     with pytest.raises(InputError, match="not both"):
         quantize_model_distributed(root / "src", tmp_path / "b", "q8s", "reference", cluster="local",
                                    scheduler="tcp://127.0.0.1:1")
+
+
+def test_s3_single_file_in_process(model, s3, tmp_path):
+    """One file in, one file out, through URLs, without a cluster (fsspec only)."""
+    import s3fs
+
+    root, _ = model
+    fs = s3fs.S3FileSystem(**s3)
+    fs.mkdir("one")
+    fs.put(str(root / "src" / SHARDS[0]), f"one/{SHARDS[0]}")  # the run marker names the source file
+    quantize_model(root / "src" / SHARDS[0], tmp_path / "want.safetensors", "q8s", "reference", rules=RULES)
+    res = quantize_model_distributed(f"s3://one/{SHARDS[0]}", "s3://one/out.safetensors", "q8s", "reference",
+                                     rules=RULES, storage_options=s3)
+    assert res.files == ["s3://one/out.safetensors"]
+    fs.invalidate_cache()
+    assert fs.cat("one/out.safetensors") == (tmp_path / "want.safetensors").read_bytes()
+    assert sorted(fs.ls("one")) == [f"one/{SHARDS[0]}", "one/out.safetensors"]  # no temporary key left
