@@ -1,6 +1,7 @@
 """One unit per shard on Dask: byte-identical to the single-process run, on a LocalCluster of two
 processes, with a worker killed mid-shard, resumed, and from/to a real S3-compatible server."""
 import importlib
+import importlib.util
 import os
 import signal
 import socket
@@ -227,3 +228,24 @@ def test_s3_single_file_in_process(model, s3, tmp_path):
     fs.invalidate_cache()
     assert fs.cat("one/out.safetensors") == (tmp_path / "want.safetensors").read_bytes()
     assert sorted(fs.ls("one")) == [f"one/{SHARDS[0]}", "one/out.safetensors"]  # no temporary key left
+
+
+def test_cluster_local_starts_and_closes_its_own_cluster(model, tmp_path):
+    """cluster="local" (what --cluster local runs): a LocalCluster of its own, one worker here."""
+    root, want = model
+    said = []
+    quantize_model_distributed(root / "src", tmp_path / "out", "q8s", "reference", rules=RULES, cluster="local",
+                               workers=1, log=said.append)
+    assert tree(tmp_path / "out") == want
+    assert len(said) == 1 and said[0].startswith("Dask dashboard: http")
+
+
+def test_cuda_local_cluster_needs_dask_cuda(model, tmp_path, cuda_backend):
+    """--cluster local with the cuda backend is dask-cuda's LocalCUDACluster; without it, a clear error."""
+    from qcore.errors import InputError
+
+    if importlib.util.find_spec("dask_cuda") is not None:
+        pytest.skip("dask-cuda is installed: this checks the message shown without it")
+    root, _ = model
+    with pytest.raises(InputError, match=r"dask-cuda: pip install 'qcore\[distributed-cuda\]'"):
+        quantize_model_distributed(root / "src", tmp_path / "out", "q8s", cuda_backend, cluster="local")
