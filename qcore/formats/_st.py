@@ -12,7 +12,12 @@ from .. import io as qio
 from ..errors import InputError, InvalidDataError
 from .base import PathLike
 
-__all__ = ["read_arrays", "write_arrays"]
+__all__ = ["read_arrays", "storable", "write_arrays"]
+
+
+def storable(dtype: np.dtype) -> bool:
+    """Whether safetensors stores arrays of `dtype` (numpy numbers and ml_dtypes' bfloat16/float8)."""
+    return dtype.kind in "biufcV" and dtype.fields is None
 
 
 def read_arrays(path: PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -32,7 +37,7 @@ def read_arrays(path: PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
 def write_arrays(path: PathLike, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
     """Write numpy arrays to a safetensors file atomically, with str -> str metadata."""
     for name, a in arrays.items():
-        if a.dtype.kind not in "biufcV" or a.dtype.fields is not None:
+        if not storable(a.dtype):
             raise InputError(f"tensor '{name}' has dtype {a.dtype}, which safetensors cannot store")
     data = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
     meta = dict(metadata) or None

@@ -21,7 +21,7 @@ from ..errors import InputError
 from ..payload import QuantizedData
 from ..protocol import Support
 from . import _mx
-from ._st import read_arrays, write_arrays
+from ._st import read_arrays, storable, write_arrays
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
 
 __all__ = ["GptOssFormat"]
@@ -106,7 +106,7 @@ class GptOssFormat(Format):
     def check(self, name: str, value: Tensor) -> Support:
         if isinstance(value, QuantizedData):
             return _mx.check(value, "gpt-oss")
-        if value.dtype.kind not in "biufc":
+        if not storable(value.dtype):
             return Support.no(f"safetensors cannot store dtype {value.dtype}")
         return Support.yes()
 

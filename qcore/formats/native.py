@@ -9,6 +9,7 @@ from __future__ import annotations
 from .. import io as qio
 from ..payload import QuantizedData
 from ..protocol import Support
+from ._st import storable
 from .base import Checkpoint, Format, PathLike, Probe, Tensor
 
 __all__ = ["QcoreFormat"]
@@ -29,7 +30,7 @@ class QcoreFormat(Format):
     def check(self, name: str, value: Tensor) -> Support:
         if isinstance(value, QuantizedData):
             return Support.yes()
-        if value.dtype.kind not in "biufc":
+        if not storable(value.dtype):
             return Support.no(f"safetensors cannot store dtype {value.dtype}")
         return Support.yes()
 
