@@ -14,7 +14,8 @@ Blocks run along GGUF's first dimension (ne[0], the row), which is numpy's (and 
 so the block grid is qcore's `block32` on the last axis. Float and integer tensors (F32, F16, BF16,
 F64, I8..I64) pass through as numpy arrays. Every other type (Q4_0, Q4_1, K-quants, ...) needs
 the scheme extensions of a later release (affine mode, split-half nibbles, signed scales) and is
-refused. Key-value metadata is kept as JSON under `gguf.kv`, so GGUF -> qcore -> GGUF restores it.
+refused. Key-value metadata is kept as JSON under `gguf.kv`, so GGUF -> qcore -> GGUF restores it;
+a checkpoint's other metadata travels in GGUF string keys `qcore.metadata.<key>`.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableEr
 __all__ = ["GGUFFormat"]
 
 KV_KEY = "gguf.kv"      # JSON list of [key, value type, array item type or null, value]
+META_PREFIX = "qcore.metadata."   # GGUF string keys holding the other str -> str metadata of a checkpoint
 Q8_SCHEMES = (parse_scheme("q8s/block32:f16"), parse_scheme("q8f/block32:f16"))
 _MAX_DIMS = 4           # GGML_MAX_DIMS
 _QUANTIZATION_VERSION = 2
@@ -126,8 +128,12 @@ class GGUFFormat(Format):
             raise InvalidDataError(f"{p} is not a readable GGUF file: {type(e).__name__}: {e}") from None
         T = gguf.GGMLQuantizationType
         kv = []
+        meta: dict[str, str] = {}
         for key, f in reader.fields.items():
             if key.startswith("GGUF."):
+                continue
+            if key.startswith(META_PREFIX) and f.types and f.types[0].name == "STRING":
+                meta[key[len(META_PREFIX):]] = f.contents()
                 continue
             types = [t.name for t in f.types]
             sub = types[-1] if types[0] == "ARRAY" else None
@@ -153,7 +159,7 @@ class GGUFFormat(Format):
                     )
             except (InvalidDataError, UnrepresentableError) as e:
                 raise type(e)(f"{p}: tensor '{t.name}': {e}") from None
-        return Checkpoint(tensors, {KV_KEY: json.dumps(kv)}, self.name)
+        return Checkpoint(tensors, {**meta, KV_KEY: json.dumps(kv)}, self.name)
 
     # ----------------------------------------------------------------------------- write
     def check(self, name: str, value: Tensor) -> Support:
@@ -193,6 +199,9 @@ class GGUFFormat(Format):
                 if key == "general.architecture":
                     continue
                 w.add_key_value(key, value, V[vtype], V[sub] if sub else None)
+            for key, value in sorted(checkpoint.metadata.items()):
+                if key != KV_KEY:
+                    w.add_string(META_PREFIX + key, value)
             quantized = False
             for name, value in checkpoint.tensors.items():
                 if isinstance(value, QuantizedData):

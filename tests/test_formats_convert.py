@@ -1,0 +1,143 @@
+"""`qcore.convert` / `qcore convert`: lossless moves between GGUF MXFP4, gpt-oss MXFP4 and qcore mxfp4."""
+import json
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+import qcore
+import qcore.formats as qf
+from qcore import InputError
+from qcore.cli import main
+from qcore.formats import UnrepresentableError
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'qcore[formats]')")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+
+def _x(shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _gguf_model(path):
+    """A small model as llama.cpp's gguf writer makes it: MXFP4 experts, Q8_0 attention, F32 norm."""
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_string("general.name", "tiny")
+    w.add_uint32("gpt-oss.block_count", 1)
+    w.add_tensor("blk.0.ffn_up_exps.weight", gguf.quants.quantize(_x((2, 3, 64), 1), T.MXFP4), raw_dtype=T.MXFP4)
+    w.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(_x((4, 32), 2), T.Q8_0), raw_dtype=T.Q8_0)
+    w.add_tensor("blk.0.attn_norm.weight", _x((32,), 3))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _tensor_bytes(path):
+    return {t.name: (t.tensor_type, np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def test_qcore_mxfp4_round_trips_through_gguf_and_gpt_oss(tmp_path):
+    """qcore -> GGUF -> gpt-oss -> qcore: the same payload bytes, never re-quantized."""
+    q = {"experts": qcore.quantize(_x((2, 3, 96)), "mxfp4", backend="reference").to_data(),
+         "router": qcore.quantize(_x((4, 32)), "mxfp4", backend="reference").to_data(),
+         "norm": _x((32,))}
+    qcore.save(tmp_path / "a.safetensors", q)
+    steps = [("a.safetensors", "b.gguf", "gguf"), ("b.gguf", "c.safetensors", "gpt-oss"),
+             ("c.safetensors", "d.safetensors", "qcore")]
+    for src, dst, fmt in steps:
+        report = qcore.convert(tmp_path / src, tmp_path / dst, fmt)
+        assert report.lossless and {t.action for t in report.tensors} == {"rearranged", "copied"}
+    assert [qf.detect(tmp_path / n).name for n in ("b.gguf", "c.safetensors")] == ["gguf", "gpt-oss"]
+    back = qcore.load(tmp_path / "d.safetensors", backend="reference")
+    for name in ("experts", "router"):
+        assert back[name].to_data().payload == q[name].payload, name
+    assert np.array_equal(back["norm"], q["norm"])
+
+
+def test_gguf_model_round_trips_through_gpt_oss_and_qcore(tmp_path):
+    """GGUF (written by gguf) -> qcore -> GGUF: the same tensor bytes and key-values. The Q8_0 tensor
+    cannot go to gpt-oss (MXFP4 only), so that leg carries the MXFP4 experts alone."""
+    src = _gguf_model(tmp_path / "m.gguf")
+    qcore.convert(src, tmp_path / "m.safetensors", "qcore")
+    qcore.convert(tmp_path / "m.safetensors", tmp_path / "back.gguf", "gguf")
+    assert _tensor_bytes(tmp_path / "back.gguf") == _tensor_bytes(src)
+    r = gguf.GGUFReader(str(tmp_path / "back.gguf"))
+    assert r.fields["general.name"].contents() == "tiny" and r.fields["general.architecture"].contents() == "gpt-oss"
+
+    experts = {k: v for k, v in qf.read(src).tensors.items() if k.startswith("blk.0.ffn")}
+    qf.write(tmp_path / "e.gguf", experts, "gguf")
+    qcore.convert(tmp_path / "e.gguf", tmp_path / "e.safetensors", "gpt-oss")
+    qcore.convert(tmp_path / "e.safetensors", tmp_path / "e2.safetensors", "qcore")
+    qcore.convert(tmp_path / "e2.safetensors", tmp_path / "e2.gguf", "gguf")
+    name = "blk.0.ffn_up_exps.weight"
+    assert _tensor_bytes(tmp_path / "e2.gguf")[name] == _tensor_bytes(src)[name]
+
+
+def test_gpt_oss_round_trips_through_gguf_and_qcore(tmp_path):
+    rng = np.random.default_rng(5)
+    blocks = rng.integers(0, 256, size=(2, 4, 3, 16), dtype=np.uint8)
+    scales = rng.integers(100, 140, size=(2, 4, 3), dtype=np.uint8)
+    save_file({"model.layers.0.mlp.experts.down_proj_blocks": blocks,
+               "model.layers.0.mlp.experts.down_proj_scales": scales}, str(tmp_path / "a.safetensors"))
+    qcore.convert(tmp_path / "a.safetensors", tmp_path / "b.gguf", "gguf")
+    qcore.convert(tmp_path / "b.gguf", tmp_path / "c.safetensors", "qcore")
+    qcore.convert(tmp_path / "c.safetensors", tmp_path / "d.safetensors", "gpt-oss")
+    with safe_open(str(tmp_path / "d.safetensors"), "np") as f:
+        got = {k: f.get_tensor(k) for k in f.keys()}
+    # names spelled as the source did (carried in metadata through GGUF and qcore)
+    assert np.array_equal(got["model.layers.0.mlp.experts.down_proj_blocks"], blocks)
+    assert np.array_equal(got["model.layers.0.mlp.experts.down_proj_scales"], scales)
+
+
+def test_what_the_target_cannot_hold_is_refused_unless_requantize(tmp_path):
+    src = _gguf_model(tmp_path / "m.gguf")
+    with pytest.raises(UnrepresentableError, match=r"tensor 'blk.0.attn_q.weight' \(q8s/block32:f16, shape \[4, 32\]\) "
+                                                   r"cannot be written as gpt-oss exactly: .*--requantize"):
+        qcore.convert(src, tmp_path / "o.safetensors", "gpt-oss")
+    assert not (tmp_path / "o.safetensors").exists()
+    report = qcore.convert(src, tmp_path / "o.safetensors", "gpt-oss", requantize="mxfp4", backend="reference")
+    rows = {t.name: t for t in report.tensors}
+    q = rows["blk.0.attn_q.weight"]
+    assert q.action == "requantized" and q.target == str(qcore.scheme("mxfp4")) and 5 < q.sqnr < 40
+    assert rows["blk.0.ffn_up_exps.weight"].action == "rearranged" and not report.lossless
+    assert qf.read(tmp_path / "o.safetensors").tensors["blk.0.attn_q.weight"].scheme == qcore.scheme("mxfp4")
+
+
+def test_same_path_is_refused(tmp_path):
+    src = _gguf_model(tmp_path / "m.gguf")
+    with pytest.raises(InputError, match="DST must differ from SRC"):
+        qcore.convert(src, src, "gguf")
+
+
+def test_cli_convert_and_inspect(tmp_path, capsys):
+    src = _gguf_model(tmp_path / "m.gguf")
+    assert main(["convert", str(src), str(tmp_path / "m.safetensors"), "--to", "qcore"]) == 0
+    out = capsys.readouterr().out
+    assert "(gguf) ->" in out and "lossless (bytes rearranged, nothing re-quantized)" in out
+    assert main(["inspect", str(src), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["format"] == "gguf" and info["schemes"] == sorted([str(qcore.scheme("mxfp4")), "q8s/block32:f16"])
+    assert main(["inspect", str(src)]) == 0
+    assert "gguf checkpoint, read as qcore schemes" in capsys.readouterr().out
+
+
+def test_cli_convert_errors_are_one_line(tmp_path, capsys):
+    src = _gguf_model(tmp_path / "m.gguf")
+    assert main(["convert", str(src), str(tmp_path / "o.safetensors"), "--to", "gpt-oss"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("qcore: error: tensor 'blk.0.attn_q.weight'")
+    assert main(["convert", str(src), str(tmp_path / "o.safetensors"), "--to", "onnx"]) == 1
+    assert "no checkpoint format named 'onnx'; registered: bitsandbytes, gguf, gpt-oss, qcore" in capsys.readouterr().err
+    assert main(["convert", str(src), str(tmp_path / "o.safetensors"), "--to", "qcore", "--to-option", "x"]) == 1
+    assert "--to-option takes KEY=VALUE, got 'x'" in capsys.readouterr().err
+
+
+def test_cli_requantize_reports_the_error(tmp_path, capsys):
+    src = _gguf_model(tmp_path / "m.gguf")
+    assert main(["convert", str(src), str(tmp_path / "o.safetensors"), "--to", "gpt-oss", "--requantize", "mxfp4",
+                 "--backend", "reference"]) == 0
+    out = capsys.readouterr().out
+    assert "requantized" in out and "1 re-quantized" in out
