@@ -371,6 +371,7 @@ def cmd_dequantize(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------- inspect
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from rich.markup import escape  # scheme text such as q4s-lookup[nf4] is not rich markup
     from rich.table import Table
 
     from .formats.cli import read_info
@@ -415,10 +416,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                       ("as f32", "right"), ("ratio", "right")):
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in rows:
-        table.add_row(r["name"], r["kind"], _shape(r["shape"]), _fmt_bytes(r["bytes"]), _fmt_bytes(r["f32_bytes"]),
-                      f"{r['ratio']:.2f}x")
+        table.add_row(escape(r["name"]), escape(r["kind"]), _shape(r["shape"]), _fmt_bytes(r["bytes"]),
+                      _fmt_bytes(r["f32_bytes"]), f"{r['ratio']:.2f}x")
     table.add_section()
-    table.add_row(f"total ({summary['quantized']} of {len(rows)} quantized)", ", ".join(summary["schemes"]), "",
+    table.add_row(f"total ({summary['quantized']} of {len(rows)} quantized)", escape(", ".join(summary["schemes"])),
+                  "",
                   _fmt_bytes(stored), _fmt_bytes(as_f32), f"{summary['ratio']:.2f}x")
     out.print(table)
     out.print(f"file size {_fmt_bytes(info.file_size)}; compression vs float32: {summary['ratio']:.2f}x")

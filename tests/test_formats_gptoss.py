@@ -1,5 +1,4 @@
 """gpt-oss MXFP4 (`W.blocks` uint8 [..., G, 16] + `W.scales` uint8 [..., G]) <-> qcore mxfp4."""
-import json
 
 import ml_dtypes
 import numpy as np
@@ -123,7 +122,8 @@ def test_bad_option_is_named():
 
 
 def test_mismatched_pair_is_not_gpt_oss(tmp_path):
-    save_file({"w.blocks": np.zeros((2, 8), np.uint8), "w.scales": np.zeros(2, np.uint8)}, str(tmp_path / "m.safetensors"))
+    save_file({"w.blocks": np.zeros((2, 8), np.uint8), "w.scales": np.zeros(2, np.uint8)},
+              str(tmp_path / "m.safetensors"))
     assert qf.detect(tmp_path / "m.safetensors").name == "qcore"
     with pytest.raises(UnrepresentableError, match=r"are not gpt-oss MXFP4"):
         qf.read(tmp_path / "m.safetensors", "gpt-oss")

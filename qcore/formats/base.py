@@ -13,7 +13,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, Union
+from typing import Any, ClassVar, Union
 
 import numpy as np
 
@@ -67,6 +67,8 @@ class Probe:
     @classmethod
     def of(cls, path: PathLike) -> "Probe":
         p = os.fspath(path)
+        if not os.path.exists(p):
+            raise FileNotFoundError(2, "No such file", p)   # the wording qcore.io uses
         with open(p, "rb") as f:
             magic = f.read(8)
             header = None

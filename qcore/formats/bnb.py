@@ -134,7 +134,8 @@ class BnbNF4Format(Format):
             dtypes[key] = str(st.get("dtype", "float32"))
         missing = sorted(set(weights) - set(tensors))
         if missing:
-            raise InvalidDataError(f"{path}: '{weights[missing[0]]}' describes tensor '{missing[0]}', which the file lacks")
+            raise InvalidDataError(
+                f"{path}: '{weights[missing[0]]}' describes tensor '{missing[0]}', which the file lacks")
         if dtypes:
             meta = {**meta, DTYPES_KEY: json.dumps(dtypes, sort_keys=True)}
         return Checkpoint(tensors, meta, self.name)

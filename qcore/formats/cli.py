@@ -10,7 +10,8 @@ from .. import io as qio
 from ..errors import InputError
 from ..payload import QuantizedData
 from .convert import convert
-from .registry import detect, formats
+from .base import FormatNotFoundError
+from .registry import detect, formats, get
 
 __all__ = ["add_convert", "cmd_convert", "read_info"]
 
@@ -26,7 +27,10 @@ _ST_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": 
 def read_info(path: str) -> tuple[qio.FileInfo, str]:
     """`qio.read_info` for qcore files; for another tool's file, the same description of what qcore
     reads from it (schemes, logical shapes, payload sizes), and the format's name."""
-    fmt = detect(path)
+    try:
+        fmt = detect(path)
+    except FormatNotFoundError:  # qcore's own reader says what is wrong with the file
+        fmt = get("qcore")
     if fmt.name == "qcore":
         return qio.read_info(path), fmt.name
     ck = fmt.read(path)
@@ -71,6 +75,7 @@ def add_convert(sub: Any) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from rich.markup import escape  # scheme text such as q4s-lookup[nf4] is not rich markup
     from rich.table import Table
 
     from ..cli import _console, _fmt_db, _shape
@@ -79,14 +84,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
                      backend=args.backend, read_options=_options(args.from_option, "--from-option"),
                      write_options=_options(args.to_option, "--to-option"))
     out = _console()
-    out.print(f"[bold]{report.src} ({report.src_format}) -> {report.dst} ({report.dst_format})[/]")
+    out.print(f"[bold]{escape(report.src)} ({report.src_format}) -> {escape(report.dst)} ({report.dst_format})[/]")
     table = Table()
     for col, just in (("tensor", "left"), ("shape", "left"), ("source", "left"), ("written as", "left"),
                       ("action", "left"), ("SQNR dB", "right"), ("max |err|", "right")):
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     for t in report.tensors:
         re = t.action == "requantized"
-        table.add_row(t.name, _shape(t.shape), t.source, t.target, t.action,
+        table.add_row(escape(t.name), _shape(t.shape), escape(t.source), escape(t.target), t.action,
                       _fmt_db(t.sqnr) if re else "", f"{t.max_err:.3g}" if re and not math.isnan(t.max_err) else "")
     out.print(table)
     n_re = sum(t.action == "requantized" for t in report.tensors)

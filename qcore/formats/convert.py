@@ -88,7 +88,7 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
     s, d = os.fspath(src), os.fspath(dst)
     if os.path.abspath(s) == os.path.abspath(d):
         raise InputError("DST must differ from SRC; write elsewhere and move it if you want to replace SRC")
-    reader = _format(src_format, read_options) if src_format is not None else detect(s).with_options(**dict(read_options or {}))
+    reader = _format(src_format if src_format is not None else detect(s), read_options)
     writer = _format(to, write_options)
     if not writer.writable:
         raise UnrepresentableError(f"format '{writer.name}' is read-only in this qcore; convert to another format")
@@ -121,7 +121,8 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
     return report
 
 
-def _requantize(name: str, value: QuantizedData, target: QuantScheme, backend: Any) -> tuple[QuantizedData, TensorReport]:
+def _requantize(name: str, value: QuantizedData, target: QuantScheme,
+                backend: Any) -> tuple[QuantizedData, TensorReport]:
     from ..registry import backend as get_backend
 
     be = get_backend(backend)

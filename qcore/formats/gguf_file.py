@@ -126,6 +126,8 @@ class GGUFFormat(Format):
             reader = gguf.GGUFReader(p)
         except Exception as e:  # the reader raises ValueError/struct errors on a bad file
             raise InvalidDataError(f"{p} is not a readable GGUF file: {type(e).__name__}: {e}") from None
+        if reader.byte_order == "S":
+            raise UnrepresentableError(f"{p} is a big-endian GGUF file; qcore reads little-endian GGUF only")
         T = gguf.GGMLQuantizationType
         kv = []
         meta: dict[str, str] = {}

@@ -55,15 +55,16 @@ class GptOssFormat(Format):
     def with_options(self, **options: str) -> "GptOssFormat":
         unknown = set(options) - {"zero_scale"}
         if unknown:
-            raise InputError(f"format 'gpt-oss' takes option zero_scale (refuse|spec), got {', '.join(sorted(unknown))}")
+            raise InputError(
+                f"format 'gpt-oss' takes option zero_scale (refuse|spec), got {', '.join(sorted(unknown))}")
         return GptOssFormat(options.get("zero_scale", self.zero_scale))
 
     def detect(self, probe: Probe) -> bool:
         head = probe.safetensors_header or {}
         for blocks, scales in _pairs(probe.tensor_names).values():
             b, s = head[blocks], head[scales]
-            if b.get("dtype") == "U8" and s.get("dtype") == "U8" and list(b.get("shape", []))[:-1] == list(s.get("shape", [])) \
-                    and list(b.get("shape", []))[-1:] == [16]:
+            b_shape, s_shape = list(b.get("shape", [])), list(s.get("shape", []))
+            if b.get("dtype") == s.get("dtype") == "U8" and b_shape[:-1] == s_shape and b_shape[-1:] == [16]:
                 return True
         return False
 

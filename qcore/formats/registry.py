@@ -38,7 +38,8 @@ def _instance(obj: Any, origin: str) -> Format:
     fmt = obj() if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "detect")) else obj
     missing = [m for m in ("name", "priority", "detect", "read", "check", "write", "available") if not hasattr(fmt, m)]
     if missing or not isinstance(getattr(fmt, "name", None), str) or not fmt.name:
-        raise TypeError(f"entry point {origin} gave {fmt!r}, which lacks {', '.join(missing) or 'a name'} of qcore.formats.Format")
+        lacks = ", ".join(missing) or "a name"
+        raise TypeError(f"entry point {origin} gave {fmt!r}, which lacks {lacks} of qcore.formats.Format")
     return fmt
 
 
