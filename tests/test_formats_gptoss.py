@@ -1,5 +1,7 @@
 """gpt-oss MXFP4 (`W.blocks` uint8 [..., G, 16] + `W.scales` uint8 [..., G]) <-> qcore mxfp4."""
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -127,3 +129,26 @@ def test_mismatched_pair_is_not_gpt_oss(tmp_path):
     assert qf.detect(tmp_path / "m.safetensors").name == "qcore"
     with pytest.raises(UnrepresentableError, match=r"are not gpt-oss MXFP4"):
         qf.read(tmp_path / "m.safetensors", "gpt-oss")
+
+
+# ------------------------------------------------- against transformers' own decode (torch, CPU)
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")   # scale byte 254 with code 6: inf on both sides
+@pytest.mark.parametrize("be_name", ["reference", "cuda"])
+def test_transformers_decode_matches_bit_for_bit(request, be_name):
+    """tests/data/gptoss_mxfp4*.safetensors come from scripts/make_gptoss_fixture.py: transformers'
+    `convert_moe_packed_tensors` output (bf16, axes 1 and 2 swapped), scale bytes 0, 1 and 254 included."""
+    be = get_backend(be_name, request)
+    ref = qf.read(os.path.join(DATA, "gptoss_mxfp4.ref.safetensors")).tensors
+    with pytest.raises(UnrepresentableError, match="scale byte 0"):
+        qf.read(os.path.join(DATA, "gptoss_mxfp4.safetensors"))
+    ck = qf.read(os.path.join(DATA, "gptoss_mxfp4.safetensors"), zero_scale="spec")
+    assert sorted(ck.tensors) == sorted(ref)
+    for name, d in ck.tensors.items():
+        got = be.to_numpy(be.dequantize(be.from_data(d), dtype=ml_dtypes.bfloat16)).swapaxes(1, 2)
+        want = ref[name]
+        assert got.shape == want.shape and want.dtype == ml_dtypes.bfloat16
+        bad = got.view(np.uint16) != want.view(np.uint16)
+        assert not bad.any(), f"{name}: {int(bad.sum())} of {bad.size} values differ"

@@ -52,7 +52,7 @@ def zero_scale_blocks(blocks: np.ndarray, scales: np.ndarray) -> int:
     """Blocks whose scale byte is 0 and that hold a non-zero code.
 
     SPEC §1 decodes UE8M0 byte 0 as 2^-127, so such a block decodes to `v * 2^-127` in qcore, while
-    a reader that builds the scale as `byte << 23` (triton's MX upcast) gets 0.0. A block of only
+    a reader that shifts the byte into a float's exponent field (triton_kernels' MX upcast) gets 0.0. A block of only
     zero codes (E2M1 codes 0 and 8, i.e. +-0) decodes the same either way.
     """
     nonzero = (np.asarray(blocks) & np.uint8(0x77)).any(axis=-1)

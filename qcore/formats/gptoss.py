@@ -6,8 +6,9 @@ transformers checkpoints spell the pair `W_blocks` / `W_scales`. That is qcore's
 for shape `[..., 32 G]` byte for byte (values section, then scales section), so reading and writing
 only rename tensors. Other tensors (bf16 attention, norms, biases) pass through unchanged.
 
-Scale byte 0: SPEC §1 decodes it as 2^-127; triton's MX upcast (the kernels gpt-oss runs on) builds
-the scale as `byte << 23` and gets 0.0. A block with byte 0 and a non-zero code therefore decodes
+Scale byte 0: SPEC §1 and the torch decode (`ldexp(lut, byte - 127)`) give 2^-127; the triton
+kernels gpt-oss runs on GPUs (`triton_kernels` `_upcast_from_mxfp`) shift the byte into the exponent
+field and get 0.0. A block with byte 0 and a non-zero code therefore decodes
 differently (by less than 6 * 2^-127 per element), so by default both directions refuse such a
 tensor; option `zero_scale=spec` accepts it (bytes unchanged, decoded per SPEC).
 """
