@@ -162,6 +162,12 @@ def test_what_gguf_cannot_hold_is_refused_before_writing(tmp_path, scheme, shape
     assert not (tmp_path / "x.gguf").exists()
 
 
+def test_long_tensor_name_is_refused():
+    d = qcore.quantize(np.ones((1, 32), np.float32), "mxfp4", backend="reference").to_data()
+    assert qf.get("gguf").check("x" * 63, d)
+    assert qf.get("gguf").check("x" * 64, d).reason == "GGUF tensor names are shorter than 64 bytes; rename it"
+
+
 def test_kv_metadata_travels_as_json(tmp_path):
     a = _gguf_file(tmp_path / "a.gguf", {"w": (np.zeros((1, 32), np.float32), None)}, {"general.name": "x"})
     kv = json.loads(qf.read(a).metadata["gguf.kv"])

@@ -123,6 +123,11 @@ def test_bad_option_is_named():
         qf.get("gpt-oss").with_options(colour="red")
 
 
+def test_a_qcore_file_is_never_taken_for_gpt_oss(tmp_path):
+    qcore.save(tmp_path / "q.safetensors", {"w.blocks": np.zeros((2, 16), np.uint8), "w.scales": np.zeros(2, np.uint8)})
+    assert qf.detect(tmp_path / "q.safetensors").name == "qcore"
+
+
 def test_mismatched_pair_is_not_gpt_oss(tmp_path):
     save_file({"w.blocks": np.zeros((2, 8), np.uint8), "w.scales": np.zeros(2, np.uint8)},
               str(tmp_path / "m.safetensors"))

@@ -40,6 +40,7 @@ KV_KEY = "gguf.kv"      # JSON list of [key, value type, array item type or null
 META_PREFIX = "qcore.metadata."   # GGUF string keys holding the other str -> str metadata of a checkpoint
 Q8_SCHEMES = (parse_scheme("q8s/block32:f16"), parse_scheme("q8f/block32:f16"))
 _MAX_DIMS = 4           # GGML_MAX_DIMS
+_MAX_NAME = 64          # GGML_MAX_NAME, the terminating NUL included
 _QUANTIZATION_VERSION = 2
 _INSTALL = "the gguf package is not installed; pip install 'qcore[formats]' (or gguf)"
 
@@ -165,6 +166,8 @@ class GGUFFormat(Format):
 
     # ----------------------------------------------------------------------------- write
     def check(self, name: str, value: Tensor) -> Support:
+        if len(name.encode("utf-8")) >= _MAX_NAME:
+            return Support.no(f"GGUF tensor names are shorter than {_MAX_NAME} bytes; rename it")
         if len(value.shape) > _MAX_DIMS:
             return Support.no(f"GGUF tensors have at most {_MAX_DIMS} dims, got shape {list(value.shape)}")
         if isinstance(value, QuantizedData):

@@ -19,6 +19,7 @@ import json
 import numpy as np
 
 from ..errors import InputError
+from ..io import VERSION_KEY
 from ..payload import QuantizedData
 from ..protocol import Support
 from . import _mx
@@ -62,6 +63,8 @@ class GptOssFormat(Format):
 
     def detect(self, probe: Probe) -> bool:
         head = probe.safetensors_header or {}
+        if VERSION_KEY in probe.metadata:  # a qcore file, whatever its tensors are called
+            return False
         for blocks, scales in _pairs(probe.tensor_names).values():
             b, s = head[blocks], head[scales]
             b_shape, s_shape = list(b.get("shape", [])), list(s.get("shape", []))
