@@ -142,3 +142,10 @@ def test_cli_requantize_reports_the_error(tmp_path, capsys):
                  "--backend", "reference"]) == 0
     out = capsys.readouterr().out
     assert "requantized" in out and "1 re-quantized" in out
+
+
+def test_a_plain_tensor_the_target_cannot_hold_is_refused_even_with_requantize(tmp_path):
+    qcore.save(tmp_path / "a.safetensors", {"w": np.zeros((2, 2), np.uint16)})
+    with pytest.raises(UnrepresentableError, match=r"tensor 'w' \(uint16, shape \[2, 2\]\) cannot be written as gguf "
+                                                   r"exactly: GGUF has no type for dtype uint16; cast it to float32$"):
+        qcore.convert(tmp_path / "a.safetensors", tmp_path / "b.gguf", "gguf", requantize="q8s/block32:f16")

@@ -104,11 +104,11 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
             report.tensors.append(TensorReport(name, tuple(value.shape), describe(value), describe(value), action))
             continue
         if target is None or not isinstance(value, QuantizedData):
-            way = "pass requantize=SCHEME (--requantize) to re-quantize it and report the error" \
-                if isinstance(value, QuantizedData) else "cast it before converting"
+            way = "; pass requantize=SCHEME (--requantize) to re-quantize it and report the error" \
+                if isinstance(value, QuantizedData) else ""   # a plain tensor's reason names its way out
             raise UnrepresentableError(
                 f"tensor '{name}' ({describe(value)}, shape {list(value.shape)}) cannot be written as "
-                f"{writer.name} exactly: {ok.reason}; {way}"
+                f"{writer.name} exactly: {ok.reason}{way}"
             )
         out[name], row = _requantize(name, value, target, backend)
         again = writer.check(name, out[name])
