@@ -149,3 +149,24 @@ def test_a_plain_tensor_the_target_cannot_hold_is_refused_even_with_requantize(t
     with pytest.raises(UnrepresentableError, match=r"tensor 'w' \(uint16, shape \[2, 2\]\) cannot be written as gguf "
                                                    r"exactly: GGUF has no type for dtype uint16; cast it to float32$"):
         qcore.convert(tmp_path / "a.safetensors", tmp_path / "b.gguf", "gguf", requantize="q8s/block32:f16")
+
+
+def test_docs_formats_commands_run_as_written(tmp_path):
+    """The bash block at the top of docs/formats.md, run as written (its pip line aside) in a scratch dir."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    doc = os.path.join(os.path.dirname(__file__), "..", "docs", "formats.md")
+    block = re.search(r"```bash\n(.*?)```", open(doc, encoding="utf-8").read(), re.S).group(1)
+    script = "\n".join(line for line in block.splitlines() if not line.startswith("pip install"))
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+           "QCORE_BACKEND": "reference"}
+    p = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("lossless (bytes rearranged, nothing re-quantized)") == 4
+    assert "cannot be written as gpt-oss exactly" in p.stderr and "1 re-quantized" in p.stdout
+    a = qcore.load(tmp_path / "tiny.safetensors", backend="reference")["w"].to_data()
+    assert qcore.load(tmp_path / "tiny.back.safetensors", backend="reference")["w"].to_data().payload == a.payload

@@ -172,3 +172,9 @@ def test_kv_metadata_travels_as_json(tmp_path):
     a = _gguf_file(tmp_path / "a.gguf", {"w": (np.zeros((1, 32), np.float32), None)}, {"general.name": "x"})
     kv = json.loads(qf.read(a).metadata["gguf.kv"])
     assert ["general.name", "STRING", None, "x"] in kv
+
+
+def test_a_file_with_the_magic_but_no_gguf_is_invalid_data(tmp_path):
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\xff" * 20)
+    with pytest.raises(qcore.InvalidDataError, match=r"bad.gguf is not a readable GGUF file"):
+        qf.read(tmp_path / "bad.gguf")
