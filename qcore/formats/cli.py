@@ -61,10 +61,11 @@ def add_convert(sub: Any) -> None:
         "convert", help="move a checkpoint between formats (bytes rearranged, never re-quantized unasked)",
         description="Convert SRC to format FORMAT at DST. A quantized tensor the target holds exactly moves "
                     "byte for byte; one it cannot hold is refused unless --requantize names a scheme.",
-        epilog=f"formats: {names}")
+        epilog=f"formats read: {names}")
     s.add_argument("src", metavar="SRC", help="input file (format detected, or --from)")
     s.add_argument("dst", metavar="DST", help="output file (written atomically)")
-    s.add_argument("--to", required=True, metavar="FORMAT", help=f"target format: {names}")
+    writable = ", ".join(n for n, f in formats().items() if f.writable)
+    s.add_argument("--to", required=True, metavar="FORMAT", help=f"target format: {writable}")
     s.add_argument("--from", dest="src_format", metavar="FORMAT", help="source format (default: detected)")
     s.add_argument("--requantize", metavar="SCHEME",
                    help="re-quantize tensors the target cannot hold exactly to SCHEME (error reported per tensor)")
