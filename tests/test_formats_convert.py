@@ -170,3 +170,55 @@ def test_docs_formats_commands_run_as_written(tmp_path):
     assert "cannot be written as gpt-oss exactly" in p.stderr and "1 re-quantized" in p.stdout
     a = qcore.load(tmp_path / "tiny.safetensors", backend="reference")["w"].to_data()
     assert qcore.load(tmp_path / "tiny.back.safetensors", backend="reference")["w"].to_data().payload == a.payload
+
+
+def _sharded_gpt_oss(folder):
+    """gpt-oss as transformers shards it: an index, and a blocks/scales pair split over two shards."""
+    rng = np.random.default_rng(7)
+    blocks = rng.integers(0, 256, size=(2, 3, 2, 16), dtype=np.uint8)
+    scales = rng.integers(110, 135, size=(2, 3, 2), dtype=np.uint8)
+    folder.mkdir()
+    w = "model.layers.0.mlp.experts.down_proj"
+    save_file({w + "_blocks": blocks, "model.norm.weight": _x((8,))}, str(folder / "model-00001-of-00002.safetensors"),
+              metadata={"format": "pt"})
+    save_file({w + "_scales": scales}, str(folder / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": blocks.nbytes + scales.nbytes + 32},
+             "weight_map": {w + "_blocks": "model-00001-of-00002.safetensors",
+                            "model.norm.weight": "model-00001-of-00002.safetensors",
+                            w + "_scales": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return w, blocks, scales
+
+
+@pytest.mark.parametrize("which", ["folder", "index"])
+def test_sharded_checkpoint_converts_as_one(tmp_path, which, capsys):
+    w, blocks, scales = _sharded_gpt_oss(tmp_path / "m")
+    src = tmp_path / "m" if which == "folder" else tmp_path / "m" / "model.safetensors.index.json"
+    assert qf.detect(src).name == "gpt-oss"
+    qcore.convert(src, tmp_path / "m.gguf", "gguf")
+    qcore.convert(tmp_path / "m.gguf", tmp_path / "back.safetensors", "gpt-oss")
+    with safe_open(str(tmp_path / "back.safetensors"), "np") as f:
+        assert np.array_equal(f.get_tensor(w + "_blocks"), blocks)
+        assert np.array_equal(f.get_tensor(w + "_scales"), scales)
+    assert main(["inspect", str(src)]) == 0
+    assert "gpt-oss checkpoint" in capsys.readouterr().out
+
+
+def test_sharded_qcore_checkpoint_reads_as_one(tmp_path):
+    (tmp_path / "q").mkdir()
+    a = qcore.quantize(_x((2, 64)), "mxfp4", backend="reference").to_data()
+    qcore.save(tmp_path / "q" / "a.safetensors", {"a": a})
+    qcore.save(tmp_path / "q" / "b.safetensors", {"b": _x((4,))})
+    (tmp_path / "q" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "a.safetensors", "b": "b.safetensors"}}))
+    ck = qf.read(tmp_path / "q")
+    assert ck.format == "qcore" and ck.tensors["a"] == a and ck.tensors["b"].shape == (4,)
+
+
+def test_bad_index_and_missing_index(tmp_path):
+    (tmp_path / "bad.safetensors.index.json").write_text("{}")
+    with pytest.raises(qcore.InvalidDataError, match=r"not a safetensors index"):
+        qf.read(tmp_path / "bad.safetensors.index.json")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError):
+        qf.detect(tmp_path / "empty")

@@ -1,7 +1,6 @@
 """Plain safetensors reading and writing shared by the safetensors-based formats."""
 from __future__ import annotations
 
-import os
 from typing import Mapping
 
 import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with numpy, so safetensors can read them)
@@ -10,7 +9,7 @@ from safetensors.numpy import save_file
 
 from .. import io as qio
 from ..errors import InputError, InvalidDataError
-from .base import PathLike
+from .base import PathLike, shards
 
 __all__ = ["read_arrays", "storable", "write_arrays"]
 
@@ -21,17 +20,21 @@ def storable(dtype: np.dtype) -> bool:
 
 
 def read_arrays(path: PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Every tensor of a safetensors file as numpy, in file order, and its `__metadata__`."""
-    p = os.fspath(path)
+    """Every tensor of a safetensors file (or of every shard of an index) as numpy, in file order,
+    and the (first shard's) `__metadata__`."""
     out: dict[str, np.ndarray] = {}
-    with qio._open(p) as f:
-        meta = dict(f.metadata() or {})
-        for name in f.keys():
-            try:
-                out[name] = f.get_tensor(name)
-            except Exception as e:
-                raise InvalidDataError(f"{p}: cannot read tensor '{name}': {e}") from None
-    return out, meta
+    meta: dict[str, str] | None = None
+    for p in shards(path):
+        with qio._open(p) as f:
+            meta = dict(f.metadata() or {}) if meta is None else meta
+            for name in f.keys():
+                if name in out:
+                    raise InvalidDataError(f"{p}: tensor '{name}' is also in another shard")
+                try:
+                    out[name] = f.get_tensor(name)
+                except Exception as e:
+                    raise InvalidDataError(f"{p}: cannot read tensor '{name}': {e}") from None
+    return out, meta or {}
 
 
 def write_arrays(path: PathLike, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Union
 
 import numpy as np
 
-from ..errors import InputError, QCoreError
+from ..errors import InputError, InvalidDataError, QCoreError
 from ..payload import QuantizedData
 from ..protocol import Support
 
@@ -28,6 +28,7 @@ __all__ = [
     "Probe",
     "Tensor",
     "UnrepresentableError",
+    "shards",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -56,6 +57,30 @@ class Checkpoint:
     format: str = ""
 
 
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def shards(path: PathLike) -> list[str]:
+    """The files of a checkpoint: the shards an index names (`*.safetensors.index.json`, or a folder
+    holding `model.safetensors.index.json`, as transformers writes them), else the path itself."""
+    p = os.fspath(path)
+    index = os.path.join(p, "model" + INDEX_SUFFIX) if os.path.isdir(p) else p
+    if not index.endswith(INDEX_SUFFIX):
+        return [p]
+    if not os.path.exists(index):
+        raise FileNotFoundError(2, "No such file", index)
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        names = list(dict.fromkeys(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise InvalidDataError(
+            f"{index}: not a safetensors index (JSON with a 'weight_map' of tensor -> file)") from None
+    if not names or not all(isinstance(n, str) and n and os.path.basename(n) == n for n in names):
+        raise InvalidDataError(f"{index}: 'weight_map' must name shard files in the index's folder")
+    return [os.path.join(os.path.dirname(index), n) for n in names]
+
+
 @dataclass(frozen=True)
 class Probe:
     """What detection looks at: the first bytes of a file and, for safetensors, its header."""
@@ -66,9 +91,22 @@ class Probe:
 
     @classmethod
     def of(cls, path: PathLike) -> "Probe":
+        """Probe a file; a sharded safetensors checkpoint (its index or folder) probes as one file
+        whose header holds every shard's tensors and the first shard's metadata."""
         p = os.fspath(path)
         if not os.path.exists(p):
             raise FileNotFoundError(2, "No such file", p)   # the wording qcore.io uses
+        files = shards(p)
+        if files != [p]:
+            probes = [cls.of(f) for f in files]
+            header: dict[str, Any] = {"__metadata__": probes[0].metadata}
+            for pr in probes:
+                header.update((k, v) for k, v in (pr.safetensors_header or {}).items() if k != "__metadata__")
+            return cls(p, probes[0].magic, header)
+        return cls._of_file(p)
+
+    @classmethod
+    def _of_file(cls, p: str) -> "Probe":
         with open(p, "rb") as f:
             magic = f.read(8)
             header = None

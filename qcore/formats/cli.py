@@ -9,8 +9,8 @@ from typing import Any
 from .. import io as qio
 from ..errors import InputError
 from ..payload import QuantizedData
+from .base import INDEX_SUFFIX, FormatNotFoundError, shards
 from .convert import convert
-from .base import FormatNotFoundError
 from .registry import detect, formats, get
 
 __all__ = ["add_convert", "cmd_convert", "read_info"]
@@ -31,7 +31,7 @@ def read_info(path: str) -> tuple[qio.FileInfo, str]:
         fmt = detect(path)
     except FormatNotFoundError:  # qcore's own reader says what is wrong with the file
         fmt = get("qcore")
-    if fmt.name == "qcore":
+    if fmt.name == "qcore" and os.path.isfile(path) and not os.fspath(path).endswith(INDEX_SUFFIX):
         return qio.read_info(path), fmt.name
     ck = fmt.read(path)
     entries = []
@@ -41,7 +41,8 @@ def read_info(path: str) -> tuple[qio.FileInfo, str]:
         else:
             entries.append(qio.Entry(name, _ST_DTYPE.get(v.dtype.name, v.dtype.name), tuple(v.shape), v.nbytes))
     meta = {k: v for k, v in ck.metadata.items() if k not in _PRIVATE}
-    return qio.FileInfo(os.fspath(path), None, entries, meta, os.path.getsize(path)), fmt.name
+    size = sum(os.path.getsize(f) for f in shards(path))
+    return qio.FileInfo(os.fspath(path), None, entries, meta, size), fmt.name
 
 
 def _options(pairs: list[str] | None, flag: str) -> dict[str, str]:

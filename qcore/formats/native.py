@@ -7,10 +7,11 @@ one holds only float tensors), so it runs last.
 from __future__ import annotations
 
 from .. import io as qio
+from ..errors import InvalidDataError
 from ..payload import QuantizedData
 from ..protocol import Support
 from ._st import storable
-from .base import Checkpoint, Format, PathLike, Probe, Tensor
+from .base import Checkpoint, Format, PathLike, Probe, Tensor, shards
 
 __all__ = ["QcoreFormat"]
 
@@ -24,8 +25,15 @@ class QcoreFormat(Format):
         return probe.safetensors_header is not None
 
     def read(self, path: PathLike) -> Checkpoint:
-        info = qio.read_info(path)
-        return Checkpoint(qio.load_data(path), dict(info.metadata), self.name)
+        tensors: dict[str, Tensor] = {}
+        meta: dict[str, str] | None = None
+        for p in shards(path):
+            meta = dict(qio.read_info(p).metadata) if meta is None else meta
+            for name, value in qio.load_data(p).items():
+                if name in tensors:
+                    raise InvalidDataError(f"{p}: tensor '{name}' is also in another shard")
+                tensors[name] = value
+        return Checkpoint(tensors, meta or {}, self.name)
 
     def check(self, name: str, value: Tensor) -> Support:
         if isinstance(value, QuantizedData):
