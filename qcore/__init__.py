@@ -52,7 +52,7 @@ __all__ = [
     "BlockLevel", "TensorLevel", "Native", "PackedU32", "PackedNative", "PRESETS", "scheme",
     # data and backends
     "QuantizedData", "QParams", "QTensor", "Support", "Backend", "BaseBackend", "hookimpl",
-    "backend", "backends", "quantize", "dequantize", "calibrate", "save", "load",
+    "backend", "backends", "quantize", "dequantize", "calibrate", "save", "load", "convert",
     # whole models
     "Recipe", "quantize_model", "quantize_dict", "dequantize_model",
     # errors
@@ -119,3 +119,11 @@ def dequantize_model(src, dst, dtype: Any = None, backend: str | Backend | None 
     from .model import dequantize_model as _dequantize_model
 
     return _dequantize_model(src, dst, dtype, backend)
+
+
+def convert(src, dst, to: str, **options):
+    """Convert a checkpoint between formats (see `qcore.formats.convert`): bytes rearranged where
+    `to` holds a tensor exactly, re-quantized only with `requantize=SCHEME`, refused otherwise."""
+    from .formats import convert as _convert
+
+    return _convert(src, dst, to, **options)

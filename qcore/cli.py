@@ -1,4 +1,4 @@
-"""The `qcore` command line: backends, quantize, dequantize, inspect, conformance, bench.
+"""The `qcore` command line: backends, quantize, dequantize, inspect, convert, conformance, bench.
 
 Thin by design: every rule lives in the library; this module parses arguments, calls it and
 prints tables. User mistakes print one line (`qcore: error: ...`) and exit 2 (usage) or 1
@@ -331,12 +331,20 @@ def cmd_dequantize(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------- inspect
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from rich.markup import escape  # scheme text such as q4s-lookup[nf4] is not rich markup
     from rich.table import Table
 
     from .checkpoint import resolve
+    from .formats.cli import format_of, read_info as read_foreign_info
 
-    ck = resolve(args.file)
-    infos = [qio.read_info(ck.path(s)) for s in ck.shards]
+    fmt = format_of(args.file)
+    if fmt == "qcore":
+        ck = resolve(args.file)
+        infos = [qio.read_info(ck.path(s)) for s in ck.shards]
+        where = f"{len(infos)} shards in {ck.root}" if len(infos) > 1 else infos[0].path
+    else:  # another tool's checkpoint, described as the qcore schemes it reads as
+        infos = [read_foreign_info(args.file)[0]]
+        where = infos[0].path
     rows = []
     for info in infos:
         for e in info.entries:
@@ -357,6 +365,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     versions = sorted({i.format_version for i in infos if i.format_version})
     summary = {
         "file": os.fspath(args.file),
+        "format": fmt,
         "files": [i.path for i in infos],
         "format_version": versions[0] if versions else None,
         "file_size": sum(i.file_size for i in infos),
@@ -373,8 +382,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps({**summary, "entries": rows}, indent=1))
         return EXIT_OK
     out = _console()
-    where = f"{len(infos)} shards in {ck.root}" if len(infos) > 1 else infos[0].path
-    out.print(f"[bold]{escape(where)}[/]  (qcore format {summary['format_version'] or '- (plain safetensors)'})")
+    kind = f"{fmt} checkpoint, read as qcore schemes" if fmt != "qcore" else \
+        f"qcore format {summary['format_version'] or '- (plain safetensors)'}"
+    out.print(f"[bold]{escape(where)}[/]  ({kind})")
     table = Table()
     cols = [("tensor", "left"), ("scheme / dtype", "left"), ("shape", "left"), ("stored", "right"),
             ("as source", "right"), ("ratio", "right")] + ([("file", "left")] if len(infos) > 1 else [])
@@ -382,11 +392,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in rows:
         kind = r["kind"] + (f" (from {r['source_dtype']})" if r["quantized"] else "")
-        table.add_row(r["name"], kind, _shape(r["shape"]), _fmt_bytes(r["bytes"]), _fmt_bytes(r["source_bytes"]),
-                      f"{r['ratio']:.2f}x", *([r["file"]] if len(infos) > 1 else []))
+        table.add_row(escape(r["name"]), escape(kind), _shape(r["shape"]), _fmt_bytes(r["bytes"]),
+                      _fmt_bytes(r["source_bytes"]), f"{r['ratio']:.2f}x", *([r["file"]] if len(infos) > 1 else []))
     table.add_section()
-    table.add_row(f"total ({summary['quantized']} of {len(rows)} quantized)", ", ".join(summary["schemes"]), "",
-                  _fmt_bytes(stored), _fmt_bytes(source), f"{summary['ratio']:.2f}x")
+    table.add_row(f"total ({summary['quantized']} of {len(rows)} quantized)", escape(", ".join(summary["schemes"])),
+                  "", _fmt_bytes(stored), _fmt_bytes(source), f"{summary['ratio']:.2f}x")
     out.print(table)
     out.print(f"file size {_fmt_bytes(summary['file_size'])}; compression vs the source dtypes: "
               f"{summary['ratio']:.2f}x")
@@ -520,6 +530,10 @@ def _parser() -> _Parser:
     s.add_argument("file", metavar="FILE", help="a .safetensors file, checkpoint directory, index file or hub id")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=cmd_inspect)
+
+    from .formats.cli import add_convert
+
+    add_convert(sub)
 
     s = sub.add_parser("conformance", help="run the conformance suite against a backend",
                        description="Run qcore's conformance suite against one or more backends.",

