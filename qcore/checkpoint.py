@@ -104,7 +104,9 @@ def resolve(src: PathLike) -> Checkpoint:
         if _HUB_ID.match(p):
             p = _hub_snapshot(p)
         else:
-            raise FileNotFoundError(2, "No such file", p)
+            from .io import check_input_path
+
+            check_input_path(p)  # missing: StorageError naming the path
     if os.path.isdir(p):
         names = sorted(os.listdir(p))
         index = [n for n in names if n.endswith(_INDEX_SUFFIX)]
@@ -116,6 +118,9 @@ def resolve(src: PathLike) -> Checkpoint:
         if not shards:
             raise InputError(f"directory {p} holds no .safetensors file and no {INDEX_NAME}; pass a checkpoint directory")
         return Checkpoint(os.path.abspath(p), shards, False, None, {}, {}, _extras(p, set(shards)))
+    from .io import check_input_path
+
+    check_input_path(p)  # a readable regular file (not /dev/null), else StorageError naming it
     if p.endswith(".json"):
         return _from_index(p)
     root, name = os.path.split(os.path.abspath(p))

@@ -27,7 +27,8 @@ from qcore.checks import raise_nonfinite, to_f32
 from qcore.codecs import F32_TINY, bits_f32, f32_bits
 from qcore.payload import QuantizedData, sections
 from qcore.protocol import BaseBackend, QParams, Support
-from qcore.reference import ReferenceBackend, decode, effective_scale, encode, slot_statistic
+from qcore.arithmetic import decode, effective_scale, encode, slot_statistic
+from qcore.reference import ReferenceBackend
 from qcore.scheme import QuantScheme, QuantStore, ScaleDtype, StoreKind
 
 NARROW_EXPECT = "q8s/tensor:f32/native,q8s/block*:f32/native"
@@ -146,6 +147,7 @@ class Narrow(BaseBackend):
         return QuantizedData(q.shape, q.scheme, q.codes.tobytes() + sc)
 
     def _from_data(self, d: QuantizedData) -> _Q:
+        d.check_codes()  # SPEC v1.1 §3: a code outside the value's set is invalid data
         n = math.prod(d.shape)
         raw = d.payload
         codes = np.frombuffer(raw, np.int8, count=n).reshape(d.shape).copy()
@@ -304,6 +306,7 @@ class Full(ReferenceBackend):
         return QuantizedData.from_parts(x.shape, s, codes, params.scales, params.global_scale)
 
     def _dequantize(self, d, dtype):
+        d.check_codes()  # SPEC v1.1 §3
         e = self._effective(QParams(d.scales(), d.global_scale()), d.shape, d.scheme)
         with np.errstate(over="ignore", invalid="ignore"):
             return (decode(d.codes(), d.scheme) * e).astype(np.float32).astype(dtype)

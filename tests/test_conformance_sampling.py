@@ -13,7 +13,8 @@ from qcore.conformance import sampling as S
 from qcore.conformance.expect import as_expectation, parse_expect, scheme_label
 from qcore.conformance.inputs import decision_points, grid_exponents, scheme_input, slot_ids
 from qcore.errors import InputError
-from qcore.reference import ReferenceBackend, calibrate
+from qcore.arithmetic import calibrate
+from qcore.reference import ReferenceBackend
 from tests.mutants import NARROW_EXPECT, Narrow, NarrowRefusesBlocks
 
 

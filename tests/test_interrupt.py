@@ -155,13 +155,18 @@ def test_signals_at_many_points(tmp_path, model, capsys, command, old_output):
 def test_second_signal_during_cleanup_leaves_no_temp(tmp_path, model, capsys, monkeypatch):
     """A signal inside the deferred cleanup (temp file removal) waits until the file is gone."""
     from qcore import io as qio
+    from qcore import stfile
 
     out = tmp_path / "o.safetensors"
-    real = qio.save_file
+    real = stfile.StreamWriter.add
 
-    def write_then_interrupt(arrays, tmp, metadata=None):
-        real(arrays, tmp, metadata=metadata)
-        os.kill(os.getpid(), signal.SIGINT)
+    interrupted = []
+
+    def write_then_interrupt(self, name, array):  # the writer thread, inside the temp file
+        real(self, name, array)
+        if not interrupted:
+            interrupted.append(name)
+            os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.01)  # the handler raises here
     real_unlink = os.unlink
 
@@ -173,7 +178,7 @@ def test_second_signal_during_cleanup_leaves_no_temp(tmp_path, model, capsys, mo
             os.kill(os.getpid(), signal.SIGTERM)  # held until the removal is done
         return real_unlink(p, *a, **k)
 
-    monkeypatch.setattr(qio, "save_file", write_then_interrupt)
+    monkeypatch.setattr(stfile.StreamWriter, "add", write_then_interrupt)
     monkeypatch.setattr(qio.os, "unlink", unlink_with_signal)
     rc = main(["quantize", str(model), str(out), "--scheme", "q8s", "--backend", "reference"])
     _, err = capsys.readouterr()
