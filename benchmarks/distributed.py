@@ -1,6 +1,6 @@
 """Quantize a multi-shard checkpoint single-process and as one Dask unit per shard (issue 21).
 
-Usage (from the repository root, with qcore[distributed] and the backend installed)::
+Usage (from the repository root, with qcore-quant[distributed] and the backend installed)::
 
     python benchmarks/distributed.py                                    # 8 x 64 MiB shards, ndarray
     python benchmarks/distributed.py --workers 1 --workers 2 --json out.json

@@ -513,7 +513,7 @@ def _parser() -> _Parser:
                    help="also measure this scheme in the report (repeatable; not written to OUT)")
     s.add_argument("-v", "--verbose", action="store_true", help="list every tensor kept as it is")
     s.add_argument("--cluster", choices=["local"], help="one unit per shard on a Dask LocalCluster (one worker per "
-                   "GPU for --backend cuda); needs qcore[distributed], see docs/distributed.md")
+                   "GPU for --backend cuda); needs qcore-quant[distributed], see docs/distributed.md")
     s.add_argument("--scheduler", metavar="ADDRESS", help="one unit per shard on the Dask cluster at ADDRESS "
                    "(e.g. tcp://10.0.0.1:8786)")
     s.set_defaults(func=cmd_quantize)

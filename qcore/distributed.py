@@ -105,7 +105,7 @@ def _distributed() -> Any:
     try:
         import distributed
     except ImportError:
-        raise InputError("a cluster run needs Dask: pip install 'qcore[distributed]' "
+        raise InputError("a cluster run needs Dask: pip install 'qcore-quant[distributed]' "
                          "(or run without --cluster/--scheduler)") from None
     return distributed
 
@@ -133,7 +133,7 @@ def open_client(cluster: Any = None, scheduler: str | None = None, backend: str 
                     from dask_cuda import LocalCUDACluster
                 except ImportError:
                     raise InputError("--cluster local with the cuda backend starts one worker per GPU with "
-                                     "dask-cuda: pip install 'qcore[distributed-cuda]'") from None
+                                     "dask-cuda: pip install 'qcore-quant[distributed-cuda]'") from None
                 c = stack.enter_context(LocalCUDACluster(n_workers=workers))
             else:
                 c = stack.enter_context(dd.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,

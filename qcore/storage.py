@@ -45,7 +45,7 @@ def _fsspec() -> Any:
         import fsspec
     except ImportError:
         raise InputError("storage URLs need fsspec (and s3fs for s3://, gcsfs for gs://): "
-                         "pip install 'qcore[distributed]'") from None
+                         "pip install 'qcore-quant[distributed]'") from None
     return fsspec
 
 

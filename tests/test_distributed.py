@@ -21,7 +21,7 @@ def need(module, reason):
     return pytest.importorskip(module, reason=reason)
 
 
-distributed = need("distributed", "Dask distributed is not installed (pip install 'qcore[distributed]')")
+distributed = need("distributed", "Dask distributed is not installed (pip install 'qcore-quant[distributed]')")
 from qcore.distributed import quantize_model_distributed  # noqa: E402  (needs the optional extra)
 
 SHARDS = [f"model-{k:05d}-of-00004.safetensors" for k in range(1, 5)]
@@ -135,8 +135,8 @@ def _free_port():
 @pytest.fixture(scope="module")
 def s3():
     """A real S3-compatible HTTP server (moto's server mode) on 127.0.0.1, and s3fs options for it."""
-    moto_server = need("moto.server", "moto[server] is not installed (pip install 'qcore[distributed-test]')")
-    need("s3fs", "s3fs is not installed (pip install 'qcore[distributed]')")
+    moto_server = need("moto.server", "moto[server] is not installed (pip install 'qcore-quant[distributed-test]')")
+    need("s3fs", "s3fs is not installed (pip install 'qcore-quant[distributed]')")
     port = _free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()

@@ -12,7 +12,7 @@ from qcore import InputError
 from qcore.cli import main
 from qcore.formats import UnrepresentableError
 
-gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'qcore[formats]')")
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'qcore-quant[formats]')")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 

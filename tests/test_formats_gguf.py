@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'qcore[formats]')")
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'qcore-quant[formats]')")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 import qcore  # noqa: E402

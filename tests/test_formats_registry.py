@@ -101,7 +101,7 @@ def test_gguf_without_the_gguf_package_says_how_to_install(tmp_path, monkeypatch
 
     monkeypatch.setitem(sys.modules, "gguf", None)      # import gguf -> ImportError
     fmt = qf.get("gguf")
-    assert not fmt.available() and "pip install 'qcore[formats]'" in fmt.available().reason
+    assert not fmt.available() and "pip install 'qcore-quant[formats]'" in fmt.available().reason
     (tmp_path / "a.gguf").write_bytes(b"GGUF" + b"\0" * 20)
     with pytest.raises(qf.UnrepresentableError, match=r"format 'gguf' is not available: the gguf package is not"):
         qf.convert(tmp_path / "a.gguf", tmp_path / "b.safetensors", "qcore")

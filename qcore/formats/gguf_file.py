@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp), through the `gguf` package's own reader and writer (pip install qcore[formats]).
+"""GGUF files (llama.cpp), through the `gguf` package's own reader and writer (pip install qcore-quant[formats]).
 
 Quantized GGUF types with an exact qcore scheme (facts from gguf 0.19.0 `quants.py`):
 
@@ -42,7 +42,7 @@ Q8_SCHEMES = (parse_scheme("q8s/block32:f16"), parse_scheme("q8f/block32:f16"))
 _MAX_DIMS = 4           # GGML_MAX_DIMS
 _MAX_NAME = 64          # GGML_MAX_NAME, the terminating NUL included
 _QUANTIZATION_VERSION = 2
-_INSTALL = "the gguf package is not installed; pip install 'qcore[formats]' (or gguf)"
+_INSTALL = "the gguf package is not installed; pip install 'qcore-quant[formats]' (or gguf)"
 
 # numpy dtype <-> GGUF plain type (by name, so importing this module does not need gguf)
 _PLAIN = {
