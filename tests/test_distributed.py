@@ -247,5 +247,5 @@ def test_cuda_local_cluster_needs_dask_cuda(model, tmp_path, cuda_backend):
     if importlib.util.find_spec("dask_cuda") is not None:
         pytest.skip("dask-cuda is installed: this checks the message shown without it")
     root, _ = model
-    with pytest.raises(InputError, match=r"dask-cuda: pip install 'qcore\[distributed-cuda\]'"):
+    with pytest.raises(InputError, match=r"dask-cuda: pip install 'qcore-quant\[distributed-cuda\]'"):
         quantize_model_distributed(root / "src", tmp_path / "out", "q8s", cuda_backend, cluster="local")
