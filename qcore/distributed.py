@@ -33,12 +33,11 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checkpoint import INDEX_NAME, Checkpoint, parse_size, resolve
+from .checkpoint import INDEX_NAME, Checkpoint, resolve
 from .errors import InputError
-from .model import (IN_FLIGHT, ModelResult, PathLike, TensorResult, _backend, _check_supports, _write_index,
-                    completed_shard, plan_shards, quantize_shard, resumed_rows)
-from .recipe import Recipe, RecipeLike, Rule, as_recipe
-from .scheme import scheme as parse_scheme
+from .model import (IN_FLIGHT, ModelResult, PathLike, TensorResult, _write_index,
+                    completed_shard, plan_shards, prepare_run, quantize_shard, resumed_rows)
+from .recipe import RecipeLike
 from .stfile import Reader
 from .storage import Location, location
 
@@ -201,14 +200,7 @@ def quantize_model_distributed(src: PathLike, dst: PathLike, recipe: RecipeLike 
     """
     t0 = time.perf_counter()
     opts = dict(storage_options or {})
-    rc = as_recipe(recipe, rules=rules)
-    if not rc.schemes():
-        raise InputError("the recipe quantizes nothing: give a scheme (e.g. 'q8s') or rules PATTERN=SCHEME")
-    be = _backend(backend)
-    _check_supports(be, rc)
-    cmp = [parse_scheme(s) for s in compare]
-    _check_supports(be, Recipe(None, tuple(Rule("*", s) for s in cmp)))
-    limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    rc, be, cmp, limit = prepare_run(recipe, rules, backend, compare, max_shard_size)
     say = log or (lambda text: None)
 
     with tempfile.TemporaryDirectory(prefix="qcore-plan-") as stubs, ExitStack() as stack:

@@ -34,7 +34,7 @@ from .errors import InputError, InvalidDataError, QCoreError, UnsupportedSchemeE
 from .payload import QuantizedData, sections
 from .protocol import Backend, QTensor
 from .recipe import Decision, Recipe, RecipeLike, Rule, as_recipe
-from .scheme import scheme as parse_scheme
+from .scheme import QuantScheme, scheme as parse_scheme
 from .stats import tensor_stats
 from .stfile import Reader, StreamWriter, TensorHead, header_room, np_dtype, st_dtype
 
@@ -403,6 +403,22 @@ def _write_index(path: str, ck: Checkpoint, weight_map: dict[str, str], total: i
     qio.atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
 
 
+def prepare_run(recipe: RecipeLike, rules: Any, backend: str | Backend | None, compare: Sequence[Any],
+                max_shard_size: str | int | None) -> tuple[Recipe, Backend, list[QuantScheme], int | None]:
+    """What a whole-model run checks before any work, for this module and `qcore.distributed`:
+    the recipe (it must quantize something), the backend supporting every scheme it and `compare`
+    name, and the shard size limit. Returns (recipe, backend, compare schemes, limit in bytes)."""
+    rc = as_recipe(recipe, rules=rules)
+    if not rc.schemes():
+        raise InputError("the recipe quantizes nothing: give a scheme (e.g. 'q8s') or rules PATTERN=SCHEME")
+    be = _backend(backend)
+    _check_supports(be, rc)
+    cmp = [parse_scheme(s) for s in compare]
+    _check_supports(be, Recipe(None, tuple(Rule("*", s) for s in cmp)))
+    limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    return rc, be, cmp, limit
+
+
 def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = None, recipe: RecipeLike = None,
                    backend: str | Backend | None = None, *, rules: Sequence[str] = (),
                    max_shard_size: int | str | None = None, resume: bool = False, stats: bool = True,
@@ -428,14 +444,7 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
     if dst is None:
         raise InputError("quantize_model of a file or directory needs dst, where to write the result")
     t0 = time.perf_counter()
-    rc = as_recipe(recipe, rules=rules)
-    if not rc.schemes():
-        raise InputError("the recipe quantizes nothing: give a scheme (e.g. 'q8s') or rules PATTERN=SCHEME")
-    be = _backend(backend)
-    _check_supports(be, rc)
-    cmp = [parse_scheme(s) for s in compare]
-    _check_supports(be, Recipe(None, tuple(Rule("*", s) for s in cmp)))
-    limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    rc, be, cmp, limit = prepare_run(recipe, rules, backend, compare, max_shard_size)
     ck = resolve(src)
     dst_s = os.fspath(dst)
     one_file = ck.single_file and limit is None
