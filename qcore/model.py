@@ -28,7 +28,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from . import io as qio
+from . import _signals, io as qio
 from .checkpoint import INDEX_NAME, Checkpoint, parse_size, resolve, shard_name
 from .errors import InputError, InvalidDataError, QCoreError, UnsupportedSchemeError
 from .payload import QuantizedData, sections
@@ -350,8 +350,9 @@ def _stream(todo: list[_OutShard], paths: dict[str, str], readers: dict[str, Rea
         pass
     finally:
         p.stop.set()  # frees a blocked reader or writer (an interrupt, an error here)
-        reader.join()
-        writer.join()
+        with _signals.deferred():  # a second signal waits until the writer has removed its temp file
+            reader.join()
+            writer.join()
     if p.errors:
         raise p.errors[0]
     return rows

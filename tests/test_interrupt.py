@@ -176,6 +176,7 @@ def test_second_signal_during_cleanup_leaves_no_temp(tmp_path, model, capsys, mo
         if str(p).endswith(".tmp") and not sent:
             sent.append(p)
             os.kill(os.getpid(), signal.SIGTERM)  # held until the removal is done
+            time.sleep(0.2)  # (the removal runs on the writer thread: the run must wait for it)
         return real_unlink(p, *a, **k)
 
     monkeypatch.setattr(stfile.StreamWriter, "add", write_then_interrupt)
@@ -225,3 +226,27 @@ def test_the_command_from_outside(tmp_path, model, sig):
             assert last == MESSAGES["new"].format(out=out), (delay, err)
         else:
             assert last == MESSAGES["none"], (delay, err)
+
+
+@pytest.mark.parametrize("sig,rc", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_signal_while_importing(tmp_path, model, sig, rc):
+    """A signal that lands while the library is being imported (here: as numpy's import starts) is
+    held until the import is done, then answered with one line and 130/143: never a traceback,
+    an ImportError from numpy's C core, or death by the default action."""
+    out = tmp_path / "o.safetensors"
+    code = (
+        "import builtins, os, signal, sys\n"
+        "import _qcore_launch\n"
+        "real = builtins.__import__\n"
+        "def imp(name, *a, **k):\n"
+        "    if name == 'numpy' and 'numpy' not in sys.modules:\n"
+        f"        os.kill(os.getpid(), {int(sig)})\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = imp\n"
+        f"sys.exit(_qcore_launch.main(['quantize', {str(model)!r}, {str(out)!r}, '--scheme', 'q8s']))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == rc, p.stderr
+    assert p.stderr.strip().splitlines() == [MESSAGES["none"]]
+    assert os.listdir(tmp_path) == ["m.safetensors"]
