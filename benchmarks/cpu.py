@@ -1,9 +1,10 @@
-"""CPU throughput of the `ndarray` backend (issue 3; SPEC §2 arithmetic, §3 bytes).
+"""CPU throughput of the `ndarray` backend (SPEC §2 arithmetic, §3 bytes).
 
 Usage (from the repository root, with qcore and backends/ndarray installed)::
 
     python benchmarks/cpu.py                      # print the table
-    python benchmarks/cpu.py --write-docs         # also replace '## CPU (ndarray)' in docs/performance.md
+    python benchmarks/cpu.py --json               # also write benchmarks/results/cpu.json
+    python benchmarks/report.py                   # then render docs/performance.md from it
 
 Everything runs in one process on a 64M-element float32 input (8192 x 8192, 256 MiB). Each row
 is the median (and best) of `--repeats` runs; GB/s counts input + output bytes:
@@ -14,17 +15,17 @@ is the median (and best) of `--repeats` runs; GB/s counts input + output bytes:
 
 The `reference` backend runs on a smaller input (`--ref-size`, default 4M elements) because it
 is plain numpy with full-size temporaries. `torch.quantize_per_tensor` (qint8) is measured when
-torch imports; torch is not a qcore dependency (see docs/performance.md for how the figure was
-taken). numba's first-call time is measured with an empty cache directory (a cold compile)
+torch imports; torch is not a qcore dependency (docs/performance.md says how to add it). numba's first-call time is measured with an empty cache directory (a cold compile)
 unless `--warm-cache` is given. Peak memory of quantize is tracemalloc's peak (numpy reports its
 buffers to tracemalloc) over the input's size.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -34,7 +35,6 @@ import tracemalloc
 from pathlib import Path
 
 SCHEMES = ["q8s", "q8s/block32:f16", "q8f/block32:ue8m0"]
-HEADING = "## CPU (ndarray)"
 
 
 def _timed(fn, repeats: int) -> tuple[float, float]:
@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ref-size", type=int, default=2048, help="side for the reference backend (default 2048 = 4M)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warm-cache", action="store_true", help="keep numba's on-disk cache (first call = cache load)")
-    ap.add_argument("--write-docs", nargs="?", const="docs/performance.md", default=None, metavar="PATH")
+    ap.add_argument("--json", nargs="?", const="benchmarks/results/cpu.json", default=None, metavar="PATH",
+                    help="write the results as JSON (default path: benchmarks/results/cpu.json)")
     args = ap.parse_args(argv)
 
     if not args.warm_cache:  # must happen before numba is imported
@@ -186,81 +187,29 @@ def main(argv: list[str] | None = None) -> int:
         tracemalloc.stop()
         del q
 
-    copy_gbs = rows[0][6] / rows[0][4] / 1e9
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     pythonpath = os.environ.get("PYTHONPATH")
     command = (f"PYTHONPATH={pythonpath} " if pythonpath else "") + f"python benchmarks/cpu.py {argv_text}".rstrip()
-    lines = [
-        f"Command: `{command}` "
-        f"({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, numba {numba.__version__} "
-        f"with {threads} threads, numpy {np.__version__}, {torch_note}). Input {x.shape} float32 "
-        f"({n_in >> 20} MiB); median and best of {args.repeats} runs; GB/s = (input + output bytes) / median.",
-        "",
-        "| operation | scheme | backend | threads | median ms | best ms | GB/s | % of copy |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for what, text, be, th, med, best, nbytes in rows:
-        gbs = nbytes / med / 1e9
-        lines.append(f"| {what} | `{text}` | {be} | {th} | {med * 1e3:.1f} | {best * 1e3:.1f} | {gbs:.2f} | "
-                     f"{100 * gbs / copy_gbs:.0f}% |")
-    lines += ["", "First call in a fresh process ("
-              + ("warm on-disk cache" if args.warm_cache else "empty numba cache: compile included") + "):", ""]
-    lines += [f"- {k}: {v:.2f} s" for k, v in first.items()]
-    lines += [f"- then, in a new process with that cache filled: {warm_first:.2f} s for all six first calls "
-              "(cache load)"]
-    lines += ["", "Peak memory of quantize (tracemalloc peak / input bytes):", ""]
-    lines += [f"- `{k}`: {v:.3f}x" for k, v in peaks.items()]
+    res = {
+        "run": {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+                "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+                "software": f"Python {platform.python_version()}, numba {numba.__version__} ({threads} threads), "
+                            f"numpy {np.__version__}, {torch_note}",
+                "command": command},
+        "shape": list(x.shape), "repeats": args.repeats,
+        "rows": [{"operation": what, "scheme": text, "backend": be, "threads": th, "median_s": med, "best_s": best,
+                  "bytes": nbytes, "gbs": nbytes / med / 1e9} for what, text, be, th, med, best, nbytes in rows],
+        "first_call_cache": "warm on-disk cache" if args.warm_cache else "empty numba cache: compile included",
+        "first_call_s": first, "warm_first_call_s": warm_first, "peak_memory": peaks,
+    }
+    from report import render_cpu  # benchmarks/report.py: the one renderer of docs/performance.md
 
-    def gbs(what, text, be, th):
-        for r in rows:
-            if r[:4] == (what, text, be, th):
-                return r[6] / r[4] / 1e9
-        return None
-
-    lines += ["", "Targets of issue 3, checked from the medians above:", ""]
-    for text in SCHEMES:
-        q_pct = 100 * gbs("calibrate+quantize", text, "ndarray", threads) / copy_gbs
-        d_pct = 100 * gbs("dequantize", text, "ndarray", threads) / copy_gbs
-        lines.append(f"- `{text}`: quantize {q_pct:.0f}% and dequantize {d_pct:.0f}% of copy's GB/s "
-                     f"(target >= 50%): {'met' if min(q_pct, d_pct) >= 50 else 'NOT met'}")
-    t1 = gbs("quantize (scale given)", "qint8 per-tensor", "torch", 1)
-    ours1 = gbs("calibrate+quantize", "q8s", "ndarray", 1)
-    if t1:
-        lines.append(f"- one thread, `q8s` calibrate+quantize vs torch `quantize_per_tensor` with the scale given: "
-                     f"{ours1 / t1:.2f}x (target >= 1.0x): {'met' if ours1 >= t1 else 'NOT met'}")
-    else:
-        lines.append("- torch comparison: torch not importable in this run")
-    worst = max(peaks.values())
-    lines.append(f"- peak memory of quantize {worst:.2f}x the input (target <= 1.5x): "
-                 f"{'met' if worst <= 1.5 else 'NOT met'}")
-    lines += [
-        "",
-        "Notes:",
-        "",
-        "- GB/s counts bytes moved once: f32 input plus payload for quantize, payload plus f32 output for "
-        "dequantize. Per-tensor calibrate+quantize reads x twice (statistic, then codes), so its memory traffic "
-        "is about 1.8x what the column counts; per-block single-level schemes read x once (fused).",
-        "- calibrate+quantize includes calibration; torch's `quantize (scale given)` row does not (its "
-        "`calibrate+quantize` row adds `abs().max()`, which makes a full-size temporary).",
-        "- The reference backend is measured on a smaller input (its full-size temporaries make 64M slow); its GB/s "
-        "is still comparable.",
-        "- The machine is shared (other jobs run beside the benchmark): medians swing by 2-10x when they do. "
-        "Repeats run round-robin so every row sees the same conditions; rerun when the machine is idle for "
-        "clean figures.",
-        "- torch is not a qcore dependency. For the torch rows: `pip install --target /tmp/torchpkg torch==2.13.0` "
-        "(CPU wheel), then `PYTHONPATH=/tmp/torchpkg python benchmarks/cpu.py`.",
-    ]
-    text_out = "\n".join(lines)
-    print(text_out)
-
-    if args.write_docs:
-        path = Path(args.write_docs)
-        old = path.read_text() if path.exists() else "# Performance\n"
-        section = f"{HEADING}\n\n{text_out}\n"
-        pat = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
-        new = pat.sub(lambda m: section + "\n", old) if pat.search(old) else old.rstrip("\n") + "\n\n" + section
-        path.write_text(new)
-        print(f"\nwrote {HEADING!r} in {path}", file=sys.stderr)
+    print(render_cpu(res))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+        print(f"wrote {args.json}; python benchmarks/report.py renders docs/performance.md from "
+              "benchmarks/results/", file=sys.stderr)
     return 0
 
 

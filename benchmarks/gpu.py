@@ -1,13 +1,14 @@
 """GPU benchmark of the `cuda` backend (one run on an H200; needs torch with CUDA).
 
-    NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu.py [--out DIR] [--no-compile] [--quick]
+    NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu.py [--out DIR] [--no-compile] [--quick] [--no-fresh]
 
 For a 256M-element float32 tensor [65536, 4096] it measures, with CUDA events and medians:
 
 * a device-to-device copy of the input (torch `copy_`): the bandwidth ceiling;
 * calibrate+quantize and dequantize (to float32) of five schemes on the cuda backend, as
   - `api`: the whole `be.quantize(x, s)` / `be.dequantize(q)` call on the torch tensor (a result
-    from the memory pool, the launches, the non-finite check that reads one flag back),
+    from the memory pool, the launches, the 4-byte flag read back: non-finite input for
+    quantize, invalid code for dequantize where the scheme has them),
   - `api_out`: the whole call into existing memory (`be.quantize(x, s, out=q)`,
     `be.dequantize(q, out=y)`),
   - `kernels`: the kernel launches alone into preallocated buffers, timed behind a GPU sleep so
@@ -22,17 +23,19 @@ For a 256M-element float32 tensor [65536, 4096] it measures, with CUDA events an
 * the fused GEMV / small-M matmul x[M, 8192] @ w[8192, 8192] with w in q4s/block32:f16 (x a torch
   tensor), against torch fp16 `x @ w`: the kernels, the whole call (with and without `out=`),
   and the host time of one call (`host_us`: the call's wall time while the GPU is kept busy, so
-  no launch waits); Before every timed call a read of a 512 MiB buffer evicts the weight
+  no launch waits). Before every timed call a read of a 512 MiB buffer evicts the weight
   from L2 (the 36 MB quantized weight would otherwise stay in the 60 MB L2) and leaves L2
   holding clean lines, as in a decode step that has just read other layers' weights; M = 1 is
-  also timed after a 512 MiB *write* (the previous sessions' flush), which leaves L2 full of
-  dirty lines that the timed kernel must write back first.
+  also timed after a 512 MiB *write*, which leaves L2 full of dirty lines that the timed kernel
+  must write back first (a model step whose previous layer wrote its activations).
 
-Writes `gpu.json` and `gpu.md` (the table for docs/performance.md) into --out.
+Writes `gpu.json` into --out and prints its tables; `benchmarks/report.py` renders
+docs/performance.md from it (copied to `benchmarks/results/gpu.json`).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -215,7 +218,13 @@ def main(argv=None) -> int:
     be = qcore.backend("cuda")
     iters = 5 if args.quick else 15
     n = ROWS * COLS
-    res = {"device": torch.cuda.get_device_name(), "describe": be.describe(), "n": n, "rows": []}
+    import numba_cuda
+
+    res = {"run": {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+                   "hardware": f"1x {torch.cuda.get_device_name()}",
+                   "software": f"numba-cuda {numba_cuda.__version__}, numpy {np.__version__}, torch {torch.__version__}",
+                   "command": "NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu.py " + " ".join(sys.argv[1:] if argv is None else argv)},
+           "device": torch.cuda.get_device_name(), "describe": be.describe(), "shape": [ROWS, COLS], "n": n, "rows": []}
     torch.manual_seed(0)
     x = torch.randn(ROWS, COLS, device="cuda") * 3
     xd = cuda.as_cuda_array(x)
@@ -297,7 +306,7 @@ def main(argv=None) -> int:
                                  flush=flush)
         r["torch_fp16"] = _timer(torch, lambda: xm16 @ w16, iters, hide_launch=True, flush=flush)
         r["torch_fp16_api"] = _timer(torch, lambda: xm16 @ w16, iters, flush=flush)
-        if m == 1:  # the previous sessions' flush, for comparison
+        if m == 1:  # with dirty lines to write back first (module docstring)
             r["qcore_kern_dirty_l2"] = _timer(torch, lambda: be._launch_matmul(xmflat, qw.data, m, outm), iters,
                                               hide_launch=True, flush=flush_dirty)
             r["torch_fp16_dirty_l2"] = _timer(torch, lambda: xm16 @ w16, iters, hide_launch=True, flush=flush_dirty)
@@ -314,53 +323,12 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu.json"), "w") as f:
         json.dump(res, f, indent=1)
-    md = _markdown(res)
-    with open(os.path.join(args.out, "gpu.md"), "w") as f:
-        f.write(md)
-    print(md)
+    from report import render_gpu  # benchmarks/report.py: the one renderer of docs/performance.md
+
+    print(render_gpu(res))
+    print(f"wrote {os.path.join(args.out, 'gpu.json')}: copy it to benchmarks/results/ and run "
+          "python benchmarks/report.py to update docs/performance.md", file=sys.stderr)
     return 0
-
-
-def _markdown(res) -> str:
-    c = res["copy"]["gbs"]
-    lines = [
-        f"Device: {res['device']}; input float32 [{ROWS}, {COLS}] (2**28 elements, 1 GiB); "
-        f"device-to-device copy: {res['copy']['ms']:.3f} ms = **{c:.0f} GB/s**.",
-        "",
-        "| scheme | op | cuda kernels GB/s (% of copy) | API call GB/s (% of copy) | API call, out= GB/s (% of copy) "
-        "| torch eager GB/s | torch.compile GB/s | first call, fresh process (s) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in res["rows"]:
-        for op in ("q", "dq"):
-            k = r[f"{op}_kern_gbs"]
-            comp = r.get(f"{op}_compiled_gbs")
-            a, ao = r[f"{op}_api_gbs"], r[f"{op}_api_out_gbs"]
-            fresh = r[f"fresh_process_{op}_s"]
-            lines.append(
-                f"| `{r['scheme']}` | {'calibrate+quantize' if op == 'q' else 'dequantize'} | "
-                f"{k:.0f} ({100 * k / c:.0f}%) | {a:.0f} ({100 * a / c:.0f}%) | {ao:.0f} ({100 * ao / c:.0f}%) | "
-                f"{r[f'{op}_eager_gbs']:.0f} | {'-' if comp is None else f'{comp:.0f}'} | "
-                f"{fresh[1]:.2f} (first child: {fresh[0]:.2f}) |"
-            )
-    lines += ["", "Fused matmul x[M, 8192] @ w[8192, 8192], w in `q4s/block32:f16` (before each call a 512 MiB read "
-              "evicts the weight from L2):", "",
-              "| M | cuda kernels µs | API call µs | API call, out= µs | host µs per call (out=) | torch fp16 GPU µs "
-              "| torch fp16 call µs | torch host µs | speedup (GPU) | speedup (calls; out=) | max rel err vs fp16 |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in res["gemv"]:
-        lines.append(f"| {r['m']} | {1e3 * r['qcore_kern']:.1f} | {1e3 * r['qcore_api']:.1f} | "
-                     f"{1e3 * r['qcore_api_out']:.1f} | {r['host_us']:.1f} ({r['host_us_out']:.1f}) | "
-                     f"{1e3 * r['torch_fp16']:.1f} | {1e3 * r['torch_fp16_api']:.1f} | {r['torch_fp16_host_us']:.1f} | "
-                     f"{r['speedup_kern']:.2f}x | {r['speedup_api']:.2f}x; {r['speedup_api_out']:.2f}x | "
-                     f"{r['rel_err']:.1e} |")
-    for r in res["gemv"]:
-        if "qcore_kern_dirty_l2" in r:
-            lines += ["", f"M = {r['m']} with the L2 left full of dirty lines before each call (a 512 MiB write, the previous "
-                      f"sessions' flush): cuda kernels {1e3 * r['qcore_kern_dirty_l2']:.1f} µs, torch fp16 "
-                      f"{1e3 * r['torch_fp16_dirty_l2']:.1f} µs = "
-                      f"{r['torch_fp16_dirty_l2'] / r['qcore_kern_dirty_l2']:.2f}x."]
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

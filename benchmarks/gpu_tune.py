@@ -4,7 +4,7 @@
 
 * GEMV `x[M, 8192] @ w[8192, 8192]`, w in q4s/block32:f16, the FFMA kernel (gemv.py): rows of x per launch (mb), u32
   words per thread and row (wpt), rows per step, the prefetch pipeline, register cap, blocks
-  per SM and the offset decode (`gemv._gemv_kernel(offset=True)`) varied; and for M in `TC_M` the
+  per SM varied; and for M in `TC_M` the
   tensor-core kernel (tc.py: column groups per block, steps per register set, registers, blocks per
   SM); each variant's result
   checked against x @ dequantize(w) in f64 (largest error over the largest |result|, and over the
@@ -34,17 +34,16 @@ def _time(torch, fn, flush=None):
     return _timer(torch, fn, 15, hide_launch=True, flush=flush)
 
 
-# GEMV variants: (mb, wpt, rows, prefetch, registers, blocks per SM, offset decode); Q by value as
+# GEMV variants: (mb, wpt, rows, prefetch, registers, blocks per SM); Q by value as
 # gemv.buffers passes it. M > mb runs ceil(M / mb) launches.
 GEMV_VARIANTS = {  # the first of each M is the FFMA kernel's default (gemv.config_for, gemv.TUNING)
-    1: [(1, 2, 4, True, 128, 2, False), (1, 2, 4, True, 128, 2, True), (1, 2, 8, True, 128, 2, True),
-        (1, 2, 8, True, 128, 2, False)],
-    2: [(2, 2, 4, True, 128, 2, False), (2, 2, 4, True, 128, 2, True), (2, 1, 4, True, 128, 2, False)],
-    4: [(4, 1, 4, True, 128, 2, False), (4, 1, 4, True, 128, 2, True)],
-    8: [(8, 1, 4, True, 255, 1, False), (8, 1, 4, True, 255, 1, True), (4, 1, 4, True, 128, 2, False)],
-    16: [(8, 1, 4, True, 255, 1, False), (4, 1, 4, True, 128, 2, False)],
-    5: [(8, 1, 4, True, 255, 1, False)],  # what M = 5 and 12 took before the tensor-core kernel
-    12: [(8, 1, 4, True, 255, 1, False)],
+    1: [(1, 2, 4, True, 128, 2), (1, 2, 8, True, 128, 2)],
+    2: [(2, 2, 4, True, 128, 2), (2, 1, 4, True, 128, 2)],
+    4: [(4, 1, 4, True, 128, 2)],
+    8: [(8, 1, 4, True, 255, 1), (4, 1, 4, True, 128, 2)],
+    16: [(8, 1, 4, True, 255, 1), (4, 1, 4, True, 128, 2)],
+    5: [(8, 1, 4, True, 255, 1)],  # M = 5 and 12 on the FFMA kernel, against the tensor-core kernel
+    12: [(8, 1, 4, True, 255, 1)],
 }
 K1024 = {1: GEMV_VARIANTS[1][:1]}
 # tensor-core kernel variants (tc.py): (column groups per block, steps per register set for
@@ -90,10 +89,10 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
         if m == 1:
             ke, eo = _empty_kernel(cuda), cuda.device_array(1, dtype=np.float32)
             runs.append(("empty kernel, same grid", lambda: ke[(16, 16), (32, 8)](eo), None, {}))
-        for mb, wpt, rows, prefetch, regs, per_sm, offset in (vs[:1] if quick else vs):
-            meta = dict(mb=mb, wpt=wpt, rows=rows, prefetch=prefetch, regs=regs, per_sm=per_sm, offset=offset)
+        for mb, wpt, rows, prefetch, regs, per_sm in (vs[:1] if quick else vs):
+            meta = dict(mb=mb, wpt=wpt, rows=rows, prefetch=prefetch, regs=regs, per_sm=per_sm)
             try:
-                kern = _jit_regs(regs)(gemv._gemv_kernel(kind, mb, wpt, True, rows, prefetch, offset))
+                kern = _jit_regs(regs)(gemv._gemv_kernel(kind, mb, wpt, True, rows, prefetch))
             except Exception as e:  # a variant that does not compile is reported, not fatal
                 print(json.dumps({"m": m, **meta, "error": str(e)[:300]}), flush=True)
                 continue
@@ -107,8 +106,7 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
                 for m0 in range(0, m, mb):
                     kern[grid, block](xd, w32, scales, gbuf, pp["lut"], part, cnt, out, qd, m0, min(mb, m - m0))
 
-            runs.append((f"mb{mb} wpt{wpt} rows{rows} {'prefetch' if prefetch else 'plain'} r{regs} x{per_sm}"
-                         f"{' offset' if offset else ''}",
+            runs.append((f"mb{mb} wpt{wpt} rows{rows} {'prefetch' if prefetch else 'plain'} r{regs} x{per_sm}",
                          run, out, dict(meta, grid=list(grid))))
         if variants is None and m in TC_M and tc.geometry(data.shape, data.scheme) is not None:
             et = tc.slot_scales(scales, Q)

@@ -14,15 +14,18 @@ import numpy as np
 from .errors import (
     BackendNotFoundError,
     BackendUnavailableError,
+    DeviceMemoryError,
     InputError,
     InvalidDataError,
     QCoreError,
     SchemeError,
+    StorageError,
     UnsupportedSchemeError,
 )
 from .hookspecs import hookimpl
 from .payload import QuantizedData
 from .protocol import Backend, BaseBackend, QParams, QTensor, Support
+from .recipe import Recipe
 from .registry import backend, backends
 from .scheme import (
     PRESETS,
@@ -49,10 +52,12 @@ __all__ = [
     "BlockLevel", "TensorLevel", "Native", "PackedU32", "PackedNative", "PRESETS", "scheme",
     # data and backends
     "QuantizedData", "QParams", "QTensor", "Support", "Backend", "BaseBackend", "hookimpl",
-    "backend", "backends", "quantize", "dequantize", "calibrate", "save", "load",
+    "backend", "backends", "quantize", "dequantize", "calibrate", "save", "load", "convert",
+    # whole models
+    "Recipe", "quantize_model", "quantize_dict", "dequantize_model",
     # errors
     "QCoreError", "SchemeError", "UnsupportedSchemeError", "InvalidDataError", "InputError",
-    "BackendNotFoundError", "BackendUnavailableError",
+    "BackendNotFoundError", "BackendUnavailableError", "StorageError", "DeviceMemoryError",
 ]
 
 
@@ -93,3 +98,32 @@ def load(path, backend: str | Backend | None = None):
     from .io import load as _load
 
     return _load(path, backend)
+
+
+def quantize_model(src, dst=None, recipe=None, backend: str | Backend | None = None, **options):
+    """Quantize a whole model (file, sharded directory, index, cached hub id, or a dict); see `qcore.model`."""
+    from .model import quantize_model as _quantize_model
+
+    return _quantize_model(src, dst, recipe, backend, **options)
+
+
+def quantize_dict(tensors, recipe=None, backend: str | Backend | None = None, **options):
+    """Quantize an in-memory dict of arrays by a recipe: name -> QTensor or the array kept; see `qcore.model`."""
+    from .model import quantize_dict as _quantize_dict
+
+    return _quantize_dict(tensors, recipe, backend, **options)
+
+
+def dequantize_model(src, dst, dtype: Any = None, backend: str | Backend | None = None):
+    """Dequantize a quantized file or checkpoint, to each tensor's source dtype by default; see `qcore.model`."""
+    from .model import dequantize_model as _dequantize_model
+
+    return _dequantize_model(src, dst, dtype, backend)
+
+
+def convert(src, dst, to: str, **options):
+    """Convert a checkpoint between formats (see `qcore.formats.convert`): bytes rearranged where
+    `to` holds a tensor exactly, re-quantized only with `requantize=SCHEME`, refused otherwise."""
+    from .formats import convert as _convert
+
+    return _convert(src, dst, to, **options)

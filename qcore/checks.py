@@ -51,7 +51,10 @@ def to_f32(x: Any) -> np.ndarray:
     """A host array of a supported float dtype, converted to float32 (a no-op for float32)."""
     if not isinstance(x, np.ndarray) and hasattr(x, "__array__") is False and not isinstance(x, (list, tuple)):
         raise InputError(f"cannot quantize a {type(x).__name__}; pass a numpy array")
-    arr = np.asarray(x)
+    try:
+        arr = np.asarray(x)
+    except (ValueError, TypeError, RecursionError) as e:  # ragged or mixed nested lists
+        raise InputError(f"input is not a rectangular array of numbers ({e}); pass a numpy array") from None
     check_input_dtype(arr.dtype)
     if arr.ndim < 1:
         raise InputError("tensors need rank >= 1, got a scalar; reshape it to (1,)")

@@ -1,4 +1,4 @@
-"""The `qcore` command line: backends, quantize, dequantize, inspect, conformance, bench.
+"""The `qcore` command line: backends, quantize, dequantize, inspect, convert, conformance, bench.
 
 Thin by design: every rule lives in the library; this module parses arguments, calls it and
 prints tables. User mistakes print one line (`qcore: error: ...`) and exit 2 (usage) or 1
@@ -7,28 +7,28 @@ prints tables. User mistakes print one line (`qcore: error: ...`) and exit 2 (us
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import json
 import math
 import os
+import signal
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 from . import __version__
 from . import io as qio
-from .checks import INPUT_DTYPES
-from .errors import InputError, QCoreError, UnsupportedSchemeError
-from .payload import QuantizedData
+from .errors import InputError, QCoreError
+from .recipe import KEEP, Recipe, as_recipe
 from .scheme import PRESETS, Native, PackedNative, PackedU32, QuantMode, QuantScheme, QuantValue, ScaleDtype
 from .scheme import scheme as parse_scheme
+from .stats import error_stats
 
-__all__ = ["main"]
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+__all__ = ["main", "error_stats"]
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
 
 class _UsageError(Exception):
@@ -67,18 +67,11 @@ def _shape(shape: Sequence[int]) -> str:
     return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
 
 
-def error_stats(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """(SQNR in dB, max |x - y|) computed in float64; SQNR is inf when the error is zero."""
-    x64 = np.asarray(x, dtype=np.float64).reshape(-1)
-    err = np.asarray(y, dtype=np.float64).reshape(-1) - x64
-    noise = float(np.dot(err, err))
-    signal = float(np.dot(x64, x64))
-    max_err = float(np.max(np.abs(err))) if err.size else 0.0
-    if noise == 0.0:
-        return math.inf, max_err
-    if signal == 0.0:
-        return -math.inf, max_err
-    return 10.0 * math.log10(signal / noise), max_err
+def escape(text: str) -> str:
+    """Text shown inside rich markup as it is (tensor names and notes may hold brackets)."""
+    from rich.markup import escape as _escape
+
+    return _escape(text)
 
 
 # ------------------------------------------------------------------------------------ backends
@@ -124,10 +117,7 @@ def _capability_rows() -> list[tuple[str, list[QuantScheme]]]:
 
 
 def _available(be: Any) -> bool:
-    try:
-        return bool(be.available())
-    except Exception:
-        return False
+    return _registry().is_available(be)
 
 
 def _supports(be: Any, schemes: list[QuantScheme]) -> bool:
@@ -153,11 +143,9 @@ def cmd_backends(args: argparse.Namespace) -> int:
     ordered = sorted(found.values(), key=lambda b: (-int(b.priority), b.name))
     avail = {}
     for be in ordered:
-        try:
-            ok = bool(be.available())
-        except Exception as e:
-            ok = False
-            desc = f"available() failed: {type(e).__name__}: {e}"
+        ok = reg.is_available(be)  # never hangs: a backend whose available() does not answer is skipped
+        if not ok and be.name in reg.plugin_errors():
+            desc = reg.plugin_errors()[be.name]
         else:
             try:
                 desc = be.describe()
@@ -171,9 +159,11 @@ def cmd_backends(args: argparse.Namespace) -> int:
               f"selection: {reg.ENV_VAR} unset -> 'auto' (highest priority available backend per scheme)")
     errors = reg.plugin_errors()
     if errors:
-        out.print("[red]plugins that failed to load:[/]")
+        out.print("[red]plugins that failed to load, and backends skipped:[/]")
         for name, err in sorted(errors.items()):
             out.print(f"  {name}: {err}", markup=False)
+    if reg.disabled_plugins():
+        out.print(f"plugins disabled by {reg.DISABLE_VAR}: {', '.join(reg.disabled_plugins())}", markup=False)
     out.print("[bold]capability[/] (yes: supported; -: rejected with a reason; levels and stores: supported with some value)")
     cap = Table()
     cap.add_column("value / level / store")
@@ -186,50 +176,6 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------ quantize
-@dataclass
-class _Row:
-    name: str
-    shape: tuple[int, ...]
-    before: int
-    after: int
-    note: str = ""
-    scheme: str = ""
-    sqnr: float = math.nan
-    max_err: float = math.nan
-
-    @property
-    def quantized(self) -> bool:
-        return bool(self.scheme)
-
-
-def _is_float(a: np.ndarray) -> bool:
-    return a.dtype in INPUT_DTYPES
-
-
-def _plan(name: str, value: Any, args: argparse.Namespace) -> str:
-    """Why `name` is kept as it is ('' = quantize it)."""
-    if isinstance(value, QuantizedData):
-        return f"already quantized ({value.scheme})"
-    if not _is_float(value):
-        return f"kept: {value.dtype} is not a float dtype"
-    for pat in args.skip or []:
-        if fnmatch.fnmatchcase(name, pat):
-            return f"kept: matches --skip {pat!r}"
-    if value.ndim < 2 and not args.include_1d:
-        return "kept: 1-D (biases, norms; --include-1d quantizes them)"
-    if value.size < args.min_size:
-        return f"kept: {value.size} elements < --min-size {args.min_size}"
-    return ""
-
-
-def _check_backend_supports(be: Any, sch: QuantScheme) -> None:
-    sup = be.supports(sch)
-    if not sup:
-        others = _registry().supporting_backends(sch)
-        where = f"backends that do: {', '.join(others)}" if others else "no installed backend does"
-        raise UnsupportedSchemeError(f"backend '{be.name}' does not support {sch}: {sup.reason}; {where}")
-
-
 def _progress(console):
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                TransferSpeedColumn)
@@ -246,101 +192,118 @@ def _progress(console):
     )
 
 
+def _recipe(args: argparse.Namespace) -> Recipe:
+    """The recipe from --recipe, then --scheme / --include-1d / --min-size, with --skip and --rule first."""
+    base = Recipe.from_toml(args.recipe) if args.recipe else Recipe()
+    rules = [f"{pat}={KEEP}" for pat in args.skip or []] + list(args.rule or [])
+    rc = as_recipe(base, rules=rules)
+    return Recipe(parse_scheme(args.scheme) if args.scheme else rc.scheme, rc.rules,
+                  rc.include_1d or args.include_1d, args.min_size if args.min_size else rc.min_size, rc.keep)
+
+
+def _runner(args: argparse.Namespace, err, on_shard) -> tuple[Any, dict[str, Any]]:
+    """quantize_model, or the shard-per-unit runner for --cluster/--scheduler and storage URLs."""
+    from .model import quantize_model
+    from .storage import is_url
+
+    if not (args.cluster or args.scheduler or is_url(args.input) or is_url(args.output)):
+        return quantize_model, {}
+    from .distributed import quantize_model_distributed
+
+    return quantize_model_distributed, {"cluster": args.cluster, "scheduler": args.scheduler, "on_shard": on_shard,
+                                        "log": lambda text: err.print(text, markup=False)}
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .registry import backend as get_backend
 
-    sch = parse_scheme(args.scheme)
-    compare = [parse_scheme(s) for s in args.compare or []]
     if args.min_size < 0:
         raise _UsageError("--min-size must be >= 0")
+    if not (args.scheme or args.rule or args.recipe):
+        raise _UsageError("give a scheme: --scheme SCHEME, --rule PATTERN=SCHEME or --recipe FILE.toml")
+    recipe = _recipe(args)
+    compare = [parse_scheme(s) for s in args.compare or []]
     be = get_backend(args.backend)
-    for s in [sch, *compare]:
-        _check_backend_supports(be, s)
+    for s in compare:
+        _registry().require_support(be, s)
     if args.report:
         from . import report
 
         report.require(args.report)
+        if args.no_stats:
+            raise _UsageError("--report draws the statistics that --no-stats skips; drop one of them")
     elif compare:
         raise _UsageError("--compare only adds schemes to a --report; give --report too")
     if os.path.abspath(args.input) == os.path.abspath(args.output):
         raise InputError("OUT must differ from IN; write elsewhere and move it if you want to replace IN")
+    if os.path.isfile(args.input) and "://" not in args.output:
+        qio.check_output_path(args.output)  # one file in, one file out: refuse a bad OUT before any work
 
-    info = qio.read_info(args.input)
-    tensors = qio.load_data(args.input)
-    plan = {name: _plan(name, v, args) for name, v in tensors.items()}
-    todo = [n for n, why in plan.items() if not why]
-    total = sum(tensors[n].nbytes for n in todo)
     err = _console(stderr=True)
-    out_tensors: dict[str, Any] = {}
-    rows: list[_Row] = []
-    compare_sqnr: dict[str, list[float]] = {t: [] for t in args.compare or []}
     with _progress(err) as bar:
-        task = bar.add_task(f"quantize {sch}", total=total or 1, done=0, count=len(todo))
-        done = 0
-        for name, value in tensors.items():
-            if isinstance(value, QuantizedData):
-                rows.append(_Row(name, value.shape, value.nbytes, value.nbytes, plan[name]))
-                out_tensors[name] = value
-                continue
-            if plan[name]:
-                rows.append(_Row(name, value.shape, value.nbytes, value.nbytes, plan[name]))
-                out_tensors[name] = value
-                continue
-            try:
-                q = be.quantize(value, sch)
-            except InputError as e:  # e.g. a block with more dims than the tensor, NaN/Inf
-                rows.append(_Row(name, value.shape, value.nbytes, value.nbytes, f"kept: {e}"))
-                out_tensors[name] = value
-            else:
-                d = q.to_data()
-                sqnr, max_err = error_stats(value, q.numpy())
-                rows.append(_Row(name, value.shape, value.nbytes, d.nbytes, "", str(sch), sqnr, max_err))
-                out_tensors[name] = d
-                for t, s in zip(args.compare or [], compare):
-                    try:
-                        y = be.quantize(value, s).numpy()
-                        compare_sqnr[t].append(error_stats(value, y)[0])
-                    except InputError:
-                        compare_sqnr[t].append(math.nan)
-            done += 1
-            bar.update(task, advance=value.nbytes, done=done)
-    qio.save(args.output, out_tensors, metadata=info.metadata)
+        title = f"quantize {recipe.scheme if not recipe.rules else 'by recipe'}"
+        task = bar.add_task(title, total=1, done=0, count=0)
+        done = [0]
+        run, spread = _runner(args, err, lambda name, k, n: bar.update(task, description=f"{title} [{k}/{n} shards]"))
 
-    q_rows = [r for r in rows if r.quantized]
+        def on_plan(count: int, nbytes: int) -> None:
+            bar.update(task, total=nbytes or 1, count=count)
+
+        def on_tensor(row) -> None:
+            if row.quantized:
+                done[0] += 1
+                bar.update(task, advance=row.before, done=done[0])
+
+        res = run(args.input, args.output, recipe, be, max_shard_size=args.max_shard_size,
+                  resume=args.resume, stats=not args.no_stats, compare=compare,
+                  on_plan=on_plan, on_tensor=on_tensor, **spread)
+
+    q_rows = [r for r in res.tensors if r.quantized]
     if args.report:
         from . import report
 
-        names = [r.name for r in q_rows]
-        series = {args.scheme: [r.sqnr for r in q_rows], **compare_sqnr}
+        names = [r.name for r in q_rows if not r.note]
+        label = args.scheme if args.scheme and not recipe.rules else "recipe"
+        series = {label: [r.sqnr for r in q_rows if not r.note],
+                  **{t: [r.compare.get(str(s), math.nan) for r in q_rows if not r.note]
+                     for t, s in zip(args.compare or [], compare)}}
         report.write(args.report, names, series, title=f"{os.path.basename(args.input)}: SQNR per tensor")
 
     out = _console()
-    out.print(f"[bold]{args.input} -> {args.output}[/]  ({sch} on {be.name})")
+    what = str(recipe.scheme) if not recipe.rules else f"recipe: {recipe.describe()}"
+    out.print(f"[bold]{args.input} -> {args.output}[/]  ({what} on {be.name})", markup=True)
     table = Table()
     for col, just in (("tensor", "left"), ("shape", "left"), ("scheme / note", "left"), ("before", "right"),
                       ("after", "right"), ("SQNR dB", "right"), ("max |err|", "right")):
         table.add_column(col, justify=just)  # type: ignore[arg-type]
-    for r in rows:
-        if r.quantized:
-            table.add_row(r.name, _shape(r.shape), r.scheme, _fmt_bytes(r.before), _fmt_bytes(r.after),
-                          _fmt_db(r.sqnr), f"{r.max_err:.3g}")
+    for r in res.tensors:
+        if r.quantized and r.note:  # resumed: written by an earlier run
+            table.add_row(r.name, _shape(r.shape), f"{r.scheme} [dim]({r.note})[/]", _fmt_bytes(r.before),
+                          _fmt_bytes(r.after), "", "")
+        elif r.quantized:
+            stats = ("", "") if args.no_stats else (_fmt_db(r.sqnr), f"{r.max_err:.3g}")
+            table.add_row(r.name, _shape(r.shape), r.scheme, _fmt_bytes(r.before), _fmt_bytes(r.after), *stats)
         elif not args.verbose and r.note.startswith("kept: 1-D"):
             continue
         else:
-            table.add_row(r.name, _shape(r.shape), f"[dim]{r.note}[/]", _fmt_bytes(r.before),
+            table.add_row(r.name, _shape(r.shape), f"[dim]{escape(r.note)}[/]", _fmt_bytes(r.before),
                           _fmt_bytes(r.after), "", "")
-    before, after = sum(r.before for r in rows), sum(r.after for r in rows)
     table.add_section()
-    table.add_row(f"total ({len(q_rows)} of {len(rows)} quantized)", "", "", _fmt_bytes(before),
-                  _fmt_bytes(after), "", "")
+    table.add_row(f"total ({len(q_rows)} of {len(res.tensors)} quantized)", "", "", _fmt_bytes(res.before),
+                  _fmt_bytes(res.after), "", "")
     out.print(table)
-    hidden = sum(1 for r in rows if r.note.startswith("kept: 1-D"))
+    hidden = sum(1 for r in res.tensors if r.note.startswith("kept: 1-D"))
     if hidden and not args.verbose:
         out.print(f"{hidden} 1-D tensors kept as they are (not listed; --verbose lists them)")
-    ratio = before / after if after else math.inf
-    out.print(f"wrote {args.output}: {_fmt_bytes(before)} -> {_fmt_bytes(after)} ({ratio:.2f}x smaller)")
+    if res.resumed:
+        out.print(f"resumed: {len(res.resumed)} shards already complete were kept: {', '.join(res.resumed)}",
+                  markup=False)
+    if len(res.files) > 1:
+        out.print(f"wrote {len(res.files)} files to {args.output}", markup=False)
+    out.print(f"wrote {args.output}: {_fmt_bytes(res.before)} -> {_fmt_bytes(res.after)} "
+              f"({res.ratio:.2f}x smaller) in {res.seconds:.2f} s (sizes in the source dtypes)", markup=False)
     if args.report:
         out.print(f"wrote report {args.report}")
     return EXIT_OK
@@ -353,71 +316,93 @@ _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": "bfloat16",
 def cmd_dequantize(args: argparse.Namespace) -> int:
     import ml_dtypes
 
-    dtype = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(_DTYPES[args.dtype])
-    info = qio.read_info(args.input)
-    loaded = qio.load(args.input, backend=args.backend)
-    out: dict[str, Any] = {}
-    n = 0
-    for name, v in loaded.items():
-        if isinstance(v, np.ndarray):
-            out[name] = v
-        else:
-            out[name] = v.numpy(dtype)
-            n += 1
-    qio.save(args.output, out, metadata=info.metadata)
-    _console().print(f"wrote {args.output}: {n} of {len(out)} tensors dequantized to {dtype}")
+    from .model import dequantize_model
+
+    dtype = None
+    if args.dtype is not None:
+        dtype = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(_DTYPES[args.dtype])
+    if os.path.isfile(args.input):
+        qio.check_output_path(args.output)  # before any work
+    n, total = dequantize_model(args.input, args.output, dtype, backend=args.backend)
+    to = dtype if dtype is not None else "their source dtypes"
+    _console().print(f"wrote {args.output}: {n} of {total} tensors dequantized to {to}")
     return EXIT_OK
 
 
 # ------------------------------------------------------------------------------------- inspect
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from rich.markup import escape  # scheme text such as q4s-lookup[nf4] is not rich markup
     from rich.table import Table
 
-    info = qio.read_info(args.file)
+    from .checkpoint import resolve
+    from .formats.cli import format_of, read_info as read_foreign_info
+
+    fmt = format_of(args.file)
+    if fmt == "qcore":
+        ck = resolve(args.file)
+        infos = [qio.read_info(ck.path(s)) for s in ck.shards]
+        where = f"{len(infos)} shards in {ck.root}" if len(infos) > 1 else infos[0].path
+    else:  # another tool's checkpoint, described as the qcore schemes it reads as
+        infos = [read_foreign_info(args.file)[0]]
+        where = infos[0].path
     rows = []
-    for e in info.entries:
-        as_f32 = e.numel * 4 if (e.quantized or e.dtype.startswith(("F", "BF"))) else e.nbytes
-        rows.append({
-            "name": e.name,
-            "kind": str(e.scheme) if e.quantized else e.dtype,
-            "quantized": e.quantized,
-            "shape": list(e.shape),
-            "bytes": e.nbytes,
-            "f32_bytes": as_f32,
-            "ratio": (as_f32 / e.nbytes) if e.nbytes else 1.0,
-        })
+    for info in infos:
+        for e in info.entries:
+            rows.append({
+                "name": e.name,
+                "file": os.path.basename(info.path),
+                "kind": str(e.scheme) if e.quantized else e.dtype,
+                "quantized": e.quantized,
+                "shape": list(e.shape),
+                "bytes": e.nbytes,
+                "source_dtype": (e.source_dtype or "F32") if e.quantized else e.dtype,
+                "source_bytes": e.source_nbytes,
+                "ratio": (e.source_nbytes / e.nbytes) if e.nbytes else 1.0,
+            })
     stored = sum(r["bytes"] for r in rows)
-    as_f32 = sum(r["f32_bytes"] for r in rows)
+    source = sum(r["source_bytes"] for r in rows)
+    recipes = sorted({i.recipe for i in infos if i.recipe})
+    versions = sorted({i.format_version for i in infos if i.format_version})
     summary = {
-        "file": info.path,
-        "format_version": info.format_version,
-        "file_size": info.file_size,
+        "file": os.fspath(args.file),
+        "format": fmt,
+        "files": [i.path for i in infos],
+        "format_version": versions[0] if versions else None,
+        "file_size": sum(i.file_size for i in infos),
         "tensors": len(rows),
         "quantized": sum(r["quantized"] for r in rows),
         "schemes": sorted({r["kind"] for r in rows if r["quantized"]}),
         "stored_bytes": stored,
-        "f32_bytes": as_f32,
-        "ratio": as_f32 / stored if stored else 1.0,
-        "metadata": info.metadata,
+        "source_bytes": source,
+        "ratio": source / stored if stored else 1.0,
+        "recipe": json.loads(recipes[0]) if len(recipes) == 1 else [json.loads(t) for t in recipes] or None,
+        "metadata": infos[0].metadata if infos else {},
     }
     if args.json:
         print(json.dumps({**summary, "entries": rows}, indent=1))
         return EXIT_OK
     out = _console()
-    out.print(f"[bold]{info.path}[/]  (qcore format {info.format_version or '- (plain safetensors)'})")
+    kind = f"{fmt} checkpoint, read as qcore schemes" if fmt != "qcore" else \
+        f"qcore format {summary['format_version'] or '- (plain safetensors)'}"
+    out.print(f"[bold]{escape(where)}[/]  ({kind})")
     table = Table()
-    for col, just in (("tensor", "left"), ("scheme / dtype", "left"), ("shape", "left"), ("stored", "right"),
-                      ("as f32", "right"), ("ratio", "right")):
+    cols = [("tensor", "left"), ("scheme / dtype", "left"), ("shape", "left"), ("stored", "right"),
+            ("as source", "right"), ("ratio", "right")] + ([("file", "left")] if len(infos) > 1 else [])
+    for col, just in cols:
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in rows:
-        table.add_row(r["name"], r["kind"], _shape(r["shape"]), _fmt_bytes(r["bytes"]), _fmt_bytes(r["f32_bytes"]),
-                      f"{r['ratio']:.2f}x")
+        kind = r["kind"] + (f" (from {r['source_dtype']})" if r["quantized"] else "")
+        table.add_row(escape(r["name"]), escape(kind), _shape(r["shape"]), _fmt_bytes(r["bytes"]),
+                      _fmt_bytes(r["source_bytes"]), f"{r['ratio']:.2f}x", *([r["file"]] if len(infos) > 1 else []))
     table.add_section()
-    table.add_row(f"total ({summary['quantized']} of {len(rows)} quantized)", ", ".join(summary["schemes"]), "",
-                  _fmt_bytes(stored), _fmt_bytes(as_f32), f"{summary['ratio']:.2f}x")
+    table.add_row(f"total ({summary['quantized']} of {len(rows)} quantized)", escape(", ".join(summary["schemes"])),
+                  "", _fmt_bytes(stored), _fmt_bytes(source), f"{summary['ratio']:.2f}x")
     out.print(table)
-    out.print(f"file size {_fmt_bytes(info.file_size)}; compression vs float32: {summary['ratio']:.2f}x")
-    for k, v in sorted(info.metadata.items()):
+    out.print(f"file size {_fmt_bytes(summary['file_size'])}; compression vs the source dtypes: "
+              f"{summary['ratio']:.2f}x")
+    for text in recipes:
+        out.print(f"recipe: {Recipe.from_json(text).describe()}", markup=False)
+    for k, v in sorted(summary["metadata"].items()):
         out.print(f"metadata {k} = {v}", markup=False)
     return EXIT_OK
 
@@ -498,35 +483,57 @@ def _parser() -> _Parser:
     s = sub.add_parser("backends", help="installed backends, availability and capability matrix")
     s.set_defaults(func=cmd_backends)
 
-    s = sub.add_parser("quantize", help="quantize the float tensors of a safetensors file",
-                       description="Quantize every float tensor of IN (except 1-D ones, --skip matches and "
-                                   "tensors smaller than --min-size) and write OUT atomically.")
-    s.add_argument("input", metavar="IN", help="input .safetensors file")
-    s.add_argument("output", metavar="OUT", help="output .safetensors file (written atomically)")
-    s.add_argument("--scheme", required=True, help="scheme text, e.g. q8s, q4s/block32:f16, nvfp4, nf4")
+    s = sub.add_parser("quantize", help="quantize the float tensors of a model (file, sharded directory, hub id)",
+                       description="Quantize IN (a .safetensors file, a sharded checkpoint directory, its "
+                                   "model.safetensors.index.json, or a hub id in the local hub cache) by a recipe and "
+                                   "write OUT (one file for one file, else a directory with the same shards, index and "
+                                   "other files), each file atomically. Kept as they are: tensors that are not floats, "
+                                   "1-D ones, embeddings and norms unless a rule names them, --min-size.")
+    s.add_argument("input", metavar="IN", help="input: .safetensors file, checkpoint directory, index file, hub id, "
+                   "or a storage URL (s3://..., see docs/distributed.md)")
+    s.add_argument("output", metavar="OUT", help="output file (one-file input) or directory, or a URL")
+    s.add_argument("--scheme", help="default scheme, e.g. q8s, q4s/block32:f16, nvfp4, nf4")
+    s.add_argument("--rule", action="append", metavar="PATTERN=SCHEME",
+                   help="per-tensor scheme, first match wins (repeatable): glob or re:REGEX, SCHEME or 'keep'; "
+                        "e.g. '*.mlp.*=q4s/block32:f16', 're:^lm_head=keep'")
+    s.add_argument("--recipe", metavar="FILE.toml", help="recipe file: scheme, [[rule]] pattern/scheme, include_1d, "
+                                                         "min_size (--scheme and --rule go before it)")
     s.add_argument("--backend", default=None, help="backend name or 'auto' (default: $QCORE_BACKEND, else auto)")
     s.add_argument("--skip", action="append", metavar="PATTERN",
-                   help="glob of tensor names to keep as they are (repeatable), e.g. '*embeddings*'")
+                   help="glob of tensor names to keep as they are (repeatable; same as --rule PATTERN=keep)")
     s.add_argument("--min-size", type=int, default=0, metavar="N",
                    help="keep tensors with fewer than N elements as they are")
     s.add_argument("--include-1d", action="store_true", help="also quantize 1-D tensors (biases, norms)")
+    s.add_argument("--max-shard-size", metavar="SIZE", help="write new shards of at most SIZE (e.g. 5GB, 500MiB)")
+    s.add_argument("--resume", action="store_true",
+                   help="keep output shards an interrupted identical run completed (checked by their run marker)")
+    s.add_argument("--no-stats", action="store_true", help="skip the per-tensor SQNR and max error")
     s.add_argument("--report", metavar="FILE", help="write an SQNR report (.html or .png; needs matplotlib)")
     s.add_argument("--compare", action="append", metavar="SCHEME",
                    help="also measure this scheme in the report (repeatable; not written to OUT)")
     s.add_argument("-v", "--verbose", action="store_true", help="list every tensor kept as it is")
+    s.add_argument("--cluster", choices=["local"], help="one unit per shard on a Dask LocalCluster (one worker per "
+                   "GPU for --backend cuda); needs qcore-quant[distributed], see docs/distributed.md")
+    s.add_argument("--scheduler", metavar="ADDRESS", help="one unit per shard on the Dask cluster at ADDRESS "
+                   "(e.g. tcp://10.0.0.1:8786)")
     s.set_defaults(func=cmd_quantize)
 
-    s = sub.add_parser("dequantize", help="turn quantized tensors back into floats")
-    s.add_argument("input", metavar="IN")
+    s = sub.add_parser("dequantize", help="turn quantized tensors back into floats (their source dtype by default)")
+    s.add_argument("input", metavar="IN", help="quantized file or checkpoint directory")
     s.add_argument("output", metavar="OUT")
     s.add_argument("--backend", default=None, help="backend name or 'auto' (default: $QCORE_BACKEND, else auto)")
-    s.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="output float dtype")
+    s.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
+                   help="output float dtype (default: each tensor's recorded source dtype, else float32)")
     s.set_defaults(func=cmd_dequantize)
 
-    s = sub.add_parser("inspect", help="schemes, shapes, sizes and compression ratio of a file")
-    s.add_argument("file", metavar="FILE")
+    s = sub.add_parser("inspect", help="schemes, shapes, sizes, compression ratio and recipe of a file or checkpoint")
+    s.add_argument("file", metavar="FILE", help="a .safetensors file, checkpoint directory, index file or hub id")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=cmd_inspect)
+
+    from .formats.cli import add_convert
+
+    add_convert(sub)
 
     s = sub.add_parser("conformance", help="run the conformance suite against a backend",
                        description="Run qcore's conformance suite against one or more backends.",
@@ -550,24 +557,74 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so the same cleanup runs (exit status 128 + 15)."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
+def _file_id(path: str | None) -> tuple[int, int, int] | None:
+    """What identifies the file at `path` now (inode, size, mtime), or None when there is none."""
+    if not path:
+        return None
     try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _interrupted_message(output: str | None, before: tuple[int, int, int] | None) -> str:
+    """Say what the interruption left: OUT written, OUT as it was, or nothing."""
+    after = _file_id(output)
+    if after is not None and after != before:
+        return f"qcore: interrupted after {output} was written (it is complete)"
+    if before is not None:
+        return f"qcore: interrupted; {output} was left as it was"
+    return "qcore: interrupted; no output file was written"
+
+
+_RUN: dict[str, Any] = {"output": None, "before": None, "restore": None, "reported": False, "rc": None}
+"""The running command's OUT, what was at OUT before, the SIGTERM handler to restore, and whether
+its outcome was reported (with which exit status): a module value, so that the `qcore` entry
+point (`_qcore_launch`) can report truthfully on a signal that lands on the first or last lines
+of `main`."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted, 143 terminated).
+
+    SIGTERM is handled like Ctrl-C: the temporary file goes, OUT is the old one or the new one.
+    """
+    try:  # the first statement: a signal at any later point ends in one line and exit 130/143
+        _RUN.update(output=None, before=None, restore=None, reported=False, rc=None)
+        try:
+            _RUN["restore"] = signal.signal(signal.SIGTERM, _on_sigterm) or signal.SIG_DFL
+        except ValueError:  # not the main thread: leave SIGTERM alone
+            pass
+        argv = list(sys.argv[1:] if argv is None else argv)
         args, extra = _parser().parse_known_args(argv)
+        out = getattr(args, "output", None)
+        _RUN.update(output=out, before=_file_id(out))  # one step: a signal sees both or neither
         if args.command == "conformance":
             return cmd_conformance(args, extra)
         if extra:
             raise _UsageError(f"unrecognized arguments: {' '.join(extra)} (see 'qcore {args.command} --help')")
-        return int(args.func(args))
+        rc = int(args.func(args))
+        _RUN.update(reported=True, rc=rc)
+        return rc
     except SystemExit as e:  # --help, --version
         return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_ERROR)
     except _UsageError as e:
         print(f"qcore: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("qcore: interrupted; no output file was written", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:
+        print(_interrupted_message(_RUN["output"], _RUN["before"]), file=sys.stderr)
+        rc = EXIT_TERMINATED if isinstance(e, _Terminated) else EXIT_INTERRUPTED
+        _RUN.update(reported=True, rc=rc)
+        return rc
     except QCoreError as e:
         print(f"qcore: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_ERROR
@@ -575,6 +632,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         print(f"qcore: error: {where}{e.strerror or _one_line(e)}", file=sys.stderr)
         return EXIT_ERROR
+    except (MemoryError, RecursionError) as e:
+        print(f"qcore: error: out of {'memory' if isinstance(e, MemoryError) else 'stack'} "
+              f"({_one_line(e)}); try a smaller input or a backend with less memory use", file=sys.stderr)
+        return EXIT_ERROR
+    finally:
+        if _RUN["restore"] is not None:
+            signal.signal(signal.SIGTERM, _RUN["restore"])
+            _RUN["restore"] = None
 
 
 if __name__ == "__main__":  # pragma: no cover

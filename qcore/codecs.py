@@ -19,6 +19,9 @@ __all__ = [
     "ScaleTraits",
     "VALUES",
     "SCALES",
+    "SCALE_IDS",
+    "SCALE_ARRAYS",
+    "ScaleArrays",
     "f32_bits",
     "bits_f32",
     "minifloat_values",
@@ -133,6 +136,19 @@ class ValueTraits:
             mags = self.special(mags)
         return np.concatenate([mags, -mags]).astype(np.float32)
 
+    @cached_property
+    def valid_fields(self) -> np.ndarray:
+        """bool per stored field 0 .. 2**bits - 1: whether it means a value of this format.
+
+        Integer fields below `qmin` (Q8S -128, Q4S -8, Q2S -2) and minifloat NaN/Inf codes are
+        outside the value's set (SPEC v1.1 §3); quantize never writes them.
+        """
+        fields = np.arange(1 << self.bits)
+        if self.is_float:
+            return np.isfinite(self.decode_table)
+        signed = np.where(fields >= self.sign_bit, fields - (1 << self.bits), fields)
+        return signed >= self.qmin
+
     def zero_code(self) -> int:
         """The encoding of +0."""
         return 0
@@ -179,51 +195,14 @@ VALUES: dict[str, ValueTraits] = {
 
 
 # --------------------------------------------------------------------------- scale dtypes
-
-def _round_up_f32(s: np.ndarray) -> np.ndarray:
-    return s
-
-
-def _round_up_bits(s: np.ndarray, add: int, mask: int) -> np.ndarray:
-    """`(bits + add) & mask`: round a non-negative f32 up to fewer mantissa bits (SPEC §2.3)."""
-    b = f32_bits(s).astype(np.uint64)
-    return bits_f32(((b + np.uint64(add)) & np.uint64(mask)).astype(np.uint32))
-
-
-def _round_up_grid(s: np.ndarray, quantum: float) -> np.ndarray:
-    """`ceil(s / q) * q` for the subnormal range of a narrow format (exact in f32)."""
-    q = np.float32(quantum)
-    with np.errstate(over="ignore", invalid="ignore"):
-        return (np.ceil(s / q) * q).astype(np.float32)
-
-
-def _round_up_f16(s):
-    out = _round_up_bits(s, 0x1FFF, 0xFFFFE000)
-    out = np.where(s < np.float32(2.0**-14), _round_up_grid(s, 2.0**-24), out)
-    return np.where(s >= np.float32(65504.0), np.float32(65504.0), out).astype(np.float32)
-
+# SPEC §2.3 rounds a raw scale UP to the scale dtype. Every dtype follows one rule, read from its
+# row's numbers (`ScaleTraits.round_up`): clamp at `max_value`; at or below `least` give `least`
+# (UE8M0 has no zero); below `sub_below` (the dtype's smallest normal, where its grid is
+# uniform) round up to a multiple of `sub_quantum`; otherwise drop mantissa bits of the f32,
+# rounding up: `(bits + round_add) & round_mask`. Kernels use the same numbers (`SCALE_ARRAYS`).
 
 BF16_MAX = float(bits_f32(np.array([0x7F7F0000], dtype=np.uint32))[0])
-
-
-def _round_up_bf16(s):
-    out = _round_up_bits(s, 0xFFFF, 0xFFFF0000)
-    return np.where(s >= np.float32(BF16_MAX), np.float32(BF16_MAX), out).astype(np.float32)
-
-
-def _round_up_ue4m3(s):
-    out = _round_up_bits(s, 0xFFFFF, 0xFFF00000)
-    out = np.where(s < np.float32(2.0**-6), _round_up_grid(s, 2.0**-9), out)
-    return np.where(s >= np.float32(448.0), np.float32(448.0), out).astype(np.float32)
-
-
 UE8M0_MIN = float(np.float32(2.0**-127))
-
-
-def _round_up_ue8m0(s):
-    out = _round_up_bits(s, 0x7FFFFF, 0xFF800000)  # the next power of two at or above s
-    out = np.where(s <= np.float32(2.0**-127), np.float32(2.0**-127), out)
-    return np.where(s >= np.float32(2.0**127), np.float32(2.0**127), out).astype(np.float32)
 
 
 # storage: f32 (already representable) -> little-endian unsigned words; and back
@@ -276,19 +255,58 @@ def _dec_ue8m0(u):
 
 @dataclass(frozen=True)
 class ScaleTraits:
-    """One row of the scale-dtype table (SPEC §1, §2.3, §3)."""
+    """One row of the scale-dtype table (SPEC §1, §2.3, §3).
+
+    The numbers say everything the kernels need: the round-up rule (module comment above) and
+    the stored word of a representable scale, `(f32 bits >> (23 - man_bits)) - ((127 - bias) <<
+    man_bits)` for a normal value and `value / sub_quantum` below `sub_below`.
+    """
 
     name: str
     nbytes: int
-    max_value: float
-    round_up: Callable[[np.ndarray], np.ndarray] = field(compare=False, repr=False)
-    encode: Callable[[np.ndarray], np.ndarray] = field(compare=False, repr=False)
-    decode: Callable[[np.ndarray], np.ndarray] = field(compare=False, repr=False)
-    zero: float = 0.0  # what a zero scale is stored as (UE8M0 has no zero: 2**-127)
+    max_value: float  # raw scales at or above it store as it (the largest value; f32: inf)
+    man_bits: int  # mantissa bits of the stored word
+    bias: int  # exponent bias of the stored word
+    least: float = 0.0  # raw scales at or below it store as it (UE8M0 has no zero: 2**-127)
+    sub_below: float = 0.0  # below it the dtype's values are a uniform grid (0: f32 rounding)
+    sub_quantum: float = 0.0  # that grid's step
+    encode: Callable[[np.ndarray], np.ndarray] = field(default=None, compare=False, repr=False)
+    decode: Callable[[np.ndarray], np.ndarray] = field(default=None, compare=False, repr=False)
+
+    @property
+    def round_add(self) -> int:
+        """Added to the f32 bits before masking: rounds the dropped mantissa bits up."""
+        return (1 << (23 - self.man_bits)) - 1
+
+    @property
+    def round_mask(self) -> int:
+        """Keeps the sign, exponent and `man_bits` mantissa bits of an f32."""
+        return (0xFFFFFFFF << (23 - self.man_bits)) & 0xFFFFFFFF
+
+    @property
+    def word_shift(self) -> int:
+        return 23 - self.man_bits
+
+    @property
+    def word_rebias(self) -> int:
+        return (127 - self.bias) << self.man_bits
 
     @property
     def word_dtype(self) -> np.dtype:
         return np.dtype({1: "<u1", 2: "<u2", 4: "<u4"}[self.nbytes])
+
+    def round_up(self, s: np.ndarray) -> np.ndarray:
+        """Round raw non-negative f32 scales UP to this dtype (SPEC §2.3), as f32."""
+        s = np.asarray(s, dtype=np.float32)
+        b = f32_bits(s).astype(np.uint64)
+        out = bits_f32(((b + np.uint64(self.round_add)) & np.uint64(self.round_mask)).astype(np.uint32))
+        if self.sub_below > 0:
+            q = np.float32(self.sub_quantum)
+            with np.errstate(over="ignore", invalid="ignore"):
+                grid = (np.ceil(s / q) * q).astype(np.float32)
+            out = np.where(s < np.float32(self.sub_below), grid, out)
+        out = np.where(s <= np.float32(self.least), np.float32(self.least), out)
+        return np.where(s >= np.float32(self.max_value), np.float32(self.max_value), out).astype(np.float32)
 
     def store(self, s: np.ndarray) -> np.ndarray:
         """Round raw non-negative f32 scales up to this dtype; result decoded back to f32."""
@@ -298,10 +316,49 @@ class ScaleTraits:
 SCALES: dict[str, ScaleTraits] = {
     row.name: row
     for row in (
-        ScaleTraits("f32", 4, float(np.finfo(np.float32).max), _round_up_f32, _enc_f32, _dec_f32),
-        ScaleTraits("f16", 2, 65504.0, _round_up_f16, _enc_f16, _dec_f16),
-        ScaleTraits("bf16", 2, BF16_MAX, _round_up_bf16, _enc_bf16, _dec_bf16),
-        ScaleTraits("ue8m0", 1, 2.0**127, _round_up_ue8m0, _enc_ue8m0, _dec_ue8m0, zero=UE8M0_MIN),
-        ScaleTraits("ue4m3", 1, 448.0, _round_up_ue4m3, _enc_ue4m3, _dec_ue4m3),
+        # F32 is the identity (SPEC §2.3): no clamp, even for a raw scale that overflowed to inf.
+        ScaleTraits("f32", 4, float("inf"), 23, 127, encode=_enc_f32, decode=_dec_f32),
+        ScaleTraits("f16", 2, 65504.0, 10, 15, sub_below=2.0**-14, sub_quantum=2.0**-24,
+                    encode=_enc_f16, decode=_dec_f16),
+        # BF16 is the top half of an f32, subnormals included: the bit rule covers them.
+        ScaleTraits("bf16", 2, BF16_MAX, 7, 127, encode=_enc_bf16, decode=_dec_bf16),
+        ScaleTraits("ue8m0", 1, 2.0**127, 0, 127, least=UE8M0_MIN, encode=_enc_ue8m0, decode=_dec_ue8m0),
+        ScaleTraits("ue4m3", 1, 448.0, 3, 7, sub_below=2.0**-6, sub_quantum=2.0**-9,
+                    encode=_enc_ue4m3, decode=_dec_ue4m3),
     )
 }
+
+SCALE_IDS: tuple[str, ...] = tuple(SCALES)
+"""Kernel id of each scale dtype: its index here (and in every `SCALE_ARRAYS` array)."""
+
+
+@dataclass(frozen=True)
+class ScaleArrays:
+    """The `SCALES` rows' numbers as arrays indexed by `SCALE_IDS` position, for kernels."""
+
+    max_value: np.ndarray  # float32
+    least: np.ndarray  # float32
+    sub_below: np.ndarray  # float32
+    sub_quantum: np.ndarray  # float32
+    round_add: np.ndarray  # uint32
+    round_mask: np.ndarray  # uint32
+    word_shift: np.ndarray  # uint32
+    word_rebias: np.ndarray  # uint32
+    nbytes: np.ndarray  # int64
+
+
+def _scale_arrays() -> ScaleArrays:
+    rows = [SCALES[n] for n in SCALE_IDS]
+
+    def col(attr: str, dtype) -> np.ndarray:
+        a = np.array([getattr(r, attr) for r in rows], dtype=dtype)
+        a.setflags(write=False)
+        return a
+
+    f32, u32 = np.float32, np.uint32
+    return ScaleArrays(col("max_value", f32), col("least", f32), col("sub_below", f32), col("sub_quantum", f32),
+                       col("round_add", u32), col("round_mask", u32), col("word_shift", u32),
+                       col("word_rebias", u32), col("nbytes", np.int64))
+
+
+SCALE_ARRAYS = _scale_arrays()

@@ -12,6 +12,8 @@ __all__ = [
     "InputError",
     "BackendNotFoundError",
     "BackendUnavailableError",
+    "StorageError",
+    "DeviceMemoryError",
 ]
 
 
@@ -41,3 +43,17 @@ class BackendNotFoundError(QCoreError, LookupError):
 
 class BackendUnavailableError(QCoreError, RuntimeError):
     """The backend is installed, but its device or runtime is missing."""
+
+
+class StorageError(QCoreError, OSError):
+    """A file could not be read or written: missing, a directory or device, unreadable, disk
+    full, read-only destination. Carries `errno` and `filename` like the `OSError` it replaces;
+    its text is the one-line message alone."""
+
+    def __str__(self) -> str:
+        return str(self.strerror) if self.strerror else super().__str__()
+
+
+class DeviceMemoryError(QCoreError, MemoryError):
+    """A backend's device ran out of memory; the message names the size asked for. The backend
+    stays usable for work that fits."""

@@ -6,6 +6,9 @@ name; the header's `__metadata__` (a flat str->str map) carries what is needed t
     qcore.format_version   "1"
     qcore.<name>.scheme    canonical scheme text, e.g. "q4s/block32:f16"
     qcore.<name>.shape     the logical shape as a JSON list, e.g. "[384, 1536]"
+    qcore.<name>.dtype     optional: the source dtype it was quantized from, e.g. "BF16"
+    qcore.recipe           optional: the recipe that chose the schemes (JSON, see qcore.recipe)
+    qcore.run              optional: the whole-model run marker `--resume` checks (qcore.model)
 
 Any other tensor (floats that were not quantized, integer buffers) is stored as it is. The
 `qcore.` prefix of the metadata is reserved; other keys are the caller's own metadata.
@@ -17,8 +20,11 @@ quantized them.
 """
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
+import stat
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,10 +35,11 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from .errors import InputError, InvalidDataError, QCoreError
+from . import _signals
+from .errors import InputError, InvalidDataError, QCoreError, StorageError
 from .payload import QuantizedData, sections
 from .protocol import Backend, QTensor
-from .scheme import QuantScheme, scheme as parse_scheme
+from .scheme import INT64_MAX, QuantScheme, scheme as parse_scheme
 
 __all__ = [
     "FORMAT_VERSION",
@@ -40,18 +47,25 @@ __all__ = [
     "Entry",
     "FileInfo",
     "atomic_write",
+    "check_output_path",
     "save",
     "load",
     "load_data",
     "read_info",
     "scheme_key",
     "shape_key",
+    "dtype_key",
+    "RECIPE_KEY",
+    "RUN_KEY",
 ]
 
 FORMAT_VERSION = "1"
 PREFIX = "qcore."
 VERSION_KEY = "qcore.format_version"
-_SCHEME, _SHAPE = ".scheme", ".shape"
+_SCHEME, _SHAPE, _DTYPE = ".scheme", ".shape", ".dtype"
+RECIPE_KEY = "qcore.recipe"
+RUN_KEY = "qcore.run"
+_GLOBAL_KEYS = (VERSION_KEY, RECIPE_KEY, RUN_KEY)
 _RESERVED_NAME = "__metadata__"
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -65,6 +79,11 @@ def scheme_key(name: str) -> str:
 def shape_key(name: str) -> str:
     """Metadata key holding the logical shape (JSON list) of quantized tensor `name`."""
     return f"{PREFIX}{name}{_SHAPE}"
+
+
+def dtype_key(name: str) -> str:
+    """Metadata key holding the source dtype (safetensors name) quantized tensor `name` came from."""
+    return f"{PREFIX}{name}{_DTYPE}"
 
 
 # ---------------------------------------------------------------------------------------- save
@@ -102,27 +121,50 @@ def _check_user_metadata(metadata: Any) -> dict[str, str]:
     return out
 
 
-def save(path: PathLike, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> None:
+def save(path: PathLike, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None, *,
+         source_dtypes: Mapping[str, Any] | None = None, recipe: str | None = None) -> None:
     """Write `tensors` (QTensor, QuantizedData or numpy arrays) to a safetensors file, atomically.
 
     Quantized tensors are written as their portable payload (U8) plus two metadata keys; numpy
     arrays are written unchanged. `metadata` is extra str->str header metadata (keys must not start
-    with 'qcore.'). Nothing is written unless every tensor is valid.
+    with 'qcore.'). `source_dtypes` records the dtype each quantized tensor came from (so
+    dequantizing restores it); `recipe` is the recipe's JSON. Nothing is written unless every
+    tensor is valid.
     """
     if not isinstance(tensors, Mapping):
         raise InputError(f"save takes a dict of name -> tensor, got {type(tensors).__name__}")
-    header = {VERSION_KEY: FORMAT_VERSION}
+    header = qcore_header({}, recipe)
     header.update(_check_user_metadata(metadata))
     arrays: dict[str, np.ndarray] = {}
     for name, value in tensors.items():
         entry = _as_entry(name, value)
         if isinstance(entry, QuantizedData):
             arrays[name] = np.frombuffer(entry.payload, dtype=np.uint8)
-            header[scheme_key(name)] = str(entry.scheme)
-            header[shape_key(name)] = json.dumps(list(entry.shape))
+            header.update(quantized_keys(name, entry.scheme, entry.shape, (source_dtypes or {}).get(name)))
         else:
             arrays[name] = entry
     _atomic_write(os.fspath(path), lambda tmp: save_file(arrays, tmp, metadata=header), _canonical_header)
+
+
+def quantized_keys(name: str, sch: QuantScheme, shape: Any, source_dtype: Any = None) -> dict[str, str]:
+    """The metadata keys of one quantized tensor (scheme, shape, and its source dtype if known)."""
+    keys = {scheme_key(name): str(sch), shape_key(name): json.dumps([int(d) for d in shape])}
+    if source_dtype is not None:
+        from .stfile import st_dtype
+
+        keys[dtype_key(name)] = source_dtype if isinstance(source_dtype, str) else st_dtype(source_dtype)
+    return keys
+
+
+def qcore_header(user: Mapping[str, str] | None, recipe: str | None = None, run: str | None = None) -> dict[str, str]:
+    """The file-level metadata qcore writes: format version, optional recipe and run marker, user keys."""
+    header = {VERSION_KEY: FORMAT_VERSION}
+    if recipe is not None:
+        header[RECIPE_KEY] = recipe
+    if run is not None:
+        header[RUN_KEY] = run
+    header.update(_check_user_metadata(user))
+    return header
 
 
 def atomic_write(path: PathLike, write) -> None:
@@ -130,28 +172,77 @@ def atomic_write(path: PathLike, write) -> None:
     _atomic_write(os.fspath(path), write, None)
 
 
+def check_output_path(path: PathLike) -> str:
+    """Refuse, before any work, an output path that cannot be written: its directory missing or
+    not a directory, not writable, or the path itself a directory. Returns the path as text."""
+    p = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(p))
+    if not os.path.isdir(directory):
+        raise StorageError(errno.ENOENT, f"cannot write {p}: directory {directory} does not exist "
+                                         "(No such file or directory); create it first", p)
+    if os.path.isdir(p):
+        raise StorageError(errno.EISDIR, f"cannot write {p}: it is a directory; name a file inside it", p)
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise StorageError(errno.EACCES, f"cannot write {p}: directory {directory} is not writable "
+                                         "(read-only or no permission); write elsewhere", p)
+    return p
+
+
+def _storage_error(path: str, e: BaseException) -> StorageError:
+    """One-line `StorageError` for a failed write of `path` (OSError or safetensors' own error)."""
+    code = getattr(e, "errno", None)
+    text = getattr(e, "strerror", None) or " ".join(str(e).split())
+    if code is None:  # safetensors wraps the OS error in its message: find the errno it names
+        for name, num in (("StorageFull", errno.ENOSPC), ("No space left", errno.ENOSPC),
+                          ("ReadOnlyFilesystem", errno.EROFS), ("PermissionDenied", errno.EACCES)):
+            if name in text:
+                code, text = num, os.strerror(num)
+                break
+    return StorageError(code or errno.EIO, f"cannot write {path}: {text}; nothing was written", path)
+
+
 def _atomic_write(path: str, write, finish) -> None:
     """Run `write(tmp)` on a temp file next to `path`, fsync it, then `os.replace` it into place.
 
-    Any exception (KeyboardInterrupt included) removes the temp file and leaves `path` untouched.
+    Any exception (KeyboardInterrupt included) removes the temp file and leaves `path` untouched;
+    creating, moving and removing the temp file are not split by SIGINT/SIGTERM (`_signals`).
+    Write failures (disk full, read-only) become one `StorageError`.
     """
+    check_output_path(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    os.close(fd)
+    tmp: str | None = None
     try:
-        write(tmp)
-        with open(tmp, "r+b") as f:
-            if finish is not None:
-                finish(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _default_mode())
-        os.replace(tmp, path)
-    except BaseException:
+        with _signals.deferred():
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+            except OSError as e:
+                raise _storage_error(path, e) from None
+            os.close(fd)
         try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+            write(tmp)
+            with open(tmp, "r+b") as f:
+                if finish is not None:
+                    finish(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, _default_mode())
+        except (OSError, SafetensorError) as e:
+            if isinstance(e, QCoreError):
+                raise
+            raise _storage_error(path, e) from None
+        with _signals.deferred():
+            try:
+                os.replace(tmp, path)
+            except OSError as e:
+                raise _storage_error(path, e) from None
+            tmp = None
+    except BaseException:
+        if tmp is not None:
+            with _signals.deferred():
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
         raise
     _fsync_dir(directory)
 
@@ -212,6 +303,7 @@ class Entry:
     shape: tuple[int, ...]          # logical shape (quantized: the tensor's, not the payload's)
     nbytes: int                     # bytes stored in the file
     scheme: QuantScheme | None = None
+    source_dtype: str | None = None  # quantized: the dtype it came from, if recorded ("BF16", ...)
 
     @property
     def quantized(self) -> bool:
@@ -219,7 +311,14 @@ class Entry:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
+
+    @property
+    def source_nbytes(self) -> int:
+        """Bytes of the tensor in its source dtype (quantized without a recorded dtype: float32)."""
+        if not self.quantized:
+            return self.nbytes
+        return self.numel * _ITEMSIZE.get(self.source_dtype or "F32", 4)
 
 
 @dataclass(frozen=True)
@@ -231,6 +330,8 @@ class FileInfo:
     entries: list[Entry] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)   # the caller's own keys
     file_size: int = 0
+    recipe: str | None = None        # the recipe JSON (qcore.recipe), if recorded
+    run: str | None = None           # the whole-model run marker (qcore.run), if recorded
 
 
 _ITEMSIZE = {
@@ -240,41 +341,61 @@ _ITEMSIZE = {
 }
 
 
+def check_input_path(path: PathLike) -> str:
+    """A readable regular file, else `StorageError` naming the path (missing, a directory, a
+    device such as /dev/null, no permission). Returns the path as text."""
+    try:
+        p = os.fspath(path)
+    except TypeError:
+        raise InputError(f"a file path is a str or os.PathLike, got {type(path).__name__}") from None
+    try:
+        st = os.stat(p)
+    except OSError as e:
+        raise StorageError(e.errno, f"{p}: {e.strerror} (cannot read it)", p) from None
+    if stat.S_ISDIR(st.st_mode):
+        raise StorageError(errno.EISDIR, f"cannot read {p}: it is a directory; name a .safetensors file", p)
+    if not stat.S_ISREG(st.st_mode):
+        raise StorageError(errno.ENODEV, f"cannot read {p}: not a regular file; name a .safetensors file", p)
+    if not os.access(p, os.R_OK):
+        raise StorageError(errno.EACCES, f"cannot read {p}: permission denied", p)
+    return p
+
+
 def _open(path: PathLike):
-    p = os.fspath(path)
-    if not os.path.exists(p):
-        raise FileNotFoundError(2, "No such file", p)
+    p = check_input_path(path)
     try:
         return safe_open(p, framework="np")
     except SafetensorError as e:
-        raise InvalidDataError(f"{p} is not a valid safetensors file: {e}") from None
-    except OSError:
-        raise
+        raise InvalidDataError(f"{p} is not a valid safetensors file: {' '.join(str(e).split())}") from None
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot read {p}: {e.strerror or e}", p) from None
     except Exception as e:  # the Rust layer raises a few other types on bad headers
         raise InvalidDataError(f"{p} is not a valid safetensors file: {e}") from None
 
 
 def _parse_shape(text: str, name: str, where: str) -> tuple[int, ...]:
     try:
-        v = json.loads(text)
-    except ValueError:
+        v = json.loads(text) if len(text) < 4096 else None  # a shape is short; refuse deep nesting early
+    except (ValueError, RecursionError):
         v = None
-    if not isinstance(v, list) or not v or not all(type(d) is int and d >= 0 for d in v):
+    if not isinstance(v, list) or not v or not all(type(d) is int and 0 <= d <= INT64_MAX for d in v):
+        shown = repr(text) if len(text) <= 80 else f"{text[:60]!r}... ({len(text)} characters)"
         raise InvalidDataError(
-            f"{where}: key '{shape_key(name)}' must be a JSON list of one or more ints >= 0, got {text!r}"
+            f"{where}: key '{shape_key(name)}' must be a JSON list of one or more ints in 0..2**63-1, got {shown}"
         )
     return tuple(v)
 
 
-def _quantized_index(meta: dict[str, str], names: set[str], where: str) -> tuple[str | None, dict, dict]:
-    """Split header metadata into (format version, {name: (scheme, shape)}, user metadata)."""
+def _quantized_index(meta: dict[str, str], names: set[str], where: str) -> tuple[str | None, dict, dict, dict]:
+    """Split header metadata into (format version, {name: (scheme, shape)}, user metadata,
+    {name: source dtype})."""
     version = meta.get(VERSION_KEY)
     user = {k: v for k, v in meta.items() if not k.startswith(PREFIX)}
-    ours = {k: v for k, v in meta.items() if k.startswith(PREFIX) and k != VERSION_KEY}
+    ours = {k: v for k, v in meta.items() if k.startswith(PREFIX) and k not in _GLOBAL_KEYS}
     if version is None:
         if ours:
             raise InvalidDataError(f"{where}: has qcore keys ({next(iter(ours))!r}) but no '{VERSION_KEY}'")
-        return None, {}, user
+        return None, {}, user, {}
     if version != FORMAT_VERSION:
         raise InvalidDataError(
             f"{where}: qcore format version {version!r} is not supported (this qcore reads "
@@ -282,11 +403,14 @@ def _quantized_index(meta: dict[str, str], names: set[str], where: str) -> tuple
         )
     schemes: dict[str, str] = {}
     shapes: dict[str, str] = {}
+    dtypes: dict[str, str] = {}
     for k, v in ours.items():
         if k.endswith(_SCHEME):
             schemes[k[len(PREFIX):-len(_SCHEME)]] = v
         elif k.endswith(_SHAPE):
             shapes[k[len(PREFIX):-len(_SHAPE)]] = v
+        elif k.endswith(_DTYPE):
+            dtypes[k[len(PREFIX):-len(_DTYPE)]] = v
         else:
             raise InvalidDataError(f"{where}: unknown metadata key {k!r} (qcore format {FORMAT_VERSION})")
     index = {}
@@ -301,7 +425,12 @@ def _quantized_index(meta: dict[str, str], names: set[str], where: str) -> tuple
         except QCoreError as e:
             raise InvalidDataError(f"{where}: tensor '{name}' has a bad scheme: {e}") from None
         index[name] = (sch, _parse_shape(shapes[name], name, where))
-    return version, index, user
+    for name, dt in dtypes.items():
+        if name not in index:
+            raise InvalidDataError(f"{where}: key '{dtype_key(name)}' names no quantized tensor")
+        if dt not in _ITEMSIZE:
+            raise InvalidDataError(f"{where}: key '{dtype_key(name)}' must be a safetensors dtype, got {dt!r}")
+    return version, index, user, dtypes
 
 
 def read_info(path: PathLike) -> FileInfo:
@@ -313,19 +442,19 @@ def read_info(path: PathLike) -> FileInfo:
     with _open(p) as f:
         meta = f.metadata() or {}
         names = list(f.keys())
-        version, index, user = _quantized_index(meta, set(names), p)
+        version, index, user, dtypes = _quantized_index(meta, set(names), p)
         entries = []
         for name in names:
             sl = f.get_slice(name)
             dtype, stored_shape = str(sl.get_dtype()), tuple(int(d) for d in sl.get_shape())
-            nbytes = int(np.prod(stored_shape, dtype=np.int64)) * _ITEMSIZE.get(dtype, 1)
+            nbytes = math.prod(stored_shape) * _ITEMSIZE.get(dtype, 1)
             if name in index:
                 sch, shape = index[name]
                 _check_stored(p, name, dtype, stored_shape, sch, shape)
-                entries.append(Entry(name, dtype, shape, nbytes, sch))
+                entries.append(Entry(name, dtype, shape, nbytes, sch, dtypes.get(name)))
             else:
                 entries.append(Entry(name, dtype, stored_shape, nbytes))
-    return FileInfo(p, version, entries, user, os.path.getsize(p))
+    return FileInfo(p, version, entries, user, os.path.getsize(p), meta.get(RECIPE_KEY), meta.get(RUN_KEY))
 
 
 def _check_stored(where: str, name: str, dtype: str, stored_shape: tuple[int, ...],
@@ -345,6 +474,28 @@ def _check_stored(where: str, name: str, dtype: str, stored_shape: tuple[int, ..
         )
 
 
+_NUMPY_LACKS = {
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+}
+"""safetensors dtypes whose numpy type lives in ml_dtypes: safetensors' numpy reader cannot build
+them, so `load_data` reads their bytes itself (the header was already checked by safe_open)."""
+
+
+def _read_raw(path: str, name: str, dtype: str) -> np.ndarray:
+    """One tensor's bytes read from the file by its header offsets, viewed as `dtype`."""
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        head = json.loads(fh.read(n))
+        entry = head[name]
+        start, end = (int(v) for v in entry["data_offsets"])
+        fh.seek(8 + n + start)
+        raw = fh.read(end - start)
+    shape = tuple(int(d) for d in entry["shape"])
+    return np.frombuffer(raw, dtype=_NUMPY_LACKS[dtype]).reshape(shape).copy()
+
+
 def load_data(path: PathLike) -> dict[str, QuantizedData | np.ndarray]:
     """Read a file into portable values: `QuantizedData` for quantized tensors, numpy otherwise.
 
@@ -355,10 +506,13 @@ def load_data(path: PathLike) -> dict[str, QuantizedData | np.ndarray]:
     with _open(p) as f:
         meta = f.metadata() or {}
         names = list(f.keys())
-        _, index, _ = _quantized_index(meta, set(names), p)
+        _, index, _, _ = _quantized_index(meta, set(names), p)
         for name in names:
             try:
-                arr = f.get_tensor(name)
+                dtype = str(f.get_slice(name).get_dtype())
+                arr = _read_raw(p, name, dtype) if dtype in _NUMPY_LACKS else f.get_tensor(name)
+            except QCoreError:
+                raise
             except Exception as e:
                 raise InvalidDataError(f"{p}: cannot read tensor '{name}': {e}") from None
             if name in index:

@@ -11,11 +11,17 @@ from typing import Sequence
 import numpy as np
 
 from .errors import InputError
-from .scheme import QuantScheme, StoreKind
+from .scheme import INT64_MAX, QuantScheme, StoreKind
+
+MAX_EXTENT_PRODUCT = 1 << 50
+"""Largest product of a shape's non-zero extents (a thousand times the largest tensors in use):
+numpy builds an array, even an empty one, only when that product times its item size fits int64,
+and kernels add axes (codes per word) and wider items (float64) to it."""
 
 __all__ = [
     "check_shape",
     "full_block",
+    "block_extents",
     "grid_shape",
     "packing_axis",
     "fields_per_word",
@@ -38,6 +44,13 @@ def check_shape(shape: Sequence[int]) -> tuple[int, ...]:
         raise InputError("tensors need rank >= 1, got a scalar; reshape it to (1,)")
     if any(d < 0 for d in shape):
         raise InputError(f"shape dims must be >= 0, got {shape}")
+    if any(d > INT64_MAX for d in shape):
+        raise InputError(f"shape dims must fit int64 (<= 2**63-1), got {shape}")
+    if math.prod(d for d in shape if d) > MAX_EXTENT_PRODUCT:
+        raise InputError(
+            f"shape {shape} spans more than 2**50 elements (its non-zero extents multiplied), more than "
+            "an array can index even when empty; no real tensor is this large"
+        )
     return shape
 
 
@@ -52,6 +65,18 @@ def full_block(shape: Sequence[int], scheme: QuantScheme) -> tuple[int, ...] | N
             f"(shape {tuple(shape)}); use a block with at most {len(shape)} dims"
         )
     return (1,) * (len(shape) - len(dims)) + tuple(dims)
+
+
+def block_extents(shape: Sequence[int], scheme: QuantScheme) -> tuple[int, ...] | None:
+    """`full_block` with each dim clamped to its axis extent (at least 1); None per-tensor.
+
+    A block larger than its axis covers the same elements as a block equal to the extent
+    (SPEC v1.1 §3), so work sized by these extents costs no more than the tensor itself.
+    """
+    block = full_block(shape, scheme)
+    if block is None:
+        return None
+    return tuple(max(1, min(b, d)) for d, b in zip(shape, block))
 
 
 def grid_shape(shape: Sequence[int], scheme: QuantScheme) -> tuple[int, ...]:
@@ -106,9 +131,14 @@ def values_nbytes(shape: Sequence[int], scheme: QuantScheme) -> int:
 
 
 def expand_to_elements(per_slot: np.ndarray, shape: Sequence[int], scheme: QuantScheme) -> np.ndarray:
-    """Broadcast one value per scale slot to every element it covers (edge blocks cropped)."""
-    block = full_block(shape, scheme)
+    """Broadcast one value per scale slot to every element it covers (edge blocks cropped).
+
+    An empty shape gives an empty array at once, however large its other extents.
+    """
+    block = block_extents(shape, scheme)
     per_slot = np.asarray(per_slot)
+    if math.prod(shape) == 0:
+        return np.zeros(tuple(shape), dtype=per_slot.dtype)
     if block is None:
         return np.broadcast_to(per_slot.reshape(()), tuple(shape))
     out = per_slot
@@ -126,6 +156,8 @@ def pack(codes: np.ndarray, scheme: QuantScheme) -> np.ndarray:
     """
     codes = np.asarray(codes)
     axis = packing_axis(codes.shape, scheme)
+    if codes.size == 0:
+        return np.zeros(0, dtype=np.uint8)
     if axis is None:
         return np.ascontiguousarray(codes).view(np.uint8).reshape(-1)
     bits, n = scheme.bits, fields_per_word(scheme)
@@ -147,6 +179,8 @@ def unpack(buf: np.ndarray | bytes, shape: Sequence[int], scheme: QuantScheme) -
     """Stored words (bytes) -> codes of `shape`: int8 (sign-extended) for integer values,
     uint8 for minifloat codes and LOOKUP indices (SPEC §3)."""
     shape = tuple(shape)
+    if math.prod(shape) == 0:
+        return np.zeros(shape, dtype=scheme.code_dtype)
     raw = np.frombuffer(bytes(buf) if not isinstance(buf, np.ndarray) else buf.tobytes(), dtype=np.uint8)
     out_dtype = scheme.code_dtype
     signed = out_dtype == np.int8

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from . import layout
+from .arithmetic import QParams, decode, effective_scale
 from .errors import InputError
 from .payload import QuantizedData
 from .scheme import BlockLevel
@@ -156,9 +157,6 @@ def cat(be: "BaseBackend", qs: Sequence["QTensor"], axis: int = 0) -> "QTensor":
 def matmul(be: "BaseBackend", x: Any, w: "QTensor", rows_per_step: int = 1024) -> np.ndarray:
     """`x @ dequantize(w)` with f32 accumulation, dequantizing `rows_per_step` rows of w at a time
     (rounded to whole blocks), so the full float weight never exists."""
-    from .reference import decode, effective_scale
-    from .protocol import QParams
-
     if len(w.shape) != 2:
         raise InputError(f"matmul needs a 2-D weight [K, N], got shape {w.shape}")
     x = np.asarray(be.to_numpy(x) if not isinstance(x, np.ndarray) else x)

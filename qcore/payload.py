@@ -126,6 +126,35 @@ class QuantizedData:
         LOOKUP indices."""
         return layout.unpack(np.frombuffer(self.values_bytes(), np.uint8), self.shape, self.scheme)
 
+    def first_invalid_code(self) -> tuple[int, ...] | None:
+        """Index of the first element whose stored field is outside the value's set (SPEC v1.1
+        §3: Q8S/Q4S/Q2S below qmin, E4M3/E5M2 NaN/Inf), row-major; None when all are valid.
+
+        Padding bits of a packed word are not elements and are ignored.
+        """
+        valid = self.scheme.valid_fields
+        if valid.all() or math.prod(self.shape) == 0:
+            return None
+        fields = self.codes().view(np.uint8) & np.uint8(len(valid) - 1)
+        bad = ~valid[fields]
+        if not bad.any():
+            return None
+        flat = int(np.argmax(bad.reshape(-1)))
+        return tuple(int(i) for i in np.unravel_index(flat, self.shape))
+
+    def check_codes(self) -> None:
+        """Raise `InvalidDataError` naming the first invalid value code (see `first_invalid_code`)."""
+        idx = self.first_invalid_code()
+        if idx is None:
+            return
+        field_ = int(self.codes()[idx].view(np.uint8)) & ((1 << self.scheme.bits) - 1)
+        t = self.scheme.traits
+        why = f"an integer below qmin {int(t.qmin)}" if not t.is_float else "a NaN/Inf code, not a value"
+        raise InvalidDataError(
+            f"element {idx} of {self.scheme} (shape {self.shape}) holds code 0x{field_:x}, {why}; "
+            "quantize never writes it, so the payload is corrupt: re-create it from the float tensor"
+        )
+
     def scales(self) -> np.ndarray:
         """Stored scales decoded to float32, in the block-grid shape (per-tensor: shape ())."""
         tr = self.scheme.slot_dtype.traits

@@ -15,7 +15,9 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from . import layout
+from .arithmetic import QParams
 from .checks import check_input_dtype, check_output_dtype
+from .codecs import F32_TINY
 from .errors import BackendUnavailableError, InputError, UnsupportedSchemeError
 from .payload import QuantizedData, sections
 from .scheme import QuantScheme, scheme as parse_scheme
@@ -47,26 +49,12 @@ class Support:
         return "Support(yes)" if self.ok else f"Support(no: {self.reason})"
 
 
-@dataclass(frozen=True)
-class QParams:
-    """Stored scales (rounded up, decoded to f32) in the block-grid shape, and the two-level global."""
-
-    scales: np.ndarray
-    global_scale: float | None = None
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, QParams):
-            return NotImplemented
-        a, b = np.asarray(self.scales, np.float32), np.asarray(other.scales, np.float32)
-        return (
-            a.shape == b.shape
-            and a.tobytes() == b.tobytes()
-            and (self.global_scale is None) == (other.global_scale is None)
-            and (self.global_scale is None or np.float32(self.global_scale).tobytes()
-                 == np.float32(other.global_scale).tobytes())
-        )
-
-    __hash__ = None  # type: ignore[assignment]
+def empty_params(shape: tuple[int, ...], scheme: QuantScheme) -> QParams:
+    """The calibration of an empty tensor (docs/spec-choices.md): every slot's statistic is 0,
+    so zero scales stored in the slot dtype; two-level `g` is its floor 1.17549435e-38."""
+    zeros = np.zeros(layout.grid_shape(shape, scheme), dtype=np.float32)
+    stored = scheme.slot_dtype.traits.store(zeros).reshape(zeros.shape)
+    return QParams(stored, float(F32_TINY) if scheme.two_level else None)
 
 
 class QTensor:
@@ -171,16 +159,9 @@ class BaseBackend(abc.ABC):
                 f"backend '{self.name}' is not available: {self.describe()}; "
                 "pick another with qcore.backend(name) or leave it to 'auto'"
             )
-        sup = self._supports(scheme)
-        if not sup:
-            from .registry import supporting_backends
+        from .registry import require_support
 
-            others = [n for n in supporting_backends(scheme) if n != self.name]
-            where = f"backends that do: {', '.join(others)}" if others else "no installed backend does"
-            raise UnsupportedSchemeError(
-                f"backend '{self.name}' does not support {scheme}: {sup.reason}; {where}"
-            )
-        return scheme
+        return require_support(self, scheme)
 
     # ------------------------------------------------------------------ input checks
     def _shape_dtype(self, x: Any) -> tuple[tuple[int, ...], np.dtype]:
@@ -188,7 +169,14 @@ class BaseBackend(abc.ABC):
         if isinstance(x, (np.ndarray, np.generic)):
             return np.shape(x), x.dtype
         if isinstance(x, (list, tuple, int, float)):
-            a = np.asarray(x)
+            try:
+                a = np.asarray(x)
+            except (ValueError, TypeError, RecursionError) as e:  # ragged or mixed nested lists
+                raise InputError(
+                    f"input list is not a rectangular array of numbers ({e}); pass a numpy array"
+                ) from None
+            if a.dtype == object or a.dtype.kind in "USV":
+                raise InputError(f"input list holds {a.dtype} items, not numbers; pass a float numpy array")
             if a.dtype.kind in "iub":
                 raise InputError(f"input holds {a.dtype} values; quantize float arrays")
             return a.shape, np.dtype(np.float64)
@@ -253,7 +241,9 @@ class BaseBackend(abc.ABC):
         """Scales for `x` under `scheme` (SPEC §2.1-2.3): stored, rounded-up, grid-shaped."""
         scheme = self._require(scheme)
         self._check_method(method)
-        self._check_input(x, scheme)
+        shape = self._check_input(x, scheme)
+        if math.prod(shape) == 0:
+            return empty_params(shape, scheme)
         return self._calibrate(x, scheme, method)
 
     def quantize(self, x: Any, scheme: QuantScheme | str, *, params: QParams | None = None,
@@ -264,12 +254,24 @@ class BaseBackend(abc.ABC):
         shape = self._check_input(x, scheme)
         if params is not None:
             params = self._check_params(params, shape, scheme)
+        if math.prod(shape) == 0:  # nothing to read: O(1) whatever the other extents claim (SPEC v1.1 §3)
+            p = params or empty_params(shape, scheme)
+            codes = np.zeros(shape, dtype=scheme.code_dtype)
+            return self.from_data(QuantizedData.from_parts(shape, scheme, codes, p.scales, p.global_scale))
         return QTensor(self, scheme, shape, self._quantize(x, scheme, params, method))
 
     def dequantize(self, q: QTensor, dtype: Any = np.float32) -> Any:
-        """`decode(q) * e` in f32, cast to `dtype` (SPEC §2.6)."""
+        """`decode(q) * e` in f32, cast to `dtype` (SPEC §2.6). An empty tensor gives an empty
+        array at once, whatever its other extents claim (SPEC v1.1 §3)."""
         q = self._own(q)
-        return self._dequantize(q.data, check_output_dtype(dtype))
+        dtype = check_output_dtype(dtype)
+        if math.prod(q.shape) == 0:
+            return self._empty_output(q.shape, dtype)
+        return self._dequantize(q.data, dtype)
+
+    def _empty_output(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """This backend's empty array of `shape` (override for device arrays)."""
+        return np.zeros(shape, dtype=dtype)
 
     def from_data(self, data: QuantizedData) -> QTensor:
         """Load portable bytes onto this backend."""

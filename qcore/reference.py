@@ -1,7 +1,7 @@
-"""The `reference` backend: SPEC §2 step by step in plain numpy.
+"""The `reference` backend: SPEC §2 step by step in plain numpy (`qcore.arithmetic`).
 
-This module is the executable form of the spec; every other backend is compared with it bit for
-bit. It favours clarity over speed: full-size temporaries, one readable step per rule.
+This backend is the executable form of the spec; every other backend is compared with it bit for
+bit. It runs every valid scheme, slowly, on the CPU.
 """
 from __future__ import annotations
 
@@ -9,122 +9,13 @@ from typing import Any
 
 import numpy as np
 
-from . import layout
+from . import arithmetic
 from .checks import raise_nonfinite, to_f32
-from .codecs import F32_TINY
 from .payload import QuantizedData
 from .protocol import BaseBackend, QParams, Support
 from .scheme import QuantScheme
 
-__all__ = [
-    "ReferenceBackend",
-    "slot_statistic",
-    "calibrate",
-    "effective_scale",
-    "encode",
-    "decode",
-    "quantize_codes",
-    "store_scales",
-]
-
-def _blocked(x: np.ndarray, block: tuple[int, ...]) -> np.ndarray:
-    """Pad `x` with zeros to whole blocks and view it as (g0, b0, g1, b1, ...)."""
-    grid = [-(-d // b) for d, b in zip(x.shape, block)]
-    padded = np.zeros([g * b for g, b in zip(grid, block)], dtype=x.dtype)
-    padded[tuple(slice(0, d) for d in x.shape)] = x
-    inter = [v for gb in zip(grid, block) for v in gb]
-    return padded.reshape(inter)
-
-
-def _slot_counts(shape: tuple[int, ...], block: tuple[int, ...]) -> np.ndarray:
-    """How many elements each slot really holds (edge blocks may be partial)."""
-    counts = np.ones((), dtype=np.int64)
-    for d, b in zip(shape, block):
-        g = -(-d // b)
-        per_axis = np.minimum(b, d - np.arange(g) * b)
-        counts = np.multiply.outer(counts, per_axis)
-    return counts
-
-
-def slot_statistic(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -> np.ndarray:
-    """Per scale slot: `max |x|` (minmax) or `mean |x|` (absmean, f64 sum, one f32 rounding)."""
-    a = np.abs(x)
-    block = layout.full_block(x.shape, scheme)
-    if block is None:
-        if method == "minmax":
-            return np.asarray(np.max(a, initial=np.float32(0)), dtype=np.float32)
-        n = a.size
-        return np.asarray(np.float32(a.sum(dtype=np.float64) / n) if n else np.float32(0))
-    b = _blocked(a, block)
-    reduce_axes = tuple(range(1, b.ndim, 2))
-    if method == "minmax":
-        return np.max(b, axis=reduce_axes, initial=np.float32(0)).astype(np.float32)
-    sums = b.sum(axis=reduce_axes, dtype=np.float64)
-    return (sums / _slot_counts(x.shape, block)).astype(np.float32)
-
-
-def calibrate(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -> QParams:
-    """SPEC §2.1-2.3: raw scale `s = stat / h`, two-level normalisation, round up to the dtype."""
-    s = (slot_statistic(x, scheme, method) / np.float32(scheme.half_range)).astype(np.float32)
-    return store_scales(s, scheme)
-
-
-def store_scales(s: np.ndarray, scheme: QuantScheme, g: np.float32 | None = None) -> QParams:
-    """Round raw scales up to the slot dtype; two-level first divides by the global `g` (§2.2)."""
-    s = np.asarray(s, dtype=np.float32)
-    if scheme.two_level and g is None:
-        M = np.float32(scheme.block.dtype.traits.max_value)  # M: 448 (UE4M3) or 65504 (F16)
-        top = np.max(s, initial=np.float32(0))
-        g = np.maximum(np.float32(top / M), F32_TINY)
-        s = (s / g).astype(np.float32)
-    stored = scheme.slot_dtype.traits.store(s).reshape(s.shape)
-    return QParams(stored, float(g) if scheme.two_level else None)
-
-
-def effective_scale(params: QParams, shape: tuple[int, ...], scheme: QuantScheme) -> np.ndarray:
-    """SPEC §2.4: `e = s`, or `e = g * s_b` (one f32 multiply), broadcast to every element."""
-    s = np.asarray(params.scales, dtype=np.float32)
-    if scheme.two_level:
-        s = (np.float32(params.global_scale) * s).astype(np.float32)
-    return layout.expand_to_elements(s, shape, scheme)
-
-
-def _lookup_nearest(y: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """Index minimising |y - table[i]| in f32; ties go to the lower index (argmin's first hit).
-
-    `y` is clamped to [table[0], table[-1]] first, which leaves the exact minimiser unchanged;
-    without it, a `y` far outside the table would round every f32 distance to the same value and
-    pick index 0 whatever its sign (docs/spec-choices.md).
-    """
-    y = np.clip(y, table[0], table[-1]).astype(np.float32)
-    out = np.empty(y.shape, dtype=np.uint8)
-    flat_y, flat_o = y.reshape(-1), out.reshape(-1)
-    step = max(1, (1 << 22) // table.size)
-    for i in range(0, flat_y.size, step):
-        d = np.abs(flat_y[i : i + step, None] - table[None, :])
-        flat_o[i : i + step] = np.argmin(d, axis=1)
-    return out
-
-
-def encode(y: np.ndarray, scheme: QuantScheme) -> np.ndarray:
-    """Codes of `y = x / e` (SPEC §2.5)."""
-    if scheme.is_lookup:
-        return _lookup_nearest(y, np.asarray(scheme.require_table(), dtype=np.float32))
-    return scheme.traits.encode(y)
-
-
-def decode(codes: np.ndarray, scheme: QuantScheme) -> np.ndarray:
-    """f32 values of codes: the value format, or `table[i]` for LOOKUP (SPEC §2.6)."""
-    if scheme.is_lookup:
-        return np.asarray(scheme.require_table(), dtype=np.float32)[codes.astype(np.intp)]
-    return scheme.traits.decode(codes)
-
-
-def quantize_codes(x: np.ndarray, e: np.ndarray, scheme: QuantScheme) -> np.ndarray:
-    """`y = x / e` then encode; where `e == 0` every code is the encoding of 0."""
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        y = np.where(e == 0, np.float32(0), x / e).astype(np.float32)
-    return encode(y, scheme)
+__all__ = ["ReferenceBackend"]
 
 
 class ReferenceBackend(BaseBackend):
@@ -145,21 +36,13 @@ class ReferenceBackend(BaseBackend):
     def _calibrate(self, x: Any, scheme: QuantScheme, method: str) -> QParams:
         x = to_f32(x)
         raise_nonfinite(x)
-        return calibrate(x, scheme, method)
+        return arithmetic.calibrate(x, scheme, method)
 
     def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str):
-        x = to_f32(x)
-        raise_nonfinite(x)
-        if params is None:
-            params = calibrate(x, scheme, method)
-        codes = quantize_codes(x, effective_scale(params, x.shape, scheme), scheme)
-        return QuantizedData.from_parts(x.shape, scheme, codes, params.scales, params.global_scale)
+        return arithmetic.quantize(x, scheme, params, method)
 
     def _dequantize(self, data: QuantizedData, dtype: np.dtype) -> np.ndarray:
-        params = QParams(data.scales(), data.global_scale())
-        e = effective_scale(params, data.shape, data.scheme)
-        x = (decode(data.codes(), data.scheme) * e).astype(np.float32)
-        return x.astype(dtype)
+        return arithmetic.dequantize(data).astype(dtype)
 
     def _from_data(self, data: QuantizedData) -> QuantizedData:
         return data

@@ -7,6 +7,7 @@ highest-priority available backend that supports it.
 """
 from __future__ import annotations
 
+import difflib
 import os
 import threading
 from importlib.metadata import entry_points
@@ -28,24 +29,54 @@ __all__ = [
     "backends",
     "registered",
     "plugin_errors",
+    "disabled_plugins",
+    "is_available",
     "supporting_backends",
+    "require_support",
+    "KNOWN_PLUGINS",
     "register",
     "reset",
 ]
 
 ENV_VAR = "QCORE_BACKEND"
+DISABLE_VAR = "QCORE_DISABLE_PLUGINS"
+"""Comma-separated entry point names of plugins not to load, e.g. `QCORE_DISABLE_PLUGINS=cuda,lutcpu`."""
+TIMEOUT_VAR = "QCORE_AVAILABLE_TIMEOUT"
+"""Seconds a backend's first `available()` may take before it is reported and skipped (default 30)."""
 _lock = threading.RLock()
 _registry: dict[str, Backend] | None = None
 _errors: dict[str, str] = {}
+_disabled: list[str] = []
+_answered: set[str] = set()  # backends whose available() answered once in time: trusted after that
+_hung: set[str] = set()      # backends whose available() did not answer in time: skipped
+
+_METHODS = ("available", "describe", "supports", "quantize", "dequantize", "from_data", "into_data", "to_numpy",
+            "calibrate")
 
 
 def _check_backend(obj: Any, origin: str) -> Backend:
-    missing = [m for m in ("name", "priority", "available", "describe", "supports", "quantize",
-                           "dequantize", "from_data", "into_data", "to_numpy", "calibrate")
-               if not hasattr(obj, m)]
+    """A registrable backend: a non-empty str `name` (not 'auto'), an int `priority` and the
+    callable methods of qcore.Backend; else `TypeError` naming what is wrong."""
+    missing = [m for m in ("name", "priority") + _METHODS if not hasattr(obj, m)]
     if missing:
         raise TypeError(f"plugin {origin} returned {obj!r}, which lacks {', '.join(missing)} of qcore.Backend")
+    name, prio = obj.name, obj.priority
+    if not isinstance(name, str) or not name or name == "auto" or name != name.strip():
+        raise TypeError(f"plugin {origin} returned a backend named {name!r}; a name is a non-empty str, not 'auto'")
+    if isinstance(prio, bool) or not isinstance(prio, (int, np.integer)):
+        raise TypeError(f"plugin {origin}: backend '{name}' has priority {prio!r}; it must be an int")
+    not_callable = [m for m in _METHODS if not callable(getattr(obj, m))]
+    if not_callable:
+        raise TypeError(f"plugin {origin}: backend '{name}' has non-callable {', '.join(not_callable)}")
     return obj
+
+
+def _disabled_names() -> list[str]:
+    return [n.strip() for n in os.environ.get(DISABLE_VAR, "").split(",") if n.strip()]
+
+
+def _note(origin: str, message: str) -> None:
+    _errors[origin] = f"{_errors[origin]}; {message}" if origin in _errors else message
 
 
 def _load() -> dict[str, Backend]:
@@ -57,27 +88,42 @@ def _load() -> dict[str, Backend]:
         pm.add_hookspecs(hookspecs)
         found: dict[str, Backend] = {}
         _errors.clear()
-        eps = list(entry_points(group=hookspecs.PROJECT))
-        if not any(ep.name == "reference" for ep in eps):  # a source tree that was never installed
-            from . import _builtin
+        _answered.clear()
+        _hung.clear()
+        disabled = _disabled_names()
+        _disabled[:] = disabled
+        eps = [ep for ep in entry_points(group=hookspecs.PROJECT) if ep.name not in disabled]
+        if "reference" not in disabled and not any(ep.name == "reference" for ep in eps):
+            from . import _builtin  # a source tree that was never installed
 
             pm.register(_builtin, name="reference")
         for ep in eps:
             try:
                 pm.register(ep.load(), name=ep.name)
-            except Exception as e:  # one broken plugin must not hide the others
-                _errors[ep.name] = f"{type(e).__name__}: {e}"
-        for impl in pm.hook.qcore_register_backends.get_hookimpls():
+            except BaseException as e:  # one broken plugin must not hide the others (SystemExit too)
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                _note(ep.name, f"{type(e).__name__}: {e}")
+        impls = sorted(pm.hook.qcore_register_backends.get_hookimpls(),  # qcore's own first, then by name:
+                       key=lambda i: (i.plugin_name != "reference", i.plugin_name))  # a duplicate loses
+        for impl in impls:
             origin = impl.plugin_name
             try:
-                result = impl.function()
-                for be in result or []:
+                result = list(impl.function() or [])
+            except BaseException as e:
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                _note(origin, f"{type(e).__name__}: {e}")
+                continue
+            for be in result:  # each backend on its own: a bad one does not take its siblings
+                try:
                     be = _check_backend(be, origin)
-                    if be.name in found or be.name == "auto":
-                        raise ValueError(f"backend name '{be.name}' is already taken")
-                    found[be.name] = be
-            except Exception as e:
-                _errors[origin] = f"{type(e).__name__}: {e}"
+                    if be.name in found:
+                        raise ValueError(f"backend name '{be.name}' is already taken; this one was skipped")
+                except Exception as e:
+                    _note(origin, f"{type(e).__name__}: {e}")
+                    continue
+                found[be.name] = be
         _registry = found
         return found
 
@@ -105,9 +151,16 @@ def registered() -> dict[str, Backend]:
 
 
 def plugin_errors() -> dict[str, str]:
-    """Plugins whose entry point or hook failed, with the error."""
+    """Plugins whose entry point or hook failed, and backends skipped (malformed, duplicate name,
+    `available()` hanging), with the error."""
     _load()
     return dict(_errors)
+
+
+def disabled_plugins() -> list[str]:
+    """Plugin names excluded by `$QCORE_DISABLE_PLUGINS` at the last discovery."""
+    _load()
+    return list(_disabled)
 
 
 def backends() -> list[str]:
@@ -119,11 +172,49 @@ def _by_priority() -> list[Backend]:
     return sorted(_load().values(), key=lambda b: (-int(b.priority), b.name))
 
 
-def _safe_available(be: Backend) -> bool:
+def _timeout_s() -> float:
     try:
-        return bool(be.available())
-    except Exception:
+        return max(0.01, float(os.environ.get(TIMEOUT_VAR, "30")))
+    except ValueError:
+        return 30.0
+
+
+def _safe_available(be: Backend) -> bool:
+    """`be.available()`, False when it raises. Its first answer is awaited at most
+    `$QCORE_AVAILABLE_TIMEOUT` seconds (in a daemon thread); a backend that does not answer is
+    reported in `plugin_errors()` and counts as unavailable from then on."""
+    name = str(getattr(be, "name", "?"))
+    if name in _hung:
         return False
+    if name in _answered:
+        try:
+            return bool(be.available())
+        except Exception:
+            return False
+    box: list[Any] = []
+
+    def ask() -> None:
+        try:
+            box.append(bool(be.available()))
+        except BaseException as e:  # noqa: BLE001 - reported as unavailable
+            box.append(e)
+
+    t = threading.Thread(target=ask, name=f"qcore-available-{name}", daemon=True)
+    t.start()
+    t.join(_timeout_s())
+    if not box:
+        with _lock:
+            _hung.add(name)
+            _note(name, f"available() did not answer within {_timeout_s():g} s; backend skipped "
+                        f"(raise {TIMEOUT_VAR} if its device is slow to start)")
+        return False
+    _answered.add(name)
+    return box[0] is True
+
+
+def is_available(be: Backend) -> bool:
+    """Whether `be` is available, never raising or hanging (see `_safe_available`)."""
+    return _safe_available(be)
 
 
 def supporting_backends(scheme: QuantScheme | str) -> list[str]:
@@ -139,6 +230,37 @@ def supporting_backends(scheme: QuantScheme | str) -> list[str]:
     return out
 
 
+KNOWN_PLUGINS = {"ndarray": "qcore-ndarray", "cuda": "qcore-cuda"}
+"""Backends of this project's own plugin distributions: the name to install for each."""
+
+
+def _not_found(name: str, installed: list[str]) -> str:
+    """One line for an unknown backend name: a close installed name if there is one (a typo),
+    else the plugin that provides it (for this project's own backends) or where plugins come
+    from. Never a guessed package name: that could install someone else's project."""
+    listed = f"installed: {', '.join(installed) or 'none'}, or 'auto'"
+    if name in _errors:
+        return f"no backend named '{name}' (its plugin failed to load: {_errors[name]}); {listed}"
+    close = difflib.get_close_matches(name, [*installed, "auto", *KNOWN_PLUGINS], n=1, cutoff=0.6)
+    if close and close[0] != name:
+        return f"no backend named '{name}'; did you mean '{close[0]}'? ({listed})"
+    if name in KNOWN_PLUGINS:
+        return f"no backend named '{name}': pip install {KNOWN_PLUGINS[name]} provides it ({listed})"
+    return f"no backend named '{name}'; {listed}; other backends come from plugins (docs/plugins.md)"
+
+
+def require_support(be: Backend, scheme: QuantScheme | str) -> QuantScheme:
+    """`scheme` parsed; UnsupportedSchemeError unless `be` supports it, naming the backends that
+    do. The library and the CLI raise this one message."""
+    scheme = parse_scheme(scheme)
+    sup = be.supports(scheme)
+    if not sup:
+        others = [n for n in supporting_backends(scheme) if n != be.name]
+        where = f"backends that do: {', '.join(others)}" if others else "no installed backend does"
+        raise UnsupportedSchemeError(f"backend '{be.name}' does not support {scheme}: {sup.reason}; {where}")
+    return scheme
+
+
 def backend(name: str | None = None) -> Backend:
     """The backend called `name`; None -> `$QCORE_BACKEND`, else `auto`."""
     if name is None:
@@ -151,17 +273,15 @@ def backend(name: str | None = None) -> Backend:
         raise BackendNotFoundError(f"a backend is named by a string, got {name!r}")
     reg = _load()
     if name not in reg:
-        hint = ""
-        if name in _errors:
-            hint = f" (its plugin failed to load: {_errors[name]})"
-        raise BackendNotFoundError(
-            f"no backend named '{name}'{hint}; installed: {', '.join(sorted(reg)) or 'none'}, or 'auto'. "
-            f"A plugin may provide it: pip install qcore-{name}"
-        )
+        raise BackendNotFoundError(_not_found(name, sorted(reg)))
     be = reg[name]
     if not _safe_available(be):
+        try:
+            why = _errors[name] if name in _hung else be.describe()
+        except Exception as e:  # noqa: BLE001
+            why = f"describe() failed: {type(e).__name__}: {e}"
         raise BackendUnavailableError(
-            f"backend '{name}' is installed but not available: {be.describe()}; "
+            f"backend '{name}' is installed but not available: {why}; "
             f"use one of {', '.join(n for n in sorted(reg) if _safe_available(reg[n]))} or 'auto'"
         )
     return be
@@ -176,7 +296,11 @@ class AutoBackend:
     def pick(self, scheme: QuantScheme | str) -> Backend:
         scheme = parse_scheme(scheme)
         for be in _by_priority():
-            if _safe_available(be) and be.supports(scheme):
+            try:
+                ok = _safe_available(be) and be.supports(scheme)
+            except Exception:  # a broken plugin's supports(): not a candidate
+                continue
+            if ok:
                 return be
         raise UnsupportedSchemeError(f"no available backend supports {scheme}; installed: {', '.join(backends())}")
 

@@ -1,6 +1,6 @@
 """Error report of a quantization run: SQNR per tensor per scheme, as PNG or HTML (matplotlib).
 
-matplotlib is an optional dependency (`pip install 'qcore[plot]'`); without it, `require()` and
+matplotlib is an optional dependency (`pip install 'qcore-quant[plot]'`); without it, `require()` and
 `write()` raise a `QCoreError` saying so. HTML reports embed the PNG as base64, plus the numbers.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ def require(path: str | os.PathLike) -> str:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise QCoreError("reports need matplotlib, which is not installed: pip install 'qcore[plot]'") from None
+        raise QCoreError("reports need matplotlib, which is not installed: pip install 'qcore-quant[plot]'") from None
     return suffix
 
 

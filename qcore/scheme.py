@@ -101,6 +101,8 @@ class QuantStore:
     def __post_init__(self) -> None:
         if not isinstance(self.dim, (int, np.integer)) or isinstance(self.dim, bool) or self.dim < 0:
             raise SchemeError(f"packing axis must be an int >= 0, got {self.dim!r}; use e.g. PackedU32(0)")
+        if self.dim > INT64_MAX:
+            raise SchemeError(f"packing axis {self.dim} exceeds int64; use e.g. PackedU32(0)")
         if self.kind is StoreKind.NATIVE and self.dim != 0:
             raise SchemeError(f"Native store has no packing axis, got dim={self.dim}; use Native()")
         object.__setattr__(self, "dim", int(self.dim))
@@ -145,6 +147,20 @@ class TensorLevel:
     dtype: ScaleDtype = ScaleDtype.F32
 
 
+INT64_MAX = (1 << 63) - 1
+"""Largest number a scheme or a file's metadata may hold (SPEC v1.1 §3: size claims)."""
+
+
+def _parse_int(digits: str, what: str, text: str) -> int:
+    """A decimal number of scheme text, refused beyond int64 before Python converts it (a number
+    of thousands of digits would otherwise hit int()'s digit limit or cost quadratic time)."""
+    digits = digits.lstrip("0") or "0"
+    if len(digits) > 19 or int(digits) > INT64_MAX:
+        shown = digits if len(digits) <= 24 else f"{digits[:12]}...({len(digits)} digits)"
+        raise SchemeError(f"cannot parse scheme {text[:80]!r}: {what} {shown} exceeds int64; use a smaller {what}")
+    return int(digits)
+
+
 def _normalize_dims(dims: int | Iterable[int]) -> tuple[int, ...]:
     if isinstance(dims, (int, np.integer)):
         dims = (dims,)
@@ -157,6 +173,8 @@ def _normalize_dims(dims: int | Iterable[int]) -> tuple[int, ...]:
     for d in dims:
         if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1:
             raise SchemeError(f"block dims must be positive ints, got {list(dims)}; use e.g. per_block([32])")
+        if d > INT64_MAX:
+            raise SchemeError(f"block dim {d} exceeds int64; use a block no larger than the tensor")
     dims = tuple(int(d) for d in dims)
     while len(dims) > 1 and dims[0] == 1:  # [1, 32] == [32]
         dims = dims[1:]
@@ -279,6 +297,16 @@ class QuantScheme:
         return np.dtype(np.uint8 if (self.traits.is_float or self.is_lookup) else np.int8)
 
     @property
+    def valid_fields(self) -> np.ndarray:
+        """bool per stored field 0 .. 2**bits - 1: whether a payload may hold it (SPEC v1.1 §3).
+
+        LOOKUP indices are all valid (the table has 2**bits entries); otherwise the value's row.
+        """
+        if self.is_lookup:
+            return np.ones(1 << self.bits, dtype=bool)
+        return self.traits.valid_fields
+
+    @property
     def is_lookup(self) -> bool:
         return self.mode is QuantMode.LOOKUP
 
@@ -356,7 +384,8 @@ class QuantScheme:
 
 def _check_table(table, bits: int) -> tuple[float, ...]:
     try:
-        arr = np.asarray(table, dtype=np.float64)
+        with np.errstate(invalid="ignore"):  # NaN entries (from a payload) are refused just below
+            arr = np.asarray(table, dtype=np.float64)
     except (TypeError, ValueError):
         raise SchemeError(f"LOOKUP table must be a list of floats, got {table!r}") from None
     n = 1 << bits
@@ -426,9 +455,10 @@ def scheme(text: str | QuantScheme) -> QuantScheme:
         seen.add(what)
         if what == "block":
             dtype = _coerce(ScaleDtype, pm["dtype"] or "f32", "scale dtype")
-            kwargs["block"] = BlockLevel(_normalize_dims(int(d) for d in pm["dims"].split("x")), dtype)
+            dims = [_parse_int(d, "block dim", text) for d in pm["dims"].split("x")]
+            kwargs["block"] = BlockLevel(_normalize_dims(dims), dtype)
         elif what == "tensor":
             kwargs["tensor"] = TensorLevel(_coerce(ScaleDtype, pm["dtype"] or "f32", "scale dtype"))
         else:
-            kwargs["_store"] = QuantStore(StoreKind(pm["kind"]), int(pm["dim"] or 0))
+            kwargs["_store"] = QuantStore(StoreKind(pm["kind"]), _parse_int(pm["dim"] or "0", "packing axis", text))
     return QuantScheme(**kwargs)

@@ -3,7 +3,7 @@
 The cuda backend's tests run on Numba's CUDA simulator unless `NUMBA_ENABLE_CUDASIM` is set
 already (`NUMBA_ENABLE_CUDASIM=0` on a GPU machine). numba reads the variable once, at
 `import numba`, so this must run before anything imports numba (no numba class names in ini
-warning filters: shared/notes/numba-cuda.md §3).
+warning filters: docs/numba-cuda.md).
 
 `cuda_backend`: the installed, available `cuda` backend. It skips with the reason when the
 backend or the simulator is missing, and FAILS instead when `QCORE_REQUIRE_CUDA=1` (CI).
@@ -17,7 +17,7 @@ if "numba" not in sys.modules:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
     # The simulator runs one OS thread per CUDA thread; its barriers busy-wait under the GIL, and
-    # a shorter switch interval makes them 2-4x faster (shared/notes/numba-cuda.md §2).
+    # a shorter switch interval makes them 2-4x faster (docs/numba-cuda.md).
     sys.setswitchinterval(5e-4)
 
 

@@ -160,7 +160,7 @@ def test_quantize_skip_min_size_and_include_1d(capsys, model, tmp_path):
     assert rc == 0, err
     q = {e.name for e in qio.read_info(out_path).entries if e.quantized}
     assert q == {"layer.0.weight", "layer.0.bias"}
-    assert "matches --skip 'layer.1.*'" in out
+    assert "matches rule 'layer.1.*'=keep" in out
     assert "4 elements < --min-size 10" in out
 
 
@@ -209,15 +209,12 @@ def test_ctrl_c_during_quantize_leaves_no_file(capsys, model, tmp_path, monkeypa
 @pytest.mark.parametrize("exc,rc", [(OSError(28, "No space left on device"), 1), (KeyboardInterrupt(), 130)],
                          ids=["disk-full", "ctrl-c"])
 def test_failure_mid_write_leaves_no_file(capsys, model, tmp_path, monkeypatch, exc, rc):
-    real = qio.save_file
+    from qcore.stfile import StreamWriter
 
-    def half_then_fail(arrays, tmp, metadata=None):
-        real(arrays, tmp, metadata=metadata)
-        with open(tmp, "r+b") as f:
-            f.truncate(100)
+    def fail_at_the_header(self, metadata):  # every tensor written, the header not yet
         raise exc
 
-    monkeypatch.setattr(qio, "save_file", half_then_fail)
+    monkeypatch.setattr(StreamWriter, "finish", fail_at_the_header)
     got_rc, _, err = run(capsys, "quantize", model, tmp_path / "q.safetensors", "--scheme", "q8s", "--backend",
                          "reference")
     assert got_rc == rc
@@ -228,7 +225,7 @@ def test_failure_mid_write_leaves_no_file(capsys, model, tmp_path, monkeypatch, 
 
 # ------------------------------------------------------------------------------ report
 def test_report_html_and_png(capsys, model, tmp_path):
-    pytest.importorskip("matplotlib", reason="reports need matplotlib (pip install 'qcore[plot]')")
+    pytest.importorskip("matplotlib", reason="reports need matplotlib (pip install 'qcore-quant[plot]')")
     rc, out, err = run(capsys, "quantize", model, tmp_path / "q.safetensors", "--scheme", "q8s", "--backend",
                        "reference", "--report", tmp_path / "r.html", "--compare", "q4s/block32:f16", "--compare", "nvfp4")
     assert rc == 0, err
@@ -248,7 +245,7 @@ def test_report_without_matplotlib_is_a_clear_error(capsys, model, tmp_path, mon
     rc, _, err = run(capsys, "quantize", model, tmp_path / "q.safetensors", "--scheme", "q8s", "--backend",
                      "reference", "--report", tmp_path / "r.html")
     assert rc == 1
-    assert_one_line_error(err, r"reports need matplotlib, which is not installed: pip install 'qcore\[plot\]'")
+    assert_one_line_error(err, r"reports need matplotlib, which is not installed: pip install 'qcore-quant\[plot\]'")
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]  # checked before any work
 
 
@@ -280,9 +277,12 @@ def test_inspect_table_and_json(capsys, model, tmp_path):
     doc = json.loads(out)
     entries = {e["name"]: e for e in doc["entries"]}
     assert entries["layer.0.weight"]["bytes"] == 16 * 64 + 4
-    assert entries["layer.0.weight"]["f32_bytes"] == 16 * 64 * 4
+    assert entries["layer.0.weight"]["source_bytes"] == 16 * 64 * 4
+    assert entries["layer.1.weight"]["source_bytes"] == 8 * 40 * 2  # float16 source: ratio against 2 bytes
+    assert entries["layer.1.weight"]["source_dtype"] == "F16"
     assert doc["schemes"] == ["q8s"] and doc["quantized"] == 3 and doc["tensors"] == 5
-    assert math.isclose(doc["ratio"], doc["f32_bytes"] / doc["stored_bytes"])
+    assert math.isclose(doc["ratio"], doc["source_bytes"] / doc["stored_bytes"])
+    assert doc["recipe"]["scheme"] == "q8s"
     assert doc["file_size"] == os.path.getsize(q_path)
 
 
@@ -369,7 +369,7 @@ def test_subprocess_no_tty(model, tmp_path):
     p = subprocess.run(cmd + ["inspect", str(tmp_path / "missing.safetensors")], capture_output=True, text=True,
                        env=env, timeout=120)
     assert p.returncode == 1
-    assert p.stderr.strip().splitlines() == [f"qcore: error: {tmp_path / 'missing.safetensors'}: No such file"]
+    assert p.stderr.strip().splitlines() == [f"qcore: error: {tmp_path / 'missing.safetensors'}: No such file or directory (cannot read it)"]
 
 
 def test_progress_bar_on_a_terminal(capsys, model, tmp_path, monkeypatch):

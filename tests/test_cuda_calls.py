@@ -18,27 +18,21 @@ import numpy as np
 import pytest
 
 import qcore
-from qcore.errors import InputError
+from qcore.conformance.invalid import with_code
+from qcore.errors import InputError, InvalidDataError
 from qcore.reference import ReferenceBackend
+
+from tests.cuda_cases import SIM, assert_same_floats, sample_x
 
 pytest.importorskip("numba")
 pytest.importorskip("qcore_cuda")
 
 from numba import cuda  # noqa: E402
 
-SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 GPU_ONLY = pytest.mark.skipif(SIM, reason="needs a GPU: the simulator has no memory pool, DLPack, torch/CuPy "
                                           "streams, compiled kernels to cache, or numba launch warnings")
 REF = ReferenceBackend()
 W4 = "q4s/block32:f16"
-
-
-def _x(shape, seed, scale=3.0):
-    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
-
-
-def _bits(a):
-    return np.asarray(a).view(np.uint32 if np.asarray(a).dtype == np.float32 else np.uint16)
 
 
 @pytest.fixture
@@ -49,20 +43,20 @@ def be(cuda_backend):
 # ----------------------------------------------------------------------------- out=
 @pytest.mark.parametrize("text", [W4, "q8s", "nvfp4"])
 def test_dequantize_into_out(be, text):
-    x = _x((4, 64), seed=1)
+    x = sample_x((4, 64), seed=1)
     q = be.quantize(x, text)
     want = REF.dequantize(REF.quantize(x, text))
     out = cuda.device_array((4, 64), dtype=np.float32)
     got = be.dequantize(q, out=out)
     assert got is out
-    np.testing.assert_array_equal(_bits(out.copy_to_host()), _bits(want))
+    assert_same_floats(out.copy_to_host(), want, f"{text} into out=")
     flat16 = cuda.device_array(256, dtype=np.float16)  # the element count is enough; dtype from out
     be.dequantize(q, out=flat16)
     np.testing.assert_array_equal(flat16.copy_to_host().reshape(4, 64), want.astype(np.float16))
 
 
 def test_dequantize_out_is_checked(be):
-    q = be.quantize(_x((4, 64), seed=2), W4)
+    q = be.quantize(sample_x((4, 64), seed=2), W4)
     for bad, msg in ((cuda.device_array((4, 32), np.float32), "shape"),
                      (cuda.device_array((4, 64), np.int32), "int32"),
                      (np.zeros((4, 64), np.float32), "device array")):
@@ -74,13 +68,13 @@ def test_dequantize_out_is_checked(be):
 
 @pytest.mark.parametrize("m", [1, 3])
 def test_matmul_into_out(be, m):
-    w = _x((64, 64), seed=3)
+    w = sample_x((64, 64), seed=3)
     qw = be.quantize(w, W4)
-    x = _x((m, 64), seed=4, scale=1.0)
+    x = sample_x((m, 64), seed=4, scale=1.0)
     plain = be.to_numpy(be.matmul(cuda.to_device(x), qw))
     out = cuda.device_array((m, 64), dtype=np.float32)
     assert be.matmul(cuda.to_device(x), qw, out=out) is out
-    np.testing.assert_array_equal(_bits(out.copy_to_host()), _bits(plain))
+    assert_same_floats(out.copy_to_host(), plain, "matmul into out=")
     want = x.astype(np.float64) @ REF.dequantize(REF.quantize(w, W4)).astype(np.float64)
     np.testing.assert_allclose(plain, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     with pytest.raises(InputError, match="dtype"):
@@ -90,27 +84,27 @@ def test_matmul_into_out(be, m):
 def test_quantize_into_a_qtensor(be):
     """Quantizing into an existing QTensor overwrites its payload and refreshes what dequantize
     and matmul cached from the old one (decoded scales)."""
-    x1, x2 = _x((64, 64), seed=5), _x((64, 64), seed=6, scale=0.1)
+    x1, x2 = sample_x((64, 64), seed=5), sample_x((64, 64), seed=6, scale=0.1)
     q = be.quantize(x1, W4)
-    v = cuda.to_device(_x((1, 64), seed=7, scale=1.0))
+    v = cuda.to_device(sample_x((1, 64), seed=7, scale=1.0))
     be.dequantize(q)
     be.matmul(v, q)  # both cache the decoded scales of x1
     again = be.quantize(cuda.to_device(x2), W4, out=q)
     assert again is q
     assert be.into_data(q).payload == REF.into_data(REF.quantize(x2, W4)).payload
     W2 = REF.dequantize(REF.quantize(x2, W4))
-    np.testing.assert_array_equal(_bits(be.to_numpy(be.dequantize(q))), _bits(W2))
+    assert_same_floats(be.to_numpy(be.dequantize(q)), W2, "dequantize after quantize(out=q)")
     got = be.to_numpy(be.matmul(v, q))
     want = v.copy_to_host().astype(np.float64) @ W2.astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     with pytest.raises(InputError, match="shape and scheme"):
-        be.quantize(_x((4, 64), seed=8), W4, out=q)
+        be.quantize(sample_x((4, 64), seed=8), W4, out=q)
     with pytest.raises(InputError, match="shape and scheme"):
         be.quantize(x1, "q8s/block32:f16", out=q)
 
 
 def test_quantize_into_a_byte_buffer(be):
-    x = _x((4, 64), seed=9)
+    x = sample_x((4, 64), seed=9)
     want = REF.into_data(REF.quantize(x, "nvfp4")).payload
     buf = cuda.device_array(len(want), dtype=np.uint8)
     q = be.quantize(x, "nvfp4", out=buf)
@@ -120,14 +114,38 @@ def test_quantize_into_a_byte_buffer(be):
         be.quantize(x, "nvfp4", out=cuda.device_array(len(want) + 1, dtype=np.uint8))
 
 
+@pytest.mark.parametrize("text", ["q4s/block32:f16", "e4m3", "q2s/packed_u32:1"])
+def test_invalid_codes_raise_with_out_and_stream(be, text, monkeypatch):
+    """dequantize into `out=` and on a given stream reads the tensor's invalid-code flag too
+    (SPEC v1.1 §3): InvalidDataError naming the element, then the same tensor raises again and a
+    clean one decodes; a scheme whose every code is a value reads nothing back."""
+    x = sample_x((4, 64), seed=20)
+    d = REF.quantize(x, text).to_data()
+    field = int(np.flatnonzero(~d.scheme.valid_fields)[-1])
+    q = be.from_data(with_code(d, (2, 9), field))
+    out = cuda.device_array((4, 64), dtype=np.float32)
+    st = cuda.stream()
+    for kwargs in ({"out": out}, {"stream": st}, {"out": out, "stream": st}):
+        with pytest.raises(InvalidDataError, match=r"element \(2, 9\)"):
+            be.dequantize(q, **kwargs)
+    y = be.dequantize(be.from_data(d), out=out, stream=st)
+    st.synchronize()
+    assert_same_floats(y.copy_to_host(), REF.dequantize(REF.from_data(d)), f"{text} after an invalid code")
+    clean = be.quantize(x, "q4f/block32:f16")
+    seen, real = [], be._read_flag
+    monkeypatch.setattr(be, "_read_flag", lambda flag, s: seen.append(flag) or real(flag, s))
+    be.dequantize(clean, out=out)
+    assert seen == [], "a scheme without invalid codes read its flag back"
+
+
 # ----------------------------------------------------------------------------- streams
 def test_calls_on_a_given_stream(be):
-    x = _x((4, 64), seed=10)
+    x = sample_x((4, 64), seed=10)
     st = cuda.stream()
     q = be.quantize(cuda.to_device(x), W4, stream=st)
     y = be.dequantize(q, stream=st)
     st.synchronize()
-    np.testing.assert_array_equal(_bits(be.to_numpy(y)), _bits(REF.dequantize(REF.quantize(x, W4))))
+    assert_same_floats(be.to_numpy(y), REF.dequantize(REF.quantize(x, W4)), "dequantize on a stream")
     with pytest.raises(InputError, match="stream="):
         be.dequantize(q, stream="default")
 
@@ -171,19 +189,19 @@ def test_no_numba_warning_reaches_users(be, text):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for shape in ((3, 32), (130, 64)):
-            x = _x(shape, seed=11)
+            x = sample_x(shape, seed=11)
             q = b.quantize(cuda.to_device(x), text)
             b.dequantize(q)
             b.quantize(x, text, params=REF.calibrate(x, text))
-        qw = b.quantize(_x((64, 64), seed=12), W4)
-        b.matmul(cuda.to_device(_x((2, 64), seed=13)), qw)
+        qw = b.quantize(sample_x((64, 64), seed=12), W4)
+        b.matmul(cuda.to_device(sample_x((2, 64), seed=13)), qw)
 
 
 @GPU_ONLY
 def test_numba_warnings_stay_on_for_user_kernels(be):
     from numba.cuda.core.errors import NumbaPerformanceWarning
 
-    be.quantize(_x((3, 32), seed=14), "q8s")
+    be.quantize(sample_x((3, 32), seed=14), "q8s")
 
     @cuda.jit
     def k(a):
@@ -198,7 +216,7 @@ def test_numba_warnings_stay_on_for_user_kernels(be):
 def test_results_come_from_the_pool(be):
     from qcore_cuda import _pool, pool_bytes
 
-    q = be.quantize(_x((256, 256), seed=15), W4)
+    q = be.quantize(sample_x((256, 256), seed=15), W4)
     assert _pool.active(), "the pool was not installed (numba's default manager was in place)"
     y = be.dequantize(q)
     held, used = next(iter(pool_bytes().values()))
@@ -249,7 +267,7 @@ def test_pool_leaves_other_managers_alone(env, manager):
 @GPU_ONLY
 def test_results_go_to_torch_and_cupy_without_a_copy(be):
     torch = pytest.importorskip("torch")
-    q = be.quantize(_x((64, 64), seed=16), W4)
+    q = be.quantize(sample_x((64, 64), seed=16), W4)
     y = be.dequantize(q)
     want = y.copy_to_host()
     t = y.torch()
@@ -269,7 +287,7 @@ def test_torch_inputs_outputs_and_streams(be):
     """x and out as torch tensors, the call on torch's current (side) stream: same bits as the
     default-stream call."""
     torch = pytest.importorskip("torch")
-    w = _x((256, 512), seed=17)
+    w = sample_x((256, 512), seed=17)
     qw = be.quantize(torch.from_numpy(w).cuda(), W4)
     x = torch.randn(4, 256, device="cuda")
     plain = be.matmul(x, qw).torch().clone()

@@ -258,8 +258,9 @@ def test_truncated_file(tmp_path):
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(qcore.StorageError, match="nope.safetensors") as e:
         qcore.load(tmp_path / "nope.safetensors")
+    assert isinstance(e.value, FileNotFoundError.__mro__[1]) and e.value.errno == 2  # an OSError, ENOENT
 
 
 # ------------------------------------------------------------------------------ save errors and atomicity

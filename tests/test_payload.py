@@ -137,12 +137,18 @@ def test_bad_shape_or_scheme_is_invalid_data(shape, text, match):
 
 
 def test_random_bytes_decode_without_crashing():
-    """Decode fuzz (as gguf-py does): any right-length payload with valid scales decodes."""
+    """Decode fuzz (as gguf-py does): a right-length payload with valid scales decodes, or, when a
+    code is outside the value's set (SPEC v1.1 §3), raises InvalidDataError naming it."""
     rng = np.random.default_rng(3)
     for text, shape in itertools.product(["e4m3/packed_u32", "e5m2", "q4f/packed_native:1", "q2s"], [(5, 7)]):
         s = qcore.scheme(text)
         sec = sections(shape, s)
         vals = rng.integers(0, 256, sec.values, dtype=np.uint8).tobytes()
         d = QuantizedData(shape, text, vals + np.float32(0.5).tobytes())
-        y = qcore.backend("reference").from_data(d).numpy()
-        assert y.shape == shape
+        q = qcore.backend("reference").from_data(d)
+        if d.first_invalid_code() is not None:
+            with pytest.raises(InvalidDataError, match=r"element \(\d+, \d+\) of"):
+                q.numpy()
+            continue
+        y = q.numpy()
+        assert y.shape == shape and np.isfinite(y).all()

@@ -52,7 +52,7 @@ def test_round_trip_codes_range_and_error_bound(case):
     elif not t.is_float:
         assert codes.min(initial=0) >= t.qmin and codes.max(initial=0) <= t.qmax
     if not t.is_float and not s.is_lookup and x.size:
-        from qcore.reference import effective_scale
+        from qcore.arithmetic import effective_scale
 
         e = effective_scale(qcore.QParams(d.scales(), d.global_scale()), x.shape, s)
         err = np.abs(q.numpy() - x)

@@ -33,8 +33,22 @@ def test_reference_found_through_entry_point():
 
 
 def test_unknown_backend(fresh_registry):
-    with pytest.raises(BackendNotFoundError, match=r"no backend named 'nope'.*pip install qcore-nope"):
+    with pytest.raises(BackendNotFoundError, match=r"no backend named 'nope'; installed: .*reference") as e:
         qcore.backend("nope")
+    assert "pip install" not in str(e.value)  # never a guessed package name
+
+
+def test_unknown_backend_did_you_mean(fresh_registry):
+    with pytest.raises(BackendNotFoundError, match=r"no backend named 'refrence'; did you mean 'reference'\?") as e:
+        qcore.backend("refrence")
+    assert "pip install" not in str(e.value)
+
+
+def test_unknown_own_backend_names_its_plugin(fresh_registry, monkeypatch):
+    """A first-party backend that is not installed: the message names its distribution."""
+    monkeypatch.setattr(registry, "_load", lambda: {"reference": ReferenceBackend()})
+    with pytest.raises(BackendNotFoundError, match=r"'ndarray': pip install qcore-ndarray provides it"):
+        qcore.backend("ndarray")
 
 
 def test_unavailable_backend_and_auto_skips_it(fresh_registry):

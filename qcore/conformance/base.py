@@ -25,19 +25,26 @@ or fsspec-style, overriding the fixture on a subclass::
 
 Required fixture: `backend` (or a conftest `qcore_backend`); until given, every test fails
 loudly with "must be overridden". Optional fixtures: `reference`, `tolerances`, `peer_backends`,
-`expected_support` (or a conftest `qcore_expected_support`). Collection-time knobs are class
-attributes (parametrization happens before fixtures exist): `max_elements`, `max_schemes`,
-`shapes_per_scheme`, `full`.
+`expected_support` (or a conftest `qcore_expected_support`). Knobs are class attributes:
+`max_elements`, `max_schemes`, `cases_per_stratum`, `full`.
+
+Why strata: pytest parametrizes at collection, before any fixture (so before the backend) exists.
+The tests are therefore parametrized over the fixed strata of the scheme space (`sampling`), and
+each test draws its concrete schemes at run time from what the backend's `supports()` says, so a
+narrow backend gets every one of its (value, level kind, scale dtype, store kind) combinations
+tested, and the test ids stay the same for every backend (`-k 'q8s/block:f32/native'`).
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
 from . import cases as C
 from . import checks as K
+from . import sampling as S
+from .expect import as_expectation, per_backend
 from .plugin import OUTCOMES
 
 __all__ = [
@@ -104,28 +111,31 @@ def _cap(a, b):
     return min(vals) if vals else None
 
 
-def _subset(space: list, n: int | None) -> list:
-    if n is None or n >= len(space):
-        return space
-    if n <= 0:
-        return []
-    step = len(space) / n
-    return [space[int(i * step)] for i in range(n)]
-
-
 def _record(request, outcome: K.Outcome) -> None:
     request.config.stash.setdefault(OUTCOMES, []).append(outcome)
+
+
+def _check(fn, *args) -> Any:
+    """Run a check function; report its failure as one clean pytest failure line (outside the
+    `except`, so no chained tracebacks)."""
+    failure = None
+    try:
+        return fn(*args)
+    except K.ConformanceFailure as f:
+        failure = str(f)
+    pytest.fail(failure, pytrace=False)
 
 
 class ConformanceFixtures:
     """Fixtures and knobs of the suite. Subclass it in your conftest and override `backend`."""
 
     max_elements: int | None = None
-    """At most this many elements per tensor (e.g. 512 for a simulator); None: no cap."""
+    """At most this many elements per tensor (e.g. 320 for a simulator); None: no cap."""
     max_schemes: int | None = None
-    """Check an evenly spaced subset of this many schemes; None: the whole (sampled) space."""
-    shapes_per_scheme: int | None = None
-    """Shapes per scheme in the default run (default 2; --qcore-full: every shape)."""
+    """Check an evenly spaced subset of this many strata (and groups); None: all of them."""
+    cases_per_stratum: int | None = None
+    """Supported cases per stratum in the default run (default 2, plus a classic input on every
+    third stratum); 1 for a slow backend."""
     full: bool = False
     """Always run the whole space (as --qcore-full)."""
 
@@ -172,120 +182,112 @@ class ConformanceFixtures:
         return out
 
     @pytest.fixture
-    def expected_support(self, request) -> Callable[[Any], bool | None] | None:
-        """Optional: `scheme -> bool` stating what the backend is meant to support, so a backend
-        that wrongly refuses (or claims) a scheme fails. Default: a `qcore_expected_support`
-        fixture from conftest.py if there is one, else None (trust `supports()`)."""
+    def expected_support(self, request) -> Any:
+        """Optional: what the backend is meant to support, so a backend that wrongly refuses (or
+        claims) a scheme fails: a `scheme -> bool` callable, scheme patterns (a string or a list,
+        see `qcore.conformance.expect`), or `[]` / `"none"` for an empty support. Default: a
+        `qcore_expected_support` fixture from conftest.py if there is one, else the
+        `--qcore-expect` option, else None (trust `supports()`)."""
         try:
             return request.getfixturevalue("qcore_expected_support")
         except pytest.FixtureLookupError:
+            pass
+        items = _opt(request.config, "qcore_expect", None) or []
+        if not items:
             return None
+        name = str(getattr(request.getfixturevalue("backend"), "name", "?"))
+        want = per_backend(items, [name] + [i.partition("=")[0].strip() for i in items if "=" in i])
+        return want.get(name) if isinstance(want, dict) else want
 
     # ------------------------------------------------------------------ parametrization
-    def _settings(self, config) -> dict:
-        return dict(
+    def _settings(self, config) -> S.Settings:
+        return S.Settings(
             full=bool(self.full or _opt(config, "qcore_full", False)),
             seed=int(_opt(config, "qcore_seed", 0) or 0),
             max_elements=_cap(self.max_elements, _opt(config, "qcore_max_elements")),
-            max_schemes=_cap(self.max_schemes, _opt(config, "qcore_max_schemes")),
+            cases_per_stratum=self.cases_per_stratum,
         )
 
+    def _max_schemes(self, config) -> int | None:
+        return _cap(self.max_schemes, _opt(config, "qcore_max_schemes"))
+
     def pytest_generate_tests(self, metafunc) -> None:
+        # Collection runs before any fixture exists, so the backend is unknown here: parametrize
+        # over the fixed strata / groups; each test draws its schemes from `supports()`.
         names = metafunc.fixturenames
-        if "qcore_case" not in names and "qcore_scheme_case" not in names:
-            return
-        st = self._settings(metafunc.config)
-        space = _subset(C.scheme_space(st["full"]), st["max_schemes"])
-        if "qcore_case" in names:
-            items = list(C.cases(st["full"], st["seed"], st["max_elements"], self.shapes_per_scheme,
-                                 schemes=space))
-            metafunc.parametrize("qcore_case", items, ids=[c.id for c in items])
-        else:
-            kind = getattr(metafunc.function, "qcore_kind", "bad-input")
-            items = list(C.scheme_cases(kind, st["full"], st["seed"], st["max_elements"], schemes=space))
-            metafunc.parametrize("qcore_scheme_case", items, ids=[c.id for c in items])
-
-
-def _kind(kind: str):
-    def mark(fn):
-        fn.qcore_kind = kind
-        return fn
-    return mark
+        n = self._max_schemes(metafunc.config)
+        if "qcore_stratum" in names:
+            items = S.subset(S.strata(), n)
+            metafunc.parametrize("qcore_stratum", items, ids=[s.id for s in items])
+        if "qcore_group" in names:
+            items = S.subset(S.groups(), n)
+            metafunc.parametrize("qcore_group", items, ids=[s.id for s in items])
 
 
 def _fail(outcome_or_exc) -> None:
     pytest.fail(str(outcome_or_exc), pytrace=False)
 
 
-def _check(fn, *args) -> Any:
-    """Run a check function; report its failure as one clean pytest failure line (outside the
-    `except`, so no chained tracebacks)."""
-    failure = None
-    try:
-        return fn(*args)
-    except K.ConformanceFailure as f:
-        failure = str(f)
-    _fail(failure)
-
-
-def _supported(backend, case) -> bool:
-    return bool(_check(K.check_supports, backend, case.qscheme))
+def _settle(request, outcomes: list[K.Outcome]) -> None:
+    """Record the outcomes for the summary; fail with the first failure's line."""
+    for o in outcomes:
+        _record(request, o)
+    failed = [o for o in outcomes if o.status == K.FAILED]
+    if failed:
+        more = f"\n(and {len(failed) - 1} more failing case(s) in this test)" if len(failed) > 1 else ""
+        _fail(failed[0].message + more)
 
 
 class BaseSchemeTests(ConformanceFixtures):
-    """Every case: supported -> bit-for-bit with the reference; not supported -> refused."""
+    """Every stratum: its candidates' `supports()` against the expectation; supported schemes
+    bit for bit with the reference on separating inputs; refused ones refused correctly."""
 
-    def test_scheme(self, backend, reference, qcore_case, expected_support, request):
-        outcome = K.check_case(backend, qcore_case, reference)
-        if outcome.status != K.FAILED and expected_support is not None:
-            want = expected_support(qcore_case.qscheme)
-            if want is not None and bool(want) != (outcome.status == K.PASSED):
-                outcome = K.Outcome(
-                    K.FAILED, outcome.backend, outcome.scheme, "expected-support", outcome.case,
-                    f"backend '{outcome.backend}' failed check 'expected-support' on "
-                    f"{qcore_case.scheme}: supports() says {outcome.status == K.PASSED}, "
-                    f"the adopter expects {bool(want)}")
-        _record(request, outcome)
-        if outcome.status == K.FAILED:
-            _fail(outcome.message)
+    def test_scheme(self, backend, reference, qcore_stratum, expected_support, request):
+        st = self._settings(request.config)
+        _settle(request, S.check_stratum(backend, qcore_stratum, st, reference,
+                                         as_expectation(expected_support)))
+
+    def test_tested_something(self, backend, expected_support, request):
+        """The run tests at least one supported scheme, unless the author declares an empty
+        support."""
+        st = self._settings(request.config)
+        items = S.subset(S.strata(), self._max_schemes(request.config))
+        cands = [s for stratum in items for s in stratum.candidates]
+        if S.supports_nothing(as_expectation(expected_support), cands):
+            return
+        for s in cands:
+            if bool(_check(K.check_supports, backend, s)) and C.shapes_for(s, C.SHAPES, st.max_elements):
+                return
+        _fail(S.tested_nothing(str(getattr(backend, "name", "?")), [], len(items)).message)
 
 
 class BaseBadInputTests(ConformanceFixtures):
     """Bad input and bad payloads raise the SPEC §5 error types, never another exception."""
 
-    @_kind("bad-input")
-    def test_bad_input(self, backend, reference, qcore_scheme_case):
-        if _supported(backend, qcore_scheme_case):
-            _check(K.check_bad_inputs, backend, qcore_scheme_case, reference)
-        else:  # unsupported comes first, even for bad input
-            _check(K.check_rejected, backend, qcore_scheme_case, reference)
+    def test_bad_input(self, backend, reference, qcore_group, request):
+        _settle(request, S.check_group(backend, "bad-input", qcore_group, self._settings(request.config),
+                                       reference))
 
 
 class BaseOpsTests(ConformanceFixtures):
     """reshape, permute, slice, cat and matmul against the reference within `tolerances`."""
 
-    @_kind("ops")
-    def test_ops(self, backend, reference, tolerances, qcore_scheme_case):
-        if _supported(backend, qcore_scheme_case):
-            _check(K.check_ops, backend, qcore_scheme_case, reference, tolerances)
-        else:
-            _check(K.check_rejected, backend, qcore_scheme_case, reference)
+    def test_ops(self, backend, reference, tolerances, qcore_group, request):
+        _settle(request, S.check_group(backend, "ops", qcore_group, self._settings(request.config),
+                                       reference, tolerances))
 
 
 class BaseCrossBackendTests(ConformanceFixtures):
     """A payload made by one backend loads on every other installed backend that supports it."""
 
-    @_kind("cross")
-    def test_cross_backend(self, backend, peer_backends, reference, qcore_scheme_case):
-        case = qcore_scheme_case
-        if not _supported(backend, case):
-            pytest.skip(f"'{backend.name}' does not support {case.scheme}; its refusal is checked by test_scheme")
-        peers = [p for p in peer_backends if p.supports(case.qscheme)]
-        if not peers:
+    def test_cross_backend(self, backend, peer_backends, reference, qcore_group, request):
+        outcomes = S.check_group(backend, "cross", qcore_group, self._settings(request.config),
+                                 reference, peers=peer_backends)
+        if not outcomes:
             names = ", ".join(p.name for p in peer_backends) or "none"
-            pytest.skip(f"no other installed backend supports {case.scheme} (peers: {names})")
-        for peer in peers:
-            _check(K.check_cross_backend, backend, peer, case, reference)
+            pytest.skip(f"no scheme of {qcore_group.id} is supported by '{backend.name}' and a peer "
+                        f"(peers: {names})")
+        _settle(request, outcomes)
 
 
 class ConformanceTests(BaseSchemeTests, BaseBadInputTests, BaseOpsTests, BaseCrossBackendTests):

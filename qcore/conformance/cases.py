@@ -1,15 +1,15 @@
 """The conformance scheme space, shapes and inputs, as data (no pytest, no backend).
 
 A `Case` is fully defined by its fields and prints as a readable id that can be pasted into
-`pytest -k` or `qcore conformance --filter`:
+`pytest -k`, `qcore conformance --filter` or `qcore conformance --case` (`Case.from_id`):
 
-    q4s/block32:f16/packed_native:1 @ 6x40 normal f32 #0
+    q4s/block32:f16/packed_native:1-6x40-grid-f32-f32-0
 
 The space (SPEC §1) is every value x both modes (LOOKUP for integer values only) x every level
 (per-tensor in each scale dtype; blocks [32], [4, 8] and [3, 5] in each scale dtype; two-level
 with F16 and UE4M3 block scales) x every valid store (packing axis 0 and 1), plus the presets.
-`--full` runs all of it; the default run takes a covering sample in which every value x mode,
-every store and every level appears, so a quick run still touches every code path.
+`sampling.py` cuts it into strata and draws each run's cases from what the backend supports;
+`inputs.py` adds the scheme-aware `grid` and `bounds` inputs to the distributions here.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
+from ..errors import QCoreError
+from .inputs import SCHEME_DISTRIBUTIONS, scheme_input
 from ..scheme import PRESETS, QuantScheme, QuantStore, StoreKind, scheme as parse_scheme
 
 __all__ = [
@@ -272,8 +274,25 @@ class Case:
 
     @property
     def id(self) -> str:
-        """Readable id: scheme text, shape, input; pasteable into -k / --filter."""
-        return f"{self.scheme}-{self.shape_text}-{self.dist}-{self.dtype}-{self.index}"
+        """Readable id: scheme text, shape, input, output dtype, draw; pasteable into -k,
+        `--filter` and `qcore conformance --case` (see `from_id`)."""
+        return f"{self.scheme}-{self.shape_text}-{self.dist}-{self.dtype}-{self.out_dtype}-{self.index}"
+
+    @classmethod
+    def from_id(cls, text: str, seed: int = 0) -> "Case":
+        """The case whose `id` is `text` (with the run's `seed`): reruns one failing case."""
+        from ..errors import InputError
+
+        try:
+            scheme, shape, dist, dtype, out, index = text.strip().rsplit("-", 5)
+            shp = tuple(int(d) for d in shape.split("x"))
+            s = conformance_scheme(scheme)
+            if dist not in DISTRIBUTIONS + SCHEME_DISTRIBUTIONS or dtype not in INPUT_DTYPES or out not in INPUT_DTYPES:
+                raise ValueError(dist)
+            return cls(scheme, shp, dist, dtype, seed, int(index), out, _parsed=s)
+        except (ValueError, QCoreError) as e:
+            raise InputError(f"case id {text!r} is not SCHEME-SHAPE-DIST-DTYPE-OUT-INDEX ({e}); "
+                             "copy it from a failure line, e.g. 'q8s-6x40-grid-f32-f32-0'") from None
 
     def describe(self) -> str:
         """The line a failure prints: everything needed to rerun the case."""
@@ -286,6 +305,8 @@ class Case:
 
     def input(self) -> np.ndarray:
         """The case's input array (fresh each call, the same bytes every time)."""
+        if self.dist in SCHEME_DISTRIBUTIONS:
+            return scheme_input(self.shape, self.dist, self.qscheme, self.input_seed).astype(np_dtype(self.dtype))
         return make_input(self.shape, self.dist, self.dtype, self.input_seed)
 
     def __str__(self) -> str:
@@ -298,7 +319,9 @@ def cases(full: bool = False, seed: int = 0, max_elements: int | None = None,
 
     Default: each scheme on `shapes_per_scheme` (2) of the default shapes that fit, rotating so
     that every shape (the empty one and the single element included) is used; distributions and
-    input dtypes rotate too. `full`: every scheme on every shape that fits. `max_elements` caps the shapes (for slow backends, e.g. a simulator).
+    input dtypes rotate too. `full`: every scheme on every shape that fits. `max_elements` caps
+    the shapes (for slow backends, e.g. a simulator). (The suite itself draws its cases per
+    stratum, see `sampling.py`; this fixed sample is kept for callers that want one.)
     """
     space = scheme_space(full) if schemes is None else schemes
     shapes = FULL_SHAPES if full else SHAPES

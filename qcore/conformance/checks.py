@@ -33,6 +33,8 @@ from ..payload import QuantizedData, sections
 from ..protocol import QParams, QTensor
 from ..scheme import QuantScheme, scheme as parse_scheme
 from .cases import Case, make_input, np_dtype
+from .inputs import grid_exponents
+from .invalid import check_invalid_codes, with_valid_codes
 
 __all__ = [
     "PASSED",
@@ -55,6 +57,9 @@ __all__ = [
     "compare_arrays",
     "compare_bytes",
     "compare_data",
+    "assert_same_array",
+    "assert_same_bytes",
+    "assert_same_data",
 ]
 
 PASSED = "passed"
@@ -252,6 +257,34 @@ def compare_data(ctx: _Ctx, check: str, got: Any, want: QuantizedData) -> None:
     compare_bytes(ctx, check + ".payload", got.payload, want.payload, want.shape, want.scheme)
 
 
+def assert_same_array(got: Any, want: Any, what: str = "values", *, backend: str = "?",
+                      check: str = "compare", nan_equal: bool = False) -> None:
+    """For plugin authors' own tests: `got` equals `want` bit for bit (shape, dtype, every bit).
+    Raises `ConformanceFailure` naming the mismatch count and the first differing element
+    (index, got, want, in hex)."""
+    compare_arrays(_Ctx(_Named(backend)), check, got, np.asarray(want), what, nan_equal=nan_equal)
+
+
+def assert_same_bytes(got: bytes, want: bytes, shape: tuple[int, ...], scheme: QuantScheme | str, *,
+                      backend: str = "?", check: str = "payload") -> None:
+    """For plugin authors' own tests: two payloads of `scheme` on `shape` are the same bytes.
+    Raises `ConformanceFailure` with the first differing byte offset, its section (values /
+    scales / global / table) and the bytes around it, in hex."""
+    s = parse_scheme(scheme)
+    compare_bytes(_Ctx(_Named(backend), None, s, tuple(shape)), check, got, want, tuple(shape), s)
+
+
+def assert_same_data(got: Any, want: QuantizedData, *, backend: str = "?", check: str = "data") -> None:
+    """For plugin authors' own tests: two `QuantizedData` agree (shape, scheme, codes, scales,
+    global, then every payload byte, padding bits included), reported as the suite does."""
+    compare_data(_Ctx(_Named(backend), None, want.scheme, tuple(want.shape)), check, got, want)
+
+
+@dataclass(frozen=True)
+class _Named:
+    name: str
+
+
 def compare_params(ctx: _Ctx, check: str, got: Any, want: QParams) -> None:
     if not isinstance(got, QParams):
         raise ctx.fail(check, f"returned {type(got).__name__}, want QParams")
@@ -356,6 +389,13 @@ def check_supported(backend, case: Case, reference=None) -> None:
     if np.asarray(ep.scales).tobytes() != ep_before:
         raise ctx.fail("quantize(params=explicit)", "the call modified params.scales in place")
     _untouched(ctx, "quantize(params)", x, before)
+    if case.dist == "grid" and x.size:
+        # every effective scale 2**j: exact ties at every decision point, two-level included
+        js = grid_exponents(case.shape, s, case.input_seed)
+        pp = QParams(np.ldexp(np.ones(js.shape), js).astype(np.float32), 1.0 if s.two_level else None)
+        qq = ctx.call("quantize(params=powers of two)", backend.quantize, x, s, params=pp)
+        compare_data(ctx, "quantize(params=powers of two)", ctx.call("into_data", backend.into_data, qq),
+                     ref.into_data(ref.quantize(x, s, params=pp)))
 
     # from_data of the reference payload decodes identically and round-trips to the same bytes
     q2 = ctx.call("from_data", backend.from_data, r_data)
@@ -372,6 +412,16 @@ def check_supported(backend, case: Case, reference=None) -> None:
                  ref.into_data(ref.quantize(x, s, method="absmean")))
 
     check_decode_random(backend, case, ref)
+    check_invalid_codes(backend, case, ref)
+
+    # non-finite input is refused here too (the full list is in check_bad_inputs)
+    if x.size:
+        nan = x.copy()
+        nan.reshape(-1)[x.size // 2] = np.nan
+        _expect(ctx, "bad-input.NaN.quantize", InputError, lambda: backend.quantize(nan, s), nan)
+        inf = x.copy()
+        inf.reshape(-1)[-1] = np.inf
+        _expect(ctx, "bad-input.+Inf.calibrate", InputError, lambda: backend.calibrate(inf, s), inf)
 
     # determinism: the same call twice gives the same bits
     q3 = ctx.call("quantize", backend.quantize, x, s)
@@ -382,13 +432,15 @@ def check_supported(backend, case: Case, reference=None) -> None:
 
 
 def random_payload(case: Case) -> QuantizedData:
-    """A valid payload with random contents (as gguf-py's decode fuzz): every code pattern,
-    including minifloat NaN/inf codes, negative zero and set padding bits; random storable
-    scales (zeros included) and global; the scheme's table."""
+    """A valid payload with random contents (as gguf-py's decode fuzz): every valid code pattern,
+    including negative zero and set padding bits (SPEC v1.1 §3: no code outside the value's set,
+    see `invalid.with_valid_codes`); random storable scales (zeros included) and global; the
+    scheme's table."""
     s = case.qscheme
     sec = sections(case.shape, s)
     rng = np.random.default_rng(case.input_seed ^ 0xF022)
     values = rng.integers(0, 256, size=sec.values, dtype=np.uint8).tobytes()
+    values = with_valid_codes(values, case.shape, s, rng)
     grid = layout.grid_shape(case.shape, s)
     raw = np.exp2(rng.uniform(-20, 8, size=grid)) * (rng.random(size=grid) > 0.1)
     tr = s.slot_dtype.traits

@@ -7,10 +7,12 @@ header line when a `--qcore-*` option is given, and a summary when conformance t
 Options:
   --qcore-backend NAME   backend for `pytest --pyargs qcore.conformance` (repeatable; default
                          `reference`). Adopters' own test classes name their backend in a fixture.
-  --qcore-full           the whole scheme space and all shapes, instead of the covering sample.
+  --qcore-expect P       what the backend is meant to support (as `qcore conformance --expect`),
+                         where the adopter defines no `expected_support` fixture.
+  --qcore-full           every supported scheme on every shape, instead of the default draw.
   --qcore-seed N         seed of the random inputs (default 0).
   --qcore-max-elements N cap on elements per tensor (lowers a class's `max_elements`).
-  --qcore-max-schemes N  evenly spaced subset of N schemes (lowers a class's `max_schemes`).
+  --qcore-max-schemes N  evenly spaced subset of N strata (lowers a class's `max_schemes`).
 """
 from __future__ import annotations
 
@@ -25,14 +27,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--qcore-backend", action="append", default=[], metavar="NAME",
                     help="backend to check with `pytest --pyargs qcore.conformance` (repeatable; "
                          "default: reference)")
+    group.addoption("--qcore-expect", action="append", default=[], metavar="PATTERNS",
+                    help="what the backend is meant to support, as `qcore conformance --expect` takes it "
+                         "(patterns, @FILE, none, NAME=PATTERNS); used where no expected_support "
+                         "fixture is defined")
     group.addoption("--qcore-full", action="store_true", default=False,
-                    help="run the whole scheme space on every shape (slow)")
+                    help="run every supported scheme of the space on every shape (slow)")
     group.addoption("--qcore-seed", type=int, default=0, metavar="N",
                     help="seed of the conformance inputs (default 0)")
     group.addoption("--qcore-max-elements", type=int, default=None, metavar="N",
                     help="at most N elements per conformance tensor")
     group.addoption("--qcore-max-schemes", type=int, default=None, metavar="N",
-                    help="check an evenly spaced subset of N schemes")
+                    help="check an evenly spaced subset of N strata (and N groups)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -45,7 +51,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     if not any(config.getoption(o, None) for o in opts):
         return None
     names = config.getoption("qcore_backend") or ["reference"]
-    mode = "full space" if config.getoption("qcore_full") else "covering sample"
+    mode = "full space" if config.getoption("qcore_full") else "default draw from supports()"
     return (f"qcore conformance: backend(s) {', '.join(names)}; {mode}; "
             f"seed {config.getoption('qcore_seed')}")
 

@@ -4,14 +4,19 @@
 suite on each backend (cases, bad input, ops, cross-backend), shows a progress bar, then prints a
 capability matrix per backend and one summary line each:
 
-    ndarray: 12 schemes supported and conforming, 87 rejected correctly (not supported), 0 failed
+    ndarray: 258 schemes supported and conforming, 360 rejected correctly (not supported), 0 failed
 
-Exit status: 0 when nothing failed, 1 when any check failed, 2 for a usage error (unknown or
-unavailable backend, bad option). "Not supported" is an outcome, not a failure.
+The cases are drawn per backend from what it supports (`sampling`); `--expect` states what it is
+meant to support (`expect`), so a backend that refuses a scheme its author expects fails here as
+under pytest. Exit status: 0 when nothing failed, 1 when any check failed (a run that tested no
+supported scheme fails too, unless `--expect none`), 2 for a usage error (unknown or unavailable
+backend, bad option). "Not supported" is an outcome, not a failure.
 
     usage: qcore conformance --backend NAME [--backend NAME ...] [--full] [--seed N]
-                             [--max-elements N] [--max-schemes N] [--filter TEXT]
-                             [--checks case,bad-input,ops,cross] [--max-failures N] [--no-progress]
+                             [--expect [NAME=]PATTERNS|@FILE|none] [--case ID] [-x]
+                             [--max-elements N] [--max-schemes N] [--cases-per-stratum N]
+                             [--filter TEXT] [--checks case,bad-input,ops,cross]
+                             [--max-failures N] [--no-progress]
 
 `run(backends, ...)` is the same without argument parsing or printing; it returns a `Report`.
 """
@@ -19,14 +24,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from . import cases as C
 from . import checks as K
+from . import sampling as S
+from .expect import parse_expect, per_backend
 
-__all__ = ["main", "run", "Report", "CHECK_KINDS"]
+__all__ = ["main", "run", "run_cases", "plan", "Report", "CHECK_KINDS"]
 
 CHECK_KINDS = ("case", "bad-input", "ops", "cross")
 
@@ -76,91 +84,69 @@ class Report:
         return list(seen)
 
 
-def _supported(be, case: C.Case) -> bool:
-    return bool(K.check_supports(be, case.qscheme))
-
-
-def _outcome(be, kind: str, case: C.Case, fn: Callable[[], str]) -> K.Outcome:
-    name = str(getattr(be, "name", "?"))
-    try:
-        status = fn()
-        return K.Outcome(status, name, case.scheme, kind, case.id)
-    except K.ConformanceFailure as f:
-        return K.Outcome(K.FAILED, name, case.scheme, f.check, case.id, str(f))
-    except Exception as e:  # noqa: BLE001 - a crash inside the harness is still a failure to see
-        return K.Outcome(K.FAILED, name, case.scheme, kind, case.id,
-                         f"backend '{name}' failed check '{kind}' on {case.scheme} shape {case.shape} "
-                         f"[case {case.id}]: {type(e).__name__}: {e}")
-
-
-def _one(be, kind: str, case: C.Case, ref, peers: Sequence[Any], tol: K.Tolerances) -> list[K.Outcome]:
-    if kind == "case":
-        return [K.check_case(be, case, ref)]
-
-    def body() -> str:
-        if not _supported(be, case):
-            K.check_rejected(be, case, ref)
-            return K.REJECTED
-        if kind == "bad-input":
-            K.check_bad_inputs(be, case, ref)
-        elif kind == "ops":
-            K.check_ops(be, case, ref, tol)
-        return K.PASSED
-
-    if kind == "cross":
-        if not _supported(be, case):
-            return []  # covered by the "case" check
-        out = []
-        for peer in peers:
-            try:
-                if not peer.supports(case.qscheme):
-                    continue
-            except Exception:  # noqa: BLE001
-                continue
-            out.append(_outcome(be, f"cross:{peer.name}", case,
-                                lambda p=peer: (K.check_cross_backend(be, p, case, ref), K.PASSED)[1]))
-        return out
-    return [_outcome(be, kind, case, body)]
-
-
 def plan(full: bool = False, seed: int = 0, max_elements: int | None = None,
-         max_schemes: int | None = None, filter: str | None = None,
-         kinds: Iterable[str] = CHECK_KINDS) -> list[tuple[str, C.Case]]:
-    """The (check kind, case) pairs of a run, in order."""
-    space = C.scheme_space(full)
-    if max_schemes is not None and max_schemes < len(space):
-        step = len(space) / max(max_schemes, 1)
-        space = [space[int(i * step)] for i in range(max_schemes)]
+         max_schemes: int | None = None, kinds: Iterable[str] = CHECK_KINDS) -> list[tuple[str, S.Stratum]]:
+    """The (check kind, stratum or group) pairs of a run, in order. `max_schemes`: an evenly
+    spaced subset of that many strata (and groups). The cases themselves are drawn per backend
+    at run time, from what it supports (`sampling`)."""
     kinds = list(kinds)
-    items: list[tuple[str, C.Case]] = []
+    items: list[tuple[str, S.Stratum]] = []
     if "case" in kinds:
-        items += [("case", c) for c in C.cases(full, seed, max_elements, schemes=space)]
-    for kind in ("bad-input", "ops", "cross"):
+        items += [("case", s) for s in S.subset(S.strata(), max_schemes)]
+    for kind in S.GROUP_KINDS:
         if kind in kinds:
-            items += [(kind, c) for c in C.scheme_cases(kind, full, seed, max_elements, schemes=space)]
-    if filter:
-        items = [(k, c) for k, c in items if filter in c.id or filter == c.scheme]
+            items += [(kind, g) for g in S.subset(S.groups(), max_schemes)]
     return items
 
 
 def run(backends: Sequence[Any], *, full: bool = False, seed: int = 0, max_elements: int | None = None,
         max_schemes: int | None = None, filter: str | None = None, kinds: Iterable[str] = CHECK_KINDS,
         peers: Sequence[Any] | None = None, reference=None, tolerances: K.Tolerances | None = None,
+        expect: Callable[[Any], Any] | None = None, cases_per_stratum: int | None = None,
+        max_failures: int | None = None,
         progress: Callable[[str, int], None] | None = None) -> Report:
     """Run the suite on `backends` (Backend objects). `peers`: backends to exchange payloads with
-    (default: the other backends given). `progress(backend_name, n_done)` is called per item."""
+    (default: the other backends given). `expect`: what the backends are meant to support
+    (`expect.Expectation` or `scheme -> bool`, or a mapping backend name -> one).
+    `max_failures`: stop a backend's run after that many failures. A backend's run that tested
+    no supported scheme fails ('tested-nothing') unless `expect` declares an empty support.
+    `progress(backend_name, n_done)` is called per item."""
     ref = reference or K.reference_backend()
     tol = tolerances or K.Tolerances()
-    items = plan(full, seed, max_elements, max_schemes, filter, kinds)
+    st = S.Settings(full, seed, max_elements, cases_per_stratum)
+    items = plan(full, seed, max_elements, max_schemes, kinds)
     report = Report()
-    for _, c in items:
-        report.schemes.setdefault(c.scheme, c.qscheme)
+    for _, stratum in items:
+        for s in stratum.candidates:
+            report.schemes.setdefault(str(s), s)
     for be in backends:
         others = [p for p in (peers if peers is not None else backends) if p is not be and p.name != be.name]
-        for i, (kind, case) in enumerate(items):
-            report.outcomes += _one(be, kind, case, ref, others, tol)
+        mine: list[K.Outcome] = []
+        want = expect.get(be.name) if isinstance(expect, Mapping) else expect
+        for i, (kind, stratum) in enumerate(items):
+            if kind == "case":
+                mine += S.check_stratum(be, stratum, st, ref, want, filter)
+            else:
+                mine += S.check_group(be, kind, stratum, st, ref, tol, others, filter)
             if progress is not None:
                 progress(be.name, i + 1)
+            if max_failures is not None and sum(o.status == K.FAILED for o in mine) >= max_failures:
+                break
+        cands = [s for _, stratum in items for s in stratum.candidates]
+        if not any(o.status == K.PASSED for o in mine) and not S.supports_nothing(want, cands):
+            mine.append(S.tested_nothing(str(be.name), mine, len(items)))
+        report.outcomes += mine
+    return report
+
+
+def run_cases(backends: Sequence[Any], case_ids: Sequence[str], *, seed: int = 0, reference=None) -> Report:
+    """Rerun single cases by id (`Case.from_id`), e.g. the one a failure line printed."""
+    report = Report()
+    for text in case_ids:
+        case = C.Case.from_id(text, seed)
+        report.schemes.setdefault(case.scheme, case.qscheme)
+        for be in backends:
+            report.outcomes.append(K.check_case(be, case, reference))
     return report
 
 
@@ -202,7 +188,9 @@ def matrix_tables(report: Report, backend: str):
     rows: dict[str, int] = {}
     cols: dict[str, None] = {}
     for text, status in st.items():
-        s = report.schemes[text]
+        s = report.schemes.get(text)
+        if s is None:  # a whole-run failure ('tested-nothing'): listed with the failures
+            continue
         row, col, store = C.value_label(s), _level_kind(s), C.store_label(s)
         rows[row] = s.bits
         cols.setdefault(col, None)
@@ -244,12 +232,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--max-elements", type=int, default=None, metavar="N", help="cap tensor sizes")
     p.add_argument("--max-schemes", type=int, default=None, metavar="N",
-                   help="an evenly spaced subset of N schemes")
+                   help="an evenly spaced subset of N strata (and N groups)")
     p.add_argument("--filter", default=None, metavar="TEXT",
-                   help="only cases whose id contains TEXT (ids are printed with failures)")
+                   help="only strata and cases whose id contains TEXT (ids are printed with failures)")
     p.add_argument("--checks", default=",".join(CHECK_KINDS),
                    help=f"comma-separated subset of {','.join(CHECK_KINDS)}")
     p.add_argument("--max-failures", type=int, default=20, metavar="N", help="failure messages to print")
+    p.add_argument("--expect", action="append", default=[], metavar="PATTERNS",
+                   help="what the backend is meant to support: comma-separated scheme patterns "
+                        "(e.g. 'q8s/tensor:f32/native,q8s/block*:f32/native'), @FILE (one pattern a "
+                        "line) or 'none'; NAME=PATTERNS for one backend of the run; repeatable "
+                        "(see qcore.conformance.expect)")
+    p.add_argument("--case", action="append", default=[], metavar="ID",
+                   help="rerun just this case id (as printed in a failure line); repeatable")
+    p.add_argument("--cases-per-stratum", type=int, default=None, metavar="N",
+                   help="supported cases per stratum (default 2, plus a classic input on every third)")
+    p.add_argument("-x", "--exitfirst", action="store_true", help="stop a backend's run at its first failure")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -285,20 +283,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         err.print(f"qcore conformance: error: {e}")
         return 2
     peers = [b for n, b in registry.registered().items() if n != "reference" and _available(b)]
-    items = plan(args.full, args.seed, args.max_elements, args.max_schemes, args.filter, kinds)
-    if not items:
-        err.print("qcore conformance: error: no case matches; check --filter / --max-elements")
+    try:
+        expect = per_backend(args.expect, names)
+        if args.case:
+            for c in args.case:
+                C.Case.from_id(c, args.seed)
+    except QCoreError as e:
+        err.print(f"qcore conformance: error: {e}")
         return 2
-    console.print(f"qcore conformance: {len(items)} checks per backend "
-                  f"({'full space' if args.full else 'covering sample'}, seed {args.seed}) on "
-                  f"{', '.join(names)}")
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, disable=args.no_progress,
-                  transient=False) as prog:
-        tasks = {n: prog.add_task(f"[bold]{n}[/]", total=len(items)) for n in names}
-        report = run(bes, full=args.full, seed=args.seed, max_elements=args.max_elements,
-                     max_schemes=args.max_schemes, filter=args.filter, kinds=kinds, peers=peers,
-                     progress=lambda n, i: prog.update(tasks[n], completed=i))
+    started = time.perf_counter()
+    if args.case:
+        console.print(f"qcore conformance: {len(args.case)} case(s) on {', '.join(names)} (seed {args.seed})")
+        report = run_cases(bes, args.case, seed=args.seed)
+    else:
+        items = plan(args.full, args.seed, args.max_elements, args.max_schemes, kinds)
+        if not items:
+            err.print("qcore conformance: error: nothing to check; see --max-schemes / --checks")
+            return 2
+        console.print(f"qcore conformance: {len(items)} strata and groups per backend "
+                      f"({'full space' if args.full else 'default sample'}, seed {args.seed}"
+                      f"{', with expectations' if expect else ''}) on {', '.join(names)}")
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console, disable=args.no_progress,
+                      transient=False) as prog:
+            tasks = {n: prog.add_task(f"[bold]{n}[/]", total=len(items)) for n in names}
+            report = run(bes, full=args.full, seed=args.seed, max_elements=args.max_elements,
+                         max_schemes=args.max_schemes, filter=args.filter, kinds=kinds, peers=peers,
+                         expect=expect, cases_per_stratum=args.cases_per_stratum,
+                         max_failures=1 if args.exitfirst else None,
+                         progress=lambda n, i: prog.update(tasks[n], completed=i))
+    elapsed = time.perf_counter() - started
     for n in names:
         t, d = matrix_tables(report, n)
         console.print(t, width=max(console.width, 100), crop=False)
@@ -311,6 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in names:
         line = report.summary_line(n)
         console.print(("[bold red]" if report.summary(n)[2] else "[bold green]") + line + "[/]")
+    console.print(f"ran in {elapsed:.1f} s")
     return 1 if fails else 0
 
 

@@ -1,5 +1,5 @@
 """The conformance suite against the `cuda` backend (backends/cuda), which CI runs under Numba's
-CUDA simulator: small tensors and a subset of schemes keep it within minutes; run
+CUDA simulator: small tensors and one case per stratum keep it within minutes; run
 `pytest tests/conformance/test_cuda.py --qcore-full` on a GPU for the whole space.
 SPEC §4: it supports everything except LOOKUP."""
 import pytest
@@ -9,6 +9,7 @@ from qcore.conformance import ConformanceTests, installed_backend
 
 class TestCuda(ConformanceTests):
     max_elements = 320  # the simulator pays per launched thread
+    cases_per_stratum = 1  # the grid case: still every supported stratum
 
     @pytest.fixture
     def backend(self):

@@ -10,7 +10,9 @@ compiled for another GPU is compiled again rather than loaded. numba hashes a fa
 closure by pickling it, which for these closures (device functions over intrinsics) gives other
 bytes in every process, so nothing would ever be found: here the closure's part of the key is
 the factory and its arguments (`fast.dequant_kernel(3)`) plus the size and modification time of
-every qcore_cuda source file, so an edit anywhere in the package (intrin.py, say) recompiles.
+every qcore_cuda source file and of `qcore/codecs.py`, whose numbers (`SCALE_ARRAYS`,
+`F32_TINY`) the kernels compile in, so an edit anywhere in the package (intrin.py, say) or in
+the core's trait table recompiles.
 
 `enable()` turns the cache on for every kernel of kernels.py, fast.py, gemv.py and tc.py: the
 module-level ones at once, the ones the factories build (`fast.quant_kernel`, ...) as they are
@@ -31,13 +33,15 @@ _done: set[str] = set()
 
 @functools.lru_cache(maxsize=1)
 def _package_stamp() -> str:
-    """Size and modification time of every source file of qcore_cuda."""
+    """Size and modification time of every source file of qcore_cuda and of qcore.codecs."""
+    from qcore import codecs
+
     here = os.path.dirname(os.path.abspath(__file__))
+    paths = [os.path.join(here, name) for name in sorted(os.listdir(here)) if name.endswith(".py")]
     parts = []
-    for name in sorted(os.listdir(here)):
-        if name.endswith(".py"):
-            st = os.stat(os.path.join(here, name))
-            parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
+    for path in paths + [os.path.abspath(codecs.__file__)]:
+        st = os.stat(path)
+        parts.append(f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns}")
     return ";".join(parts)
 
 

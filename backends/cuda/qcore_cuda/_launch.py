@@ -1,9 +1,9 @@
 """Kernel launches whose argument list is packed once (`Packed`).
 
-numba's dispatcher types and packs every argument again on every launch: about 140 us of host
-time for the GEMV's 11 arguments on the H200's host (docs/performance.md), seven times the
-kernel. A backend call that launches the same kernel on the same buffers again (a cached GEMV
-state, a dequantize into a fresh output) only changes a few device pointers and integers.
+numba's dispatcher types and packs every argument again on every launch, which for a GEMV of
+11 arguments costs several times the kernel's own time in host time. A backend call that
+launches the same kernel on the same buffers again (a cached GEMV state, a dequantize into a
+fresh output) only changes a few device pointers and integers.
 `Packed` launches through numba's dispatcher the first time (which compiles the kernel), then
 keeps the kernel's packed argument list (numba's own `_Kernel._prepare_args`) and later only
 swaps the pointers of the arrays and the values of the integers that change. The packed list is
@@ -11,9 +11,12 @@ also held as one C `void*[]` of ctypes values (`_RawLaunch`), so a launch is one
 through cuda-bindings (a few us of host time) with the argument array's address; where the driver
 refuses that, `cuda.core.launch` takes the list as numba does.
 
-Anything unexpected (the simulator, another numba-cuda layout, a swapped array of another
-shape or dtype) takes the dispatcher path, so a launch is never wrong, at worst as slow as
-before. `QCORE_CUDA_PACKED=0` turns packing off.
+numba-cuda has no public API for this, so its internals are used in one place only (the
+"numba-cuda internals" section below), and `numba_internals_problems()` lists what changed in
+them; a test calls it, so an upgrade that moves them fails that test instead of going slow
+silently. At run time anything unexpected (the simulator, another numba-cuda layout, a swapped
+array of another shape or dtype) takes the dispatcher path, so a launch is never wrong, at worst
+as slow as the dispatcher. `QCORE_CUDA_PACKED=0` turns packing off.
 """
 from __future__ import annotations
 
@@ -28,6 +31,76 @@ from . import _array, _streams
 
 COUNTS = {"raw": 0, "cuda.core": 0, "dispatcher": 0}  # launches by path (benchmarks/gpu.py reports them)
 ARRAY_PTR = 4  # offset of the data pointer in numba's packed array: meminfo, parent, size, itemsize, data, ...
+
+
+# ----------------------------------------------------------------------------- numba-cuda internals
+# Everything below up to `Packed` is the only code that touches numba-cuda's private names.
+
+
+def _numba_flatten_args(kernel: Any, args: Sequence[Any]) -> tuple[list, list[tuple[int, int]]]:
+    """numba's flat kernel argument list for `args` (ctypes values and ints, as it launches
+    them) and the span of each argument in it: `_Kernel._prepare_args`, stream 0."""
+    kargs: list = []
+    spans = []
+    for t, v in zip(kernel.argument_types, args):
+        start = len(kargs)
+        kernel._prepare_args(t, v, 0, [], kargs)
+        spans.append((start, len(kargs)))
+    return kargs, spans
+
+
+def _numba_cufunc(kernel: Any) -> Any:
+    """The compiled kernel's driver function for `cuda.core.launch`."""
+    return kernel._codelibrary.get_cufunc().kernel
+
+
+def _numba_default_stream() -> Any:
+    """numba's default stream as a `cuda.core` stream."""
+    from numba.cuda.cudadrv import driver
+
+    return driver._to_core_stream(0)
+
+
+def numba_internals_problems() -> list[str]:
+    """What no longer matches in the numba-cuda internals `Packed` relies on (empty: all there).
+    Needs the real `numba.cuda` (not the simulator); no GPU."""
+    import inspect
+
+    problems = []
+    try:
+        from numba.cuda import dispatcher
+        from numba.cuda.codegen import CUDACodeLibrary
+        from numba.cuda.cudadrv import driver
+    except Exception as e:  # noqa: BLE001
+        return [f"numba.cuda internals not importable: {type(e).__name__}: {e}"]
+    kernel_cls = getattr(dispatcher, "_Kernel", None)
+    if kernel_cls is None:
+        return ["numba.cuda.dispatcher._Kernel is gone"]
+    prep = getattr(kernel_cls, "_prepare_args", None)
+    if prep is None:
+        problems.append("_Kernel._prepare_args is gone")
+    else:
+        params = list(inspect.signature(prep).parameters)
+        if params != ["self", "ty", "val", "stream", "retr", "kernelargs"]:
+            problems.append(f"_Kernel._prepare_args takes {params}")
+        try:
+            src = inspect.getsource(prep)
+        except (OSError, TypeError):
+            src = ""
+        order = [src.find(f"kernelargs.append({w})") for w in ("meminfo", "parent", "devary.size")]
+        order.append(src.find("kernelargs.append(devary.ptr)"))
+        if min(order) < 0 or order != sorted(order) or "itemsize" not in src[order[2]:order[3]]:
+            problems.append("_Kernel._prepare_args no longer packs an array as meminfo, parent, size, "
+                            f"itemsize, data pointer (ARRAY_PTR = {ARRAY_PTR})")
+    if "argument_types" not in dir(kernel_cls):
+        problems.append("_Kernel.argument_types is gone")
+    if "self._codelibrary" not in inspect.getsource(kernel_cls):
+        problems.append("_Kernel._codelibrary is gone")
+    if not hasattr(CUDACodeLibrary, "get_cufunc"):
+        problems.append("CUDACodeLibrary.get_cufunc is gone")
+    if not hasattr(driver, "_to_core_stream"):
+        problems.append("numba.cuda.cudadrv.driver._to_core_stream is gone")
+    return problems
 
 
 def _enabled() -> bool:
@@ -56,6 +129,17 @@ class Packed:
         self._state: Any = None  # None: not packed yet; False: dispatcher only; else the packed launch
         self._lock = threading.Lock()  # threads sharing a tensor: one swap-and-launch at a time
         self._raw: _RawLaunch | None = None  # the packed list as a C argument array, once packed
+
+    @property
+    def packed(self) -> bool:
+        """Whether launches after the first go through the packed argument list (else numba's
+        dispatcher: not launched yet, the simulator, packing off or not possible)."""
+        return isinstance(self._state, tuple)
+
+    def held(self) -> list[Any]:
+        """The values this launch keeps at its dynamic positions between calls: all None, so a
+        caller's arrays are freed when the caller drops them."""
+        return [self._args[i] for i in self._dynamic]
 
     def __call__(self, *values: Any, stream: Any = None) -> None:
         """Launch with `values` at the first dynamic positions, on `stream` (a `_streams.StreamRef`;
@@ -91,7 +175,6 @@ class Packed:
         """(launch, stream, config, kernel, kernelargs) and the positions to swap, or False."""
         try:
             from cuda.core import LaunchConfig, launch
-            from numba.cuda.cudadrv import driver
 
             if any(isinstance(a, np.ndarray) for a in args):
                 return False  # a host array is copied to a temporary device buffer on each launch
@@ -100,12 +183,7 @@ class Packed:
             kernel = d.overloads.get(argtypes)
             if kernel is None or getattr(kernel, "debug", False) or getattr(kernel, "cooperative", False):
                 return False
-            kargs: list = []
-            spans = []
-            for t, v in zip(kernel.argument_types, args):
-                start = len(kargs)
-                kernel._prepare_args(t, v, 0, [], kargs)
-                spans.append((start, len(kargs)))
+            kargs, spans = _numba_flatten_args(kernel, args)
             swaps = []
             for i in self._dynamic:
                 a, b = spans[i]
@@ -123,8 +201,7 @@ class Packed:
                 config = LaunchConfig(grid=self._grid, block=self._block, shmem_size=0, is_cooperative=False)
             except TypeError:  # cuda.core < 1.0 spells it cooperative_launch
                 config = LaunchConfig(grid=self._grid, block=self._block, shmem_size=0, cooperative_launch=False)
-            stream = driver._to_core_stream(0)
-            return launch, stream, config, kernel._codelibrary.get_cufunc().kernel, kargs
+            return launch, _numba_default_stream(), config, _numba_cufunc(kernel), kargs
         except Exception:  # any other numba-cuda: the dispatcher path
             return False
 

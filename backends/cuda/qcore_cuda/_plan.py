@@ -18,12 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from qcore import layout
+from qcore.codecs import SCALE_IDS
 from qcore.scheme import QuantScheme, StoreKind
 
 from . import kernels as K
 
-SDT_IDS = ("f32", "f16", "bf16", "ue8m0", "ue4m3")  # kernel ids of the scale dtypes, in order
-TWO_LEVEL_MAX = {"ue4m3": 448.0, "f16": 65504.0}  # M of SPEC §2.2
 RUN = 16  # elements per thread in the unfused kernels (rounded up to whole words)
 
 
@@ -40,7 +39,7 @@ class Plan:
     values_nbytes: int
     total_nbytes: int
     RP: np.ndarray | None = None  # row-kernel geometry (int64[R_LEN]) when the layout allows
-    rows_fused: bool = False  # the row kernel calibrates blocks itself (one-level, B | 32)
+    tile_one_level: bool = False  # the tile kernel calibrates one-level blocks (B | 32, whole words)
     rows_stats: bool = False  # the row kernel can compute block statistics (B | 32)
     rows_shape: tuple[int, int] = (0, 0)  # (L, R)
     TP: np.ndarray | None = None  # tile-kernel geometry (int64[T_LEN]) for blocks B | 32 on the last axis
@@ -74,13 +73,16 @@ def _row_major(ext):
 
 
 def lut(scheme: QuantScheme) -> np.ndarray:
-    """float32 value of every `bits`-wide field: two's-complement ints or minifloat codes."""
+    """float32 value of every `bits`-wide field: two's-complement ints or minifloat codes; NaN
+    for a field outside the value's set (SPEC v1.1 §3), which the dequantize kernels flag."""
     t = scheme.traits
     f = np.arange(1 << t.bits, dtype=np.int64)
     if t.is_float:
-        return np.ascontiguousarray(t.decode_table, dtype=np.float32)
-    half = 1 << (t.bits - 1)
-    return ((f ^ half) - half).astype(np.float32)
+        values = np.asarray(t.decode_table, dtype=np.float32)
+    else:
+        half = 1 << (t.bits - 1)
+        values = ((f ^ half) - half).astype(np.float32)
+    return np.ascontiguousarray(np.where(scheme.valid_fields, values, np.float32(np.nan)), dtype=np.float32)
 
 
 def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") -> Plan:
@@ -137,7 +139,7 @@ def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") ->
     P[K.M_N] = math.prod(shape)
     P[K.M_PERT] = scheme.block is None
     P[K.M_TWO] = scheme.two_level
-    P[K.M_SDT] = SDT_IDS.index(sdt)
+    P[K.M_SDT] = SCALE_IDS.index(sdt)
     P[K.M_SOFF] = soff
     P[K.M_GOFF] = goff
     P[K.M_METHOD] = 1 if method == "absmean" else 0
@@ -151,11 +153,11 @@ def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") ->
         P[name:name + cr] = vals
     F = np.zeros(K.F_LEN, dtype=np.float32)
     F[K.F_H] = scheme.half_range
-    F[K.F_M] = TWO_LEVEL_MAX.get(scheme.block.dtype.value, 1.0) if scheme.two_level else 1.0
+    F[K.F_M] = scheme.block.dtype.traits.max_value if scheme.two_level else 1.0  # M of SPEC §2.2
     F[K.F_QMIN] = t.qmin
     F[K.F_QMAX] = t.qmax
     F[K.F_FMAX] = t.qmax
-    RP, rows_fused, rows_stats = None, False, False
+    RP, tile_one_level, rows_stats = None, False, False
     last_packs = not packed or axes[-1][2]
     if r == cr - 1 and last_packs and (scheme.block is None or all(B[k] == 1 for k in range(cr - 1))):
         L = S[-1]
@@ -167,7 +169,7 @@ def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") ->
         RP[K.R_TWO], RP[K.R_ISF], RP[K.R_MB], RP[K.R_BIAS] = scheme.two_level, t.is_float, t.man_bits, t.bias
         RP[K.R_METHOD] = P[K.M_METHOD]
         rows_stats = scheme.block is not None and Bl <= 32 and 32 % Bl == 0  # lane groups: powers of two
-        rows_fused = rows_stats and not scheme.two_level and Bl % nf == 0
+        tile_one_level = rows_stats and not scheme.two_level and Bl % nf == 0
     if RP is not None and scheme.block is None and not packed and RP[K.R_R] == 1:
         # per-tensor Native: every element shares slot 0, so any row split is the same tensor;
         # lines of a few thousand give each thread many elements
@@ -190,10 +192,10 @@ def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") ->
         TP[K.T_WL] = line_bytes // 4 if u32 else line_bytes
         TP[K.T_U32] = u32
         TP[K.T_MODE] = 2 if scheme.two_level else 1
-        if not scheme.two_level and not rows_fused:
+        if not scheme.two_level and not tile_one_level:
             TP = None
     return Plan(P, F, fused, int(P[K.M_N]), nslots, int(P[K.M_NRUNS]), values_nbytes, total,
-                RP, rows_fused, rows_stats, (int(RP[K.R_L]), int(RP[K.R_R])) if RP is not None else (0, 0), TP)
+                RP, tile_one_level, rows_stats, (int(RP[K.R_L]), int(RP[K.R_R])) if RP is not None else (0, 0), TP)
 
 
 def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, sim: bool = False) -> np.ndarray:
@@ -210,11 +212,11 @@ def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, sim: bo
         nf, wb, bits = layout.fields_per_word(scheme), store.word_bits // 8, scheme.bits
     ng = -(-n_ // K.MM_COLS)
     rowb = -(-n_ // nf) * wb
-    # k rows per thread: the largest chunk that still gives ~2 waves of 2048 threads on 132 SMs
+    # k rows per thread: the largest chunk that still gives ~2 waves of 2048 threads per SM
     # (the simulator takes 32 so that small tests span several chunks)
     chunk = 32
     for c in (256, 128, 64):
-        if ng * m * -(-k_ // c) >= 132 * 2048 and not sim:
+        if not sim and ng * m * -(-k_ // c) >= K.sm_count() * 2048:
             chunk = c
             break
     kc = -(-k_ // chunk)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,15 +18,25 @@ import numpy as np
 
 from qcore.checks import check_input_dtype, check_output_dtype, raise_nonfinite, to_f32
 from qcore.errors import InputError
-from qcore.payload import QuantizedData
+from qcore.payload import QuantizedData, sections
 from qcore.protocol import BaseBackend, QParams, QTensor, Support
 from qcore.scheme import QuantScheme
 
 from . import _array, _streams
 from ._launch import Packed
+from ._memory import guard
 from ._quiet import quiet
 
 __all__ = ["CudaBackend", "CudaData", "cuda_status"]
+
+
+def no_device_reason(err: BaseException | None) -> str:
+    """One clean clause for "no CUDA device": numba's driver text without its "Error at driver
+    init:" wrapper and trailing punctuation, and the way out."""
+    text = " ".join(str(err).split()) if err is not None else ""
+    text = text.removeprefix("Error at driver init:").strip().rstrip(":;,. ")
+    why = f" ({text})" if text else ""
+    return f"no usable CUDA device{why}; NUMBA_ENABLE_CUDASIM=1 runs the (slow) CUDA simulator instead"
 
 
 def cuda_status() -> tuple[bool, str]:
@@ -41,8 +52,8 @@ def cuda_status() -> tuple[bool, str]:
             try:
                 cuda.get_current_device()
             except Exception as e:  # CudaSupportError (an ImportError): no driver
-                return False, " ".join(str(e).split())
-            return False, "CUDA is not available"
+                return False, no_device_reason(e)
+            return False, no_device_reason(None)
         if numba.config.ENABLE_CUDASIM:
             return True, "CUDA simulator (NUMBA_ENABLE_CUDASIM=1): correct but slow, for tests"
         dev = cuda.get_current_device()
@@ -61,7 +72,7 @@ def _k():
 
     if config.ENABLE_CUDASIM:
         # The simulator runs one OS thread per CUDA thread and its barriers busy-wait under the
-        # GIL; a shorter switch interval makes them 2-4x faster (shared/notes/numba-cuda.md §2).
+        # GIL; a shorter switch interval makes them 2-4x faster (docs/numba-cuda.md).
         # Only ever under the simulator, a testing mode.
         import sys
         import warnings
@@ -90,6 +101,19 @@ def _cuda():
     return cuda
 
 
+def _shape_of(be: "CudaBackend", x: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in be._shape_dtype(x)[0])
+
+
+def _numel(be: "CudaBackend", x: Any) -> int:
+    return math.prod(_shape_of(be, x))
+
+
+def _payload_bytes(be: "CudaBackend", x: Any, scheme: QuantScheme) -> int:
+    return sections(_shape_of(be, x), scheme).total
+
+
+_NUMBA_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64))  # device outputs numba has
 FAST_MIN_CC = (8, 9)  # cvt.rn.satfinite.e4m3x2 / .e5m2x2 and cvt.rn.f16x2.e4m3x2 (PTX ISA: sm_89+)
 
 
@@ -211,29 +235,35 @@ class CudaBackend(BaseBackend):
             return out
         return cuda.to_device(np.ascontiguousarray(to_f32(x)).reshape(-1), stream=s.numba)
 
+    @functools.cached_property
+    def _local(self) -> threading.local:
+        """Per-thread state: the pinned word a flag is read into, and the last flag's address."""
+        return threading.local()
+
     def _read_flag(self, flag, s: Any) -> int:
-        """The non-finite flag: one 4-byte asynchronous copy into pinned memory on the call's
-        stream, then a wait for that stream alone (not the device)."""
+        """An int32 device flag (non-finite input, invalid code): one 4-byte asynchronous copy
+        into this thread's pinned word on the call's stream, then a wait for that stream alone
+        (not the device)."""
         from numba import config
 
         if config.ENABLE_CUDASIM:
             return int(flag.copy_to_host()[0])
         from cuda.bindings import driver as cu
 
-        host = self.__dict__.get("_flag_host")
+        loc = self._local
+        host = getattr(loc, "host", None)
         if host is None:
-            host = self.__dict__["_flag_host"] = _cuda().pinned_array(1, dtype=np.int32)
-        ptr = self.__dict__.get("_flag_ptr")
-        if ptr is None or ptr[0] is not flag:  # the flag's address, read once per scratch
-            ptr = self.__dict__["_flag_ptr"] = (flag, flag.__cuda_array_interface__["data"][0])
-        ptr = ptr[1]
-        err = cu.cuMemcpyDtoHAsync(host.ctypes.data, ptr, 4, s.handle)[0]
+            host = loc.host = _cuda().pinned_array(1, dtype=np.int32)
+        last = getattr(loc, "last", None)
+        if last is None or last[0] is not flag:  # the flag's address, read again only for another flag
+            last = loc.last = (flag, flag.__cuda_array_interface__["data"][0])
+        err = cu.cuMemcpyDtoHAsync(host.ctypes.data, last[1], 4, s.handle)[0]
         if err == cu.CUresult.CUDA_SUCCESS:
             err = cu.cuStreamSynchronize(s.handle)[0]
         if err != cu.CUresult.CUDA_SUCCESS:
             from numba.cuda.cudadrv.driver import CudaAPIError
 
-            raise CudaAPIError(err, f"reading the non-finite flag failed: {err.name}")
+            raise CudaAPIError(err, f"reading a device flag failed: {err.name}")
         return int(host[0])
 
     def _raise_if_flagged(self, flag, xd, shape, s: Any = _streams.DEFAULT) -> None:
@@ -373,8 +403,8 @@ class CudaBackend(BaseBackend):
             if tiles:
                 _on(K.k_tile_quant, (tgrid, ttpb), s)(xd, pp["TP"], F, w32, w8, payload, flag, raw, gbuf)
             elif rows and pl.rows_stats:
-                _on(K.k_rows_quant, (grid, tpb), s)(xd, pp[("RP", K.ROW_STATS)], F, pp["stored"], gbuf, words, payload, flag,
-                                          raw)
+                _on(K.k_rows_quant, (grid, tpb), s)(xd, pp[("RP", K.ROW_STATS)], F, pp["stored"], gbuf, words,
+                                                    payload, flag, raw)
             else:
                 _on(K.k_slot_stats, K.launch(pl.nslots), s)(xd, P, raw, fs[1:2], flag)
         _on(K.k_scales, K.launch(pl.nslots), s)(raw, asum, P, F, pp["stored"], gbuf, payload)
@@ -384,8 +414,8 @@ class CudaBackend(BaseBackend):
             if params is None:  # the statistics scratch is consumed: zero it for the next call
                 zero(stream=s)
         elif rows:
-            _on(K.k_rows_quant, (grid, tpb), s)(xd, pp[("RP", K.ROW_GIVEN)], F, pp["stored"], gbuf, words, payload, flag,
-                                      raw)
+            _on(K.k_rows_quant, (grid, tpb), s)(xd, pp[("RP", K.ROW_GIVEN)], F, pp["stored"], gbuf, words, payload,
+                                                flag, raw)
             if params is None:  # the statistics scratch is consumed: zero it for the next call
                 _on(K.k_zero_stats, (1, 1), s)(asum, gbuf)
         else:
@@ -396,10 +426,10 @@ class CudaBackend(BaseBackend):
         cuda = _cuda()
         shape = tuple(int(d) for d in self._shape_dtype(x)[0])
         xd = self._device_f32(x, s)
-        if math.prod(shape) == 0:  # nothing to launch: the reference builds the (scale-only) payload
-            from qcore.reference import ReferenceBackend
+        if math.prod(shape) == 0:  # nothing to launch: qcore.arithmetic builds the (scale-only) payload
+            from qcore import arithmetic
 
-            data = ReferenceBackend()._quantize(np.zeros(shape, np.float32), scheme, params, method)
+            data = arithmetic.quantize(np.zeros(shape, np.float32), scheme, params, method)
             got = np.frombuffer(data.payload, np.uint8).copy()
             if payload is None:
                 return None, CudaData(shape, scheme, cuda.to_device(got, stream=s.numba))
@@ -418,11 +448,15 @@ class CudaBackend(BaseBackend):
             raise
         return (self._scratch()[2], xd), CudaData(shape, scheme, payload)
 
+    @guard(lambda self, x, scheme, method: (f"calibrate a {_shape_of(self, x)} tensor",
+                                             4 * _numel(self, x) + _payload_bytes(self, x, scheme)))
     def _calibrate(self, x: Any, scheme: QuantScheme, method: str) -> QParams:
         q = self._quantize(x, scheme, None, method)
         d = self._into_data(q)
         return QParams(d.scales(), d.global_scale())
 
+    @guard(lambda self, x, scheme, params, method, *_: (f"quantize a {_shape_of(self, x)} tensor to {scheme}",
+                                                         4 * _numel(self, x) + _payload_bytes(self, x, scheme)))
     def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str,
                   s: Any = _streams.DEFAULT, payload: Any = None) -> CudaData:
         check, data = self._run_quantize(x, scheme, params, method, s, payload)
@@ -456,29 +490,24 @@ class CudaBackend(BaseBackend):
             params = self._check_params(params, shape, scheme)
         s = _streams.resolve(stream, x)
         with quiet():
-            target, payload = self._quantize_target(out, shape, scheme, method)
+            target, payload = self._quantize_target(out, shape, scheme)
             data = self._quantize(x, scheme, params, method, s, payload)
             if target is None:
                 return QTensor(self, scheme, shape, data)
             self._refresh_decoded(target.data, s)
             return target
 
-    def _quantize_target(self, out: Any, shape: tuple, scheme: QuantScheme, method: str) -> tuple:
+    def _quantize_target(self, out: Any, shape: tuple, scheme: QuantScheme) -> tuple:
         """(QTensor or None, payload device array or None) for quantize's `out=`."""
         if out is None:
             return None, None
-        nbytes = self._prepared(shape, scheme, method)["plan"].total_nbytes if int(np.prod(shape)) else None
         if isinstance(out, QTensor):
             out = self._own(out)
             if tuple(out.shape) != tuple(shape) or out.scheme != scheme:
-                raise InputError(f"quantize out= is a {out.scheme} QTensor of shape {tuple(out.shape)}; this call makes "
-                                 f"{scheme} of shape {tuple(shape)}: pass a QTensor of that shape and scheme")
+                raise InputError(f"quantize out= is a {out.scheme} QTensor of shape {tuple(out.shape)}; this call "
+                                 f"makes {scheme} of shape {tuple(shape)}: pass a QTensor of that shape and scheme")
             return out, out.data.payload
-        if nbytes is None:  # an empty tensor: its payload is the scale-only bytes the reference builds
-            from qcore.reference import ReferenceBackend
-
-            nbytes = ReferenceBackend()._quantize(np.zeros(shape, np.float32), scheme, None, method).nbytes
-        v = _array.check_out(out, (int(nbytes),), (np.dtype(np.uint8),), "quantize")
+        v = _array.check_out(out, (sections(shape, scheme).total,), (np.dtype(np.uint8),), "quantize")
         return None, v.numba()
 
     def _refresh_decoded(self, data: CudaData, s: Any) -> None:
@@ -520,6 +549,7 @@ class CudaBackend(BaseBackend):
         pp = self._prepared(data.shape, data.scheme, "minmax")
         pl = pp["plan"]
         scales, gbuf = self._decoded_scales(data, s)
+        flag = self._code_flag(data)
         fp = pp.get("fast")
         if fp is not None and out.dtype == np.float32 and fast_aligned(out):
             from . import fast
@@ -529,7 +559,8 @@ class CudaBackend(BaseBackend):
                 grid, block = fast.launch_dequant(fp["nruns"], fp["kind"])
                 units = fast.unit_view(data.payload[: pl.values_nbytes], fp["kind"])
                 launch = data.cache["dequant"] = Packed(fast.dequant_kernel(fp["kind"]), grid, block,
-                                                        [units, scales, gbuf, pp["lut"], out, fp["G"]], dynamic=(4,))
+                                                        [units, scales, gbuf, pp["lut"], out, fp["G"], flag],
+                                                        dynamic=(4,))
             launch(out, stream=s)
             return
         if not hasattr(out, "copy_to_host"):  # a view of a torch/CuPy out=: numba's array of it
@@ -537,24 +568,48 @@ class CudaBackend(BaseBackend):
         if pl.RP is not None:
             grid, tpb = K.launch_rows(*pl.rows_shape)
             _on(K.k_rows_dequant, (grid, tpb), s)(self._words(data.payload, pl), pp[("RP", K.ROW_GIVEN)], pp["lut"],
-                                                  scales, gbuf, out)
+                                                  scales, gbuf, out, flag)
         else:
-            _on(K.k_dequant, K.launch(pl.nruns), s)(data.payload, pp["P"], pp["lut"], scales, gbuf, out)
+            _on(K.k_dequant, K.launch(pl.nruns), s)(data.payload, pp["P"], pp["lut"], scales, gbuf, out, flag)
 
+    @staticmethod
+    def _code_flag(data: CudaData):
+        """The tensor's int32 device flag, set by the dequantize kernels on a code outside the
+        value's set (SPEC v1.1 §3); zero except between such a launch and `_raise_if_bad_codes`."""
+        flag = data.cache.get("code_flag")
+        if flag is None:
+            flag = data.cache["code_flag"] = _cuda().to_device(np.zeros(1, dtype=np.int32))
+        return flag
+
+    def _raise_if_bad_codes(self, data: CudaData, s: Any = _streams.DEFAULT) -> None:
+        """Read the flag (`_read_flag`: 4 bytes, a wait for stream `s`); when set, re-zero it and
+        let the core name the first bad element. A scheme whose every field is a value (q8f, q4f,
+        q2f, e2m1) never sets it: no read, no wait."""
+        if data.scheme.valid_fields.all():
+            return
+        flag = self._code_flag(data)
+        if self._read_flag(flag, s):
+            flag.copy_to_device(np.zeros(1, dtype=np.int32), stream=s.numba)
+            self._into_data(data).check_codes()
+
+    @guard(lambda self, data, dtype, *_: (f"dequantize a {data.shape} {data.scheme} tensor to {dtype}",
+                                          math.prod(data.shape) * max(4, dtype.itemsize)))
     def _dequantize(self, data: CudaData, dtype: np.dtype, out: Any = None, s: Any = _streams.DEFAULT) -> Any:
         n = math.prod(data.shape)
-        if dtype not in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)):
-            # bfloat16 has no numba device dtype: dequantize to f32 on the device, round on the host
-            return self.to_numpy(self._dequantize(data, np.dtype(np.float32), None, s)).astype(dtype)
         if out is not None:
             v = _array.check_out(out, data.shape, (dtype,), "dequantize")
             if n:
                 self._launch_dequantize(data, v.arg, s)
+                self._raise_if_bad_codes(data, s)
             return out
-        if not n:
-            return _array.empty(tuple(data.shape), dtype, s)
+        if not n:  # nothing to launch, whatever the other extents claim (SPEC v1.1 §3)
+            return self._empty_output(tuple(data.shape), dtype, s)
+        if dtype not in _NUMBA_DTYPES:
+            # bfloat16 has no numba device dtype: dequantize to f32 on the device, round on the host
+            return self.to_numpy(self._dequantize(data, np.dtype(np.float32), None, s)).astype(dtype)
         res, v = _array.empty_view(tuple(data.shape), dtype, s)
         self._launch_dequantize(data, v.arg, s)
+        self._raise_if_bad_codes(data, s)
         return res
 
     def dequantize(self, q: QTensor, dtype: Any = None, *, out: Any = None, stream: Any = None) -> Any:
@@ -562,7 +617,10 @@ class CudaBackend(BaseBackend):
         `.torch()` gives a torch tensor over it), or into `out=`, a C-contiguous torch, CuPy or
         numba device array of q's shape (or size) whose dtype (float32, float16, float64) is the
         result's; `out` is returned. `stream=` as for `quantize` (default: the stream of a torch
-        or CuPy `out`, else the default stream). `dtype` defaults to out's dtype, else float32."""
+        or CuPy `out`, else the default stream). `dtype` defaults to out's dtype, else float32.
+        Where the scheme has invalid codes (SPEC v1.1 §3: Q8S/Q4S/Q2S, E4M3, E5M2), the only wait
+        is for that stream, after a 4-byte read of the invalid-code flag; other schemes return
+        without waiting."""
         q = self._own(q)
         _k()  # the kernels, the memory pool and the disk cache, before the first allocation
         if dtype is None:
@@ -574,12 +632,19 @@ class CudaBackend(BaseBackend):
             return self._dequantize(q.data, dt, out, _streams.resolve(stream, out))
 
     # ------------------------------------------------------------------ portable bytes
+    @guard(lambda self, data: (f"load a {data.shape} {data.scheme} payload", data.nbytes))
     def _from_data(self, data: QuantizedData) -> CudaData:
         buf = np.frombuffer(data.payload, dtype=np.uint8).copy()
         return CudaData(data.shape, data.scheme, _cuda().to_device(buf))
 
     def _into_data(self, data: CudaData) -> QuantizedData:
         return QuantizedData(data.shape, data.scheme, data.payload.copy_to_host().tobytes())
+
+    def _empty_output(self, shape: tuple[int, ...], dtype: np.dtype, s: Any = _streams.DEFAULT) -> Any:
+        """An empty device array (bfloat16, which numba lacks: an empty host array)."""
+        if dtype in _NUMBA_DTYPES:
+            return _array.empty(shape, dtype, s)
+        return np.zeros(shape, dtype=dtype)
 
     def to_numpy(self, array: Any) -> np.ndarray:
         if isinstance(array, np.ndarray):
@@ -591,6 +656,8 @@ class CudaBackend(BaseBackend):
         return np.asarray(array)
 
     # ------------------------------------------------------------------ fused matmul
+    @guard(lambda self, x, w, **_: (f"multiply by a {w.shape} {w.scheme} weight",
+                                    4 * (_numel(self, x) // max(1, w.shape[0]) * w.shape[-1] + _numel(self, x))))
     def matmul(self, x: Any, w: QTensor, *, out: Any = None, stream: Any = None) -> Any:
         """`x @ dequantize(w)` with the weight dequantized inside the kernel.
 

@@ -19,7 +19,7 @@ and one 16- or 8-byte store of whole u32 words. The kernels are specialised per 
 * the division `y = x / e` of SPEC §2.4 as `q = x * r`, `q + fma(-q, e, x) * r` with
   `r = 1 / e` rounded once per block: Markstein's correction, the correctly rounded quotient
   whenever e's significand is not all ones and nothing overflows or underflows; the kernels
-  check that per block (`fast_div_ok`) and divide with `div.rn` otherwise (docs/performance.md);
+  check that per block (`fast_div_ok`) and divide with `div.rn` otherwise;
   minifloat codes take the sign from x (the correction turns x = -0 into +0).
 
 Dequantize is coalesced by units of 4 codes (a u32 of int8/FP8 codes, a u16 of 4-bit codes;
@@ -48,7 +48,8 @@ import numpy as np
 from qcore.scheme import QuantScheme, QuantValue, StoreKind
 
 from . import kernels as K
-from .intrin import e4m3x2, e4m3x2_f32, e5m2x2, e5m2x2_f32, f16_bits, f2u, fmax_nan, ld1, ld4, prmt, st2, st4, u2f
+from .intrin import e4m3x2, e4m3x2_f32, e5m2x2, e5m2x2_f32, f2u, fmax_nan, ld1, ld4, prmt, st2, st4, u2f
+from .scales import SCALE_IDS, round_up, scale_word
 
 from numba import config, cuda, float32, int32, int64, uint32  # noqa: E402
 
@@ -81,7 +82,7 @@ TPB = 256
 DQ_UNITS = 8  # load units (`unit_codes`) of 4 codes in flight per thread (dequantize); 4 of 16 codes
 
 # G (int64 geometry) layout
-G_NRUNS, G_LB, G_LGW, G_MODE, G_SDT, G_SNB, G_SOFF, G_GOFF, G_TWO = range(9)
+G_NRUNS, G_LB, G_LGW, G_MODE, G_SDT, G_SNB, G_SOFF, G_GOFF, G_TWO, G_QMIN = range(10)
 G_LEN = 10
 # C (float32 constants) layout
 C_H, C_M, C_QMIN, C_QMAX = range(4)
@@ -101,8 +102,6 @@ def _log2(v: int) -> int:
 def geometry(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax"):
     """(kind, G int64[G_LEN], C float32[C_LEN]) of the fast kernels, or None when not eligible.
     G[G_MODE] is the calibrated mode; the caller switches to MODE_GIVEN for given scales."""
-    from ._plan import SDT_IDS, TWO_LEVEL_MAX
-
     kind = KINDS.get(scheme.value)
     n = math.prod(shape)
     if kind is None or scheme.is_lookup or n == 0 or len(shape) == 0:
@@ -132,13 +131,14 @@ def geometry(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax"
         G[G_MODE] = MODE_TENSOR if method == "minmax" else MODE_GIVEN
     G[G_NRUNS] = n // 16
     G[G_TWO] = scheme.two_level
-    G[G_SDT] = SDT_IDS.index(scheme.slot_dtype.value)
+    G[G_QMIN] = int(t.qmin) if not t.is_float else -(1 << 62)  # dequantize flags codes below it (v1.1)
+    G[G_SDT] = SCALE_IDS.index(scheme.slot_dtype.value)
     G[G_SNB] = scheme.slot_dtype.traits.nbytes
     G[G_SOFF] = n * t.bits // 8
     nslots = 1 if scheme.block is None else n >> int(G[G_LB])
     G[G_GOFF] = G[G_SOFF] + nslots * G[G_SNB]
     C[C_H] = scheme.half_range
-    C[C_M] = TWO_LEVEL_MAX.get(scheme.block.dtype.value, 1.0) if scheme.two_level else 1.0
+    C[C_M] = scheme.block.dtype.traits.max_value if scheme.two_level else 1.0  # M of SPEC §2.2
     C[C_QMIN] = t.qmin
     C[C_QMAX] = t.qmax
     return kind, G, C
@@ -164,7 +164,7 @@ def launch(nruns: int) -> tuple[int, int]:
     """(blocks, threads): a few waves of 256-thread blocks on a GPU; 2 x 32 on the simulator."""
     if config.ENABLE_CUDASIM:
         return (max(1, min(2, -(-nruns // 32))), 32)
-    return (max(1, min(-(-nruns // TPB), 132 * 8)), TPB)
+    return (max(1, min(-(-nruns // TPB), K.sm_count() * 8)), TPB)
 
 
 def aligned(a) -> bool:
@@ -174,57 +174,7 @@ def aligned(a) -> bool:
     return a.__cuda_array_interface__["data"][0] % 16 == 0
 
 
-# ----------------------------------------------------------------------------- scale helpers
-@cuda.jit(device=True, inline="always")
-def _grid_up(s, up, down):
-    """ceil(s * up) * down: the subnormal range of a narrow scale dtype (exact)."""
-    return float32(math.ceil(float32(s * up))) * down
-
-
-@cuda.jit(device=True, inline="always")
-def round_up_bits(s, sdt):
-    """Round a raw scale s >= 0 (finite) UP to scale dtype `sdt` (SPEC §2.3), on its bits."""
-    if sdt == K.SDT_F32:
-        return s
-    u = f2u(s)
-    if sdt == K.SDT_F16:
-        if s >= float32(K.F16_MAX):
-            return float32(K.F16_MAX)
-        if s < float32(K.P2_M14):
-            return _grid_up(s, float32(16777216.0), float32(5.960464477539063e-08))
-        return u2f((u + uint32(0x1FFF)) & uint32(0xFFFFE000))
-    if sdt == K.SDT_BF16:
-        if s >= float32(K.BF16_MAX):
-            return float32(K.BF16_MAX)
-        return u2f((u + uint32(0xFFFF)) & uint32(0xFFFF0000))  # subnormals too: bf16 = top of f32
-    if sdt == K.SDT_UE8M0:
-        if s <= float32(K.P2_M127):
-            return float32(K.P2_M127)
-        if s >= float32(K.P2_127):
-            return float32(K.P2_127)
-        return u2f((u + uint32(0x7FFFFF)) & uint32(0xFF800000))
-    # UE4M3
-    if s >= float32(K.UE4M3_MAX):
-        return float32(K.UE4M3_MAX)
-    if s < float32(K.P2_M6):
-        return _grid_up(s, float32(512.0), float32(0.001953125))
-    return u2f((u + uint32(0xFFFFF)) & uint32(0xFFF00000))
-
-
-@cuda.jit(device=True, inline="always")
-def scale_word(e, sdt):
-    """The stored word of a rounded-up scale (SPEC §1, §3)."""
-    if sdt == K.SDT_F32:
-        return f2u(e)
-    if sdt == K.SDT_F16:
-        return f16_bits(e)
-    if sdt == K.SDT_BF16:
-        return f2u(e) >> uint32(16)
-    if sdt == K.SDT_UE8M0:
-        return (f2u(e) >> uint32(23)) & uint32(0xFF)
-    return e4m3x2(float32(0.0), e) & uint32(0xFF)
-
-
+# ----------------------------------------------------------------------------- scale words
 @cuda.jit(device=True, inline="always")
 def put_word(payload, off, w, nb):
     """Little-endian bytes of a u32 word at payload[off], nb = 1, 2 or 4."""
@@ -285,7 +235,7 @@ def _quant_kernel(kind: int):
         if mode == MODE_TWO:
             g = max(float32(float32(gs[1] / h) / C[C_M]), float32(K.TINY))
         elif mode == MODE_TENSOR:
-            et = round_up_bits(float32(gs[1] / h), sdt)
+            et = round_up(float32(gs[1] / h), sdt)
         start = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
         stride = int64(cuda.gridDim.x) * int64(cuda.blockDim.x)
         if start == int64(0):  # the tensor-level words
@@ -319,7 +269,7 @@ def _quant_kernel(kind: int):
                 s = float32(m / h)
                 if mode == MODE_TWO:
                     s = float32(s / g)
-                sb = round_up_bits(s, sdt)
+                sb = round_up(s, sdt)
                 e = sb
                 if mode == MODE_TWO:
                     e = float32(g * sb)
@@ -439,54 +389,6 @@ def decoder(kind: int):
     return decode
 
 
-OFFSET_HALF = np.uint32(0x3F000000)  # the f32 bits of 0.5: a field in the top mantissa bits below it reads 0.5 + u / 2**(bits+1)
-
-
-def offset_decoder(kind: int):
-    """(decode, a, b) for the 4- and 2-bit integer kinds, else None: decode(w, tab, val, off)
-    writes, for each field of u32 word `w`, f = 0.5 + u / 2**(bits+1) with u = code + 2**(bits-1)
-    (the field with its sign bit flipped) placed in the top mantissa bits under the exponent of
-    0.5, so that code = a * f + b exactly (a = 2**(bits+1), b = -3 * 2**(bits-1)).
-
-    It is one instruction per field cheaper than `decoder` (no subtraction of the bias): a caller
-    that sums x * e * code can sum x * e * f and x * e instead and form a * sum(x e f) +
-    b * sum(x e) once at the end. The cost is ~3 bits of the f32 sum's precision (the terms carry
-    the offset). 4-bit: two shifts and two LOP3s per word put the low and high nibbles of every
-    byte at bits 3-6, then one byte permute per field moves a byte under 0.5's exponent byte.
-    The GEMV has it as a tuning variant only (gemv.py says why: the two sums round apart)."""
-    bits = KIND_BITS[kind]
-    if kind not in (KIND_I4, KIND_I2):
-        return None
-    per_word = 32 // bits
-    mask = np.uint32(((1 << bits) - 1) << (23 - bits))  # the field's place in the mantissa
-    sign = np.uint32(sum(1 << (bits - 1 + bits * i) for i in range(per_word)))
-    a, b = float(2 ** (bits + 1)), -3.0 * 2 ** (bits - 1)
-
-    @cuda.jit(device=True, inline="always")
-    def decode(w, tab, val, off):
-        w = w ^ sign  # u = code + 2**(bits-1) in every field
-        if bits == 4:  # the nibbles at bits 3-6 of each byte
-            lo = (w & uint32(0x0F0F0F0F)) << uint32(3)
-            hi = (w >> uint32(1)) & uint32(0x78787878)
-            val[off] = u2f(prmt(lo, OFFSET_HALF, 0x7044))
-            val[off + 1] = u2f(prmt(hi, OFFSET_HALF, 0x7044))
-            val[off + 2] = u2f(prmt(lo, OFFSET_HALF, 0x7144))
-            val[off + 3] = u2f(prmt(hi, OFFSET_HALF, 0x7144))
-            val[off + 4] = u2f(prmt(lo, OFFSET_HALF, 0x7244))
-            val[off + 5] = u2f(prmt(hi, OFFSET_HALF, 0x7244))
-            val[off + 6] = u2f(prmt(lo, OFFSET_HALF, 0x7344))
-            val[off + 7] = u2f(prmt(hi, OFFSET_HALF, 0x7344))
-        else:  # 2-bit field i (bits 2i, 2i+1) to mantissa bits 21-22
-            for i in range(per_word):
-                if 2 * i <= 21:
-                    t = w << uint32(21 - 2 * i)
-                else:
-                    t = w >> uint32(2 * i - 21)
-                val[off + i] = u2f((t & mask) | OFFSET_HALF)
-
-    return decode, a, b
-
-
 def unit_codes(kind: int) -> int:
     """Codes per load unit of the dequantize kernel: 4 for 8- and 4-bit codes (a u32 or a u16,
     so one lane's output is one 16-byte store), 16 for 2-bit codes (a u32)."""
@@ -516,7 +418,7 @@ def _dequant_kernel(kind: int, R: int | None = None, preload: bool = True):
     decode = decoder(kind)
     use_tab = kind == KIND_E2M1
 
-    def k_fast_dequant(units, scales, gbuf, lut, out, G):
+    def k_fast_dequant(units, scales, gbuf, lut, out, G, flag):
         tab = cuda.shared.array(16, float32)
         wv = cuda.local.array(R, uint32)
         ev = cuda.local.array(R, float32)
@@ -528,6 +430,8 @@ def _dequant_kernel(kind: int, R: int | None = None, preload: bool = True):
         nut = G[G_NRUNS] * int64(16 // upc)  # units in the tensor
         lb = G[G_LB]
         two = G[G_TWO] != int64(0)
+        qlo = float32(G[G_QMIN])
+        bad = False
         g = gbuf[0]
         gt = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
         lane = gt & int64(31)
@@ -547,6 +451,9 @@ def _dequant_kernel(kind: int, R: int | None = None, preload: bool = True):
                 u = u0 + int64(32 * j)
                 if u < nut:
                     decode(wv[j], tab, val, 0)
+                    for i in range(upc):  # SPEC v1.1 §3: below qmin, or a NaN/Inf minifloat code
+                        if val[i] < qlo or not math.isfinite(val[i]):
+                            bad = True
                     base = u << int64(lupc)
                     if lb >= int64(lupc):
                         e = ev[j] if preload else ld1(scales, base >> lb)
@@ -562,6 +469,8 @@ def _dequant_kernel(kind: int, R: int | None = None, preload: bool = True):
                             val[i] = val[i] * ek
                     for i in range(upc // 4):
                         st4(out, base + int64(4 * i), val[4 * i], val[4 * i + 1], val[4 * i + 2], val[4 * i + 3])
+        if bad:
+            flag[0] = int32(1)
 
     return k_fast_dequant
 
@@ -605,7 +514,7 @@ def dequant_kernel(kind: int):
 
 _A = "{}[::1]"
 QUANT_SIG = "void(float32[::1], uint32[::1], uint8[::1], float32[::1], float32[::1], int32[::1], int64[::1], float32[::1])"
-DEQUANT_SIG = "void({}[::1], float32[::1], float32[::1], float32[::1], float32[::1], int64[::1])"
+DEQUANT_SIG = "void({}[::1], float32[::1], float32[::1], float32[::1], float32[::1], int64[::1], int32[::1])"
 AMAX_SIG = "void(float32[::1], float32[::1], int32[::1], int64)"
 
 

@@ -14,14 +14,11 @@ a time); with `PREFETCH` two register sets alternate, so one step's loads are in
 the other step computes. Indices advance by addition.
 
 Decoding (`fast.decoder`): byte permutes under 2**23 for integers, the FP8 conversions, E2M1's
-table. `offset=True` is a tuning variant (`benchmarks/gpu_tune.py`), off in the backend: 4- and
-2-bit codes decode to f = 0.5 + u / 2**(bits+1) (`fast.offset_decoder`: a byte permute and an
-FFMA per weight, no subtraction of the bias) and the thread takes the bias off at the end from
-a sum of x * e. It was 2-5% faster at M <= 2 on the H200, but the two sums round apart, so a
-column of zero codes under a nonzero scale sums to a few ulps of sum(x e) instead of 0, and the
-error can exceed the conformance bound (`matmul_rel * K * 2**-24 * (|x| @ |W|)`) where most
-codes are 0. `TUNING` holds the choices per mb, from `benchmarks/gpu_tune.py` on the H200
-(docs/performance.md).
+table. Each weight is decoded to its exact code value before the multiply: decoding to an
+offset form and taking the bias off from a sum of x * e at the end saves an instruction per
+weight, but the two sums round apart, so a column of zero codes under a nonzero scale would sum
+to a few ulps of sum(x e) instead of 0, beyond the conformance bound. `TUNING` holds the choices per mb, the fastest variants of
+`benchmarks/gpu_tune.py` on the H200.
 
 The 8 k-lanes are summed in shared memory (odd stride: no bank conflicts; `RED_CH`
 accumulators per pass), each block writes its partial sums to `part[KS, mb, N]`, and the last
@@ -33,7 +30,7 @@ M > mb runs as ceil(M / mb) launches, each reading the weight once more (mb = 8 
 at M > 4, with the whole register file: `config_for`, `tuning`). From M = 4 on the backend takes
 the tensor-core kernel (`tc.py`) where it applies. The geometry Q goes to
 the kernel by value (a tuple of int64 parameters), not as a device array: a thread's first loads
-then wait on no read of Q from memory (-1 us per call on the H200, docs/performance.md).
+then wait on no read of Q from memory.
 """
 from __future__ import annotations
 
@@ -76,7 +73,6 @@ RED_CH = 32  # accumulators per pass of the k-lane sum (shared memory: 256 x 33 
 # Q (int64) layout
 Q_K, Q_N, Q_NWR, Q_LB, Q_TWO, Q_KS, Q_RPB, Q_BLOCK = range(8)
 Q_LEN = 8
-SMS = 132  # H200; only sizes the grid (any GPU runs it)
 
 
 def geometry(shape: tuple[int, ...], scheme: QuantScheme) -> tuple[int, np.ndarray] | None:
@@ -103,7 +99,7 @@ def config_for(kind: int, m: int, Q: np.ndarray) -> tuple[int, int, bool]:
     u32 words per thread and row (8-byte loads; fewer where the row's word count is not a
     multiple); otherwise one word, with up to 4 rows of x per launch (at most 32 accumulators
     per thread), or, for M > 4 rows of 4-bit codes, `MB_WIDE` (64 accumulators, `tuning`).
-    Chosen by `benchmarks/gpu_tune.py` on the H200 (docs/performance.md). `one_scale`: the
+    The fastest variants of `benchmarks/gpu_tune.py` on the H200. `one_scale`: the
     thread's columns of a row lie under one scale slot (blocks of at least `wpt` words)."""
     pw = 32 // fast.KIND_BITS[kind]
     if m == 1 or (m == 2 and pw <= 8):
@@ -134,21 +130,18 @@ def k_split(Q: np.ndarray, gx: int, per_sm: int, min_rows: int, sim_rows: int, a
     if config.ENABLE_CUDASIM:
         ks = max(1, min(2, -(-k_ // sim_rows)))
     else:
-        ks = max(1, min(-(-k_ // min_rows), (SMS * per_sm) // gx))
+        ks = max(1, min(-(-k_ // min_rows), (fast.K.sm_count() * per_sm) // gx))
     rpb = -(-(-(-k_ // ks)) // align) * align
     q[Q_KS], q[Q_RPB] = -(-k_ // rpb), rpb
     return q
 
 
 def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, rows: int | None = None,
-                 prefetch: bool = PREFETCH, offset: bool = False):
+                 prefetch: bool = PREFETCH):
     """The GEMV kernel for value kind `kind`, `mb` rows of x per launch, `wpt` u32 words per
     thread and row (`one_scale`: under one scale slot, else one slot per word), `rows` rows per
     step, and (`prefetch`) two register sets that alternate: one step's loads are in flight while
-    the other step computes. `offset` (a tuning variant, off in the backend): 4- and 2-bit codes
-    decode to a * f + b (`fast.offset_decoder`, one instruction less per weight); the thread
-    sums x * e * f per column and x * e per scale slot, and forms a * sum + b * sum(x e) before
-    the k-lanes are added."""
+    the other step computes."""
     rows = rows or tuning(mb).rows
     bits = fast.KIND_BITS[kind]
     pw = 32 // bits
@@ -161,12 +154,7 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
     ipt = -(-(BDX * na) // (BDX * BDY))  # output items per thread in the final reduction
     rb = max(1, RED_LOADS // ipt)  # partials per item per batch (ipt * rb loads in flight)
     npv = ipt * rb
-    od = fast.offset_decoder(kind) if offset else None
-    use_off = od is not None
-    decode, oa, ob = od if use_off else (fast.decoder(kind), 1.0, 0.0)
-    oa, ob = float32(oa), float32(ob)
-    nsl = 1 if one_scale else wpt  # scale slots per thread and row
-    ns = mb * nsl  # sums of x * e per thread (offset decode)
+    decode = fast.decoder(kind)
     is_e2m1 = kind == fast.KIND_E2M1
 
     @cuda.jit(device=True, inline="always")
@@ -188,9 +176,8 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
             xv[u * mb + m] = ld1(x, xi + xoff[m])
 
     @cuda.jit(device=True, inline="always")
-    def compute_row(wv, ev, xv, acc, val, tab, xe, sx, u, g, two):
-        """acc[m, column] += x[m] * e * decode(word) for row u of a step (and, for the offset
-        decode, sx[m, slot] += x[m] * e)."""
+    def compute_row(wv, ev, xv, acc, val, tab, xe, u, g, two):
+        """acc[m, column] += x[m] * e * decode(word) for row u of a step."""
         for i in range(wpt):
             if i == 0 or not one_scale:
                 e = ev[u * wpt] if one_scale else ev[u * wpt + i]
@@ -198,9 +185,6 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
                     e = float32(g * e)
                 for m in range(mb):
                     xe[m] = float32(xv[u * mb + m] * e)
-                    if use_off:
-                        sl = m * nsl if one_scale else m * nsl + i
-                        sx[sl] = float32(sx[sl] + xe[m])
             decode(wv[u * wpt + i], tab, val, 0)
             for m in range(mb):
                 for c in range(pw):
@@ -214,12 +198,12 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
                      xoff, col0, lb)
 
     @cuda.jit(device=True, inline="always")
-    def compute_step(wv, ev, xv, acc, val, tab, xe, sx, g, two):
+    def compute_step(wv, ev, xv, acc, val, tab, xe, g, two):
         for u in range(rows):
-            compute_row(wv, ev, xv, acc, val, tab, xe, sx, u, g, two)
+            compute_row(wv, ev, xv, acc, val, tab, xe, u, g, two)
 
     @cuda.jit(device=True, inline="always")
-    def next_step(w32, scales, x, wn, en, xn, wc, ec, xc, acc, val, tab, xe, sx, wi, si, xi, dw, ds, xoff, col0, lb,
+    def next_step(w32, scales, x, wn, en, xn, wc, ec, xc, acc, val, tab, xe, wi, si, xi, dw, ds, xoff, col0, lb,
                   g, two, load):
         """Advance to the next step and (`load`) issue its loads into set n, then compute set c:
         one half of the prefetch pipeline. Returns the next step's indices."""
@@ -228,7 +212,7 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
         xi += int64(rows * BDY)
         if load:
             load_step(w32, scales, x, wn, en, xn, wi, si, xi, dw, ds, xoff, col0, lb)
-        compute_step(wc, ec, xc, acc, val, tab, xe, sx, g, two)
+        compute_step(wc, ec, xc, acc, val, tab, xe, g, two)
         return wi, si, xi
 
     def k_gemv(x, w32, scales, gbuf, lut, part, cnt, out, Q, m0, mc):
@@ -238,7 +222,6 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
         acc = cuda.local.array(na, float32)
         val = cuda.local.array(pw, float32)
         xe = cuda.local.array(mb, float32)
-        sx = cuda.local.array(ns, float32)
         xoff = cuda.local.array(mb, int64)
         wa = cuda.local.array(nbuf, uint32)
         ea = cuda.local.array(nbuf, float32)
@@ -273,8 +256,6 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
             xoff[m] = int64(min(m, mc - int64(1))) * K
         for a in range(na):
             acc[a] = float32(0.0)
-        for a in range(ns):
-            sx[a] = float32(0.0)
         cuda.syncthreads()
         k = kb0 + ty
         if wcol < nwr and k < kb1:
@@ -290,32 +271,27 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
                     load_step(w32, scales, x, wa, ea, xa, wi, si, xi, dw, ds, xoff, col0, lb)
                 s = int64(0)
                 while s < nstep:
-                    wi, si, xi = next_step(w32, scales, x, wb, eb, xb, wa, ea, xa, acc, val, tab, xe, sx, wi, si, xi, dw,
+                    wi, si, xi = next_step(w32, scales, x, wb, eb, xb, wa, ea, xa, acc, val, tab, xe, wi, si, xi, dw,
                                            ds, xoff, col0, lb, g, two, s + int64(1) < nstep)
                     if s + int64(1) >= nstep:
                         s += int64(1)
                         break
-                    wi, si, xi = next_step(w32, scales, x, wa, ea, xa, wb, eb, xb, acc, val, tab, xe, sx, wi, si, xi, dw,
+                    wi, si, xi = next_step(w32, scales, x, wa, ea, xa, wb, eb, xb, acc, val, tab, xe, wi, si, xi, dw,
                                            ds, xoff, col0, lb, g, two, s + int64(2) < nstep)
                     s += int64(2)
             else:
                 for s in range(nstep):
                     load_step(w32, scales, x, wa, ea, xa, wi, si, xi, dw, ds, xoff, col0, lb)
-                    compute_step(wa, ea, xa, acc, val, tab, xe, sx, g, two)
+                    compute_step(wa, ea, xa, acc, val, tab, xe, g, two)
                     wi += int64(rows) * dw
                     si += int64(rows) * ds
                     xi += int64(rows * BDY)
             for r in range(nrow - nstep * int64(rows)):  # the last rows, one at a time
                 load_row(w32, scales, x, wa, ea, xa, 0, wi, si, xi, xoff, col0, lb)
-                compute_row(wa, ea, xa, acc, val, tab, xe, sx, 0, g, two)
+                compute_row(wa, ea, xa, acc, val, tab, xe, 0, g, two)
                 wi += dw
                 si += ds
                 xi += int64(BDY)
-        if use_off:  # sum(x e code) = a * sum(x e f) + b * sum(x e): the product by a is exact
-            for a in range(na):
-                m = a // cpt
-                sl = m * nsl if one_scale else m * nsl + (a - m * cpt) // pw
-                acc[a] = cuda.fma(acc[a], oa, ob * sx[sl])
         # sum the 8 k-lanes, rch accumulators per pass: red[ty][tx][a - a0]
         for a0 in range(0, na, rch):
             for a in range(a0, min(a0 + rch, na)):

@@ -2,20 +2,22 @@
 
 Kernels live at module level in a module that imports `numba.cuda` at the top: the CUDA
 simulator only swaps module-global names bound to `numba.cuda`, so kernels built in closures
-would not run there (shared/notes/numba-cuda.md). `backend.py` imports this module lazily.
+would not run there (docs/numba-cuda.md). `backend.py` imports this module lazily.
 
 Every kernel is a grid-stride loop over work items (a run of elements, a scale slot, ...), with
 64-bit index arithmetic; its launch config comes from `launch()`. Geometry travels in a small
 int64 array `P` (layout below, built by `_plan.py`) and float constants in a float32 array `F`,
 so each kernel has one signature (`SIGNATURES`, compiled for sm_90 by the tests).
 
-No bit casts are needed: f32 bit patterns are read and written arithmetically with
+Scales are rounded up and stored by `scales.py` (on the f32 bits, from the core's trait
+numbers), as in the fast kernels; minifloat codes are computed arithmetically with
 `frexp`/`ldexp`, which are exact, so the same code runs in the simulator and on a GPU. Every
 literal is cast (`int64(...)`, `float32(...)`): compiled numba and the simulator's NumPy scalars
 promote differently otherwise.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -24,6 +26,10 @@ import numpy as np
 # under numpy >= 2.5 without this alias (NVIDIA/numba-cuda#907, closed as won't-fix).
 if not hasattr(np, "row_stack"):
     np.row_stack = np.vstack
+
+from qcore.codecs import F32_TINY  # noqa: E402
+
+from .scales import SCALE_IDS, round_up, scale_word, word_scale  # noqa: E402
 
 from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: E402
 
@@ -41,19 +47,8 @@ P_LEN = O_GS + MAXR
 # F layout
 F_H, F_M, F_QMIN, F_QMAX, F_FMAX = range(5)
 F_LEN = 8
-# scale dtype ids (SPEC §1): the order of `SDT_IDS` in _plan.py
-SDT_F32, SDT_F16, SDT_BF16, SDT_UE8M0, SDT_UE4M3 = range(5)
-
-# float32 constants of SPEC §2.2-2.3, exact
-TINY = 1.17549435e-38           # smallest normal f32: floor of a two-level global scale
-P2_M14 = 6.103515625e-05        # 2**-14, smallest normal f16
-P2_M6 = 0.015625                # 2**-6, smallest normal e4m3
-P2_M126 = 1.1754943508222875e-38
-P2_M127 = 5.877471754111438e-39
-P2_127 = 1.7014118346046923e38
-BF16_MAX = 3.3895313892515355e38
-F16_MAX = 65504.0
-UE4M3_MAX = 448.0
+SDT_F32 = SCALE_IDS.index("f32")  # the global scale of a two-level scheme is always F32
+TINY = float(F32_TINY)  # smallest normal f32: floor of a two-level global scale (SPEC §2.2)
 
 
 def _jit_regs(n: int):
@@ -65,16 +60,25 @@ def _jit_regs(n: int):
     return cuda.jit(max_registers=n)
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device (read once per process; it only sizes
+    grids, so a later device switch costs speed, never correctness). The simulator: 1."""
+    if config.ENABLE_CUDASIM:
+        return 1
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
 def launch(n: int) -> tuple[int, int]:
     """(blocks, threads) for `n` work items of a grid-stride kernel; never 0 (callers skip n == 0).
 
     Under the simulator the cost is per launched thread, so the grid stays tiny (2 x 32) and the
-    loops stride; on a GPU it is ~4 waves of 256-thread blocks over 132 SMs at most.
+    loops stride; on a GPU it is at most 16 blocks of 256 threads per SM.
     """
     if config.ENABLE_CUDASIM:
         return (max(1, min(2, -(-n // 32))), 32)
     tpb = 256
-    return (max(1, min(-(-n // tpb), 132 * 16)), tpb)
+    return (max(1, min(-(-n // tpb), sm_count() * 16)), tpb)
 
 
 # ----------------------------------------------------------------------------- device math
@@ -109,83 +113,6 @@ def mf_value(c, mb, bias):
     if ex == 0:
         return float32(ldexp(float32(f), (int64(1) - bias - mb)))
     return float32(ldexp(float32(f + (int64(1) << mb)), ex - bias - mb))
-
-
-@cuda.jit(device=True, inline="always")
-def round_sig_up(s, p):
-    """Round `s > 0` up to `p` significant bits: `(bits + add) & mask` of SPEC §2.3."""
-    m, e = math.frexp(s)
-    q = math.ceil(ldexp(m, p))
-    return float32(ldexp(float32(q), (int64(e) - p)))
-
-
-@cuda.jit(device=True, inline="always")
-def grid_up(s, k):
-    """`ceil(s / 2**-k) * 2**-k`: the subnormal range of a narrow scale dtype (SPEC §2.3)."""
-    return float32(ldexp(float32(math.ceil(ldexp(s, k))), -k))
-
-
-@cuda.jit(device=True, inline="always")
-def round_up(s, sdt):
-    """Round a raw scale `s >= 0` UP to scale dtype `sdt`, never down (SPEC §2.3)."""
-    if sdt == SDT_F32:
-        return s
-    if sdt == SDT_UE8M0:  # the next power of two at or above s; no zero
-        if s <= float32(P2_M127):
-            return float32(P2_M127)
-        if s >= float32(P2_127):
-            return float32(P2_127)
-        return round_sig_up(s, int64(1))
-    if s == float32(0.0):
-        return s
-    if sdt == SDT_F16:
-        if s >= float32(F16_MAX):
-            return float32(F16_MAX)
-        if s < float32(P2_M14):
-            return grid_up(s, int64(24))
-        return round_sig_up(s, int64(11))
-    if sdt == SDT_BF16:
-        if s >= float32(BF16_MAX):
-            return float32(BF16_MAX)
-        if s < float32(P2_M126):
-            return grid_up(s, int64(133))
-        return round_sig_up(s, int64(8))
-    # UE4M3
-    if s >= float32(UE4M3_MAX):
-        return float32(UE4M3_MAX)
-    if s < float32(P2_M6):
-        return grid_up(s, int64(9))
-    return round_sig_up(s, int64(4))
-
-
-@cuda.jit(device=True, inline="always")
-def scale_code(s, sdt):
-    """The stored word of an (already rounded-up) scale: f32/f16/bf16 bits, UE8M0 exponent byte,
-    UE4M3 code (SPEC §1, §3)."""
-    if sdt == SDT_F32:
-        return mf_code(s, int64(23), int64(127))
-    if sdt == SDT_F16:
-        return mf_code(s, int64(10), int64(15))
-    if sdt == SDT_BF16:  # BF16 = top 16 bits of f32
-        return mf_code(s, int64(23), int64(127)) >> int64(16)
-    if sdt == SDT_UE8M0:  # s = 2**k -> byte k + 127 (2**-127 -> 0)
-        m, e = math.frexp(s)
-        return int64(e) + int64(126)
-    return mf_code(s, int64(3), int64(7))
-
-
-@cuda.jit(device=True, inline="always")
-def scale_value(c, sdt):
-    """float32 value of a stored scale word (inverse of `scale_code`)."""
-    if sdt == SDT_F32:
-        return mf_value(c, int64(23), int64(127))
-    if sdt == SDT_F16:
-        return mf_value(c, int64(10), int64(15))
-    if sdt == SDT_BF16:
-        return mf_value(c << int64(16), int64(23), int64(127))
-    if sdt == SDT_UE8M0:
-        return float32(ldexp(float32(1.0), (c - int64(127))))
-    return mf_value(c, int64(3), int64(7))
 
 
 @cuda.jit(device=True, inline="always")
@@ -397,10 +324,10 @@ def k_scales(raw, asum, P, F, stored, gbuf, payload):
                 s = float32(s / g)
             st = round_up(s, sdt)
         stored[sl] = st
-        put_le(payload, soff + sl * snb, scale_code(st, sdt), snb)
+        put_le(payload, soff + sl * snb, int64(scale_word(st, sdt)), snb)
     if two and start == 0:
         gbuf[0] = g
-        put_le(payload, P[M_GOFF], scale_code(g, int64(SDT_F32)), int64(4))
+        put_le(payload, P[M_GOFF], int64(scale_word(g, int64(SDT_F32))), int64(4))
 
 
 @cuda.jit
@@ -508,7 +435,7 @@ def k_quant_fused(x, P, F, payload, flag):
         if absmean:
             m = float32(s / float64(cnt))
         e = round_up(float32(m / h), sdt)
-        put_le(payload, soff + (sb + (p0 // rl) * gsr) * snb, scale_code(e, sdt), snb)
+        put_le(payload, soff + (sb + (p0 // rl) * gsr) * snb, int64(scale_word(e, sdt)), snb)
         nw = (cnt + nf - int64(1)) // nf
         wi = p0 // nf
         for w in range(nw):
@@ -534,17 +461,18 @@ def k_decode_scales(payload, P, scales, gbuf):
     soff = P[M_SOFF]
     start, step = cuda.grid(1), cuda.gridsize(1)
     for sl in range(start, P[M_NSLOTS], step):
-        scales[sl] = scale_value(get_le(payload, soff + sl * snb, snb), sdt)
+        scales[sl] = word_scale(get_le(payload, soff + sl * snb, snb), sdt)
     if start == 0:
         gbuf[0] = float32(1.0)
         if P[M_TWO] != 0:
-            gbuf[0] = scale_value(get_le(payload, P[M_GOFF], int64(4)), int64(SDT_F32))
+            gbuf[0] = word_scale(get_le(payload, P[M_GOFF], int64(4)), int64(SDT_F32))
 
 
 @cuda.jit
-def k_dequant(payload, P, lut, scales, gbuf, out):
+def k_dequant(payload, P, lut, scales, gbuf, out, flag):
     """Unpack codes and scale: x' = decode(q) * e in f32, stored in out's dtype (SPEC §2.6).
-    Thread per run, same runs as k_quant."""
+    Thread per run, same runs as k_quant. `lut` holds NaN for codes outside the value's set
+    (SPEC v1.1 §3); meeting one sets flag[0] and the host names the element."""
     r = P[M_RAX]
     nf = P[M_NF]
     bits = P[M_BITS]
@@ -556,6 +484,7 @@ def k_dequant(payload, P, lut, scales, gbuf, out):
     two = P[M_TWO] != 0
     mask = (int64(1) << bits) - int64(1)
     g = gbuf[0]
+    bad = False
     start, step = cuda.grid(1), cuda.gridsize(1)
     for t in range(start, P[M_NRUNS], step):
         xo, wo, sb, p0, cnt = run_origin(P, t)
@@ -577,9 +506,14 @@ def k_dequant(payload, P, lut, scales, gbuf, out):
                         e = scales[sb + gi * gsr]
                         if two:
                             e = g * e
-                    out[xo + (p0 + u) * xsr] = lut[(word >> (f * bits)) & mask] * e
+                    d = lut[(word >> (f * bits)) & mask]
+                    if not math.isfinite(d):
+                        bad = True
+                    out[xo + (p0 + u) * xsr] = d * e
                     u += int64(1)
                     rem += int64(1)
+    if bad:
+        flag[0] = int32(1)
 
 
 # ----------------------------------------------------------------------------- row kernels
@@ -592,7 +526,7 @@ def k_dequant(payload, P, lut, scales, gbuf, out):
 (R_R, R_L, R_W, R_B, R_GL, R_NF, R_BITS, R_MODE, R_SDT, R_SNB, R_SOFF, R_TWO, R_ISF, R_MB, R_BIAS,
  R_METHOD) = range(16)
 R_LEN = 16
-ROW_GIVEN, ROW_FUSED, ROW_STATS = 0, 1, 2
+ROW_GIVEN, ROW_STATS = 0, 1
 ROW_TPB = 256
 
 def sim_group(cu, v, width, sh, op):
@@ -655,17 +589,15 @@ def launch_rows(L: int, R: int) -> tuple[tuple[int, int], int]:
     gx = -(-L // tpb)
     if config.ENABLE_CUDASIM:
         return (gx, max(1, min(R, 2))), tpb
-    return (gx, max(1, min(R, 65535, -(-132 * 16 // gx)))), tpb
+    return (gx, max(1, min(R, 65535, -(-sm_count() * 16 // gx)))), tpb
 
 
 @_jit_regs(64)
 def k_rows_quant(x, RP, F, stored, gbuf, words, payload, flag, stat):
-    """Row kernel, three modes: GIVEN (quantize with stored scales), FUSED (block max/mean by
-    lane groups, round up, write the scale, quantize: one pass), STATS (per-slot statistic into
-    stat[], and the max over slots into gbuf[1] for two-level). Codes of nf lanes OR into one
-    word written by the word's first lane (SPEC §2, §3). The backend launches GIVEN and STATS;
-    one-level blocks go to k_tile_quant, which rounds each scale once per block rather than once
-    per element (FUSED is exercised by tests/test_cuda.py::test_row_kernel_one_pass_mode)."""
+    """Row kernel, two modes: GIVEN (quantize with stored scales; codes of nf lanes OR into one
+    word written by the word's first lane, SPEC §2, §3) and STATS (per-slot statistic by lane
+    groups into stat[], and the max over slots into gbuf[1] for two-level). Calibrated one-level
+    blocks go to k_tile_quant, which rounds each scale once per block."""
     sh_f = cuda.shared.array(ROW_TPB, float32)
     sh_d = cuda.shared.array(ROW_TPB, float64)
     sh_i = cuda.shared.array(ROW_TPB, int64)
@@ -677,15 +609,11 @@ def k_rows_quant(x, RP, F, stored, gbuf, words, payload, flag, stat):
     nf = RP[R_NF]
     bits = RP[R_BITS]
     mode = RP[R_MODE]
-    sdt = RP[R_SDT]
-    snb = RP[R_SNB]
-    soff = RP[R_SOFF]
     two = RP[R_TWO] != 0
     isf = RP[R_ISF] != 0
     mb = RP[R_MB]
     bias = RP[R_BIAS]
     absmean = RP[R_METHOD] == 1
-    h = F[F_H]
     qmin = F[F_QMIN]
     qmax = F[F_QMAX]
     fmax = F[F_FMAX]
@@ -713,20 +641,16 @@ def k_rows_quant(x, RP, F, stored, gbuf, words, payload, flag, stat):
                 e = stored[slot]
                 if two:
                     e = g * e
-        else:
+        else:  # ROW_STATS
             a = abs(v)
             if absmean:
                 m = float32(group_sum(float64(a), B, sh_d) / float64(cnt))
             else:
                 m = group_max(a, B, sh_f)
-            if mode == ROW_STATS:
-                if valid and c % B == 0:
-                    stat[slot] = m
-                gm = max(gm, m)
-                continue
-            e = round_up(float32(m / h), sdt)
             if valid and c % B == 0:
-                put_le(payload, soff + slot * snb, scale_code(e, sdt), snb)
+                stat[slot] = m
+            gm = max(gm, m)
+            continue
         field = int64(0)
         if valid:
             y = float32(0.0)
@@ -828,7 +752,7 @@ def k_tile_quant(x, TP, F, w32, w8, payload, flag, stat, gbuf):
                 gm = max(gm, m)
             else:
                 e = round_up(float32(m / h), sdt)
-                put_le(payload, soff + slot * snb, scale_code(e, sdt), snb)
+                put_le(payload, soff + slot * snb, int64(scale_word(e, sdt)), snb)
                 u0 = (c0 * bits) // ubits
                 bits32 = uint32(bits)
                 for q in range(upb):
@@ -866,7 +790,7 @@ def launch_tiles(nt: int) -> tuple[int, int]:
     if config.ENABLE_CUDASIM:
         return (max(1, min(2, nt)), 32)
     nw = TILE_WARPS
-    return (max(1, min(-(-nt // nw), 132 * 16)), 32 * nw)
+    return (max(1, min(-(-nt // nw), sm_count() * 16)), 32 * nw)
 
 
 @cuda.jit
@@ -878,9 +802,10 @@ def k_zero_stats(asum, gbuf):
 
 
 @_jit_regs(40)
-def k_rows_dequant(words, RP, lut, scales, gbuf, out):
+def k_rows_dequant(words, RP, lut, scales, gbuf, out, flag):
     """Row kernel: out[line, c] = decode(field c of its word) * e, coalesced (SPEC §2.6). Four
-    lines per step, loads first, so each thread keeps four loads in flight."""
+    lines per step, loads first, so each thread keeps four loads in flight. A NaN from `lut` (a
+    code outside the value's set, SPEC v1.1 §3) sets flag[0]."""
     R = RP[R_R]
     L = RP[R_L]
     W = RP[R_W]
@@ -925,13 +850,19 @@ def k_rows_dequant(words, RP, lut, scales, gbuf, out):
                 e1 = g * e1
                 e2 = g * e2
                 e3 = g * e3
-            out[l0 * L + c] = lut[(w0 >> shift) & mask] * e0
+            d0 = lut[(w0 >> shift) & mask]
+            d1 = lut[(w1 >> shift) & mask]
+            d2 = lut[(w2 >> shift) & mask]
+            d3 = lut[(w3 >> shift) & mask]
+            out[l0 * L + c] = d0 * e0
             if l1 < R:
-                out[l1 * L + c] = lut[(w1 >> shift) & mask] * e1
+                out[l1 * L + c] = d1 * e1
             if l2 < R:
-                out[l2 * L + c] = lut[(w2 >> shift) & mask] * e2
+                out[l2 * L + c] = d2 * e2
             if l3 < R:
-                out[l3 * L + c] = lut[(w3 >> shift) & mask] * e3
+                out[l3 * L + c] = d3 * e3
+            if not (math.isfinite(d0) and math.isfinite(d1) and math.isfinite(d2) and math.isfinite(d3)):
+                flag[0] = int32(1)  # lines past R read word 0, a real field: never a false alarm
 
 
 # matmul geometry (int64 array Q)
@@ -1085,7 +1016,7 @@ SIGNATURES: dict[str, list[str]] = {
                 "int32[::1], float64[::1])"],
     "k_quant_fused": ["void(float32[::1], int64[::1], float32[::1], uint8[::1], int32[::1])"],
     "k_decode_scales": ["void(uint8[::1], int64[::1], float32[::1], float32[::1])"],
-    "k_dequant": [f"void(uint8[::1], int64[::1], float32[::1], float32[::1], float32[::1], {t}[::1])"
+    "k_dequant": [f"void(uint8[::1], int64[::1], float32[::1], float32[::1], float32[::1], {t}[::1], int32[::1])"
                   for t in ("float32", "float16", "float64")],
     "k_matmul": ["void(float32[::1], uint8[::1], uint32[::1], int64[::1], float32[::1], float32[::1], "
                  "float32[::1], float32[::1])"],
@@ -1095,6 +1026,6 @@ SIGNATURES: dict[str, list[str]] = {
                      "float32[::1], float32[::1])"],
     "k_rows_quant": [f"void(float32[::1], int64[::1], float32[::1], float32[::1], float32[::1], {w}[::1], uint8[::1], "
                      "int32[::1], float32[::1])" for w in ("uint32", "uint8")],
-    "k_rows_dequant": [f"void({w}[::1], int64[::1], float32[::1], float32[::1], float32[::1], {t}[::1])"
+    "k_rows_dequant": [f"void({w}[::1], int64[::1], float32[::1], float32[::1], float32[::1], {t}[::1], int32[::1])"
                        for w in ("uint32", "uint8") for t in ("float32", "float16", "float64")],
 }

@@ -3,9 +3,8 @@
 The FFMA kernel (`gemv.py`) spends one FFMA per weight and row of x, and from M = 5 its
 accumulators fill the register file (M = 8: 64 per thread, one block per SM); here
 `mma.sync.m16n8k8` (TF32 in, f32 accumulate) does the products: a warp decodes each weight once
-for up to 16 rows of x. H200, q4s/block32 8192 x 8192 (docs/performance.md): M = 4 39.0 -> 37.7
-us, M = 8 70.1 -> 38.0 us, M = 16 136.7 -> 53.8 us; at M <= 2 the FFMA kernel stays faster
-(28.7 against 37.7 us at M = 2).
+for up to 16 rows of x, so its time hardly grows with M where the FFMA kernel's grows in steps
+of launches. At M <= 2 the FFMA kernel is faster (docs/performance.md has the current figures).
 
 Precision. The scale varies along k, so it goes into the A operand: `v = x[m, k] * e[k, nb]`
 (f32, rounded as the FFMA kernel rounds it), split as `hi` = v rounded to 11 significant bits
@@ -29,9 +28,9 @@ register sets of `U` steps of 8 rows (two sets alternating: one set's loads in f
 other computes). In a set starting at row k, lane t takes the R = 2U consecutive rows
 k + R t .. k + R t + R - 1, and step s feeds rows k + R t + 2s and + 2s + 1 to A/B positions t
 and t + 4 (any bijection of a step's rows onto the 8 positions gives the same sums): so the
-lane's R scales and R x values of a row of x are R / 4 vector loads each, which the H200 serves
-in far fewer L1 wavefronts than the per-step loads of rows k + t and k + t + 4 (4 and 8 rows per
-warp instruction): M <= 8 48 -> 38 us, M = 16 66 -> 54 us. The scales come in slot order
+lane's R scales and R x values of a row of x are R / 4 vector loads each: a warp instruction then
+touches a few cache lines instead of the 4 and 8 rows of per-step loads of rows k + t and
+k + t + 4, which is what limited the kernel. The scales come in slot order
 (`slot_scales`: [slots per row, K], built once per weight and kept with it), where a lane's
 rows are consecutive; x's rows are consecutive already (K a multiple of 4: 16-byte aligned
 rows). Weight words stay one u32 per row and group (4 rows per warp instruction). Rows past the block's
@@ -61,7 +60,7 @@ WARPS = 8  # warps per block, each a contiguous k-range of the block's rows
 GROUP = 32  # columns per group: 4 tiles of 8
 MIN_K = 64  # below, the FFMA kernel (the split's 2**-21 per term against the bound's K * 2**-23)
 MIN_M = 4  # rows of x from which the backend takes this kernel (benchmarks/gpu_tune.py: the FFMA
-# kernel is faster at M <= 2; at M = 4 37.7 against 39.0 us)
+# kernel is faster at M <= 2, this one from M = 4)
 MAX_MB = 16  # rows of x per launch (two groups of 8)
 SCR = 192  # simulator: f32 scratch per warp for the mma twin (A 16 x 8, B 8 x 8)
 TINY = 0x0D800000 - 1  # |v| bits below 2**-100 (as |v| - 1, so that 0 wraps above)

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from qcore import layout
+from qcore.arithmetic import store_scales
 from qcore.checks import raise_nonfinite, to_f32
 from qcore.payload import QuantizedData
-from qcore.reference import store_scales
 from qcore.protocol import BaseBackend, QParams, Support
 from qcore.scheme import QuantScheme, StoreKind
 
@@ -181,7 +181,10 @@ class NdarrayBackend(BaseBackend):
             e = self._effective(data.scales, data.global_scale)
             codes = data.values.view(np.int8)
             codes.flags.writeable = False  # one compiled signature for owned and from_data bytes
-            k.dequantize_blocks(codes, *plan.args(), e, y)
+            bad = np.zeros(plan.ntasks, np.uint8)
+            k.dequantize_blocks(codes, *plan.args(), e, y, np.int8(data.scheme.traits.qmin), bad)
+            if bad.any():  # a code outside the value's set: the core names the first one
+                self._into_data(data).check_codes()
         y = y.reshape(data.shape)
         return y if dtype == np.float32 else y.astype(dtype)
 

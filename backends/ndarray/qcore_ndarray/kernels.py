@@ -30,6 +30,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from qcore.codecs import SCALE_ARRAYS, SCALE_IDS
+
 __all__ = [
     "SCALE_CODES",
     "MODE_STATS",
@@ -43,8 +45,8 @@ __all__ = [
     "dequantize_blocks",
 ]
 
-SCALE_CODES = {"f32": 0, "f16": 1, "bf16": 2, "ue8m0": 3, "ue4m3": 4}
-"""Scale dtype (ScaleDtype value) -> the code `round_up` switches on."""
+SCALE_CODES = {name: i for i, name in enumerate(SCALE_IDS)}
+"""Scale dtype (ScaleDtype value) -> the id `round_up_scalar` indexes the scale arrays with."""
 METHOD_CODES = {"minmax": 0, "absmean": 1}
 
 MODE_STATS = 0  # per slot: write the statistic (amax or mean |x|) to scales_out, no codes
@@ -77,54 +79,32 @@ def _bits_f32(typingctx, b):
     return sig, codegen
 
 
-@njit(cache=True, inline="always")
-def _bits_up(s, add, mask):
-    """`(bits + add) & mask`: round a non-negative f32 up to fewer mantissa bits (SPEC §2.3)."""
-    b = np.uint64(_f32_bits(np.float32(s)))
-    r = (b + np.uint64(add)) & np.uint64(mask)
-    return _bits_f32(np.uint32(r))
-
-
-@njit(cache=True, inline="always")
-def _grid_up(s, quantum):
-    """`ceil(s / q) * q` in f32 for the subnormal range of a narrow format (exact)."""
-    q = np.float32(quantum)
-    return np.float32(np.float32(np.ceil(np.float32(s / q))) * q)
+# The numbers of the scale round-up (SPEC §2.3), one entry per scale dtype id (`SCALE_IDS`):
+# qcore.codecs holds the rule and its numbers, the kernels only index them. numba freezes these
+# global arrays into the compiled code; its on-disk cache keys on this file, so after editing
+# qcore.codecs' table clear __pycache__ (the tests pin the result against qcore.codecs).
+_SA = SCALE_ARRAYS
+_MAX = _SA.max_value
+_LEAST = _SA.least
+_SUB_BELOW = _SA.sub_below
+_SUB_QUANTUM = _SA.sub_quantum
+_ADD = _SA.round_add
+_MASK = _SA.round_mask
 
 
 @njit(cache=True, inline="always")
 def round_up_scalar(s, sdt):
-    """Round a raw scale `s >= 0` (f32) UP to scale dtype code `sdt` (SPEC §2.3), as f32.
-
-    Mirrors `qcore.codecs` rule for rule: F32 identity; F16 clamps at 65504, uses the 2^-24
-    grid below 2^-14, else drops 13 mantissa bits rounding up; BF16 clamps at max_bf16, else
-    drops 16 bits; UE8M0 clamps to [2^-127, 2^127], else the next power of two; UE4M3 clamps at
-    448, uses the 2^-9 grid below 2^-6, else drops 20 bits.
-    """
+    """Round a raw scale `s >= 0` (f32) UP to scale dtype id `sdt` (SPEC §2.3), as f32: the
+    rule of `qcore.codecs.ScaleTraits.round_up`, read from the same numbers."""
     s = np.float32(s)
-    if sdt == 1:  # F16
-        if s >= np.float32(65504.0):
-            return np.float32(65504.0)
-        if s < np.float32(2.0**-14):
-            return _grid_up(s, np.float32(2.0**-24))
-        return _bits_up(s, 0x1FFF, 0xFFFFE000)
-    if sdt == 2:  # BF16 = top 16 bits of f32; max_bf16 = 0x7F7F0000
-        if s >= _bits_f32(np.uint32(0x7F7F0000)):
-            return _bits_f32(np.uint32(0x7F7F0000))
-        return _bits_up(s, 0xFFFF, 0xFFFF0000)
-    if sdt == 3:  # UE8M0: powers of two 2^-127 .. 2^127, no zero
-        if s <= np.float32(2.0**-127):
-            return np.float32(2.0**-127)
-        if s >= np.float32(2.0**127):
-            return np.float32(2.0**127)
-        return _bits_up(s, 0x7FFFFF, 0xFF800000)
-    if sdt == 4:  # UE4M3: unsigned E4M3FN, max 448, smallest 2^-9
-        if s >= np.float32(448.0):
-            return np.float32(448.0)
-        if s < np.float32(2.0**-6):
-            return _grid_up(s, np.float32(2.0**-9))
-        return _bits_up(s, 0xFFFFF, 0xFFF00000)
-    return s  # F32
+    if s >= _MAX[sdt]:
+        return _MAX[sdt]
+    if s <= _LEAST[sdt]:
+        return _LEAST[sdt]
+    if s < _SUB_BELOW[sdt]:
+        q = _SUB_QUANTUM[sdt]
+        return np.float32(np.float32(np.ceil(np.float32(s / q))) * q)
+    return _bits_f32(np.uint32((_f32_bits(s) + _ADD[sdt]) & _MASK[sdt]))
 
 
 @njit(cache=True)
@@ -185,17 +165,27 @@ def _encode_strided(xs, out, ob, istr, e, qmin, qmax):
 
 
 @njit(cache=True, inline="always")
-def _decode_contig(cs, ys, e):
-    """ys = f32(cs) * e (SPEC §2.6)."""
+def _decode_contig(cs, ys, e, qmin):
+    """ys = f32(cs) * e (SPEC §2.6); returns 1 when a code is below `qmin` (SPEC v1.1 §3)."""
+    low = 0
     for j in range(cs.size):
-        ys[j] = np.float32(cs[j]) * e
+        c = cs[j]
+        if c < qmin:
+            low = 1
+        ys[j] = np.float32(c) * e
+    return low
 
 
 @njit(cache=True)
-def _decode_strided(codes, ob, istr, ys, e):
+def _decode_strided(codes, ob, istr, ys, e, qmin):
     """As `_decode_contig`, reading code j from codes[ob + j * istr] (packing axis not last)."""
+    low = 0
     for j in range(ys.size):
-        ys[j] = np.float32(codes[ob + j * istr]) * e
+        c = codes[ob + j * istr]
+        if c < qmin:
+            low = 1
+        ys[j] = np.float32(c) * e
+    return low
 
 
 # --------------------------------------------------------------------------- per-tensor statistic
@@ -481,8 +471,11 @@ def quantize_blocks(x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows, m
 
 
 @njit(parallel=True, cache=True)
-def dequantize_blocks(codes, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows, escales, y):
-    """`y = f32(q) * e` block by block (SPEC §2.6), reading the stored value bytes as int8."""
+def dequantize_blocks(codes, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows, escales, y, qmin, bad):
+    """`y = f32(q) * e` block by block (SPEC §2.6), reading the stored value bytes as int8.
+
+    A task that meets a code below `qmin` (Q8S -128, SPEC v1.1 §3) sets `bad[task]`; the host
+    then names the element."""
     n_outer = 1
     for k in range(7):
         n_outer *= grd[k]
@@ -509,6 +502,8 @@ def dequantize_blocks(codes, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows,
                     xo = xtab[line]
                     oo = otab[line]
                     if istr == 1:
-                        _decode_contig(codes[oo + j0:oo + j1], y[xo + j0:xo + j1], e)
+                        low = _decode_contig(codes[oo + j0:oo + j1], y[xo + j0:xo + j1], e, qmin)
                     else:
-                        _decode_strided(codes, oo + j0 * istr, istr, y[xo + j0:xo + j1], e)
+                        low = _decode_strided(codes, oo + j0 * istr, istr, y[xo + j0:xo + j1], e, qmin)
+                    if low:
+                        bad[t] = 1

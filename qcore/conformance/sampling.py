@@ -1,0 +1,293 @@
+"""Which cases a run checks: strata of the scheme space, filled from what the backend supports.
+
+A fixed sample of schemes misses a narrow backend entirely (a q8s-only plugin met none of its
+schemes in a 99-scheme sample). So the space is cut into **strata**, one per
+(value x mode, level kind, scale dtype, store kind), e.g. `q8s/block:f16/native`; each stratum
+holds every scheme of the whole space with that key (block shapes 32, 4x8, 3x5 and 16, packing
+axes 0 and 1, the presets). The strata are fixed, so pytest can parametrize over them before
+any fixture exists; the concrete schemes are drawn *at run time* from the candidates the backend
+under test says it supports:
+
+- every candidate's `supports()` answer is checked against the author's expectation, if given;
+- a stratum with supported candidates gets cases on two of them (rotating through block shapes
+  and packing axes by stratum and seed): a `grid` input and a `bounds` input (see `inputs.py`),
+  and on every third stratum a case with a classic distribution and input dtype;
+- a stratum with refused candidates gets one rejection case (every entry point must raise
+  `UnsupportedSchemeError`).
+
+The per-scheme checks (bad input, ops, cross-backend) run on coarser **groups**, one per
+(value x mode, level kind), on one supported candidate each. `--full` takes every candidate of
+every stratum on every shape.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache, partial
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..scheme import PRESETS, QuantScheme
+from . import cases as C
+from . import checks as K
+
+__all__ = ["Settings", "Stratum", "level_kind", "strata", "groups", "subset", "stratum_cases",
+           "check_stratum", "check_group", "tested_nothing", "supports_nothing"]
+
+GROUP_KINDS = ("bad-input", "ops", "cross")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How much a run checks. `cases_per_stratum`: supported cases per stratum (default 2)."""
+
+    full: bool = False
+    seed: int = 0
+    max_elements: int | None = None
+    cases_per_stratum: int | None = None
+
+
+def level_kind(s: QuantScheme) -> str:
+    """'tensor', 'block' or 'two-level'."""
+    if s.block is None:
+        return "tensor"
+    return "two-level" if s.tensor is not None else "block"
+
+
+@dataclass(frozen=True)
+class Stratum:
+    """Schemes sharing one key; `id` is the pytest id and the `--filter` text."""
+
+    id: str
+    index: int
+    candidates: tuple[QuantScheme, ...] = field(repr=False)
+
+    def __str__(self) -> str:
+        return self.id
+
+
+@lru_cache(maxsize=1)
+def _space() -> tuple[QuantScheme, ...]:
+    seen = dict.fromkeys(C.scheme_space(True))
+    for p in PRESETS.values():
+        seen.setdefault(p)
+    return tuple(seen)
+
+
+def _key(s: QuantScheme) -> str:
+    return f"{C.value_label(s)}/{level_kind(s)}:{s.slot_dtype}/{s.store.kind.value}"
+
+
+def _group_key(s: QuantScheme) -> str:
+    return f"{C.value_label(s)}/{level_kind(s)}"
+
+
+@lru_cache(maxsize=2)
+def _cut(by_group: bool) -> tuple[Stratum, ...]:
+    keyf = _group_key if by_group else _key
+    out: dict[str, list[QuantScheme]] = {}
+    for s in _space():
+        out.setdefault(keyf(s), []).append(s)
+    return tuple(Stratum(k, i, tuple(v)) for i, (k, v) in enumerate(out.items()))
+
+
+def strata() -> list[Stratum]:
+    """Every (value x mode, level kind, scale dtype, store kind) stratum of the space."""
+    return list(_cut(False))
+
+
+def groups() -> list[Stratum]:
+    """Every (value x mode, level kind) group, for the per-scheme checks."""
+    return list(_cut(True))
+
+
+def subset(items: list, n: int | None) -> list:
+    """An evenly spaced subset of `n` items (all when n is None or large)."""
+    if n is None or n >= len(items):
+        return items
+    if n <= 0:
+        return []
+    step = len(items) / n
+    return [items[int(i * step)] for i in range(n)]
+
+
+# --------------------------------------------------------------------------- drawing cases
+
+
+def _case(s: QuantScheme, shape, dist: str, dtype: str, st: Settings, index: int, out: str = "f32") -> C.Case:
+    return C.Case(str(s), tuple(shape), dist, dtype, st.seed, index, out, _parsed=s)
+
+
+def _nonempty(s: QuantScheme, st: Settings, shapes=C.SHAPES) -> list[tuple[int, ...]]:
+    return [sh for sh in C.shapes_for(s, shapes, st.max_elements) if math.prod(sh) > 0]
+
+
+def stratum_cases(stratum: Stratum, supported: Sequence[QuantScheme], refused: Sequence[QuantScheme],
+                  st: Settings) -> list[tuple[bool, C.Case]]:
+    """(is supported, case) pairs of one stratum (see the module docstring)."""
+    out: list[tuple[bool, C.Case]] = []
+    i = stratum.index + st.seed
+    if st.full:
+        dists = ("grid", "bounds") + C.DISTRIBUTIONS
+        r = 0
+        for s in supported:
+            for sh in C.shapes_for(s, C.FULL_SHAPES, st.max_elements):
+                d = dists[r % len(dists)]
+                dt = "f32" if d in ("grid", "bounds") else C.INPUT_DTYPES[r % len(C.INPUT_DTYPES)]
+                out.append((True, _case(s, sh, d, dt, st, r, C.INPUT_DTYPES[r % len(C.INPUT_DTYPES)])))
+                r += 1
+        for s in refused:
+            fit = _nonempty(s, st)
+            if fit:
+                out.append((False, _case(s, fit[0], "normal", "f32", st, 0)))
+        return out
+    n = st.cases_per_stratum if st.cases_per_stratum is not None else 2
+    if supported:
+        plan = [("grid", "f32", "f32"), ("bounds", "f32", C.INPUT_DTYPES[i % len(C.INPUT_DTYPES)])][:n]
+        if (i % 3 == 0 and n >= 2) or n > 2:
+            k = i // 3
+            plan.append((C.DISTRIBUTIONS[k % len(C.DISTRIBUTIONS)], C.INPUT_DTYPES[(k + 1) % len(C.INPUT_DTYPES)],
+                         C.INPUT_DTYPES[(k + 2) % len(C.INPUT_DTYPES)]))
+        for j, (dist, dt, odt) in enumerate(plan):
+            s = supported[(i + j) % len(supported)]
+            # classic distributions also visit the empty shape and the single element
+            fit = C.shapes_for(s, C.SHAPES, st.max_elements) if j >= 2 else _nonempty(s, st)
+            if fit:
+                out.append((True, _case(s, fit[(i + j) % len(fit)], dist, dt, st, j, odt)))
+    if refused:
+        s = refused[i % len(refused)]
+        fit = _nonempty(s, st)
+        if fit:
+            out.append((False, _case(s, fit[i % len(fit)], "normal", "f32", st, 0)))
+    return out
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _name(backend) -> str:
+    return str(getattr(backend, "name", type(backend).__name__))
+
+
+def _support(backend, stratum: Stratum, expect: Callable[[QuantScheme], Any] | None
+             ) -> tuple[list[QuantScheme], list[QuantScheme], K.Outcome | None]:
+    """Split the candidates by `supports()`; a failure when supports() misbehaves or disagrees
+    with the author's expectation."""
+    sup, ref = [], []
+    for s in stratum.candidates:
+        try:
+            ok = bool(K.check_supports(backend, s))
+        except K.ConformanceFailure as f:
+            return [], [], K.Outcome(K.FAILED, _name(backend), str(s), f.check, stratum.id, str(f))
+        if expect is not None:
+            want = expect(s)
+            if want is not None and bool(want) != ok:
+                msg = (f"backend '{_name(backend)}' failed check 'expected-support' on {s} "
+                       f"[stratum {stratum.id}]: supports() says {ok}, the author expects {bool(want)}")
+                return [], [], K.Outcome(K.FAILED, _name(backend), str(s), "expected-support", stratum.id, msg)
+        (sup if ok else ref).append(s)
+    return sup, ref, None
+
+
+def _keep(case: C.Case, stratum: Stratum, case_filter: str | None) -> bool:
+    return not case_filter or case_filter in stratum.id or case_filter in case.id or case_filter == case.scheme
+
+
+def check_stratum(backend, stratum: Stratum, st: Settings, reference=None,
+                  expect: Callable[[QuantScheme], Any] | None = None,
+                  case_filter: str | None = None) -> list[K.Outcome]:
+    """Every outcome of one stratum: the expectation check, then its cases (PASSED per supported
+    case, REJECTED per rejection case, FAILED with the first disagreement)."""
+    sup, refused, bad = _support(backend, stratum, expect)
+    if bad is not None:
+        return [bad]
+    out = []
+    for ok, case in stratum_cases(stratum, sup, refused, st):
+        if not _keep(case, stratum, case_filter):
+            continue
+        check = K.check_supported if ok else K.check_rejected
+        out.append(_run(backend, "supported" if ok else "rejected", case,
+                        _then(partial(check, backend, case, reference), K.PASSED if ok else K.REJECTED)))
+    return out
+
+
+def _then(fn: Callable[[], Any], status: str = K.PASSED) -> Callable[[], str]:
+    """`fn()` (a check that raises on failure), then `status`."""
+    def go() -> str:
+        fn()
+        return status
+    return go
+
+
+def _run(backend, check: str, case: C.Case, fn: Callable[[], str]) -> K.Outcome:
+    name = _name(backend)
+    try:
+        # saturating casts (huge inputs dequantized to f16) are expected; results are compared bit
+        # for bit, so numpy's overflow warnings would only be noise
+        with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+            return K.Outcome(fn(), name, case.scheme, check, case.id)
+    except K.ConformanceFailure as f:
+        return K.Outcome(K.FAILED, name, case.scheme, f.check, case.id, str(f))
+    except Exception as e:  # noqa: BLE001 - a crash inside the harness is still a failure to see
+        return K.Outcome(K.FAILED, name, case.scheme, check, case.id,
+                         f"backend '{name}' failed check '{check}' on {case.scheme} shape {case.shape} "
+                         f"[case {case.id}]: {type(e).__name__}: {e}")
+
+
+def check_group(backend, kind: str, group: Stratum, st: Settings, reference=None,
+                tolerances: K.Tolerances | None = None, peers: Sequence[Any] = (),
+                case_filter: str | None = None) -> list[K.Outcome]:
+    """The per-scheme check `kind` ('bad-input', 'ops' or 'cross') on one group: on a supported
+    candidate (every one with `full`), else a rejection check (none for 'cross')."""
+    sup, refused, bad = _support(backend, group, None)
+    if bad is not None:
+        return [bad]
+    i = group.index + st.seed
+    picked = list(sup) if st.full else ([sup[i % len(sup)]] if sup else [])
+    out: list[K.Outcome] = []
+    for s in picked:
+        for case in C.scheme_cases(kind, False, st.seed, st.max_elements, schemes=[s]):
+            if not _keep(case, group, case_filter):
+                continue
+            if kind == "bad-input":
+                out.append(_run(backend, kind, case, _then(partial(K.check_bad_inputs, backend, case, reference))))
+            elif kind == "ops":
+                out.append(_run(backend, kind, case,
+                                _then(partial(K.check_ops, backend, case, reference, tolerances))))
+            else:
+                for peer in peers:
+                    try:
+                        if not peer.supports(s):
+                            continue
+                    except Exception:  # noqa: BLE001 - a broken peer is checked in its own run
+                        continue
+                    out.append(_run(backend, f"cross:{_name(peer)}", case,
+                                    _then(partial(K.check_cross_backend, backend, peer, case, reference))))
+    if not sup and refused and kind != "cross":
+        s = refused[i % len(refused)]
+        for case in C.scheme_cases(kind, False, st.seed, st.max_elements, schemes=[s]):
+            if _keep(case, group, case_filter):
+                out.append(_run(backend, "rejected", case,
+                                _then(partial(K.check_rejected, backend, case, reference), K.REJECTED)))
+    return out
+
+
+def supports_nothing(expect: Callable[[QuantScheme], Any] | None, schemes: Sequence[QuantScheme]) -> bool:
+    """The author declared an empty support: an expectation that wants none of `schemes`."""
+    if expect is None:
+        return False
+    if getattr(expect, "empty", False):
+        return True
+    return not any(expect(s) for s in schemes)
+
+
+def tested_nothing(backend_name: str, outcomes: Sequence[K.Outcome], n_strata: int) -> K.Outcome:
+    """The failure of a run in which no case of a supported scheme ran."""
+    n_rej = len({o.scheme for o in outcomes if o.status == K.REJECTED})
+    return K.Outcome(
+        K.FAILED, backend_name, "(none)", "tested-nothing", "",
+        f"backend '{backend_name}' failed check 'tested-nothing': the run tested nothing "
+        f"(no supported scheme in {n_strata} strata; {n_rej} schemes refused). If the backend "
+        "is meant to support nothing, declare it: --expect none, or expected_support returning "
+        "False for every scheme; otherwise fix supports() or the filters (--filter, --max-elements)")

@@ -1,0 +1,37 @@
+"""Checkpoint formats of other tools: detect, read, write and convert, bit-exactly or not at all.
+
+Built in: `qcore` (qcore's own safetensors), `gpt-oss` (MXFP4 blocks/scales), `gguf` (Q8_0, MXFP4;
+needs `pip install qcore-quant[formats]`) and `bitsandbytes` (nf4, read only). Other packages add formats
+through the `qcore.formats` entry point group (see `registry`). What each format holds exactly, and
+what it refuses, is in docs/formats.md.
+
+>>> import qcore.formats as qf
+>>> sorted(qf.formats())
+['bitsandbytes', 'gguf', 'gpt-oss', 'qcore']
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from .base import Checkpoint, Format, FormatNotFoundError, PathLike, Probe, Tensor, UnrepresentableError
+from .convert import ConvertReport, TensorReport, convert, describe
+from .registry import GROUP, detect, formats, get, plugin_errors, register, reset
+
+__all__ = [
+    "GROUP", "Checkpoint", "ConvertReport", "Format", "FormatNotFoundError", "Probe", "Tensor",
+    "TensorReport", "UnrepresentableError", "convert", "describe", "detect", "formats", "get",
+    "plugin_errors", "read", "register", "reset", "write",
+]
+
+
+def read(path: PathLike, format: str | None = None, **options: str) -> Checkpoint:
+    """Read a file in `format` (None: detected) into qcore terms; exact or `UnrepresentableError`."""
+    fmt = get(format) if format is not None else detect(path)
+    return fmt.with_options(**options).read(path)
+
+
+def write(path: PathLike, tensors: Mapping[str, Tensor] | Checkpoint, format: str,
+          metadata: Mapping[str, str] | None = None, **options: str) -> None:
+    """Write tensors (`QuantizedData` or numpy) in `format`; refuses any it cannot hold exactly."""
+    ck = tensors if isinstance(tensors, Checkpoint) else Checkpoint(dict(tensors), dict(metadata or {}), format)
+    get(format).with_options(**options).write(path, ck)

@@ -1,0 +1,47 @@
+"""Plain safetensors reading and writing shared by the safetensors-based formats."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with numpy, so safetensors can read them)
+import numpy as np
+from safetensors.numpy import save_file
+
+from .. import io as qio
+from ..errors import InputError, InvalidDataError
+from .base import PathLike, shards
+
+__all__ = ["read_arrays", "storable", "write_arrays"]
+
+
+def storable(dtype: np.dtype) -> bool:
+    """Whether safetensors stores arrays of `dtype` (numpy numbers and ml_dtypes' bfloat16/float8)."""
+    return dtype.kind in "biufcV" and dtype.fields is None
+
+
+def read_arrays(path: PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Every tensor of a safetensors file (or of every shard of an index) as numpy, in file order,
+    and the (first shard's) `__metadata__`."""
+    out: dict[str, np.ndarray] = {}
+    meta: dict[str, str] | None = None
+    for p in shards(path):
+        with qio._open(p) as f:
+            meta = dict(f.metadata() or {}) if meta is None else meta
+            for name in f.keys():
+                if name in out:
+                    raise InvalidDataError(f"{p}: tensor '{name}' is also in another shard")
+                try:
+                    out[name] = f.get_tensor(name)
+                except Exception as e:
+                    raise InvalidDataError(f"{p}: cannot read tensor '{name}': {e}") from None
+    return out, meta or {}
+
+
+def write_arrays(path: PathLike, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
+    """Write numpy arrays to a safetensors file atomically, with str -> str metadata."""
+    for name, a in arrays.items():
+        if not storable(a.dtype):
+            raise InputError(f"tensor '{name}' has dtype {a.dtype}, which safetensors cannot store")
+    data = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    meta = dict(metadata) or None
+    qio.atomic_write(path, lambda tmp: save_file(data, tmp, metadata=meta))

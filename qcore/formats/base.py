@@ -1,0 +1,189 @@
+"""What a checkpoint format is to qcore: a small class that detects, reads and writes one kind of file.
+
+A format turns a file into a `Checkpoint` (tensor name -> `QuantizedData` or numpy array, plus
+str -> str metadata) and back. Reading is exact or refused: a quantized tensor becomes
+`QuantizedData` only when qcore's decode (SPEC §2.6) gives bit-identical values to the tool's own
+dequantize; anything else raises `UnrepresentableError` naming the tensor, the rule and the way out.
+Writing is the same promise in the other direction: `check(name, value)` says, before any byte is
+written, whether the format holds a tensor exactly, and `write` refuses what `check` rejects.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+import numpy as np
+
+from ..errors import InputError, InvalidDataError, QCoreError
+from ..payload import QuantizedData
+from ..protocol import Support
+
+__all__ = [
+    "Checkpoint",
+    "Format",
+    "FormatNotFoundError",
+    "Probe",
+    "Tensor",
+    "UnrepresentableError",
+    "shards",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+Tensor = Union[QuantizedData, np.ndarray]
+
+
+class UnrepresentableError(QCoreError, ValueError):
+    """A tensor cannot move between a file format and qcore without changing its values."""
+
+
+class FormatNotFoundError(QCoreError, LookupError):
+    """No checkpoint format is registered under a name, or none recognises a file."""
+
+
+@dataclass
+class Checkpoint:
+    """The tensors of one file in qcore's terms, and the metadata a writer needs to restore it.
+
+    `metadata` is a flat str -> str map (what a qcore safetensors file can carry); a format keeps
+    its own facts under keys starting with its name and a dot (e.g. `gguf.kv`), so a conversion
+    through qcore's format and back loses nothing.
+    """
+
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    format: str = ""
+
+
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def shards(path: PathLike) -> list[str]:
+    """The files of a checkpoint: the shards an index names (`*.safetensors.index.json`, or a folder
+    holding `model.safetensors.index.json`, as transformers writes them), else the path itself."""
+    p = os.fspath(path)
+    index = os.path.join(p, "model" + INDEX_SUFFIX) if os.path.isdir(p) else p
+    if not index.endswith(INDEX_SUFFIX):
+        return [p]
+    if not os.path.exists(index):
+        raise FileNotFoundError(2, "No such file", index)
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        names = list(dict.fromkeys(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise InvalidDataError(
+            f"{index}: not a safetensors index (JSON with a 'weight_map' of tensor -> file)") from None
+    if not names or not all(isinstance(n, str) and n and os.path.basename(n) == n for n in names):
+        raise InvalidDataError(f"{index}: 'weight_map' must name shard files in the index's folder")
+    return [os.path.join(os.path.dirname(index), n) for n in names]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What detection looks at: the first bytes of a file and, for safetensors, its header."""
+
+    path: str
+    magic: bytes
+    safetensors_header: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, path: PathLike) -> "Probe":
+        """Probe a file; a sharded safetensors checkpoint (its index or folder) probes as one file
+        whose header holds every shard's tensors and the first shard's metadata."""
+        p = os.fspath(path)
+        if not os.path.exists(p):
+            raise FileNotFoundError(2, "No such file", p)   # the wording qcore.io uses
+        files = shards(p)
+        if files != [p]:
+            probes = [cls.of(f) for f in files]
+            header: dict[str, Any] = {"__metadata__": probes[0].metadata}
+            for pr in probes:
+                header.update((k, v) for k, v in (pr.safetensors_header or {}).items() if k != "__metadata__")
+            return cls(p, probes[0].magic, header)
+        return cls._of_file(p)
+
+    @classmethod
+    def _of_file(cls, p: str) -> "Probe":
+        with open(p, "rb") as f:
+            magic = f.read(8)
+            header = None
+            if len(magic) == 8:
+                n = struct.unpack("<Q", magic)[0]
+                size = os.fstat(f.fileno()).st_size
+                if 2 <= n <= min(size - 8, 100 << 20):
+                    text = f.read(n)
+                    if text[:1] == b"{":
+                        try:
+                            parsed = json.loads(text.decode("utf-8"))
+                        except (UnicodeDecodeError, ValueError):
+                            parsed = None
+                        header = parsed if isinstance(parsed, dict) else None
+        return cls(p, magic, header)
+
+    @property
+    def tensor_names(self) -> list[str]:
+        """Tensor names of a safetensors header (empty for other files)."""
+        return [k for k in (self.safetensors_header or {}) if k != "__metadata__"]
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        meta = (self.safetensors_header or {}).get("__metadata__")
+        return dict(meta) if isinstance(meta, dict) else {}
+
+
+class Format:
+    """Base of a checkpoint format; subclasses set the class fields and override the methods.
+
+    Detection runs the registered formats from the highest `priority` down and takes the first
+    whose `detect` is true, so a format that accepts any safetensors file (qcore's own) has the
+    lowest priority.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    priority: ClassVar[int] = 0
+
+    def available(self) -> Support:
+        """Whether the packages this format needs are installed (a reason when they are not)."""
+        return Support.yes()
+
+    def detect(self, probe: Probe) -> bool:
+        """True when the file looks like this format (header only, no tensor data read)."""
+        raise NotImplementedError
+
+    def read(self, path: PathLike) -> Checkpoint:
+        """Every tensor of the file, quantized ones as `QuantizedData` (exact or refused)."""
+        raise NotImplementedError(f"format '{self.name}' cannot read files")
+
+    def check(self, name: str, value: Tensor) -> Support:
+        """Whether `write` can store `value` exactly (no value changes); a reason when not."""
+        return Support.no(f"format '{self.name}' cannot write files")
+
+    def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
+        """Write every tensor (all must pass `check`), atomically."""
+        raise NotImplementedError(f"format '{self.name}' cannot write files")
+
+    def with_options(self, **options: str) -> "Format":
+        """A copy of this format with reader/writer options set (`qcore convert --option K=V`)."""
+        if options:
+            raise InputError(
+                f"format '{self.name}' takes no options, got {', '.join(sorted(options))}; drop them"
+            )
+        return self
+
+    @property
+    def writable(self) -> bool:
+        return type(self).write is not Format.write
+
+    def require(self, checkpoint: Checkpoint) -> None:
+        """Raise `UnrepresentableError` for the first tensor `check` rejects."""
+        for name, value in checkpoint.tensors.items():
+            ok = self.check(name, value)
+            if not ok:
+                raise UnrepresentableError(f"tensor '{name}' cannot be written as {self.name}: {ok.reason}")
+
+    def __repr__(self) -> str:
+        return f"<format {self.name}>"

@@ -1,0 +1,141 @@
+"""bitsandbytes 4-bit checkpoints (`Linear4bit` state dicts saved as safetensors), read only.
+
+Layout (bitsandbytes 0.50.2 `functional.py`, `QuantState.as_dict(packed=True)`), for weight `W`:
+
+    W                                  uint8 (any storage dtype, read as bytes), 2 codes per byte,
+                                       element 2k in the HIGH nibble, blocks over the flattened tensor
+    W.absmax                           f32 [ceil(n / blocksize)]; with double quant uint8 codes
+    W.quant_map                        f32 [16], the code table (NF4 for quant_type nf4)
+    W.nested_absmax, W.nested_quant_map  double quant only: f32 per 256 absmax codes, 8-bit dynamic map
+    W.quant_state.bitsandbytes__nf4    uint8 JSON {quant_type, blocksize, dtype, shape,
+                                       nested_blocksize, nested_dtype, nested_offset}
+
+bitsandbytes decodes `quant_map[code] * absmax` in f32 (then casts to `dtype`), which is SPEC's
+LOOKUP decode with the table `quant_map`: qcore reads `W` as `q4s-lookup[nf4]/block<B>:f32` (or a
+custom table when `quant_map` is not NF4), with nibbles swapped into SPEC's order. Double quant is
+undone first, exactly as bitsandbytes does: `absmax = f32(nested_quant_map[code] *
+nested_absmax[i // nested_blocksize]) + f32(nested_offset)`, which gives f32 absmax values.
+
+Refused, with the reason: blocks that do not follow the last axis (qcore's block grid is per axis;
+the flattened blocks match it only when the tensor is 1-D or its last dim is a multiple of the
+blocksize), quant_type fp4 (its table holds +0 and -0 and is not increasing, which LOOKUP excludes),
+and absmax values that are negative or not finite.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from ..errors import InvalidDataError, SchemeError
+from ..payload import QuantizedData
+from ..scheme import PRESETS, QuantMode, QuantScheme, QuantValue, ScaleDtype
+from ._st import read_arrays
+from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
+
+__all__ = ["BnbNF4Format"]
+
+STATE_SUFFIX = ".quant_state.bitsandbytes__"
+DTYPES_KEY = "bitsandbytes.dtypes"   # JSON {name: original dtype}, what bitsandbytes casts to
+_NF4 = np.asarray(PRESETS["nf4"].table, np.float32)
+_PARTS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
+
+
+def _state(arr: np.ndarray, where: str) -> dict:
+    try:
+        st = json.loads(np.ascontiguousarray(arr).view(np.uint8).tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise InvalidDataError(f"{where} is not JSON") from None
+    if not isinstance(st, dict):
+        raise InvalidDataError(f"{where} is not a JSON object")
+    return st
+
+
+def _absmax(arrays: dict[str, np.ndarray], w: str, st: dict) -> np.ndarray:
+    """Per-block f32 absmax, with double quant undone the way bitsandbytes does it."""
+    absmax = arrays[w + ".absmax"]
+    if w + ".nested_absmax" not in arrays:
+        if absmax.dtype != np.float32:
+            raise UnrepresentableError(f"absmax of '{w}' is {absmax.dtype}; bitsandbytes 4-bit absmax is float32")
+        return absmax.reshape(-1)
+    codes = absmax.reshape(-1).view(np.uint8)
+    nested = arrays[w + ".nested_absmax"].astype(np.float32).reshape(-1)
+    table = arrays[w + ".nested_quant_map"].astype(np.float32).reshape(-1)
+    nb = int(st.get("nested_blocksize", 256))
+    per = np.repeat(nested, nb)[: codes.size]
+    if per.size != codes.size or table.size != 256:
+        raise InvalidDataError(
+            f"double quant of '{w}': {codes.size} absmax codes need {-(-codes.size // nb)} nested absmax "
+            f"values and a 256-entry map, got {nested.size} and {table.size}"
+        )
+    return (table[codes] * per).astype(np.float32) + np.float32(float(st["nested_offset"]))
+
+
+def _tensor(arrays: dict[str, np.ndarray], w: str, st: dict) -> QuantizedData:
+    quant_type = st.get("quant_type")
+    if quant_type != "nf4":
+        raise UnrepresentableError(
+            f"quant_type {quant_type!r} is not read (bitsandbytes fp4's table holds +0 and -0 and is not "
+            "increasing, which a LOOKUP table cannot be); only nf4 is read"
+        )
+    shape = tuple(int(d) for d in st["shape"])
+    block = int(st["blocksize"])
+    if len(shape) > 1 and shape[-1] % block:
+        raise UnrepresentableError(
+            f"bitsandbytes blocks of {block} run over the flattened tensor; with shape {list(shape)} they "
+            f"cross rows (last dim {shape[-1]} is not a multiple of {block}), and qcore's blocks follow the "
+            "last axis (flattened blocks are a planned scheme extension); keep this tensor in bitsandbytes"
+        )
+    table = arrays[w + ".quant_map"].astype(np.float32).reshape(-1)
+    try:
+        sch = QuantScheme(QuantValue.Q4S).per_block([block], ScaleDtype.F32)
+        sch = sch.with_mode(QuantMode.LOOKUP, "nf4" if np.array_equal(table, _NF4) else tuple(table.tolist()))
+    except SchemeError as e:
+        raise UnrepresentableError(f"its quant_map is not a LOOKUP table: {e}") from None
+    n = int(np.prod(shape, dtype=np.int64))
+    packed = np.ascontiguousarray(arrays[w]).view(np.uint8).reshape(-1)
+    if packed.size != -(-n // 2):
+        raise InvalidDataError(f"'{w}' holds {packed.size} bytes; shape {list(shape)} needs {-(-n // 2)}")
+    codes = np.empty(packed.size * 2, np.uint8)
+    codes[0::2], codes[1::2] = packed >> np.uint8(4), packed & np.uint8(0x0F)   # element 2k high
+    absmax = _absmax(arrays, w, st)
+    if absmax.size != -(-n // block):
+        raise InvalidDataError(f"'{w}' has {absmax.size} absmax values; shape {list(shape)} needs {-(-n // block)}")
+    return QuantizedData.from_parts(shape, sch, codes[:n].reshape(shape), absmax)
+
+
+class BnbNF4Format(Format):
+    name = "bitsandbytes"
+    description = "bitsandbytes 4-bit state dict (nf4, optional double quant), read only"
+    priority = 30
+
+    def detect(self, probe: Probe) -> bool:
+        return any(STATE_SUFFIX in n for n in probe.tensor_names)
+
+    def read(self, path: PathLike) -> Checkpoint:
+        arrays, meta = read_arrays(path)
+        weights = {k.split(STATE_SUFFIX)[0]: k for k in arrays if STATE_SUFFIX in k}
+        owned = {w + s for w in weights for s in _PARTS} | set(weights.values())
+        tensors: dict[str, Tensor] = {}
+        dtypes = {}
+        for key, arr in arrays.items():
+            if key in owned:
+                continue
+            if key not in weights:
+                tensors[key] = arr
+                continue
+            st = _state(arrays[weights[key]], f"{path}: '{weights[key]}'")
+            try:
+                tensors[key] = _tensor(arrays, key, st)
+            except (KeyError, InvalidDataError, UnrepresentableError) as e:
+                what = f"lacks {e}" if isinstance(e, KeyError) else str(e)
+                raise (InvalidDataError if isinstance(e, KeyError) else type(e))(
+                    f"{path}: bitsandbytes tensor '{key}': {what}") from None
+            dtypes[key] = str(st.get("dtype", "float32"))
+        missing = sorted(set(weights) - set(tensors))
+        if missing:
+            raise InvalidDataError(
+                f"{path}: '{weights[missing[0]]}' describes tensor '{missing[0]}', which the file lacks")
+        if dtypes:
+            meta = {**meta, DTYPES_KEY: json.dumps(dtypes, sort_keys=True)}
+        return Checkpoint(tensors, meta, self.name)

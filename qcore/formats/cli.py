@@ -1,0 +1,111 @@
+"""The `qcore convert` command and the format hook of `qcore inspect` (kept here so cli.py stays thin)."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Any
+
+from .. import io as qio
+from ..errors import InputError
+from ..payload import QuantizedData
+from .base import INDEX_SUFFIX, FormatNotFoundError, shards
+from .convert import convert
+from .registry import detect, formats, get
+
+__all__ = ["add_convert", "cmd_convert", "format_of", "read_info"]
+
+# Metadata keys a format keeps for itself (restoring its file); inspect does not print them.
+_PRIVATE = ("gguf.kv", "gpt-oss.names", "bitsandbytes.dtypes")
+
+
+_ST_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int8": "I8", "uint8": "U8",
+             "int16": "I16", "int32": "I32", "int64": "I64", "uint16": "U16", "uint32": "U32", "uint64": "U64",
+             "bool": "BOOL"}
+
+
+def format_of(path: str) -> str:
+    """The name of the format `path` is in; "qcore" for qcore files, plain safetensors, and paths no
+    format claims (qcore's own reader then says what is wrong with them)."""
+    try:
+        return detect(path).name
+    except (FormatNotFoundError, OSError):
+        return "qcore"
+
+
+def read_info(path: str) -> tuple[qio.FileInfo, str]:
+    """`qio.read_info` for qcore files; for another tool's file, the same description of what qcore
+    reads from it (schemes, logical shapes, payload sizes), and the format's name."""
+    try:
+        fmt = detect(path)
+    except FormatNotFoundError:  # qcore's own reader says what is wrong with the file
+        fmt = get("qcore")
+    if fmt.name == "qcore" and os.path.isfile(path) and not os.fspath(path).endswith(INDEX_SUFFIX):
+        return qio.read_info(path), fmt.name
+    ck = fmt.read(path)
+    entries = []
+    for name, v in ck.tensors.items():
+        if isinstance(v, QuantizedData):
+            entries.append(qio.Entry(name, "U8", v.shape, v.nbytes, v.scheme))
+        else:
+            entries.append(qio.Entry(name, _ST_DTYPE.get(v.dtype.name, v.dtype.name), tuple(v.shape), v.nbytes))
+    meta = {k: v for k, v in ck.metadata.items() if k not in _PRIVATE}
+    size = sum(os.path.getsize(f) for f in shards(path))
+    return qio.FileInfo(os.fspath(path), None, entries, meta, size), fmt.name
+
+
+def _options(pairs: list[str] | None, flag: str) -> dict[str, str]:
+    out = {}
+    for p in pairs or []:
+        key, sep, value = p.partition("=")
+        if not sep or not key:
+            raise InputError(f"{flag} takes KEY=VALUE, got {p!r}")
+        out[key] = value
+    return out
+
+
+def add_convert(sub: Any) -> None:
+    """Register `qcore convert` on the CLI's subparsers."""
+    names = ", ".join(formats())
+    s = sub.add_parser(
+        "convert", help="move a checkpoint between formats (bytes rearranged, never re-quantized unasked)",
+        description="Convert SRC to format FORMAT at DST. A quantized tensor the target holds exactly moves "
+                    "byte for byte; one it cannot hold is refused unless --requantize names a scheme.",
+        epilog=f"formats read: {names}")
+    s.add_argument("src", metavar="SRC", help="input file (format detected, or --from)")
+    s.add_argument("dst", metavar="DST", help="output file (written atomically)")
+    writable = ", ".join(n for n, f in formats().items() if f.writable)
+    s.add_argument("--to", required=True, metavar="FORMAT", help=f"target format: {writable}")
+    s.add_argument("--from", dest="src_format", metavar="FORMAT", help="source format (default: detected)")
+    s.add_argument("--requantize", metavar="SCHEME",
+                   help="re-quantize tensors the target cannot hold exactly to SCHEME (error reported per tensor)")
+    s.add_argument("--backend", default=None, help="backend for --requantize (default: $QCORE_BACKEND, else auto)")
+    s.add_argument("--from-option", action="append", metavar="KEY=VALUE", help="reader option (repeatable)")
+    s.add_argument("--to-option", action="append", metavar="KEY=VALUE", help="writer option (repeatable)")
+    s.set_defaults(func=cmd_convert)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from rich.markup import escape  # scheme text such as q4s-lookup[nf4] is not rich markup
+    from rich.table import Table
+
+    from ..cli import _console, _fmt_db, _shape
+
+    report = convert(args.src, args.dst, args.to, src_format=args.src_format, requantize=args.requantize,
+                     backend=args.backend, read_options=_options(args.from_option, "--from-option"),
+                     write_options=_options(args.to_option, "--to-option"))
+    out = _console()
+    out.print(f"[bold]{escape(report.src)} ({report.src_format}) -> {escape(report.dst)} ({report.dst_format})[/]")
+    table = Table()
+    for col, just in (("tensor", "left"), ("shape", "left"), ("source", "left"), ("written as", "left"),
+                      ("action", "left"), ("SQNR dB", "right"), ("max |err|", "right")):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for t in report.tensors:
+        re = t.action == "requantized"
+        table.add_row(escape(t.name), _shape(t.shape), escape(t.source), escape(t.target), t.action,
+                      _fmt_db(t.sqnr) if re else "", f"{t.max_err:.3g}" if re and not math.isnan(t.max_err) else "")
+    out.print(table)
+    n_re = sum(t.action == "requantized" for t in report.tensors)
+    out.print(f"wrote {report.dst}: {len(report.tensors)} tensors, "
+              + ("lossless (bytes rearranged, nothing re-quantized)" if n_re == 0 else f"{n_re} re-quantized"))
+    return 0

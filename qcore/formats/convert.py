@@ -1,0 +1,132 @@
+"""Moving a checkpoint between formats: bytes rearranged where the target holds the source exactly.
+
+`convert` never re-quantizes on its own. A quantized tensor the target cannot hold exactly is an
+`UnrepresentableError`, unless the caller names a scheme to re-quantize it with; then the tensor is
+dequantized, quantized again, and the report gives its error (SQNR and max |err| against the
+source's decoded values). Float and integer tensors are copied as they are.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import InputError
+from ..payload import QuantizedData
+from ..scheme import QuantScheme, scheme as parse_scheme
+from .base import Checkpoint, Format, PathLike, Tensor, UnrepresentableError
+from .registry import detect, get
+
+__all__ = ["ConvertReport", "TensorReport", "convert", "describe", "error_stats"]
+
+
+def describe(value: Tensor) -> str:
+    """Scheme text of a quantized tensor, dtype of a plain one."""
+    return str(value.scheme) if isinstance(value, QuantizedData) else str(value.dtype)
+
+
+def error_stats(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(SQNR in dB, max |x - y|) in float64; SQNR is inf when the error is zero."""
+    x64 = np.asarray(x, dtype=np.float64).reshape(-1)
+    err = np.asarray(y, dtype=np.float64).reshape(-1) - x64
+    noise, signal = float(np.dot(err, err)), float(np.dot(x64, x64))
+    max_err = float(np.max(np.abs(err))) if err.size else 0.0
+    if noise == 0.0:
+        return math.inf, max_err
+    return (10.0 * math.log10(signal / noise) if signal else -math.inf), max_err
+
+
+@dataclass(frozen=True)
+class TensorReport:
+    """What happened to one tensor: `action` is 'rearranged' (quantized, bytes moved), 'copied'
+    (float or integer tensor) or 'requantized' (with its error against the source's values)."""
+
+    name: str
+    shape: tuple[int, ...]
+    source: str
+    target: str
+    action: str
+    sqnr: float = math.inf
+    max_err: float = 0.0
+
+
+@dataclass
+class ConvertReport:
+    src: str
+    dst: str
+    src_format: str
+    dst_format: str
+    tensors: list[TensorReport] = field(default_factory=list)
+
+    @property
+    def lossless(self) -> bool:
+        return all(t.action != "requantized" for t in self.tensors)
+
+
+def _format(name: str | Format, options: Mapping[str, str] | None) -> Format:
+    fmt = get(name) if isinstance(name, str) else name
+    ok = fmt.available()
+    if not ok:
+        raise UnrepresentableError(f"format '{fmt.name}' is not available: {ok.reason}")
+    return fmt.with_options(**dict(options or {}))
+
+
+def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str | Format | None = None,
+            requantize: QuantScheme | str | None = None, backend: Any = None,
+            read_options: Mapping[str, str] | None = None,
+            write_options: Mapping[str, str] | None = None) -> ConvertReport:
+    """Read `src` (its format detected, or `src_format`) and write it to `dst` as format `to`.
+
+    Every quantized tensor the target holds exactly moves byte for byte (rearranged, never
+    re-quantized). One it cannot hold raises `UnrepresentableError` before anything is written,
+    unless `requantize` names a scheme: then it is dequantized and quantized again on `backend`
+    (None: $QCORE_BACKEND, else auto), and its error is in the report.
+    """
+    s, d = os.fspath(src), os.fspath(dst)
+    if os.path.abspath(s) == os.path.abspath(d):
+        raise InputError("DST must differ from SRC; write elsewhere and move it if you want to replace SRC")
+    reader = _format(src_format if src_format is not None else detect(s), read_options)
+    writer = _format(to, write_options)
+    if not writer.writable:
+        raise UnrepresentableError(f"format '{writer.name}' is read-only in this qcore; convert to another format")
+    checkpoint = reader.read(s)
+    target = parse_scheme(requantize) if requantize is not None else None
+    report = ConvertReport(s, d, reader.name, writer.name)
+    out: dict[str, Tensor] = {}
+    for name, value in checkpoint.tensors.items():
+        ok = writer.check(name, value)
+        if ok:
+            action = "rearranged" if isinstance(value, QuantizedData) else "copied"
+            out[name] = value
+            report.tensors.append(TensorReport(name, tuple(value.shape), describe(value), describe(value), action))
+            continue
+        if target is None or not isinstance(value, QuantizedData):
+            way = "; pass requantize=SCHEME (--requantize) to re-quantize it and report the error" \
+                if isinstance(value, QuantizedData) else ""   # a plain tensor's reason names its way out
+            raise UnrepresentableError(
+                f"tensor '{name}' ({describe(value)}, shape {list(value.shape)}) cannot be written as "
+                f"{writer.name} exactly: {ok.reason}{way}"
+            )
+        out[name], row = _requantize(name, value, target, backend)
+        again = writer.check(name, out[name])
+        if not again:
+            raise UnrepresentableError(
+                f"tensor '{name}' requantized to {target} still cannot be written as {writer.name}: {again.reason}"
+            )
+        report.tensors.append(row)
+    writer.write(d, Checkpoint(out, dict(checkpoint.metadata), writer.name))
+    return report
+
+
+def _requantize(name: str, value: QuantizedData, target: QuantScheme,
+                backend: Any) -> tuple[QuantizedData, TensorReport]:
+    from ..registry import backend as get_backend
+
+    be = get_backend(backend)
+    x = be.from_data(value).numpy()
+    new = be.quantize(x, target).to_data()
+    sqnr, max_err = error_stats(x, be.from_data(new).numpy())
+    return new, TensorReport(name, value.shape, str(value.scheme), str(target), "requantized", sqnr, max_err)

@@ -1,0 +1,232 @@
+"""GGUF files (llama.cpp), through the `gguf` package's own reader and writer (pip install qcore-quant[formats]).
+
+Quantized GGUF types with an exact qcore scheme (facts from gguf 0.19.0 `quants.py`):
+
+- **Q8_0** -> `q8s/block32:f16` (`q8f/block32:f16` when a code is -128, which Q8S excludes). A
+  block is `[d f16][32 x int8]`, value `int8 * f32(d)`: the same f32 product as SPEC §2.6 once the
+  f16 scales move from the blocks into their own section.
+- **MXFP4** -> `mxfp4`. A block is `[e u8][16 B]` where byte j holds element j (low nibble) and
+  element j + 16 (high nibble); value = doubled E2M1 * 2^(e - 128) = E2M1 * 2^(e - 127), including
+  e = 0 and 1 (`ggml_e8m0_to_fp32_half`). Nibble j is the E2M1 code itself; only the order moves.
+  One difference in sign only: ggml's doubled table gives code 8 (E2M1 -0) as +0.0, SPEC as -0.0.
+
+Blocks run along GGUF's first dimension (ne[0], the row), which is numpy's (and qcore's) last axis,
+so the block grid is qcore's `block32` on the last axis. Float and integer tensors (F32, F16, BF16,
+F64, I8..I64) pass through as numpy arrays. Every other type (Q4_0, Q4_1, K-quants, ...) needs
+the scheme extensions of a later release (affine mode, split-half nibbles, signed scales) and is
+refused. Key-value metadata is kept as JSON under `gguf.kv`, so GGUF -> qcore -> GGUF restores it;
+a checkpoint's other metadata travels in GGUF string keys `qcore.metadata.<key>`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .. import io as qio
+from ..errors import InvalidDataError
+from ..payload import QuantizedData
+from ..protocol import Support
+from ..scheme import scheme as parse_scheme
+from . import _mx
+from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
+
+__all__ = ["GGUFFormat"]
+
+KV_KEY = "gguf.kv"      # JSON list of [key, value type, array item type or null, value]
+META_PREFIX = "qcore.metadata."   # GGUF string keys holding the other str -> str metadata of a checkpoint
+Q8_SCHEMES = (parse_scheme("q8s/block32:f16"), parse_scheme("q8f/block32:f16"))
+_MAX_DIMS = 4           # GGML_MAX_DIMS
+_MAX_NAME = 64          # GGML_MAX_NAME, the terminating NUL included
+_QUANTIZATION_VERSION = 2
+_INSTALL = "the gguf package is not installed; pip install 'qcore-quant[formats]' (or gguf)"
+
+# numpy dtype <-> GGUF plain type (by name, so importing this module does not need gguf)
+_PLAIN = {
+    "F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F64": np.dtype(np.float64), "I8": np.dtype(np.int8), "I16": np.dtype(np.int16),
+    "I32": np.dtype(np.int32), "I64": np.dtype(np.int64),
+}
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise UnrepresentableError(_INSTALL) from None
+    return gguf
+
+
+def _q8_read(raw: np.ndarray, shape: tuple[int, ...]) -> QuantizedData:
+    blocks = raw.reshape(-1, 34)
+    codes = np.ascontiguousarray(blocks[:, 2:])
+    scales = np.ascontiguousarray(blocks[:, :2])
+    sch = Q8_SCHEMES[1] if (codes.view(np.int8) == -128).any() else Q8_SCHEMES[0]
+    return QuantizedData(shape, sch, codes.tobytes() + scales.tobytes())
+
+
+def _q8_write(d: QuantizedData) -> np.ndarray:
+    n = d.shape[-1] // 32
+    nblocks = int(np.prod(d.shape[:-1], dtype=np.int64)) * n
+    raw = np.frombuffer(d.payload, np.uint8)
+    codes = raw[: nblocks * 32].reshape(nblocks, 32)
+    scales = raw[nblocks * 32:].reshape(nblocks, 2)
+    return np.concatenate([scales, codes], axis=1).reshape(*d.shape[:-1], n * 34)
+
+
+def _mx_read(raw: np.ndarray, shape: tuple[int, ...]) -> QuantizedData:
+    blocks = raw.reshape(-1, 17)
+    e, qs = blocks[:, 0], blocks[:, 1:]
+    codes = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)   # elements 0..15, 16..31
+    packed = codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))                  # SPEC §3: element 2k low
+    lead = (*shape[:-1], shape[-1] // 32)
+    return _mx.join(packed.reshape(*lead, 16), e.reshape(lead))
+
+
+def _mx_write(d: QuantizedData) -> np.ndarray:
+    packed, e = _mx.split(d)
+    packed = packed.reshape(-1, 16)
+    codes = np.empty((packed.shape[0], 32), np.uint8)
+    codes[:, 0::2], codes[:, 1::2] = packed & np.uint8(0x0F), packed >> np.uint8(4)
+    qs = codes[:, :16] | (codes[:, 16:] << np.uint8(4))                        # ggml: j low, j + 16 high
+    blocks = np.concatenate([e.reshape(-1, 1), qs], axis=1)
+    return blocks.reshape(*d.shape[:-1], d.shape[-1] // 32 * 17)
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (bytes, bytearray)):
+        return v.decode("utf-8", "replace")
+    if isinstance(v, list):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+class GGUFFormat(Format):
+    name = "gguf"
+    description = "GGUF (llama.cpp): Q8_0 and MXFP4 tensors exactly, F32/F16/BF16/ints as they are"
+    priority = 20
+
+    def available(self) -> Support:
+        try:
+            import gguf  # noqa: F401
+        except ImportError:
+            return Support.no(_INSTALL)
+        return Support.yes()
+
+    def detect(self, probe: Probe) -> bool:
+        return probe.magic[:4] == b"GGUF"
+
+    # ------------------------------------------------------------------------------ read
+    def read(self, path: PathLike) -> Checkpoint:
+        gguf = _gguf()
+        p = os.fspath(path)
+        try:
+            reader = gguf.GGUFReader(p)
+        except Exception as e:  # the reader raises ValueError/struct errors on a bad file
+            raise InvalidDataError(f"{p} is not a readable GGUF file: {type(e).__name__}: {e}") from None
+        if reader.byte_order == "S":
+            raise UnrepresentableError(f"{p} is a big-endian GGUF file; qcore reads little-endian GGUF only")
+        T = gguf.GGMLQuantizationType
+        kv = []
+        meta: dict[str, str] = {}
+        for key, f in reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            if key.startswith(META_PREFIX) and f.types and f.types[0].name == "STRING":
+                meta[key[len(META_PREFIX):]] = f.contents()
+                continue
+            types = [t.name for t in f.types]
+            sub = types[-1] if types[0] == "ARRAY" else None
+            if types[0] == "ARRAY" and len(types) > 2:
+                raise UnrepresentableError(f"{p}: key '{key}' is a nested array, which qcore does not carry")
+            kv.append([key, types[0], sub, _jsonable(f.contents())])
+        tensors: dict[str, Tensor] = {}
+        for t in reader.tensors:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            kind = t.tensor_type
+            raw = np.asarray(t.data)
+            try:
+                if kind == T.Q8_0:
+                    tensors[t.name] = _q8_read(raw.view(np.uint8), shape)
+                elif kind == T.MXFP4:
+                    tensors[t.name] = _mx_read(raw.view(np.uint8), shape)
+                elif kind.name in _PLAIN:
+                    tensors[t.name] = np.ascontiguousarray(raw).view(_PLAIN[kind.name]).reshape(shape)
+                else:
+                    raise UnrepresentableError(
+                        f"GGUF type {kind.name} has no exact qcore scheme (qcore reads Q8_0, MXFP4, F32, F16, "
+                        "BF16, F64, I8..I64); requantize the model to Q8_0 or MXFP4 with llama.cpp first"
+                    )
+            except (InvalidDataError, UnrepresentableError) as e:
+                raise type(e)(f"{p}: tensor '{t.name}': {e}") from None
+        return Checkpoint(tensors, {**meta, KV_KEY: json.dumps(kv)}, self.name)
+
+    # ----------------------------------------------------------------------------- write
+    def check(self, name: str, value: Tensor) -> Support:
+        if len(name.encode("utf-8")) >= _MAX_NAME:
+            return Support.no(f"GGUF tensor names are shorter than {_MAX_NAME} bytes; rename it")
+        if len(value.shape) > _MAX_DIMS:
+            return Support.no(f"GGUF tensors have at most {_MAX_DIMS} dims, got shape {list(value.shape)}")
+        if isinstance(value, QuantizedData):
+            if value.scheme in Q8_SCHEMES:
+                if value.shape[-1] % 32:
+                    return Support.no(f"Q8_0 needs whole blocks of 32 along the last dim, got {list(value.shape)}")
+                return Support.yes()
+            if value.scheme == _mx.MXFP4:
+                return _mx.check(value, "GGUF MXFP4")
+            return Support.no(
+                f"GGUF holds qcore q8s/block32:f16 (Q8_0) and mxfp4 (MXFP4) exactly, got {value.scheme}; "
+                "requantize to one of them"
+            )
+        if value.dtype not in _PLAIN.values():
+            return Support.no(f"GGUF has no type for dtype {value.dtype}; cast it to float32")
+        return Support.yes()
+
+    def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
+        gguf = _gguf()
+        self.require(checkpoint)
+        T, V = gguf.GGMLQuantizationType, gguf.GGUFValueType
+        try:
+            kv = json.loads(checkpoint.metadata.get(KV_KEY, "[]"))
+        except ValueError:
+            raise InvalidDataError(f"metadata '{KV_KEY}' is not JSON; drop it or fix it") from None
+        arch = next((v for k, _, _, v in kv if k == "general.architecture"), "qcore")
+        alignment = next((v for k, _, _, v in kv if k == "general.alignment"), None)
+
+        def write(tmp: str) -> None:
+            w = gguf.GGUFWriter(tmp, arch)
+            if alignment is not None:
+                w.data_alignment = int(alignment)
+            for key, vtype, sub, value in kv:
+                if key == "general.architecture":
+                    continue
+                w.add_key_value(key, value, V[vtype], V[sub] if sub else None)
+            for key, value in sorted(checkpoint.metadata.items()):
+                if key != KV_KEY:
+                    w.add_string(META_PREFIX + key, value)
+            quantized = False
+            for name, value in checkpoint.tensors.items():
+                if isinstance(value, QuantizedData):
+                    quantized = True
+                    if value.scheme in Q8_SCHEMES:
+                        w.add_tensor(name, _q8_write(value), raw_dtype=T.Q8_0)
+                    else:
+                        w.add_tensor(name, _mx_write(value), raw_dtype=T.MXFP4)
+                else:
+                    kind = next(k for k, dt in _PLAIN.items() if dt == value.dtype)
+                    data = np.ascontiguousarray(value)
+                    if kind == "BF16":
+                        w.add_tensor(name, data.view(np.uint16), raw_shape=data.shape, raw_dtype=T.BF16)
+                    else:
+                        w.add_tensor(name, data)   # the writer maps F16/F32/F64/I8..I64 from the dtype
+            if quantized and not any(k == "general.quantization_version" for k, *_ in kv):
+                w.add_uint32("general.quantization_version", _QUANTIZATION_VERSION)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+
+        qio.atomic_write(path, write)

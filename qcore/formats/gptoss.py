@@ -1,0 +1,134 @@
+"""gpt-oss MXFP4 checkpoints (openai/gpt-oss, transformers' `Mxfp4` integration).
+
+Layout: each quantized weight `W` is two U8 tensors, `W.blocks` `[..., G, 16]` (element 2k in the
+low nibble of byte k) and `W.scales` `[..., G]` (value = E2M1(nibble) * 2^(byte - 127)); the
+transformers checkpoints spell the pair `W_blocks` / `W_scales`. That is qcore's `mxfp4` payload
+for shape `[..., 32 G]` byte for byte (values section, then scales section), so reading and writing
+only rename tensors. Other tensors (bf16 attention, norms, biases) pass through unchanged.
+
+Scale byte 0: SPEC §1 and the torch decode (`ldexp(lut, byte - 127)`) give 2^-127; the triton
+kernels gpt-oss runs on GPUs (`triton_kernels` `_upcast_from_mxfp`) shift the byte into the exponent
+field and get 0.0. A block with byte 0 and a non-zero code therefore decodes
+differently (by less than 6 * 2^-127 per element), so by default both directions refuse such a
+tensor; option `zero_scale=spec` accepts it (bytes unchanged, decoded per SPEC).
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from ..errors import InputError
+from ..io import VERSION_KEY
+from ..payload import QuantizedData
+from ..protocol import Support
+from . import _mx
+from ._st import read_arrays, storable, write_arrays
+from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
+
+__all__ = ["GptOssFormat"]
+
+NAMES_KEY = "gpt-oss.names"   # JSON {qcore name: [blocks key, scales key]}: restores the file's spelling
+_SUFFIXES = ((".blocks", ".scales"), ("_blocks", "_scales"))
+_ZERO_SCALE = ("refuse", "spec")
+
+
+def _pairs(names: list[str]) -> dict[str, tuple[str, str]]:
+    """{weight name: (blocks key, scales key)} for every blocks/scales pair in `names`."""
+    have = set(names)
+    out = {}
+    for n in names:
+        for b, s in _SUFFIXES:
+            if n.endswith(b) and n[: -len(b)] + s in have:
+                out[n[: -len(b)]] = (n, n[: -len(b)] + s)
+    return out
+
+
+class GptOssFormat(Format):
+    name = "gpt-oss"
+    description = "gpt-oss MXFP4 safetensors (W.blocks uint8 [..., G, 16] + W.scales uint8 [..., G])"
+    priority = 10
+
+    def __init__(self, zero_scale: str = "refuse"):
+        if zero_scale not in _ZERO_SCALE:
+            raise InputError(f"gpt-oss option zero_scale must be one of {', '.join(_ZERO_SCALE)}, got {zero_scale!r}")
+        self.zero_scale = zero_scale
+
+    def with_options(self, **options: str) -> "GptOssFormat":
+        unknown = set(options) - {"zero_scale"}
+        if unknown:
+            raise InputError(
+                f"format 'gpt-oss' takes option zero_scale (refuse|spec), got {', '.join(sorted(unknown))}")
+        return GptOssFormat(options.get("zero_scale", self.zero_scale))
+
+    def detect(self, probe: Probe) -> bool:
+        head = probe.safetensors_header or {}
+        if VERSION_KEY in probe.metadata:  # a qcore file, whatever its tensors are called
+            return False
+        for blocks, scales in _pairs(probe.tensor_names).values():
+            b, s = head[blocks], head[scales]
+            b_shape, s_shape = list(b.get("shape", [])), list(s.get("shape", []))
+            if b.get("dtype") == s.get("dtype") == "U8" and b_shape[:-1] == s_shape and b_shape[-1:] == [16]:
+                return True
+        return False
+
+    def _zero_scale_ok(self, name: str, blocks: np.ndarray, scales: np.ndarray) -> None:
+        n = _mx.zero_scale_blocks(blocks, scales)
+        if n and self.zero_scale == "refuse":
+            raise UnrepresentableError(
+                f"tensor '{name}': {n} block(s) have scale byte 0 and a non-zero code, which SPEC decodes as "
+                "2^-127 and triton's MX upcast as 0.0; pass option zero_scale=spec to keep the bytes "
+                "and decode them per SPEC"
+            )
+
+    def read(self, path: PathLike) -> Checkpoint:
+        arrays, meta = read_arrays(path)
+        pairs = _pairs(list(arrays))
+        used = {k for pair in pairs.values() for k in pair}
+        tensors: dict[str, Tensor] = {}
+        names = {}
+        for key, arr in arrays.items():
+            if key not in used:
+                tensors[key] = arr
+                continue
+            weight = next(w for w, pair in pairs.items() if key in pair)
+            if weight in tensors:
+                continue
+            bkey, skey = pairs[weight]
+            blocks, scales = arrays[bkey], arrays[skey]
+            if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape \
+                    or blocks.ndim < 2 or blocks.shape[-1] != 16:
+                raise UnrepresentableError(
+                    f"{path}: '{bkey}' {blocks.dtype} {list(blocks.shape)} and '{skey}' {scales.dtype} "
+                    f"{list(scales.shape)} are not gpt-oss MXFP4 (uint8 [..., G, 16] and uint8 [..., G])"
+                )
+            self._zero_scale_ok(weight, blocks, scales)
+            tensors[weight] = _mx.join(blocks, scales)
+            names[weight] = [bkey, skey]
+        meta = {**meta, NAMES_KEY: json.dumps(names, sort_keys=True)} if names else meta
+        return Checkpoint(tensors, meta, self.name)
+
+    def check(self, name: str, value: Tensor) -> Support:
+        if isinstance(value, QuantizedData):
+            return _mx.check(value, "gpt-oss")
+        if not storable(value.dtype):
+            return Support.no(f"safetensors cannot store dtype {value.dtype}")
+        return Support.yes()
+
+    def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
+        self.require(checkpoint)
+        meta = dict(checkpoint.metadata)
+        try:
+            spelled = json.loads(meta.pop(NAMES_KEY, "{}"))
+        except ValueError:
+            spelled = {}
+        arrays: dict[str, np.ndarray] = {}
+        for name, value in checkpoint.tensors.items():
+            if isinstance(value, QuantizedData):
+                blocks, scales = _mx.split(value)
+                self._zero_scale_ok(name, blocks, scales)
+                bkey, skey = spelled.get(name) or (name + ".blocks", name + ".scales")
+                arrays[bkey], arrays[skey] = blocks, scales
+            else:
+                arrays[name] = value
+        write_arrays(path, arrays, meta)

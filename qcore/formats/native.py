@@ -1,0 +1,47 @@
+"""qcore's own safetensors format (docs/format.md) as a checkpoint format: the hub of conversions.
+
+Every valid `QuantizedData` and every numpy tensor safetensors stores is written exactly, so this
+format accepts anything another format reads. Its detection accepts any safetensors file (a plain
+one holds only float tensors), so it runs last.
+"""
+from __future__ import annotations
+
+from .. import io as qio
+from ..errors import InvalidDataError
+from ..payload import QuantizedData
+from ..protocol import Support
+from ._st import storable
+from .base import Checkpoint, Format, PathLike, Probe, Tensor, shards
+
+__all__ = ["QcoreFormat"]
+
+
+class QcoreFormat(Format):
+    name = "qcore"
+    description = "qcore safetensors (portable payloads + qcore.* metadata); plain safetensors read as floats"
+    priority = -100
+
+    def detect(self, probe: Probe) -> bool:
+        return probe.safetensors_header is not None
+
+    def read(self, path: PathLike) -> Checkpoint:
+        tensors: dict[str, Tensor] = {}
+        meta: dict[str, str] | None = None
+        for p in shards(path):
+            meta = dict(qio.read_info(p).metadata) if meta is None else meta
+            for name, value in qio.load_data(p).items():
+                if name in tensors:
+                    raise InvalidDataError(f"{p}: tensor '{name}' is also in another shard")
+                tensors[name] = value
+        return Checkpoint(tensors, meta or {}, self.name)
+
+    def check(self, name: str, value: Tensor) -> Support:
+        if isinstance(value, QuantizedData):
+            return Support.yes()
+        if not storable(value.dtype):
+            return Support.no(f"safetensors cannot store dtype {value.dtype}")
+        return Support.yes()
+
+    def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
+        self.require(checkpoint)
+        qio.save(path, checkpoint.tensors, checkpoint.metadata)

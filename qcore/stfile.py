@@ -1,0 +1,214 @@
+"""safetensors files read and written one tensor at a time, for bounded memory on whole models.
+
+The format is an 8-byte little-endian header length N, N bytes of JSON header
+(`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`, offsets
+relative to the end of the header, tensors back to back), then the tensor bytes. `Reader` parses
+the header and reads each tensor straight into a fresh numpy array (`readinto`, one copy out of
+the page cache); `StreamWriter` reserves the header's room up front, writes tensors as they come
+and fills in the header (padded with spaces, which JSON ignores) when the last one is written.
+safetensors' own reader loads these files (tests/test_shards.py checks it bit for bit).
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Union
+
+import ml_dtypes
+import numpy as np
+
+from .errors import InputError, InvalidDataError
+
+__all__ = ["ST_DTYPES", "st_dtype", "np_dtype", "TensorHead", "Reader", "StreamWriter", "header_room"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# safetensors dtype name -> numpy dtype (ml_dtypes for bfloat16 and the float8 types)
+ST_DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
+    "U16": np.dtype(np.uint16), "I16": np.dtype(np.int16), "U32": np.dtype(np.uint32),
+    "I32": np.dtype(np.int32), "U64": np.dtype(np.uint64), "I64": np.dtype(np.int64),
+    "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16), "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "C64": np.dtype(np.complex64),
+}
+_BY_NP = {v: k for k, v in ST_DTYPES.items()}
+_MAX_HEADER = 100_000_000  # safetensors' own limit
+_CHUNK = 64 << 20
+
+
+def st_dtype(dtype: Any) -> str:
+    """The safetensors name of a numpy dtype ("F32", "BF16", ...)."""
+    dt = np.dtype(dtype)
+    name = _BY_NP.get(dt)
+    if name is None:
+        name = next((k for k, v in ST_DTYPES.items() if v == dt), None)
+    if name is None:
+        raise InputError(f"dtype {dt} has no safetensors name; known: {', '.join(ST_DTYPES)}")
+    return name
+
+
+def np_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a safetensors dtype name."""
+    try:
+        return ST_DTYPES[name]
+    except KeyError:
+        raise InvalidDataError(f"safetensors dtype {name!r} is not one qcore reads; known: {', '.join(ST_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class TensorHead:
+    """One tensor as a header describes it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+class Reader:
+    """A safetensors file's header, and its tensors read one at a time into fresh arrays."""
+
+    def __init__(self, path: PathLike):
+        self.path = os.fspath(path)
+        self._f: BinaryIO = open(self.path, "rb", buffering=0)
+        try:
+            self.header_bytes, self.tensors, self.metadata = self._parse()
+        except BaseException:
+            self._f.close()
+            raise
+
+    def _bad(self, why: str) -> InvalidDataError:
+        return InvalidDataError(f"{self.path} is not a valid safetensors file: {why}")
+
+    def _parse(self) -> tuple[bytes, dict[str, TensorHead], dict[str, str]]:
+        size = os.fstat(self._f.fileno()).st_size
+        raw = self._f.read(8)
+        if len(raw) != 8:
+            raise self._bad(f"{size} bytes is too short for a header")
+        n = int.from_bytes(raw, "little")
+        if n > min(_MAX_HEADER, size - 8):
+            raise self._bad(f"header length {n} does not fit in a {size}-byte file")
+        text = self._f.read(n)
+        try:
+            head = json.loads(text.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise self._bad(f"header is not JSON ({e})") from None
+        if not isinstance(head, dict):
+            raise self._bad("header is not a JSON object")
+        meta = head.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+            raise self._bad("__metadata__ must map str -> str")
+        self._start = 8 + n
+        tensors: dict[str, TensorHead] = {}
+        for name, e in head.items():
+            try:
+                dtype, shape, (b, en) = e["dtype"], tuple(int(d) for d in e["shape"]), e["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise self._bad(f"tensor '{name}' needs dtype, shape and data_offsets, got {e!r}") from None
+            want = int(np.prod(shape, dtype=np.int64)) * np_dtype(dtype).itemsize
+            if not (0 <= b <= en <= size - self._start) or en - b != want:
+                raise self._bad(f"tensor '{name}' ({dtype} {list(shape)}, {want} bytes) has data_offsets "
+                                f"[{b}, {en}] in {size - self._start} data bytes")
+            tensors[name] = TensorHead(name, dtype, shape, b, en)
+        ordered = dict(sorted(tensors.items(), key=lambda kv: kv[1].begin))
+        return text, ordered, meta
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor `name` as a new numpy array (its own dtype and shape)."""
+        t = self.tensors[name]
+        arr = np.empty(t.shape, dtype=np_dtype(t.dtype))
+        view = memoryview(arr.reshape(-1).view(np.uint8))
+        pos, got = self._start + t.begin, 0
+        while got < t.nbytes:
+            n = os.preadv(self._f.fileno(), [view[got:got + _CHUNK]], pos + got) if hasattr(os, "preadv") \
+                else self._pread(view[got:got + _CHUNK], pos + got)
+            if n <= 0:
+                raise self._bad(f"tensor '{name}' ends past the end of the file")
+            got += n
+        return arr
+
+    def _pread(self, buf: memoryview, offset: int) -> int:  # pragma: no cover - platforms without preadv
+        data = os.pread(self._f.fileno(), len(buf), offset)
+        buf[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _entry(dtype: str, shape: Sequence[int], begin: int, end: int) -> dict[str, Any]:
+    return {"dtype": dtype, "shape": [int(d) for d in shape], "data_offsets": [begin, end]}
+
+
+def _header_json(entries: Mapping[str, dict[str, Any]], metadata: Mapping[str, str]) -> bytes:
+    head: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    head.update(entries)
+    return json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def header_room(planned: Iterable[tuple[str, str, Sequence[int]]], metadata: Mapping[str, str]) -> int:
+    """Bytes to reserve for a header of these (name, dtype, shape) entries and metadata.
+
+    Offsets are counted at 20 digits (any 64-bit offset), so the real header never needs more;
+    rounded up to a multiple of 8 so the tensor bytes start aligned.
+    """
+    big = 10 ** 19
+    entries = {name: _entry(dt, shape, big, big) for name, dt, shape in planned}
+    n = len(_header_json(entries, metadata)) + 8
+    return (n + 7) // 8 * 8
+
+
+class StreamWriter:
+    """Write one safetensors file tensor by tensor into an open binary file.
+
+    `room` is the header's reserved size (`header_room`); tensors follow in the order they are
+    added. `finish()` writes the header into its room. The caller owns atomicity (the file is a
+    temporary one, see `qcore.io.atomic_write`).
+    """
+
+    def __init__(self, f: BinaryIO, room: int):
+        self._f = f
+        self._room = room
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._pos = 0
+        f.seek(8 + room)
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        """Append `array` (C-contiguous numpy) under `name`."""
+        if name in self._entries or name == "__metadata__":
+            raise InputError(f"tensor name '{name}' is used twice or reserved in one safetensors file")
+        a = array if array.flags.c_contiguous else array.copy(order="C")  # (keeps 0-d arrays 0-d)
+        n = a.nbytes
+        if n:
+            self._f.write(memoryview(a.reshape(-1).view(np.uint8)))
+        self._entries[name] = _entry(st_dtype(a.dtype), a.shape, self._pos, self._pos + n)
+        self._pos += n
+
+    @property
+    def data_bytes(self) -> int:
+        return self._pos
+
+    def finish(self, metadata: Mapping[str, str]) -> None:
+        """Write the header (entries in the order added, metadata sorted) into the reserved room."""
+        text = _header_json(self._entries, metadata)
+        if len(text) > self._room:
+            raise InputError(f"safetensors header of {len(text)} bytes exceeds the {self._room} bytes reserved "
+                             "for it (the plan named fewer tensors or less metadata than were written)")
+        self._f.seek(0)
+        self._f.write(self._room.to_bytes(8, "little"))
+        self._f.write(text + b" " * (self._room - len(text)))
+        self._f.seek(8 + self._room + self._pos)

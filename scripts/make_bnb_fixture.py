@@ -1,0 +1,59 @@
+"""Write tests/data/bnb_nf4*.safetensors with bitsandbytes' own code (needs torch and bitsandbytes).
+
+    pip install torch bitsandbytes safetensors   # ran with torch 2.13.0+cpu, bitsandbytes 0.50.2, on CPU
+    python scripts/make_bnb_fixture.py
+
+bnb_nf4.safetensors: the state dict of a model of `bnb.nn.Linear4bit` layers, as
+`Linear4bit._save_to_state_dict` writes it (`weight` plus `QuantState.as_dict(packed=True)` under
+`weight.`), saved with safetensors. bnb_nf4.ref.safetensors: for each weight, what
+`bitsandbytes.functional.dequantize_4bit` returns for it (in the layer's dtype), the values qcore's
+reader must reproduce bit for bit. bnb_nf4_rows.safetensors: a layer whose 64-blocks cross rows
+(in_features 96), which qcore refuses.
+"""
+import os
+
+import bitsandbytes as bnb
+import bitsandbytes.functional as F
+import torch
+from safetensors.torch import save_file
+
+OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "data")
+# name: (out_features, in_features, dtype, double quant, blocksize)
+LAYERS = {
+    "layers.0.proj": (16, 128, torch.float32, False, 64),
+    "layers.1.proj": (8, 64, torch.float32, True, 64),
+    "layers.2.proj": (4, 256, torch.bfloat16, True, 128),
+    "layers.3.proj": (8, 64, torch.float16, False, 64),
+}
+
+
+def layer(n_out: int, n_in: int, dtype: torch.dtype, double: bool, blocksize: int) -> torch.nn.Module:
+    lin = bnb.nn.Linear4bit(n_in, n_out, bias=True, compute_dtype=dtype, compress_statistics=double,
+                            quant_type="nf4", quant_storage=torch.uint8)
+    w = torch.randn(n_out, n_in, dtype=torch.float32) * torch.rand(n_out, 1) * 0.2
+    lin.weight = bnb.nn.Params4bit(w.to(dtype), requires_grad=False, compress_statistics=double,
+                                   quant_type="nf4", blocksize=blocksize)
+    lin.bias = torch.nn.Parameter(torch.zeros(n_out, dtype=dtype), requires_grad=False)
+    return lin.to("cpu")  # Params4bit quantizes on its first move to a device
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({k.replace(".", "_"): layer(*v) for k, v in LAYERS.items()})
+    state, ref = {}, {}
+    for key, lin in model.items():
+        name = key.replace("_", ".")
+        assert lin.weight.quant_state is not None, "the layer was not quantized"
+        for k, v in lin.state_dict().items():
+            state[f"{name}.{k}"] = v.contiguous()
+        ref[f"{name}.weight"] = F.dequantize_4bit(lin.weight.data, lin.weight.quant_state).contiguous()
+    save_file(state, os.path.join(OUT, "bnb_nf4.safetensors"), metadata={"format": "pt"})
+    save_file(ref, os.path.join(OUT, "bnb_nf4.ref.safetensors"))
+    rows = layer(4, 96, torch.float32, False, 64)
+    save_file({f"rows.{k}": v.contiguous() for k, v in rows.state_dict().items()},
+              os.path.join(OUT, "bnb_nf4_rows.safetensors"))
+    print(f"wrote {len(state)} tensors; bitsandbytes {bnb.__version__}, torch {torch.__version__}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""Sharded checkpoints in and out: same shards, rewritten index, other files copied, hub ids, --resume."""
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import qcore
+from qcore import io as qio
+from qcore.cli import main
+from qcore.model import dequantize_model, quantize_model
+from qcore.reference import ReferenceBackend
+
+RULES = ["*.mlp.*=q4s/block32:f16"]  # mlp weights 4-bit, the rest q8s; norms, biases, embeddings kept
+
+
+def _x(shape, seed, dtype=np.float32):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def make_checkpoint(root, n_shards=4, rows=8, cols=64, dtype=np.float32):
+    """A fake HF checkpoint: n shards + index + config.json + a tokenizer folder."""
+    root.mkdir(parents=True, exist_ok=True)
+    tensors, wmap = {}, {}
+    for k in range(n_shards):
+        name = f"model-{k + 1:05d}-of-{n_shards:05d}.safetensors"
+        part = {
+            f"layers.{k}.attn.weight": _x((rows, cols), 10 * k, dtype),
+            f"layers.{k}.mlp.weight": _x((cols, rows * 4), 10 * k + 1, dtype),
+            f"layers.{k}.norm.weight": _x((cols,), 10 * k + 2, dtype),
+        }
+        if k == 0:
+            part["embed_tokens.weight"] = _x((16, cols), 99, dtype)
+        save_file(part, str(root / name), metadata={"format": "pt"})
+        tensors.update(part)
+        wmap.update({t: name for t in part})
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 1}, "weight_map": wmap}))
+    (root / "config.json").write_text('{"model_type": "toy"}')
+    (root / "tok").mkdir(exist_ok=True)
+    (root / "tok" / "vocab.txt").write_text("a\nb\n")
+    return tensors
+
+
+def expected_scheme(name):
+    if name.endswith("norm.weight") or name.startswith("embed"):
+        return None
+    return "q4s/block32:f16" if ".mlp." in name else "q8s"
+
+
+def check_output(out, src, backend):
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted({v for v in index["weight_map"].values()})
+    assert shards == [f"model-{k:05d}-of-00004.safetensors" for k in range(1, 5)]
+    assert index["metadata"]["total_size"] == sum(qio.read_info(out / s).file_size - 8 - _header_len(out / s)
+                                                  for s in shards)
+    assert (out / "config.json").read_text() == '{"model_type": "toy"}'
+    assert (out / "tok" / "vocab.txt").read_text() == "a\nb\n"
+    for shard in shards:
+        got = qcore.load(out / shard, backend=backend)
+        assert set(got) == {t for t, s in index["weight_map"].items() if s == shard}
+        for name, v in got.items():
+            want = expected_scheme(name)
+            if want is None:
+                assert isinstance(v, np.ndarray) and v.tobytes() == src[name].tobytes(), name
+            else:
+                ref = qcore.quantize(src[name], want, backend="reference").to_data()
+                assert v.to_data() == ref, name  # bit-identical to the reference quantization
+
+
+def _header_len(path):
+    with open(path, "rb") as f:
+        return int.from_bytes(f.read(8), "little")
+
+
+@pytest.mark.parametrize("backend", ["reference", "ndarray"])
+def test_four_shards_quantize_to_four_shards(tmp_path, backend):
+    if backend == "ndarray":
+        pytest.importorskip("qcore_ndarray", reason="the ndarray backend is not installed")
+    src = make_checkpoint(tmp_path / "ck")
+    # ndarray does 8-bit values only: the 4-bit rule goes to q8s there, the check follows the recipe used
+    rules = RULES if backend == "reference" else ["*.mlp.*=q8s"]
+    res = quantize_model(tmp_path / "ck", tmp_path / "out", "q8s", backend, rules=rules)
+    assert len([f for f in res.files if f.endswith(".safetensors")]) == 4
+    assert res.ratio > 1
+    if backend == "reference":
+        check_output(tmp_path / "out", src, "reference")
+    else:
+        got = qcore.load(tmp_path / "out" / "model-00002-of-00004.safetensors", backend="ndarray")
+        w = got["layers.1.mlp.weight"]
+        assert w.to_data() == qcore.quantize(src["layers.1.mlp.weight"], "q8s", backend="reference").to_data()
+
+
+def test_cuda_simulator_tiny_checkpoint(tmp_path, cuda_backend):
+    src = make_checkpoint(tmp_path / "ck", n_shards=4, rows=2, cols=32)
+    quantize_model(tmp_path / "ck", tmp_path / "out", "q8s", cuda_backend, rules=RULES, stats=False)
+    check_output(tmp_path / "out", src, "reference")
+    got = qcore.load(tmp_path / "out" / "model-00003-of-00004.safetensors", backend=cuda_backend)
+    assert got["layers.2.attn.weight"].to_data() == qcore.quantize(src["layers.2.attn.weight"], "q8s",
+                                                                   backend="reference").to_data()
+
+
+def test_index_file_and_cli(tmp_path, capsys):
+    src = make_checkpoint(tmp_path / "ck")
+    rc = main([
+        "quantize", str(tmp_path / "ck" / "model.safetensors.index.json"), str(tmp_path / "out"), "--scheme", "q8s",
+        "--rule", RULES[0], "--backend", "reference"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "wrote 5 files to" in out
+    check_output(tmp_path / "out", src, "reference")
+    rc = main(["inspect", str(tmp_path / "out")])
+    out, _ = capsys.readouterr()
+    assert rc == 0 and "4 shards in" in out and "recipe: *.mlp.*=q4s/block32:f16, default=q8s" in out
+
+
+def test_hub_id_from_local_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    snap = cache / "models--org--toy" / "snapshots" / "abc123"
+    src = make_checkpoint(snap)
+    (cache / "models--org--toy" / "refs").mkdir()
+    (cache / "models--org--toy" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    quantize_model("org/toy", tmp_path / "out", "q8s", "reference", rules=RULES)
+    check_output(tmp_path / "out", src, "reference")
+    with pytest.raises(FileNotFoundError, match="not in the local hub cache"):
+        quantize_model("org/missing", tmp_path / "o2", "q8s", "reference")
+
+
+def test_max_shard_size_reshards(tmp_path):
+    src = make_checkpoint(tmp_path / "ck")
+    res = quantize_model(tmp_path / "ck", tmp_path / "out", "q8s", "reference", max_shard_size=1200)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 4 and shards[0].endswith(f"-of-{len(shards):05d}.safetensors")
+    seen = {}
+    for s in shards:
+        data = qio.load_data(tmp_path / "out" / s)
+        seen.update(data)
+        sizes = [v.nbytes for v in data.values()]
+        assert sum(sizes) <= 1200 or len(sizes) == 1
+    assert set(seen) == set(src) and len(res.tensors) == len(src)
+    # a single file with --max-shard-size becomes a directory too
+    save_file({"a.weight": _x((8, 64), 1), "b.weight": _x((8, 64), 2)}, str(tmp_path / "one.safetensors"))
+    quantize_model(tmp_path / "one.safetensors", tmp_path / "one_out", "q8s", "reference", max_shard_size="600B")
+    assert sorted(os.listdir(tmp_path / "one_out")) == ["model.safetensors.index.json", "one-00001-of-00002.safetensors",
+                                                         "one-00002-of-00002.safetensors"]
+
+
+def test_interrupted_run_keeps_complete_shards_and_resumes(tmp_path, monkeypatch):
+    make_checkpoint(tmp_path / "ck")
+    full = quantize_model(tmp_path / "ck", tmp_path / "full", "q8s", "reference", rules=RULES)
+    real = ReferenceBackend.quantize
+    seen = []
+
+    def stop_in_third_shard(self, x, scheme, **kw):
+        seen.append(1)
+        if len(seen) == 5:  # two weights per shard: the fifth is in shard 3
+            raise KeyboardInterrupt
+        return real(self, x, scheme, **kw)
+
+    monkeypatch.setattr(ReferenceBackend, "quantize", stop_in_third_shard)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(tmp_path / "ck", tmp_path / "out", "q8s", "reference", rules=RULES)
+    left = sorted(os.listdir(tmp_path / "out"))
+    assert [f for f in left if f.endswith(".safetensors")] == ["model-00001-of-00004.safetensors",
+                                                               "model-00002-of-00004.safetensors"]
+    assert not [f for f in left if f.endswith(".tmp")] and "model.safetensors.index.json" not in left
+    for f in ["model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors"]:
+        qio.load_data(tmp_path / "out" / f)  # complete and valid
+    monkeypatch.setattr(ReferenceBackend, "quantize", real)
+    done = quantize_model(tmp_path / "ck", tmp_path / "out", "q8s", "reference", rules=RULES, resume=True)
+    assert done.resumed == ["model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors"]
+    for f in full.files:
+        name = os.path.basename(f)
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "full" / name).read_bytes(), name
+    # another recipe changes the run marker: nothing is resumed
+    again = quantize_model(tmp_path / "ck", tmp_path / "out", "q8s", "reference", resume=True)
+    assert again.resumed == []
+
+
+def test_dtypes_kept_and_ratios_agree(tmp_path, capsys):
+    save_file({"w16": _x((8, 64), 1, np.float16), "wbf": _x((8, 64), 2).astype(ml_dtypes.bfloat16),
+               "w32": _x((8, 64), 3)}, str(tmp_path / "m.safetensors"))
+    rc = main(["quantize", str(tmp_path / "m.safetensors"), str(tmp_path / "q.safetensors"), "--scheme", "q8s",
+               "--backend", "reference"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    ratio_q = out.split("(")[-2].split("x smaller")[0]
+    rc = main(["inspect", str(tmp_path / "q.safetensors"), "--json"])
+    doc = json.loads(capsys.readouterr()[0])
+    assert f"{doc['ratio']:.2f}" == ratio_q  # the same figure in quantize and inspect
+    assert {e["name"]: e["source_dtype"] for e in doc["entries"]} == {"w16": "F16", "wbf": "BF16", "w32": "F32"}
+    n, total = dequantize_model(tmp_path / "q.safetensors", tmp_path / "d.safetensors", backend="reference")
+    assert (n, total) == (3, 3)
+    got = load_file(str(tmp_path / "d.safetensors"))
+    assert got["w16"].dtype == np.float16 and got["wbf"].dtype == ml_dtypes.bfloat16 and got["w32"].dtype == np.float32
+    back = qcore.load(tmp_path / "q.safetensors", backend="reference")
+    assert got["wbf"].tobytes() == back["wbf"].numpy(ml_dtypes.bfloat16).tobytes()
+
+
+def test_dequantize_sharded_directory(tmp_path):
+    make_checkpoint(tmp_path / "ck", dtype=np.float16)
+    quantize_model(tmp_path / "ck", tmp_path / "q", "q8s", "reference")
+    n, total = dequantize_model(tmp_path / "q", tmp_path / "d", backend="reference")
+    assert n == 8 and total == 13
+    assert (tmp_path / "d" / "config.json").exists()
+    index = json.loads((tmp_path / "d" / "model.safetensors.index.json").read_text())
+    for shard in set(index["weight_map"].values()):
+        for v in load_file(str(tmp_path / "d" / shard)).values():
+            assert v.dtype == np.float16

@@ -1,0 +1,156 @@
+"""The conformance suite's sampling, inputs and expectations: strata cover the whole scheme space,
+inputs hit the spec's decision points exactly, `--expect` patterns mean what docs/plugins.md says,
+and a failing case can be rerun by its id."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import qcore
+from qcore.conformance import cases as C
+from qcore.conformance import runner
+from qcore.conformance import sampling as S
+from qcore.conformance.expect import as_expectation, parse_expect, scheme_label
+from qcore.conformance.inputs import decision_points, grid_exponents, scheme_input, slot_ids
+from qcore.errors import InputError
+from qcore.arithmetic import calibrate
+from qcore.reference import ReferenceBackend
+from tests.mutants import NARROW_EXPECT, Narrow, NarrowRefusesBlocks
+
+
+def test_strata_partition_the_whole_space_by_value_level_kind_dtype_and_store():
+    space = set(C.scheme_space(full=True)) | set(qcore.PRESETS.values())
+    st = S.strata()
+    assert sorted(s for x in st for s in map(str, x.candidates)) == sorted(map(str, space))
+    assert len({x.id for x in st}) == len(st)
+    keys = {(C.value_label(s), S.level_kind(s), str(s.slot_dtype), s.store.kind.value) for s in space}
+    assert len(keys) == len(st) == 360
+    for x in st:  # each stratum with a block or a packing axis rotates over their variants
+        if x.id.endswith("/native") and "/tensor:" in x.id:
+            continue
+        assert len({(s.block.dims if s.block else None, s.store.dim) for s in x.candidates}) >= 2, x.id
+
+
+def test_supported_strata_get_two_separating_cases_and_refused_ones_one():
+    x = next(s for s in S.strata() if s.id == "q4s/block:f16/packed_native")
+    got = S.stratum_cases(x, list(x.candidates), [], S.Settings())
+    assert [c.dist for _, c in got][:2] == ["grid", "bounds"] and all(ok for ok, _ in got)
+    assert len({c.scheme for _, c in got}) >= 2  # two different block shapes / packing axes
+    got = S.stratum_cases(x, [], list(x.candidates), S.Settings())
+    assert len(got) == 1 and not got[0][0]
+
+
+def test_decision_points_are_every_tie_and_midpoint():
+    q8s = decision_points(qcore.scheme("q8s"))
+    ties = np.arange(-126.5, 127, 1.0)
+    assert set(ties) <= set(q8s.tolist()) and 127.5 not in q8s and -127.5 not in q8s
+    e2m1 = decision_points(qcore.scheme("e2m1"))
+    assert {0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0, 6.0}.issubset(set(e2m1.tolist()))
+    assert np.signbit(e2m1[-1]) and e2m1[-1] == 0  # -0.0
+
+
+@pytest.mark.parametrize("text", ["q8s/block4x8:ue4m3", "q4f/block3x5:f16/packed_native:1", "e4m3/block32:ue8m0",
+                                  "q2s-lookup/tensor:bf16/packed_u32"])
+def test_grid_input_puts_y_exactly_on_decision_points(text):
+    s = C.conformance_scheme(text)
+    shape = (6, 40)
+    x = scheme_input(shape, "grid", s, 7)
+    p = calibrate(x, s)
+    js = grid_exponents(shape, s, 7)
+    assert np.array_equal(np.asarray(p.scales, np.float64), np.ldexp(1.0, js))  # e = 2**j exactly
+    y = x.reshape(-1).astype(np.float64) / np.ldexp(1.0, js.reshape(-1))[slot_ids(shape, s)]
+    assert set(y.tolist()) <= set(decision_points(s).astype(np.float64).tolist()) | {s.half_range, -s.half_range}
+    assert abs(y[0]) == abs(y[-1]) == np.float32(s.half_range)  # the maximum on the first and last elements
+
+
+def test_bounds_input_puts_raw_scales_on_and_around_storable_values():
+    s = qcore.scheme("q8s/block4x8:f16")
+    x = scheme_input((24, 64), "bounds", s, 3)
+    raw = (calibrate(x, qcore.scheme("q8s/block4x8:f32")).scales).reshape(-1)  # max / h, unrounded
+    tr = s.slot_dtype.traits
+    stored = tr.store(raw)
+    at = raw == stored
+    assert (at & (raw > 2.0 ** -14) & (raw < 65504)).any()  # exactly storable: must not move
+    below_next = tr.store(np.nextafter(raw, np.float32(0))) == stored
+    assert (~at & (tr.store(np.nextafter(raw, np.float32(0))) < stored)).any()  # one ulp above a boundary
+    assert (~at & below_next & (raw > 0)).any()
+    assert (raw > 65504).any() and (raw == 0).any() and ((raw > 0) & (raw < 2.0 ** -14)).any()
+
+
+def test_expect_patterns():
+    e = parse_expect([NARROW_EXPECT])
+    yes = ["q8s", "q8s/block32:f32", "q8s/block4x8:f32"]
+    no = ["q8s/block32:f16", "q8s/block32:f16/tensor:f32", "q8f", "q8s/packed_u32", "q8s-lookup"]
+    assert all(e(C.conformance_scheme(t)) for t in yes) and not any(e(C.conformance_scheme(t)) for t in no)
+    assert scheme_label(qcore.scheme("nvfp4")) == "e2m1/block16:ue4m3/tensor:f32/packed_native"
+    lookup = parse_expect(["*-lookup*", "!q2*"])
+    assert lookup(qcore.scheme("nf4")) and not lookup(C.conformance_scheme("q2s-lookup"))
+    assert not lookup(qcore.scheme("q4s"))
+    assert parse_expect(["none"]).empty and parse_expect([]) is None
+    assert as_expectation([]).empty and as_expectation("q8s")(qcore.scheme("q8s/block32:bf16"))
+    with pytest.raises(InputError, match="cannot be read"):
+        parse_expect(["@/no/such/file"])
+    with pytest.raises(InputError, match="'none' and also"):
+        parse_expect(["none,q8s"])
+
+
+def test_support_file(tmp_path):
+    f = tmp_path / "support.txt"
+    f.write_text("# narrow plugin\nq8s/tensor:f32/native\nq8s/block*:f32/native  # blocks\n")
+    e = parse_expect([f"@{f}"])
+    assert e.patterns == ("q8s/tensor:f32/native", "q8s/block*:f32/native")
+
+
+def _register(monkeypatch, be):
+    from qcore import registry
+
+    real_backend, real_registered = registry.backend, registry.registered
+    monkeypatch.setattr(registry, "backend", lambda n=None: be if n == be.name else real_backend(n))
+    monkeypatch.setattr(registry, "registered", lambda: {**real_registered(), be.name: be})
+
+
+def test_cli_expect_fails_a_backend_refusing_what_its_author_expects(monkeypatch, capsys):
+    from qcore import cli
+
+    _register(monkeypatch, NarrowRefusesBlocks())
+    argv = ["conformance", "--backend", "narrow-refuses-blocks", "--no-progress", "--checks", "case"]
+    assert cli.main(argv + ["-x"]) == 0  # without an expectation, refusing is allowed
+    assert cli.main(argv + ["--expect", NARROW_EXPECT, "-x"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "failed check 'expected-support' on q8s/block" in out and "the author expects True" in out, out
+
+
+def test_cli_case_reruns_one_case(monkeypatch, capsys):
+    _register(monkeypatch, Narrow())
+    assert runner.main(["--backend", "narrow", "--case", "q8s/block3x5:f32-6x40-grid-f32-f32-0"]) == 0
+    assert "narrow: 1 schemes supported and conforming" in " ".join(capsys.readouterr().out.split())
+    assert runner.main(["--backend", "narrow", "--case", "q8s-6x40-nope"]) == 2
+
+
+def test_case_ids_round_trip():
+    x = S.strata()[100]
+    for _, c in S.stratum_cases(x, list(x.candidates), list(x.candidates), S.Settings(seed=5)):
+        again = C.Case.from_id(c.id, 5)
+        assert again == c and again.input().tobytes() == c.input().tobytes()
+
+
+def test_max_elements_and_empty_shapes_in_strata():
+    st = S.Settings(max_elements=64)
+    for x in S.strata()[::17]:
+        for _, c in S.stratum_cases(x, list(x.candidates), [], st):
+            assert np.prod(c.shape) <= 64
+
+
+def test_reference_default_run_over_a_slice_of_strata_passes():
+    report = runner.run([ReferenceBackend()], max_schemes=24, kinds=["case"])
+    assert report.ok, [o.message for o in report.failed[:2]]
+
+
+def test_expect_per_backend_on_the_command_line():
+    from qcore.conformance.expect import per_backend as _expectations
+
+    e = _expectations(["ndarray=q8f,q8s", "lutcpu=*-lookup*"], ["ndarray", "lutcpu"])
+    assert e["ndarray"](qcore.scheme("q8s/block32:bf16")) and not e["ndarray"](qcore.scheme("nf4"))
+    assert e["lutcpu"](qcore.scheme("nf4")) and not e["lutcpu"](qcore.scheme("q8s"))
+    with pytest.raises(InputError, match="does not check"):
+        _expectations(["cuda=q8s"], ["ndarray"])

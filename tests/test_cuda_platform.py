@@ -1,0 +1,123 @@
+"""The `cuda` backend as installed: entry point, availability without a GPU, the sm_89 gate of
+the fast kernels, and every kernel compiled to PTX for sm_90 (no driver needed)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import qcore
+
+
+def test_registered_through_entry_point(cuda_backend):
+    """`cuda` is found through the `qcore` entry point group, priority 30, and `auto` picks it for
+    the schemes it supports but not for LOOKUP."""
+    assert "cuda" in qcore.backends()
+    be = qcore.backend("cuda")
+    assert be.priority == 30 and be.available()
+    auto = qcore.backend("auto")
+    assert auto.pick("q4s/block32:f16").name == "cuda"
+    assert auto.pick("nf4").name != "cuda"
+
+
+def test_unavailable_without_gpu_or_simulator():
+    """With CUDA disabled, the backend reports unavailable (never raises) and says why; using it
+    raises BackendUnavailableError."""
+    code = textwrap.dedent("""
+        import numpy as np, qcore
+        from qcore_cuda import CudaBackend
+        be = CudaBackend()
+        assert be.available() is False, be.describe()
+        print("WHY:", be.describe())
+        try:
+            be.quantize(np.ones(4, np.float32), "q8s")
+        except qcore.BackendUnavailableError as e:
+            print("RAISED:", e)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["NUMBA_DISABLE_CUDA"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "WHY:" in out.stdout and "NUMBA_DISABLE_CUDA" in out.stdout
+    assert "RAISED: backend 'cuda' is not available" in out.stdout
+
+
+PTX_PARTS = 4  # the compile list in interleaved parts, so parallel test workers share it
+
+_COMPILE_PART = textwrap.dedent("""
+    import sys
+    part, parts = int(sys.argv[1]), int(sys.argv[2])
+    try:
+        from numba import cuda
+        from qcore_cuda import kernels as K, fast as F, gemv as G, tc as T
+        targets = [(name, getattr(K, name).py_func, sig, True) for name, sigs in K.SIGNATURES.items() for sig in sigs]
+        targets += [(name, fn, sig, False) for name, fn, sig, *_ in F.ptx_targets() + G.ptx_targets() + T.ptx_targets()]
+        n = 0
+        newer = ("e4m3x2", "e5m2x2", "max.NaN")  # sm_89 FP8 conversions, sm_80 max.NaN
+        for name, fn, sig, general in targets[part::parts]:
+            ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
+            n += 1
+            if general:  # the general kernels are the path of GPUs below 8.9: nothing newer than sm_75
+                ptx75, _ = cuda.compile_ptx(fn, sig, cc=(7, 5))
+                for f in newer:
+                    if f in ptx75:
+                        print("NEEDS_NEWER_GPU", name, f)
+            elif "e4m3x2" in ptx:
+                print("FP8", name)
+    except Exception as e:
+        if "DynamicLibNotFoundError" in type(e).__name__ or "libnvrtc" in str(e) or "libnvvm" in str(e):
+            print("NOLIBS:", type(e).__name__, e)
+            sys.exit(3)
+        raise
+    print("COMPILED", n)
+""")
+
+
+@pytest.mark.parametrize("part", range(PTX_PARTS))
+def test_kernels_compile_for_sm90(part):
+    """Every kernel with every signature the backend launches (a quarter of them per part),
+    compiled to PTX for sm_90 by the real (non-simulator) numba target: catches what the
+    simulator lets through (float16 atomics, NumPy ufuncs in kernels, int/float promotion). The
+    general kernels also compile for sm_75 without sm_80/sm_89 instructions (they are the path of
+    older GPUs); the fast E4M3 kernels do use the FP8 conversion (which is why they are gated).
+    Needs the NVRTC and NVVM libraries (`pip install "qcore-cuda[ptx]"`), no GPU. Skips without
+    them, fails under QCORE_REQUIRE_PTX=1."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE_PART, str(part), str(PTX_PARTS)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode == 3:
+        reason = f"NVRTC/NVVM libraries missing (pip install qcore-cuda[ptx]): {out.stdout.strip()[:300]}"
+        if os.environ.get("QCORE_REQUIRE_PTX", "") not in ("", "0"):
+            pytest.fail(reason + " (QCORE_REQUIRE_PTX=1)")
+        pytest.skip(reason)
+    assert out.returncode == 0, out.stderr[-3000:]
+    from qcore_cuda import fast as F, gemv as G, kernels as K, tc as T
+
+    names = [name for name, sigs in K.SIGNATURES.items() for _ in sigs]
+    names += [name for name, *_ in F.ptx_targets() + G.ptx_targets() + T.ptx_targets()]
+    mine = names[part::PTX_PARTS]
+    assert f"COMPILED {len(mine)}" in out.stdout
+    assert "NEEDS_NEWER_GPU" not in out.stdout, out.stdout
+    e4m3 = f"k_fast_quant[{F.KIND_E4M3}]"
+    if e4m3 in mine:
+        assert f"FP8 {e4m3}" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("cc, env, usable", [((9, 0), None, True), ((8, 9), "1", True), ((12, 0), "", True),
+                                             ((8, 6), None, False), ((8, 0), None, False), ((7, 5), None, False),
+                                             ((9, 0), "0", False), (None, None, True), (None, "0", False)])
+def test_fast_kernels_need_sm89(cc, env, usable):
+    """The fast kernels use sm_89+ FP8 conversions: older GPUs (A100 = 8.0, T4 = 7.5) and
+    QCORE_CUDA_FAST=0 get the general kernels, and the reason says which; the simulator (cc None)
+    runs the fast kernels' twins."""
+    from qcore_cuda.backend import fast_verdict
+
+    ok, why = fast_verdict(cc, env)
+    assert ok is usable
+    if not usable:
+        assert why.startswith("general kernels only")
+        if env != "0":
+            assert f"{cc[0]}.{cc[1]}" in why and "8.9" in why

@@ -1,0 +1,251 @@
+"""One unit per shard on Dask: byte-identical to the single-process run, on a LocalCluster of two
+processes, with a worker killed mid-shard, resumed, and from/to a real S3-compatible server."""
+import importlib
+import importlib.util
+import os
+import signal
+import socket
+
+import pytest
+
+from qcore.cli import main
+from qcore.model import quantize_model
+from tests.test_checkpoints import RULES, make_checkpoint
+
+
+
+def need(module, reason):
+    """The module, else a skip; with QCORE_REQUIRE_DISTRIBUTED=1 (CI) a missing module fails."""
+    if os.environ.get("QCORE_REQUIRE_DISTRIBUTED") == "1":
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=reason)
+
+
+distributed = need("distributed", "Dask distributed is not installed (pip install 'qcore-quant[distributed]')")
+from qcore.distributed import quantize_model_distributed  # noqa: E402  (needs the optional extra)
+
+SHARDS = [f"model-{k:05d}-of-00004.safetensors" for k in range(1, 5)]
+
+
+def tree(root):
+    """Every file under root (relative name -> bytes)."""
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, root)] = open(p, "rb").read()
+    return out
+
+
+@pytest.fixture(scope="module")
+def client():
+    """A LocalCluster of 2 single-threaded worker processes, shared by this module's tests."""
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                                  host="127.0.0.1") as cluster, distributed.Client(cluster) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A 4-shard checkpoint and its single-process quantization (the reference bytes)."""
+    root = tmp_path_factory.mktemp("dist")
+    make_checkpoint(root / "src")
+    quantize_model(root / "src", root / "single", "q8s", "reference", rules=RULES)
+    return root, tree(root / "single")
+
+
+def test_local_cluster_is_byte_identical(model, client, tmp_path):
+    root, want = model
+    shards = []
+    res = quantize_model_distributed(root / "src", tmp_path / "out", "q8s", "reference", rules=RULES, cluster=client,
+                                     on_shard=lambda name, k, n: shards.append((name, k, n)))
+    assert tree(tmp_path / "out") == want
+    assert sorted(s[0] for s in shards) == SHARDS and [s[1:] for s in shards] == [(k, 4) for k in range(1, 5)]
+    assert [os.path.basename(f) for f in res.files] == SHARDS + ["model.safetensors.index.json"]
+    assert res.before == sum(r.before for r in res.tensors) and res.resumed == []
+
+
+def _kill_once_plugin(flag, victim, out):
+    """A worker plugin that SIGKILLs its worker while it writes tensor `victim`, once; the flag file
+    records what the destination directory `out` held at that moment."""
+
+    class KillOnce(distributed.WorkerPlugin):
+        def setup(self, worker):
+            import qcore.stfile as st
+
+            add = st.StreamWriter.add
+
+            def killing_add(writer, name, array):
+                if name == victim and not os.path.exists(flag):
+                    with open(flag, "w") as f:
+                        f.write("\n".join(sorted(os.listdir(out))))
+                    os.kill(os.getpid(), signal.SIGKILL)  # the worker dies with a half-written shard
+                return add(writer, name, array)
+
+            st.StreamWriter.add = killing_add
+
+    return KillOnce()
+
+
+def test_killed_worker_shard_retried_elsewhere_then_resume(model, client, tmp_path):
+    root, want = model
+    flag = str(tmp_path / "killed")
+    client.register_plugin(_kill_once_plugin(flag, "layers.1.mlp.weight", str(tmp_path / "out")), name="kill-once")
+    try:
+        res = quantize_model_distributed(root / "src", tmp_path / "out", "q8s", "reference", rules=RULES,
+                                         cluster=client)
+    finally:
+        client.unregister_worker_plugin("kill-once")
+    assert os.path.exists(flag), "the plugin did not kill a worker"
+    at_kill = open(flag).read().split("\n")
+    assert SHARDS[1] not in at_kill  # the half-written shard only ever had a temporary name
+    assert any(n.startswith(f".{SHARDS[1]}.") and n.endswith(".tmp") for n in at_kill), at_kill
+    assert tree(tmp_path / "out") == want  # no temporary file of the dead worker left either
+    assert res.resumed == []
+    # A rerun with resume redoes only the missing shard.
+    os.unlink(tmp_path / "out" / SHARDS[2])
+    res = quantize_model_distributed(root / "src", tmp_path / "out", "q8s", "reference", rules=RULES,
+                                     cluster=client, resume=True)
+    assert sorted(res.resumed) == [SHARDS[0], SHARDS[1], SHARDS[3]]
+    assert tree(tmp_path / "out") == want
+
+
+def test_cli_scheduler_prints_dashboard(model, client, tmp_path, capsys):
+    root, want = model
+    rules = [a for r in RULES for a in ("--rule", r)]
+    assert main(["quantize", str(root / "src"), str(tmp_path / "out"), "--scheme", "q8s", "--backend", "reference",
+                 *rules, "--scheduler", client.scheduler.address]) == 0
+    err = capsys.readouterr().err
+    assert "Dask dashboard: http://" in err
+    assert tree(tmp_path / "out") == want
+
+
+def test_in_process_units_without_dask_cluster(model, tmp_path):
+    root, want = model
+    quantize_model_distributed(root / "src", tmp_path / "out", "q8s", "reference", rules=RULES)
+    assert tree(tmp_path / "out") == want
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A real S3-compatible HTTP server (moto's server mode) on 127.0.0.1, and s3fs options for it."""
+    moto_server = need("moto.server", "moto[server] is not installed (pip install 'qcore-quant[distributed-test]')")
+    need("s3fs", "s3fs is not installed (pip install 'qcore-quant[distributed]')")
+    port = _free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}",
+                                                                     "region_name": "eu-west-1"}}
+    try:
+        yield opts
+    finally:
+        server.stop()
+
+
+def test_s3_in_and_out_byte_identical(model, client, s3, tmp_path):
+    import s3fs
+
+    root, want = model
+    fs = s3fs.S3FileSystem(**s3)
+    fs.mkdir("ckpt")
+    fs.put(str(root / "src") + "/", "ckpt/src", recursive=True)
+    res = quantize_model_distributed("s3://ckpt/src", "s3://ckpt/out", "q8s", "reference", rules=RULES,
+                                     cluster=client, storage_options=s3)
+    assert res.files[0] == f"s3://ckpt/out/{SHARDS[0]}"
+    fs.invalidate_cache()
+    fs.get("ckpt/out/", str(tmp_path / "got") + "/", recursive=True)
+    assert tree(tmp_path / "got") == want
+    assert not [k for k in fs.find("ckpt/out") if k.endswith(".tmp")]
+    # resume reads the remote shards' headers only
+    fs.rm(f"ckpt/out/{SHARDS[0]}")
+    res = quantize_model_distributed("s3://ckpt/src", "s3://ckpt/out", "q8s", "reference", rules=RULES,
+                                     storage_options=s3, resume=True)
+    assert sorted(res.resumed) == SHARDS[1:]
+    fs.invalidate_cache()
+    assert fs.cat(f"ckpt/out/{SHARDS[0]}") == want[SHARDS[0]]
+
+
+def test_tensor_over_worker_memory_limit_is_refused(model):
+    """The plan is checked against the workers' memory limit before any unit starts."""
+    from qcore.checkpoint import resolve
+    from qcore.distributed import Unit, _check_memory
+    from qcore.errors import InputError
+    from qcore.model import plan_shards
+    from qcore.recipe import as_recipe
+    from qcore.stfile import Reader
+
+    root, _ = model
+    ck = resolve(root / "src")
+    readers = {s: Reader(ck.path(s)) for s in ck.shards}
+    try:
+        shards, rj = plan_shards(ck, as_recipe("q8s"), None, readers)
+    finally:
+        for r in readers.values():
+            r.close()
+    units = [Unit(s, {}, "", "", "", rj, "reference") for s in shards]
+
+    class Workers:
+        def __init__(self, limit):
+            self.limit = limit
+
+        def scheduler_info(self):
+            return {"workers": {"tcp://a": {"memory_limit": self.limit}, "tcp://b": {"memory_limit": 0}}}
+
+    _check_memory(Workers(1 << 30), units)  # 1 GiB is plenty for 8 KiB tensors
+    with pytest.raises(InputError, match=r"tensor 'layers\.\d\.mlp\.weight' \(8192 bytes\).*memory limit of 1000"):
+        _check_memory(Workers(1000), units)
+
+
+def test_cluster_argument_errors(model, tmp_path):
+    from qcore.errors import InputError
+
+    root, _ = model
+    with pytest.raises(InputError, match="cluster must be 'local', a Dask Cluster or Client, got 'mars'"):
+        quantize_model_distributed(root / "src", tmp_path / "a", "q8s", "reference", cluster="mars")
+    with pytest.raises(InputError, match="not both"):
+        quantize_model_distributed(root / "src", tmp_path / "b", "q8s", "reference", cluster="local",
+                                   scheduler="tcp://127.0.0.1:1")
+
+
+def test_s3_single_file_in_process(model, s3, tmp_path):
+    """One file in, one file out, through URLs, without a cluster (fsspec only)."""
+    import s3fs
+
+    root, _ = model
+    fs = s3fs.S3FileSystem(**s3)
+    fs.mkdir("one")
+    fs.put(str(root / "src" / SHARDS[0]), f"one/{SHARDS[0]}")  # the run marker names the source file
+    quantize_model(root / "src" / SHARDS[0], tmp_path / "want.safetensors", "q8s", "reference", rules=RULES)
+    res = quantize_model_distributed(f"s3://one/{SHARDS[0]}", "s3://one/out.safetensors", "q8s", "reference",
+                                     rules=RULES, storage_options=s3)
+    assert res.files == ["s3://one/out.safetensors"]
+    fs.invalidate_cache()
+    assert fs.cat("one/out.safetensors") == (tmp_path / "want.safetensors").read_bytes()
+    assert sorted(fs.ls("one")) == [f"one/{SHARDS[0]}", "one/out.safetensors"]  # no temporary key left
+
+
+def test_cluster_local_starts_and_closes_its_own_cluster(model, tmp_path):
+    """cluster="local" (what --cluster local runs): a LocalCluster of its own, one worker here."""
+    root, want = model
+    said = []
+    quantize_model_distributed(root / "src", tmp_path / "out", "q8s", "reference", rules=RULES, cluster="local",
+                               workers=1, log=said.append)
+    assert tree(tmp_path / "out") == want
+    assert len(said) == 1 and said[0].startswith("Dask dashboard: http")
+
+
+def test_cuda_local_cluster_needs_dask_cuda(model, tmp_path, cuda_backend):
+    """--cluster local with the cuda backend is dask-cuda's LocalCUDACluster; without it, a clear error."""
+    from qcore.errors import InputError
+
+    if importlib.util.find_spec("dask_cuda") is not None:
+        pytest.skip("dask-cuda is installed: this checks the message shown without it")
+    root, _ = model
+    with pytest.raises(InputError, match=r"dask-cuda: pip install 'qcore-quant\[distributed-cuda\]'"):
+        quantize_model_distributed(root / "src", tmp_path / "out", "q8s", cuda_backend, cluster="local")

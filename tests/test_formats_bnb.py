@@ -1,0 +1,141 @@
+"""bitsandbytes nf4 checkpoints: files written by bitsandbytes itself, and the documented layout."""
+import json
+import os
+
+import ml_dtypes  # noqa: F401  (bfloat16 for the reference file)
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import qcore
+import qcore.formats as qf
+from qcore import InvalidDataError
+from qcore.formats import UnrepresentableError
+from tests.formats_util import assert_bits_equal, decode, get_backend
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+FIXTURE = os.path.join(DATA, "bnb_nf4.safetensors")          # made by scripts/make_bnb_fixture.py
+REFERENCE = os.path.join(DATA, "bnb_nf4.ref.safetensors")    # bitsandbytes' dequantize_4bit of each weight
+NF4 = np.asarray(qcore.scheme("nf4").table, np.float32)
+WEIGHTS = ["layers.0.proj.weight", "layers.1.proj.weight", "layers.2.proj.weight", "layers.3.proj.weight"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return qf.read(FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return qf.read(REFERENCE).tensors
+
+
+@pytest.mark.parametrize("name", WEIGHTS, ids=["f32", "f32-double-quant", "bf16-double-quant-block128", "f16"])
+@pytest.mark.parametrize("be_name", ["reference", "lutcpu"])
+def test_bitsandbytes_file_decodes_like_dequantize_4bit(request, checkpoint, reference, name, be_name):
+    """qcore's decode cast to the layer's dtype equals bitsandbytes' own output bit for bit."""
+    be = get_backend(be_name, request)
+    d, want = checkpoint.tensors[name], reference[name]
+    sup = be.supports(d.scheme)
+    assert sup, sup.reason
+    got = be.to_numpy(be.dequantize(be.from_data(d), dtype=want.dtype))
+    assert got.dtype == want.dtype and got.shape == want.shape
+    bad = got.view(np.uint8) != want.view(np.uint8)
+    assert not bad.any(), f"{int(bad.sum())} bytes differ"
+
+
+def test_bitsandbytes_file_is_detected_and_described(checkpoint):
+    assert qf.detect(FIXTURE).name == "bitsandbytes"
+    assert [checkpoint.tensors[n].scheme for n in WEIGHTS] == [qcore.scheme(s) for s in (
+        "nf4", "nf4", "q4s-lookup[nf4]/block128:f32", "nf4")]
+    assert json.loads(checkpoint.metadata["bitsandbytes.dtypes"])["layers.2.proj.weight"] == "bfloat16"
+    assert checkpoint.tensors["layers.0.proj.bias"].dtype == np.float32      # other tensors pass through
+    assert not any(".absmax" in k or "quant_state" in k for k in checkpoint.tensors)
+
+
+def test_blocks_that_cross_rows_are_refused():
+    with pytest.raises(UnrepresentableError, match=r"'rows.weight': bitsandbytes blocks of 64 run over the flattened "
+                                                   r"tensor; with shape \[4, 96\] they cross rows"):
+        qf.read(os.path.join(DATA, "bnb_nf4_rows.safetensors"))
+
+
+# ----------------------------------------------------------- the documented layout, written here
+def bnb_quantize(x: np.ndarray, blocksize: int, table=NF4):
+    """bitsandbytes' quantize_4bit in numpy: absmax per `blocksize` of the flattened tensor, code =
+    nearest table entry of x * (1 / absmax), element 2k in the high nibble."""
+    flat = x.reshape(-1).astype(np.float32)
+    n = flat.size
+    pad = np.zeros(-(-n // blocksize) * blocksize, np.float32)
+    pad[:n] = flat
+    absmax = np.abs(pad.reshape(-1, blocksize)).max(axis=1)
+    y = pad.reshape(-1, blocksize) * (np.float32(1) / np.where(absmax == 0, 1, absmax))[:, None]
+    codes = np.abs(y[..., None] - table).argmin(-1).astype(np.uint8).reshape(-1)[:n]
+    codes = np.concatenate([codes, np.zeros(n % 2, np.uint8)])
+    packed = (codes[0::2] << 4) | codes[1::2]
+    return packed.reshape(-1, 1), absmax.astype(np.float32)
+
+
+def bnb_dequantize(packed: np.ndarray, absmax: np.ndarray, shape, blocksize: int, table=NF4) -> np.ndarray:
+    """bitsandbytes' dequantize_4bit in numpy: table[code] * absmax[block] in f32."""
+    b = packed.reshape(-1)
+    codes = np.stack([b >> 4, b & 0x0F], axis=1).reshape(-1)[: int(np.prod(shape))]
+    per = np.repeat(absmax, blocksize)[: codes.size]
+    return (table[codes] * per).astype(np.float32).reshape(shape)
+
+
+def _write(path, name, packed, absmax, shape, blocksize, quant_type="nf4", table=NF4, extra=None):
+    state = {"quant_type": quant_type, "blocksize": blocksize, "dtype": "float32", "shape": list(shape)}
+    state.update((extra or {}).pop("state", {}))
+    tensors = {name: packed, f"{name}.absmax": absmax, f"{name}.quant_map": table,
+               f"{name}.quant_state.bitsandbytes__{quant_type}": np.frombuffer(json.dumps(state).encode(), np.uint8)}
+    tensors.update(extra or {})
+    save_file(tensors, str(path))
+    return path
+
+
+@pytest.mark.parametrize("shape,blocksize", [((100,), 64), ((3, 128), 64), ((2, 2, 256), 256)], ids=str)
+def test_documented_layout_decodes_exactly(tmp_path, shape, blocksize):
+    """1-D with a partial last block (and an odd byte), rows of whole blocks, a 3-D tensor."""
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    packed, absmax = bnb_quantize(x, blocksize)
+    d = qf.read(_write(tmp_path / "m.safetensors", "w", packed, absmax, shape, blocksize)).tensors["w"]
+    assert_bits_equal(decode(d, qcore.backend("reference")), bnb_dequantize(packed, absmax, shape, blocksize))
+
+
+def test_custom_quant_map_travels_as_a_lookup_table(tmp_path):
+    table = np.linspace(-1, 1, 16, dtype=np.float32)
+    x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    packed, absmax = bnb_quantize(x, 64, table)
+    d = qf.read(_write(tmp_path / "m.safetensors", "w", packed, absmax, (2, 64), 64, table=table)).tensors["w"]
+    assert str(d.scheme) == "q4s-lookup/block64:f32"
+    assert_bits_equal(decode(d, qcore.backend("reference")), bnb_dequantize(packed, absmax, (2, 64), 64, table))
+
+
+def test_fp4_is_refused_with_the_reason(tmp_path):
+    packed, absmax = bnb_quantize(np.ones(64, np.float32), 64)
+    path = _write(tmp_path / "m.safetensors", "w", packed, absmax, (64,), 64, quant_type="fp4")
+    with pytest.raises(UnrepresentableError, match=r"quant_type 'fp4' is not read .* only nf4 is read"):
+        qf.read(path)
+
+
+def test_wrong_absmax_count_is_invalid_data(tmp_path):
+    packed, absmax = bnb_quantize(np.ones((2, 64), np.float32), 64)
+    path = _write(tmp_path / "m.safetensors", "w", packed, absmax[:1], (2, 64), 64)
+    with pytest.raises(InvalidDataError, match=r"'w' has 1 absmax values; shape \[2, 64\] needs 2"):
+        qf.read(path)
+
+
+def test_missing_part_is_named(tmp_path):
+    packed, absmax = bnb_quantize(np.ones(64, np.float32), 64)
+    path = _write(tmp_path / "m.safetensors", "w", packed, absmax, (64,), 64)
+    from safetensors.numpy import load_file
+    t = load_file(str(path))
+    del t["w.quant_map"]
+    save_file(t, str(path))
+    with pytest.raises(InvalidDataError, match=r"bitsandbytes tensor 'w': lacks 'w.quant_map'"):
+        qf.read(path)
+
+
+def test_bitsandbytes_is_read_only(tmp_path):
+    with pytest.raises(UnrepresentableError, match="format 'bitsandbytes' is read-only"):
+        qf.convert(FIXTURE, tmp_path / "o.safetensors", "bitsandbytes")

@@ -1,0 +1,180 @@
+"""GGUF Q8_0 and MXFP4 against the gguf package's own quantize, dequantize, reader and writer."""
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'qcore-quant[formats]')")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+import qcore  # noqa: E402
+import qcore.formats as qf  # noqa: E402
+from qcore.formats import UnrepresentableError  # noqa: E402
+from tests.formats_util import BACKENDS, assert_bits_equal, decode, get_backend  # noqa: E402
+
+# Shapes: a 1-D row, several rows, a 3-D tensor with rows of 3 blocks (GGUF's ne order reverses them).
+SHAPES = [(64,), (3, 64), (2, 5, 96)]
+
+
+def _x(shape, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * rng.uniform(0.01, 50, size=shape[:-1] + (1,))).astype(np.float32)
+    x.reshape(-1, 32)[0] = 0.0          # an all-zero block (scale 0)
+    x.reshape(-1)[40] = 1e-30           # a tiny value in a block of its own kind
+    return x
+
+
+def _gguf_file(path, tensors, kv=None):
+    """Write with gguf's own writer: {name: (numpy data, raw type or None)}."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (kv or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, list):
+            w.add_array(key, value)
+        else:
+            w.add_uint32(key, value)
+    for name, (data, raw) in tensors.items():
+        if raw is None:
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ndarray holds 8-bit integers only (SPEC §4), so MXFP4 runs on reference and cuda
+DECODERS = [pytest.param(kind, scheme, be, id=f"{kind.name}-{be}") for kind, scheme, bes in (
+    (T.Q8_0, "q8s/block32:f16", BACKENDS), (T.MXFP4, "mxfp4", ["reference", "cuda"])) for be in bes]
+
+
+@pytest.mark.parametrize("kind,scheme,be_name", DECODERS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gguf_quantized_decodes_like_gguf_dequantize(tmp_path, request, kind, scheme, shape, be_name):
+    be = get_backend(be_name, request)
+    raw = gguf.quants.quantize(_x(shape), kind)
+    path = _gguf_file(tmp_path / "m.gguf", {"w": (raw, kind)})
+    d = qf.read(path).tensors["w"]
+    assert d.shape == shape and d.scheme == qcore.scheme(scheme)
+    # MXFP4 code 8 (E2M1 -0): ggml's doubled table gives +0, SPEC -0 (docs/formats.md)
+    assert_bits_equal(decode(d, be), gguf.quants.dequantize(raw, kind), signed_zero=kind != T.MXFP4)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")   # e = 254 with 6: inf in both
+@pytest.mark.parametrize("be_name", ["reference", "cuda"])
+def test_random_mxfp4_bytes_decode_like_gguf(tmp_path, request, be_name):
+    """Every scale byte but 255 (NaN in SPEC) and every nibble, including e = 0 and 1 (subnormal scales)."""
+    be = get_backend(be_name, request)
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, size=(4, 2 * 17), dtype=np.uint8)
+    blocks.reshape(-1, 17)[:, 0] = rng.integers(0, 255, size=8)
+    blocks.reshape(-1, 17)[:3, 0] = [0, 1, 254]
+    d = qf.read(_gguf_file(tmp_path / "r.gguf", {"w": (blocks, T.MXFP4)})).tensors["w"]
+    assert_bits_equal(decode(d, be), gguf.quants.dequantize(blocks, T.MXFP4), signed_zero=False)
+
+
+@pytest.mark.parametrize("be_name", BACKENDS)
+def test_random_q8_0_bytes_decode_like_gguf(tmp_path, request, be_name):
+    """Random codes (-128 included: read as q8f) under random finite, non-negative f16 scales."""
+    be = get_backend(be_name, request)
+    rng = np.random.default_rng(2)
+    blocks = rng.integers(0, 256, size=(3, 4 * 34), dtype=np.uint8)
+    scales = np.abs(rng.standard_normal(12) * 10).astype(np.float16)
+    scales[0] = 0
+    blocks.reshape(-1, 34)[:, :2] = scales.view(np.uint8).reshape(-1, 2)
+    blocks.reshape(-1, 34)[0, 2] = 0x80     # code -128
+    d = qf.read(_gguf_file(tmp_path / "r.gguf", {"w": (blocks, T.Q8_0)})).tensors["w"]
+    assert str(d.scheme) == "q8f/block32:f16"
+    assert_bits_equal(decode(d, be), gguf.quants.dequantize(blocks, T.Q8_0))
+
+
+@pytest.mark.parametrize("scheme,kind", [("q8s/block32:f16", T.Q8_0), ("mxfp4", T.MXFP4)], ids=["Q8_0", "MXFP4"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_qcore_writes_gguf_that_gguf_reads_back(tmp_path, scheme, kind, shape):
+    q = qcore.quantize(_x(shape, 3), scheme, backend="reference")
+    path = tmp_path / "out.gguf"
+    qf.write(path, {"w": q.to_data(), "norm": np.linspace(-1, 1, 8, dtype=np.float32)}, "gguf")
+    r = gguf.GGUFReader(str(path))
+    t = {t.name: t for t in r.tensors}
+    assert t["w"].tensor_type == kind and tuple(reversed(t["w"].shape.tolist())) == shape
+    assert t["norm"].tensor_type == T.F32
+    assert r.fields["general.quantization_version"].contents() == 2
+    got = gguf.quants.dequantize(np.asarray(t["w"].data), kind).reshape(shape)
+    assert_bits_equal(q.numpy(), got, signed_zero=kind != T.MXFP4)
+
+
+def test_qcore_encoding_of_gguf_blocks_is_gguf_bytes(tmp_path):
+    """Read then write: every byte of the tensor data is the one gguf's quantizer wrote."""
+    x = _x((4, 128), 4)
+    src = {"q8": (gguf.quants.quantize(x, T.Q8_0), T.Q8_0), "mx": (gguf.quants.quantize(x, T.MXFP4), T.MXFP4)}
+    a = _gguf_file(tmp_path / "a.gguf", src)
+    qf.write(tmp_path / "b.gguf", qf.read(a), "gguf")
+    back = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(tmp_path / "b.gguf")).tensors}
+    for name, (raw, _) in src.items():
+        assert back[name].tobytes() == raw.tobytes(), name
+
+
+def test_float_tensors_and_metadata_pass_through(tmp_path):
+    x = _x((2, 32), 5)
+    kv = {"general.name": "tiny", "tiny.context_length": 128, "tiny.rope_theta": 0.5, "tiny.list": [1, 2, 3]}
+    a = _gguf_file(tmp_path / "a.gguf", {
+        "f32": (x, None), "f16": (x.astype(np.float16), None),
+        "bf16": (x.astype(ml_dtypes.bfloat16).view(np.uint16), T.BF16), "i32": (np.arange(6, dtype=np.int32), None),
+    }, kv)
+    ck = qf.read(a)
+    assert ck.tensors["bf16"].dtype == ml_dtypes.bfloat16 and ck.tensors["bf16"].shape == (2, 32)
+    assert np.array_equal(ck.tensors["bf16"].astype(np.float32), x.astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert ck.tensors["f16"].dtype == np.float16 and ck.tensors["i32"].tolist() == list(range(6))
+    qf.write(tmp_path / "b.gguf", ck, "gguf")
+    r = gguf.GGUFReader(str(tmp_path / "b.gguf"))
+    for key, value in kv.items():
+        assert r.fields[key].contents() == value, key
+    assert r.fields["general.architecture"].contents() == "llama"
+    types = {t.name: t.tensor_type for t in r.tensors}
+    assert types == {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "i32": T.I32}
+
+
+def test_unsupported_gguf_type_is_refused_with_the_type(tmp_path):
+    raw = gguf.quants.quantize(_x((2, 64)), T.Q4_0)
+    path = _gguf_file(tmp_path / "q4.gguf", {"w": (raw, T.Q4_0)})
+    with pytest.raises(UnrepresentableError, match=r"tensor 'w': GGUF type Q4_0 has no exact qcore scheme"):
+        qf.read(path)
+
+
+@pytest.mark.parametrize("scheme,shape,match", [
+    ("q4s/block32:f16", (2, 64), r"GGUF holds qcore q8s/block32:f16 \(Q8_0\) and mxfp4 \(MXFP4\) exactly, got q4s"),
+    ("q8s/block32:f16", (2, 40), r"Q8_0 needs whole blocks of 32 along the last dim, got \[2, 40\]"),
+    ("mxfp4", (2, 48), r"GGUF MXFP4 needs whole blocks of 32, got last dim 48"),
+    ("q8s/block16:f16", (2, 64), r"got q8s/block16:f16"),
+    ("mxfp4", (1, 1, 1, 1, 32), r"at most 4 dims"),
+])
+def test_what_gguf_cannot_hold_is_refused_before_writing(tmp_path, scheme, shape, match):
+    d = qcore.quantize(np.ones(shape, np.float32), scheme, backend="reference").to_data()
+    assert not qf.get("gguf").check("w", d)
+    with pytest.raises(UnrepresentableError, match=match):
+        qf.write(tmp_path / "x.gguf", {"w": d}, "gguf")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_long_tensor_name_is_refused():
+    d = qcore.quantize(np.ones((1, 32), np.float32), "mxfp4", backend="reference").to_data()
+    assert qf.get("gguf").check("x" * 63, d)
+    assert qf.get("gguf").check("x" * 64, d).reason == "GGUF tensor names are shorter than 64 bytes; rename it"
+
+
+def test_kv_metadata_travels_as_json(tmp_path):
+    a = _gguf_file(tmp_path / "a.gguf", {"w": (np.zeros((1, 32), np.float32), None)}, {"general.name": "x"})
+    kv = json.loads(qf.read(a).metadata["gguf.kv"])
+    assert ["general.name", "STRING", None, "x"] in kv
+
+
+def test_a_file_with_the_magic_but_no_gguf_is_invalid_data(tmp_path):
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\xff" * 20)
+    with pytest.raises(qcore.InvalidDataError, match=r"bad.gguf is not a readable GGUF file"):
+        qf.read(tmp_path / "bad.gguf")

@@ -1,0 +1,115 @@
+"""The whole-model Python API, the streamed safetensors writer, statistics and the memory bound."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+import qcore
+from qcore import io as qio
+from qcore.stats import error_stats
+from qcore.stfile import Reader, StreamWriter, header_room
+
+
+def _x(shape, seed=0, dtype=np.float32):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def test_quantize_dict_and_model_of_a_mapping(tmp_path):
+    sd = {"layers.0.weight": _x((8, 64), 1), "layers.0.bias": _x((64,), 2), "embed.weight": _x((4, 64), 3),
+          "ids": np.arange(4)}
+    out = qcore.quantize_dict(sd, "q8s", backend="reference")
+    assert isinstance(out["layers.0.weight"], qcore.QTensor)
+    assert out["layers.0.weight"].to_data() == qcore.quantize(sd["layers.0.weight"], "q8s", "reference").to_data()
+    assert all(out[k] is sd[k] for k in ("layers.0.bias", "embed.weight", "ids"))  # kept as they were
+    # the same through quantize_model, saved with the recipe and the source dtypes
+    got = qcore.quantize_model(sd, tmp_path / "q.safetensors", {"scheme": "q8s", "rules": [["embed*", "q8s"]]},
+                               backend="reference")
+    assert isinstance(got["embed.weight"], qcore.QTensor)
+    info = qio.read_info(tmp_path / "q.safetensors")
+    assert json.loads(info.recipe)["rules"] == [["embed*", "q8s"]]
+    assert {e.name: e.source_dtype for e in info.entries if e.quantized} == {"layers.0.weight": "F32",
+                                                                             "embed.weight": "F32"}
+
+
+def test_quantize_model_rejects_an_unsupported_scheme_before_work(tmp_path):
+    save_file({"w": _x((4, 32))}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(qcore.UnsupportedSchemeError, match="backend 'ndarray' does not support"):
+        qcore.quantize_model(tmp_path / "m.safetensors", tmp_path / "o.safetensors", "nf4", backend="ndarray")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_stream_writer_reads_back_bit_identically_with_safetensors(tmp_path):
+    tensors = {"f32": _x((3, 5)), "bf16": _x((4, 4), 1).astype(ml_dtypes.bfloat16), "f16": _x((7,), 2, np.float16),
+               "i64": np.arange(6, dtype=np.int64).reshape(2, 3), "empty": np.zeros((0, 4), np.float32),
+               "scalar": np.array(2.5, np.float32), "u8": np.arange(9, dtype=np.uint8)}
+    meta = {"qcore.format_version": "1", "format": "pt"}
+    room = header_room([(k, qcore.stfile.st_dtype(v.dtype), v.shape) for k, v in tensors.items()], meta)
+    path = tmp_path / "s.safetensors"
+    with open(path, "wb") as f:
+        w = StreamWriter(f, room)
+        for k, v in tensors.items():
+            w.add(k, v)
+        w.finish(meta)
+    got = load_file(str(path))
+    for k, v in tensors.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and got[k].tobytes() == v.tobytes(), k
+    with safe_open(str(path), framework="np") as f:
+        assert f.metadata() == meta
+    with Reader(path) as r:  # and our reader reads safetensors' own files
+        assert list(r.tensors) == list(tensors)
+        assert all(r.read(k).tobytes() == v.tobytes() for k, v in tensors.items())
+
+
+def test_reader_rejects_bad_files(tmp_path):
+    (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 20)
+    with pytest.raises(qcore.InvalidDataError, match="header length"):
+        Reader(tmp_path / "junk.safetensors")
+
+
+def test_error_stats_match_float64():
+    x = _x((300, 1000), 5)
+    y = (x + _x((300, 1000), 6) * 1e-3).astype(np.float32)
+    sqnr, mx = error_stats(x, y)
+    e = y.astype(np.float64) - x
+    assert sqnr == pytest.approx(10 * np.log10((x.astype(np.float64) ** 2).sum() / (e ** 2).sum()), abs=1e-3)
+    assert mx == pytest.approx(np.abs(e).max(), rel=1e-6)
+    assert error_stats(x, x)[0] == float("inf")
+
+
+MEMORY_SCRIPT = textwrap.dedent("""
+    import resource, sys, numpy as np, qcore
+    qcore.quantize_model({"w": np.ones((64, 64), np.float32)}, None, "q8s", backend="reference")  # warm up
+    with open("/proc/self/status") as f:
+        base = next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024
+    peak0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    qcore.quantize_model(sys.argv[1], sys.argv[2], "q8s", backend="reference")
+    print(base, peak0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux)")
+def test_peak_memory_is_bounded_by_the_largest_tensor(tmp_path):
+    """12 tensors of 8 MiB (96 MiB): the run may add at most 3 x 8 MiB + 40 MiB to the resident set.
+
+    Loading the whole model (96 MiB plus its quantized copy) would break the bound."""
+    n, rows = 12, 2048
+    (tmp_path / "src").mkdir()
+    rng = np.random.default_rng(0)
+    for k in range(n):
+        save_file({f"layers.{k}.weight": rng.standard_normal((rows, 1024), dtype=np.float32)},
+                  str(tmp_path / "src" / f"model-{k + 1:05d}-of-{n:05d}.safetensors"))
+    p = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path / "src"), str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    base, peak0, peak = map(int, p.stdout.split())
+    largest = rows * 1024 * 4
+    grew = peak - max(base, peak0)
+    assert grew <= 3 * largest + (40 << 20), (grew / 2**20, largest / 2**20)
+    assert len(os.listdir(tmp_path / "out")) == n
