@@ -115,9 +115,9 @@ def subset(items: list, n: int | None) -> list:
 def strata_subset(n: int | None) -> list[Stratum]:
     """`n` strata spread over the groups (all strata when n is None or large): one stratum of
     every (value x mode, level kind) group first, each group starting at a different scale dtype
-    and store kind, then a second of every group, and so on; returned in `strata()` order. With
-    n >= the number of groups every group is checked, and the scale dtypes and store kinds
-    turn over between groups."""
+    and store kind, then a second of every group, and so on, the last round evenly spaced over
+    the groups; returned in `strata()` order. With n >= the number of groups every group is
+    checked, and the scale dtypes and store kinds turn over between groups."""
     every = strata()
     if n is None or n >= len(every):
         return every
@@ -126,8 +126,13 @@ def strata_subset(n: int | None) -> list[Stratum]:
         by_group.setdefault(_group_key(st.candidates[0]), []).append(st)
     rotated = [members[g % len(members):] + members[:g % len(members)]
                for g, members in enumerate(by_group.values())]
-    order = [members[r] for r in range(max(map(len, rotated))) for members in rotated if r < len(members)]
-    return sorted(order[:max(n, 0)], key=lambda st: st.index)
+    picked: list[Stratum] = []
+    for r in range(max(map(len, rotated))):
+        one_round = [members[r] for members in rotated if r < len(members)]
+        picked += subset(one_round, max(n, 0) - len(picked))  # the last round evenly spaced
+        if len(picked) >= n:
+            break
+    return sorted(picked, key=lambda st: st.index)
 
 
 # --------------------------------------------------------------------------- drawing cases
