@@ -210,3 +210,26 @@ def test_dequantize_sharded_directory(tmp_path):
     for shard in set(index["weight_map"].values()):
         for v in load_file(str(tmp_path / "d" / shard)).values():
             assert v.dtype == np.float16
+
+
+def test_cli_interrupt_of_a_directory_says_resume(tmp_path, capsys, monkeypatch):
+    make_checkpoint(tmp_path / "ck")
+    real = ReferenceBackend.quantize
+    seen = []
+
+    def stop_third(self, x, scheme, **kw):
+        seen.append(1)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+        return real(self, x, scheme, **kw)
+
+    monkeypatch.setattr(ReferenceBackend, "quantize", stop_third)
+    rc = main(["quantize", str(tmp_path / "ck"), str(tmp_path / "out"), "--scheme", "q8s", "--backend", "reference"])
+    err = capsys.readouterr()[1]
+    assert rc == 130
+    assert "complete shards in" in err and "--resume" in err
+    monkeypatch.setattr(ReferenceBackend, "quantize", real)
+    rc = main(["quantize", str(tmp_path / "ck"), str(tmp_path / "out"), "--scheme", "q8s", "--backend", "reference",
+               "--resume"])
+    out = capsys.readouterr()[0]
+    assert rc == 0 and "resumed: 1 shards already complete were kept: model-00001-of-00004.safetensors" in out
