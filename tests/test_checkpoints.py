@@ -233,3 +233,16 @@ def test_cli_interrupt_of_a_directory_says_resume(tmp_path, capsys, monkeypatch)
                "--resume"])
     out = capsys.readouterr()[0]
     assert rc == 0 and "resumed: 1 shards already complete were kept: model-00001-of-00004.safetensors" in out
+
+
+def test_already_quantized_tensors_travel_with_their_keys(tmp_path):
+    save_file({"w": _x((8, 64), 1), "v": _x((8, 64), 2)}, str(tmp_path / "m.safetensors"))
+    quantize_model(tmp_path / "m.safetensors", tmp_path / "q.safetensors", "q4s/block32:f16", "reference",
+                   rules=["v=keep"])
+    res = quantize_model(tmp_path / "q.safetensors", tmp_path / "q2.safetensors", "q8s", "reference")
+    assert {t.name: (t.scheme, t.note) for t in res.tensors} == {
+        "w": ("", "already quantized (q4s/block32:f16)"), "v": ("q8s", "")}
+    first, second = qio.load_data(tmp_path / "q.safetensors"), qio.load_data(tmp_path / "q2.safetensors")
+    assert second["w"] == first["w"]  # the same QuantizedData, scheme and source dtype kept
+    assert {e.name: e.source_dtype for e in qio.read_info(tmp_path / "q2.safetensors").entries} == {"w": "F32",
+                                                                                                      "v": "F32"}
