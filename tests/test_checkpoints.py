@@ -144,8 +144,8 @@ def test_max_shard_size_reshards(tmp_path):
     # a single file with --max-shard-size becomes a directory too
     save_file({"a.weight": _x((8, 64), 1), "b.weight": _x((8, 64), 2)}, str(tmp_path / "one.safetensors"))
     quantize_model(tmp_path / "one.safetensors", tmp_path / "one_out", "q8s", "reference", max_shard_size="600B")
-    assert sorted(os.listdir(tmp_path / "one_out")) == ["model.safetensors.index.json", "one-00001-of-00002.safetensors",
-                                                         "one-00002-of-00002.safetensors"]
+    assert sorted(os.listdir(tmp_path / "one_out")) == [
+        "model.safetensors.index.json", "one-00001-of-00002.safetensors", "one-00002-of-00002.safetensors"]
 
 
 def test_interrupted_run_keeps_complete_shards_and_resumes(tmp_path, monkeypatch):
