@@ -126,3 +126,8 @@ def test_cuda_error_stats_on_the_device_match_the_host(cuda_backend, scheme):
     want = error_stats(x, q.numpy())
     assert sqnr == pytest.approx(want[0], abs=1e-4) and mx == pytest.approx(want[1], rel=1e-6)
     assert qcore.stats.tensor_stats(cuda_backend, x, q) == (sqnr, mx)  # the core entry point uses it
+
+
+def test_quantize_of_a_dict_points_at_quantize_dict():
+    with pytest.raises(qcore.InputError, match=r"for a state dict use qcore.quantize_dict"):
+        qcore.quantize({"w": _x((2, 32))}, "q8s", backend="reference")
