@@ -18,7 +18,7 @@ import numpy as np
 from qcore.checks import check_input_dtype, raise_nonfinite, to_f32
 from qcore.errors import InputError
 from qcore.payload import QuantizedData, sections
-from qcore.protocol import BaseBackend, QParams, Support
+from qcore.protocol import BaseBackend, QParams, QTensor, Support
 from qcore.scheme import QuantScheme
 
 from ._launch import Packed
@@ -443,6 +443,28 @@ class CudaBackend(BaseBackend):
         if int(flag.copy_to_host()[0]):
             flag.copy_to_device(np.zeros(1, dtype=np.int32))
             self._into_data(data).check_codes()
+
+    @guard(lambda self, x, q: (f"measure the error of a {q.shape} {q.scheme} tensor", 8 * math.prod(q.shape)))
+    def error_stats(self, x: Any, q: QTensor) -> tuple[float, float]:
+        """(SQNR dB, max |err|) of `q` against `x` on the device (qcore.stats.tensor_stats calls it):
+        dequantize into device memory and reduce there; only the grid's partial sums come back."""
+        from qcore.stats import sqnr_db
+
+        cuda, K = _cuda(), _k()
+        q = self._own(q)
+        xd = self._device_f32(x)
+        n = int(xd.size)
+        if n == 0:
+            return sqnr_db(0.0, 0.0), 0.0
+        y = cuda.device_array(n, dtype=np.float32)
+        self._launch_dequantize(q.data, y)
+        self._raise_if_bad_codes(q.data)
+        blocks, tpb = K.launch(n)
+        sig, noise = (cuda.device_array(blocks * tpb, dtype=np.float64) for _ in range(2))
+        mx = cuda.device_array(blocks * tpb, dtype=np.float32)
+        K.k_error_partials[blocks, tpb](xd, y, sig, noise, mx)
+        return sqnr_db(float(sig.copy_to_host().sum()), float(noise.copy_to_host().sum())), \
+            float(mx.copy_to_host().max())
 
     @guard(lambda self, data, dtype: (f"dequantize a {data.shape} {data.scheme} tensor to {dtype}",
                                       math.prod(data.shape) * max(4, dtype.itemsize)))
