@@ -15,8 +15,9 @@ It writes a float32 checkpoint of `--tensors` equal matrices (`--shards` files; 
   `get_tensor`) and writing (`save_file`, then fsync, as qcore's atomic writes do) U8 tensors of
   the same sizes as qcore's output;
 
-and, once, the peak resident memory of the command run as a user runs it (`qcore quantize` in a
-subprocess; its `ru_maxrss`) against the bound 3 x the largest tensor + 300 MB. The files are in
+and, once, the peak resident memory of the command in a fresh process (`qcore.cli.main` in a
+subprocess; its `VmHWM`, Linux) against the bound 3 x the largest tensor + 300 MB, and that
+process's wall time (`cli_process_s`: interpreter start, imports and numba's cache load included). The files are in
 the page cache for both timings (the checkpoint was just written and read), so the floor is the
 copy-through-the-kernel speed of this machine. Prints a JSON document (also to `--json PATH`).
 """
@@ -28,7 +29,6 @@ import io
 import json
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -133,15 +133,17 @@ def main(argv: list[str] | None = None) -> int:
             q_times.append(run_qcore())
         best_floor = min(floors, key=sum)
         # peak memory of the command as a user runs it (a fresh process)
-        exe = os.path.join(os.path.dirname(sys.executable), "qcore")
-        argv0 = [exe] if os.path.exists(exe) else [sys.executable, "-m", "qcore.cli"]
-        t0 = time.perf_counter()
+        # (the child's own high-water mark: ru_maxrss of children would count the forked parent)
+        probe = ("import sys; from qcore.cli import main; rc = main(sys.argv[1:]); "
+                 "print(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1], "
+                 "file=sys.stderr); sys.exit(rc)")
         env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM" or v == "1"}
-        p = subprocess.run(argv0 + cmd, capture_output=True, text=True, env=env)
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, "-c", probe, *cmd], capture_output=True, text=True, env=env)
         cli_s = time.perf_counter() - t0
         if p.returncode != 0:
             raise SystemExit(p.stderr)
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        peak = int(p.stderr.strip().splitlines()[-1]) * 1024
         largest = rows * args.cols * 4
         total_in = args.tensors * largest
         doc = {

@@ -64,7 +64,13 @@ __all__ = [
 def quantize(x: Any, scheme: QuantScheme | str, backend: str | Backend | None = None, *,
              params: QParams | None = None, method: str = "minmax") -> QTensor:
     """Quantize `x` on `backend` (None -> $QCORE_BACKEND, else auto)."""
+    from collections.abc import Mapping
+
     from .registry import backend as get
+
+    if isinstance(x, Mapping):
+        raise InputError("qcore.quantize takes one tensor, got a dict; for a state dict use "
+                         "qcore.quantize_dict(tensors, recipe) (or quantize_model for files)")
 
     be = get(backend) if not isinstance(backend, Backend) else backend
     return be.quantize(x, scheme, params=params, method=method)

@@ -116,7 +116,8 @@ def resolve(src: PathLike) -> Checkpoint:
             return _from_index(os.path.join(p, index[0]))
         shards = [n for n in names if n.endswith(".safetensors") and os.path.isfile(os.path.join(p, n))]
         if not shards:
-            raise InputError(f"directory {p} holds no .safetensors file and no {INDEX_NAME}; pass a checkpoint directory")
+            raise InputError(
+                f"directory {p} holds no .safetensors file and no {INDEX_NAME}; pass a checkpoint directory")
         return Checkpoint(os.path.abspath(p), shards, False, None, {}, {}, _extras(p, set(shards)))
     from .io import check_input_path
 

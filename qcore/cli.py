@@ -256,9 +256,15 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                 done[0] += 1
                 bar.update(task, advance=row.before, done=done[0])
 
-        res = run(args.input, args.output, recipe, be, max_shard_size=args.max_shard_size,
-                  resume=args.resume, stats=not args.no_stats, compare=compare,
-                  on_plan=on_plan, on_tensor=on_tensor, **spread)
+        try:
+            res = run(args.input, args.output, recipe, be, max_shard_size=args.max_shard_size,
+                      resume=args.resume, stats=not args.no_stats, compare=compare,
+                      on_plan=on_plan, on_tensor=on_tensor, **spread)
+        except (KeyboardInterrupt, QCoreError, OSError):
+            if os.path.isdir(args.output):  # shards written before the stop are complete and kept
+                print(f"qcore: complete shards in {args.output} are kept; the same command with --resume "
+                      "continues from them", file=sys.stderr)
+            raise
 
     q_rows = [r for r in res.tensors if r.quantized]
     if args.report:

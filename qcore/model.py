@@ -298,12 +298,12 @@ def _stream(todo: list[_OutShard], paths: dict[str, str], readers: dict[str, Rea
                 with open(tmp, "wb") as f:
                     w = StreamWriter(f, room)
                     for _ in shard.items:
-                        name, arr, release, kept = p.get(p.outbox)
+                        name, arr, release, fell_back = p.get(p.outbox)
                         w.add(name, arr)
                         del arr
                         if release:
                             p.slots.release()
-                        if kept:
+                        if fell_back:  # planned quantized, kept (NaN/Inf): its keys go
                             for k in (qio.scheme_key(name), qio.shape_key(name), qio.dtype_key(name)):
                                 meta.pop(k, None)
                     w.finish(meta)
@@ -319,7 +319,7 @@ def _stream(todo: list[_OutShard], paths: dict[str, str], readers: dict[str, Rea
             it, x = msg
             row = TensorResult(it.name, it.head.shape, it.head.dtype, it.head.nbytes, it.head.nbytes,
                                note=it.note, file=it.shard)
-            out, release, kept = x, True, True
+            out, release, fell_back = x, True, it.scheme is not None  # until it is quantized
             if it.scheme is not None:
                 try:
                     q: QTensor = be.quantize(x, it.scheme)
@@ -336,10 +336,10 @@ def _stream(todo: list[_OutShard], paths: dict[str, str], readers: dict[str, Rea
                         except InputError:
                             row.compare[str(s)] = math.nan
                     del q
-                    out, release, kept = payload, False, False
+                    out, release, fell_back = payload, False, False
                     x = None
                     p.slots.release()
-            p.put(p.outbox, (it.name, out, release, kept))
+            p.put(p.outbox, (it.name, out, release, fell_back))
             del out, x
             rows.append(row)
             if on_tensor is not None:

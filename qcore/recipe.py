@@ -182,7 +182,8 @@ class Recipe:
             if isinstance(item, Mapping):
                 if set(item) != {"pattern", "scheme"}:
                     raise InputError(f"{where}: each [[rule]] needs exactly 'pattern' and 'scheme', got {sorted(item)}")
-                rules.append(Rule(item["pattern"], _scheme_or_keep(item["scheme"], f"{where}: rule {item['pattern']!r}")))
+                where_rule = f"{where}: rule {item['pattern']!r}"
+                rules.append(Rule(item["pattern"], _scheme_or_keep(item["scheme"], where_rule)))
             elif isinstance(item, (list, tuple)) and len(item) == 2:
                 rules.append(Rule(item[0], _scheme_or_keep(item[1], f"{where}: rule {item[0]!r}")))
             elif isinstance(item, str):

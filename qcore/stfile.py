@@ -55,7 +55,8 @@ def np_dtype(name: str) -> np.dtype:
     try:
         return ST_DTYPES[name]
     except KeyError:
-        raise InvalidDataError(f"safetensors dtype {name!r} is not one qcore reads; known: {', '.join(ST_DTYPES)}") from None
+        raise InvalidDataError(
+            f"safetensors dtype {name!r} is not one qcore reads; known: {', '.join(ST_DTYPES)}") from None
 
 
 @dataclass(frozen=True)

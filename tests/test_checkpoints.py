@@ -144,8 +144,8 @@ def test_max_shard_size_reshards(tmp_path):
     # a single file with --max-shard-size becomes a directory too
     save_file({"a.weight": _x((8, 64), 1), "b.weight": _x((8, 64), 2)}, str(tmp_path / "one.safetensors"))
     quantize_model(tmp_path / "one.safetensors", tmp_path / "one_out", "q8s", "reference", max_shard_size="600B")
-    assert sorted(os.listdir(tmp_path / "one_out")) == ["model.safetensors.index.json", "one-00001-of-00002.safetensors",
-                                                         "one-00002-of-00002.safetensors"]
+    assert sorted(os.listdir(tmp_path / "one_out")) == [
+        "model.safetensors.index.json", "one-00001-of-00002.safetensors", "one-00002-of-00002.safetensors"]
 
 
 def test_interrupted_run_keeps_complete_shards_and_resumes(tmp_path, monkeypatch):
@@ -210,3 +210,39 @@ def test_dequantize_sharded_directory(tmp_path):
     for shard in set(index["weight_map"].values()):
         for v in load_file(str(tmp_path / "d" / shard)).values():
             assert v.dtype == np.float16
+
+
+def test_cli_interrupt_of_a_directory_says_resume(tmp_path, capsys, monkeypatch):
+    make_checkpoint(tmp_path / "ck")
+    real = ReferenceBackend.quantize
+    seen = []
+
+    def stop_third(self, x, scheme, **kw):
+        seen.append(1)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+        return real(self, x, scheme, **kw)
+
+    monkeypatch.setattr(ReferenceBackend, "quantize", stop_third)
+    rc = main(["quantize", str(tmp_path / "ck"), str(tmp_path / "out"), "--scheme", "q8s", "--backend", "reference"])
+    err = capsys.readouterr()[1]
+    assert rc == 130
+    assert "complete shards in" in err and "--resume" in err
+    monkeypatch.setattr(ReferenceBackend, "quantize", real)
+    rc = main(["quantize", str(tmp_path / "ck"), str(tmp_path / "out"), "--scheme", "q8s", "--backend", "reference",
+               "--resume"])
+    out = capsys.readouterr()[0]
+    assert rc == 0 and "resumed: 1 shards already complete were kept: model-00001-of-00004.safetensors" in out
+
+
+def test_already_quantized_tensors_travel_with_their_keys(tmp_path):
+    save_file({"w": _x((8, 64), 1), "v": _x((8, 64), 2)}, str(tmp_path / "m.safetensors"))
+    quantize_model(tmp_path / "m.safetensors", tmp_path / "q.safetensors", "q4s/block32:f16", "reference",
+                   rules=["v=keep"])
+    res = quantize_model(tmp_path / "q.safetensors", tmp_path / "q2.safetensors", "q8s", "reference")
+    assert {t.name: (t.scheme, t.note) for t in res.tensors} == {
+        "w": ("", "already quantized (q4s/block32:f16)"), "v": ("q8s", "")}
+    first, second = qio.load_data(tmp_path / "q.safetensors"), qio.load_data(tmp_path / "q2.safetensors")
+    assert second["w"] == first["w"]  # the same QuantizedData, scheme and source dtype kept
+    assert {e.name: e.source_dtype for e in qio.read_info(tmp_path / "q2.safetensors").entries} == {"w": "F32",
+                                                                                                      "v": "F32"}

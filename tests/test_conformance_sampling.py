@@ -154,3 +154,20 @@ def test_expect_per_backend_on_the_command_line():
     assert e["lutcpu"](qcore.scheme("nf4")) and not e["lutcpu"](qcore.scheme("q8s"))
     with pytest.raises(InputError, match="does not check"):
         _expectations(["cuda=q8s"], ["ndarray"])
+
+
+def test_strata_subset_spreads_over_groups():
+    """A cap on strata keeps every (value x mode, level kind) group once it allows one each, turns
+    the scale dtypes and store kinds over between groups, and spreads a smaller cap evenly."""
+    from qcore.conformance import sampling as S
+
+    groups = {g.id for g in S.groups()}
+    assert S.strata_subset(None) == S.strata()
+    for n in (len(groups), 48, 100):
+        sub = S.strata_subset(n)
+        assert len(sub) == n and len(set(sub)) == n
+        assert {s.id.split(":")[0] for s in sub} == groups  # "q8f/block:f16/native" -> "q8f/block"
+        assert {s.id.rsplit("/", 1)[1] for s in sub} == {s.id.rsplit("/", 1)[1] for s in S.strata()}
+        assert len({s.id.split(":")[1].split("/")[0] for s in sub}) == 5  # f32, f16, bf16, ue8m0, ue4m3
+    few = S.strata_subset(6)
+    assert len({s.id.split("/")[0] for s in few}) == 6  # six different values, not the first group's

@@ -16,11 +16,16 @@ REF = ReferenceBackend()
 from numba import cuda  # noqa: E402
 
 
-@pytest.mark.parametrize("text", ["q8s", "q8s/block32:f16", "q4s/block32:f16", "q4f/block8x4:bf16/packed_u32:1",
-                                  "e4m3/block32:f32", "e2m1/block16:ue4m3/tensor:f32/packed_native",
-                                  "q2s/block16:ue8m0/packed_native:1", "e5m2/tensor:ue4m3"])
-@pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("n_", [37, 40, 64])
+_FUSED_TEXTS = ["q8s", "q8s/block32:f16", "q4s/block32:f16", "q4f/block8x4:bf16/packed_u32:1", "e4m3/block32:f32",
+                "e2m1/block16:ue4m3/tensor:f32/packed_native", "q2s/block16:ue8m0/packed_native:1", "e5m2/tensor:ue4m3"]
+_FUSED_M, _FUSED_N = [1, 3, 16], [37, 40, 64]
+# On the simulator a Latin square: every scheme with every M and every N, every (M, N) pair
+# (24 cases); on a GPU all 72.
+_FUSED_CASES = ([(t, m, _FUSED_N[(i + j) % 3]) for i, t in enumerate(_FUSED_TEXTS) for j, m in enumerate(_FUSED_M)]
+                if SIM else [(t, m, n) for t in _FUSED_TEXTS for m in _FUSED_M for n in _FUSED_N])
+
+
+@pytest.mark.parametrize("text,m,n_", _FUSED_CASES)
 def test_fused_matmul(cuda_backend, text, m, n_):
     """x [M, K] @ w [K, N] with w dequantized inside the kernel equals x @ dequantize(w) (f32
     accumulation, so to rounding). K spans several k-chunks; N = 37 leaves a partial column group

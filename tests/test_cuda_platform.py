@@ -46,18 +46,23 @@ def test_unavailable_without_gpu_or_simulator():
 
 
 PTX_PARTS = 4  # the compile list in interleaved parts, so parallel test workers share it
+PTX_ALL = os.environ.get("QCORE_PTX_ALL", "") not in ("", "0")
+"""Compile every variant of the generated kernels; by default a covering set of them (below)."""
 
 _COMPILE_PART = textwrap.dedent("""
-    import sys
-    part, parts = int(sys.argv[1]), int(sys.argv[2])
+    import json, sys
+    names = set(json.loads(sys.argv[1]))
     try:
         from numba import cuda
         from qcore_cuda import kernels as K, fast as F, gemv as G, tc as T
-        targets = [(name, getattr(K, name).py_func, sig, True) for name, sigs in K.SIGNATURES.items() for sig in sigs]
+        targets = [(f"{name}#{i}", getattr(K, name).py_func, sig, True)
+                   for name, sigs in K.SIGNATURES.items() for i, sig in enumerate(sigs)]
         targets += [(name, fn, sig, False) for name, fn, sig, *_ in F.ptx_targets() + G.ptx_targets() + T.ptx_targets()]
         n = 0
         newer = ("e4m3x2", "e5m2x2", "max.NaN")  # sm_89 FP8 conversions, sm_80 max.NaN
-        for name, fn, sig, general in targets[part::parts]:
+        for name, fn, sig, general in targets:
+            if name not in names:
+                continue
             ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
             n += 1
             if general:  # the general kernels are the path of GPUs below 8.9: nothing newer than sm_75
@@ -76,17 +81,67 @@ _COMPILE_PART = textwrap.dedent("""
 """)
 
 
+def _covering(names: list[str]) -> list[str]:
+    """The generated variants `name[p0,p1,...]` cut to a set in which every value of every
+    template parameter of a kernel still appears at least once (GEMV: 41 variants -> 10); plain
+    kernels (`name#signature`) all stay. Each variant costs seconds of NVVM time: CI compiles this set, a run with
+    QCORE_PTX_ALL=1 all of them."""
+    seen: set[tuple[str, int, str]] = set()
+    keep = []
+    for name in names:
+        if "[" not in name:
+            keep.append(name)
+            continue
+        family, params = name[:-1].split("[")
+        pairs = {(family, i, v) for i, v in enumerate(params.split(","))}
+        if not pairs <= seen:
+            seen |= pairs
+            keep.append(name)
+    return keep
+
+
+def _ptx_names() -> list[str]:
+    from qcore_cuda import fast as F, gemv as G, kernels as K, tc as T
+
+    names = [f"{name}#{i}" for name, sigs in K.SIGNATURES.items() for i in range(len(sigs))]
+    names += [name for name, *_ in F.ptx_targets() + G.ptx_targets() + T.ptx_targets()]
+    return names if PTX_ALL else _covering(names)
+
+
+def test_ptx_covering_set_keeps_every_parameter_value():
+    """The default compile set holds every kernel, and every value each template parameter of a
+    generated kernel takes in the full list."""
+    from qcore_cuda import fast as F, gemv as G, kernels as K, tc as T
+
+    full = [name for name, *_ in F.ptx_targets() + G.ptx_targets() + T.ptx_targets()] + list(K.SIGNATURES)
+    cut = _covering(full)
+    assert len(cut) < len(full)
+
+    def params(names):
+        return {(n.split("[")[0], i, v) for n in names if "[" in n
+                for i, v in enumerate(n[:-1].split("[")[1].split(","))}
+
+    assert params(cut) == params(full)
+    assert {n.split("[")[0] for n in cut} == {n.split("[")[0] for n in full}
+
+
 @pytest.mark.parametrize("part", range(PTX_PARTS))
 def test_kernels_compile_for_sm90(part):
-    """Every kernel with every signature the backend launches (a quarter of them per part),
-    compiled to PTX for sm_90 by the real (non-simulator) numba target: catches what the
-    simulator lets through (float16 atomics, NumPy ufuncs in kernels, int/float promotion). The
-    general kernels also compile for sm_75 without sm_80/sm_89 instructions (they are the path of
-    older GPUs); the fast E4M3 kernels do use the FP8 conversion (which is why they are gated).
-    Needs the NVRTC and NVVM libraries (`pip install "qcore-cuda[ptx]"`), no GPU. Skips without
-    them, fails under QCORE_REQUIRE_PTX=1."""
+    """Every kernel (the general ones with every signature the backend launches; the generated
+    variants as `_covering`'s set, or all with QCORE_PTX_ALL=1), a quarter per part, compiled to
+    PTX for sm_90 by the real (non-simulator) numba target: catches what the simulator lets
+    through (float16 atomics, NumPy ufuncs in kernels, int/float promotion). The general kernels
+    also compile for sm_75 without sm_80/sm_89 instructions (they are the path of older GPUs);
+    the fast E4M3 kernels do use the FP8 conversion (which is why they are gated). Needs the
+    NVRTC and NVVM libraries (`pip install "qcore-cuda[ptx]"`), no GPU. Skips without them,
+    fails under QCORE_REQUIRE_PTX=1."""
+    import json
+
+    from qcore_cuda import fast as F
+
+    mine = _ptx_names()[part::PTX_PARTS]
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    out = subprocess.run([sys.executable, "-c", _COMPILE_PART, str(part), str(PTX_PARTS)], env=env,
+    out = subprocess.run([sys.executable, "-c", _COMPILE_PART, json.dumps(mine)], env=env,
                          capture_output=True, text=True, timeout=600)
     if out.returncode == 3:
         reason = f"NVRTC/NVVM libraries missing (pip install qcore-cuda[ptx]): {out.stdout.strip()[:300]}"
@@ -94,11 +149,6 @@ def test_kernels_compile_for_sm90(part):
             pytest.fail(reason + " (QCORE_REQUIRE_PTX=1)")
         pytest.skip(reason)
     assert out.returncode == 0, out.stderr[-3000:]
-    from qcore_cuda import fast as F, gemv as G, kernels as K, tc as T
-
-    names = [name for name, sigs in K.SIGNATURES.items() for _ in sigs]
-    names += [name for name, *_ in F.ptx_targets() + G.ptx_targets() + T.ptx_targets()]
-    mine = names[part::PTX_PARTS]
     assert f"COMPILED {len(mine)}" in out.stdout
     assert "NEEDS_NEWER_GPU" not in out.stdout, out.stdout
     e4m3 = f"k_fast_quant[{F.KIND_E4M3}]"

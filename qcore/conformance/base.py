@@ -217,7 +217,7 @@ class ConformanceFixtures:
         names = metafunc.fixturenames
         n = self._max_schemes(metafunc.config)
         if "qcore_stratum" in names:
-            items = S.subset(S.strata(), n)
+            items = S.strata_subset(n)
             metafunc.parametrize("qcore_stratum", items, ids=[s.id for s in items])
         if "qcore_group" in names:
             items = S.subset(S.groups(), n)
@@ -251,7 +251,7 @@ class BaseSchemeTests(ConformanceFixtures):
         """The run tests at least one supported scheme, unless the author declares an empty
         support."""
         st = self._settings(request.config)
-        items = S.subset(S.strata(), self._max_schemes(request.config))
+        items = S.strata_subset(self._max_schemes(request.config))
         cands = [s for stratum in items for s in stratum.candidates]
         if S.supports_nothing(as_expectation(expected_support), cands):
             return

@@ -12,7 +12,7 @@ Options:
   --qcore-full           every supported scheme on every shape, instead of the default draw.
   --qcore-seed N         seed of the random inputs (default 0).
   --qcore-max-elements N cap on elements per tensor (lowers a class's `max_elements`).
-  --qcore-max-schemes N  evenly spaced subset of N strata (lowers a class's `max_schemes`).
+  --qcore-max-schemes N  N strata spread over the groups (lowers a class's `max_schemes`).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--qcore-max-elements", type=int, default=None, metavar="N",
                     help="at most N elements per conformance tensor")
     group.addoption("--qcore-max-schemes", type=int, default=None, metavar="N",
-                    help="check an evenly spaced subset of N strata (and N groups)")
+                    help="check N strata spread over the groups (and an evenly spaced N groups)")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -86,13 +86,14 @@ class Report:
 
 def plan(full: bool = False, seed: int = 0, max_elements: int | None = None,
          max_schemes: int | None = None, kinds: Iterable[str] = CHECK_KINDS) -> list[tuple[str, S.Stratum]]:
-    """The (check kind, stratum or group) pairs of a run, in order. `max_schemes`: an evenly
-    spaced subset of that many strata (and groups). The cases themselves are drawn per backend
+    """The (check kind, stratum or group) pairs of a run, in order. `max_schemes`: that many
+    strata spread over the groups (`sampling.strata_subset`), and an evenly spaced subset of
+    that many groups. The cases themselves are drawn per backend
     at run time, from what it supports (`sampling`)."""
     kinds = list(kinds)
     items: list[tuple[str, S.Stratum]] = []
     if "case" in kinds:
-        items += [("case", s) for s in S.subset(S.strata(), max_schemes)]
+        items += [("case", s) for s in S.strata_subset(max_schemes)]
     for kind in S.GROUP_KINDS:
         if kind in kinds:
             items += [(kind, g) for g in S.subset(S.groups(), max_schemes)]

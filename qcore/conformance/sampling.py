@@ -32,7 +32,7 @@ from ..scheme import PRESETS, QuantScheme
 from . import cases as C
 from . import checks as K
 
-__all__ = ["Settings", "Stratum", "level_kind", "strata", "groups", "subset", "stratum_cases",
+__all__ = ["Settings", "Stratum", "level_kind", "strata", "groups", "subset", "strata_subset", "stratum_cases",
            "check_stratum", "check_group", "tested_nothing", "supports_nothing"]
 
 GROUP_KINDS = ("bad-input", "ops", "cross")
@@ -110,6 +110,29 @@ def subset(items: list, n: int | None) -> list:
         return []
     step = len(items) / n
     return [items[int(i * step)] for i in range(n)]
+
+
+def strata_subset(n: int | None) -> list[Stratum]:
+    """`n` strata spread over the groups (all strata when n is None or large): one stratum of
+    every (value x mode, level kind) group first, each group starting at a different scale dtype
+    and store kind, then a second of every group, and so on, the last round evenly spaced over
+    the groups; returned in `strata()` order. With n >= the number of groups every group is
+    checked, and the scale dtypes and store kinds turn over between groups."""
+    every = strata()
+    if n is None or n >= len(every):
+        return every
+    by_group: dict[str, list[Stratum]] = {}
+    for st in every:
+        by_group.setdefault(_group_key(st.candidates[0]), []).append(st)
+    rotated = [members[g % len(members):] + members[:g % len(members)]
+               for g, members in enumerate(by_group.values())]
+    picked: list[Stratum] = []
+    for r in range(max(map(len, rotated))):
+        one_round = [members[r] for members in rotated if r < len(members)]
+        picked += subset(one_round, max(n, 0) - len(picked))  # the last round evenly spaced
+        if len(picked) >= n:
+            break
+    return sorted(picked, key=lambda st: st.index)
 
 
 # --------------------------------------------------------------------------- drawing cases

@@ -592,6 +592,32 @@ class CudaBackend(BaseBackend):
             flag.copy_to_device(np.zeros(1, dtype=np.int32), stream=s.numba)
             self._into_data(data).check_codes()
 
+    @guard(lambda self, x, q: (f"measure the error of a {q.shape} {q.scheme} tensor", 8 * math.prod(q.shape)))
+    def error_stats(self, x: Any, q: QTensor) -> tuple[float, float]:
+        """(SQNR dB, max |err|) of `q` against `x` on the device (qcore.stats.tensor_stats calls it):
+        dequantize into pool memory and reduce there; only the grid's partial sums come back."""
+        from qcore.stats import sqnr_db
+
+        K = _k()
+        q = self._own(q)
+        n = math.prod(q.shape)
+        if n == 0:
+            return sqnr_db(0.0, 0.0), 0.0
+        with quiet():
+            s = _streams.resolve(None, x)
+            xd = self._device_f32(x, s)
+            _, y = _array.empty_view((n,), np.dtype(np.float32), s)
+            self._launch_dequantize(q.data, y.arg, s)
+            self._raise_if_bad_codes(q.data, s)
+            cfg = K.launch(n)
+            parts = cfg[0] * cfg[1]
+            sig, noise = (_array.empty((parts,), np.float64, s) for _ in range(2))
+            mx = _array.empty((parts,), np.float32, s)
+            _on(K.k_error_partials, cfg, s)(xd, y.arg, sig, noise, mx)
+            sig, noise, mx = (a.copy_to_host(stream=s.numba) for a in (sig, noise, mx))
+            s.synchronize()  # the copies into pageable memory are done
+        return sqnr_db(float(sig.sum()), float(noise.sum())), float(mx.max())
+
     @guard(lambda self, data, dtype, *_: (f"dequantize a {data.shape} {data.scheme} tensor to {dtype}",
                                           math.prod(data.shape) * max(4, dtype.itemsize)))
     def _dequantize(self, data: CudaData, dtype: np.dtype, out: Any = None, s: Any = _streams.DEFAULT) -> Any:

@@ -202,6 +202,26 @@ def k_convert_f64(src, dst):
 
 
 @cuda.jit
+def k_error_partials(x, y, sig, noise, mx):
+    """Per-thread partial error statistics of `y` approximating `x` (grid-stride): sig[t] = sum x^2,
+    noise[t] = sum (y - x)^2 (f64), mx[t] = max |y - x|; the host adds up the grid's partials."""
+    t = cuda.grid(1)
+    step = cuda.gridsize(1)
+    s = float64(0.0)
+    e2 = float64(0.0)
+    m = float32(0.0)
+    for i in range(t, x.size, step):
+        xv = x[i]
+        d = y[i] - xv
+        s += float64(xv) * float64(xv)
+        e2 += float64(d) * float64(d)
+        m = max(m, abs(d))
+    sig[t] = s
+    noise[t] = e2
+    mx[t] = m
+
+
+@cuda.jit
 def k_tensor_stats(x, amax, asum, flag):
     """Per-tensor statistic: max |x| into amax[0] and sum |x| (f64) into asum[0] (SPEC §2.1);
     flag[0] = 1 on any NaN/Inf. One shared-memory atomic per thread, one global per block."""
@@ -1009,6 +1029,7 @@ SIGNATURES: dict[str, list[str]] = {
     "k_convert_f16": ["void(float16[::1], float32[::1])"],
     "k_convert_f64": ["void(float64[::1], float32[::1])"],
     "k_tensor_stats": ["void(float32[::1], float32[::1], float64[::1], int32[::1])"],
+    "k_error_partials": ["void(float32[::1], float32[::1], float64[::1], float64[::1], float32[::1])"],
     "k_slot_stats": ["void(float32[::1], int64[::1], float32[::1], float32[::1], int32[::1])"],
     "k_scales": ["void(float32[::1], float64[::1], int64[::1], float32[::1], float32[::1], float32[::1], "
                  "uint8[::1])"],
