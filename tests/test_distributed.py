@@ -116,10 +116,11 @@ def test_killed_worker_shard_retried_elsewhere_then_resume(model, client, tmp_pa
 
 
 def test_cli_scheduler_prints_dashboard(model, client, tmp_path, capsys):
+    """--scheduler and --group-size (every shard split into groups) from the command line."""
     root, want = model
     rules = [a for r in RULES for a in ("--rule", r)]
     assert main(["quantize", str(root / "src"), str(tmp_path / "out"), "--scheme", "q8s", "--backend", "reference",
-                 *rules, "--scheduler", client.scheduler.address]) == 0
+                 *rules, "--scheduler", client.scheduler.address, "--group-size", f"{GROUP}B"]) == 0
     err = capsys.readouterr().err
     assert "Dask dashboard: http://" in err
     assert tree(tmp_path / "out") == want
