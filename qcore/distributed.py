@@ -127,14 +127,19 @@ def run_group(unit: Unit, k: int, n: int, scratch: str | None = None) -> Part:
 
 def assemble_unit(unit: Unit, parts: Sequence[Part], scratch: str | None = None) -> None:
     """Write a split shard from its groups' parts, in order (`qcore.model.assemble_shard`), move it
-    onto the shard's name whole, then delete the parts."""
+    onto the shard's name whole, then delete the parts.
+
+    Idempotent: Dask runs a task again when the worker holding its result dies, and by then the
+    parts may be gone; a shard this run already completed (its run marker matches) is left as it is.
+    """
     dst = location(unit.dest_url, unit.storage_options)
     paths = [p.path for p in parts]
     with _workdir(scratch) as work:
-        out = unit.out if dst.local else os.path.join(work, "out")
-        assemble_shard(unit.shard, _fetched(dst, paths, work), out, unit.recipe_json)
-        if not dst.local:
-            dst.upload(out, unit.out)
+        if _prior(dst, unit.out, unit.shard.marker, os.path.join(work, "stub")) is None:
+            out = unit.out if dst.local else os.path.join(work, "out")
+            assemble_shard(unit.shard, _fetched(dst, paths, work), out, unit.recipe_json)
+            if not dst.local:
+                dst.upload(out, unit.out)
     dst.remove(paths)
 
 
@@ -454,6 +459,7 @@ def _run(units: list[Unit], cluster: Any, scheduler: str | None, backend: str, w
         try:
             for fut in dd.as_completed(list(futures)):
                 progress.report(futures[fut], fut.result())
+                fut.release()  # done: a worker lost later must not make Dask run it again
         finally:
             client.cancel(list(futures))
     return progress.rows

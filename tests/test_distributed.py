@@ -298,6 +298,28 @@ def test_split_unit_keeps_the_shard_and_narrows_its_sources(model):
     assert all(list(g.sources) == [SHARDS[0]] for g in groups)
 
 
+def test_assembly_run_again_keeps_the_shard(model, tmp_path):
+    """Dask runs a finished task again when the worker holding its result dies: an assembly whose
+    shard is complete (and whose parts are gone) leaves the shard as it is."""
+    import dataclasses
+
+    from qcore.distributed import assemble_unit, run_group, run_unit, split_unit
+
+    root, _ = model
+    whole, out = tmp_path / "whole", tmp_path / "out"
+    whole.mkdir()
+    out.mkdir()
+    unit = planned_units(root / "src")[0]
+    run_unit(dataclasses.replace(unit, out=str(whole / SHARDS[0]), dest_url=str(whole)))
+    unit = dataclasses.replace(unit, out=str(out / SHARDS[0]), dest_url=str(out))
+    groups = split_unit(unit, GROUP)
+    parts = [run_group(g, k, len(groups)) for k, g in enumerate(groups, 1)]
+    assemble_unit(unit, parts)
+    assert sorted(os.listdir(out)) == [SHARDS[0]]  # the parts are removed
+    assemble_unit(unit, parts)  # again, its parts gone
+    assert (out / SHARDS[0]).read_bytes() == (whole / SHARDS[0]).read_bytes()
+
+
 def test_split_shards_on_local_cluster_are_byte_identical(model, client, tmp_path):
     """Several groups per shard, each its own task, assembled: the single-process bytes and rows."""
     root, want = model
