@@ -294,6 +294,12 @@ class _Pipeline:
 _END = object()
 
 
+def _payload_parts(be: Backend, q: QTensor) -> list[np.ndarray]:
+    """q's payload as uint8 arrays in order, unjoined where the backend offers it."""
+    parts = getattr(be, "payload_parts", None)
+    return parts(q) if parts is not None else [np.frombuffer(q.to_data().payload, dtype=np.uint8)]
+
+
 def _in_place(path: str, write: Callable[[str], None]) -> None:
     """Write `path` directly (a temporary name its caller owns), where `qio.atomic_write` renames."""
     write(path)
@@ -323,7 +329,10 @@ def _stream(todo: list[_OutShard], paths: dict[str, str], readers: dict[str, Rea
                     w = StreamWriter(f, room)
                     for _ in shard.items:
                         name, arr, release, fell_back = p.get(p.outbox)
-                        w.add(name, arr)
+                        if isinstance(arr, list):  # a payload, in parts
+                            w.add_bytes(name, arr)
+                        else:
+                            w.add(name, arr)
                         del arr
                         if release:
                             p.slots.release()
@@ -350,8 +359,8 @@ def _stream(todo: list[_OutShard], paths: dict[str, str], readers: dict[str, Rea
                 except InputError as e:  # NaN/Inf and other data the scheme cannot take
                     row.note = f"kept: {e}"
                 else:
-                    payload = np.frombuffer(q.to_data().payload, dtype=np.uint8)
-                    row.scheme, row.after = str(it.scheme), payload.nbytes
+                    payload = _payload_parts(be, q)
+                    row.scheme, row.after = str(it.scheme), sum(p.nbytes for p in payload)
                     if stats:
                         row.sqnr, row.max_err = tensor_stats(be, x, q)
                     for s in compare:

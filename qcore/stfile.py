@@ -199,6 +199,18 @@ class StreamWriter:
         self._entries[name] = _entry(st_dtype(a.dtype), a.shape, self._pos, self._pos + n)
         self._pos += n
 
+    def add_bytes(self, name: str, parts: Sequence[np.ndarray]) -> None:
+        """Append the concatenation of `parts` (contiguous arrays, read as bytes) as one U8 tensor."""
+        if name in self._entries or name == "__metadata__":
+            raise InputError(f"tensor name '{name}' is used twice or reserved in one safetensors file")
+        n = 0
+        for p in parts:
+            if p.nbytes:
+                self._f.write(memoryview(np.ascontiguousarray(p).reshape(-1).view(np.uint8)))
+            n += p.nbytes
+        self._entries[name] = _entry("U8", (n,), self._pos, self._pos + n)
+        self._pos += n
+
     @property
     def data_bytes(self) -> int:
         return self._pos

@@ -489,6 +489,9 @@ class CudaBackend(BaseBackend):
     def _into_data(self, data: CudaData) -> QuantizedData:
         return QuantizedData(data.shape, data.scheme, data.payload.copy_to_host().tobytes())
 
+    def _payload_parts(self, data: CudaData) -> list[np.ndarray]:
+        return [data.payload.copy_to_host()]  # (one copy from the device, none more)
+
     def _empty_output(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         """An empty device array (bfloat16, which numba lacks: an empty host array)."""
         if dtype in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)):

@@ -189,14 +189,16 @@ class NdarrayBackend(BaseBackend):
         return y if dtype == np.float32 else y.astype(dtype)
 
     def _into_data(self, data: NdQuantized) -> QuantizedData:
+        return QuantizedData(data.shape, data.scheme, b"".join(p.tobytes() for p in self._payload_parts(data)))
+
+    def _payload_parts(self, data: NdQuantized) -> list[np.ndarray]:
+        """Codes (the values array itself, no copy), encoded scales, the global scale."""
         tr = data.scheme.slot_dtype.traits
-        parts = [
-            data.values.tobytes(),
-            np.ascontiguousarray(tr.encode(data.scales.reshape(-1))).tobytes(),
-        ]
+        parts = [np.ascontiguousarray(data.values).reshape(-1).view(np.uint8),
+                 np.ascontiguousarray(tr.encode(data.scales.reshape(-1))).reshape(-1).view(np.uint8)]
         if data.global_scale is not None:
-            parts.append(np.asarray([data.global_scale], dtype="<f4").tobytes())
-        return QuantizedData(data.shape, data.scheme, b"".join(parts))
+            parts.append(np.asarray([data.global_scale], dtype="<f4").view(np.uint8))
+        return parts
 
     def _from_data(self, data: QuantizedData) -> NdQuantized:
         n = layout.values_nbytes(data.shape, data.scheme)
