@@ -167,3 +167,18 @@ def test_a_shard_assembled_from_parts_is_the_whole_shard(tmp_path):
     with pytest.raises(qcore.InvalidDataError, match="not the planned"):
         assemble_shard(shard, parts[::-1], tmp_path / "reversed", recipe_json)
     assert not (tmp_path / "reversed").exists()
+
+
+@pytest.mark.parametrize("scheme", ["q8s", "q8s/block32:f16", "q8f/block4x8:ue8m0"])
+def test_ndarray_error_stats_match_the_host(scheme):
+    """The ndarray backend's own statistics pass (parallel, one read of x and of the dequantized
+    values) gives the host's figures; the core entry point uses it."""
+    be = qcore.backend("ndarray")
+    x = _x((37, 300), 11)
+    q = be.quantize(x, scheme)
+    sqnr, mx = be.error_stats(x, q)
+    want = error_stats(x, q.numpy())
+    assert sqnr == pytest.approx(want[0], abs=1e-4) and mx == want[1]
+    assert qcore.stats.tensor_stats(be, x, q) == (sqnr, mx)
+    assert be.error_stats(np.zeros((0, 32), np.float32), be.quantize(np.zeros((0, 32), np.float32), scheme)) \
+        == (qcore.stats.sqnr_db(0.0, 0.0), 0.0)

@@ -29,7 +29,7 @@ from qcore import layout
 from qcore.arithmetic import store_scales
 from qcore.checks import raise_nonfinite, to_f32
 from qcore.payload import QuantizedData
-from qcore.protocol import BaseBackend, QParams, Support
+from qcore.protocol import BaseBackend, QParams, QTensor, Support
 from qcore.scheme import QuantScheme, StoreKind
 
 from .plan import TASK_ELEMENTS, Plan, make_plan
@@ -172,6 +172,19 @@ class NdarrayBackend(BaseBackend):
         e = self._effective(stored, params.global_scale)
         self._run_blocks(flat, plan, scheme, k.MODE_APPLY, mcode, None, e, values, check=check)
         return NdQuantized(shape, scheme, values, stored, params.global_scale)
+
+    def error_stats(self, x: Any, q: QTensor) -> tuple[float, float]:
+        """(SQNR dB, max |err|) of `q` against `x` (`qcore.stats.tensor_stats` calls it): the
+        dequantize kernel, then one parallel pass over x and the result."""
+        from qcore.stats import sqnr_db
+
+        q = self._own(q)
+        xf = _flat_f32(x)
+        if xf.size == 0:
+            return sqnr_db(0.0, 0.0), 0.0
+        y = self._dequantize(q.data, np.dtype(np.float32)).reshape(-1)
+        signal, noise, max_err = _kernels().error_partials(xf, y, TASK_ELEMENTS)
+        return sqnr_db(float(signal), float(noise)), float(max_err)
 
     def _dequantize(self, data: NdQuantized, dtype: np.dtype) -> np.ndarray:
         k = _kernels()
