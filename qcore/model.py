@@ -329,10 +329,7 @@ def _stream(todo: list[_OutShard], paths: dict[str, str], readers: dict[str, Rea
                     w = StreamWriter(f, room)
                     for _ in shard.items:
                         name, arr, release, fell_back = p.get(p.outbox)
-                        if isinstance(arr, list):  # a payload, in parts
-                            w.add_bytes(name, arr)
-                        else:
-                            w.add(name, arr)
+                        w.add(name, arr)  # (a payload comes as a list of its parts)
                         del arr
                         if release:
                             p.slots.release()
