@@ -34,4 +34,6 @@ export QCORE_REQUIRE_DISTRIBUTED=1   # Dask, s3fs and moto were installed above:
 # the simulator's threads spend much of their time waiting at barriers: on 2 CPUs, 4 workers
 # finish the cuda tests in 0.78x the time of 2). pytest's summary is the last line.
 WORKERS="${QCORE_TEST_WORKERS:-$(python3 -c 'import os; print(2 * (os.cpu_count() or 1))')}"
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "$WORKERS" "$@"
+# --dist worksteal: an idle worker takes queued tests from a busy one, so the minutes-long
+# simulator and compile tests do not all end up in one worker's tail.
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist worksteal "$@"
