@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import io
 import json
 import os
@@ -146,7 +147,15 @@ def main(argv: list[str] | None = None) -> int:
         peak = int(p.stderr.strip().splitlines()[-1]) * 1024
         largest = rows * args.cols * 4
         total_in = args.tensors * largest
+        import numba
+
+        argv_text = " ".join(sys.argv[1:] if argv is None else argv)
         doc = {
+            "run": {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+                    "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+                    "software": f"Python {platform.python_version()}, numba {numba.__version__}, "
+                                f"numpy {np.__version__}",
+                    "command": f"python benchmarks/cli.py {argv_text}".rstrip()},
             "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
             "backend": args.backend,
             "scheme": args.scheme,

@@ -3,8 +3,9 @@
     python benchmarks/report.py                 # rewrite docs/performance.md from benchmarks/results/
     python benchmarks/report.py --check         # exit 1 if docs/performance.md is not what the JSON gives
 
-`benchmarks/cpu.py --json` writes `cpu.json`, `benchmarks/gpu.py --out DIR` writes `gpu.json`;
-copy the run's file into `benchmarks/results/` and rerun this script. Every table states the
+`benchmarks/cpu.py --json` writes `cpu.json`, `benchmarks/gpu.py --out DIR` writes `gpu.json`,
+`benchmarks/cli.py --json PATH` a whole-model run (kept as `cli*.json`, one file per run); copy
+the run's file into `benchmarks/results/` and rerun this script. Every table states the
 run's date, hardware, software and command from the file's `run` record, so the document holds
 the latest figures only; git keeps earlier runs.
 """
@@ -184,6 +185,34 @@ def render_gpu(res: dict) -> str:
     return "\n".join(lines)
 
 
+WHOLE_MODEL_NOTES = """\
+The floor is safetensors alone reading every tensor and writing (with fsync) U8 tensors of the
+output's sizes, measured in the same run; the files are in the page cache for both, so it is the
+machine's copy-through-the-kernel speed. qcore's time is the best of the repeats of
+`qcore.cli.main(["quantize", ...])` in one process after a warm-up run (compilation excluded);
+the peak resident memory is that of the command in a fresh process, against the bound of
+3x the largest tensor + 300 MB. On the shared 2-CPU machine these ratios swing from run to run
+(with statistics, 1.9x to 2.4x in runs of the same day); the 16-core GPU machine is the place
+for figures that matter.
+"""
+
+
+def render_whole_models(runs: list[dict]) -> str:
+    """The `qcore quantize` against the I/O floor section, from `benchmarks/cli.py --json` files."""
+    lines = ["## Whole models: `qcore quantize` against the I/O floor", ""]
+    lines += [f"- {_run_line(r['run'])}" for r in runs]
+    lines += ["", "| backend | scheme | statistics | input | qcore s | floor s (read + write) | qcore / floor | "
+              "peak RSS | RSS bound |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        lines.append(f"| {r['backend']} | `{r['scheme']}` | {'yes' if r['stats'] else 'no'} | "
+                     f"{r['input_bytes'] / 2**20:.0f} MiB in {r['tensors']} tensors {tuple(r['shape'])} | "
+                     f"{r['qcore_s']:.3f} | {r['floor_s']:.3f} ({r['floor_read_s']:.3f} + {r['floor_write_s']:.3f}) | "
+                     f"{r['ratio_to_floor']:.2f}x | {r['peak_rss_bytes'] / 2**20:.0f} MiB | "
+                     f"{r['rss_bound_bytes'] / 2**20:.0f} MiB |")
+    lines += ["", WHOLE_MODEL_NOTES]
+    return "\n".join(lines)
+
+
 def render(results: Path = RESULTS) -> str:
     """The whole document: the intro, then a section per results file present."""
     parts = [INTRO]
@@ -191,6 +220,9 @@ def render(results: Path = RESULTS) -> str:
         path = results / name
         if path.exists():
             parts.append(fn(json.loads(path.read_text())))
+    whole = sorted(results.glob("cli*.json"))
+    if whole:
+        parts.append(render_whole_models([json.loads(p.read_text()) for p in whole]))
     return "\n".join(parts).rstrip("\n") + "\n"
 
 

@@ -143,7 +143,7 @@ def parse_size(text: str | int) -> int:
             raise InputError(f"a size is a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB), got {text!r}")
         n = int(float(m.group(1)) * _UNITS[unit])
     if n <= 0:
-        raise InputError(f"a shard size must be > 0 bytes, got {text!r}")
+        raise InputError(f"a size must be > 0 bytes, got {text!r}")
     return n
 
 

@@ -207,10 +207,14 @@ def _runner(args: argparse.Namespace, err, on_shard) -> tuple[Any, dict[str, Any
     from .storage import is_url
 
     if not (args.cluster or args.scheduler or is_url(args.input) or is_url(args.output)):
+        if args.group_size:
+            raise _UsageError("--group-size splits shards into tasks of a --cluster or --scheduler run "
+                              "(or of a run on storage URLs); give one of them")
         return quantize_model, {}
     from .distributed import quantize_model_distributed
 
     return quantize_model_distributed, {"cluster": args.cluster, "scheduler": args.scheduler, "on_shard": on_shard,
+                                        "group_bytes": args.group_size,
                                         "log": lambda text: err.print(text, markup=False)}
 
 
@@ -522,6 +526,9 @@ def _parser() -> _Parser:
                    "GPU for --backend cuda); needs qcore-quant[distributed], see docs/distributed.md")
     s.add_argument("--scheduler", metavar="ADDRESS", help="one unit per shard on the Dask cluster at ADDRESS "
                    "(e.g. tcp://10.0.0.1:8786)")
+    s.add_argument("--group-size", metavar="SIZE", help="with --cluster/--scheduler: split a shard with more than "
+                   "SIZE of source (e.g. 4GB) into tasks of consecutive tensors, assembled at the end (default: "
+                   "the workers' memory limit)")
     s.set_defaults(func=cmd_quantize)
 
     s = sub.add_parser("dequantize", help="turn quantized tensors back into floats (their source dtype by default)")

@@ -11,11 +11,20 @@ is about three times its largest tensor whatever the shard's size) and puts the 
 destination under a temporary name, then moves it onto the shard's name. The output bytes are
 those of `qcore.quantize_model`.
 
-Faults: when a worker dies mid-unit, Dask's scheduler runs the unit again on another worker
+A shard with more source bytes than a worker's memory limit (or than `group_bytes`) is split:
+its tensors, in plan order, are cut into consecutive groups of at most that many source bytes
+(`tensor_groups`), each group is a task of its own (`run_group`: it stages just its tensors'
+bytes and writes a part file next to the shard under a temporary name,
+`.NAME.part-K-of-N.<token>.tmp`), and an assembly task (`assemble_unit`, through
+`qcore.model.assemble_shard`) streams the parts in order into the shard, with the header and
+metadata `quantize_shard` writes, moves it into place and deletes the parts. The groups' rows
+come back from their tasks, so progress advances per group.
+
+Faults: when a worker dies mid-task, Dask's scheduler runs the task again on another worker
 (up to `distributed.scheduler.allowed-failures` times); the dead worker's temporary file never
-carries a shard's name and is removed at the end. `resume=True` keeps output shards an earlier
-run with the same plan completed (their run marker matches), so a failed run is finished by
-running it again.
+carries a shard's name and is removed at the end of the run, failed or not. `resume=True` keeps
+output shards an earlier run with the same plan completed (their run marker matches), so a failed
+run is finished by running it again; a split shard that was not assembled is redone whole.
 
 Without `cluster`, `scheduler` or `client` the units run in this process one after another (no
 Dask needed; fsspec only for URLs).
@@ -30,18 +39,19 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .checkpoint import INDEX_NAME, Checkpoint, resolve
+from .checkpoint import INDEX_NAME, Checkpoint, parse_size, resolve
 from .errors import InputError
-from .model import (IN_FLIGHT, ModelResult, PathLike, TensorResult, _write_index,
-                    completed_shard, plan_shards, prepare_run, quantize_shard, resumed_rows)
+from .model import (IN_FLIGHT, ModelResult, PathLike, TensorResult, _write_index, assemble_shard,
+                    completed_shard, consecutive_groups, plan_shards, prepare_run, quantize_shard, resumed_rows)
 from .recipe import RecipeLike
 from .stfile import Reader
 from .storage import Location, location
 
-__all__ = ["Unit", "run_unit", "quantize_model_distributed", "open_client"]
+__all__ = ["Unit", "Part", "run_unit", "run_group", "assemble_unit", "split_unit", "tensor_groups",
+           "quantize_model_distributed", "open_client"]
 
 INTERPRETER_BYTES = 300 << 20   # a worker's own footprint beside a unit's tensors
 KEY_PREFIX = "qcore-shard"
@@ -52,7 +62,8 @@ ONE_CORE_ENV = {"NUMBA_NUM_THREADS": "1"}
 
 @dataclass
 class Unit:
-    """One output shard to write: what a worker needs, picklable."""
+    """One output shard to write, or one group of a split shard's tensors: what a worker needs,
+    picklable."""
 
     shard: Any                        # qcore.model planned shard (its tensors, schemes, run marker)
     sources: dict[str, str]           # source shard name -> its path on the source filesystem
@@ -70,21 +81,114 @@ class Unit:
         return sum(it.head.nbytes for it in self.shard.items)
 
 
+@dataclass
+class Part:
+    """One group of a split shard's tensors, quantized: its part file on the destination, its rows."""
+
+    path: str
+    rows: list[TensorResult]
+
+
+def tensor_groups(shard: Any, limit: int) -> list[list[Any]]:
+    """A planned shard's tensors in plan order, cut into consecutive groups of at most `limit`
+    source bytes (a tensor larger than `limit` is a group of its own)."""
+    return consecutive_groups(shard.items, lambda it: it.head.nbytes, limit)
+
+
+def split_unit(unit: Unit, limit: int | None) -> list[Unit]:
+    """The units of `unit`'s tensor groups when its source bytes exceed `limit`, else `[unit]`.
+
+    A group's unit has the shard's name, run marker and output path, with just the group's
+    tensors and the source shards they come from.
+    """
+    if not limit or unit.source_bytes <= limit:
+        return [unit]
+    return [replace(unit, shard=replace(unit.shard, items=group),
+                    sources={n: p for n, p in unit.sources.items() if any(it.source == n for it in group)})
+            for group in tensor_groups(unit.shard, limit)]
+
+
 def run_unit(unit: Unit, scratch: str | None = None) -> list[TensorResult]:
     """Write `unit`'s output shard (on whatever process runs this); its rows, one per tensor."""
-    src = location(unit.source_url, unit.storage_options)
+    return _write(unit, unit.out, scratch, part=False)
+
+
+def run_group(unit: Unit, k: int, n: int, scratch: str | None = None) -> Part:
+    """Quantize group `k` of `n` of a split shard (`unit` from `split_unit`) into a part file next to
+    the shard, under a temporary name of this call's own (`.NAME.part-K-of-N.<token>.tmp`)."""
     dst = location(unit.dest_url, unit.storage_options)
+    path = dst.temp_path(unit.out, f"part-{k:05d}-of-{n:05d}.{uuid.uuid4().hex}")
+    try:
+        return Part(path, _write(unit, path, scratch, part=True))
+    except BaseException:
+        dst.remove([path])
+        raise
+
+
+def assemble_unit(unit: Unit, parts: Sequence[Part], scratch: str | None = None) -> None:
+    """Write a split shard from its groups' parts, in order (`qcore.model.assemble_shard`), move it
+    onto the shard's name whole, then delete the parts.
+
+    Idempotent: Dask runs a task again when the worker holding its result dies, and by then the
+    parts may be gone; a shard this run already completed (its run marker matches) is left as it is.
+    """
+    dst = location(unit.dest_url, unit.storage_options)
+    paths = [p.path for p in parts]
+    with _workdir(scratch) as work:
+        if _prior(dst, unit.out, unit.shard.marker, os.path.join(work, "stub")) is None:
+            out = unit.out if dst.local else os.path.join(work, "out")
+            assemble_shard(unit.shard, _fetched(dst, paths, work), out, unit.recipe_json)
+            if not dst.local:
+                dst.upload(out, unit.out)
+    dst.remove(paths)
+
+
+def _write(unit: Unit, target: str, scratch: str | None, part: bool) -> list[TensorResult]:
+    """Quantize `unit` into `target` on the destination; its rows.
+
+    Sources are staged in a scratch directory: whole shards, or for a part just its tensors'
+    bytes. A local destination is written in place (a part directly: its name is temporary; a
+    shard atomically); a remote one is written in scratch, then put (a part) or uploaded.
+    """
+    dst = location(unit.dest_url, unit.storage_options)
+    with _workdir(scratch) as work:
+        local = _staged_sources(unit, os.path.join(work, "in"), whole=not part)
+        out = target if dst.local else os.path.join(work, "out")
+        rows = quantize_shard(unit.shard, local, out, unit.recipe_json, unit.backend, stats=unit.stats,
+                              compare=unit.compare, atomic=not part)
+        if not dst.local:
+            (dst.put if part else dst.upload)(out, target)
+        return rows
+
+
+def _staged_sources(unit: Unit, directory: str, whole: bool) -> dict[str, str]:
+    """Each source shard of `unit` as a local file (remote ones downloaded into `directory`): whole,
+    or holding just the header and `unit`'s tensors."""
+    src = location(unit.source_url, unit.storage_options)
+    local = {}
+    for name, path in unit.sources.items():
+        staged = os.path.join(directory, name)
+        needed = [it.name for it in unit.shard.items if it.source == name]
+        local[name] = src.stage(path, staged) if whole else src.stage_tensors(path, staged, needed)
+    return local
+
+
+def _fetched(dst: Location, paths: Sequence[str], work: str) -> Iterator[str]:
+    """Each part as a local file, in order: in place when local, else downloaded to `work` and
+    deleted once the next one is asked for (scratch holds one part at a time)."""
+    for k, path in enumerate(paths):
+        local = dst.stage(path, os.path.join(work, f"part-{k}"))
+        yield local
+        if local != path:
+            os.unlink(local)
+
+
+@contextmanager
+def _workdir(scratch: str | None) -> Iterator[str]:
+    """A fresh directory under `scratch` (default: Dask's temporary-directory), removed afterwards."""
     work = tempfile.mkdtemp(prefix="qcore-unit-", dir=scratch or _scratch_dir())
     try:
-        local = {name: src.stage(path, os.path.join(work, "in", name)) for name, path in unit.sources.items()}
-        out = unit.out if dst.local else os.path.join(work, "out", os.path.basename(unit.out))
-        if not dst.local:
-            os.makedirs(os.path.dirname(out), exist_ok=True)
-        rows = quantize_shard(unit.shard, local, out, unit.recipe_json, unit.backend, stats=unit.stats,
-                              compare=unit.compare)
-        if not dst.local:
-            dst.upload(out, unit.out)
-        return rows
+        yield work
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -145,10 +249,15 @@ def open_client(cluster: Any = None, scheduler: str | None = None, backend: str 
         yield client
 
 
+def _memory_limit(client: Any) -> int:
+    """The smallest memory limit among the client's workers, in bytes; 0 when none has one."""
+    limits = [w.get("memory_limit") or 0 for w in client.scheduler_info().get("workers", {}).values()]
+    return min((m for m in limits if m), default=0)
+
+
 def _check_memory(client: Any, units: Sequence[Unit]) -> None:
     """Refuse a plan whose largest tensor does not fit a worker's memory limit."""
-    limits = [w.get("memory_limit") or 0 for w in client.scheduler_info().get("workers", {}).values()]
-    limit = min((m for m in limits if m), default=0)
+    limit = _memory_limit(client)
     if not limit or not units:
         return
     big = max((it for u in units for it in u.shard.items), key=lambda it: it.head.nbytes)
@@ -184,6 +293,7 @@ def quantize_model_distributed(src: PathLike, dst: PathLike, recipe: RecipeLike 
                                *, rules: Sequence[str] = (), max_shard_size: int | str | None = None,
                                resume: bool = False, stats: bool = True, compare: Sequence[Any] = (),
                                cluster: Any = None, scheduler: str | None = None, workers: int | None = None,
+                               group_bytes: int | str | None = None,
                                storage_options: Mapping[str, Any] | None = None,
                                on_plan: Callable[[int, int], None] | None = None,
                                on_tensor: Callable[[TensorResult], None] | None = None,
@@ -193,14 +303,17 @@ def quantize_model_distributed(src: PathLike, dst: PathLike, recipe: RecipeLike 
 
     `src` and `dst` are local paths or URLs (`s3://bucket/model`, `gs://...`; `storage_options`
     go to fsspec). `cluster` is "local", a Dask Cluster or Client; `scheduler` an existing
-    scheduler's address; with neither the units run here one by one. The other arguments are
-    `quantize_model`'s; `on_plan(count, bytes)` and `on_tensor(row)` are called on this process
+    scheduler's address; with neither the units run here one by one. A shard with more than
+    `group_bytes` of source (e.g. "4GB"; on a cluster, by default, the workers' memory limit) is
+    written by a task per consecutive group of its tensors and an assembly task. The other
+    arguments are `quantize_model`'s; `on_plan(count, bytes)` and `on_tensor(row)` are called on this process
     as shards finish, `on_shard(name, done, total)` after each shard, `log(text)` with the
     dashboard link. The output is byte-identical to `quantize_model`'s.
     """
     t0 = time.perf_counter()
     opts = dict(storage_options or {})
     rc, be, cmp, limit = prepare_run(recipe, rules, backend, compare, max_shard_size)
+    group_limit = parse_size(group_bytes) if group_bytes is not None else None
     say = log or (lambda text: None)
 
     with tempfile.TemporaryDirectory(prefix="qcore-plan-") as stubs, ExitStack() as stack:
@@ -236,8 +349,10 @@ def quantize_model_distributed(src: PathLike, dst: PathLike, recipe: RecipeLike 
         if not one_file:
             for name in ck.extras:
                 dloc.upload_tree(ck.path(name), dloc.join(name))
-        rows = _run(units, cluster, scheduler, be.name, workers, on_tensor, on_shard, say)
-        dloc.remove(dloc.leftovers(list(outs.values())))
+        try:
+            rows = _run(units, cluster, scheduler, be.name, workers, group_limit, on_tensor, on_shard, say)
+        finally:
+            dloc.remove(dloc.leftovers(list(outs.values())))
 
         by_name = {r.name: r for r in done_rows + rows}
         ordered = [by_name[i.name] for s in shards for i in s.items]
@@ -269,35 +384,82 @@ def _prior(dloc: Location, out: str, marker: str, stub: str) -> Any:
     return completed_shard(stub, marker) if dloc.header_stub(out, stub) else None
 
 
-def _run(units: list[Unit], cluster: Any, scheduler: str | None, backend: str, workers: int | None,
-         on_tensor: Callable[[TensorResult], None] | None, on_shard: Callable[[str, int, int], None] | None,
-         say: Callable[[str], None]) -> list[TensorResult]:
-    rows: list[TensorResult] = []
+@dataclass
+class _Progress:
+    """The rows as tasks report them, passed on to `on_tensor`, and the shards finished (`on_shard`)."""
 
-    def finished(unit: Unit, got: list[TensorResult], k: int) -> None:
-        rows.extend(got)
-        if on_tensor is not None:
+    shards: int
+    on_tensor: Callable[[TensorResult], None] | None
+    on_shard: Callable[[str, int, int], None] | None
+    rows: list[TensorResult] = field(default_factory=list)
+    finished: int = 0
+
+    def report(self, unit: Unit, result: Part | list[TensorResult] | None) -> None:
+        """What a task returned: a group's part (its rows), a unit's rows (then its shard is in), or
+        nothing from an assembly (its shard is in)."""
+        got = result.rows if isinstance(result, Part) else result or []
+        self.rows.extend(got)
+        if self.on_tensor is not None:
             for r in got:
-                on_tensor(r)
-        if on_shard is not None:
-            on_shard(unit.shard.name, k, len(units))
+                self.on_tensor(r)
+        if not isinstance(result, Part):
+            self.finished += 1
+            if self.on_shard is not None:
+                self.on_shard(unit.shard.name, self.finished, self.shards)
 
+
+def _run_here(unit: Unit, limit: int | None, progress: _Progress) -> None:
+    """Write one unit's shard in this process: whole, or group by group and then assembled."""
+    groups = split_unit(unit, limit)
+    if len(groups) < 2:
+        progress.report(unit, run_unit(unit))
+        return
+    parts: list[Part] = []
+    for k, group in enumerate(groups, 1):
+        parts.append(run_group(group, k, len(groups)))
+        progress.report(unit, parts[-1])
+    progress.report(unit, assemble_unit(unit, parts))
+
+
+def _submit(client: Any, units: Sequence[Unit], limit: int | None) -> dict[Any, Unit]:
+    """One task per unit, or for a split one a task per group and an assembly that waits on them;
+    every future with the unit it is for."""
+    token = uuid.uuid4().hex[:8]
+    futures: dict[Any, Unit] = {}
+    for u in units:
+        key = f"{KEY_PREFIX}-{token}-{u.shard.name}"
+        groups = split_unit(u, limit)
+        if len(groups) < 2:
+            futures[client.submit(run_unit, u, key=key, pure=False)] = u
+            continue
+        parts = [client.submit(run_group, g, k, len(groups), key=f"{key}-part-{k}", pure=False)
+                 for k, g in enumerate(groups, 1)]
+        futures.update(dict.fromkeys(parts, u))
+        futures[client.submit(assemble_unit, u, parts, key=key, pure=False)] = u
+    return futures
+
+
+def _run(units: list[Unit], cluster: Any, scheduler: str | None, backend: str, workers: int | None,
+         group_bytes: int | None, on_tensor: Callable[[TensorResult], None] | None,
+         on_shard: Callable[[str, int, int], None] | None, say: Callable[[str], None]) -> list[TensorResult]:
+    """Write every unit's shard, here or on the cluster; the rows. A shard over `group_bytes` of
+    source (on a cluster, by default, over the workers' memory limit) is written in groups."""
+    progress = _Progress(len(units), on_tensor, on_shard)
     if cluster is None and scheduler is None:
-        for k, u in enumerate(units, 1):
-            finished(u, run_unit(u), k)
-        return rows
+        for u in units:
+            _run_here(u, group_bytes, progress)
+        return progress.rows
     if not units:
-        return rows
+        return progress.rows
     dd = _distributed()
     with open_client(cluster, scheduler, backend, workers) as client:
         say(f"Dask dashboard: {client.dashboard_link}")
         _check_memory(client, units)
-        token = uuid.uuid4().hex[:8]
-        futures = {client.submit(run_unit, u, key=f"{KEY_PREFIX}-{token}-{u.shard.name}", pure=False): u
-                   for u in units}
+        futures = _submit(client, units, group_bytes or _memory_limit(client))
         try:
-            for k, fut in enumerate(dd.as_completed(list(futures)), 1):
-                finished(futures[fut], fut.result(), k)
+            for fut in dd.as_completed(list(futures)):
+                progress.report(futures[fut], fut.result())
+                fut.release()  # done: a worker lost later must not make Dask run it again
         finally:
             client.cancel(list(futures))
-    return rows
+    return progress.rows

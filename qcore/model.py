@@ -22,9 +22,9 @@ import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 import numpy as np
 
@@ -39,9 +39,11 @@ from .stats import tensor_stats
 from .stfile import Reader, StreamWriter, TensorHead, header_room, np_dtype, st_dtype
 
 __all__ = ["TensorResult", "ModelResult", "quantize_model", "quantize_dict", "dequantize_model",
-           "plan_shards", "quantize_shard", "resumed_rows", "completed_shard"]
+           "plan_shards", "quantize_shard", "assemble_shard", "consecutive_groups", "resumed_rows",
+           "completed_shard"]
 
 PathLike = Union[str, "os.PathLike[str]"]
+T = TypeVar("T")
 IN_FLIGHT = 2   # source tensors read ahead of the writer (the memory bound's factor)
 _POLL = 0.1
 
@@ -180,20 +182,30 @@ def _plan(ck: Checkpoint, recipe: Recipe, max_shard_size: int | None,
     if max_shard_size is None:
         out = [_OutShard(s, [i for i in items if i.source == s], metas[s]) for s in ck.shards]
     else:
-        groups: list[list[_Item]] = [[]]
-        size = 0
-        for it in items:
-            if groups[-1] and size + it.out_bytes > max_shard_size:
-                groups.append([])
-                size = 0
-            groups[-1].append(it)
-            size += it.out_bytes
+        groups = consecutive_groups(items, lambda it: it.out_bytes, max_shard_size) or [[]]
         common = {k: v for k, v in metas[ck.shards[0]].items() if all(metas[s].get(k) == v for s in ck.shards)}
         out = [_OutShard(shard_name(prefix, k + 1, len(groups)), g, common) for k, g in enumerate(groups)]
     for s in out:
         for it in s.items:
             it.shard = s.name
     return out, prefix
+
+
+def consecutive_groups(items: Sequence[T], size: Callable[[T], int], limit: int) -> list[list[T]]:
+    """`items` in their order, cut into consecutive groups whose `size`s sum to at most `limit`.
+
+    An item larger than `limit` is a group of its own. No items, no groups.
+    """
+    groups: list[list[T]] = []
+    total = 0
+    for it in items:
+        n = size(it)
+        if not groups or total + n > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(it)
+        total += n
+    return groups
 
 
 def _marker(shard: _OutShard, recipe_json: str, readers: dict[str, Reader]) -> str:
@@ -209,12 +221,19 @@ def _marker(shard: _OutShard, recipe_json: str, readers: dict[str, Reader]) -> s
 
 
 def _shard_metadata(shard: _OutShard, recipe_json: str) -> dict[str, str]:
+    """Every metadata key the plan gives `shard` (those of tensors kept at run time are dropped later)."""
     meta = qio.qcore_header(shard.user_meta, recipe_json, shard.marker)
     for it in shard.items:
         meta.update(it.carried)
         if it.scheme is not None:
             meta.update(qio.quantized_keys(it.name, it.scheme, it.head.shape, it.head.dtype))
     return meta
+
+
+def _header_room(shard: _OutShard, recipe_json: str) -> int:
+    """The header room reserved in `shard`'s file: enough for every planned tensor and key."""
+    planned = [(it.name, it.out_dtype, it.out_shape) for it in shard.items]
+    return header_room(planned, _shard_metadata(shard, recipe_json))
 
 
 # ------------------------------------------------------------------------------------ pipeline
@@ -275,9 +294,21 @@ class _Pipeline:
 _END = object()
 
 
+def _payload_parts(be: Backend, q: QTensor) -> list[np.ndarray]:
+    """q's payload as uint8 arrays in order, unjoined where the backend offers it."""
+    parts = getattr(be, "payload_parts", None)
+    return parts(q) if parts is not None else [np.frombuffer(q.to_data().payload, dtype=np.uint8)]
+
+
+def _in_place(path: str, write: Callable[[str], None]) -> None:
+    """Write `path` directly (a temporary name its caller owns), where `qio.atomic_write` renames."""
+    write(path)
+
+
 def _stream(todo: list[_OutShard], paths: dict[str, str], readers: dict[str, Reader], be: Backend,
             recipe_json: str, stats: bool, compare: Sequence[Any],
-            on_tensor: Callable[[TensorResult], None] | None) -> list[TensorResult]:
+            on_tensor: Callable[[TensorResult], None] | None,
+            write_file: Callable[[str, Callable[[str], None]], None] = qio.atomic_write) -> list[TensorResult]:
     p = _Pipeline()
     rows: list[TensorResult] = []
 
@@ -291,15 +322,14 @@ def _stream(todo: list[_OutShard], paths: dict[str, str], readers: dict[str, Rea
     def write_all() -> None:
         for shard in todo:
             meta = _shard_metadata(shard, recipe_json)
-            planned = [(it.name, it.out_dtype, it.out_shape) for it in shard.items]
-            room = header_room(planned, meta)
+            room = _header_room(shard, recipe_json)
 
             def write(tmp: str, shard: _OutShard = shard, meta: dict = meta, room: int = room) -> None:
                 with open(tmp, "wb") as f:
                     w = StreamWriter(f, room)
                     for _ in shard.items:
                         name, arr, release, fell_back = p.get(p.outbox)
-                        w.add(name, arr)
+                        w.add(name, arr)  # (a payload comes as a list of its parts)
                         del arr
                         if release:
                             p.slots.release()
@@ -308,7 +338,7 @@ def _stream(todo: list[_OutShard], paths: dict[str, str], readers: dict[str, Rea
                                 meta.pop(k, None)
                     w.finish(meta)
 
-            qio.atomic_write(paths[shard.name], write)
+            write_file(paths[shard.name], write)
 
     reader, writer = p.thread(read_all), p.thread(write_all)
     try:
@@ -326,8 +356,8 @@ def _stream(todo: list[_OutShard], paths: dict[str, str], readers: dict[str, Rea
                 except InputError as e:  # NaN/Inf and other data the scheme cannot take
                     row.note = f"kept: {e}"
                 else:
-                    payload = np.frombuffer(q.to_data().payload, dtype=np.uint8)
-                    row.scheme, row.after = str(it.scheme), payload.nbytes
+                    payload = _payload_parts(be, q)
+                    row.scheme, row.after = str(it.scheme), sum(p.nbytes for p in payload)
                     if stats:
                         row.sqnr, row.max_err = tensor_stats(be, x, q)
                     for s in compare:
@@ -523,11 +553,16 @@ def plan_shards(ck: Checkpoint, recipe: Recipe, max_shard_size: int | None,
 
 def quantize_shard(shard: _OutShard, sources: Mapping[str, PathLike], out_path: PathLike, recipe_json: str,
                    backend: str | Backend | None = None, *, stats: bool = True, compare: Sequence[Any] = (),
-                   on_tensor: Callable[[TensorResult], None] | None = None) -> list[TensorResult]:
+                   on_tensor: Callable[[TensorResult], None] | None = None,
+                   atomic: bool = True) -> list[TensorResult]:
     """Write one planned output shard to `out_path` (atomically) from its source files.
 
-    `sources` maps each source shard name the plan uses to a local file with its bytes. The bytes
-    written are those `quantize_model` writes for the same shard.
+    `sources` maps each source shard name the plan uses to a local file with its bytes (a sparse
+    file holding the header and just this shard's tensors will do). The bytes written are those
+    `quantize_model` writes for the same shard. `shard` may be a consecutive group of a planned
+    shard's tensors (`dataclasses.replace(shard, items=group)`): its file is then a part for
+    `assemble_shard`. `atomic=False` writes `out_path` directly, for a temporary name the caller
+    owns.
     """
     needed = sorted({it.source for it in shard.items})
     missing = [n for n in needed if n not in sources]
@@ -537,10 +572,39 @@ def quantize_shard(shard: _OutShard, sources: Mapping[str, PathLike], out_path: 
     readers = {n: Reader(sources[n]) for n in needed}
     try:
         return _stream([shard], {shard.name: os.fspath(out_path)}, readers, _backend(backend), recipe_json, stats,
-                       [parse_scheme(s) for s in compare], on_tensor)
+                       [parse_scheme(s) for s in compare], on_tensor, qio.atomic_write if atomic else _in_place)
     finally:
         for r in readers.values():
             r.close()
+
+
+def assemble_shard(shard: _OutShard, parts: Iterable[PathLike], out_path: PathLike, recipe_json: str) -> None:
+    """Write planned output shard `shard` to `out_path` (atomically) from its parts.
+
+    `parts` are the files `quantize_shard` wrote for consecutive groups of the shard's tensors, in
+    order (an iterable, so a caller can fetch each one as it is reached). Their tensors are copied
+    one at a time and their metadata merged: the bytes are those `quantize_shard` writes for the
+    whole shard.
+    """
+    meta: dict[str, str] = {}
+    room = _header_room(shard, recipe_json)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            w = StreamWriter(f, room)
+            names: list[str] = []
+            for part in parts:
+                with Reader(part) as r:
+                    meta.update(r.metadata)
+                    for name in r.tensors:
+                        w.add(name, r.read(name))
+                        names.append(name)
+            planned = [it.name for it in shard.items]
+            if names != planned:
+                raise InvalidDataError(f"the parts of {shard.name} hold tensors {names}, not the planned {planned}")
+            w.finish(meta)
+
+    qio.atomic_write(os.fspath(out_path), write)
 
 
 def resumed_rows(shard: _OutShard, prior: qio.FileInfo) -> list[TensorResult]:

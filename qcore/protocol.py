@@ -285,6 +285,19 @@ class BaseBackend(abc.ABC):
         q = self._own(q)
         return self._into_data(q.data)
 
+    def payload_parts(self, q: QTensor) -> list[np.ndarray]:
+        """The portable bytes of `q` as host uint8 arrays in payload order, not joined: their
+        concatenation is `into_data(q).payload`. For writers that stream a payload to a file
+        (`qcore.quantize_model`) without the copies a `bytes` object costs."""
+        q = self._own(q)
+        parts = self._payload_parts(q.data)
+        want = sections(q.shape, q.scheme).total
+        got = sum(int(p.nbytes) for p in parts)
+        if got != want:
+            raise RuntimeError(f"backend '{self.name}' gave {got} payload bytes for {q.scheme} {q.shape}, "
+                               f"not {want}")
+        return parts
+
     # ------------------------------------------------------------------ tensor ops
     def reshape(self, q: QTensor, shape: Sequence[int]) -> QTensor:
         from . import ops
@@ -341,6 +354,10 @@ class BaseBackend(abc.ABC):
     @abc.abstractmethod
     def _into_data(self, data: Any) -> QuantizedData:
         """The portable bytes of this backend's representation."""
+
+    def _payload_parts(self, data: Any) -> list[np.ndarray]:
+        """`_into_data`'s payload as host uint8 arrays in order; override to skip the join."""
+        return [np.frombuffer(self._into_data(data).payload, dtype=np.uint8)]
 
     def to_numpy(self, array: Any) -> np.ndarray:
         return np.asarray(array)

@@ -188,15 +188,23 @@ class StreamWriter:
         self._pos = 0
         f.seek(8 + room)
 
-    def add(self, name: str, array: np.ndarray) -> None:
-        """Append `array` (C-contiguous numpy) under `name`."""
+    def add(self, name: str, array: np.ndarray | Sequence[np.ndarray]) -> None:
+        """Append `array` (numpy, C order) under `name`; a list of arrays is written back to back
+        as one U8 tensor of their bytes (a payload in its parts, `Backend.payload_parts`)."""
         if name in self._entries or name == "__metadata__":
             raise InputError(f"tensor name '{name}' is used twice or reserved in one safetensors file")
-        a = array if array.flags.c_contiguous else array.copy(order="C")  # (keeps 0-d arrays 0-d)
-        n = a.nbytes
-        if n:
-            self._f.write(memoryview(a.reshape(-1).view(np.uint8)))
-        self._entries[name] = _entry(st_dtype(a.dtype), a.shape, self._pos, self._pos + n)
+        if isinstance(array, np.ndarray):
+            a = array if array.flags.c_contiguous else array.copy(order="C")  # (keeps 0-d arrays 0-d)
+            parts, dtype, shape = [a], st_dtype(a.dtype), a.shape
+        else:
+            parts = [np.ascontiguousarray(p) for p in array]
+            dtype, shape = "U8", (sum(p.nbytes for p in parts),)
+        n = 0
+        for a in parts:
+            if a.nbytes:
+                self._f.write(memoryview(a.reshape(-1).view(np.uint8)))
+            n += a.nbytes
+        self._entries[name] = _entry(dtype, shape, self._pos, self._pos + n)
         self._pos += n
 
     @property

@@ -7,10 +7,13 @@ remote storage is reached through three local stand-ins:
   remote file's size as a sparse file. Planning (`qcore.checkpoint.resolve`, `qcore.io.read_info`,
   the run markers, which hash the header and the size) reads only that, so a remote checkpoint is
   planned exactly as a local one, without downloading tensors;
-- a *staged shard*: a whole input shard downloaded to a worker's scratch directory;
+- a *staged shard*: a whole input shard downloaded to a worker's scratch directory, or, for a
+  task that needs only some of its tensors, a header stub with just those tensors' bytes filled in;
 - an *upload*: an output file written locally, put under a temporary key next to its destination
-  (`.NAME.<token>.tmp`) and moved onto the final key, so no partial file is ever visible under a
-  shard's name. On object stores the move is a server-side copy, which appears whole or not at all.
+  (`.NAME.<token>.tmp`, `temp_path`) and moved onto the final key, so no partial file is ever
+  visible under a shard's name. On object stores the move is a server-side copy, which appears
+  whole or not at all. Files that are temporary by name (the parts of a split shard) are put
+  there directly (`put`).
 
 Local paths (and `file://` URLs) skip all of this: they are used in place.
 Credentials and endpoints come from fsspec's usual configuration (environment variables such as
@@ -21,7 +24,7 @@ from __future__ import annotations
 import os
 import posixpath
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +35,7 @@ __all__ = ["Location", "is_url", "location", "HEADER_PREFIX_LEN", "TMP_SUFFIX"]
 HEADER_PREFIX_LEN = 8
 TMP_SUFFIX = ".tmp"
 _MAX_HEADER = 100_000_000  # safetensors' own limit
+_CHUNK = 64 << 20           # bytes a ranged read fetches at a time
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -76,6 +80,13 @@ class Location:
             os.makedirs(path, exist_ok=True)
         else:
             self.fs.makedirs(path, exist_ok=True)
+
+    def temp_path(self, path: str, tag: str) -> str:
+        """A temporary name next to `path`: `.NAME.<tag>.tmp`, never a shard's name, and one that
+        `leftovers` finds."""
+        split, join = (os.path.split, os.path.join) if self.local else (posixpath.split, posixpath.join)
+        directory, name = split(path)
+        return join(directory, f".{name}.{tag}{TMP_SUFFIX}")
 
     # ------------------------------------------------------------------ stand-ins for remote files
     def header_stub(self, path: str, local: str) -> bool:
@@ -123,12 +134,38 @@ class Location:
         self.fs.get_file(path, local)
         return local
 
+    def stage_tensors(self, path: str, local: str, names: Collection[str]) -> str:
+        """The local path holding `path`'s header and the bytes of tensors `names`: `path` itself when
+        local, else a header stub (`header_stub`) with those tensors' byte ranges downloaded into it."""
+        if self.local:
+            return path
+        if not self.header_stub(path, local):
+            raise FileNotFoundError(2, "No such file", self.fs.unstrip_protocol(path))
+        from .stfile import Reader
+
+        with Reader(local) as r:
+            start = HEADER_PREFIX_LEN + len(r.header_bytes)
+            ranges = [(start + r.tensors[n].begin, start + r.tensors[n].end) for n in names]
+        with open(local, "r+b") as out:
+            for begin, end in sorted(ranges):
+                for at in range(begin, end, _CHUNK):
+                    out.seek(at)
+                    out.write(self.fs.cat_file(path, start=at, end=min(at + _CHUNK, end)))
+        return local
+
+    def put(self, local: str, path: str) -> None:
+        """Put the local file `local` at `path` as it is: for a path that is temporary by name."""
+        if self.local:
+            os.replace(local, path)
+        else:
+            self.fs.put_file(local, path)
+
     def upload(self, local: str, path: str) -> None:
         """Put the finished local file `local` at `path` whole: a temporary key, then a move."""
         if self.local:
             os.replace(local, path)
             return
-        tmp = posixpath.join(posixpath.dirname(path), f".{posixpath.basename(path)}.{uuid.uuid4().hex}{TMP_SUFFIX}")
+        tmp = self.temp_path(path, uuid.uuid4().hex)
         self.fs.put_file(local, tmp)
         try:
             self.fs.mv(tmp, path)

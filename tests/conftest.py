@@ -47,7 +47,7 @@ def cuda_backend():
 def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="K/N",
                      help="run the K-th of N interleaved parts of the collected tests (K = 1..N): splits a "
-                          "GPU run of tests/test_cuda.py over device calls with a time limit")
+                          "GPU run of the cuda tests over device calls with a time limit")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -76,7 +76,8 @@ def test_help_and_version(capsys):
     (["quantize", "a.safetensors", "b.safetensors"], r"--scheme"),
     (["inspect", "f.safetensors", "--bogus"], r"unrecognized arguments: --bogus"),
     (["quantize", "a", "b", "--scheme", "q8s", "--min-size", "ten"], r"invalid int value: 'ten'"),
-], ids=["no-command", "unknown-command", "missing-scheme", "unknown-flag", "bad-int"])
+    (["quantize", "a", "b", "--scheme", "q8s", "--group-size", "4KB"], r"--group-size splits shards into tasks"),
+], ids=["no-command", "unknown-command", "missing-scheme", "unknown-flag", "bad-int", "group-size-alone"])
 def test_usage_errors_exit_2_with_one_line(capsys, argv, pattern):
     rc, out, err = run(capsys, *argv)
     assert rc == 2

@@ -17,7 +17,7 @@ from qcore.conformance import checks as K
 from qcore.conformance import runner
 from qcore.conformance.base import installed_backend, required_backends
 from qcore.errors import UnsupportedSchemeError
-from qcore.payload import QuantizedData
+from qcore.payload import QuantizedData, sections
 from qcore.protocol import QParams, Support
 from qcore.reference import ReferenceBackend
 
@@ -262,6 +262,24 @@ def test_runner_reports_a_broken_backend():
     assert all("failed check 'quantize.codes'" in m for m in msgs), msgs
     p, _, f = report.summary("flip-code")
     assert f >= 6  # every stratum's non-empty cases fail
+
+
+class PartsOutOfOrder(ReferenceBackend):
+    """Right into_data bytes, but payload_parts gives the scales before the codes."""
+
+    name = "parts-out-of-order"
+
+    def _payload_parts(self, data):
+        parts = super()._payload_parts(data)
+        sec = sections(data.shape, data.scheme)
+        whole = parts[0]
+        return [whole[sec.values:], whole[:sec.values]]
+
+
+def test_runner_fails_payload_parts_out_of_order():
+    report = runner.run([PartsOutOfOrder()], max_schemes=6, kinds=["case"])
+    msgs = [o.message for o in report.failed]
+    assert msgs and all("failed check 'payload_parts'" in m for m in msgs if "tested-nothing" not in m), msgs
 
 
 def test_runner_main_exit_status(capsys):

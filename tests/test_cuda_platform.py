@@ -81,21 +81,35 @@ _COMPILE_PART = textwrap.dedent("""
 """)
 
 
+KIND_FAMILIES = ("k_fast_dequant", "k_gemv", "k_tc")
+"""Generated kernels whose first parameter is the value kind they decode: the decoding is the
+fast module's device code, the same in each, so a kind compiled in one of them counts for all
+(the fast dequantize kernels compile every kind)."""
+
+
+def _param_keys(name: str) -> set[tuple[str, int, str]]:
+    family, params = name[:-1].split("[")
+    return {("kind" if i == 0 and family in KIND_FAMILIES else family, i, v)
+            for i, v in enumerate(params.split(","))}
+
+
 def _covering(names: list[str]) -> list[str]:
     """The generated variants `name[p0,p1,...]` cut to a set in which every value of every
-    template parameter of a kernel still appears at least once (GEMV: 41 variants -> 10); plain
-    kernels (`name#signature`) all stay. Each variant costs seconds of NVVM time: CI compiles this set, a run with
+    template parameter still appears at least once (every kind in the fast kernels, every GEMV
+    and tensor-core configuration once: GEMV 41 variants -> 5), and every family; plain kernels (`name#signature`)
+    all stay. Each variant costs seconds of NVVM time: CI compiles this set, a run with
     QCORE_PTX_ALL=1 all of them."""
     seen: set[tuple[str, int, str]] = set()
+    families: set[str] = set()
     keep = []
     for name in names:
         if "[" not in name:
             keep.append(name)
             continue
-        family, params = name[:-1].split("[")
-        pairs = {(family, i, v) for i, v in enumerate(params.split(","))}
-        if not pairs <= seen:
-            seen |= pairs
+        keys, family = _param_keys(name), name.split("[")[0]
+        if not keys <= seen or family not in families:
+            seen |= keys
+            families.add(family)
             keep.append(name)
     return keep
 
@@ -118,11 +132,13 @@ def test_ptx_covering_set_keeps_every_parameter_value():
     assert len(cut) < len(full)
 
     def params(names):
-        return {(n.split("[")[0], i, v) for n in names if "[" in n
-                for i, v in enumerate(n[:-1].split("[")[1].split(","))}
+        return set().union(*(_param_keys(n) for n in names if "[" in n))
 
     assert params(cut) == params(full)
     assert {n.split("[")[0] for n in cut} == {n.split("[")[0] for n in full}
+    kinds = {n[:-1].split("[")[1].split(",")[0] for n in full if n.startswith("k_fast_quant[")}
+    assert {n for n in cut if n.startswith("k_fast_")} == {f"k_fast_{op}[{k}]" for op in ("quant", "dequant")
+                                                           for k in kinds}
 
 
 @pytest.mark.parametrize("part", range(PTX_PARTS))

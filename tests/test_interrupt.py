@@ -152,13 +152,24 @@ def test_signals_at_many_points(tmp_path, model, capsys, command, old_output):
     assert seen["new"] + seen["done"] > 0 and seen["none" if not old_output else "old"] > 0, seen
 
 
-def test_second_signal_during_cleanup_leaves_no_temp(tmp_path, model, capsys, monkeypatch):
+def test_second_signal_during_cleanup_leaves_no_temp(tmp_path, capsys, monkeypatch):
     """A signal inside the deferred cleanup (temp file removal) waits until the file is gone."""
     from qcore import io as qio
+    from qcore import model as qmodel
     from qcore import stfile
 
+    model = tmp_path / "m.safetensors"  # more tensors than the pipeline holds between its stages
+    rng = np.random.default_rng(1)
+    save_file({f"l{i}.weight": rng.standard_normal((16, 64)).astype(np.float32) for i in range(4 * qmodel.IN_FLIGHT)},
+              str(model))
     out = tmp_path / "o.safetensors"
     real = stfile.StreamWriter.add
+    pipelines = []
+    real_init = qmodel._Pipeline.__init__
+
+    def init(self):
+        real_init(self)
+        pipelines.append(self)
 
     interrupted = []
 
@@ -167,7 +178,7 @@ def test_second_signal_during_cleanup_leaves_no_temp(tmp_path, model, capsys, mo
         if not interrupted:
             interrupted.append(name)
             os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.01)  # the handler raises here
+            assert pipelines[0].stop.wait(30)  # the main thread took the signal and stopped the run
     real_unlink = os.unlink
 
     sent = []
@@ -179,6 +190,7 @@ def test_second_signal_during_cleanup_leaves_no_temp(tmp_path, model, capsys, mo
             time.sleep(0.2)  # (the removal runs on the writer thread: the run must wait for it)
         return real_unlink(p, *a, **k)
 
+    monkeypatch.setattr(qmodel._Pipeline, "__init__", init)
     monkeypatch.setattr(stfile.StreamWriter, "add", write_then_interrupt)
     monkeypatch.setattr(qio.os, "unlink", unlink_with_signal)
     rc = main(["quantize", str(model), str(out), "--scheme", "q8s", "--backend", "reference"])

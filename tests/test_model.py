@@ -131,3 +131,54 @@ def test_cuda_error_stats_on_the_device_match_the_host(cuda_backend, scheme):
 def test_quantize_of_a_dict_points_at_quantize_dict():
     with pytest.raises(qcore.InputError, match=r"for a state dict use qcore.quantize_dict"):
         qcore.quantize({"w": _x((2, 32))}, "q8s", backend="reference")
+
+
+def test_a_shard_assembled_from_parts_is_the_whole_shard(tmp_path):
+    """quantize_shard of consecutive groups, then assemble_shard: the bytes of quantize_shard of the
+    whole shard, with every kind of tensor (quantized, kept by the plan, kept at run time for a NaN,
+    already quantized in the source) and the metadata merged from the parts."""
+    from dataclasses import replace
+
+    from qcore.checkpoint import resolve
+    from qcore.model import assemble_shard, consecutive_groups, plan_shards, quantize_shard
+    from qcore.recipe import as_recipe
+
+    nan = _x((8, 64), 4)
+    nan[0, 0] = np.nan
+    save_file({"a": _x((8, 64), 1), "nan": nan, "b": _x((16, 64), 2), "norm": _x((64,), 3), "c": _x((4, 64), 5)},
+              str(tmp_path / "m.safetensors"))
+    qcore.quantize_model(tmp_path / "m.safetensors", tmp_path / "src.safetensors", "q8s", "reference",
+                         rules=["b=keep", "c=keep"])  # 'a' is quantized in the source
+    src = str(tmp_path / "src.safetensors")
+    with Reader(src) as r:
+        (shard,), recipe_json = plan_shards(resolve(src), as_recipe("q4s/block32:f16"), None, {"src.safetensors": r})
+    whole = quantize_shard(shard, {"src.safetensors": src}, tmp_path / "whole", recipe_json, "reference")
+    assert {r.name: bool(r.scheme) for r in whole} == {"a": False, "nan": False, "b": True, "norm": False, "c": True}
+    rows, parts = [], []
+    for k, group in enumerate(consecutive_groups(shard.items, lambda it: it.head.nbytes, 2100)):
+        parts.append(tmp_path / f"part{k}")
+        rows += quantize_shard(replace(shard, items=group), {"src.safetensors": src}, parts[-1], recipe_json,
+                               "reference", atomic=False)
+    assert len(parts) >= 3
+    assemble_shard(shard, parts, tmp_path / "assembled", recipe_json)
+    assert (tmp_path / "assembled").read_bytes() == (tmp_path / "whole").read_bytes()
+    assert {e.name for e in qio.read_info(tmp_path / "assembled").entries if e.quantized} == {"a", "b", "c"}
+    assert repr(rows) == repr(whole)
+    with pytest.raises(qcore.InvalidDataError, match="not the planned"):
+        assemble_shard(shard, parts[::-1], tmp_path / "reversed", recipe_json)
+    assert not (tmp_path / "reversed").exists()
+
+
+@pytest.mark.parametrize("scheme", ["q8s", "q8s/block32:f16", "q8f/block4x8:ue8m0"])
+def test_ndarray_error_stats_match_the_host(scheme):
+    """The ndarray backend's own statistics pass (parallel, one read of x and of the dequantized
+    values) gives the host's figures; the core entry point uses it."""
+    be = qcore.backend("ndarray")
+    x = _x((37, 300), 11)
+    q = be.quantize(x, scheme)
+    sqnr, mx = be.error_stats(x, q)
+    want = error_stats(x, q.numpy())
+    assert sqnr == pytest.approx(want[0], abs=1e-4) and mx == want[1]
+    assert qcore.stats.tensor_stats(be, x, q) == (sqnr, mx)
+    assert be.error_stats(np.zeros((0, 32), np.float32), be.quantize(np.zeros((0, 32), np.float32), scheme)) \
+        == (qcore.stats.sqnr_db(0.0, 0.0), 0.0)

@@ -371,6 +371,12 @@ def check_supported(backend, case: Case, reference=None) -> None:
         raise ctx.fail("quantize", f"QTensor has shape {q.shape} and scheme {q.scheme}")
     d = ctx.call("into_data", backend.into_data, q)
     compare_data(ctx, "quantize", d, r_data)
+    if hasattr(backend, "payload_parts"):  # the unjoined payload that whole-model writes stream
+        parts = ctx.call("payload_parts", backend.payload_parts, q)
+        joined = b"".join(np.ascontiguousarray(p).reshape(-1).view(np.uint8).tobytes() for p in parts)
+        if joined != d.payload:
+            raise ctx.fail("payload_parts", f"the parts joined ({len(joined)} bytes) are not into_data's payload "
+                                            f"({len(d.payload)} bytes)")
 
     y = _host(ctx, "dequantize", backend, ctx.call("dequantize", backend.dequantize, q, dtype=out_dt))
     compare_arrays(ctx, f"dequantize({case.out_dtype})", y, r_y, "dequantized values")

@@ -666,6 +666,9 @@ class CudaBackend(BaseBackend):
     def _into_data(self, data: CudaData) -> QuantizedData:
         return QuantizedData(data.shape, data.scheme, data.payload.copy_to_host().tobytes())
 
+    def _payload_parts(self, data: CudaData) -> list[np.ndarray]:
+        return [data.payload.copy_to_host()]  # (one copy from the device, none more)
+
     def _empty_output(self, shape: tuple[int, ...], dtype: np.dtype, s: Any = _streams.DEFAULT) -> Any:
         """An empty device array (bfloat16, which numba lacks: an empty host array)."""
         if dtype in _NUMBA_DTYPES:

@@ -1023,7 +1023,7 @@ def launch_matmul(ng: int, kc: int, m: int) -> tuple[tuple[int, int, int], tuple
 
 
 # Every kernel with every signature the backend launches it with (compiled for sm_90 by
-# tests/test_cuda.py::test_kernels_compile_for_sm90).
+# tests/test_cuda_platform.py::test_kernels_compile_for_sm90).
 _A = "{}[::1]"
 SIGNATURES: dict[str, list[str]] = {
     "k_convert_f16": ["void(float16[::1], float32[::1])"],

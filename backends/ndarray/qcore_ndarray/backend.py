@@ -29,7 +29,7 @@ from qcore import layout
 from qcore.arithmetic import store_scales
 from qcore.checks import raise_nonfinite, to_f32
 from qcore.payload import QuantizedData
-from qcore.protocol import BaseBackend, QParams, Support
+from qcore.protocol import BaseBackend, QParams, QTensor, Support
 from qcore.scheme import QuantScheme, StoreKind
 
 from .plan import TASK_ELEMENTS, Plan, make_plan
@@ -173,6 +173,19 @@ class NdarrayBackend(BaseBackend):
         self._run_blocks(flat, plan, scheme, k.MODE_APPLY, mcode, None, e, values, check=check)
         return NdQuantized(shape, scheme, values, stored, params.global_scale)
 
+    def error_stats(self, x: Any, q: QTensor) -> tuple[float, float]:
+        """(SQNR dB, max |err|) of `q` against `x` (`qcore.stats.tensor_stats` calls it): the
+        dequantize kernel, then one parallel pass over x and the result."""
+        from qcore.stats import sqnr_db
+
+        q = self._own(q)
+        xf = _flat_f32(x)
+        if xf.size == 0:
+            return sqnr_db(0.0, 0.0), 0.0
+        y = self._dequantize(q.data, np.dtype(np.float32)).reshape(-1)
+        signal, noise, max_err = _kernels().error_partials(xf, y, TASK_ELEMENTS)
+        return sqnr_db(float(signal), float(noise)), float(max_err)
+
     def _dequantize(self, data: NdQuantized, dtype: np.dtype) -> np.ndarray:
         k = _kernels()
         plan = make_plan(data.shape, data.scheme)
@@ -189,14 +202,16 @@ class NdarrayBackend(BaseBackend):
         return y if dtype == np.float32 else y.astype(dtype)
 
     def _into_data(self, data: NdQuantized) -> QuantizedData:
+        return QuantizedData(data.shape, data.scheme, b"".join(p.tobytes() for p in self._payload_parts(data)))
+
+    def _payload_parts(self, data: NdQuantized) -> list[np.ndarray]:
+        """Codes (the values array itself, no copy), encoded scales, the global scale."""
         tr = data.scheme.slot_dtype.traits
-        parts = [
-            data.values.tobytes(),
-            np.ascontiguousarray(tr.encode(data.scales.reshape(-1))).tobytes(),
-        ]
+        parts = [np.ascontiguousarray(data.values).reshape(-1).view(np.uint8),
+                 np.ascontiguousarray(tr.encode(data.scales.reshape(-1))).reshape(-1).view(np.uint8)]
         if data.global_scale is not None:
-            parts.append(np.asarray([data.global_scale], dtype="<f4").tobytes())
-        return QuantizedData(data.shape, data.scheme, b"".join(parts))
+            parts.append(np.asarray([data.global_scale], dtype="<f4").view(np.uint8))
+        return parts
 
     def _from_data(self, data: QuantizedData) -> NdQuantized:
         n = layout.values_nbytes(data.shape, data.scheme)

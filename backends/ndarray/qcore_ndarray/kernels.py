@@ -209,6 +209,33 @@ def tensor_stats(x, xb, method, chunk):
     return mbs.max(), sums.sum()
 
 
+@njit(parallel=True, cache=True)
+def error_partials(x, y, chunk):
+    """One pass over flat f32 `x` and its dequantized `y`: per chunk, the f64 sums of x**2 and of
+    e**2 with e = y - x in f32 (as numpy subtracts), and max |e|; returned summed / maxed."""
+    n = x.size
+    nch = (n + chunk - 1) // chunk
+    sig = np.zeros(max(nch, 1), np.float64)
+    noise = np.zeros(max(nch, 1), np.float64)
+    mx = np.zeros(max(nch, 1), np.float32)
+    for c in prange(nch):
+        i0 = c * chunk
+        i1 = min(n, i0 + chunk)
+        s = 0.0
+        z = 0.0
+        m = np.float32(0.0)
+        for i in range(i0, i1):
+            xi = x[i]
+            e = np.float32(y[i] - xi)
+            s += np.float64(xi) * np.float64(xi)
+            z += np.float64(e) * np.float64(e)
+            m = max(m, abs(e))
+        sig[c] = s
+        noise[c] = z
+        mx[c] = m
+    return sig.sum(), noise.sum(), mx.max()
+
+
 # --------------------------------------------------------------------------- block kernels
 
 
