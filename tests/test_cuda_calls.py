@@ -363,3 +363,54 @@ def test_views_hold_results_without_cycles():
         assert alive() is None, "a DevView kept its result alive past its last reference"
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("text,want", [("512M", 512 << 20), ("2G", 2 << 30), ("1.5GiB", 3 << 29),
+                                       ("1048576", 1 << 20), ("0", 0), ("2gb", 2 << 30)])
+def test_pool_keep_setting_parses(text, want):
+    from qcore_cuda._pool import parse_bytes
+
+    assert parse_bytes(text) == want
+
+
+@pytest.mark.parametrize("text", ["x", "-1", "G", "nan", "inf", "2Q"])
+def test_pool_keep_setting_rejects_nonsense(text):
+    from qcore_cuda._pool import parse_bytes
+
+    with pytest.raises(qcore.errors.InputError, match="QCORE_CUDA_POOL_KEEP"):
+        parse_bytes(text)
+
+
+def test_pool_keep_default_is_bounded(monkeypatch):
+    from qcore_cuda._pool import keep_bytes
+
+    monkeypatch.delenv("QCORE_CUDA_POOL_KEEP", raising=False)
+    assert keep_bytes(141 << 30) == 2 << 30 and keep_bytes(8 << 30) == 1 << 30
+    monkeypatch.setenv("QCORE_CUDA_POOL_KEEP", "64M")
+    assert keep_bytes(141 << 30) == 64 << 20
+
+
+@GPU_ONLY
+def test_pool_hands_memory_back_above_its_threshold():
+    """After a synchronisation the pool keeps at most `QCORE_CUDA_POOL_KEEP` of freed blocks:
+    another allocator (torch here, or another process on the GPU) gets the rest back."""
+    code = textwrap.dedent("""
+        import numpy as np, qcore
+        from numba import cuda
+        from qcore_cuda import pool_bytes
+        be = qcore.backend("cuda")
+        q = be.quantize(np.ones((4096, 8192), np.float32), "q8s/block32:f16")
+        ys = [be.dequantize(q) for _ in range(4)]  # 4 x 128 MiB in use
+        cuda.synchronize()
+        held_busy = next(iter(pool_bytes().values()))[0]
+        del ys
+        cuda.synchronize()  # the release happens at a synchronisation
+        held_idle, used_idle = next(iter(pool_bytes().values()))
+        print("HELD", held_busy, held_idle, used_idle)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0", "QCORE_CUDA_POOL_KEEP": "64M"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    busy, idle, used = map(int, [ln for ln in r.stdout.splitlines() if ln.startswith("HELD")][0].split()[1:])
+    assert busy >= 4 * 128 << 20, busy
+    assert idle <= max(64 << 20, used), (busy, idle, used)

@@ -7,9 +7,12 @@ memory pool and hands them out again in stream order, with no synchronisation. I
 driver and reached through cuda-bindings, which numba-cuda already requires, so it adds no
 dependency; RMM and CuPy's pool would add one (RMM: a large native library; CuPy: a second
 array library) to do the same job. The pool is qcore's own (`cuMemPoolCreate`), so the device's
-default pool, which torch or CuPy may use through `cudaMallocAsync`, keeps its settings; its
-release threshold is "never", so blocks stay cached across synchronisations (the default, 0,
-would hand them back to the driver at every sync). `trim()` returns unused blocks.
+default pool, which torch or CuPy may use through `cudaMallocAsync`, keeps its settings. Its
+release threshold (`keep_bytes()`: `QCORE_CUDA_POOL_KEEP`, else 2 GiB or 1/8 of the device,
+whichever is less) bounds what it keeps cached across a synchronisation: the default, 0, would
+hand every block back to the driver at each sync (a cudaMalloc per call again), and "never"
+would keep the peak of every process for good, starving torch in the same process or another
+process on the same GPU. `trim()` returns unused blocks now.
 
 Two users of the pool:
 
@@ -33,7 +36,37 @@ _lock = threading.Lock()  # install(): it makes numba's context, whose manager t
 _pool_lock = threading.Lock()
 _pools: dict[int, Any] = {}  # device id -> CUmemoryPool
 _state = {"installed": False, "decided": False}
-MAX_THRESHOLD = 2**64 - 1
+DEFAULT_KEEP = 2 << 30
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """`"512M"`, `"2G"`, `"1048576"`, `"1.5GiB"` -> bytes (binary units)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _UNITS and t[-1:] else ""
+    try:
+        value = float(t[: len(t) - len(unit)])
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        from qcore.errors import InputError
+
+        raise InputError(f"QCORE_CUDA_POOL_KEEP={text!r}: expected a size such as 512M, 2G or 0")
+    return int(value * _UNITS[unit])
+
+
+def keep_from_env() -> int | None:
+    """`QCORE_CUDA_POOL_KEEP` in bytes, None when unset; a malformed value raises InputError."""
+    env = os.environ.get("QCORE_CUDA_POOL_KEEP", "").strip()
+    return parse_bytes(env) if env else None
+
+
+def keep_bytes(total: int) -> int:
+    """The pool's release threshold on a device of `total` bytes: what it keeps cached across a
+    synchronisation. `QCORE_CUDA_POOL_KEEP` (bytes, or with K/M/G) if set, else the lesser of
+    2 GiB and 1/8 of the device."""
+    env = keep_from_env()
+    return env if env is not None else min(DEFAULT_KEEP, total // 8)
 
 
 def enabled_by_env() -> bool:
@@ -54,7 +87,7 @@ def _check(res: Any) -> Any:
 
 
 def pool_for(device_id: int) -> Any:
-    """qcore's pool on a device, created on first use (release threshold: never)."""
+    """qcore's pool on a device, created on first use (release threshold: `keep_bytes`)."""
     pool = _pools.get(device_id)
     if pool is None:
         from cuda.bindings import driver as cu
@@ -68,8 +101,10 @@ def pool_for(device_id: int) -> Any:
                 props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
                 props.location.id = device_id
                 pool = _check(cu.cuMemPoolCreate(props))
+                dev = _check(cu.cuDeviceGet(device_id))
+                keep = keep_bytes(int(_check(cu.cuDeviceTotalMem(dev))))
                 _check(cu.cuMemPoolSetAttribute(pool, cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                                                cu.cuuint64_t(MAX_THRESHOLD)))
+                                                cu.cuuint64_t(keep)))
                 _pools[device_id] = pool
     return pool
 
@@ -191,6 +226,7 @@ def install() -> bool:
 
         ok = False
         if not config.ENABLE_CUDASIM and enabled_by_env():
+            keep_from_env()  # a malformed setting is the user's to fix, not a reason to drop the pool
             try:
                 from numba import cuda
                 from numba.cuda.cudadrv import driver
