@@ -413,4 +413,5 @@ def test_pool_hands_memory_back_above_its_threshold():
     assert r.returncode == 0, r.stderr[-2000:]
     busy, idle, used = map(int, [ln for ln in r.stdout.splitlines() if ln.startswith("HELD")][0].split()[1:])
     assert busy >= 4 * 128 << 20, busy
-    assert idle <= max(64 << 20, used), (busy, idle, used)
+    # the driver releases whole chunks: at least three of the four freed results went back
+    assert busy - idle >= 3 * 128 << 20, (busy, idle, used)
