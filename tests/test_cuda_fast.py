@@ -76,13 +76,16 @@ def test_general_kernels_on_the_fast_layout(cuda_backend, general_backend, text)
     bytes as reference (calibrated, given params, absmean), same dequantized bits, and a matmul
     without the GEMV kernel."""
     from qcore_cuda import fast
+    from qcore_cuda.paths import TAKEN
 
     shape = (4, 64)
     s = qcore.scheme(text)
     assert fast.geometry(shape, s) is not None
-    assert "fast" in cuda_backend._prepared(shape, s, "minmax")  # the default backend would take the fast path
-    assert "fast" not in general_backend._prepared(shape, s, "minmax")
     x = sample_x(shape, seed=len(text))
+    before = TAKEN.copy()
+    cuda_backend.dequantize(cuda_backend.quantize(x, text))
+    assert "FastDequantize" in TAKEN - before  # the default backend takes the fast kernels
+    before = TAKEN.copy()
     for params, method in ((None, "minmax"), (REF.calibrate(x, text), "minmax"), (None, "absmean")):
         got = general_backend.into_data(general_backend.quantize(x, text, params=params, method=method))
         want = REF.into_data(REF.quantize(x, text, params=params, method=method))
@@ -93,7 +96,9 @@ def test_general_kernels_on_the_fast_layout(cuda_backend, general_backend, text)
     np.testing.assert_array_equal(y.view(np.uint32), REF.dequantize(REF.from_data(want)).view(np.uint32))
     xm = sample_x((2, 4), seed=3, scale=1.0)
     got = general_backend.to_numpy(general_backend.matmul(xm, qw))
-    assert "gemv" not in qw.data.cache  # the general matmul kernel, not gemv.py's
+    taken = set(TAKEN - before)
+    assert not {"FastQuantize", "FastDequantize", "GemvMatmul", "TensorCoreMatmul"} & taken, taken
+    assert "GeneralMatmul" in taken
     ref = xm.astype(np.float64) @ REF.dequantize(REF.from_data(want)).astype(np.float64)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 

@@ -26,6 +26,10 @@ from . import _array, _streams
 from ._launch import Packed
 from ._memory import guard
 from ._quiet import quiet
+from .paths import choose
+from .paths.dequantize import DEQUANTIZE, DequantizeCall
+from .paths.matmul import MATMUL, MatmulCall, run_packed
+from .paths.quantize import QUANTIZE, QuantizeCall
 
 __all__ = ["CudaBackend", "CudaData", "cuda_status"]
 
@@ -349,77 +353,10 @@ class CudaBackend(BaseBackend):
 
     def _launch_quantize(self, xd, shape, scheme: QuantScheme, params: QParams | None, method: str, payload,
                          s: Any = _streams.DEFAULT):
-        """Enqueue the quantize kernels writing `payload` on stream `s` (no host synchronisation)."""
-        cuda, K = _cuda(), _k()
-        n = math.prod(shape)
-        pp = self._prepared(shape, scheme, method)
-        pl = pp["plan"]
-        asum, fs, flag = self._scratch()
-        gbuf, P, F = fs, pp["P"], pp["F"]
-        fp = pp.get("fast")
-        fast_path = fp is not None and fast_aligned(xd)
-        if fast_path:
-            from . import fast
-
-            qw32 = _array.prefix(payload, pl.values_nbytes, np.uint32)
-            if params is None and fp["mode"] != fast.MODE_GIVEN:
-                amax, quant, zero = self._fast_quant_launches(pp, fp, xd, qw32, payload, fp["G"])
-                if fp["mode"] != fast.MODE_BLOCK:  # pass 1: the tensor's max |x| into gbuf[1]
-                    amax(xd, stream=s)
-                quant(xd, qw32, payload, stream=s)
-                if fp["mode"] != fast.MODE_BLOCK:  # the statistics scratch is consumed: zero it
-                    zero(stream=s)
-                return
-        if type(xd) is _array.DevView:  # the dispatcher launches below: numba arrays, made once
-            xd = xd.numba()
-        if type(payload) is _array.DevView:
-            payload = payload.numba()
-            if fast_path:
-                qw32 = qw32.numba()
-        rows = pl.RP is not None and not fast_path
-        if rows:
-            words = self._words(payload, pl)
-            grid, tpb = K.launch_rows(*pl.rows_shape)
-        tiles = params is None and pl.TP is not None
-        if tiles:
-            w8 = payload[: pl.values_nbytes]
-            w32 = w8.view(np.uint32) if pl.TP[K.T_U32] else pp["dummy32"]
-            tgrid, ttpb = K.launch_tiles(int(pl.TP[K.T_NT]))
-            if not scheme.two_level:
-                _on(K.k_tile_quant, (tgrid, ttpb), s)(xd, pp["TP"], F, w32, w8, payload, flag, pp["raw"], gbuf)
-                return
-        if params is None and pl.fused and not rows:
-            _on(K.k_quant_fused, K.launch(pl.nruns), s)(xd, P, F, payload, flag)
-            return
-        if params is not None:
-            P = pp["P_explicit"]
-            raw = cuda.to_device(np.ascontiguousarray(params.scales, dtype=np.float32).reshape(-1), stream=s.numba)
-            gbuf = cuda.to_device(np.array([params.global_scale or 0.0, 0, 0, 0], dtype=np.float32), stream=s.numba)
-        elif scheme.block is None:
-            raw = fs[2:3]
-            _on(K.k_tensor_stats, K.launch(n), s)(xd, raw, asum, flag)
-        else:
-            raw = pp["raw"]
-            if tiles:
-                _on(K.k_tile_quant, (tgrid, ttpb), s)(xd, pp["TP"], F, w32, w8, payload, flag, raw, gbuf)
-            elif rows and pl.rows_stats:
-                _on(K.k_rows_quant, (grid, tpb), s)(xd, pp[("RP", K.ROW_STATS)], F, pp["stored"], gbuf, words,
-                                                    payload, flag, raw)
-            else:
-                _on(K.k_slot_stats, K.launch(pl.nslots), s)(xd, P, raw, fs[1:2], flag)
-        _on(K.k_scales, K.launch(pl.nslots), s)(raw, asum, P, F, pp["stored"], gbuf, payload)
-        if fast_path:
-            _, quant, zero = self._fast_quant_launches(pp, fp, xd, qw32, payload, fp["G_given"], gbuf)
-            quant(xd, qw32, payload, stream=s)
-            if params is None:  # the statistics scratch is consumed: zero it for the next call
-                zero(stream=s)
-        elif rows:
-            _on(K.k_rows_quant, (grid, tpb), s)(xd, pp[("RP", K.ROW_GIVEN)], F, pp["stored"], gbuf, words, payload,
-                                                flag, raw)
-            if params is None:  # the statistics scratch is consumed: zero it for the next call
-                _on(K.k_zero_stats, (1, 1), s)(asum, gbuf)
-        else:
-            _on(K.k_quant, K.launch(pl.nruns), s)(xd, P, F, pp["stored"], gbuf, payload, flag, asum)
+        """Enqueue the quantize kernels writing `payload` on stream `s` (no host synchronisation):
+        the first of `paths.QUANTIZE` that applies."""
+        call = QuantizeCall(self, _k(), xd, shape, scheme, params, self._prepared(shape, scheme, method), payload, s)
+        choose(QUANTIZE, call).launch(call)
 
     def _run_quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str,
                       s: Any = _streams.DEFAULT, payload: Any = None):
@@ -544,33 +481,12 @@ class CudaBackend(BaseBackend):
         return got
 
     def _launch_dequantize(self, data: CudaData, out, s: Any = _streams.DEFAULT) -> None:
-        """Enqueue the dequantize kernels writing `out` (flat, C order) on stream `s`."""
-        K = _k()
-        pp = self._prepared(data.shape, data.scheme, "minmax")
-        pl = pp["plan"]
+        """Enqueue the dequantize kernels writing `out` (flat, C order) on stream `s`: the first
+        of `paths.DEQUANTIZE` that applies."""
         scales, gbuf = self._decoded_scales(data, s)
-        flag = self._code_flag(data)
-        fp = pp.get("fast")
-        if fp is not None and out.dtype == np.float32 and fast_aligned(out):
-            from . import fast
-
-            launch = data.cache.get("dequant")
-            if launch is None:  # the output changes from call to call; the rest is packed once
-                grid, block = fast.launch_dequant(fp["nruns"], fp["kind"])
-                units = fast.unit_view(data.payload[: pl.values_nbytes], fp["kind"])
-                launch = data.cache["dequant"] = Packed(fast.dequant_kernel(fp["kind"]), grid, block,
-                                                        [units, scales, gbuf, pp["lut"], out, fp["G"], flag],
-                                                        dynamic=(4,))
-            launch(out, stream=s)
-            return
-        if not hasattr(out, "copy_to_host"):  # a view of a torch/CuPy out=: numba's array of it
-            out = _cuda().as_cuda_array(out)
-        if pl.RP is not None:
-            grid, tpb = K.launch_rows(*pl.rows_shape)
-            _on(K.k_rows_dequant, (grid, tpb), s)(self._words(data.payload, pl), pp[("RP", K.ROW_GIVEN)], pp["lut"],
-                                                  scales, gbuf, out, flag)
-        else:
-            _on(K.k_dequant, K.launch(pl.nruns), s)(data.payload, pp["P"], pp["lut"], scales, gbuf, out, flag)
+        call = DequantizeCall(self, _k(), data, self._prepared(data.shape, data.scheme, "minmax"), out, scales, gbuf,
+                              self._code_flag(data), s)
+        choose(DEQUANTIZE, call).launch(call)
 
     @staticmethod
     def _code_flag(data: CudaData):
@@ -737,75 +653,14 @@ class CudaBackend(BaseBackend):
             self._launch_matmul(xd, w.data, m, ov.arg, s)
         return res
 
-    def _launch_gemv(self, xd, data: CudaData, m: int, out, scales, gbuf, s: Any = _streams.DEFAULT) -> bool:
-        """The GEMV kernels when the weight's layout allows them (tc.py for M >= tc.MIN_M where
-        it applies, else gemv.py); False otherwise."""
-        from . import gemv, tc
-
-        if not self._fast[0]:
-            return False
-        if "gemv" not in data.cache:
-            data.cache["gemv"] = gemv.geometry(data.shape, data.scheme)
-        gg = data.cache["gemv"]
-        if gg is None or not fast_aligned(xd):
-            return False
-        key = ("gemv", m)
-        st = data.cache.get(key)
-        if st is None:
-            kind, Q = gg
-            pp = self._prepared(data.shape, data.scheme, "minmax")
-            extra = []
-            if tc.use_for(m) and tc.applies(Q):
-                kern, mb, q, grid, block, part, cnt = tc.buffers(Q, kind, m)
-                if "tc_scales" not in data.cache:
-                    data.cache["tc_scales"] = tc.slot_scales(scales, Q)
-                extra = [data.cache["tc_scales"]]
-            else:
-                kern, mb, q, grid, block, part, cnt = gemv.buffers(Q, kind, m)
-            w32 = data.payload[: pp["plan"].values_nbytes].view(np.uint32)
-            # x, out, m0 and the row count change from call to call; the rest is packed once
-            st = data.cache[key] = (mb, Packed(kern, grid, block, [xd, w32, scales, gbuf, pp["lut"], part, cnt, out, q,
-                                                                   0, mb] + extra, dynamic=(0, 7, 9, 10)))
-        mb, launch = st
-        if m <= mb:
-            launch(xd, out, 0, m, stream=s)
-            return True
-        for m0 in range(0, m, mb):
-            launch(xd, out, m0, min(mb, m - m0), stream=s)
-        return True
-
     def _launch_matmul(self, xd, data: CudaData, m: int, out, s: Any = _streams.DEFAULT) -> None:
-        """Enqueue `out[m, N] = x[m, K] @ w` (x, out flat and C order) on stream `s`."""
+        """Enqueue `out[m, N] = x[m, K] @ w` (x, out flat and C order) on stream `s`: a launch
+        already packed for this weight and m at once (the host time of a decode step), else the
+        first of `paths.MATMUL` that applies."""
         st = data.cache.get(("gemv", m))
-        if st is not None and type(xd) is _array.DevView and xd.ptr % 16 == 0:  # the packed GEMV, at once
-            mb, launch = st
-            if m <= mb:
-                launch(xd, out, 0, m, stream=s)
-                return
-        from . import _plan
-
-        cuda, K = _cuda(), _k()
-        scales, gbuf = self._decoded_scales(data, s)
-        if self._launch_gemv(xd, data, m, out, scales, gbuf, s):
+        if st is not None and type(xd) is _array.DevView and xd.ptr % 16 == 0:
+            run_packed(st, xd, out, m, s)
             return
-        key = ("matmul", m)
-        mm = data.cache.get(key)
-        if mm is None:
-            from numba import config
-
-            pl = self._prepared(data.shape, data.scheme, "minmax")["plan"]
-            Q = _plan.matmul_geometry(data.shape, data.scheme, m, sim=bool(config.ENABLE_CUDASIM))
-            nb4 = pl.values_nbytes // 4
-            p32 = data.payload[: nb4 * 4].view(np.uint32) if Q[K.Q_W32] and nb4 else \
-                cuda.device_array(1, dtype=np.uint32)
-            mm = data.cache[key] = dict(
-                Q=cuda.to_device(Q), launch=K.launch_matmul(int(Q[K.Q_NG]), int(Q[K.Q_KC]), m),
-                lut=self._prepared(data.shape, data.scheme, "minmax")["lut"], p32=p32,
-            )
-        if not hasattr(out, "copy_to_host"):  # a view of the result or of out=: numba's array of it
-            out = cuda.as_cuda_array(out)
-        if not hasattr(xd, "copy_to_host"):
-            xd = cuda.as_cuda_array(xd)
-        _on(K.k_zero, K.launch(out.size), s)(out)
-        grid, block = mm["launch"]
-        _on(K.k_matmul, (grid, block), s)(xd, data.payload, mm["p32"], mm["Q"], mm["lut"], scales, gbuf, out)
+        scales, gbuf = self._decoded_scales(data, s)
+        call = MatmulCall(self, _k(), xd, data, m, out, scales, gbuf, s)
+        choose(MATMUL, call).launch(call)

@@ -35,6 +35,10 @@ import numpy as np
 from numba import config
 
 if config.ENABLE_CUDASIM:
+    from ._simfix import install as _install_simulator_fix
+
+    _install_simulator_fix()  # one shared array per call site and block (see _simfix)
+
     import math
 
     def ld4(a, i):

@@ -1,0 +1,98 @@
+"""Dequantize paths: fast, rows, general."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._launch import Packed
+
+__all__ = ["DEQUANTIZE", "DequantizeCall", "FastDequantize", "RowsDequantize", "GeneralDequantize"]
+
+
+@dataclass
+class DequantizeCall:
+    """One dequantize launch: the tensor (`data`: CudaData), the flat C-order output, and what
+    the backend prepared for its shape and scheme; the decoded scales and the invalid-code
+    flag are the tensor's own (its cache)."""
+
+    be: Any
+    K: Any
+    data: Any
+    prepared: dict
+    out: Any  # DevView or numba device array, flat
+    scales: Any  # decoded float32 scales on the device
+    gbuf: Any  # the decoded global scale, gbuf[0]
+    flag: Any  # int32 device flag (invalid code)
+    s: Any
+
+    @property
+    def plan(self) -> Any:
+        return self.prepared["plan"]
+
+    def out_numba(self) -> Any:
+        """The output as a numba array (a view of a torch/CuPy out= becomes numba's array of it)."""
+        if not hasattr(self.out, "copy_to_host"):
+            from numba import cuda
+
+            self.out = cuda.as_cuda_array(self.out)
+        return self.out
+
+
+class FastDequantize:
+    """fast.py's dequantize kernel: codes along the last axis, float32 output aligned for its
+    vector stores; one packed launch per tensor (only the output changes between calls)."""
+
+    name = "fast"
+
+    def applies(self, c: DequantizeCall) -> bool:
+        from ..backend import fast_aligned
+
+        return c.prepared.get("fast") is not None and c.out.dtype == np.float32 and fast_aligned(c.out)
+
+    def launch(self, c: DequantizeCall) -> None:
+        from .. import fast
+
+        launch = c.data.cache.get("dequant")
+        if launch is None:
+            fp, pl = c.prepared["fast"], c.plan
+            grid, block = fast.launch_dequant(fp["nruns"], fp["kind"])
+            units = fast.unit_view(c.data.payload[: pl.values_nbytes], fp["kind"])
+            launch = c.data.cache["dequant"] = Packed(fast.dequant_kernel(fp["kind"]), grid, block,
+                                                      [units, c.scales, c.gbuf, c.prepared["lut"], c.out, fp["G"],
+                                                       c.flag], dynamic=(4,))
+        launch(c.out, stream=c.s)
+
+
+class RowsDequantize:
+    """kernels.k_rows_dequant: codes along another axis than the last (a warp per row group)."""
+
+    name = "rows"
+
+    def applies(self, c: DequantizeCall) -> bool:
+        return c.plan.RP is not None
+
+    def launch(self, c: DequantizeCall) -> None:
+        K, pp, pl = c.K, c.prepared, c.plan
+        grid, tpb = K.launch_rows(*pl.rows_shape)
+        K.k_rows_dequant[grid, tpb, c.s.numba](c.be._words(c.data.payload, pl), pp[("RP", K.ROW_GIVEN)], pp["lut"],
+                                               c.scales, c.gbuf, c.out_numba(), c.flag)
+
+
+class GeneralDequantize:
+    """kernels.k_dequant: any layout, runs of elements per thread."""
+
+    name = "general"
+
+    def applies(self, c: DequantizeCall) -> bool:
+        return True
+
+    def launch(self, c: DequantizeCall) -> None:
+        K, pp = c.K, c.prepared
+        grid, tpb = K.launch(c.plan.nruns)
+        K.k_dequant[grid, tpb, c.s.numba](c.data.payload, pp["P"], pp["lut"], c.scales, c.gbuf, c.out_numba(), c.flag)
+
+
+DEQUANTIZE = (FastDequantize(), RowsDequantize(), GeneralDequantize())
+"""The dequantize paths in the order the backend tries them."""

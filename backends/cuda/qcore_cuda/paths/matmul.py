@@ -1,0 +1,152 @@
+"""Matmul paths: tensor-core, GEMV, general (x[M, K] @ dequantize(w)[K, N], f32 accumulation)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from .._launch import Packed
+
+__all__ = ["MATMUL", "MatmulCall", "TensorCoreMatmul", "GemvMatmul", "GeneralMatmul", "run_packed"]
+
+
+@dataclass
+class MatmulCall:
+    """One matmul launch: x (flat float32 [M, K] on the device), the weight (`data`: CudaData
+    [K, N]), the flat output [M, N], the weight's decoded scales."""
+
+    be: Any
+    K: Any
+    xd: Any
+    data: Any
+    m: int
+    out: Any
+    scales: Any
+    gbuf: Any
+    s: Any
+
+    @cached_property
+    def gemv_geometry(self) -> tuple | None:
+        """(kind, Q) of the GEMV kernels for this weight (cached on it), None when its layout has
+        none or the device lacks the fast kernels."""
+        if not self.be._fast[0]:
+            return None
+        from .. import gemv
+
+        if "gemv" not in self.data.cache:
+            self.data.cache["gemv"] = gemv.geometry(self.data.shape, self.data.scheme)
+        return self.data.cache["gemv"]
+
+    @cached_property
+    def gemv_ready(self) -> bool:
+        """The fast layout kernels can take this call: a GEMV geometry and x aligned for them."""
+        from ..backend import fast_aligned
+
+        return self.gemv_geometry is not None and fast_aligned(self.xd)
+
+
+def run_packed(st: tuple, xd: Any, out: Any, m: int, s: Any) -> None:
+    """A packed GEMV or tensor-core launch (`(rows per launch, Packed)`) over x's m rows."""
+    mb, launch = st
+    if m <= mb:
+        launch(xd, out, 0, m, stream=s)
+        return
+    for m0 in range(0, m, mb):
+        launch(xd, out, m0, min(mb, m - m0), stream=s)
+
+
+def _packed(c: MatmulCall, kern: Any, mb: int, q: Any, grid: Any, block: Any, part: Any, cnt: Any,
+            extra: list) -> tuple:
+    """Pack a GEMV-family launch once per (weight, m): x, out, m0 and the row count change from
+    call to call (`dynamic`); the backend runs it directly on later calls."""
+    pp = c.be._prepared(c.data.shape, c.data.scheme, "minmax")
+    w32 = c.data.payload[: pp["plan"].values_nbytes].view(np.uint32)
+    st = c.data.cache[("gemv", c.m)] = (mb, Packed(kern, grid, block, [c.xd, w32, c.scales, c.gbuf, pp["lut"], part,
+                                                                      cnt, c.out, q, 0, mb] + extra,
+                                                   dynamic=(0, 7, 9, 10)))
+    return st
+
+
+class TensorCoreMatmul:
+    """tc.py: TF32 mma with x * e split in two (within the f32 accumulation bound), from
+    M = tc.MIN_M, for weights whose N, blocks and K suit it; k-split partial sums added in a
+    fixed order, so results repeat bit for bit."""
+
+    name = "tensor-core"
+
+    def applies(self, c: MatmulCall) -> bool:
+        from .. import tc
+
+        return c.gemv_ready and tc.use_for(c.m) and tc.applies(c.gemv_geometry[1])
+
+    def launch(self, c: MatmulCall) -> None:
+        from .. import tc
+
+        st = c.data.cache.get(("gemv", c.m))
+        if st is None:
+            kind, Q = c.gemv_geometry
+            kern, mb, q, grid, block, part, cnt = tc.buffers(Q, kind, c.m)
+            if "tc_scales" not in c.data.cache:
+                c.data.cache["tc_scales"] = tc.slot_scales(c.scales, Q)
+            st = _packed(c, kern, mb, q, grid, block, part, cnt, [c.data.cache["tc_scales"]])
+        run_packed(st, c.xd, c.out, c.m, c.s)
+
+
+class GemvMatmul:
+    """gemv.py: FFMA over the weight's u32 code words, for weights on the fast layout (codes
+    along N; per-tensor or power-of-two blocks along N spanning a word); M rows per launch up
+    to the variant's limit."""
+
+    name = "gemv"
+
+    def applies(self, c: MatmulCall) -> bool:
+        return c.gemv_ready
+
+    def launch(self, c: MatmulCall) -> None:
+        from .. import gemv
+
+        st = c.data.cache.get(("gemv", c.m))
+        if st is None:
+            kind, Q = c.gemv_geometry
+            st = _packed(c, *gemv.buffers(Q, kind, c.m), [])
+        run_packed(st, c.xd, c.out, c.m, c.s)
+
+
+class GeneralMatmul:
+    """kernels.k_matmul: any layout; 8 output columns per thread, k-chunks summed in shared
+    memory and added to the zeroed output with f32 atomics (the last bits may vary from run to
+    run)."""
+
+    name = "general"
+
+    def applies(self, c: MatmulCall) -> bool:
+        return True
+
+    def launch(self, c: MatmulCall) -> None:
+        from numba import config, cuda
+
+        from .. import _plan
+
+        K, data, be = c.K, c.data, c.be
+        key = ("matmul", c.m)
+        mm = data.cache.get(key)
+        if mm is None:
+            pp = be._prepared(data.shape, data.scheme, "minmax")
+            Q = _plan.matmul_geometry(data.shape, data.scheme, c.m, sim=bool(config.ENABLE_CUDASIM))
+            nb4 = pp["plan"].values_nbytes // 4
+            p32 = data.payload[: nb4 * 4].view(np.uint32) if Q[K.Q_W32] and nb4 else \
+                cuda.device_array(1, dtype=np.uint32)
+            mm = data.cache[key] = dict(Q=cuda.to_device(Q), launch=K.launch_matmul(int(Q[K.Q_NG]), int(Q[K.Q_KC]), c.m),
+                                        lut=pp["lut"], p32=p32)
+        out = c.out if hasattr(c.out, "copy_to_host") else cuda.as_cuda_array(c.out)
+        xd = c.xd if hasattr(c.xd, "copy_to_host") else cuda.as_cuda_array(c.xd)
+        grid, tpb = K.launch(out.size)
+        K.k_zero[grid, tpb, c.s.numba](out)
+        grid, block = mm["launch"]
+        K.k_matmul[grid, block, c.s.numba](xd, data.payload, mm["p32"], mm["Q"], mm["lut"], c.scales, c.gbuf, out)
+
+
+MATMUL = (TensorCoreMatmul(), GemvMatmul(), GeneralMatmul())
+"""The matmul paths in the order the backend tries them."""

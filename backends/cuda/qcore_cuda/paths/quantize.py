@@ -1,0 +1,216 @@
+"""Quantize paths: fast, tile, fused and staged (statistics -> scales -> codes)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from qcore.protocol import QParams
+from qcore.scheme import QuantScheme
+
+from .. import _array
+
+__all__ = ["QUANTIZE", "QuantizeCall", "FastQuantize", "TileQuantize", "FusedQuantize", "StagedQuantize"]
+
+
+def _on(kernel: Any, cfg: tuple, s: Any) -> Any:
+    """`kernel[grid, block]` on stream `s` (a StreamRef)."""
+    return kernel[cfg[0], cfg[1], s.numba]
+
+
+@dataclass
+class QuantizeCall:
+    """One quantize launch: x (flat float32 on the device), the payload it writes, and what the
+    backend prepared for this shape and scheme (`prepared`: plan, parameter arrays, fast-path
+    geometry)."""
+
+    be: Any  # the CudaBackend (its caches: prepared plans, scratch, packed launches)
+    K: Any  # the kernels module
+    xd: Any  # x: a DevView or a numba device array, flat float32
+    shape: tuple[int, ...]
+    scheme: QuantScheme
+    params: QParams | None  # given scales, or None to calibrate
+    prepared: dict
+    payload: Any  # the payload: a DevView or a numba uint8 device array
+    s: Any  # StreamRef
+
+    @property
+    def plan(self) -> Any:
+        return self.prepared["plan"]
+
+    @property
+    def fast_geometry(self) -> dict | None:
+        return self.prepared.get("fast")
+
+    @cached_property
+    def fast(self) -> bool:
+        """The fast kernels serve the codes: a fast geometry, and x aligned for their vector loads."""
+        from ..backend import fast_aligned
+
+        return self.fast_geometry is not None and fast_aligned(self.xd)
+
+    @property
+    def rows(self) -> bool:
+        """The row kernels serve the codes (a row geometry, no fast path)."""
+        return self.plan.RP is not None and not self.fast
+
+    @property
+    def tiles(self) -> bool:
+        """The tile kernel computes the block statistics (calibrating, a tile geometry)."""
+        return self.params is None and self.plan.TP is not None
+
+    @cached_property
+    def qw32(self) -> Any:
+        """The values section as uint32 words (the fast kernels' view of the payload)."""
+        return _array.prefix(self.payload, self.plan.values_nbytes, np.uint32)
+
+    def to_numba(self) -> None:
+        """x and the payload as numba arrays, for the dispatcher launches (made once per call)."""
+        if type(self.xd) is _array.DevView:
+            self.xd = self.xd.numba()
+        if self.fast and type(self.qw32) is _array.DevView:
+            self.qw32 = self.qw32.numba()
+        if type(self.payload) is _array.DevView:
+            self.payload = self.payload.numba()
+
+
+class FastQuantize:
+    """fast.py: codes along the last axis, calibrated in-kernel. Block schemes take one pass
+    over x (block maxima and codes); per-tensor and two-level ones take the tensor's max |x|
+    first (a second pass). Packed launches (`_launch.Packed`), made once per plan."""
+
+    name = "fast"
+
+    def applies(self, c: QuantizeCall) -> bool:
+        from .. import fast
+
+        return c.fast and c.params is None and c.fast_geometry["mode"] != fast.MODE_GIVEN
+
+    def launch(self, c: QuantizeCall) -> None:
+        from .. import fast
+
+        fp = c.fast_geometry
+        amax, quant, zero = c.be._fast_quant_launches(c.prepared, fp, c.xd, c.qw32, c.payload, fp["G"])
+        two_pass = fp["mode"] != fast.MODE_BLOCK
+        if two_pass:  # pass 1: the tensor's max |x| into the scratch
+            amax(c.xd, stream=c.s)
+        quant(c.xd, c.qw32, c.payload, stream=c.s)
+        if two_pass:  # the statistics scratch is consumed: zero it
+            zero(stream=c.s)
+
+
+class TileQuantize:
+    """kernels.k_tile_quant: one-level blocks B | 32 along the last axis of a layout the fast
+    kernels do not take; a warp per tile computes statistics, scales and codes in one kernel."""
+
+    name = "tile"
+
+    def applies(self, c: QuantizeCall) -> bool:
+        return c.tiles and not c.scheme.two_level
+
+    def launch(self, c: QuantizeCall) -> None:
+        c.to_numba()
+        K, pp, pl = c.K, c.prepared, c.plan
+        gbuf = c.be._scratch()[1]
+        w8, w32 = _tile_words(c)
+        _on(K.k_tile_quant, K.launch_tiles(int(pl.TP[K.T_NT])), c.s)(
+            c.xd, pp["TP"], pp["F"], w32, w8, c.payload, c.be._scratch()[2], pp["raw"], gbuf)
+
+
+class FusedQuantize:
+    """kernels.k_quant_fused: one pass per block over x (statistic, scale, codes), any layout
+    the plan can walk block by block."""
+
+    name = "fused"
+
+    def applies(self, c: QuantizeCall) -> bool:
+        return c.params is None and c.plan.fused and not c.rows
+
+    def launch(self, c: QuantizeCall) -> None:
+        c.to_numba()
+        K, pp = c.K, c.prepared
+        _on(K.k_quant_fused, K.launch(c.plan.nruns), c.s)(c.xd, pp["P"], pp["F"], c.payload, c.be._scratch()[2])
+
+
+class StagedQuantize:
+    """Everything else, in three stages on the call's stream: the statistics (or the given
+    scales copied up), `k_scales` (raw -> stored scales and their words), the codes. Each stage
+    runs on the kernels that fit the layout: statistics on the tile, row or general kernels
+    (`k_tensor_stats` for one per-tensor scale), codes on the fast, row or general kernels."""
+
+    name = "staged"
+
+    def applies(self, c: QuantizeCall) -> bool:
+        return True
+
+    def launch(self, c: QuantizeCall) -> None:
+        c.to_numba()
+        raw, gbuf, P = self.statistics(c)
+        K, pp = c.K, c.prepared
+        asum = c.be._scratch()[0]
+        _on(K.k_scales, K.launch(c.plan.nslots), c.s)(raw, asum, P, pp["F"], pp["stored"], gbuf, c.payload)
+        self.codes(c, raw, P, gbuf)
+
+    @staticmethod
+    def statistics(c: QuantizeCall) -> tuple[Any, Any, Any]:
+        """Stage 1: (raw scales, global/statistics buffer, parameter array) for `k_scales`."""
+        from numba import cuda
+
+        K, pp, pl, s = c.K, c.prepared, c.plan, c.s
+        asum, fs, flag = c.be._scratch()
+        if c.params is not None:  # given scales: copied up, the explicit-mode parameters
+            raw = cuda.to_device(np.ascontiguousarray(c.params.scales, dtype=np.float32).reshape(-1), stream=s.numba)
+            gbuf = cuda.to_device(np.array([c.params.global_scale or 0.0, 0, 0, 0], dtype=np.float32),
+                                  stream=s.numba)
+            return raw, gbuf, pp["P_explicit"]
+        if c.scheme.block is None:  # one per-tensor scale
+            raw = fs[2:3]
+            _on(K.k_tensor_stats, K.launch(math.prod(c.shape)), s)(c.xd, raw, asum, flag)
+            return raw, fs, pp["P"]
+        raw = pp["raw"]
+        if c.tiles:
+            w8, w32 = _tile_words(c)
+            _on(K.k_tile_quant, K.launch_tiles(int(pl.TP[K.T_NT])), s)(c.xd, pp["TP"], pp["F"], w32, w8, c.payload,
+                                                                       flag, raw, fs)
+        elif c.rows and pl.rows_stats:
+            _on(K.k_rows_quant, K.launch_rows(*pl.rows_shape), s)(
+                c.xd, pp[("RP", K.ROW_STATS)], pp["F"], pp["stored"], fs, c.be._words(c.payload, pl), c.payload,
+                flag, raw)
+        else:
+            _on(K.k_slot_stats, K.launch(pl.nslots), s)(c.xd, pp["P"], raw, fs[1:2], flag)
+        return raw, fs, pp["P"]
+
+    @staticmethod
+    def codes(c: QuantizeCall, raw: Any, P: Any, gbuf: Any) -> None:
+        """Stage 3: the codes from the stored scales, on the fast, row or general kernels."""
+        K, pp, pl, s = c.K, c.prepared, c.plan, c.s
+        asum, fs, flag = c.be._scratch()
+        calibrated = c.params is None
+        if c.fast:
+            fp = c.fast_geometry
+            _, quant, zero = c.be._fast_quant_launches(pp, fp, c.xd, c.qw32, c.payload, fp["G_given"], gbuf)
+            quant(c.xd, c.qw32, c.payload, stream=s)
+            if calibrated:  # the statistics scratch is consumed: zero it for the next call
+                zero(stream=s)
+        elif c.rows:
+            _on(K.k_rows_quant, K.launch_rows(*pl.rows_shape), s)(
+                c.xd, pp[("RP", K.ROW_GIVEN)], pp["F"], pp["stored"], gbuf, c.be._words(c.payload, pl), c.payload,
+                flag, raw)
+            if calibrated:
+                _on(K.k_zero_stats, (1, 1), s)(asum, gbuf)
+        else:
+            _on(K.k_quant, K.launch(pl.nruns), s)(c.xd, P, pp["F"], pp["stored"], gbuf, c.payload, flag, asum)
+
+
+def _tile_words(c: QuantizeCall) -> tuple[Any, Any]:
+    """(values section as bytes, as uint32 words or a dummy) for the tile kernel."""
+    K, pl = c.K, c.plan
+    w8 = c.payload[: pl.values_nbytes]
+    return w8, (w8.view(np.uint32) if pl.TP[K.T_U32] else c.prepared["dummy32"])
+
+
+QUANTIZE = (FastQuantize(), TileQuantize(), FusedQuantize(), StagedQuantize())
+"""The quantize paths in the order the backend tries them."""

@@ -1,0 +1,87 @@
+"""Which of the cuda backend's paths (qcore_cuda.paths) serves a call: each path's `applies()`
+against the layouts it is for, and the results equal to the reference's bytes whichever path ran."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import qcore
+from qcore.reference import ReferenceBackend
+
+from tests.cuda_cases import sample_x
+
+REF = ReferenceBackend()
+NVFP4 = "e2m1/block16:ue4m3/tensor:f32/packed_native"
+
+# (scheme, shape, given scales, fast kernels on) -> (quantize path, dequantize path)
+CASES = [
+    ("q8s/block32:f16", (4, 64), False, True, "FastQuantize", "FastDequantize"),
+    ("q8s", (4, 64), False, True, "FastQuantize", "FastDequantize"),  # two passes: max |x| first
+    (NVFP4, (4, 64), False, True, "FastQuantize", "FastDequantize"),
+    ("q8s/block32:f16", (4, 64), True, True, "StagedQuantize", "FastDequantize"),  # fast codes, given scales
+    ("q8s/block8:f16", (4, 64), False, True, "TileQuantize", "FastDequantize"),  # blocks below 16: no fast calibration
+    ("q4s/block32:f16/packed_native:0", (64, 8), False, True, "TileQuantize", "RowsDequantize"),  # packed along rows
+    ("q8s/block4x1:f16", (8, 16), False, True, "FusedQuantize", "GeneralDequantize"),  # blocks down the columns
+    ("q4f/block8x4:bf16/packed_u32:1", (8, 64), False, True, "StagedQuantize", "GeneralDequantize"),  # 2-D blocks
+    ("q8s/block32:f16", (4, 64), False, False, "TileQuantize", "RowsDequantize"),  # QCORE_CUDA_FAST=0
+    ("q8s", (4, 64), False, False, "StagedQuantize", "RowsDequantize"),  # one per-tensor scale
+    (NVFP4, (4, 64), False, False, "StagedQuantize", "RowsDequantize"),  # two-level
+]
+
+
+def _backend(fast: bool, monkeypatch):
+    from qcore_cuda import CudaBackend
+
+    if not fast:
+        monkeypatch.setenv("QCORE_CUDA_FAST", "0")
+    be = CudaBackend()  # a fresh instance reads QCORE_CUDA_FAST
+    if not be.available():
+        pytest.skip("no CUDA device and no simulator")
+    return be
+
+
+@pytest.mark.parametrize("text,shape,given,fast,q_path,dq_path", CASES)
+def test_the_path_that_applies_serves_the_call(monkeypatch, text, shape, given, fast, q_path, dq_path):
+    from qcore_cuda.paths import TAKEN
+
+    be = _backend(fast, monkeypatch)
+    x = sample_x(shape, seed=3)
+    params = REF.calibrate(x, text) if given else None
+    before = TAKEN.copy()
+    q = be.quantize(x, text, params=params)
+    y = be.to_numpy(be.dequantize(q))
+    taken = dict(TAKEN - before)
+    assert taken == {q_path: 1, dq_path: 1}, taken
+    want = REF.quantize(x, text, params=params)
+    assert be.into_data(q).payload == REF.into_data(want).payload
+    np.testing.assert_array_equal(y.view(np.uint32), REF.dequantize(want).view(np.uint32))
+
+
+@pytest.mark.parametrize("text,path", [("q4s/block32:f16", "GemvMatmul"),
+                                       ("q4f/block8x4:bf16/packed_u32:1", "GeneralMatmul")])
+def test_matmul_paths(monkeypatch, text, path):
+    from qcore_cuda.paths import TAKEN
+
+    be = _backend(True, monkeypatch)
+    w = sample_x((64, 64), seed=4)
+    x = sample_x((1, 64), seed=5, scale=1.0)
+    qw = be.from_data(REF.into_data(REF.quantize(w, text)))
+    before = TAKEN.copy()
+    got = be.to_numpy(be.matmul(x, qw))
+    assert dict(TAKEN - before) == {path: 1}
+    want = x.astype(np.float64) @ REF.dequantize(REF.quantize(w, text)).astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_every_list_ends_in_a_path_that_always_applies():
+    from qcore_cuda.paths import choose
+    from qcore_cuda.paths.dequantize import DEQUANTIZE
+    from qcore_cuda.paths.matmul import MATMUL
+    from qcore_cuda.paths.quantize import QUANTIZE
+
+    for paths in (QUANTIZE, DEQUANTIZE, MATMUL):
+        assert paths[-1].applies(None) is True
+        names = [p.name for p in paths]
+        assert len(set(names)) == len(names), names
+    assert choose(QUANTIZE[-1:], None) is QUANTIZE[-1]
+    assert qcore.scheme(NVFP4).two_level
