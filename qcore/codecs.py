@@ -362,3 +362,32 @@ def _scale_arrays() -> ScaleArrays:
 
 
 SCALE_ARRAYS = _scale_arrays()
+
+
+def scale_round_up_kernel(jit: Callable, f2u: Callable, u2f: Callable) -> Callable:
+    """The scale round-up (SPEC §2.3) of `ScaleTraits.round_up` as one scalar function for the
+    kernels: `round_up(s, sdt)` rounds a raw f32 scale `s >= 0` UP to the scale dtype with id
+    `sdt` (`SCALE_IDS` position), reading this module's `SCALE_ARRAYS`. Every kernel backend
+    compiles this one source with its own compiler: `jit` (numba's `njit(inline="always")` for
+    the CPU, `cuda.jit(device=True, inline="always")` for the GPU) and its f32 <-> u32 bit casts
+    (`f2u`, `u2f`). The tests pin it against `ScaleTraits.round_up` for every scale dtype."""
+    import math
+
+    from numba import float32, uint32
+
+    top, least = SCALE_ARRAYS.max_value, SCALE_ARRAYS.least
+    sub_below, sub_quantum = SCALE_ARRAYS.sub_below, SCALE_ARRAYS.sub_quantum
+    add, mask = SCALE_ARRAYS.round_add, SCALE_ARRAYS.round_mask
+
+    def round_up(s, sdt):
+        s = float32(s)
+        if s >= top[sdt]:  # the dtype's largest value (F32: inf stays inf)
+            return float32(top[sdt])
+        if s <= least[sdt]:  # the smallest positive scale
+            return float32(least[sdt])
+        if s < sub_below[sdt]:  # the uniform grid below the smallest normal (exact)
+            q = sub_quantum[sdt]
+            return float32(float32(math.ceil(float32(s / q))) * q)
+        return u2f(uint32((f2u(s) + add[sdt]) & mask[sdt]))  # up to the next representable, on the bits
+
+    return jit(round_up)

@@ -7,9 +7,7 @@ row and general kernels round and store scales with one piece of code.
 """
 from __future__ import annotations
 
-import math
-
-from qcore.codecs import SCALE_ARRAYS, SCALE_IDS
+from qcore.codecs import SCALE_ARRAYS, SCALE_IDS, scale_round_up_kernel
 
 from .intrin import f2u, u2f
 
@@ -18,28 +16,16 @@ from numba import cuda, float32, uint32  # noqa: E402
 __all__ = ["SCALE_IDS", "round_up", "scale_word", "word_scale"]
 
 # numba freezes module-level arrays into the kernels as constants.
-_MAX = SCALE_ARRAYS.max_value
 _LEAST = SCALE_ARRAYS.least
 _SUB_BELOW = SCALE_ARRAYS.sub_below
 _SUB_QUANTUM = SCALE_ARRAYS.sub_quantum
-_ADD = SCALE_ARRAYS.round_add
-_MASK = SCALE_ARRAYS.round_mask
 _SHIFT = SCALE_ARRAYS.word_shift
 _REBIAS = SCALE_ARRAYS.word_rebias
 
 
-@cuda.jit(device=True, inline="always")
-def round_up(s, sdt):
-    """Round a raw scale `s >= 0` UP to scale dtype id `sdt`, never down (SPEC §2.3): the rule
-    of `qcore.codecs.ScaleTraits.round_up` on the same numbers."""
-    if s >= _MAX[sdt]:
-        return float32(_MAX[sdt])
-    if s <= _LEAST[sdt]:
-        return float32(_LEAST[sdt])
-    if s < _SUB_BELOW[sdt]:  # the uniform grid below the dtype's smallest normal (exact)
-        q = _SUB_QUANTUM[sdt]
-        return float32(float32(math.ceil(float32(s / q))) * q)
-    return u2f((f2u(s) + _ADD[sdt]) & _MASK[sdt])
+round_up = scale_round_up_kernel(cuda.jit(device=True, inline="always"), f2u, u2f)
+"""Round a raw scale `s >= 0` UP to scale dtype id `sdt` (SPEC §2.3): `qcore.codecs`' one
+kernel source of the rule, compiled for the device."""
 
 
 @cuda.jit(device=True, inline="always")

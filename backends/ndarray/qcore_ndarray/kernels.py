@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from qcore.codecs import SCALE_ARRAYS, SCALE_IDS
+from qcore.codecs import SCALE_IDS, scale_round_up_kernel
 
 __all__ = [
     "SCALE_CODES",
@@ -79,32 +79,12 @@ def _bits_f32(typingctx, b):
     return sig, codegen
 
 
-# The numbers of the scale round-up (SPEC §2.3), one entry per scale dtype id (`SCALE_IDS`):
-# qcore.codecs holds the rule and its numbers, the kernels only index them. numba freezes these
-# global arrays into the compiled code; its on-disk cache keys on this file, so after editing
-# qcore.codecs' table clear __pycache__ (the tests pin the result against qcore.codecs).
-_SA = SCALE_ARRAYS
-_MAX = _SA.max_value
-_LEAST = _SA.least
-_SUB_BELOW = _SA.sub_below
-_SUB_QUANTUM = _SA.sub_quantum
-_ADD = _SA.round_add
-_MASK = _SA.round_mask
-
-
-@njit(cache=True, inline="always")
-def round_up_scalar(s, sdt):
-    """Round a raw scale `s >= 0` (f32) UP to scale dtype id `sdt` (SPEC §2.3), as f32: the
-    rule of `qcore.codecs.ScaleTraits.round_up`, read from the same numbers."""
-    s = np.float32(s)
-    if s >= _MAX[sdt]:
-        return _MAX[sdt]
-    if s <= _LEAST[sdt]:
-        return _LEAST[sdt]
-    if s < _SUB_BELOW[sdt]:
-        q = _SUB_QUANTUM[sdt]
-        return np.float32(np.float32(np.ceil(np.float32(s / q))) * q)
-    return _bits_f32(np.uint32((_f32_bits(s) + _ADD[sdt]) & _MASK[sdt]))
+# numba freezes the rule's numbers (qcore.codecs.SCALE_ARRAYS) into the compiled kernels; its
+# on-disk cache keys on this file, so after editing qcore.codecs' table clear __pycache__ (the
+# tests pin the result against qcore.codecs).
+round_up_scalar = scale_round_up_kernel(njit(inline="always"), _f32_bits, _bits_f32)
+"""Round a raw scale `s >= 0` (f32) UP to scale dtype id `sdt` (SPEC §2.3), as f32:
+`qcore.codecs`' one kernel source of the rule, compiled for the CPU."""
 
 
 @njit(cache=True)
