@@ -318,6 +318,9 @@ def main(argv=None) -> int:
 
     from qcore_cuda import _launch
 
+    from qcore_cuda import paths
+
+    res["paths_taken"] = dict(paths.TAKEN)  # which path served the calls (qcore_cuda/paths)
     res["packed_launches"] = dict(_launch.COUNTS)  # raw: cuLaunchKernel; cuda.core: its fallback
     print("packed launches by path:", res["packed_launches"], flush=True)
     os.makedirs(args.out, exist_ok=True)

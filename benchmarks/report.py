@@ -181,6 +181,10 @@ def render_gpu(res: dict) -> str:
     if res.get("packed_launches"):
         counts = ", ".join(f"{k} {v}" for k, v in res["packed_launches"].items())
         lines += ["", f"Launches by path over the run (`qcore_cuda._launch.COUNTS`): {counts}."]
+    if res.get("paths_taken"):
+        taken = ", ".join(f"{k} {v}" for k, v in sorted(res["paths_taken"].items()))
+        lines += ["", f"Paths chosen over the run (`qcore_cuda.paths.TAKEN`; a packed matmul skips the choice): "
+                      f"{taken}."]
     lines += ["", GEMV_NOTES]
     targets = gpu_targets(res)
     if targets:
