@@ -316,9 +316,7 @@ def main(argv=None) -> int:
         res["gemv"].append(r)
         print(json.dumps(r), flush=True)
 
-    from qcore_cuda import _launch
-
-    from qcore_cuda import paths
+    from qcore_cuda import _launch, paths
 
     res["paths_taken"] = dict(paths.TAKEN)  # which path served the calls (qcore_cuda/paths)
     res["packed_launches"] = dict(_launch.COUNTS)  # raw: cuLaunchKernel; cuda.core: its fallback
