@@ -97,8 +97,8 @@ CALL_NOTES = """\
   them scipy.linalg for numba's BLAS check); the later rows show a cached kernel's load.
 - The kernel columns repeat within a few percent from run to run. The API-call columns add the
   host's Python time per call and swing with the lent machine's host load: on 2026-12-01 the
-  same code's `q8s/block32:f16` quantize call measured 0.44x to 0.78x copy in four runs, and
-  torch's own fp16 matmul call 49 to 67 µs.
+  `q8s/block32:f16` quantize call measured 0.44x to 0.78x copy across five runs, and torch's
+  own fp16 matmul call 49 to 67 µs.
 """
 
 GEMV_CALL_NOTES = """\
