@@ -286,7 +286,7 @@ def test_runner_main_exit_status(capsys):
     assert runner.main(["--backend", "reference", "--max-schemes", "4", "--no-progress"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "schemes supported and conforming, 0 rejected correctly (not supported), 0 failed" in out
-    assert runner.main(["--backend", "no-such-backend", "--no-progress"]) == 2
+    assert runner.main(["--backend", "no-such-backend", "--no-progress"]) == 1  # a bad backend, as in the CLI
     assert runner.main(["--backend", "reference", "--checks", "bogus"]) == 2
 
 
@@ -447,3 +447,20 @@ def test_conftest_style_adoption_and_expected_support(tmp_path):
     assert r.returncode == 1, out
     assert "backend 'only8' failed check 'expected-support' on q2" in out, out
     assert "supports() says False, the author expects True" in out, out
+
+
+def test_runner_errors_are_one_line(capsys):
+    """The error for an unknown backend is one unwrapped line, however narrow the terminal."""
+    import os
+
+    old = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "40"
+    try:
+        assert runner.main(["--backend", "no-such-backend", "--no-progress"]) == 1
+    finally:
+        if old is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = old
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qcore conformance: error: no backend named 'no-such-backend'"), err

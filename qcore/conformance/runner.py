@@ -8,9 +8,11 @@ capability matrix per backend and one summary line each:
 
 The cases are drawn per backend from what it supports (`sampling`); `--expect` states what it is
 meant to support (`expect`), so a backend that refuses a scheme its author expects fails here as
-under pytest. Exit status: 0 when nothing failed, 1 when any check failed (a run that tested no
-supported scheme fails too, unless `--expect none`), 2 for a usage error (unknown or unavailable
-backend, bad option). "Not supported" is an outcome, not a failure.
+under pytest. Exit status, as the other `qcore` commands: 0 when nothing failed, 1 when any check
+failed (a run that tested no supported scheme fails too, unless `--expect none`) or a backend or
+expectation is wrong (unknown or unavailable backend, a scheme pattern that does not parse), 2
+for a usage error (an unknown check kind, nothing left to check). Errors are one line on stderr,
+`qcore conformance: error: ...`. "Not supported" is an outcome, not a failure.
 
     usage: qcore conformance --backend NAME [--backend NAME ...] [--full] [--seed N]
                              [--expect [NAME=]PATTERNS|@FILE|none] [--case ID] [-x]
@@ -253,6 +255,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _error(err: Any, message: Any, status: int) -> int:
+    """One line on stderr (never wrapped to the terminal's width), as the `qcore` CLI prints errors."""
+    err.print(f"qcore conformance: error: {message}", soft_wrap=True, markup=False, highlight=False)
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`qcore conformance`: run, print the capability matrix, return 0 (ok), 1 (failures), 2 (usage)."""
     from rich.console import Console
@@ -271,8 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     kinds = [k.strip() for k in args.checks.split(",") if k.strip()]
     bad = [k for k in kinds if k not in CHECK_KINDS]
     if bad:
-        err.print(f"qcore conformance: error: unknown check kind(s) {bad}; use {','.join(CHECK_KINDS)}")
-        return 2
+        return _error(err, f"unknown check kind(s) {bad}; use {','.join(CHECK_KINDS)}", 2)
     names = []
     for n in args.backend:
         names += [x for x in n.split(",") if x]
@@ -281,8 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         bes = [registry.backend(n) for n in names]
     except QCoreError as e:
-        err.print(f"qcore conformance: error: {e}")
-        return 2
+        return _error(err, e, 1)
     peers = [b for n, b in registry.registered().items() if n != "reference" and _available(b)]
     try:
         expect = per_backend(args.expect, names)
@@ -290,8 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for c in args.case:
                 C.Case.from_id(c, args.seed)
     except QCoreError as e:
-        err.print(f"qcore conformance: error: {e}")
-        return 2
+        return _error(err, e, 1)
     started = time.perf_counter()
     if args.case:
         console.print(f"qcore conformance: {len(args.case)} case(s) on {', '.join(names)} (seed {args.seed})")
@@ -299,8 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         items = plan(args.full, args.seed, args.max_elements, args.max_schemes, kinds)
         if not items:
-            err.print("qcore conformance: error: nothing to check; see --max-schemes / --checks")
-            return 2
+            return _error(err, "nothing to check; see --max-schemes / --checks", 2)
         console.print(f"qcore conformance: {len(items)} strata and groups per backend "
                       f"({'full space' if args.full else 'default sample'}, seed {args.seed}"
                       f"{', with expectations' if expect else ''}) on {', '.join(names)}")
