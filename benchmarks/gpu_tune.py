@@ -63,7 +63,7 @@ def _empty_kernel(cuda):
 
 def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quick=False, only_m=None):
     from qcore_cuda import gemv, tc
-    from qcore_cuda.kernels import _jit_regs
+    from qcore_cuda.kernels import jit_regs
 
     torch.manual_seed(0)
     w = torch.randn(k_, n_, device="cuda")
@@ -92,7 +92,7 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
         for mb, wpt, rows, prefetch, regs, per_sm in (vs[:1] if quick else vs):
             meta = dict(mb=mb, wpt=wpt, rows=rows, prefetch=prefetch, regs=regs, per_sm=per_sm)
             try:
-                kern = _jit_regs(regs)(gemv._gemv_kernel(kind, mb, wpt, True, rows, prefetch))
+                kern = jit_regs(regs)(gemv._gemv_kernel(kind, mb, wpt, True, rows, prefetch))
             except Exception as e:  # a variant that does not compile is reported, not fatal
                 print(json.dumps({"m": m, **meta, "error": str(e)[:300]}), flush=True)
                 continue
@@ -115,7 +115,7 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
                 u = (u1 if mg == 1 else u2) or tc.U[mg]
                 meta = dict(tc=True, mg=mg, gw=gw, u=u, regs=regs, per_sm=per_sm)
                 try:
-                    kern = _jit_regs(regs)(tc._tc_kernel(kind, mg, gw, u))
+                    kern = jit_regs(regs)(tc._tc_kernel(kind, mg, gw, u))
                 except Exception as e:
                     print(json.dumps({"m": m, **meta, "error": str(e)[:300]}), flush=True)
                     continue
@@ -153,7 +153,7 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
 
 def tune_dequant(torch, cuda, be, res):
     from qcore_cuda import fast
-    from qcore_cuda.kernels import _jit_regs
+    from qcore_cuda.kernels import jit_regs
 
     n = 2**28
     x = torch.randn(65536, 4096, device="cuda") * 3
@@ -180,8 +180,8 @@ def tune_dequant(torch, cuda, be, res):
         grid = fast.launch_dequant(fp["nruns"], fp["kind"])
         for name, kern in [
             (f"units{fast.dq_units(fp['kind'])} (default)", fast.dequant_kernel(fp["kind"])),
-            ("units4", _jit_regs(64)(fast._dequant_kernel(fp["kind"], 4))),
-            ("scales loaded in the store loop", _jit_regs(64)(fast._dequant_kernel(fp["kind"], None, False))),
+            ("units4", jit_regs(64)(fast._dequant_kernel(fp["kind"], 4))),
+            ("scales loaded in the store loop", jit_regs(64)(fast._dequant_kernel(fp["kind"], None, False))),
         ]:
             def run():
                 kern[grid](wv, sc, gb, pp["lut"], out, fp["G"])

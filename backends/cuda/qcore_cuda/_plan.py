@@ -204,7 +204,7 @@ def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, sim: bo
     full = layout.full_block(shape, scheme) or (k_, n_)
     bk, bn = min(full[0], k_), min(full[1], n_)
     store = scheme.store
-    Q = np.zeros(K.Q_LEN, dtype=np.int64)
+    Q = np.zeros(K.MM_LEN, dtype=np.int64)
     if store.kind is StoreKind.NATIVE:
         pa, nf, wb, bits = 1, 1, 1, 8
     else:
@@ -221,14 +221,14 @@ def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, sim: bo
             break
     kc = -(-k_ // chunk)
     fast = pa == 1 and rowb * 8 // bits >= ng * K.MM_COLS
-    Q[K.Q_M], Q[K.Q_K], Q[K.Q_N] = m, k_, n_
-    Q[K.Q_PA], Q[K.Q_NF], Q[K.Q_BITS], Q[K.Q_WB] = pa, nf, bits, wb
-    Q[K.Q_ROWB] = rowb
-    Q[K.Q_BK], Q[K.Q_BN], Q[K.Q_G1] = bk, bn, -(-n_ // bn)
-    Q[K.Q_KC], Q[K.Q_CHUNK], Q[K.Q_NG] = kc, chunk, ng
-    Q[K.Q_TWO] = scheme.two_level
-    Q[K.Q_FAST] = fast
-    Q[K.Q_W32] = fast and bits >= 4 and rowb % 4 == 0
-    Q[K.Q_SAME] = bn % K.MM_COLS == 0 or -(-n_ // bn) == 1
-    Q[K.Q_ISF] = scheme.traits.is_float
+    Q[K.MM_M], Q[K.MM_K], Q[K.MM_N] = m, k_, n_
+    Q[K.MM_PA], Q[K.MM_NF], Q[K.MM_BITS], Q[K.MM_WB] = pa, nf, bits, wb
+    Q[K.MM_ROWB] = rowb
+    Q[K.MM_BK], Q[K.MM_BN], Q[K.MM_G1] = bk, bn, -(-n_ // bn)
+    Q[K.MM_KC], Q[K.MM_CHUNK], Q[K.MM_NG] = kc, chunk, ng
+    Q[K.MM_TWO] = scheme.two_level
+    Q[K.MM_FAST] = fast
+    Q[K.MM_W32] = fast and bits >= 4 and rowb % 4 == 0
+    Q[K.MM_SAME] = bn % K.MM_COLS == 0 or -(-n_ // bn) == 1
+    Q[K.MM_ISF] = scheme.traits.is_float
     return Q

@@ -498,7 +498,7 @@ def k_amax_py(x, gs, flag, nruns):
         cuda.atomic.max(gs, 1, shm[0])
 
 
-_jit = K._jit_regs(64)
+_jit = K.jit_regs(64)
 k_amax = cuda.jit(k_amax_py)
 
 

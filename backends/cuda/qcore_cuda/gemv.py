@@ -355,7 +355,7 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
 @lru_cache(maxsize=None)
 def gemv_kernel(kind: int, mb: int, wpt: int, one_scale: bool):
     """The kernel for `config_for`'s choice, under `tuning(mb)`'s register cap."""
-    return fast.K._jit_regs(tuning(mb).regs)(_gemv_kernel(kind, mb, wpt, one_scale))
+    return fast.K.jit_regs(tuning(mb).regs)(_gemv_kernel(kind, mb, wpt, one_scale))
 
 
 SIG = ("void(float32[::1], uint32[::1], float32[::1], float32[::1], float32[::1], float32[::1], int32[::1], "

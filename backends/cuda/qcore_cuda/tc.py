@@ -378,7 +378,7 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None):
 
 @lru_cache(maxsize=None)
 def tc_kernel(kind: int, mg: int, gw: int):
-    return fast.K._jit_regs(REGS)(_tc_kernel(kind, mg, gw))
+    return fast.K.jit_regs(REGS)(_tc_kernel(kind, mg, gw))
 
 
 SIG = gemv.SIG[:-1] + ", float32[::1])"  # the GEMV's arguments, then the scales by slot

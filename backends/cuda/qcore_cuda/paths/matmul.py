@@ -136,9 +136,9 @@ class GeneralMatmul:
             pp = be._prepared(data.shape, data.scheme, "minmax")
             Q = _plan.matmul_geometry(data.shape, data.scheme, c.m, sim=bool(config.ENABLE_CUDASIM))
             nb4 = pp["plan"].values_nbytes // 4
-            p32 = data.payload[: nb4 * 4].view(np.uint32) if Q[K.Q_W32] and nb4 else \
+            p32 = data.payload[: nb4 * 4].view(np.uint32) if Q[K.MM_W32] and nb4 else \
                 cuda.device_array(1, dtype=np.uint32)
-            mm = data.cache[key] = dict(Q=cuda.to_device(Q), launch=K.launch_matmul(int(Q[K.Q_NG]), int(Q[K.Q_KC]), c.m),
+            mm = data.cache[key] = dict(Q=cuda.to_device(Q), launch=K.launch_matmul(int(Q[K.MM_NG]), int(Q[K.MM_KC]), c.m),
                                         lut=pp["lut"], p32=p32)
         out = c.out if hasattr(c.out, "copy_to_host") else cuda.as_cuda_array(c.out)
         xd = c.xd if hasattr(c.xd, "copy_to_host") else cuda.as_cuda_array(c.xd)

@@ -1,0 +1,175 @@
+"""Device maths of the general, row, tile and matmul kernels: minifloat codes by frexp/ldexp
+(exact, so the simulator and a GPU agree), code encoding, little-endian words, the two-level
+global scale, a run's origin in the `P` geometry, and reductions over aligned lane groups (warp
+shuffles on a GPU, shared memory under the simulator)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .layouts import *  # noqa: F401,F403  (the P layout's fields)
+from .scales import round_up, scale_word, word_scale  # noqa: F401
+
+from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: E402
+
+if config.ENABLE_CUDASIM:
+    def ldexp(x, e):
+        """x * 2**e; the simulator's math.ldexp refuses NumPy ints."""
+        return np.float32(math.ldexp(float(x), int(e)))
+else:
+    @cuda.jit(device=True, inline="always")
+    def ldexp(x, e):
+        """x * 2**e (exact); libdevice ldexpf takes an int32 exponent."""
+        return math.ldexp(x, int32(e))
+
+
+@cuda.jit(device=True, inline="always")
+def mf_code(a, mb, bias):
+    """Code of `a >= 0` (finite) in a sign-less float with `mb` mantissa bits and `bias`:
+    nearest value, ties to the even code, subnormals included (SPEC §2.5). Exact: frexp/ldexp
+    move exponents only, and `round` is round-half-even."""
+    if a < ldexp(float32(1.0), (int64(1) - bias)):
+        return int64(round(ldexp(a, (bias + mb - int64(1)))))
+    m, e = math.frexp(a)  # a = m * 2**e, m in [0.5, 1)
+    q = int64(round(ldexp(m, (mb + int64(1)))))  # 2**mb .. 2**(mb+1) (carry = next binade)
+    return ((int64(e) - int64(2) + bias) << mb) + q
+
+
+@cuda.jit(device=True, inline="always")
+def mf_value(c, mb, bias):
+    """float32 value of code `c` of a sign-less float (inverse of `mf_code`)."""
+    ex = c >> mb
+    f = c & ((int64(1) << mb) - int64(1))
+    if ex == 0:
+        return float32(ldexp(float32(f), (int64(1) - bias - mb)))
+    return float32(ldexp(float32(f + (int64(1) << mb)), ex - bias - mb))
+
+
+@cuda.jit(device=True, inline="always")
+def encode(y, isf, qmin, qmax, fmax, mb, bias, bits):
+    """The `bits`-wide field of `y = x / e` (SPEC §2.5). Integers: clamp then round half to even
+    (same as clamp(rint)); minifloats: saturate at ±max, nearest, ties to even, sign of y."""
+    if isf:
+        c = mf_code(min(abs(y), fmax), mb, bias)
+        if math.copysign(float32(1.0), y) < float32(0.0):
+            c |= int64(1) << (bits - int64(1))
+        return c
+    q = int64(round(min(max(y, qmin), qmax)))
+    return q & ((int64(1) << bits) - int64(1))
+
+
+@cuda.jit(device=True, inline="always")
+def put_le(buf, off, word, nbytes):
+    """Write the low `nbytes` bytes of `word` little-endian at byte `off`."""
+    for i in range(nbytes):
+        buf[off + i] = (word >> (int64(8) * i)) & int64(0xFF)
+
+
+@cuda.jit(device=True, inline="always")
+def get_le(buf, off, nbytes):
+    w = int64(0)
+    for i in range(nbytes):
+        w |= int64(buf[off + i]) << (int64(8) * i)
+    return w
+
+
+@cuda.jit(device=True, inline="always")
+def two_level_g(gstat, h, mx):
+    """SPEC §2.2: g = max(max_b s_b / M, tiny); max_b(stat_b / h) == (max_b stat_b) / h exactly,
+    since correctly rounded division by h > 0 is monotone."""
+    return max(float32(float32(gstat / h) / mx), float32(TINY))
+
+
+@cuda.jit(device=True, inline="always")
+def run_origin(P, t):
+    """Run `t` -> (x offset, word offset, slot base, position along the run axis, element count).
+
+    A run is `RL` consecutive elements of one line along the run axis r (the packing axis, or
+    the blocked/last axis for Native); the slot base sums the other axes' grid coordinates.
+    """
+    cr = P[M_CR]
+    r = P[M_RAX]
+    nrl = P[M_NRL]
+    line = t // nrl
+    j = t - line * nrl
+    kfirst = P[M_KFIRST]
+    xo = int64(0)
+    wo = int64(0)
+    sb = int64(0)
+    k = cr - int64(1)
+    while k >= kfirst:
+        if k != r:
+            if k == kfirst:
+                i = line
+            else:
+                ext = P[O_S + k]
+                i = line % ext
+                line = line // ext
+            xo += i * P[O_XS + k]
+            wo += i * P[O_WS + k]
+            sb += (i // P[O_B + k]) * P[O_GS + k]
+        k -= int64(1)
+    p0 = j * P[M_RL]
+    cnt = min(P[M_RL], P[O_S + r] - p0)
+    return xo, wo, sb, p0, cnt
+
+
+def sim_group(cu, v, width, sh, op):
+    """Simulator stand-in for a warp-shuffle reduction over aligned groups of `width` lanes,
+    through shared memory. `cu` is the caller's `cuda`, which the simulator has swapped for the
+    running kernel's fake module (in the kernel's module, and in a device function's while it
+    runs)."""
+    if width == 1:  # uniform across the block: no exchange needed
+        return v
+    tid = cu.threadIdx.x
+    sh[tid] = v
+    cu.syncthreads()
+    b = tid - tid % width
+    r = sh[b]
+    for i in range(1, width):
+        r = op(r, sh[b + i])
+    cu.syncthreads()
+    return r
+
+
+if config.ENABLE_CUDASIM:
+    # Device functions under the simulator too: calling one swaps this module's `cuda` for the
+    # running kernel's fake module (the kernels that call them live in other modules).
+    @cuda.jit(device=True)
+    def group_max(v, width, sh):
+        """max of v over aligned groups of `width` lanes (simulator: through shared memory)."""
+        return sim_group(cuda, v, width, sh, max)
+
+    @cuda.jit(device=True)
+    def group_sum(v, width, sh):
+        return sim_group(cuda, v, width, sh, lambda p, q: p + q)
+
+    @cuda.jit(device=True)
+    def group_or(v, width, sh):
+        return sim_group(cuda, v, width, sh, lambda p, q: p | q)
+else:
+    @cuda.jit(device=True, inline="always")
+    def group_max(v, width, sh):
+        """max of v over aligned groups of `width` lanes (width a power of two <= 32)."""
+        off = width >> int64(1)
+        while off > 0:
+            v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, int32(off)))
+            off >>= int64(1)
+        return v
+
+    @cuda.jit(device=True, inline="always")
+    def group_sum(v, width, sh):
+        off = width >> int64(1)
+        while off > 0:
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, int32(off))
+            off >>= int64(1)
+        return v
+
+    @cuda.jit(device=True, inline="always")
+    def group_or(v, width, sh):
+        off = width >> int64(1)
+        while off > 0:
+            v |= cuda.shfl_xor_sync(0xFFFFFFFF, v, int32(off))
+            off >>= int64(1)
+        return v

@@ -1,0 +1,45 @@
+"""Launch configuration shared by the general, row, tile and matmul kernels: the register cap
+(`jit_regs`), the device's SM count, and `launch(n)` for a grid-stride kernel over n items."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+# numba-cuda 0.30.4 registers `np.row_stack`, which numpy 2.5 removed, so no kernel compiles
+# under numpy >= 2.5 without this alias (NVIDIA/numba-cuda#907, closed as won't-fix). Every
+# kernel module imports this one before numba compiles anything.
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+
+from numba import config, cuda  # noqa: E402
+
+
+def jit_regs(n: int):
+    """`cuda.jit` capped at `n` registers per thread on a GPU (occupancy for the memory-bound
+    kernels: uncapped, ptxas gives the tile kernel 110 and the matmul 133); the simulator
+    rejects the keyword."""
+    if config.ENABLE_CUDASIM:
+        return cuda.jit
+    return cuda.jit(max_registers=n)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device (read once per process; it only sizes
+    grids, so a later device switch costs speed, never correctness). The simulator: 1."""
+    if config.ENABLE_CUDASIM:
+        return 1
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+def launch(n: int) -> tuple[int, int]:
+    """(blocks, threads) for `n` work items of a grid-stride kernel; never 0 (callers skip n == 0).
+
+    Under the simulator the cost is per launched thread, so the grid stays tiny (2 x 32) and the
+    loops stride; on a GPU it is at most 16 blocks of 256 threads per SM.
+    """
+    if config.ENABLE_CUDASIM:
+        return (max(1, min(2, -(-n // 32))), 32)
+    tpb = 256
+    return (max(1, min(-(-n // tpb), sm_count() * 16)), tpb)

@@ -1,0 +1,372 @@
+"""The general kernels: any rank, multi-dimensional blocks, packing along any axis (the `P`
+geometry): statistics per tensor and per slot, scales, codes (a pass over runs, or one pass per
+block where it fits), scale decoding, dequantize; input conversion and the error statistics."""
+from __future__ import annotations
+
+import math
+
+from .devmath import *  # noqa: F401,F403
+from .grids import jit_regs, launch, sm_count  # noqa: F401
+from .layouts import *  # noqa: F401,F403
+from .scales import SCALE_IDS, round_up, scale_word, word_scale  # noqa: F401
+
+from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: E402,F401
+
+
+@cuda.jit
+def k_convert_f16(src, dst):
+    """float16 -> float32 (exact)."""
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, dst.size, step):
+        dst[i] = float32(src[i])
+
+
+@cuda.jit
+def k_convert_f64(src, dst):
+    """float64 -> float32 (round to nearest even, as numpy's astype)."""
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, dst.size, step):
+        dst[i] = float32(src[i])
+
+
+@cuda.jit
+def k_error_partials(x, y, sig, noise, mx):
+    """Per-thread partial error statistics of `y` approximating `x` (grid-stride): sig[t] = sum x^2,
+    noise[t] = sum (y - x)^2 (f64), mx[t] = max |y - x|; the host adds up the grid's partials."""
+    t = cuda.grid(1)
+    step = cuda.gridsize(1)
+    s = float64(0.0)
+    e2 = float64(0.0)
+    m = float32(0.0)
+    for i in range(t, x.size, step):
+        xv = x[i]
+        d = y[i] - xv
+        s += float64(xv) * float64(xv)
+        e2 += float64(d) * float64(d)
+        m = max(m, abs(d))
+    sig[t] = s
+    noise[t] = e2
+    mx[t] = m
+
+
+@cuda.jit
+def k_tensor_stats(x, amax, asum, flag):
+    """Per-tensor statistic: max |x| into amax[0] and sum |x| (f64) into asum[0] (SPEC §2.1);
+    flag[0] = 1 on any NaN/Inf. One shared-memory atomic per thread, one global per block."""
+    sh_max = cuda.shared.array(1, float32)
+    sh_sum = cuda.shared.array(1, float64)
+    if cuda.threadIdx.x == 0:
+        sh_max[0] = float32(0.0)
+        sh_sum[0] = float64(0.0)
+    cuda.syncthreads()
+    m = float32(0.0)
+    s = float64(0.0)
+    bad = False
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, x.size, step):
+        v = x[i]
+        if not math.isfinite(v):  # flagged; 0 keeps the rest of the kernel finite
+            bad = True
+            v = float32(0.0)
+        a = abs(v)
+        m = max(m, a)
+        s += float64(a)
+    if bad:
+        flag[0] = int32(1)
+    cuda.atomic.max(sh_max, 0, m)
+    cuda.atomic.add(sh_sum, 0, s)
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        cuda.atomic.max(amax, 0, sh_max[0])
+        cuda.atomic.add(asum, 0, sh_sum[0])
+
+
+@cuda.jit
+def k_slot_stats(x, P, stat, gstat, flag):
+    """Per block slot: max |x| or mean |x| (f64 sum, one f32 rounding) over its elements, edge
+    blocks cropped (SPEC §2.1); gstat[0] = max over slots (for two-level). Thread per slot."""
+    idx = cuda.local.array(MAXR, int64)
+    ext = cuda.local.array(MAXR, int64)
+    cr = P[M_CR]
+    absmean = P[M_METHOD] == 1
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    gm = float32(0.0)
+    bad = False
+    for sl in range(start, P[M_NSLOTS], step):
+        rem = sl
+        xo = int64(0)
+        cnt = int64(1)
+        k = cr - int64(1)
+        while k >= 0:
+            g = rem % P[O_G + k]
+            rem = rem // P[O_G + k]
+            i0 = g * P[O_B + k]
+            c = min(P[O_B + k], P[O_S + k] - i0)
+            ext[k] = c
+            idx[k] = int64(0)
+            xo += i0 * P[O_XS + k]
+            cnt *= c
+            k -= int64(1)
+        m = float32(0.0)
+        s = float64(0.0)
+        off = xo
+        for _ in range(cnt):
+            v = x[off]
+            if not math.isfinite(v):  # flagged; 0 keeps the rest of the kernel finite
+                bad = True
+                v = float32(0.0)
+            a = abs(v)
+            m = max(m, a)
+            s += float64(a)
+            k = cr - int64(1)
+            while k >= 0:  # odometer step over the box
+                idx[k] += int64(1)
+                off += P[O_XS + k]
+                if idx[k] < ext[k]:
+                    break
+                off -= ext[k] * P[O_XS + k]
+                idx[k] = int64(0)
+                k -= int64(1)
+        if absmean:
+            m = float32(s / float64(cnt))
+        stat[sl] = m
+        gm = max(gm, m)
+    if bad:
+        flag[0] = int32(1)
+    if P[M_TWO] != 0:
+        cuda.atomic.max(gstat, 0, gm)
+
+
+@cuda.jit
+def k_scales(raw, asum, P, F, stored, gbuf, payload):
+    """Scale slots -> stored scales (f32) and their payload bytes (SPEC §2.1-2.3, §3).
+
+    MODE 0: raw = statistic per slot (per-tensor: amax in raw[0], f64 sum in asum[0]);
+    s = stat / h, two-level s /= g (g from gbuf[1] = max statistic), round up.
+    MODE 1: raw = explicit stored scales (already rounded by the core), g in gbuf[0].
+    Two-level: gbuf[0] = g and its f32 bytes follow the scales.
+    """
+    sdt = P[M_SDT]
+    snb = P[M_SNB]
+    soff = P[M_SOFF]
+    two = P[M_TWO] != 0
+    explicit = P[M_MODE] == 1
+    h = F[F_H]
+    g = float32(0.0)
+    if two:
+        if explicit:
+            g = gbuf[0]
+        else:
+            g = two_level_g(gbuf[1], h, F[F_M])
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for sl in range(start, P[M_NSLOTS], step):
+        if explicit:
+            st = raw[sl]
+        else:
+            if P[M_PERT] != 0 and P[M_METHOD] == 1:
+                stat = float32(asum[0] / float64(P[M_N]))
+            else:
+                stat = raw[sl]
+            s = float32(stat / h)
+            if two:
+                s = float32(s / g)
+            st = round_up(s, sdt)
+        stored[sl] = st
+        put_le(payload, soff + sl * snb, int64(scale_word(st, sdt)), snb)
+    if two and start == 0:
+        gbuf[0] = g
+        put_le(payload, P[M_GOFF], int64(scale_word(g, int64(SDT_F32))), int64(4))
+
+
+@cuda.jit
+def k_quant(x, P, F, stored, gbuf, payload, flag, asum):
+    """Quantize and pack with given stored scales (SPEC §2.4-2.5, §3). Thread per run of RL
+    elements (whole words) along the run axis; e = s, or g * s_b (one f32 multiply).
+
+    The statistics scratch (asum[0], gbuf[1], gbuf[2]) is consumed by now (k_scales ran before,
+    in stream order), so thread 0 zeroes it for the next call: no memset launch per call."""
+    r = P[M_RAX]
+    nf = P[M_NF]
+    bits = P[M_BITS]
+    wb = P[M_WB]
+    br = P[O_B + r]
+    xsr = P[O_XS + r]
+    wsr = P[O_WS + r]
+    gsr = P[O_GS + r]
+    two = P[M_TWO] != 0
+    isf = P[M_ISF] != 0
+    mb = P[M_MB]
+    bias = P[M_BIAS]
+    qmin = F[F_QMIN]
+    qmax = F[F_QMAX]
+    fmax = F[F_FMAX]
+    g = gbuf[0]
+    bad = False
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    if start == 0:
+        asum[0] = float64(0.0)
+        gbuf[1] = float32(0.0)
+        gbuf[2] = float32(0.0)
+    for t in range(start, P[M_NRUNS], step):
+        xo, wo, sb, p0, cnt = run_origin(P, t)
+        gi = p0 // br
+        rem = p0 - gi * br
+        e = stored[sb + gi * gsr]
+        if two:
+            e = g * e
+        nw = (cnt + nf - int64(1)) // nf
+        wi = p0 // nf
+        u = int64(0)
+        for w in range(nw):
+            word = int64(0)
+            for f in range(nf):
+                if u < cnt:
+                    if rem == br:
+                        gi += int64(1)
+                        rem = int64(0)
+                        e = stored[sb + gi * gsr]
+                        if two:
+                            e = g * e
+                    v = x[xo + (p0 + u) * xsr]
+                    if not math.isfinite(v):  # flagged; 0 keeps the rest of the kernel finite
+                        bad = True
+                        v = float32(0.0)
+                    y = float32(0.0)
+                    if e != float32(0.0):
+                        y = v / e
+                    word |= encode(y, isf, qmin, qmax, fmax, mb, bias, bits) << (f * bits)
+                    u += int64(1)
+                    rem += int64(1)
+            put_le(payload, (wo + (wi + w) * wsr) * wb, word, wb)
+    if bad:
+        flag[0] = int32(1)
+
+
+@cuda.jit
+def k_quant_fused(x, P, F, payload, flag):
+    """Calibrate and quantize one block slot per run, in one pass (SPEC §2.1-2.5, §3): the run
+    is exactly the block (one-level, block along the run axis only, whole words per block)."""
+    r = P[M_RAX]
+    nf = P[M_NF]
+    bits = P[M_BITS]
+    wb = P[M_WB]
+    xsr = P[O_XS + r]
+    wsr = P[O_WS + r]
+    gsr = P[O_GS + r]
+    isf = P[M_ISF] != 0
+    mb = P[M_MB]
+    bias = P[M_BIAS]
+    sdt = P[M_SDT]
+    snb = P[M_SNB]
+    soff = P[M_SOFF]
+    absmean = P[M_METHOD] == 1
+    h = F[F_H]
+    qmin = F[F_QMIN]
+    qmax = F[F_QMAX]
+    fmax = F[F_FMAX]
+    rl = P[M_RL]
+    bad = False
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for t in range(start, P[M_NRUNS], step):
+        xo, wo, sb, p0, cnt = run_origin(P, t)
+        base = xo + p0 * xsr
+        m = float32(0.0)
+        s = float64(0.0)
+        for u in range(cnt):
+            v = x[base + u * xsr]
+            if not math.isfinite(v):  # flagged; 0 keeps the rest of the kernel finite
+                bad = True
+                v = float32(0.0)
+            a = abs(v)
+            m = max(m, a)
+            s += float64(a)
+        if absmean:
+            m = float32(s / float64(cnt))
+        e = round_up(float32(m / h), sdt)
+        put_le(payload, soff + (sb + (p0 // rl) * gsr) * snb, int64(scale_word(e, sdt)), snb)
+        nw = (cnt + nf - int64(1)) // nf
+        wi = p0 // nf
+        for w in range(nw):
+            word = int64(0)
+            for f in range(nf):
+                u = w * nf + f
+                if u < cnt:
+                    v = x[base + u * xsr]
+                    y = float32(0.0)
+                    if e != float32(0.0) and math.isfinite(v):
+                        y = v / e
+                    word |= encode(y, isf, qmin, qmax, fmax, mb, bias, bits) << (f * bits)
+            put_le(payload, (wo + (wi + w) * wsr) * wb, word, wb)
+    if bad:
+        flag[0] = int32(1)
+
+
+@cuda.jit
+def k_decode_scales(payload, P, scales, gbuf):
+    """Stored scale words -> float32 (and the two-level global into gbuf[0])."""
+    sdt = P[M_SDT]
+    snb = P[M_SNB]
+    soff = P[M_SOFF]
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for sl in range(start, P[M_NSLOTS], step):
+        scales[sl] = word_scale(get_le(payload, soff + sl * snb, snb), sdt)
+    if start == 0:
+        gbuf[0] = float32(1.0)
+        if P[M_TWO] != 0:
+            gbuf[0] = word_scale(get_le(payload, P[M_GOFF], int64(4)), int64(SDT_F32))
+
+
+@cuda.jit
+def k_dequant(payload, P, lut, scales, gbuf, out, flag):
+    """Unpack codes and scale: x' = decode(q) * e in f32, stored in out's dtype (SPEC §2.6).
+    Thread per run, same runs as k_quant. `lut` holds NaN for codes outside the value's set
+    (SPEC v1.1 §3); meeting one sets flag[0] and the host names the element."""
+    r = P[M_RAX]
+    nf = P[M_NF]
+    bits = P[M_BITS]
+    wb = P[M_WB]
+    br = P[O_B + r]
+    xsr = P[O_XS + r]
+    wsr = P[O_WS + r]
+    gsr = P[O_GS + r]
+    two = P[M_TWO] != 0
+    mask = (int64(1) << bits) - int64(1)
+    g = gbuf[0]
+    bad = False
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for t in range(start, P[M_NRUNS], step):
+        xo, wo, sb, p0, cnt = run_origin(P, t)
+        gi = p0 // br
+        rem = p0 - gi * br
+        e = scales[sb + gi * gsr]
+        if two:
+            e = g * e
+        nw = (cnt + nf - int64(1)) // nf
+        wi = p0 // nf
+        u = int64(0)
+        for w in range(nw):
+            word = get_le(payload, (wo + (wi + w) * wsr) * wb, wb)
+            for f in range(nf):
+                if u < cnt:
+                    if rem == br:
+                        gi += int64(1)
+                        rem = int64(0)
+                        e = scales[sb + gi * gsr]
+                        if two:
+                            e = g * e
+                    d = lut[(word >> (f * bits)) & mask]
+                    if not math.isfinite(d):
+                        bad = True
+                    out[xo + (p0 + u) * xsr] = d * e
+                    u += int64(1)
+                    rem += int64(1)
+    if bad:
+        flag[0] = int32(1)
+
+
+@cuda.jit
+def k_zero_stats(asum, gbuf):
+    """Zero the statistics scratch after the row path consumed it (one thread)."""
+    asum[0] = float64(0.0)
+    gbuf[1] = float32(0.0)
+    gbuf[2] = float32(0.0)

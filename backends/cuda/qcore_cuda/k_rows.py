@@ -1,0 +1,161 @@
+"""The row kernels: the block grid splits only the last canonical axis (or the scheme is
+per-tensor) and codes pack along it (the `RP` geometry)."""
+from __future__ import annotations
+
+import math
+
+from .devmath import *  # noqa: F401,F403
+from .grids import jit_regs, launch, sm_count  # noqa: F401
+from .layouts import *  # noqa: F401,F403
+from .scales import SCALE_IDS, round_up, scale_word, word_scale  # noqa: F401
+
+from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: E402,F401
+
+ROW_TPB = 256
+
+
+def launch_rows(L: int, R: int) -> tuple[tuple[int, int], int]:
+    """((blocks along L, blocks over lines), threads) for the row kernels."""
+    tpb = 32 if config.ENABLE_CUDASIM else ROW_TPB
+    gx = -(-L // tpb)
+    if config.ENABLE_CUDASIM:
+        return (gx, max(1, min(R, 2))), tpb
+    return (gx, max(1, min(R, 65535, -(-sm_count() * 16 // gx)))), tpb
+
+
+@jit_regs(64)
+def k_rows_quant(x, RP, F, stored, gbuf, words, payload, flag, stat):
+    """Row kernel, two modes: GIVEN (quantize with stored scales; codes of nf lanes OR into one
+    word written by the word's first lane, SPEC §2, §3) and STATS (per-slot statistic by lane
+    groups into stat[], and the max over slots into gbuf[1] for two-level). Calibrated one-level
+    blocks go to k_tile_quant, which rounds each scale once per block."""
+    sh_f = cuda.shared.array(ROW_TPB, float32)
+    sh_d = cuda.shared.array(ROW_TPB, float64)
+    sh_i = cuda.shared.array(ROW_TPB, int64)
+    R = RP[R_R]
+    L = RP[R_L]
+    W = RP[R_W]
+    B = RP[R_B]
+    GL = RP[R_GL]
+    nf = RP[R_NF]
+    bits = RP[R_BITS]
+    mode = RP[R_MODE]
+    two = RP[R_TWO] != 0
+    isf = RP[R_ISF] != 0
+    mb = RP[R_MB]
+    bias = RP[R_BIAS]
+    absmean = RP[R_METHOD] == 1
+    qmin = F[F_QMIN]
+    qmax = F[F_QMAX]
+    fmax = F[F_FMAX]
+    g = gbuf[0]
+    c = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
+    valid = c < L
+    f = c % nf
+    wc = c // nf
+    scol = c // B
+    cnt = min(B, L - scol * B)
+    shift = f * bits
+    bad = False
+    gm = float32(0.0)
+    for line in range(int64(cuda.blockIdx.y), R, int64(cuda.gridDim.y)):
+        v = float32(0.0)
+        if valid:
+            v = x[line * L + c]
+            if not math.isfinite(v):  # flagged; 0 keeps the rest of the kernel finite
+                bad = True
+                v = float32(0.0)
+        slot = line * GL + scol
+        if mode == ROW_GIVEN:
+            e = float32(0.0)
+            if valid:
+                e = stored[slot]
+                if two:
+                    e = g * e
+        else:  # ROW_STATS
+            a = abs(v)
+            if absmean:
+                m = float32(group_sum(float64(a), B, sh_d) / float64(cnt))
+            else:
+                m = group_max(a, B, sh_f)
+            if valid and c % B == 0:
+                stat[slot] = m
+            gm = max(gm, m)
+            continue
+        field = int64(0)
+        if valid:
+            y = float32(0.0)
+            if e != float32(0.0):
+                y = v / e
+            field = encode(y, isf, qmin, qmax, fmax, mb, bias, bits) << shift
+        word = group_or(field, nf, sh_i)
+        if valid and f == 0:
+            words[line * W + wc] = word
+    if bad:
+        flag[0] = int32(1)
+    if mode == ROW_STATS and two:
+        cuda.atomic.max(gbuf, 1, gm)
+
+
+@jit_regs(40)
+def k_rows_dequant(words, RP, lut, scales, gbuf, out, flag):
+    """Row kernel: out[line, c] = decode(field c of its word) * e, coalesced (SPEC §2.6). Four
+    lines per step, loads first, so each thread keeps four loads in flight. A NaN from `lut` (a
+    code outside the value's set, SPEC v1.1 §3) sets flag[0]."""
+    R = RP[R_R]
+    L = RP[R_L]
+    W = RP[R_W]
+    B = RP[R_B]
+    GL = RP[R_GL]
+    nf = RP[R_NF]
+    bits = RP[R_BITS]
+    two = RP[R_TWO] != 0
+    g = gbuf[0]
+    if not two:
+        g = float32(1.0)
+    mask = (int64(1) << bits) - int64(1)
+    c = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
+    gy = int64(cuda.gridDim.y)
+    if c < L:
+        wc = c // nf
+        shift = (c % nf) * bits
+        scol = c // B
+        for l0 in range(int64(cuda.blockIdx.y), R, int64(4) * gy):
+            l1 = l0 + gy
+            l2 = l1 + gy
+            l3 = l2 + gy
+            w0 = int64(words[l0 * W + wc])
+            e0 = scales[l0 * GL + scol]
+            w1 = int64(0)
+            w2 = int64(0)
+            w3 = int64(0)
+            e1 = float32(0.0)
+            e2 = float32(0.0)
+            e3 = float32(0.0)
+            if l1 < R:
+                w1 = int64(words[l1 * W + wc])
+                e1 = scales[l1 * GL + scol]
+            if l2 < R:
+                w2 = int64(words[l2 * W + wc])
+                e2 = scales[l2 * GL + scol]
+            if l3 < R:
+                w3 = int64(words[l3 * W + wc])
+                e3 = scales[l3 * GL + scol]
+            if two:  # e = g * s_b, one f32 multiply (one-level: e = s, no multiply)
+                e0 = g * e0
+                e1 = g * e1
+                e2 = g * e2
+                e3 = g * e3
+            d0 = lut[(w0 >> shift) & mask]
+            d1 = lut[(w1 >> shift) & mask]
+            d2 = lut[(w2 >> shift) & mask]
+            d3 = lut[(w3 >> shift) & mask]
+            out[l0 * L + c] = d0 * e0
+            if l1 < R:
+                out[l1 * L + c] = d1 * e1
+            if l2 < R:
+                out[l2 * L + c] = d2 * e2
+            if l3 < R:
+                out[l3 * L + c] = d3 * e3
+            if not (math.isfinite(d0) and math.isfinite(d1) and math.isfinite(d2) and math.isfinite(d3)):
+                flag[0] = int32(1)  # lines past R read word 0, a real field: never a false alarm
