@@ -8,7 +8,6 @@ import time
 import numpy as np
 import pytest
 
-import qcore
 from qcore.errors import InputError
 from qcore.reference import ReferenceBackend
 
@@ -20,18 +19,31 @@ from numba import cuda  # noqa: E402
 
 
 def test_launches_hold_no_outputs(cuda_backend):
-    """The cached launches of a tensor (dequantize, GEMV) keep no reference to the arrays a call
-    passed (x, the output): a dropped output (a 1 GiB dequantize, say) is freed."""
+    """A tensor's cached launches (dequantize, GEMV) keep no reference to the arrays a call
+    passed or returned (x, the output): once the caller drops them they are gone (a 1 GiB
+    dequantize, say, is freed)."""
+    import gc
+    import weakref
 
     qw = cuda_backend.quantize(sample_x((64, 64), seed=9), "q4s/block32:f16")
-    x = cuda.to_device(sample_x((1, 64), seed=10, scale=1.0))
     for _ in range(2):  # the first call packs, the second swaps
-        cuda_backend.dequantize(qw)
-        cuda_backend.matmul(x, qw)
-        launches = [qw.data.cache["dequant"], qw.data.cache[("gemv", 1)][1]]
-        for launch in launches:
-            held = launch.held()
-            assert held == [None] * len(held), "a cached launch still holds a call's arrays"
+        x = cuda.to_device(sample_x((1, 64), seed=10, scale=1.0))
+        y, z = cuda_backend.dequantize(qw), cuda_backend.matmul(x, qw)
+        refs = [weakref.ref(a) for a in (x, y, z)]
+        del x, y, z
+        gc.collect()
+        assert [r() for r in refs] == [None] * 3, "a cached launch kept a call's array alive"
+
+
+def _packed_counts():
+    from qcore_cuda import _launch
+
+    return dict(_launch.COUNTS)
+
+
+def _through_dispatcher(before: dict) -> int:
+    """Launches of packed kernels that went through numba's dispatcher since `before`."""
+    return _packed_counts()["dispatcher"] - before["dispatcher"]
 
 
 @pytest.mark.skipif(SIM, reason="packed launches bypass numba's dispatcher only on a GPU; the simulator always "
@@ -47,19 +59,20 @@ def test_packed_launches_repeat_results(cuda_backend, m):
     qw = cuda_backend.quantize(w, text)
     x1, x2 = sample_x((m, 256), seed=6, scale=1.0), sample_x((m, 256), seed=7, scale=1.0)
     first = cuda_backend.to_numpy(cuda_backend.matmul(cuda.to_device(x1), qw))
+    before = _packed_counts()
     second = cuda_backend.to_numpy(cuda_backend.matmul(cuda.to_device(x2), qw))
     again = cuda_backend.to_numpy(cuda_backend.matmul(cuda.to_device(x1), qw))
-    mb, launch = qw.data.cache[("gemv", m)]
-    assert launch.packed, "the GEMV launch was not packed"
+    assert _through_dispatcher(before) == 0, "the GEMV launch was not packed"
     np.testing.assert_array_equal(again.view(np.uint32), first.view(np.uint32))
     wd = REF.dequantize(REF.from_data(cuda_backend.into_data(qw))).astype(np.float64)
     for x, got in ((x1, first), (x2, second)):
         want = x.astype(np.float64) @ wd
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     d1 = cuda_backend.to_numpy(cuda_backend.dequantize(qw))
+    before = _packed_counts()
     d2 = cuda_backend.dequantize(qw)
     d3 = cuda_backend.dequantize(qw)
-    assert qw.data.cache["dequant"].packed, "the dequantize launch was not packed"
+    assert _through_dispatcher(before) == 0, "the dequantize launch was not packed"
     assert d2.__cuda_array_interface__["data"][0] != d3.__cuda_array_interface__["data"][0]
     for d in (d2, d3):
         np.testing.assert_array_equal(cuda_backend.to_numpy(d).view(np.uint32), d1.view(np.uint32))
@@ -76,14 +89,14 @@ def test_packed_quantize_launches(cuda_backend, text):
 
     be = type(cuda_backend)()  # its own scratch and plans
     xs = [sample_x((4, 256), seed=s) for s in (1, 2, 3)]
-    for x in xs + xs[:1]:
+    for i, x in enumerate(xs + xs[:1]):
+        before = _packed_counts()
         for params in (None, REF.calibrate(x, text)):
             got = be.into_data(be.quantize(cuda.to_device(x), text, params=params))
             want = REF.into_data(REF.quantize(x, text, params=params))
             assert_same_bytes(got.payload, want.payload, f"{text} (params={params is not None})")
-    pp = be._prepared((4, 256), qcore.scheme(text), "minmax")
-    packed = [p for k, v in pp.items() if isinstance(k, tuple) and k[0] == "fast_quant" for p in v[1]]
-    assert packed and all(p.packed for p in packed if p._state is not None)
+        if i:  # after the first calls every fast launch reuses its packed arguments
+            assert _through_dispatcher(before) == 0, f"{text}: a fast quantize launch was not packed"
     bad = xs[0].copy()
     bad[1, 7] = np.nan
     with pytest.raises(InputError):

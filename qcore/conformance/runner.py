@@ -11,7 +11,7 @@ meant to support (`expect`), so a backend that refuses a scheme its author expec
 under pytest. Exit status, as the other `qcore` commands: 0 when nothing failed, 1 when any check
 failed (a run that tested no supported scheme fails too, unless `--expect none`) or a backend or
 expectation is wrong (unknown or unavailable backend, a scheme pattern that does not parse), 2
-for a usage error (an unknown check kind, nothing left to check). Errors are one line on stderr,
+for a usage error (an unknown check kind, a malformed case id, nothing left to check). Errors are one line on stderr,
 `qcore conformance: error: ...`. "Not supported" is an outcome, not a failure.
 
     usage: qcore conformance --backend NAME [--backend NAME ...] [--full] [--seed N]
@@ -292,11 +292,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     peers = [b for n, b in registry.registered().items() if n != "reference" and _available(b)]
     try:
         expect = per_backend(args.expect, names)
-        if args.case:
-            for c in args.case:
-                C.Case.from_id(c, args.seed)
-    except QCoreError as e:
+    except QCoreError as e:  # a scheme pattern that does not parse: a bad scheme
         return _error(err, e, 1)
+    try:
+        for c in args.case or ():
+            C.Case.from_id(c, args.seed)
+    except QCoreError as e:  # a malformed case id: usage
+        return _error(err, e, 2)
     started = time.perf_counter()
     if args.case:
         console.print(f"qcore conformance: {len(args.case)} case(s) on {', '.join(names)} (seed {args.seed})")
