@@ -340,8 +340,11 @@ def _stream(todo: list[_OutShard], paths: dict[str, str], readers: dict[str, Rea
 
             write_file(paths[shard.name], write)
 
-    reader, writer = p.thread(read_all), p.thread(write_all)
+    reader = writer = None
     try:
+        with _signals.deferred():  # a signal cannot land between a thread's start and its handle
+            reader = p.thread(read_all)
+            writer = p.thread(write_all)
         while True:
             msg = p.get(p.inbox)
             if msg is _END:
@@ -381,8 +384,9 @@ def _stream(todo: list[_OutShard], paths: dict[str, str], readers: dict[str, Rea
     finally:
         p.stop.set()  # frees a blocked reader or writer (an interrupt, an error here)
         with _signals.deferred():  # a second signal waits until the writer has removed its temp file
-            reader.join()
-            writer.join()
+            for t in (reader, writer):
+                if t is not None:
+                    t.join()
     if p.errors:
         raise p.errors[0]
     return rows

@@ -282,3 +282,33 @@ def test_a_signal_before_any_qcore_code_is_told_apart():
     assert not _before_any_qcore_code(ours)
     lib = script.replace("KeyboardInterrupt\n", f'  File "/src{os.sep}qcore{os.sep}cli.py", line 9\nKeyboardInterrupt\n')
     assert not _before_any_qcore_code(lib)
+
+
+def test_signal_as_the_pipeline_threads_start_leaves_no_temp(tmp_path, capsys, monkeypatch):
+    """SIGINT just after the writer thread started (it has made its temp file): the run still
+    stops its threads and removes the temp file (the H200 machine hit this window at 0.63 s)."""
+    from qcore import model as qmodel
+
+    model = tmp_path / "m.safetensors"
+    rng = np.random.default_rng(2)
+    save_file({f"l{i}.weight": rng.standard_normal((16, 64)).astype(np.float32) for i in range(3)}, str(model))
+    out = tmp_path / "o.safetensors"
+    real_thread = qmodel._Pipeline.thread
+    started = []
+
+    def thread_then_signal(self, fn):
+        t = real_thread(self, fn)
+        started.append(t)
+        if len(started) == 2:  # the writer: let it make its temp file, then the signal comes
+            deadline = time.monotonic() + 10
+            while not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGINT)
+        return t
+
+    monkeypatch.setattr(qmodel._Pipeline, "thread", thread_then_signal)
+    rc = main(["quantize", str(model), str(out), "--scheme", "q8s", "--backend", "reference"])
+    capsys.readouterr()
+    assert rc == 130 and len(started) == 2
+    assert not any(t.is_alive() for t in started), "a pipeline thread outlived the run"
+    assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
