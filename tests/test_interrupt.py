@@ -201,11 +201,15 @@ def test_second_signal_during_cleanup_leaves_no_temp(tmp_path, capsys, monkeypat
 
 
 def _before_any_qcore_code(err: str) -> bool:
-    """A KeyboardInterrupt raised while the console script was still importing `_qcore_launch`
-    (Python's default handler, before any line of ours ran: the frames are the script's import
-    and importlib's), as happens at ~0.3 s on a machine whose interpreter starts slowly."""
-    return ("KeyboardInterrupt" in err and "from _qcore_launch import main" in err
-            and "_qcore_launch.py" not in err and f"{os.sep}qcore{os.sep}" not in err)
+    """A KeyboardInterrupt from Python's default handler, raised before the launcher could hold
+    signals: while the console script imports `_qcore_launch` or that module's own first imports
+    run (`import signal`), so the only frames of ours are module-level lines of `_qcore_launch.py`
+    (seen at 0.3-0.6 s on slow-starting or loaded machines). Frames in `main`, `_import_cli` or
+    the qcore package mean the launcher was running, and a traceback there is a bug."""
+    frames = re.findall(r'File "([^"]+)", line \d+, in (\S+)', err)
+    ours = [(f, fn) for f, fn in frames if f.endswith("_qcore_launch.py") or f"{os.sep}qcore{os.sep}" in f]
+    return "KeyboardInterrupt" in err and "from _qcore_launch import main" in err and \
+        all(f.endswith("_qcore_launch.py") and fn == "<module>" for f, fn in ours)
 
 
 @pytest.mark.skipif(shutil.which("qcore") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable),
@@ -273,42 +277,16 @@ def test_signal_while_importing(tmp_path, model, sig, rc):
 
 
 def test_a_signal_before_any_qcore_code_is_told_apart():
-    """The pre-qcore window is recognised only when no frame of ours is in the traceback."""
+    """The pre-launcher window is recognised only when no function of ours is in the traceback."""
     script = ('Traceback (most recent call last):\n  File "/venv/bin/qcore", line 5, in <module>\n'
               '    from _qcore_launch import main\n  File "<frozen importlib._bootstrap>", line 1360, in '
               '_find_and_load\nKeyboardInterrupt\n')
     assert _before_any_qcore_code(script)
+    imports = script.replace("KeyboardInterrupt\n", '  File "/src/_qcore_launch.py", line 10, in <module>\n'
+                             '    import signal\n  File "/py/signal.py", line 5, in <module>\nKeyboardInterrupt\n')
+    assert _before_any_qcore_code(imports)
     ours = script.replace("KeyboardInterrupt\n", '  File "/src/_qcore_launch.py", line 20, in main\nKeyboardInterrupt\n')
     assert not _before_any_qcore_code(ours)
-    lib = script.replace("KeyboardInterrupt\n", f'  File "/src{os.sep}qcore{os.sep}cli.py", line 9\nKeyboardInterrupt\n')
+    lib = script.replace("KeyboardInterrupt\n", f'  File "/src{os.sep}qcore{os.sep}cli.py", line 9, in <module>\n'
+                         'KeyboardInterrupt\n')
     assert not _before_any_qcore_code(lib)
-
-
-def test_signal_as_the_pipeline_threads_start_leaves_no_temp(tmp_path, capsys, monkeypatch):
-    """SIGINT just after the writer thread started (it has made its temp file): the run still
-    stops its threads and removes the temp file (the H200 machine hit this window at 0.63 s)."""
-    from qcore import model as qmodel
-
-    model = tmp_path / "m.safetensors"
-    rng = np.random.default_rng(2)
-    save_file({f"l{i}.weight": rng.standard_normal((16, 64)).astype(np.float32) for i in range(3)}, str(model))
-    out = tmp_path / "o.safetensors"
-    real_thread = qmodel._Pipeline.thread
-    started = []
-
-    def thread_then_signal(self, fn):
-        t = real_thread(self, fn)
-        started.append(t)
-        if len(started) == 2:  # the writer: let it make its temp file, then the signal comes
-            deadline = time.monotonic() + 10
-            while not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")] and time.monotonic() < deadline:
-                time.sleep(0.01)
-            os.kill(os.getpid(), signal.SIGINT)
-        return t
-
-    monkeypatch.setattr(qmodel._Pipeline, "thread", thread_then_signal)
-    rc = main(["quantize", str(model), str(out), "--scheme", "q8s", "--backend", "reference"])
-    capsys.readouterr()
-    assert rc == 130 and len(started) == 2
-    assert not any(t.is_alive() for t in started), "a pipeline thread outlived the run"
-    assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
