@@ -8,10 +8,13 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from .. import io as qio
-from ..errors import InputError, InvalidDataError
+from ..errors import InputError, InvalidDataError, QCoreError
+from ..stfile import Reader
 from .base import PathLike, shards
 
 __all__ = ["read_arrays", "storable", "write_arrays"]
+
+_FLOAT8 = ("F8_E4M3", "F8_E5M2")  # read by qcore's own reader (ml_dtypes' float8 types)
 
 
 def storable(dtype: np.dtype) -> bool:
@@ -25,15 +28,26 @@ def read_arrays(path: PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     out: dict[str, np.ndarray] = {}
     meta: dict[str, str] | None = None
     for p in shards(path):
-        with qio._open(p) as f:
-            meta = dict(f.metadata() or {}) if meta is None else meta
-            for name in f.keys():
-                if name in out:
-                    raise InvalidDataError(f"{p}: tensor '{name}' is also in another shard")
-                try:
-                    out[name] = f.get_tensor(name)
-                except Exception as e:
-                    raise InvalidDataError(f"{p}: cannot read tensor '{name}': {e}") from None
+        raw: Reader | None = None  # for the float8 tensors safetensors' numpy loader cannot make
+        try:
+            with qio._open(p) as f:
+                meta = dict(f.metadata() or {}) if meta is None else meta
+                for name in f.keys():
+                    if name in out:
+                        raise InvalidDataError(f"{p}: tensor '{name}' is also in another shard")
+                    try:
+                        if f.get_slice(name).get_dtype() in _FLOAT8:
+                            raw = raw or Reader(p)
+                            out[name] = raw.read(name)
+                        else:
+                            out[name] = f.get_tensor(name)
+                    except QCoreError:
+                        raise
+                    except Exception as e:
+                        raise InvalidDataError(f"{p}: cannot read tensor '{name}': {e}") from None
+        finally:
+            if raw is not None:
+                raw.close()
     return out, meta or {}
 
 

@@ -27,11 +27,12 @@ _errors: dict[str, str] = {}
 
 def _builtins() -> list[Format]:
     from .bnb import BnbNF4Format
+    from .ctensors import CompressedTensorsFormat
     from .gguf_file import GGUFFormat
     from .gptoss import GptOssFormat
     from .native import QcoreFormat
 
-    return [QcoreFormat(), GptOssFormat(), GGUFFormat(), BnbNF4Format()]
+    return [QcoreFormat(), GptOssFormat(), GGUFFormat(), BnbNF4Format(), CompressedTensorsFormat()]
 
 
 def _instance(obj: Any, origin: str) -> Format:

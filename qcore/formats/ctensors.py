@@ -1,0 +1,327 @@
+"""compressed-tensors checkpoints (llm-compressor's output, which vLLM loads): `pack-quantized`
+integers and `float-quantized` FP8 weights, symmetric.
+
+Layout (compressed-tensors 0.20), per quantized module `M` of a safetensors file:
+
+* `pack-quantized`: `M.weight_packed` int32 `[m, n / (32 / bits)]`, each word holding
+  `32 / bits` codes, element k in bits `bits * k` (low bits first), stored as `q + 2^(bits-1)`
+  (offset binary); `M.weight_scale` `[m, n / G]` (group), `[m, 1]` (channel) or `[1]` (tensor) in
+  the model's float dtype; `M.weight_shape` int `[2]` = `[m, n]`. Dequantize: `q * scale`, in the
+  scale's dtype. That is qcore's `q4f` / `q8f` on a `packed_u32` store along the last axis with
+  each field's top bit flipped (offset binary to two's complement), blocks `(m / a, n / b)` for a
+  scale of shape `[a, b]`, and the scale's dtype as qcore's scale dtype.
+* `float-quantized`: `M.weight` float8_e4m3fn `[m, n]`, `M.weight_scale` as above (or 2-D blocks,
+  `[m / bm, n / bn]`); dequantize `weight * scale`. That is qcore's `e4m3` with the same blocks.
+
+With f16/bf16 scales `q * scale` is exact in float32 (a code of at most 8 significant bits
+times a scale of at most 11), so qcore's float32 dequantize rounded to the scale's dtype equals
+the tool's product computed in that dtype; with f32 scales both are the same single f32
+multiply. Asymmetric weights (`M.weight_zero_point`) need an affine mode that SPEC v1
+lacks and are refused; activation scales (`M.input_scale`) and unquantized tensors pass through as
+arrays. Writing puts the same tensors in a safetensors file and the `quantization_config` a loader
+reads into the `config.json` beside it (`write_config`).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from ..errors import InputError
+from ..io import VERSION_KEY, atomic_write
+from ..payload import QuantizedData
+from ..protocol import Support
+from ..scheme import QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
+from ._st import read_arrays, storable, write_arrays
+from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
+
+__all__ = ["CompressedTensorsFormat", "quantization_config", "write_config"]
+
+NAMES_KEY = "compressed-tensors.names"  # JSON {qcore name: module prefix}: restores the file's spelling
+CONFIG_KEY = "compressed-tensors.config"  # the source's quantization_config, JSON (kept through conversions)
+PACKED, SCALE, SHAPE, ZERO, FP8 = "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight"
+_SCALE_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(ml_dtypes.bfloat16): "bf16"}
+_INT_VALUES = {4: QuantValue.Q4F, 8: QuantValue.Q8F}
+_FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """What a qcore scheme is in compressed-tensors terms."""
+
+    format: str  # "pack-quantized" or "float-quantized"
+    bits: int
+    type: str  # "int" or "float"
+
+
+def _kind(s: QuantScheme) -> _Kind | None:
+    if s.value in (QuantValue.Q4F, QuantValue.Q8F) and s.store.kind is StoreKind.PACKED_U32 and \
+            s.store.dim == 0 and not s.two_level:  # packed along the last axis
+        return _Kind("pack-quantized", s.bits, "int")
+    if s.value is QuantValue.E4M3 and s.store.kind is StoreKind.NATIVE and not s.two_level:
+        return _Kind("float-quantized", 8, "float")
+    return None
+
+
+def _block_text(shape: tuple[int, ...], scale_shape: tuple[int, ...], where: str) -> str:
+    """qcore's block part for a `[m, n]` weight whose scale has `scale_shape`."""
+    if len(shape) != 2:
+        raise UnrepresentableError(f"{where}: compressed-tensors weights are 2-D, got shape {list(shape)}")
+    m, n = shape
+    if int(np.prod(scale_shape, dtype=np.int64)) == 1:
+        return "tensor"
+    a, b = scale_shape if len(scale_shape) == 2 else (0, 0)  # [m / bm, n / bn]
+    if not a or not b or m % a or n % b:
+        raise UnrepresentableError(
+            f"{where}: a scale of shape {list(scale_shape)} does not tile the weight {list(shape)} into whole blocks "
+            "(qcore's partial edge blocks have no compressed-tensors form)")
+    bm, bn = m // a, n // b
+    return f"block{bn}" if bm == 1 else f"block{bm}x{bn}"
+
+
+def _scheme_for(value: QuantValue, shape: tuple[int, ...], scale: np.ndarray, where: str) -> QuantScheme:
+    sdt = _SCALE_DTYPES.get(scale.dtype)
+    if sdt is None:
+        raise UnrepresentableError(f"{where}: scale dtype {scale.dtype} is not f32, f16 or bf16")
+    block = _block_text(shape, tuple(scale.shape), where)
+    store = "/packed_u32" if value in (QuantValue.Q4F, QuantValue.Q8F) else ""
+    return parse_scheme(f"{value.value}/{block}:{sdt}{store}")
+
+
+def _scales_f32(scale: np.ndarray, where: str) -> np.ndarray:
+    s = np.asarray(scale).astype(np.float32)
+    if not np.all(np.isfinite(s)) or np.any(s < 0):
+        raise UnrepresentableError(f"{where}: scales must be finite and >= 0 (SPEC §2), got a negative or non-finite one")
+    return s
+
+
+def _unpack(packed: np.ndarray, shape: tuple[int, int], bits: int, where: str) -> np.ndarray:
+    """int8 codes `[m, n]` of an int32 `weight_packed` (offset binary, low bits first)."""
+    per = 32 // bits
+    m, n = shape
+    if packed.dtype != np.int32 or packed.shape != (m, -(-n // per)):
+        raise UnrepresentableError(f"{where}: weight_packed {packed.dtype} {list(packed.shape)} is not int32 "
+                                   f"[{m}, {-(-n // per)}] for a [{m}, {n}] weight of {bits}-bit codes")
+    if n % per:
+        raise UnrepresentableError(f"{where}: {n} columns leave a partly filled word; qcore's packed_u32 needs "
+                                   f"a multiple of {per}")
+    words = packed.view(np.uint32)
+    shifts = (np.arange(per, dtype=np.uint32) * np.uint32(bits))
+    fields = (words[:, :, None] >> shifts) & np.uint32((1 << bits) - 1)
+    return (fields.reshape(m, n).astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
+
+
+def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """int32 `weight_packed` of int8 codes `[m, n]` (n a multiple of 32 / bits)."""
+    per = 32 // bits
+    m, n = codes.shape
+    fields = (codes.astype(np.int16) + (1 << (bits - 1))).astype(np.uint32).reshape(m, n // per, per)
+    words = np.bitwise_or.reduce(fields << (np.arange(per, dtype=np.uint32) * np.uint32(bits)), axis=2)
+    return words.astype(np.uint32).view(np.int32)
+
+
+def _modules(names: list[str]) -> dict[str, str]:
+    """{module prefix: "pack" | "fp8"} for every quantized module whose tensors are in `names`."""
+    have = set(names)
+    out = {}
+    for n in names:
+        for suffix, kind in (("." + PACKED, "pack"), ("." + FP8, "fp8")):
+            if n.endswith(suffix) and n[: -len(suffix)] + "." + SCALE in have:
+                out[n[: -len(suffix)]] = kind
+    return out
+
+
+def quantization_config(checkpoint: Checkpoint) -> dict:
+    """The `quantization_config` of `config.json` for the quantized tensors of a checkpoint
+    (one config group per distinct weight argument set, targeting its modules by name)."""
+    groups: dict[str, dict] = {}
+    formats = set()
+    for name, value in checkpoint.tensors.items():
+        if not isinstance(value, QuantizedData):
+            continue
+        kind = _kind(value.scheme)
+        if kind is None:
+            continue
+        formats.add(kind.format)
+        s = value.scheme
+        args: dict = {"num_bits": kind.bits, "type": kind.type, "symmetric": True, "dynamic": False}
+        if s.block is None:
+            args["strategy"] = "tensor"
+        else:
+            dims = s.block.dims
+            if len(dims) == 2 and dims[0] > 1:
+                args.update(strategy="block", block_structure=[int(dims[0]), int(dims[1])])
+            elif int(dims[-1]) == value.shape[-1]:
+                args["strategy"] = "channel"
+            else:
+                args.update(strategy="group", group_size=int(dims[-1]))
+        key = json.dumps(args, sort_keys=True)
+        group = groups.setdefault(key, {"targets": [], "weights": args, "input_activations": None,
+                                        "output_activations": None, "format": kind.format})
+        group["targets"].append(_module(name))
+    fmt = formats.pop() if len(formats) == 1 else "mixed-precision"
+    config_groups = {f"group_{i}": g for i, g in enumerate(groups.values())}
+    if fmt != "mixed-precision":
+        for g in config_groups.values():
+            g.pop("format")
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": config_groups, "ignore": []}
+
+
+def _module(name: str) -> str:
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def write_config(path: PathLike, checkpoint: Checkpoint) -> str:
+    """Put `quantization_config` into the `config.json` beside `path` (other keys of an existing
+    one are kept; the file is replaced atomically). Returns the config's path."""
+    cfg_path = os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), "config.json")
+    cfg: dict = {}
+    if os.path.exists(cfg_path):
+        try:
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+        except ValueError:
+            raise InputError(f"{cfg_path} exists and is not JSON; move it away or fix it") from None
+        if not isinstance(cfg, dict):
+            raise InputError(f"{cfg_path} exists and is not a JSON object")
+    cfg["quantization_config"] = quantization_config(checkpoint)
+    text = json.dumps(cfg, indent=2, sort_keys=True) + "\n"
+
+    def put(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    atomic_write(cfg_path, put)
+    return cfg_path
+
+
+class CompressedTensorsFormat(Format):
+    name = "compressed-tensors"
+    description = ("compressed-tensors safetensors (llm-compressor, vLLM): pack-quantized int4/int8 and "
+                   "float-quantized FP8 weights, symmetric; config.json quantization_config")
+    priority = 10
+
+    def detect(self, probe: Probe) -> bool:
+        if VERSION_KEY in probe.metadata:
+            return False
+        head = probe.safetensors_header or {}
+        for mod, kind in _modules(probe.tensor_names).items():
+            dtype = head[f"{mod}.{PACKED if kind == 'pack' else FP8}"].get("dtype")
+            if (kind, dtype) in (("pack", "I32"), ("fp8", "F8_E4M3")):
+                return True
+        return False
+
+    def read(self, path: PathLike) -> Checkpoint:
+        arrays, meta = read_arrays(path)
+        modules = _modules(list(arrays))
+        used: set[str] = set()
+        tensors: dict[str, Tensor] = {}
+        names: dict[str, str] = {}
+        for mod, kind in modules.items():
+            where = f"{path}: module '{mod}'"
+            if f"{mod}.{ZERO}" in arrays:
+                raise UnrepresentableError(
+                    f"{where} is asymmetric ({mod}.{ZERO}): zero points need an affine mode, which qcore's "
+                    "SPEC v1 schemes lack; only symmetric compressed-tensors weights are read")
+            scale = arrays[f"{mod}.{SCALE}"]
+            if kind == "pack":
+                shape_a = arrays.get(f"{mod}.{SHAPE}")
+                if shape_a is None or np.asarray(shape_a).size != 2:
+                    raise UnrepresentableError(f"{where}: no 2-element {SHAPE} beside {PACKED}")
+                shape = tuple(int(v) for v in np.asarray(shape_a).reshape(-1))
+                packed = arrays[f"{mod}.{PACKED}"]
+                words = packed.shape[-1] if packed.ndim == 2 else 0
+                bits = 32 * words // shape[1] if words and shape[1] else 0
+                if bits not in _INT_VALUES or -(-shape[1] // (32 // bits)) != words:
+                    raise UnrepresentableError(f"{where}: {PACKED} {list(packed.shape)} is neither 4- nor 8-bit "
+                                               f"codes of a {list(shape)} weight")
+                sch = _scheme_for(_INT_VALUES[bits], shape, scale, where)
+                codes = _unpack(packed, shape, bits, where)
+                used |= {f"{mod}.{PACKED}", f"{mod}.{SHAPE}", f"{mod}.{SCALE}"}
+            else:
+                w = arrays[f"{mod}.{FP8}"]
+                if w.dtype != _FP8 or w.ndim != 2:
+                    raise UnrepresentableError(f"{where}: {FP8} is {w.dtype} {list(w.shape)}, not 2-D float8_e4m3fn")
+                shape = tuple(w.shape)
+                sch = _scheme_for(QuantValue.E4M3, shape, scale, where)
+                codes = w.view(np.uint8)
+                used |= {f"{mod}.{FP8}", f"{mod}.{SCALE}"}
+            name = f"{mod}.weight"
+            grid = _scales_f32(scale, where)
+            tensors[name] = QuantizedData.from_parts(shape, sch, codes, grid)
+            names[name] = mod
+        for key, arr in arrays.items():
+            if key not in used:
+                if key in tensors:
+                    raise UnrepresentableError(f"{path}: tensor '{key}' collides with a quantized module's name")
+                tensors[key] = arr
+        cfg = _config_beside(path)
+        if cfg is not None:
+            meta = {**meta, CONFIG_KEY: json.dumps(cfg, sort_keys=True)}
+        if names:
+            meta = {**meta, NAMES_KEY: json.dumps(names, sort_keys=True)}
+        return Checkpoint(tensors, meta, self.name)
+
+    def check(self, name: str, value: Tensor) -> Support:
+        if isinstance(value, QuantizedData):
+            s = value.scheme
+            if _kind(s) is None:
+                return Support.no(f"compressed-tensors holds symmetric q4f/q8f (packed_u32 along the last axis) "
+                                  f"and e4m3 weights with f32/f16/bf16 scales, got {s}")
+            if len(value.shape) != 2:
+                return Support.no(f"compressed-tensors weights are 2-D, got shape {list(value.shape)}")
+            m, n = value.shape
+            dims = (1, 1) if s.block is None else (1, *s.block.dims)[-2:]
+            if m % dims[0] or n % dims[1]:
+                return Support.no(f"blocks {list(dims)} do not tile shape {list(value.shape)} (partial edge blocks)")
+            if s.value in _INT_VALUES.values() and n % (32 // s.bits):
+                return Support.no(f"{n} columns leave a partly filled int32 word")
+            return Support.yes()
+        if not storable(value.dtype):
+            return Support.no(f"safetensors cannot store dtype {value.dtype}")
+        return Support.yes()
+
+    def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
+        self.require(checkpoint)
+        meta = dict(checkpoint.metadata)
+        try:
+            spelled = json.loads(meta.pop(NAMES_KEY, "{}"))
+        except ValueError:
+            spelled = {}
+        meta.pop(CONFIG_KEY, None)
+        arrays: dict[str, np.ndarray] = {}
+        for name, value in checkpoint.tensors.items():
+            if not isinstance(value, QuantizedData):
+                arrays[name] = value
+                continue
+            mod = spelled.get(name) or _module(name)
+            s = value.scheme
+            sdt = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}[s.slot_dtype.value]
+            m, n = value.shape
+            scales = value.scales()  # the block grid [m / bm, n / bn]; per-tensor: shape ()
+            scale = scales.reshape(1) if s.block is None else scales
+            if _kind(s).type == "int":
+                arrays[f"{mod}.{PACKED}"] = _pack(value.codes().reshape(m, n), s.bits)
+                arrays[f"{mod}.{SHAPE}"] = np.array([m, n], dtype=np.int64)
+            else:
+                arrays[f"{mod}.{FP8}"] = value.codes().reshape(m, n).view(_FP8)
+            arrays[f"{mod}.{SCALE}"] = scale.astype(sdt)
+        write_arrays(path, arrays, meta)
+        write_config(path, checkpoint)
+
+
+def _config_beside(path: PathLike) -> dict | None:
+    """The `quantization_config` of a `config.json` in the checkpoint's folder, if there is one."""
+    p = os.fspath(path)
+    folder = p if os.path.isdir(p) else os.path.dirname(os.path.abspath(p))
+    cfg_path = os.path.join(folder, "config.json")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return cfg if isinstance(cfg, dict) else None

@@ -1,0 +1,117 @@
+"""Write the compressed-tensors test checkpoint with compressed-tensors' own code.
+
+    pip install "compressed-tensors==0.20.0" torch   # (CPU torch is enough)
+    python tests/data/ctensors/make_ctensors.py tests/data/ctensors
+
+Writes `model.safetensors` (the modules as the tool's compressors store them, plus an
+unquantized norm), `config.json` (the tool's quantization_config, one config group per module)
+and `expected.safetensors` (each module's weight as the tool's decompressor gives it back).
+tests/test_formats_ctensors.py reads them with qcore and compares bit for bit.
+
+    python tests/data/ctensors/make_ctensors.py --check DIR
+
+checks the other direction with the tool's code: DIR holds a `model.safetensors` and `config.json`
+that qcore wrote (`qcore convert tests/data/ctensors/model.safetensors DIR/model.safetensors --to
+compressed-tensors`); the tool parses the config and decompresses every module it names to the
+values in `expected.safetensors`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+# module -> (weight dtype, weight arguments, compressor, rows, cols)
+MODULES = {
+    "layers.0.q_proj": (torch.bfloat16, dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32),
+                        PackedQuantizationCompressor, 16, 128),
+    "layers.0.k_proj": (torch.float16, dict(num_bits=4, type="int", symmetric=True, strategy="channel"),
+                        PackedQuantizationCompressor, 8, 64),
+    "layers.0.v_proj": (torch.float32, dict(num_bits=8, type="int", symmetric=True, strategy="group", group_size=16),
+                        PackedQuantizationCompressor, 8, 64),
+    "layers.0.o_proj": (torch.bfloat16, dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
+                        FloatQuantizationCompressor, 16, 64),
+    "layers.0.up_proj": (torch.float32, dict(num_bits=8, type="float", symmetric=True, strategy="tensor"),
+                         FloatQuantizationCompressor, 8, 32),
+    "layers.0.down_proj": (torch.bfloat16, dict(num_bits=8, type="float", symmetric=True, strategy="block",
+                                                block_structure=[8, 16]), FloatQuantizationCompressor, 16, 64),
+}
+
+
+def scales_for(w: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
+    """amax / qmax per the strategy's groups, in the weight's dtype (how the scale is chosen does
+    not matter here: the test is about the stored bytes and their decode)."""
+    qmax = 7.0 if args.type == "int" and args.num_bits == 4 else 127.0 if args.type == "int" else 448.0
+    a = w.abs().float()
+    m, n = w.shape
+    if args.strategy == "group":
+        s = a.reshape(m, n // args.group_size, args.group_size).amax(-1)
+    elif args.strategy == "channel":
+        s = a.amax(-1, keepdim=True)
+    elif args.strategy == "block":
+        bm, bn = args.block_structure
+        s = a.reshape(m // bm, bm, n // bn, bn).amax((1, 3))
+    else:
+        s = a.amax().reshape(1)
+    return (s.clamp(min=1e-6) / qmax).to(w.dtype)
+
+
+def main(out: str) -> None:
+    torch.manual_seed(0)
+    model, expected, groups = {}, {}, {}
+    for i, (name, (dtype, wargs, compressor, m, n)) in enumerate(MODULES.items()):
+        args = QuantizationArgs(**wargs)
+        scheme = QuantizationScheme(targets=[name], weights=args)
+        w = (torch.randn(m, n) * 0.05).to(dtype)
+        sd = compressor.compress({"weight": w, "weight_scale": scales_for(w, args)}, scheme)
+        model.update({f"{name}.{k}": v.contiguous() for k, v in sd.items()})
+        back = compressor.decompress({k: v.clone() for k, v in sd.items()}, scheme)
+        expected[f"{name}.weight"] = back["weight"].contiguous()
+        groups[f"group_{i}"] = {"targets": [name], "weights": args.model_dump(mode="json"),
+                                "input_activations": None, "output_activations": None}
+    model["norm.weight"] = torch.ones(64, dtype=torch.bfloat16)
+    os.makedirs(out, exist_ok=True)
+    save_file(model, os.path.join(out, "model.safetensors"))
+    save_file(expected, os.path.join(out, "expected.safetensors"))
+    config = {"quantization_config": {"quant_method": "compressed-tensors", "format": "mixed-precision",
+                                      "quantization_status": "compressed", "config_groups": groups, "ignore": []}}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def check(folder: str) -> None:
+    from safetensors.torch import load_file
+
+    from compressed_tensors.quantization import QuantizationConfig
+
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = QuantizationConfig.model_validate(json.load(f)["quantization_config"])
+    sd = load_file(os.path.join(folder, "model.safetensors"))
+    want = load_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "expected.safetensors"))
+    done = 0
+    for group in cfg.config_groups.values():
+        fmt = group.format or cfg.format
+        compressor = PackedQuantizationCompressor if fmt == "pack-quantized" else FloatQuantizationCompressor
+        for mod in group.targets:
+            local = {k[len(mod) + 1:]: v for k, v in sd.items() if k.startswith(mod + ".")}
+            got = compressor.decompress(local, group)["weight"]
+            exp = want[f"{mod}.weight"]
+            assert got.dtype == exp.dtype and torch.equal(got.view(torch.uint8), exp.view(torch.uint8)), mod
+            done += 1
+    assert done == len(MODULES), (done, len(MODULES))
+    print(f"compressed-tensors {cfg.format}: {done} modules decompressed bit for bit")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--check"]:
+        check(sys.argv[2])
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__)))

@@ -1,0 +1,152 @@
+"""compressed-tensors (`pack-quantized` int4/int8, `float-quantized` FP8, symmetric) <-> qcore.
+
+The checkpoint in tests/data/ctensors was written by compressed-tensors 0.20.0's own compressors,
+and `expected.safetensors` holds its own decompressor's output (tests/data/ctensors/make_ctensors.py;
+its `--check` mode runs the tool's code on a checkpoint qcore wrote)."""
+
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import qcore
+import qcore.formats as qf
+from qcore.formats import UnrepresentableError
+from qcore.formats.ctensors import CompressedTensorsFormat
+from qcore.stfile import Reader
+from tests.formats_util import BACKENDS, decode, get_backend
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "ctensors")
+MODEL = os.path.join(DATA, "model.safetensors")
+SCHEMES = {  # module weight -> the qcore scheme it reads as
+    "layers.0.q_proj.weight": "q4f/block32:bf16",  # int4, group 32, bf16 scales
+    "layers.0.k_proj.weight": "q4f/block64:f16",  # int4, channel (a row of 64), f16 scales
+    "layers.0.v_proj.weight": "q8f/block16:f32/packed_u32",  # int8, group 16, f32 scales
+    "layers.0.o_proj.weight": "e4m3/block64:bf16",  # fp8, channel
+    "layers.0.up_proj.weight": "e4m3",  # fp8, tensor, f32 scale
+    "layers.0.down_proj.weight": "e4m3/block8x16:bf16",  # fp8, 8 x 16 blocks
+}
+
+
+def _arrays(path):
+    with Reader(path) as r:
+        return {n: r.read(n) for n in r.tensors}
+
+
+def test_reads_as_qcore_schemes():
+    ck = qf.read(MODEL)
+    assert ck.format == "compressed-tensors" and qf.detect(MODEL).name == "compressed-tensors"
+    got = {k: str(v.scheme) for k, v in ck.tensors.items() if isinstance(v, qcore.QuantizedData)}
+    assert got == {k: str(qcore.scheme(v)) for k, v in SCHEMES.items()}
+    assert ck.tensors["norm.weight"].dtype == ml_dtypes.bfloat16  # unquantized tensors pass through
+    assert json.loads(ck.metadata["compressed-tensors.config"])["quant_method"] == "compressed-tensors"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_is_the_tools_own(request, backend):
+    """qcore's dequantize, rounded to the scale's dtype, equals compressed-tensors' decompress bit for bit."""
+    be = get_backend(backend, request)
+    want = _arrays(os.path.join(DATA, "expected.safetensors"))
+    ck = qf.read(MODEL)
+    for name in SCHEMES:
+        d = ck.tensors[name]
+        if not be.supports(d.scheme):
+            continue
+        got = decode(d, be).astype(want[name].dtype)
+        assert got.view(np.uint8).tobytes() == want[name].view(np.uint8).tobytes(), (backend, name)
+
+
+def test_writes_the_tools_bytes_and_config(tmp_path):
+    """qcore's writer gives back the tool's file tensor for tensor, and a config.json whose
+    groups name each module with its strategy (the tool parses it: make_ctensors.py --check)."""
+    out = tmp_path / "model.safetensors"
+    report = qcore.convert(MODEL, out, "compressed-tensors")
+    assert report.lossless and {t.action for t in report.tensors} == {"rearranged", "copied"}
+    src, dst = _arrays(MODEL), _arrays(out)
+    assert sorted(src) == sorted(dst)
+    for name in src:
+        assert (src[name].dtype, src[name].shape) == (dst[name].dtype, dst[name].shape), name
+        assert src[name].tobytes() == dst[name].tobytes(), name
+    cfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "mixed-precision"
+    by_module = {t: g for g in cfg["config_groups"].values() for t in g["targets"]}
+    assert by_module["layers.0.q_proj"]["weights"] == {"num_bits": 4, "type": "int", "symmetric": True,
+                                                          "dynamic": False, "strategy": "group", "group_size": 32}
+    assert by_module["layers.0.q_proj"]["format"] == "pack-quantized"
+    assert by_module["layers.0.k_proj"]["weights"]["strategy"] == "channel"
+    assert by_module["layers.0.up_proj"]["weights"]["strategy"] == "tensor"
+    assert by_module["layers.0.down_proj"]["weights"]["block_structure"] == [8, 16]
+    assert by_module["layers.0.o_proj"]["format"] == "float-quantized"
+
+
+def test_through_qcore_format_and_back(tmp_path):
+    """compressed-tensors -> qcore's own file -> compressed-tensors: the same tensors."""
+    qcore.convert(MODEL, tmp_path / "q.safetensors", "qcore")
+    (tmp_path / "ct").mkdir()
+    qcore.convert(tmp_path / "q.safetensors", tmp_path / "ct" / "model.safetensors", "compressed-tensors")
+    src, back = _arrays(MODEL), _arrays(tmp_path / "ct" / "model.safetensors")
+    assert {n: a.tobytes() for n, a in src.items()} == {n: a.tobytes() for n, a in back.items()}
+
+
+def test_config_json_keeps_the_models_other_keys(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {"old": 1}}))
+    qcore.convert(MODEL, tmp_path / "model.safetensors", "compressed-tensors")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+
+
+def test_quantized_by_qcore_writes_as_compressed_tensors(tmp_path):
+    """A model quantized by qcore in a scheme compressed-tensors holds loads as the tool's layout."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((8, 64)).astype(np.float32)
+    ref = qcore.backend("reference")
+    q = ref.quantize(w, "q4f/block32:bf16")
+    qf.write(tmp_path / "m.safetensors", {"blk.weight": ref.into_data(q)}, "compressed-tensors")
+    arrays = _arrays(tmp_path / "m.safetensors")
+    assert arrays["blk.weight_packed"].dtype == np.int32 and arrays["blk.weight_packed"].shape == (8, 8)
+    assert arrays["blk.weight_scale"].dtype == ml_dtypes.bfloat16 and arrays["blk.weight_scale"].shape == (8, 2)
+    assert list(arrays["blk.weight_shape"]) == [8, 64]
+    back = qf.read(tmp_path / "m.safetensors").tensors["blk.weight"]
+    assert back == ref.into_data(q)
+
+
+def test_asymmetric_weights_are_refused(tmp_path):
+    arrays = _arrays(MODEL)
+    arrays["layers.0.q_proj.weight_zero_point"] = np.zeros((2, 4), np.int32)
+    save_file(arrays, str(tmp_path / "a.safetensors"))
+    with pytest.raises(UnrepresentableError, match="asymmetric.*affine"):
+        qf.read(tmp_path / "a.safetensors", "compressed-tensors")
+
+
+@pytest.mark.parametrize("text,shape,why", [
+    ("q4s/block32:bf16", (4, 64), "symmetric q4f/q8f"),  # q4s's -8 is not a value
+    ("q4f/block8x4:bf16/packed_u32:1", (8, 64), "symmetric q4f/q8f"),  # packed down the columns
+    ("nvfp4", (4, 64), "symmetric q4f/q8f"),  # two-level
+    ("q4f/block32:bf16", (2, 4, 64), "2-D"),
+    ("q4f/block12:bf16", (4, 36), "partly filled"),  # 36 columns: 4.5 words
+])
+def test_what_it_cannot_hold_is_refused(text, shape, why):
+    ref = qcore.backend("reference")
+    x = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+    sup = CompressedTensorsFormat().check("w", ref.into_data(ref.quantize(x, text)))
+    assert not sup and why in sup.reason, sup.reason
+
+
+def test_a_qcore_file_is_not_taken_for_compressed_tensors(tmp_path):
+    ref = qcore.backend("reference")
+    qcore.save(str(tmp_path / "q.safetensors"), {"w": ref.quantize(np.ones((4, 64), np.float32), "e4m3")})
+    assert qf.detect(tmp_path / "q.safetensors").name == "qcore"
+
+
+
+def test_inspect_and_convert_on_the_command_line(tmp_path, capsys):
+    from qcore.cli import main
+
+    assert main(["inspect", MODEL]) == 0
+    out = capsys.readouterr().out
+    assert "compressed-tensors" in out and "q4f/block32:bf16" in out
+    assert main(["convert", MODEL, str(tmp_path / "m.safetensors"), "--to", "compressed-tensors"]) == 0
+    assert (tmp_path / "config.json").exists() and "lossless" in capsys.readouterr().out
