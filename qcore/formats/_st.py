@@ -1,7 +1,8 @@
 """Plain safetensors reading and writing shared by the safetensors-based formats."""
 from __future__ import annotations
 
-from typing import Mapping
+import json
+from typing import TYPE_CHECKING, Mapping
 
 import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with numpy, so safetensors can read them)
 import numpy as np
@@ -12,7 +13,10 @@ from ..errors import InputError, InvalidDataError, QCoreError
 from ..stfile import Reader
 from .base import PathLike, shards
 
-__all__ = ["read_arrays", "storable", "write_arrays"]
+if TYPE_CHECKING:
+    from ..protocol import Support
+
+__all__ = ["array_support", "pop_json", "read_arrays", "storable", "write_arrays"]
 
 _FLOAT8 = ("F8_E4M3", "F8_E5M2")  # read by qcore's own reader (ml_dtypes' float8 types)
 
@@ -20,6 +24,24 @@ _FLOAT8 = ("F8_E4M3", "F8_E5M2")  # read by qcore's own reader (ml_dtypes' float
 def storable(dtype: np.dtype) -> bool:
     """Whether safetensors stores arrays of `dtype` (numpy numbers and ml_dtypes' bfloat16/float8)."""
     return dtype.kind in "biufcV" and dtype.fields is None
+
+
+def array_support(value: np.ndarray) -> "Support":
+    """Whether a safetensors-based format holds a plain array (its dtype is storable)."""
+    from ..protocol import Support
+
+    if not storable(value.dtype):
+        return Support.no(f"safetensors cannot store dtype {value.dtype}")
+    return Support.yes()
+
+
+def pop_json(meta: dict[str, str], key: str) -> dict:
+    """Remove `key` from `meta` and return its JSON object ({} when absent or not JSON)."""
+    try:
+        got = json.loads(meta.pop(key, "{}"))
+    except ValueError:
+        return {}
+    return got if isinstance(got, dict) else {}
 
 
 def read_arrays(path: PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:

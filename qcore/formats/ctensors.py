@@ -35,7 +35,7 @@ from ..io import VERSION_KEY, atomic_write
 from ..payload import QuantizedData
 from ..protocol import Support
 from ..scheme import QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
-from ._st import read_arrays, storable, write_arrays
+from ._st import array_support, pop_json, read_arrays, write_arrays
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
 
 __all__ = ["CompressedTensorsFormat", "quantization_config", "write_config"]
@@ -281,17 +281,12 @@ class CompressedTensorsFormat(Format):
             if s.value in _INT_VALUES.values() and n % (32 // s.bits):
                 return Support.no(f"{n} columns leave a partly filled int32 word")
             return Support.yes()
-        if not storable(value.dtype):
-            return Support.no(f"safetensors cannot store dtype {value.dtype}")
-        return Support.yes()
+        return array_support(value)
 
     def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
         self.require(checkpoint)
         meta = dict(checkpoint.metadata)
-        try:
-            spelled = json.loads(meta.pop(NAMES_KEY, "{}"))
-        except ValueError:
-            spelled = {}
+        spelled = pop_json(meta, NAMES_KEY)
         meta.pop(CONFIG_KEY, None)
         arrays: dict[str, np.ndarray] = {}
         for name, value in checkpoint.tensors.items():

@@ -23,7 +23,7 @@ from ..io import VERSION_KEY
 from ..payload import QuantizedData
 from ..protocol import Support
 from . import _mx
-from ._st import read_arrays, storable, write_arrays
+from ._st import array_support, pop_json, read_arrays, write_arrays
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
 
 __all__ = ["GptOssFormat"]
@@ -111,17 +111,12 @@ class GptOssFormat(Format):
     def check(self, name: str, value: Tensor) -> Support:
         if isinstance(value, QuantizedData):
             return _mx.check(value, "gpt-oss")
-        if not storable(value.dtype):
-            return Support.no(f"safetensors cannot store dtype {value.dtype}")
-        return Support.yes()
+        return array_support(value)
 
     def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
         self.require(checkpoint)
         meta = dict(checkpoint.metadata)
-        try:
-            spelled = json.loads(meta.pop(NAMES_KEY, "{}"))
-        except ValueError:
-            spelled = {}
+        spelled = pop_json(meta, NAMES_KEY)
         arrays: dict[str, np.ndarray] = {}
         for name, value in checkpoint.tensors.items():
             if isinstance(value, QuantizedData):

@@ -10,7 +10,7 @@ from .. import io as qio
 from ..errors import InvalidDataError
 from ..payload import QuantizedData
 from ..protocol import Support
-from ._st import storable
+from ._st import array_support
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, shards
 
 __all__ = ["QcoreFormat"]
@@ -38,9 +38,7 @@ class QcoreFormat(Format):
     def check(self, name: str, value: Tensor) -> Support:
         if isinstance(value, QuantizedData):
             return Support.yes()
-        if not storable(value.dtype):
-            return Support.no(f"safetensors cannot store dtype {value.dtype}")
-        return Support.yes()
+        return array_support(value)
 
     def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
         self.require(checkpoint)
