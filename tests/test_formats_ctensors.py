@@ -28,6 +28,7 @@ SCHEMES = {  # module weight -> the qcore scheme it reads as
     "layers.0.o_proj.weight": "e4m3/block64:bf16",  # fp8, channel
     "layers.0.up_proj.weight": "e4m3",  # fp8, tensor, f32 scale
     "layers.0.down_proj.weight": "e4m3/block8x16:bf16",  # fp8, 8 x 16 blocks
+    "layers.0.gate_proj.weight": "mxfp4",  # mxfp4-pack-quantized: uint8 nibbles + E8M0 bytes
 }
 
 
@@ -80,6 +81,8 @@ def test_writes_the_tools_bytes_and_config(tmp_path):
     assert by_module["layers.0.up_proj"]["weights"]["strategy"] == "tensor"
     assert by_module["layers.0.down_proj"]["weights"]["block_structure"] == [8, 16]
     assert by_module["layers.0.o_proj"]["format"] == "float-quantized"
+    assert by_module["layers.0.gate_proj"]["format"] == "mxfp4-pack-quantized"
+    assert by_module["layers.0.gate_proj"]["weights"]["scale_dtype"] == "torch.uint8"
 
 
 def test_through_qcore_format_and_back(tmp_path):
@@ -121,10 +124,29 @@ def test_asymmetric_weights_are_refused(tmp_path):
         qf.read(tmp_path / "a.safetensors", "compressed-tensors")
 
 
+def test_nvfp4_and_scale_byte_255_are_refused(tmp_path):
+    """nvfp4 stores the reciprocal of SPEC's global scale; an E8M0 byte of 255 is inf there and
+    invalid in SPEC: both are refused with the reason."""
+    arrays = _arrays(MODEL)
+    nv = {k: v for k, v in arrays.items() if not k.startswith("layers.0.gate_proj")}
+    nv["blk.weight_packed"] = np.zeros((4, 16), np.uint8)
+    nv["blk.weight_scale"] = np.ones((4, 2), ml_dtypes.float8_e4m3fn)
+    nv["blk.weight_global_scale"] = np.ones(1, np.float32)
+    save_file(nv, str(tmp_path / "nv.safetensors"))
+    with pytest.raises(UnrepresentableError, match="nvfp4.*reciprocal"):
+        qf.read(tmp_path / "nv.safetensors", "compressed-tensors")
+    arrays["layers.0.gate_proj.weight_scale"] = arrays["layers.0.gate_proj.weight_scale"].copy()
+    arrays["layers.0.gate_proj.weight_scale"][0, 0] = 255
+    save_file(arrays, str(tmp_path / "ff.safetensors"))
+    with pytest.raises(UnrepresentableError, match="255"):
+        qf.read(tmp_path / "ff.safetensors", "compressed-tensors")
+
+
 @pytest.mark.parametrize("text,shape,why", [
     ("q4s/block32:bf16", (4, 64), "symmetric q4f/q8f"),  # q4s's -8 is not a value
     ("q4f/block8x4:bf16/packed_u32:1", (8, 64), "symmetric q4f/q8f"),  # packed down the columns
     ("nvfp4", (4, 64), "symmetric q4f/q8f"),  # two-level
+    ("mxfp4", (4, 48), "whole blocks"),  # a partial MX block
     ("q4f/block32:bf16", (2, 4, 64), "2-D"),
     ("q4f/block12:bf16", (4, 36), "partly filled"),  # 36 columns: 4.5 words
 ])

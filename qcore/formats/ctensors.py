@@ -12,6 +12,10 @@ Layout (compressed-tensors 0.20), per quantized module `M` of a safetensors file
   scale of shape `[a, b]`, and the scale's dtype as qcore's scale dtype.
 * `float-quantized`: `M.weight` float8_e4m3fn `[m, n]`, `M.weight_scale` as above (or 2-D blocks,
   `[m / bm, n / bn]`); dequantize `weight * scale`. That is qcore's `e4m3` with the same blocks.
+* `mxfp4-pack-quantized`: `M.weight_packed` uint8 `[m, n / 2]` (element 2k in the low nibble),
+  `M.weight_scale` uint8 `[m, n / 32]` (E8M0: `2^(byte - 127)`, decoded in bf16); that is qcore's
+  `mxfp4` payload byte for byte. A scale byte of 255 (inf there, invalid in SPEC §1) is refused.
+  nvfp4 (`M.weight_global_scale`) stores the reciprocal of SPEC's global scale and is refused.
 
 With f16/bf16 scales `q * scale` is exact in float32 (a code of at most 8 significant bits
 times a scale of at most 11), so qcore's float32 dequantize rounded to the scale's dtype equals
@@ -35,6 +39,7 @@ from ..io import VERSION_KEY, atomic_write
 from ..payload import QuantizedData
 from ..protocol import Support
 from ..scheme import QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
+from . import _mx
 from ._st import array_support, pop_json, read_arrays, write_arrays
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
 
@@ -57,7 +62,13 @@ class _Kind:
     type: str  # "int" or "float"
 
 
+MXFP4_ARGS = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
+              "dynamic": False, "scale_dtype": "torch.uint8"}  # compressed-tensors' MXFP4 preset
+
+
 def _kind(s: QuantScheme) -> _Kind | None:
+    if s == _mx.MXFP4:
+        return _Kind("mxfp4-pack-quantized", 4, "float")
     if s.value in (QuantValue.Q4F, QuantValue.Q8F) and s.store.kind is StoreKind.PACKED_U32 and \
             s.store.dim == 0 and not s.two_level:  # packed along the last axis
         return _Kind("pack-quantized", s.bits, "int")
@@ -148,7 +159,9 @@ def quantization_config(checkpoint: Checkpoint) -> dict:
         formats.add(kind.format)
         s = value.scheme
         args: dict = {"num_bits": kind.bits, "type": kind.type, "symmetric": True, "dynamic": False}
-        if s.block is None:
+        if kind.format == "mxfp4-pack-quantized":
+            args = dict(MXFP4_ARGS)
+        elif s.block is None:
             args["strategy"] = "tensor"
         else:
             dims = s.block.dims
@@ -201,8 +214,8 @@ def write_config(path: PathLike, checkpoint: Checkpoint) -> str:
 
 class CompressedTensorsFormat(Format):
     name = "compressed-tensors"
-    description = ("compressed-tensors safetensors (llm-compressor, vLLM): pack-quantized int4/int8 and "
-                   "float-quantized FP8 weights, symmetric; config.json quantization_config")
+    description = ("compressed-tensors safetensors (llm-compressor, vLLM): pack-quantized int4/int8, "
+                   "float-quantized FP8 and mxfp4-pack-quantized weights, symmetric; config.json quantization_config")
     priority = 10
 
     def detect(self, probe: Probe) -> bool:
@@ -211,7 +224,7 @@ class CompressedTensorsFormat(Format):
         head = probe.safetensors_header or {}
         for mod, kind in _modules(probe.tensor_names).items():
             dtype = head[f"{mod}.{PACKED if kind == 'pack' else FP8}"].get("dtype")
-            if (kind, dtype) in (("pack", "I32"), ("fp8", "F8_E4M3")):
+            if (kind, dtype) in (("pack", "I32"), ("pack", "U8"), ("fp8", "F8_E4M3")):
                 return True
         return False
 
@@ -228,6 +241,12 @@ class CompressedTensorsFormat(Format):
                     f"{where} is asymmetric ({mod}.{ZERO}): zero points need an affine mode, which qcore's "
                     "SPEC v1 schemes lack; only symmetric compressed-tensors weights are read")
             scale = arrays[f"{mod}.{SCALE}"]
+            if kind == "pack" and arrays[f"{mod}.{PACKED}"].dtype == np.uint8:  # FP4: mxfp4 or nvfp4
+                name = f"{mod}.weight"
+                tensors[name] = self._read_fp4(mod, arrays, where)
+                names[name] = mod
+                used |= {f"{mod}.{PACKED}", f"{mod}.{SCALE}"}
+                continue
             if kind == "pack":
                 shape_a = arrays.get(f"{mod}.{SHAPE}")
                 if shape_a is None or np.asarray(shape_a).size != 2:
@@ -266,12 +285,34 @@ class CompressedTensorsFormat(Format):
             meta = {**meta, NAMES_KEY: json.dumps(names, sort_keys=True)}
         return Checkpoint(tensors, meta, self.name)
 
+    @staticmethod
+    def _read_fp4(mod: str, arrays: dict[str, np.ndarray], where: str) -> QuantizedData:
+        """`mxfp4-pack-quantized` as qcore's mxfp4 (bytes unchanged); nvfp4 refused."""
+        packed, scale = arrays[f"{mod}.{PACKED}"], arrays[f"{mod}.{SCALE}"]
+        if f"{mod}.weight_global_scale" in arrays or scale.dtype != np.uint8:
+            raise UnrepresentableError(
+                f"{where} is nvfp4 (an fp8 block scale and weight_global_scale, the reciprocal of SPEC's "
+                "global scale, with round-to-nearest block scales): qcore's nvfp4 cannot hold it exactly")
+        if packed.ndim != 2 or scale.ndim != 2 or (2 * packed.shape[1]) % _mx.BLOCK or \
+                scale.shape != (packed.shape[0], 2 * packed.shape[1] // _mx.BLOCK):
+            raise UnrepresentableError(f"{where}: {PACKED} uint8 {list(packed.shape)} and {SCALE} uint8 "
+                                       f"{list(scale.shape)} are not mxfp4 ([m, n/2] and [m, n/32])")
+        if (scale == 255).any():
+            raise UnrepresentableError(f"{where}: an E8M0 scale byte of 255, which compressed-tensors decodes as "
+                                       "inf and SPEC §1 holds invalid")
+        m, half = packed.shape
+        return _mx.join(packed.reshape(m, 2 * half // _mx.BLOCK, _mx.BLOCK // 2), scale)
+
     def check(self, name: str, value: Tensor) -> Support:
         if isinstance(value, QuantizedData):
             s = value.scheme
+            if s == _mx.MXFP4:
+                if len(value.shape) != 2:
+                    return Support.no(f"compressed-tensors weights are 2-D, got shape {list(value.shape)}")
+                return _mx.check(value, "compressed-tensors")
             if _kind(s) is None:
-                return Support.no(f"compressed-tensors holds symmetric q4f/q8f (packed_u32 along the last axis) "
-                                  f"and e4m3 weights with f32/f16/bf16 scales, got {s}")
+                return Support.no(f"compressed-tensors holds symmetric q4f/q8f (packed_u32 along the last axis), "
+                                  f"e4m3 weights with f32/f16/bf16 scales and mxfp4, got {s}")
             if len(value.shape) != 2:
                 return Support.no(f"compressed-tensors weights are 2-D, got shape {list(value.shape)}")
             m, n = value.shape
@@ -295,6 +336,11 @@ class CompressedTensorsFormat(Format):
                 continue
             mod = spelled.get(name) or _module(name)
             s = value.scheme
+            if s == _mx.MXFP4:
+                blocks, scales = _mx.split(value)
+                arrays[f"{mod}.{PACKED}"] = blocks.reshape(value.shape[0], value.shape[1] // 2)
+                arrays[f"{mod}.{SCALE}"] = scales
+                continue
             sdt = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}[s.slot_dtype.value]
             m, n = value.shape
             scales = value.scales()  # the block grid [m / bm, n / bn]; per-tensor: shape ()

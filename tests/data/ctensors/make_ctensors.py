@@ -24,6 +24,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
+from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
 from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -42,13 +43,17 @@ MODULES = {
                          FloatQuantizationCompressor, 8, 32),
     "layers.0.down_proj": (torch.bfloat16, dict(num_bits=8, type="float", symmetric=True, strategy="block",
                                                 block_structure=[8, 16]), FloatQuantizationCompressor, 16, 64),
+    "layers.0.gate_proj": (torch.bfloat16, dict(num_bits=4, type="float", symmetric=True, strategy="group",
+                                                group_size=32, scale_dtype=torch.uint8),
+                           MXFP4PackedCompressor, 8, 64),
 }
 
 
 def scales_for(w: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
     """amax / qmax per the strategy's groups, in the weight's dtype (how the scale is chosen does
     not matter here: the test is about the stored bytes and their decode)."""
-    qmax = 7.0 if args.type == "int" and args.num_bits == 4 else 127.0 if args.type == "int" else 448.0
+    qmax = 7.0 if args.type == "int" and args.num_bits == 4 else 127.0 if args.type == "int" else \
+        6.0 if args.num_bits == 4 else 448.0
     a = w.abs().float()
     m, n = w.shape
     if args.strategy == "group":
@@ -60,7 +65,10 @@ def scales_for(w: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
         s = a.reshape(m // bm, bm, n // bn, bn).amax((1, 3))
     else:
         s = a.amax().reshape(1)
-    return (s.clamp(min=1e-6) / qmax).to(w.dtype)
+    s = s.clamp(min=1e-6) / qmax
+    if args.num_bits == 4 and args.type == "float":  # MX: a power of two (the compressor stores its exponent)
+        s = torch.exp2(torch.ceil(torch.log2(s)))
+    return s.to(w.dtype)
 
 
 def main(out: str) -> None:
@@ -99,7 +107,8 @@ def check(folder: str) -> None:
     done = 0
     for group in cfg.config_groups.values():
         fmt = group.format or cfg.format
-        compressor = PackedQuantizationCompressor if fmt == "pack-quantized" else FloatQuantizationCompressor
+        compressor = {"pack-quantized": PackedQuantizationCompressor, "float-quantized": FloatQuantizationCompressor,
+                      "mxfp4-pack-quantized": MXFP4PackedCompressor}[fmt]
         for mod in group.targets:
             local = {k[len(mod) + 1:]: v for k, v in sd.items() if k.startswith(mod + ".")}
             got = compressor.decompress(local, group)["weight"]
