@@ -172,3 +172,19 @@ def test_inspect_and_convert_on_the_command_line(tmp_path, capsys):
     assert "compressed-tensors" in out and "q4f/block32:bf16" in out
     assert main(["convert", MODEL, str(tmp_path / "m.safetensors"), "--to", "compressed-tensors"]) == 0
     assert (tmp_path / "config.json").exists() and "lossless" in capsys.readouterr().out
+
+
+def test_mxfp4_moves_between_gpt_oss_compressed_tensors_and_gguf(tmp_path):
+    """The same MX blocks in three tools' files: gpt-oss -> compressed-tensors -> GGUF -> gpt-oss
+    gives back the first file's bytes, and no step re-quantizes."""
+    pytest.importorskip("gguf")
+    ref = qcore.backend("reference")
+    w = np.random.default_rng(5).standard_normal((8, 64)).astype(np.float32)
+    qf.write(tmp_path / "g.safetensors", {"l.weight": ref.into_data(ref.quantize(w, "mxfp4"))}, "gpt-oss")
+    (tmp_path / "ct").mkdir()
+    steps = [("g.safetensors", "ct/model.safetensors", "compressed-tensors"), ("ct/model.safetensors", "m.gguf", "gguf"),
+             ("m.gguf", "back.safetensors", "gpt-oss")]
+    for src, dst, to in steps:
+        assert qcore.convert(tmp_path / src, tmp_path / dst, to).lossless, (src, to)
+    first, back = _arrays(tmp_path / "g.safetensors"), _arrays(tmp_path / "back.safetensors")
+    assert {n: a.tobytes() for n, a in first.items()} == {n: a.tobytes() for n, a in back.items()}
