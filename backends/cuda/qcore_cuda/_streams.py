@@ -61,6 +61,11 @@ DEFAULT: Any = _Default()
 _refs: dict[int, StreamRef] = {}
 
 
+def on(kernel: Any, cfg: tuple, s: Any) -> Any:
+    """`kernel[grid, block]` on stream `s` (a StreamRef): a dispatcher launch in `s`'s order."""
+    return kernel[cfg[0], cfg[1], s.numba]
+
+
 def from_handle(handle: int) -> Any:
     """The StreamRef of a raw handle (0: the default stream)."""
     if handle == 0:

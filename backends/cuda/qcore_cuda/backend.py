@@ -94,11 +94,6 @@ def _k():
     return kernels
 
 
-def _on(kernel: Any, cfg: tuple, s: Any) -> Any:
-    """`kernel[grid, block]` on stream `s` (a StreamRef)."""
-    return kernel[cfg[0], cfg[1], s.numba]
-
-
 def _cuda():
     from numba import cuda
 
@@ -145,13 +140,6 @@ def fast_kernels_usable() -> tuple[bool, str]:
     except Exception as e:  # no usable device: the general kernels (which will report it)
         return False, f"general kernels only: compute capability unknown ({type(e).__name__}: {e})"
     return fast_verdict(cc, os.environ.get("QCORE_CUDA_FAST"))
-
-
-def fast_aligned(a: Any) -> bool:
-    """Whether the fast kernels' 16-byte vector accesses fit `a` (a numba device array)."""
-    from . import fast
-
-    return fast.aligned(a)
 
 
 def _is_device_array(x: Any) -> bool:
@@ -235,7 +223,7 @@ class CudaBackend(BaseBackend):
                 kern = {np.dtype(np.float16): K.k_convert_f16, np.dtype(np.float64): K.k_convert_f64}.get(dt)
                 if kern is None:
                     raise InputError(f"cuda device inputs of dtype {dt} are not read; convert to float32 first")
-                _on(kern, K.launch(d.size), s)(flat, out)
+                _streams.on(kern, K.launch(d.size), s)(flat, out)
             return out
         return cuda.to_device(np.ascontiguousarray(to_f32(x)).reshape(-1), stream=s.numba)
 
@@ -456,7 +444,7 @@ class CudaBackend(BaseBackend):
         K = _k()
         pp = self._prepared(data.shape, data.scheme, "minmax")
         scales, gbuf = got
-        _on(K.k_decode_scales, K.launch(max(pp["plan"].nslots, 1)), s)(data.payload, pp["P"], scales, gbuf)
+        _streams.on(K.k_decode_scales, K.launch(max(pp["plan"].nslots, 1)), s)(data.payload, pp["P"], scales, gbuf)
         et = data.cache.get("tc_scales")
         if et is not None:
             from . import fast, tc
@@ -464,7 +452,7 @@ class CudaBackend(BaseBackend):
             Q = data.cache["gemv"][1]
             k_, srow = int(Q[tc.Q_K]), int(Q[tc.Q_N]) >> int(Q[tc.Q_LB])
             n = max(1, srow) * k_
-            _on(tc.k_slot_scales, fast.K.launch(n), s)(scales, et, k_, srow, n)
+            _streams.on(tc.k_slot_scales, fast.K.launch(n), s)(scales, et, k_, srow, n)
 
     # ------------------------------------------------------------------ dequantize
     def _decoded_scales(self, data: CudaData, s: Any = _streams.DEFAULT):
@@ -476,7 +464,7 @@ class CudaBackend(BaseBackend):
             nslots = pp["plan"].nslots
             scales = cuda.device_array(max(nslots, 1), dtype=np.float32)
             gbuf = cuda.device_array(1, dtype=np.float32)
-            _on(K.k_decode_scales, K.launch(nslots), s)(data.payload, pp["P"], scales, gbuf)
+            _streams.on(K.k_decode_scales, K.launch(nslots), s)(data.payload, pp["P"], scales, gbuf)
             got = data.cache["scales"] = (scales, gbuf)
         return got
 
@@ -529,7 +517,7 @@ class CudaBackend(BaseBackend):
             parts = cfg[0] * cfg[1]
             sig, noise = (_array.empty((parts,), np.float64, s) for _ in range(2))
             mx = _array.empty((parts,), np.float32, s)
-            _on(K.k_error_partials, cfg, s)(xd, y.arg, sig, noise, mx)
+            _streams.on(K.k_error_partials, cfg, s)(xd, y.arg, sig, noise, mx)
             sig, noise, mx = (a.copy_to_host(stream=s.numba) for a in (sig, noise, mx))
             s.synchronize()  # the copies into pageable memory are done
         return sqnr_db(float(sig.sum()), float(noise.sum())), float(mx.max())

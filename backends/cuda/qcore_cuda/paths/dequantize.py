@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from .._launch import Packed
+from .._streams import on
 
 __all__ = ["DEQUANTIZE", "DequantizeCall", "FastDequantize", "RowsDequantize", "GeneralDequantize"]
 
@@ -47,9 +48,9 @@ class FastDequantize:
     name = "fast"
 
     def applies(self, c: DequantizeCall) -> bool:
-        from ..backend import fast_aligned
+        from .. import fast
 
-        return c.prepared.get("fast") is not None and c.out.dtype == np.float32 and fast_aligned(c.out)
+        return c.prepared.get("fast") is not None and c.out.dtype == np.float32 and fast.aligned(c.out)
 
     def launch(self, c: DequantizeCall) -> None:
         from .. import fast
@@ -75,9 +76,9 @@ class RowsDequantize:
 
     def launch(self, c: DequantizeCall) -> None:
         K, pp, pl = c.K, c.prepared, c.plan
-        grid, tpb = K.launch_rows(*pl.rows_shape)
-        K.k_rows_dequant[grid, tpb, c.s.numba](c.be._words(c.data.payload, pl), pp[("RP", K.ROW_GIVEN)], pp["lut"],
-                                               c.scales, c.gbuf, c.out_numba(), c.flag)
+        words = c.be._words(c.data.payload, pl)
+        on(K.k_rows_dequant, K.launch_rows(*pl.rows_shape), c.s)(
+            words, pp[("RP", K.ROW_GIVEN)], pp["lut"], c.scales, c.gbuf, c.out_numba(), c.flag)
 
 
 class GeneralDequantize:
@@ -90,8 +91,8 @@ class GeneralDequantize:
 
     def launch(self, c: DequantizeCall) -> None:
         K, pp = c.K, c.prepared
-        grid, tpb = K.launch(c.plan.nruns)
-        K.k_dequant[grid, tpb, c.s.numba](c.data.payload, pp["P"], pp["lut"], c.scales, c.gbuf, c.out_numba(), c.flag)
+        on(K.k_dequant, K.launch(c.plan.nruns), c.s)(
+            c.data.payload, pp["P"], pp["lut"], c.scales, c.gbuf, c.out_numba(), c.flag)
 
 
 DEQUANTIZE = (FastDequantize(), RowsDequantize(), GeneralDequantize())

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from .._launch import Packed
+from .._streams import on
 
 __all__ = ["MATMUL", "MatmulCall", "TensorCoreMatmul", "GemvMatmul", "GeneralMatmul", "run_packed"]
 
@@ -42,9 +43,9 @@ class MatmulCall:
     @cached_property
     def gemv_ready(self) -> bool:
         """The fast layout kernels can take this call: a GEMV geometry and x aligned for them."""
-        from ..backend import fast_aligned
+        from .. import fast
 
-        return self.gemv_geometry is not None and fast_aligned(self.xd)
+        return self.gemv_geometry is not None and fast.aligned(self.xd)
 
 
 def run_packed(st: tuple, xd: Any, out: Any, m: int, s: Any) -> None:
@@ -138,14 +139,13 @@ class GeneralMatmul:
             nb4 = pp["plan"].values_nbytes // 4
             p32 = data.payload[: nb4 * 4].view(np.uint32) if Q[K.MM_W32] and nb4 else \
                 cuda.device_array(1, dtype=np.uint32)
-            mm = data.cache[key] = dict(Q=cuda.to_device(Q), launch=K.launch_matmul(int(Q[K.MM_NG]), int(Q[K.MM_KC]), c.m),
+            mm = data.cache[key] = dict(Q=cuda.to_device(Q),
+                                        launch=K.launch_matmul(int(Q[K.MM_NG]), int(Q[K.MM_KC]), c.m),
                                         lut=pp["lut"], p32=p32)
         out = c.out if hasattr(c.out, "copy_to_host") else cuda.as_cuda_array(c.out)
         xd = c.xd if hasattr(c.xd, "copy_to_host") else cuda.as_cuda_array(c.xd)
-        grid, tpb = K.launch(out.size)
-        K.k_zero[grid, tpb, c.s.numba](out)
-        grid, block = mm["launch"]
-        K.k_matmul[grid, block, c.s.numba](xd, data.payload, mm["p32"], mm["Q"], mm["lut"], c.scales, c.gbuf, out)
+        on(K.k_zero, K.launch(out.size), c.s)(out)
+        on(K.k_matmul, mm["launch"], c.s)(xd, data.payload, mm["p32"], mm["Q"], mm["lut"], c.scales, c.gbuf, out)
 
 
 MATMUL = (TensorCoreMatmul(), GemvMatmul(), GeneralMatmul())

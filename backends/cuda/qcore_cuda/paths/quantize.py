@@ -12,13 +12,9 @@ from qcore.protocol import QParams
 from qcore.scheme import QuantScheme
 
 from .. import _array
+from .._streams import on
 
 __all__ = ["QUANTIZE", "QuantizeCall", "FastQuantize", "TileQuantize", "FusedQuantize", "StagedQuantize"]
-
-
-def _on(kernel: Any, cfg: tuple, s: Any) -> Any:
-    """`kernel[grid, block]` on stream `s` (a StreamRef)."""
-    return kernel[cfg[0], cfg[1], s.numba]
 
 
 @dataclass
@@ -48,9 +44,9 @@ class QuantizeCall:
     @cached_property
     def fast(self) -> bool:
         """The fast kernels serve the codes: a fast geometry, and x aligned for their vector loads."""
-        from ..backend import fast_aligned
+        from .. import fast
 
-        return self.fast_geometry is not None and fast_aligned(self.xd)
+        return self.fast_geometry is not None and fast.aligned(self.xd)
 
     @property
     def rows(self) -> bool:
@@ -113,11 +109,7 @@ class TileQuantize:
 
     def launch(self, c: QuantizeCall) -> None:
         c.to_numba()
-        K, pp, pl = c.K, c.prepared, c.plan
-        gbuf = c.be._scratch()[1]
-        w8, w32 = _tile_words(c)
-        _on(K.k_tile_quant, K.launch_tiles(int(pl.TP[K.T_NT])), c.s)(
-            c.xd, pp["TP"], pp["F"], w32, w8, c.payload, c.be._scratch()[2], pp["raw"], gbuf)
+        _tile_kernel(c)
 
 
 class FusedQuantize:
@@ -132,7 +124,7 @@ class FusedQuantize:
     def launch(self, c: QuantizeCall) -> None:
         c.to_numba()
         K, pp = c.K, c.prepared
-        _on(K.k_quant_fused, K.launch(c.plan.nruns), c.s)(c.xd, pp["P"], pp["F"], c.payload, c.be._scratch()[2])
+        on(K.k_quant_fused, K.launch(c.plan.nruns), c.s)(c.xd, pp["P"], pp["F"], c.payload, c.be._scratch()[2])
 
 
 class StagedQuantize:
@@ -151,7 +143,7 @@ class StagedQuantize:
         raw, gbuf, P = self.statistics(c)
         K, pp = c.K, c.prepared
         asum = c.be._scratch()[0]
-        _on(K.k_scales, K.launch(c.plan.nslots), c.s)(raw, asum, P, pp["F"], pp["stored"], gbuf, c.payload)
+        on(K.k_scales, K.launch(c.plan.nslots), c.s)(raw, asum, P, pp["F"], pp["stored"], gbuf, c.payload)
         self.codes(c, raw, P, gbuf)
 
     @staticmethod
@@ -168,19 +160,17 @@ class StagedQuantize:
             return raw, gbuf, pp["P_explicit"]
         if c.scheme.block is None:  # one per-tensor scale
             raw = fs[2:3]
-            _on(K.k_tensor_stats, K.launch(math.prod(c.shape)), s)(c.xd, raw, asum, flag)
+            on(K.k_tensor_stats, K.launch(math.prod(c.shape)), s)(c.xd, raw, asum, flag)
             return raw, fs, pp["P"]
         raw = pp["raw"]
-        if c.tiles:
-            w8, w32 = _tile_words(c)
-            _on(K.k_tile_quant, K.launch_tiles(int(pl.TP[K.T_NT])), s)(c.xd, pp["TP"], pp["F"], w32, w8, c.payload,
-                                                                       flag, raw, fs)
+        if c.tiles:  # two-level: the kernel stops at the statistics (its TP mode)
+            _tile_kernel(c)
         elif c.rows and pl.rows_stats:
-            _on(K.k_rows_quant, K.launch_rows(*pl.rows_shape), s)(
+            on(K.k_rows_quant, K.launch_rows(*pl.rows_shape), s)(
                 c.xd, pp[("RP", K.ROW_STATS)], pp["F"], pp["stored"], fs, c.be._words(c.payload, pl), c.payload,
                 flag, raw)
         else:
-            _on(K.k_slot_stats, K.launch(pl.nslots), s)(c.xd, pp["P"], raw, fs[1:2], flag)
+            on(K.k_slot_stats, K.launch(pl.nslots), s)(c.xd, pp["P"], raw, fs[1:2], flag)
         return raw, fs, pp["P"]
 
     @staticmethod
@@ -196,20 +186,24 @@ class StagedQuantize:
             if calibrated:  # the statistics scratch is consumed: zero it for the next call
                 zero(stream=s)
         elif c.rows:
-            _on(K.k_rows_quant, K.launch_rows(*pl.rows_shape), s)(
+            on(K.k_rows_quant, K.launch_rows(*pl.rows_shape), s)(
                 c.xd, pp[("RP", K.ROW_GIVEN)], pp["F"], pp["stored"], gbuf, c.be._words(c.payload, pl), c.payload,
                 flag, raw)
             if calibrated:
-                _on(K.k_zero_stats, (1, 1), s)(asum, gbuf)
+                on(K.k_zero_stats, (1, 1), s)(asum, gbuf)
         else:
-            _on(K.k_quant, K.launch(pl.nruns), s)(c.xd, P, pp["F"], pp["stored"], gbuf, c.payload, flag, asum)
+            on(K.k_quant, K.launch(pl.nruns), s)(c.xd, P, pp["F"], pp["stored"], gbuf, c.payload, flag, asum)
 
 
-def _tile_words(c: QuantizeCall) -> tuple[Any, Any]:
-    """(values section as bytes, as uint32 words or a dummy) for the tile kernel."""
-    K, pl = c.K, c.plan
+def _tile_kernel(c: QuantizeCall) -> None:
+    """kernels.k_tile_quant on the call: block statistics into `prepared["raw"]`, and for one-level
+    schemes the scales and codes too (the mode is in TP)."""
+    K, pp, pl = c.K, c.prepared, c.plan
+    _, fs, flag = c.be._scratch()
     w8 = c.payload[: pl.values_nbytes]
-    return w8, (w8.view(np.uint32) if pl.TP[K.T_U32] else c.prepared["dummy32"])
+    w32 = w8.view(np.uint32) if pl.TP[K.T_U32] else pp["dummy32"]
+    on(K.k_tile_quant, K.launch_tiles(int(pl.TP[K.T_NT])), c.s)(c.xd, pp["TP"], pp["F"], w32, w8, c.payload, flag,
+                                                                pp["raw"], fs)
 
 
 QUANTIZE = (FastQuantize(), TileQuantize(), FusedQuantize(), StagedQuantize())
