@@ -49,6 +49,7 @@ NAMES_KEY = "compressed-tensors.names"  # JSON {qcore name: module prefix}: rest
 CONFIG_KEY = "compressed-tensors.config"  # the source's quantization_config, JSON (kept through conversions)
 PACKED, SCALE, SHAPE, ZERO, FP8 = "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight"
 _SCALE_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(ml_dtypes.bfloat16): "bf16"}
+_DTYPE_OF_SCALE = {name: dtype for dtype, name in _SCALE_DTYPES.items()}
 _INT_VALUES = {4: QuantValue.Q4F, 8: QuantValue.Q8F}
 _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
@@ -105,33 +106,16 @@ def _scheme_for(value: QuantValue, shape: tuple[int, ...], scale: np.ndarray, wh
 def _scales_f32(scale: np.ndarray, where: str) -> np.ndarray:
     s = np.asarray(scale).astype(np.float32)
     if not np.all(np.isfinite(s)) or np.any(s < 0):
-        raise UnrepresentableError(f"{where}: scales must be finite and >= 0 (SPEC §2), got a negative or non-finite one")
+        raise UnrepresentableError(f"{where}: scales must be finite and >= 0 (SPEC §2), got a negative or "
+                                   "non-finite one")
     return s
 
 
-def _unpack(packed: np.ndarray, shape: tuple[int, int], bits: int, where: str) -> np.ndarray:
-    """int8 codes `[m, n]` of an int32 `weight_packed` (offset binary, low bits first)."""
-    per = 32 // bits
-    m, n = shape
-    if packed.dtype != np.int32 or packed.shape != (m, -(-n // per)):
-        raise UnrepresentableError(f"{where}: weight_packed {packed.dtype} {list(packed.shape)} is not int32 "
-                                   f"[{m}, {-(-n // per)}] for a [{m}, {n}] weight of {bits}-bit codes")
-    if n % per:
-        raise UnrepresentableError(f"{where}: {n} columns leave a partly filled word; qcore's packed_u32 needs "
-                                   f"a multiple of {per}")
-    words = packed.view(np.uint32)
-    shifts = (np.arange(per, dtype=np.uint32) * np.uint32(bits))
-    fields = (words[:, :, None] >> shifts) & np.uint32((1 << bits) - 1)
-    return (fields.reshape(m, n).astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
-
-
-def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
-    """int32 `weight_packed` of int8 codes `[m, n]` (n a multiple of 32 / bits)."""
-    per = 32 // bits
-    m, n = codes.shape
-    fields = (codes.astype(np.int16) + (1 << (bits - 1))).astype(np.uint32).reshape(m, n // per, per)
-    words = np.bitwise_or.reduce(fields << (np.arange(per, dtype=np.uint32) * np.uint32(bits)), axis=2)
-    return words.astype(np.uint32).view(np.int32)
+def _flip(words: np.ndarray, bits: int) -> np.ndarray:
+    """u32 words with each `bits`-wide field's top bit flipped: compressed-tensors' offset-binary
+    fields (`q + 2^(bits-1)`) <-> qcore's two's-complement `packed_u32` fields, both low bits first."""
+    mask = sum(1 << (bits * k + bits - 1) for k in range(32 // bits))
+    return np.ascontiguousarray(words).view(np.uint32) ^ np.uint32(mask)
 
 
 def _modules(names: list[str]) -> dict[str, str]:
@@ -255,11 +239,15 @@ class CompressedTensorsFormat(Format):
                 packed = arrays[f"{mod}.{PACKED}"]
                 words = packed.shape[-1] if packed.ndim == 2 else 0
                 bits = 32 * words // shape[1] if words and shape[1] else 0
-                if bits not in _INT_VALUES or -(-shape[1] // (32 // bits)) != words:
+                if bits not in _INT_VALUES or -(-shape[1] // (32 // bits)) != words or packed.shape[0] != shape[0]:
                     raise UnrepresentableError(f"{where}: {PACKED} {list(packed.shape)} is neither 4- nor 8-bit "
                                                f"codes of a {list(shape)} weight")
+                if packed.dtype != np.int32 or shape[1] % (32 // bits):
+                    raise UnrepresentableError(
+                        f"{where}: {PACKED} must be int32 and {shape[1]} columns whole words of {32 // bits} "
+                        f"codes (qcore's packed_u32 has no partly filled word); got {packed.dtype}")
                 sch = _scheme_for(_INT_VALUES[bits], shape, scale, where)
-                codes = _unpack(packed, shape, bits, where)
+                values = _flip(packed, bits).tobytes()  # qcore's values section, word for word
                 used |= {f"{mod}.{PACKED}", f"{mod}.{SHAPE}", f"{mod}.{SCALE}"}
             else:
                 w = arrays[f"{mod}.{FP8}"]
@@ -267,11 +255,11 @@ class CompressedTensorsFormat(Format):
                     raise UnrepresentableError(f"{where}: {FP8} is {w.dtype} {list(w.shape)}, not 2-D float8_e4m3fn")
                 shape = tuple(w.shape)
                 sch = _scheme_for(QuantValue.E4M3, shape, scale, where)
-                codes = w.view(np.uint8)
+                values = np.ascontiguousarray(w).view(np.uint8).tobytes()  # E4M3 codes are the bytes
                 used |= {f"{mod}.{FP8}", f"{mod}.{SCALE}"}
             name = f"{mod}.weight"
-            grid = _scales_f32(scale, where)
-            tensors[name] = QuantizedData.from_parts(shape, sch, codes, grid)
+            words = sch.slot_dtype.traits.encode(_scales_f32(scale, where).reshape(-1))
+            tensors[name] = QuantizedData(shape, sch, values + np.ascontiguousarray(words).tobytes())
             names[name] = mod
         for key, arr in arrays.items():
             if key not in used:
@@ -341,12 +329,13 @@ class CompressedTensorsFormat(Format):
                 arrays[f"{mod}.{PACKED}"] = blocks.reshape(value.shape[0], value.shape[1] // 2)
                 arrays[f"{mod}.{SCALE}"] = scales
                 continue
-            sdt = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}[s.slot_dtype.value]
+            sdt = _DTYPE_OF_SCALE[s.slot_dtype.value]
             m, n = value.shape
             scales = value.scales()  # the block grid [m / bm, n / bn]; per-tensor: shape ()
             scale = scales.reshape(1) if s.block is None else scales
             if _kind(s).type == "int":
-                arrays[f"{mod}.{PACKED}"] = _pack(value.codes().reshape(m, n), s.bits)
+                words = np.frombuffer(value.values_bytes(), np.uint32).reshape(m, n * s.bits // 32)
+                arrays[f"{mod}.{PACKED}"] = _flip(words, s.bits).view(np.int32)
                 arrays[f"{mod}.{SHAPE}"] = np.array([m, n], dtype=np.int64)
             else:
                 arrays[f"{mod}.{FP8}"] = value.codes().reshape(m, n).view(_FP8)
