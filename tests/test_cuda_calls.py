@@ -307,14 +307,22 @@ def test_torch_inputs_outputs_and_streams(be):
 
 @GPU_ONLY
 def test_kernels_load_from_the_disk_cache(tmp_path):
-    """A second process finds the first one's compiled kernels in numba's cache (NUMBA_CACHE_DIR)."""
+    """A second process finds the first one's compiled kernels in numba's cache (NUMBA_CACHE_DIR),
+    and loads them without numba-cuda's registry set-up (`_diskcache._load_without_refresh`: its
+    imports, scipy's among them, were most of a first call), with the reference's results."""
     code = textwrap.dedent("""
+        import sys
         import numpy as np, qcore
         from qcore_cuda import fast
         be = qcore.backend("cuda")
         x = np.linspace(-3, 3, 8192, dtype=np.float32).reshape(64, 128)
         q = be.quantize(x, "q4s/block32:f16")
-        be.to_numpy(be.dequantize(q))
+        got = be.to_numpy(be.dequantize(q))
+        ref = qcore.backend("reference")
+        assert be.into_data(q).payload == ref.into_data(ref.quantize(x, "q4s/block32:f16")).payload
+        assert np.array_equal(got, ref.dequantize(ref.quantize(x, "q4s/block32:f16")))
+        print("REGISTRIES", int("numba.cuda.np.arraymath" in sys.modules))
+        print("NVRTC", int("libnvrtc" in open("/proc/self/maps").read()))
         kinds = [fast.quant_kernel(k) for k in range(len(fast.KIND_BITS))] + \\
             [fast.dequant_kernel(k) for k in range(len(fast.KIND_BITS))]
         hits = sum(sum(k.stats.cache_hits.values()) for k in kinds)
@@ -322,13 +330,42 @@ def test_kernels_load_from_the_disk_cache(tmp_path):
         print("CACHE", hits, misses)
     """)
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0", "NUMBA_CACHE_DIR": str(tmp_path)}
-    runs = []
+    runs, registries, nvrtc = [], [], []
     for _ in range(2):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
         assert r.returncode == 0, r.stderr[-2000:]
         runs.append([int(v) for v in [ln for ln in r.stdout.splitlines() if ln.startswith("CACHE")][0].split()[1:]])
+        registries.append([ln for ln in r.stdout.splitlines() if ln.startswith("REGISTRIES")][0].split()[1])
+        nvrtc.append([ln for ln in r.stdout.splitlines() if ln.startswith("NVRTC")][0].split()[1])
     assert runs[0][1] >= 2, f"the first process compiled nothing it could cache: {runs}"
     assert runs[1][0] >= 2 and runs[1][1] == 0, f"the second process compiled again: {runs}"
+    assert registries == ["1", "0"], f"numba-cuda's registries loaded (compiling, loading): {registries}"
+    assert nvrtc[1] == "0", "the second process loaded NVRTC (27 MiB), which compiles none of the kernels"
+
+
+_CACHE_INTERNALS = """
+import json
+from numba.cuda.core import caching
+from qcore_cuda._diskcache import numba_internals_problems
+now = numba_internals_problems()
+caching.Cache.load_overload = lambda self, sig, target_context: None  # what an upgrade might do
+print(json.dumps([now, numba_internals_problems()]))
+"""
+
+
+def test_numba_cache_internals_the_disk_cache_relies_on():
+    """The disk cache replaces numba-cuda's `Cache.load_overload` by its body without the refresh;
+    this fails loudly when an upgrade changes that method. Real numba.cuda in a subprocess (the
+    simulator has no cache); no GPU needed."""
+    import json
+
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    out = subprocess.run([sys.executable, "-c", _CACHE_INTERNALS], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    now, patched = json.loads(out.stdout.strip().splitlines()[-1])
+    assert now == [], f"numba-cuda cache internals used by qcore_cuda._diskcache changed: {now}"
+    assert any("no longer a refresh" in p for p in patched), patched
 
 
 def test_pool_and_cache_are_inert_under_the_simulator():

@@ -58,12 +58,95 @@ def _enable_one(d: Any, token: str = "") -> Any:
         closure = hashlib.sha256(f"{token}|{_package_stamp()}".encode()).hexdigest()
 
         def index_key(sig: Any, codegen: Any) -> tuple:
-            key = base(cache, sig, codegen)  # (sig, magic, version, (code hash, closure hash)) [+ launch config]
+            # (sig, magic, version, (code hash, closure hash)) [+ launch config]
+            key = base(cache, sig, _CompilersCodegen(codegen))
             return key[:3] + ((key[3][0], closure),) + key[4:]
 
         cache._index_key = index_key
+        cache.load_overload = functools.partial(_load_without_refresh, cache)
         d._qcore_disk_cache = True
     return d
+
+
+@functools.lru_cache(maxsize=1)
+def _compilers() -> tuple | None:
+    """The versions of the libraries that compile the kernels (NVVM, and nvJitLink where numba
+    links with it), both loaded already by numba-cuda's availability check and `cuda.jit`; None
+    where cuda-bindings cannot say."""
+    try:
+        from cuda.bindings import nvvm
+
+        ours: tuple = ("nvvm", tuple(nvvm.version()), tuple(nvvm.ir_version()))
+    except Exception:  # noqa: BLE001
+        return None
+    try:
+        from numba.cuda.cudadrv.driver import _have_nvjitlink
+
+        if _have_nvjitlink():
+            from cuda.bindings import nvjitlink
+
+            ours += ("nvjitlink", tuple(nvjitlink.version()))
+    except Exception:  # noqa: BLE001
+        pass
+    return ours
+
+
+class _CompilersCodegen:
+    """numba's codegen as the cache key sees it, with the compilers' versions in its
+    `magic_tuple` where numba puts NVRTC's version as the toolkit's: NVRTC compiles none of these
+    kernels, and loading it only for the key costs every process 27 MiB of resident memory."""
+
+    def __init__(self, codegen: Any):
+        self._codegen = codegen
+
+    def magic_tuple(self) -> tuple:
+        ours = _compilers()
+        if ours is None:
+            return self._codegen.magic_tuple()
+        from numba.cuda.cudadrv import devices
+
+        return (ours, devices.get_context().device.compute_capability)
+
+
+def _load_without_refresh(cache: Any, sig: Any, target_context: Any) -> Any:
+    """numba's `Cache.load_overload` without its `target_context.refresh()`. The refresh loads
+    every typing and lowering registry of numba-cuda (imports of about 0.5 s on the H200's host,
+    scipy.linalg among them, and their memory) before the first kernel a process loads; a kernel
+    rebuilt from the cache is launched without any of them, and a compilation refreshes the
+    contexts itself when one is needed."""
+    from numba.cuda.utils import numba_target_override
+
+    with numba_target_override():
+        with cache._guard_against_spurious_io_errors():
+            return cache._load_overload(sig, target_context)
+    return None  # the guard swallowed an I/O error: not found
+
+
+def numba_internals_problems() -> list[str]:
+    """What no longer matches in the numba-cuda cache internals used here (empty: all there)."""
+    import inspect
+
+    try:
+        from numba.cuda.core.caching import Cache
+        from numba.cuda.utils import numba_target_override  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return [f"numba.cuda's cache is not importable: {type(e).__name__}: {e}"]
+    problems = [f"Cache.{name} is gone" for name in ("_index_key", "_load_overload",
+                                                      "_guard_against_spurious_io_errors")
+                if not hasattr(Cache, name)]
+    try:
+        key_src = inspect.getsource(Cache._index_key)
+    except (OSError, TypeError):
+        key_src = ""
+    if "codegen.magic_tuple()" not in key_src:
+        problems.append("Cache._index_key no longer takes the codegen's magic_tuple()")
+    try:
+        src = inspect.getsource(Cache.load_overload)
+    except (OSError, TypeError):
+        src = ""
+    if "refresh()" not in src or "self._load_overload(sig, target_context)" not in src:
+        problems.append("Cache.load_overload is no longer a refresh followed by _load_overload")
+    return problems
 
 
 def _caching(factory: Callable) -> Callable:
