@@ -96,6 +96,22 @@ def _host_us(torch, fn, iters=200):
     return 1e6 * statistics.median(ts)
 
 
+def _host_loop_us(torch, fn, calls=100, rounds=9):
+    """Host (wall) time per call of `calls` back-to-back fn() calls in us (a decode step's
+    matmuls, one after the other), with the GPU kept busy so that launches never wait; median of
+    `rounds`. `_host_us` times one call just after a synchronisation, with the host's caches cold."""
+    ts = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(40_000_000)  # ~20 ms of GPU time ahead of the calls
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        ts.append((time.perf_counter() - t0) / calls)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(ts)
+
+
 FIRST_CALL = """
 import sys, time
 import numpy as np
@@ -302,6 +318,8 @@ def main(argv=None) -> int:
         r["host_us"] = _host_us(torch, lambda: be.matmul(xm, qw))
         r["host_us_out"] = _host_us(torch, lambda: be.matmul(xm, qw, out=ot))
         r["torch_fp16_host_us"] = _host_us(torch, lambda: xm16 @ w16)
+        r["host_loop_us_out"] = _host_loop_us(torch, lambda: be.matmul(xm, qw, out=ot))
+        r["torch_fp16_host_loop_us"] = _host_loop_us(torch, lambda: xm16 @ w16)
         r["qcore_kern"] = _timer(torch, lambda: be._launch_matmul(xmflat, qw.data, m, outm), iters, hide_launch=True,
                                  flush=flush)
         r["torch_fp16"] = _timer(torch, lambda: xm16 @ w16, iters, hide_launch=True, flush=flush)

@@ -92,9 +92,9 @@ CALL_NOTES = """\
   `be.dequantize(q, out=y)`; x a torch tensor). **first call, new process**: the first quantize
   and dequantize of the scheme in a child process, after CUDA is set up; two children run in
   turn: the first compiles unless numba's disk cache holds the kernels, the second loads them.
-  The first scheme's row also carries numba-cuda's one-off set-up of its typing registries
-  when it loads the first kernel (about 0.6 s on the H200 machine, most of it imports, among
-  them scipy.linalg for numba's BLAS check); the later rows show a cached kernel's load.
+  A kernel loaded from the cache skips numba-cuda's set-up of its typing registries
+  (`qcore_cuda/_diskcache.py`; docs/gpu.md "First call"), so the first scheme's row costs about
+  what the later ones do.
 - The kernel columns repeat within a few percent from run to run. The API-call columns add the
   host's Python time per call and swing with the lent machine's host load: on 2026-12-01 the
   `q8s/block32:f16` quantize call measured 0.44x to 0.78x copy across five runs, and torch's
@@ -103,8 +103,11 @@ CALL_NOTES = """\
 
 GEMV_CALL_NOTES = """\
 **API call, out=**: `be.matmul(x, w, out=y)` into an existing torch tensor. **host µs**: the
-wall time of one call while a sleep kernel keeps the GPU busy (no launch waits), without and
-with `out=`; torch's likewise.
+wall time of one call just after a synchronisation while a sleep kernel keeps the GPU busy (no
+launch waits), without and with `out=`; torch's likewise. **host µs back-to-back**: the wall
+time per call of 100 calls in a row (a decode step's matmuls), GPU kept busy; median of 9.
+One call after a synchronisation, with the host's caches cold, costs qcore's Python path up to
+twice its back-to-back time; torch's single C++ call much less.
 """
 
 
@@ -167,6 +170,9 @@ def _gemv_columns(res: dict) -> list:
              ("torch fp16 call µs", lambda r: f"{1e3 * r['torch_fp16_api']:.1f}")]
     if calls:
         cols.append(("torch fp16 host µs", lambda r: f"{r['torch_fp16_host_us']:.1f}"))
+    if _has_calls(res, "gemv", "host_loop_us_out"):
+        cols.append(("host µs back-to-back: qcore out= / torch",
+                     lambda r: f"{r['host_loop_us_out']:.1f} / {r['torch_fp16_host_loop_us']:.1f}"))
     cols += [("speedup (GPU)", lambda r: f"{r['torch_fp16'] / r['qcore_kern']:.2f}x"),
              ("max rel err vs fp16", lambda r: f"{r['rel_err']:.1e}")]
     return cols
@@ -258,8 +264,7 @@ the peak resident memory is that of the command in a fresh process, against the 
 backend up and quantizes one tiny tensor (for cuda: the CUDA context, numba's and the driver's
 host memory), the fixed cost under the streaming. The rows here come from the H200 machine
 (16 CPUs); on a shared 2-CPU machine the same ratios swing by 2x from run to run. Targets
-(issue 19): ndarray `q8s/block32:f16` <= 2x the floor, cuda <= 1.5x; the cuda rows exceed the
-RSS bound by less than their set-up alone exceeds 300 MB (the CUDA context's host memory).
+(issue 19): ndarray `q8s/block32:f16` <= 2x the floor, cuda <= 1.5x, peak RSS within the bound.
 """
 
 
@@ -280,6 +285,10 @@ def render_whole_models(runs: list[dict]) -> str:
                      f"{r['ratio_to_floor']:.2f}x | {r['peak_rss_bytes'] / 2**20:.0f} MiB | "
                      f"{_mib(r.get('baseline_rss_bytes'))} | {r['rss_bound_bytes'] / 2**20:.0f} MiB |")
     lines += ["", WHOLE_MODEL_NOTES]
+    over = [f"{r['backend']} `{r['scheme']}`" for r in runs if not r["within_rss_bound"]]
+    lines.append("Every row is within its RSS bound." if not over else
+                 f"Over the RSS bound: {', '.join(over)}.")
+    lines.append("")
     return "\n".join(lines)
 
 
