@@ -38,6 +38,7 @@ from .scheme import (
     QuantStore,
     QuantValue,
     ScaleDtype,
+    ScaleRound,
     StoreKind,
     TensorLevel,
     scheme,
@@ -48,7 +49,7 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     # schemes
-    "QuantScheme", "QuantValue", "QuantMode", "QuantStore", "StoreKind", "ScaleDtype",
+    "QuantScheme", "QuantValue", "QuantMode", "QuantStore", "StoreKind", "ScaleDtype", "ScaleRound",
     "BlockLevel", "TensorLevel", "Native", "PackedU32", "PackedNative", "PRESETS", "scheme",
     # data and backends
     "QuantizedData", "QParams", "QTensor", "Support", "Backend", "BaseBackend", "hookimpl",

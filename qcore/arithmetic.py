@@ -93,20 +93,22 @@ def slot_statistic(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -
 
 
 def calibrate(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -> QParams:
-    """SPEC §2.1-2.3: raw scale `s = stat / h`, two-level normalisation, round up to the dtype."""
-    s = (slot_statistic(x, scheme, method) / np.float32(scheme.half_range)).astype(np.float32)
+    """SPEC §2.1-2.3: raw scale `s = stat / h` (`stat / 1` under the MX rule), two-level
+    normalisation, rounded into the dtype by the scheme's rule (v1: up)."""
+    s = (slot_statistic(x, scheme, method) / np.float32(scheme.scale_divisor)).astype(np.float32)
     return store_scales(s, scheme)
 
 
 def store_scales(s: np.ndarray, scheme: QuantScheme, g: np.float32 | None = None) -> QParams:
-    """Round raw scales up to the slot dtype; two-level first divides by the global `g` (§2.2)."""
+    """Round raw scales into the slot dtype by the scheme's rule; two-level first divides by
+    the global `g` (§2.2)."""
     s = np.asarray(s, dtype=np.float32)
     if scheme.two_level and g is None:
         M = np.float32(scheme.block.dtype.traits.max_value)  # M: 448 (UE4M3) or 65504 (F16)
         top = np.max(s, initial=np.float32(0))
         g = np.maximum(np.float32(top / M), F32_TINY)
         s = (s / g).astype(np.float32)
-    stored = scheme.slot_dtype.traits.store(s).reshape(s.shape)
+    stored = scheme.scale_rounding.store(s).reshape(s.shape)
     return QParams(stored, float(g) if scheme.two_level else None)
 
 

@@ -21,7 +21,11 @@ __all__ = [
     "SCALES",
     "SCALE_IDS",
     "SCALE_ARRAYS",
+    "SCALE_ROUNDS",
+    "SCALE_SLOTS",
     "ScaleArrays",
+    "ScaleSlot",
+    "scale_slot_id",
     "f32_bits",
     "bits_f32",
     "minifloat_values",
@@ -77,6 +81,12 @@ class ValueTraits:
     bias: int = 0
     n_finite: int = 0  # count of finite non-negative codes, minifloats only
     special: Callable[[np.ndarray], np.ndarray] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def emax(self) -> int:
+        """floor(log2(qmax)): the exponent of the largest value (E2M1 2, E4M3 8, E5M2 15, Q8 6,
+        Q4 2, Q2 0), which the OCP MX scale rule subtracts (SPEC extension, docs/spec.md)."""
+        return int(np.floor(np.log2(self.qmax)))
 
     @property
     def codes_per_u32(self) -> int:
@@ -197,8 +207,8 @@ VALUES: dict[str, ValueTraits] = {
 # --------------------------------------------------------------------------- scale dtypes
 # SPEC §2.3 rounds a raw scale UP to the scale dtype. Every dtype follows one rule, read from its
 # row's numbers (`ScaleTraits.round_up`): clamp at `max_value`; at or below `least` give `least`
-# (UE8M0 has no zero); below `sub_below` (the dtype's smallest normal, where its grid is
-# uniform) round up to a multiple of `sub_quantum`; otherwise drop mantissa bits of the f32,
+# (UE8M0 has no zero); below `grid_below` (the dtype's smallest normal, where its grid is
+# uniform; for UE8M0 f32's smallest normal) round up to a multiple of `grid_quantum`; otherwise drop mantissa bits of the f32,
 # rounding up: `(bits + round_add) & round_mask`. Kernels use the same numbers (`SCALE_ARRAYS`).
 
 BF16_MAX = float(bits_f32(np.array([0x7F7F0000], dtype=np.uint32))[0])
@@ -272,6 +282,17 @@ class ScaleTraits:
     sub_quantum: float = 0.0  # that grid's step
     encode: Callable[[np.ndarray], np.ndarray] = field(default=None, compare=False, repr=False)
     decode: Callable[[np.ndarray], np.ndarray] = field(default=None, compare=False, repr=False)
+    grid_below: float = -1.0  # where rounding switches to the uniform grid (-1: sub_below)
+    grid_quantum: float = -1.0  # and its step (-1: sub_quantum)
+
+    def __post_init__(self) -> None:
+        # Rounding and the stored word share the subnormal grid, except for UE8M0: its word has
+        # no grid (2^-127 is byte 0), but below f32's smallest normal its values are the
+        # multiples of 2^-127, which the bit rule (whole f32 binades) cannot round to.
+        if self.grid_below < 0:
+            object.__setattr__(self, "grid_below", self.sub_below)
+        if self.grid_quantum < 0:
+            object.__setattr__(self, "grid_quantum", self.sub_quantum)
 
     @property
     def round_add(self) -> int:
@@ -300,13 +321,43 @@ class ScaleTraits:
         s = np.asarray(s, dtype=np.float32)
         b = f32_bits(s).astype(np.uint64)
         out = bits_f32(((b + np.uint64(self.round_add)) & np.uint64(self.round_mask)).astype(np.uint32))
-        if self.sub_below > 0:
-            q = np.float32(self.sub_quantum)
+        if self.grid_below > 0:
+            q = np.float32(self.grid_quantum)
             with np.errstate(over="ignore", invalid="ignore"):
                 grid = (np.ceil(s / q) * q).astype(np.float32)
-            out = np.where(s < np.float32(self.sub_below), grid, out)
+            out = np.where(s < np.float32(self.grid_below), grid, out)
         out = np.where(s <= np.float32(self.least), np.float32(self.least), out)
         return np.where(s >= np.float32(self.max_value), np.float32(self.max_value), out).astype(np.float32)
+
+    def round_nearest(self, s: np.ndarray) -> np.ndarray:
+        """Round raw non-negative f32 scales to the NEAREST value of this dtype, ties to even
+        (rule `rne`): on the f32 bits at the dtype's mantissa width, on the uniform grid below
+        `grid_below`; raw scales at or above `max_value` give it, and the result is at least
+        `least`. F32 is the identity, as for `round_up`."""
+        s = np.asarray(s, dtype=np.float32)
+        shift = 23 - self.man_bits
+        if shift == 0:
+            return s.copy()
+        b = f32_bits(s).astype(np.uint64)
+        half = np.uint64((1 << (shift - 1)) - 1)
+        lsb = (b >> np.uint64(shift)) & np.uint64(1)
+        out = bits_f32(((b + half + lsb) & np.uint64(self.round_mask)).astype(np.uint32))
+        if self.grid_below > 0:
+            q = np.float32(self.grid_quantum)
+            with np.errstate(over="ignore", invalid="ignore"):
+                grid = (np.rint(s / q) * q).astype(np.float32)  # s / q is exact (q a power of two)
+            out = np.where(s < np.float32(self.grid_below), grid, out)
+        out = np.maximum(out, np.float32(self.least))
+        return np.where(s >= np.float32(self.max_value), np.float32(self.max_value), out).astype(np.float32)
+
+    def round_mx(self, amax: np.ndarray, emax: int) -> np.ndarray:
+        """The OCP MX rule (rule `mx`, power-of-two dtypes): `2^(floor(log2 amax) - emax)` from
+        the statistic itself, exact on the f32 exponent field; `least` where that is below it
+        (amax 0 or tiny)."""
+        amax = np.asarray(amax, dtype=np.float32)
+        e = (f32_bits(amax) >> np.uint32(23)).astype(np.int64) - int(emax)
+        pow2 = bits_f32((np.maximum(e, 0) << 23).astype(np.uint32))
+        return np.where(e >= 1, pow2, np.float32(self.least)).astype(np.float32)
 
     def store(self, s: np.ndarray) -> np.ndarray:
         """Round raw non-negative f32 scales up to this dtype; result decoded back to f32."""
@@ -322,7 +373,8 @@ SCALES: dict[str, ScaleTraits] = {
                     encode=_enc_f16, decode=_dec_f16),
         # BF16 is the top half of an f32, subnormals included: the bit rule covers them.
         ScaleTraits("bf16", 2, BF16_MAX, 7, 127, encode=_enc_bf16, decode=_dec_bf16),
-        ScaleTraits("ue8m0", 1, 2.0**127, 0, 127, least=UE8M0_MIN, encode=_enc_ue8m0, decode=_dec_ue8m0),
+        ScaleTraits("ue8m0", 1, 2.0**127, 0, 127, least=UE8M0_MIN, encode=_enc_ue8m0, decode=_dec_ue8m0,
+                    grid_below=2.0**-126, grid_quantum=2.0**-127),
         ScaleTraits("ue4m3", 1, 448.0, 3, 7, sub_below=2.0**-6, sub_quantum=2.0**-9,
                     encode=_enc_ue4m3, decode=_dec_ue4m3),
     )
@@ -332,62 +384,136 @@ SCALE_IDS: tuple[str, ...] = tuple(SCALES)
 """Kernel id of each scale dtype: its index here (and in every `SCALE_ARRAYS` array)."""
 
 
+SCALE_ROUNDS: tuple[str, ...] = ("up", "rne", "mx")
+"""The scale rounding rules (docs/spec.md "Extensions"): `up` is SPEC v1's; `rne` rounds to
+nearest, ties to even; `mx` is OCP MX's `2^(floor(log2 amax) - emax)` (UE8M0 scales only)."""
+
+
+@dataclass(frozen=True)
+class ScaleSlot:
+    """A scale dtype with the rule that rounds raw scales into it: one row of the kernels'
+    scale table (`SCALE_SLOTS`). `store(s)` is the rule over numpy arrays; for `mx`, `s` is the
+    statistic itself (the scheme's scale divisor is 1) and `emax` the value's."""
+
+    traits: ScaleTraits
+    rule: str = "up"
+    emax: int = 0
+
+    def store(self, s: np.ndarray) -> np.ndarray:
+        """Raw non-negative f32 scales rounded by this slot's rule, as f32."""
+        s = np.asarray(s, dtype=np.float32)
+        if self.rule == "mx":
+            return self.traits.round_mx(s, self.emax)
+        return _ROUNDERS[self.rule](self.traits, s)
+
+
+_ROUNDERS = {"up": ScaleTraits.round_up, "rne": ScaleTraits.round_nearest}
+MX_DTYPES = ("ue8m0",)
+"""Scale dtypes the `mx` rule applies to (powers of two)."""
+
+SCALE_SLOTS: tuple[ScaleSlot, ...] = (
+    tuple(ScaleSlot(SCALES[n], "up") for n in SCALE_IDS)
+    + tuple(ScaleSlot(SCALES[n], "rne") for n in SCALE_IDS)
+    + tuple(ScaleSlot(SCALES[n], "mx", e) for n in MX_DTYPES for e in sorted({v.emax for v in VALUES.values()}))
+)
+"""Kernel id of each (scale dtype, rule[, emax]): its index here. The first rows are the `up`
+rows in `SCALE_IDS` order, so a dtype's `SCALE_IDS` position is its v1 slot id."""
+
+
+def scale_slot_id(dtype: str, rule: str = "up", emax: int = 0) -> int:
+    """The `SCALE_SLOTS` index of scale dtype `dtype` rounded by `rule` (emax only for `mx`)."""
+    want = (dtype, rule, emax if rule == "mx" else 0)
+    for i, slot in enumerate(SCALE_SLOTS):
+        if (slot.traits.name, slot.rule, slot.emax) == want:
+            return i
+    raise KeyError(f"no scale slot for dtype {dtype!r} with rule {rule!r} (emax {emax})")
+
+
 @dataclass(frozen=True)
 class ScaleArrays:
-    """The `SCALES` rows' numbers as arrays indexed by `SCALE_IDS` position, for kernels."""
+    """The `SCALE_SLOTS` rows' numbers as arrays indexed by slot id, for kernels."""
 
     max_value: np.ndarray  # float32
     least: np.ndarray  # float32
     sub_below: np.ndarray  # float32
     sub_quantum: np.ndarray  # float32
+    grid_below: np.ndarray  # float32: rounding's uniform grid (sub_below but for UE8M0)
+    grid_quantum: np.ndarray  # float32
     round_add: np.ndarray  # uint32
     round_mask: np.ndarray  # uint32
     word_shift: np.ndarray  # uint32
     word_rebias: np.ndarray  # uint32
     nbytes: np.ndarray  # int64
+    rule: np.ndarray  # int32: position in SCALE_ROUNDS
+    emax: np.ndarray  # int32: the value's emax (rule mx)
 
 
 def _scale_arrays() -> ScaleArrays:
-    rows = [SCALES[n] for n in SCALE_IDS]
+    rows = [slot.traits for slot in SCALE_SLOTS]
 
     def col(attr: str, dtype) -> np.ndarray:
         a = np.array([getattr(r, attr) for r in rows], dtype=dtype)
         a.setflags(write=False)
         return a
 
+    def frozen(a: np.ndarray) -> np.ndarray:
+        a.setflags(write=False)
+        return a
+
     f32, u32 = np.float32, np.uint32
     return ScaleArrays(col("max_value", f32), col("least", f32), col("sub_below", f32), col("sub_quantum", f32),
-                       col("round_add", u32), col("round_mask", u32), col("word_shift", u32),
-                       col("word_rebias", u32), col("nbytes", np.int64))
+                       col("grid_below", f32), col("grid_quantum", f32), col("round_add", u32), col("round_mask", u32), col("word_shift", u32),
+                       col("word_rebias", u32), col("nbytes", np.int64),
+                       frozen(np.array([SCALE_ROUNDS.index(t.rule) for t in SCALE_SLOTS], np.int32)),
+                       frozen(np.array([t.emax for t in SCALE_SLOTS], np.int32)))
 
 
 SCALE_ARRAYS = _scale_arrays()
 
 
-def scale_round_up_kernel(jit: Callable, f2u: Callable, u2f: Callable) -> Callable:
-    """The scale round-up (SPEC §2.3) of `ScaleTraits.round_up` as one scalar function for the
-    kernels: `round_up(s, sdt)` rounds a raw f32 scale `s >= 0` UP to the scale dtype with id
-    `sdt` (`SCALE_IDS` position), reading this module's `SCALE_ARRAYS`. Every kernel backend
-    compiles this one source with its own compiler: `jit` (numba's `njit(inline="always")` for
-    the CPU, `cuda.jit(device=True, inline="always")` for the GPU) and its f32 <-> u32 bit casts
-    (`f2u`, `u2f`). The tests pin it against `ScaleTraits.round_up` for every scale dtype."""
+def scale_round_kernel(jit: Callable, f2u: Callable, u2f: Callable) -> Callable:
+    """The scale rounding of `ScaleSlot.store` (SPEC §2.3 and its rules) as one scalar function
+    for the kernels: `round_scale(s, slot)` rounds a raw f32 scale `s >= 0` (for rule `mx`: the
+    statistic) into the scale slot with id `slot` (`SCALE_SLOTS` position), reading this
+    module's `SCALE_ARRAYS`. Every kernel backend compiles this one source with its own
+    compiler: `jit` (numba's `njit(inline="always")` for the CPU, `cuda.jit(device=True,
+    inline="always")` for the GPU) and its f32 <-> u32 bit casts (`f2u`, `u2f`). The tests pin
+    it against `ScaleSlot.store` for every slot."""
     import math
 
-    from numba import float32, uint32
+    from numba import float32, int32, uint32
 
     top, least = SCALE_ARRAYS.max_value, SCALE_ARRAYS.least
-    sub_below, sub_quantum = SCALE_ARRAYS.sub_below, SCALE_ARRAYS.sub_quantum
-    add, mask = SCALE_ARRAYS.round_add, SCALE_ARRAYS.round_mask
+    grid_below, grid_quantum = SCALE_ARRAYS.grid_below, SCALE_ARRAYS.grid_quantum
+    add, mask, shift = SCALE_ARRAYS.round_add, SCALE_ARRAYS.round_mask, SCALE_ARRAYS.word_shift
+    rule, emax = SCALE_ARRAYS.rule, SCALE_ARRAYS.emax
+    up, mx = SCALE_ROUNDS.index("up"), SCALE_ROUNDS.index("mx")
+    two23 = np.float32(2.0**23)
 
-    def round_up(s, sdt):
+    def round_scale(s, slot):
         s = float32(s)
-        if s >= top[sdt]:  # the dtype's largest value (F32: inf stays inf)
-            return float32(top[sdt])
-        if s <= least[sdt]:  # the smallest positive scale
-            return float32(least[sdt])
-        if s < sub_below[sdt]:  # the uniform grid below the smallest normal (exact)
-            q = sub_quantum[sdt]
-            return float32(float32(math.ceil(float32(s / q))) * q)
-        return u2f(uint32((f2u(s) + add[sdt]) & mask[sdt]))  # up to the next representable, on the bits
+        r = rule[slot]
+        if r == mx:  # 2^(floor(log2 s) - emax), exact on the exponent field of the statistic s
+            e = int32(f2u(s) >> uint32(23)) - emax[slot]
+            if e < 1:
+                return float32(least[slot])
+            return u2f(uint32(e) << uint32(23))
+        if s >= top[slot]:  # the dtype's largest value (F32: inf stays inf)
+            return float32(top[slot])
+        if s <= least[slot]:  # the smallest positive scale
+            return float32(least[slot])
+        if s < grid_below[slot]:  # the uniform grid below the smallest normal (exact)
+            q = grid_quantum[slot]
+            y = float32(s / q)
+            if r == up:
+                return float32(float32(math.ceil(y)) * q)
+            return float32(float32(float32(y + two23) - two23) * q)  # nearest, ties to even (y < 2^22)
+        b = f2u(s)
+        if r == up:
+            return u2f(uint32((b + add[slot]) & mask[slot]))  # up to the next representable, on the bits
+        if add[slot] == 0:  # F32: the identity
+            return s
+        b = uint32((b + (add[slot] >> uint32(1)) + ((b >> shift[slot]) & uint32(1))) & mask[slot])  # ties to even
+        return max(u2f(b), float32(least[slot]))
 
-    return jit(round_up)
+    return jit(round_scale)

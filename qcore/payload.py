@@ -9,7 +9,7 @@ The payload length is fully determined by shape and scheme; anything else is `In
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
@@ -88,7 +88,7 @@ class QuantizedData:
                     f"payload table differs from the named table of {sch}; "
                     f"write the scheme as {sch.value}-lookup to carry a custom table"
                 )
-            sch = QuantScheme(sch.value, sch.mode, checked, sch.block, sch.tensor, sch._store)
+            sch = replace(sch, table=checked)
         object.__setattr__(self, "scheme", sch)
         scales = self.scales()
         bad = ~np.isfinite(scales) | np.signbit(scales)

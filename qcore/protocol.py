@@ -53,7 +53,7 @@ def empty_params(shape: tuple[int, ...], scheme: QuantScheme) -> QParams:
     """The calibration of an empty tensor (docs/spec-choices.md): every slot's statistic is 0,
     so zero scales stored in the slot dtype; two-level `g` is its floor 1.17549435e-38."""
     zeros = np.zeros(layout.grid_shape(shape, scheme), dtype=np.float32)
-    stored = scheme.slot_dtype.traits.store(zeros).reshape(zeros.shape)
+    stored = scheme.scale_rounding.store(zeros).reshape(zeros.shape)
     return QParams(stored, float(F32_TINY) if scheme.two_level else None)
 
 
@@ -219,7 +219,7 @@ class BaseBackend(abc.ABC):
             g = float(np.float32(g))
         elif g is not None:
             raise InputError(f"{scheme} has one scale level: params.global_scale must be None, got {g!r}")
-        stored = scheme.slot_dtype.traits.store(s.astype(np.float32)).reshape(grid)
+        stored = scheme.given_scale_rounding.store(s.astype(np.float32)).reshape(grid)
         return QParams(stored, g)
 
     @staticmethod

@@ -8,13 +8,14 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .codecs import SCALES, VALUES, ScaleTraits, ValueTraits
+from .codecs import MX_DTYPES, SCALE_SLOTS, SCALES, VALUES, ScaleSlot, ScaleTraits, ValueTraits, scale_slot_id
 from .errors import SchemeError
 
 __all__ = [
     "QuantValue",
     "QuantMode",
     "ScaleDtype",
+    "ScaleRound",
     "StoreKind",
     "QuantStore",
     "Native",
@@ -73,6 +74,19 @@ class ScaleDtype(enum.Enum):
     @property
     def traits(self) -> ScaleTraits:
         return SCALES[self.value]
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ScaleRound(enum.Enum):
+    """How a raw scale becomes a stored one (docs/spec.md "Extensions"): UP is SPEC v1's
+    round-up; RNE rounds to the nearest value of the scale dtype, ties to even; MX is OCP MX's
+    `2^(floor(log2 amax) - emax(value))` (one UE8M0 block level, symmetric values)."""
+
+    UP = "up"
+    RNE = "rne"
+    MX = "mx"
 
     def __str__(self) -> str:
         return self.value
@@ -219,12 +233,14 @@ class QuantScheme:
     block: BlockLevel | None = None
     tensor: TensorLevel | None = None
     _store: QuantStore | None = None  # None = the default store for the value
+    scale_round: ScaleRound = ScaleRound.UP
 
     def __post_init__(self) -> None:
         value = _coerce(QuantValue, self.value, "value")
         mode = _coerce(QuantMode, self.mode, "mode")
         object.__setattr__(self, "value", value)
         object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "scale_round", _coerce(ScaleRound, self.scale_round, "scale rounding rule"))
         t = value.traits
         # A per-tensor F32 level alone is the same as no level: normalise so both compare equal.
         if self.block is None and self.tensor == TensorLevel(ScaleDtype.F32):
@@ -260,6 +276,13 @@ class QuantScheme:
                 object.__setattr__(self, "table", _check_table(self.table, t.bits))
         elif self.table is not None:
             raise SchemeError("a table is only meaningful with mode LOOKUP; use with_mode(LOOKUP, table)")
+        if self.scale_round is ScaleRound.MX and (
+                self.block is None or self.tensor is not None or self.block.dtype.value not in MX_DTYPES
+                or mode is not QuantMode.SYMMETRIC):
+            raise SchemeError(
+                f"scale rounding mx (OCP MX: 2^(floor(log2 amax) - emax)) needs one block level of "
+                f"{'/'.join(MX_DTYPES)} scales and a symmetric value, got {self}; e.g. e2m1/block32:ue8m0/round:mx"
+            )
 
     # ------------------------------------------------------------------ derived facts
     @staticmethod
@@ -289,6 +312,37 @@ class QuantScheme:
         if self.block is not None:
             return self.block.dtype
         return self.tensor.dtype if self.tensor is not None else ScaleDtype.F32
+
+    @property
+    def payload_form(self) -> "QuantScheme":
+        """This scheme under v1's rounding rule: the same payload layout and the same decode (a
+        rule only decides how quantize picks the scales), so what formats compare against."""
+        return self if self.scale_round is ScaleRound.UP else replace(self, scale_round=ScaleRound.UP)
+
+    @property
+    def scale_divisor(self) -> float:
+        """What the statistic is divided by for the raw scale (SPEC §2.1): `h`
+        (`half_range`), or 1 under the MX rule, which rounds the statistic itself."""
+        return 1.0 if self.scale_round is ScaleRound.MX else self.half_range
+
+    @property
+    def scale_rounding(self) -> ScaleSlot:
+        """The slot dtype with this scheme's rounding rule: `store(raw)` rounds raw scales."""
+        return SCALE_SLOTS[self.scale_slot]
+
+    @property
+    def given_scale_rounding(self) -> ScaleSlot:
+        """How scales a caller gives (`params=`) are rounded into the slot dtype: by the scheme's
+        rule, except that under MX a given scale is already a scale (not a statistic) and is
+        rounded down to a power of two (`2^floor(log2 s)`, the MX rule with emax 0)."""
+        if self.scale_round is ScaleRound.MX:
+            return SCALE_SLOTS[scale_slot_id(self.slot_dtype.value, "mx", 0)]
+        return self.scale_rounding
+
+    @property
+    def scale_slot(self) -> int:
+        """Kernel id of the slot dtype under this scheme's rounding rule (`codecs.SCALE_SLOTS`)."""
+        return scale_slot_id(self.slot_dtype.value, self.scale_round.value, self.traits.emax)
 
     @property
     def code_dtype(self) -> np.dtype:
@@ -359,6 +413,11 @@ class QuantScheme:
     def per_tensor(self, dtype: ScaleDtype | str = ScaleDtype.F32) -> "QuantScheme":
         return replace(self, tensor=TensorLevel(_coerce(ScaleDtype, dtype, "scale dtype")))
 
+    def with_scale_round(self, rule: ScaleRound | str) -> "QuantScheme":
+        """The same scheme with scales rounded by `rule` (up, rne, mx); the payload layout is
+        unchanged, only the stored scales (and so the codes) differ."""
+        return replace(self, scale_round=_coerce(ScaleRound, rule, "scale rounding rule"))
+
     # ------------------------------------------------------------------ text
     def __str__(self) -> str:
         head = self.value.value
@@ -372,6 +431,8 @@ class QuantScheme:
             parts.append(f"tensor:{self.tensor.dtype}")
         if self._store is not None:
             parts.append(str(self._store))
+        if self.scale_round is not ScaleRound.UP:
+            parts.append(f"round:{self.scale_round}")
         return "/".join(parts)
 
     def __repr__(self) -> str:
@@ -414,6 +475,7 @@ _HEAD = re.compile(r"^(?P<value>[a-z0-9]+)(?P<lookup>-lookup(\[(?P<table>[a-z0-9
 _BLOCK = re.compile(r"^block(?P<dims>\d+(x\d+)*)(:(?P<dtype>[a-z0-9]+))?$")
 _TENSOR = re.compile(r"^tensor(:(?P<dtype>[a-z0-9]+))?$")
 _STORE = re.compile(r"^(?P<kind>native|packed_u32|packed_native)(:(?P<dim>\d+))?$")
+_ROUND = re.compile(r"^round:(?P<rule>[a-z0-9]+)$")
 
 _EXAMPLES = "e.g. 'q8s', 'q4s/block32:f16', 'e2m1/block16:ue4m3/tensor:f32/packed_native', 'nf4'"
 
@@ -432,6 +494,8 @@ def scheme(text: str | QuantScheme) -> QuantScheme:
     if t in PRESETS:
         return PRESETS[t]
     pieces = t.split("/")
+    if pieces[0] in PRESETS and len(pieces) == 2 and _ROUND.match(pieces[1]):  # 'mxfp4/round:mx'
+        return PRESETS[pieces[0]].with_scale_round(_ROUND.match(pieces[1])["rule"])
     m = _HEAD.match(pieces[0])
     if not m:
         raise SchemeError(f"cannot parse scheme {text!r}: bad value {pieces[0]!r}; {_EXAMPLES}")
@@ -444,7 +508,7 @@ def scheme(text: str | QuantScheme) -> QuantScheme:
             kwargs["table"] = TABLES[m["table"]]
     seen: set[str] = set()
     for piece in pieces[1:]:
-        for what, rx in (("block", _BLOCK), ("tensor", _TENSOR), ("store", _STORE)):
+        for what, rx in (("block", _BLOCK), ("tensor", _TENSOR), ("store", _STORE), ("round", _ROUND)):
             pm = rx.match(piece)
             if pm:
                 break
@@ -459,6 +523,8 @@ def scheme(text: str | QuantScheme) -> QuantScheme:
             kwargs["block"] = BlockLevel(_normalize_dims(dims), dtype)
         elif what == "tensor":
             kwargs["tensor"] = TensorLevel(_coerce(ScaleDtype, pm["dtype"] or "f32", "scale dtype"))
+        elif what == "round":
+            kwargs["scale_round"] = _coerce(ScaleRound, pm["rule"], "scale rounding rule")
         else:
             kwargs["_store"] = QuantStore(StoreKind(pm["kind"]), _parse_int(pm["dim"] or "0", "packing axis", text))
     return QuantScheme(**kwargs)

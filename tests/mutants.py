@@ -257,10 +257,10 @@ class Full(ReferenceBackend):
         return encode(y, s)
 
     def _round_scales(self, s_raw: np.ndarray, s: QuantScheme) -> np.ndarray:
-        return s.slot_dtype.traits.store(s_raw).reshape(np.shape(s_raw))
+        return s.scale_rounding.store(s_raw).reshape(np.shape(s_raw))
 
     def _raw_scale(self, stat: np.ndarray, s: QuantScheme) -> np.ndarray:
-        return (stat / np.float32(s.half_range)).astype(np.float32)
+        return (stat / np.float32(s.scale_divisor)).astype(np.float32)
 
     def _statistic_input(self, x: np.ndarray) -> np.ndarray:
         return x

@@ -21,14 +21,48 @@ from tests.mutants import NARROW_EXPECT, Narrow, NarrowRefusesBlocks
 def test_strata_partition_the_whole_space_by_value_level_kind_dtype_and_store():
     space = set(C.scheme_space(full=True)) | set(qcore.PRESETS.values())
     st = S.strata()
-    assert sorted(s for x in st for s in map(str, x.candidates)) == sorted(map(str, space))
+    v1 = [x for x in st if not x.id.startswith("round:")]
+    assert sorted(s for x in v1 for s in map(str, x.candidates)) == sorted(map(str, space))
     assert len({x.id for x in st}) == len(st)
     keys = {(C.value_label(s), S.level_kind(s), str(s.slot_dtype), s.store.kind.value) for s in space}
-    assert len(keys) == len(st) == 360
-    for x in st:  # each stratum with a block or a packing axis rotates over their variants
+    assert len(keys) == len(v1) == 360
+    for x in v1:  # each stratum with a block or a packing axis rotates over their variants
         if x.id.endswith("/native") and "/tensor:" in x.id:
             continue
         assert len({(s.block.dims if s.block else None, s.store.dim) for s in x.candidates}) >= 2, x.id
+
+
+def test_rounding_rule_strata_hold_every_scheme_under_each_rule_that_differs():
+    """The other scale rounding rules have strata per (rule, level kind, scale dtype), holding the
+    whole space under the rule wherever it applies (not rne on F32 slots: the identity)."""
+    space = set(C.scheme_space(full=True)) | set(qcore.PRESETS.values())
+    ruled = [x for x in S.strata() if x.id.startswith("round:")]
+    got = {s for x in ruled for s in x.candidates}
+    want = {s.with_scale_round("rne") for s in space if str(s.slot_dtype) != "f32"}
+    want |= {s.with_scale_round("mx") for s in space
+             if s.block is not None and s.tensor is None and str(s.block.dtype) == "ue8m0" and not s.is_lookup}
+    assert got == want
+    assert {x.id for x in ruled} >= {"round:mx/block:ue8m0", "round:rne/two-level:ue4m3", "round:rne/tensor:f16"}
+    assert all(s.scale_round.value == "up" for g in S.groups() for s in g.candidates)
+
+
+def test_bounds_inputs_aim_at_each_rules_boundaries():
+    """`bounds` slots under rne aim the raw scale at a midpoint between storable values (and an ulp
+    either side); under mx, whose raw scale is amax itself, at a power of two."""
+    for text, check in (("q8s/block32:f16/round:rne", "tie"), ("q8s/block32:ue8m0/round:mx", "pow2")):
+        s = qcore.scheme(text)
+        hits = 0
+        for seed in range(6):
+            x = scheme_input((4, 192), "bounds", s, seed)
+            amax = np.abs(x).reshape(-1, 32).max(1)
+            raw = (amax / np.float32(s.scale_divisor)).astype(np.float32)
+            if check == "tie":  # an ulp either side rounds to different storable values
+                rne = s.slot_dtype.traits.round_nearest
+                hits += int(np.sum((raw > 0) & (rne(np.nextafter(raw, np.float32(np.inf)))
+                                                != rne(np.nextafter(raw, np.float32(0))))))
+            else:
+                hits += int(np.sum((raw > 0) & (np.frexp(raw)[0] == 0.5)))
+        assert hits >= 3, (text, hits)
 
 
 def test_supported_strata_get_two_separating_cases_and_refused_ones_one():
@@ -161,13 +195,15 @@ def test_strata_subset_spreads_over_groups():
     the scale dtypes and store kinds over between groups, and spreads a smaller cap evenly."""
     from qcore.conformance import sampling as S
 
-    groups = {g.id for g in S.groups()}
+    groups = {g.id for g in S.groups()} | {"round:rne", "round:mx"}
     assert S.strata_subset(None) == S.strata()
+    v1 = [s for s in S.strata() if not s.id.startswith("round:")]
     for n in (len(groups), 48, 100):
         sub = S.strata_subset(n)
         assert len(sub) == n and len(set(sub)) == n
-        assert {s.id.split(":")[0] for s in sub} == groups  # "q8f/block:f16/native" -> "q8f/block"
-        assert {s.id.rsplit("/", 1)[1] for s in sub} == {s.id.rsplit("/", 1)[1] for s in S.strata()}
-        assert len({s.id.split(":")[1].split("/")[0] for s in sub}) == 5  # f32, f16, bf16, ue8m0, ue4m3
+        assert {S.group_of(s) for s in sub} == groups
+        assert {s.id.split(":")[0] for s in sub if s in v1} == groups - {"round:rne", "round:mx"}
+        assert {s.id.rsplit("/", 1)[1] for s in sub if s in v1} == {s.id.rsplit("/", 1)[1] for s in v1}
+        assert len({s.id.split(":")[1].split("/")[0] for s in sub if s in v1}) == 5  # the five scale dtypes
     few = S.strata_subset(6)
     assert len({s.id.split("/")[0] for s in few}) == 6  # six different values, not the first group's

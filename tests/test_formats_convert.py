@@ -57,6 +57,28 @@ def test_qcore_mxfp4_round_trips_through_gguf_and_gpt_oss(tmp_path):
     assert np.array_equal(back["norm"], q["norm"])
 
 
+def test_a_scale_rounding_rule_converts_losslessly(tmp_path):
+    """mxfp4 quantized under the OCP MX rule and Q8_0 under rne: the same payload layout as v1's
+    schemes, so every format takes them byte for byte; the files hold no rule, so they read back
+    as the v1 scheme with the same bytes."""
+    q = {"experts": qcore.quantize(_x((4, 64), 4), "mxfp4/round:mx", backend="reference").to_data(),
+         "attn": qcore.quantize(_x((4, 64), 5), "q8s/block32:f16/round:rne", backend="reference").to_data()}
+    qcore.save(tmp_path / "a.safetensors", q)
+    for fmt, names in (("gguf", ("experts", "attn")), ("compressed-tensors", ("experts",)), ("gpt-oss", ("experts",))):
+        keep = {n: q[n] for n in names}
+        qcore.save(tmp_path / f"src-{fmt}.safetensors", keep)
+        dst = tmp_path / (f"{fmt}.gguf" if fmt == "gguf" else f"{fmt}-dir")
+        if fmt != "gguf":
+            dst.mkdir()
+            dst = dst / "model.safetensors"
+        report = qcore.convert(tmp_path / f"src-{fmt}.safetensors", dst, fmt)
+        assert report.lossless, fmt
+        back = qf.get(fmt).read(dst).tensors
+        for n in names:
+            got = back[n] if n in back else next(v for k, v in back.items() if k.startswith(n))
+            assert got.payload == q[n].payload and got.scheme == q[n].scheme.payload_form, (fmt, n)
+
+
 def test_gguf_model_round_trips_through_gpt_oss_and_qcore(tmp_path):
     """GGUF (written by gguf) -> qcore -> GGUF: the same tensor bytes and key-values. The Q8_0 tensor
     cannot go to gpt-oss (MXFP4 only), so that leg carries the MXFP4 experts alone."""

@@ -178,3 +178,17 @@ def test_a_file_with_the_magic_but_no_gguf_is_invalid_data(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\xff" * 20)
     with pytest.raises(qcore.InvalidDataError, match=r"bad.gguf is not a readable GGUF file"):
         qf.read(tmp_path / "bad.gguf")
+
+
+def test_rne_scales_are_the_scales_llama_cpp_stores_for_q8_0():
+    """`q8s/block32:f16/round:rne` rounds `amax / 127` to f16 as ggml's Q8_0 quantizer does (gguf-py's
+    `quants.quantize`, its numpy twin): the same scale bytes; `up` (SPEC v1) differs."""
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((64, 256)) * np.exp(rng.uniform(-5, 5, (64, 1)))).astype(np.float32)
+    blocks = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0).reshape(-1, 34)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(-1)
+    ref = qcore.backend("reference")
+    rne = ref.into_data(ref.quantize(x, "q8s/block32:f16/round:rne")).scales().reshape(-1)
+    up = ref.into_data(ref.quantize(x, "q8s/block32:f16")).scales().reshape(-1)
+    assert np.array_equal(rne.view(np.uint32), d.view(np.uint32))
+    assert not np.array_equal(up, d)

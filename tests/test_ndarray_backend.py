@@ -16,7 +16,7 @@ import pytest
 
 import qcore
 from qcore import InputError, QParams, QTensor, UnsupportedSchemeError
-from qcore.codecs import SCALES, VALUES
+from qcore.codecs import SCALE_SLOTS, SCALES, VALUES
 
 if "ndarray" not in os.environ.get("QCORE_REQUIRE_BACKENDS", "").split(","):  # CI requires it: fail, not skip
     pytest.importorskip("qcore_ndarray", reason="the ndarray plugin is not installed: pip install -e backends/ndarray")
@@ -235,16 +235,36 @@ def test_true_division_not_reciprocal_multiply(text):
     assert_same_bits(q.to_data().codes(), true.astype(np.int8), "codes")
 
 
-@pytest.mark.parametrize("dt", list(SCALES))
-def test_round_up_kernel_matches_codecs(dt):
-    """kernels.round_up_scalar (fused path) equals qcore.codecs' numpy rule on every exponent."""
+@pytest.mark.parametrize("slot", range(len(SCALE_SLOTS)),
+                         ids=[f"{t.traits.name}-{t.rule}{t.emax if t.rule == 'mx' else ''}" for t in SCALE_SLOTS])
+def test_round_scale_kernel_matches_codecs(slot):
+    """kernels.round_scale_scalar (fused path) equals qcore.codecs' numpy rule on every exponent,
+    for every scale dtype under every rounding rule (`SCALE_SLOTS`)."""
     exps = np.arange(0, 255, dtype=np.uint32) << np.uint32(23)
     mants = np.array([0, 1, 0x1FFF, 0x2000, 0xFFFF, 0x10000, 0xFFFFF, 0x100000, 0x400000, 0x7FFFFF], np.uint32)
     bits = (exps[:, None] | mants[None, :]).reshape(-1)
     bits = np.concatenate([bits, RNG.integers(0, 0x7F800000, 20000, dtype=np.uint32)])
     s = bits.view(np.float32)
-    got = kernels.round_up_array(s, kernels.SCALE_CODES[dt])
-    assert_same_bits(got, SCALES[dt].store(s), f"round up to {dt}")
+    got = kernels.round_scale_array(s, slot)
+    assert_same_bits(got, SCALE_SLOTS[slot].store(s), f"slot {SCALE_SLOTS[slot]}")
+
+
+def test_cached_kernels_are_keyed_on_the_codecs_tables():
+    """The kernels freeze qcore.codecs' tables in; numba's disk cache keys on kernels.py only, so
+    each cached kernel's key also carries a hash of qcore/codecs.py (an edit there, or an upgrade,
+    compiles again instead of loading stale tables)."""
+    import hashlib
+
+    from qcore import codecs
+
+    want = ("qcore.codecs", hashlib.sha256(open(codecs.__file__, "rb").read()).hexdigest())
+    disp = kernels.round_scale_array
+    sig = disp.signatures[0] if disp.signatures else None
+    if sig is None:
+        disp(np.float32([1.0]), 0)
+        sig = disp.signatures[0]
+    key = disp._cache._index_key(sig, disp.targetctx.codegen())
+    assert key[-1] == want
 
 
 # --------------------------------------------------------------------------- explicit params

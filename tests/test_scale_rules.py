@@ -1,10 +1,14 @@
-"""One home for the scale rules (SPEC §2.3, §3): the numbers in `qcore.codecs.SCALE_ARRAYS`
-give the same round-up and the same stored words as the trait rows, and the cuda device
-functions built on them (`qcore_cuda.scales`) agree with both, bit for bit."""
+"""One home for the scale rules (SPEC §2.3, §3, and the rounding rules of docs/spec.md
+"Extensions"): the numbers in `qcore.codecs.SCALE_ARRAYS` give the same rounding and the same
+stored words as the slot rows (`SCALE_SLOTS`: every scale dtype under every rule), and the cuda
+device functions built on them (`qcore_cuda.scales`) agree with both, bit for bit."""
 import numpy as np
 import pytest
 
-from qcore.codecs import SCALE_ARRAYS, SCALE_IDS, SCALES, bits_f32, f32_bits
+from qcore.codecs import SCALE_ARRAYS, SCALE_IDS, SCALE_SLOTS, SCALES, bits_f32, f32_bits
+
+SLOTS = range(len(SCALE_SLOTS))
+SLOT_IDS = [f"{t.traits.name}-{t.rule}{t.emax if t.rule == 'mx' else ''}" for t in SCALE_SLOTS]
 
 
 def _raw_scales(n_random: int = 3000) -> np.ndarray:
@@ -25,23 +29,30 @@ def _word(e: np.ndarray, i: int) -> np.ndarray:
     return np.where(e < A.sub_below[i], sub, normal)
 
 
-@pytest.mark.parametrize("name", SCALE_IDS)
-def test_word_formula_matches_the_trait_row(name):
+@pytest.mark.parametrize("slot", SLOTS, ids=SLOT_IDS)
+def test_word_formula_matches_the_trait_row(slot):
     """`(bits >> shift) - rebias` (normal) or `e / quantum` (below the smallest normal) is the
-    byte pattern `ScaleTraits.encode` stores, for every scale the round-up can produce."""
-    tr = SCALES[name]
-    e = tr.store(_raw_scales())
+    byte pattern `ScaleTraits.encode` stores, for every scale each rule can produce."""
+    row = SCALE_SLOTS[slot]
+    tr = row.traits
+    e = row.store(_raw_scales())
     e = e[np.isfinite(e)]
+    assert np.array_equal(f32_bits(tr.decode(tr.encode(e))), f32_bits(e)), "a rule produced an unstorable scale"
     want = tr.encode(e).astype(np.int64)
-    np.testing.assert_array_equal(_word(e, SCALE_IDS.index(name)), want)
+    np.testing.assert_array_equal(_word(e, slot), want)
 
 
 def test_arrays_follow_the_rows():
-    for i, name in enumerate(SCALE_IDS):
-        tr = SCALES[name]
+    from qcore.codecs import SCALE_ROUNDS
+
+    for i, row in enumerate(SCALE_SLOTS):
+        tr = row.traits
         assert SCALE_ARRAYS.round_add[i] == tr.round_add and SCALE_ARRAYS.round_mask[i] == tr.round_mask
         assert np.float32(SCALE_ARRAYS.max_value[i]) == np.float32(tr.max_value)
         assert SCALE_ARRAYS.nbytes[i] == tr.nbytes
+        assert SCALE_ROUNDS[SCALE_ARRAYS.rule[i]] == row.rule and SCALE_ARRAYS.emax[i] == row.emax
+    for i, name in enumerate(SCALE_IDS):  # a dtype's v1 slot is its SCALE_IDS position
+        assert SCALE_SLOTS[i].traits is SCALES[name] and SCALE_SLOTS[i].rule == "up"
     assert not SCALE_ARRAYS.max_value.flags.writeable  # frozen into kernels: never edited in place
 
 
@@ -53,13 +64,13 @@ from numba import cuda  # noqa: E402
 
 
 def _kernel():
-    from qcore_cuda.scales import round_up, scale_word, word_scale
+    from qcore_cuda.scales import round_scale, scale_word, word_scale
 
     @cuda.jit
     def k_scales(s, sdt, up, words, back):
         start = cuda.grid(1)
         for j in range(start, s.size, cuda.gridsize(1)):
-            r = round_up(s[j], sdt)
+            r = round_scale(s[j], sdt)
             up[j] = r
             w = scale_word(r, sdt)
             words[j] = w
@@ -68,15 +79,16 @@ def _kernel():
     return k_scales
 
 
-@pytest.mark.parametrize("name", SCALE_IDS)
-def test_cuda_scale_functions_match_codecs(cuda_backend, name):
-    """The device round-up, word and its inverse (used by every cuda kernel) on a few hundred
-    raw scales, against `qcore.codecs`."""
+@pytest.mark.parametrize("slot", SLOTS, ids=SLOT_IDS)
+def test_cuda_scale_functions_match_codecs(cuda_backend, slot):
+    """The device rounding, word and its inverse (used by every cuda kernel) on a few hundred
+    raw scales, against `qcore.codecs`, for every scale dtype under every rule."""
     s = _raw_scales(200)[::5].copy()
-    tr, i = SCALES[name], SCALE_IDS.index(name)
+    row = SCALE_SLOTS[slot]
+    tr = row.traits
     up, words, back = (cuda.device_array(s.size, dt) for dt in (np.float32, np.uint32, np.float32))
-    _kernel()[2, 32](cuda.to_device(s), i, up, words, back)
-    want = tr.store(s)
+    _kernel()[2, 32](cuda.to_device(s), slot, up, words, back)
+    want = row.store(s)
     np.testing.assert_array_equal(f32_bits(up.copy_to_host()), f32_bits(want))
     np.testing.assert_array_equal(words.copy_to_host(), tr.encode(want).astype(np.uint32))
     np.testing.assert_array_equal(f32_bits(back.copy_to_host()), f32_bits(tr.decode(tr.encode(want))))

@@ -12,7 +12,9 @@ clamps, scale rounding and block bookkeeping:
   +0.0 and -0.0. Each slot's `max |x|` (`h * 2**j`, alternating sign) sits on the slot's first,
   last or middle element in turn, and on the tensor's first and last elements.
 - `bounds`: each slot takes one theme in turn: the raw scale `max|x| / h` exactly at a storable
-  value of the slot dtype, one f32 ulp above it, one below it; a subnormal scale (f32-subnormal
+  value of the slot dtype, one f32 ulp above it, one below it (under rule `rne`: at the midpoint
+  between two storable values and one ulp either side; under `mx`, whose raw scale is `max|x|`
+  itself: at a power of two and one ulp either side); a subnormal scale (f32-subnormal
   inputs included); a scale above the dtype's largest value (stored clamped, so codes saturate);
   an all-zero slot with -0.0 entries.
 
@@ -125,11 +127,21 @@ def _storable(s: QuantScheme, rng: np.random.Generator) -> float:
     return float(tr.store(np.array([raw], np.float32))[0])
 
 
+def _tie(s: QuantScheme, v: float) -> float:
+    """Under rule `rne`, the midpoint between storable `v` and the next storable value (exact in
+    f32: the scale dtypes have fewer mantissa bits); `v` itself under the other rules."""
+    if s.scale_round.value != "rne":
+        return v
+    tr = s.slot_dtype.traits
+    nxt = tr.round_up(np.array([np.nextafter(_F32(v), _F32(np.inf))], np.float32))[0]
+    return float((_F32(v) + nxt) / _F32(2)) if np.isfinite(nxt) and nxt <= tr.max_value else v
+
+
 def _target_scale(s: QuantScheme, theme: str, rng: np.random.Generator) -> float:
     """The raw scale `max|x| / h` a `bounds` slot aims at."""
     tr = s.slot_dtype.traits
     if theme in ("at", "above", "below"):
-        v = _F32(_storable(s, rng))
+        v = _F32(_tie(s, _storable(s, rng)))
         if theme == "above":
             v = np.nextafter(v, _F32(np.inf))
         elif theme == "below":
@@ -164,7 +176,7 @@ def _bounds(shape, s: QuantScheme, seed: int) -> np.ndarray:
     rng = _rng(shape, s, seed, "bounds")
     slots = slot_ids(shape, s)
     nslots = math.prod(layout.grid_shape(shape, s))
-    h = float(_F32(s.half_range))
+    h = float(_F32(s.scale_divisor))
     rot = int(rng.integers(0, len(_BOUND_THEMES)))
     maxes = np.array([_max_for_scale(_target_scale(s, _BOUND_THEMES[(k + rot) % len(_BOUND_THEMES)], rng), h)
                       for k in range(nslots)], np.float64)

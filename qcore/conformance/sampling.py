@@ -15,6 +15,10 @@ under test says it supports:
 - a stratum with refused candidates gets one rejection case (every entry point must raise
   `UnsupportedSchemeError`).
 
+The scale rounding rules other than SPEC v1's round-up (`rne`, `mx`) add strata of their own,
+one per (rule, level kind, scale dtype) whatever the value and store: every scheme of the
+space under each rule that applies to it (not `rne` on F32 slots, where it is the identity).
+
 The per-scheme checks (bad input, ops, cross-backend) run on coarser **groups**, one per
 (value x mode, level kind), on one supported candidate each. `--full` takes every candidate of
 every stratum on every shape.
@@ -28,11 +32,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..scheme import PRESETS, QuantScheme
+from ..errors import SchemeError
+from ..scheme import PRESETS, QuantScheme, ScaleDtype, ScaleRound
 from . import cases as C
 from . import checks as K
 
-__all__ = ["Settings", "Stratum", "level_kind", "strata", "groups", "subset", "strata_subset", "stratum_cases",
+__all__ = ["Settings", "Stratum", "level_kind", "strata", "groups", "group_of", "subset", "strata_subset", "stratum_cases",
            "check_stratum", "check_group", "tested_nothing", "supports_nothing"]
 
 GROUP_KINDS = ("bad-input", "ops", "cross")
@@ -72,10 +77,23 @@ def _space() -> tuple[QuantScheme, ...]:
     seen = dict.fromkeys(C.scheme_space(True))
     for p in PRESETS.values():
         seen.setdefault(p)
+    for s in list(seen):  # the other scale rounding rules, where they apply and differ
+        for rule in OTHER_ROUNDS:
+            if rule is ScaleRound.RNE and s.slot_dtype is ScaleDtype.F32:
+                continue
+            try:
+                seen.setdefault(s.with_scale_round(rule))
+            except SchemeError:
+                pass
     return tuple(seen)
 
 
+OTHER_ROUNDS = tuple(r for r in ScaleRound if r is not ScaleRound.UP)
+
+
 def _key(s: QuantScheme) -> str:
+    if s.scale_round is not ScaleRound.UP:
+        return f"round:{s.scale_round}/{level_kind(s)}:{s.slot_dtype}"
     return f"{C.value_label(s)}/{level_kind(s)}:{s.slot_dtype}/{s.store.kind.value}"
 
 
@@ -88,6 +106,8 @@ def _cut(by_group: bool) -> tuple[Stratum, ...]:
     keyf = _group_key if by_group else _key
     out: dict[str, list[QuantScheme]] = {}
     for s in _space():
+        if by_group and s.scale_round is not ScaleRound.UP:
+            continue  # the per-scheme checks run on v1's rule; the rules have their strata
         out.setdefault(keyf(s), []).append(s)
     return tuple(Stratum(k, i, tuple(v)) for i, (k, v) in enumerate(out.items()))
 
@@ -112,6 +132,13 @@ def subset(items: list, n: int | None) -> list:
     return [items[int(i * step)] for i in range(n)]
 
 
+def group_of(st: Stratum) -> str:
+    """The group a stratum is drawn with by `strata_subset`: its (value x mode, level kind), or
+    `round:RULE` for a rounding rule's strata."""
+    s = st.candidates[0]
+    return f"round:{s.scale_round}" if s.scale_round is not ScaleRound.UP else _group_key(s)
+
+
 def strata_subset(n: int | None) -> list[Stratum]:
     """`n` strata spread over the groups (all strata when n is None or large): one stratum of
     every (value x mode, level kind) group first, each group starting at a different scale dtype
@@ -123,7 +150,7 @@ def strata_subset(n: int | None) -> list[Stratum]:
         return every
     by_group: dict[str, list[Stratum]] = {}
     for st in every:
-        by_group.setdefault(_group_key(st.candidates[0]), []).append(st)
+        by_group.setdefault(group_of(st), []).append(st)
     rotated = [members[g % len(members):] + members[:g % len(members)]
                for g, members in enumerate(by_group.values())]
     picked: list[Stratum] = []

@@ -22,7 +22,7 @@ BLOCK = 32
 
 def check(value: object, target: str) -> Support:
     """Whether `value` is an mxfp4 tensor whose blocks are whole (last dim a multiple of 32)."""
-    if not isinstance(value, QuantizedData) or value.scheme != MXFP4:
+    if not isinstance(value, QuantizedData) or value.scheme.payload_form != MXFP4:
         got = value.scheme if isinstance(value, QuantizedData) else f"a {value.dtype} array"
         return Support.no(f"{target} holds mxfp4 blocks, got {got}")
     if value.shape[-1] % BLOCK:

@@ -68,7 +68,7 @@ MXFP4_ARGS = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 3
 
 
 def _kind(s: QuantScheme) -> _Kind | None:
-    if s == _mx.MXFP4:
+    if s.payload_form == _mx.MXFP4:
         return _Kind("mxfp4-pack-quantized", 4, "float")
     if s.value in (QuantValue.Q4F, QuantValue.Q8F) and s.store.kind is StoreKind.PACKED_U32 and \
             s.store.dim == 0 and not s.two_level:  # packed along the last axis
@@ -294,7 +294,7 @@ class CompressedTensorsFormat(Format):
     def check(self, name: str, value: Tensor) -> Support:
         if isinstance(value, QuantizedData):
             s = value.scheme
-            if s == _mx.MXFP4:
+            if s.payload_form == _mx.MXFP4:
                 if len(value.shape) != 2:
                     return Support.no(f"compressed-tensors weights are 2-D, got shape {list(value.shape)}")
                 return _mx.check(value, "compressed-tensors")
@@ -324,7 +324,7 @@ class CompressedTensorsFormat(Format):
                 continue
             mod = spelled.get(name) or _module(name)
             s = value.scheme
-            if s == _mx.MXFP4:
+            if s.payload_form == _mx.MXFP4:
                 blocks, scales = _mx.split(value)
                 arrays[f"{mod}.{PACKED}"] = blocks.reshape(value.shape[0], value.shape[1] // 2)
                 arrays[f"{mod}.{SCALE}"] = scales

@@ -171,11 +171,11 @@ class GGUFFormat(Format):
         if len(value.shape) > _MAX_DIMS:
             return Support.no(f"GGUF tensors have at most {_MAX_DIMS} dims, got shape {list(value.shape)}")
         if isinstance(value, QuantizedData):
-            if value.scheme in Q8_SCHEMES:
+            if value.scheme.payload_form in Q8_SCHEMES:
                 if value.shape[-1] % 32:
                     return Support.no(f"Q8_0 needs whole blocks of 32 along the last dim, got {list(value.shape)}")
                 return Support.yes()
-            if value.scheme == _mx.MXFP4:
+            if value.scheme.payload_form == _mx.MXFP4:
                 return _mx.check(value, "GGUF MXFP4")
             return Support.no(
                 f"GGUF holds qcore q8s/block32:f16 (Q8_0) and mxfp4 (MXFP4) exactly, got {value.scheme}; "
@@ -211,7 +211,7 @@ class GGUFFormat(Format):
             for name, value in checkpoint.tensors.items():
                 if isinstance(value, QuantizedData):
                     quantized = True
-                    if value.scheme in Q8_SCHEMES:
+                    if value.scheme.payload_form in Q8_SCHEMES:
                         w.add_tensor(name, _q8_write(value), raw_dtype=T.Q8_0)
                     else:
                         w.add_tensor(name, _mx_write(value), raw_dtype=T.MXFP4)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from qcore import layout
-from qcore.codecs import SCALE_IDS
 from qcore.scheme import QuantScheme, StoreKind
 
 from . import kernels as K
@@ -120,7 +119,6 @@ def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") ->
     nrl = -(-S[r] // rl)
     lines = math.prod(S) // S[r]
     nslots = math.prod(G)
-    sdt = scheme.slot_dtype.value
     snb = scheme.slot_dtype.traits.nbytes
     values_nbytes = layout.values_nbytes(shape, scheme)
     soff = values_nbytes
@@ -139,7 +137,7 @@ def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") ->
     P[K.M_N] = math.prod(shape)
     P[K.M_PERT] = scheme.block is None
     P[K.M_TWO] = scheme.two_level
-    P[K.M_SDT] = SCALE_IDS.index(sdt)
+    P[K.M_SDT] = scheme.scale_slot  # the slot dtype under the scheme's rounding rule
     P[K.M_SOFF] = soff
     P[K.M_GOFF] = goff
     P[K.M_METHOD] = 1 if method == "absmean" else 0
@@ -152,7 +150,7 @@ def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") ->
                        (K.O_WS, _row_major(W)), (K.O_GS, _row_major(G))):
         P[name:name + cr] = vals
     F = np.zeros(K.F_LEN, dtype=np.float32)
-    F[K.F_H] = scheme.half_range
+    F[K.F_H] = scheme.scale_divisor  # h, or 1 under the MX rule
     F[K.F_M] = scheme.block.dtype.traits.max_value if scheme.two_level else 1.0  # M of SPEC §2.2
     F[K.F_QMIN] = t.qmin
     F[K.F_QMAX] = t.qmax

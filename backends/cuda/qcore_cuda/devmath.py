@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from .layouts import *  # noqa: F401,F403  (the P layout's fields)
-from .scales import round_up, scale_word, word_scale  # noqa: F401
+from .scales import round_scale, scale_word, word_scale  # noqa: F401
 
 from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: E402
 

@@ -49,7 +49,7 @@ from qcore.scheme import QuantScheme, QuantValue, StoreKind
 
 from . import kernels as K
 from .intrin import e4m3x2, e4m3x2_f32, e5m2x2, e5m2x2_f32, f2u, fmax_nan, ld1, ld4, prmt, st2, st4, u2f
-from .scales import SCALE_IDS, round_up, scale_word
+from .scales import round_scale, scale_word
 
 from numba import config, cuda, float32, int32, int64, uint32  # noqa: E402
 
@@ -132,12 +132,12 @@ def geometry(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax"
     G[G_NRUNS] = n // 16
     G[G_TWO] = scheme.two_level
     G[G_QMIN] = int(t.qmin) if not t.is_float else -(1 << 62)  # dequantize flags codes below it (v1.1)
-    G[G_SDT] = SCALE_IDS.index(scheme.slot_dtype.value)
+    G[G_SDT] = scheme.scale_slot  # the slot dtype under the scheme's rounding rule
     G[G_SNB] = scheme.slot_dtype.traits.nbytes
     G[G_SOFF] = n * t.bits // 8
     nslots = 1 if scheme.block is None else n >> int(G[G_LB])
     G[G_GOFF] = G[G_SOFF] + nslots * G[G_SNB]
-    C[C_H] = scheme.half_range
+    C[C_H] = scheme.scale_divisor  # h, or 1 under the MX rule
     C[C_M] = scheme.block.dtype.traits.max_value if scheme.two_level else 1.0  # M of SPEC §2.2
     C[C_QMIN] = t.qmin
     C[C_QMAX] = t.qmax
@@ -235,7 +235,7 @@ def _quant_kernel(kind: int):
         if mode == MODE_TWO:
             g = max(float32(float32(gs[1] / h) / C[C_M]), float32(K.TINY))
         elif mode == MODE_TENSOR:
-            et = round_up(float32(gs[1] / h), sdt)
+            et = round_scale(float32(gs[1] / h), sdt)
         start = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
         stride = int64(cuda.gridDim.x) * int64(cuda.blockDim.x)
         if start == int64(0):  # the tensor-level words
@@ -269,7 +269,7 @@ def _quant_kernel(kind: int):
                 s = float32(m / h)
                 if mode == MODE_TWO:
                     s = float32(s / g)
-                sb = round_up(s, sdt)
+                sb = round_scale(s, sdt)
                 e = sb
                 if mode == MODE_TWO:
                     e = float32(g * sb)

@@ -8,7 +8,7 @@ import math
 from .devmath import *  # noqa: F401,F403
 from .grids import jit_regs, launch, sm_count  # noqa: F401
 from .layouts import *  # noqa: F401,F403
-from .scales import SCALE_IDS, round_up, scale_word, word_scale  # noqa: F401
+from .scales import SCALE_IDS, round_scale, scale_word, word_scale  # noqa: F401
 
 from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: E402,F401
 
@@ -170,7 +170,7 @@ def k_scales(raw, asum, P, F, stored, gbuf, payload):
             s = float32(stat / h)
             if two:
                 s = float32(s / g)
-            st = round_up(s, sdt)
+            st = round_scale(s, sdt)
         stored[sl] = st
         put_le(payload, soff + sl * snb, int64(scale_word(st, sdt)), snb)
     if two and start == 0:
@@ -282,7 +282,7 @@ def k_quant_fused(x, P, F, payload, flag):
             s += float64(a)
         if absmean:
             m = float32(s / float64(cnt))
-        e = round_up(float32(m / h), sdt)
+        e = round_scale(float32(m / h), sdt)
         put_le(payload, soff + (sb + (p0 // rl) * gsr) * snb, int64(scale_word(e, sdt)), snb)
         nw = (cnt + nf - int64(1)) // nf
         wi = p0 // nf

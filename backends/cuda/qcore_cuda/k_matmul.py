@@ -7,7 +7,7 @@ import math
 from .devmath import *  # noqa: F401,F403
 from .grids import jit_regs, launch, sm_count  # noqa: F401
 from .layouts import *  # noqa: F401,F403
-from .scales import SCALE_IDS, round_up, scale_word, word_scale  # noqa: F401
+from .scales import SCALE_IDS, round_scale, scale_word, word_scale  # noqa: F401
 
 from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: E402,F401
 

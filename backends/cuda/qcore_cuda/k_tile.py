@@ -7,7 +7,7 @@ import math
 from .devmath import *  # noqa: F401,F403
 from .grids import jit_regs, launch, sm_count  # noqa: F401
 from .layouts import *  # noqa: F401,F403
-from .scales import SCALE_IDS, round_up, scale_word, word_scale  # noqa: F401
+from .scales import SCALE_IDS, round_scale, scale_word, word_scale  # noqa: F401
 
 from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: E402,F401
 
@@ -89,7 +89,7 @@ def k_tile_quant(x, TP, F, w32, w8, payload, flag, stat, gbuf):
                 stat[slot] = m
                 gm = max(gm, m)
             else:
-                e = round_up(float32(m / h), sdt)
+                e = round_scale(float32(m / h), sdt)
                 put_le(payload, soff + slot * snb, int64(scale_word(e, sdt)), snb)
                 u0 = (c0 * bits) // ubits
                 bits32 = uint32(bits)

@@ -1,19 +1,21 @@
-"""Scale round-up and scale words on the device (SPEC §1, §2.3, §3), for every cuda kernel.
+"""Scale rounding and scale words on the device (SPEC §1, §2.3, §3), for every cuda kernel.
 
-The rule and its numbers live in `qcore.codecs` (`ScaleTraits`, one row per scale dtype); these
-device functions index `qcore.codecs.SCALE_ARRAYS` by the scale dtype id (`SCALE_IDS` position)
-and work on the f32 bits (`intrin.f2u` / `u2f`, which have simulator twins), so the fast, tile,
-row and general kernels round and store scales with one piece of code.
+The rules and their numbers live in `qcore.codecs` (`ScaleSlot`: a scale dtype with its
+rounding rule; one row of `SCALE_SLOTS` each); these device functions index
+`qcore.codecs.SCALE_ARRAYS` by slot id (a dtype's round-up slot is its `SCALE_IDS` position; the
+other rules' rows repeat the dtype's numbers, so `scale_word` and `word_scale` read the same
+for them) and work on the f32 bits (`intrin.f2u` / `u2f`, which have simulator twins), so the
+fast, tile, row and general kernels round and store scales with one piece of code.
 """
 from __future__ import annotations
 
-from qcore.codecs import SCALE_ARRAYS, SCALE_IDS, scale_round_up_kernel
+from qcore.codecs import SCALE_ARRAYS, SCALE_IDS, scale_round_kernel
 
 from .intrin import f2u, u2f
 
 from numba import cuda, float32, uint32  # noqa: E402
 
-__all__ = ["SCALE_IDS", "round_up", "scale_word", "word_scale"]
+__all__ = ["SCALE_IDS", "round_scale", "scale_word", "word_scale"]
 
 # numba freezes module-level arrays into the kernels as constants.
 _LEAST = SCALE_ARRAYS.least
@@ -23,9 +25,10 @@ _SHIFT = SCALE_ARRAYS.word_shift
 _REBIAS = SCALE_ARRAYS.word_rebias
 
 
-round_up = scale_round_up_kernel(cuda.jit(device=True, inline="always"), f2u, u2f)
-"""Round a raw scale `s >= 0` UP to scale dtype id `sdt` (SPEC §2.3): `qcore.codecs`' one
-kernel source of the rule, compiled for the device."""
+round_scale = scale_round_kernel(cuda.jit(device=True, inline="always"), f2u, u2f)
+"""Round a raw scale `s >= 0` into scale slot `slot` (a `qcore.codecs.SCALE_SLOTS` id: the
+dtype and its rounding rule, SPEC §2.3): `qcore.codecs`' one kernel source, compiled for the
+device. A dtype's v1 (round-up) slot id is its `SCALE_IDS` position."""
 
 
 @cuda.jit(device=True, inline="always")

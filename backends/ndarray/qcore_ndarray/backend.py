@@ -16,7 +16,7 @@ Results are bit-identical to the `reference` backend. The paths, by scheme:
 
 The two-level normalisation and the round-up of whole scale grids use `qcore.codecs` (numpy,
 small arrays) in the order SPEC §2.2-2.3 fixes; the fused path rounds up inside the kernel with
-`kernels.round_up_scalar`, which the tests pin against `qcore.codecs` bit for bit.
+`kernels.round_scale_scalar`, which the tests pin against `qcore.codecs` bit for bit.
 """
 from __future__ import annotations
 
@@ -134,8 +134,8 @@ class NdarrayBackend(BaseBackend):
         dummy_f = np.zeros(1, np.float32)
         k.quantize_blocks(
             flat, flat.view(np.uint32), *plan.args(), mode, mcode, check,
-            np.float32(scheme.half_range), np.float32(t.qmin), np.float32(t.qmax),
-            k.SCALE_CODES[scheme.slot_dtype.value],
+            np.float32(scheme.scale_divisor), np.float32(t.qmin), np.float32(t.qmax),
+            scheme.scale_slot,
             dummy_f if escales is None else escales,
             dummy_f if scales_out is None else scales_out,
             np.zeros(1, np.int8) if values is None else values.view(np.int8),
@@ -150,7 +150,7 @@ class NdarrayBackend(BaseBackend):
         flat = _flat_f32(x)
         plan = make_plan(np.shape(x), scheme)
         stat = self._stats(flat, plan, scheme, method)
-        s = (stat / np.float32(scheme.half_range)).astype(np.float32)
+        s = (stat / np.float32(scheme.scale_divisor)).astype(np.float32)
         return store_scales(s, scheme)
 
     def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> NdQuantized:
@@ -166,7 +166,7 @@ class NdarrayBackend(BaseBackend):
             return NdQuantized(shape, scheme, values, stored.reshape(plan.grid), None)
         check = params is not None  # the calibration pass has already checked x otherwise
         if params is None:
-            s = (self._stats(flat, plan, scheme, method) / np.float32(scheme.half_range)).astype(np.float32)
+            s = (self._stats(flat, plan, scheme, method) / np.float32(scheme.scale_divisor)).astype(np.float32)
             params = store_scales(s, scheme)
         stored = np.asarray(params.scales, dtype=np.float32).reshape(plan.grid)
         e = self._effective(stored, params.global_scale)

@@ -17,7 +17,7 @@ numba never promotes to float64):
   (monotone for finite floats; a pattern >= 0x7F800000 is a NaN or Inf, so the same reduction is
   the non-finite check), or `absmean` = f64 sum of |x| over the slot's real elements, divided by
   their count, rounded once to f32;
-* raw scale `s = f32(stat) / f32(h)`, rounded up to the scale dtype (`round_up`, SPEC §2.3);
+* raw scale `s = f32(stat) / f32(h)`, rounded into the scale slot (`round_scale_scalar`: the dtype and its rounding rule, SPEC §2.3);
 * `y = x / e` as a true f32 division (never a reciprocal multiply), `q = clamp(rint(y))`
   computed as `rint(clamp(y))` (identical: the bounds are integers and rint is monotone);
   `e == 0` gives code 0;
@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from qcore.codecs import SCALE_IDS, scale_round_up_kernel
+from qcore.codecs import SCALE_IDS, scale_round_kernel
 
 __all__ = [
     "SCALE_CODES",
@@ -38,15 +38,16 @@ __all__ = [
     "MODE_FUSED",
     "MODE_APPLY",
     "METHOD_CODES",
-    "round_up_scalar",
-    "round_up_array",
+    "round_scale_scalar",
+    "round_scale_array",
     "tensor_stats",
     "quantize_blocks",
     "dequantize_blocks",
 ]
 
 SCALE_CODES = {name: i for i, name in enumerate(SCALE_IDS)}
-"""Scale dtype (ScaleDtype value) -> the id `round_up_scalar` indexes the scale arrays with."""
+"""Scale dtype (ScaleDtype value) -> its round-up slot id (`qcore.codecs.SCALE_SLOTS`); a
+scheme's own slot, with its rounding rule, is `QuantScheme.scale_slot`."""
 METHOD_CODES = {"minmax": 0, "absmean": 1}
 
 MODE_STATS = 0  # per slot: write the statistic (amax or mean |x|) to scales_out, no codes
@@ -82,17 +83,17 @@ def _bits_f32(typingctx, b):
 # numba freezes the rule's numbers (qcore.codecs.SCALE_ARRAYS) into the compiled kernels; its
 # on-disk cache keys on this file, so after editing qcore.codecs' table clear __pycache__ (the
 # tests pin the result against qcore.codecs).
-round_up_scalar = scale_round_up_kernel(njit(inline="always"), _f32_bits, _bits_f32)
-"""Round a raw scale `s >= 0` (f32) UP to scale dtype id `sdt` (SPEC §2.3), as f32:
-`qcore.codecs`' one kernel source of the rule, compiled for the CPU."""
+round_scale_scalar = scale_round_kernel(njit(inline="always"), _f32_bits, _bits_f32)
+"""Round a raw scale `s >= 0` (f32) into scale slot `sdt` (`qcore.codecs.SCALE_SLOTS`: the dtype
+and its rounding rule, SPEC §2.3), as f32: `qcore.codecs`' one kernel source, compiled for the CPU."""
 
 
 @njit(cache=True)
-def round_up_array(s, sdt):
-    """`round_up_scalar` over a float32 array (used by tests to pin it against qcore.codecs)."""
+def round_scale_array(s, sdt):
+    """`round_scale_scalar` over a float32 array (used by tests to pin it against qcore.codecs)."""
     out = np.empty_like(s)
     for i in range(s.size):
-        out[i] = round_up_scalar(s[i], sdt)
+        out[i] = round_scale_scalar(s[i], sdt)
     return out
 
 
@@ -374,7 +375,7 @@ def _fused_pow2(x, xb, out, x0, o0, nblocks, logb, h, qmin, qmax, sdt, scales_ou
     if _amax_bits(maxima[:nblocks]) >= _INF_BITS:  # a NaN/Inf somewhere in these blocks
         return False
     for g in range(nblocks):
-        ea[g] = round_up_scalar(np.float32(_bits_f32(maxima[g]) / h), sdt)
+        ea[g] = round_scale_scalar(np.float32(_bits_f32(maxima[g]) / h), sdt)
     for g in range(nblocks):
         scales_out[slot0 + g * slot_step] = ea[g]
     # One scale per element: the same levels, spreading (the maxima buffer is free again).
@@ -438,7 +439,7 @@ def _quantize_row(r, c, x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, mod
             if mode == 0:
                 scales_out[slot] = stat
                 continue
-            e = round_up_scalar(np.float32(stat / h), sdt)
+            e = round_scale_scalar(np.float32(stat / h), sdt)
             scales_out[slot] = e
         _encode_lines(x, out, xline, oline, j0, j1, istr, e, qmin, qmax)
     return True
@@ -514,3 +515,34 @@ def dequantize_blocks(codes, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows,
                         low = _decode_strided(codes, oo + j0 * istr, istr, y[xo + j0:xo + j1], e, qmin)
                     if low:
                         bad[t] = 1
+
+
+# --------------------------------------------------------------------------- numba's disk cache
+# numba keys a cached kernel on its own file and bytecode; the scale and value tables it freezes
+# in come from qcore.codecs, so an edit or upgrade there alone would load stale kernels. Each
+# cached kernel's key also holds a hash of qcore/codecs.py's bytes.
+
+
+def _key_on_codecs() -> None:
+    import hashlib
+
+    from numba.core.dispatcher import Dispatcher
+
+    from qcore import codecs
+
+    with open(codecs.__file__, "rb") as f:
+        stamp = hashlib.sha256(f.read()).hexdigest()
+    for fn in list(globals().values()):
+        cache = getattr(fn, "_cache", None) if isinstance(fn, Dispatcher) else None
+        base = getattr(type(cache), "_index_key", None)
+        if base is None or getattr(cache, "_qcore_keyed", False):
+            continue
+
+        def index_key(sig, codegen, cache=cache, base=base):
+            return base(cache, sig, codegen) + (("qcore.codecs", stamp),)
+
+        cache._index_key = index_key
+        cache._qcore_keyed = True
+
+
+_key_on_codecs()

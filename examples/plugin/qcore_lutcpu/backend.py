@@ -71,7 +71,8 @@ def slot_stat(x: np.ndarray, block: tuple[int, ...] | None, method: str) -> np.n
 
 
 def calibrate(x: np.ndarray, scheme: QuantScheme, table: np.ndarray, method: str) -> QParams:
-    """SPEC §2.1-2.3: s = stat / max|table|; two-level divides by g; round up to the dtype."""
+    """SPEC §2.1-2.3: s = stat / max|table|; two-level divides by g; rounded into the dtype by the
+    scheme's rule (`scheme.scale_rounding`: v1's round-up, or round to nearest even)."""
     h = np.float32(np.max(np.abs(table)))
     s = (slot_stat(x, _block(x.shape, scheme), method) / h).astype(np.float32)
     g = None
@@ -80,7 +81,7 @@ def calibrate(x: np.ndarray, scheme: QuantScheme, table: np.ndarray, method: str
         m = np.float32(scheme.block.dtype.traits.max_value)  # M of SPEC §2.2: 448 or 65504
         g = np.maximum(np.float32(top / m), F32_TINY)
         s = (s / g).astype(np.float32)
-    stored = scheme.slot_dtype.traits.store(np.asarray(s, np.float32)).reshape(np.shape(s))
+    stored = scheme.scale_rounding.store(np.asarray(s, np.float32)).reshape(np.shape(s))
     return QParams(stored, None if g is None else float(g))
 
 
