@@ -9,7 +9,15 @@ bnb_nf4.safetensors: the state dict of a model of `bnb.nn.Linear4bit` layers, as
 `bitsandbytes.functional.dequantize_4bit` returns for it (in the layer's dtype), the values qcore's
 reader must reproduce bit for bit. bnb_nf4_rows.safetensors: a layer whose 64-blocks cross rows
 (in_features 96), which qcore refuses.
+
+    python scripts/make_bnb_fixture.py --check FILE OUT
+
+checks the other direction with bitsandbytes' own code: FILE is a state dict qcore wrote
+(`qcore convert ... --to bitsandbytes`); every 4-bit weight in it is loaded as bitsandbytes loads
+a saved layer (`QuantState.from_dict`) and decoded with `dequantize_4bit`; OUT (safetensors) gets
+those values, which must equal qcore's decode bit for bit.
 """
+import sys
 import os
 
 import bitsandbytes as bnb
@@ -55,5 +63,24 @@ def main() -> None:
     print(f"wrote {len(state)} tensors; bitsandbytes {bnb.__version__}, torch {torch.__version__}")
 
 
+def check(path: str, out: str) -> None:
+    from safetensors.torch import load_file
+
+    state = load_file(path)
+    suffix = ".quant_state.bitsandbytes__nf4"
+    decoded = {}
+    for key in state:
+        if key.endswith(suffix):
+            w = key[: -len(suffix)]
+            parts = {k[len(w) + 1:]: v for k, v in state.items() if k.startswith(w + ".")}
+            qs = F.QuantState.from_dict(parts, device=torch.device("cpu"))
+            decoded[w] = F.dequantize_4bit(state[w], qs).contiguous()
+    save_file(decoded, out)
+    print(f"decoded {len(decoded)} weights with bitsandbytes {bnb.__version__}")
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--check"]:
+        check(sys.argv[2], sys.argv[3])
+    else:
+        main()

@@ -136,6 +136,64 @@ def test_missing_part_is_named(tmp_path):
         qf.read(path)
 
 
-def test_bitsandbytes_is_read_only(tmp_path):
-    with pytest.raises(UnrepresentableError, match="format 'bitsandbytes' is read-only"):
-        qf.convert(FIXTURE, tmp_path / "o.safetensors", "bitsandbytes")
+def _tensors(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def test_a_file_bitsandbytes_wrote_comes_back_byte_for_byte(tmp_path):
+    """Read and write again: every tensor of the layers without double quant (weight, absmax,
+    quant_map, the quant state's JSON bytes) and every other tensor equals bitsandbytes' own;
+    the double-quant layers come back with their f32 absmax (double quant undone) and decode to
+    bitsandbytes' values."""
+    report = qf.convert(FIXTURE, tmp_path / "o.safetensors", "bitsandbytes")
+    assert report.lossless
+    got, meta = _tensors(tmp_path / "o.safetensors")
+    want, want_meta = _tensors(FIXTURE)
+    assert meta == want_meta == {"format": "pt"}
+    double = ("layers.1.", "layers.2.")
+    for k, v in want.items():
+        if k.startswith(double) and (".absmax" in k or ".nested_" in k or "quant_state" in k):
+            continue
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and got[k].tobytes() == v.tobytes(), k
+    assert not any(".nested_" in k for k in got)
+    back = qf.read(tmp_path / "o.safetensors")
+    reference = qf.read(REFERENCE).tensors
+    ref = qcore.backend("reference")
+    for name in WEIGHTS:
+        d = back.tensors[name]
+        dtype = json.loads(back.metadata["bitsandbytes.dtypes"])[name]
+        y = ref.dequantize(ref.from_data(d), dtype=np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else dtype)
+        assert_bits_equal(np.asarray(y), reference[name])
+
+
+def test_qcore_nf4_writes_what_bitsandbytes_decodes(tmp_path):
+    """A tensor qcore quantized to nf4 is written in bitsandbytes' layout, which its documented
+    decode (`bnb_dequantize`: high nibble first, quant_map[code] * absmax) turns into qcore's values."""
+    x = np.random.default_rng(4).standard_normal((6, 128)).astype(np.float32)
+    q = qcore.quantize(x, "nf4", backend="reference")
+    qcore.save(tmp_path / "a.safetensors", {"w": q, "b": np.zeros(6, np.float32)})
+    qf.convert(tmp_path / "a.safetensors", tmp_path / "o.safetensors", "bitsandbytes")
+    t, _ = _tensors(tmp_path / "o.safetensors")
+    state = json.loads(t["w.quant_state.bitsandbytes__nf4"].tobytes())
+    assert state == {"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [6, 128]}
+    assert t["w"].shape == (384, 1) and t["w.absmax"].dtype == np.float32
+    assert_bits_equal(bnb_dequantize(t["w"].reshape(-1), t["w.absmax"], (6, 128), 64),
+                      np.asarray(qcore.dequantize(q)))
+    assert qf.detect(tmp_path / "o.safetensors").name == "bitsandbytes"
+
+
+@pytest.mark.parametrize("text,shape,why", [
+    ("q4s-lookup[nf4]/block32:f32", (2, 64), "blocksizes are 64"),
+    ("nf4", (2, 96), "must be a multiple of 64"),
+    ("q4s-lookup[nf4]/block64:f16", (2, 64), "q4s-lookup\\[nf4\\]/block<B>:f32"),
+    ("q4s/block64:f32", (2, 64), "holds nf4"),
+])
+def test_what_bitsandbytes_cannot_hold_is_refused(tmp_path, text, shape, why):
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    qcore.save(tmp_path / "a.safetensors", {"w": qcore.quantize(x, text, backend="reference")})
+    with pytest.raises(UnrepresentableError, match=why):
+        qf.convert(tmp_path / "a.safetensors", tmp_path / "o.safetensors", "bitsandbytes")
+    assert not (tmp_path / "o.safetensors").exists()

@@ -42,7 +42,8 @@ def plugins(monkeypatch):
 def test_builtins_in_detection_order():
     assert list(qf.formats()) == ["bitsandbytes", "gguf", "compressed-tensors", "gpt-oss", "qcore"]
     assert all(f.description for f in qf.formats().values())
-    assert [n for n, f in qf.formats().items() if f.writable] == ["gguf", "compressed-tensors", "gpt-oss", "qcore"]
+    assert [n for n, f in qf.formats().items() if f.writable] == [
+        "bitsandbytes", "gguf", "compressed-tensors", "gpt-oss", "qcore"]
 
 
 def test_detects_each_kind_of_file(tmp_path):
@@ -85,6 +86,15 @@ def test_register_by_hand(plugins):
     assert qf.get("toy").name == "toy"
     with pytest.raises(ValueError, match="already taken"):
         qf.register(Toy())
+
+
+def test_converting_to_a_read_only_format_is_refused(plugins, tmp_path):
+    """A format that only reads (Toy defines no write) is refused as a target before anything is written."""
+    qf.register(Toy())
+    save_file({"w": np.zeros(4, np.float32)}, str(tmp_path / "a.safetensors"))
+    with pytest.raises(qf.UnrepresentableError, match="format 'toy' is read-only in this qcore"):
+        qf.convert(tmp_path / "a.safetensors", tmp_path / "o.toy", "toy")
+    assert not (tmp_path / "o.toy").exists()
 
 
 def test_a_format_without_options_names_them():

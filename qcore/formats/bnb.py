@@ -1,4 +1,4 @@
-"""bitsandbytes 4-bit checkpoints (`Linear4bit` state dicts saved as safetensors), read only.
+"""bitsandbytes 4-bit checkpoints (`Linear4bit` state dicts saved as safetensors), read and written.
 
 Layout (bitsandbytes 0.50.2 `functional.py`, `QuantState.as_dict(packed=True)`), for weight `W`:
 
@@ -20,6 +20,13 @@ Refused, with the reason: blocks that do not follow the last axis (qcore's block
 the flattened blocks match it only when the tensor is 1-D or its last dim is a multiple of the
 blocksize), quant_type fp4 (its table holds +0 and -0 and is not increasing, which LOOKUP excludes),
 and absmax values that are negative or not finite.
+
+Writing takes `q4s-lookup[nf4]/block<B>:f32` tensors (B a bitsandbytes blocksize, 64 ... 4096;
+blocks along the last axis whose extent B divides, or a 1-D tensor) and writes the layout above
+without double quant: the same codes and f32 absmax, so bitsandbytes decodes the same values.
+A file bitsandbytes wrote without double quant comes back byte for byte. `dtype` in the state is
+the layer's dtype recorded on read (`bitsandbytes.dtypes`), else float32. Other tables are
+refused: bitsandbytes' CUDA kernels decode nf4 with their built-in table, not `quant_map`.
 """
 from __future__ import annotations
 
@@ -29,8 +36,9 @@ import numpy as np
 
 from ..errors import InvalidDataError, SchemeError
 from ..payload import QuantizedData
+from ..protocol import Support
 from ..scheme import PRESETS, QuantMode, QuantScheme, QuantValue, ScaleDtype
-from ._st import read_arrays
+from ._st import array_support, pop_json, read_arrays, write_arrays
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
 
 __all__ = ["BnbNF4Format"]
@@ -39,6 +47,8 @@ STATE_SUFFIX = ".quant_state.bitsandbytes__"
 DTYPES_KEY = "bitsandbytes.dtypes"   # JSON {name: original dtype}, what bitsandbytes casts to
 _NF4 = np.asarray(PRESETS["nf4"].table, np.float32)
 _PARTS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
+BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+"""bitsandbytes' 4-bit blocksizes that qcore writes."""
 
 
 def _state(arr: np.ndarray, where: str) -> dict:
@@ -104,10 +114,56 @@ def _tensor(arrays: dict[str, np.ndarray], w: str, st: dict) -> QuantizedData:
     return QuantizedData.from_parts(shape, sch, codes[:n].reshape(shape), absmax)
 
 
+def _write_check(value: QuantizedData) -> Support:
+    s = value.scheme.payload_form
+    if not (s.is_lookup and s.table_name == "nf4" and s.block is not None and len(s.block.dims) == 1
+            and s.tensor is None and s.block.dtype is ScaleDtype.F32):
+        return Support.no(f"bitsandbytes holds nf4 as q4s-lookup[nf4]/block<B>:f32, got {value.scheme}")
+    block = s.block.dims[0]
+    if block not in BLOCKSIZES:
+        return Support.no(f"bitsandbytes blocksizes are {', '.join(map(str, BLOCKSIZES))}, got {block}")
+    if len(value.shape) > 1 and value.shape[-1] % block:
+        return Support.no(f"bitsandbytes blocks run over the flattened tensor: the last dim of {list(value.shape)} "
+                          f"must be a multiple of {block}")
+    return Support.yes()
+
+
+def _write_tensor(name: str, value: QuantizedData, dtype: str) -> dict[str, np.ndarray]:
+    """The state dict entries of one nf4 weight (no double quant), as bitsandbytes writes them."""
+    codes = value.codes().reshape(-1).astype(np.uint8)
+    if codes.size % 2:
+        codes = np.concatenate([codes, np.zeros(1, np.uint8)])
+    packed = (codes[0::2] << np.uint8(4)) | codes[1::2]  # element 2k in the HIGH nibble
+    state = {"quant_type": "nf4", "blocksize": value.scheme.block.dims[0], "dtype": dtype,
+             "shape": [int(d) for d in value.shape]}
+    return {name: packed.reshape(-1, 1),
+            name + ".absmax": np.ascontiguousarray(value.scales(), np.float32).reshape(-1),
+            name + ".quant_map": _NF4.copy(),
+            name + STATE_SUFFIX + "nf4": np.frombuffer(json.dumps(state).encode("utf-8"), np.uint8).copy()}
+
+
 class BnbNF4Format(Format):
     name = "bitsandbytes"
-    description = "bitsandbytes 4-bit state dict (nf4, optional double quant), read only"
+    description = "bitsandbytes 4-bit state dict (nf4, optional double quant on read)"
     priority = 30
+
+    def check(self, name: str, value: Tensor) -> Support:
+        if isinstance(value, QuantizedData):
+            return _write_check(value)
+        return array_support(value)
+
+    def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
+        self.require(checkpoint)
+        meta = dict(checkpoint.metadata)
+        dtypes = pop_json(meta, DTYPES_KEY)
+        meta.setdefault("format", "pt")
+        arrays: dict[str, np.ndarray] = {}
+        for name, value in checkpoint.tensors.items():
+            if isinstance(value, QuantizedData):
+                arrays.update(_write_tensor(name, value, str(dtypes.get(name, "float32"))))
+            else:
+                arrays[name] = value
+        write_arrays(path, arrays, meta)
 
     def detect(self, probe: Probe) -> bool:
         return any(STATE_SUFFIX in n for n in probe.tensor_names)
