@@ -77,6 +77,20 @@ def test_spelling_of_names_survives_a_round_trip(tmp_path):
 NAMES_KEY = "gpt-oss.names"
 
 
+def test_writing_puts_the_loaders_quantization_config_beside_the_file(tmp_path):
+    """transformers' Mxfp4 loader dispatches on config.json's `quantization_config`; the modules
+    whose tensors stay plain are named in `modules_to_not_convert`; other keys of an existing
+    config.json are kept."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "num_hidden_layers": 1}))
+    _checkpoint(tmp_path / "a.safetensors", ".")
+    qf.write(tmp_path / "b.safetensors", qf.read(tmp_path / "a.safetensors"), "gpt-oss")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "gpt_oss" and cfg["num_hidden_layers"] == 1
+    assert cfg["quantization_config"] == {"quant_method": "mxfp4", "modules_to_not_convert": ["block.0.norm"]}
+
+
 def _zero_scale_file(path, codes_nonzero: bool):
     blocks = np.zeros((2, 16), np.uint8)
     blocks[0, 3] = 0x21 if codes_nonzero else 0x88     # 0x88: two -0 codes, decode to -0 either way

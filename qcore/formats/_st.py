@@ -16,7 +16,7 @@ from .base import PathLike, shards
 if TYPE_CHECKING:
     from ..protocol import Support
 
-__all__ = ["array_support", "pop_json", "read_arrays", "storable", "write_arrays"]
+__all__ = ["array_support", "pop_json", "put_quantization_config", "read_arrays", "storable", "write_arrays"]
 
 _FLOAT8 = ("F8_E4M3", "F8_E5M2")  # read by qcore's own reader (ml_dtypes' float8 types)
 
@@ -81,3 +81,30 @@ def write_arrays(path: PathLike, arrays: Mapping[str, np.ndarray], metadata: Map
     data = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
     meta = dict(metadata) or None
     qio.atomic_write(path, lambda tmp: save_file(data, tmp, metadata=meta))
+
+
+def put_quantization_config(path: PathLike, config: dict) -> str:
+    """Put `config` as `quantization_config` into the `config.json` beside `path`, which loaders
+    (transformers, vLLM) dispatch on; other keys of an existing config.json are kept and the file
+    is replaced atomically. Returns the config's path."""
+    import os
+
+    cfg_path = os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), "config.json")
+    cfg: dict = {}
+    if os.path.exists(cfg_path):
+        try:
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+        except ValueError:
+            raise InputError(f"{cfg_path} exists and is not JSON; move it away or fix it") from None
+        if not isinstance(cfg, dict):
+            raise InputError(f"{cfg_path} exists and is not a JSON object")
+    cfg["quantization_config"] = config
+    text = json.dumps(cfg, indent=2, sort_keys=True) + "\n"
+
+    def put(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    qio.atomic_write(cfg_path, put)
+    return cfg_path

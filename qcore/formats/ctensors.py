@@ -34,13 +34,12 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from ..errors import InputError
-from ..io import VERSION_KEY, atomic_write
+from ..io import VERSION_KEY
 from ..payload import QuantizedData
 from ..protocol import Support
 from ..scheme import QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
 from . import _mx
-from ._st import array_support, pop_json, read_arrays, write_arrays
+from ._st import array_support, pop_json, put_quantization_config, read_arrays, write_arrays
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
 
 __all__ = ["CompressedTensorsFormat", "quantization_config", "write_config"]
@@ -173,27 +172,8 @@ def _module(name: str) -> str:
 
 
 def write_config(path: PathLike, checkpoint: Checkpoint) -> str:
-    """Put `quantization_config` into the `config.json` beside `path` (other keys of an existing
-    one are kept; the file is replaced atomically). Returns the config's path."""
-    cfg_path = os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), "config.json")
-    cfg: dict = {}
-    if os.path.exists(cfg_path):
-        try:
-            with open(cfg_path, encoding="utf-8") as f:
-                cfg = json.load(f)
-        except ValueError:
-            raise InputError(f"{cfg_path} exists and is not JSON; move it away or fix it") from None
-        if not isinstance(cfg, dict):
-            raise InputError(f"{cfg_path} exists and is not a JSON object")
-    cfg["quantization_config"] = quantization_config(checkpoint)
-    text = json.dumps(cfg, indent=2, sort_keys=True) + "\n"
-
-    def put(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-
-    atomic_write(cfg_path, put)
-    return cfg_path
+    """Put `quantization_config` into the `config.json` beside `path` (`_st.put_quantization_config`)."""
+    return put_quantization_config(path, quantization_config(checkpoint))
 
 
 class CompressedTensorsFormat(Format):

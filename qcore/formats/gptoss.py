@@ -4,7 +4,9 @@ Layout: each quantized weight `W` is two U8 tensors, `W.blocks` `[..., G, 16]` (
 low nibble of byte k) and `W.scales` `[..., G]` (value = E2M1(nibble) * 2^(byte - 127)); the
 transformers checkpoints spell the pair `W_blocks` / `W_scales`. That is qcore's `mxfp4` payload
 for shape `[..., 32 G]` byte for byte (values section, then scales section), so reading and writing
-only rename tensors. Other tensors (bf16 attention, norms, biases) pass through unchanged.
+only rename tensors. Other tensors (bf16 attention, norms, biases) pass through unchanged. Writing
+also puts `quantization_config: {quant_method: mxfp4, modules_to_not_convert}` into the
+`config.json` beside the file (other keys kept), which transformers and vLLM dispatch on.
 
 Scale byte 0: SPEC §1 and the torch decode (`ldexp(lut, byte - 127)`) give 2^-127; the triton
 kernels gpt-oss runs on GPUs (`triton_kernels` `_upcast_from_mxfp`) shift the byte into the exponent
@@ -23,7 +25,7 @@ from ..io import VERSION_KEY
 from ..payload import QuantizedData
 from ..protocol import Support
 from . import _mx
-from ._st import array_support, pop_json, read_arrays, write_arrays
+from ._st import array_support, pop_json, put_quantization_config, read_arrays, write_arrays
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
 
 __all__ = ["GptOssFormat"]
@@ -42,6 +44,14 @@ def _pairs(names: list[str]) -> dict[str, tuple[str, str]]:
             if n.endswith(b) and n[: -len(b)] + s in have:
                 out[n[: -len(b)]] = (n, n[: -len(b)] + s)
     return out
+
+
+def quantization_config(checkpoint: Checkpoint) -> dict:
+    """The `quantization_config` transformers' Mxfp4 loader reads: `quant_method` mxfp4 and, in
+    `modules_to_not_convert`, the modules whose tensors are not mxfp4 (its match is by name)."""
+    plain = sorted({n.rsplit(".", 1)[0] if "." in n else n
+                    for n, v in checkpoint.tensors.items() if not isinstance(v, QuantizedData)})
+    return {"quant_method": "mxfp4", "modules_to_not_convert": plain}
 
 
 class GptOssFormat(Format):
@@ -127,3 +137,4 @@ class GptOssFormat(Format):
             else:
                 arrays[name] = value
         write_arrays(path, arrays, meta)
+        put_quantization_config(path, quantization_config(checkpoint))
