@@ -78,7 +78,7 @@ def write_arrays(path: PathLike, arrays: Mapping[str, np.ndarray], metadata: Map
     for name, a in arrays.items():
         if not storable(a.dtype):
             raise InputError(f"tensor '{name}' has dtype {a.dtype}, which safetensors cannot store")
-    data = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    data = {k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in arrays.items()}  # 0-d stays 0-d
     meta = dict(metadata) or None
     qio.atomic_write(path, lambda tmp: save_file(data, tmp, metadata=meta))
 

@@ -31,8 +31,9 @@ def _builtins() -> list[Format]:
     from .gguf_file import GGUFFormat
     from .gptoss import GptOssFormat
     from .native import QcoreFormat
+    from .torchao import TorchaoFormat
 
-    return [QcoreFormat(), GptOssFormat(), GGUFFormat(), BnbNF4Format(), CompressedTensorsFormat()]
+    return [QcoreFormat(), GptOssFormat(), GGUFFormat(), BnbNF4Format(), CompressedTensorsFormat(), TorchaoFormat()]
 
 
 def _instance(obj: Any, origin: str) -> Format:
