@@ -292,10 +292,25 @@ def render_whole_models(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def render_pool(res: dict) -> str:
+    """The memory pool's release threshold section, from `benchmarks/gpu_pool.py` output."""
+    lines = ["## Memory pool: release threshold against a loop's working set", "",
+             f"{_run_line(res['run'])}" if "run" in res else f"Command: `{res['command']}`.", "",
+             "A 1 GiB float32 tensor dequantized (`q4s/block32:f16`) in a loop while one earlier result stays "
+             "alive; median wall time of a call, synchronised before each, in a fresh process per "
+             "`QCORE_CUDA_POOL_KEEP`.", "",
+             "| QCORE_CUDA_POOL_KEEP | dequantize call µs | pool holds |", "|---|---|---|"]
+    lines += [f"| {r['keep']} | {r['dequantize_call_us']:.0f} | {r['pool_reserved_bytes'] / 2**30:.2f} GiB |"
+              for r in res["rows"]]
+    lines += ["", "Below the loop's working set the driver takes a freed block back at each synchronisation "
+              "and the next call maps it again.", ""]
+    return "\n".join(lines)
+
+
 def render(results: Path = RESULTS) -> str:
     """The whole document: the intro, then a section per results file present."""
     parts = [INTRO]
-    for name, fn in (("cpu.json", render_cpu), ("gpu.json", render_gpu)):
+    for name, fn in (("cpu.json", render_cpu), ("gpu.json", render_gpu), ("gpu_pool.json", render_pool)):
         path = results / name
         if path.exists():
             parts.append(fn(json.loads(path.read_text())))

@@ -5,6 +5,9 @@ already (`NUMBA_ENABLE_CUDASIM=0` on a GPU machine). numba reads the variable on
 `import numba`, so this must run before anything imports numba (no numba class names in ini
 warning filters: docs/numba-cuda.md).
 
+Parallel workers (pytest-xdist) share one GPU: each keeps at most 1 GiB of freed device memory
+cached (`QCORE_CUDA_POOL_KEEP`, unless set), not the default 1/8 of the device per process.
+
 `cuda_backend`: the installed, available `cuda` backend. It skips with the reason when the
 backend or the simulator is missing, and FAILS instead when `QCORE_REQUIRE_CUDA=1` (CI).
 """
@@ -15,6 +18,8 @@ import pytest
 
 if "numba" not in sys.modules:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("QCORE_CUDA_POOL_KEEP", "1G")
 if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
     # The simulator runs one OS thread per CUDA thread; its barriers busy-wait under the GIL, and
     # a shorter switch interval makes them 2-4x faster (docs/numba-cuda.md).

@@ -422,7 +422,7 @@ def test_pool_keep_default_is_bounded(monkeypatch):
     from qcore_cuda._pool import keep_bytes
 
     monkeypatch.delenv("QCORE_CUDA_POOL_KEEP", raising=False)
-    assert keep_bytes(141 << 30) == 2 << 30 and keep_bytes(8 << 30) == 1 << 30
+    assert keep_bytes(144 << 30) == 18 << 30 and keep_bytes(8 << 30) == 1 << 30
     monkeypatch.setenv("QCORE_CUDA_POOL_KEEP", "64M")
     assert keep_bytes(141 << 30) == 64 << 20
 
