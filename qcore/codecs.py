@@ -420,13 +420,15 @@ SCALE_SLOTS: tuple[ScaleSlot, ...] = (
 rows in `SCALE_IDS` order, so a dtype's `SCALE_IDS` position is its v1 slot id."""
 
 
+_SLOT_IDS = {(slot.traits.name, slot.rule, slot.emax): i for i, slot in enumerate(SCALE_SLOTS)}
+
+
 def scale_slot_id(dtype: str, rule: str = "up", emax: int = 0) -> int:
     """The `SCALE_SLOTS` index of scale dtype `dtype` rounded by `rule` (emax only for `mx`)."""
-    want = (dtype, rule, emax if rule == "mx" else 0)
-    for i, slot in enumerate(SCALE_SLOTS):
-        if (slot.traits.name, slot.rule, slot.emax) == want:
-            return i
-    raise KeyError(f"no scale slot for dtype {dtype!r} with rule {rule!r} (emax {emax})")
+    try:
+        return _SLOT_IDS[(dtype, rule, emax if rule == "mx" else 0)]
+    except KeyError:
+        raise KeyError(f"no scale slot for dtype {dtype!r} with rule {rule!r} (emax {emax})") from None
 
 
 @dataclass(frozen=True)
