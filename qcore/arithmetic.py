@@ -23,6 +23,9 @@ __all__ = [
     "slot_statistic",
     "calibrate",
     "store_scales",
+    "store_reciprocal",
+    "reciprocal_global",
+    "slot_effective",
     "effective_scale",
     "encode",
     "decode",
@@ -95,14 +98,39 @@ def slot_statistic(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -
 def calibrate(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -> QParams:
     """SPEC §2.1-2.3: raw scale `s = stat / h` (`stat / 1` under the MX rule), two-level
     normalisation, rounded into the dtype by the scheme's rule (v1: up)."""
-    s = (slot_statistic(x, scheme, method) / np.float32(scheme.scale_divisor)).astype(np.float32)
+    stat = slot_statistic(x, scheme, method)
+    if scheme.reciprocal_global:
+        return store_reciprocal(stat, scheme)
+    s = (stat / np.float32(scheme.scale_divisor)).astype(np.float32)
     return store_scales(s, scheme)
+
+
+def reciprocal_global(top: np.float32, scheme: QuantScheme) -> np.float32:
+    """docs/spec.md E2: `G = f32(M * h) / max(top, tiny)` for the largest statistic `top`, or 1.0
+    where that overflows (an all-zero or tiny tensor), as compressed-tensors computes it."""
+    m_h = np.float32(np.float32(scheme.block.dtype.traits.max_value) * np.float32(scheme.half_range))
+    with np.errstate(over="ignore", divide="ignore"):
+        g = np.float32(m_h / np.maximum(np.float32(top), F32_TINY))
+    return g if np.isfinite(g) else np.float32(1.0)
+
+
+def store_reciprocal(stat: np.ndarray, scheme: QuantScheme) -> QParams:
+    """docs/spec.md E2: the reciprocal global `G` from the largest statistic, then each block's
+    raw scale `f32(G * f32(stat_b / h))` rounded into the block dtype by the scheme's rule."""
+    stat = np.asarray(stat, dtype=np.float32)
+    g = reciprocal_global(np.max(stat, initial=np.float32(0)), scheme)
+    with np.errstate(over="ignore"):
+        raw = (g * (stat / np.float32(scheme.half_range)).astype(np.float32)).astype(np.float32)
+    stored = scheme.scale_rounding.store(raw).reshape(raw.shape)
+    return QParams(stored, float(g))
 
 
 def store_scales(s: np.ndarray, scheme: QuantScheme, g: np.float32 | None = None) -> QParams:
     """Round raw scales into the slot dtype by the scheme's rule; two-level first divides by
     the global `g` (§2.2)."""
     s = np.asarray(s, dtype=np.float32)
+    if scheme.reciprocal_global:
+        raise ValueError(f"{scheme} takes its reciprocal global from the statistics: use store_reciprocal")
     if scheme.two_level and g is None:
         M = np.float32(scheme.block.dtype.traits.max_value)  # M: 448 (UE4M3) or 65504 (F16)
         top = np.max(s, initial=np.float32(0))
@@ -112,12 +140,20 @@ def store_scales(s: np.ndarray, scheme: QuantScheme, g: np.float32 | None = None
     return QParams(stored, float(g) if scheme.two_level else None)
 
 
+def slot_effective(scales: np.ndarray, global_scale: float | None, scheme: QuantScheme) -> np.ndarray:
+    """SPEC §2.4 per slot: `e = s`, `e = g * s_b` (one f32 multiply), or with a reciprocal global
+    `e = s_b / G` (one f32 division, docs/spec.md E2)."""
+    s = np.asarray(scales, dtype=np.float32)
+    if not scheme.two_level:
+        return s
+    g = np.float32(global_scale)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return ((s / g) if scheme.reciprocal_global else (g * s)).astype(np.float32)
+
+
 def effective_scale(params: QParams, shape: tuple[int, ...], scheme: QuantScheme) -> np.ndarray:
-    """SPEC §2.4: `e = s`, or `e = g * s_b` (one f32 multiply), broadcast to every element."""
-    s = np.asarray(params.scales, dtype=np.float32)
-    if scheme.two_level:
-        s = (np.float32(params.global_scale) * s).astype(np.float32)
-    return layout.expand_to_elements(s, shape, scheme)
+    """SPEC §2.4: the slot's effective scale (`slot_effective`), broadcast to every element."""
+    return layout.expand_to_elements(slot_effective(params.scales, params.global_scale, scheme), shape, scheme)
 
 
 def _lookup_nearest(y: np.ndarray, table: np.ndarray) -> np.ndarray:

@@ -102,6 +102,8 @@ class QuantizedData:
         g = self.global_scale()
         if g is not None and (not math.isfinite(g) or math.copysign(1.0, g) < 0):
             raise InvalidDataError(f"global scale of {sch} is {g}; it must be finite and >= 0")
+        if g is not None and sch.reciprocal_global and not g > 0:
+            raise InvalidDataError(f"reciprocal global scale of {sch} is {g}; it must be > 0 (e = s_b / G)")
 
     # ------------------------------------------------------------------ views
     @property

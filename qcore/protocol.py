@@ -54,6 +54,8 @@ def empty_params(shape: tuple[int, ...], scheme: QuantScheme) -> QParams:
     so zero scales stored in the slot dtype; two-level `g` is its floor 1.17549435e-38."""
     zeros = np.zeros(layout.grid_shape(shape, scheme), dtype=np.float32)
     stored = scheme.scale_rounding.store(zeros).reshape(zeros.shape)
+    if scheme.reciprocal_global:  # G for an all-zero tensor (docs/spec.md E2)
+        return QParams(stored, 1.0)
     return QParams(stored, float(F32_TINY) if scheme.two_level else None)
 
 
@@ -217,6 +219,8 @@ class BaseBackend(abc.ABC):
                     or g < 0 or abs(g) > np.finfo(np.float32).max or math.copysign(1.0, g) < 0:
                 raise InputError(f"{scheme} is two-level: params.global_scale must be a finite float >= 0, got {g!r}")
             g = float(np.float32(g))
+            if scheme.reciprocal_global and not g > 0:
+                raise InputError(f"{scheme} stores a reciprocal global: params.global_scale must be > 0, got {g!r}")
         elif g is not None:
             raise InputError(f"{scheme} has one scale level: params.global_scale must be None, got {g!r}")
         stored = scheme.given_scale_rounding.store(s.astype(np.float32)).reshape(grid)

@@ -156,9 +156,11 @@ class BlockLevel:
 
 @dataclass(frozen=True)
 class TensorLevel:
-    """One scale for the whole tensor."""
+    """One scale for the whole tensor. `reciprocal` (two-level only, docs/spec.md E2): the
+    stored global is `G = 1 / g`, and the effective scale `s_b / G` (compressed-tensors' NVFP4)."""
 
     dtype: ScaleDtype = ScaleDtype.F32
+    reciprocal: bool = False
 
 
 INT64_MAX = (1 << 63) - 1
@@ -266,6 +268,11 @@ class QuantScheme:
                 raise SchemeError(
                     f"two-level scales need tensor dtype f32, got {self.tensor.dtype}; use per_tensor(F32)"
                 )
+        elif self.tensor is not None and self.tensor.reciprocal:
+            raise SchemeError(
+                f"a reciprocal global scale (tensor:f32:recip) needs a block level under it, got {self}; "
+                "e.g. e2m1/block16:ue4m3/tensor:f32:recip/packed_native"
+            )
         if mode is QuantMode.LOOKUP:
             if t.is_float:
                 raise SchemeError(
@@ -305,6 +312,11 @@ class QuantScheme:
     @property
     def two_level(self) -> bool:
         return self.block is not None and self.tensor is not None
+
+    @property
+    def reciprocal_global(self) -> bool:
+        """Two-level with the global stored as its reciprocal `G` (docs/spec.md E2): `e = s_b / G`."""
+        return self.two_level and self.tensor.reciprocal
 
     @property
     def slot_dtype(self) -> ScaleDtype:
@@ -410,8 +422,8 @@ class QuantScheme:
     def per_block(self, dims: int | Iterable[int], dtype: ScaleDtype | str = ScaleDtype.F32) -> "QuantScheme":
         return replace(self, block=BlockLevel(_normalize_dims(dims), _coerce(ScaleDtype, dtype, "scale dtype")))
 
-    def per_tensor(self, dtype: ScaleDtype | str = ScaleDtype.F32) -> "QuantScheme":
-        return replace(self, tensor=TensorLevel(_coerce(ScaleDtype, dtype, "scale dtype")))
+    def per_tensor(self, dtype: ScaleDtype | str = ScaleDtype.F32, *, reciprocal: bool = False) -> "QuantScheme":
+        return replace(self, tensor=TensorLevel(_coerce(ScaleDtype, dtype, "scale dtype"), bool(reciprocal)))
 
     def with_scale_round(self, rule: ScaleRound | str) -> "QuantScheme":
         """The same scheme with scales rounded by `rule` (up, rne, mx); the payload layout is
@@ -428,7 +440,7 @@ class QuantScheme:
         if self.block is not None:
             parts.append("block" + "x".join(map(str, self.block.dims)) + f":{self.block.dtype}")
         if self.tensor is not None:
-            parts.append(f"tensor:{self.tensor.dtype}")
+            parts.append(f"tensor:{self.tensor.dtype}" + (":recip" if self.tensor.reciprocal else ""))
         if self._store is not None:
             parts.append(str(self._store))
         if self.scale_round is not ScaleRound.UP:
@@ -473,7 +485,7 @@ PRESETS: dict[str, QuantScheme] = {
 
 _HEAD = re.compile(r"^(?P<value>[a-z0-9]+)(?P<lookup>-lookup(\[(?P<table>[a-z0-9_]+)\])?)?$")
 _BLOCK = re.compile(r"^block(?P<dims>\d+(x\d+)*)(:(?P<dtype>[a-z0-9]+))?$")
-_TENSOR = re.compile(r"^tensor(:(?P<dtype>[a-z0-9]+))?$")
+_TENSOR = re.compile(r"^tensor(:(?P<dtype>[a-z0-9]+))?(?P<recip>:recip)?$")
 _STORE = re.compile(r"^(?P<kind>native|packed_u32|packed_native)(:(?P<dim>\d+))?$")
 _ROUND = re.compile(r"^round:(?P<rule>[a-z0-9]+)$")
 
@@ -522,7 +534,7 @@ def scheme(text: str | QuantScheme) -> QuantScheme:
             dims = [_parse_int(d, "block dim", text) for d in pm["dims"].split("x")]
             kwargs["block"] = BlockLevel(_normalize_dims(dims), dtype)
         elif what == "tensor":
-            kwargs["tensor"] = TensorLevel(_coerce(ScaleDtype, pm["dtype"] or "f32", "scale dtype"))
+            kwargs["tensor"] = TensorLevel(_coerce(ScaleDtype, pm["dtype"] or "f32", "scale dtype"), bool(pm["recip"]))
         elif what == "round":
             kwargs["scale_round"] = _coerce(ScaleRound, pm["rule"], "scale rounding rule")
         else:

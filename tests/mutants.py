@@ -27,7 +27,7 @@ from qcore.checks import raise_nonfinite, to_f32
 from qcore.codecs import F32_TINY, bits_f32, f32_bits
 from qcore.payload import QuantizedData, sections
 from qcore.protocol import BaseBackend, QParams, Support
-from qcore.arithmetic import decode, effective_scale, encode, slot_statistic
+from qcore.arithmetic import decode, effective_scale, encode, slot_statistic, store_reciprocal
 from qcore.reference import ReferenceBackend
 from qcore.scheme import QuantScheme, QuantStore, ScaleDtype, StoreKind
 
@@ -279,6 +279,8 @@ class Full(ReferenceBackend):
 
     # ---------------------------------------------------------------- hooks
     def _params(self, x: np.ndarray, s: QuantScheme, method: str) -> QParams:
+        if s.reciprocal_global:  # docs/spec.md E2: the core's rule (no mutation point of its own)
+            return store_reciprocal(slot_statistic(self._statistic_input(x), s, method), s)
         raw = self._raw_scale(slot_statistic(self._statistic_input(x), s, method), s)
         g = None
         if s.two_level:

@@ -325,7 +325,11 @@ def test_full_space_is_the_whole_product():
     space = C.scheme_space(full=True)
     n = sum(len(C.LEVELS) * len(C.STORES_8BIT if C._head_bits(h) == 8 else C.STORES_SUBBYTE)
             for h in C.VALUE_MODES)
-    assert len(space) == n + sum(p not in space[:n] for p in qcore.PRESETS.values())
+    recip = sum(len(C.RECIP_LEVELS) * len(C.STORES_8BIT if C._head_bits(h) == 8 else C.STORES_SUBBYTE)
+                for h in C.VALUE_MODES)
+    presets = sum(p not in space[:n] for p in qcore.PRESETS.values())
+    assert len(space) == n + presets + recip
+    assert all(s.reciprocal_global for s in space[n + presets:])  # after the v1 space
     assert len(set(space)) == len(space)
 
 

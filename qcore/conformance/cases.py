@@ -28,6 +28,7 @@ from ..scheme import PRESETS, QuantScheme, QuantStore, StoreKind, scheme as pars
 __all__ = [
     "VALUE_MODES",
     "LEVELS",
+    "RECIP_LEVELS",
     "STORES_8BIT",
     "STORES_SUBBYTE",
     "SHAPES",
@@ -84,6 +85,13 @@ LEVELS: tuple[str, ...] = (
 )
 """Scale levels, as text parts of a scheme."""
 
+RECIP_LEVELS: tuple[str, ...] = (
+    "block16:ue4m3/tensor:f32:recip", "block4x8:ue4m3/tensor:f32:recip",
+    "block32:f16/tensor:f32:recip", "block3x5:f16/tensor:f32:recip",
+)
+"""Two-level scales whose global is stored as its reciprocal (docs/spec.md E2; compressed-tensors'
+NVFP4). They come after the SPEC v1 space, so its strata keep their order and indices."""
+
 STORES_8BIT = ("native", "packed_u32", "packed_u32:1")
 STORES_SUBBYTE = ("packed_u32", "packed_u32:1", "packed_native", "packed_native:1")
 """Every valid store for 8-bit and for sub-byte values (packing axis 0 and 1)."""
@@ -122,7 +130,7 @@ def level_label(s: QuantScheme) -> str:
     if s.block is not None:
         parts.append("block" + "x".join(map(str, s.block.dims)) + f":{s.block.dtype}")
     if s.tensor is not None:
-        parts.append(f"tensor:{s.tensor.dtype}")
+        parts.append(f"tensor:{s.tensor.dtype}" + (":recip" if s.tensor.reciprocal else ""))
     return "/".join(parts) or "tensor:f32"
 
 
@@ -132,9 +140,10 @@ def store_label(s: QuantScheme) -> str:
 
 
 def scheme_space(full: bool = False) -> list[QuantScheme]:
-    """The enumerated schemes. `full`: the whole product (about 1,400 schemes). Default: a
-    covering sample of about 90 in which every value x mode meets every valid store, every level
-    appears at least three times, and the presets are included."""
+    """The enumerated schemes. `full`: the whole product (about 1,600 schemes). Default: a
+    covering sample of about 120 in which every value x mode meets every valid store, every level
+    appears at least three times, the presets are included, and every value x mode meets one
+    reciprocal-global level."""
     out: list[QuantScheme] = []
     seen: set[QuantScheme] = set()
 
@@ -163,6 +172,12 @@ def scheme_space(full: bool = False) -> list[QuantScheme]:
                 add(_build(head, level, stores[(j + k) % len(stores)]))
     for p in PRESETS.values():
         add(p)
+    for i, head in enumerate(VALUE_MODES):  # the reciprocal global, after the v1 space
+        stores = STORES_8BIT if _head_bits(head) == 8 else STORES_SUBBYTE
+        for j, level in enumerate(RECIP_LEVELS):
+            for k, store in enumerate(stores):
+                if full or (k == 0 and j == i % len(RECIP_LEVELS)):  # the sample: one level per value
+                    add(_build(head, level, store))
     return out
 
 

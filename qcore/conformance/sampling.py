@@ -54,10 +54,12 @@ class Settings:
 
 
 def level_kind(s: QuantScheme) -> str:
-    """'tensor', 'block' or 'two-level'."""
+    """'tensor', 'block', 'two-level' or 'two-level-recip' (a reciprocal global)."""
     if s.block is None:
         return "tensor"
-    return "two-level" if s.tensor is not None else "block"
+    if s.tensor is None:
+        return "block"
+    return "two-level-recip" if s.reciprocal_global else "two-level"
 
 
 @dataclass(frozen=True)

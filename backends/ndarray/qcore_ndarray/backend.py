@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from qcore import layout
-from qcore.arithmetic import store_scales
+from qcore.arithmetic import slot_effective, store_reciprocal, store_scales
 from qcore.checks import raise_nonfinite, to_f32
 from qcore.payload import QuantizedData
 from qcore.protocol import BaseBackend, QParams, QTensor, Support
@@ -102,12 +102,18 @@ class NdarrayBackend(BaseBackend):
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def _effective(scales: np.ndarray, g: float | None) -> np.ndarray:
-        """Per slot `e = s` or `e = f32(g * s_b)` (SPEC §2.4), flat, at least one entry."""
-        e = np.asarray(scales, dtype=np.float32).reshape(-1)
-        if g is not None:
-            e = (np.float32(g) * e).astype(np.float32)
+    def _effective(scales: np.ndarray, g: float | None, scheme: QuantScheme) -> np.ndarray:
+        """Per slot `e = s`, `e = f32(g * s_b)` (SPEC §2.4) or `e = f32(s_b / G)` (a reciprocal
+        global, docs/spec.md E2): `qcore.arithmetic.slot_effective`, flat, at least one entry."""
+        e = slot_effective(scales, g, scheme).reshape(-1)
         return e if e.size else np.zeros(1, np.float32)
+
+    @staticmethod
+    def _store(stat: np.ndarray, scheme: QuantScheme):
+        """Stored scales from the slots' statistics (the core's rules: `qcore.arithmetic`)."""
+        if scheme.reciprocal_global:
+            return store_reciprocal(stat, scheme)
+        return store_scales((stat / np.float32(scheme.scale_divisor)).astype(np.float32), scheme)
 
     def _stats(self, flat: np.ndarray, plan: Plan, scheme: QuantScheme, method: str) -> np.ndarray:
         """Per-slot statistic (SPEC §2.1) in the grid shape; raises InputError on NaN/Inf."""
@@ -150,8 +156,7 @@ class NdarrayBackend(BaseBackend):
         flat = _flat_f32(x)
         plan = make_plan(np.shape(x), scheme)
         stat = self._stats(flat, plan, scheme, method)
-        s = (stat / np.float32(scheme.scale_divisor)).astype(np.float32)
-        return store_scales(s, scheme)
+        return self._store(stat, scheme)
 
     def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> NdQuantized:
         k = _kernels()
@@ -166,10 +171,9 @@ class NdarrayBackend(BaseBackend):
             return NdQuantized(shape, scheme, values, stored.reshape(plan.grid), None)
         check = params is not None  # the calibration pass has already checked x otherwise
         if params is None:
-            s = (self._stats(flat, plan, scheme, method) / np.float32(scheme.scale_divisor)).astype(np.float32)
-            params = store_scales(s, scheme)
+            params = self._store(self._stats(flat, plan, scheme, method), scheme)
         stored = np.asarray(params.scales, dtype=np.float32).reshape(plan.grid)
-        e = self._effective(stored, params.global_scale)
+        e = self._effective(stored, params.global_scale, scheme)
         self._run_blocks(flat, plan, scheme, k.MODE_APPLY, mcode, None, e, values, check=check)
         return NdQuantized(shape, scheme, values, stored, params.global_scale)
 
@@ -191,7 +195,7 @@ class NdarrayBackend(BaseBackend):
         plan = make_plan(data.shape, data.scheme)
         y = np.empty(plan.size, np.float32)
         if plan.size:
-            e = self._effective(data.scales, data.global_scale)
+            e = self._effective(data.scales, data.global_scale, data.scheme)
             codes = data.values.view(np.int8)
             codes.flags.writeable = False  # one compiled signature for owned and from_data bytes
             bad = np.zeros(plan.ntasks, np.uint8)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from qcore import BaseBackend, QParams, QuantizedData, QuantScheme, StoreKind, Support
+from qcore.arithmetic import slot_effective, store_reciprocal
 from qcore.checks import raise_nonfinite, to_f32
 
 __all__ = ["LutCpuBackend", "LutTensor"]
@@ -74,7 +75,10 @@ def calibrate(x: np.ndarray, scheme: QuantScheme, table: np.ndarray, method: str
     """SPEC §2.1-2.3: s = stat / max|table|; two-level divides by g; rounded into the dtype by the
     scheme's rule (`scheme.scale_rounding`: v1's round-up, or round to nearest even)."""
     h = np.float32(np.max(np.abs(table)))
-    s = (slot_stat(x, _block(x.shape, scheme), method) / h).astype(np.float32)
+    stat = slot_stat(x, _block(x.shape, scheme), method)
+    if scheme.reciprocal_global:  # the global stored as 1/g (docs/spec.md E2): qcore's own rule
+        return store_reciprocal(stat, scheme)
+    s = (stat / h).astype(np.float32)
     g = None
     if scheme.two_level:
         top = np.float32(s.max()) if s.size else np.float32(0)
@@ -86,10 +90,9 @@ def calibrate(x: np.ndarray, scheme: QuantScheme, table: np.ndarray, method: str
 
 
 def element_scales(p: QParams, shape: tuple[int, ...], scheme: QuantScheme) -> np.ndarray:
-    """SPEC §2.4: e = s (or g * s_b in one f32 multiply), gathered to every element."""
-    s = np.asarray(p.scales, np.float32)
-    if scheme.two_level:
-        s = (np.float32(p.global_scale) * s).astype(np.float32)
+    """SPEC §2.4: e = s (or g * s_b in one f32 multiply; s_b / G for a reciprocal global,
+    docs/spec.md E2), gathered to every element."""
+    s = slot_effective(p.scales, p.global_scale, scheme)
     block = _block(shape, scheme)
     if block is None:
         return np.broadcast_to(s.reshape(()), shape)
