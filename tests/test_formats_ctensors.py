@@ -29,6 +29,8 @@ SCHEMES = {  # module weight -> the qcore scheme it reads as
     "layers.0.up_proj.weight": "e4m3",  # fp8, tensor, f32 scale
     "layers.0.down_proj.weight": "e4m3/block8x16:bf16",  # fp8, 8 x 16 blocks
     "layers.0.gate_proj.weight": "mxfp4",  # mxfp4-pack-quantized: uint8 nibbles + E8M0 bytes
+    # nvfp4-pack-quantized: nibbles + FP8 block scales + the reciprocal global (docs/spec.md E2)
+    "layers.1.gate_proj.weight": "e2m1/block16:ue4m3/tensor:f32:recip/packed_native",
 }
 
 
@@ -83,6 +85,10 @@ def test_writes_the_tools_bytes_and_config(tmp_path):
     assert by_module["layers.0.o_proj"]["format"] == "float-quantized"
     assert by_module["layers.0.gate_proj"]["format"] == "mxfp4-pack-quantized"
     assert by_module["layers.0.gate_proj"]["weights"]["scale_dtype"] == "torch.uint8"
+    assert by_module["layers.1.gate_proj"]["format"] == "nvfp4-pack-quantized"
+    assert by_module["layers.1.gate_proj"]["weights"] == {
+        "num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+        "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}
 
 
 def test_through_qcore_format_and_back(tmp_path):
@@ -124,17 +130,20 @@ def test_asymmetric_weights_are_refused(tmp_path):
         qf.read(tmp_path / "a.safetensors", "compressed-tensors")
 
 
-def test_nvfp4_and_scale_byte_255_are_refused(tmp_path):
-    """nvfp4 stores the reciprocal of SPEC's global scale; an E8M0 byte of 255 is inf there and
-    invalid in SPEC: both are refused with the reason."""
+def test_bad_nvfp4_parts_and_scale_byte_255_are_refused(tmp_path):
+    """An nvfp4 module whose global is zero (a reciprocal global must be > 0) or whose FP8 block
+    scale is negative, and an E8M0 byte of 255 (inf there, invalid in SPEC): refused with the reason."""
     arrays = _arrays(MODEL)
-    nv = {k: v for k, v in arrays.items() if not k.startswith("layers.0.gate_proj")}
-    nv["blk.weight_packed"] = np.zeros((4, 16), np.uint8)
-    nv["blk.weight_scale"] = np.ones((4, 2), ml_dtypes.float8_e4m3fn)
-    nv["blk.weight_global_scale"] = np.ones(1, np.float32)
-    save_file(nv, str(tmp_path / "nv.safetensors"))
-    with pytest.raises(UnrepresentableError, match="nvfp4.*reciprocal"):
-        qf.read(tmp_path / "nv.safetensors", "compressed-tensors")
+    for key, value, why in (("layers.1.gate_proj.weight_global_scale", np.zeros(1, np.float32), "finite and > 0"),
+                            ("layers.1.gate_proj.weight_scale", None, "negative or NaN")):
+        bad = dict(arrays)
+        if value is None:
+            value = arrays[key].copy()
+            value.view(np.uint8)[0, 0] = 0xB8  # -1.0 in E4M3
+        bad[key] = value
+        save_file(bad, str(tmp_path / "nv.safetensors"))
+        with pytest.raises(UnrepresentableError, match=why):
+            qf.read(tmp_path / "nv.safetensors", "compressed-tensors")
     arrays["layers.0.gate_proj.weight_scale"] = arrays["layers.0.gate_proj.weight_scale"].copy()
     arrays["layers.0.gate_proj.weight_scale"][0, 0] = 255
     save_file(arrays, str(tmp_path / "ff.safetensors"))
@@ -145,7 +154,7 @@ def test_nvfp4_and_scale_byte_255_are_refused(tmp_path):
 @pytest.mark.parametrize("text,shape,why", [
     ("q4s/block32:bf16", (4, 64), "symmetric q4f/q8f"),  # q4s's -8 is not a value
     ("q4f/block8x4:bf16/packed_u32:1", (8, 64), "symmetric q4f/q8f"),  # packed down the columns
-    ("nvfp4", (4, 64), "symmetric q4f/q8f"),  # two-level
+    ("nvfp4", (4, 64), "symmetric q4f/q8f"),  # two-level with SPEC's multiplied global, not the reciprocal
     ("mxfp4", (4, 48), "whole blocks"),  # a partial MX block
     ("q4f/block32:bf16", (2, 4, 64), "2-D"),
     ("q4f/block12:bf16", (4, 36), "partly filled"),  # 36 columns: 4.5 words

@@ -15,7 +15,10 @@ Layout (compressed-tensors 0.20), per quantized module `M` of a safetensors file
 * `mxfp4-pack-quantized`: `M.weight_packed` uint8 `[m, n / 2]` (element 2k in the low nibble),
   `M.weight_scale` uint8 `[m, n / 32]` (E8M0: `2^(byte - 127)`, decoded in bf16); that is qcore's
   `mxfp4` payload byte for byte. A scale byte of 255 (inf there, invalid in SPEC §1) is refused.
-  nvfp4 (`M.weight_global_scale`) stores the reciprocal of SPEC's global scale and is refused.
+* `nvfp4-pack-quantized`: `M.weight_packed` as mxfp4, `M.weight_scale` float8_e4m3fn `[m, n / 16]`
+  and `M.weight_global_scale` f32 `[1]` = `448 * 6 / amax`, the reciprocal of SPEC's global;
+  dequantize `q * (scale / global_scale)`. That is qcore's `e2m1/block16:ue4m3/tensor:f32:recip/
+  packed_native` (docs/spec.md E2) byte for byte: values, scale bytes, then the global.
 
 With f16/bf16 scales `q * scale` is exact in float32 (a code of at most 8 significant bits
 times a scale of at most 11), so qcore's float32 dequantize rounded to the scale's dtype equals
@@ -64,11 +67,18 @@ class _Kind:
 
 MXFP4_ARGS = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
               "dynamic": False, "scale_dtype": "torch.uint8"}  # compressed-tensors' MXFP4 preset
+NVFP4_ARGS = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+              "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}  # its NVFP4 preset (NVFP4A16)
+NVFP4 = parse_scheme("e2m1/block16:ue4m3/tensor:f32:recip/packed_native")
+GLOBAL = "weight_global_scale"
+NV_BLOCK = 16
 
 
 def _kind(s: QuantScheme) -> _Kind | None:
     if s.payload_form == _mx.MXFP4:
         return _Kind("mxfp4-pack-quantized", 4, "float")
+    if s.payload_form == NVFP4:
+        return _Kind("nvfp4-pack-quantized", 4, "float")
     if s.value in (QuantValue.Q4F, QuantValue.Q8F) and s.store.kind is StoreKind.PACKED_U32 and \
             s.store.dim == 0 and not s.two_level:  # packed along the last axis
         return _Kind("pack-quantized", s.bits, "int")
@@ -144,6 +154,8 @@ def quantization_config(checkpoint: Checkpoint) -> dict:
         args: dict = {"num_bits": kind.bits, "type": kind.type, "symmetric": True, "dynamic": False}
         if kind.format == "mxfp4-pack-quantized":
             args = dict(MXFP4_ARGS)
+        elif kind.format == "nvfp4-pack-quantized":
+            args = dict(NVFP4_ARGS)
         elif s.block is None:
             args["strategy"] = "tensor"
         else:
@@ -167,6 +179,24 @@ def quantization_config(checkpoint: Checkpoint) -> dict:
             "config_groups": config_groups, "ignore": []}
 
 
+def _read_nvfp4(packed: np.ndarray, scale: np.ndarray, g: np.ndarray, where: str) -> QuantizedData:
+    m = packed.shape[0] if packed.ndim == 2 else 0
+    n = 2 * packed.shape[1] if packed.ndim == 2 else 0
+    if packed.dtype != np.uint8 or scale.dtype != _FP8 or not m or n % NV_BLOCK or \
+            scale.shape != (m, n // NV_BLOCK) or np.asarray(g).size != 1 or np.asarray(g).dtype != np.float32:
+        raise UnrepresentableError(f"{where}: {PACKED} {packed.dtype} {list(packed.shape)}, {SCALE} {scale.dtype} "
+                                   f"{list(scale.shape)} and {GLOBAL} are not nvfp4 ([m, n/2] uint8, [m, n/16] "
+                                   "float8_e4m3fn, one f32)")
+    words = np.ascontiguousarray(scale).view(np.uint8)
+    if np.any(words >= 0x7F):  # sign bit set (negative), or 0x7F: NaN
+        raise UnrepresentableError(f"{where}: a block scale is negative or NaN, which UE4M3 cannot hold")
+    gv = np.asarray(g, np.float32).reshape(())
+    if not (np.isfinite(gv) and gv > 0):
+        raise UnrepresentableError(f"{where}: {GLOBAL} is {float(gv)}; a reciprocal global must be finite and > 0")
+    parts = [np.ascontiguousarray(packed).tobytes(), words.tobytes(), gv.astype("<f4").tobytes()]
+    return QuantizedData((m, n), NVFP4, b"".join(parts))
+
+
 def _module(name: str) -> str:
     return name[: -len(".weight")] if name.endswith(".weight") else name
 
@@ -179,7 +209,8 @@ def write_config(path: PathLike, checkpoint: Checkpoint) -> str:
 class CompressedTensorsFormat(Format):
     name = "compressed-tensors"
     description = ("compressed-tensors safetensors (llm-compressor, vLLM): pack-quantized int4/int8, "
-                   "float-quantized FP8 and mxfp4-pack-quantized weights, symmetric; config.json quantization_config")
+                   "float-quantized FP8, mxfp4- and nvfp4-pack-quantized weights, symmetric; config.json "
+                   "quantization_config")
     priority = 10
 
     def detect(self, probe: Probe) -> bool:
@@ -255,12 +286,14 @@ class CompressedTensorsFormat(Format):
 
     @staticmethod
     def _read_fp4(mod: str, arrays: dict[str, np.ndarray], where: str) -> QuantizedData:
-        """`mxfp4-pack-quantized` as qcore's mxfp4 (bytes unchanged); nvfp4 refused."""
+        """`mxfp4-pack-quantized` as qcore's mxfp4 and `nvfp4-pack-quantized` as qcore's nvfp4 with a
+        reciprocal global (docs/spec.md E2), bytes unchanged."""
         packed, scale = arrays[f"{mod}.{PACKED}"], arrays[f"{mod}.{SCALE}"]
-        if f"{mod}.weight_global_scale" in arrays or scale.dtype != np.uint8:
-            raise UnrepresentableError(
-                f"{where} is nvfp4 (an fp8 block scale and weight_global_scale, the reciprocal of SPEC's "
-                "global scale, with round-to-nearest block scales): qcore's nvfp4 cannot hold it exactly")
+        if f"{mod}.{GLOBAL}" in arrays:
+            return _read_nvfp4(packed, scale, arrays[f"{mod}.{GLOBAL}"], where)
+        if scale.dtype != np.uint8:
+            raise UnrepresentableError(f"{where}: an FP4 weight with {scale.dtype} scales and no {GLOBAL} "
+                                       "is neither mxfp4 (uint8 E8M0 scales) nor nvfp4")
         if packed.ndim != 2 or scale.ndim != 2 or (2 * packed.shape[1]) % _mx.BLOCK or \
                 scale.shape != (packed.shape[0], 2 * packed.shape[1] // _mx.BLOCK):
             raise UnrepresentableError(f"{where}: {PACKED} uint8 {list(packed.shape)} and {SCALE} uint8 "
@@ -278,9 +311,15 @@ class CompressedTensorsFormat(Format):
                 if len(value.shape) != 2:
                     return Support.no(f"compressed-tensors weights are 2-D, got shape {list(value.shape)}")
                 return _mx.check(value, "compressed-tensors")
+            if s.payload_form == NVFP4:
+                if len(value.shape) != 2 or value.shape[1] % NV_BLOCK:
+                    return Support.no(f"compressed-tensors nvfp4 weights are [m, n] with n a multiple of {NV_BLOCK}, "
+                                      f"got {list(value.shape)}")
+                return Support.yes()
             if _kind(s) is None:
                 return Support.no(f"compressed-tensors holds symmetric q4f/q8f (packed_u32 along the last axis), "
-                                  f"e4m3 weights with f32/f16/bf16 scales and mxfp4, got {s}")
+                                  f"e4m3 weights with f32/f16/bf16 scales, mxfp4 and nvfp4 with a reciprocal global "
+                                  f"({NVFP4}), got {s}")
             if len(value.shape) != 2:
                 return Support.no(f"compressed-tensors weights are 2-D, got shape {list(value.shape)}")
             m, n = value.shape
@@ -308,6 +347,12 @@ class CompressedTensorsFormat(Format):
                 blocks, scales = _mx.split(value)
                 arrays[f"{mod}.{PACKED}"] = blocks.reshape(value.shape[0], value.shape[1] // 2)
                 arrays[f"{mod}.{SCALE}"] = scales
+                continue
+            if s.payload_form == NVFP4:
+                m, n = value.shape
+                arrays[f"{mod}.{PACKED}"] = np.frombuffer(value.values_bytes(), np.uint8).reshape(m, n // 2)
+                arrays[f"{mod}.{SCALE}"] = value.scales().astype(_FP8).reshape(m, n // NV_BLOCK)
+                arrays[f"{mod}.{GLOBAL}"] = np.asarray([value.global_scale()], np.float32)
                 continue
             sdt = _DTYPE_OF_SCALE[s.slot_dtype.value]
             m, n = value.shape

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
 from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -46,7 +47,22 @@ MODULES = {
     "layers.0.gate_proj": (torch.bfloat16, dict(num_bits=4, type="float", symmetric=True, strategy="group",
                                                 group_size=32, scale_dtype=torch.uint8),
                            MXFP4PackedCompressor, 8, 64),
+    "layers.1.gate_proj": (torch.bfloat16, dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group",
+                                                group_size=16, scale_dtype=torch.float8_e4m3fn),
+                           NVFP4PackedCompressor, 16, 64),
 }
+
+
+def nvfp4_params(w: torch.Tensor, args: QuantizationArgs) -> dict:
+    """The tool's own NVFP4 parameters: its global scale (`generate_gparam`, 448 * 6 / amax) and
+    block scales (`calculate_qparams`: amax_b / 6 * global, cast to FP8)."""
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    g = generate_gparam(w.float().min(), w.float().max()).reshape(1)
+    m, n = w.shape
+    blocks = w.float().reshape(m, n // args.group_size, args.group_size)
+    scale, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args, global_scale=g)
+    return {"weight_scale": scale, "weight_global_scale": g}
 
 
 def scales_for(w: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
@@ -78,7 +94,8 @@ def main(out: str) -> None:
         args = QuantizationArgs(**wargs)
         scheme = QuantizationScheme(targets=[name], weights=args)
         w = (torch.randn(m, n) * 0.05).to(dtype)
-        sd = compressor.compress({"weight": w, "weight_scale": scales_for(w, args)}, scheme)
+        params = nvfp4_params(w, args) if compressor is NVFP4PackedCompressor else {"weight_scale": scales_for(w, args)}
+        sd = compressor.compress({"weight": w, **params}, scheme)
         model.update({f"{name}.{k}": v.contiguous() for k, v in sd.items()})
         back = compressor.decompress({k: v.clone() for k, v in sd.items()}, scheme)
         expected[f"{name}.weight"] = back["weight"].contiguous()
@@ -108,7 +125,8 @@ def check(folder: str) -> None:
     for group in cfg.config_groups.values():
         fmt = group.format or cfg.format
         compressor = {"pack-quantized": PackedQuantizationCompressor, "float-quantized": FloatQuantizationCompressor,
-                      "mxfp4-pack-quantized": MXFP4PackedCompressor}[fmt]
+                      "mxfp4-pack-quantized": MXFP4PackedCompressor,
+                      "nvfp4-pack-quantized": NVFP4PackedCompressor}[fmt]
         for mod in group.targets:
             local = {k[len(mod) + 1:]: v for k, v in sd.items() if k.startswith(mod + ".")}
             got = compressor.decompress(local, group)["weight"]
