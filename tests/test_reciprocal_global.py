@@ -74,9 +74,28 @@ def test_ndarray_matches_the_reference(text):
     assert np.array_equal(nd.dequantize(nd.from_data(d)), REF.dequantize(REF.from_data(d)))
 
 
-def test_cuda_says_it_is_not_in_its_kernels_yet(cuda_backend):
-    sup = cuda_backend.supports(NVFP4R)
-    assert not sup and "reciprocal global" in sup.reason
+CUDA_SCHEMES = [NVFP4R, NVFP4R + "/round:rne", "q8s/block32:f16/tensor:f32:recip",
+                "q4f/block4x8:ue4m3/tensor:f32:recip/packed_u32:1", "e4m3/block16:ue4m3/tensor:f32:recip"]
+
+
+@pytest.mark.parametrize("text", CUDA_SCHEMES)
+def test_cuda_matches_the_reference(cuda_backend, text):
+    """Calibrated and explicit quantize, dequantize, from_data and matmul on every cuda path
+    (fast, rows, general, GEMV): the reference's bytes and values."""
+    be = cuda_backend
+    for shape in ((4, 64), (6, 40)):
+        s = qcore.scheme(text)
+        x = _x(shape, seed=len(text))
+        d = REF.into_data(REF.quantize(x, text))
+        assert be.into_data(be.quantize(x, text)).payload == d.payload, (text, shape)
+        p = REF.calibrate(x, text)
+        assert be.into_data(be.quantize(x, text, params=p)).payload == d.payload, (text, shape)
+        want = np.asarray(REF.dequantize(REF.from_data(d)))
+        assert np.array_equal(be.to_numpy(be.dequantize(be.from_data(d))).view(np.uint32), want.view(np.uint32))
+        if s.block is not None and len(s.block.dims) == 1:
+            xm = _x((2, shape[0]), seed=9)
+            got = be.to_numpy(be.matmul(xm, be.from_data(d)))
+            np.testing.assert_allclose(got, xm @ want, rtol=2e-5, atol=1e-5 * float(np.abs(xm @ want).max()))
 
 
 def test_differs_from_the_multiplied_global():
@@ -87,3 +106,18 @@ def test_differs_from_the_multiplied_global():
     by_div = (s / G).astype(np.float32)
     by_mul = (np.float32(1) / G * s).astype(np.float32)
     assert (by_div != by_mul).mean() > 0.05
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_cuda_matmul_paths_divide_by_the_global(cuda_backend, m):
+    """The GEMV (M = 1) and tensor-core (M = 4 on a GPU) matmul kernels with a reciprocal global:
+    within the suite's matmul bound of x @ dequantize(w)."""
+    be = cuda_backend
+    w = _x((64, 64), seed=11)
+    d = REF.into_data(REF.quantize(w, "q8s/block32:f16/tensor:f32:recip"))
+    wq = np.asarray(REF.dequantize(REF.from_data(d)), np.float64)
+    x = _x((m, 64), seed=12)
+    got = be.to_numpy(be.matmul(x, be.from_data(d))).astype(np.float64)
+    want = x.astype(np.float64) @ wq
+    bound = 64 * np.finfo(np.float32).eps * (np.abs(x).astype(np.float64) @ np.abs(wq))
+    assert np.all(np.abs(got - want) <= bound + 1e-30)

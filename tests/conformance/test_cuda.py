@@ -1,5 +1,5 @@
 """The conformance suite against the `cuda` backend (backends/cuda). SPEC §4: it supports
-everything except LOOKUP (and, beyond SPEC, not yet the reciprocal global of docs/spec.md E2).
+everything except LOOKUP.
 
 CI runs it under Numba's CUDA simulator, which pays per launched thread: small tensors, one case
 per stratum, 24 strata and 24 groups keep it within minutes (tests/test_cuda_quantize.py runs
@@ -23,6 +23,4 @@ class TestCuda(ConformanceTests):
 
     @pytest.fixture
     def expected_support(self):
-        # SPEC §4: everything but LOOKUP; the reciprocal global (docs/spec.md E2) is not in the
-        # cuda kernels yet
-        return lambda s: not s.is_lookup and not s.reciprocal_global
+        return lambda s: not s.is_lookup

@@ -188,9 +188,6 @@ class CudaBackend(BaseBackend):
     def _supports(self, scheme: QuantScheme) -> Support:
         if scheme.is_lookup:
             return Support.no("LOOKUP (table) values have no cuda kernels; use the reference backend")
-        if scheme.reciprocal_global:
-            return Support.no("a reciprocal global scale (tensor:f32:recip, e = s_b / G) is not in the cuda "
-                              "kernels yet; use the reference or ndarray backend")
         return Support.yes()
 
     # ------------------------------------------------------------------ inputs

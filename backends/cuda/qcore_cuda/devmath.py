@@ -81,6 +81,29 @@ def two_level_g(gstat, h, mx):
     return max(float32(float32(gstat / h) / mx), float32(TINY))
 
 
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+@cuda.jit(device=True, inline="always")
+def reciprocal_g(gstat, h, mx):
+    """docs/spec.md E2: the reciprocal global G = f32(M * h) / max(max_b stat_b, tiny), or 1 where
+    that overflows (qcore.arithmetic.reciprocal_global)."""
+    big = float32(float32(mx * h) / max(gstat, float32(TINY)))
+    if not big <= float32(FLT_MAX):
+        return float32(1.0)
+    return big
+
+
+@cuda.jit(device=True, inline="always")
+def two_level_e(g, s):
+    """SPEC §2.4 two-level effective scale: `g * s_b` (one f32 multiply). A negative `g` carries a
+    reciprocal global `-g = G` (docs/spec.md E2; `k_decode_scales` and `k_scales` put it there):
+    `s_b / G` (one f32 division)."""
+    if g < float32(0.0):
+        return float32(s / float32(-g))
+    return float32(g * s)
+
+
 @cuda.jit(device=True, inline="always")
 def run_origin(P, t):
     """Run `t` -> (x offset, word offset, slot base, position along the run axis, element count).

@@ -50,6 +50,7 @@ from qcore.scheme import QuantScheme, QuantValue, StoreKind
 from . import kernels as K
 from .intrin import e4m3x2, e4m3x2_f32, e5m2x2, e5m2x2_f32, f2u, fmax_nan, ld1, ld4, prmt, st2, st4, u2f
 from .scales import round_scale, scale_word
+from .devmath import two_level_e
 
 from numba import config, cuda, float32, int32, int64, uint32  # noqa: E402
 
@@ -272,7 +273,7 @@ def _quant_kernel(kind: int):
                 sb = round_scale(s, sdt)
                 e = sb
                 if mode == MODE_TWO:
-                    e = float32(g * sb)
+                    e = two_level_e(g, sb)
                 if valid and (t & (gw - int64(1))) == int64(0):
                     put_word(payload, soff + (t >> lgw) * snb, scale_word(sb, sdt), snb)
             if mode == MODE_GIVEN:
@@ -281,7 +282,7 @@ def _quant_kernel(kind: int):
                     if valid:
                         e = ld1(stored, base >> lb)
                         if two:
-                            e = float32(g * e)
+                            e = two_level_e(g, e)
                     for k in range(16):
                         y[k] = float32(0.0)
                         if e != float32(0.0):
@@ -292,7 +293,7 @@ def _quant_kernel(kind: int):
                         if valid:
                             ek = stored[(base + int64(k)) >> lb]
                             if two:
-                                ek = float32(g * ek)
+                                ek = two_level_e(g, ek)
                         y[k] = float32(0.0)
                         if ek != float32(0.0):
                             y[k] = float32(v[k] / ek)
@@ -458,14 +459,14 @@ def _dequant_kernel(kind: int, R: int | None = None, preload: bool = True):
                     if lb >= int64(lupc):
                         e = ev[j] if preload else ld1(scales, base >> lb)
                         if two:
-                            e = float32(g * e)
+                            e = two_level_e(g, e)
                         for i in range(upc):
                             val[i] = val[i] * e
                     else:
                         for i in range(upc):
                             ek = ld1(scales, (base + int64(i)) >> lb)
                             if two:
-                                ek = float32(g * ek)
+                                ek = two_level_e(g, ek)
                             val[i] = val[i] * ek
                     for i in range(upc // 4):
                         st4(out, base + int64(4 * i), val[4 * i], val[4 * i + 1], val[4 * i + 2], val[4 * i + 3])

@@ -42,6 +42,7 @@ import numpy as np
 from qcore.scheme import QuantScheme
 
 from . import fast
+from .devmath import two_level_e
 from .intrin import ld1, ld2, ld4, ldcg_f32
 
 from numba import config, cuda, float32, int32, int64, uint32  # noqa: E402
@@ -182,7 +183,7 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
             if i == 0 or not one_scale:
                 e = ev[u * wpt] if one_scale else ev[u * wpt + i]
                 if two:
-                    e = float32(g * e)
+                    e = two_level_e(g, e)
                 for m in range(mb):
                     xe[m] = float32(xv[u * mb + m] * e)
             decode(wv[u * wpt + i], tab, val, 0)

@@ -142,9 +142,11 @@ def k_scales(raw, asum, P, F, stored, gbuf, payload):
     """Scale slots -> stored scales (f32) and their payload bytes (SPEC §2.1-2.3, §3).
 
     MODE 0: raw = statistic per slot (per-tensor: amax in raw[0], f64 sum in asum[0]);
-    s = stat / h, two-level s /= g (g from gbuf[1] = max statistic), round up.
-    MODE 1: raw = explicit stored scales (already rounded by the core), g in gbuf[0].
-    Two-level: gbuf[0] = g and its f32 bytes follow the scales.
+    s = stat / h, two-level s /= g (g from gbuf[1] = max statistic), rounded by the slot's rule.
+    A reciprocal global (P[M_TWO] == 2, docs/spec.md E2): G from the max statistic, s = G * s,
+    and g = -G (`two_level_e` divides by it).
+    MODE 1: raw = explicit stored scales (already rounded by the core), g in gbuf[0] (-G for a
+    reciprocal global). Two-level: gbuf[0] = g and the f32 bytes of |g| follow the scales.
     """
     sdt = P[M_SDT]
     snb = P[M_SNB]
@@ -156,6 +158,8 @@ def k_scales(raw, asum, P, F, stored, gbuf, payload):
     if two:
         if explicit:
             g = gbuf[0]
+        elif P[M_TWO] == 2:
+            g = -reciprocal_g(gbuf[1], h, F[F_M])
         else:
             g = two_level_g(gbuf[1], h, F[F_M])
     start, step = cuda.grid(1), cuda.gridsize(1)
@@ -169,13 +173,13 @@ def k_scales(raw, asum, P, F, stored, gbuf, payload):
                 stat = raw[sl]
             s = float32(stat / h)
             if two:
-                s = float32(s / g)
+                s = float32(s * -g) if g < float32(0.0) else float32(s / g)
             st = round_scale(s, sdt)
         stored[sl] = st
         put_le(payload, soff + sl * snb, int64(scale_word(st, sdt)), snb)
     if two and start == 0:
         gbuf[0] = g
-        put_le(payload, P[M_GOFF], int64(scale_word(g, int64(SDT_F32))), int64(4))
+        put_le(payload, P[M_GOFF], int64(scale_word(abs(g), int64(SDT_F32))), int64(4))
 
 
 @cuda.jit
@@ -213,7 +217,7 @@ def k_quant(x, P, F, stored, gbuf, payload, flag, asum):
         rem = p0 - gi * br
         e = stored[sb + gi * gsr]
         if two:
-            e = g * e
+            e = two_level_e(g, e)
         nw = (cnt + nf - int64(1)) // nf
         wi = p0 // nf
         u = int64(0)
@@ -226,7 +230,7 @@ def k_quant(x, P, F, stored, gbuf, payload, flag, asum):
                         rem = int64(0)
                         e = stored[sb + gi * gsr]
                         if two:
-                            e = g * e
+                            e = two_level_e(g, e)
                     v = x[xo + (p0 + u) * xsr]
                     if not math.isfinite(v):  # flagged; 0 keeps the rest of the kernel finite
                         bad = True
@@ -303,7 +307,8 @@ def k_quant_fused(x, P, F, payload, flag):
 
 @cuda.jit
 def k_decode_scales(payload, P, scales, gbuf):
-    """Stored scale words -> float32 (and the two-level global into gbuf[0])."""
+    """Stored scale words -> float32 (and the two-level global into gbuf[0]; a reciprocal global
+    as -G)."""
     sdt = P[M_SDT]
     snb = P[M_SNB]
     soff = P[M_SOFF]
@@ -314,6 +319,8 @@ def k_decode_scales(payload, P, scales, gbuf):
         gbuf[0] = float32(1.0)
         if P[M_TWO] != 0:
             gbuf[0] = word_scale(get_le(payload, P[M_GOFF], int64(4)), int64(SDT_F32))
+            if P[M_TWO] == 2:  # a reciprocal global: -G, which `two_level_e` divides by
+                gbuf[0] = -gbuf[0]
 
 
 @cuda.jit
@@ -340,7 +347,7 @@ def k_dequant(payload, P, lut, scales, gbuf, out, flag):
         rem = p0 - gi * br
         e = scales[sb + gi * gsr]
         if two:
-            e = g * e
+            e = two_level_e(g, e)
         nw = (cnt + nf - int64(1)) // nf
         wi = p0 // nf
         u = int64(0)
@@ -353,7 +360,7 @@ def k_dequant(payload, P, lut, scales, gbuf, out, flag):
                         rem = int64(0)
                         e = scales[sb + gi * gsr]
                         if two:
-                            e = g * e
+                            e = two_level_e(g, e)
                     d = lut[(word >> (f * bits)) & mask]
                     if not math.isfinite(d):
                         bad = True

@@ -87,13 +87,13 @@ def k_matmul(x, payload, p32, MQ, lut, scales, gbuf, out):
                         word = get_le(payload, k * rowb + ((n0 * bits) >> int64(3)), bits)
                     e = scales[kb * g1 + sc[0]]
                     if two:
-                        e = g * e
+                        e = two_level_e(g, e)
                     xe = xv * e
                     for c in range(MM_COLS):
                         if not same:
                             e = scales[kb * g1 + sc[c]]
                             if two:
-                                e = g * e
+                                e = two_level_e(g, e)
                             xe = xv * e
                         code = (word >> (int64(c) * bits)) & mask
                         if isf:
@@ -115,7 +115,7 @@ def k_matmul(x, payload, p32, MQ, lut, scales, gbuf, out):
                             code = (int64(payload[byte]) >> (bitpos & int64(7))) & mask
                             e = scales[kb * g1 + sc[c]]
                             if two:
-                                e = g * e
+                                e = two_level_e(g, e)
                             acc[c] += (xv * e) * lut[code]
                 krem += int64(1)
         for c in range(MM_COLS):

@@ -71,7 +71,7 @@ def k_rows_quant(x, RP, F, stored, gbuf, words, payload, flag, stat):
             if valid:
                 e = stored[slot]
                 if two:
-                    e = g * e
+                    e = two_level_e(g, e)
         else:  # ROW_STATS
             a = abs(v)
             if absmean:
@@ -141,11 +141,11 @@ def k_rows_dequant(words, RP, lut, scales, gbuf, out, flag):
             if l3 < R:
                 w3 = int64(words[l3 * W + wc])
                 e3 = scales[l3 * GL + scol]
-            if two:  # e = g * s_b, one f32 multiply (one-level: e = s, no multiply)
-                e0 = g * e0
-                e1 = g * e1
-                e2 = g * e2
-                e3 = g * e3
+            if two:  # e = g * s_b, one f32 multiply, or s_b / G (one-level: e = s)
+                e0 = two_level_e(g, e0)
+                e1 = two_level_e(g, e1)
+                e2 = two_level_e(g, e2)
+                e3 = two_level_e(g, e3)
             d0 = lut[(w0 >> shift) & mask]
             d1 = lut[(w1 >> shift) & mask]
             d2 = lut[(w2 >> shift) & mask]

@@ -51,6 +51,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import fast, gemv
+from .devmath import two_level_e
 from .gemv import Q_BLOCK, Q_K, Q_KS, Q_LB, Q_N, Q_NWR, Q_RPB, Q_TWO
 from .intrin import abs_bits_m1, f2u, fmax_nan, ld1, ld2, ld4, ldcg_f32, mma_tf32, u2f
 
@@ -181,8 +182,8 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None):
                     ok0 = kr + int64(2 * s) < kw1
                     ok1 = kr + int64(2 * s + 1) < kw1
                 for c in range(gw):
-                    e0 = float32(g2 * ev[c * R + 2 * s])  # g2 = 1 for one-level scales: exact
-                    e1 = float32(g2 * ev[c * R + 2 * s + 1])
+                    e0 = two_level_e(g2, ev[c * R + 2 * s])  # g2 = 1 for one-level scales: exact
+                    e1 = two_level_e(g2, ev[c * R + 2 * s + 1])
                     w0 = wv[(s * 2) * gw + c]
                     w1 = wv[(s * 2 + 1) * gw + c]
                     if masked:
@@ -224,7 +225,7 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None):
             acc[a] = float32(0.0)
         for k in range(kw0, kw1):
             for c in range(gw):
-                e = float32(g2 * ld1(scales, k * srow + sofs[c]))
+                e = two_level_e(g2, ld1(scales, k * srow + sofs[c]))
                 for i in range(nwd):
                     decode(ld1(w32, k * nwr + fofs[c] + int64(i)) >> sh2, tab, val, i * pw)
                 for q in range(mg):

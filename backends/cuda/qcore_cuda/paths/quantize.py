@@ -83,7 +83,8 @@ class FastQuantize:
     def applies(self, c: QuantizeCall) -> bool:
         from .. import fast
 
-        return c.fast and c.params is None and c.fast_geometry["mode"] != fast.MODE_GIVEN
+        return c.fast and c.params is None and c.fast_geometry["mode"] != fast.MODE_GIVEN and \
+            not c.scheme.reciprocal_global  # its G comes from k_scales (the staged path)
 
     def launch(self, c: QuantizeCall) -> None:
         from .. import fast
@@ -119,7 +120,7 @@ class FusedQuantize:
     name = "fused"
 
     def applies(self, c: QuantizeCall) -> bool:
-        return c.params is None and c.plan.fused and not c.rows
+        return c.params is None and c.plan.fused and not c.rows and not c.scheme.reciprocal_global
 
     def launch(self, c: QuantizeCall) -> None:
         c.to_numba()
@@ -155,8 +156,10 @@ class StagedQuantize:
         asum, fs, flag = c.be._scratch()
         if c.params is not None:  # given scales: copied up, the explicit-mode parameters
             raw = cuda.to_device(np.ascontiguousarray(c.params.scales, dtype=np.float32).reshape(-1), stream=s.numba)
-            gbuf = cuda.to_device(np.array([c.params.global_scale or 0.0, 0, 0, 0], dtype=np.float32),
-                                  stream=s.numba)
+            g = c.params.global_scale or 0.0
+            if c.scheme.reciprocal_global:  # -G: the kernels' sign for a reciprocal global (two_level_e)
+                g = -g
+            gbuf = cuda.to_device(np.array([g, 0, 0, 0], dtype=np.float32), stream=s.numba)
             return raw, gbuf, pp["P_explicit"]
         if c.scheme.block is None:  # one per-tensor scale
             raw = fs[2:3]
