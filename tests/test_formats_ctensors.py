@@ -31,6 +31,9 @@ SCHEMES = {  # module weight -> the qcore scheme it reads as
     "layers.0.gate_proj.weight": "mxfp4",  # mxfp4-pack-quantized: uint8 nibbles + E8M0 bytes
     # nvfp4-pack-quantized: nibbles + FP8 block scales + the reciprocal global (docs/spec.md E2)
     "layers.1.gate_proj.weight": "e2m1/block16:ue4m3/tensor:f32:recip/packed_native",
+    # fused experts [2, 8, n]: int4 groups of 32 and fp8 per channel, blocks along the last axis
+    "layers.2.experts.w1.weight": "q4f/block32:bf16/packed_u32",
+    "layers.2.experts.w2.weight": "e4m3/block32:bf16",
 }
 
 
@@ -156,7 +159,8 @@ def test_bad_nvfp4_parts_and_scale_byte_255_are_refused(tmp_path):
     ("q4f/block8x4:bf16/packed_u32:1", (8, 64), "symmetric q4f/q8f"),  # packed down the columns
     ("nvfp4", (4, 64), "symmetric q4f/q8f"),  # two-level with SPEC's multiplied global, not the reciprocal
     ("mxfp4", (4, 48), "whole blocks"),  # a partial MX block
-    ("q4f/block32:bf16", (2, 4, 64), "2-D"),
+    ("q4f/block2x32:bf16/packed_u32", (2, 4, 64), "along the last axis"),  # 2-D blocks on fused experts
+    ("q4f/block32:bf16/packed_u32", (64,), "at least 2-D"),
     ("q4f/block12:bf16", (4, 36), "partly filled"),  # 36 columns: 4.5 words
 ])
 def test_what_it_cannot_hold_is_refused(text, shape, why):

@@ -3,6 +3,9 @@ integers and `float-quantized` FP8 weights, symmetric.
 
 Layout (compressed-tensors 0.20), per quantized module `M` of a safetensors file:
 
+Weights are `[m, n]`, or `[..., m, n]` for fused experts (pack- and float-quantized, with blocks
+along the last axis).
+
 * `pack-quantized`: `M.weight_packed` int32 `[m, n / (32 / bits)]`, each word holding
   `32 / bits` codes, element k in bits `bits * k` (low bits first), stored as `q + 2^(bits-1)`
   (offset binary); `M.weight_scale` `[m, n / G]` (group), `[m, 1]` (channel) or `[1]` (tensor) in
@@ -88,12 +91,22 @@ def _kind(s: QuantScheme) -> _Kind | None:
 
 
 def _block_text(shape: tuple[int, ...], scale_shape: tuple[int, ...], where: str) -> str:
-    """qcore's block part for a `[m, n]` weight whose scale has `scale_shape`."""
-    if len(shape) != 2:
-        raise UnrepresentableError(f"{where}: compressed-tensors weights are 2-D, got shape {list(shape)}")
-    m, n = shape
+    """qcore's block part for a weight `[..., m, n]` whose scale has `scale_shape`: one scale
+    (tensor), `[..., m, n / b]` (group / channel: blocks of b along the last axis) or, for a 2-D
+    weight, `[m / bm, n / bn]` (2-D blocks)."""
+    if len(shape) < 2:
+        raise UnrepresentableError(f"{where}: compressed-tensors weights are at least 2-D, got shape {list(shape)}")
     if int(np.prod(scale_shape, dtype=np.int64)) == 1:
         return "tensor"
+    n = shape[-1]
+    if len(shape) > 2:  # fused experts [e, m, n]: blocks along the last axis only
+        b = scale_shape[-1] if tuple(scale_shape[:-1]) == tuple(shape[:-1]) else 0
+        if not b or n % b:
+            raise UnrepresentableError(
+                f"{where}: a scale of shape {list(scale_shape)} does not tile the weight {list(shape)} into "
+                "blocks along its last axis (the only blocks qcore reads on weights of more than 2 dims)")
+        return f"block{n // b}"
+    m = shape[0]
     a, b = scale_shape if len(scale_shape) == 2 else (0, 0)  # [m / bm, n / bn]
     if not a or not b or m % a or n % b:
         raise UnrepresentableError(
@@ -244,26 +257,28 @@ class CompressedTensorsFormat(Format):
                 continue
             if kind == "pack":
                 shape_a = arrays.get(f"{mod}.{SHAPE}")
-                if shape_a is None or np.asarray(shape_a).size != 2:
-                    raise UnrepresentableError(f"{where}: no 2-element {SHAPE} beside {PACKED}")
+                if shape_a is None or np.asarray(shape_a).size < 2:
+                    raise UnrepresentableError(f"{where}: no {SHAPE} of 2 or more dims beside {PACKED}")
                 shape = tuple(int(v) for v in np.asarray(shape_a).reshape(-1))
                 packed = arrays[f"{mod}.{PACKED}"]
-                words = packed.shape[-1] if packed.ndim == 2 else 0
-                bits = 32 * words // shape[1] if words and shape[1] else 0
-                if bits not in _INT_VALUES or -(-shape[1] // (32 // bits)) != words or packed.shape[0] != shape[0]:
+                words = packed.shape[-1] if packed.ndim == len(shape) else 0
+                bits = 32 * words // shape[-1] if words and shape[-1] else 0
+                if bits not in _INT_VALUES or -(-shape[-1] // (32 // bits)) != words or \
+                        tuple(packed.shape[:-1]) != shape[:-1]:
                     raise UnrepresentableError(f"{where}: {PACKED} {list(packed.shape)} is neither 4- nor 8-bit "
                                                f"codes of a {list(shape)} weight")
-                if packed.dtype != np.int32 or shape[1] % (32 // bits):
+                if packed.dtype != np.int32 or shape[-1] % (32 // bits):
                     raise UnrepresentableError(
-                        f"{where}: {PACKED} must be int32 and {shape[1]} columns whole words of {32 // bits} "
+                        f"{where}: {PACKED} must be int32 and {shape[-1]} columns whole words of {32 // bits} "
                         f"codes (qcore's packed_u32 has no partly filled word); got {packed.dtype}")
                 sch = _scheme_for(_INT_VALUES[bits], shape, scale, where)
                 values = _flip(packed, bits).tobytes()  # qcore's values section, word for word
                 used |= {f"{mod}.{PACKED}", f"{mod}.{SHAPE}", f"{mod}.{SCALE}"}
             else:
                 w = arrays[f"{mod}.{FP8}"]
-                if w.dtype != _FP8 or w.ndim != 2:
-                    raise UnrepresentableError(f"{where}: {FP8} is {w.dtype} {list(w.shape)}, not 2-D float8_e4m3fn")
+                if w.dtype != _FP8 or w.ndim < 2:
+                    raise UnrepresentableError(f"{where}: {FP8} is {w.dtype} {list(w.shape)}, not float8_e4m3fn of "
+                                               "2 or more dims")
                 shape = tuple(w.shape)
                 sch = _scheme_for(QuantValue.E4M3, shape, scale, where)
                 values = np.ascontiguousarray(w).view(np.uint8).tobytes()  # E4M3 codes are the bytes
@@ -320,9 +335,12 @@ class CompressedTensorsFormat(Format):
                 return Support.no(f"compressed-tensors holds symmetric q4f/q8f (packed_u32 along the last axis), "
                                   f"e4m3 weights with f32/f16/bf16 scales, mxfp4 and nvfp4 with a reciprocal global "
                                   f"({NVFP4}), got {s}")
-            if len(value.shape) != 2:
-                return Support.no(f"compressed-tensors weights are 2-D, got shape {list(value.shape)}")
-            m, n = value.shape
+            if len(value.shape) < 2:
+                return Support.no(f"compressed-tensors weights are at least 2-D, got shape {list(value.shape)}")
+            if len(value.shape) > 2 and s.block is not None and len(s.block.dims) > 1:
+                return Support.no(f"on weights of more than 2 dims compressed-tensors blocks run along the last "
+                                  f"axis, got {s} on {list(value.shape)}")
+            m, n = value.shape[-2:]
             dims = (1, 1) if s.block is None else (1, *s.block.dims)[-2:]
             if m % dims[0] or n % dims[1]:
                 return Support.no(f"blocks {list(dims)} do not tile shape {list(value.shape)} (partial edge blocks)")
@@ -355,15 +373,15 @@ class CompressedTensorsFormat(Format):
                 arrays[f"{mod}.{GLOBAL}"] = np.asarray([value.global_scale()], np.float32)
                 continue
             sdt = _DTYPE_OF_SCALE[s.slot_dtype.value]
-            m, n = value.shape
-            scales = value.scales()  # the block grid [m / bm, n / bn]; per-tensor: shape ()
+            *lead, n = value.shape
+            scales = value.scales()  # the block grid ([..., m, n / b] or [m / bm, n / bn]); per-tensor: shape ()
             scale = scales.reshape(1) if s.block is None else scales
             if _kind(s).type == "int":
-                words = np.frombuffer(value.values_bytes(), np.uint32).reshape(m, n * s.bits // 32)
+                words = np.frombuffer(value.values_bytes(), np.uint32).reshape(*lead, n * s.bits // 32)
                 arrays[f"{mod}.{PACKED}"] = _flip(words, s.bits).view(np.int32)
-                arrays[f"{mod}.{SHAPE}"] = np.array([m, n], dtype=np.int64)
+                arrays[f"{mod}.{SHAPE}"] = np.array(value.shape, dtype=np.int64)
             else:
-                arrays[f"{mod}.{FP8}"] = value.codes().reshape(m, n).view(_FP8)
+                arrays[f"{mod}.{FP8}"] = value.codes().reshape(value.shape).view(_FP8)
             arrays[f"{mod}.{SCALE}"] = scale.astype(sdt)
         write_arrays(path, arrays, meta)
         write_config(path, checkpoint)

@@ -30,7 +30,7 @@ from compressed_tensors.compressors.naive_quantized.base import FloatQuantizatio
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-# module -> (weight dtype, weight arguments, compressor, rows, cols)
+# module -> (weight dtype, weight arguments, compressor, *shape) (shape: rows, cols, or experts, rows, cols)
 MODULES = {
     "layers.0.q_proj": (torch.bfloat16, dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32),
                         PackedQuantizationCompressor, 16, 128),
@@ -50,6 +50,10 @@ MODULES = {
     "layers.1.gate_proj": (torch.bfloat16, dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group",
                                                 group_size=16, scale_dtype=torch.float8_e4m3fn),
                            NVFP4PackedCompressor, 16, 64),
+    "layers.2.experts.w1": (torch.bfloat16, dict(num_bits=4, type="int", symmetric=True, strategy="group",
+                                                 group_size=32), PackedQuantizationCompressor, 2, 8, 64),
+    "layers.2.experts.w2": (torch.bfloat16, dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
+                            FloatQuantizationCompressor, 2, 8, 32),
 }
 
 
@@ -71,9 +75,9 @@ def scales_for(w: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
     qmax = 7.0 if args.type == "int" and args.num_bits == 4 else 127.0 if args.type == "int" else \
         6.0 if args.num_bits == 4 else 448.0
     a = w.abs().float()
-    m, n = w.shape
+    *lead, m, n = w.shape
     if args.strategy == "group":
-        s = a.reshape(m, n // args.group_size, args.group_size).amax(-1)
+        s = a.reshape(*lead, m, n // args.group_size, args.group_size).amax(-1)
     elif args.strategy == "channel":
         s = a.amax(-1, keepdim=True)
     elif args.strategy == "block":
@@ -90,10 +94,10 @@ def scales_for(w: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
 def main(out: str) -> None:
     torch.manual_seed(0)
     model, expected, groups = {}, {}, {}
-    for i, (name, (dtype, wargs, compressor, m, n)) in enumerate(MODULES.items()):
+    for i, (name, (dtype, wargs, compressor, *shape)) in enumerate(MODULES.items()):
         args = QuantizationArgs(**wargs)
         scheme = QuantizationScheme(targets=[name], weights=args)
-        w = (torch.randn(m, n) * 0.05).to(dtype)
+        w = (torch.randn(*shape) * 0.05).to(dtype)
         params = nvfp4_params(w, args) if compressor is NVFP4PackedCompressor else {"weight_scale": scales_for(w, args)}
         sd = compressor.compress({"weight": w, **params}, scheme)
         model.update({f"{name}.{k}": v.contiguous() for k, v in sd.items()})
