@@ -4,7 +4,7 @@
 suite on each backend (cases, bad input, ops, cross-backend), shows a progress bar, then prints a
 capability matrix per backend and one summary line each:
 
-    ndarray: 258 schemes supported and conforming, 360 rejected correctly (not supported), 0 failed
+    ndarray: 145 schemes supported and conforming, 410 rejected correctly (not supported), 0 failed
 
 The cases are drawn per backend from what it supports (`sampling`); `--expect` states what it is
 meant to support (`expect`), so a backend that refuses a scheme its author expects fails here as
