@@ -74,6 +74,9 @@ class Stratum:
         return self.id
 
 
+OTHER_ROUNDS = tuple(r for r in ScaleRound if r is not ScaleRound.UP)
+
+
 @lru_cache(maxsize=1)
 def _space() -> tuple[QuantScheme, ...]:
     seen = dict.fromkeys(C.scheme_space(True))
@@ -88,9 +91,6 @@ def _space() -> tuple[QuantScheme, ...]:
             except SchemeError:
                 pass
     return tuple(seen)
-
-
-OTHER_ROUNDS = tuple(r for r in ScaleRound if r is not ScaleRound.UP)
 
 
 def _key(s: QuantScheme) -> str:

@@ -44,7 +44,7 @@ from ..io import VERSION_KEY
 from ..payload import QuantizedData
 from ..protocol import Support
 from ..scheme import QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
-from . import _mx
+from . import _mx, _nvfp4
 from ._st import array_support, pop_json, put_quantization_config, read_arrays, write_arrays
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
 
@@ -74,7 +74,7 @@ NVFP4_ARGS = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 1
               "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}  # its NVFP4 preset (NVFP4A16)
 NVFP4 = parse_scheme("e2m1/block16:ue4m3/tensor:f32:recip/packed_native")
 GLOBAL = "weight_global_scale"
-NV_BLOCK = 16
+NV_BLOCK = _nvfp4.BLOCK
 
 
 def _kind(s: QuantScheme) -> _Kind | None:
@@ -200,9 +200,7 @@ def _read_nvfp4(packed: np.ndarray, scale: np.ndarray, g: np.ndarray, where: str
         raise UnrepresentableError(f"{where}: {PACKED} {packed.dtype} {list(packed.shape)}, {SCALE} {scale.dtype} "
                                    f"{list(scale.shape)} and {GLOBAL} are not nvfp4 ([m, n/2] uint8, [m, n/16] "
                                    "float8_e4m3fn, one f32)")
-    words = np.ascontiguousarray(scale).view(np.uint8)
-    if np.any(words >= 0x7F):  # sign bit set (negative), or 0x7F: NaN
-        raise UnrepresentableError(f"{where}: a block scale is negative or NaN, which UE4M3 cannot hold")
+    words = _nvfp4.scale_words(scale, where)
     gv = np.asarray(g, np.float32).reshape(())
     if not (np.isfinite(gv) and gv > 0):
         raise UnrepresentableError(f"{where}: {GLOBAL} is {float(gv)}; a reciprocal global must be finite and > 0")

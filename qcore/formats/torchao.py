@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 
-import ml_dtypes
 import numpy as np
 
 from ..errors import InvalidDataError
@@ -35,6 +34,7 @@ from ..io import VERSION_KEY
 from ..payload import QuantizedData
 from ..protocol import Support
 from ..scheme import PRESETS, scheme as parse_scheme
+from . import _nvfp4
 from ._st import array_support, pop_json, read_arrays, write_arrays
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
 
@@ -43,8 +43,8 @@ __all__ = ["TorchaoFormat", "from_blocked", "to_blocked"]
 TENSORS_KEY = "torchao.tensors"   # JSON {weight: its NVFP4Tensor attributes}: restores them on write
 NVFP4 = PRESETS["nvfp4"]
 ONE_LEVEL = parse_scheme("e2m1/block16:ue4m3/packed_native")
-BLOCK = 16
-_FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+BLOCK = _nvfp4.BLOCK
+_FP8 = _nvfp4.FP8
 _DEFAULTS = {"is_swizzled_scales": False, "use_triton_kernel": False, "act_quant_kwargs": None, "block_size": BLOCK,
              "orig_dtype": {"_type": "torch.dtype", "_data": "float32"}}
 
@@ -94,7 +94,7 @@ def _read_weight(arrays: dict[str, np.ndarray], name: str, info: dict, where: st
     if k % BLOCK:
         raise UnrepresentableError(f"{where}: {k} columns are not whole blocks of {BLOCK}")
     rows = int(np.prod(lead, dtype=np.int64)) * m
-    words = scale.view(np.uint8)
+    words = _nvfp4.scale_words(scale, where)
     if attrs.get("is_swizzled_scales"):
         need = -(-rows // 128) * 128 * -(-(k // BLOCK) // 4) * 4
         if words.size != need:
@@ -102,8 +102,6 @@ def _read_weight(arrays: dict[str, np.ndarray], name: str, info: dict, where: st
         words = from_blocked(words.reshape(-1), rows, k // BLOCK)
     if words.size != rows * (k // BLOCK):
         raise InvalidDataError(f"{where}: {words.size} block scales; shape {[*lead, m, k]} needs {rows * (k // BLOCK)}")
-    if np.any(words >= 0x7F):  # sign bit set (negative), or 0x7F: NaN
-        raise UnrepresentableError(f"{where}: a block scale is negative or NaN, which UE4M3 cannot hold")
     parts = [np.ascontiguousarray(qdata).tobytes(), np.ascontiguousarray(words).tobytes()]
     if "per_tensor_scale" in fields:
         g = np.asarray(arrays.get(prefix + "per_tensor_scale"), np.float32)
@@ -182,6 +180,7 @@ class TorchaoFormat(Format):
         kept = pop_json(meta, TENSORS_KEY)
         arrays: dict[str, np.ndarray] = {}
         infos: dict[str, str] = {}
+        act_keys: set[str] = set()
         for name, value in checkpoint.tensors.items():
             if not isinstance(value, QuantizedData):
                 arrays[name] = value
@@ -197,27 +196,18 @@ class TorchaoFormat(Format):
             if value.scheme.two_level:
                 arrays[prefix + "per_tensor_scale"] = np.asarray(value.global_scale(), np.float32)
                 fields.insert(0, "per_tensor_scale")
-            if prefix + "act_per_tensor_scale" in checkpoint.tensors:
+            if prefix + "act_per_tensor_scale" in checkpoint.tensors:  # its data, not a listed tensor
                 fields.insert(1 if value.scheme.two_level else 0, "act_per_tensor_scale")
+                act_keys.add(prefix + "act_per_tensor_scale")
             arrays[prefix + "qdata"] = np.frombuffer(value.values_bytes(), np.uint8).reshape(*lead, m, k // 2)
             arrays[prefix + "scale"] = scale
             order = ("is_swizzled_scales", "use_triton_kernel", "act_quant_kwargs", "block_size", "orig_dtype")
             data = {key: attrs[key] for key in order if key in attrs}
             infos[name] = json.dumps({"_type": "NVFP4Tensor", "_data": data, "_tensor_data_names": fields})
-        listed = [n for n in checkpoint.tensors if n not in set(_act_keys(checkpoint))]
+        listed = [n for n in checkpoint.tensors if n not in act_keys]
         for name in listed:
             if name not in infos:
                 infos[name] = json.dumps({"_type": "Tensor"})
         out_meta = {**meta, **infos, "tensor_names": json.dumps(listed)}
         write_arrays(path, arrays, out_meta)
 
-
-def _act_keys(checkpoint: Checkpoint) -> list[str]:
-    """The activation scales of the checkpoint's NVFP4 weights (data tensors, not listed names)."""
-    out = []
-    for name, value in checkpoint.tensors.items():
-        if isinstance(value, QuantizedData):
-            key = _parts(name)[0] + "act_per_tensor_scale"
-            if key in checkpoint.tensors:
-                out.append(key)
-    return out
