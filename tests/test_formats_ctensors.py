@@ -1,4 +1,5 @@
-"""compressed-tensors (`pack-quantized` int4/int8, `float-quantized` FP8, symmetric) <-> qcore.
+"""compressed-tensors (`pack-quantized` int4/int8, `float-quantized` FP8, `mxfp4-` and
+`nvfp4-pack-quantized`, symmetric, 2-D and fused-expert `[e, m, n]`) <-> qcore.
 
 The checkpoint in tests/data/ctensors was written by compressed-tensors 0.20.0's own compressors,
 and `expected.safetensors` holds its own decompressor's output (tests/data/ctensors/make_ctensors.py;
@@ -34,7 +35,13 @@ SCHEMES = {  # module weight -> the qcore scheme it reads as
     # fused experts [2, 8, n]: int4 groups of 32 and fp8 per channel, blocks along the last axis
     "layers.2.experts.w1.weight": "q4f/block32:bf16/packed_u32",
     "layers.2.experts.w2.weight": "e4m3/block32:bf16",
+    # fused-expert FP4 [2, 4, 64]: mxfp4, and nvfp4 with the module's one [1] global
+    "layers.3.experts.w1.weight": "mxfp4",
+    "layers.3.experts.w2.weight": "e2m1/block16:ue4m3/tensor:f32:recip/packed_native",
 }
+SHAPES = {"layers.2.experts.w1.weight": (2, 8, 64), "layers.2.experts.w2.weight": (2, 8, 32),
+          "layers.3.experts.w1.weight": (2, 4, 64), "layers.3.experts.w2.weight": (2, 4, 64)}
+NV3 = "layers.3.experts.w2"  # the fused-expert nvfp4 module
 
 
 def _arrays(path):
@@ -47,6 +54,8 @@ def test_reads_as_qcore_schemes():
     assert ck.format == "compressed-tensors" and qf.detect(MODEL).name == "compressed-tensors"
     got = {k: str(v.scheme) for k, v in ck.tensors.items() if isinstance(v, qcore.QuantizedData)}
     assert got == {k: str(qcore.scheme(v)) for k, v in SCHEMES.items()}
+    for name, shape in SHAPES.items():
+        assert ck.tensors[name].shape == shape, name
     assert ck.tensors["norm.weight"].dtype == ml_dtypes.bfloat16  # unquantized tensors pass through
     assert json.loads(ck.metadata["compressed-tensors.config"])["quant_method"] == "compressed-tensors"
 
@@ -62,6 +71,7 @@ def test_decode_is_the_tools_own(request, backend):
         if not be.supports(d.scheme):
             continue
         got = decode(d, be).astype(want[name].dtype)
+        assert got.shape == want[name].shape, (backend, name)
         assert got.view(np.uint8).tobytes() == want[name].view(np.uint8).tobytes(), (backend, name)
 
 
@@ -92,6 +102,10 @@ def test_writes_the_tools_bytes_and_config(tmp_path):
     assert by_module["layers.1.gate_proj"]["weights"] == {
         "num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
         "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}
+    assert by_module["layers.3.experts.w1"]["format"] == "mxfp4-pack-quantized"
+    assert by_module[NV3]["format"] == "nvfp4-pack-quantized"
+    assert by_module[NV3]["weights"] == by_module["layers.1.gate_proj"]["weights"]
+    assert dst[f"{NV3}.weight_global_scale"].shape == (1,)  # one global for the module, as the tool writes it
 
 
 def test_through_qcore_format_and_back(tmp_path):
@@ -123,6 +137,79 @@ def test_quantized_by_qcore_writes_as_compressed_tensors(tmp_path):
     assert list(arrays["blk.weight_shape"]) == [8, 64]
     back = qf.read(tmp_path / "m.safetensors").tensors["blk.weight"]
     assert back == ref.into_data(q)
+
+
+@pytest.mark.parametrize("text", ["mxfp4", "e2m1/block16:ue4m3/tensor:f32:recip/packed_native/round:rne"])
+@pytest.mark.parametrize("shape", [(2, 4, 64), (2, 3, 2, 96)])
+def test_fused_expert_fp4_quantized_by_qcore_writes_as_the_tools_layout(tmp_path, text, shape):
+    """A qcore mxfp4 / nvfp4 (reciprocal global) tensor of more than 2 dims writes as nibbles
+    `[..., m, n/2]`, scales `[..., m, n/G]` and one `[1]` global, and reads back byte for byte."""
+    ref = qcore.backend("reference")
+    x = np.random.default_rng(6).standard_normal(shape).astype(np.float32)
+    x *= np.exp2(np.arange(shape[0], dtype=np.float32) * 3).reshape(-1, *([1] * (len(shape) - 1)))
+    d = ref.into_data(ref.quantize(x, text))
+    qf.write(tmp_path / "m.safetensors", {"e.weight": d}, "compressed-tensors")
+    arrays = _arrays(tmp_path / "m.safetensors")
+    *lead, n = shape
+    group = 32 if text == "mxfp4" else 16
+    assert arrays["e.weight_packed"].dtype == np.uint8 and arrays["e.weight_packed"].shape == (*lead, n // 2)
+    assert arrays["e.weight_scale"].shape == (*lead, n // group)
+    assert arrays["e.weight_packed"].tobytes() == d.values_bytes()
+    if text == "mxfp4":
+        assert arrays["e.weight_scale"].dtype == np.uint8 and "e.weight_global_scale" not in arrays
+    else:
+        assert arrays["e.weight_scale"].dtype == ml_dtypes.float8_e4m3fn
+        assert arrays["e.weight_global_scale"].shape == (1,)
+        assert arrays["e.weight_global_scale"].tobytes() == np.float32(d.global_scale()).tobytes()
+    back = qf.read(tmp_path / "m.safetensors").tensors["e.weight"]
+    assert back.shape == shape and back.payload == d.payload and back.scheme == d.scheme.payload_form
+
+
+def test_the_nvfp4_global_is_the_tensors_own(tmp_path):
+    """The global of an nvfp4 module is read into its tensor, not kept beside it as an array, so a
+    tensor replaced in the checkpoint is written with its own global, not the file's old one."""
+    ck = qf.read(MODEL)
+    assert not [k for k in ck.tensors if k.endswith("weight_global_scale")]
+    ref = qcore.backend("reference")
+    x = np.random.default_rng(7).standard_normal((2, 4, 64)).astype(np.float32) * 100
+    new = ref.into_data(ref.quantize(x, SCHEMES[f"{NV3}.weight"]))
+    ck.tensors[f"{NV3}.weight"] = new
+    qf.write(tmp_path / "m.safetensors", ck, "compressed-tensors")
+    got = _arrays(tmp_path / "m.safetensors")[f"{NV3}.weight_global_scale"]
+    old = _arrays(MODEL)[f"{NV3}.weight_global_scale"]
+    assert got.tobytes() == np.float32(new.global_scale()).tobytes() != old.tobytes()
+    assert qf.read(tmp_path / "m.safetensors").tensors[f"{NV3}.weight"] == new
+
+
+def test_per_expert_nvfp4_globals_are_refused(tmp_path):
+    """compressed-tensors 0.20 gives an nvfp4 module one [1] global whatever the weight's rank;
+    a global per expert (equal or not) is not one qcore global, so it is refused with the reason."""
+    arrays = _arrays(MODEL)
+    g = arrays[f"{NV3}.weight_global_scale"]
+    for per_expert in (np.concatenate([g, g * 2]), np.concatenate([g, g]).reshape(2, 1)):
+        bad = {**arrays, f"{NV3}.weight_global_scale": per_expert}
+        save_file(bad, str(tmp_path / "pe.safetensors"))
+        with pytest.raises(UnrepresentableError, match=r"weight_global_scale of shape \[2.*one global per tensor"):
+            qf.read(tmp_path / "pe.safetensors", "compressed-tensors")
+
+
+def test_fused_expert_fp4_scales_that_do_not_match_are_refused(tmp_path):
+    """3-D mxfp4 / nvfp4 scales that are not one per block of the weight, and a 3-D E8M0 byte 255."""
+    arrays = _arrays(MODEL)
+    for key, value, why in (
+            ("layers.3.experts.w1.weight_scale", arrays["layers.3.experts.w1.weight_scale"].reshape(2, 8, 1),
+             "are not mxfp4"),
+            ("layers.3.experts.w1.weight_scale", arrays["layers.3.experts.w1.weight_scale"][0], "are not mxfp4"),
+            (f"{NV3}.weight_scale", arrays[f"{NV3}.weight_scale"].reshape(2, 8, 2), "are not nvfp4"),
+            (f"{NV3}.weight_packed", arrays[f"{NV3}.weight_packed"].reshape(8, 32), "are not nvfp4")):
+        save_file({**arrays, key: np.ascontiguousarray(value)}, str(tmp_path / "bad.safetensors"))
+        with pytest.raises(UnrepresentableError, match=why):
+            qf.read(tmp_path / "bad.safetensors", "compressed-tensors")
+    scale = arrays["layers.3.experts.w1.weight_scale"].copy()
+    scale[1, 3, 1] = 255
+    save_file({**arrays, "layers.3.experts.w1.weight_scale": scale}, str(tmp_path / "ff.safetensors"))
+    with pytest.raises(UnrepresentableError, match="255"):
+        qf.read(tmp_path / "ff.safetensors", "compressed-tensors")
 
 
 def test_asymmetric_weights_are_refused(tmp_path):
@@ -159,6 +246,10 @@ def test_bad_nvfp4_parts_and_scale_byte_255_are_refused(tmp_path):
     ("q4f/block8x4:bf16/packed_u32:1", (8, 64), "symmetric q4f/q8f"),  # packed down the columns
     ("nvfp4", (4, 64), "symmetric q4f/q8f"),  # two-level with SPEC's multiplied global, not the reciprocal
     ("mxfp4", (4, 48), "whole blocks"),  # a partial MX block
+    ("mxfp4", (2, 4, 48), "whole blocks"),  # fused experts with a partial MX block
+    ("mxfp4", (64,), "at least 2-D"),
+    ("e2m1/block16:ue4m3/tensor:f32:recip/packed_native", (2, 4, 40), "multiple of 16"),  # a partial block
+    ("e2m1/block16:ue4m3/tensor:f32:recip/packed_native", (64,), "at least 2-D"),
     ("q4f/block2x32:bf16/packed_u32", (2, 4, 64), "along the last axis"),  # 2-D blocks on fused experts
     ("q4f/block32:bf16/packed_u32", (64,), "at least 2-D"),
     ("q4f/block12:bf16", (4, 36), "partly filled"),  # 36 columns: 4.5 words

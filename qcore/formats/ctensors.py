@@ -1,10 +1,10 @@
 """compressed-tensors checkpoints (llm-compressor's output, which vLLM loads): `pack-quantized`
-integers and `float-quantized` FP8 weights, symmetric.
+integers, `float-quantized` FP8, `mxfp4-pack-quantized` and `nvfp4-pack-quantized` weights, symmetric.
 
 Layout (compressed-tensors 0.20), per quantized module `M` of a safetensors file:
 
-Weights are `[m, n]`, or `[..., m, n]` for fused experts (pack- and float-quantized, with blocks
-along the last axis).
+Weights are `[m, n]`, or `[..., m, n]` for fused experts (`[e, m, n]`; every format, with blocks
+along the last axis: each shape below then gains the leading dims).
 
 * `pack-quantized`: `M.weight_packed` int32 `[m, n / (32 / bits)]`, each word holding
   `32 / bits` codes, element k in bits `bits * k` (low bits first), stored as `q + 2^(bits-1)`
@@ -17,11 +17,19 @@ along the last axis).
   `[m / bm, n / bn]`); dequantize `weight * scale`. That is qcore's `e4m3` with the same blocks.
 * `mxfp4-pack-quantized`: `M.weight_packed` uint8 `[m, n / 2]` (element 2k in the low nibble),
   `M.weight_scale` uint8 `[m, n / 32]` (E8M0: `2^(byte - 127)`, decoded in bf16); that is qcore's
-  `mxfp4` payload byte for byte. A scale byte of 255 (inf there, invalid in SPEC §1) is refused.
+  `mxfp4` payload byte for byte, for fused experts `[e, m, n / 2]` + `[e, m, n / 32]` too (the MX
+  blocks `[..., n / 32, 16]` of `_mx.join`). A scale byte of 255 (inf there, invalid in SPEC §1) is
+  refused.
 * `nvfp4-pack-quantized`: `M.weight_packed` as mxfp4, `M.weight_scale` float8_e4m3fn `[m, n / 16]`
   and `M.weight_global_scale` f32 `[1]` = `448 * 6 / amax`, the reciprocal of SPEC's global;
   dequantize `q * (scale / global_scale)`. That is qcore's `e2m1/block16:ue4m3/tensor:f32:recip/
-  packed_native` (docs/spec.md E2) byte for byte: values, scale bytes, then the global.
+  packed_native` (docs/spec.md E2) byte for byte: values, scale bytes, then the global. The global
+  is one per module whatever the weight's rank (the tool's `initialize_qparams` registers
+  `torch.empty(1)` for a `tensor_group` weight, `generate_gparam` returns shape `[1]`), so a
+  fused-expert `[e, m, n]` weight has one `[1]` global for all its experts, which is qcore's one
+  global per tensor; a global of more than one value (one per expert, which 0.20 does not write)
+  is refused. 0.20's FP4 compressors themselves take `[m, n]` only (`quantize_and_pack_fp4`:
+  "Expected 2D tensor"); its `dequantize` takes `[e, m, n]` whole (tests/data/ctensors).
 
 With f16/bf16 scales `q * scale` is exact in float32 (a code of at most 8 significant bits
 times a scale of at most 11), so qcore's float32 dequantize rounded to the scale's dtype equals
@@ -192,20 +200,35 @@ def quantization_config(checkpoint: Checkpoint) -> dict:
             "config_groups": config_groups, "ignore": []}
 
 
+def _fp4_shape(packed: np.ndarray, scale: np.ndarray, block: int) -> tuple[int, ...] | None:
+    """The weight shape `[..., m, n]` of FP4 nibbles `[..., m, n/2]` whose scales are `[..., m, n/block]`
+    (2-D, or fused experts `[e, m, n]`), else None."""
+    if packed.ndim < 2 or not packed.shape[-2] or not packed.shape[-1]:
+        return None
+    shape = (*packed.shape[:-1], 2 * packed.shape[-1])
+    if shape[-1] % block or tuple(scale.shape) != (*shape[:-1], shape[-1] // block):
+        return None
+    return shape
+
+
 def _read_nvfp4(packed: np.ndarray, scale: np.ndarray, g: np.ndarray, where: str) -> QuantizedData:
-    m = packed.shape[0] if packed.ndim == 2 else 0
-    n = 2 * packed.shape[1] if packed.ndim == 2 else 0
-    if packed.dtype != np.uint8 or scale.dtype != _FP8 or not m or n % NV_BLOCK or \
-            scale.shape != (m, n // NV_BLOCK) or np.asarray(g).size != 1 or np.asarray(g).dtype != np.float32:
+    g = np.asarray(g)
+    if g.size != 1:  # the tool gives a tensor_group module one [1] global whatever the weight's rank
+        raise UnrepresentableError(
+            f"{where}: a {GLOBAL} of shape {list(g.shape)} ({g.size} values, e.g. one per expert); qcore's nvfp4 has "
+            f"one global per tensor, which is what compressed-tensors 0.20 writes ([1] per module, also for "
+            f"fused experts [e, m, n])")
+    shape = _fp4_shape(packed, scale, NV_BLOCK)
+    if packed.dtype != np.uint8 or scale.dtype != _FP8 or shape is None or g.dtype != np.float32:
         raise UnrepresentableError(f"{where}: {PACKED} {packed.dtype} {list(packed.shape)}, {SCALE} {scale.dtype} "
-                                   f"{list(scale.shape)} and {GLOBAL} are not nvfp4 ([m, n/2] uint8, [m, n/16] "
-                                   "float8_e4m3fn, one f32)")
+                                   f"{list(scale.shape)} and {GLOBAL} {g.dtype} are not nvfp4 ([..., m, n/2] uint8, "
+                                   "[..., m, n/16] float8_e4m3fn, one f32)")
     words = _nvfp4.scale_words(scale, where)
-    gv = np.asarray(g, np.float32).reshape(())
+    gv = g.astype(np.float32).reshape(())
     if not (np.isfinite(gv) and gv > 0):
         raise UnrepresentableError(f"{where}: {GLOBAL} is {float(gv)}; a reciprocal global must be finite and > 0")
     parts = [np.ascontiguousarray(packed).tobytes(), words.tobytes(), gv.astype("<f4").tobytes()]
-    return QuantizedData((m, n), NVFP4, b"".join(parts))
+    return QuantizedData(shape, NVFP4, b"".join(parts))
 
 
 def _module(name: str) -> str:
@@ -251,7 +274,7 @@ class CompressedTensorsFormat(Format):
                 name = f"{mod}.weight"
                 tensors[name] = self._read_fp4(mod, arrays, where)
                 names[name] = mod
-                used |= {f"{mod}.{PACKED}", f"{mod}.{SCALE}"}
+                used |= {f"{mod}.{PACKED}", f"{mod}.{SCALE}", f"{mod}.{GLOBAL}"}  # the global is in the payload
                 continue
             if kind == "pack":
                 shape_a = arrays.get(f"{mod}.{SHAPE}")
@@ -307,27 +330,27 @@ class CompressedTensorsFormat(Format):
         if scale.dtype != np.uint8:
             raise UnrepresentableError(f"{where}: an FP4 weight with {scale.dtype} scales and no {GLOBAL} "
                                        "is neither mxfp4 (uint8 E8M0 scales) nor nvfp4")
-        if packed.ndim != 2 or scale.ndim != 2 or (2 * packed.shape[1]) % _mx.BLOCK or \
-                scale.shape != (packed.shape[0], 2 * packed.shape[1] // _mx.BLOCK):
+        shape = _fp4_shape(packed, scale, _mx.BLOCK)
+        if shape is None:
             raise UnrepresentableError(f"{where}: {PACKED} uint8 {list(packed.shape)} and {SCALE} uint8 "
-                                       f"{list(scale.shape)} are not mxfp4 ([m, n/2] and [m, n/32])")
+                                       f"{list(scale.shape)} are not mxfp4 ([..., m, n/2] and [..., m, n/32])")
         if (scale == 255).any():
             raise UnrepresentableError(f"{where}: an E8M0 scale byte of 255, which compressed-tensors decodes as "
                                        "inf and SPEC §1 holds invalid")
-        m, half = packed.shape
-        return _mx.join(packed.reshape(m, 2 * half // _mx.BLOCK, _mx.BLOCK // 2), scale)
+        *lead, n = shape  # MX blocks [..., n/32, 16] and their scale bytes [..., n/32]: qcore's payload as it is
+        return _mx.join(packed.reshape(*lead, n // _mx.BLOCK, _mx.BLOCK // 2), scale)
 
     def check(self, name: str, value: Tensor) -> Support:
         if isinstance(value, QuantizedData):
             s = value.scheme
-            if s.payload_form == _mx.MXFP4:
-                if len(value.shape) != 2:
-                    return Support.no(f"compressed-tensors weights are 2-D, got shape {list(value.shape)}")
+            if s.payload_form in (_mx.MXFP4, NVFP4) and len(value.shape) < 2:
+                return Support.no(f"compressed-tensors weights are at least 2-D, got shape {list(value.shape)}")
+            if s.payload_form == _mx.MXFP4:  # [m, n] or fused experts [..., m, n], blocks along the last axis
                 return _mx.check(value, "compressed-tensors")
-            if s.payload_form == NVFP4:
-                if len(value.shape) != 2 or value.shape[1] % NV_BLOCK:
-                    return Support.no(f"compressed-tensors nvfp4 weights are [m, n] with n a multiple of {NV_BLOCK}, "
-                                      f"got {list(value.shape)}")
+            if s.payload_form == NVFP4:  # the same shapes, one global for the whole tensor as the tool has it
+                if value.shape[-1] % NV_BLOCK:
+                    return Support.no(f"compressed-tensors nvfp4 weights are [..., m, n] with n a multiple of "
+                                      f"{NV_BLOCK}, got {list(value.shape)}")
                 return Support.yes()
             if _kind(s) is None:
                 return Support.no(f"compressed-tensors holds symmetric q4f/q8f (packed_u32 along the last axis), "
@@ -359,19 +382,18 @@ class CompressedTensorsFormat(Format):
                 continue
             mod = spelled.get(name) or _module(name)
             s = value.scheme
+            *lead, n = value.shape  # [m, n] or fused experts [..., m, n]
             if s.payload_form == _mx.MXFP4:
                 blocks, scales = _mx.split(value)
-                arrays[f"{mod}.{PACKED}"] = blocks.reshape(value.shape[0], value.shape[1] // 2)
+                arrays[f"{mod}.{PACKED}"] = blocks.reshape(*lead, n // 2)
                 arrays[f"{mod}.{SCALE}"] = scales
                 continue
             if s.payload_form == NVFP4:
-                m, n = value.shape
-                arrays[f"{mod}.{PACKED}"] = np.frombuffer(value.values_bytes(), np.uint8).reshape(m, n // 2)
-                arrays[f"{mod}.{SCALE}"] = value.scales().astype(_FP8).reshape(m, n // NV_BLOCK)
-                arrays[f"{mod}.{GLOBAL}"] = np.asarray([value.global_scale()], np.float32)
+                arrays[f"{mod}.{PACKED}"] = np.frombuffer(value.values_bytes(), np.uint8).reshape(*lead, n // 2)
+                arrays[f"{mod}.{SCALE}"] = value.scales().astype(_FP8).reshape(*lead, n // NV_BLOCK)
+                arrays[f"{mod}.{GLOBAL}"] = np.asarray([value.global_scale()], np.float32)  # [1], as the tool's
                 continue
             sdt = _DTYPE_OF_SCALE[s.slot_dtype.value]
-            *lead, n = value.shape
             scales = value.scales()  # the block grid ([..., m, n / b] or [m / bm, n / bn]); per-tensor: shape ()
             scale = scales.reshape(1) if s.block is None else scales
             if _kind(s).type == "int":

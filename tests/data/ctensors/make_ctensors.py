@@ -8,6 +8,15 @@ unquantized norm), `config.json` (the tool's quantization_config, one config gro
 and `expected.safetensors` (each module's weight as the tool's decompressor gives it back).
 tests/test_formats_ctensors.py reads them with qcore and compares bit for bit.
 
+Fused-expert weights `[e, m, n]`: the pack- and float-quantized compressors take them whole. The
+MXFP4 and NVFP4 compressors of 0.20.0 take `[m, n]` only (`quantize_and_pack_fp4` raises "Expected
+2D tensor", `decompress` unpacks `m, n = packed.shape`), so an FP4 expert weight goes through them
+expert by expert and the parts are stacked: `weight_packed` `[e, m, n/2]`, `weight_scale`
+`[e, m, n/G]` and, for NVFP4, the module's one `weight_global_scale` `[1]` (the shape the tool
+gives a `tensor_group` global whatever the weight's rank: `initialize_qparams` registers
+`torch.empty(1)`, `generate_gparam` returns `reshape([1])`), which every expert shares. The stacked
+decompression is checked against the tool's own `dequantize` run on the whole `[e, m, n]` tensor.
+
     python tests/data/ctensors/make_ctensors.py --check DIR
 
 checks the other direction with the tool's code: DIR holds a `model.safetensors` and `config.json`
@@ -29,6 +38,9 @@ from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
 from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+FP4 = (MXFP4PackedCompressor, NVFP4PackedCompressor)
+GLOBAL = "weight_global_scale"
 
 # module -> (weight dtype, weight arguments, compressor, *shape) (shape: rows, cols, or experts, rows, cols)
 MODULES = {
@@ -54,6 +66,13 @@ MODULES = {
                                                  group_size=32), PackedQuantizationCompressor, 2, 8, 64),
     "layers.2.experts.w2": (torch.bfloat16, dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
                             FloatQuantizationCompressor, 2, 8, 32),
+    # fused-expert FP4 weights [2, 4, 64]: MXFP4 and NVFP4 (one global for the module)
+    "layers.3.experts.w1": (torch.bfloat16, dict(num_bits=4, type="float", symmetric=True, strategy="group",
+                                                 group_size=32, scale_dtype=torch.uint8),
+                            MXFP4PackedCompressor, 2, 4, 64),
+    "layers.3.experts.w2": (torch.bfloat16, dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group",
+                                                 group_size=16, scale_dtype=torch.float8_e4m3fn),
+                            NVFP4PackedCompressor, 2, 4, 64),
 }
 
 
@@ -62,11 +81,49 @@ def nvfp4_params(w: torch.Tensor, args: QuantizationArgs) -> dict:
     block scales (`calculate_qparams`: amax_b / 6 * global, cast to FP8)."""
     from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 
-    g = generate_gparam(w.float().min(), w.float().max()).reshape(1)
-    m, n = w.shape
-    blocks = w.float().reshape(m, n // args.group_size, args.group_size)
+    g = generate_gparam(w.float().min(), w.float().max()).reshape(1)  # one [1] global, whatever the rank
+    *lead, m, n = w.shape
+    blocks = w.float().reshape(*lead, m, n // args.group_size, args.group_size)
     scale, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args, global_scale=g)
-    return {"weight_scale": scale, "weight_global_scale": g}
+    return {"weight_scale": scale, GLOBAL: g}
+
+
+def _per_expert(fn, sd: dict, scheme: QuantizationScheme, stacked: tuple[str, ...]) -> dict:
+    """`fn` (the tool's FP4 compress or decompress, which take [m, n] only) run on each expert of
+    [e, m, n] tensors, the module's one global passed to every expert; the `stacked` outputs stacked."""
+    e = sd["weight" if "weight" in sd else "weight_packed"].shape[0]
+    parts = [fn({k: v if k == GLOBAL else v[i] for k, v in sd.items()}, scheme) for i in range(e)]
+    out = {k: torch.stack([p[k] for p in parts]) for k in stacked}
+    if GLOBAL in sd:
+        assert all(torch.equal(p[GLOBAL], sd[GLOBAL]) for p in parts)
+        out[GLOBAL] = sd[GLOBAL]
+    return out
+
+
+def compress(compressor, sd: dict, scheme: QuantizationScheme) -> dict:
+    if compressor in FP4 and sd["weight"].ndim > 2:
+        return _per_expert(compressor.compress, sd, scheme, ("weight_packed", "weight_scale"))
+    return compressor.compress(sd, scheme)
+
+
+def decompress(compressor, sd: dict, scheme: QuantizationScheme) -> torch.Tensor:
+    """The tool's decompressed weight. An [e, m, n] FP4 weight is decompressed expert by expert and
+    checked against the tool's `dequantize` run on the whole 3-D tensor (the body of its
+    `decompress` without the 2-D unpacking)."""
+    sd = {k: v.clone() for k, v in sd.items()}
+    if compressor not in FP4 or sd["weight_packed"].ndim == 2:
+        return compressor.decompress(sd, scheme)["weight"]
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    got = _per_expert(compressor.decompress, sd, scheme, ("weight",))["weight"]
+    packed = sd["weight_packed"]
+    *lead, m, half = packed.shape
+    x = unpack_fp4_from_uint8(packed.reshape(-1, half), packed.numel() // half, 2 * half).reshape(*lead, m, 2 * half)
+    whole = dequantize(x_q=x, scale=compressor._decompress_scale(sd["weight_scale"], x.dtype), args=scheme.weights,
+                       global_scale=sd.get(GLOBAL), dtype=x.dtype)
+    assert got.dtype == whole.dtype and torch.equal(got.view(torch.uint8), whole.view(torch.uint8))
+    return got
 
 
 def scales_for(w: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
@@ -97,12 +154,16 @@ def main(out: str) -> None:
     for i, (name, (dtype, wargs, compressor, *shape)) in enumerate(MODULES.items()):
         args = QuantizationArgs(**wargs)
         scheme = QuantizationScheme(targets=[name], weights=args)
-        w = (torch.randn(*shape) * 0.05).to(dtype)
+        w = torch.randn(*shape) * 0.05
+        if compressor in FP4 and len(shape) == 3:  # magnitudes spread over experts, rows and blocks of 16 (x 2^k)
+            e, m, n = shape
+            k = torch.randint(-4, 5, (e, m, n // 16, 1)).float()
+            w = w * torch.exp2(k).expand(e, m, n // 16, 16).reshape(shape)
+        w = w.to(dtype)
         params = nvfp4_params(w, args) if compressor is NVFP4PackedCompressor else {"weight_scale": scales_for(w, args)}
-        sd = compressor.compress({"weight": w, **params}, scheme)
+        sd = compress(compressor, {"weight": w, **params}, scheme)
         model.update({f"{name}.{k}": v.contiguous() for k, v in sd.items()})
-        back = compressor.decompress({k: v.clone() for k, v in sd.items()}, scheme)
-        expected[f"{name}.weight"] = back["weight"].contiguous()
+        expected[f"{name}.weight"] = decompress(compressor, sd, scheme).contiguous()
         groups[f"group_{i}"] = {"targets": [name], "weights": args.model_dump(mode="json"),
                                 "input_activations": None, "output_activations": None}
     model["norm.weight"] = torch.ones(64, dtype=torch.bfloat16)
@@ -133,7 +194,7 @@ def check(folder: str) -> None:
                       "nvfp4-pack-quantized": NVFP4PackedCompressor}[fmt]
         for mod in group.targets:
             local = {k[len(mod) + 1:]: v for k, v in sd.items() if k.startswith(mod + ".")}
-            got = compressor.decompress(local, group)["weight"]
+            got = decompress(compressor, local, group)
             exp = want[f"{mod}.weight"]
             assert got.dtype == exp.dtype and torch.equal(got.view(torch.uint8), exp.view(torch.uint8)), mod
             done += 1
