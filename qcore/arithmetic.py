@@ -14,13 +14,16 @@ import numpy as np
 
 from . import layout
 from .checks import raise_nonfinite, to_f32
-from .codecs import F32_TINY
+from .codecs import F32_TINY, ScaleSlot, rule_codes
+from .errors import InputError
 from .payload import QuantizedData
 from .scheme import QuantScheme
 
 __all__ = [
     "QParams",
     "slot_statistic",
+    "raw_scales",
+    "round_scales",
     "calibrate",
     "store_scales",
     "store_reciprocal",
@@ -76,8 +79,32 @@ def _slot_counts(shape: tuple[int, ...], block: tuple[int, ...]) -> np.ndarray:
     return counts
 
 
+def signed_extreme(x: np.ndarray, scheme: QuantScheme) -> np.ndarray:
+    """Per scale slot, the element of largest `|x|`, the first such in row-major order within
+    the slot (numpy's argmax; docs/spec.md E3), with its sign; 0 for an empty slot."""
+    block = layout.block_extents(x.shape, scheme)
+    if x.size == 0:
+        return np.zeros(layout.grid_shape(x.shape, scheme), dtype=np.float32)
+    if block is None:
+        flat = x.reshape(-1)
+        return np.asarray(flat[np.argmax(np.abs(flat))], dtype=np.float32)
+    b = _blocked(x, block)  # (g0, b0, g1, b1, ...); the zero padding never beats a real element
+    nd = len(block)
+    b = b.transpose([2 * i for i in range(nd)] + [2 * i + 1 for i in range(nd)])
+    grid = b.shape[:nd]
+    flat = b.reshape(grid + (-1,))
+    first = np.argmax(np.abs(flat), axis=-1)[..., None]
+    return np.take_along_axis(flat, first, axis=-1)[..., 0].astype(np.float32)
+
+
 def slot_statistic(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -> np.ndarray:
-    """Per scale slot: `max |x|` (minmax) or `mean |x|` (absmean, f64 sum, one f32 rounding)."""
+    """Per scale slot: `max |x|` (minmax) or `mean |x|` (absmean, f64 sum, one f32 rounding);
+    for signed scales the slot's signed extreme (`signed_extreme`, minmax only)."""
+    if scheme.signed:
+        if method != "minmax":
+            raise InputError(f"{scheme} has signed scales, which take the minmax statistic (the signed "
+                             f"extreme), not {method!r}")
+        return signed_extreme(x, scheme)
     a = np.abs(x)
     block = layout.block_extents(x.shape, scheme)
     if a.size == 0:  # O(1) whatever the extents claim: every slot holds nothing
@@ -95,14 +122,29 @@ def slot_statistic(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -
     return (sums / _slot_counts(x.shape, block)).astype(np.float32)
 
 
+def raw_scales(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -> np.ndarray:
+    """SPEC §2.1 per slot: the raw f32 scale `s = stat / h` (`stat / 1` under the MX rule,
+    `m / qmin` for signed scales), before any rounding."""
+    stat = slot_statistic(x, scheme, method)
+    return (stat / np.float32(scheme.scale_divisor)).astype(np.float32)
+
+
 def calibrate(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -> QParams:
     """SPEC §2.1-2.3: raw scale `s = stat / h` (`stat / 1` under the MX rule), two-level
     normalisation, rounded into the dtype by the scheme's rule (v1: up)."""
-    stat = slot_statistic(x, scheme, method)
     if scheme.reciprocal_global:
-        return store_reciprocal(stat, scheme)
-    s = (stat / np.float32(scheme.scale_divisor)).astype(np.float32)
-    return store_scales(s, scheme)
+        return store_reciprocal(slot_statistic(x, scheme, method), scheme)
+    return store_scales(raw_scales(x, scheme, method), scheme)
+
+
+def round_scales(s: np.ndarray, scheme: QuantScheme, slot: ScaleSlot | None = None) -> np.ndarray:
+    """Raw f32 scales rounded into the slot dtype by `slot` (default: the scheme's rule). Signed
+    scales (docs/spec.md E3) round their magnitude and keep their sign, -0 included."""
+    slot = slot or scheme.scale_rounding
+    s = np.asarray(s, dtype=np.float32)
+    if not scheme.signed:
+        return slot.store(s).reshape(s.shape)
+    return np.copysign(slot.store(np.abs(s)).reshape(s.shape), s).astype(np.float32)
 
 
 def reciprocal_global(top: np.float32, scheme: QuantScheme) -> np.float32:
@@ -136,8 +178,7 @@ def store_scales(s: np.ndarray, scheme: QuantScheme, g: np.float32 | None = None
         top = np.max(s, initial=np.float32(0))
         g = np.maximum(np.float32(top / M), F32_TINY)
         s = (s / g).astype(np.float32)
-    stored = scheme.scale_rounding.store(s).reshape(s.shape)
-    return QParams(stored, float(g) if scheme.two_level else None)
+    return QParams(round_scales(s, scheme), float(g) if scheme.two_level else None)
 
 
 def slot_effective(scales: np.ndarray, global_scale: float | None, scheme: QuantScheme) -> np.ndarray:
@@ -194,14 +235,37 @@ def quantize_codes(x: np.ndarray, e: np.ndarray, scheme: QuantScheme) -> np.ndar
     return encode(y, scheme)
 
 
+def reciprocal_codes(x: np.ndarray, raw: np.ndarray, scheme: QuantScheme) -> np.ndarray:
+    """docs/spec.md E4: `y = f32(x * r)` with `r = f32(1 / s)` of each slot's raw scale `s`
+    (0 where `s == 0`; `y = 0` where `x == 0`), coded by the scheme's code rule."""
+    raw = np.asarray(raw, dtype=np.float32)
+    with np.errstate(divide="ignore", over="ignore"):
+        r = np.where(raw == 0, np.float32(0), np.float32(1) / raw).astype(np.float32)
+    r = layout.expand_to_elements(r, x.shape, scheme)
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = np.where(x == 0, np.float32(0), x * r).astype(np.float32)
+    t = scheme.traits
+    return rule_codes(y, scheme.code_rule.value, t.qmin, t.qmax)
+
+
 def quantize(x: np.ndarray, scheme: QuantScheme, params: QParams | None = None,
              method: str = "minmax") -> QuantizedData:
-    """SPEC §2.1-2.5 in a row: f32 input checked finite, scales calibrated unless given, codes."""
+    """SPEC §2.1-2.5 in a row: f32 input checked finite, scales calibrated unless given, codes
+    (`x / e`, or under a code rule from the reciprocal of the raw scale: given scales are
+    their own raw scales)."""
     x = to_f32(x)
     raise_nonfinite(x)
+    raw = None
     if params is None:
-        params = calibrate(x, scheme, method)
-    codes = quantize_codes(x, effective_scale(params, x.shape, scheme), scheme)
+        if scheme.reciprocal_global:
+            params = calibrate(x, scheme, method)
+        else:
+            raw = raw_scales(x, scheme, method)
+            params = store_scales(raw, scheme)
+    if scheme.reciprocal_codes:
+        codes = reciprocal_codes(x, params.scales if raw is None else raw, scheme)
+    else:
+        codes = quantize_codes(x, effective_scale(params, x.shape, scheme), scheme)
     return QuantizedData.from_parts(x.shape, scheme, codes, params.scales, params.global_scale)
 
 

@@ -26,6 +26,9 @@ __all__ = [
     "ScaleArrays",
     "ScaleSlot",
     "scale_slot_id",
+    "CODE_RULES",
+    "rule_codes",
+    "code_rule_kernel",
     "f32_bits",
     "bits_f32",
     "minifloat_values",
@@ -284,6 +287,7 @@ class ScaleTraits:
     decode: Callable[[np.ndarray], np.ndarray] = field(default=None, compare=False, repr=False)
     grid_below: float = -1.0  # where rounding switches to the uniform grid (-1: sub_below)
     grid_quantum: float = -1.0  # and its step (-1: sub_quantum)
+    signed: bool = False  # the word has a sign bit (its top bit), which signed scales use (docs/spec.md E3)
 
     def __post_init__(self) -> None:
         # Rounding and the stored word share the subnormal grid, except for UE8M0: its word has
@@ -311,6 +315,11 @@ class ScaleTraits:
     @property
     def word_rebias(self) -> int:
         return (127 - self.bias) << self.man_bits
+
+    @property
+    def word_sign(self) -> int:
+        """The stored word's sign bit (0 for the sign-less UE8M0 and UE4M3)."""
+        return 1 << (8 * self.nbytes - 1) if self.signed else 0
 
     @property
     def word_dtype(self) -> np.dtype:
@@ -368,11 +377,11 @@ SCALES: dict[str, ScaleTraits] = {
     row.name: row
     for row in (
         # F32 is the identity (SPEC §2.3): no clamp, even for a raw scale that overflowed to inf.
-        ScaleTraits("f32", 4, float("inf"), 23, 127, encode=_enc_f32, decode=_dec_f32),
+        ScaleTraits("f32", 4, float("inf"), 23, 127, encode=_enc_f32, decode=_dec_f32, signed=True),
         ScaleTraits("f16", 2, 65504.0, 10, 15, sub_below=2.0**-14, sub_quantum=2.0**-24,
-                    encode=_enc_f16, decode=_dec_f16),
+                    encode=_enc_f16, decode=_dec_f16, signed=True),
         # BF16 is the top half of an f32, subnormals included: the bit rule covers them.
-        ScaleTraits("bf16", 2, BF16_MAX, 7, 127, encode=_enc_bf16, decode=_dec_bf16),
+        ScaleTraits("bf16", 2, BF16_MAX, 7, 127, encode=_enc_bf16, decode=_dec_bf16, signed=True),
         ScaleTraits("ue8m0", 1, 2.0**127, 0, 127, least=UE8M0_MIN, encode=_enc_ue8m0, decode=_dec_ue8m0,
                     grid_below=2.0**-126, grid_quantum=2.0**-127),
         ScaleTraits("ue4m3", 1, 448.0, 3, 7, sub_below=2.0**-6, sub_quantum=2.0**-9,
@@ -445,6 +454,7 @@ class ScaleArrays:
     round_mask: np.ndarray  # uint32
     word_shift: np.ndarray  # uint32
     word_rebias: np.ndarray  # uint32
+    word_sign: np.ndarray  # uint32: the word's sign bit, 0 for sign-less dtypes
     nbytes: np.ndarray  # int64
     rule: np.ndarray  # int32: position in SCALE_ROUNDS
     emax: np.ndarray  # int32: the value's emax (rule mx)
@@ -465,7 +475,7 @@ def _scale_arrays() -> ScaleArrays:
     f32, u32 = np.float32, np.uint32
     return ScaleArrays(col("max_value", f32), col("least", f32), col("sub_below", f32), col("sub_quantum", f32),
                        col("grid_below", f32), col("grid_quantum", f32), col("round_add", u32), col("round_mask", u32), col("word_shift", u32),
-                       col("word_rebias", u32), col("nbytes", np.int64),
+                       col("word_rebias", u32), col("word_sign", u32), col("nbytes", np.int64),
                        frozen(np.array([SCALE_ROUNDS.index(t.rule) for t in SCALE_SLOTS], np.int32)),
                        frozen(np.array([t.emax for t in SCALE_SLOTS], np.int32)))
 
@@ -519,3 +529,58 @@ def scale_round_kernel(jit: Callable, f2u: Callable, u2f: Callable) -> Callable:
         return max(u2f(b), float32(least[slot]))
 
     return jit(round_scale)
+
+
+CODE_RULES = ("div", "away", "offset")
+"""Code rules by kernel id (docs/spec.md E4): SPEC v1's `x / e` (0), then the reciprocal rules."""
+
+
+def rule_codes(y: np.ndarray, rule: str, qmin: float, qmax: float) -> np.ndarray:
+    """Integer codes (int8) of `y = f32(x * (1 / raw scale))` under code rule `rule`
+    (docs/spec.md E4), whole arrays: `away` rounds half away from zero and clamps to
+    [qmin, qmax]; `offset` is `clamp(trunc(f32(y + f32(c0 + 0.5))), 0, qmax - qmin) - c0` with
+    `c0 = -qmin` (llama.cpp's `trunc(x * id + 8.5)` for Q4_0). NaN (never from finite input)
+    codes as 0. `code_rule_kernel` is the same rule per element for the kernels."""
+    y = np.nan_to_num(np.asarray(y, dtype=np.float32), nan=0.0)
+    if rule == "away":
+        a = np.abs(np.clip(y, np.float32(qmin), np.float32(qmax)))
+        fl = np.floor(a)
+        q = fl + (a - fl >= np.float32(0.5))  # a - floor(a) is exact: half away from zero, exactly
+        return (np.copysign(q, y)).astype(np.int8)
+    if rule == "offset":
+        c0 = np.float32(-qmin)
+        t = (y + np.float32(c0 + np.float32(0.5))).astype(np.float32)
+        t = np.clip(t, np.float32(0), np.float32(qmax - qmin))
+        return (np.trunc(t) - c0).astype(np.int8)
+    raise ValueError(f"unknown code rule {rule!r}; use one of {CODE_RULES[1:]}")
+
+
+def code_rule_kernel(jit: Callable) -> Callable:
+    """`rule_codes` as one scalar function for the kernels: `rule_code(y, rule, qmin, qmax)` ->
+    the int64 code (signed) of f32 `y` under rule id `rule` (`CODE_RULES` position, 1 or 2).
+    Every kernel backend compiles this one source with its own `jit`; the tests pin it against
+    `rule_codes`."""
+    import math
+
+    from numba import float32, int64
+
+    away = CODE_RULES.index("away")
+    half = np.float32(0.5)
+
+    def rule_code(y, rule, qmin, qmax):
+        y = float32(y)
+        if y != y:  # NaN
+            return int64(0)
+        if rule == away:
+            a = abs(min(max(y, float32(qmin)), float32(qmax)))
+            fl = float32(math.floor(a))
+            q = int64(fl)
+            if float32(a - fl) >= half:
+                q += int64(1)
+            return -q if y < float32(0.0) else q
+        c0 = float32(-qmin)
+        t = float32(y + float32(c0 + half))
+        t = min(max(t, float32(0.0)), float32(qmax - qmin))
+        return int64(t) - int64(c0)  # int64() truncates toward zero; t >= 0
+
+    return jit(rule_code)

@@ -91,13 +91,13 @@ class QuantizedData:
             sch = replace(sch, table=checked)
         object.__setattr__(self, "scheme", sch)
         scales = self.scales()
-        bad = ~np.isfinite(scales) | np.signbit(scales)
+        bad = ~np.isfinite(scales) if sch.signed else ~np.isfinite(scales) | np.signbit(scales)
         if bad.any():
             i = int(np.flatnonzero(bad.reshape(-1))[0])
             raw = self._scale_words().reshape(-1)[i]
             raise InvalidDataError(
                 f"scale slot {i} of {sch} is {scales.reshape(-1)[i]} (stored word 0x{int(raw):x}); "
-                "scales must be finite and >= 0"
+                + ("signed scales must be finite" if sch.signed else "scales must be finite and >= 0")
             )
         g = self.global_scale()
         if g is not None and (not math.isfinite(g) or math.copysign(1.0, g) < 0):

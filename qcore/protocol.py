@@ -14,7 +14,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from . import layout
+from . import arithmetic, layout
 from .arithmetic import QParams
 from .checks import check_input_dtype, check_output_dtype
 from .codecs import F32_TINY
@@ -209,8 +209,9 @@ class BaseBackend(abc.ABC):
             raise InputError(
                 f"params.scales has shape {s.shape} but {scheme} on shape {shape} has block grid {grid}"
             )
-        if not np.all(np.isfinite(s)) or np.any(s < 0) or np.any(np.signbit(s)):
-            raise InputError("params.scales must be finite and >= 0; calibrate() gives valid ones")
+        if not np.all(np.isfinite(s)) or (not scheme.signed and (np.any(s < 0) or np.any(np.signbit(s)))):
+            raise InputError("params.scales must be finite and >= 0 (any sign for signed scales); "
+                             "calibrate() gives valid ones")
         if np.any(s > np.finfo(np.float32).max):
             raise InputError("params.scales overflow float32; give scales <= 3.4e38")
         g = params.global_scale
@@ -223,13 +224,16 @@ class BaseBackend(abc.ABC):
                 raise InputError(f"{scheme} stores a reciprocal global: params.global_scale must be > 0, got {g!r}")
         elif g is not None:
             raise InputError(f"{scheme} has one scale level: params.global_scale must be None, got {g!r}")
-        stored = scheme.given_scale_rounding.store(s.astype(np.float32)).reshape(grid)
+        stored = arithmetic.round_scales(s.astype(np.float32), scheme, scheme.given_scale_rounding).reshape(grid)
         return QParams(stored, g)
 
     @staticmethod
-    def _check_method(method: str) -> str:
+    def _check_method(method: str, scheme: QuantScheme | None = None) -> str:
         if method not in CALIBRATION_METHODS:
             raise InputError(f"unknown calibration method {method!r}; use one of {CALIBRATION_METHODS}")
+        if scheme is not None and scheme.signed and method != "minmax":
+            raise InputError(f"{scheme} has signed scales, which take the minmax statistic (the signed "
+                             f"extreme, docs/spec.md E3), not {method!r}")
         return method
 
     def _own(self, q: Any) -> QTensor:
@@ -244,7 +248,7 @@ class BaseBackend(abc.ABC):
     def calibrate(self, x: Any, scheme: QuantScheme | str, method: str = "minmax") -> QParams:
         """Scales for `x` under `scheme` (SPEC §2.1-2.3): stored, rounded-up, grid-shaped."""
         scheme = self._require(scheme)
-        self._check_method(method)
+        self._check_method(method, scheme)
         shape = self._check_input(x, scheme)
         if math.prod(shape) == 0:
             return empty_params(shape, scheme)
@@ -254,7 +258,7 @@ class BaseBackend(abc.ABC):
                  method: str = "minmax") -> QTensor:
         """Quantize `x` (calibrated, or with explicit `params`) (SPEC §2)."""
         scheme = self._require(scheme)
-        self._check_method(method)
+        self._check_method(method, scheme)
         shape = self._check_input(x, scheme)
         if params is not None:
             params = self._check_params(params, shape, scheme)

@@ -16,6 +16,7 @@ __all__ = [
     "QuantMode",
     "ScaleDtype",
     "ScaleRound",
+    "CodeRule",
     "StoreKind",
     "QuantStore",
     "Native",
@@ -90,6 +91,24 @@ class ScaleRound(enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class CodeRule(enum.Enum):
+    """How quantize turns `x` into integer codes (docs/spec.md E4). DIV is SPEC v1 §2.5:
+    `y = x / e`, round half to even. AWAY and OFFSET multiply by the reciprocal of the slot's
+    raw scale and round as llama.cpp's quantizers do: half away from zero (Q8_0), or
+    `trunc(y + c0 + 0.5) - c0` on offset codes (Q4_0, `c0 = -qmin`)."""
+
+    DIV = "div"
+    AWAY = "away"
+    OFFSET = "offset"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+SIGNED_SCALE_DTYPES = tuple(name for name, row in SCALES.items() if row.signed)
+"""Scale dtypes with a sign bit (f32, f16, bf16), which signed scales (docs/spec.md E3) may use."""
 
 
 class StoreKind(enum.Enum):
@@ -236,6 +255,8 @@ class QuantScheme:
     tensor: TensorLevel | None = None
     _store: QuantStore | None = None  # None = the default store for the value
     scale_round: ScaleRound = ScaleRound.UP
+    signed: bool = False  # docs/spec.md E3: slot scales may be negative; raw s = m / qmin
+    code_rule: CodeRule = CodeRule.DIV
 
     def __post_init__(self) -> None:
         value = _coerce(QuantValue, self.value, "value")
@@ -243,6 +264,8 @@ class QuantScheme:
         object.__setattr__(self, "value", value)
         object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "scale_round", _coerce(ScaleRound, self.scale_round, "scale rounding rule"))
+        object.__setattr__(self, "code_rule", _coerce(CodeRule, self.code_rule, "code rule"))
+        object.__setattr__(self, "signed", bool(self.signed))
         t = value.traits
         # A per-tensor F32 level alone is the same as no level: normalise so both compare equal.
         if self.block is None and self.tensor == TensorLevel(ScaleDtype.F32):
@@ -290,6 +313,19 @@ class QuantScheme:
                 f"scale rounding mx (OCP MX: 2^(floor(log2 amax) - emax)) needs one block level of "
                 f"{'/'.join(MX_DTYPES)} scales and a symmetric value, got {self}; e.g. e2m1/block32:ue8m0/round:mx"
             )
+        if self.signed and (t.is_float or mode is not QuantMode.SYMMETRIC or t.qmin != -t.qmax - 1
+                            or self.two_level or self.slot_dtype.value not in SIGNED_SCALE_DTYPES
+                            or self.scale_round is ScaleRound.MX):
+            raise SchemeError(
+                f"signed scales need a full-range integer value (q8f, q4f, q2f), symmetric mode, one scale level "
+                f"of {'/'.join(SIGNED_SCALE_DTYPES)} and rounding up or rne, got {self}; e.g. q4f/block32:f16/signed"
+            )
+        if self.code_rule is not CodeRule.DIV and (
+                t.is_float or mode is not QuantMode.SYMMETRIC or self.two_level or self.scale_round is ScaleRound.MX):
+            raise SchemeError(
+                f"code rule {self.code_rule} needs an integer value, symmetric mode, one scale level and rounding "
+                f"up or rne, got {self}; e.g. q8s/block32:f16/round:rne/codes:away"
+            )
 
     # ------------------------------------------------------------------ derived facts
     @staticmethod
@@ -327,15 +363,26 @@ class QuantScheme:
 
     @property
     def payload_form(self) -> "QuantScheme":
-        """This scheme under v1's rounding rule: the same payload layout and the same decode (a
-        rule only decides how quantize picks the scales), so what formats compare against."""
-        return self if self.scale_round is ScaleRound.UP else replace(self, scale_round=ScaleRound.UP)
+        """This scheme under v1's rounding and code rules: the same payload layout and the same
+        decode (the rules only decide how quantize picks scales and codes), so what formats
+        compare against. Signed scales stay: they change which payloads are valid."""
+        if self.scale_round is ScaleRound.UP and self.code_rule is CodeRule.DIV:
+            return self
+        return replace(self, scale_round=ScaleRound.UP, code_rule=CodeRule.DIV)
 
     @property
     def scale_divisor(self) -> float:
         """What the statistic is divided by for the raw scale (SPEC §2.1): `h`
-        (`half_range`), or 1 under the MX rule, which rounds the statistic itself."""
+        (`half_range`), 1 under the MX rule, which rounds the statistic itself, or `qmin` for
+        signed scales, whose statistic is the slot's signed extreme (docs/spec.md E3)."""
+        if self.signed:
+            return self.traits.qmin
         return 1.0 if self.scale_round is ScaleRound.MX else self.half_range
+
+    @property
+    def reciprocal_codes(self) -> bool:
+        """Codes from `x * (1 / raw scale)` (docs/spec.md E4: AWAY, OFFSET) instead of `x / e`."""
+        return self.code_rule is not CodeRule.DIV
 
     @property
     def scale_rounding(self) -> ScaleSlot:
@@ -430,6 +477,16 @@ class QuantScheme:
         unchanged, only the stored scales (and so the codes) differ."""
         return replace(self, scale_round=_coerce(ScaleRound, rule, "scale rounding rule"))
 
+    def with_signed_scales(self, signed: bool = True) -> "QuantScheme":
+        """The same scheme with signed slot scales (docs/spec.md E3): the raw scale is the slot's
+        signed extreme over `qmin`, so that element codes as `qmin` (GGUF Q4_0)."""
+        return replace(self, signed=bool(signed))
+
+    def with_code_rule(self, rule: CodeRule | str) -> "QuantScheme":
+        """The same scheme with codes computed by `rule` (div, away, offset; docs/spec.md E4);
+        the payload layout is unchanged."""
+        return replace(self, code_rule=_coerce(CodeRule, rule, "code rule"))
+
     # ------------------------------------------------------------------ text
     def __str__(self) -> str:
         head = self.value.value
@@ -443,8 +500,12 @@ class QuantScheme:
             parts.append(f"tensor:{self.tensor.dtype}" + (":recip" if self.tensor.reciprocal else ""))
         if self._store is not None:
             parts.append(str(self._store))
+        if self.signed:
+            parts.append("signed")
         if self.scale_round is not ScaleRound.UP:
             parts.append(f"round:{self.scale_round}")
+        if self.code_rule is not CodeRule.DIV:
+            parts.append(f"codes:{self.code_rule}")
         return "/".join(parts)
 
     def __repr__(self) -> str:
@@ -481,6 +542,11 @@ PRESETS: dict[str, QuantScheme] = {
     "mxfp4": QuantScheme(QuantValue.E2M1).per_block([32], ScaleDtype.UE8M0).with_store(PackedNative(0)),
     "mxfp8": QuantScheme(QuantValue.E4M3).per_block([32], ScaleDtype.UE8M0).with_store(Native()),
     "nf4": QuantScheme(QuantValue.Q4S).with_mode(QuantMode.LOOKUP, "nf4").per_block([64], ScaleDtype.F32),
+    # llama.cpp's quantizers, bit for bit (docs/spec.md E3, E4; GGUF Q8_0 and Q4_0).
+    "q8_0": QuantScheme(QuantValue.Q8S).per_block([32], ScaleDtype.F16).with_scale_round(ScaleRound.RNE)
+    .with_code_rule(CodeRule.AWAY),
+    "q4_0": QuantScheme(QuantValue.Q4F).per_block([32], ScaleDtype.F16).with_signed_scales()
+    .with_scale_round(ScaleRound.RNE).with_code_rule(CodeRule.OFFSET),
 }
 
 _HEAD = re.compile(r"^(?P<value>[a-z0-9]+)(?P<lookup>-lookup(\[(?P<table>[a-z0-9_]+)\])?)?$")
@@ -488,6 +554,8 @@ _BLOCK = re.compile(r"^block(?P<dims>\d+(x\d+)*)(:(?P<dtype>[a-z0-9]+))?$")
 _TENSOR = re.compile(r"^tensor(:(?P<dtype>[a-z0-9]+))?(?P<recip>:recip)?$")
 _STORE = re.compile(r"^(?P<kind>native|packed_u32|packed_native)(:(?P<dim>\d+))?$")
 _ROUND = re.compile(r"^round:(?P<rule>[a-z0-9]+)$")
+_SIGNED = re.compile(r"^signed$")
+_CODES = re.compile(r"^codes:(?P<rule>[a-z0-9]+)$")
 
 _EXAMPLES = "e.g. 'q8s', 'q4s/block32:f16', 'e2m1/block16:ue4m3/tensor:f32/packed_native', 'nf4'"
 
@@ -520,7 +588,8 @@ def scheme(text: str | QuantScheme) -> QuantScheme:
             kwargs["table"] = TABLES[m["table"]]
     seen: set[str] = set()
     for piece in pieces[1:]:
-        for what, rx in (("block", _BLOCK), ("tensor", _TENSOR), ("store", _STORE), ("round", _ROUND)):
+        for what, rx in (("block", _BLOCK), ("tensor", _TENSOR), ("store", _STORE), ("round", _ROUND),
+                         ("signed", _SIGNED), ("codes", _CODES)):
             pm = rx.match(piece)
             if pm:
                 break
@@ -537,6 +606,10 @@ def scheme(text: str | QuantScheme) -> QuantScheme:
             kwargs["tensor"] = TensorLevel(_coerce(ScaleDtype, pm["dtype"] or "f32", "scale dtype"), bool(pm["recip"]))
         elif what == "round":
             kwargs["scale_round"] = _coerce(ScaleRound, pm["rule"], "scale rounding rule")
+        elif what == "signed":
+            kwargs["signed"] = True
+        elif what == "codes":
+            kwargs["code_rule"] = _coerce(CodeRule, pm["rule"], "code rule")
         else:
             kwargs["_store"] = QuantStore(StoreKind(pm["kind"]), _parse_int(pm["dim"] or "0", "packing axis", text))
     return QuantScheme(**kwargs)

@@ -22,7 +22,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from qcore import layout
+from qcore import arithmetic, layout
 from qcore.checks import raise_nonfinite, to_f32
 from qcore.codecs import F32_TINY, bits_f32, f32_bits
 from qcore.payload import QuantizedData, sections
@@ -63,6 +63,8 @@ class Narrow(BaseBackend):
             return Support.no("narrow stores one level of F32 scales only")
         if s.store.kind is not StoreKind.NATIVE:
             return Support.no("narrow writes the Native store only")
+        if s.reciprocal_codes:
+            return Support.no("narrow codes by SPEC v1's x / e only")
         return Support.yes()
 
     # ---------------------------------------------------------------- steps (mutation points)
@@ -281,6 +283,8 @@ class Full(ReferenceBackend):
     def _params(self, x: np.ndarray, s: QuantScheme, method: str) -> QParams:
         if s.reciprocal_global:  # docs/spec.md E2: the core's rule (no mutation point of its own)
             return store_reciprocal(slot_statistic(self._statistic_input(x), s, method), s)
+        if s.signed:  # docs/spec.md E3: likewise
+            return arithmetic.calibrate(self._statistic_input(x), s, method)
         raw = self._raw_scale(slot_statistic(self._statistic_input(x), s, method), s)
         g = None
         if s.two_level:
@@ -299,6 +303,8 @@ class Full(ReferenceBackend):
         x = to_f32(x)
         self._check(x)
         self._kernel(s)
+        if s.reciprocal_codes:  # docs/spec.md E4: the core's code rules (no mutation point of their own)
+            return arithmetic.quantize(x, s, params, method)
         if params is None:
             params = self._params(x, s, method)
         e = np.asarray(effective_scale(params, x.shape, s))

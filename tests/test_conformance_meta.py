@@ -318,7 +318,8 @@ def test_default_sample_covers_every_value_mode_store_and_level():
     levels = {C.level_label(s) for s in space}
     for lv in C.LEVELS:
         assert (lv or "tensor:f32") in levels, lv
-    assert all(p in space for p in qcore.PRESETS.values())
+    assert all(p in space for p in C.SPACE_PRESETS)
+    assert set(C.SPACE_PRESETS) == {p for p in qcore.PRESETS.values() if not C.rules_label(p)}
 
 
 def test_full_space_is_the_whole_product():
@@ -327,7 +328,7 @@ def test_full_space_is_the_whole_product():
             for h in C.VALUE_MODES)
     recip = sum(len(C.RECIP_LEVELS) * len(C.STORES_8BIT if C._head_bits(h) == 8 else C.STORES_SUBBYTE)
                 for h in C.VALUE_MODES)
-    presets = sum(p not in space[:n] for p in qcore.PRESETS.values())
+    presets = sum(p not in space[:n] for p in C.SPACE_PRESETS)
     assert len(space) == n + presets + recip
     assert all(s.reciprocal_global for s in space[n + presets:])  # after the v1 space
     assert len(set(space)) == len(space)

@@ -19,9 +19,9 @@ from tests.mutants import NARROW_EXPECT, Narrow, NarrowRefusesBlocks
 
 
 def test_strata_partition_the_whole_space_by_value_level_kind_dtype_and_store():
-    space = set(C.scheme_space(full=True)) | set(qcore.PRESETS.values())
+    space = set(C.scheme_space(full=True)) | set(C.SPACE_PRESETS)
     st = S.strata()
-    v1 = [x for x in st if not x.id.startswith("round:")]
+    v1 = [x for x in st if S.is_v1_stratum(x)]
     assert sorted(s for x in v1 for s in map(str, x.candidates)) == sorted(map(str, space))
     assert len({x.id for x in st}) == len(st)
     keys = {(C.value_label(s), S.level_kind(s), str(s.slot_dtype), s.store.kind.value) for s in space}
@@ -35,7 +35,7 @@ def test_strata_partition_the_whole_space_by_value_level_kind_dtype_and_store():
 def test_rounding_rule_strata_hold_every_scheme_under_each_rule_that_differs():
     """The other scale rounding rules have strata per (rule, level kind, scale dtype), holding the
     whole space under the rule wherever it applies (not rne on F32 slots: the identity)."""
-    space = set(C.scheme_space(full=True)) | set(qcore.PRESETS.values())
+    space = set(C.scheme_space(full=True)) | set(C.SPACE_PRESETS)
     ruled = [x for x in S.strata() if x.id.startswith("round:")]
     got = {s for x in ruled for s in x.candidates}
     want = {s.with_scale_round("rne") for s in space if str(s.slot_dtype) != "f32"}
@@ -44,6 +44,25 @@ def test_rounding_rule_strata_hold_every_scheme_under_each_rule_that_differs():
     assert got == want
     assert {x.id for x in ruled} >= {"round:mx/block:ue8m0", "round:rne/two-level:ue4m3", "round:rne/tensor:f16"}
     assert all(s.scale_round.value == "up" for g in S.groups() for s in g.candidates)
+
+
+def test_signed_and_code_rule_strata_hold_the_space_under_each_variant():
+    """docs/spec.md E3, E4: strata per (rule, level kind) hold every scheme of the space under each
+    (signed, rounding, code rule) variant that is valid, the q8_0 / q4_0 presets among them, after
+    the v1 and rounding strata; the per-scheme groups keep v1's rules."""
+    space = set(C.scheme_space(full=True)) | set(C.SPACE_PRESETS)
+    ruled = [x for x in S.strata() if x.id.split("/")[0] in ("signed", "codes:away", "codes:offset")]
+    got = {s for x in ruled for s in x.candidates}
+    want = {v for s in space for var in S.RULE_VARIANTS if (v := S._variant(s, *var)) is not None}
+    assert got == want and qcore.PRESETS["q8_0"] in got and qcore.PRESETS["q4_0"] in got
+    assert {x.id for x in ruled} == {f"{r}/{k}" for r in ("signed", "codes:away", "codes:offset")
+                                     for k in ("tensor", "block")}
+    assert min(x.index for x in ruled) > max(x.index for x in S.strata() if not x.id.startswith(
+        ("signed", "codes:")))
+    for x in ruled:
+        assert all(s.signed for s in x.candidates) if x.id.startswith("signed") else \
+            all(s.code_rule.value == x.id.split("/")[0][6:] for s in x.candidates)
+    assert not any(s.signed or s.reciprocal_codes for g in S.groups() for s in g.candidates)
 
 
 def test_bounds_inputs_aim_at_each_rules_boundaries():
@@ -195,14 +214,15 @@ def test_strata_subset_spreads_over_groups():
     the scale dtypes and store kinds over between groups, and spreads a smaller cap evenly."""
     from qcore.conformance import sampling as S
 
-    groups = {g.id for g in S.groups()} | {"round:rne", "round:mx"}
+    rules = {"round:rne", "round:mx", "signed", "codes:away", "codes:offset"}
+    groups = {g.id for g in S.groups()} | rules
     assert S.strata_subset(None) == S.strata()
-    v1 = [s for s in S.strata() if not s.id.startswith("round:")]
+    v1 = [s for s in S.strata() if S.is_v1_stratum(s)]
     for n in (len(groups), len(groups) + 13, 150):
         sub = S.strata_subset(n)
         assert len(sub) == n and len(set(sub)) == n
         assert {S.group_of(s) for s in sub} == groups
-        assert {s.id.split(":")[0] for s in sub if s in v1} == groups - {"round:rne", "round:mx"}
+        assert {s.id.split(":")[0] for s in sub if s in v1} == groups - rules
         assert {s.id.rsplit("/", 1)[1] for s in sub if s in v1} == {s.id.rsplit("/", 1)[1] for s in v1}
         assert len({s.id.split(":")[1].split("/")[0] for s in sub if s in v1}) == 5  # the five scale dtypes
     few = S.strata_subset(6)

@@ -1,4 +1,4 @@
-"""GGUF Q8_0 and MXFP4 against the gguf package's own quantize, dequantize, reader and writer."""
+"""GGUF Q8_0, Q4_0 and MXFP4 against the gguf package's own quantize, dequantize, reader and writer."""
 import json
 
 import ml_dtypes
@@ -51,7 +51,8 @@ def _gguf_file(path, tensors, kv=None):
 
 # ndarray holds 8-bit integers only (SPEC §4), so MXFP4 runs on reference and cuda
 DECODERS = [pytest.param(kind, scheme, be, id=f"{kind.name}-{be}") for kind, scheme, bes in (
-    (T.Q8_0, "q8s/block32:f16", BACKENDS), (T.MXFP4, "mxfp4", ["reference", "cuda"])) for be in bes]
+    (T.Q8_0, "q8s/block32:f16", BACKENDS), (T.Q4_0, "q4f/block32:f16/signed", ["reference", "cuda"]),
+    (T.MXFP4, "mxfp4", ["reference", "cuda"])) for be in bes]
 
 
 @pytest.mark.parametrize("kind,scheme,be_name", DECODERS)
@@ -94,7 +95,29 @@ def test_random_q8_0_bytes_decode_like_gguf(tmp_path, request, be_name):
     assert_bits_equal(decode(d, be), gguf.quants.dequantize(blocks, T.Q8_0))
 
 
-@pytest.mark.parametrize("scheme,kind", [("q8s/block32:f16", T.Q8_0), ("mxfp4", T.MXFP4)], ids=["Q8_0", "MXFP4"])
+@pytest.mark.parametrize("be_name", ["reference", "cuda"])
+def test_random_q4_0_bytes_decode_like_gguf(tmp_path, request, be_name):
+    """Every nibble under random finite f16 scales of both signs, -0 and 0 included."""
+    be = get_backend(be_name, request)
+    rng = np.random.default_rng(5)
+    blocks = rng.integers(0, 256, size=(3, 4 * 18), dtype=np.uint8)
+    scales = (rng.standard_normal(12) * 10).astype(np.float16)
+    scales[:2] = [0.0, -0.0]
+    blocks.reshape(-1, 18)[:, :2] = scales.view(np.uint8).reshape(-1, 2)
+    d = qf.read(_gguf_file(tmp_path / "r.gguf", {"w": (blocks, T.Q4_0)})).tensors["w"]
+    assert str(d.scheme) == "q4f/block32:f16/signed"
+    assert_bits_equal(decode(d, be), gguf.quants.dequantize(blocks, T.Q4_0))
+
+
+def test_q4_0_with_no_negative_scale_reads_as_a_v1_scheme(tmp_path):
+    x = np.abs(_x((2, 64), 6))
+    x.reshape(-1, 32)[:, 7] = -2 * x.max()   # every block's extreme negative: d = max / -8 > 0
+    d = qf.read(_gguf_file(tmp_path / "p.gguf", {"w": (gguf.quants.quantize(x, T.Q4_0), T.Q4_0)})).tensors["w"]
+    assert str(d.scheme) == "q4f/block32:f16"
+
+
+@pytest.mark.parametrize("scheme,kind", [("q8s/block32:f16", T.Q8_0), ("q4_0", T.Q4_0), ("q4s/block32:f16", T.Q4_0),
+                                         ("mxfp4", T.MXFP4)], ids=["Q8_0", "Q4_0", "q4s-as-Q4_0", "MXFP4"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_qcore_writes_gguf_that_gguf_reads_back(tmp_path, scheme, kind, shape):
     q = qcore.quantize(_x(shape, 3), scheme, backend="reference")
@@ -112,7 +135,8 @@ def test_qcore_writes_gguf_that_gguf_reads_back(tmp_path, scheme, kind, shape):
 def test_qcore_encoding_of_gguf_blocks_is_gguf_bytes(tmp_path):
     """Read then write: every byte of the tensor data is the one gguf's quantizer wrote."""
     x = _x((4, 128), 4)
-    src = {"q8": (gguf.quants.quantize(x, T.Q8_0), T.Q8_0), "mx": (gguf.quants.quantize(x, T.MXFP4), T.MXFP4)}
+    src = {"q8": (gguf.quants.quantize(x, T.Q8_0), T.Q8_0), "mx": (gguf.quants.quantize(x, T.MXFP4), T.MXFP4),
+           "q4": (gguf.quants.quantize(x, T.Q4_0), T.Q4_0)}
     a = _gguf_file(tmp_path / "a.gguf", src)
     qf.write(tmp_path / "b.gguf", qf.read(a), "gguf")
     back = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(tmp_path / "b.gguf")).tensors}
@@ -141,14 +165,16 @@ def test_float_tensors_and_metadata_pass_through(tmp_path):
 
 
 def test_unsupported_gguf_type_is_refused_with_the_type(tmp_path):
-    raw = gguf.quants.quantize(_x((2, 64)), T.Q4_0)
-    path = _gguf_file(tmp_path / "q4.gguf", {"w": (raw, T.Q4_0)})
-    with pytest.raises(UnrepresentableError, match=r"tensor 'w': GGUF type Q4_0 has no exact qcore scheme"):
+    raw = gguf.quants.quantize(_x((2, 64)), T.Q4_1)
+    path = _gguf_file(tmp_path / "q4.gguf", {"w": (raw, T.Q4_1)})
+    with pytest.raises(UnrepresentableError, match=r"tensor 'w': GGUF type Q4_1 has no exact qcore scheme"):
         qf.read(path)
 
 
 @pytest.mark.parametrize("scheme,shape,match", [
-    ("q4s/block32:f16", (2, 64), r"GGUF holds qcore q8s/block32:f16 \(Q8_0\) and mxfp4 \(MXFP4\) exactly, got q4s"),
+    ("q4s/block32:bf16", (2, 64), r"GGUF holds qcore q8s/block32:f16 \(Q8_0\), 4-bit .* got q4s/block32:bf16"),
+    ("q4f/block32:f16/signed", (2, 48), r"Q4_0 needs whole blocks of 32 along the last dim, got \[2, 48\]"),
+    ("q4s/block16:f16", (2, 64), r"got q4s/block16:f16"),
     ("q8s/block32:f16", (2, 40), r"Q8_0 needs whole blocks of 32 along the last dim, got \[2, 40\]"),
     ("mxfp4", (2, 48), r"GGUF MXFP4 needs whole blocks of 32, got last dim 48"),
     ("q8s/block16:f16", (2, 64), r"got q8s/block16:f16"),
@@ -192,3 +218,40 @@ def test_rne_scales_are_the_scales_llama_cpp_stores_for_q8_0():
     up = ref.into_data(ref.quantize(x, "q8s/block32:f16")).scales().reshape(-1)
     assert np.array_equal(rne.view(np.uint32), d.view(np.uint32))
     assert not np.array_equal(up, d)
+
+
+# Inputs that hit the quantizers' edges: ties at every half step of the reciprocal, zero blocks,
+# blocks whose extreme is positive, negative or tied in magnitude, huge and tiny blocks.
+def _edge_x(seed):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((16, 256)) * np.exp(rng.uniform(-8, 8, (16, 1)))).astype(np.float32)
+    b = x.reshape(-1, 32)
+    b[0] = 0.0
+    b[1] = np.arange(-16, 16) / 2                              # y on half steps: ties for every rule
+    b[2, :] = 0.25; b[2, 3] = -1.0; b[2, 9] = 1.0              # tied extremes: the first one's sign
+    b[3, :] = -0.5; b[3, 0] = 4.0; b[3, 1] = -4.0
+    b[4] = np.linspace(-127, 127, 32) * np.float32(1e-3)      # half steps of q8 at a non-power-of-two d
+    b[5] *= np.float32(1e-6)                                   # f16 subnormal scales
+    b[6] *= np.float32(1e5)                                    # scales beyond f16's max
+    return x
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")   # gguf-py's f16 cast of a huge d
+@pytest.mark.parametrize("preset,kind,bes", [("q8_0", T.Q8_0, BACKENDS), ("q4_0", T.Q4_0, ["reference", "cuda"])],
+                         ids=["q8_0", "q4_0"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_presets_encode_as_llama_cpp_does(tmp_path, request, preset, kind, bes, seed):
+    """The `q8_0` / `q4_0` presets (docs/spec.md E3, E4) write the bytes gguf-py's quantizer writes,
+    block for block, except where its f16 scale overflows to inf (qcore saturates at 65504)."""
+    x = _edge_x(seed)
+    want = gguf.quants.quantize(x, kind).reshape(-1, 34 if kind == T.Q8_0 else 18)
+    finite = np.isfinite(want[:, :2].copy().view(np.float16)[:, 0])
+    assert finite.sum() >= want.shape[0] - 8
+    for be_name in bes:
+        be = get_backend(be_name, request)
+        d = be.into_data(be.quantize(x, preset))
+        qf.write(tmp_path / f"{be_name}.gguf", {"w": d}, "gguf")
+        got = np.asarray(gguf.GGUFReader(str(tmp_path / f"{be_name}.gguf")).tensors[0].data).reshape(want.shape)
+        assert np.array_equal(got[finite], want[finite]), be_name
+        assert np.all(got[~finite, :2].copy().view(np.float16) == np.float16(65504) * np.sign(
+            want[~finite, :2].copy().view(np.float16).astype(np.float32))), be_name

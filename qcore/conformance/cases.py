@@ -29,6 +29,8 @@ __all__ = [
     "VALUE_MODES",
     "LEVELS",
     "RECIP_LEVELS",
+    "SPACE_PRESETS",
+    "rules_label",
     "STORES_8BIT",
     "STORES_SUBBYTE",
     "SHAPES",
@@ -139,6 +141,22 @@ def store_label(s: QuantScheme) -> str:
     return st.kind.value + (f":{st.dim}" if st.dim else "")
 
 
+def rules_label(s: QuantScheme) -> str:
+    """The quantize rules beyond SPEC v1's that a scheme uses (docs/spec.md E1, E3, E4), as its
+    text parts joined by '/': '' for none, e.g. 'signed/round:rne/codes:offset'."""
+    parts = ["signed"] if s.signed else []
+    if s.scale_round.value != "up":
+        parts.append(f"round:{s.scale_round}")
+    if s.code_rule.value != "div":
+        parts.append(f"codes:{s.code_rule}")
+    return "/".join(parts)
+
+
+SPACE_PRESETS: tuple[QuantScheme, ...] = tuple(p for p in PRESETS.values() if not rules_label(p))
+"""The presets under v1's quantize rules, part of the enumerated space; the others (`q8_0`,
+`q4_0`) join the rules' strata (`sampling`)."""
+
+
 def scheme_space(full: bool = False) -> list[QuantScheme]:
     """The enumerated schemes. `full`: the whole product (about 1,600 schemes). Default: a
     covering sample of about 120 in which every value x mode meets every valid store, every level
@@ -170,7 +188,7 @@ def scheme_space(full: bool = False) -> list[QuantScheme]:
                 head = VALUE_MODES[(j * 4 + k * 7) % len(VALUE_MODES)]
                 stores = STORES_8BIT if _head_bits(head) == 8 else STORES_SUBBYTE
                 add(_build(head, level, stores[(j + k) % len(stores)]))
-    for p in PRESETS.values():
+    for p in SPACE_PRESETS:
         add(p)
     for i, head in enumerate(VALUE_MODES):  # the reciprocal global, after the v1 space
         stores = STORES_8BIT if _head_bits(head) == 8 else STORES_SUBBYTE

@@ -385,8 +385,10 @@ def check_supported(backend, case: Case, reference=None) -> None:
         compare_arrays(ctx, "dequantize(f32 default)", y32, np.asarray(ref.dequantize(r_q)), "dequantized values")
 
     # explicit params: the reference's own calibration, then off-grid values that need rounding
+    # (under a code rule, docs/spec.md E4, given scales are their own raw scales: other codes)
+    r_pc = ref.into_data(ref.quantize(x, s, params=r_params)) if s.reciprocal_codes else r_data
     qp = ctx.call("quantize(params)", backend.quantize, x, s, params=r_params)
-    compare_data(ctx, "quantize(params=calibrated)", ctx.call("into_data", backend.into_data, qp), r_data)
+    compare_data(ctx, "quantize(params=calibrated)", ctx.call("into_data", backend.into_data, qp), r_pc)
     ep = explicit_params(case, r_params)
     ep_before = np.asarray(ep.scales).tobytes()
     r_e = ref.into_data(ref.quantize(x, s, params=ep))
@@ -410,12 +412,18 @@ def check_supported(backend, case: Case, reference=None) -> None:
                ctx.call("from_data->dequantize", backend.dequantize, q2, dtype=out_dt))
     compare_arrays(ctx, "from_data->dequantize", y2, r_y, "dequantized values")
 
-    # the other built-in calibration method (SPEC §2.1: absmean, f64 sum, one f32 rounding)
-    pa = ctx.call("calibrate(absmean)", backend.calibrate, x, s, method="absmean")
-    compare_params(ctx, "calibrate(absmean)", pa, ref.calibrate(x, s, method="absmean"))
-    qa = ctx.call("quantize(absmean)", backend.quantize, x, s, method="absmean")
-    compare_data(ctx, "quantize(absmean)", ctx.call("into_data", backend.into_data, qa),
-                 ref.into_data(ref.quantize(x, s, method="absmean")))
+    # the other built-in calibration method (SPEC §2.1: absmean, f64 sum, one f32 rounding);
+    # signed scales take the signed extreme only and refuse it (docs/spec.md E3)
+    if s.signed:
+        _expect(ctx, "bad-input.absmean.calibrate", InputError,
+                lambda: backend.calibrate(x, s, method="absmean"), x)
+        _expect(ctx, "bad-input.absmean.quantize", InputError, lambda: backend.quantize(x, s, method="absmean"), x)
+    else:
+        pa = ctx.call("calibrate(absmean)", backend.calibrate, x, s, method="absmean")
+        compare_params(ctx, "calibrate(absmean)", pa, ref.calibrate(x, s, method="absmean"))
+        qa = ctx.call("quantize(absmean)", backend.quantize, x, s, method="absmean")
+        compare_data(ctx, "quantize(absmean)", ctx.call("into_data", backend.into_data, qa),
+                     ref.into_data(ref.quantize(x, s, method="absmean")))
 
     check_decode_random(backend, case, ref)
     check_invalid_codes(backend, case, ref)
@@ -440,8 +448,8 @@ def check_supported(backend, case: Case, reference=None) -> None:
 def random_payload(case: Case) -> QuantizedData:
     """A valid payload with random contents (as gguf-py's decode fuzz): every valid code pattern,
     including negative zero and set padding bits (SPEC v1.1 §3: no code outside the value's set,
-    see `invalid.with_valid_codes`); random storable scales (zeros included) and global; the
-    scheme's table."""
+    see `invalid.with_valid_codes`); random storable scales (zeros included; either sign for
+    signed scales) and global; the scheme's table."""
     s = case.qscheme
     sec = sections(case.shape, s)
     rng = np.random.default_rng(case.input_seed ^ 0xF022)
@@ -450,7 +458,10 @@ def random_payload(case: Case) -> QuantizedData:
     grid = layout.grid_shape(case.shape, s)
     raw = np.exp2(rng.uniform(-20, 8, size=grid)) * (rng.random(size=grid) > 0.1)
     tr = s.slot_dtype.traits
-    scales = np.ascontiguousarray(tr.encode(tr.store(raw.astype(np.float32)).reshape(-1))).tobytes()
+    stored = tr.store(raw.astype(np.float32)).reshape(-1)
+    if s.signed:  # either sign, -0 included (docs/spec.md E3)
+        stored = np.copysign(stored, rng.random(stored.shape) - 0.5).astype(np.float32)
+    scales = np.ascontiguousarray(tr.encode(stored)).tobytes()
     parts = [values, scales]
     if s.two_level:
         parts.append(np.array([rng.uniform(1e-3, 4.0)], "<f4").tobytes())

@@ -28,14 +28,16 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import InputError
 from ..scheme import QuantScheme
-from .cases import level_label, store_label, value_label
+from .cases import level_label, rules_label, store_label, value_label
 
 __all__ = ["Expectation", "as_expectation", "parse_expect", "per_backend", "scheme_label"]
 
 
 def scheme_label(s: QuantScheme) -> str:
-    """`VALUE/LEVEL/STORE` with every part explicit (the default level and store included)."""
-    return f"{value_label(s)}/{level_label(s)}/{store_label(s)}"
+    """`VALUE/LEVEL/STORE` with every part explicit (the default level and store included), then
+    the quantize rules beyond v1's, as the scheme text writes them (`.../signed/round:rne`)."""
+    rules = rules_label(s)
+    return f"{value_label(s)}/{level_label(s)}/{store_label(s)}" + (f"/{rules}" if rules else "")
 
 
 def _match(pattern: str, label: str) -> bool:

@@ -18,6 +18,9 @@ under test says it supports:
 The scale rounding rules other than SPEC v1's round-up (`rne`, `mx`) add strata of their own,
 one per (rule, level kind, scale dtype) whatever the value and store: every scheme of the
 space under each rule that applies to it (not `rne` on F32 slots, where it is the identity).
+Signed scales and the code rules (docs/spec.md E3, E4) add strata per (rule, level kind): a code
+rule's (`codes:away`, `codes:offset`) hold it with and without `rne` and signed scales, the
+`signed` ones signed scales under `up` and `rne`; the `q8_0` / `q4_0` presets among them.
 
 The per-scheme checks (bad input, ops, cross-backend) run on coarser **groups**, one per
 (value x mode, level kind), on one supported candidate each. `--full` takes every candidate of
@@ -26,18 +29,18 @@ every stratum on every shape.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..errors import SchemeError
-from ..scheme import PRESETS, QuantScheme, ScaleDtype, ScaleRound
+from ..scheme import PRESETS, CodeRule, QuantScheme, ScaleDtype, ScaleRound
 from . import cases as C
 from . import checks as K
 
-__all__ = ["Settings", "Stratum", "level_kind", "strata", "groups", "group_of", "subset", "strata_subset", "stratum_cases",
+__all__ = ["Settings", "Stratum", "level_kind", "is_v1_stratum", "strata", "groups", "group_of", "subset", "strata_subset", "stratum_cases",
            "check_stratum", "check_group", "tested_nothing", "supports_nothing"]
 
 GROUP_KINDS = ("bad-input", "ops", "cross")
@@ -76,13 +79,32 @@ class Stratum:
 
 OTHER_ROUNDS = tuple(r for r in ScaleRound if r is not ScaleRound.UP)
 
+RULE_VARIANTS: tuple[tuple[bool, ScaleRound, CodeRule], ...] = (
+    (True, ScaleRound.UP, CodeRule.DIV), (True, ScaleRound.RNE, CodeRule.DIV),
+    (False, ScaleRound.UP, CodeRule.AWAY), (False, ScaleRound.RNE, CodeRule.AWAY),
+    (True, ScaleRound.UP, CodeRule.AWAY),
+    (False, ScaleRound.UP, CodeRule.OFFSET), (True, ScaleRound.UP, CodeRule.OFFSET),
+    (True, ScaleRound.RNE, CodeRule.OFFSET),
+)
+"""(signed, scale rounding, code rule) of docs/spec.md E3 and E4 that the space is taken under."""
+
+
+def _variant(s: QuantScheme, signed: bool, rule: ScaleRound, codes: CodeRule) -> QuantScheme | None:
+    if rule is ScaleRound.RNE and s.slot_dtype is ScaleDtype.F32:
+        return None  # rne on F32 is the identity
+    try:
+        return replace(s, signed=signed, scale_round=rule, code_rule=codes)
+    except SchemeError:
+        return None
+
 
 @lru_cache(maxsize=1)
 def _space() -> tuple[QuantScheme, ...]:
     seen = dict.fromkeys(C.scheme_space(True))
-    for p in PRESETS.values():
+    for p in C.SPACE_PRESETS:
         seen.setdefault(p)
-    for s in list(seen):  # the other scale rounding rules, where they apply and differ
+    v1 = list(seen)
+    for s in v1:  # the other scale rounding rules, where they apply and differ
         for rule in OTHER_ROUNDS:
             if rule is ScaleRound.RNE and s.slot_dtype is ScaleDtype.F32:
                 continue
@@ -90,13 +112,29 @@ def _space() -> tuple[QuantScheme, ...]:
                 seen.setdefault(s.with_scale_round(rule))
             except SchemeError:
                 pass
+    for p in PRESETS.values():  # q8_0, q4_0: after the v1 space and the rounding rules
+        seen.setdefault(p)
+    for s in v1:  # signed scales and the code rules (E3, E4), where they apply
+        for variant in RULE_VARIANTS:
+            v = _variant(s, *variant)
+            if v is not None:
+                seen.setdefault(v)
     return tuple(seen)
 
 
 def _key(s: QuantScheme) -> str:
+    if s.code_rule is not CodeRule.DIV:
+        return f"codes:{s.code_rule}/{level_kind(s)}"
+    if s.signed:
+        return f"signed/{level_kind(s)}"
     if s.scale_round is not ScaleRound.UP:
         return f"round:{s.scale_round}/{level_kind(s)}:{s.slot_dtype}"
     return f"{C.value_label(s)}/{level_kind(s)}:{s.slot_dtype}/{s.store.kind.value}"
+
+
+def is_v1_stratum(st: Stratum) -> bool:
+    """A stratum of the space under SPEC v1's quantize rules (not a rule's own stratum)."""
+    return not C.rules_label(st.candidates[0])
 
 
 def _group_key(s: QuantScheme) -> str:
@@ -108,8 +146,8 @@ def _cut(by_group: bool) -> tuple[Stratum, ...]:
     keyf = _group_key if by_group else _key
     out: dict[str, list[QuantScheme]] = {}
     for s in _space():
-        if by_group and s.scale_round is not ScaleRound.UP:
-            continue  # the per-scheme checks run on v1's rule; the rules have their strata
+        if by_group and C.rules_label(s):
+            continue  # the per-scheme checks run on v1's rules; the other rules have their strata
         out.setdefault(keyf(s), []).append(s)
     return tuple(Stratum(k, i, tuple(v)) for i, (k, v) in enumerate(out.items()))
 
@@ -136,8 +174,12 @@ def subset(items: list, n: int | None) -> list:
 
 def group_of(st: Stratum) -> str:
     """The group a stratum is drawn with by `strata_subset`: its (value x mode, level kind), or
-    `round:RULE` for a rounding rule's strata."""
+    `round:RULE`, `signed`, `codes:RULE` for a rule's strata."""
     s = st.candidates[0]
+    if s.code_rule is not CodeRule.DIV:
+        return f"codes:{s.code_rule}"
+    if s.signed:
+        return "signed"
     return f"round:{s.scale_round}" if s.scale_round is not ScaleRound.UP else _group_key(s)
 
 

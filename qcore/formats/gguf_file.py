@@ -5,6 +5,13 @@ Quantized GGUF types with an exact qcore scheme (facts from gguf 0.19.0 `quants.
 - **Q8_0** -> `q8s/block32:f16` (`q8f/block32:f16` when a code is -128, which Q8S excludes). A
   block is `[d f16][32 x int8]`, value `int8 * f32(d)`: the same f32 product as SPEC §2.6 once the
   f16 scales move from the blocks into their own section.
+- **Q4_0** -> `q4f/block32:f16/signed` (docs/spec.md E3; `q4f/block32:f16` when no scale is
+  negative). A block is `[d f16][16 B]`, byte j holding element j (low nibble) and element j + 16
+  (high nibble) as `q + 8`; value `(nibble - 8) * f32(d)`, where llama.cpp's `d = max / -8` is
+  negative whenever the block's extreme is positive. `nibble ^ 8` is the Q4F code; the nibbles
+  move to SPEC §3's order (element 2k low). Any 4-bit integer scheme with f16 blocks of 32 along
+  the last axis writes as Q4_0 (its codes are within Q4F's); the `q4_0` preset quantizes as
+  llama.cpp does, bit for bit.
 - **MXFP4** -> `mxfp4`. A block is `[e u8][16 B]` where byte j holds element j (low nibble) and
   element j + 16 (high nibble); value = doubled E2M1 * 2^(e - 128) = E2M1 * 2^(e - 127), including
   e = 0 and 1 (`ggml_e8m0_to_fp32_half`). Nibble j is the E2M1 code itself; only the order moves.
@@ -12,9 +19,8 @@ Quantized GGUF types with an exact qcore scheme (facts from gguf 0.19.0 `quants.
 
 Blocks run along GGUF's first dimension (ne[0], the row), which is numpy's (and qcore's) last axis,
 so the block grid is qcore's `block32` on the last axis. Float and integer tensors (F32, F16, BF16,
-F64, I8..I64) pass through as numpy arrays. Every other type (Q4_0, Q4_1, K-quants, ...) needs
-the scheme extensions of a later release (affine mode, split-half nibbles, signed scales) and is
-refused. Key-value metadata is kept as JSON under `gguf.kv`, so GGUF -> qcore -> GGUF restores it;
+F64, I8..I64) pass through as numpy arrays. Every other type (Q4_1, Q5_x, K-quants, ...) needs
+a scheme extension qcore does not have yet (an affine mode) and is refused. Key-value metadata is kept as JSON under `gguf.kv`, so GGUF -> qcore -> GGUF restores it;
 a checkpoint's other metadata travels in GGUF string keys `qcore.metadata.<key>`.
 """
 from __future__ import annotations
@@ -30,7 +36,7 @@ from .. import io as qio
 from ..errors import InvalidDataError
 from ..payload import QuantizedData
 from ..protocol import Support
-from ..scheme import scheme as parse_scheme
+from ..scheme import QuantScheme, ScaleDtype, scheme as parse_scheme
 from . import _mx
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
 
@@ -39,6 +45,8 @@ __all__ = ["GGUFFormat"]
 KV_KEY = "gguf.kv"      # JSON list of [key, value type, array item type or null, value]
 META_PREFIX = "qcore.metadata."   # GGUF string keys holding the other str -> str metadata of a checkpoint
 Q8_SCHEMES = (parse_scheme("q8s/block32:f16"), parse_scheme("q8f/block32:f16"))
+Q4_SCHEMES = (parse_scheme("q4f/block32:f16/signed"), parse_scheme("q4f/block32:f16"))
+"""Q4_0 is read as the first, or the second when no scale is negative."""
 _MAX_DIMS = 4           # GGML_MAX_DIMS
 _MAX_NAME = 64          # GGML_MAX_NAME, the terminating NUL included
 _QUANTIZATION_VERSION = 2
@@ -77,6 +85,29 @@ def _q8_write(d: QuantizedData) -> np.ndarray:
     return np.concatenate([scales, codes], axis=1).reshape(*d.shape[:-1], n * 34)
 
 
+def _q4_read(raw: np.ndarray, shape: tuple[int, ...]) -> QuantizedData:
+    blocks = raw.reshape(-1, 18)
+    d, qs = blocks[:, :2], blocks[:, 2:]
+    nib = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1) ^ np.uint8(8)  # Q4F codes, 0..31
+    packed = nib[:, 0::2] | (nib[:, 1::2] << np.uint8(4))                                 # SPEC §3: 2k low
+    signed = (d.view("<u2") & np.uint16(0x8000)).any()
+    return QuantizedData(shape, Q4_SCHEMES[0 if signed else 1], packed.tobytes() + np.ascontiguousarray(d).tobytes())
+
+
+def _q4_fits(s: QuantScheme) -> bool:
+    """A 4-bit integer scheme with one f16 scale per 32 elements of the last axis: Q4_0 holds it."""
+    b = s.block
+    return (s.bits == 4 and not s.traits.is_float and not s.is_lookup and s.tensor is None
+            and b is not None and b.dims == (32,) and b.dtype is ScaleDtype.F16)
+
+
+def _q4_write(d: QuantizedData) -> np.ndarray:
+    nib = (d.codes().reshape(-1, 32).view(np.uint8) & np.uint8(0x0F)) ^ np.uint8(8)   # Q4F code -> q + 8
+    qs = nib[:, :16] | (nib[:, 16:] << np.uint8(4))                                    # ggml: j low, j + 16 high
+    scales = d.scales().reshape(-1, 1).astype(np.float16).view(np.uint8)              # exact: f16 values, -0 kept
+    return np.concatenate([scales, qs], axis=1).reshape(*d.shape[:-1], d.shape[-1] // 32 * 18)
+
+
 def _mx_read(raw: np.ndarray, shape: tuple[int, ...]) -> QuantizedData:
     blocks = raw.reshape(-1, 17)
     e, qs = blocks[:, 0], blocks[:, 1:]
@@ -106,7 +137,7 @@ def _jsonable(v: Any) -> Any:
 
 class GGUFFormat(Format):
     name = "gguf"
-    description = "GGUF (llama.cpp): Q8_0 and MXFP4 tensors exactly, F32/F16/BF16/ints as they are"
+    description = "GGUF (llama.cpp): Q8_0, Q4_0 and MXFP4 tensors exactly, F32/F16/BF16/ints as they are"
     priority = 20
 
     def available(self) -> Support:
@@ -151,14 +182,16 @@ class GGUFFormat(Format):
             try:
                 if kind == T.Q8_0:
                     tensors[t.name] = _q8_read(raw.view(np.uint8), shape)
+                elif kind == T.Q4_0:
+                    tensors[t.name] = _q4_read(raw.view(np.uint8), shape)
                 elif kind == T.MXFP4:
                     tensors[t.name] = _mx_read(raw.view(np.uint8), shape)
                 elif kind.name in _PLAIN:
                     tensors[t.name] = np.ascontiguousarray(raw).view(_PLAIN[kind.name]).reshape(shape)
                 else:
                     raise UnrepresentableError(
-                        f"GGUF type {kind.name} has no exact qcore scheme (qcore reads Q8_0, MXFP4, F32, F16, "
-                        "BF16, F64, I8..I64); requantize the model to Q8_0 or MXFP4 with llama.cpp first"
+                        f"GGUF type {kind.name} has no exact qcore scheme (qcore reads Q8_0, Q4_0, MXFP4, F32, "
+                        "F16, BF16, F64, I8..I64); requantize the model to one of them with llama.cpp first"
                     )
             except (InvalidDataError, UnrepresentableError) as e:
                 raise type(e)(f"{p}: tensor '{t.name}': {e}") from None
@@ -175,11 +208,16 @@ class GGUFFormat(Format):
                 if value.shape[-1] % 32:
                     return Support.no(f"Q8_0 needs whole blocks of 32 along the last dim, got {list(value.shape)}")
                 return Support.yes()
+            if _q4_fits(value.scheme):
+                if value.shape[-1] % 32:
+                    return Support.no(f"Q4_0 needs whole blocks of 32 along the last dim, got {list(value.shape)}")
+                return Support.yes()
             if value.scheme.payload_form == _mx.MXFP4:
                 return _mx.check(value, "GGUF MXFP4")
             return Support.no(
-                f"GGUF holds qcore q8s/block32:f16 (Q8_0) and mxfp4 (MXFP4) exactly, got {value.scheme}; "
-                "requantize to one of them"
+                f"GGUF holds qcore q8s/block32:f16 (Q8_0), 4-bit integers with f16 blocks of 32 such as "
+                f"q4f/block32:f16/signed (Q4_0) and mxfp4 (MXFP4) exactly, got {value.scheme}; "
+                "requantize to one of them (presets q8_0, q4_0, mxfp4)"
             )
         if value.dtype not in _PLAIN.values():
             return Support.no(f"GGUF has no type for dtype {value.dtype}; cast it to float32")
@@ -213,6 +251,8 @@ class GGUFFormat(Format):
                     quantized = True
                     if value.scheme.payload_form in Q8_SCHEMES:
                         w.add_tensor(name, _q8_write(value), raw_dtype=T.Q8_0)
+                    elif _q4_fits(value.scheme):
+                        w.add_tensor(name, _q4_write(value), raw_dtype=T.Q4_0)
                     else:
                         w.add_tensor(name, _mx_write(value), raw_dtype=T.MXFP4)
                 else:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qcore import layout
+from qcore.codecs import CODE_RULES
 from qcore.scheme import QuantScheme, StoreKind
 
 from . import kernels as K
@@ -146,6 +147,8 @@ def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") ->
     P[K.M_BIAS] = t.bias
     P[K.M_SNB] = snb
     P[K.M_KFIRST] = next((k for k in range(cr) if k != r), 0)
+    P[K.M_SIGNED] = scheme.signed
+    P[K.M_CODES] = CODE_RULES.index(scheme.code_rule.value)
     for name, vals in ((K.O_S, S), (K.O_B, B), (K.O_G, G), (K.O_XS, _row_major(S)),
                        (K.O_WS, _row_major(W)), (K.O_GS, _row_major(G))):
         P[name:name + cr] = vals

@@ -409,7 +409,7 @@ class CudaBackend(BaseBackend):
             with quiet():
                 return super().quantize(x, scheme, params=params, method=method)
         scheme = self._require(scheme)
-        self._check_method(method)
+        self._check_method(method, scheme)
         shape = self._check_input(x, scheme)
         if params is not None:
             params = self._check_params(params, shape, scheme)

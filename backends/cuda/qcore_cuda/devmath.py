@@ -10,8 +10,20 @@ import numpy as np
 
 from .layouts import *  # noqa: F401,F403  (the P layout's fields)
 from .scales import round_scale, scale_word, word_scale  # noqa: F401
+from qcore.codecs import code_rule_kernel
 
 from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: E402
+
+rule_code = code_rule_kernel(cuda.jit(device=True, inline="always"))
+"""The int64 code of `y` under a code rule (docs/spec.md E4): `qcore.codecs`' one source."""
+
+
+@cuda.jit(device=True, inline="always")
+def rule_rcp(s):
+    """The reciprocal `f32(1 / s)` of a raw scale that a code rule multiplies by; 0 where s == 0."""
+    if s == float32(0.0):
+        return float32(0.0)
+    return float32(float32(1.0) / s)
 
 if config.ENABLE_CUDASIM:
     def ldexp(x, e):

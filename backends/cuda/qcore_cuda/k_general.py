@@ -84,11 +84,14 @@ def k_tensor_stats(x, amax, asum, flag):
 @cuda.jit
 def k_slot_stats(x, P, stat, gstat, flag):
     """Per block slot: max |x| or mean |x| (f64 sum, one f32 rounding) over its elements, edge
-    blocks cropped (SPEC §2.1); gstat[0] = max over slots (for two-level). Thread per slot."""
+    blocks cropped (SPEC §2.1); gstat[0] = max over slots (for two-level). Thread per slot,
+    walking the block in row-major order, so that for signed scales (docs/spec.md E3) the
+    statistic is the first element of largest |x|, with its sign."""
     idx = cuda.local.array(MAXR, int64)
     ext = cuda.local.array(MAXR, int64)
     cr = P[M_CR]
     absmean = P[M_METHOD] == 1
+    signed = P[M_SIGNED] != 0
     start, step = cuda.grid(1), cuda.gridsize(1)
     gm = float32(0.0)
     bad = False
@@ -108,6 +111,7 @@ def k_slot_stats(x, P, stat, gstat, flag):
             cnt *= c
             k -= int64(1)
         m = float32(0.0)
+        sv = float32(0.0)
         s = float64(0.0)
         off = xo
         for _ in range(cnt):
@@ -116,6 +120,8 @@ def k_slot_stats(x, P, stat, gstat, flag):
                 bad = True
                 v = float32(0.0)
             a = abs(v)
+            if a > m:  # strictly: the first of equal magnitudes keeps its sign
+                sv = v
             m = max(m, a)
             s += float64(a)
             k = cr - int64(1)
@@ -129,7 +135,7 @@ def k_slot_stats(x, P, stat, gstat, flag):
                 k -= int64(1)
         if absmean:
             m = float32(s / float64(cnt))
-        stat[sl] = m
+        stat[sl] = sv if signed else m
         gm = max(gm, m)
     if bad:
         flag[0] = int32(1)
@@ -147,6 +153,8 @@ def k_scales(raw, asum, P, F, stored, gbuf, payload):
     and g = -G (`two_level_e` divides by it).
     MODE 1: raw = explicit stored scales (already rounded by the core), g in gbuf[0] (-G for a
     reciprocal global). Two-level: gbuf[0] = g and the f32 bytes of |g| follow the scales.
+    Signed scales (E3): h is qmin and the statistic signed; the magnitude is rounded, the sign
+    kept. A code rule (E4, P[M_CODES]): raw[sl] becomes the raw scale s, for `k_quant`.
     """
     sdt = P[M_SDT]
     snb = P[M_SNB]
@@ -167,14 +175,16 @@ def k_scales(raw, asum, P, F, stored, gbuf, payload):
         if explicit:
             st = raw[sl]
         else:
-            if P[M_PERT] != 0 and P[M_METHOD] == 1:
+            if P[M_PERT] != 0 and P[M_METHOD] == 1 and P[M_CODES] == 0:  # (a code rule's from k_slot_stats)
                 stat = float32(asum[0] / float64(P[M_N]))
             else:
                 stat = raw[sl]
             s = float32(stat / h)
             if two:
                 s = float32(s * -g) if g < float32(0.0) else float32(s / g)
-            st = round_scale(s, sdt)
+            st = math.copysign(round_scale(abs(s), sdt), s)
+            if P[M_CODES] != 0:
+                raw[sl] = s
         stored[sl] = st
         put_le(payload, soff + sl * snb, int64(scale_word(st, sdt)), snb)
     if two and start == 0:
@@ -183,9 +193,11 @@ def k_scales(raw, asum, P, F, stored, gbuf, payload):
 
 
 @cuda.jit
-def k_quant(x, P, F, stored, gbuf, payload, flag, asum):
+def k_quant(x, P, F, stored, gbuf, payload, flag, asum, raw):
     """Quantize and pack with given stored scales (SPEC §2.4-2.5, §3). Thread per run of RL
-    elements (whole words) along the run axis; e = s, or g * s_b (one f32 multiply).
+    elements (whole words) along the run axis; e = s, or g * s_b (one f32 multiply). Under a
+    code rule (docs/spec.md E4) the codes come from `x * (1 / raw[slot])` instead, the raw
+    scales `k_scales` left there (or the given ones), through `codecs.code_rule_kernel`.
 
     The statistics scratch (asum[0], gbuf[1], gbuf[2]) is consumed by now (k_scales ran before,
     in stream order), so thread 0 zeroes it for the next call: no memset launch per call."""
@@ -205,6 +217,8 @@ def k_quant(x, P, F, stored, gbuf, payload, flag, asum):
     qmax = F[F_QMAX]
     fmax = F[F_FMAX]
     g = gbuf[0]
+    rule = P[M_CODES]
+    mask = (int64(1) << bits) - int64(1)
     bad = False
     start, step = cuda.grid(1), cuda.gridsize(1)
     if start == 0:
@@ -218,6 +232,9 @@ def k_quant(x, P, F, stored, gbuf, payload, flag, asum):
         e = stored[sb + gi * gsr]
         if two:
             e = two_level_e(g, e)
+        rc = float32(0.0)
+        if rule != 0:
+            rc = rule_rcp(raw[sb + gi * gsr])
         nw = (cnt + nf - int64(1)) // nf
         wi = p0 // nf
         u = int64(0)
@@ -231,14 +248,21 @@ def k_quant(x, P, F, stored, gbuf, payload, flag, asum):
                         e = stored[sb + gi * gsr]
                         if two:
                             e = two_level_e(g, e)
+                        if rule != 0:
+                            rc = rule_rcp(raw[sb + gi * gsr])
                     v = x[xo + (p0 + u) * xsr]
                     if not math.isfinite(v):  # flagged; 0 keeps the rest of the kernel finite
                         bad = True
                         v = float32(0.0)
                     y = float32(0.0)
-                    if e != float32(0.0):
-                        y = v / e
-                    word |= encode(y, isf, qmin, qmax, fmax, mb, bias, bits) << (f * bits)
+                    if rule != 0:
+                        if v != float32(0.0):
+                            y = float32(v * rc)
+                        word |= (rule_code(y, rule, qmin, qmax) & mask) << (f * bits)
+                    else:
+                        if e != float32(0.0):
+                            y = v / e
+                        word |= encode(y, isf, qmin, qmax, fmax, mb, bias, bits) << (f * bits)
                     u += int64(1)
                     rem += int64(1)
             put_le(payload, (wo + (wi + w) * wsr) * wb, word, wb)

@@ -42,7 +42,7 @@ SIGNATURES: dict[str, list[str]] = {
     "k_scales": ["void(float32[::1], float64[::1], int64[::1], float32[::1], float32[::1], float32[::1], "
                  "uint8[::1])"],
     "k_quant": ["void(float32[::1], int64[::1], float32[::1], float32[::1], float32[::1], uint8[::1], "
-                "int32[::1], float64[::1])"],
+                "int32[::1], float64[::1], float32[::1])"],
     "k_quant_fused": ["void(float32[::1], int64[::1], float32[::1], uint8[::1], int32[::1])"],
     "k_decode_scales": ["void(uint8[::1], int64[::1], float32[::1], float32[::1])"],
     "k_dequant": [f"void(uint8[::1], int64[::1], float32[::1], float32[::1], float32[::1], {t}[::1], int32[::1])"

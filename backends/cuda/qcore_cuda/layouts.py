@@ -12,7 +12,8 @@ from qcore.codecs import F32_TINY, SCALE_IDS
 # P: the general kernels' geometry
 MAXR = 12  # canonical rank limit (after merging axes; see _plan.py)
 (M_CR, M_RAX, M_RL, M_NF, M_BITS, M_WB, M_NRL, M_NRUNS, M_NSLOTS, M_N, M_PERT, M_TWO, M_SDT,
- M_SOFF, M_GOFF, M_METHOD, M_ISF, M_MB, M_BIAS, M_SNB, M_KFIRST, M_MODE) = range(22)
+ M_SOFF, M_GOFF, M_METHOD, M_ISF, M_MB, M_BIAS, M_SNB, M_KFIRST, M_MODE,
+ M_SIGNED, M_CODES) = range(24)  # M_SIGNED: signed scales (E3); M_CODES: code rule id (E4, codecs.CODE_RULES)
 O_S = 24            # extents of the canonical axes
 O_B = O_S + MAXR    # block extents (per-tensor: the extents themselves)
 O_G = O_B + MAXR    # block-grid extents ceil(S / B)

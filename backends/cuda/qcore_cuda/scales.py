@@ -23,6 +23,7 @@ _SUB_BELOW = SCALE_ARRAYS.sub_below
 _SUB_QUANTUM = SCALE_ARRAYS.sub_quantum
 _SHIFT = SCALE_ARRAYS.word_shift
 _REBIAS = SCALE_ARRAYS.word_rebias
+_SIGN = SCALE_ARRAYS.word_sign
 
 
 round_scale = scale_round_kernel(cuda.jit(device=True, inline="always"), f2u, u2f)
@@ -33,16 +34,30 @@ device. A dtype's v1 (round-up) slot id is its `SCALE_IDS` position."""
 
 @cuda.jit(device=True, inline="always")
 def scale_word(e, sdt):
-    """The stored word (uint32) of a scale `e` already representable in dtype `sdt`."""
-    if e < _SUB_BELOW[sdt]:
-        return uint32(float32(e / _SUB_QUANTUM[sdt]))
-    return uint32((f2u(e) >> _SHIFT[sdt]) - _REBIAS[sdt])
+    """The stored word (uint32) of a scale `e` already representable in dtype `sdt`; a negative
+    `e` (signed scales, docs/spec.md E3; -0 included) sets the word's sign bit."""
+    b = f2u(e)
+    a = u2f(b & uint32(0x7FFFFFFF))
+    if a < _SUB_BELOW[sdt]:
+        w = uint32(float32(a / _SUB_QUANTUM[sdt]))
+    else:
+        w = uint32((f2u(a) >> _SHIFT[sdt]) - _REBIAS[sdt])
+    if b >> uint32(31):
+        w |= _SIGN[sdt]
+    return w
 
 
 @cuda.jit(device=True, inline="always")
 def word_scale(w, sdt):
-    """float32 value of a stored scale word (inverse of `scale_word`; UE8M0's 0 is 2**-127)."""
-    v = u2f((uint32(w) + _REBIAS[sdt]) << _SHIFT[sdt])
+    """float32 value of a stored scale word (inverse of `scale_word`; UE8M0's 0 is 2**-127); the
+    word's sign bit (f32, f16, bf16) gives a negative scale."""
+    w = uint32(w)
+    sign = uint32(w & _SIGN[sdt])
+    w = uint32(w ^ sign)
+    v = u2f((w + _REBIAS[sdt]) << _SHIFT[sdt])
     if v < _SUB_BELOW[sdt]:
         v = float32(float32(w) * _SUB_QUANTUM[sdt])
-    return max(v, float32(_LEAST[sdt]))
+    v = max(v, float32(_LEAST[sdt]))
+    if sign != uint32(0):
+        v = -v
+    return v

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from qcore import layout
+from qcore import arithmetic, layout
 from qcore.arithmetic import slot_effective, store_reciprocal, store_scales
 from qcore.checks import raise_nonfinite, to_f32
 from qcore.payload import QuantizedData
@@ -61,6 +61,13 @@ def _kernels():
     from . import kernels
 
     return kernels
+
+
+def _checked_f32(x: Any) -> np.ndarray:
+    """Input as float32, NaN/Inf refused (the core's check)."""
+    x = to_f32(x)
+    raise_nonfinite(x)
+    return x
 
 
 def _flat_f32(x: Any) -> np.ndarray:
@@ -153,12 +160,16 @@ class NdarrayBackend(BaseBackend):
 
     # ------------------------------------------------------------------ hooks
     def _calibrate(self, x: Any, scheme: QuantScheme, method: str) -> QParams:
+        if scheme.signed:  # the signed extreme: the core's statistic (docs/spec.md E3)
+            return arithmetic.calibrate(_checked_f32(x), scheme, method)
         flat = _flat_f32(x)
         plan = make_plan(np.shape(x), scheme)
         stat = self._stats(flat, plan, scheme, method)
         return self._store(stat, scheme)
 
     def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> NdQuantized:
+        if scheme.signed or scheme.reciprocal_codes:  # docs/spec.md E3, E4: the core's arithmetic
+            return self._from_data(arithmetic.quantize(_checked_f32(x), scheme, params, method))
         k = _kernels()
         flat = _flat_f32(x)
         shape = tuple(np.shape(x))

@@ -41,22 +41,28 @@ class QuantizeCall:
     def fast_geometry(self) -> dict | None:
         return self.prepared.get("fast")
 
+    @property
+    def general_only(self) -> bool:
+        """Signed scales and code rules (docs/spec.md E3, E4) run on the general kernels only:
+        `k_slot_stats` (the signed extreme), `k_scales`, `k_quant` (the rule's codes)."""
+        return self.scheme.signed or self.scheme.reciprocal_codes
+
     @cached_property
     def fast(self) -> bool:
         """The fast kernels serve the codes: a fast geometry, and x aligned for their vector loads."""
         from .. import fast
 
-        return self.fast_geometry is not None and fast.aligned(self.xd)
+        return self.fast_geometry is not None and fast.aligned(self.xd) and not self.general_only
 
     @property
     def rows(self) -> bool:
         """The row kernels serve the codes (a row geometry, no fast path)."""
-        return self.plan.RP is not None and not self.fast
+        return self.plan.RP is not None and not self.fast and not self.general_only
 
     @property
     def tiles(self) -> bool:
         """The tile kernel computes the block statistics (calibrating, a tile geometry)."""
-        return self.params is None and self.plan.TP is not None
+        return self.params is None and self.plan.TP is not None and not self.general_only
 
     @cached_property
     def qw32(self) -> Any:
@@ -84,7 +90,7 @@ class FastQuantize:
         from .. import fast
 
         return c.fast and c.params is None and c.fast_geometry["mode"] != fast.MODE_GIVEN and \
-            not c.scheme.reciprocal_global  # its G comes from k_scales (the staged path)
+            not c.scheme.reciprocal_global and not c.general_only  # its G comes from k_scales (staged)
 
     def launch(self, c: QuantizeCall) -> None:
         from .. import fast
@@ -120,7 +126,8 @@ class FusedQuantize:
     name = "fused"
 
     def applies(self, c: QuantizeCall) -> bool:
-        return c.params is None and c.plan.fused and not c.rows and not c.scheme.reciprocal_global
+        return c.params is None and c.plan.fused and not c.rows and not c.scheme.reciprocal_global and \
+            not c.general_only
 
     def launch(self, c: QuantizeCall) -> None:
         c.to_numba()
@@ -161,7 +168,7 @@ class StagedQuantize:
                 g = -g
             gbuf = cuda.to_device(np.array([g, 0, 0, 0], dtype=np.float32), stream=s.numba)
             return raw, gbuf, pp["P_explicit"]
-        if c.scheme.block is None:  # one per-tensor scale
+        if c.scheme.block is None and not c.general_only:  # one per-tensor scale
             raw = fs[2:3]
             on(K.k_tensor_stats, K.launch(math.prod(c.shape)), s)(c.xd, raw, asum, flag)
             return raw, fs, pp["P"]
@@ -195,7 +202,7 @@ class StagedQuantize:
             if calibrated:
                 on(K.k_zero_stats, (1, 1), s)(asum, gbuf)
         else:
-            on(K.k_quant, K.launch(pl.nruns), s)(c.xd, P, pp["F"], pp["stored"], gbuf, c.payload, flag, asum)
+            on(K.k_quant, K.launch(pl.nruns), s)(c.xd, P, pp["F"], pp["stored"], gbuf, c.payload, flag, asum, raw)
 
 
 def _tile_kernel(c: QuantizeCall) -> None:
