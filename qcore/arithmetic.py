@@ -14,14 +14,19 @@ import numpy as np
 
 from . import layout
 from .checks import raise_nonfinite, to_f32
-from .codecs import F32_TINY, ScaleSlot, rule_codes
+from .codecs import F32_TINY, SCALE_SLOTS, ScaleSlot, rule_codes, scale_slot_id
 from .errors import InputError
 from .payload import QuantizedData
-from .scheme import QuantScheme
+from .scheme import OffsetKind, QuantScheme
 
 __all__ = [
     "QParams",
     "slot_statistic",
+    "slot_range",
+    "affine_params",
+    "affine_codes",
+    "round_offsets",
+    "scaled_values",
     "raw_scales",
     "round_scales",
     "calibrate",
@@ -40,10 +45,13 @@ __all__ = [
 
 @dataclass(frozen=True)
 class QParams:
-    """Stored scales (rounded up, decoded to f32) in the block-grid shape, and the two-level global."""
+    """Stored scales (rounded up, decoded to f32) in the block-grid shape, the two-level global,
+    and an affine scheme's stored offsets (docs/spec.md E5: MIN values or ZERO points, f32, in the
+    block-grid shape)."""
 
     scales: np.ndarray
     global_scale: float | None = None
+    offsets: np.ndarray | None = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, QParams):
@@ -55,15 +63,18 @@ class QParams:
             and (self.global_scale is None) == (other.global_scale is None)
             and (self.global_scale is None or np.float32(self.global_scale).tobytes()
                  == np.float32(other.global_scale).tobytes())
+            and (self.offsets is None) == (other.offsets is None)
+            and (self.offsets is None or np.asarray(self.offsets, np.float32).tobytes()
+                 == np.asarray(other.offsets, np.float32).tobytes())
         )
 
     __hash__ = None  # type: ignore[assignment]
 
 
-def _blocked(x: np.ndarray, block: tuple[int, ...]) -> np.ndarray:
-    """Pad `x` with zeros to whole blocks and view it as (g0, b0, g1, b1, ...)."""
+def _blocked(x: np.ndarray, block: tuple[int, ...], fill: float = 0.0) -> np.ndarray:
+    """Pad `x` with `fill` to whole blocks and view it as (g0, b0, g1, b1, ...)."""
     grid = [-(-d // b) for d, b in zip(x.shape, block)]
-    padded = np.zeros([g * b for g, b in zip(grid, block)], dtype=x.dtype)
+    padded = np.full([g * b for g, b in zip(grid, block)], fill, dtype=x.dtype)
     padded[tuple(slice(0, d) for d in x.shape)] = x
     inter = [v for gb in zip(grid, block) for v in gb]
     return padded.reshape(inter)
@@ -101,9 +112,7 @@ def slot_statistic(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -
     """Per scale slot: `max |x|` (minmax) or `mean |x|` (absmean, f64 sum, one f32 rounding);
     for signed scales the slot's signed extreme (`signed_extreme`, minmax only)."""
     if scheme.signed:
-        if method != "minmax":
-            raise InputError(f"{scheme} has signed scales, which take the minmax statistic (the signed "
-                             f"extreme), not {method!r}")
+        _require_minmax(scheme, method)
         return signed_extreme(x, scheme)
     a = np.abs(x)
     block = layout.block_extents(x.shape, scheme)
@@ -122,6 +131,50 @@ def slot_statistic(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -
     return (sums / _slot_counts(x.shape, block)).astype(np.float32)
 
 
+def slot_range(x: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray]:
+    """Per scale slot, (min x, max x) over its elements (signed; docs/spec.md E5); (0, 0) for an
+    empty tensor."""
+    grid = layout.grid_shape(x.shape, scheme)
+    if x.size == 0:
+        return np.zeros(grid, np.float32), np.zeros(grid, np.float32)
+    block = layout.block_extents(x.shape, scheme)
+    if block is None:
+        return np.asarray(np.min(x), np.float32), np.asarray(np.max(x), np.float32)
+    axes = tuple(range(1, 2 * len(block), 2))
+    lo = np.min(_blocked(x, block, np.inf), axis=axes).astype(np.float32)
+    hi = np.max(_blocked(x, block, -np.inf), axis=axes).astype(np.float32)
+    return lo, hi
+
+
+def affine_params(x: np.ndarray, scheme: QuantScheme) -> tuple[QParams, np.ndarray, np.ndarray]:
+    """docs/spec.md E5: (stored params, raw scales, raw offsets) of an affine scheme. MIN: `s =
+    (max - min) / (qmax - qmin)` by the scheme's rule, `m = min` rounded to nearest (ties to even)
+    into its dtype. ZERO: the range widened to hold 0, `s` the same way, then `z = clamp(qmin -
+    rint(lo / s_stored), qmin, qmax)` (0 where the stored scale is 0)."""
+    lo, hi = slot_range(x, scheme)
+    t = scheme.traits
+    if scheme.offset.kind is OffsetKind.ZERO:
+        lo, hi = np.minimum(lo, np.float32(0)), np.maximum(hi, np.float32(0))
+    zero = np.float32(0)  # + 0: a zero min or max is +0, whichever zero an ordering met first
+    lo, hi = (lo + zero).astype(np.float32), (hi + zero).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        raw = ((hi - lo).astype(np.float32) / np.float32(scheme.scale_divisor)).astype(np.float32)
+    stored = round_scales(raw, scheme)
+    if scheme.offset.kind is OffsetKind.MIN:
+        return QParams(stored, None, round_offsets(lo, scheme)), raw, lo
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        q = np.rint((lo / stored).astype(np.float32))
+        z = np.where(stored == 0, 0, np.clip(np.float32(t.qmin) - q, t.qmin, t.qmax)).astype(np.float32)
+    return QParams(stored, None, z), raw, z
+
+
+def round_offsets(m: np.ndarray, scheme: QuantScheme) -> np.ndarray:
+    """MIN offsets rounded to the nearest value of their dtype, ties to even, sign kept (E5)."""
+    slot = SCALE_SLOTS[scale_slot_id(scheme.offset.dtype.value, "rne", 0)]
+    m = np.asarray(m, dtype=np.float32)
+    return np.copysign(slot.store(np.abs(m)).reshape(m.shape), m).astype(np.float32)
+
+
 def raw_scales(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -> np.ndarray:
     """SPEC §2.1 per slot: the raw f32 scale `s = stat / h` (`stat / 1` under the MX rule,
     `m / qmin` for signed scales), before any rounding."""
@@ -134,7 +187,16 @@ def calibrate(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -> QPa
     normalisation, rounded into the dtype by the scheme's rule (v1: up)."""
     if scheme.reciprocal_global:
         return store_reciprocal(slot_statistic(x, scheme, method), scheme)
+    if scheme.affine:
+        _require_minmax(scheme, method)
+        return affine_params(x, scheme)[0]
     return store_scales(raw_scales(x, scheme, method), scheme)
+
+
+def _require_minmax(scheme: QuantScheme, method: str) -> None:
+    if method != "minmax":
+        raise InputError(f"{scheme} takes the minmax statistic (signed scales: the signed extreme; affine "
+                         f"offsets: the slot's min and max), not {method!r}")
 
 
 def round_scales(s: np.ndarray, scheme: QuantScheme, slot: ScaleSlot | None = None) -> np.ndarray:
@@ -235,13 +297,18 @@ def quantize_codes(x: np.ndarray, e: np.ndarray, scheme: QuantScheme) -> np.ndar
     return encode(y, scheme)
 
 
-def reciprocal_codes(x: np.ndarray, raw: np.ndarray, scheme: QuantScheme) -> np.ndarray:
+def reciprocal_codes(x: np.ndarray, raw: np.ndarray, scheme: QuantScheme,
+                     raw_offsets: np.ndarray | None = None) -> np.ndarray:
     """docs/spec.md E4: `y = f32(x * r)` with `r = f32(1 / s)` of each slot's raw scale `s`
-    (0 where `s == 0`; `y = 0` where `x == 0`), coded by the scheme's code rule."""
+    (0 where `s == 0`; `y = 0` where `x == 0`), coded by the scheme's code rule. With a MIN
+    offset (E5) `x` is first `f32(x - lo)`, lo the slot's raw minimum."""
     raw = np.asarray(raw, dtype=np.float32)
     with np.errstate(divide="ignore", over="ignore"):
         r = np.where(raw == 0, np.float32(0), np.float32(1) / raw).astype(np.float32)
     r = layout.expand_to_elements(r, x.shape, scheme)
+    if raw_offsets is not None:
+        with np.errstate(over="ignore", invalid="ignore"):
+            x = (x - layout.expand_to_elements(np.asarray(raw_offsets, np.float32), x.shape, scheme)).astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         y = np.where(x == 0, np.float32(0), x * r).astype(np.float32)
     t = scheme.traits
@@ -255,25 +322,57 @@ def quantize(x: np.ndarray, scheme: QuantScheme, params: QParams | None = None,
     their own raw scales)."""
     x = to_f32(x)
     raise_nonfinite(x)
-    raw = None
+    raw = raw_off = None
     if params is None:
         if scheme.reciprocal_global:
             params = calibrate(x, scheme, method)
+        elif scheme.affine:
+            _require_minmax(scheme, method)
+            params, raw, raw_off = affine_params(x, scheme)
         else:
             raw = raw_scales(x, scheme, method)
             params = store_scales(raw, scheme)
     if scheme.reciprocal_codes:
-        codes = reciprocal_codes(x, params.scales if raw is None else raw, scheme)
+        codes = reciprocal_codes(x, params.scales if raw is None else raw, scheme,
+                                 (params.offsets if raw_off is None else raw_off) if scheme.affine else None)
+    elif scheme.affine:
+        codes = affine_codes(x, params, scheme)
     else:
         codes = quantize_codes(x, effective_scale(params, x.shape, scheme), scheme)
-    return QuantizedData.from_parts(x.shape, scheme, codes, params.scales, params.global_scale)
+    return QuantizedData.from_parts(x.shape, scheme, codes, params.scales, params.global_scale, params.offsets)
+
+
+def affine_codes(x: np.ndarray, params: QParams, scheme: QuantScheme) -> np.ndarray:
+    """docs/spec.md E5 under SPEC's division: MIN `y = f32(f32(x - m) / e)` then §2.5's rounding
+    and clamp; ZERO `clamp(rint(f32(x / e)) + z, qmin, qmax)`; y = 0 where e = 0."""
+    e = effective_scale(params, x.shape, scheme)
+    o = layout.expand_to_elements(np.asarray(params.offsets, np.float32), x.shape, scheme)
+    t = scheme.traits
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if scheme.offset.kind is OffsetKind.MIN:
+            y = np.where(e == 0, np.float32(0), ((x - o).astype(np.float32) / e)).astype(np.float32)
+            return encode(y, scheme)
+        y = np.where(e == 0, np.float32(0), x / e).astype(np.float32)
+        return np.clip(np.rint(y) + o, t.qmin, t.qmax).astype(scheme.code_dtype)
 
 
 def dequantize(data: QuantizedData) -> np.ndarray:
     """SPEC §2.6: `x' = decode(q) * e` in f32; invalid codes (SPEC v1.1 §3) raise
     `InvalidDataError` instead of decoding to NaN or an out-of-range value."""
     data.check_codes()
-    params = QParams(data.scales(), data.global_scale())
-    e = effective_scale(params, data.shape, data.scheme)
-    with np.errstate(over="ignore"):  # a valid huge scale times a code may exceed f32: inf, as the spec computes
-        return (decode(data.codes(), data.scheme) * e).astype(np.float32)
+    params = QParams(data.scales(), data.global_scale(), data.offsets())
+    return scaled_values(decode(data.codes(), data.scheme), params, data.shape, data.scheme)
+
+
+def scaled_values(q: np.ndarray, params: QParams, shape: tuple[int, ...], scheme: QuantScheme) -> np.ndarray:
+    """SPEC §2.6's product of decoded values `q` and their effective scales (`x' = q * e`), or
+    for an affine scheme (docs/spec.md E5) its two f32 operations in order: MIN `f32(q * e) + m`,
+    ZERO `f32(q - z) * e`."""
+    e = effective_scale(params, shape, scheme)
+    with np.errstate(over="ignore", invalid="ignore"):  # a valid huge scale times a code may exceed f32: inf
+        if not scheme.affine:
+            return (q * e).astype(np.float32)
+        o = layout.expand_to_elements(np.asarray(params.offsets, np.float32), shape, scheme)
+        if scheme.offset.kind is OffsetKind.MIN:
+            return ((q * e).astype(np.float32) + o).astype(np.float32)
+        return ((q - o).astype(np.float32) * e).astype(np.float32)

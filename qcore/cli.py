@@ -21,7 +21,7 @@ from . import __version__
 from . import io as qio
 from .errors import InputError, QCoreError
 from .recipe import KEEP, Recipe, as_recipe
-from .scheme import PRESETS, Native, PackedNative, PackedU32, QuantMode, QuantScheme, QuantValue, ScaleDtype
+from .scheme import PRESETS, Native, PackedNative, PackedU32, QuantMode, QuantScheme, QuantValue, ScaleDtype, base_scheme
 from .scheme import scheme as parse_scheme
 from .stats import error_stats
 
@@ -86,9 +86,9 @@ def _capability_rows() -> list[tuple[str, list[QuantScheme]]]:
     valid scheme that uses it (a backend supports the feature if it supports any of them)."""
     rows: list[tuple[str, list[QuantScheme]]] = []
     for v in QuantValue:
-        rows.append((v.name, [QuantScheme(v)]))
+        rows.append((v.name, [base_scheme(v)]))
 
-    bases = [QuantScheme(v) for v in QuantValue]
+    bases = [base_scheme(v) for v in QuantValue]
     for v in QuantValue:  # LOOKUP variants, so a table-only backend shows its levels and stores
         try:
             bases.append(QuantScheme(v).with_mode(QuantMode.LOOKUP, "nf4"))
@@ -111,7 +111,10 @@ def _capability_rows() -> list[tuple[str, list[QuantScheme]]]:
     rows.append(("PackedU32", variants(lambda s: s.with_store(PackedU32(0)))))
     rows.append(("PackedNative", variants(lambda s: s.with_store(PackedNative(0)))))
     rows.append(("LOOKUP (nf4)", [PRESETS["nf4"]]))
-    for name in ("nvfp4", "mxfp4", "mxfp8"):
+    rows.append(("signed scales", variants(lambda s: s.per_block([32], ScaleDtype.F16).with_signed_scales())))
+    rows.append(("affine min", variants(lambda s: s.per_block([32], ScaleDtype.F16).with_offset("min", "f16"))))
+    rows.append(("affine zero point", variants(lambda s: s.per_block([32], ScaleDtype.F16).with_offset("zero"))))
+    for name in ("nvfp4", "mxfp4", "mxfp8", "q8_0", "q4_0", "q4_1"):
         rows.append((f"preset {name}", [PRESETS[name]]))
     return rows
 

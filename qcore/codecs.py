@@ -84,6 +84,7 @@ class ValueTraits:
     bias: int = 0
     n_finite: int = 0  # count of finite non-negative codes, minifloats only
     special: Callable[[np.ndarray], np.ndarray] | None = field(default=None, compare=False, repr=False)
+    unsigned: bool = False  # integer codes 0 .. 2**bits - 1 (u8, u4, u2: affine schemes, docs/spec.md E5)
 
     @property
     def emax(self) -> int:
@@ -109,8 +110,9 @@ class ValueTraits:
 
     @property
     def code_dtype(self) -> np.dtype:
-        """Dtype of unpacked codes: int8 for integers, uint8 for minifloat codes (SPEC §3)."""
-        return np.dtype(np.uint8 if self.is_float else np.int8)
+        """Dtype of unpacked codes: int8 for signed integers, uint8 for minifloat codes and
+        unsigned integers (SPEC §3, docs/spec.md E5)."""
+        return np.dtype(np.uint8 if self.is_float or self.unsigned else np.int8)
 
     # ----------------------------------------------------------------- encode / decode
     def encode(self, y: np.ndarray) -> np.ndarray:
@@ -119,7 +121,7 @@ class ValueTraits:
         y = np.asarray(y, dtype=np.float32)
         if not self.is_float:
             q = np.clip(np.rint(y), self.qmin, self.qmax)
-            return q.astype(np.int8)
+            return q.astype(self.code_dtype)
         mags = self.magnitudes
         a = np.minimum(np.abs(y), np.float32(self.qmax))
         hi = np.searchsorted(mags, a, side="left")  # mags[hi-1] < a <= mags[hi]
@@ -159,6 +161,8 @@ class ValueTraits:
         fields = np.arange(1 << self.bits)
         if self.is_float:
             return np.isfinite(self.decode_table)
+        if self.unsigned:
+            return np.ones(fields.shape, dtype=bool)
         signed = np.where(fields >= self.sign_bit, fields - (1 << self.bits), fields)
         return signed >= self.qmin
 
@@ -175,6 +179,11 @@ def _int_row(name: str, bits: int, full: bool) -> ValueTraits:
     qmax = (1 << (bits - 1)) - 1
     qmin = -qmax - 1 if full else -qmax
     return ValueTraits(name, bits, False, float(qmin), float(qmax), (qmax - qmin) / 2)
+
+
+def _uint_row(name: str, bits: int) -> ValueTraits:
+    qmax = (1 << bits) - 1
+    return ValueTraits(name, bits, False, 0.0, float(qmax), qmax / 2, unsigned=True)
 
 
 def _e5m2_specials(mags: np.ndarray) -> np.ndarray:
@@ -197,6 +206,9 @@ VALUES: dict[str, ValueTraits] = {
         _int_row("q4s", 4, False),
         _int_row("q2f", 2, True),
         _int_row("q2s", 2, False),
+        _uint_row("u8", 8),
+        _uint_row("u4", 4),
+        _uint_row("u2", 2),
         # OCP E4M3FN: bias 7, no inf, only S.1111.111 is NaN -> finite codes 0..0x7E, max 448.
         _float_row("e4m3", 8, 4, 3, 7, 0x7F),
         # OCP E5M2: bias 15, IEEE inf/NaN -> finite codes 0..0x7B, max 57344.
@@ -423,7 +435,8 @@ MX_DTYPES = ("ue8m0",)
 SCALE_SLOTS: tuple[ScaleSlot, ...] = (
     tuple(ScaleSlot(SCALES[n], "up") for n in SCALE_IDS)
     + tuple(ScaleSlot(SCALES[n], "rne") for n in SCALE_IDS)
-    + tuple(ScaleSlot(SCALES[n], "mx", e) for n in MX_DTYPES for e in sorted({v.emax for v in VALUES.values()}))
+    + tuple(ScaleSlot(SCALES[n], "mx", e) for n in MX_DTYPES
+            for e in sorted({v.emax for v in VALUES.values() if not v.unsigned}))
 )
 """Kernel id of each (scale dtype, rule[, emax]): its index here. The first rows are the `up`
 rows in `SCALE_IDS` order, so a dtype's `SCALE_IDS` position is its v1 slot id."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from . import layout
-from .arithmetic import QParams, decode, effective_scale
+from .arithmetic import QParams, decode, scaled_values
 from .errors import InputError
 from .payload import QuantizedData
 from .scheme import BlockLevel
@@ -38,8 +38,14 @@ def _requantize(be: "BaseBackend", q: "QTensor", fn) -> "QTensor":
     return be.quantize(fn(x), q.scheme)
 
 
-def _rebuild(be, scheme, shape, codes, scales, g) -> "QTensor":
-    return be.from_data(QuantizedData.from_parts(tuple(shape), scheme, codes, scales, g))
+def _rebuild(be, scheme, shape, codes, scales, g, offsets=None) -> "QTensor":
+    return be.from_data(QuantizedData.from_parts(tuple(shape), scheme, codes, scales, g, offsets))
+
+
+def _on_grid(d: QuantizedData, fn) -> tuple[np.ndarray, np.ndarray | None]:
+    """`fn` applied to the scales and to an affine scheme's offsets, which share the block grid."""
+    o = d.offsets()
+    return fn(d.scales()), (None if o is None else fn(o))
 
 
 def reshape(be: "BaseBackend", q: "QTensor", shape: Sequence[int]) -> "QTensor":
@@ -63,7 +69,8 @@ def reshape(be: "BaseBackend", q: "QTensor", shape: Sequence[int]) -> "QTensor":
         return _requantize(be, q, lambda x: x.reshape(new))
     d = be.into_data(q)
     grid = layout.grid_shape(new, q.scheme)
-    return _rebuild(be, q.scheme, new, d.codes().reshape(new), d.scales().reshape(grid), d.global_scale())
+    scales, offsets = _on_grid(d, lambda a: a.reshape(grid))
+    return _rebuild(be, q.scheme, new, d.codes().reshape(new), scales, d.global_scale(), offsets)
 
 
 def permute(be: "BaseBackend", q: "QTensor", axes: Sequence[int]) -> "QTensor":
@@ -77,7 +84,7 @@ def permute(be: "BaseBackend", q: "QTensor", axes: Sequence[int]) -> "QTensor":
     d = be.into_data(q)
     new_shape = tuple(q.shape[a] for a in axes)
     scheme = q.scheme
-    scales = d.scales()
+    scales, offsets = _on_grid(d, lambda a: a)
     if scheme.block is not None:
         full = layout.full_block(q.shape, scheme)
         dims = tuple(full[a] for a in axes)
@@ -89,8 +96,8 @@ def permute(be: "BaseBackend", q: "QTensor", axes: Sequence[int]) -> "QTensor":
                 f"permuting {q.shape} by {axes} would need a {len(trimmed)}-dim block; blocks have at most 5"
             )
         scheme = replace(scheme, block=BlockLevel(trimmed, scheme.block.dtype))
-        scales = np.transpose(scales, axes)
-    return _rebuild(be, scheme, new_shape, np.transpose(d.codes(), axes), scales, d.global_scale())
+        scales, offsets = _on_grid(d, lambda a: np.transpose(a, axes))
+    return _rebuild(be, scheme, new_shape, np.transpose(d.codes(), axes), scales, d.global_scale(), offsets)
 
 
 def _norm_index(index, shape) -> list[tuple[int, int]]:
@@ -121,10 +128,9 @@ def slice_(be: "BaseBackend", q: "QTensor", index) -> "QTensor":
         if not aligned:
             return _requantize(be, q, lambda x: x[sl])
     d = be.into_data(q)
-    scales = d.scales()
-    if block is not None:
-        scales = scales[tuple(slice(a // bl, -(-b // bl)) for (a, b), bl in zip(bounds, block))]
-    return _rebuild(be, q.scheme, new_shape, d.codes()[sl], scales, d.global_scale())
+    grid_sl = tuple(slice(a // bl, -(-b // bl)) for (a, b), bl in zip(bounds, block)) if block else ()
+    scales, offsets = _on_grid(d, lambda a: a[grid_sl] if block is not None else a)
+    return _rebuild(be, q.scheme, new_shape, d.codes()[sl], scales, d.global_scale(), offsets)
 
 
 def cat(be: "BaseBackend", qs: Sequence["QTensor"], axis: int = 0) -> "QTensor":
@@ -143,7 +149,8 @@ def cat(be: "BaseBackend", qs: Sequence["QTensor"], axis: int = 0) -> "QTensor":
     block = layout.full_block(qs[0].shape, scheme)
     globals_ = {np.float32(d.global_scale()).tobytes() for d in datas} if scheme.two_level else {b""}
     if block is None:
-        exact = len({d.scales().tobytes() for d in datas}) == 1
+        exact = len({d.scales().tobytes() for d in datas}) == 1 and len(
+            {b"" if d.offsets() is None else d.offsets().tobytes() for d in datas}) == 1
     else:
         exact = len(globals_) == 1 and all(q.shape[axis] % block[axis] == 0 for q in qs[:-1])
     if not exact:
@@ -151,7 +158,10 @@ def cat(be: "BaseBackend", qs: Sequence["QTensor"], axis: int = 0) -> "QTensor":
         return be.quantize(x, scheme)
     codes = np.concatenate([d.codes() for d in datas], axis=axis)
     scales = datas[0].scales() if block is None else np.concatenate([d.scales() for d in datas], axis=axis)
-    return _rebuild(be, scheme, codes.shape, codes, scales, datas[0].global_scale())
+    offsets = None
+    if scheme.affine:
+        offsets = datas[0].offsets() if block is None else np.concatenate([d.offsets() for d in datas], axis=axis)
+    return _rebuild(be, scheme, codes.shape, codes, scales, datas[0].global_scale(), offsets)
 
 
 def matmul(be: "BaseBackend", x: Any, w: "QTensor", rows_per_step: int = 1024) -> np.ndarray:
@@ -167,15 +177,15 @@ def matmul(be: "BaseBackend", x: Any, w: "QTensor", rows_per_step: int = 1024) -
     if x.ndim < 1 or x.shape[-1] != K:
         raise InputError(f"matmul shapes do not fit: x {x.shape} @ w {w.shape}")
     d = be.into_data(w)
-    codes, scales, g = d.codes(), d.scales(), d.global_scale()
+    codes, scales, g, offsets = d.codes(), d.scales(), d.global_scale(), d.offsets()
     block = layout.full_block(w.shape, w.scheme)
     br = block[0] if block else 1
     step = max(br, (rows_per_step // br) * br)
     out = np.zeros(x.shape[:-1] + (N,), dtype=np.float32)
     for k0 in range(0, K, step):
         k1 = min(K, k0 + step)
-        sub_scales = scales if block is None else scales[k0 // br: -(-k1 // br)]
-        e = effective_scale(QParams(sub_scales, g), (k1 - k0, N), w.scheme)
-        wf = (decode(codes[k0:k1], w.scheme) * e).astype(np.float32)
+        rows = (...,) if block is None else slice(k0 // br, -(-k1 // br))  # per-tensor: the 0-d scale
+        sub = QParams(scales[rows], g, None if offsets is None else offsets[rows])
+        wf = scaled_values(decode(codes[k0:k1], w.scheme), sub, (k1 - k0, N), w.scheme)
         out += x[..., k0:k1] @ wf
     return out

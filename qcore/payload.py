@@ -16,9 +16,9 @@ import numpy as np
 
 from . import layout
 from .errors import InputError, InvalidDataError, SchemeError
-from .scheme import QuantScheme, scheme as parse_scheme, _check_table
+from .scheme import OffsetKind, QuantScheme, scheme as parse_scheme, _check_table
 
-__all__ = ["QuantizedData", "Sections", "sections"]
+__all__ = ["QuantizedData", "Sections", "sections", "offset_nbytes", "offset_bytes"]
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,11 @@ class Sections:
     scales: int
     global_: int
     table: int
+    offsets: int = 0  # an affine scheme's per-slot offsets, last (docs/spec.md E5)
 
     @property
     def total(self) -> int:
-        return self.values + self.scales + self.global_ + self.table
+        return self.values + self.scales + self.global_ + self.table + self.offsets
 
 
 def sections(shape: Sequence[int], scheme: QuantScheme) -> Sections:
@@ -42,7 +43,25 @@ def sections(shape: Sequence[int], scheme: QuantScheme) -> Sections:
         scales=layout.scales_count(shape, scheme) * scheme.slot_dtype.traits.nbytes,
         global_=4 if scheme.two_level else 0,
         table=4 * (1 << scheme.bits) if scheme.is_lookup else 0,
+        offsets=layout.scales_count(shape, scheme) * offset_nbytes(scheme),
     )
+
+
+def offset_nbytes(scheme: QuantScheme) -> int:
+    """Bytes of one stored offset (docs/spec.md E5): the MIN dtype's, 1 for a ZERO point, 0 when
+    the scheme is not affine."""
+    if scheme.offset is None:
+        return 0
+    return scheme.offset.dtype.traits.nbytes if scheme.offset.kind is OffsetKind.MIN else 1
+
+
+def offset_bytes(offsets: np.ndarray, scheme: QuantScheme) -> bytes:
+    """The offsets section of stored offsets (already representable): MIN words of its dtype,
+    ZERO points one byte each."""
+    o = np.asarray(offsets, dtype=np.float32).reshape(-1)
+    if scheme.offset.kind is OffsetKind.MIN:
+        return np.ascontiguousarray(scheme.offset.dtype.traits.encode(o)).tobytes()
+    return o.astype(np.int16).astype(np.uint8 if scheme.traits.unsigned else np.int8).tobytes()
 
 
 @dataclass(frozen=True, eq=True)
@@ -102,6 +121,17 @@ class QuantizedData:
         g = self.global_scale()
         if g is not None and (not math.isfinite(g) or math.copysign(1.0, g) < 0):
             raise InvalidDataError(f"global scale of {sch} is {g}; it must be finite and >= 0")
+        if sch.offset is not None:
+            off = self.offsets()
+            if sch.offset.kind is OffsetKind.MIN:
+                bad = ~np.isfinite(off)
+                why = "min offsets must be finite"
+            else:
+                bad = (off < sch.traits.qmin) | (off > sch.traits.qmax)
+                why = f"zero points must lie in the value's range [{int(sch.traits.qmin)}, {int(sch.traits.qmax)}]"
+            if bad.any():
+                i = int(np.flatnonzero(bad.reshape(-1))[0])
+                raise InvalidDataError(f"offset slot {i} of {sch} is {off.reshape(-1)[i]}; {why}")
         if g is not None and sch.reciprocal_global and not g > 0:
             raise InvalidDataError(f"reciprocal global scale of {sch} is {g}; it must be > 0 (e = s_b / G)")
 
@@ -169,6 +199,22 @@ class QuantizedData:
         _, b, _ = self._offsets
         return float(np.frombuffer(self.payload, "<f4", count=1, offset=b)[0])
 
+    def offsets(self) -> np.ndarray | None:
+        """An affine scheme's per-slot offsets (docs/spec.md E5) in the block-grid shape: MIN as
+        float32, ZERO points as float32 integers; None for other schemes."""
+        sch = self.scheme
+        if sch.offset is None:
+            return None
+        sec: Sections = self._sec  # type: ignore[attr-defined]
+        start = sec.total - sec.offsets
+        grid = layout.grid_shape(self.shape, sch)
+        if sch.offset.kind is OffsetKind.MIN:
+            tr = sch.offset.dtype.traits
+            words = np.frombuffer(self.payload, tr.word_dtype, offset=start)
+            return tr.decode(words).astype(np.float32).reshape(grid)
+        dt = np.uint8 if sch.traits.unsigned else np.int8
+        return np.frombuffer(self.payload, dt, offset=start).astype(np.float32).reshape(grid)
+
     def table(self) -> np.ndarray | None:
         """The LOOKUP table as float32, or None."""
         if not self.scheme.is_lookup:
@@ -184,8 +230,10 @@ class QuantizedData:
         codes: np.ndarray,
         scales: np.ndarray,
         global_scale: float | None = None,
+        offsets: np.ndarray | None = None,
     ) -> "QuantizedData":
-        """Assemble the payload from unpacked codes and stored (already rounded-up) scales."""
+        """Assemble the payload from unpacked codes, stored (already rounded) scales, the global
+        and an affine scheme's stored offsets."""
         scheme = parse_scheme(scheme)
         tr = scheme.slot_dtype.traits
         parts = [
@@ -196,6 +244,8 @@ class QuantizedData:
             parts.append(np.asarray([global_scale], dtype="<f4").tobytes())
         if scheme.is_lookup:
             parts.append(np.asarray(scheme.require_table(), dtype="<f4").tobytes())
+        if scheme.offset is not None:
+            parts.append(offset_bytes(np.asarray(offsets, dtype=np.float32), scheme))
         return cls(tuple(shape), scheme, b"".join(parts))
 
     def __eq__(self, other: object) -> bool:

@@ -20,7 +20,7 @@ from .checks import check_input_dtype, check_output_dtype
 from .codecs import F32_TINY
 from .errors import BackendUnavailableError, InputError, UnsupportedSchemeError
 from .payload import QuantizedData, sections
-from .scheme import QuantScheme, scheme as parse_scheme
+from .scheme import OffsetKind, QuantScheme, scheme as parse_scheme
 
 __all__ = ["Support", "QParams", "QTensor", "Backend", "BaseBackend", "CALIBRATION_METHODS"]
 
@@ -56,6 +56,8 @@ def empty_params(shape: tuple[int, ...], scheme: QuantScheme) -> QParams:
     stored = scheme.scale_rounding.store(zeros).reshape(zeros.shape)
     if scheme.reciprocal_global:  # G for an all-zero tensor (docs/spec.md E2)
         return QParams(stored, 1.0)
+    if scheme.affine:  # every slot's offset 0 (docs/spec.md E5)
+        return QParams(stored, None, zeros.copy())
     return QParams(stored, float(F32_TINY) if scheme.two_level else None)
 
 
@@ -225,15 +227,42 @@ class BaseBackend(abc.ABC):
         elif g is not None:
             raise InputError(f"{scheme} has one scale level: params.global_scale must be None, got {g!r}")
         stored = arithmetic.round_scales(s.astype(np.float32), scheme, scheme.given_scale_rounding).reshape(grid)
-        return QParams(stored, g)
+        return QParams(stored, g, self._check_offsets(params.offsets, grid, scheme))
+
+    @staticmethod
+    def _check_offsets(offsets: Any, grid: tuple[int, ...], scheme: QuantScheme) -> np.ndarray | None:
+        """An affine scheme's explicit offsets (docs/spec.md E5): grid-shaped; MIN finite (rounded to
+        nearest into its dtype), ZERO integers in the value's range."""
+        if not scheme.affine:
+            if offsets is not None:
+                raise InputError(f"{scheme} has no offsets: params.offsets must be None")
+            return None
+        if offsets is None:
+            raise InputError(f"{scheme} is affine: params.offsets must give one offset per slot (grid {grid})")
+        try:
+            o = np.asarray(offsets, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise InputError(f"params.offsets must be numbers, got {offsets!r}") from None
+        if grid == () and o.size == 1:
+            o = o.reshape(())
+        if o.shape != grid:
+            raise InputError(f"params.offsets has shape {o.shape} but {scheme} has block grid {grid}")
+        if not np.all(np.isfinite(o)) or np.any(np.abs(o) > np.finfo(np.float32).max):
+            raise InputError("params.offsets must be finite float32 values")
+        if scheme.offset.kind is OffsetKind.MIN:
+            return arithmetic.round_offsets(o.astype(np.float32), scheme)
+        t = scheme.traits
+        if np.any(o != np.rint(o)) or np.any(o < t.qmin) or np.any(o > t.qmax):
+            raise InputError(f"zero points must be integers in [{int(t.qmin)}, {int(t.qmax)}] for {scheme}")
+        return o.astype(np.float32)
 
     @staticmethod
     def _check_method(method: str, scheme: QuantScheme | None = None) -> str:
         if method not in CALIBRATION_METHODS:
             raise InputError(f"unknown calibration method {method!r}; use one of {CALIBRATION_METHODS}")
-        if scheme is not None and scheme.signed and method != "minmax":
-            raise InputError(f"{scheme} has signed scales, which take the minmax statistic (the signed "
-                             f"extreme, docs/spec.md E3), not {method!r}")
+        if scheme is not None and (scheme.signed or scheme.affine) and method != "minmax":
+            raise InputError(f"{scheme} takes the minmax statistic (signed scales: the signed extreme, "
+                             f"docs/spec.md E3; affine offsets: the slot's min and max, E5), not {method!r}")
         return method
 
     def _own(self, q: Any) -> QTensor:
@@ -265,7 +294,7 @@ class BaseBackend(abc.ABC):
         if math.prod(shape) == 0:  # nothing to read: O(1) whatever the other extents claim (SPEC v1.1 §3)
             p = params or empty_params(shape, scheme)
             codes = np.zeros(shape, dtype=scheme.code_dtype)
-            return self.from_data(QuantizedData.from_parts(shape, scheme, codes, p.scales, p.global_scale))
+            return self.from_data(QuantizedData.from_parts(shape, scheme, codes, p.scales, p.global_scale, p.offsets))
         return QTensor(self, scheme, shape, self._quantize(x, scheme, params, method))
 
     def dequantize(self, q: QTensor, dtype: Any = np.float32) -> Any:

@@ -17,6 +17,8 @@ __all__ = [
     "ScaleDtype",
     "ScaleRound",
     "CodeRule",
+    "OffsetKind",
+    "Offset",
     "StoreKind",
     "QuantStore",
     "Native",
@@ -28,6 +30,7 @@ __all__ = [
     "TABLES",
     "PRESETS",
     "scheme",
+    "base_scheme",
 ]
 
 
@@ -43,6 +46,9 @@ class QuantValue(enum.Enum):
     E4M3 = "e4m3"
     E5M2 = "e5m2"
     E2M1 = "e2m1"
+    U8 = "u8"
+    U4 = "u4"
+    U2 = "u2"
 
     @property
     def traits(self) -> ValueTraits:
@@ -109,6 +115,43 @@ class CodeRule(enum.Enum):
 
 SIGNED_SCALE_DTYPES = tuple(name for name, row in SCALES.items() if row.signed)
 """Scale dtypes with a sign bit (f32, f16, bf16), which signed scales (docs/spec.md E3) may use."""
+
+
+class OffsetKind(enum.Enum):
+    """An affine scheme's per-slot offset (docs/spec.md E5). MIN: a float `m` added after the
+    scale, `x = f32(f32(q * e) + m)` (GGUF Q4_1). ZERO: an integer zero point `z` in the value's
+    range, `x = f32((q - z) * e)` (compressed-tensors / AWQ / GPTQ asymmetric)."""
+
+    MIN = "min"
+    ZERO = "zero"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Offset:
+    """The offset part of an affine scheme: its kind and, for MIN, the float dtype it is stored in
+    (F32, F16, BF16); a ZERO point is stored as one byte per slot."""
+
+    kind: OffsetKind
+    dtype: "ScaleDtype | None" = None
+
+    def __post_init__(self) -> None:
+        kind = _coerce(OffsetKind, self.kind, "offset kind")
+        object.__setattr__(self, "kind", kind)
+        if kind is OffsetKind.MIN:
+            dtype = _coerce(ScaleDtype, self.dtype if self.dtype is not None else "f32", "offset dtype")
+            if dtype.value not in SIGNED_SCALE_DTYPES:
+                raise SchemeError(f"a min offset is stored as {'/'.join(SIGNED_SCALE_DTYPES)}, got {dtype}; "
+                                  "e.g. u4/block32:f16/min:f16")
+            object.__setattr__(self, "dtype", dtype)
+        elif self.dtype is not None:
+            raise SchemeError(f"a zero point is an integer of the value, stored in one byte; it takes no dtype, "
+                              f"got {self.dtype}; write /zero")
+
+    def __str__(self) -> str:
+        return f"min:{self.dtype}" if self.kind is OffsetKind.MIN else "zero"
 
 
 class StoreKind(enum.Enum):
@@ -257,6 +300,7 @@ class QuantScheme:
     scale_round: ScaleRound = ScaleRound.UP
     signed: bool = False  # docs/spec.md E3: slot scales may be negative; raw s = m / qmin
     code_rule: CodeRule = CodeRule.DIV
+    offset: Offset | None = None  # docs/spec.md E5: an affine scheme's per-slot offset
 
     def __post_init__(self) -> None:
         value = _coerce(QuantValue, self.value, "value")
@@ -320,6 +364,22 @@ class QuantScheme:
                 f"signed scales need a full-range integer value (q8f, q4f, q2f), symmetric mode, one scale level "
                 f"of {'/'.join(SIGNED_SCALE_DTYPES)} and rounding up or rne, got {self}; e.g. q4f/block32:f16/signed"
             )
+        if self.offset is not None and not isinstance(self.offset, Offset):
+            raise SchemeError(f"offset must be an Offset, got {self.offset!r}; e.g. Offset('min', 'f16')")
+        if self.offset is not None and (t.is_float or mode is not QuantMode.SYMMETRIC or self.two_level
+                                        or self.signed or self.scale_round is ScaleRound.MX):
+            raise SchemeError(
+                f"an affine offset ({self.offset}) needs an integer value in symmetric mode, one scale level, "
+                f"unsigned scales and rounding up or rne, got {self}; e.g. u4/block32:f16/min:f16"
+            )
+        if self.offset is not None and self.offset.kind is OffsetKind.MIN and not t.unsigned:
+            raise SchemeError(f"a min offset is the value of code 0: it needs an unsigned value (u8, u4, u2), "
+                              f"got {self}; e.g. u4/block32:f16/min:f16, or a zero point: {value}/.../zero")
+        if t.unsigned and self.offset is None:
+            raise SchemeError(f"unsigned values ({value}) need an affine offset (/min:DTYPE or /zero), got {self}; "
+                              "e.g. u4/block32:f16/min:f16")
+        if self.code_rule is not CodeRule.DIV and self.offset is not None and self.offset.kind is OffsetKind.ZERO:
+            raise SchemeError(f"the code rules apply to min offsets, not to zero points, got {self}")
         if self.code_rule is not CodeRule.DIV and (
                 t.is_float or mode is not QuantMode.SYMMETRIC or self.two_level or self.scale_round is ScaleRound.MX):
             raise SchemeError(
@@ -377,7 +437,14 @@ class QuantScheme:
         signed scales, whose statistic is the slot's signed extreme (docs/spec.md E3)."""
         if self.signed:
             return self.traits.qmin
+        if self.offset is not None:  # the span max - min over the codes' span (E5)
+            return self.traits.qmax - self.traits.qmin
         return 1.0 if self.scale_round is ScaleRound.MX else self.half_range
+
+    @property
+    def affine(self) -> bool:
+        """A per-slot offset after the scale (docs/spec.md E5)."""
+        return self.offset is not None
 
     @property
     def reciprocal_codes(self) -> bool:
@@ -405,9 +472,9 @@ class QuantScheme:
 
     @property
     def code_dtype(self) -> np.dtype:
-        """Dtype of unpacked codes: int8 for integer values, uint8 for minifloat codes and
-        LOOKUP indices (SPEC §3)."""
-        return np.dtype(np.uint8 if (self.traits.is_float or self.is_lookup) else np.int8)
+        """Dtype of unpacked codes: int8 for signed integer values, uint8 for minifloat codes,
+        unsigned integers and LOOKUP indices (SPEC §3)."""
+        return np.dtype(np.uint8 if (self.is_lookup or self.traits.code_dtype == np.uint8) else np.int8)
 
     @property
     def valid_fields(self) -> np.ndarray:
@@ -482,6 +549,11 @@ class QuantScheme:
         signed extreme over `qmin`, so that element codes as `qmin` (GGUF Q4_0)."""
         return replace(self, signed=bool(signed))
 
+    def with_offset(self, kind: OffsetKind | str | None, dtype: ScaleDtype | str | None = None) -> "QuantScheme":
+        """The same scheme with an affine offset (docs/spec.md E5): `min` (a float per slot, stored
+        in `dtype`, default f32) or `zero` (an integer zero point per slot); None removes it."""
+        return replace(self, offset=None if kind is None else Offset(kind, dtype))
+
     def with_code_rule(self, rule: CodeRule | str) -> "QuantScheme":
         """The same scheme with codes computed by `rule` (div, away, offset; docs/spec.md E4);
         the payload layout is unchanged."""
@@ -500,6 +572,8 @@ class QuantScheme:
             parts.append(f"tensor:{self.tensor.dtype}" + (":recip" if self.tensor.reciprocal else ""))
         if self._store is not None:
             parts.append(str(self._store))
+        if self.offset is not None:
+            parts.append(str(self.offset))
         if self.signed:
             parts.append("signed")
         if self.scale_round is not ScaleRound.UP:
@@ -514,6 +588,13 @@ class QuantScheme:
     @classmethod
     def parse(cls, text: str) -> "QuantScheme":
         return scheme(text)
+
+
+def base_scheme(value: QuantValue | str) -> QuantScheme:
+    """The simplest valid scheme of a value: `QuantScheme(value)`, or for an unsigned value (u8,
+    u4, u2), which needs an affine offset, that with a zero point (docs/spec.md E5)."""
+    value = _coerce(QuantValue, value, "value")
+    return QuantScheme(value, offset=Offset(OffsetKind.ZERO) if value.traits.unsigned else None)
 
 
 def _check_table(table, bits: int) -> tuple[float, ...]:
@@ -547,6 +628,8 @@ PRESETS: dict[str, QuantScheme] = {
     .with_code_rule(CodeRule.AWAY),
     "q4_0": QuantScheme(QuantValue.Q4F).per_block([32], ScaleDtype.F16).with_signed_scales()
     .with_scale_round(ScaleRound.RNE).with_code_rule(CodeRule.OFFSET),
+    "q4_1": QuantScheme(QuantValue.U4, offset=Offset(OffsetKind.MIN, ScaleDtype.F16)).per_block([32], ScaleDtype.F16)
+    .with_scale_round(ScaleRound.RNE).with_code_rule(CodeRule.OFFSET),
 }
 
 _HEAD = re.compile(r"^(?P<value>[a-z0-9]+)(?P<lookup>-lookup(\[(?P<table>[a-z0-9_]+)\])?)?$")
@@ -555,6 +638,7 @@ _TENSOR = re.compile(r"^tensor(:(?P<dtype>[a-z0-9]+))?(?P<recip>:recip)?$")
 _STORE = re.compile(r"^(?P<kind>native|packed_u32|packed_native)(:(?P<dim>\d+))?$")
 _ROUND = re.compile(r"^round:(?P<rule>[a-z0-9]+)$")
 _SIGNED = re.compile(r"^signed$")
+_OFFSET = re.compile(r"^(?P<kind>min|zero)(:(?P<dtype>[a-z0-9]+))?$")
 _CODES = re.compile(r"^codes:(?P<rule>[a-z0-9]+)$")
 
 _EXAMPLES = "e.g. 'q8s', 'q4s/block32:f16', 'e2m1/block16:ue4m3/tensor:f32/packed_native', 'nf4'"
@@ -589,7 +673,7 @@ def scheme(text: str | QuantScheme) -> QuantScheme:
     seen: set[str] = set()
     for piece in pieces[1:]:
         for what, rx in (("block", _BLOCK), ("tensor", _TENSOR), ("store", _STORE), ("round", _ROUND),
-                         ("signed", _SIGNED), ("codes", _CODES)):
+                         ("offset", _OFFSET), ("signed", _SIGNED), ("codes", _CODES)):
             pm = rx.match(piece)
             if pm:
                 break
@@ -606,6 +690,8 @@ def scheme(text: str | QuantScheme) -> QuantScheme:
             kwargs["tensor"] = TensorLevel(_coerce(ScaleDtype, pm["dtype"] or "f32", "scale dtype"), bool(pm["recip"]))
         elif what == "round":
             kwargs["scale_round"] = _coerce(ScaleRound, pm["rule"], "scale rounding rule")
+        elif what == "offset":
+            kwargs["offset"] = Offset(pm["kind"], pm["dtype"])
         elif what == "signed":
             kwargs["signed"] = True
         elif what == "codes":

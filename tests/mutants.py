@@ -63,8 +63,8 @@ class Narrow(BaseBackend):
             return Support.no("narrow stores one level of F32 scales only")
         if s.store.kind is not StoreKind.NATIVE:
             return Support.no("narrow writes the Native store only")
-        if s.reciprocal_codes:
-            return Support.no("narrow codes by SPEC v1's x / e only")
+        if s.reciprocal_codes or s.affine:
+            return Support.no("narrow codes by SPEC v1's x / e only, without offsets")
         return Support.yes()
 
     # ---------------------------------------------------------------- steps (mutation points)
@@ -283,7 +283,7 @@ class Full(ReferenceBackend):
     def _params(self, x: np.ndarray, s: QuantScheme, method: str) -> QParams:
         if s.reciprocal_global:  # docs/spec.md E2: the core's rule (no mutation point of its own)
             return store_reciprocal(slot_statistic(self._statistic_input(x), s, method), s)
-        if s.signed:  # docs/spec.md E3: likewise
+        if s.signed or s.affine:  # docs/spec.md E3, E5: likewise
             return arithmetic.calibrate(self._statistic_input(x), s, method)
         raw = self._raw_scale(slot_statistic(self._statistic_input(x), s, method), s)
         g = None
@@ -303,7 +303,7 @@ class Full(ReferenceBackend):
         x = to_f32(x)
         self._check(x)
         self._kernel(s)
-        if s.reciprocal_codes:  # docs/spec.md E4: the core's code rules (no mutation point of their own)
+        if s.reciprocal_codes or s.affine:  # docs/spec.md E4, E5: the core's rules (no mutation point of their own)
             return arithmetic.quantize(x, s, params, method)
         if params is None:
             params = self._params(x, s, method)
@@ -315,6 +315,8 @@ class Full(ReferenceBackend):
 
     def _dequantize(self, d, dtype):
         d.check_codes()  # SPEC v1.1 §3
+        if d.scheme.affine:  # docs/spec.md E5: the core's decode (no mutation point of its own)
+            return arithmetic.dequantize(d).astype(dtype)
         e = self._effective(QParams(d.scales(), d.global_scale()), d.shape, d.scheme)
         with np.errstate(over="ignore", invalid="ignore"):
             return (decode(d.codes(), d.scheme) * e).astype(np.float32).astype(dtype)

@@ -58,11 +58,16 @@ def test_signed_and_code_rule_strata_hold_the_space_under_each_variant():
     assert {x.id for x in ruled} == {f"{r}/{k}" for r in ("signed", "codes:away", "codes:offset")
                                      for k in ("tensor", "block")}
     assert min(x.index for x in ruled) > max(x.index for x in S.strata() if not x.id.startswith(
-        ("signed", "codes:")))
+        ("signed", "codes:", "affine:")))
     for x in ruled:
         assert all(s.signed for s in x.candidates) if x.id.startswith("signed") else \
             all(s.code_rule.value == x.id.split("/")[0][6:] for s in x.candidates)
-    assert not any(s.signed or s.reciprocal_codes for g in S.groups() for s in g.candidates)
+    assert not any(s.signed or s.reciprocal_codes or s.affine for g in S.groups() for s in g.candidates)
+    affine = {x.id: x for x in S.strata() if x.id.startswith("affine:")}
+    assert set(affine) == {f"affine:{k}/{lv}" for k in ("min", "zero") for lv in ("tensor", "block")}
+    assert qcore.PRESETS["q4_1"] in affine["affine:min/block"].candidates
+    assert all(s.traits.unsigned for s in affine["affine:min/block"].candidates)
+    assert {s.traits.unsigned for s in affine["affine:zero/block"].candidates} == {True, False}
 
 
 def test_bounds_inputs_aim_at_each_rules_boundaries():
@@ -214,7 +219,7 @@ def test_strata_subset_spreads_over_groups():
     the scale dtypes and store kinds over between groups, and spreads a smaller cap evenly."""
     from qcore.conformance import sampling as S
 
-    rules = {"round:rne", "round:mx", "signed", "codes:away", "codes:offset"}
+    rules = {"round:rne", "round:mx", "signed", "codes:away", "codes:offset", "affine:min", "affine:zero"}
     groups = {g.id for g in S.groups()} | rules
     assert S.strata_subset(None) == S.strata()
     v1 = [s for s in S.strata() if S.is_v1_stratum(s)]

@@ -1,5 +1,5 @@
-"""compressed-tensors (`pack-quantized` int4/int8, `float-quantized` FP8, `mxfp4-` and
-`nvfp4-pack-quantized`, symmetric, 2-D and fused-expert `[e, m, n]`) <-> qcore.
+"""compressed-tensors (`pack-quantized` int4/int8, symmetric or with zero points, `float-quantized`
+FP8, `mxfp4-` and `nvfp4-pack-quantized`, 2-D and fused-expert `[e, m, n]`) <-> qcore.
 
 The checkpoint in tests/data/ctensors was written by compressed-tensors 0.20.0's own compressors,
 and `expected.safetensors` holds its own decompressor's output (tests/data/ctensors/make_ctensors.py;
@@ -38,9 +38,17 @@ SCHEMES = {  # module weight -> the qcore scheme it reads as
     # fused-expert FP4 [2, 4, 64]: mxfp4, and nvfp4 with the module's one [1] global
     "layers.3.experts.w1.weight": "mxfp4",
     "layers.3.experts.w2.weight": "e2m1/block16:ue4m3/tensor:f32:recip/packed_native",
+    # asymmetric int (weight_zero_point): zero points as qcore's per-slot offsets (docs/spec.md E5)
+    "layers.4.q_proj.weight": "q4f/block32:bf16/zero",  # int4, group 32, zero points packed down the rows
+    "layers.4.k_proj.weight": "q8f/block64:f16/packed_u32/zero",  # int8, channel; 6 rows: a partly filled word
+    "layers.4.v_proj.weight": "q4f/zero",  # int4, tensor: one f32 scale and one int8 zero point
+    "layers.4.o_proj.weight": "q8f/block8x16:bf16/packed_u32/zero",  # int8, 8 x 16 blocks, int8 zero points
+    "layers.5.experts.w1.weight": "q4f/block32:bf16/zero",  # fused experts [2, 12, 64], int4 group 32
 }
 SHAPES = {"layers.2.experts.w1.weight": (2, 8, 64), "layers.2.experts.w2.weight": (2, 8, 32),
-          "layers.3.experts.w1.weight": (2, 4, 64), "layers.3.experts.w2.weight": (2, 4, 64)}
+          "layers.3.experts.w1.weight": (2, 4, 64), "layers.3.experts.w2.weight": (2, 4, 64),
+          "layers.4.k_proj.weight": (6, 64), "layers.5.experts.w1.weight": (2, 12, 64)}
+ASYM = [k for k, v in SCHEMES.items() if v.endswith("/zero")]
 NV3 = "layers.3.experts.w2"  # the fused-expert nvfp4 module
 
 
@@ -75,6 +83,60 @@ def test_decode_is_the_tools_own(request, backend):
         assert got.view(np.uint8).tobytes() == want[name].view(np.uint8).tobytes(), (backend, name)
 
 
+def _tool_zero_points(zp: np.ndarray, bits: int, rows: int) -> np.ndarray:
+    """The tool's `unpack_from_int32(zp, bits, ..., packed_dim=0)` spelled out word by word: word
+    w of column g holds rows `w * 32 / bits + k` in bits `bits * k`, offset binary."""
+    per = 32 // bits
+    *lead, words, cols = zp.shape
+    u = zp.view(np.uint32)
+    out = np.zeros((*lead, rows, cols), np.int64)
+    for idx in np.ndindex(*lead, words, cols):
+        *e, w, g = idx
+        for k in range(per):
+            field = (int(u[idx]) >> (bits * k)) & ((1 << bits) - 1)
+            if w * per + k < rows:
+                out[(*e, w * per + k, g)] = field - (1 << (bits - 1))
+            else:
+                assert field == 0, idx  # the unused fields of a last, partly filled word
+    return out
+
+
+@pytest.mark.parametrize("name", ASYM)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_asymmetric_decode_is_the_tools_own(request, backend, name):
+    """`(q - z) * scale` in the scale's dtype (the tool's decompress) is qcore's `f32(f32(q - z) * e)`
+    rounded to that dtype, bit for bit, on every backend with the scheme (others skip, saying why)."""
+    be = get_backend(backend, request)
+    d = qf.read(MODEL).tensors[name]
+    want = _arrays(os.path.join(DATA, "expected.safetensors"))[name]
+    got = decode(d, be).astype(want.dtype)
+    assert got.shape == want.shape and got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes(), name
+    assert np.any(d.offsets() != 0)  # the zero points take part: the tool's own, not all 0
+
+
+def test_asymmetric_zero_points_are_the_tools():
+    """The zero points qcore reads are the tool's: packed down the rows for group and channel
+    (the 6-row int8 channel module and the 12-row 4-bit experts end in a partly filled word),
+    int8 as they are for tensor and block; the codes are the symmetric case's."""
+    ck, arrays = qf.read(MODEL), _arrays(MODEL)
+    for name in ASYM:
+        mod, d = name[: -len(".weight")], ck.tensors[name]
+        zp = arrays[f"{mod}.weight_zero_point"]
+        if zp.dtype == np.int32:
+            want = _tool_zero_points(zp, d.scheme.bits, d.shape[-2])
+        else:
+            assert zp.dtype == np.int8, name
+            want = zp.astype(np.int64)
+        assert d.offsets().shape == tuple(qcore.layout.grid_shape(d.shape, d.scheme)), name
+        assert d.offsets().reshape(-1).tolist() == want.reshape(-1).tolist(), name
+        lo, hi = d.scheme.traits.qmin, d.scheme.traits.qmax
+        if d.scheme.bits == 4 and d.offsets().size > 8:  # the fixture's zero points reach both ends
+            assert d.offsets().min() == lo and d.offsets().max() == hi, name
+    assert arrays["layers.4.k_proj.weight_zero_point"].shape == (2, 1)  # ceil(6 * 8 / 32) words
+    assert arrays["layers.5.experts.w1.weight_zero_point"].shape == (2, 2, 2)  # per expert, ceil(12 * 4 / 32)
+    assert arrays["layers.4.v_proj.weight_zero_point"].shape == (1,)
+
+
 def test_writes_the_tools_bytes_and_config(tmp_path):
     """qcore's writer gives back the tool's file tensor for tensor, and a config.json whose
     groups name each module with its strategy (the tool parses it: make_ctensors.py --check)."""
@@ -106,6 +168,15 @@ def test_writes_the_tools_bytes_and_config(tmp_path):
     assert by_module[NV3]["format"] == "nvfp4-pack-quantized"
     assert by_module[NV3]["weights"] == by_module["layers.1.gate_proj"]["weights"]
     assert dst[f"{NV3}.weight_global_scale"].shape == (1,)  # one global for the module, as the tool writes it
+    assert by_module["layers.4.q_proj"]["weights"] == {"num_bits": 4, "type": "int", "symmetric": False,
+                                                       "dynamic": False, "strategy": "group", "group_size": 32}
+    assert by_module["layers.4.q_proj"]["format"] == "pack-quantized"
+    assert by_module["layers.4.k_proj"]["weights"] == {"num_bits": 8, "type": "int", "symmetric": False,
+                                                       "dynamic": False, "strategy": "channel"}
+    assert by_module["layers.4.v_proj"]["weights"]["strategy"] == "tensor"
+    assert by_module["layers.4.o_proj"]["weights"]["block_structure"] == [8, 16]
+    assert {by_module[n[: -len(".weight")]]["weights"]["symmetric"] for n in ASYM} == {False}
+    assert by_module["layers.0.q_proj"] is not by_module["layers.4.q_proj"]  # their own groups
 
 
 def test_through_qcore_format_and_back(tmp_path):
@@ -212,12 +283,73 @@ def test_fused_expert_fp4_scales_that_do_not_match_are_refused(tmp_path):
         qf.read(tmp_path / "ff.safetensors", "compressed-tensors")
 
 
-def test_asymmetric_weights_are_refused(tmp_path):
+@pytest.mark.parametrize("text,shape,zp_shape,zp_dtype,strategy", [
+    ("q4f/block32:bf16/zero", (12, 64), (2, 2), np.int32, "group"),  # 12 rows: a partly filled word
+    ("q8f/block64:f16/packed_u32/zero", (6, 64), (2, 1), np.int32, "channel"),
+    ("q4f/zero", (8, 64), (1,), np.int8, "tensor"),
+    ("q8f/block8x16:bf16/packed_u32/zero", (16, 64), (2, 4), np.int8, "block"),
+    ("q4f/block32:bf16/zero", (2, 12, 64), (2, 2, 2), np.int32, "group"),  # fused experts
+    ("q4f/block64:f32/zero", (3, 2, 8, 64), (3, 2, 1, 1), np.int32, "channel"),
+])
+def test_asymmetric_quantized_by_qcore_writes_as_the_tools_layout(tmp_path, text, shape, zp_shape, zp_dtype,
+                                                                   strategy):
+    """A qcore `/zero` tensor writes the tool's `weight_zero_point` (packed down the rows for group /
+    channel, int8 for tensor / block) and a `symmetric: false` config group, and reads back byte for
+    byte; `(q - z) * scale` from the written arrays, as the tool computes it, is qcore's decode."""
+    ref = qcore.backend("reference")
+    x = np.random.default_rng(8).standard_normal(shape).astype(np.float32)
+    x += np.random.default_rng(9).choice([-2.0, 0.0, 2.0, 4.0], size=(*shape[:-1], 1)).astype(np.float32)
+    d = ref.into_data(ref.quantize(x, text))
+    assert np.any(d.offsets() != 0)
+    qf.write(tmp_path / "m.safetensors", {"e.weight": d}, "compressed-tensors")
+    arrays = _arrays(tmp_path / "m.safetensors")
+    zp = arrays["e.weight_zero_point"]
+    assert zp.dtype == zp_dtype and zp.shape == zp_shape
+    z = _tool_zero_points(zp, d.scheme.bits, shape[-2]) if zp_dtype == np.int32 else zp.astype(np.int64)
+    assert z.reshape(-1).tolist() == d.offsets().reshape(-1).tolist()
+    back = qf.read(tmp_path / "m.safetensors").tensors["e.weight"]
+    assert back.shape == shape and back.payload == d.payload and back.scheme == d.scheme
+    cfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    args = cfg["config_groups"]["group_0"]["weights"]
+    assert args["symmetric"] is False and args["strategy"] == strategy and cfg["format"] == "pack-quantized"
+    # the tool's decompress: unpacked codes (offset binary - 2^(bits-1)), (q - z) * scale in the scale's dtype
+    bits, scale = d.scheme.bits, arrays["e.weight_scale"]
+    u = arrays["e.weight_packed"].view(np.uint32)
+    q = np.stack([(u >> np.uint32(bits * k)) & np.uint32((1 << bits) - 1) for k in range(32 // bits)], -1)
+    q = q.reshape(shape).astype(np.int64) - (1 << (bits - 1))
+    grid = tuple(qcore.layout.grid_shape(shape, d.scheme))
+    zz, ss = z.reshape(grid).astype(np.float32), scale.astype(np.float32).reshape(grid)
+    if strategy == "block":
+        zz, ss = (np.repeat(np.repeat(a, 8, 0), 16, 1) for a in (zz, ss))
+    elif strategy != "tensor":
+        zz, ss = (np.repeat(a, shape[-1] // grid[-1], -1) for a in (zz, ss))
+    tool = ((q - zz).astype(np.float32) * ss).astype(scale.dtype)  # exact in f32, one rounding
+    mine = ref.to_numpy(ref.dequantize(ref.from_data(d))).astype(scale.dtype)
+    assert tool.view(np.uint8).tobytes() == mine.view(np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("module,value,why", [
+    ("layers.0.o_proj", np.zeros((16, 1), ml_dtypes.float8_e4m3fn), "float weight's zero point"),  # FP8
+    ("layers.0.gate_proj", np.zeros((8, 2), np.int8), "float weight's zero point"),  # mxfp4
+    ("layers.4.q_proj", np.zeros((16, 4), np.int8), r"packs the 4-bit zero points down the rows into int32 \[2, 4\]"),
+    ("layers.4.q_proj", np.zeros((16, 4), np.int32), r"int32 \[2, 4\]"),  # unpacked int32
+    ("layers.4.k_proj", "pad", "non-zero bits past its 6 rows"),
+    ("layers.4.v_proj", np.array([8], np.int8), r"outside the 4-bit range \[-8, 7\]"),
+    ("layers.4.v_proj", np.array([1], np.int32), "keeps one int8 zero point per scale"),
+    ("layers.4.o_proj", np.zeros((2, 1), np.int32), "keeps one int8 zero point per scale"),  # packed block zp
+])
+def test_zero_points_not_in_the_tools_form_are_refused(tmp_path, module, value, why):
+    """What compressed-tensors 0.20 does not write, or qcore cannot write back byte for byte: a zero
+    point on a float weight (FP8's is a float), one packed where the tool keeps int8 or the other way
+    round, bits set past the last row of a packed one, a 4-bit zero point outside [-8, 7]."""
     arrays = _arrays(MODEL)
-    arrays["layers.0.q_proj.weight_zero_point"] = np.zeros((2, 4), np.int32)
-    save_file(arrays, str(tmp_path / "a.safetensors"))
-    with pytest.raises(UnrepresentableError, match="asymmetric.*affine"):
-        qf.read(tmp_path / "a.safetensors", "compressed-tensors")
+    key = f"{module}.weight_zero_point"
+    if isinstance(value, str):
+        value = arrays[key].copy()
+        value[1, 0] |= np.int32(1 << 16)  # rows 6 and 7 of a word that holds rows 4 .. 7
+    save_file({**arrays, key: value}, str(tmp_path / "z.safetensors"))
+    with pytest.raises(UnrepresentableError, match=why):
+        qf.read(tmp_path / "z.safetensors", "compressed-tensors")
 
 
 def test_bad_nvfp4_parts_and_scale_byte_255_are_refused(tmp_path):
@@ -242,9 +374,16 @@ def test_bad_nvfp4_parts_and_scale_byte_255_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("text,shape,why", [
-    ("q4s/block32:bf16", (4, 64), "symmetric q4f/q8f"),  # q4s's -8 is not a value
-    ("q4f/block8x4:bf16/packed_u32:1", (8, 64), "symmetric q4f/q8f"),  # packed down the columns
-    ("nvfp4", (4, 64), "symmetric q4f/q8f"),  # two-level with SPEC's multiplied global, not the reciprocal
+    ("q4s/block32:bf16", (4, 64), "holds q4f/q8f"),  # q4s's -8 is not a value
+    ("q4f/block8x4:bf16/packed_u32:1", (8, 64), "holds q4f/q8f"),  # packed down the columns
+    ("nvfp4", (4, 64), "holds q4f/q8f"),  # two-level with SPEC's multiplied global, not the reciprocal
+    ("u4/block32:bf16/zero", (4, 64), "q4f's q + 8 and z + 8"),  # the tool's codes and zero points are signed
+    ("u8/block32:f16/packed_u32/zero", (4, 64), "q8f's q + 128"),
+    ("u4/block32:f16/min:f16", (4, 64), "holds q4f/q8f"),  # a min offset (GGUF Q4_1) is no zero point
+    ("q8f/block32:bf16/zero", (4, 64), "holds q4f/q8f"),  # native 8-bit store: the tool packs int32
+    ("q4f/block32:f16/signed", (4, 64), "not signed"),  # negative scales, which the reader refuses
+    ("q4f/block2x32:bf16/zero", (2, 4, 64), "along the last axis"),
+    ("q4f/block12:bf16/zero", (4, 36), "partly filled"),
     ("mxfp4", (4, 48), "whole blocks"),  # a partial MX block
     ("mxfp4", (2, 4, 48), "whole blocks"),  # fused experts with a partial MX block
     ("mxfp4", (64,), "at least 2-D"),

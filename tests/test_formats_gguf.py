@@ -52,6 +52,7 @@ def _gguf_file(path, tensors, kv=None):
 # ndarray holds 8-bit integers only (SPEC §4), so MXFP4 runs on reference and cuda
 DECODERS = [pytest.param(kind, scheme, be, id=f"{kind.name}-{be}") for kind, scheme, bes in (
     (T.Q8_0, "q8s/block32:f16", BACKENDS), (T.Q4_0, "q4f/block32:f16/signed", ["reference", "cuda"]),
+    (T.Q4_1, "u4/block32:f16/min:f16", ["reference", "cuda"]),
     (T.MXFP4, "mxfp4", ["reference", "cuda"])) for be in bes]
 
 
@@ -109,6 +110,26 @@ def test_random_q4_0_bytes_decode_like_gguf(tmp_path, request, be_name):
     assert_bits_equal(decode(d, be), gguf.quants.dequantize(blocks, T.Q4_0))
 
 
+@pytest.mark.parametrize("be_name", ["reference", "cuda"])
+def test_random_q4_1_bytes_decode_like_gguf(tmp_path, request, be_name):
+    """Every nibble under random finite f16 scales (>= 0, as llama.cpp's `(max - min) / 15`) and mins
+    of both signs, zeros included; a negative scale is refused as invalid data."""
+    be = get_backend(be_name, request)
+    rng = np.random.default_rng(6)
+    blocks = rng.integers(0, 256, size=(3, 4 * 20), dtype=np.uint8)
+    dm = (rng.standard_normal((12, 2)) * np.exp(rng.uniform(-6, 6, (12, 1)))).astype(np.float16)
+    dm[:, 0] = np.abs(dm[:, 0])
+    dm[0] = [0.0, -0.0]
+    dm[1, 1] = 0.0
+    blocks.reshape(-1, 20)[:, :4] = dm.view(np.uint8).reshape(-1, 4)
+    d = qf.read(_gguf_file(tmp_path / "r.gguf", {"w": (blocks, T.Q4_1)})).tensors["w"]
+    assert str(d.scheme) == "u4/block32:f16/min:f16"
+    assert_bits_equal(decode(d, be), gguf.quants.dequantize(blocks, T.Q4_1))
+    blocks.reshape(-1, 20)[5, 1] |= 0x80  # d < 0
+    with pytest.raises(qcore.InvalidDataError, match=r"tensor 'w': scale slot 5 .* must be finite and >= 0"):
+        qf.read(_gguf_file(tmp_path / "n.gguf", {"w": (blocks, T.Q4_1)}))
+
+
 def test_q4_0_with_no_negative_scale_reads_as_a_v1_scheme(tmp_path):
     x = np.abs(_x((2, 64), 6))
     x.reshape(-1, 32)[:, 7] = -2 * x.max()   # every block's extreme negative: d = max / -8 > 0
@@ -117,7 +138,8 @@ def test_q4_0_with_no_negative_scale_reads_as_a_v1_scheme(tmp_path):
 
 
 @pytest.mark.parametrize("scheme,kind", [("q8s/block32:f16", T.Q8_0), ("q4_0", T.Q4_0), ("q4s/block32:f16", T.Q4_0),
-                                         ("mxfp4", T.MXFP4)], ids=["Q8_0", "Q4_0", "q4s-as-Q4_0", "MXFP4"])
+                                         ("q4_1", T.Q4_1), ("u4/block32:f16/min:f16", T.Q4_1), ("mxfp4", T.MXFP4)],
+                         ids=["Q8_0", "Q4_0", "q4s-as-Q4_0", "Q4_1", "u4-min-as-Q4_1", "MXFP4"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_qcore_writes_gguf_that_gguf_reads_back(tmp_path, scheme, kind, shape):
     q = qcore.quantize(_x(shape, 3), scheme, backend="reference")
@@ -136,7 +158,7 @@ def test_qcore_encoding_of_gguf_blocks_is_gguf_bytes(tmp_path):
     """Read then write: every byte of the tensor data is the one gguf's quantizer wrote."""
     x = _x((4, 128), 4)
     src = {"q8": (gguf.quants.quantize(x, T.Q8_0), T.Q8_0), "mx": (gguf.quants.quantize(x, T.MXFP4), T.MXFP4),
-           "q4": (gguf.quants.quantize(x, T.Q4_0), T.Q4_0)}
+           "q4": (gguf.quants.quantize(x, T.Q4_0), T.Q4_0), "q41": (gguf.quants.quantize(x, T.Q4_1), T.Q4_1)}
     a = _gguf_file(tmp_path / "a.gguf", src)
     qf.write(tmp_path / "b.gguf", qf.read(a), "gguf")
     back = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(tmp_path / "b.gguf")).tensors}
@@ -165,9 +187,9 @@ def test_float_tensors_and_metadata_pass_through(tmp_path):
 
 
 def test_unsupported_gguf_type_is_refused_with_the_type(tmp_path):
-    raw = gguf.quants.quantize(_x((2, 64)), T.Q4_1)
-    path = _gguf_file(tmp_path / "q4.gguf", {"w": (raw, T.Q4_1)})
-    with pytest.raises(UnrepresentableError, match=r"tensor 'w': GGUF type Q4_1 has no exact qcore scheme"):
+    raw = gguf.quants.quantize(_x((2, 64)), T.Q5_1)
+    path = _gguf_file(tmp_path / "q5.gguf", {"w": (raw, T.Q5_1)})
+    with pytest.raises(UnrepresentableError, match=r"tensor 'w': GGUF type Q5_1 has no exact qcore scheme"):
         qf.read(path)
 
 
@@ -175,6 +197,9 @@ def test_unsupported_gguf_type_is_refused_with_the_type(tmp_path):
     ("q4s/block32:bf16", (2, 64), r"GGUF holds qcore q8s/block32:f16 \(Q8_0\), 4-bit .* got q4s/block32:bf16"),
     ("q4f/block32:f16/signed", (2, 48), r"Q4_0 needs whole blocks of 32 along the last dim, got \[2, 48\]"),
     ("q4s/block16:f16", (2, 64), r"got q4s/block16:f16"),
+    ("u4/block32:f16/min:bf16", (2, 64), r"got u4/block32:f16/min:bf16"),
+    ("u4/block32:f16/zero", (2, 64), r"got u4/block32:f16/zero"),
+    ("q4_1", (2, 48), r"Q4_1 needs whole blocks of 32 along the last dim"),
     ("q8s/block32:f16", (2, 40), r"Q8_0 needs whole blocks of 32 along the last dim, got \[2, 40\]"),
     ("mxfp4", (2, 48), r"GGUF MXFP4 needs whole blocks of 32, got last dim 48"),
     ("q8s/block16:f16", (2, 64), r"got q8s/block16:f16"),
@@ -237,15 +262,18 @@ def _edge_x(seed):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")   # gguf-py's f16 cast of a huge d
-@pytest.mark.parametrize("preset,kind,bes", [("q8_0", T.Q8_0, BACKENDS), ("q4_0", T.Q4_0, ["reference", "cuda"])],
-                         ids=["q8_0", "q4_0"])
+@pytest.mark.parametrize("preset,kind,bes", [("q8_0", T.Q8_0, BACKENDS), ("q4_0", T.Q4_0, ["reference", "cuda"]),
+                                             ("q4_1", T.Q4_1, ["reference", "cuda"])], ids=["q8_0", "q4_0", "q4_1"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_presets_encode_as_llama_cpp_does(tmp_path, request, preset, kind, bes, seed):
-    """The `q8_0` / `q4_0` presets (docs/spec.md E3, E4) write the bytes gguf-py's quantizer writes,
-    block for block, except where its f16 scale overflows to inf (qcore saturates at 65504)."""
+    """The `q8_0` / `q4_0` / `q4_1` presets (docs/spec.md E3-E5) write the bytes gguf-py's quantizer
+    writes, block for block, except where its f16 scale or min overflows to inf (qcore saturates
+    at ±65504; the codes are the same)."""
     x = _edge_x(seed)
-    want = gguf.quants.quantize(x, kind).reshape(-1, 34 if kind == T.Q8_0 else 18)
-    finite = np.isfinite(want[:, :2].copy().view(np.float16)[:, 0])
+    head = 4 if kind == T.Q4_1 else 2  # the f16 fields before a block's codes
+    want = gguf.quants.quantize(x, kind).reshape(-1, {T.Q8_0: 34, T.Q4_0: 18, T.Q4_1: 20}[kind])
+    want_f16 = want[:, :head].copy().view(np.float16)
+    finite = np.isfinite(want_f16).all(axis=1)
     assert finite.sum() >= want.shape[0] - 8
     for be_name in bes:
         be = get_backend(be_name, request)
@@ -253,5 +281,7 @@ def test_presets_encode_as_llama_cpp_does(tmp_path, request, preset, kind, bes, 
         qf.write(tmp_path / f"{be_name}.gguf", {"w": d}, "gguf")
         got = np.asarray(gguf.GGUFReader(str(tmp_path / f"{be_name}.gguf")).tensors[0].data).reshape(want.shape)
         assert np.array_equal(got[finite], want[finite]), be_name
-        assert np.all(got[~finite, :2].copy().view(np.float16) == np.float16(65504) * np.sign(
-            want[~finite, :2].copy().view(np.float16).astype(np.float32))), be_name
+        assert np.array_equal(got[:, head:], want[:, head:]), be_name
+        got_f16 = got[:, :head].copy().view(np.float16)
+        sat = np.where(np.isfinite(want_f16), want_f16, np.float16(65504) * np.sign(want_f16.astype(np.float32)))
+        assert np.array_equal(got_f16, sat.astype(np.float16)), be_name

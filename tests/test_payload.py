@@ -56,14 +56,14 @@ def _random_codes(scheme, shape, rng):
     if t.is_float:
         codes = rng.integers(0, 1 << t.bits, shape).astype(np.uint8)
         return codes
-    return rng.integers(t.qmin, t.qmax + 1, shape).astype(np.int8)
+    return rng.integers(t.qmin, t.qmax + 1, shape).astype(scheme.code_dtype)
 
 
 STORES = {8: ["native", "packed_u32", "packed_u32:1", "packed_u32:2"],
           4: ["packed_u32", "packed_u32:1", "packed_native", "packed_native:1", "packed_native:2"],
           2: ["packed_u32", "packed_u32:2", "packed_native", "packed_native:1"]}
-PAIRS = [f"{v.value}{'-lookup' if lk else ''}/{st}"
-         for v in qcore.QuantValue for lk in (False, True) if not (lk and v.traits.is_float)
+PAIRS = [f"{v.value}{'-lookup' if lk else ''}/{st}" + ("/zero" if v.traits.unsigned else "")
+         for v in qcore.QuantValue for lk in (False, True) if not (lk and (v.traits.is_float or v.traits.unsigned))
          for st in STORES[v.bits]]
 
 
@@ -75,7 +75,7 @@ def test_every_value_store_pair_round_trips_codes(text, shape):
         s = s.with_mode("lookup", [float(i) for i in range(1 << s.bits)])
     rng = np.random.default_rng(abs(hash((text, shape))) % 2**32)
     codes = _random_codes(s, shape, rng)
-    d = QuantizedData.from_parts(shape, s, codes, np.float32(0.25))
+    d = QuantizedData.from_parts(shape, s, codes, np.float32(0.25), offsets=np.float32(3) if s.affine else None)
     assert len(d.payload) == sections(shape, s).total
     np.testing.assert_array_equal(d.codes(), codes)
     assert d.codes().dtype == s.code_dtype

@@ -7,7 +7,7 @@ import qcore
 from qcore import (
     Native, PackedNative, PackedU32, QuantMode, QuantScheme, QuantValue, ScaleDtype, SchemeError,
 )
-from qcore.scheme import PRESETS, TABLES
+from qcore.scheme import PRESETS, TABLES, base_scheme
 
 
 def all_valid_schemes():
@@ -23,13 +23,18 @@ def all_valid_schemes():
         lambda s: s.per_block([2, 2, 2], ScaleDtype.UE4M3).per_tensor(),
     ]
     for value in QuantValue:
-        modes = [QuantScheme(value)]
-        if not value.traits.is_float:
+        modes = [base_scheme(value)]
+        if not value.traits.is_float and not value.traits.unsigned:
             tab = [float(i) - (1 << value.bits) / 2 + 0.5 for i in range(1 << value.bits)]
             modes.append(QuantScheme(value).with_mode(QuantMode.LOOKUP, tab))
         stores = [PackedU32(0), PackedU32(1)] + ([Native()] if value.bits == 8 else [PackedNative(0), PackedNative(2)])
         for base, level, store in itertools.product(modes, levels, stores):
+            if base.affine and level(QuantScheme()).two_level:
+                continue  # an affine offset takes one scale level (docs/spec.md E5)
             out.append(level(base).with_store(store))
+    for text in ("u4/block32:f16/min:f16", "u8/tensor:bf16/min:f32/round:rne/codes:away", "q4f/block32:bf16/zero",
+                 "u2/block4x8:f32/packed_native/zero", "q8s/block3:f16/zero/round:rne", "q4_1"):
+        out.append(qcore.scheme(text))
     return out
 
 

@@ -171,12 +171,26 @@ def test_explicit_signed_params_and_absmean(request, be_name):
     assert got.scales().tolist() == [[-0.25, 0.5]]
     with pytest.raises(InputError, match="finite and >= 0"):
         be.quantize(x, s.with_signed_scales(False), params=p)
-    with pytest.raises(InputError, match="signed scales, which take the minmax statistic"):
+    with pytest.raises(InputError, match="takes the minmax statistic"):
         be.calibrate(x, s, method="absmean")
-    with pytest.raises(InputError, match="signed scales, which take the minmax statistic"):
+    with pytest.raises(InputError, match="takes the minmax statistic"):
         be.quantize(np.zeros((0, 8), np.float32), s, method="absmean")
 
 
 def test_rules_are_enum_members_with_their_text():
     assert [r.value for r in CodeRule] == list(CODE_RULES)
     assert qcore.scheme("q8s/block32:f16/round:rne").scale_round is ScaleRound.RNE
+
+
+@pytest.mark.parametrize("be_name", ["reference", "cuda"])
+def test_an_all_zero_slot_takes_its_first_zeros_sign(request, be_name):
+    """The signed extreme of zeros is the first element (numpy's argmax, llama.cpp's): -0 there
+    gives the scale -0 / qmin = +0, +0 gives -0."""
+    from tests.formats_util import get_backend
+
+    be = get_backend(be_name, request)
+    x = np.zeros((2, 32), np.float32)
+    x[0, 0] = -0.0
+    x[1, 5] = -0.0
+    s = be.into_data(be.quantize(x, "q4_0")).scales().reshape(-1)
+    assert not np.signbit(s[0]) and np.signbit(s[1])

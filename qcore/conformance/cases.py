@@ -142,9 +142,11 @@ def store_label(s: QuantScheme) -> str:
 
 
 def rules_label(s: QuantScheme) -> str:
-    """The quantize rules beyond SPEC v1's that a scheme uses (docs/spec.md E1, E3, E4), as its
-    text parts joined by '/': '' for none, e.g. 'signed/round:rne/codes:offset'."""
-    parts = ["signed"] if s.signed else []
+    """The rules beyond SPEC v1's that a scheme uses (docs/spec.md E1, E3-E5), as its text parts
+    joined by '/': '' for none, e.g. 'signed/round:rne/codes:offset', 'min:f16/round:rne'."""
+    parts = [str(s.offset)] if s.offset is not None else []
+    if s.signed:
+        parts.append("signed")
     if s.scale_round.value != "up":
         parts.append(f"round:{s.scale_round}")
     if s.code_rule.value != "div":

@@ -29,9 +29,10 @@ import numpy as np
 
 from .. import layout
 from ..errors import InputError, InvalidDataError, QCoreError, UnsupportedSchemeError
-from ..payload import QuantizedData, sections
+from ..arithmetic import round_offsets
+from ..payload import QuantizedData, offset_bytes, sections
 from ..protocol import QParams, QTensor
-from ..scheme import QuantScheme, scheme as parse_scheme
+from ..scheme import OffsetKind, QuantScheme, scheme as parse_scheme
 from .cases import Case, make_input, np_dtype
 from .inputs import grid_exponents
 from .invalid import check_invalid_codes, with_valid_codes
@@ -320,7 +321,19 @@ def explicit_params(case: Case, calibrated: QParams) -> QParams:
     g = None
     if calibrated.global_scale is not None:
         g = float(np.float32(min(calibrated.global_scale * 1.3, 1e37)))
-    return QParams(raw, g)
+    return QParams(raw, g, _explicit_offsets(case, calibrated, rng))
+
+
+def _explicit_offsets(case: Case, calibrated: QParams, rng) -> np.ndarray | None:
+    """An affine scheme's explicit offsets (docs/spec.md E5): the calibrated MIN offsets nudged off
+    their dtype's grid (so they must be rounded), or random zero points over the value's range."""
+    s = case.qscheme
+    if not s.affine:
+        return None
+    o = np.asarray(calibrated.offsets, np.float64)
+    if s.offset.kind is OffsetKind.MIN:
+        return (o * rng.choice([0.0, 1.0001, -0.5], size=o.shape) + rng.uniform(-1e-3, 1e-3, o.shape)).astype(np.float32)
+    return rng.integers(int(s.traits.qmin), int(s.traits.qmax) + 1, size=o.shape).astype(np.float32)
 
 
 def check_supports(backend, s: QuantScheme) -> Any:
@@ -400,7 +413,8 @@ def check_supported(backend, case: Case, reference=None) -> None:
     if case.dist == "grid" and x.size:
         # every effective scale 2**j: exact ties at every decision point, two-level included
         js = grid_exponents(case.shape, s, case.input_seed)
-        pp = QParams(np.ldexp(np.ones(js.shape), js).astype(np.float32), 1.0 if s.two_level else None)
+        pp = QParams(np.ldexp(np.ones(js.shape), js).astype(np.float32), 1.0 if s.two_level else None,
+                     np.zeros(js.shape, np.float32) if s.affine else None)
         qq = ctx.call("quantize(params=powers of two)", backend.quantize, x, s, params=pp)
         compare_data(ctx, "quantize(params=powers of two)", ctx.call("into_data", backend.into_data, qq),
                      ref.into_data(ref.quantize(x, s, params=pp)))
@@ -413,8 +427,8 @@ def check_supported(backend, case: Case, reference=None) -> None:
     compare_arrays(ctx, "from_data->dequantize", y2, r_y, "dequantized values")
 
     # the other built-in calibration method (SPEC §2.1: absmean, f64 sum, one f32 rounding);
-    # signed scales take the signed extreme only and refuse it (docs/spec.md E3)
-    if s.signed:
+    # signed scales and affine offsets take minmax only and refuse it (docs/spec.md E3, E5)
+    if s.signed or s.affine:
         _expect(ctx, "bad-input.absmean.calibrate", InputError,
                 lambda: backend.calibrate(x, s, method="absmean"), x)
         _expect(ctx, "bad-input.absmean.quantize", InputError, lambda: backend.quantize(x, s, method="absmean"), x)
@@ -467,6 +481,13 @@ def random_payload(case: Case) -> QuantizedData:
         parts.append(np.array([rng.uniform(1e-3, 4.0)], "<f4").tobytes())
     if s.is_lookup:
         parts.append(np.asarray(s.require_table(), "<f4").tobytes())
+    if s.affine:  # MIN offsets of either sign and every binade; ZERO points over the value's range
+        if s.offset.kind is OffsetKind.MIN:
+            off = (np.exp2(rng.uniform(-20, 8, size=grid)) * rng.choice([-1.0, 0.0, 1.0], size=grid)).astype(np.float32)
+            off = round_offsets(off, s)
+        else:
+            off = rng.integers(int(s.traits.qmin), int(s.traits.qmax) + 1, size=grid).astype(np.float32)
+        parts.append(offset_bytes(off, s))
     return QuantizedData(case.shape, s, b"".join(parts))
 
 

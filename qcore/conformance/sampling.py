@@ -20,7 +20,9 @@ one per (rule, level kind, scale dtype) whatever the value and store: every sche
 space under each rule that applies to it (not `rne` on F32 slots, where it is the identity).
 Signed scales and the code rules (docs/spec.md E3, E4) add strata per (rule, level kind): a code
 rule's (`codes:away`, `codes:offset`) hold it with and without `rne` and signed scales, the
-`signed` ones signed scales under `up` and `rne`; the `q8_0` / `q4_0` presets among them.
+`signed` ones signed scales under `up` and `rne`; the `q8_0` / `q4_0` presets among them. Affine
+offsets (E5) add strata per (offset kind, level kind): `affine:zero/*` (zero points on signed and
+unsigned values), `affine:min/*` (min offsets on unsigned values, with llama.cpp's Q4_1 rules too).
 
 The per-scheme checks (bad input, ops, cross-backend) run on coarser **groups**, one per
 (value x mode, level kind), on one supported candidate each. `--full` takes every candidate of
@@ -36,7 +38,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import SchemeError
-from ..scheme import PRESETS, CodeRule, QuantScheme, ScaleDtype, ScaleRound
+from ..scheme import (PRESETS, SIGNED_SCALE_DTYPES, CodeRule, Offset, OffsetKind, QuantScheme, QuantValue, ScaleDtype,
+                      ScaleRound)
 from . import cases as C
 from . import checks as K
 
@@ -98,6 +101,25 @@ def _variant(s: QuantScheme, signed: bool, rule: ScaleRound, codes: CodeRule) ->
         return None
 
 
+_UNSIGNED = {8: QuantValue.U8, 4: QuantValue.U4, 2: QuantValue.U2}
+
+
+def _affine_variants(s: QuantScheme) -> list[QuantScheme]:
+    """docs/spec.md E5 on a v1 scheme's level and store: a zero point on its value and on the
+    unsigned value of its width, a min offset (in the slot dtype, or f32) on the unsigned value,
+    and llama.cpp's Q4_1 rules on that; [] where an offset does not apply."""
+    if s.traits.is_float or s.is_lookup or s.two_level or s.scale_round is not ScaleRound.UP:
+        return []
+    u = _UNSIGNED[s.bits]
+    dt = s.slot_dtype if s.slot_dtype.value in SIGNED_SCALE_DTYPES else ScaleDtype.F32
+    out = [replace(s, offset=Offset(OffsetKind.ZERO)), replace(s, value=u, offset=Offset(OffsetKind.ZERO)),
+           replace(s, value=u, offset=Offset(OffsetKind.MIN, dt))]
+    if s.slot_dtype is not ScaleDtype.F32:
+        out.append(replace(out[-1], scale_round=ScaleRound.RNE, code_rule=CodeRule.OFFSET))
+    out.append(replace(out[2], code_rule=CodeRule.AWAY))
+    return out
+
+
 @lru_cache(maxsize=1)
 def _space() -> tuple[QuantScheme, ...]:
     seen = dict.fromkeys(C.scheme_space(True))
@@ -119,10 +141,15 @@ def _space() -> tuple[QuantScheme, ...]:
             v = _variant(s, *variant)
             if v is not None:
                 seen.setdefault(v)
+    for s in v1:  # affine offsets (E5)
+        for v in _affine_variants(s):
+            seen.setdefault(v)
     return tuple(seen)
 
 
 def _key(s: QuantScheme) -> str:
+    if s.offset is not None:
+        return f"affine:{s.offset.kind}/{level_kind(s)}"
     if s.code_rule is not CodeRule.DIV:
         return f"codes:{s.code_rule}/{level_kind(s)}"
     if s.signed:
@@ -176,6 +203,8 @@ def group_of(st: Stratum) -> str:
     """The group a stratum is drawn with by `strata_subset`: its (value x mode, level kind), or
     `round:RULE`, `signed`, `codes:RULE` for a rule's strata."""
     s = st.candidates[0]
+    if s.offset is not None:
+        return f"affine:{s.offset.kind}"
     if s.code_rule is not CodeRule.DIV:
         return f"codes:{s.code_rule}"
     if s.signed:
@@ -186,8 +215,8 @@ def group_of(st: Stratum) -> str:
 def strata_subset(n: int | None) -> list[Stratum]:
     """`n` strata spread over the groups (all strata when n is None or large): one stratum of
     every (value x mode, level kind) group first, each group starting at a different scale dtype
-    and store kind, then a second of every group, and so on, the last round evenly spaced over
-    the groups; returned in `strata()` order. With n >= the number of groups every group is
+    and store kind (the rules' groups once every v1 group has one), then a second of every group,
+    and so on, the last round evenly spaced over the groups; returned in `strata()` order. With n >= the number of groups every group is
     checked, and the scale dtypes and store kinds turn over between groups."""
     every = strata()
     if n is None or n >= len(every):
@@ -197,10 +226,15 @@ def strata_subset(n: int | None) -> list[Stratum]:
         by_group.setdefault(group_of(st), []).append(st)
     rotated = [members[g % len(members):] + members[:g % len(members)]
                for g, members in enumerate(by_group.values())]
+    n_v1 = sum(is_v1_stratum(members[0]) for members in by_group.values())
     picked: list[Stratum] = []
     for r in range(max(map(len, rotated))):
         one_round = [members[r] for members in rotated if r < len(members)]
-        picked += subset(one_round, max(n, 0) - len(picked))  # the last round evenly spaced
+        want = max(n, 0) - len(picked)
+        if r == 0 and want < len(one_round):  # the v1 groups first, the rules' groups once all have one
+            picked += subset(one_round[:n_v1], want) + subset(one_round[n_v1:], want - n_v1)
+        else:
+            picked += subset(one_round, want)  # the last round evenly spaced
         if len(picked) >= n:
             break
     return sorted(picked, key=lambda st: st.index)

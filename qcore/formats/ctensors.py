@@ -1,5 +1,6 @@
 """compressed-tensors checkpoints (llm-compressor's output, which vLLM loads): `pack-quantized`
-integers, `float-quantized` FP8, `mxfp4-pack-quantized` and `nvfp4-pack-quantized` weights, symmetric.
+integers (symmetric or asymmetric), `float-quantized` FP8, `mxfp4-pack-quantized` and
+`nvfp4-pack-quantized` weights.
 
 Layout (compressed-tensors 0.20), per quantized module `M` of a safetensors file:
 
@@ -13,6 +14,22 @@ along the last axis: each shape below then gains the leading dims).
   scale's dtype. That is qcore's `q4f` / `q8f` on a `packed_u32` store along the last axis with
   each field's top bit flipped (offset binary to two's complement), blocks `(m / a, n / b)` for a
   scale of shape `[a, b]`, and the scale's dtype as qcore's scale dtype.
+* asymmetric `pack-quantized` (`symmetric: false`): the same plus `M.weight_zero_point`, one
+  signed zero point `z` per scale in the value's range (`[-8, 7]`, `[-128, 127]`; the tool's
+  `calculate_qparams` rounds it to `zp_dtype`, int8 for int weights); dequantize `(q - z) *
+  scale`, in the scale's dtype (`_dequantize`: `x_q.to(scale.dtype) - zero_point.to(scale.dtype)`,
+  then `* scale`). For group and channel (the compressor's `PACK_ZP_STRATS`) it is packed with
+  `pack_to_int32(zp, bits, packed_dim=0)`: int32 `[..., ceil(m * bits / 32), n / G]`, each word
+  holding `32 / bits` consecutive rows of one column, row k in bits `bits * k`, offset binary
+  `z + 2^(bits-1)`, the unused fields of a last, partly filled word 0; fused experts are packed
+  expert by expert. For tensor and block it stays int8 in the scale's shape (`[1]`, `[m / bm,
+  n / bn]`). That is qcore's `q4f` / `q8f` `.../zero` (docs/spec.md E5): the same values and
+  scales, and the zero points as its offsets section, one int8 per slot in the grid's order. The
+  tool infers int8 from `num_bits` / `type`, so the written config gives no `zp_dtype` (as its
+  own `model_dump` does); a zero point not in that form (an unpacked one for group / channel, a
+  packed one for tensor / block, bits set past the last row, an int8 one outside a 4-bit range)
+  is refused, and so is one on a float weight (a float zero point, which qcore's integer zero
+  points are not).
 * `float-quantized`: `M.weight` float8_e4m3fn `[m, n]`, `M.weight_scale` as above (or 2-D blocks,
   `[m / bm, n / bn]`); dequantize `weight * scale`. That is qcore's `e4m3` with the same blocks.
 * `mxfp4-pack-quantized`: `M.weight_packed` uint8 `[m, n / 2]` (element 2k in the low nibble),
@@ -34,10 +51,13 @@ along the last axis: each shape below then gains the leading dims).
 With f16/bf16 scales `q * scale` is exact in float32 (a code of at most 8 significant bits
 times a scale of at most 11), so qcore's float32 dequantize rounded to the scale's dtype equals
 the tool's product computed in that dtype; with f32 scales both are the same single f32
-multiply. Asymmetric weights (`M.weight_zero_point`) need an affine mode that SPEC v1
-lacks and are refused; activation scales (`M.input_scale`) and unquantized tensors pass through as
-arrays. Writing puts the same tensors in a safetensors file and the `quantization_config` a loader
-reads into the `config.json` beside it (`write_config`).
+multiply. The same holds for `(q - z) * scale`: `|q - z|` is at most 255, 8 significant bits, so
+the tool's difference in bf16 / f16 / f32 is exact and equals qcore's exact `f32(q - z)`; the
+product of that and a scale of at most 11 significant bits is exact in f32, so rounding qcore's
+`f32(f32(q - z) * e)` to the scale's dtype is the tool's one rounding of the same product
+(tests/data/ctensors holds both, bit for bit). Activation scales (`M.input_scale`) and
+unquantized tensors pass through as arrays. Writing puts the same tensors in a safetensors file
+and the `quantization_config` a loader reads into the `config.json` beside it (`write_config`).
 """
 from __future__ import annotations
 
@@ -48,10 +68,11 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from .. import layout
 from ..io import VERSION_KEY
 from ..payload import QuantizedData
 from ..protocol import Support
-from ..scheme import QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
+from ..scheme import OffsetKind, QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
 from . import _mx, _nvfp4
 from ._st import array_support, pop_json, put_quantization_config, read_arrays, write_arrays
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
@@ -91,7 +112,8 @@ def _kind(s: QuantScheme) -> _Kind | None:
     if s.payload_form == NVFP4:
         return _Kind("nvfp4-pack-quantized", 4, "float")
     if s.value in (QuantValue.Q4F, QuantValue.Q8F) and s.store.kind is StoreKind.PACKED_U32 and \
-            s.store.dim == 0 and not s.two_level:  # packed along the last axis
+            s.store.dim == 0 and not s.two_level and not s.signed and \
+            (s.offset is None or s.offset.kind is OffsetKind.ZERO):  # packed along the last axis
         return _Kind("pack-quantized", s.bits, "int")
     if s.value is QuantValue.E4M3 and s.store.kind is StoreKind.NATIVE and not s.two_level:
         return _Kind("float-quantized", 8, "float")
@@ -124,13 +146,70 @@ def _block_text(shape: tuple[int, ...], scale_shape: tuple[int, ...], where: str
     return f"block{bn}" if bm == 1 else f"block{bm}x{bn}"
 
 
-def _scheme_for(value: QuantValue, shape: tuple[int, ...], scale: np.ndarray, where: str) -> QuantScheme:
+def _scheme_for(value: QuantValue, shape: tuple[int, ...], scale: np.ndarray, where: str,
+                zero: bool = False) -> QuantScheme:
     sdt = _SCALE_DTYPES.get(scale.dtype)
     if sdt is None:
         raise UnrepresentableError(f"{where}: scale dtype {scale.dtype} is not f32, f16 or bf16")
     block = _block_text(shape, tuple(scale.shape), where)
     store = "/packed_u32" if value in (QuantValue.Q4F, QuantValue.Q8F) else ""
-    return parse_scheme(f"{value.value}/{block}:{sdt}{store}")
+    return parse_scheme(f"{value.value}/{block}:{sdt}{store}{'/zero' if zero else ''}")
+
+
+def _zero_packed(s: QuantScheme) -> bool:
+    """Whether the tool packs this scheme's zero points into int32 (its `PACK_ZP_STRATS`: group
+    and channel, i.e. blocks along the last axis) rather than keeping them int8 (tensor, block)."""
+    return s.block is not None and not (len(s.block.dims) == 2 and s.block.dims[0] > 1)
+
+
+def _read_zero(zp: np.ndarray, s: QuantScheme, grid: tuple[int, ...], where: str) -> bytes:
+    """qcore's offsets section (one int8 per slot, SPEC E5) of the tool's `weight_zero_point`:
+    for group / channel int32 `[..., ceil(m * bits / 32), G]`, the signed zero points of each
+    column of the `[..., m, G]` grid packed down the rows as `pack_to_int32(zp, bits,
+    packed_dim=0)` writes them (element k of a word in bits `bits * k`, offset binary `z + 2^(bits-1)`,
+    the last word's unused fields 0); for tensor / block int8 in the scale's shape, as they are."""
+    bits, zp = s.bits, np.asarray(zp)
+    qmin, qmax = int(s.traits.qmin), int(s.traits.qmax)
+    if _zero_packed(s):
+        *lead, m, g = grid
+        per = 32 // bits
+        words = -(-m // per)
+        want = (*lead, words, g)
+        if zp.dtype != np.int32 or tuple(zp.shape) != want:
+            raise UnrepresentableError(
+                f"{where}: {ZERO} is {zp.dtype} {list(zp.shape)}; for group / channel scales {list(grid)} "
+                f"compressed-tensors packs the {bits}-bit zero points down the rows into int32 {list(want)}")
+        w = np.ascontiguousarray(zp).view(np.uint32)
+        fields = (w[..., :, None, :] >> (np.arange(per, dtype=np.uint32) * bits)[:, None]) & np.uint32((1 << bits) - 1)
+        fields = fields.reshape(*lead, words * per, g)
+        if fields[..., m:, :].any():
+            raise UnrepresentableError(f"{where}: {ZERO} has non-zero bits past its {m} rows (the tool writes 0 there)")
+        z = fields[..., :m, :].astype(np.int16) - (1 << (bits - 1))
+    else:
+        if zp.dtype != np.int8 or zp.size != int(np.prod(grid, dtype=np.int64)):
+            raise UnrepresentableError(
+                f"{where}: {ZERO} is {zp.dtype} {list(zp.shape)}; for tensor / block scales compressed-tensors "
+                f"keeps one int8 zero point per scale ({int(np.prod(grid, dtype=np.int64))})")
+        z = zp.astype(np.int16)
+        if z.size and (z.min() < qmin or z.max() > qmax):
+            raise UnrepresentableError(f"{where}: a zero point outside the {bits}-bit range [{qmin}, {qmax}]")
+    return np.ascontiguousarray(z.reshape(-1).astype(np.int8)).tobytes()
+
+
+def _write_zero(value: QuantizedData, scale_shape: tuple[int, ...]) -> np.ndarray:
+    """The tool's `weight_zero_point` of a `q4f` / `q8f` `/zero` tensor (the inverse of `_read_zero`)."""
+    s = value.scheme
+    z = value.offsets().astype(np.int16)
+    if not _zero_packed(s):
+        return z.astype(np.int8).reshape(scale_shape)
+    bits = s.bits
+    per = 32 // bits
+    *lead, m, g = z.shape
+    words = -(-m // per)
+    fields = np.zeros((*lead, words * per, g), np.uint32)
+    fields[..., :m, :] = (z + (1 << (bits - 1))).astype(np.uint32)
+    fields = fields.reshape(*lead, words, per, g) << (np.arange(per, dtype=np.uint32) * bits)[:, None]
+    return np.bitwise_or.reduce(fields, axis=-2).view(np.int32)
 
 
 def _scales_f32(scale: np.ndarray, where: str) -> np.ndarray:
@@ -172,7 +251,7 @@ def quantization_config(checkpoint: Checkpoint) -> dict:
             continue
         formats.add(kind.format)
         s = value.scheme
-        args: dict = {"num_bits": kind.bits, "type": kind.type, "symmetric": True, "dynamic": False}
+        args: dict = {"num_bits": kind.bits, "type": kind.type, "symmetric": s.offset is None, "dynamic": False}
         if kind.format == "mxfp4-pack-quantized":
             args = dict(MXFP4_ARGS)
         elif kind.format == "nvfp4-pack-quantized":
@@ -242,9 +321,9 @@ def write_config(path: PathLike, checkpoint: Checkpoint) -> str:
 
 class CompressedTensorsFormat(Format):
     name = "compressed-tensors"
-    description = ("compressed-tensors safetensors (llm-compressor, vLLM): pack-quantized int4/int8, "
-                   "float-quantized FP8, mxfp4- and nvfp4-pack-quantized weights, symmetric; config.json "
-                   "quantization_config")
+    description = ("compressed-tensors safetensors (llm-compressor, vLLM): pack-quantized int4/int8 "
+                   "(symmetric or with zero points), float-quantized FP8, mxfp4- and nvfp4-pack-quantized "
+                   "weights; config.json quantization_config")
     priority = 10
 
     def detect(self, probe: Probe) -> bool:
@@ -265,10 +344,12 @@ class CompressedTensorsFormat(Format):
         names: dict[str, str] = {}
         for mod, kind in modules.items():
             where = f"{path}: module '{mod}'"
-            if f"{mod}.{ZERO}" in arrays:
+            zp = arrays.get(f"{mod}.{ZERO}")
+            if zp is not None and (kind != "pack" or arrays[f"{mod}.{PACKED}"].dtype != np.int32):
                 raise UnrepresentableError(
-                    f"{where} is asymmetric ({mod}.{ZERO}): zero points need an affine mode, which qcore's "
-                    "SPEC v1 schemes lack; only symmetric compressed-tensors weights are read")
+                    f"{where} is asymmetric ({mod}.{ZERO}) and not pack-quantized int: a float weight's zero point "
+                    f"is a float, which qcore's zero points (integers of the value, docs/spec.md E5) are not; "
+                    "only int4 / int8 pack-quantized weights are read with zero points")
             scale = arrays[f"{mod}.{SCALE}"]
             if kind == "pack" and arrays[f"{mod}.{PACKED}"].dtype == np.uint8:  # FP4: mxfp4 or nvfp4
                 name = f"{mod}.weight"
@@ -292,9 +373,9 @@ class CompressedTensorsFormat(Format):
                     raise UnrepresentableError(
                         f"{where}: {PACKED} must be int32 and {shape[-1]} columns whole words of {32 // bits} "
                         f"codes (qcore's packed_u32 has no partly filled word); got {packed.dtype}")
-                sch = _scheme_for(_INT_VALUES[bits], shape, scale, where)
+                sch = _scheme_for(_INT_VALUES[bits], shape, scale, where, zero=zp is not None)
                 values = _flip(packed, bits).tobytes()  # qcore's values section, word for word
-                used |= {f"{mod}.{PACKED}", f"{mod}.{SHAPE}", f"{mod}.{SCALE}"}
+                used |= {f"{mod}.{PACKED}", f"{mod}.{SHAPE}", f"{mod}.{SCALE}", f"{mod}.{ZERO}"}
             else:
                 w = arrays[f"{mod}.{FP8}"]
                 if w.dtype != _FP8 or w.ndim < 2:
@@ -306,7 +387,8 @@ class CompressedTensorsFormat(Format):
                 used |= {f"{mod}.{FP8}", f"{mod}.{SCALE}"}
             name = f"{mod}.weight"
             words = sch.slot_dtype.traits.encode(_scales_f32(scale, where).reshape(-1))
-            tensors[name] = QuantizedData(shape, sch, values + np.ascontiguousarray(words).tobytes())
+            offsets = b"" if zp is None else _read_zero(zp, sch, tuple(layout.grid_shape(shape, sch)), where)
+            tensors[name] = QuantizedData(shape, sch, values + np.ascontiguousarray(words).tobytes() + offsets)
             names[name] = mod
         for key, arr in arrays.items():
             if key not in used:
@@ -353,9 +435,14 @@ class CompressedTensorsFormat(Format):
                                       f"{NV_BLOCK}, got {list(value.shape)}")
                 return Support.yes()
             if _kind(s) is None:
-                return Support.no(f"compressed-tensors holds symmetric q4f/q8f (packed_u32 along the last axis), "
-                                  f"e4m3 weights with f32/f16/bf16 scales, mxfp4 and nvfp4 with a reciprocal global "
-                                  f"({NVFP4}), got {s}")
+                hint = ""
+                if s.traits.unsigned and s.offset is not None and s.offset.kind is OffsetKind.ZERO:
+                    half = 1 << (s.bits - 1)
+                    hint = (f"; its int codes and zero points are signed: {s.value.value}'s q and z are "
+                            f"q{s.bits}f's q + {half} and z + {half}, the same values")
+                return Support.no(f"compressed-tensors holds q4f/q8f (packed_u32 along the last axis; symmetric, or "
+                                  f"asymmetric with zero points: .../zero), e4m3 weights with f32/f16/bf16 scales (not "
+                                  f"signed), mxfp4 and nvfp4 with a reciprocal global ({NVFP4}), got {s}{hint}")
             if len(value.shape) < 2:
                 return Support.no(f"compressed-tensors weights are at least 2-D, got shape {list(value.shape)}")
             if len(value.shape) > 2 and s.block is not None and len(s.block.dims) > 1:
@@ -400,6 +487,8 @@ class CompressedTensorsFormat(Format):
                 words = np.frombuffer(value.values_bytes(), np.uint32).reshape(*lead, n * s.bits // 32)
                 arrays[f"{mod}.{PACKED}"] = _flip(words, s.bits).view(np.int32)
                 arrays[f"{mod}.{SHAPE}"] = np.array(value.shape, dtype=np.int64)
+                if s.offset is not None:
+                    arrays[f"{mod}.{ZERO}"] = _write_zero(value, scale.shape)
             else:
                 arrays[f"{mod}.{FP8}"] = value.codes().reshape(value.shape).view(_FP8)
             arrays[f"{mod}.{SCALE}"] = scale.astype(sdt)

@@ -12,6 +12,9 @@ Quantized GGUF types with an exact qcore scheme (facts from gguf 0.19.0 `quants.
   move to SPEC §3's order (element 2k low). Any 4-bit integer scheme with f16 blocks of 32 along
   the last axis writes as Q4_0 (its codes are within Q4F's); the `q4_0` preset quantizes as
   llama.cpp does, bit for bit.
+- **Q4_1** -> `u4/block32:f16/min:f16` (docs/spec.md E5). A block is `[d f16][m f16][16 B]`, the
+  nibbles unsigned codes in Q4_0's split-half order; value `f32(q * f32(d)) + f32(m)`, SPEC E5's
+  MIN offset. The `q4_1` preset quantizes as llama.cpp does, bit for bit.
 - **MXFP4** -> `mxfp4`. A block is `[e u8][16 B]` where byte j holds element j (low nibble) and
   element j + 16 (high nibble); value = doubled E2M1 * 2^(e - 128) = E2M1 * 2^(e - 127), including
   e = 0 and 1 (`ggml_e8m0_to_fp32_half`). Nibble j is the E2M1 code itself; only the order moves.
@@ -19,8 +22,8 @@ Quantized GGUF types with an exact qcore scheme (facts from gguf 0.19.0 `quants.
 
 Blocks run along GGUF's first dimension (ne[0], the row), which is numpy's (and qcore's) last axis,
 so the block grid is qcore's `block32` on the last axis. Float and integer tensors (F32, F16, BF16,
-F64, I8..I64) pass through as numpy arrays. Every other type (Q4_1, Q5_x, K-quants, ...) needs
-a scheme extension qcore does not have yet (an affine mode) and is refused. Key-value metadata is kept as JSON under `gguf.kv`, so GGUF -> qcore -> GGUF restores it;
+F64, I8..I64) pass through as numpy arrays. Every other type (Q5_x, K-quants, IQ*, ...) is
+refused: qcore has no 5-bit values, no super-blocks and no codebooks. Key-value metadata is kept as JSON under `gguf.kv`, so GGUF -> qcore -> GGUF restores it;
 a checkpoint's other metadata travels in GGUF string keys `qcore.metadata.<key>`.
 """
 from __future__ import annotations
@@ -87,8 +90,8 @@ def _q8_write(d: QuantizedData) -> np.ndarray:
 
 def _q4_read(raw: np.ndarray, shape: tuple[int, ...]) -> QuantizedData:
     blocks = raw.reshape(-1, 18)
-    d, qs = blocks[:, :2], blocks[:, 2:]
-    nib = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1) ^ np.uint8(8)  # Q4F codes, 0..31
+    d = blocks[:, :2]
+    nib = _split_halves(blocks[:, 2:]) ^ np.uint8(8)                                      # Q4F codes, 0..31
     packed = nib[:, 0::2] | (nib[:, 1::2] << np.uint8(4))                                 # SPEC §3: 2k low
     signed = (d.view("<u2") & np.uint16(0x8000)).any()
     return QuantizedData(shape, Q4_SCHEMES[0 if signed else 1], packed.tobytes() + np.ascontiguousarray(d).tobytes())
@@ -97,21 +100,54 @@ def _q4_read(raw: np.ndarray, shape: tuple[int, ...]) -> QuantizedData:
 def _q4_fits(s: QuantScheme) -> bool:
     """A 4-bit integer scheme with one f16 scale per 32 elements of the last axis: Q4_0 holds it."""
     b = s.block
-    return (s.bits == 4 and not s.traits.is_float and not s.is_lookup and s.tensor is None
-            and b is not None and b.dims == (32,) and b.dtype is ScaleDtype.F16)
+    return (s.bits == 4 and not s.traits.is_float and not s.traits.unsigned and not s.is_lookup and not s.affine
+            and s.tensor is None and b is not None and b.dims == (32,) and b.dtype is ScaleDtype.F16)
+
+
+def _q41_fits(s: QuantScheme) -> bool:
+    """u4 with one f16 scale and one f16 min offset per 32 elements of the last axis: Q4_1 holds it."""
+    return s.value.value == "u4" and s.tensor is None and s.block is not None and s.block.dims == (32,) \
+        and s.block.dtype is ScaleDtype.F16 and s.offset is not None and str(s.offset) == "min:f16"
 
 
 def _q4_write(d: QuantizedData) -> np.ndarray:
     nib = (d.codes().reshape(-1, 32).view(np.uint8) & np.uint8(0x0F)) ^ np.uint8(8)   # Q4F code -> q + 8
-    qs = nib[:, :16] | (nib[:, 16:] << np.uint8(4))                                    # ggml: j low, j + 16 high
+    qs = _join_halves(nib)
     scales = d.scales().reshape(-1, 1).astype(np.float16).view(np.uint8)              # exact: f16 values, -0 kept
     return np.concatenate([scales, qs], axis=1).reshape(*d.shape[:-1], d.shape[-1] // 32 * 18)
+
+
+Q4_1_SCHEME = parse_scheme("u4/block32:f16/min:f16")
+
+
+def _split_halves(qs: np.ndarray) -> np.ndarray:
+    """ggml's 16 bytes of 32 nibbles (byte j: element j low, element j + 16 high) -> the 32 fields."""
+    return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
+
+
+def _join_halves(nib: np.ndarray) -> np.ndarray:
+    """32 fields per row -> ggml's 16 bytes (inverse of `_split_halves`)."""
+    return nib[:, :16] | (nib[:, 16:] << np.uint8(4))
+
+
+def _q41_read(raw: np.ndarray, shape: tuple[int, ...]) -> QuantizedData:
+    blocks = raw.reshape(-1, 20)
+    nib = _split_halves(blocks[:, 4:])
+    packed = nib[:, 0::2] | (nib[:, 1::2] << np.uint8(4))                                  # SPEC §3: 2k low
+    d, m = np.ascontiguousarray(blocks[:, :2]), np.ascontiguousarray(blocks[:, 2:4])
+    return QuantizedData(shape, Q4_1_SCHEME, packed.tobytes() + d.tobytes() + m.tobytes())
+
+
+def _q41_write(d: QuantizedData) -> np.ndarray:
+    qs = _join_halves(d.codes().reshape(-1, 32))
+    f16 = [a.reshape(-1, 1).astype(np.float16).view(np.uint8) for a in (d.scales(), d.offsets())]  # exact
+    return np.concatenate([*f16, qs], axis=1).reshape(*d.shape[:-1], d.shape[-1] // 32 * 20)
 
 
 def _mx_read(raw: np.ndarray, shape: tuple[int, ...]) -> QuantizedData:
     blocks = raw.reshape(-1, 17)
     e, qs = blocks[:, 0], blocks[:, 1:]
-    codes = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)   # elements 0..15, 16..31
+    codes = _split_halves(qs)                                                  # elements 0..15, 16..31
     packed = codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))                  # SPEC §3: element 2k low
     lead = (*shape[:-1], shape[-1] // 32)
     return _mx.join(packed.reshape(*lead, 16), e.reshape(lead))
@@ -122,7 +158,7 @@ def _mx_write(d: QuantizedData) -> np.ndarray:
     packed = packed.reshape(-1, 16)
     codes = np.empty((packed.shape[0], 32), np.uint8)
     codes[:, 0::2], codes[:, 1::2] = packed & np.uint8(0x0F), packed >> np.uint8(4)
-    qs = codes[:, :16] | (codes[:, 16:] << np.uint8(4))                        # ggml: j low, j + 16 high
+    qs = _join_halves(codes)
     blocks = np.concatenate([e.reshape(-1, 1), qs], axis=1)
     return blocks.reshape(*d.shape[:-1], d.shape[-1] // 32 * 17)
 
@@ -137,7 +173,7 @@ def _jsonable(v: Any) -> Any:
 
 class GGUFFormat(Format):
     name = "gguf"
-    description = "GGUF (llama.cpp): Q8_0, Q4_0 and MXFP4 tensors exactly, F32/F16/BF16/ints as they are"
+    description = "GGUF (llama.cpp): Q8_0, Q4_0, Q4_1 and MXFP4 tensors exactly, F32/F16/BF16/ints as they are"
     priority = 20
 
     def available(self) -> Support:
@@ -184,14 +220,16 @@ class GGUFFormat(Format):
                     tensors[t.name] = _q8_read(raw.view(np.uint8), shape)
                 elif kind == T.Q4_0:
                     tensors[t.name] = _q4_read(raw.view(np.uint8), shape)
+                elif kind == T.Q4_1:
+                    tensors[t.name] = _q41_read(raw.view(np.uint8), shape)
                 elif kind == T.MXFP4:
                     tensors[t.name] = _mx_read(raw.view(np.uint8), shape)
                 elif kind.name in _PLAIN:
                     tensors[t.name] = np.ascontiguousarray(raw).view(_PLAIN[kind.name]).reshape(shape)
                 else:
                     raise UnrepresentableError(
-                        f"GGUF type {kind.name} has no exact qcore scheme (qcore reads Q8_0, Q4_0, MXFP4, F32, "
-                        "F16, BF16, F64, I8..I64); requantize the model to one of them with llama.cpp first"
+                        f"GGUF type {kind.name} has no exact qcore scheme (qcore reads Q8_0, Q4_0, Q4_1, MXFP4, "
+                        "F32, F16, BF16, F64, I8..I64); requantize the model to one of them with llama.cpp first"
                     )
             except (InvalidDataError, UnrepresentableError) as e:
                 raise type(e)(f"{p}: tensor '{t.name}': {e}") from None
@@ -208,16 +246,17 @@ class GGUFFormat(Format):
                 if value.shape[-1] % 32:
                     return Support.no(f"Q8_0 needs whole blocks of 32 along the last dim, got {list(value.shape)}")
                 return Support.yes()
-            if _q4_fits(value.scheme):
+            kind = "Q4_0" if _q4_fits(value.scheme) else "Q4_1" if _q41_fits(value.scheme) else None
+            if kind is not None:
                 if value.shape[-1] % 32:
-                    return Support.no(f"Q4_0 needs whole blocks of 32 along the last dim, got {list(value.shape)}")
+                    return Support.no(f"{kind} needs whole blocks of 32 along the last dim, got {list(value.shape)}")
                 return Support.yes()
             if value.scheme.payload_form == _mx.MXFP4:
                 return _mx.check(value, "GGUF MXFP4")
             return Support.no(
                 f"GGUF holds qcore q8s/block32:f16 (Q8_0), 4-bit integers with f16 blocks of 32 such as "
-                f"q4f/block32:f16/signed (Q4_0) and mxfp4 (MXFP4) exactly, got {value.scheme}; "
-                "requantize to one of them (presets q8_0, q4_0, mxfp4)"
+                f"q4f/block32:f16/signed (Q4_0), u4/block32:f16/min:f16 (Q4_1) and mxfp4 (MXFP4) exactly, got "
+                f"{value.scheme}; requantize to one of them (presets q8_0, q4_0, q4_1, mxfp4)"
             )
         if value.dtype not in _PLAIN.values():
             return Support.no(f"GGUF has no type for dtype {value.dtype}; cast it to float32")
@@ -253,6 +292,8 @@ class GGUFFormat(Format):
                         w.add_tensor(name, _q8_write(value), raw_dtype=T.Q8_0)
                     elif _q4_fits(value.scheme):
                         w.add_tensor(name, _q4_write(value), raw_dtype=T.Q4_0)
+                    elif _q41_fits(value.scheme):
+                        w.add_tensor(name, _q41_write(value), raw_dtype=T.Q4_1)
                     else:
                         w.add_tensor(name, _mx_write(value), raw_dtype=T.MXFP4)
                 else:

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from qcore import layout
-from qcore.codecs import CODE_RULES
-from qcore.scheme import QuantScheme, StoreKind
+from qcore.codecs import CODE_RULES, scale_slot_id
+from qcore.payload import offset_nbytes
+from qcore.scheme import OffsetKind, QuantScheme, StoreKind
 
 from . import kernels as K
 
@@ -80,7 +81,7 @@ def lut(scheme: QuantScheme) -> np.ndarray:
     if t.is_float:
         values = np.asarray(t.decode_table, dtype=np.float32)
     else:
-        half = 1 << (t.bits - 1)
+        half = 0 if t.unsigned else 1 << (t.bits - 1)  # unsigned values (E5): the field itself
         values = ((f ^ half) - half).astype(np.float32)
     return np.ascontiguousarray(np.where(scheme.valid_fields, values, np.float32(np.nan)), dtype=np.float32)
 
@@ -124,7 +125,7 @@ def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") ->
     values_nbytes = layout.values_nbytes(shape, scheme)
     soff = values_nbytes
     goff = soff + nslots * snb
-    total = goff + (4 if scheme.two_level else 0)
+    total = goff + (4 if scheme.two_level else 0) + nslots * offset_nbytes(scheme)  # E5: offsets last
     P = np.zeros(K.P_LEN, dtype=np.int64)
     P[K.M_CR] = cr
     P[K.M_RAX] = r
@@ -149,6 +150,14 @@ def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") ->
     P[K.M_KFIRST] = next((k for k in range(cr) if k != r), 0)
     P[K.M_SIGNED] = scheme.signed
     P[K.M_CODES] = CODE_RULES.index(scheme.code_rule.value)
+    if scheme.offset is not None:  # E5: the offsets section follows the scales (no global, no table)
+        P[K.M_AFFINE] = K.AFFINE_MIN if scheme.offset.kind is OffsetKind.MIN else K.AFFINE_ZERO
+        P[K.M_OOFF] = goff
+        P[K.M_ONB] = offset_nbytes(scheme)
+        if scheme.offset.kind is OffsetKind.MIN:
+            P[K.M_ODT] = scale_slot_id(scheme.offset.dtype.value, "rne", 0)
+        else:  # a zero point's byte: int8 for a signed value, uint8 for an unsigned one
+            P[K.M_ODT] = not t.unsigned
     for name, vals in ((K.O_S, S), (K.O_B, B), (K.O_G, G), (K.O_XS, _row_major(S)),
                        (K.O_WS, _row_major(W)), (K.O_GS, _row_major(G))):
         P[name:name + cr] = vals
@@ -221,7 +230,7 @@ def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, sim: bo
             chunk = c
             break
     kc = -(-k_ // chunk)
-    fast = pa == 1 and rowb * 8 // bits >= ng * K.MM_COLS
+    fast = pa == 1 and rowb * 8 // bits >= ng * K.MM_COLS and not scheme.affine  # E5: the per-code path
     Q[K.MM_M], Q[K.MM_K], Q[K.MM_N] = m, k_, n_
     Q[K.MM_PA], Q[K.MM_NF], Q[K.MM_BITS], Q[K.MM_WB] = pa, nf, bits, wb
     Q[K.MM_ROWB] = rowb
@@ -232,4 +241,7 @@ def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, sim: bo
     Q[K.MM_W32] = fast and bits >= 4 and rowb % 4 == 0
     Q[K.MM_SAME] = bn % K.MM_COLS == 0 or -(-n_ // bn) == 1
     Q[K.MM_ISF] = scheme.traits.is_float
+    if scheme.offset is not None:
+        Q[K.MM_AFF] = K.AFFINE_MIN if scheme.offset.kind is OffsetKind.MIN else K.AFFINE_ZERO
+        Q[K.MM_NS] = math.prod(layout.grid_shape(shape, scheme))
     return Q

@@ -287,7 +287,7 @@ class CudaBackend(BaseBackend):
         pp = dict(
             plan=pl, P=cuda.to_device(pl.P), F=cuda.to_device(pl.F), P_explicit=cuda.to_device(P_explicit),
             stored=cuda.device_array(pl.nslots, dtype=np.float32),
-            raw=cuda.device_array(pl.nslots, dtype=np.float32),
+            raw=cuda.device_array(pl.nslots * (2 if scheme.affine else 1), dtype=np.float32),  # E5: + offsets
             lut=cuda.to_device(_plan.lut(scheme)),
         )
         from . import fast
@@ -378,7 +378,7 @@ class CudaBackend(BaseBackend):
     def _calibrate(self, x: Any, scheme: QuantScheme, method: str) -> QParams:
         q = self._quantize(x, scheme, None, method)
         d = self._into_data(q)
-        return QParams(d.scales(), d.global_scale())
+        return QParams(d.scales(), d.global_scale(), d.offsets())
 
     @guard(lambda self, x, scheme, params, method, *_: (f"quantize a {_shape_of(self, x)} tensor to {scheme}",
                                                          4 * _numel(self, x) + _payload_bytes(self, x, scheme)))
@@ -462,7 +462,7 @@ class CudaBackend(BaseBackend):
             cuda, K = _cuda(), _k()
             pp = self._prepared(data.shape, data.scheme, "minmax")
             nslots = pp["plan"].nslots
-            scales = cuda.device_array(max(nslots, 1), dtype=np.float32)
+            scales = cuda.device_array(max(nslots, 1) * (2 if data.scheme.affine else 1), dtype=np.float32)  # E5
             gbuf = cuda.device_array(1, dtype=np.float32)
             _streams.on(K.k_decode_scales, K.launch(nslots), s)(data.payload, pp["P"], scales, gbuf)
             got = data.cache["scales"] = (scales, gbuf)

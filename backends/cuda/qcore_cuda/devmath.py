@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from .layouts import *  # noqa: F401,F403  (the P layout's fields)
+from .intrin import mul_rn
 from .scales import round_scale, scale_word, word_scale  # noqa: F401
 from qcore.codecs import code_rule_kernel
 
@@ -16,6 +17,82 @@ from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: 
 
 rule_code = code_rule_kernel(cuda.jit(device=True, inline="always"))
 """The int64 code of `y` under a code rule (docs/spec.md E4): `qcore.codecs`' one source."""
+
+
+@cuda.jit(device=True, inline="always")
+def affine_value(d, e, o, kind):
+    """x' of decoded value `d` with effective scale `e` and offset `o` (docs/spec.md E5): MIN
+    `f32(f32(d * e) + o)` (the product rounded on its own: `mul_rn`, never an fma), ZERO
+    `f32(f32(d - o) * e)`, else SPEC §2.6's `d * e`."""
+    if kind == AFFINE_MIN:
+        return float32(mul_rn(d, e) + o)
+    if kind == AFFINE_ZERO:
+        return float32(float32(d - o) * e)
+    return d * e
+
+
+@cuda.jit(device=True, inline="always")
+def zero_code(y, z, qmin, qmax):
+    """E5's zero-point code of `y = x / e`: `clamp(rint(y) + z, qmin, qmax)` (y clamped first to
+    a range that keeps the result, so that the integer conversion is safe)."""
+    span = qmax - qmin
+    q = int64(round(min(max(y, -span), span))) + int64(z)
+    return min(max(q, int64(qmin)), int64(qmax))
+
+
+@cuda.jit(device=True, inline="always")
+def read_offset(payload, sl, P):
+    """Slot `sl`'s stored offset as f32 (E5): a MIN word of its dtype, or a ZERO byte (int8 when
+    P[M_ODT] says the value is signed, else uint8)."""
+    off = P[M_OOFF] + sl * P[M_ONB]
+    if P[M_AFFINE] == AFFINE_MIN:
+        return word_scale(get_le(payload, off, P[M_ONB]), P[M_ODT])
+    b = int64(payload[off])
+    if P[M_ODT] != 0 and b >= int64(128):
+        b -= int64(256)
+    return float32(b)
+
+
+@cuda.jit(device=True, inline="always")
+def affine_slot(raw, sl, n, P, F, explicit, payload):
+    """`k_scales` for one slot of an affine scheme (docs/spec.md E5); returns the stored scale.
+
+    raw[sl], raw[n + sl] hold (max, min) when calibrating, (stored scale, stored offset) when
+    given. Writes the offset word, leaves the raw scale in raw[sl] (code rules) and in raw[n + sl]
+    what `k_quant` subtracts: the stored min, the raw min under a code rule, or z."""
+    kind = P[M_AFFINE]
+    qmin = F[F_QMIN]
+    qmax = F[F_QMAX]
+    if explicit:
+        st = raw[sl]
+        o = raw[n + sl]
+        keep = o
+    else:
+        hi = raw[sl]
+        lo = raw[n + sl]
+        if kind == AFFINE_ZERO:
+            lo = min(lo, float32(0.0))
+            hi = max(hi, float32(0.0))
+        lo = float32(lo + float32(0.0))  # a zero is +0 (E5), as in qcore.arithmetic.affine_params
+        hi = float32(hi + float32(0.0))
+        s = float32(float32(hi - lo) / F[F_H])
+        st = round_scale(s, P[M_SDT])
+        raw[sl] = s
+        if kind == AFFINE_MIN:
+            o = math.copysign(round_scale(abs(lo), P[M_ODT]), lo)
+            keep = lo if P[M_CODES] != 0 else o
+        else:
+            z = float32(0.0)
+            if st != float32(0.0):
+                z = float32(min(max(qmin - float32(round(float32(lo / st))), qmin), qmax))
+            o = z
+            keep = z
+    if kind == AFFINE_MIN:
+        put_le(payload, P[M_OOFF] + sl * P[M_ONB], int64(scale_word(o, P[M_ODT])), P[M_ONB])
+    else:
+        put_le(payload, P[M_OOFF] + sl, int64(o) & int64(0xFF), int64(1))
+    raw[n + sl] = keep
+    return st
 
 
 @cuda.jit(device=True, inline="always")

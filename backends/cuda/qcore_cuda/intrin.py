@@ -12,6 +12,8 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
   (`prmt.b32`, byte k of the result is byte `sel >> 4k & 7` of `b:a`; `sel` a literal).
 * `fmax_nan(a, b)`: max that returns NaN when either is NaN (`max.NaN.f32`, sm_80+); with
   `abs` it folds a block's max |x| and its non-finite check into one instruction per element.
+* `mul_rn(a, b)`: the f32 product rounded on its own (`mul.rn.f32`, which PTX never contracts
+  into an fma with a following add): for `f32(q * e) + m` (docs/spec.md E5).
 * `e4m3x2(hi, lo)` / `e5m2x2(hi, lo)`: two f32 -> two FP8 codes (hi in bits 8-15), round to
   nearest even, saturating (`cvt.rn.satfinite.e4m3x2.f32`, sm_89+), as SPEC §2.5 wants for
   |y| <= max (the kernels clamp first).
@@ -77,6 +79,9 @@ if config.ENABLE_CUDASIM:
         if math.isnan(a) or math.isnan(b):
             return np.float32(np.nan)
         return np.float32(max(a, b))
+
+    def mul_rn(a, b):
+        return np.float32(np.float32(a) * np.float32(b))
 
     def _fp8(v, mb, bias, fmax):
         if math.isnan(v):
@@ -245,13 +250,23 @@ else:
     def _asm(ret, args, text, cons):
         return ir.InlineAsm(ir.FunctionType(ret, args), text, cons)
 
+    def _f32_binary(text):
+        """The typer of a two-operand f32 PTX instruction `text` ($0 = op($1, $2))."""
+        def typer(typingctx, a, b):
+            def codegen(context, builder, sig, args):
+                return builder.call(_asm(_F32, [_F32, _F32], text, "=f,f,f"), list(args))
+
+            return types.float32(types.float32, types.float32), codegen
+
+        return typer
+
     @intrinsic
     def fmax_nan(typingctx, a, b):
-        def codegen(context, builder, sig, args):
-            f = _asm(_F32, [_F32, _F32], "max.NaN.f32 $0, $1, $2;", "=f,f,f")
-            return builder.call(f, list(args))
+        return _f32_binary("max.NaN.f32 $0, $1, $2;")(typingctx, a, b)
 
-        return types.float32(types.float32, types.float32), codegen
+    @intrinsic
+    def mul_rn(typingctx, a, b):
+        return _f32_binary("mul.rn.f32 $0, $1, $2;")(typingctx, a, b)
 
     def _to_fp8(kind):
         def typer(typingctx, hi, lo):

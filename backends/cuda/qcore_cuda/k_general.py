@@ -86,12 +86,15 @@ def k_slot_stats(x, P, stat, gstat, flag):
     """Per block slot: max |x| or mean |x| (f64 sum, one f32 rounding) over its elements, edge
     blocks cropped (SPEC §2.1); gstat[0] = max over slots (for two-level). Thread per slot,
     walking the block in row-major order, so that for signed scales (docs/spec.md E3) the
-    statistic is the first element of largest |x|, with its sign."""
+    statistic is the first element of largest |x|, with its sign. An affine scheme (E5) gets the
+    slot's max x here and its min x at stat[nslots + slot]."""
     idx = cuda.local.array(MAXR, int64)
     ext = cuda.local.array(MAXR, int64)
     cr = P[M_CR]
     absmean = P[M_METHOD] == 1
     signed = P[M_SIGNED] != 0
+    affine = P[M_AFFINE] != 0
+    nslots = P[M_NSLOTS]
     start, step = cuda.grid(1), cuda.gridsize(1)
     gm = float32(0.0)
     bad = False
@@ -110,8 +113,10 @@ def k_slot_stats(x, P, stat, gstat, flag):
             xo += i0 * P[O_XS + k]
             cnt *= c
             k -= int64(1)
-        m = float32(0.0)
+        m = float32(-1.0)  # below every |x|: the first element is the signed extreme until beaten
         sv = float32(0.0)
+        lo = float32(math.inf)
+        hi = float32(-math.inf)
         s = float64(0.0)
         off = xo
         for _ in range(cnt):
@@ -123,6 +128,8 @@ def k_slot_stats(x, P, stat, gstat, flag):
             if a > m:  # strictly: the first of equal magnitudes keeps its sign
                 sv = v
             m = max(m, a)
+            lo = min(lo, v)
+            hi = max(hi, v)
             s += float64(a)
             k = cr - int64(1)
             while k >= 0:  # odometer step over the box
@@ -136,6 +143,9 @@ def k_slot_stats(x, P, stat, gstat, flag):
         if absmean:
             m = float32(s / float64(cnt))
         stat[sl] = sv if signed else m
+        if affine:  # E5: the slot's max, and its min after the slots
+            stat[sl] = hi
+            stat[nslots + sl] = lo
         gm = max(gm, m)
     if bad:
         flag[0] = int32(1)
@@ -155,6 +165,9 @@ def k_scales(raw, asum, P, F, stored, gbuf, payload):
     reciprocal global). Two-level: gbuf[0] = g and the f32 bytes of |g| follow the scales.
     Signed scales (E3): h is qmin and the statistic signed; the magnitude is rounded, the sign
     kept. A code rule (E4, P[M_CODES]): raw[sl] becomes the raw scale s, for `k_quant`.
+    An affine offset (E5): raw[sl] = max, raw[nslots + sl] = min (MODE 0) or the given stored
+    offset (MODE 1); the offset goes into its section, and raw[nslots + sl] becomes what
+    `k_quant` subtracts: the stored min (SPEC's division), the raw min (a code rule) or z.
     """
     sdt = P[M_SDT]
     snb = P[M_SNB]
@@ -170,9 +183,13 @@ def k_scales(raw, asum, P, F, stored, gbuf, payload):
             g = -reciprocal_g(gbuf[1], h, F[F_M])
         else:
             g = two_level_g(gbuf[1], h, F[F_M])
+    affine = P[M_AFFINE]
+    nslots = P[M_NSLOTS]
     start, step = cuda.grid(1), cuda.gridsize(1)
-    for sl in range(start, P[M_NSLOTS], step):
-        if explicit:
+    for sl in range(start, nslots, step):
+        if affine != 0:
+            st = affine_slot(raw, sl, nslots, P, F, explicit, payload)
+        elif explicit:
             st = raw[sl]
         else:
             if P[M_PERT] != 0 and P[M_METHOD] == 1 and P[M_CODES] == 0:  # (a code rule's from k_slot_stats)
@@ -218,6 +235,8 @@ def k_quant(x, P, F, stored, gbuf, payload, flag, asum, raw):
     fmax = F[F_FMAX]
     g = gbuf[0]
     rule = P[M_CODES]
+    affine = P[M_AFFINE]
+    nslots = P[M_NSLOTS]
     mask = (int64(1) << bits) - int64(1)
     bad = False
     start, step = cuda.grid(1), cuda.gridsize(1)
@@ -235,6 +254,9 @@ def k_quant(x, P, F, stored, gbuf, payload, flag, asum, raw):
         rc = float32(0.0)
         if rule != 0:
             rc = rule_rcp(raw[sb + gi * gsr])
+        o = float32(0.0)
+        if affine != 0:
+            o = raw[nslots + sb + gi * gsr]
         nw = (cnt + nf - int64(1)) // nf
         wi = p0 // nf
         u = int64(0)
@@ -250,12 +272,20 @@ def k_quant(x, P, F, stored, gbuf, payload, flag, asum, raw):
                             e = two_level_e(g, e)
                         if rule != 0:
                             rc = rule_rcp(raw[sb + gi * gsr])
+                        if affine != 0:
+                            o = raw[nslots + sb + gi * gsr]
                     v = x[xo + (p0 + u) * xsr]
                     if not math.isfinite(v):  # flagged; 0 keeps the rest of the kernel finite
                         bad = True
                         v = float32(0.0)
                     y = float32(0.0)
-                    if rule != 0:
+                    if affine == AFFINE_MIN:
+                        v = float32(v - o)
+                    if affine == AFFINE_ZERO:
+                        if e != float32(0.0):
+                            y = v / e
+                        word |= (zero_code(y, o, qmin, qmax) & mask) << (f * bits)
+                    elif rule != 0:
                         if v != float32(0.0):
                             y = float32(v * rc)
                         word |= (rule_code(y, rule, qmin, qmax) & mask) << (f * bits)
@@ -332,13 +362,16 @@ def k_quant_fused(x, P, F, payload, flag):
 @cuda.jit
 def k_decode_scales(payload, P, scales, gbuf):
     """Stored scale words -> float32 (and the two-level global into gbuf[0]; a reciprocal global
-    as -G)."""
+    as -G; an affine scheme's offsets into scales[nslots:], E5)."""
     sdt = P[M_SDT]
     snb = P[M_SNB]
     soff = P[M_SOFF]
+    nslots = P[M_NSLOTS]
     start, step = cuda.grid(1), cuda.gridsize(1)
-    for sl in range(start, P[M_NSLOTS], step):
+    for sl in range(start, nslots, step):
         scales[sl] = word_scale(get_le(payload, soff + sl * snb, snb), sdt)
+        if P[M_AFFINE] != 0:  # E5: the offsets after the scales
+            scales[nslots + sl] = read_offset(payload, sl, P)
     if start == 0:
         gbuf[0] = float32(1.0)
         if P[M_TWO] != 0:
@@ -349,7 +382,8 @@ def k_decode_scales(payload, P, scales, gbuf):
 
 @cuda.jit
 def k_dequant(payload, P, lut, scales, gbuf, out, flag):
-    """Unpack codes and scale: x' = decode(q) * e in f32, stored in out's dtype (SPEC §2.6).
+    """Unpack codes and scale: x' = decode(q) * e in f32 (affine, E5: `affine_value`), stored in
+    out's dtype (SPEC §2.6).
     Thread per run, same runs as k_quant. `lut` holds NaN for codes outside the value's set
     (SPEC v1.1 §3); meeting one sets flag[0] and the host names the element."""
     r = P[M_RAX]
@@ -361,6 +395,8 @@ def k_dequant(payload, P, lut, scales, gbuf, out, flag):
     wsr = P[O_WS + r]
     gsr = P[O_GS + r]
     two = P[M_TWO] != 0
+    affine = P[M_AFFINE]
+    nslots = P[M_NSLOTS]
     mask = (int64(1) << bits) - int64(1)
     g = gbuf[0]
     bad = False
@@ -372,6 +408,9 @@ def k_dequant(payload, P, lut, scales, gbuf, out, flag):
         e = scales[sb + gi * gsr]
         if two:
             e = two_level_e(g, e)
+        o = float32(0.0)
+        if affine != 0:
+            o = scales[nslots + sb + gi * gsr]
         nw = (cnt + nf - int64(1)) // nf
         wi = p0 // nf
         u = int64(0)
@@ -385,10 +424,12 @@ def k_dequant(payload, P, lut, scales, gbuf, out, flag):
                         e = scales[sb + gi * gsr]
                         if two:
                             e = two_level_e(g, e)
+                        if affine != 0:
+                            o = scales[nslots + sb + gi * gsr]
                     d = lut[(word >> (f * bits)) & mask]
                     if not math.isfinite(d):
                         bad = True
-                    out[xo + (p0 + u) * xsr] = d * e
+                    out[xo + (p0 + u) * xsr] = affine_value(d, e, o, affine)
                     u += int64(1)
                     rem += int64(1)
     if bad:

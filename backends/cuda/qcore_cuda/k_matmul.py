@@ -51,6 +51,8 @@ def k_matmul(x, payload, p32, MQ, lut, scales, gbuf, out):
     w32 = MQ[MM_W32] != 0
     same = MQ[MM_SAME] != 0
     isf = MQ[MM_ISF] != 0
+    aff = MQ[MM_AFF]
+    ns = MQ[MM_NS]
     g = gbuf[0]
     mask = (int64(1) << bits) - int64(1)
     half = int64(1) << (bits - int64(1))
@@ -116,7 +118,10 @@ def k_matmul(x, payload, p32, MQ, lut, scales, gbuf, out):
                             e = scales[kb * g1 + sc[c]]
                             if two:
                                 e = two_level_e(g, e)
-                            acc[c] += (xv * e) * lut[code]
+                            if aff != 0:  # E5: the weight's value, then the product
+                                acc[c] += xv * affine_value(lut[code], e, scales[ns + kb * g1 + sc[c]], aff)
+                            else:
+                                acc[c] += (xv * e) * lut[code]
                 krem += int64(1)
         for c in range(MM_COLS):
             sh[me + c] = acc[c]

@@ -13,8 +13,12 @@ from qcore.codecs import F32_TINY, SCALE_IDS
 MAXR = 12  # canonical rank limit (after merging axes; see _plan.py)
 (M_CR, M_RAX, M_RL, M_NF, M_BITS, M_WB, M_NRL, M_NRUNS, M_NSLOTS, M_N, M_PERT, M_TWO, M_SDT,
  M_SOFF, M_GOFF, M_METHOD, M_ISF, M_MB, M_BIAS, M_SNB, M_KFIRST, M_MODE,
- M_SIGNED, M_CODES) = range(24)  # M_SIGNED: signed scales (E3); M_CODES: code rule id (E4, codecs.CODE_RULES)
-O_S = 24            # extents of the canonical axes
+ M_SIGNED, M_CODES, M_AFFINE, M_OOFF, M_ODT, M_ONB) = range(28)
+# M_SIGNED: signed scales (E3); M_CODES: code rule id (E4, codecs.CODE_RULES); M_AFFINE: 0, or an
+# offset (E5) 1 MIN / 2 ZERO, with the offsets section's byte offset M_OOFF, a MIN dtype's slot id
+# M_ODT (round to nearest; for ZERO: 1 when the zero point byte is signed) and word bytes M_ONB. An affine scheme's decoded scales array holds
+# the offsets after the scales ([nslots:2 nslots]), as its `raw` array does while quantizing.
+O_S = 28            # extents of the canonical axes
 O_B = O_S + MAXR    # block extents (per-tensor: the extents themselves)
 O_G = O_B + MAXR    # block-grid extents ceil(S / B)
 O_XS = O_G + MAXR   # element strides (row-major)
@@ -50,5 +54,7 @@ T_LEN = 20
 
 # MQ: the general matmul kernel (k_matmul.py), int64
 (MM_M, MM_K, MM_N, MM_PA, MM_NF, MM_BITS, MM_WB, MM_ROWB, MM_BK, MM_BN, MM_G1, MM_KC, MM_CHUNK, MM_NG, MM_TWO,
- MM_FAST, MM_W32, MM_SAME, MM_ISF) = range(19)
-MM_LEN = 20
+ MM_FAST, MM_W32, MM_SAME, MM_ISF, MM_AFF, MM_NS) = range(21)  # MM_AFF: P's M_AFFINE; MM_NS: slots (offsets after)
+MM_LEN = 24
+
+AFFINE_MIN, AFFINE_ZERO = 1, 2  # P[M_AFFINE]

@@ -28,7 +28,7 @@ import numpy as np
 from qcore import arithmetic, layout
 from qcore.arithmetic import slot_effective, store_reciprocal, store_scales
 from qcore.checks import raise_nonfinite, to_f32
-from qcore.payload import QuantizedData
+from qcore.payload import QuantizedData, offset_bytes
 from qcore.protocol import BaseBackend, QParams, QTensor, Support
 from qcore.scheme import QuantScheme, StoreKind
 
@@ -46,7 +46,7 @@ class NdQuantized:
 
     `values` is exactly the `[values]` section of SPEC §3 (flat uint8); `scales` are the stored
     (rounded-up) scales decoded to f32 in the block-grid shape; `global_scale` is the two-level
-    f32, else None.
+    f32, else None; `offsets` an affine scheme's stored offsets (docs/spec.md E5), else None.
     """
 
     shape: tuple[int, ...]
@@ -54,6 +54,7 @@ class NdQuantized:
     values: np.ndarray
     scales: np.ndarray
     global_scale: float | None
+    offsets: np.ndarray | None = None
 
 
 def _kernels():
@@ -101,7 +102,7 @@ class NdarrayBackend(BaseBackend):
         if scheme.is_lookup:
             return Support.no("LOOKUP mode is not implemented (only symmetric q8f and q8s are)")
         t = scheme.traits
-        if t.is_float or t.bits != 8:
+        if t.is_float or t.bits != 8 or t.unsigned:
             return Support.no(f"value {scheme.value} is not implemented (only the 8-bit integers q8f and q8s are)")
         if scheme.store.kind not in SUPPORTED_STORES:
             return Support.no(f"store {scheme.store} is not implemented (native and packed_u32 are)")
@@ -160,7 +161,7 @@ class NdarrayBackend(BaseBackend):
 
     # ------------------------------------------------------------------ hooks
     def _calibrate(self, x: Any, scheme: QuantScheme, method: str) -> QParams:
-        if scheme.signed:  # the signed extreme: the core's statistic (docs/spec.md E3)
+        if scheme.signed or scheme.affine:  # the signed extreme, min and max: the core's (docs/spec.md E3, E5)
             return arithmetic.calibrate(_checked_f32(x), scheme, method)
         flat = _flat_f32(x)
         plan = make_plan(np.shape(x), scheme)
@@ -168,7 +169,7 @@ class NdarrayBackend(BaseBackend):
         return self._store(stat, scheme)
 
     def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> NdQuantized:
-        if scheme.signed or scheme.reciprocal_codes:  # docs/spec.md E3, E4: the core's arithmetic
+        if scheme.signed or scheme.reciprocal_codes or scheme.affine:  # docs/spec.md E3-E5: the core's arithmetic
             return self._from_data(arithmetic.quantize(_checked_f32(x), scheme, params, method))
         k = _kernels()
         flat = _flat_f32(x)
@@ -202,6 +203,8 @@ class NdarrayBackend(BaseBackend):
         return sqnr_db(float(signal), float(noise)), float(max_err)
 
     def _dequantize(self, data: NdQuantized, dtype: np.dtype) -> np.ndarray:
+        if data.scheme.affine:  # docs/spec.md E5: the core's decode
+            return arithmetic.dequantize(self._into_data(data)).astype(dtype)
         k = _kernels()
         plan = make_plan(data.shape, data.scheme)
         y = np.empty(plan.size, np.float32)
@@ -226,12 +229,14 @@ class NdarrayBackend(BaseBackend):
                  np.ascontiguousarray(tr.encode(data.scales.reshape(-1))).reshape(-1).view(np.uint8)]
         if data.global_scale is not None:
             parts.append(np.asarray([data.global_scale], dtype="<f4").view(np.uint8))
+        if data.offsets is not None:
+            parts.append(np.frombuffer(offset_bytes(data.offsets, data.scheme), np.uint8))
         return parts
 
     def _from_data(self, data: QuantizedData) -> NdQuantized:
         n = layout.values_nbytes(data.shape, data.scheme)
         values = np.frombuffer(data.payload, dtype=np.uint8, count=n)
-        return NdQuantized(data.shape, data.scheme, values, data.scales(), data.global_scale())
+        return NdQuantized(data.shape, data.scheme, values, data.scales(), data.global_scale(), data.offsets())
 
     def to_numpy(self, array: Any) -> np.ndarray:
         return np.asarray(array)
@@ -247,8 +252,8 @@ class NdarrayBackend(BaseBackend):
         full float weight never exists. Anything unusual goes to `qcore.ops.matmul` (its checks,
         its error text, and its generic path for a weight packed along K)."""
         w = self._own(w)
-        if (len(w.shape) != 2 or not isinstance(x, np.ndarray) or x.dtype.kind != "f" or x.ndim < 1
-                or x.shape[-1] != w.shape[0] or w.scheme.store.kind is not StoreKind.NATIVE
+        if (w.scheme.affine or len(w.shape) != 2 or not isinstance(x, np.ndarray) or x.dtype.kind != "f"
+                or x.ndim < 1 or x.shape[-1] != w.shape[0] or w.scheme.store.kind is not StoreKind.NATIVE
                 and w.scheme.store.dim != 0):
             return super().matmul(x, w)
         data: NdQuantized = w.data

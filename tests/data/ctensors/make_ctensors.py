@@ -17,6 +17,12 @@ gives a `tensor_group` global whatever the weight's rank: `initialize_qparams` r
 `torch.empty(1)`, `generate_gparam` returns `reshape([1])`), which every expert shares. The stacked
 decompression is checked against the tool's own `dequantize` run on the whole `[e, m, n]` tensor.
 
+Asymmetric int weights (`symmetric=False`): the scales and int8 zero points are the tool's own
+`calculate_qparams` of each group's min and max in the weight's dtype, and its compressor quantizes
+and packs them (`weight_zero_point` packed down the rows for group and channel, int8 for tensor and
+block). Runs of 16 weights are shifted by -0.2 .. 0.2 (the tensor module by 0.1 more) so the zero
+points reach both ends of the range and are not 0.
+
     python tests/data/ctensors/make_ctensors.py --check DIR
 
 checks the other direction with the tool's code: DIR holds a `model.safetensors` and `config.json`
@@ -73,6 +79,19 @@ MODULES = {
     "layers.3.experts.w2": (torch.bfloat16, dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group",
                                                  group_size=16, scale_dtype=torch.float8_e4m3fn),
                             NVFP4PackedCompressor, 2, 4, 64),
+    # asymmetric int (weight_zero_point): group and channel zero points packed down the rows
+    # (`pack_to_int32(zp, bits, packed_dim=0)`, 6 and 12 rows leave a partly filled word), tensor
+    # and block ones int8 as they are
+    "layers.4.q_proj": (torch.bfloat16, dict(num_bits=4, type="int", symmetric=False, strategy="group",
+                                             group_size=32), PackedQuantizationCompressor, 16, 128),
+    "layers.4.k_proj": (torch.float16, dict(num_bits=8, type="int", symmetric=False, strategy="channel"),
+                        PackedQuantizationCompressor, 6, 64),
+    "layers.4.v_proj": (torch.float32, dict(num_bits=4, type="int", symmetric=False, strategy="tensor"),
+                        PackedQuantizationCompressor, 8, 64),
+    "layers.4.o_proj": (torch.bfloat16, dict(num_bits=8, type="int", symmetric=False, strategy="block",
+                                             block_structure=[8, 16]), PackedQuantizationCompressor, 16, 64),
+    "layers.5.experts.w1": (torch.bfloat16, dict(num_bits=4, type="int", symmetric=False, strategy="group",
+                                                 group_size=32), PackedQuantizationCompressor, 2, 12, 64),
 }
 
 
@@ -126,6 +145,29 @@ def decompress(compressor, sd: dict, scheme: QuantizationScheme) -> torch.Tensor
     return got
 
 
+def asym_params(w: torch.Tensor, args: QuantizationArgs) -> dict:
+    """The tool's own asymmetric parameters: min / max per the strategy's groups, in the weight's
+    dtype, through its `calculate_qparams` (scale `(max - min) / (qmax - qmin)`, int8 zero point
+    `qmin - min / scale` clamped and rounded)."""
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    *lead, m, n = w.shape
+    if args.strategy == "group":
+        g = w.reshape(*lead, m, n // args.group_size, args.group_size)
+        lo, hi = g.amin(-1), g.amax(-1)
+    elif args.strategy == "channel":
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    elif args.strategy == "block":
+        bm, bn = args.block_structure
+        b = w.reshape(m // bm, bm, n // bn, bn)
+        lo, hi = b.amin((1, 3)), b.amax((1, 3))
+    else:
+        lo, hi = w.amin(), w.amax()
+    scale, zp = calculate_qparams(lo, hi, args)
+    assert scale.dtype == w.dtype and zp.dtype == torch.int8
+    return {"weight_scale": scale, "weight_zero_point": zp}
+
+
 def scales_for(w: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
     """amax / qmax per the strategy's groups, in the weight's dtype (how the scale is chosen does
     not matter here: the test is about the stored bytes and their decode)."""
@@ -159,8 +201,17 @@ def main(out: str) -> None:
             e, m, n = shape
             k = torch.randint(-4, 5, (e, m, n // 16, 1)).float()
             w = w * torch.exp2(k).expand(e, m, n // 16, 16).reshape(shape)
+        if not args.symmetric:  # runs of 16 shifted by -0.2 .. 0.2: zero points from qmin (all > 0) to qmax (all < 0)
+            *lead, m, n = shape
+            k = torch.randint(-2, 3, (*lead, m, n // 16, 1)).float() * 0.1
+            w = w + k.expand(*lead, m, n // 16, 16).reshape(shape) + (0.1 if args.strategy == "tensor" else 0.0)
         w = w.to(dtype)
-        params = nvfp4_params(w, args) if compressor is NVFP4PackedCompressor else {"weight_scale": scales_for(w, args)}
+        if compressor is NVFP4PackedCompressor:
+            params = nvfp4_params(w, args)
+        elif not args.symmetric:
+            params = asym_params(w, args)
+        else:
+            params = {"weight_scale": scales_for(w, args)}
         sd = compress(compressor, {"weight": w, **params}, scheme)
         model.update({f"{name}.{k}": v.contiguous() for k, v in sd.items()})
         expected[f"{name}.weight"] = decompress(compressor, sd, scheme).contiguous()

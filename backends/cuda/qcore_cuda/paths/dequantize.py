@@ -50,7 +50,8 @@ class FastDequantize:
     def applies(self, c: DequantizeCall) -> bool:
         from .. import fast
 
-        return c.prepared.get("fast") is not None and c.out.dtype == np.float32 and fast.aligned(c.out)
+        return c.prepared.get("fast") is not None and c.out.dtype == np.float32 and fast.aligned(c.out) and \
+            not c.data.scheme.affine  # E5: the general kernel only
 
     def launch(self, c: DequantizeCall) -> None:
         from .. import fast
@@ -72,7 +73,7 @@ class RowsDequantize:
     name = "rows"
 
     def applies(self, c: DequantizeCall) -> bool:
-        return c.plan.RP is not None
+        return c.plan.RP is not None and not c.data.scheme.affine
 
     def launch(self, c: DequantizeCall) -> None:
         K, pp, pl = c.K, c.prepared, c.plan

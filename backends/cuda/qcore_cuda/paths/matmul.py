@@ -32,7 +32,7 @@ class MatmulCall:
     def gemv_geometry(self) -> tuple | None:
         """(kind, Q) of the GEMV kernels for this weight (cached on it), None when its layout has
         none or the device lacks the fast kernels."""
-        if not self.be._fast[0]:
+        if not self.be._fast[0] or self.data.scheme.affine:  # E5: the general kernel only
             return None
         from .. import gemv
 

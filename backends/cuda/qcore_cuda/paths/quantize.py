@@ -43,9 +43,9 @@ class QuantizeCall:
 
     @property
     def general_only(self) -> bool:
-        """Signed scales and code rules (docs/spec.md E3, E4) run on the general kernels only:
-        `k_slot_stats` (the signed extreme), `k_scales`, `k_quant` (the rule's codes)."""
-        return self.scheme.signed or self.scheme.reciprocal_codes
+        """Signed scales, code rules and affine offsets (docs/spec.md E3-E5) run on the general
+        kernels only: `k_slot_stats` (the signed extreme; min and max), `k_scales`, `k_quant`."""
+        return self.scheme.signed or self.scheme.reciprocal_codes or self.scheme.affine
 
     @cached_property
     def fast(self) -> bool:
@@ -161,8 +161,11 @@ class StagedQuantize:
 
         K, pp, pl, s = c.K, c.prepared, c.plan, c.s
         asum, fs, flag = c.be._scratch()
-        if c.params is not None:  # given scales: copied up, the explicit-mode parameters
-            raw = cuda.to_device(np.ascontiguousarray(c.params.scales, dtype=np.float32).reshape(-1), stream=s.numba)
+        if c.params is not None:  # given scales (and offsets after them, E5): copied up, explicit mode
+            given = [np.asarray(c.params.scales, dtype=np.float32).reshape(-1)]
+            if c.scheme.affine:
+                given.append(np.asarray(c.params.offsets, dtype=np.float32).reshape(-1))
+            raw = cuda.to_device(np.ascontiguousarray(np.concatenate(given)), stream=s.numba)
             g = c.params.global_scale or 0.0
             if c.scheme.reciprocal_global:  # -G: the kernels' sign for a reciprocal global (two_level_e)
                 g = -g
