@@ -307,10 +307,26 @@ def render_pool(res: dict) -> str:
     return "\n".join(lines)
 
 
+def render_rules(res: dict) -> str:
+    """Schemes under the extension rules on the general kernels, from `benchmarks/gpu_rules.py`."""
+    lines = ["## GPU: schemes under the extension rules (docs/spec.md E3-E5)", "",
+             _run_line(res["run"]), "",
+             f"The whole call on a float32 [8192, 8192] torch tensor (256 MiB), median of 10, synchronised; "
+             f"ratio to torch's device copy of x in the same run ({res['copy_ms']:.3f} ms). The first row is a v1 "
+             "scheme on the fast kernels; the others quantize on the general kernels, and the affine ones "
+             "(`q4_1`, `/zero`) decode there too (the others' decode is v1's, on the fast kernels).", "",
+             "| scheme | quantize ms | quantize / copy | dequantize ms | dequantize / copy |", "|---|---|---|---|---|"]
+    lines += [f"| `{r['scheme']}` | {r['quantize_ms']:.3f} | {r['quantize_vs_copy']:.2f}x | {r['dequantize_ms']:.3f} | "
+              f"{r['dequantize_vs_copy']:.2f}x |" for r in res["rows"]]
+    lines.append("")
+    return "\n".join(lines)
+
+
 def render(results: Path = RESULTS) -> str:
     """The whole document: the intro, then a section per results file present."""
     parts = [INTRO]
-    for name, fn in (("cpu.json", render_cpu), ("gpu.json", render_gpu), ("gpu_pool.json", render_pool)):
+    for name, fn in (("cpu.json", render_cpu), ("gpu.json", render_gpu), ("gpu_pool.json", render_pool),
+                     ("gpu_rules.json", render_rules)):
         path = results / name
         if path.exists():
             parts.append(fn(json.loads(path.read_text())))

@@ -194,3 +194,22 @@ def test_an_all_zero_slot_takes_its_first_zeros_sign(request, be_name):
     x[1, 5] = -0.0
     s = be.into_data(be.quantize(x, "q4_0")).scales().reshape(-1)
     assert not np.signbit(s[0]) and np.signbit(s[1])
+
+
+@pytest.mark.parametrize("be_name", ["reference", "cuda"])
+def test_per_tensor_signed_and_affine_statistics(request, be_name):
+    """One scale for the whole tensor (the cuda backend's parallel per-tensor path): the first
+    element of largest |x| with its sign, and the min / max of an affine scheme."""
+    from tests.formats_util import get_backend
+
+    be = get_backend(be_name, request)
+    x = np.zeros((3, 50), np.float32)
+    x[1, 7], x[2, 3], x[0, 40] = 3.0, -3.0, 2.0  # the first of the two magnitudes 3 is +3
+    assert be.into_data(be.quantize(x, "q4f/signed")).scales() == np.float32(3.0 / -8)
+    x[1, 7] = -3.0
+    assert be.into_data(be.quantize(x, "q4f/signed")).scales() == np.float32(3.0 / 8)
+    z = np.zeros((3, 50), np.float32)
+    z[0, 0] = -0.0  # zeros: the first element's sign, -0 / -8 = +0
+    assert not np.signbit(be.into_data(be.quantize(z, "q4f/signed")).scales())
+    d = be.into_data(be.quantize(x + np.float32(5), "u4/min:f32"))
+    assert d.offsets() == np.float32(2.0) and d.scales() == np.float32(np.float32(5) / np.float32(15))

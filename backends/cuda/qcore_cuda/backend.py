@@ -287,7 +287,8 @@ class CudaBackend(BaseBackend):
         pp = dict(
             plan=pl, P=cuda.to_device(pl.P), F=cuda.to_device(pl.F), P_explicit=cuda.to_device(P_explicit),
             stored=cuda.device_array(pl.nslots, dtype=np.float32),
-            raw=cuda.device_array(pl.nslots * (2 if scheme.affine else 1), dtype=np.float32),  # E5: + offsets
+            raw=cuda.device_array(max(pl.nslots * (2 if scheme.affine else 1), 2), dtype=np.float32),  # E5: + offsets
+            first=cuda.device_array(2, dtype=np.int64),  # a per-tensor signed extreme's index (E3)
             lut=cuda.to_device(_plan.lut(scheme)),
         )
         from . import fast

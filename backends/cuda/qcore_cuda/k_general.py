@@ -82,6 +82,66 @@ def k_tensor_stats(x, amax, asum, flag):
 
 
 @cuda.jit
+def k_fill2(a, v0, v1):
+    """a[0], a[1] = v0, v1 (one thread): the presets of the per-tensor atomics below."""
+    if cuda.grid(1) == 0:
+        a[0] = v0
+        a[1] = v1
+
+
+@cuda.jit
+def k_tensor_range(x, lohi, flag):
+    """Per-tensor max x into lohi[0] and min x into lohi[1] (preset -inf / +inf; an affine
+    per-tensor scheme, docs/spec.md E5), in parallel: shared-memory atomics per block, one global
+    pair per block; flag[0] = 1 on NaN/Inf (counted as 0)."""
+    sh = cuda.shared.array(2, float32)
+    if cuda.threadIdx.x == 0:
+        sh[0] = float32(-math.inf)
+        sh[1] = float32(math.inf)
+    cuda.syncthreads()
+    hi = float32(-math.inf)
+    lo = float32(math.inf)
+    bad = False
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, x.size, step):
+        v = x[i]
+        if not math.isfinite(v):
+            bad = True
+            v = float32(0.0)
+        hi = max(hi, v)
+        lo = min(lo, v)
+    if bad:
+        flag[0] = int32(1)
+    cuda.atomic.max(sh, 0, hi)
+    cuda.atomic.min(sh, 1, lo)
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        cuda.atomic.max(lohi, 0, sh[0])
+        cuda.atomic.min(lohi, 1, sh[1])
+
+
+@cuda.jit
+def k_first_extreme(x, amax, first):
+    """The first flat index whose |x| is amax[0] into first[0] (preset past the end): the signed
+    extreme of a per-tensor signed scheme (docs/spec.md E3) is x at it; non-finite x is skipped."""
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    top = amax[0]
+    for i in range(start, x.size, step):
+        v = x[i]
+        if math.isfinite(v) and abs(v) == top:
+            cuda.atomic.min(first, 0, int64(i))
+            return
+
+
+@cuda.jit
+def k_take_extreme(x, first, raw):
+    """raw[0] = x[first[0]] (one thread), or 0 when no element matched (all non-finite)."""
+    if cuda.grid(1) == 0:
+        i = first[0]
+        raw[0] = x[i] if i < x.size else float32(0.0)
+
+
+@cuda.jit
 def k_slot_stats(x, P, stat, gstat, flag):
     """Per block slot: max |x| or mean |x| (f64 sum, one f32 rounding) over its elements, edge
     blocks cropped (SPEC §2.1); gstat[0] = max over slots (for two-level). Thread per slot,
@@ -192,7 +252,7 @@ def k_scales(raw, asum, P, F, stored, gbuf, payload):
         elif explicit:
             st = raw[sl]
         else:
-            if P[M_PERT] != 0 and P[M_METHOD] == 1 and P[M_CODES] == 0:  # (a code rule's from k_slot_stats)
+            if P[M_PERT] != 0 and P[M_METHOD] == 1:
                 stat = float32(asum[0] / float64(P[M_N]))
             else:
                 stat = raw[sl]

@@ -22,8 +22,8 @@ from __future__ import annotations
 from .devmath import *  # noqa: E402,F401,F403
 from .grids import jit_regs, launch, sm_count  # noqa: E402,F401
 from .k_general import (  # noqa: E402,F401
-    k_convert_f16, k_convert_f64, k_decode_scales, k_dequant, k_error_partials, k_quant, k_quant_fused, k_scales,
-    k_slot_stats, k_tensor_stats, k_zero_stats,
+    k_convert_f16, k_convert_f64, k_decode_scales, k_dequant, k_error_partials, k_fill2, k_first_extreme, k_quant,
+    k_quant_fused, k_scales, k_slot_stats, k_take_extreme, k_tensor_range, k_tensor_stats, k_zero_stats,
 )
 from .k_matmul import MM_BDX, MM_BDY, MM_COLS, MM_SH, k_matmul, k_zero, launch_matmul  # noqa: E402,F401
 from .k_rows import ROW_TPB, k_rows_dequant, k_rows_quant, launch_rows  # noqa: E402,F401
@@ -39,6 +39,10 @@ SIGNATURES: dict[str, list[str]] = {
     "k_tensor_stats": ["void(float32[::1], float32[::1], float64[::1], int32[::1])"],
     "k_error_partials": ["void(float32[::1], float32[::1], float64[::1], float64[::1], float32[::1])"],
     "k_slot_stats": ["void(float32[::1], int64[::1], float32[::1], float32[::1], int32[::1])"],
+    "k_fill2": ["void(float32[::1], float32, float32)", "void(int64[::1], int64, int64)"],
+    "k_tensor_range": ["void(float32[::1], float32[::1], int32[::1])"],
+    "k_first_extreme": ["void(float32[::1], float32[::1], int64[::1])"],
+    "k_take_extreme": ["void(float32[::1], int64[::1], float32[::1])"],
     "k_scales": ["void(float32[::1], float64[::1], int64[::1], float32[::1], float32[::1], float32[::1], "
                  "uint8[::1])"],
     "k_quant": ["void(float32[::1], int64[::1], float32[::1], float32[::1], float32[::1], uint8[::1], "

@@ -175,6 +175,20 @@ class StagedQuantize:
             raw = fs[2:3]
             on(K.k_tensor_stats, K.launch(math.prod(c.shape)), s)(c.xd, raw, asum, flag)
             return raw, fs, pp["P"]
+        if c.scheme.block is None:  # per-tensor E3-E5: in parallel into the plan's own raw array
+            raw, n = pp["raw"], math.prod(c.shape)
+            if c.scheme.affine:  # max and min (E5)
+                on(K.k_fill2, (1, 1), s)(raw, np.float32(-np.inf), np.float32(np.inf))
+                on(K.k_tensor_range, K.launch(n), s)(c.xd, raw, flag)
+                return raw, fs, pp["P"]
+            on(K.k_fill2, (1, 1), s)(raw, np.float32(0), np.float32(0))
+            on(K.k_tensor_stats, K.launch(n), s)(c.xd, raw, asum, flag)  # max |x|, sum |x|
+            if c.scheme.signed:  # the first element of that magnitude, with its sign (E3)
+                first = pp["first"]
+                on(K.k_fill2, (1, 1), s)(first, np.int64(n), np.int64(n))
+                on(K.k_first_extreme, K.launch(n), s)(c.xd, raw, first)
+                on(K.k_take_extreme, (1, 1), s)(c.xd, first, raw)
+            return raw, fs, pp["P"]
         raw = pp["raw"]
         if c.tiles:  # two-level: the kernel stops at the statistics (its TP mode)
             _tile_kernel(c)
