@@ -28,6 +28,7 @@ import numpy as np
 from qcore import arithmetic, layout
 from qcore.arithmetic import slot_effective, store_reciprocal, store_scales
 from qcore.checks import raise_nonfinite, to_f32
+from qcore.codecs import CODE_RULES
 from qcore.payload import QuantizedData, offset_bytes
 from qcore.protocol import BaseBackend, QParams, QTensor, Support
 from qcore.scheme import QuantScheme, StoreKind
@@ -141,7 +142,7 @@ class NdarrayBackend(BaseBackend):
 
     def _run_blocks(self, flat, plan: Plan, scheme: QuantScheme, mode: int, mcode: int,
                     scales_out: np.ndarray | None, escales: np.ndarray | None,
-                    values: np.ndarray | None, check: bool) -> None:
+                    values: np.ndarray | None, check: bool, rule: int = 0) -> None:
         k = _kernels()
         t = scheme.traits
         bad = np.zeros(plan.ntasks, np.uint8)
@@ -155,6 +156,7 @@ class NdarrayBackend(BaseBackend):
             np.zeros(1, np.int8) if values is None else values.view(np.int8),
             bad,
             plan.log2_block,
+            rule,
         )
         if bad.any():
             raise_nonfinite(flat.reshape(plan.shape))
@@ -169,8 +171,10 @@ class NdarrayBackend(BaseBackend):
         return self._store(stat, scheme)
 
     def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> NdQuantized:
-        if scheme.signed or scheme.reciprocal_codes or scheme.affine:  # docs/spec.md E3-E5: the core's arithmetic
+        if scheme.signed or scheme.affine:  # docs/spec.md E3, E5: the core's arithmetic
             return self._from_data(arithmetic.quantize(_checked_f32(x), scheme, params, method))
+        if scheme.reciprocal_codes:  # E4: the kernels' code rule, from the raw scales' reciprocals
+            return self._quantize_rule(x, scheme, params, method)
         k = _kernels()
         flat = _flat_f32(x)
         shape = tuple(np.shape(x))
@@ -188,6 +192,27 @@ class NdarrayBackend(BaseBackend):
         e = self._effective(stored, params.global_scale, scheme)
         self._run_blocks(flat, plan, scheme, k.MODE_APPLY, mcode, None, e, values, check=check)
         return NdQuantized(shape, scheme, values, stored, params.global_scale)
+
+    def _quantize_rule(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> NdQuantized:
+        """docs/spec.md E4 on the kernels: the statistics pass, raw scales `stat / h` (given scales
+        are their own raw scales) stored by the scheme's rule, then MODE_APPLY with the raw
+        scales' reciprocals (0 for a zero scale) and the rule's id."""
+        k = _kernels()
+        flat = _flat_f32(x)
+        shape = tuple(np.shape(x))
+        plan = make_plan(shape, scheme)
+        values = (np.zeros if plan.padded else np.empty)(plan.values_nbytes, np.uint8)
+        if params is None:
+            raw = (self._stats(flat, plan, scheme, method) / np.float32(scheme.scale_divisor)).astype(np.float32)
+            stored = store_scales(raw, scheme).scales
+        else:
+            raw = stored = np.asarray(params.scales, dtype=np.float32)
+        with np.errstate(divide="ignore", over="ignore"):
+            rcp = np.where(raw == 0, np.float32(0), np.float32(1) / raw).astype(np.float32).reshape(-1)
+        self._run_blocks(flat, plan, scheme, k.MODE_APPLY, k.METHOD_CODES[method], None,
+                         rcp if rcp.size else np.zeros(1, np.float32), values, check=params is not None,
+                         rule=CODE_RULES.index(scheme.code_rule.value))
+        return NdQuantized(shape, scheme, values, np.asarray(stored, np.float32).reshape(plan.grid), None)
 
     def error_stats(self, x: Any, q: QTensor) -> tuple[float, float]:
         """(SQNR dB, max |err|) of `q` against `x` (`qcore.stats.tensor_stats` calls it): the

@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from qcore.codecs import SCALE_IDS, scale_round_kernel
+from qcore.codecs import SCALE_IDS, code_rule_kernel, scale_round_kernel
 
 __all__ = [
     "SCALE_CODES",
@@ -84,6 +84,8 @@ def _bits_f32(typingctx, b):
 # on-disk cache keys on this file, so after editing qcore.codecs' table clear __pycache__ (the
 # tests pin the result against qcore.codecs).
 round_scale_scalar = scale_round_kernel(njit(inline="always"), _f32_bits, _bits_f32)
+rule_code = code_rule_kernel(njit(inline="always"))
+"""The int64 code of `y` under a code rule (docs/spec.md E4): `qcore.codecs`' one source."""
 """Round a raw scale `s >= 0` (f32) into scale slot `sdt` (`qcore.codecs.SCALE_SLOTS`: the dtype
 and its rounding rule, SPEC §2.3), as f32: `qcore.codecs`' one kernel source, compiled for the CPU."""
 
@@ -121,9 +123,16 @@ def _abs_sum(x):
 
 
 @njit(cache=True, inline="always")
-def _encode_contig(xs, os, e, qmin, qmax):
-    """os = clamp(rint(xs / e)) as int8; e == 0 gives code 0 (SPEC §2.5)."""
-    if e == np.float32(0.0):
+def _encode_contig(xs, os, e, qmin, qmax, rule):
+    """os = clamp(rint(xs / e)) as int8; e == 0 gives code 0 (SPEC §2.5). Under a code rule
+    (`rule` > 0, docs/spec.md E4) `e` is the reciprocal of the raw scale: y = f32(x * e), coded
+    by `rule_code`."""
+    if rule != 0:
+        for j in range(xs.size):
+            v = xs[j]
+            y = np.float32(0.0) if v == np.float32(0.0) else np.float32(v * e)
+            os[j] = np.int8(rule_code(y, rule, qmin, qmax))
+    elif e == np.float32(0.0):
         for j in range(xs.size):
             os[j] = np.int8(0)
     else:
@@ -134,10 +143,14 @@ def _encode_contig(xs, os, e, qmin, qmax):
 
 
 @njit(cache=True)
-def _encode_strided(xs, out, ob, istr, e, qmin, qmax):
+def _encode_strided(xs, out, ob, istr, e, qmin, qmax, rule):
     """As `_encode_contig`, writing code j to out[ob + j * istr] (packing axis not last)."""
     for j in range(xs.size):
-        if e == np.float32(0.0):
+        if rule != 0:
+            v = xs[j]
+            y = np.float32(0.0) if v == np.float32(0.0) else np.float32(v * e)
+            out[ob + j * istr] = np.int8(rule_code(y, rule, qmin, qmax))
+        elif e == np.float32(0.0):
             out[ob + j * istr] = np.int8(0)
         else:
             y = xs[j] / e
@@ -273,15 +286,16 @@ def _lines(r, shp, blk, grd, xst, ost, gst, pa, npw, scratch, xline, oline):
 
 
 @njit(cache=True, inline="always")
-def _encode_lines(x, out, xline, oline, j0, j1, istr, e, qmin, qmax):
-    """q = clamp(rint(x / e)) for one block's lines, written as int8 at their byte offsets."""
+def _encode_lines(x, out, xline, oline, j0, j1, istr, e, qmin, qmax, rule):
+    """q = clamp(rint(x / e)) (or the code rule's, `_encode_contig`) for one block's lines,
+    written as int8 at their byte offsets."""
     for line in range(xline.size):
         xo = xline[line]
         oo = oline[line]
         if istr == 1:
-            _encode_contig(x[xo + j0:xo + j1], out[oo + j0:oo + j1], e, qmin, qmax)
+            _encode_contig(x[xo + j0:xo + j1], out[oo + j0:oo + j1], e, qmin, qmax, rule)
         else:
-            _encode_strided(x[xo + j0:xo + j1], out, oo + j0 * istr, istr, e, qmin, qmax)
+            _encode_strided(x[xo + j0:xo + j1], out, oo + j0 * istr, istr, e, qmin, qmax, rule)
 
 
 # --------------------------------------------------------------------------- fused fast path
@@ -396,7 +410,7 @@ def _fused_pow2(x, xb, out, x0, o0, nblocks, logb, h, qmin, qmax, sdt, scales_ou
 
 @njit(cache=True, inline="always")
 def _quantize_row(r, c, x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, mode, method, check,
-                  h, qmin, qmax, sdt, escales, scales_out, out, logb, istr, scratch, xtab, otab):
+                  h, qmin, qmax, sdt, escales, scales_out, out, logb, istr, scratch, xtab, otab, rule):
     """One task row `r` (grid of axes 0..6), chunk `c` of its blocks along axis 7; see
     `quantize_blocks`. Returns False on a non-finite input."""
     g7n = grd[7]
@@ -441,13 +455,13 @@ def _quantize_row(r, c, x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, mod
                 continue
             e = round_scale_scalar(np.float32(stat / h), sdt)
             scales_out[slot] = e
-        _encode_lines(x, out, xline, oline, j0, j1, istr, e, qmin, qmax)
+        _encode_lines(x, out, xline, oline, j0, j1, istr, e, qmin, qmax, rule)
     return True
 
 
 @njit(parallel=True, cache=True)
 def quantize_blocks(x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows, mode, method, check,
-                    h, qmin, qmax, sdt, escales, scales_out, out, bad, logb):
+                    h, qmin, qmax, sdt, escales, scales_out, out, bad, logb, rule):
     """Block-wise pass over flat f32 `x` (SPEC §2.1-2.5).
 
     mode MODE_STATS: `scales_out[slot]` = the slot statistic. MODE_FUSED: statistic -> raw
@@ -456,7 +470,8 @@ def quantize_blocks(x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows, m
     NaN/Inf first). Codes go to `out` (int8 view of the stored value bytes). A task (`rows` task
     rows x `chunk` blocks along axis 7) that meets a non-finite value sets `bad[task]` and stops.
     `logb` >= 1 when the plan allows the fused fast path (blocks of 2^logb along axis 7 only,
-    contiguous codes), else -1.
+    contiguous codes), else -1. `rule` > 0: MODE_APPLY under a code rule (docs/spec.md E4), with
+    `escales` the reciprocals of the raw scales.
     """
     n_outer = 1
     for k in range(7):
@@ -473,7 +488,8 @@ def quantize_blocks(x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows, m
         otab = np.empty(maxl, np.int64)
         for r in range(rg * rows, min(n_outer, rg * rows + rows)):
             if not _quantize_row(r, c, x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, mode, method, check,
-                                 h, qmin, qmax, sdt, escales, scales_out, out, logb, istr, scratch, xtab, otab):
+                                 h, qmin, qmax, sdt, escales, scales_out, out, logb, istr, scratch, xtab, otab,
+                                 rule):
                 bad[t] = 1
                 break
 
