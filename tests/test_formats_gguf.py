@@ -288,3 +288,16 @@ def test_presets_encode_as_llama_cpp_does(tmp_path, request, preset, kind, bes, 
         got_f16 = got[:, :head].copy().view(np.float16)
         sat = np.where(np.isfinite(want_f16), want_f16, np.float16(65504) * np.sign(want_f16.astype(np.float32)))
         assert np.array_equal(got_f16, sat.astype(np.float16)), be_name
+
+
+def test_mx_rule_gives_gguf_mxfp4_scale_bytes_but_not_all_its_codes(tmp_path):
+    """`mxfp4/round:mx` stores the scale bytes of gguf-py's MXFP4 quantizer (OCP's floor rule);
+    its codes are an argmin over f32 errors with ties to the lower table index, so some differ
+    from SPEC's nearest-even E2M1 (docs/formats.md): qcore claims the scales, not the codes."""
+    x = _edge_x(0)
+    want = gguf.quants.quantize(x, T.MXFP4).reshape(-1, 17)
+    ref = qcore.backend("reference")
+    qf.write(tmp_path / "m.gguf", {"w": ref.into_data(ref.quantize(x, "mxfp4/round:mx"))}, "gguf")
+    got = np.asarray(gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors[0].data).reshape(want.shape)
+    assert np.array_equal(got[:, 0], want[:, 0])
+    assert not np.array_equal(got[:, 1:], want[:, 1:])
