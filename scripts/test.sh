@@ -26,9 +26,9 @@ export QCORE_REQUIRE_BACKENDS="reference,ndarray,cuda,lutcpu" QCORE_REQUIRE_CUDA
 export QCORE_REQUIRE_DISTRIBUTED=1   # Dask, s3fs and moto were installed above: a missing one fails
 # The conformance suite as a plugin author runs it, on the two narrow backends: the CLI report,
 # exit status non-zero on failure; --expect: SPEC §4's support of each, so a wrong refusal fails
-# too. --max-schemes 67: one stratum of every group (sampling.strata_subset), as pytest runs the
+# too. --max-schemes 24: 24 strata spread over the groups (sampling.strata_subset), as pytest runs the
 # whole suite for reference, ndarray and cuda (tests/conformance/) and lutcpu (examples/plugin/tests/).
-"$VENV/bin/qcore" conformance --backend ndarray --backend lutcpu --no-progress --max-schemes 67 \
+"$VENV/bin/qcore" conformance --backend ndarray --backend lutcpu --no-progress --max-schemes 24 \
     --expect 'ndarray=q8f,q8s' --expect 'lutcpu=*-lookup*'
 # Then every test, on QCORE_TEST_WORKERS parallel workers (pytest-xdist; default: two per CPU, as
 # the simulator's threads spend much of their time waiting at barriers: on 2 CPUs, 4 workers
