@@ -1,10 +1,12 @@
-"""Schemes under the extension rules (docs/spec.md E3-E5) on the cuda backend, beside a device
+"""Schemes under the extension rules (docs/spec.md E3-E7) on the cuda backend, beside a device
 copy of the same bytes (needs torch).
 
     NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_rules.py [--out DIR]
 
-These schemes run on the general kernels only (docs/gpu.md "How it works"); this measures what
-that costs: the whole `be.quantize(x, s)` and `be.dequantize(q)` calls on a float32 [8192, 8192]
+The E3-E5 schemes run on the general kernels only (docs/gpu.md "How it works"); a field order
+(E6) runs the v1 kernels and moves the fields in one more pass (`k_reorder`), beside the same
+scheme in SPEC §3's order; flat blocks (E7) whose rows hold whole blocks are the v1 scheme's
+bytes. This measures what that costs: the whole `be.quantize(x, s)` and `be.dequantize(q)` calls on a float32 [8192, 8192]
 torch tensor (256 MiB), median of 10 after a warm-up, synchronised, against `torch`'s device
 copy of x in the same run, and a v1 scheme on the fast kernels for comparison. Writes
 `gpu_rules.json` to --out.
@@ -21,7 +23,9 @@ import sys
 import time
 
 SCHEMES = ("q4s/block32:f16", "q4f/block32:f16/signed", "q4_0", "q8_0", "q4_1", "q4f/block128:bf16/zero",
-           "q4f/tensor:bf16/zero", "q4f/signed")
+           "q4f/tensor:bf16/zero", "q4f/signed", "q4s/block32:f16/packed_native",
+           "q4s/block32:f16/packed_native/order:split32", "q4s/block32:f16/packed_native/order:high",
+           "q4s/block32:f16:flat")
 
 
 def _median_s(torch, fn, n=10) -> float:

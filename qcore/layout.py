@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import InputError
-from .scheme import INT64_MAX, QuantScheme, StoreKind
+from .scheme import INT64_MAX, FieldOrder, QuantScheme, StoreKind
 
 MAX_EXTENT_PRODUCT = 1 << 50
 """Largest product of a shape's non-zero extents (a thousand times the largest tensors in use):
@@ -20,6 +20,8 @@ and kernels add axes (codes per word) and wider items (float64) to it."""
 
 __all__ = [
     "check_shape",
+    "flat_form",
+    "field_positions",
     "full_block",
     "block_extents",
     "grid_shape",
@@ -31,6 +33,7 @@ __all__ = [
     "expand_to_elements",
     "pack",
     "unpack",
+    "reorder_values",
 ]
 
 
@@ -54,10 +57,59 @@ def check_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return shape
 
 
+def flat_form(shape: Sequence[int], scheme: QuantScheme) -> tuple[tuple[int, ...], QuantScheme]:
+    """(shape, scheme) as kernels see them (docs/spec.md E7). A scheme with blocks over the
+    flattened tensor stores a tensor of shape S as the 1-D tensor [prod(S)] of `scheme.unflat`;
+    where S's last axis holds whole blocks, whole words and whole split groups, those bytes are
+    also S under `scheme.unflat` (blocks [B] never cross a row, no word is padded), and that form
+    is returned, so the 2-D kernels (matmul) apply. Other schemes pass through."""
+    shape = tuple(int(d) for d in shape)
+    if not scheme.flat_blocks:
+        return shape, scheme
+    inner = scheme.unflat
+    last = shape[-1] if shape else 0
+    st = inner.store
+    n = 1 if st.kind is StoreKind.NATIVE else st.word_bits // inner.bits
+    if len(shape) > 1 and last and last % inner.block.dims[0] == 0 and last % n == 0 and \
+            (st.order is not FieldOrder.SPLIT or last % st.group == 0):
+        return shape, inner
+    return (math.prod(shape),), inner
+
+
+def field_positions(extent: int, n: int, order: FieldOrder, group: int = 0) -> np.ndarray:
+    """int64 [ceil(extent / n), n]: the element (position along the packing axis) that field f of
+    word j of a line holds, or `extent` for a padding field (docs/spec.md E6).
+
+    LOW (SPEC §3): j*n + f. HIGH: j*n + n-1-f. SPLIT with groups of G elements: the line is cut
+    into groups (the last may be shorter, L elements, W = ceil(L / n) words); word j of a group
+    holds its elements j, j + W, ..., j + (n-1)W, field f the element f*W + j."""
+    words = -(-extent // n)
+    j = np.arange(words, dtype=np.int64)[:, None]
+    f = np.arange(n, dtype=np.int64)[None, :]
+    if order is FieldOrder.LOW:
+        p = j * n + f
+    elif order is FieldOrder.HIGH:
+        p = j * n + (n - 1 - f)
+    else:
+        gw = group // n  # words per whole group
+        g, jj = j // gw, j % gw
+        length = np.minimum(group, extent - g * group)
+        w = -(-length // n)
+        p = g * group + f * w + jj
+        p = np.where(f * w + jj < length, p, extent)
+    return np.where(p < extent, p, extent)
+
+
 def full_block(shape: Sequence[int], scheme: QuantScheme) -> tuple[int, ...] | None:
-    """Block dims padded with leading 1s to the tensor's rank; None when there is no block level."""
+    """Block dims padded with leading 1s to the tensor's rank; None when there is no block level.
+    Blocks over the flattened tensor (E7) have per-axis dims only in `flat_form`'s shape."""
     if scheme.block is None:
         return None
+    if scheme.flat_blocks:
+        flat_shape, inner = flat_form(shape, scheme)
+        if flat_shape != tuple(shape):
+            raise ValueError(f"{scheme} on {tuple(shape)} has no per-axis blocks: take layout.flat_form first")
+        return full_block(shape, inner)
     dims = scheme.block.dims
     if len(dims) > len(shape):
         raise InputError(
@@ -80,7 +132,10 @@ def block_extents(shape: Sequence[int], scheme: QuantScheme) -> tuple[int, ...] 
 
 
 def grid_shape(shape: Sequence[int], scheme: QuantScheme) -> tuple[int, ...]:
-    """Shape of the scale slots: `ceil(dim / block)` per axis; `()` for one per-tensor slot."""
+    """Shape of the scale slots: `ceil(dim / block)` per axis; `()` for one per-tensor slot;
+    `(ceil(prod / B),)` for blocks over the flattened tensor (E7), whatever `flat_form` gives."""
+    if scheme.flat_blocks:
+        return (-(-math.prod(shape) // scheme.block.dims[0]),)
     block = full_block(shape, scheme)
     if block is None:
         return ()
@@ -92,7 +147,8 @@ def scales_count(shape: Sequence[int], scheme: QuantScheme) -> int:
 
 
 def packing_axis(shape: Sequence[int], scheme: QuantScheme) -> int | None:
-    """Axis `rank - 1 - d` of a packed store; None for Native."""
+    """Axis `rank - 1 - d` of a packed store; None for Native. (Blocks over the flattened
+    tensor pack `flat_form`'s shape.)"""
     store = scheme.store
     if store.kind is StoreKind.NATIVE:
         return None
@@ -112,7 +168,9 @@ def fields_per_word(scheme: QuantScheme) -> int:
 
 
 def words_shape(shape: Sequence[int], scheme: QuantScheme) -> tuple[int, ...]:
-    """The shape of the stored words: `shape` with the packing axis replaced by ceil(extent / n)."""
+    """The shape of the stored words: `shape` with the packing axis replaced by ceil(extent / n)
+    (of `flat_form`'s shape under blocks over the flattened tensor)."""
+    shape, scheme = flat_form(shape, scheme)
     axis = packing_axis(shape, scheme)
     if axis is None:
         return tuple(shape)
@@ -135,10 +193,14 @@ def expand_to_elements(per_slot: np.ndarray, shape: Sequence[int], scheme: Quant
 
     An empty shape gives an empty array at once, however large its other extents.
     """
-    block = block_extents(shape, scheme)
     per_slot = np.asarray(per_slot)
     if math.prod(shape) == 0:
         return np.zeros(tuple(shape), dtype=per_slot.dtype)
+    if scheme.flat_blocks:
+        inner_shape, inner = flat_form(shape, scheme)
+        return expand_to_elements(per_slot.reshape(grid_shape(inner_shape, inner)), inner_shape,
+                                  inner).reshape(tuple(shape))
+    block = block_extents(shape, scheme)
     if block is None:
         return np.broadcast_to(per_slot.reshape(()), tuple(shape))
     out = per_slot
@@ -155,6 +217,9 @@ def pack(codes: np.ndarray, scheme: QuantScheme) -> np.ndarray:
     [k*bits, (k+1)*bits), code 0 lowest; the last word of each line is zero-padded.
     """
     codes = np.asarray(codes)
+    if scheme.flat_blocks:
+        shape, scheme = flat_form(codes.shape, scheme)
+        codes = codes.reshape(shape)
     axis = packing_axis(codes.shape, scheme)
     if codes.size == 0:
         return np.zeros(0, dtype=np.uint8)
@@ -167,8 +232,11 @@ def pack(codes: np.ndarray, scheme: QuantScheme) -> np.ndarray:
     extent = fields.shape[-1]
     padded = -(-extent // n) * n
     fields = np.concatenate(
-        [fields, np.zeros(fields.shape[:-1] + (padded - extent,), np.uint32)], axis=-1
-    ).reshape(fields.shape[:-1] + (padded // n, n))
+        [fields, np.zeros(fields.shape[:-1] + (padded - extent + 1,), np.uint32)], axis=-1)
+    if scheme.store.order is FieldOrder.LOW:
+        fields = fields[..., :padded].reshape(fields.shape[:-1] + (padded // n, n))
+    else:  # E6: field f of word j holds element field_positions[j, f] (`extent`: the zero pad)
+        fields = fields[..., field_positions(extent, n, scheme.store.order, scheme.store.group)]
     shifts = (np.arange(n, dtype=np.uint32) * np.uint32(bits))
     words = np.bitwise_or.reduce(fields << shifts, axis=-1).astype(wdt)
     words = np.moveaxis(words, -1, axis)
@@ -181,6 +249,9 @@ def unpack(buf: np.ndarray | bytes, shape: Sequence[int], scheme: QuantScheme) -
     shape = tuple(shape)
     if math.prod(shape) == 0:
         return np.zeros(shape, dtype=scheme.code_dtype)
+    if scheme.flat_blocks:
+        inner_shape, inner = flat_form(shape, scheme)
+        return unpack(buf, inner_shape, inner).reshape(shape)
     raw = np.frombuffer(bytes(buf) if not isinstance(buf, np.ndarray) else buf.tobytes(), dtype=np.uint8)
     out_dtype = scheme.code_dtype
     signed = out_dtype == np.int8
@@ -193,8 +264,24 @@ def unpack(buf: np.ndarray | bytes, shape: Sequence[int], scheme: QuantScheme) -
     words = np.moveaxis(words, axis, -1)
     shifts = np.arange(n, dtype=np.uint32) * np.uint32(bits)
     fields = (words[..., None] >> shifts) & np.uint32((1 << bits) - 1)
-    fields = fields.reshape(words.shape[:-1] + (words.shape[-1] * n,))[..., : shape[axis]]
+    extent = shape[axis]
+    if scheme.store.order is FieldOrder.LOW:
+        fields = fields.reshape(words.shape[:-1] + (words.shape[-1] * n,))[..., :extent]
+    else:  # E6: element field_positions[j, f] is in field f of word j (padding goes to `extent`)
+        pos = field_positions(extent, n, scheme.store.order, scheme.store.group)
+        line = np.zeros(words.shape[:-1] + (extent + 1,), np.uint32)
+        line[..., pos] = fields
+        fields = line[..., :extent]
     if signed:  # sign-extend a `bits`-wide two's-complement field
         fields = fields.astype(np.int32)
         fields = np.where(fields >= (1 << (bits - 1)), fields - (1 << bits), fields)
     return np.ascontiguousarray(np.moveaxis(fields, -1, axis)).astype(out_dtype)
+
+
+def reorder_values(payload: bytes, shape: Sequence[int], src: QuantScheme, dst: QuantScheme) -> bytes:
+    """`payload` (of `shape` under `src`) with its values section packed as `dst` packs it: the
+    same codes, the fields in `dst`'s order (docs/spec.md E6); the other sections as they are.
+    `src` and `dst` differ only in their store's field order."""
+    n = values_nbytes(shape, src)
+    codes = unpack(np.frombuffer(payload, np.uint8, count=n), shape, src)
+    return pack(codes, dst).tobytes() + bytes(payload[n:])

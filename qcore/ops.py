@@ -10,6 +10,9 @@ Where the layout allows, an op moves codes and scales and stays exact:
 | cat     | equal per-tensor scales / globals, and every part but the last fills     |
 |         | whole blocks along the axis                                              |
 
+Blocks over the flattened tensor (docs/spec.md E7) reshape exactly (the bytes do not change) and
+requantize under the other ops unless the op leaves the tensor as it is.
+
 Otherwise the op dequantizes, applies itself to the floats and requantizes with the same scheme
 (calibrated afresh). `matmul` never materialises the whole float weight.
 """
@@ -58,6 +61,8 @@ def reshape(be: "BaseBackend", q: "QTensor", shape: Sequence[int]) -> "QTensor":
     except ValueError as e:
         raise InputError(f"cannot reshape {q.shape} to {shape}: {e}") from None
     layout.check_shape(new)
+    if q.scheme.flat_blocks:  # E7: the bytes are those of the flattened tensor, whatever its shape
+        return be.from_data(QuantizedData(new, q.scheme, be.into_data(q).payload))
     block = q.scheme.block
     k = len(block.dims) if block else 0
     exact = block is None or (len(new) >= k and new[len(new) - k:] == q.shape[len(q.shape) - k:])
@@ -81,6 +86,8 @@ def permute(be: "BaseBackend", q: "QTensor", axes: Sequence[int]) -> "QTensor":
         raise InputError(f"permute needs int axes, got {axes!r}") from None
     if sorted(axes) != list(range(rank)):
         raise InputError(f"axes {axes} are not a permutation of range({rank})")
+    if q.scheme.flat_blocks:  # E7: blocks follow the flattened order, which a permutation changes
+        return q if axes == tuple(range(rank)) else _requantize(be, q, lambda x: np.transpose(x, axes))
     d = be.into_data(q)
     new_shape = tuple(q.shape[a] for a in axes)
     scheme = q.scheme
@@ -122,6 +129,8 @@ def slice_(be: "BaseBackend", q: "QTensor", index) -> "QTensor":
     bounds = _norm_index(index, q.shape)
     sl = tuple(slice(a, b) for a, b in bounds)
     new_shape = tuple(b - a for a, b in bounds)
+    if q.scheme.flat_blocks:  # E7: a slice of the flattened blocks is no tensor's flattening
+        return q if new_shape == q.shape else _requantize(be, q, lambda x: x[sl])
     block = layout.full_block(q.shape, q.scheme)
     if block is not None:
         aligned = all(a % bl == 0 for (a, _), bl in zip(bounds, block))  # a cut end keeps its block's scale
@@ -145,6 +154,9 @@ def cat(be: "BaseBackend", qs: Sequence["QTensor"], axis: int = 0) -> "QTensor":
     for q in qs:
         if len(q.shape) != rank or any(q.shape[i] != qs[0].shape[i] for i in range(rank) if i != axis):
             raise InputError(f"cat shapes differ off axis {axis}: {[q.shape for q in qs]}")
+    if scheme.flat_blocks:  # E7: requantized (the parts' flattened blocks do not join up in general)
+        x = np.concatenate([be.to_numpy(be.dequantize(q)) for q in qs], axis=axis)
+        return be.quantize(x, scheme)
     datas = [be.into_data(q) for q in qs]
     block = layout.full_block(qs[0].shape, scheme)
     globals_ = {np.float32(d.global_scale()).tobytes() for d in datas} if scheme.two_level else {b""}
@@ -178,7 +190,14 @@ def matmul(be: "BaseBackend", x: Any, w: "QTensor", rows_per_step: int = 1024) -
         raise InputError(f"matmul shapes do not fit: x {x.shape} @ w {w.shape}")
     d = be.into_data(w)
     codes, scales, g, offsets = d.codes(), d.scales(), d.global_scale(), d.offsets()
-    block = layout.full_block(w.shape, w.scheme)
+    scheme = w.scheme
+    if scheme.flat_blocks:  # E7
+        shape_i, scheme = layout.flat_form(w.shape, scheme)
+        if shape_i != w.shape:  # blocks cross rows: the weight is dequantized whole
+            return x @ be.to_numpy(be.dequantize(w)).astype(np.float32, copy=False)
+        grid = layout.grid_shape(shape_i, scheme)
+        scales, offsets = scales.reshape(grid), None if offsets is None else offsets.reshape(grid)
+    block = layout.full_block(w.shape, scheme)
     br = block[0] if block else 1
     step = max(br, (rows_per_step // br) * br)
     out = np.zeros(x.shape[:-1] + (N,), dtype=np.float32)
@@ -186,6 +205,6 @@ def matmul(be: "BaseBackend", x: Any, w: "QTensor", rows_per_step: int = 1024) -
         k1 = min(K, k0 + step)
         rows = (...,) if block is None else slice(k0 // br, -(-k1 // br))  # per-tensor: the 0-d scale
         sub = QParams(scales[rows], g, None if offsets is None else offsets[rows])
-        wf = scaled_values(decode(codes[k0:k1], w.scheme), sub, (k1 - k0, N), w.scheme)
+        wf = scaled_values(decode(codes[k0:k1], scheme), sub, (k1 - k0, N), scheme)
         out += x[..., k0:k1] @ wf
     return out

@@ -221,6 +221,15 @@ class QuantizedData:
             return None
         return np.asarray(self.scheme.table, dtype=np.float32)
 
+    def in_low_order(self) -> "QuantizedData":
+        """The same tensor with its values in SPEC §3's field order (docs/spec.md E6): the same
+        codes, scales and decode; `self` when it is in that order already."""
+        low = self.scheme.low_order
+        if low is self.scheme:
+            return self
+        shape, src = layout.flat_form(self.shape, self.scheme)
+        return QuantizedData(self.shape, low, layout.reorder_values(self.payload, shape, src, src.low_order))
+
     # ------------------------------------------------------------------ building
     @classmethod
     def from_parts(

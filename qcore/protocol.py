@@ -8,6 +8,7 @@ parameter validation, and the error text. Plugins subclass `BaseBackend` and fil
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
@@ -18,7 +19,7 @@ from . import arithmetic, layout
 from .arithmetic import QParams
 from .checks import check_input_dtype, check_output_dtype
 from .codecs import F32_TINY
-from .errors import BackendUnavailableError, InputError, UnsupportedSchemeError
+from .errors import BackendUnavailableError, InputError, InvalidDataError, UnsupportedSchemeError
 from .payload import QuantizedData, sections
 from .scheme import OffsetKind, QuantScheme, scheme as parse_scheme
 
@@ -139,6 +140,10 @@ class BaseBackend(abc.ABC):
 
     name: str = "?"
     priority: int = 0
+    packs_field_orders: bool = False
+    """Whether the hooks pack fields in every order of docs/spec.md E6. When False they see each
+    scheme in SPEC §3's order (`scheme.low_order`, the same codes), and the portable bytes are
+    moved into the scheme's order at `into_data` / `from_data` (`layout.reorder_values`)."""
 
     # ------------------------------------------------------------------ capability
     def available(self) -> bool:
@@ -152,8 +157,55 @@ class BaseBackend(abc.ABC):
         """Declare capability as data: `Support.yes()` or `Support.no(reason)`."""
 
     def supports(self, scheme: QuantScheme | str) -> Support:
-        """Whether this backend handles `scheme` (a `Support`: truthy, or falsy with `.reason`)."""
-        return self._supports(parse_scheme(scheme))
+        """Whether this backend handles `scheme` (a `Support`: truthy, or falsy with `.reason`).
+        Blocks over the flattened tensor (docs/spec.md E7) are the core's: a backend is asked
+        about the same scheme with ordinary blocks; a field order (E6) likewise unless the
+        backend packs it itself (`packs_field_orders`)."""
+        scheme = parse_scheme(scheme).unflat
+        return self._supports(scheme if self.packs_field_orders else scheme.low_order)
+
+    # ------------------------------------------------------------------ what the hooks see
+    def _inner(self, shape: tuple[int, ...], scheme: QuantScheme) -> tuple[tuple[int, ...], QuantScheme]:
+        """The shape and scheme the hooks see for a tensor: `layout.flat_form` (E7), in SPEC §3's
+        field order unless this backend packs the others (E6). Identity for most schemes."""
+        shape, scheme = layout.flat_form(shape, scheme)
+        return shape, (scheme if self.packs_field_orders else scheme.low_order)
+
+    def _reshape_input(self, x: Any, shape: tuple[int, ...]) -> Any:
+        """`x` (already checked) viewed in `shape`, for blocks over the flattened tensor (E7);
+        override for arrays without `.reshape`."""
+        return x.reshape(shape) if hasattr(x, "reshape") else np.asarray(x).reshape(shape)
+
+    def _reshape_output(self, y: Any, shape: tuple[int, ...]) -> Any:
+        """A dequantized result viewed in the tensor's shape (E7)."""
+        return y.reshape(shape)
+
+    @staticmethod
+    def _regrid(p: QParams, grid: tuple[int, ...]) -> QParams:
+        """The same parameters with their slots in `grid`'s shape (the same row-major order)."""
+        return QParams(np.asarray(p.scales).reshape(grid), p.global_scale,
+                       None if p.offsets is None else np.asarray(p.offsets).reshape(grid))
+
+    def _outer_data(self, d: QuantizedData, shape: tuple[int, ...], scheme: QuantScheme) -> QuantizedData:
+        """The hooks' portable bytes `d` as the tensor's own: its shape and scheme, the values'
+        fields moved into the scheme's order (E6); `d` itself for most schemes."""
+        if d.shape == shape and d.scheme == scheme:
+            return d
+        payload = d.payload
+        if d.scheme.store != scheme.unflat.store:
+            payload = layout.reorder_values(payload, d.shape, d.scheme, scheme.unflat)
+        return QuantizedData(shape, scheme, payload)
+
+    def _inner_data(self, data: QuantizedData) -> QuantizedData:
+        """Portable bytes as the hooks take them (the inverse of `_outer_data`)."""
+        shape, inner = self._inner(data.shape, data.scheme)
+        if shape == data.shape and inner == data.scheme:
+            return data
+        flat_shape, flat_scheme = layout.flat_form(data.shape, data.scheme)
+        payload = data.payload
+        if inner.store != flat_scheme.store:
+            payload = layout.reorder_values(payload, flat_shape, flat_scheme, inner)
+        return QuantizedData(shape, inner, payload)
 
     def _require(self, scheme: QuantScheme | str) -> QuantScheme:
         """Parse, then refuse before touching data: unavailable device or unsupported scheme."""
@@ -281,7 +333,12 @@ class BaseBackend(abc.ABC):
         shape = self._check_input(x, scheme)
         if math.prod(shape) == 0:
             return empty_params(shape, scheme)
-        return self._calibrate(x, scheme, method)
+        ishape, inner = self._inner(shape, scheme)
+        if inner.block == scheme.block:
+            return self._calibrate(x, inner, method)
+        if ishape != shape:
+            x = self._reshape_input(x, ishape)
+        return self._regrid(self._calibrate(x, inner, method), layout.grid_shape(shape, scheme))
 
     def quantize(self, x: Any, scheme: QuantScheme | str, *, params: QParams | None = None,
                  method: str = "minmax") -> QTensor:
@@ -295,7 +352,12 @@ class BaseBackend(abc.ABC):
             p = params or empty_params(shape, scheme)
             codes = np.zeros(shape, dtype=scheme.code_dtype)
             return self.from_data(QuantizedData.from_parts(shape, scheme, codes, p.scales, p.global_scale, p.offsets))
-        return QTensor(self, scheme, shape, self._quantize(x, scheme, params, method))
+        ishape, inner = self._inner(shape, scheme)
+        if ishape != shape:
+            x = self._reshape_input(x, ishape)
+        if params is not None and inner.block != scheme.block:
+            params = self._regrid(params, layout.grid_shape(ishape, inner))
+        return QTensor(self, scheme, shape, self._quantize(x, inner, params, method))
 
     def dequantize(self, q: QTensor, dtype: Any = np.float32) -> Any:
         """`decode(q) * e` in f32, cast to `dtype` (SPEC §2.6). An empty tensor gives an empty
@@ -304,7 +366,20 @@ class BaseBackend(abc.ABC):
         dtype = check_output_dtype(dtype)
         if math.prod(q.shape) == 0:
             return self._empty_output(q.shape, dtype)
-        return self._dequantize(q.data, dtype)
+        with self._naming_elements(q):
+            y = self._dequantize(q.data, dtype)
+        return y if tuple(y.shape) == q.shape else self._reshape_output(y, q.shape)
+
+    @contextlib.contextmanager
+    def _naming_elements(self, q: QTensor):
+        """An invalid code that the hooks found in their form of `q` (E6, E7) is named as an
+        element of `q` itself: its index in q's shape, q's scheme."""
+        try:
+            yield
+        except InvalidDataError:
+            if self._inner(q.shape, q.scheme) != (q.shape, q.scheme):
+                self.into_data(q).check_codes()
+            raise
 
     def _empty_output(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         """This backend's empty array of `shape` (override for device arrays)."""
@@ -315,19 +390,29 @@ class BaseBackend(abc.ABC):
         if not isinstance(data, QuantizedData):
             raise InputError(f"from_data takes a QuantizedData, got {type(data).__name__}")
         self._require(data.scheme)
-        return QTensor(self, data.scheme, data.shape, self._from_data(data))
+        inner = self._inner_data(data)
+        try:
+            held = self._from_data(inner)
+        except InvalidDataError:
+            if inner is not data:  # name the element in the tensor's own shape (E6, E7)
+                data.check_codes()
+            raise
+        return QTensor(self, data.scheme, data.shape, held)
 
     def into_data(self, q: QTensor) -> QuantizedData:
         """The portable bytes of `q`."""
         q = self._own(q)
-        return self._into_data(q.data)
+        return self._outer_data(self._into_data(q.data), q.shape, q.scheme)
 
     def payload_parts(self, q: QTensor) -> list[np.ndarray]:
         """The portable bytes of `q` as host uint8 arrays in payload order, not joined: their
         concatenation is `into_data(q).payload`. For writers that stream a payload to a file
         (`qcore.quantize_model`) without the copies a `bytes` object costs."""
         q = self._own(q)
-        parts = self._payload_parts(q.data)
+        if q.scheme.store.order is not self._inner(q.shape, q.scheme)[1].store.order:
+            parts = [np.frombuffer(self.into_data(q).payload, np.uint8)]  # fields moved (E6)
+        else:
+            parts = self._payload_parts(q.data)
         want = sections(q.shape, q.scheme).total
         got = sum(int(p.nbytes) for p in parts)
         if got != want:

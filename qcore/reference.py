@@ -23,6 +23,7 @@ class ReferenceBackend(BaseBackend):
 
     name = "reference"
     priority = 0
+    packs_field_orders = True  # qcore.layout packs every field order (docs/spec.md E6)
 
     def available(self) -> bool:
         return True

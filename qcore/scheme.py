@@ -20,6 +20,7 @@ __all__ = [
     "OffsetKind",
     "Offset",
     "StoreKind",
+    "FieldOrder",
     "QuantStore",
     "Native",
     "PackedU32",
@@ -160,6 +161,17 @@ class StoreKind(enum.Enum):
     PACKED_NATIVE = "packed_native"
 
 
+class FieldOrder(enum.Enum):
+    """Which element of a line each field of a packed word holds (docs/spec.md E6)."""
+
+    LOW = "low"  # SPEC §3: element k of a run of n in field k (element 0 in the lowest bits)
+    HIGH = "high"  # element k of a run in field n - 1 - k (bitsandbytes: element 2k in the high nibble)
+    SPLIT = "split"  # groups of G elements: word j of a group holds elements j, j + G/n, ... (GGUF)
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class QuantStore:
     """Where codes live in the payload (SPEC §3). `dim` is the packing axis counted from the end.
@@ -169,10 +181,16 @@ class QuantStore:
 
         u32 word of Q4S, elements e0..e7:   | e7 | e6 | e5 | e4 | e3 | e2 | e1 | e0 |
                                             bit 31                          bit 0
+
+    `order` (docs/spec.md E6) moves elements between the fields of a line: HIGH puts element 0 of
+    a run in the highest field; SPLIT cuts the line into groups of `group` elements (the last may
+    be shorter) and word j of a group holds its elements j, j + W, j + 2W, ... (W words per group).
     """
 
     kind: StoreKind
     dim: int = 0
+    order: FieldOrder = FieldOrder.LOW
+    group: int = 0  # SPLIT only: elements per group along the packing axis
 
     def __post_init__(self) -> None:
         if not isinstance(self.dim, (int, np.integer)) or isinstance(self.dim, bool) or self.dim < 0:
@@ -182,10 +200,28 @@ class QuantStore:
         if self.kind is StoreKind.NATIVE and self.dim != 0:
             raise SchemeError(f"Native store has no packing axis, got dim={self.dim}; use Native()")
         object.__setattr__(self, "dim", int(self.dim))
+        order = _coerce(FieldOrder, self.order, "field order")
+        object.__setattr__(self, "order", order)
+        if order is not FieldOrder.LOW and self.kind is StoreKind.NATIVE:
+            raise SchemeError(f"a field order ({order}) needs a packed store; Native holds one code per byte")
+        g = self.group
+        if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 0 or g > INT64_MAX:
+            raise SchemeError(f"a split group is an int of elements, got {g!r}; e.g. order:split32")
+        if (order is FieldOrder.SPLIT) != (g > 0):
+            raise SchemeError(f"a split order takes a group size > 0 and the other orders none, got {order} "
+                              f"with group {g}; e.g. order:split32")
+        object.__setattr__(self, "group", int(g))
 
     @property
     def word_bits(self) -> int:
         return 32 if self.kind is StoreKind.PACKED_U32 else 8
+
+    @property
+    def order_text(self) -> str:
+        """The order's text part: '' for LOW, 'order:high', 'order:split32'."""
+        if self.order is FieldOrder.LOW:
+            return ""
+        return f"order:{self.order}" + (str(self.group) if self.order is FieldOrder.SPLIT else "")
 
     def __str__(self) -> str:
         if self.kind is StoreKind.NATIVE:
@@ -198,22 +234,26 @@ def Native() -> QuantStore:
     return QuantStore(StoreKind.NATIVE)
 
 
-def PackedU32(dim: int = 0) -> QuantStore:
-    """32/bits fields per u32 word along axis `rank - 1 - dim`."""
-    return QuantStore(StoreKind.PACKED_U32, dim)
+def PackedU32(dim: int = 0, order: FieldOrder | str = FieldOrder.LOW, group: int = 0) -> QuantStore:
+    """32/bits fields per u32 word along axis `rank - 1 - dim` (fields in `order`, E6)."""
+    return QuantStore(StoreKind.PACKED_U32, dim, order, group)
 
 
-def PackedNative(dim: int = 0) -> QuantStore:
-    """8/bits fields per byte along axis `rank - 1 - dim` (sub-byte values only)."""
-    return QuantStore(StoreKind.PACKED_NATIVE, dim)
+def PackedNative(dim: int = 0, order: FieldOrder | str = FieldOrder.LOW, group: int = 0) -> QuantStore:
+    """8/bits fields per byte along axis `rank - 1 - dim` (sub-byte values only; fields in
+    `order`, E6)."""
+    return QuantStore(StoreKind.PACKED_NATIVE, dim, order, group)
 
 
 @dataclass(frozen=True)
 class BlockLevel:
-    """One scale per block of `dims`, aligned to the trailing tensor axes."""
+    """One scale per block of `dims`, aligned to the trailing tensor axes. `flat` (docs/spec.md
+    E7, one dim only): blocks of `dims[0]` consecutive elements of the row-major flattened
+    tensor, which is then stored as the 1-D tensor of that length (bitsandbytes)."""
 
     dims: tuple[int, ...]
     dtype: ScaleDtype = ScaleDtype.F32
+    flat: bool = False
 
 
 @dataclass(frozen=True)
@@ -325,6 +365,23 @@ class QuantScheme:
             raise SchemeError(
                 f"PackedNative store needs a sub-byte value (4 or 2 bits), got {value}; use Native()"
             )
+        if store.order is FieldOrder.SPLIT:
+            n = store.word_bits // t.bits
+            if store.group % n or store.group < 2 * n:
+                raise SchemeError(
+                    f"a split group holds whole words of {n} fields and at least two: a multiple of {n} from "
+                    f"{2 * n} up, got order:split{store.group} for {value} in {store.kind.value}; e.g. "
+                    f"order:split{16 * n}")
+        if self.block is not None and not isinstance(self.block, BlockLevel):
+            raise SchemeError(f"block must be a BlockLevel, got {self.block!r}; use per_block(dims, dtype)")
+        if self.block is not None and self.block.flat:
+            object.__setattr__(self, "block", replace(self.block, flat=True))
+            if len(self.block.dims) != 1:
+                raise SchemeError(f"blocks over the flattened tensor take one dim, got "
+                                  f"{'x'.join(map(str, self.block.dims))}; e.g. block64:f32:flat")
+            if store.dim != 0:
+                raise SchemeError(f"blocks over the flattened tensor store it as one line: the packing axis is 0, "
+                                  f"got {store}; drop ':{store.dim}'")
         if self.two_level:
             if self.block.dtype not in (ScaleDtype.F16, ScaleDtype.UE4M3):
                 raise SchemeError(
@@ -396,6 +453,29 @@ class QuantScheme:
     @property
     def store(self) -> QuantStore:
         return self._store if self._store is not None else self.default_store(self.value)
+
+    @property
+    def flat_blocks(self) -> bool:
+        """Blocks over the row-major flattened tensor (docs/spec.md E7)."""
+        return self.block is not None and self.block.flat
+
+    @property
+    def unflat(self) -> "QuantScheme":
+        """The same scheme with ordinary blocks: a flat-block tensor of shape S is stored as the
+        1-D tensor [prod(S)] of this scheme (docs/spec.md E7)."""
+        return replace(self, block=replace(self.block, flat=False)) if self.flat_blocks else self
+
+    @property
+    def field_order(self) -> FieldOrder:
+        """The packed store's field order (docs/spec.md E6); LOW for v1 and Native."""
+        return self.store.order
+
+    @property
+    def low_order(self) -> "QuantScheme":
+        """The same scheme with SPEC §3's field order (the same codes, packed element 0 lowest)."""
+        if self.store.order is FieldOrder.LOW:
+            return self
+        return replace(self, _store=QuantStore(self.store.kind, self.store.dim))
 
     @property
     def traits(self) -> ValueTraits:
@@ -533,8 +613,18 @@ class QuantScheme:
             return replace(self, mode=mode, table=tuple(table))
         return replace(self, mode=mode, table=None)
 
-    def per_block(self, dims: int | Iterable[int], dtype: ScaleDtype | str = ScaleDtype.F32) -> "QuantScheme":
-        return replace(self, block=BlockLevel(_normalize_dims(dims), _coerce(ScaleDtype, dtype, "scale dtype")))
+    def per_block(self, dims: int | Iterable[int], dtype: ScaleDtype | str = ScaleDtype.F32, *,
+                  flat: bool = False) -> "QuantScheme":
+        """One scale per block of `dims`; `flat=True` (one dim): blocks over the row-major
+        flattened tensor (docs/spec.md E7)."""
+        return replace(self, block=BlockLevel(_normalize_dims(dims), _coerce(ScaleDtype, dtype, "scale dtype"),
+                                              bool(flat)))
+
+    def with_field_order(self, order: FieldOrder | str, group: int = 0) -> "QuantScheme":
+        """The same scheme with its packed fields in `order` (low, high, split with `group`
+        elements per group; docs/spec.md E6)."""
+        st = self.store
+        return replace(self, _store=QuantStore(st.kind, st.dim, _coerce(FieldOrder, order, "field order"), group))
 
     def per_tensor(self, dtype: ScaleDtype | str = ScaleDtype.F32, *, reciprocal: bool = False) -> "QuantScheme":
         return replace(self, tensor=TensorLevel(_coerce(ScaleDtype, dtype, "scale dtype"), bool(reciprocal)))
@@ -567,11 +657,16 @@ class QuantScheme:
             head += "-lookup" + (f"[{name}]" if name else "")
         parts = [head]
         if self.block is not None:
-            parts.append("block" + "x".join(map(str, self.block.dims)) + f":{self.block.dtype}")
+            parts.append("block" + "x".join(map(str, self.block.dims)) + f":{self.block.dtype}"
+                         + (":flat" if self.block.flat else ""))
         if self.tensor is not None:
             parts.append(f"tensor:{self.tensor.dtype}" + (":recip" if self.tensor.reciprocal else ""))
         if self._store is not None:
-            parts.append(str(self._store))
+            default = self.default_store(self.value)
+            if (self._store.kind, self._store.dim) != (default.kind, default.dim):
+                parts.append(str(self._store))
+            if self._store.order_text:
+                parts.append(self._store.order_text)
         if self.offset is not None:
             parts.append(str(self.offset))
         if self.signed:
@@ -633,7 +728,8 @@ PRESETS: dict[str, QuantScheme] = {
 }
 
 _HEAD = re.compile(r"^(?P<value>[a-z0-9]+)(?P<lookup>-lookup(\[(?P<table>[a-z0-9_]+)\])?)?$")
-_BLOCK = re.compile(r"^block(?P<dims>\d+(x\d+)*)(:(?P<dtype>[a-z0-9]+))?$")
+_BLOCK = re.compile(r"^block(?P<dims>\d+(x\d+)*)(:(?P<dtype>(?!flat$)[a-z0-9]+))?(?P<flat>:flat)?$")
+_ORDER = re.compile(r"^order:(?P<order>low|high|split)(?P<group>\d+)?$")
 _TENSOR = re.compile(r"^tensor(:(?P<dtype>[a-z0-9]+))?(?P<recip>:recip)?$")
 _STORE = re.compile(r"^(?P<kind>native|packed_u32|packed_native)(:(?P<dim>\d+))?$")
 _ROUND = re.compile(r"^round:(?P<rule>[a-z0-9]+)$")
@@ -672,8 +768,8 @@ def scheme(text: str | QuantScheme) -> QuantScheme:
             kwargs["table"] = TABLES[m["table"]]
     seen: set[str] = set()
     for piece in pieces[1:]:
-        for what, rx in (("block", _BLOCK), ("tensor", _TENSOR), ("store", _STORE), ("round", _ROUND),
-                         ("offset", _OFFSET), ("signed", _SIGNED), ("codes", _CODES)):
+        for what, rx in (("block", _BLOCK), ("tensor", _TENSOR), ("store", _STORE), ("order", _ORDER),
+                         ("round", _ROUND), ("offset", _OFFSET), ("signed", _SIGNED), ("codes", _CODES)):
             pm = rx.match(piece)
             if pm:
                 break
@@ -685,7 +781,7 @@ def scheme(text: str | QuantScheme) -> QuantScheme:
         if what == "block":
             dtype = _coerce(ScaleDtype, pm["dtype"] or "f32", "scale dtype")
             dims = [_parse_int(d, "block dim", text) for d in pm["dims"].split("x")]
-            kwargs["block"] = BlockLevel(_normalize_dims(dims), dtype)
+            kwargs["block"] = BlockLevel(_normalize_dims(dims), dtype, bool(pm["flat"]))
         elif what == "tensor":
             kwargs["tensor"] = TensorLevel(_coerce(ScaleDtype, pm["dtype"] or "f32", "scale dtype"), bool(pm["recip"]))
         elif what == "round":
@@ -696,6 +792,14 @@ def scheme(text: str | QuantScheme) -> QuantScheme:
             kwargs["signed"] = True
         elif what == "codes":
             kwargs["code_rule"] = _coerce(CodeRule, pm["rule"], "code rule")
+        elif what == "order":
+            if (pm["order"] == "split") != bool(pm["group"]):
+                raise SchemeError(f"cannot parse scheme {text!r}: {piece!r}; a split order names its group "
+                                  "(order:split32), the others none (order:high)")
+            order = (FieldOrder(pm["order"]), _parse_int(pm["group"], "split group", text) if pm["group"] else 0)
         else:
             kwargs["_store"] = QuantStore(StoreKind(pm["kind"]), _parse_int(pm["dim"] or "0", "packing axis", text))
+    if "order" in seen:
+        st = kwargs.get("_store") or QuantScheme.default_store(kwargs["value"])
+        kwargs["_store"] = QuantStore(st.kind, st.dim, *order)
     return QuantScheme(**kwargs)

@@ -7,8 +7,9 @@ bnb_nf4.safetensors: the state dict of a model of `bnb.nn.Linear4bit` layers, as
 `Linear4bit._save_to_state_dict` writes it (`weight` plus `QuantState.as_dict(packed=True)` under
 `weight.`), saved with safetensors. bnb_nf4.ref.safetensors: for each weight, what
 `bitsandbytes.functional.dequantize_4bit` returns for it (in the layer's dtype), the values qcore's
-reader must reproduce bit for bit. bnb_nf4_rows.safetensors: a layer whose 64-blocks cross rows
-(in_features 96), which qcore refuses.
+reader must reproduce bit for bit. bnb_nf4_rows.safetensors: layers whose 64-blocks cross rows
+(in_features 96, and 37 with an odd element count), which qcore reads as blocks over the flattened
+tensor (docs/spec.md E7); bnb_nf4_rows.ref.safetensors: their `dequantize_4bit`.
 
     python scripts/make_bnb_fixture.py --check FILE OUT
 
@@ -58,8 +59,12 @@ def main() -> None:
     save_file(state, os.path.join(OUT, "bnb_nf4.safetensors"), metadata={"format": "pt"})
     save_file(ref, os.path.join(OUT, "bnb_nf4.ref.safetensors"))
     rows = layer(4, 96, torch.float32, False, 64)
-    save_file({f"rows.{k}": v.contiguous() for k, v in rows.state_dict().items()},
-              os.path.join(OUT, "bnb_nf4_rows.safetensors"))
+    rows_state, rows_ref = {}, {}
+    for name, lin in (("rows", rows), ("odd", layer(3, 37, torch.float32, False, 64))):
+        rows_state.update({f"{name}.{k}": v.contiguous() for k, v in lin.state_dict().items()})
+        rows_ref[f"{name}.weight"] = F.dequantize_4bit(lin.weight.data, lin.weight.quant_state).contiguous()
+    save_file(rows_state, os.path.join(OUT, "bnb_nf4_rows.safetensors"), metadata={"format": "pt"})
+    save_file(rows_ref, os.path.join(OUT, "bnb_nf4_rows.ref.safetensors"))
     print(f"wrote {len(state)} tensors; bitsandbytes {bnb.__version__}, torch {torch.__version__}")
 
 

@@ -31,8 +31,9 @@ from qcore.arithmetic import decode, effective_scale, encode, slot_statistic, st
 from qcore.reference import ReferenceBackend
 from qcore.scheme import QuantScheme, QuantStore, ScaleDtype, StoreKind
 
-NARROW_EXPECT = "q8s/tensor:f32/native,q8s/block*:f32/native"
-"""What the narrow plugin's author says it supports (`--expect` patterns)."""
+NARROW_EXPECT = "q8s/tensor:f32/native,q8s/block*:f32/native,q8s/block*:f32/native/flat"
+"""What the narrow plugin's author says it supports (`--expect` patterns): its own schemes, and
+their blocks over the flattened tensor, which the core runs on its hooks (docs/spec.md E7)."""
 FULL_EXPECT = "*"
 """The full model supports every scheme."""
 

@@ -58,7 +58,7 @@ def test_signed_and_code_rule_strata_hold_the_space_under_each_variant():
     assert {x.id for x in ruled} == {f"{r}/{k}" for r in ("signed", "codes:away", "codes:offset")
                                      for k in ("tensor", "block")}
     assert min(x.index for x in ruled) > max(x.index for x in S.strata() if not x.id.startswith(
-        ("signed", "codes:", "affine:")))
+        ("signed", "codes:", "affine:", "order:", "flat/")))
     for x in ruled:
         assert all(s.signed for s in x.candidates) if x.id.startswith("signed") else \
             all(s.code_rule.value == x.id.split("/")[0][6:] for s in x.candidates)
@@ -68,6 +68,26 @@ def test_signed_and_code_rule_strata_hold_the_space_under_each_variant():
     assert qcore.PRESETS["q4_1"] in affine["affine:min/block"].candidates
     assert all(s.traits.unsigned for s in affine["affine:min/block"].candidates)
     assert {s.traits.unsigned for s in affine["affine:zero/block"].candidates} == {True, False}
+
+
+def test_layout_strata_hold_each_packed_or_one_dim_block_scheme_under_e6_and_e7():
+    """docs/spec.md E6, E7: `order:high` / `order:split` per packed store kind hold every packed
+    scheme of the space in that order (split groups of max(16, 2n)), `flat/*` every one-dim block
+    scheme with its blocks over the flattened tensor; they come last and stay out of the groups."""
+    space = set(C.scheme_space(full=True)) | set(C.SPACE_PRESETS)
+    layout_strata = {x.id: x for x in S.strata() if x.id.startswith(("order:", "flat/"))}
+    assert set(layout_strata) == {f"order:{o}/{k}" for o in ("high", "split") for k in ("packed_u32", "packed_native")} \
+        | {f"flat/{lv}" for lv in ("block", "two-level", "two-level-recip")}
+    got = {s for x in layout_strata.values() for s in x.candidates}
+    assert got == {v for s in space for v in S._layout_variants(s)}
+    packed = [s for s in space if s.store.kind.value != "native"]
+    assert {s.with_field_order("high") for s in packed} <= got
+    assert all(s.flat_blocks and len(s.block.dims) == 1 for s in layout_strata["flat/block"].candidates)
+    assert all(s.store.group == max(16, 2 * s.store.word_bits // s.bits)
+               for s in layout_strata["order:split/packed_u32"].candidates)
+    assert min(x.index for x in layout_strata.values()) > max(
+        x.index for x in S.strata() if not x.id.startswith(("order:", "flat/")))
+    assert not any(s.flat_blocks or s.field_order.value != "low" for g in S.groups() for s in g.candidates)
 
 
 def test_bounds_inputs_aim_at_each_rules_boundaries():
@@ -219,7 +239,8 @@ def test_strata_subset_spreads_over_groups():
     the scale dtypes and store kinds over between groups, and spreads a smaller cap evenly."""
     from qcore.conformance import sampling as S
 
-    rules = {"round:rne", "round:mx", "signed", "codes:away", "codes:offset", "affine:min", "affine:zero"}
+    rules = {"round:rne", "round:mx", "signed", "codes:away", "codes:offset", "affine:min", "affine:zero", "order",
+             "flat"}
     groups = {g.id for g in S.groups()} | rules
     assert S.strata_subset(None) == S.strata()
     v1 = [s for s in S.strata() if S.is_v1_stratum(s)]

@@ -53,10 +53,31 @@ def test_bitsandbytes_file_is_detected_and_described(checkpoint):
     assert not any(".absmax" in k or "quant_state" in k for k in checkpoint.tensors)
 
 
-def test_blocks_that_cross_rows_are_refused():
-    with pytest.raises(UnrepresentableError, match=r"'rows.weight': bitsandbytes blocks of 64 run over the flattened "
-                                                   r"tensor; with shape \[4, 96\] they cross rows"):
-        qf.read(os.path.join(DATA, "bnb_nf4_rows.safetensors"))
+ROWS = os.path.join(DATA, "bnb_nf4_rows.safetensors")          # blocks of 64 that cross rows
+ROWS_REF = os.path.join(DATA, "bnb_nf4_rows.ref.safetensors")
+
+
+@pytest.mark.parametrize("be_name", ["reference", "lutcpu"])
+def test_blocks_that_cross_rows_decode_like_dequantize_4bit(request, be_name):
+    """Layers of in_features 96 and 37 (an odd element count: a half byte at the end), blocks of 64
+    over the flattened weight: read as blocks over the flattened tensor (docs/spec.md E7), decoded
+    bit for bit as bitsandbytes' dequantize_4bit."""
+    be = get_backend(be_name, request)
+    ck, want = qf.read(ROWS), qf.read(ROWS_REF).tensors
+    for name, shape in (("rows.weight", (4, 96)), ("odd.weight", (3, 37))):
+        d = ck.tensors[name]
+        assert d.scheme == qcore.scheme("q4s-lookup[nf4]/block64:f32:flat") and d.shape == shape
+        assert_bits_equal(be.to_numpy(be.dequantize(be.from_data(d))), want[name])
+
+
+def test_blocks_that_cross_rows_come_back_byte_for_byte(tmp_path):
+    report = qf.convert(ROWS, tmp_path / "o.safetensors", "bitsandbytes")
+    assert report.lossless
+    got, meta = _tensors(tmp_path / "o.safetensors")
+    want, want_meta = _tensors(ROWS)
+    assert meta == want_meta and got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and got[k].tobytes() == v.tobytes(), k
 
 
 # ----------------------------------------------------------- the documented layout, written here
@@ -185,9 +206,27 @@ def test_qcore_nf4_writes_what_bitsandbytes_decodes(tmp_path):
     assert qf.detect(tmp_path / "o.safetensors").name == "bitsandbytes"
 
 
+@pytest.mark.parametrize("text", ["q4s-lookup[nf4]/block64:f32:flat", "q4s-lookup[nf4]/block64:f32:flat/packed_native/order:high",
+                                  "q4s-lookup[nf4]/block128:f32:flat/packed_native"])
+def test_flat_nf4_of_any_shape_is_written_as_bitsandbytes_lays_it_out(tmp_path, text):
+    """Blocks over the flattened tensor (E7) are bitsandbytes' own blocks: any shape is written,
+    whatever qcore's store and field order, and decodes (documented layout) to qcore's values."""
+    x = np.random.default_rng(5).standard_normal((5, 39)).astype(np.float32)
+    q = qcore.quantize(x, text, backend="reference")
+    qcore.save(tmp_path / "a.safetensors", {"w": q})
+    qf.convert(tmp_path / "a.safetensors", tmp_path / "o.safetensors", "bitsandbytes")
+    t, _ = _tensors(tmp_path / "o.safetensors")
+    block = qcore.scheme(text).block.dims[0]
+    assert json.loads(t["w.quant_state.bitsandbytes__nf4"].tobytes())["blocksize"] == block
+    assert_bits_equal(bnb_dequantize(t["w"], t["w.absmax"], (5, 39), block), np.asarray(qcore.dequantize(q)))
+    back = qf.read(tmp_path / "o.safetensors").tensors["w"]
+    assert back.scheme == qcore.scheme(f"q4s-lookup[nf4]/block{block}:f32:flat")
+    assert np.array_equal(back.codes(), q.to_data().codes()) and np.array_equal(back.scales(), q.to_data().scales())
+
+
 @pytest.mark.parametrize("text,shape,why", [
     ("q4s-lookup[nf4]/block32:f32", (2, 64), "blocksizes are 64"),
-    ("nf4", (2, 96), "must be a multiple of 64"),
+    ("nf4", (2, 96), "must be a multiple of 64, or the blocks over the flattened tensor"),
     ("q4s-lookup[nf4]/block64:f16", (2, 64), "q4s-lookup\\[nf4\\]/block<B>:f32"),
     ("q4s/block64:f32", (2, 64), "holds nf4"),
 ])

@@ -142,9 +142,14 @@ def store_label(s: QuantScheme) -> str:
 
 
 def rules_label(s: QuantScheme) -> str:
-    """The rules beyond SPEC v1's that a scheme uses (docs/spec.md E1, E3-E5), as its text parts
-    joined by '/': '' for none, e.g. 'signed/round:rne/codes:offset', 'min:f16/round:rne'."""
-    parts = [str(s.offset)] if s.offset is not None else []
+    """The rules beyond SPEC v1's that a scheme uses (docs/spec.md E1, E3-E7), as its text parts
+    joined by '/': '' for none, e.g. 'signed/round:rne/codes:offset', 'min:f16/round:rne',
+    'flat/order:high'."""
+    parts = ["flat"] if s.flat_blocks else []
+    if s.store.order_text:
+        parts.append(s.store.order_text)
+    if s.offset is not None:
+        parts.append(str(s.offset))
     if s.signed:
         parts.append("signed")
     if s.scale_round.value != "up":

@@ -23,6 +23,8 @@ rule's (`codes:away`, `codes:offset`) hold it with and without `rne` and signed 
 `signed` ones signed scales under `up` and `rne`; the `q8_0` / `q4_0` presets among them. Affine
 offsets (E5) add strata per (offset kind, level kind): `affine:zero/*` (zero points on signed and
 unsigned values), `affine:min/*` (min offsets on unsigned values, with llama.cpp's Q4_1 rules too).
+Field orders (E6) add `order:high/*` and `order:split/*` per packed store kind, and blocks over the
+flattened tensor (E7) `flat/*` per level kind.
 
 The per-scheme checks (bad input, ops, cross-backend) run on coarser **groups**, one per
 (value x mode, level kind), on one supported candidate each. `--full` takes every candidate of
@@ -38,8 +40,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import SchemeError
-from ..scheme import (PRESETS, SIGNED_SCALE_DTYPES, CodeRule, Offset, OffsetKind, QuantScheme, QuantValue, ScaleDtype,
-                      ScaleRound)
+from ..scheme import (PRESETS, SIGNED_SCALE_DTYPES, BlockLevel, CodeRule, FieldOrder, Offset, OffsetKind, QuantScheme,
+                      QuantValue, ScaleDtype, ScaleRound, StoreKind)
 from . import cases as C
 from . import checks as K
 
@@ -144,10 +146,31 @@ def _space() -> tuple[QuantScheme, ...]:
     for s in v1:  # affine offsets (E5)
         for v in _affine_variants(s):
             seen.setdefault(v)
+    for s in v1:  # field orders and blocks over the flattened tensor (E6, E7)
+        for v in _layout_variants(s):
+            seen.setdefault(v)
     return tuple(seen)
 
 
+def _layout_variants(s: QuantScheme) -> list[QuantScheme]:
+    """docs/spec.md E6 and E7 on a v1 scheme: a packed store's fields HIGH and SPLIT (groups of
+    max(16, 2n) elements, so lines end in a partial group), and a one-dim block level over the
+    flattened tensor (packing axis 0); [] where neither applies."""
+    out = []
+    st = s.store
+    if st.kind is not StoreKind.NATIVE:
+        n = st.word_bits // s.bits
+        out += [s.with_field_order(FieldOrder.HIGH), s.with_field_order(FieldOrder.SPLIT, max(16, 2 * n))]
+    if s.block is not None and len(s.block.dims) == 1 and st.dim == 0:
+        out.append(replace(s, block=BlockLevel(s.block.dims, s.block.dtype, True)))
+    return out
+
+
 def _key(s: QuantScheme) -> str:
+    if s.flat_blocks:
+        return f"flat/{level_kind(s)}"
+    if s.field_order is not FieldOrder.LOW:
+        return f"order:{s.field_order}/{s.store.kind.value}"
     if s.offset is not None:
         return f"affine:{s.offset.kind}/{level_kind(s)}"
     if s.code_rule is not CodeRule.DIV:
@@ -203,6 +226,10 @@ def group_of(st: Stratum) -> str:
     """The group a stratum is drawn with by `strata_subset`: its (value x mode, level kind), or
     `round:RULE`, `signed`, `codes:RULE` for a rule's strata."""
     s = st.candidates[0]
+    if s.flat_blocks:
+        return "flat"
+    if s.field_order is not FieldOrder.LOW:
+        return "order"
     if s.offset is not None:
         return f"affine:{s.offset.kind}"
     if s.code_rule is not CodeRule.DIV:

@@ -16,14 +16,16 @@ custom table when `quant_map` is not NF4), with nibbles swapped into SPEC's orde
 undone first, exactly as bitsandbytes does: `absmax = f32(nested_quant_map[code] *
 nested_absmax[i // nested_blocksize]) + f32(nested_offset)`, which gives f32 absmax values.
 
-Refused, with the reason: blocks that do not follow the last axis (qcore's block grid is per axis;
-the flattened blocks match it only when the tensor is 1-D or its last dim is a multiple of the
-blocksize), quant_type fp4 (its table holds +0 and -0 and is not increasing, which LOOKUP excludes),
-and absmax values that are negative or not finite.
+Where the tensor is 1-D or its last dim is a multiple of the blocksize, the flattened blocks are
+qcore's per-axis blocks and the scheme is the v1 one; otherwise (blocks that cross rows) it is
+`q4s-lookup[nf4]/block<B>:f32:flat`, blocks over the flattened tensor (docs/spec.md E7).
+Refused, with the reason: quant_type fp4 (its table holds +0 and -0 and is not increasing, which
+LOOKUP excludes), and absmax values that are negative or not finite.
 
 Writing takes `q4s-lookup[nf4]/block<B>:f32` tensors (B a bitsandbytes blocksize, 64 ... 4096;
-blocks along the last axis whose extent B divides, or a 1-D tensor) and writes the layout above
-without double quant: the same codes and f32 absmax, so bitsandbytes decodes the same values.
+blocks along the last axis whose extent B divides, or a 1-D tensor) and `.../block<B>:f32:flat`
+ones of any shape, in any store and field order, and writes the layout above without double
+quant: the same codes and f32 absmax, so bitsandbytes decodes the same values.
 A file bitsandbytes wrote without double quant comes back byte for byte. `dtype` in the state is
 the layer's dtype recorded on read (`bitsandbytes.dtypes`), else float32. Other tables are
 refused: bitsandbytes' CUDA kernels decode nf4 with their built-in table, not `quant_map`.
@@ -46,6 +48,7 @@ __all__ = ["BnbNF4Format"]
 STATE_SUFFIX = ".quant_state.bitsandbytes__"
 DTYPES_KEY = "bitsandbytes.dtypes"   # JSON {name: original dtype}, what bitsandbytes casts to
 _NF4 = np.asarray(PRESETS["nf4"].table, np.float32)
+_NF4_ZERO = int(np.argmin(np.abs(_NF4)))  # index 7
 _PARTS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
 BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 """bitsandbytes' 4-bit blocksizes that qcore writes."""
@@ -90,15 +93,10 @@ def _tensor(arrays: dict[str, np.ndarray], w: str, st: dict) -> QuantizedData:
         )
     shape = tuple(int(d) for d in st["shape"])
     block = int(st["blocksize"])
-    if len(shape) > 1 and shape[-1] % block:
-        raise UnrepresentableError(
-            f"bitsandbytes blocks of {block} run over the flattened tensor; with shape {list(shape)} they "
-            f"cross rows (last dim {shape[-1]} is not a multiple of {block}), and qcore's blocks follow the "
-            "last axis (flattened blocks are a planned scheme extension); keep this tensor in bitsandbytes"
-        )
+    crosses_rows = len(shape) > 1 and shape[-1] % block != 0  # then blocks over the flattened tensor (E7)
     table = arrays[w + ".quant_map"].astype(np.float32).reshape(-1)
     try:
-        sch = QuantScheme(QuantValue.Q4S).per_block([block], ScaleDtype.F32)
+        sch = QuantScheme(QuantValue.Q4S).per_block([block], ScaleDtype.F32, flat=crosses_rows)
         sch = sch.with_mode(QuantMode.LOOKUP, "nf4" if np.array_equal(table, _NF4) else tuple(table.tolist()))
     except SchemeError as e:
         raise UnrepresentableError(f"its quant_map is not a LOOKUP table: {e}") from None
@@ -122,17 +120,18 @@ def _write_check(value: QuantizedData) -> Support:
     block = s.block.dims[0]
     if block not in BLOCKSIZES:
         return Support.no(f"bitsandbytes blocksizes are {', '.join(map(str, BLOCKSIZES))}, got {block}")
-    if len(value.shape) > 1 and value.shape[-1] % block:
+    if not s.flat_blocks and len(value.shape) > 1 and value.shape[-1] % block:
         return Support.no(f"bitsandbytes blocks run over the flattened tensor: the last dim of {list(value.shape)} "
-                          f"must be a multiple of {block}")
+                          f"must be a multiple of {block}, or the blocks over the flattened tensor "
+                          f"(q4s-lookup[nf4]/block{block}:f32:flat)")
     return Support.yes()
 
 
 def _write_tensor(name: str, value: QuantizedData, dtype: str) -> dict[str, np.ndarray]:
     """The state dict entries of one nf4 weight (no double quant), as bitsandbytes writes them."""
     codes = value.codes().reshape(-1).astype(np.uint8)
-    if codes.size % 2:
-        codes = np.concatenate([codes, np.zeros(1, np.uint8)])
+    if codes.size % 2:  # bitsandbytes quantizes a zero into the half byte left over: NF4's 0.0
+        codes = np.concatenate([codes, np.asarray([_NF4_ZERO], np.uint8)])
     packed = (codes[0::2] << np.uint8(4)) | codes[1::2]  # element 2k in the HIGH nibble
     state = {"quant_type": "nf4", "blocksize": value.scheme.block.dims[0], "dtype": dtype,
              "shape": [int(d) for d in value.shape]}

@@ -98,6 +98,10 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
     out: dict[str, Tensor] = {}
     for name, value in checkpoint.tensors.items():
         ok = writer.check(name, value)
+        if not ok and isinstance(value, QuantizedData) and value.scheme.low_order is not value.scheme:
+            low = value.in_low_order()  # a field order the target lacks (E6): the fields re-packed
+            if writer.check(name, low):
+                value, ok = low, writer.check(name, low)
         if ok:
             action = "rearranged" if isinstance(value, QuantizedData) else "copied"
             out[name] = value

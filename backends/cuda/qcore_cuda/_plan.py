@@ -245,3 +245,29 @@ def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, sim: bo
         Q[K.MM_AFF] = K.AFFINE_MIN if scheme.offset.kind is OffsetKind.MIN else K.AFFINE_ZERO
         Q[K.MM_NS] = math.prod(layout.grid_shape(shape, scheme))
     return Q
+
+
+def order_geometry(shape: tuple[int, ...], src: QuantScheme, dst: QuantScheme, tail: int = 0) -> np.ndarray:
+    """The `R` array of k_reorder: the values section of `shape` packed by `src`, re-packed in
+    `dst`'s field order (docs/spec.md E6; the two differ only in their store's order), and the
+    `tail` bytes after it copied."""
+    axis = layout.packing_axis(shape, src)
+    words = layout.words_shape(shape, src)
+    nf = layout.fields_per_word(src)
+    group = src.store.group or dst.store.group
+    R = np.zeros(K.OR_LEN, dtype=np.int64)
+    R[K.OR_VB] = layout.values_nbytes(shape, src)
+    R[K.OR_TAIL] = tail
+    R[K.OR_LOGN] = nf.bit_length() - 1
+    R[K.OR_NL] = math.prod(words) // words[axis]
+    R[K.OR_NG] = -(-shape[axis] // group) if group else 0
+    R[K.OR_NW] = math.prod(words)
+    R[K.OR_WL] = words[axis]
+    R[K.OR_IN] = math.prod(words[axis + 1:])
+    R[K.OR_EXT] = shape[axis]
+    R[K.OR_NF] = layout.fields_per_word(src)
+    R[K.OR_BITS] = src.bits
+    R[K.OR_WB] = src.store.word_bits // 8
+    R[K.OR_SRC], R[K.OR_SRCG] = K.ORDER_IDS.index(src.store.order.value), src.store.group
+    R[K.OR_DST], R[K.OR_DSTG] = K.ORDER_IDS.index(dst.store.order.value), dst.store.group
+    return R

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from qcore import layout
 from qcore.checks import check_input_dtype, check_output_dtype, raise_nonfinite, to_f32
 from qcore.errors import InputError
 from qcore.payload import QuantizedData, sections
@@ -163,6 +164,7 @@ class CudaBackend(BaseBackend):
 
     name = "cuda"
     priority = 30
+    packs_field_orders = True  # k_order.k_reorder on the device (docs/spec.md E6)
 
     @functools.cached_property
     def _status(self) -> tuple[bool, str]:
@@ -361,18 +363,56 @@ class CudaBackend(BaseBackend):
                 return None, CudaData(shape, scheme, cuda.to_device(got, stream=s.numba))
             payload.copy_to_device(got, stream=s.numba)
             return None, CudaData(shape, scheme, payload)
-        pl = self._prepared(shape, scheme, method)["plan"]
+        low = scheme.low_order  # the kernels pack SPEC §3's order; k_reorder moves the fields (E6)
+        pl = self._prepared(shape, low, method)["plan"]
         if payload is None:
             payload, target = _array.empty_view((pl.total_nbytes,), np.dtype(np.uint8), s)
             target = target.arg
         else:
             target = payload
+        low_target = target if low is scheme else _array.empty((pl.total_nbytes,), np.uint8, s)
         try:
-            self._launch_quantize(xd, shape, scheme, params, method, target, s)
+            self._launch_quantize(xd, shape, low, params, method, low_target, s)
         except BaseException:
             self.__dict__.pop("_scr", None)  # the statistics may not have been consumed
             raise
+        if low is not scheme:  # E6: the fields moved into the scheme's order, the rest copied
+            self._launch_reorder(low_target, target, shape, low, scheme, s)
         return (self._scratch()[2], xd), CudaData(shape, scheme, payload)
+
+    @functools.lru_cache(maxsize=64)
+    def _order_plan(self, shape: tuple[int, ...], src: QuantScheme, dst: QuantScheme) -> tuple:
+        """(device R array, threads' work items) of k_reorder for this shape and pair of field
+        orders, the payload's bytes after the values copied with them."""
+        from . import _plan
+
+        K = _k()
+        total = sections(shape, src).total
+        R = _plan.order_geometry(shape, src, dst, total - layout.values_nbytes(shape, src))
+        split = "split" in (src.store.order.value, dst.store.order.value) and src.store.order != dst.store.order
+        items = int(R[K.OR_NL] * R[K.OR_NG]) if split else int(R[K.OR_NW])
+        return _cuda().to_device(R), max(items, int(R[K.OR_TAIL]))
+
+    def _launch_reorder(self, src, dst, shape: tuple[int, ...], src_scheme: QuantScheme, dst_scheme: QuantScheme,
+                        s: Any = _streams.DEFAULT) -> None:
+        """Enqueue k_reorder: dst = src's payload with the values' fields in dst_scheme's order (E6)."""
+        R, items = self._order_plan(shape, src_scheme, dst_scheme)
+        if items:
+            _streams.on(_k().k_reorder, _k().launch(items), s)(src, dst, R)
+
+    def _kernel_data(self, data: CudaData, s: Any = _streams.DEFAULT) -> CudaData:
+        """`data` as the dequantize and matmul kernels read it: in SPEC §3's field order. A tensor
+        in another order (E6) keeps a copy of its payload with the values re-packed, made once
+        (and again when quantize `out=` rewrites the tensor)."""
+        if data.scheme.store.order.value == "low":
+            return data
+        twin = data.cache.get("low")
+        if twin is None:
+            low = data.scheme.low_order
+            buf = _array.empty((int(data.payload.shape[0]),), np.uint8, s)
+            self._launch_reorder(data.payload, buf, data.shape, data.scheme, low, s)
+            twin = data.cache["low"] = CudaData(data.shape, low, buf)
+        return twin
 
     @guard(lambda self, x, scheme, method: (f"calibrate a {_shape_of(self, x)} tensor",
                                              4 * _numel(self, x) + _payload_bytes(self, x, scheme)))
@@ -415,9 +455,14 @@ class CudaBackend(BaseBackend):
         if params is not None:
             params = self._check_params(params, shape, scheme)
         s = _streams.resolve(stream, x)
+        ishape, inner = self._inner(shape, scheme)  # blocks over the flattened tensor (E7)
+        if ishape != shape:
+            x = self._reshape_input(x, ishape)
+        if params is not None and inner.block != scheme.block:
+            params = self._regrid(params, layout.grid_shape(ishape, inner))
         with quiet():
             target, payload = self._quantize_target(out, shape, scheme)
-            data = self._quantize(x, scheme, params, method, s, payload)
+            data = self._quantize(x, inner, params, method, s, payload)
             if target is None:
                 return QTensor(self, scheme, shape, data)
             self._refresh_decoded(target.data, s)
@@ -439,6 +484,10 @@ class CudaBackend(BaseBackend):
     def _refresh_decoded(self, data: CudaData, s: Any) -> None:
         """After new bytes went into a tensor's payload: decode its scales again into the arrays
         its cached launches point at (so those stay valid)."""
+        twin = data.cache.get("low")
+        if twin is not None:  # E6: the kernels' copy, re-packed from the new bytes
+            self._launch_reorder(data.payload, twin.payload, data.shape, data.scheme, twin.scheme, s)
+            data = twin
         got = data.cache.get("scales")
         if got is None:
             return
@@ -472,6 +521,7 @@ class CudaBackend(BaseBackend):
     def _launch_dequantize(self, data: CudaData, out, s: Any = _streams.DEFAULT) -> None:
         """Enqueue the dequantize kernels writing `out` (flat, C order) on stream `s`: the first
         of `paths.DEQUANTIZE` that applies."""
+        data = self._kernel_data(data, s)
         scales, gbuf = self._decoded_scales(data, s)
         call = DequantizeCall(self, _k(), data, self._prepared(data.shape, data.scheme, "minmax"), out, scales, gbuf,
                               self._code_flag(data), s)
@@ -492,6 +542,7 @@ class CudaBackend(BaseBackend):
         q2f, e2m1) never sets it: no read, no wait."""
         if data.scheme.valid_fields.all():
             return
+        data = self._kernel_data(data, s)
         flag = self._code_flag(data)
         if self._read_flag(flag, s):
             flag.copy_to_device(np.zeros(1, dtype=np.int32), stream=s.numba)
@@ -559,8 +610,20 @@ class CudaBackend(BaseBackend):
         dt = check_output_dtype(dtype)
         if out is not None and dt.kind == "V":
             raise InputError("dequantize out= takes float32, float16 or float64 arrays; leave it out for bfloat16")
-        with quiet():
-            return self._dequantize(q.data, dt, out, _streams.resolve(stream, out))
+        with quiet(), self._naming_elements(q):
+            y = self._dequantize(q.data, dt, out, _streams.resolve(stream, out))
+        return y if out is not None or tuple(y.shape) == q.shape else self._reshape_output(y, q.shape)
+
+    def _reshape_output(self, y: Any, shape: tuple[int, ...]) -> Any:
+        """A dequantized result in the tensor's shape (E7): a QArray over the same memory."""
+        from numba import config
+
+        if config.ENABLE_CUDASIM or isinstance(y, np.ndarray):
+            return y.reshape(shape)
+        qa = _array.qarray_class()
+        if isinstance(y, qa) and y.size:
+            return qa.fast(tuple(shape), y.dtype, y.gpu_data, getattr(y, "_producer", 0))
+        return y.reshape(shape)
 
     # ------------------------------------------------------------------ portable bytes
     @guard(lambda self, data: (f"load a {data.shape} {data.scheme} payload", data.nbytes))
@@ -615,6 +678,8 @@ class CudaBackend(BaseBackend):
         _k()  # the kernels, the memory pool and the disk cache, before the first allocation
         if len(w.shape) != 2:
             raise InputError(f"matmul needs a 2-D weight [K, N], got shape {w.shape}")
+        if w.data.shape != w.shape:  # E7: flattened blocks that cross rows: the core's matmul
+            return self._host_matmul(x, w, out, stream)
         xv = _array.view_of(x)
         xshape, xdt = (xv.nd_shape, xv.dtype) if xv is not None else self._shape_dtype(x)
         if np.dtype(xdt).kind != "f":
@@ -642,10 +707,32 @@ class CudaBackend(BaseBackend):
             self._launch_matmul(xd, w.data, m, ov.arg, s)
         return res
 
+    def _host_matmul(self, x: Any, w: QTensor, out: Any, stream: Any) -> Any:
+        """`qcore.ops.matmul` (the weight dequantized here, the product on the host), the result
+        put on the device as `matmul` returns it: for weights no kernel reads in [K, N] form
+        (blocks over the flattened tensor that cross rows, docs/spec.md E7)."""
+        from qcore import ops
+
+        with quiet():
+            y = np.ascontiguousarray(ops.matmul(self, self.to_numpy(x) if not isinstance(x, np.ndarray) else x, w),
+                                     dtype=np.float32)
+            s = _streams.resolve(stream, x)
+            if out is not None:
+                ov = _array.check_out(out, y.shape, (np.dtype(np.float32),), "matmul")
+                ov.numba().copy_to_device(y.reshape(-1), stream=s.numba)
+                s.synchronize()
+                return out
+            res = _array.empty(y.shape, np.float32, s)
+            if y.size:
+                res.copy_to_device(y, stream=s.numba)
+                s.synchronize()
+            return res
+
     def _launch_matmul(self, xd, data: CudaData, m: int, out, s: Any = _streams.DEFAULT) -> None:
         """Enqueue `out[m, N] = x[m, K] @ w` (x, out flat and C order) on stream `s`: a launch
         already packed for this weight and m at once (the host time of a decode step), else the
         first of `paths.MATMUL` that applies."""
+        data = self._kernel_data(data, s)
         st = data.cache.get(("gemv", m))
         if st is not None and type(xd) is _array.DevView and xd.ptr % 16 == 0:
             run_packed(st, xd, out, m, s)

@@ -5,7 +5,7 @@ By concern: `layouts.py` (the parameter arrays `P`, `F`, `RP`, `TP`, `MQ`, one l
 unique field names), `grids.py` (launch configuration: register caps, SM count, grid-stride
 sizes), `devmath.py` (codes, words, group reductions), `scales.py` (the round-up and scale
 words), and one module per kernel family: `k_general.py`, `k_rows.py`, `k_tile.py`,
-`k_matmul.py`. The fast kernels are in `fast.py`, the GEMV in `gemv.py`, the tensor-core GEMV
+`k_matmul.py`, `k_order.py` (field orders, docs/spec.md E6). The fast kernels are in `fast.py`, the GEMV in `gemv.py`, the tensor-core GEMV
 in `tc.py`.
 
 Kernels live at module level in modules that import `numba.cuda` at the top: the CUDA simulator
@@ -25,6 +25,7 @@ from .k_general import (  # noqa: E402,F401
     k_convert_f16, k_convert_f64, k_decode_scales, k_dequant, k_error_partials, k_fill2, k_first_extreme, k_quant,
     k_quant_fused, k_scales, k_slot_stats, k_take_extreme, k_tensor_range, k_tensor_stats, k_zero_stats,
 )
+from .k_order import k_reorder  # noqa: E402,F401
 from .k_matmul import MM_BDX, MM_BDY, MM_COLS, MM_SH, k_matmul, k_zero, launch_matmul  # noqa: E402,F401
 from .k_rows import ROW_TPB, k_rows_dequant, k_rows_quant, launch_rows  # noqa: E402,F401
 from .k_tile import TILE_SH, TILE_SHW, TILE_WARPS, k_tile_quant, launch_tiles  # noqa: E402,F401
@@ -54,6 +55,7 @@ SIGNATURES: dict[str, list[str]] = {
     "k_matmul": ["void(float32[::1], uint8[::1], uint32[::1], int64[::1], float32[::1], float32[::1], "
                  "float32[::1], float32[::1])"],
     "k_zero": ["void(float32[::1])"],
+    "k_reorder": ["void(uint8[::1], uint8[::1], int64[::1])"],
     "k_zero_stats": ["void(float64[::1], float32[::1])"],
     "k_tile_quant": ["void(float32[::1], int64[::1], float32[::1], uint32[::1], uint8[::1], uint8[::1], int32[::1], "
                      "float32[::1], float32[::1])"],

@@ -58,3 +58,13 @@ T_LEN = 20
 MM_LEN = 24
 
 AFFINE_MIN, AFFINE_ZERO = 1, 2  # P[M_AFFINE]
+
+# OR: the field-order kernel (k_order.py), int64. The values section is `lines` lines of WL
+# words along the packing axis, with IN words between neighbours of a line (the axes after it).
+# OR_VB: bytes of the values section, OR_TAIL: bytes after it (copied as they are), OR_LOGN:
+# log2 of the fields per word, OR_NL: lines (the other axes' extents multiplied), OR_NG: groups of
+# the split side per line.
+(OR_NW, OR_WL, OR_IN, OR_EXT, OR_NF, OR_BITS, OR_WB, OR_SRC, OR_SRCG, OR_DST, OR_DSTG, OR_VB, OR_TAIL, OR_LOGN,
+ OR_NL, OR_NG) = range(16)
+OR_LEN = 16
+ORDER_IDS = ("low", "high", "split")  # OR_SRC / OR_DST: FieldOrder values by index

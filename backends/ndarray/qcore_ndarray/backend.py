@@ -277,22 +277,23 @@ class NdarrayBackend(BaseBackend):
         full float weight never exists. Anything unusual goes to `qcore.ops.matmul` (its checks,
         its error text, and its generic path for a weight packed along K)."""
         w = self._own(w)
-        if (w.scheme.affine or len(w.shape) != 2 or not isinstance(x, np.ndarray) or x.dtype.kind != "f"
-                or x.ndim < 1 or x.shape[-1] != w.shape[0] or w.scheme.store.kind is not StoreKind.NATIVE
-                and w.scheme.store.dim != 0):
+        data: NdQuantized = w.data  # its shape and scheme: what the kernels see (E6, E7: the core's forms)
+        sch = data.scheme
+        if (sch.affine or len(w.shape) != 2 or data.shape != w.shape or not isinstance(x, np.ndarray)
+                or x.dtype.kind != "f" or x.ndim < 1 or x.shape[-1] != w.shape[0]
+                or sch.store.kind is not StoreKind.NATIVE and sch.store.dim != 0):
             return super().matmul(x, w)
-        data: NdQuantized = w.data
         k_rows, n_cols = w.shape
-        block = layout.full_block(w.shape, w.scheme)
+        block = layout.full_block(w.shape, sch)
         br = block[0] if block else 1
         step = max(br, (self.MATMUL_ROWS // br) * br)
-        row_bytes = layout.values_nbytes((1, n_cols), w.scheme)  # codes of one row of w
+        row_bytes = layout.values_nbytes((1, n_cols), sch)  # codes of one row of w
         x = x.astype(np.float32, copy=False)
         out = np.zeros(x.shape[:-1] + (n_cols,), dtype=np.float32)
         for k0 in range(0, k_rows, step):
             k1 = min(k_rows, k0 + step)
             scales = data.scales if block is None else data.scales[k0 // br: -(-k1 // br)]
-            rows = NdQuantized((k1 - k0, n_cols), w.scheme, data.values[k0 * row_bytes: k1 * row_bytes],
+            rows = NdQuantized((k1 - k0, n_cols), sch, data.values[k0 * row_bytes: k1 * row_bytes],
                                scales, data.global_scale)
             out += x[..., k0:k1] @ self._dequantize(rows, np.dtype(np.float32))
         return out
