@@ -737,7 +737,37 @@ _SIGNED = re.compile(r"^signed$")
 _OFFSET = re.compile(r"^(?P<kind>min|zero)(:(?P<dtype>[a-z0-9]+))?$")
 _CODES = re.compile(r"^codes:(?P<rule>[a-z0-9]+)$")
 
+_PARTS = (("block", _BLOCK), ("tensor", _TENSOR), ("store", _STORE), ("order", _ORDER), ("round", _ROUND),
+          ("offset", _OFFSET), ("signed", _SIGNED), ("codes", _CODES))
+"""The parts of a scheme's text after the value, by kind (each at most once)."""
+
 _EXAMPLES = "e.g. 'q8s', 'q4s/block32:f16', 'e2m1/block16:ue4m3/tensor:f32/packed_native', 'nf4'"
+
+
+def _part_kind(piece: str, text: str) -> str:
+    for what, rx in _PARTS:
+        if rx.match(piece):
+            return what
+    raise SchemeError(f"cannot parse scheme {text!r}: unknown part {piece!r}; {_EXAMPLES}")
+
+
+def _over_preset(name: str, extra: list[str], text: str) -> str:
+    """A preset's text with `extra` parts put over it: each replaces the preset's part of its
+    kind or joins it ('nf4/block128:f32', 'q4_0/packed_native/order:split32')."""
+    parts = str(PRESETS[name]).split("/")
+    kinds = [None] + [_part_kind(p, text) for p in parts[1:]]
+    given: set[str] = set()
+    for piece in extra:
+        what = _part_kind(piece, text)
+        if what in given:
+            raise SchemeError(f"cannot parse scheme {text!r}: {what} given twice")
+        given.add(what)
+        if what in kinds:
+            parts[kinds.index(what)] = piece
+        else:
+            parts.append(piece)
+            kinds.append(what)
+    return "/".join(parts)
 
 
 def scheme(text: str | QuantScheme) -> QuantScheme:
@@ -754,8 +784,8 @@ def scheme(text: str | QuantScheme) -> QuantScheme:
     if t in PRESETS:
         return PRESETS[t]
     pieces = t.split("/")
-    if pieces[0] in PRESETS and len(pieces) == 2 and _ROUND.match(pieces[1]):  # 'mxfp4/round:mx'
-        return PRESETS[pieces[0]].with_scale_round(_ROUND.match(pieces[1])["rule"])
+    if pieces[0] in PRESETS and len(pieces) > 1:  # 'mxfp4/round:mx', 'q4_0/packed_native/order:split32'
+        return scheme(_over_preset(pieces[0], pieces[1:], text))
     m = _HEAD.match(pieces[0])
     if not m:
         raise SchemeError(f"cannot parse scheme {text!r}: bad value {pieces[0]!r}; {_EXAMPLES}")
@@ -768,13 +798,8 @@ def scheme(text: str | QuantScheme) -> QuantScheme:
             kwargs["table"] = TABLES[m["table"]]
     seen: set[str] = set()
     for piece in pieces[1:]:
-        for what, rx in (("block", _BLOCK), ("tensor", _TENSOR), ("store", _STORE), ("order", _ORDER),
-                         ("round", _ROUND), ("offset", _OFFSET), ("signed", _SIGNED), ("codes", _CODES)):
-            pm = rx.match(piece)
-            if pm:
-                break
-        else:
-            raise SchemeError(f"cannot parse scheme {text!r}: unknown part {piece!r}; {_EXAMPLES}")
+        what = _part_kind(piece, text)
+        pm = dict(_PARTS)[what].match(piece)
         if what in seen:
             raise SchemeError(f"cannot parse scheme {text!r}: {what} given twice")
         seen.add(what)

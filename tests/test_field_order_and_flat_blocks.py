@@ -40,6 +40,21 @@ def test_text_round_trips(text):
     assert str(s) == text and qcore.scheme(str(s)) == s
 
 
+@pytest.mark.parametrize("text,want", [
+    ("q4_0/packed_native/order:split32", "q4f/block32:f16/packed_native/order:split32/signed/round:rne/codes:offset"),
+    ("nf4/block64:f32:flat/packed_native/order:high", "q4s-lookup[nf4]/block64:f32:flat/packed_native/order:high"),
+    ("nf4/block128:f32", "q4s-lookup[nf4]/block128:f32"),
+    ("mxfp4/round:mx", "e2m1/block32:ue8m0/packed_native/round:mx"),
+])
+def test_a_preset_takes_more_parts(text, want):
+    assert str(qcore.scheme(text)) == want
+
+
+def test_a_preset_part_given_twice_is_refused():
+    with pytest.raises(SchemeError, match="given twice"):
+        qcore.scheme("nf4/round:rne/round:up")
+
+
 def test_builders_and_defaults():
     s = QuantScheme(QuantValue.Q4S).per_block([64], ScaleDtype.F32, flat=True).with_store(PackedNative(0, "high"))
     assert str(s) == "q4s/block64:f32:flat/packed_native/order:high"
