@@ -63,9 +63,9 @@ def flat_form(shape: Sequence[int], scheme: QuantScheme) -> tuple[tuple[int, ...
     where S's last axis holds whole blocks, whole words and whole split groups, those bytes are
     also S under `scheme.unflat` (blocks [B] never cross a row, no word is padded), and that form
     is returned, so the 2-D kernels (matmul) apply. Other schemes pass through."""
-    shape = tuple(int(d) for d in shape)
     if not scheme.flat_blocks:
-        return shape, scheme
+        return tuple(shape), scheme
+    shape = tuple(int(d) for d in shape)
     inner = scheme.unflat
     last = shape[-1] if shape else 0
     st = inner.store

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -321,6 +321,10 @@ def _coerce(enum_cls, v, what: str):
     raise SchemeError(f"unknown {what} {v!r}; use one of {choices}")
 
 
+_NATIVE = QuantStore(StoreKind.NATIVE)
+_PACKED_U32_0 = QuantStore(StoreKind.PACKED_U32, 0)
+
+
 @dataclass(frozen=True)
 class QuantScheme:
     """An immutable, hashable quantization scheme (SPEC §1).
@@ -444,11 +448,23 @@ class QuantScheme:
                 f"up or rne, got {self}; e.g. q8s/block32:f16/round:rne/codes:away"
             )
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once (schemes key the backends' plan caches on every call)."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __reduce__(self):
+        # the fields only: a cached hash is of this process (str hashes are salted per process)
+        return (type(self), tuple(getattr(self, f.name) for f in fields(self)))
+
     # ------------------------------------------------------------------ derived facts
     @staticmethod
     def default_store(value: QuantValue) -> QuantStore:
         """`Native` for 8-bit values, `PackedU32(0)` for sub-byte ones."""
-        return Native() if value.bits == 8 else PackedU32(0)
+        return _NATIVE if value.bits == 8 else _PACKED_U32_0
 
     @property
     def store(self) -> QuantStore:
@@ -468,14 +484,14 @@ class QuantScheme:
     @property
     def field_order(self) -> FieldOrder:
         """The packed store's field order (docs/spec.md E6); LOW for v1 and Native."""
-        return self.store.order
+        return FieldOrder.LOW if self._store is None else self._store.order
 
     @property
     def low_order(self) -> "QuantScheme":
         """The same scheme with SPEC §3's field order (the same codes, packed element 0 lowest)."""
-        if self.store.order is FieldOrder.LOW:
+        if self._store is None or self._store.order is FieldOrder.LOW:
             return self
-        return replace(self, _store=QuantStore(self.store.kind, self.store.dim))
+        return replace(self, _store=QuantStore(self._store.kind, self._store.dim))
 
     @property
     def traits(self) -> ValueTraits:
