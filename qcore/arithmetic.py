@@ -112,7 +112,7 @@ def slot_statistic(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -
     """Per scale slot: `max |x|` (minmax) or `mean |x|` (absmean, f64 sum, one f32 rounding);
     for signed scales the slot's signed extreme (`signed_extreme`, minmax only)."""
     if scheme.signed:
-        _require_minmax(scheme, method)
+        require_method(scheme, method)
         return signed_extreme(x, scheme)
     a = np.abs(x)
     block = layout.block_extents(x.shape, scheme)
@@ -188,15 +188,17 @@ def calibrate(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -> QPa
     if scheme.reciprocal_global:
         return store_reciprocal(slot_statistic(x, scheme, method), scheme)
     if scheme.affine:
-        _require_minmax(scheme, method)
+        require_method(scheme, method)
         return affine_params(x, scheme)[0]
     return store_scales(raw_scales(x, scheme, method), scheme)
 
 
-def _require_minmax(scheme: QuantScheme, method: str) -> None:
-    if method != "minmax":
-        raise InputError(f"{scheme} takes the minmax statistic (signed scales: the signed extreme; affine "
-                         f"offsets: the slot's min and max), not {method!r}")
+def require_method(scheme: QuantScheme, method: str) -> None:
+    """The one home of which calibration methods a scheme takes: signed scales (docs/spec.md E3,
+    the slot's signed extreme) and affine offsets (E5, the slot's min and max) take minmax only."""
+    if (scheme.signed or scheme.affine) and method != "minmax":
+        raise InputError(f"{scheme} takes the minmax statistic (signed scales: the signed extreme, "
+                         f"docs/spec.md E3; affine offsets: the slot's min and max, E5), not {method!r}")
 
 
 def round_scales(s: np.ndarray, scheme: QuantScheme, slot: ScaleSlot | None = None) -> np.ndarray:
@@ -327,7 +329,7 @@ def quantize(x: np.ndarray, scheme: QuantScheme, params: QParams | None = None,
         if scheme.reciprocal_global:
             params = calibrate(x, scheme, method)
         elif scheme.affine:
-            _require_minmax(scheme, method)
+            require_method(scheme, method)
             params, raw, raw_off = affine_params(x, scheme)
         else:
             raw = raw_scales(x, scheme, method)

@@ -313,9 +313,8 @@ class BaseBackend(abc.ABC):
     def _check_method(method: str, scheme: QuantScheme | None = None) -> str:
         if method not in CALIBRATION_METHODS:
             raise InputError(f"unknown calibration method {method!r}; use one of {CALIBRATION_METHODS}")
-        if scheme is not None and (scheme.signed or scheme.affine) and method != "minmax":
-            raise InputError(f"{scheme} takes the minmax statistic (signed scales: the signed extreme, "
-                             f"docs/spec.md E3; affine offsets: the slot's min and max, E5), not {method!r}")
+        if scheme is not None:
+            arithmetic.require_method(scheme, method)
         return method
 
     def _own(self, q: Any) -> QTensor:
