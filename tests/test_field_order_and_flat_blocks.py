@@ -263,3 +263,27 @@ def test_convert_repacks_an_order_the_target_lacks(tmp_path):
     assert report.lossless
     back = qf.read(tmp_path / "a.gguf").tensors["w"]
     assert np.array_equal(back.codes(), d.codes()) and np.array_equal(back.scales(), d.scales())
+
+
+@pytest.mark.parametrize("text", ["q4s/block16:f16/packed_native/order:split32", "q2s/block4:f32/packed_u32:1/order:high",
+                                  "q8s/block8x4:f32/packed_u32/order:split8"])
+@pytest.mark.parametrize("name", ["reference", "cuda"])
+def test_ops_keep_a_field_order(text, name, request):
+    """reshape, permute, slice and cat move codes and scales (exact where the layout allows) and
+    keep the scheme's field order; cuda's results are the reference's bytes."""
+    be = get_backend(name, request)
+    s = qcore.scheme(text)
+    x = _x((8, 48), 10)
+    q, r = be.quantize(x, s), REF.quantize(x, s)
+    y = REF.dequantize(r)
+    cases = [  # (op, the same op on the floats where it is exact here: blocks whole along the cuts)
+        (lambda b, t: b.reshape(t, (4, 96)), None),  # the last extent changes: requantized
+        (lambda b, t: b.permute(t, (1, 0)), lambda a: a.T),
+        (lambda b, t: b.slice(t, (slice(0, 8), slice(16, 48))), lambda a: a[0:8, 16:48]),
+        (lambda b, t: b.cat([t, t], axis=0), lambda a: np.concatenate([a, a], axis=0)),
+    ]
+    for op, on_floats in cases:
+        got, want = op(be, q).to_data(), op(REF, r).to_data()
+        assert got == want and got.scheme.store.order == s.store.order
+        if on_floats is not None:
+            assert np.array_equal(REF.dequantize(REF.from_data(want)), on_floats(y))
