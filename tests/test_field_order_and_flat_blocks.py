@@ -128,15 +128,17 @@ def test_split_with_a_partial_last_group():
     "q4s/order:high", "q2s/packed_native:1/order:split8", "q2s/packed_u32/order:split48", "q8s/packed_u32/order:split8",
     "q8s/packed_u32:1/order:high", "e2m1/block16:ue4m3/tensor:f32/packed_native/order:split16",
 ])
-@pytest.mark.parametrize("shape", [(3, 37), (2, 48), (5, 3, 20)])
+@pytest.mark.parametrize("shape", [(3, 37), (2, 48), (5, 3, 20), (3, 64), (1,)])
 def test_cuda_reorder_kernel_moves_fields_as_the_reference_does(text, shape, request):
     """`k_reorder` both ways between SPEC §3's order and the scheme's (whole and partial groups,
-    packing axes 0 and 1, bytes and u32 words), the bytes after the values copied, against
-    `layout.reorder_values`."""
+    packing axes 0 and 1, bytes and u32 words, a values section that ends inside a u32 and one
+    shorter than a u32), the bytes after the values copied, against `layout.reorder_values`."""
     be = get_backend("cuda", request)
     from numba import cuda
 
     s = qcore.scheme(text)
+    if s.store.dim >= len(shape):
+        pytest.skip(f"{text} packs axis {s.store.dim}: needs rank > {s.store.dim}")
     d = REF.quantize(_x(shape, 2), s).to_data()
     low = d.in_low_order()
     for src, dst in ((low, d), (d, low)):
