@@ -8,6 +8,7 @@ full-size temporaries, one readable step per rule.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +18,7 @@ from .checks import raise_nonfinite, to_f32
 from .codecs import F32_TINY, SCALE_SLOTS, ScaleSlot, rule_codes, scale_slot_id
 from .errors import InputError
 from .payload import QuantizedData
-from .scheme import OffsetKind, QuantScheme
+from .scheme import CodeRule, OffsetKind, QuantScheme
 
 __all__ = [
     "QParams",
@@ -317,6 +318,29 @@ def reciprocal_codes(x: np.ndarray, raw: np.ndarray, scheme: QuantScheme,
     return rule_codes(y, scheme.code_rule.value, t.qmin, t.qmax)
 
 
+MIDPOINT_FLOOR = np.float32(1e-38)
+"""The least raw scale the midpoint rule divides by (bitsandbytes' `absmax.clamp(min=1e-38)`)."""
+
+
+def midpoint_codes(x: np.ndarray, raw: np.ndarray, scheme: QuantScheme) -> np.ndarray:
+    """docs/spec.md E4, `midpoint` (LOOKUP; bitsandbytes' quantize_4bit): per slot `s =
+    max(raw scale, 1e-38)`; `y = f32(x * f32(1 / s))` in a slot that holds a whole block,
+    `f32(x / s)` in a partial one; `y` clamped to the table's range; the code is the number of
+    midpoints `f32((t[i] + t[i+1]) / 2)` below `y` (a tie takes the lower entry)."""
+    table = np.asarray(scheme.require_table(), np.float32)
+    mids = ((table[:-1] + table[1:]) / np.float32(2)).astype(np.float32)
+    s = np.maximum(np.asarray(raw, np.float32), MIDPOINT_FLOOR)
+    r = (np.float32(1) / s).astype(np.float32)
+    block = layout.block_extents(x.shape, scheme)
+    whole = np.ones(np.shape(s), bool) if block is None else _slot_counts(x.shape, block) == math.prod(block)
+    with np.errstate(over="ignore"):
+        y = np.where(layout.expand_to_elements(whole, x.shape, scheme),
+                     x * layout.expand_to_elements(r, x.shape, scheme),
+                     x / layout.expand_to_elements(s, x.shape, scheme)).astype(np.float32)
+    y = np.clip(y, table[0], table[-1])
+    return np.searchsorted(mids, y, side="left").astype(np.uint8)
+
+
 def quantize(x: np.ndarray, scheme: QuantScheme, params: QParams | None = None,
              method: str = "minmax") -> QuantizedData:
     """SPEC §2.1-2.5 in a row: f32 input checked finite, scales calibrated unless given, codes
@@ -334,7 +358,9 @@ def quantize(x: np.ndarray, scheme: QuantScheme, params: QParams | None = None,
         else:
             raw = raw_scales(x, scheme, method)
             params = store_scales(raw, scheme)
-    if scheme.reciprocal_codes:
+    if scheme.code_rule is CodeRule.MIDPOINT:
+        codes = midpoint_codes(x, params.scales if raw is None else raw, scheme)
+    elif scheme.reciprocal_codes:
         codes = reciprocal_codes(x, params.scales if raw is None else raw, scheme,
                                  (params.offsets if raw_off is None else raw_off) if scheme.affine else None)
     elif scheme.affine:

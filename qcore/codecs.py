@@ -544,7 +544,7 @@ def scale_round_kernel(jit: Callable, f2u: Callable, u2f: Callable) -> Callable:
     return jit(round_scale)
 
 
-CODE_RULES = ("div", "away", "offset")
+CODE_RULES = ("div", "away", "offset", "midpoint")  # midpoint: LOOKUP only (no kernel backend runs LOOKUP)
 """Code rules by kernel id (docs/spec.md E4): SPEC v1's `x / e` (0), then the reciprocal rules."""
 
 
@@ -565,7 +565,7 @@ def rule_codes(y: np.ndarray, rule: str, qmin: float, qmax: float) -> np.ndarray
         t = (y + np.float32(c0 + np.float32(0.5))).astype(np.float32)
         t = np.clip(t, np.float32(0), np.float32(qmax - qmin))
         return (np.trunc(t) - c0).astype(np.int8)
-    raise ValueError(f"unknown code rule {rule!r}; use one of {CODE_RULES[1:]}")
+    raise ValueError(f"unknown integer code rule {rule!r}; use one of {CODE_RULES[1:3]}")
 
 
 def code_rule_kernel(jit: Callable) -> Callable:

@@ -101,14 +101,17 @@ class ScaleRound(enum.Enum):
 
 
 class CodeRule(enum.Enum):
-    """How quantize turns `x` into integer codes (docs/spec.md E4). DIV is SPEC v1 §2.5:
-    `y = x / e`, round half to even. AWAY and OFFSET multiply by the reciprocal of the slot's
-    raw scale and round as llama.cpp's quantizers do: half away from zero (Q8_0), or
-    `trunc(y + c0 + 0.5) - c0` on offset codes (Q4_0, `c0 = -qmin`)."""
+    """How quantize turns `x` into codes (docs/spec.md E4). DIV is SPEC v1 §2.5: `y = x / e`,
+    round half to even (LOOKUP: the nearest entry). AWAY and OFFSET (integer values) multiply by
+    the reciprocal of the slot's raw scale and round as llama.cpp's quantizers do: half away
+    from zero (Q8_0), or `trunc(y + c0 + 0.5) - c0` on offset codes (Q4_0, `c0 = -qmin`).
+    MIDPOINT (LOOKUP) multiplies likewise and counts the table's f32 midpoints below `y`
+    (bitsandbytes' quantize_4bit)."""
 
     DIV = "div"
     AWAY = "away"
     OFFSET = "offset"
+    MIDPOINT = "midpoint"
 
     def __str__(self) -> str:
         return self.value
@@ -441,7 +444,12 @@ class QuantScheme:
                               "e.g. u4/block32:f16/min:f16")
         if self.code_rule is not CodeRule.DIV and self.offset is not None and self.offset.kind is OffsetKind.ZERO:
             raise SchemeError(f"the code rules apply to min offsets, not to zero points, got {self}")
-        if self.code_rule is not CodeRule.DIV and (
+        if self.code_rule is CodeRule.MIDPOINT:
+            if mode is not QuantMode.LOOKUP or self.two_level or self.scale_round is ScaleRound.MX:
+                raise SchemeError(
+                    f"code rule midpoint needs a LOOKUP scheme with one scale level and rounding up or rne, got "
+                    f"{self}; e.g. nf4/block64:f32:flat/packed_native/order:high/codes:midpoint")
+        elif self.code_rule is not CodeRule.DIV and (
                 t.is_float or mode is not QuantMode.SYMMETRIC or self.two_level or self.scale_round is ScaleRound.MX):
             raise SchemeError(
                 f"code rule {self.code_rule} needs an integer value, symmetric mode, one scale level and rounding "

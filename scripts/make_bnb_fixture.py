@@ -11,6 +11,13 @@ reader must reproduce bit for bit. bnb_nf4_rows.safetensors: layers whose 64-blo
 (in_features 96, and 37 with an odd element count), which qcore reads as blocks over the flattened
 tensor (docs/spec.md E7); bnb_nf4_rows.ref.safetensors: their `dequantize_4bit`.
 
+    python scripts/make_bnb_fixture.py --quantize
+
+writes bnb_nf4_quantize.safetensors: inputs `x.K` and what bitsandbytes' own `quantize_4bit`
+makes of them (`w.K` packed codes, `absmax.K`), with each case's blocksize in the metadata:
+ties at every midpoint, zero and tiny blocks, a partial last block, an odd element count and
+an f16 input. qcore's `codes:midpoint` rule must write the same bytes.
+
     python scripts/make_bnb_fixture.py --check FILE OUT
 
 checks the other direction with bitsandbytes' own code: FILE is a state dict qcore wrote
@@ -84,8 +91,35 @@ def check(path: str, out: str) -> None:
     print(f"decoded {len(decoded)} weights with bitsandbytes {bnb.__version__}")
 
 
+def quantize_cases() -> None:
+    import json
+
+    torch.manual_seed(1)
+    code = F.get_4bit_type("nf4", device="cpu").float()
+    mids = (code[:-1] + code[1:]) / 2
+    ties = torch.cat([mids, -mids, torch.tensor([1.0]), torch.zeros(64 - 31)])[:64]
+    cases = {
+        "rows": (torch.randn(8, 96) * torch.rand(8, 1) * 3, 64),
+        "odd": (torch.randn(3, 37), 64),
+        "flat": (torch.randn(1000), 128),
+        "wide": (torch.randn(7, 100) * torch.rand(7, 1), 128),
+        "ties": (torch.cat([ties * 2.5, ties * 0.75, -ties]), 64),
+        "zero-tiny-huge": (torch.cat([torch.zeros(64), torch.randn(64) * 1e-39, torch.randn(64) * 1e30]), 64),
+        "f16": (torch.randn(6, 64).half(), 64),
+    }
+    out, meta = {}, {}
+    for name, (x, block) in cases.items():
+        packed, st = F.quantize_4bit(x, blocksize=block, quant_type="nf4")
+        out[f"x.{name}"], out[f"w.{name}"], out[f"absmax.{name}"] = x.contiguous(), packed.contiguous(), st.absmax
+        meta[name] = block
+    save_file(out, os.path.join(OUT, "bnb_nf4_quantize.safetensors"), metadata={"blocksizes": json.dumps(meta)})
+    print(f"wrote {len(cases)} quantize cases; bitsandbytes {bnb.__version__}, torch {torch.__version__}")
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--check"]:
         check(sys.argv[2], sys.argv[3])
+    elif sys.argv[1:2] == ["--quantize"]:
+        quantize_cases()
     else:
         main()

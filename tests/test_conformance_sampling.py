@@ -51,12 +51,13 @@ def test_signed_and_code_rule_strata_hold_the_space_under_each_variant():
     (signed, rounding, code rule) variant that is valid, the q8_0 / q4_0 presets among them, after
     the v1 and rounding strata; the per-scheme groups keep v1's rules."""
     space = set(C.scheme_space(full=True)) | set(C.SPACE_PRESETS)
-    ruled = [x for x in S.strata() if x.id.split("/")[0] in ("signed", "codes:away", "codes:offset")]
+    ruled = [x for x in S.strata() if x.id.split("/")[0] in ("signed", "codes:away", "codes:offset", "codes:midpoint")]
     got = {s for x in ruled for s in x.candidates}
     want = {v for s in space for var in S.RULE_VARIANTS if (v := S._variant(s, *var)) is not None}
     assert got == want and qcore.PRESETS["q8_0"] in got and qcore.PRESETS["q4_0"] in got
-    assert {x.id for x in ruled} == {f"{r}/{k}" for r in ("signed", "codes:away", "codes:offset")
+    assert {x.id for x in ruled} == {f"{r}/{k}" for r in ("signed", "codes:away", "codes:offset", "codes:midpoint")
                                      for k in ("tensor", "block")}
+    assert all(s.is_lookup for x in ruled if x.id.startswith("codes:midpoint") for s in x.candidates)
     assert min(x.index for x in ruled) > max(x.index for x in S.strata() if not x.id.startswith(
         ("signed", "codes:", "affine:", "order:", "flat/")))
     for x in ruled:
@@ -239,8 +240,8 @@ def test_strata_subset_spreads_over_groups():
     the scale dtypes and store kinds over between groups, and spreads a smaller cap evenly."""
     from qcore.conformance import sampling as S
 
-    rules = {"round:rne", "round:mx", "signed", "codes:away", "codes:offset", "affine:min", "affine:zero", "order",
-             "flat"}
+    rules = {"round:rne", "round:mx", "signed", "codes:away", "codes:offset", "codes:midpoint", "affine:min",
+             "affine:zero", "order", "flat"}
     groups = {g.id for g in S.groups()} | rules
     assert S.strata_subset(None) == S.strata()
     v1 = [s for s in S.strata() if S.is_v1_stratum(s)]

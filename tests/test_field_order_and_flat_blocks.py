@@ -289,3 +289,38 @@ def test_ops_keep_a_field_order(text, name, request):
         assert got == want and got.scheme.store.order == s.store.order
         if on_floats is not None:
             assert np.array_equal(REF.dequantize(REF.from_data(want)), on_floats(y))
+
+
+@pytest.mark.parametrize("text,ok", [
+    ("nf4/codes:midpoint", True), ("q4s-lookup[nf4]/tensor:f16/round:rne/codes:midpoint", True),
+    ("q4s/block32:f32/codes:midpoint", False), ("q4s-lookup[nf4]/block16:ue4m3/tensor:f32/codes:midpoint", False),
+    ("nf4/codes:away", False),
+])
+def test_the_midpoint_rule_is_for_lookup_schemes_with_one_level(text, ok):
+    if ok:
+        assert qcore.scheme(text).code_rule.value == "midpoint"
+    else:
+        with pytest.raises(SchemeError):
+            qcore.scheme(text)
+
+
+def test_the_midpoint_rule_divides_in_partial_blocks_and_takes_the_lower_entry_at_a_tie():
+    """docs/spec.md E4 `midpoint`, against a statement written out here: whole blocks multiply by
+    f32(1 / s), a partial block divides by s, y is clamped to the table, and the code counts the
+    f32 midpoints below y."""
+    s = qcore.scheme("nf4/block8:f32:flat/codes:midpoint")
+    t = np.asarray(s.table, np.float32)
+    mids = ((t[:-1] + t[1:]) / np.float32(2)).astype(np.float32)
+    x = np.concatenate([mids[:7], [np.float32(1)],                    # a whole block on its midpoints (s = 1)
+                        np.float32([0.1, -0.7, 2.9])]).astype(np.float32)  # a partial block
+    codes = REF.quantize(x, s).to_data().codes()
+    want = []
+    for blk, whole in ((x[:8], True), (x[8:], False)):
+        m = np.float32(np.abs(blk).max())
+        r = np.float32(np.float32(1) / m)
+        for v in blk:
+            y = np.float32(v * r) if whole else np.float32(v / m)
+            y = min(max(y, t[0]), t[-1])
+            want.append(int(np.sum(mids < y)))
+    assert codes.tolist() == want
+    assert codes[:7].tolist() == list(range(7))  # y on a midpoint: the lower entry

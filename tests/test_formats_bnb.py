@@ -236,3 +236,30 @@ def test_what_bitsandbytes_cannot_hold_is_refused(tmp_path, text, shape, why):
     with pytest.raises(UnrepresentableError, match=why):
         qf.convert(tmp_path / "a.safetensors", tmp_path / "o.safetensors", "bitsandbytes")
     assert not (tmp_path / "o.safetensors").exists()
+
+
+QUANTIZE = os.path.join(DATA, "bnb_nf4_quantize.safetensors")  # bitsandbytes' quantize_4bit, scripts/make_bnb_fixture.py --quantize
+
+
+@pytest.mark.parametrize("be_name", ["reference", "lutcpu"])
+def test_codes_midpoint_writes_bitsandbytes_quantize_bytes(tmp_path, request, be_name):
+    """`nf4/block<B>:f32:flat/packed_native/order:high/codes:midpoint` (docs/spec.md E4, E6, E7)
+    quantizes as bitsandbytes 0.50.2's own quantize_4bit: written in its layout, every case's
+    packed codes and absmax equal the tool's bytes (ties at every midpoint, zero, subnormal and
+    huge blocks, partial last blocks, an odd count, an f16 input)."""
+    be = get_backend(be_name, request)
+    from safetensors import safe_open
+
+    with safe_open(QUANTIZE, "np") as f:
+        blocks = json.loads(f.metadata()["blocksizes"])
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    tensors = {}
+    for name, block in blocks.items():
+        s = qcore.scheme(f"nf4/block{block}:f32:flat/packed_native/order:high/codes:midpoint")
+        tensors[name] = be.quantize(t[f"x.{name}"], s)
+    qcore.save(tmp_path / "q.safetensors", tensors)
+    qf.convert(tmp_path / "q.safetensors", tmp_path / "b.safetensors", "bitsandbytes")
+    got, _ = _tensors(tmp_path / "b.safetensors")
+    for name in blocks:
+        assert got[name].tobytes() == t[f"w.{name}"].tobytes(), name
+        assert got[f"{name}.absmax"].tobytes() == t[f"absmax.{name}"].astype("<f4").tobytes(), name

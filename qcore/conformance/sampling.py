@@ -19,8 +19,9 @@ The scale rounding rules other than SPEC v1's round-up (`rne`, `mx`) add strata 
 one per (rule, level kind, scale dtype) whatever the value and store: every scheme of the
 space under each rule that applies to it (not `rne` on F32 slots, where it is the identity).
 Signed scales and the code rules (docs/spec.md E3, E4) add strata per (rule, level kind): a code
-rule's (`codes:away`, `codes:offset`) hold it with and without `rne` and signed scales, the
-`signed` ones signed scales under `up` and `rne`; the `q8_0` / `q4_0` presets among them. Affine
+rule's (`codes:away`, `codes:offset`; `codes:midpoint` on LOOKUP schemes) hold it with and
+without `rne` (and the integer rules with signed scales), the `signed` ones signed scales under
+`up` and `rne`; the `q8_0` / `q4_0` presets among them. Affine
 offsets (E5) add strata per (offset kind, level kind): `affine:zero/*` (zero points on signed and
 unsigned values), `affine:min/*` (min offsets on unsigned values, with llama.cpp's Q4_1 rules too).
 Field orders (E6) add `order:high/*` and `order:split/*` per packed store kind, and blocks over the
@@ -90,8 +91,10 @@ RULE_VARIANTS: tuple[tuple[bool, ScaleRound, CodeRule], ...] = (
     (True, ScaleRound.UP, CodeRule.AWAY),
     (False, ScaleRound.UP, CodeRule.OFFSET), (True, ScaleRound.UP, CodeRule.OFFSET),
     (True, ScaleRound.RNE, CodeRule.OFFSET),
+    (False, ScaleRound.UP, CodeRule.MIDPOINT), (False, ScaleRound.RNE, CodeRule.MIDPOINT),
 )
-"""(signed, scale rounding, code rule) of docs/spec.md E3 and E4 that the space is taken under."""
+"""(signed, scale rounding, code rule) of docs/spec.md E3 and E4 that the space is taken under
+(the integer rules on integer values, `midpoint` on LOOKUP ones)."""
 
 
 def _variant(s: QuantScheme, signed: bool, rule: ScaleRound, codes: CodeRule) -> QuantScheme | None:

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from qcore import BaseBackend, QParams, QuantizedData, QuantScheme, StoreKind, Support
-from qcore.arithmetic import slot_effective, store_reciprocal
+from qcore.arithmetic import midpoint_codes, slot_effective, store_reciprocal
+from qcore.scheme import CodeRule
 from qcore.checks import raise_nonfinite, to_f32
 
 __all__ = ["LutCpuBackend", "LutTensor"]
@@ -175,13 +176,19 @@ class LutCpuBackend(BaseBackend):
         x = to_f32(x)
         raise_nonfinite(x)
         table = np.asarray(scheme.require_table(), np.float32)
+        raw = None
         if params is None:
+            if scheme.code_rule is CodeRule.MIDPOINT:  # the rule codes from the raw scales
+                raw = (slot_stat(x, _block(x.shape, scheme), method) / np.float32(np.max(np.abs(table))))
             params = calibrate(x, scheme, table, method)
-        e = element_scales(params, x.shape, scheme)
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            y = np.where(e == 0, np.float32(0), x / e).astype(np.float32)  # SPEC §2.5, e == 0 -> 0
-        return LutTensor(x.shape, scheme, nearest(y, table), np.asarray(params.scales, np.float32),
-                         params.global_scale, table)
+        if scheme.code_rule is CodeRule.MIDPOINT:  # docs/spec.md E4: the core's statement of the rule
+            index = midpoint_codes(x, np.asarray(params.scales if raw is None else raw, np.float32), scheme)
+        else:
+            e = element_scales(params, x.shape, scheme)
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                y = np.where(e == 0, np.float32(0), x / e).astype(np.float32)  # SPEC §2.5, e == 0 -> 0
+            index = nearest(y, table)
+        return LutTensor(x.shape, scheme, index, np.asarray(params.scales, np.float32), params.global_scale, table)
 
     def _dequantize(self, data: LutTensor, dtype: np.dtype) -> np.ndarray:
         e = element_scales(QParams(data.scales, data.global_scale), data.shape, data.scheme)
