@@ -61,3 +61,39 @@ def test_round_trip_codes_range_and_error_bound(case):
         # a zero point (docs/spec.md E5) rounds z too: one step
         bound = e * np.float32(1.0 if s.affine else 0.5) + 4 * np.finfo(np.float32).eps * np.abs(x) + 1e-30
         assert np.all(err <= bound)
+
+
+@st.composite
+def layout_cases(draw):
+    """A random case under docs/spec.md E6 / E7: a packed store in a random field order, or a
+    one-dim block level over the flattened tensor (or both)."""
+    s, x = draw(cases())
+    st_ = s.store
+    if st_.kind.value != "native" and draw(st.booleans()):
+        n = st_.word_bits // s.bits
+        order = draw(st.sampled_from(["high", "split"]))
+        s = s.with_field_order(order, n * draw(st.integers(2, 6)) if order == "split" else 0)
+    if s.block is not None and len(s.block.dims) == 1 and st_.dim == 0 and draw(st.booleans()):
+        s = s.per_block(s.block.dims, s.block.dtype, flat=True)
+        if s.tensor is not None:
+            s = s.per_tensor(s.tensor.dtype, reciprocal=s.tensor.reciprocal)
+    return s, x
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout_cases())
+def test_field_orders_and_flat_blocks_keep_the_codes_and_values(case):
+    """A field order changes only where fields sit: the same codes and values as SPEC §3's order,
+    re-packed both ways losslessly. Flat blocks are the flattened tensor's bytes."""
+    s, x = case
+    try:
+        d = ref.quantize(x, s).to_data()
+    except qcore.InputError:  # a block or packing axis the shape cannot take
+        return
+    low = ref.quantize(x, s.low_order).to_data()
+    assert d.in_low_order() == low
+    assert np.array_equal(d.codes(), low.codes()) and np.array_equal(ref.dequantize(ref.from_data(d)),
+                                                                      ref.dequantize(ref.from_data(low)))
+    assert ref.from_data(d).to_data() == d and qcore.QuantizedData(d.shape, str(d.scheme), d.payload) == d
+    if s.flat_blocks:
+        assert d.payload == ref.quantize(x.reshape(-1), s.unflat).to_data().payload
