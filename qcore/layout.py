@@ -69,8 +69,7 @@ def flat_form(shape: Sequence[int], scheme: QuantScheme) -> tuple[tuple[int, ...
     inner = scheme.unflat
     last = shape[-1] if shape else 0
     st = inner.store
-    n = 1 if st.kind is StoreKind.NATIVE else st.word_bits // inner.bits
-    if len(shape) > 1 and last and last % inner.block.dims[0] == 0 and last % n == 0 and \
+    if len(shape) > 1 and last and last % inner.block.dims[0] == 0 and last % fields_per_word(inner) == 0 and \
             (st.order is not FieldOrder.SPLIT or last % st.group == 0):
         return shape, inner
     return (math.prod(shape),), inner

@@ -72,14 +72,19 @@ def slot_stat(x: np.ndarray, block: tuple[int, ...] | None, method: str) -> np.n
     return (red / np.where(counts == 0, 1, counts)).astype(np.float32)
 
 
-def calibrate(x: np.ndarray, scheme: QuantScheme, table: np.ndarray, method: str) -> QParams:
-    """SPEC §2.1-2.3: s = stat / max|table|; two-level divides by g; rounded into the dtype by the
-    scheme's rule (`scheme.scale_rounding`: v1's round-up, or round to nearest even)."""
-    h = np.float32(np.max(np.abs(table)))
-    stat = slot_stat(x, _block(x.shape, scheme), method)
+def raw_scales(x: np.ndarray, scheme: QuantScheme, table: np.ndarray, method: str) -> np.ndarray:
+    """SPEC §2.1: the raw scale s = stat / max|table| per slot."""
+    return (slot_stat(x, _block(x.shape, scheme), method) / np.float32(np.max(np.abs(table)))).astype(np.float32)
+
+
+def calibrate(x: np.ndarray, scheme: QuantScheme, table: np.ndarray, method: str,
+              raw: np.ndarray | None = None) -> QParams:
+    """SPEC §2.1-2.3: s = stat / max|table| (`raw`, when the caller has it); two-level divides by
+    g; rounded into the dtype by the scheme's rule (`scheme.scale_rounding`: v1's round-up, or
+    round to nearest even)."""
     if scheme.reciprocal_global:  # the global stored as 1/g (docs/spec.md E2): qcore's own rule
-        return store_reciprocal(stat, scheme)
-    s = (stat / h).astype(np.float32)
+        return store_reciprocal(slot_stat(x, _block(x.shape, scheme), method), scheme)
+    s = raw_scales(x, scheme, table, method) if raw is None else raw
     g = None
     if scheme.two_level:
         top = np.float32(s.max()) if s.size else np.float32(0)
@@ -179,8 +184,8 @@ class LutCpuBackend(BaseBackend):
         raw = None
         if params is None:
             if scheme.code_rule is CodeRule.MIDPOINT:  # the rule codes from the raw scales
-                raw = (slot_stat(x, _block(x.shape, scheme), method) / np.float32(np.max(np.abs(table))))
-            params = calibrate(x, scheme, table, method)
+                raw = raw_scales(x, scheme, table, method)
+            params = calibrate(x, scheme, table, method, raw)
         if scheme.code_rule is CodeRule.MIDPOINT:  # docs/spec.md E4: the core's statement of the rule
             index = midpoint_codes(x, np.asarray(params.scales if raw is None else raw, np.float32), scheme)
         else:
