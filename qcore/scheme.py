@@ -689,8 +689,13 @@ class QuantScheme:
             default = self.default_store(self.value)
             if (self._store.kind, self._store.dim) != (default.kind, default.dim):
                 parts.append(str(self._store))
-            if self._store.order_text:
-                parts.append(self._store.order_text)
+        return "/".join(parts + self.rule_parts)
+
+    @property
+    def rule_parts(self) -> list[str]:
+        """The text parts, after the store, of the rules beyond SPEC v1 (docs/spec.md E1, E3-E6):
+        the field order, the offset, `signed`, `round:RULE`, `codes:RULE`; [] for none."""
+        parts = [self.store.order_text] if self.store.order_text else []
         if self.offset is not None:
             parts.append(str(self.offset))
         if self.signed:
@@ -699,7 +704,7 @@ class QuantScheme:
             parts.append(f"round:{self.scale_round}")
         if self.code_rule is not CodeRule.DIV:
             parts.append(f"codes:{self.code_rule}")
-        return "/".join(parts)
+        return parts
 
     def __repr__(self) -> str:
         return f"QuantScheme({str(self)!r})"

@@ -145,18 +145,7 @@ def rules_label(s: QuantScheme) -> str:
     """The rules beyond SPEC v1's that a scheme uses (docs/spec.md E1, E3-E7), as its text parts
     joined by '/': '' for none, e.g. 'signed/round:rne/codes:offset', 'min:f16/round:rne',
     'flat/order:high'."""
-    parts = ["flat"] if s.flat_blocks else []
-    if s.store.order_text:
-        parts.append(s.store.order_text)
-    if s.offset is not None:
-        parts.append(str(s.offset))
-    if s.signed:
-        parts.append("signed")
-    if s.scale_round.value != "up":
-        parts.append(f"round:{s.scale_round}")
-    if s.code_rule.value != "div":
-        parts.append(f"codes:{s.code_rule}")
-    return "/".join(parts)
+    return "/".join((["flat"] if s.flat_blocks else []) + s.rule_parts)
 
 
 SPACE_PRESETS: tuple[QuantScheme, ...] = tuple(p for p in PRESETS.values() if not rules_label(p))
