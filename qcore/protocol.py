@@ -172,6 +172,16 @@ class BaseBackend(abc.ABC):
             shape, scheme = layout.flat_form(shape, scheme)
         return shape, (scheme if self.packs_field_orders else scheme.low_order)
 
+    def _inner_call(self, x: Any, shape: tuple[int, ...], scheme: QuantScheme,
+                    params: QParams | None = None) -> tuple[Any, QuantScheme, QParams | None]:
+        """`x`, the scheme and explicit params as the hooks take them (`_inner`: E6, E7)."""
+        ishape, inner = self._inner(shape, scheme)
+        if ishape != shape:
+            x = self._reshape_input(x, ishape)
+        if params is not None and inner.block != scheme.block:
+            params = self._regrid(params, layout.grid_shape(ishape, inner))
+        return x, inner, params
+
     def _reshape_input(self, x: Any, shape: tuple[int, ...]) -> Any:
         """`x` (already checked) viewed in `shape`, for blocks over the flattened tensor (E7);
         override for arrays without `.reshape`."""
@@ -333,12 +343,9 @@ class BaseBackend(abc.ABC):
         shape = self._check_input(x, scheme)
         if math.prod(shape) == 0:
             return empty_params(shape, scheme)
-        ishape, inner = self._inner(shape, scheme)
-        if inner.block == scheme.block:
-            return self._calibrate(x, inner, method)
-        if ishape != shape:
-            x = self._reshape_input(x, ishape)
-        return self._regrid(self._calibrate(x, inner, method), layout.grid_shape(shape, scheme))
+        x, inner, _ = self._inner_call(x, shape, scheme)
+        p = self._calibrate(x, inner, method)
+        return p if inner.block == scheme.block else self._regrid(p, layout.grid_shape(shape, scheme))
 
     def quantize(self, x: Any, scheme: QuantScheme | str, *, params: QParams | None = None,
                  method: str = "minmax") -> QTensor:
@@ -352,11 +359,7 @@ class BaseBackend(abc.ABC):
             p = params or empty_params(shape, scheme)
             codes = np.zeros(shape, dtype=scheme.code_dtype)
             return self.from_data(QuantizedData.from_parts(shape, scheme, codes, p.scales, p.global_scale, p.offsets))
-        ishape, inner = self._inner(shape, scheme)
-        if ishape != shape:
-            x = self._reshape_input(x, ishape)
-        if params is not None and inner.block != scheme.block:
-            params = self._regrid(params, layout.grid_shape(ishape, inner))
+        x, inner, params = self._inner_call(x, shape, scheme, params)
         return QTensor(self, scheme, shape, self._quantize(x, inner, params, method))
 
     def dequantize(self, q: QTensor, dtype: Any = np.float32) -> Any:

@@ -455,11 +455,7 @@ class CudaBackend(BaseBackend):
         if params is not None:
             params = self._check_params(params, shape, scheme)
         s = _streams.resolve(stream, x)
-        ishape, inner = self._inner(shape, scheme)  # blocks over the flattened tensor (E7)
-        if ishape != shape:
-            x = self._reshape_input(x, ishape)
-        if params is not None and inner.block != scheme.block:
-            params = self._regrid(params, layout.grid_shape(ishape, inner))
+        x, inner, params = self._inner_call(x, shape, scheme, params)  # E6, E7: the hooks' form
         with quiet():
             target, payload = self._quantize_target(out, shape, scheme)
             data = self._quantize(x, inner, params, method, s, payload)
