@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, fields, replace
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -807,6 +807,20 @@ def scheme(text: str | QuantScheme) -> QuantScheme:
     """
     if isinstance(text, QuantScheme):
         return text
+    got = _PARSED.get(text) if isinstance(text, str) else None
+    if got is None:
+        got = _parse(text)
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.clear()
+        _PARSED[text] = got
+    return got
+
+
+_PARSED: dict[str, QuantScheme] = {}  # text -> scheme: a scheme is an immutable value, parsed once per text
+_PARSED_MAX = 1024
+
+
+def _parse(text: Any) -> QuantScheme:
     if not isinstance(text, str):
         raise SchemeError(f"a scheme is text or a QuantScheme, got {type(text).__name__}; {_EXAMPLES}")
     t = text.strip().lower()
