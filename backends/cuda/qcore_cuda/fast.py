@@ -476,6 +476,9 @@ def _dequant_kernel(kind: int, R: int | None = None, preload: bool = True):
     return k_fast_dequant
 
 
+AMAX_UNROLL = 4  # vector loads per thread per step of k_amax (benchmarked: 2, 4 and 8 within 1%)
+
+
 def k_amax_py(x, gs, flag, nruns):
     """Pass 1 of the TWO and TENSOR modes: gs[1] = max |x| over the tensor, flag on NaN/Inf."""
     shm = cuda.shared.array(1, float32)
@@ -483,13 +486,18 @@ def k_amax_py(x, gs, flag, nruns):
         shm[0] = float32(0.0)
     cuda.syncthreads()
     m = float32(0.0)
-    start = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
+    # x as 16-byte vectors, a warp's loads of one step adjacent (512 contiguous bytes), each
+    # thread with AMAX_UNROLL loads in flight: 4.6 TB/s on the H200, 1.25x the runs-per-thread order
+    nvec = nruns * int64(4)
     stride = int64(cuda.gridDim.x) * int64(cuda.blockDim.x)
-    for t in range(start, nruns, stride):
-        base = t << int64(4)
-        for j in range(4):
-            a0, a1, a2, a3 = ld4(x, base + int64(4 * j))
-            m = fmax_nan(m, fmax_nan(fmax_nan(abs(a0), abs(a1)), fmax_nan(abs(a2), abs(a3))))
+    t = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
+    while t < nvec:
+        for j in range(AMAX_UNROLL):
+            i = t + int64(j) * stride
+            if i < nvec:
+                a0, a1, a2, a3 = ld4(x, i << int64(2))
+                m = fmax_nan(m, fmax_nan(fmax_nan(abs(a0), abs(a1)), fmax_nan(abs(a2), abs(a3))))
+        t += stride * int64(AMAX_UNROLL)
     if not m <= float32(FLT_MAX):
         flag[0] = int32(1)
         m = float32(0.0)
@@ -500,7 +508,7 @@ def k_amax_py(x, gs, flag, nruns):
 
 
 _jit = K.jit_regs(64)
-k_amax = cuda.jit(k_amax_py)
+k_amax = _jit(k_amax_py)
 
 
 @lru_cache(maxsize=None)
