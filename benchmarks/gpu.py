@@ -334,9 +334,10 @@ def main(argv=None) -> int:
         res["gemv"].append(r)
         print(json.dumps(r), flush=True)
 
-    from qcore_cuda import _launch, paths
+    from qcore_cuda import _launch, _repeat, paths
 
     res["paths_taken"] = dict(paths.TAKEN)  # which path served the calls (qcore_cuda/paths)
+    res["repeat_calls"] = dict(_repeat.HITS)  # calls that skipped the checks (qcore_cuda/_repeat.py)
     res["packed_launches"] = dict(_launch.COUNTS)  # raw: cuLaunchKernel; cuda.core: its fallback
     print("packed launches by path:", res["packed_launches"], flush=True)
     os.makedirs(args.out, exist_ok=True)

@@ -198,6 +198,10 @@ def render_gpu(res: dict) -> str:
         taken = ", ".join(f"{k} {v}" for k, v in sorted(res["paths_taken"].items()))
         lines += ["", f"Paths chosen over the run (`qcore_cuda.paths.TAKEN`; a packed matmul skips the choice): "
                       f"{taken}."]
+    if res.get("repeat_calls"):
+        hits = ", ".join(f"{k} {v}" for k, v in sorted(res["repeat_calls"].items()))
+        lines += ["", f"Calls served as repeats over the run (`qcore_cuda._repeat.HITS`: a shape and scheme "
+                      f"already served, without the checks and the path choice): {hits}."]
     lines += ["", GEMV_NOTES]
     targets = gpu_targets(res)
     if targets:

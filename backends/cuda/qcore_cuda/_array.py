@@ -190,12 +190,21 @@ def qarray_class() -> Any:
     return QArray
 
 
+_SIM: list = []  # [numba's config.ENABLE_CUDASIM], read once: numba fixes it at import
+
+
+def _simulated() -> bool:
+    if not _SIM:
+        from numba import config
+
+        _SIM.append(bool(config.ENABLE_CUDASIM))
+    return _SIM[0]
+
+
 def empty_view(shape: tuple, dtype: np.dtype, stream: Any) -> tuple:
     """(result, DevView of it) for a non-empty result: `empty` without reading the new array's
     `__cuda_array_interface__` back."""
-    from numba import config
-
-    if config.ENABLE_CUDASIM:
+    if _simulated():
         res = empty(shape, dtype, stream)
         return res, view_of(res)
     n = 1

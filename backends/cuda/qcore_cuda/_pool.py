@@ -118,23 +118,28 @@ def _alloc_async(nbytes: int, pool: Any, stream: int) -> tuple:
     return _alloc_async(nbytes, pool, stream)
 
 
+_free: list = []  # [cuMemFreeAsync], looked up once
+
+
 def _free_async(ptr: int, stream: int) -> None:
     """The finalizer of a pool block: back to the pool in `stream`'s order. At interpreter exit
     the context may be gone; the driver frees the pool with it, so errors are ignored."""
     try:
-        from cuda.bindings import driver as cu
+        if not _free:
+            from cuda.bindings import driver as cu
 
-        cu.cuMemFreeAsync(ptr, stream)
+            _free.append(cu.cuMemFreeAsync)
+        _free[0](ptr, stream)
     except Exception:
         pass
 
 
 def _alloc_raw(pool: Any, nbytes: int, stream: int) -> int:
-    from cuda.bindings import driver as cu
-
     err, ptr = _alloc_async(nbytes, pool, stream)
     if not err:  # CUDA_SUCCESS
         return int(ptr)
+    from cuda.bindings import driver as cu
+
     if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:  # cached blocks of other sizes: give them back, retry
         _check(cu.cuStreamSynchronize(stream))
         _check(cu.cuMemPoolTrimTo(pool, 0))

@@ -11,7 +11,6 @@ import functools
 import math
 import os
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,7 +22,8 @@ from qcore.payload import QuantizedData, sections
 from qcore.protocol import BaseBackend, QParams, QTensor, Support
 from qcore.scheme import QuantScheme
 
-from . import _array, _streams
+from . import _array, _repeat, _streams
+from ._data import CudaData
 from ._launch import Packed
 from ._memory import guard
 from ._quiet import quiet
@@ -149,16 +149,6 @@ def _is_device_array(x: Any) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class CudaData:
-    """A quantized tensor on the device: its portable payload as one uint8 device array."""
-
-    shape: tuple[int, ...]
-    scheme: QuantScheme
-    payload: Any  # numba device array, uint8, the SPEC §3 bytes
-    cache: dict = field(default_factory=dict, compare=False, repr=False)  # decoded scales, matmul buffers
-
-
 class CudaBackend(BaseBackend):
     """Numba-CUDA kernels; every scheme except LOOKUP (SPEC §4)."""
 
@@ -169,6 +159,11 @@ class CudaBackend(BaseBackend):
     @functools.cached_property
     def _status(self) -> tuple[bool, str]:
         return cuda_status()
+
+    @functools.cached_property
+    def _repeats(self) -> dict:
+        """Quantize calls' decisions by (scheme as given, method, shape): `_repeat.QuantizeRepeat`."""
+        return {}
 
     @functools.cached_property
     def _checked_schemes(self) -> set:
@@ -238,23 +233,22 @@ class CudaBackend(BaseBackend):
         """An int32 device flag (non-finite input, invalid code): one 4-byte asynchronous copy
         into this thread's pinned word on the call's stream, then a wait for that stream alone
         (not the device)."""
-        from numba import config
-
-        if config.ENABLE_CUDASIM:
+        if _array._simulated():
             return int(flag.copy_to_host()[0])
-        from cuda.bindings import driver as cu
-
         loc = self._local
         host = getattr(loc, "host", None)
         if host is None:
+            from cuda.bindings import driver as cu
+
             host = loc.host = _cuda().pinned_array(1, dtype=np.int32)
+            loc.word, loc.copy, loc.wait = host.ctypes.data, cu.cuMemcpyDtoHAsync, cu.cuStreamSynchronize
         last = getattr(loc, "last", None)
         if last is None or last[0] is not flag:  # the flag's address, read again only for another flag
             last = loc.last = (flag, flag.__cuda_array_interface__["data"][0])
-        err = cu.cuMemcpyDtoHAsync(host.ctypes.data, last[1], 4, s.handle)[0]
-        if err == cu.CUresult.CUDA_SUCCESS:
-            err = cu.cuStreamSynchronize(s.handle)[0]
-        if err != cu.CUresult.CUDA_SUCCESS:
+        err = loc.copy(loc.word, last[1], 4, s.handle)[0]
+        if not err:  # CUDA_SUCCESS
+            err = loc.wait(s.handle)[0]
+        if err:
             from numba.cuda.cudadrv.driver import CudaAPIError
 
             raise CudaAPIError(err, f"reading a device flag failed: {err.name}")
@@ -301,7 +295,8 @@ class CudaBackend(BaseBackend):
             Gg = G.copy()
             Gg[fast.G_MODE] = fast.MODE_GIVEN
             pp["fast"] = dict(kind=kind, G=cuda.to_device(G), G_given=cuda.to_device(Gg), C=cuda.to_device(C),
-                              mode=int(G[fast.G_MODE]), nruns=int(G[fast.G_NRUNS]))
+                              mode=int(G[fast.G_MODE]), nruns=int(G[fast.G_NRUNS]),
+                              two_pass=int(G[fast.G_MODE]) != fast.MODE_BLOCK)  # the tensor's max |x| first
         if pl.TP is not None:
             pp["TP"] = cuda.to_device(pl.TP)
             pp["dummy32"] = cuda.device_array(1, dtype=np.uint32)
@@ -323,12 +318,12 @@ class CudaBackend(BaseBackend):
         """The fast path's (max pass, quantize, statistics reset) launches for this plan, scratch and
         `G` (calibrated or given mode), packed once (`_launch.Packed`): x and the payload change
         from call to call. Given explicit scales, `gbuf` is their device copy (new each call)."""
-        from . import fast
-
         asum, fs, flag = self._scratch()
         key = ("fast_quant", id(G), gbuf is None)
         got = pp.get(key)
         if got is None or got[0] is not flag:  # a new scratch after a non-finite input: pack again
+            from . import fast
+
             qgrid, qtpb = fast.launch(fp["nruns"])
             gb = fs if gbuf is None else gbuf
             got = pp[key] = (flag, (
@@ -447,8 +442,15 @@ class CudaBackend(BaseBackend):
           wait is for that stream, after a 4-byte read of the non-finite flag.
         """
         if out is None and stream is None:
+            if params is None:
+                q = _repeat.quantize_again(self, x, scheme, method)
+                if q is not None:
+                    return q
             with quiet():
-                return super().quantize(x, scheme, params=params, method=method)
+                q = super().quantize(x, scheme, params=params, method=method)
+            if params is None:
+                _repeat.remember_quantize(self, x, scheme, method, q)
+            return q
         scheme = self._require(scheme)
         self._check_method(method, scheme)
         shape = self._check_input(x, scheme)
@@ -599,6 +601,11 @@ class CudaBackend(BaseBackend):
         Where the scheme has invalid codes (SPEC v1.1 §3: Q8S/Q4S/Q2S, E4M3, E5M2), the only wait
         is for that stream, after a 4-byte read of the invalid-code flag; other schemes return
         without waiting."""
+        plain = out is None and stream is None and (dtype is None or dtype is np.float32)
+        if plain:
+            y = _repeat.dequantize_again(self, q)
+            if y is not None:
+                return y
         q = self._own(q)
         _k()  # the kernels, the memory pool and the disk cache, before the first allocation
         if dtype is None:
@@ -608,6 +615,8 @@ class CudaBackend(BaseBackend):
             raise InputError("dequantize out= takes float32, float16 or float64 arrays; leave it out for bfloat16")
         with quiet(), self._naming_elements(q):
             y = self._dequantize(q.data, dt, out, _streams.resolve(stream, out))
+        if plain:
+            _repeat.remember_dequantize(self, q)
         return y if out is not None or tuple(y.shape) == q.shape else self._reshape_output(y, q.shape)
 
     def _reshape_output(self, y: Any, shape: tuple[int, ...]) -> Any:
@@ -649,8 +658,6 @@ class CudaBackend(BaseBackend):
         return np.asarray(array)
 
     # ------------------------------------------------------------------ fused matmul
-    @guard(lambda self, x, w, **_: (f"multiply by a {w.shape} {w.scheme} weight",
-                                    4 * (_numel(self, x) // max(1, w.shape[0]) * w.shape[-1] + _numel(self, x))))
     def matmul(self, x: Any, w: QTensor, *, out: Any = None, stream: Any = None) -> Any:
         """`x @ dequantize(w)` with the weight dequantized inside the kernel.
 
@@ -668,6 +675,19 @@ class CudaBackend(BaseBackend):
         take the general kernel: 8 output columns per thread, k-chunks summed in shared memory
         and added to the output with f32 atomics (the last bits may vary from run to run).
         """
+        if stream is None:
+            y = _repeat.matmul_again(self, x, w, out)
+            if y is not None:
+                return y
+        y = self._matmul(x, w, out, stream)
+        if stream is None:
+            _repeat.remember_matmul(self, x, w)
+        return y
+
+    @guard(lambda self, x, w, *_: (f"multiply by a {w.shape} {w.scheme} weight",
+                                   4 * (_numel(self, x) // max(1, w.shape[0]) * w.shape[-1] + _numel(self, x))))
+    def _matmul(self, x: Any, w: QTensor, out: Any, stream: Any) -> Any:
+        """`matmul` the whole way: the checks, the path choice or a packed launch."""
         if not (isinstance(w, QTensor) and w.backend is self and w.scheme in self._checked_schemes):
             w = self._own(w)  # the full check (backend, availability, scheme support), once per scheme
             self._checked_schemes.add(w.scheme)

@@ -14,7 +14,8 @@ from qcore.scheme import QuantScheme
 from .. import _array
 from .._streams import on
 
-__all__ = ["QUANTIZE", "QuantizeCall", "FastQuantize", "TileQuantize", "FusedQuantize", "StagedQuantize"]
+__all__ = ["QUANTIZE", "QuantizeCall", "FastQuantize", "run_fast_quantize", "TileQuantize", "FusedQuantize",
+           "StagedQuantize"]
 
 
 @dataclass
@@ -93,16 +94,22 @@ class FastQuantize:
             not c.scheme.reciprocal_global and not c.general_only  # its G comes from k_scales (staged)
 
     def launch(self, c: QuantizeCall) -> None:
-        from .. import fast
-
         fp = c.fast_geometry
-        amax, quant, zero = c.be._fast_quant_launches(c.prepared, fp, c.xd, c.qw32, c.payload, fp["G"])
-        two_pass = fp["mode"] != fast.MODE_BLOCK
-        if two_pass:  # pass 1: the tensor's max |x| into the scratch
-            amax(c.xd, stream=c.s)
-        quant(c.xd, c.qw32, c.payload, stream=c.s)
-        if two_pass:  # the statistics scratch is consumed: zero it
-            zero(stream=c.s)
+        launches = c.be._fast_quant_launches(c.prepared, fp, c.xd, c.qw32, c.payload, fp["G"])
+        run_fast_quantize(launches, fp, c.xd, c.qw32, c.payload, c.s)
+
+
+def run_fast_quantize(launches: tuple, fp: dict, xd: Any, qw32: Any, payload: Any, s: Any) -> None:
+    """Enqueue the fast path's packed launches (`CudaBackend._fast_quant_launches`) for geometry
+    `fp`: block schemes take one pass; per-tensor and two-level ones the tensor's max |x| first,
+    and the statistics scratch is zeroed after."""
+    amax, quant, zero = launches
+    two_pass = fp["two_pass"]
+    if two_pass:  # pass 1: the tensor's max |x| into the scratch
+        amax(xd, stream=s)
+    quant(xd, qw32, payload, stream=s)
+    if two_pass:  # the statistics scratch is consumed: zero it
+        zero(stream=s)
 
 
 class TileQuantize:

@@ -1,0 +1,211 @@
+"""Repeat calls: quantize and dequantize of a shape and scheme already served, without the
+checks and the path choice that the first such call made.
+
+A call through `BaseBackend` parses the scheme, asks whether this backend supports it, checks
+x's dtype, shape and layout, works out the hooks' form (E6, E7) and the plan, and picks a path:
+several hundred Python operations, 50-150 us of host time on the H200's host, all of it before
+the first kernel starts. Their outcome depends only on the scheme as given, the method and x's
+shape (the dtype and alignment are checked again), so after a call that took the fast kernels
+the backend keeps what it decided in a `QuantizeRepeat` (`CudaBackend._repeats`, keyed by
+`(scheme as given, method, shape)`) and a tensor keeps its `DequantizeRepeat` in its cache. A
+later call that matches allocates its result, launches the same packed kernels and reads the
+flag; anything else (another dtype, a misaligned x, `params=`, `out=`, `stream=`, a failed
+allocation) takes the whole way, which raises what it should.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from qcore.protocol import QTensor
+from qcore.scheme import QuantScheme
+
+from . import _array, _streams
+from ._data import CudaData
+from ._quiet import quiet
+from .paths import TAKEN
+from .paths.matmul import run_packed
+from .paths.quantize import QUANTIZE, FastQuantize, QuantizeCall, run_fast_quantize
+
+__all__ = ["HITS", "QuantizeRepeat", "DequantizeRepeat", "MatmulRepeat", "quantize_again", "remember_quantize",
+           "dequantize_again", "remember_dequantize", "matmul_again", "remember_matmul"]
+
+_F32, _U8 = np.dtype(np.float32), np.dtype(np.uint8)
+HITS: Counter = Counter()  # calls served here, by operation (tests and benchmarks read it)
+MAX_REPEATS = 256  # distinct (scheme, method, shape) keys kept per backend; the table is cleared when full
+
+
+@dataclass(frozen=True)
+class QuantizeRepeat:
+    """What a quantize call of one (scheme as given, method, shape) decided: the scheme, the
+    plan's byte counts and its fast geometry (`prepared`), whose packed launches
+    `CudaBackend._fast_quant_launches` keeps."""
+
+    scheme: QuantScheme
+    shape: tuple[int, ...]
+    prepared: dict
+    nbytes: int  # the payload
+    values_nbytes: int  # its values section (the fast kernels' u32 words)
+    aligned: Any  # fast.aligned: x suits the fast kernels' vector loads (fast.py imports numba, so not here)
+
+
+@dataclass(frozen=True)
+class DequantizeRepeat:
+    """A tensor's packed fast dequantize launch (only the output changes), the shape of its
+    result and the invalid-code flag to read (None: every field is a value)."""
+
+    launch: Any
+    shape: tuple[int, ...]
+    flag: Any
+
+
+@dataclass(frozen=True)
+class MatmulRepeat:
+    """A weight's packed GEMV or tensor-core launch for one shape of x (`paths.matmul.run_packed`),
+    x's row count and the result's shape."""
+
+    packed: tuple
+    m: int
+    out_shape: tuple[int, ...]
+
+
+def quantize_again(be: Any, x: Any, scheme: Any, method: str) -> QTensor | None:
+    """`be.quantize(x, scheme, method=method)` for a key a fast call has served, or None (the
+    caller then takes the whole way)."""
+    try:
+        v = _array.view_of(x)
+    except Exception:  # noqa: BLE001 - the whole way raises the proper error
+        return None
+    if v is None or v.dtype != _F32:
+        return None
+    rep = be._repeats.get((scheme, method, v.nd_shape))
+    if rep is None or not rep.aligned(v):
+        return None
+    s = _streams.resolve(None, x)
+    try:
+        payload, pv = _array.empty_view((rep.nbytes,), _U8, s)
+    except Exception:  # noqa: BLE001 - out of memory: the whole way trims the pool or explains
+        return None
+    xd, pd = v.arg, pv.arg  # (the simulator's arrays under the simulator)
+    qw32 = _array.prefix(pd, rep.values_nbytes, np.uint32)
+    fp = rep.prepared["fast"]
+    try:
+        launches = be._fast_quant_launches(rep.prepared, fp, xd, qw32, pd, fp["G"])
+        with quiet():
+            run_fast_quantize(launches, fp, xd, qw32, pd, s)
+    except BaseException:
+        be.__dict__.pop("_scr", None)  # the statistics may not have been consumed
+        raise
+    TAKEN["FastQuantize"] += 1
+    HITS["quantize"] += 1
+    q = QTensor(be, rep.scheme, rep.shape, CudaData(rep.shape, rep.scheme, payload))  # while the kernels run
+    be._raise_if_flagged(be._scratch()[2], xd, rep.shape, s)
+    return q
+
+
+def remember_quantize(be: Any, x: Any, scheme_arg: Any, method: str, q: QTensor) -> None:
+    """After a whole-way quantize that returned `q`: keep its decisions for the key when the
+    fast kernels served it with nothing the key leaves out (x float32 on the device, the
+    scheme in its own form)."""
+    if not be._fast[0]:
+        return
+    try:
+        v = _array.view_of(x)
+    except Exception:  # noqa: BLE001
+        return
+    if v is None or v.dtype != _F32 or be._inner(q.shape, q.scheme) != (q.shape, q.scheme):
+        return
+    pp = be._prepared(q.shape, q.scheme, method)
+    call = QuantizeCall(be, None, v, q.shape, q.scheme, None, pp, None, _streams.DEFAULT)
+    if not isinstance(QUANTIZE[0], FastQuantize) or not QUANTIZE[0].applies(call):
+        return
+    if len(be._repeats) >= MAX_REPEATS:
+        be._repeats.clear()
+    from . import fast
+
+    pl = pp["plan"]
+    be._repeats[(scheme_arg, method, q.shape)] = QuantizeRepeat(q.scheme, q.shape, pp, int(pl.total_nbytes),
+                                                               int(pl.values_nbytes), fast.aligned)
+
+
+def dequantize_again(be: Any, q: Any) -> Any:
+    """`be.dequantize(q)` (float32, a new array, q's stream defaults) for a tensor whose fast
+    dequantize launch is packed, or None."""
+    if type(q) is not QTensor or q.backend is not be:
+        return None
+    rep = q.data.cache.get("repeat")
+    if rep is None or q.shape != rep.shape:
+        return None
+    s = _streams.DEFAULT
+    try:
+        res, ov = _array.empty_view(rep.shape, _F32, s)
+    except Exception:  # noqa: BLE001
+        return None
+    with quiet():
+        rep.launch(ov.arg, stream=s)
+    TAKEN["FastDequantize"] += 1
+    HITS["dequantize"] += 1
+    if rep.flag is not None and be._read_flag(rep.flag, s):
+        be._raise_if_bad_codes(q.data, s)  # reads the flag again, re-zeroes it, names the element
+    return res
+
+
+def remember_dequantize(be: Any, q: QTensor) -> None:
+    """After a whole-way float32 dequantize of `q` into a new array: keep its packed fast
+    launch (FastDequantize made it) when q needs no other form (E6, E7)."""
+    data = q.data
+    launch = data.cache.get("dequant")
+    if launch is None or "repeat" in data.cache or q.shape != data.shape or q.scheme != data.scheme or \
+            be._kernel_data(data) is not data:
+        return
+    flag = None if data.scheme.valid_fields.all() else be._code_flag(data)
+    data.cache["repeat"] = DequantizeRepeat(launch, q.shape, flag)
+
+
+def matmul_again(be: Any, x: Any, w: Any, out: Any) -> Any:
+    """`be.matmul(x, w, out=out)` (the stream x's) for a weight and shape of x whose launch is
+    packed, x float32 on the device and 16-byte aligned; else None."""
+    if type(w) is not QTensor or w.backend is not be:
+        return None
+    try:
+        v = _array.view_of(x)
+    except Exception:  # noqa: BLE001
+        return None
+    if v is None or v.dtype != _F32 or v.ptr % 16:
+        return None
+    rep = w.data.cache.get(("matmul", v.nd_shape))
+    if rep is None:
+        return None
+    s = _streams.resolve(None, x)
+    try:
+        if out is None:
+            res, ov = _array.empty_view(rep.out_shape, _F32, s)
+        else:
+            res, ov = out, _array.check_out(out, rep.out_shape, (_F32,), "matmul")
+    except Exception:  # noqa: BLE001 - the whole way explains a bad out= or a full device
+        return None
+    with quiet():
+        run_packed(rep.packed, v.arg, ov.arg, rep.m, s)
+    HITS["matmul"] += 1
+    return res
+
+
+def remember_matmul(be: Any, x: Any, w: QTensor) -> None:
+    """After a whole-way matmul: keep the weight's packed launch for x's shape when the call
+    could take it again as it is (x float32 on the device; the weight in [K, N] form)."""
+    try:
+        v = _array.view_of(x)
+    except Exception:  # noqa: BLE001
+        return
+    if v is None or v.dtype != _F32 or w.data.shape != w.shape or len(v.nd_shape) < 1:
+        return
+    m = 1
+    for d in v.nd_shape[:-1]:
+        m *= d
+    packed = be._kernel_data(w.data).cache.get(("gemv", m))
+    if packed is None or ("matmul", v.nd_shape) in w.data.cache:
+        return
+    w.data.cache[("matmul", v.nd_shape)] = MatmulRepeat(packed, m, tuple(v.nd_shape[:-1]) + (w.shape[1],))

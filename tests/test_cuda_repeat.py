@@ -1,0 +1,176 @@
+"""Repeat calls (backends/cuda/qcore_cuda/_repeat.py): a quantize or dequantize of a shape and
+scheme that the fast kernels already served skips the checks and the path choice. What such a
+call returns and raises must be what the whole way returns and raises: the reference's bytes,
+InputError for a non-finite or strided x, InvalidDataError naming the element of a bad code.
+
+Runs under the simulator (CI) on small tensors and on the GPU; the alignment case can only be
+taken on a GPU (the simulator's arrays have no addresses), and says so where it checks less.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qcore.conformance.invalid import with_code
+from qcore.errors import InputError, InvalidDataError
+from qcore.reference import ReferenceBackend
+from qcore.scheme import scheme as parse_scheme
+
+from tests.cuda_cases import SIM, assert_same_floats, sample_x
+
+pytest.importorskip("numba")
+pytest.importorskip("qcore_cuda")
+
+from numba import cuda  # noqa: E402
+from qcore_cuda import _repeat  # noqa: E402
+
+REF = ReferenceBackend()
+FAST = ["q4s/block32:f16", "q8s/block32:f16", "e4m3/block32:f32", "q8s", "nvfp4"]  # one pass; two passes
+
+
+@pytest.fixture
+def be(cuda_backend):
+    if not cuda_backend._fast[0]:
+        pytest.skip(f"the fast kernels are off here ({cuda_backend._fast[1]}): no call repeats")
+    return cuda_backend
+
+
+def _hits(op: str) -> int:
+    return _repeat.HITS[op]
+
+
+@pytest.mark.parametrize("text", FAST)
+def test_repeat_calls_give_the_whole_ways_results(be, text):
+    """The second and third quantize of a key are repeats and write the reference's bytes; the
+    first dequantize of a tensor packs its launch, the next ones are repeats with the same
+    floats."""
+    x = sample_x((4, 64), seed=31)
+    xd = cuda.to_device(x)
+    first = be.quantize(xd, text)
+    before = _hits("quantize")
+    again = [be.quantize(xd, text) for _ in range(2)]
+    assert _hits("quantize") == before + 2, "a repeated quantize took the whole way"
+    want = REF.quantize(x, text).to_data()
+    for q in [first, *again]:
+        assert q.scheme == parse_scheme(text) and q.shape == (4, 64)
+        assert q.to_data().payload == want.payload, f"{text}: a repeat wrote other bytes"
+    y_want = REF.dequantize(REF.from_data(want))
+    before = _hits("dequantize")
+    ys = [be.dequantize(again[-1]) for _ in range(3)]
+    assert _hits("dequantize") == before + 2, "a repeated dequantize took the whole way"
+    for y in ys:
+        assert_same_floats(y.copy_to_host(), y_want, f"{text} dequantize")
+
+
+def test_repeat_keys_hold_shape_scheme_and_dtype(be):
+    """Another shape, the scheme as another text, or float16 input are new keys: the whole way
+    (then remembered), each with its own correct bytes."""
+    text = "q4s/block32:f16"
+    x = sample_x((8, 64), seed=32)
+    be.quantize(cuda.to_device(x), text)
+    for other, xin in ((text, sample_x((2, 128), seed=33)), ("Q4S/block32:f16", x), (text, x.astype(np.float16))):
+        before = _hits("quantize")
+        q = be.quantize(cuda.to_device(xin), other)
+        assert _hits("quantize") == before, f"{other} on {xin.shape} {xin.dtype} was served as a repeat"
+        assert q.to_data().payload == REF.quantize(xin.astype(np.float32), text).to_data().payload
+
+
+def test_repeat_quantize_raises_for_non_finite_input_then_recovers(be):
+    """A NaN reaching a repeat raises the whole way's InputError naming it; the statistics
+    scratch is rebuilt and the next repeat is correct again (both one- and two-pass schemes)."""
+    for text in ("q8s/block32:f16", "nvfp4"):
+        x = sample_x((4, 64), seed=34)
+        be.quantize(cuda.to_device(x), text)
+        bad = x.copy()
+        bad[2, 7] = np.nan
+        before = _hits("quantize")
+        with pytest.raises(InputError, match=r"nan at index \(2, 7\)"):
+            be.quantize(cuda.to_device(bad), text)
+        assert _hits("quantize") == before + 1, "the NaN case did not run as a repeat"
+        q = be.quantize(cuda.to_device(x), text)
+        assert q.to_data().payload == REF.quantize(x, text).to_data().payload, f"{text} after a NaN"
+
+
+def test_repeat_quantize_refuses_strided_input(be):
+    """A strided device view of a remembered shape gets the whole way's InputError."""
+    text = "q4s/block32:f16"
+    be.quantize(cuda.to_device(sample_x((4, 64), seed=35)), text)
+    wide = cuda.to_device(sample_x((4, 128), seed=36))
+    with pytest.raises(InputError, match="C-contiguous"):
+        be.quantize(wide[:, ::2], text)
+
+
+def test_repeat_quantize_of_misaligned_input(be):
+    """x starting 4 bytes past a 16-byte boundary: the fast kernels' vector loads cannot read it,
+    so the call takes the whole way (on a GPU; the simulator has no addresses) and is correct."""
+    text = "q8s/block32:f16"
+    x = sample_x((4, 64), seed=37)
+    be.quantize(cuda.to_device(x), text)
+    buf = cuda.to_device(np.concatenate([np.zeros(1, np.float32), x.reshape(-1)]))
+    xm = buf[1:].reshape(4, 64)
+    before = _hits("quantize")
+    q = be.quantize(xm, text)
+    if not SIM:
+        assert _hits("quantize") == before, "a misaligned x was served by the fast kernels' repeat"
+    assert q.to_data().payload == REF.quantize(x, text).to_data().payload
+
+
+@pytest.mark.parametrize("text", ["q4s/block32:f16", "e4m3/block32:f32"])
+def test_repeat_dequantize_raises_for_invalid_codes_then_recovers(be, text):
+    """Bytes rewritten under a remembered tensor to hold an invalid code (SPEC v1.1 §3): the
+    repeat reads the flag, raises InvalidDataError naming the element, re-zeroes the flag, and
+    decodes the good bytes again afterwards."""
+    x = sample_x((4, 64), seed=38)
+    d = REF.quantize(x, text).to_data()
+    q = be.from_data(d)
+    be.dequantize(q)
+    be.dequantize(q)
+    assert "repeat" in q.data.cache
+    field = int(np.flatnonzero(~d.scheme.valid_fields)[-1])
+    bad = with_code(d, (2, 9), field)
+    q.data.payload.copy_to_device(np.frombuffer(bad.payload, np.uint8))
+    before = _hits("dequantize")
+    with pytest.raises(InvalidDataError, match=r"element \(2, 9\)"):
+        be.dequantize(q)
+    assert _hits("dequantize") == before + 1, "the invalid code was not met by a repeat"
+    q.data.payload.copy_to_device(np.frombuffer(d.payload, np.uint8))
+    assert_same_floats(be.dequantize(q).copy_to_host(), REF.dequantize(REF.from_data(d)), f"{text} after")
+
+
+@pytest.mark.parametrize("text", ["q4s/block32:f16", "q4s/block32:f16/packed_native/order:high"])
+def test_repeat_matmul_gives_the_whole_ways_result(be, text):
+    """A weight's second product with x of one shape launches the packed kernel directly, into a
+    new array or out=, and gives the first call's floats bit for bit (a field order, E6,
+    included); x of another shape or dtype takes the whole way. The simulator runs the field
+    order at M = 1 only."""
+    rng = np.random.default_rng(39)
+    w = be.quantize(cuda.to_device(rng.standard_normal((64, 32)).astype(np.float32)), text)
+    plain = "order" not in text
+    for m in (1, 4) if plain or not SIM else (1,):  # (the simulator's tensor-core path is slow: one case)
+        x = cuda.to_device(rng.standard_normal((m, 64)).astype(np.float32))
+        first = be.matmul(x, w).copy_to_host()
+        before = _hits("matmul")
+        again = be.matmul(x, w).copy_to_host()
+        out = cuda.device_array((m, 32), np.float32)
+        into = be.matmul(x, w, out=out)
+        assert into is out
+        assert _hits("matmul") == before + 2, f"M={m}: a repeated matmul took the whole way"
+        np.testing.assert_array_equal(again, first)
+        np.testing.assert_array_equal(out.copy_to_host(), first)
+    if not plain:
+        return
+    before = _hits("matmul")
+    x3 = rng.standard_normal((3, 64)).astype(np.float32)
+    for xin in (x3, x3.astype(np.float16)):
+        be.matmul(cuda.to_device(xin), w)
+    assert _hits("matmul") == before, "a new shape or dtype of x was served as a repeat"
+
+
+def test_repeat_matmul_checks_out(be):
+    """A wrong out= on a repeat gets the whole way's InputError."""
+    rng = np.random.default_rng(40)
+    w = be.quantize(cuda.to_device(rng.standard_normal((64, 64)).astype(np.float32)), "q4s/block32:f16")
+    x = cuda.to_device(rng.standard_normal((1, 64)).astype(np.float32))
+    be.matmul(x, w)
+    with pytest.raises(InputError):
+        be.matmul(x, w, out=cuda.device_array((1, 32), np.float32))
