@@ -82,16 +82,17 @@ def _timer(torch, fn, iters, warmup=2, hide_launch=False, flush=None):
     return statistics.median(ts)
 
 
-def _host_us(torch, fn, iters=200):
+def _host_us(torch, fn, iters=200, warmup=20):
     """Median host (wall) time of one fn() call in us, with the GPU kept busy (a sleep kernel
-    queued first) so that launches never wait for the device."""
+    queued first) so that launches never wait for the device; `warmup` calls first, untimed."""
     ts = []
-    for _ in range(iters):
+    for i in range(warmup + iters):
         torch.cuda.synchronize()
         torch.cuda._sleep(1_000_000)
         t0 = time.perf_counter()
         fn()
-        ts.append(time.perf_counter() - t0)
+        if i >= warmup:
+            ts.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     return 1e6 * statistics.median(ts)
 

@@ -174,3 +174,16 @@ def test_repeat_matmul_checks_out(be):
     be.matmul(x, w)
     with pytest.raises(InputError):
         be.matmul(x, w, out=cuda.device_array((1, 32), np.float32))
+
+
+def test_schemes_off_the_fast_kernels_always_go_the_whole_way(be):
+    """A scheme the general kernels serve (signed scales, E3) is noted once as no repeat: later
+    calls take the whole way, with the reference's bytes each time."""
+    text = "q4_0"
+    x = sample_x((4, 64), seed=41)
+    want = REF.quantize(x, text).to_data().payload
+    before = _hits("quantize")
+    for _ in range(2):
+        assert be.quantize(cuda.to_device(x), text).to_data().payload == want
+    assert _hits("quantize") == before
+    assert be._repeats[(text, "minmax", (4, 64))] is None

@@ -116,19 +116,23 @@ def remember_quantize(be: Any, x: Any, scheme_arg: Any, method: str, q: QTensor)
         v = _array.view_of(x)
     except Exception:  # noqa: BLE001
         return
-    if v is None or v.dtype != _F32 or be._inner(q.shape, q.scheme) != (q.shape, q.scheme):
+    from . import fast
+
+    key = (scheme_arg, method, q.shape)
+    if v is None or v.dtype != _F32 or key in be._repeats or not fast.aligned(v):  # (an aligned x may come)
+        return
+    if len(be._repeats) >= MAX_REPEATS:
+        be._repeats.clear()
+    be._repeats[key] = None  # not served by the fast kernels: no repeat (and no second look)
+    if be._inner(q.shape, q.scheme) != (q.shape, q.scheme):
         return
     pp = be._prepared(q.shape, q.scheme, method)
     call = QuantizeCall(be, None, v, q.shape, q.scheme, None, pp, None, _streams.DEFAULT)
     if not isinstance(QUANTIZE[0], FastQuantize) or not QUANTIZE[0].applies(call):
         return
-    if len(be._repeats) >= MAX_REPEATS:
-        be._repeats.clear()
-    from . import fast
-
     pl = pp["plan"]
-    be._repeats[(scheme_arg, method, q.shape)] = QuantizeRepeat(q.scheme, q.shape, pp, int(pl.total_nbytes),
-                                                               int(pl.values_nbytes), fast.aligned)
+    be._repeats[key] = QuantizeRepeat(q.scheme, q.shape, pp, int(pl.total_nbytes), int(pl.values_nbytes),
+                                      fast.aligned)
 
 
 def dequantize_again(be: Any, q: Any) -> Any:
@@ -200,12 +204,15 @@ def remember_matmul(be: Any, x: Any, w: QTensor) -> None:
         v = _array.view_of(x)
     except Exception:  # noqa: BLE001
         return
-    if v is None or v.dtype != _F32 or w.data.shape != w.shape or len(v.nd_shape) < 1:
+    key = ("matmul", v.nd_shape) if v is not None else None
+    if v is None or v.dtype != _F32 or key in w.data.cache or len(v.nd_shape) < 1:
+        return
+    w.data.cache[key] = None  # a product the packed launches do not serve: no repeat, no second look
+    if w.data.shape != w.shape:
         return
     m = 1
     for d in v.nd_shape[:-1]:
         m *= d
     packed = be._kernel_data(w.data).cache.get(("gemv", m))
-    if packed is None or ("matmul", v.nd_shape) in w.data.cache:
-        return
-    w.data.cache[("matmul", v.nd_shape)] = MatmulRepeat(packed, m, tuple(v.nd_shape[:-1]) + (w.shape[1],))
+    if packed is not None:
+        w.data.cache[key] = MatmulRepeat(packed, m, tuple(v.nd_shape[:-1]) + (w.shape[1],))
