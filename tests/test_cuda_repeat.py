@@ -187,3 +187,18 @@ def test_schemes_off_the_fast_kernels_always_go_the_whole_way(be):
         assert be.quantize(cuda.to_device(x), text).to_data().payload == want
     assert _hits("quantize") == before
     assert be._repeats[(text, "minmax", (4, 64))] is None
+
+
+def test_tensors_holding_other_data_take_the_whole_way(be):
+    """A QTensor that names the cuda backend but holds other data (the conformance suite's
+    refusal check does this with a LOOKUP scheme): dequantize and matmul, with x on the device,
+    refuse on the scheme as the whole way does, not on the data's type."""
+    from qcore.errors import UnsupportedSchemeError
+    from qcore.protocol import QTensor
+
+    d = REF.into_data(REF.quantize(sample_x((8, 64), seed=42), "nf4"))
+    own = QTensor(be, d.scheme, d.shape, d)
+    with pytest.raises(UnsupportedSchemeError):
+        be.dequantize(own)
+    with pytest.raises(UnsupportedSchemeError):
+        be.matmul(cuda.to_device(np.ones((1, 8), np.float32)), own)

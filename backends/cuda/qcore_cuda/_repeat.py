@@ -138,7 +138,7 @@ def remember_quantize(be: Any, x: Any, scheme_arg: Any, method: str, q: QTensor)
 def dequantize_again(be: Any, q: Any) -> Any:
     """`be.dequantize(q)` (float32, a new array, q's stream defaults) for a tensor whose fast
     dequantize launch is packed, or None."""
-    if type(q) is not QTensor or q.backend is not be:
+    if type(q) is not QTensor or q.backend is not be or type(q.data) is not CudaData:
         return None
     rep = q.data.cache.get("repeat")
     if rep is None or q.shape != rep.shape:
@@ -161,6 +161,8 @@ def remember_dequantize(be: Any, q: QTensor) -> None:
     """After a whole-way float32 dequantize of `q` into a new array: keep its packed fast
     launch (FastDequantize made it) when q needs no other form (E6, E7)."""
     data = q.data
+    if type(data) is not CudaData:
+        return
     launch = data.cache.get("dequant")
     if launch is None or "repeat" in data.cache or q.shape != data.shape or q.scheme != data.scheme or \
             be._kernel_data(data) is not data:
@@ -172,7 +174,7 @@ def remember_dequantize(be: Any, q: QTensor) -> None:
 def matmul_again(be: Any, x: Any, w: Any, out: Any) -> Any:
     """`be.matmul(x, w, out=out)` (the stream x's) for a weight and shape of x whose launch is
     packed, x float32 on the device and 16-byte aligned; else None."""
-    if type(w) is not QTensor or w.backend is not be:
+    if type(w) is not QTensor or w.backend is not be or type(w.data) is not CudaData:
         return None
     try:
         v = _array.view_of(x)
@@ -205,7 +207,7 @@ def remember_matmul(be: Any, x: Any, w: QTensor) -> None:
     except Exception:  # noqa: BLE001
         return
     key = ("matmul", v.nd_shape) if v is not None else None
-    if v is None or v.dtype != _F32 or key in w.data.cache or len(v.nd_shape) < 1:
+    if v is None or v.dtype != _F32 or type(w.data) is not CudaData or key in w.data.cache or len(v.nd_shape) < 1:
         return
     w.data.cache[key] = None  # a product the packed launches do not serve: no repeat, no second look
     if w.data.shape != w.shape:
