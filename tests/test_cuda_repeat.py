@@ -91,6 +91,16 @@ def test_repeat_quantize_raises_for_non_finite_input_then_recovers(be):
         assert q.to_data().payload == REF.quantize(x, text).to_data().payload, f"{text} after a NaN"
 
 
+def test_empty_tensors_take_the_whole_way(be):
+    """A tensor without elements never launches, so it is never a repeat: the same (scale-only)
+    bytes as the reference every time."""
+    x = np.zeros((0, 64), np.float32)
+    for text in ("q8s", "nvfp4", "q4s/block32:f16"):
+        want = REF.quantize(x, text).to_data().payload
+        for _ in range(2):
+            assert be.quantize(cuda.to_device(x), text).to_data().payload == want, text
+
+
 def test_repeat_quantize_refuses_strided_input(be):
     """A strided device view of a remembered shape gets the whole way's InputError."""
     text = "q4s/block32:f16"
@@ -176,15 +186,18 @@ def test_repeat_matmul_checks_out(be):
         be.matmul(x, w, out=cuda.device_array((1, 32), np.float32))
 
 
-def test_schemes_off_the_fast_kernels_always_go_the_whole_way(be):
-    """A scheme the general kernels serve (signed scales, E3) is noted once as no repeat: later
-    calls take the whole way, with the reference's bytes each time."""
-    text = "q4_0"
+@pytest.mark.parametrize("text", ["q4_0", "q4s/block32:f16/packed_native/order:high",
+                                  "q4s/block32:f16/packed_native/order:split32", "q4s/block32:f16:flat"])
+def test_schemes_beyond_the_fast_kernels_always_go_the_whole_way(be, text):
+    """A scheme the fast kernels do not serve alone (signed scales, E3, on the general kernels; a
+    field order, E6, which k_reorder moves after them; flat blocks, E7, in their 2-D form) is
+    noted once as no repeat: later calls take the whole way, with the reference's bytes each
+    time."""
     x = sample_x((4, 64), seed=41)
     want = REF.quantize(x, text).to_data().payload
     before = _hits("quantize")
-    for _ in range(2):
-        assert be.quantize(cuda.to_device(x), text).to_data().payload == want
+    for _ in range(3):
+        assert be.quantize(cuda.to_device(x), text).to_data().payload == want, text
     assert _hits("quantize") == before
     assert be._repeats[(text, "minmax", (4, 64))] is None
 

@@ -14,6 +14,7 @@ allocation) takes the whole way, which raises what it should.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -123,9 +124,10 @@ def remember_quantize(be: Any, x: Any, scheme_arg: Any, method: str, q: QTensor)
         return
     if len(be._repeats) >= MAX_REPEATS:
         be._repeats.clear()
-    be._repeats[key] = None  # not served by the fast kernels: no repeat (and no second look)
-    if be._inner(q.shape, q.scheme) != (q.shape, q.scheme):
-        return
+    be._repeats[key] = None  # not served by the fast kernels alone: no repeat (and no second look)
+    if be._inner(q.shape, q.scheme) != (q.shape, q.scheme) or q.scheme.low_order is not q.scheme or \
+            math.prod(q.shape) == 0:
+        return  # E7's other form; E6's field orders (k_reorder moves them after the kernels); no elements
     pp = be._prepared(q.shape, q.scheme, method)
     call = QuantizeCall(be, None, v, q.shape, q.scheme, None, pp, None, _streams.DEFAULT)
     if not isinstance(QUANTIZE[0], FastQuantize) or not QUANTIZE[0].applies(call):
