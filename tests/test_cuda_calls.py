@@ -303,6 +303,11 @@ def test_torch_inputs_outputs_and_streams(be):
     xq = torch.randn(64, 64, device="cuda")
     q = be.quantize(xq, "nvfp4", stream=side)
     assert be.into_data(q).payload == REF.into_data(REF.quantize(xq.cpu().numpy(), "nvfp4")).payload
+    with torch.cuda.stream(side):  # x made on the side stream; quantize follows it, first call and repeat
+        xs = torch.randn(96, 64, device="cuda")
+        qs = [be.quantize(xs, W4) for _ in range(2)]
+    want = REF.into_data(REF.quantize(xs.cpu().numpy(), W4)).payload
+    assert [be.into_data(q).payload for q in qs] == [want, want]
 
 
 @GPU_ONLY

@@ -419,7 +419,9 @@ class CudaBackend(BaseBackend):
     @guard(lambda self, x, scheme, params, method, *_: (f"quantize a {_shape_of(self, x)} tensor to {scheme}",
                                                          4 * _numel(self, x) + _payload_bytes(self, x, scheme)))
     def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str,
-                  s: Any = _streams.DEFAULT, payload: Any = None) -> CudaData:
+                  s: Any = None, payload: Any = None) -> CudaData:
+        if s is None:  # (the core's calls) the current stream of a torch or CuPy x, else the default
+            s = _streams.resolve(None, x)
         check, data = self._run_quantize(x, scheme, params, method, s, payload)
         if check is not None:
             self._raise_if_flagged(check[0], check[1], data.shape, s)
