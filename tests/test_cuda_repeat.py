@@ -101,6 +101,19 @@ def test_empty_tensors_take_the_whole_way(be):
             assert be.quantize(cuda.to_device(x), text).to_data().payload == want, text
 
 
+def test_repeat_quantize_reports_bad_arguments_as_the_whole_way(be):
+    """An unhashable scheme or method given with a remembered x: the whole way's SchemeError or
+    InputError, not a TypeError from the repeat table."""
+    from qcore.errors import SchemeError
+
+    xd = cuda.to_device(sample_x((4, 64), seed=43))
+    be.quantize(xd, "q8s/block32:f16")
+    with pytest.raises(SchemeError):
+        be.quantize(xd, ["q8s/block32:f16"])
+    with pytest.raises(InputError):
+        be.quantize(xd, "q8s/block32:f16", method=["minmax"])
+
+
 def test_repeat_quantize_refuses_strided_input(be):
     """A strided device view of a remembered shape gets the whole way's InputError."""
     text = "q4s/block32:f16"

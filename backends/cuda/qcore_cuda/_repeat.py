@@ -82,7 +82,10 @@ def quantize_again(be: Any, x: Any, scheme: Any, method: str) -> QTensor | None:
         return None
     if v is None or v.dtype != _F32:
         return None
-    rep = be._repeats.get((scheme, method, v.nd_shape))
+    try:
+        rep = be._repeats.get((scheme, method, v.nd_shape))
+    except TypeError:  # an unhashable scheme or method: the whole way names the mistake
+        return None
     if rep is None or not rep.aligned(v):
         return None
     s = _streams.resolve(None, x)
