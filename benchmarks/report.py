@@ -96,12 +96,9 @@ CALL_NOTES = """\
   (`qcore_cuda/_diskcache.py`; docs/gpu.md "First call"), so the first scheme's row costs about
   what the later ones do.
 - The kernel columns repeat within a few percent from run to run. The API-call columns add the
-  host's Python time per call and swing with the lent machine's host: on 2026-12-02, with the
-  same code, the `q4s/block32:f16` quantize call measured 0.70x to 0.81x copy in five runs of
-  this benchmark and 0.83x in a script timing that call alone the same way, and torch's own
-  fp16 matmul call 52 to 66 µs. A repeated call (docs/gpu.md "Repeat calls") spends 20-40 µs
-  of host time before its kernel starts and 10-25 µs after it ends (the flag read and the
-  return), against 300-350 µs of kernel for these 1 GiB tensors.
+  host's Python time per call (docs/gpu.md "Repeat calls") and swing with the lent machine's
+  host: five runs of this benchmark with this code gave the `q4s/block32:f16` quantize call
+  0.70x to 0.81x of copy, and torch's own fp16 matmul call 52 to 66 µs.
 """
 
 GEMV_CALL_NOTES = """\

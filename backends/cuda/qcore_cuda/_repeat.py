@@ -3,8 +3,7 @@ checks and the path choice that the first such call made.
 
 A call through `BaseBackend` parses the scheme, asks whether this backend supports it, checks
 x's dtype, shape and layout, works out the hooks' form (E6, E7) and the plan, and picks a path:
-several hundred Python operations, 50-150 us of host time on the H200's host, all of it before
-the first kernel starts. Their outcome depends only on the scheme as given, the method and x's
+several hundred Python operations, all of them before the first kernel starts. Their outcome depends only on the scheme as given, the method and x's
 shape (the dtype and alignment are checked again), so after a call that took the fast kernels
 the backend keeps what it decided in a `QuantizeRepeat` (`CudaBackend._repeats`, keyed by
 `(scheme as given, method, shape)`) and a tensor keeps its `DequantizeRepeat` in its cache. A
