@@ -218,10 +218,8 @@ def empty_view(shape: tuple, dtype: np.dtype, stream: Any) -> tuple:
 def empty(shape: tuple, dtype: Any, stream: Any) -> Any:
     """An uninitialised C-contiguous QArray from the pool, in `stream`'s (a StreamRef) order
     (under the simulator: numba's simulated array)."""
-    from numba import config
-
     dtype = np.dtype(dtype)
-    if config.ENABLE_CUDASIM:
+    if _simulated():
         from numba import cuda
 
         return cuda.device_array(tuple(shape), dtype=dtype)
@@ -320,9 +318,7 @@ def view_of(x: Any) -> DevView | None:
 
 
 def _is_sim_array(x: Any) -> bool:
-    from numba import config
-
-    return bool(config.ENABLE_CUDASIM) and hasattr(x, "copy_to_host") and hasattr(x, "dtype")
+    return _simulated() and hasattr(x, "copy_to_host") and hasattr(x, "dtype")
 
 
 def prefix(a: Any, nbytes: int, dtype: Any) -> Any:

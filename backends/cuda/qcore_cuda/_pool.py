@@ -118,18 +118,19 @@ def _alloc_async(nbytes: int, pool: Any, stream: int) -> tuple:
     return _alloc_async(nbytes, pool, stream)
 
 
-_free: list = []  # [cuMemFreeAsync], looked up once
+def _mem_free_async(ptr: int, stream: int) -> tuple:
+    global _mem_free_async
+    from cuda.bindings import driver as cu
+
+    _mem_free_async = cu.cuMemFreeAsync  # looked up once
+    return _mem_free_async(ptr, stream)
 
 
 def _free_async(ptr: int, stream: int) -> None:
     """The finalizer of a pool block: back to the pool in `stream`'s order. At interpreter exit
     the context may be gone; the driver frees the pool with it, so errors are ignored."""
     try:
-        if not _free:
-            from cuda.bindings import driver as cu
-
-            _free.append(cu.cuMemFreeAsync)
-        _free[0](ptr, stream)
+        _mem_free_async(ptr, stream)
     except Exception:
         pass
 

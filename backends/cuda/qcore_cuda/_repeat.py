@@ -210,15 +210,15 @@ def remember_matmul(be: Any, x: Any, w: QTensor) -> None:
         v = _array.view_of(x)
     except Exception:  # noqa: BLE001
         return
-    key = ("matmul", v.nd_shape) if v is not None else None
-    if v is None or v.dtype != _F32 or type(w.data) is not CudaData or key in w.data.cache or len(v.nd_shape) < 1:
+    if v is None or v.dtype != _F32 or type(w.data) is not CudaData or len(v.nd_shape) < 1:
+        return
+    key = ("matmul", v.nd_shape)
+    if key in w.data.cache:
         return
     w.data.cache[key] = None  # a product the packed launches do not serve: no repeat, no second look
     if w.data.shape != w.shape:
         return
-    m = 1
-    for d in v.nd_shape[:-1]:
-        m *= d
+    m = math.prod(v.nd_shape[:-1])
     packed = be._kernel_data(w.data).cache.get(("gemv", m))
     if packed is not None:
         w.data.cache[key] = MatmulRepeat(packed, m, tuple(v.nd_shape[:-1]) + (w.shape[1],))
