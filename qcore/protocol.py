@@ -168,7 +168,7 @@ class BaseBackend(abc.ABC):
     def _inner(self, shape: tuple[int, ...], scheme: QuantScheme) -> tuple[tuple[int, ...], QuantScheme]:
         """The shape and scheme the hooks see for a tensor: `layout.flat_form` (E7), in SPEC §3's
         field order unless this backend packs the others (E6). Identity for most schemes."""
-        if scheme.block is not None and scheme.block.flat:
+        if scheme.flat_blocks:
             shape, scheme = layout.flat_form(shape, scheme)
         return shape, (scheme if self.packs_field_orders else scheme.low_order)
 
