@@ -22,14 +22,14 @@ from qcore.payload import QuantizedData, sections
 from qcore.protocol import BaseBackend, QParams, QTensor, Support
 from qcore.scheme import QuantScheme
 
-from . import _array, _repeat, _streams
+from . import _array, _flags, _repeat, _streams
 from ._data import CudaData
 from ._launch import Packed
 from ._memory import guard
 from ._quiet import quiet
 from .paths import choose
 from .paths.dequantize import DEQUANTIZE, DequantizeCall
-from .paths.matmul import MATMUL, MatmulCall, run_packed
+from .paths.matmul import MATMUL, MatmulCall, packed_takes, run_packed
 from .paths.quantize import QUANTIZE, QuantizeCall
 
 __all__ = ["CudaBackend", "CudaData", "cuda_status"]
@@ -67,6 +67,15 @@ def cuda_status() -> tuple[bool, str]:
         return True, f"Numba-CUDA on {name} (compute capability {cc})"
     except Exception as e:
         return False, f"CUDA check failed: {type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def _sync_stream(handle: int) -> tuple:
+    """`cuStreamSynchronize` (looked up on the first call)."""
+    global _sync_stream
+    from cuda.bindings import driver as cu
+
+    _sync_stream = cu.cuStreamSynchronize
+    return _sync_stream(handle)
 
 
 @functools.lru_cache(maxsize=None)
@@ -230,9 +239,16 @@ class CudaBackend(BaseBackend):
         return threading.local()
 
     def _read_flag(self, flag, s: Any) -> int:
-        """An int32 device flag (non-finite input, invalid code): one 4-byte asynchronous copy
-        into this thread's pinned word on the call's stream, then a wait for that stream alone
-        (not the device)."""
+        """An int32 flag (non-finite input, invalid code) after a wait for the call's stream
+        alone (not the device): a mapped host word (`_flags.HostFlag`) is read in place; a device
+        flag takes one 4-byte asynchronous copy into this thread's pinned word first."""
+        if type(flag) is _flags.HostFlag:  # mapped memory: the kernels' store is already here
+            err = _sync_stream(s.handle)[0]
+            if err:
+                from numba.cuda.cudadrv.driver import CudaAPIError
+
+                raise CudaAPIError(err, f"waiting for a call's stream failed: {err.name}")
+            return flag.value
         if _array._simulated():
             return int(flag.copy_to_host()[0])
         loc = self._local
@@ -262,13 +278,13 @@ class CudaBackend(BaseBackend):
 
     # ------------------------------------------------------------------ quantize
     def _scratch(self):
-        """Persistent zeroed scratch on the device: f64 sum, f32 [g, max statistic, amax, -],
-        int32 non-finite flag. k_quant re-zeroes the statistics after use; the flag is only
+        """Persistent zeroed scratch on the device: f64 sum, f32 [g, max statistic, amax, -], and
+        the int32 non-finite flag (`_flags.new`: mapped host memory on a GPU). k_quant re-zeroes the statistics after use; the flag is only
         ever set on an error, after which the scratch is rebuilt."""
         scr = self.__dict__.get("_scr")
         if scr is None:
-            z = _cuda().to_device(np.zeros(4, dtype=np.float64))
-            scr = self.__dict__["_scr"] = (z[0:1], z[1:3].view(np.float32), z[3:4].view(np.int32))
+            z = _cuda().to_device(np.zeros(3, dtype=np.float64))
+            scr = self.__dict__["_scr"] = (z[0:1], z[1:3].view(np.float32), _flags.new())
         return scr
 
     @functools.lru_cache(maxsize=16)
@@ -443,17 +459,17 @@ class CudaBackend(BaseBackend):
           by default the current stream of a torch or CuPy `x`, else the default stream. The only
           wait is for that stream, after a 4-byte read of the non-finite flag.
         """
+        if stream is None and params is None:
+            q = _repeat.quantize_again(self, x, scheme, method, out)
+            if q is not None:
+                return q
         if out is None and stream is None:
-            if params is None:
-                q = _repeat.quantize_again(self, x, scheme, method)
-                if q is not None:
-                    return q
             with quiet():
                 q = super().quantize(x, scheme, params=params, method=method)
             if params is None:
                 _repeat.remember_quantize(self, x, scheme, method, q)
             return q
-        scheme = self._require(scheme)
+        x_arg, scheme_arg, scheme = x, scheme, self._require(scheme)
         self._check_method(method, scheme)
         shape = self._check_input(x, scheme)
         if params is not None:
@@ -463,10 +479,12 @@ class CudaBackend(BaseBackend):
         with quiet():
             target, payload = self._quantize_target(out, shape, scheme)
             data = self._quantize(x, inner, params, method, s, payload)
-            if target is None:
-                return QTensor(self, scheme, shape, data)
-            self._refresh_decoded(target.data, s)
-            return target
+            q = QTensor(self, scheme, shape, data) if target is None else target
+            if target is not None:
+                self._refresh_decoded(target.data, s)
+        if stream is None and params is None:
+            _repeat.remember_quantize(self, x_arg, scheme_arg, method, q)
+        return q
 
     def _quantize_target(self, out: Any, shape: tuple, scheme: QuantScheme) -> tuple:
         """(QTensor or None, payload device array or None) for quantize's `out=`."""
@@ -483,18 +501,30 @@ class CudaBackend(BaseBackend):
 
     def _refresh_decoded(self, data: CudaData, s: Any) -> None:
         """After new bytes went into a tensor's payload: decode its scales again into the arrays
-        its cached launches point at (so those stay valid)."""
+        its cached launches point at (so those stay valid), through launches packed once per
+        tensor and set of cached arrays (a loop that quantizes into one tensor pays a
+        `cuLaunchKernel` each)."""
         twin = data.cache.get("low")
         if twin is not None:  # E6: the kernels' copy, re-packed from the new bytes
             self._launch_reorder(data.payload, twin.payload, data.shape, data.scheme, twin.scheme, s)
             data = twin
-        got = data.cache.get("scales")
-        if got is None:
+        if "scales" not in data.cache:
             return
+        key = ("refresh", "tc_scales" in data.cache)
+        launches = data.cache.get(key)
+        if launches is None:
+            launches = data.cache[key] = self._refresh_launches(data)
+        for launch in launches:
+            launch(stream=s)
+
+    def _refresh_launches(self, data: CudaData) -> tuple:
+        """The packed launches that decode `data`'s scales into its cached arrays: the decoded
+        scales (and global), then the tensor-core kernels' per-slot scales where it has them."""
         K = _k()
         pp = self._prepared(data.shape, data.scheme, "minmax")
-        scales, gbuf = got
-        _streams.on(K.k_decode_scales, K.launch(max(pp["plan"].nslots, 1)), s)(data.payload, pp["P"], scales, gbuf)
+        scales, gbuf = data.cache["scales"]
+        grid, block = K.launch(max(pp["plan"].nslots, 1))
+        launches = [Packed(K.k_decode_scales, grid, block, [data.payload, pp["P"], scales, gbuf], dynamic=())]
         et = data.cache.get("tc_scales")
         if et is not None:
             from . import fast, tc
@@ -502,7 +532,9 @@ class CudaBackend(BaseBackend):
             Q = data.cache["gemv"][1]
             k_, srow = int(Q[tc.Q_K]), int(Q[tc.Q_N]) >> int(Q[tc.Q_LB])
             n = max(1, srow) * k_
-            _streams.on(tc.k_slot_scales, fast.K.launch(n), s)(scales, et, k_, srow, n)
+            grid, block = fast.K.launch(n)
+            launches.append(Packed(tc.k_slot_scales, grid, block, [scales, et, k_, srow, n], dynamic=()))
+        return tuple(launches)
 
     # ------------------------------------------------------------------ dequantize
     def _decoded_scales(self, data: CudaData, s: Any = _streams.DEFAULT):
@@ -529,11 +561,11 @@ class CudaBackend(BaseBackend):
 
     @staticmethod
     def _code_flag(data: CudaData):
-        """The tensor's int32 device flag, set by the dequantize kernels on a code outside the
-        value's set (SPEC v1.1 §3); zero except between such a launch and `_raise_if_bad_codes`."""
+        """The tensor's int32 flag (`_flags.new`), set by the dequantize kernels on a code outside
+        the value's set (SPEC v1.1 §3); zero except between such a launch and `_raise_if_bad_codes`."""
         flag = data.cache.get("code_flag")
         if flag is None:
-            flag = data.cache["code_flag"] = _cuda().to_device(np.zeros(1, dtype=np.int32))
+            flag = data.cache["code_flag"] = _flags.new()
         return flag
 
     def _raise_if_bad_codes(self, data: CudaData, s: Any = _streams.DEFAULT) -> None:
@@ -545,7 +577,10 @@ class CudaBackend(BaseBackend):
         data = self._kernel_data(data, s)
         flag = self._code_flag(data)
         if self._read_flag(flag, s):
-            flag.copy_to_device(np.zeros(1, dtype=np.int32), stream=s.numba)
+            if type(flag) is _flags.HostFlag:
+                flag.clear()  # (the stream has been waited for)
+            else:
+                flag.copy_to_device(np.zeros(1, dtype=np.int32), stream=s.numba)
             self._into_data(data).check_codes()
 
     @guard(lambda self, x, q: (f"measure the error of a {q.shape} {q.scheme} tensor", 8 * math.prod(q.shape)))
@@ -603,9 +638,8 @@ class CudaBackend(BaseBackend):
         Where the scheme has invalid codes (SPEC v1.1 §3: Q8S/Q4S/Q2S, E4M3, E5M2), the only wait
         is for that stream, after a 4-byte read of the invalid-code flag; other schemes return
         without waiting."""
-        plain = out is None and stream is None and (dtype is None or dtype is np.float32)
-        if plain:
-            y = _repeat.dequantize_again(self, q)
+        if stream is None and (dtype is None or dtype is np.float32):
+            y = _repeat.dequantize_again(self, q, out)
             if y is not None:
                 return y
         q = self._own(q)
@@ -617,7 +651,7 @@ class CudaBackend(BaseBackend):
             raise InputError("dequantize out= takes float32, float16 or float64 arrays; leave it out for bfloat16")
         with quiet(), self._naming_elements(q):
             y = self._dequantize(q.data, dt, out, _streams.resolve(stream, out))
-        if plain:
+        if stream is None and dt == np.float32:
             _repeat.remember_dequantize(self, q)
         return y if out is not None or tuple(y.shape) == q.shape else self._reshape_output(y, q.shape)
 
@@ -752,7 +786,7 @@ class CudaBackend(BaseBackend):
         first of `paths.MATMUL` that applies."""
         data = self._kernel_data(data, s)
         st = data.cache.get(("gemv", m))
-        if st is not None and type(xd) is _array.DevView and xd.ptr % 16 == 0:
+        if st is not None and packed_takes(xd):
             run_packed(st, xd, out, m, s)
             return
         scales, gbuf = self._decoded_scales(data, s)
