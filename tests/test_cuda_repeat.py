@@ -228,3 +228,81 @@ def test_tensors_holding_other_data_take_the_whole_way(be):
         be.dequantize(own)
     with pytest.raises(UnsupportedSchemeError):
         be.matmul(cuda.to_device(np.ones((1, 8), np.float32)), own)
+
+
+@pytest.mark.parametrize("text", ["q4s/block32:f16", "nvfp4"])
+def test_repeat_quantize_into_a_tensor_refreshes_what_it_caches(be, text):
+    """quantize(out=q) of a remembered key is a repeat: new x each time, the reference's bytes in
+    q's own payload, and q's cached decoded scales follow them, so q's (repeat) dequantize and
+    its matmul give the new tensor's floats and product, not the old ones."""
+    rng = np.random.default_rng(44)
+    xs = [rng.standard_normal((64, 32)).astype(np.float32) * (1 + 3 * i) for i in range(3)]
+    q = be.quantize(cuda.to_device(xs[0]), text)
+    payload = q.data.payload
+    be.dequantize(q)
+    be.dequantize(q)  # the dequantize launch is packed: later ones are repeats
+    xm = cuda.to_device(rng.standard_normal((4, 64)).astype(np.float32))
+    be.matmul(xm, q)  # the matmul's scales (and the tensor-core kernel's, at M = 4) are cached
+    for x in xs[1:]:
+        before = (_hits("quantize out="), _hits("dequantize"))
+        got = be.quantize(cuda.to_device(x), text, out=q)
+        assert got is q and q.data.payload is payload
+        want = REF.quantize(x, text)
+        assert q.to_data().payload == want.to_data().payload, f"{text}: out= wrote other bytes"
+        assert_same_floats(be.dequantize(q).copy_to_host(), REF.dequantize(want), f"{text} dequantize after out=")
+        assert (_hits("quantize out="), _hits("dequantize")) == (before[0] + 1, before[1] + 1), \
+            "quantize out= or the dequantize after it took the whole way"
+        fresh = be.quantize(cuda.to_device(x), text)
+        np.testing.assert_array_equal(be.matmul(xm, q).copy_to_host(), be.matmul(xm, fresh).copy_to_host())
+
+
+def test_repeat_quantize_into_a_byte_array(be):
+    """quantize(out=uint8 array of q.nbytes) of a remembered key is a repeat whose tensor holds
+    that array's memory; an array of another length or dtype gets the whole way's InputError."""
+    text = "q8s/block32:f16"
+    x = sample_x((4, 64), seed=45)
+    q = be.quantize(cuda.to_device(x), text)
+    buf = cuda.device_array(q.nbytes, np.uint8)
+    before = _hits("quantize out=")
+    got = be.quantize(cuda.to_device(x), text, out=buf)
+    assert _hits("quantize out=") == before + 1, "quantize into a byte array took the whole way"
+    assert got.to_data().payload == REF.quantize(x, text).to_data().payload
+    assert np.array_equal(buf.copy_to_host(), np.frombuffer(got.to_data().payload, np.uint8)), \
+        "the tensor does not hold the array's memory"
+    for bad in (cuda.device_array(q.nbytes + 1, np.uint8), cuda.device_array(q.nbytes // 4, np.float32)):
+        with pytest.raises(InputError, match="quantize out="):
+            be.quantize(cuda.to_device(x), text, out=bad)
+
+
+def test_repeat_quantize_into_another_tensor_kind_takes_the_whole_way(be):
+    """out= a tensor of another scheme or shape: the whole way's InputError, not a repeat."""
+    text = "q4s/block32:f16"
+    x = cuda.to_device(sample_x((4, 64), seed=46))
+    be.quantize(x, text)
+    for other in (be.quantize(x, "q8s/block32:f16"), be.quantize(cuda.to_device(sample_x((2, 64), seed=47)), text)):
+        with pytest.raises(InputError, match="quantize out="):
+            be.quantize(x, text, out=other)
+
+
+def test_repeat_dequantize_into_out(be):
+    """dequantize(out=float32 array) of a tensor whose launch is packed is a repeat (the same
+    floats, out returned); a float16 out= takes the whole way and is right; a wrong shape gets
+    the whole way's InputError."""
+    text = "q4s/block32:f16"
+    x = sample_x((4, 64), seed=48)
+    q = be.quantize(cuda.to_device(x), text)
+    want = REF.dequantize(REF.quantize(x, text))
+    out = cuda.device_array((4, 64), np.float32)
+    be.dequantize(q, out=out)
+    before = _hits("dequantize out=")
+    for _ in range(2):
+        out.copy_to_device(np.full((4, 64), np.nan, np.float32))
+        assert be.dequantize(q, out=out) is out
+        assert_same_floats(out.copy_to_host(), want, "dequantize out=")
+    assert _hits("dequantize out=") == before + 2, "a repeated dequantize out= took the whole way"
+    half = cuda.device_array((4, 64), np.float16)
+    be.dequantize(q, out=half)
+    np.testing.assert_array_equal(half.copy_to_host(), want.astype(np.float16))
+    assert _hits("dequantize out=") == before + 2, "a float16 out= was served as a float32 repeat"
+    with pytest.raises(InputError, match="dequantize out="):
+        be.dequantize(q, out=cuda.device_array((4, 32), np.float32))

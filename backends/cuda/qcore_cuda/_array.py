@@ -215,6 +215,29 @@ def empty_view(shape: tuple, dtype: np.dtype, stream: Any) -> tuple:
     return res, DevView(int(mem.device_pointer), shape, dtype, res)
 
 
+def reserve(shape: tuple, dtype: np.dtype, stream: Any) -> "DevView":
+    """A DevView over new memory for a non-empty result of `shape` and `dtype` in `stream`'s order,
+    to launch into before the result exists; `result()` then makes it. This puts the result's
+    Python objects after the launch, while the kernels run."""
+    if _simulated():
+        return view_of(empty(shape, dtype, stream))  # its base is the result
+    n = 1
+    for d in shape:
+        n *= d
+    ptr, owner = _pool.reserve(n * dtype.itemsize, stream.handle, context())
+    return DevView(ptr, shape, dtype, owner)
+
+
+def result(v: "DevView", stream: Any) -> Any:
+    """The QArray owning a `reserve()`d view's memory (which it frees when collected)."""
+    if v._sim is not None:
+        return v.base
+    mem = v.base
+    if mem is None:
+        mem = _pool.own(v.ptr, v.shape[0] * v.dtype.itemsize, stream.handle, context())
+    return (_QArray or qarray_class()).fast(v.nd_shape, v.dtype, mem, stream.handle)
+
+
 def empty(shape: tuple, dtype: Any, stream: Any) -> Any:
     """An uninitialised C-contiguous QArray from the pool, in `stream`'s (a StreamRef) order
     (under the simulator: numba's simulated array)."""

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _array, _streams
+from ._quiet import quiet
 
 COUNTS = {"raw": 0, "cuda.core": 0, "dispatcher": 0}  # launches by path (benchmarks/gpu.py reports them)
 ARRAY_PTR = 4  # offset of the data pointer in numba's packed array: meminfo, parent, size, itemsize, data, ...
@@ -146,6 +147,10 @@ class Packed:
         None: the default stream)."""
         s = _streams.DEFAULT if stream is None else stream
         with self._lock:
+            raw = self._raw
+            if raw is not None and self._swap_views(raw, values) and raw(s.handle):  # the common case
+                COUNTS["raw"] += 1
+                return
             args = self._args
             passed = self._dynamic[: len(values)]
             for i, v in zip(passed, values):
@@ -153,13 +158,15 @@ class Packed:
             try:
                 if self._state is None:
                     COUNTS["dispatcher"] += 1
-                    self._disp[self._grid, self._block, s.numba](*args)  # compiles on first use
+                    with quiet():
+                        self._disp[self._grid, self._block, s.numba](*args)  # compiles on first use
                     self._state = self._pack(args) if _enabled() else False
                     if self._state:
                         self._raw = _RawLaunch.build(self._state[3], self._grid, self._block, self._state[4])
                 elif self._state is False or not self._swap(values):
                     COUNTS["dispatcher"] += 1
-                    self._disp[self._grid, self._block, s.numba](*args)
+                    with quiet():
+                        self._disp[self._grid, self._block, s.numba](*args)
                 elif self._raw is not None and self._raw(s.handle):
                     COUNTS["raw"] += 1
                 else:
@@ -204,6 +211,23 @@ class Packed:
             return launch, _numba_default_stream(), config, _numba_cufunc(kernel), kargs
         except Exception:  # any other numba-cuda: the dispatcher path
             return False
+
+    def _swap_views(self, raw: "_RawLaunch", values: Sequence[Any]) -> bool:
+        """`_swap` for the backend's own values (DevViews of the packed dtype and length, ints),
+        written into the C argument array only; False for anything else (`_swap` then looks at
+        it, and writes both forms). The packed list itself is left behind, which only the
+        cuda.core path reads, after `_swap`."""
+        vals = raw._values
+        for (_, kind, pos, what), v in zip(self._swaps, values):
+            if kind == "array":
+                if type(v) is not _array.DevView or v.dtype != what[0] or v.shape != what[1]:
+                    return False
+                vals[pos].value = v.ptr
+            elif type(v) is int:
+                vals[pos].value = v
+            else:
+                return False
+        return True
 
     def _swap(self, values: Sequence[Any]) -> bool:
         """Write the new values into the packed list; False (dispatcher path) if one does not fit."""

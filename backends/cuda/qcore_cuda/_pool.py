@@ -297,10 +297,25 @@ def _block() -> Any:
 def alloc(nbytes: int, stream: int, ctx: Any) -> Any:
     """A numba MemoryPointer of `nbytes` for a result: from the pool in `stream`'s order (freed
     in the same order when the last reference goes), else from numba's current manager."""
+    ptr, owner = reserve(nbytes, stream, ctx)
+    return owner if owner is not None else own(ptr, nbytes, stream, ctx)
+
+
+def reserve(nbytes: int, stream: int, ctx: Any) -> tuple[int, Any]:
+    """(device pointer, owner) of `nbytes` for a result. From the pool the owner is None: the
+    caller may launch into the memory first and make its owner after (`own`), which frees it.
+    Without the pool, numba's current manager's MemoryPointer."""
     if not _state["installed"]:
-        return ctx.memalloc(nbytes)
+        mem = ctx.memalloc(nbytes)
+        return int(mem.device_pointer), mem
     pool = _pools.get(ctx.device.id) or pool_for(int(ctx.device.id))
-    return (_block_class or _block()).make(ctx, _alloc_raw(pool, nbytes or 1, stream), nbytes, stream)
+    return _alloc_raw(pool, nbytes or 1, stream), None
+
+
+def own(ptr: int, nbytes: int, stream: int, ctx: Any) -> Any:
+    """The MemoryPointer owning a pool block from `reserve`: it goes back to the pool in
+    `stream`'s order when the object is collected."""
+    return (_block_class or _block()).make(ctx, ptr, nbytes, stream)
 
 
 def trim(keep_bytes: int = 0) -> None:

@@ -3,13 +3,16 @@ checks and the path choice that the first such call made.
 
 A call through `BaseBackend` parses the scheme, asks whether this backend supports it, checks
 x's dtype, shape and layout, works out the hooks' form (E6, E7) and the plan, and picks a path:
-several hundred Python operations, all of them before the first kernel starts. Their outcome depends only on the scheme as given, the method and x's
-shape (the dtype and alignment are checked again), so after a call that took the fast kernels
-the backend keeps what it decided in a `QuantizeRepeat` (`CudaBackend._repeats`, keyed by
-`(scheme as given, method, shape)`) and a tensor keeps its `DequantizeRepeat` in its cache. A
-later call that matches allocates its result, launches the same packed kernels and reads the
-flag; anything else (another dtype, a misaligned x, `params=`, `out=`, `stream=`, a failed
-allocation) takes the whole way, which raises what it should.
+several hundred Python operations, all of them before the first kernel starts. Their outcome
+depends only on the scheme as given, the method and x's shape (the dtype and alignment are
+checked again), so after a call that took the fast kernels the backend keeps what it decided in
+a `QuantizeRepeat` (`CudaBackend._repeats`, keyed by `(scheme as given, method, shape)`), a
+tensor keeps its `DequantizeRepeat` in its cache and a weight its `MatmulRepeat` per shape of x.
+A later call that matches allocates its result (or takes `out=`: a float32 array, or for
+quantize a tensor of the same shape and scheme or a uint8 array of the payload's length),
+launches the same packed kernels and reads the flag; anything else (another dtype, a misaligned
+x, `params=`, `stream=`, an `out=` of another kind, a failed allocation) takes the whole way,
+which raises what it should.
 """
 from __future__ import annotations
 
@@ -25,9 +28,8 @@ from qcore.scheme import QuantScheme
 
 from . import _array, _streams
 from ._data import CudaData
-from ._quiet import quiet
 from .paths import TAKEN
-from .paths.matmul import run_packed
+from .paths.matmul import packed_takes, run_packed
 from .paths.quantize import QUANTIZE, FastQuantize, QuantizeCall, run_fast_quantize
 
 __all__ = ["HITS", "QuantizeRepeat", "DequantizeRepeat", "MatmulRepeat", "quantize_again", "remember_quantize",
@@ -72,9 +74,10 @@ class MatmulRepeat:
     out_shape: tuple[int, ...]
 
 
-def quantize_again(be: Any, x: Any, scheme: Any, method: str) -> QTensor | None:
-    """`be.quantize(x, scheme, method=method)` for a key a fast call has served, or None (the
-    caller then takes the whole way)."""
+def quantize_again(be: Any, x: Any, scheme: Any, method: str, out: Any = None) -> QTensor | None:
+    """`be.quantize(x, scheme, method=method, out=out)` for a key a fast call has served, or None
+    (the caller then takes the whole way). The launches come first; the result's objects are
+    made while the kernels run."""
     try:
         v = _array.view_of(x)
     except Exception:  # noqa: BLE001 - the whole way raises the proper error
@@ -88,25 +91,55 @@ def quantize_again(be: Any, x: Any, scheme: Any, method: str) -> QTensor | None:
     if rep is None or not rep.aligned(v):
         return None
     s = _streams.resolve(None, x)
-    try:
-        payload, pv = _array.empty_view((rep.nbytes,), _U8, s)
-    except Exception:  # noqa: BLE001 - out of memory: the whole way trims the pool or explains
+    pv = _payload_target(be, out, rep, s)
+    if pv is None:
         return None
     xd, pd = v.arg, pv.arg  # (the simulator's arrays under the simulator)
     qw32 = _array.prefix(pd, rep.values_nbytes, np.uint32)
     fp = rep.prepared["fast"]
     try:
-        launches = be._fast_quant_launches(rep.prepared, fp, xd, qw32, pd, fp["G"])
-        with quiet():
-            run_fast_quantize(launches, fp, xd, qw32, pd, s)
+        run_fast_quantize(be._fast_quant_launches(rep.prepared, fp, xd, qw32, pd, fp["G"]), fp, xd, qw32, pd, s)
+        if type(out) is QTensor:  # its decoded scales follow the new bytes
+            be._refresh_decoded(out.data, s)
     except BaseException:
         be.__dict__.pop("_scr", None)  # the statistics may not have been consumed
+        if out is None:
+            _array.result(pv, s)  # (dropped: the memory goes back to the pool)
         raise
     TAKEN["FastQuantize"] += 1
-    HITS["quantize"] += 1
-    q = QTensor(be, rep.scheme, rep.shape, CudaData(rep.shape, rep.scheme, payload))  # while the kernels run
+    if out is None:
+        HITS["quantize"] += 1
+        q = QTensor(be, rep.scheme, rep.shape, CudaData(rep.shape, rep.scheme, _array.result(pv, s)))
+    elif type(out) is QTensor:
+        HITS["quantize out="] += 1
+        q = out
+    else:
+        HITS["quantize out="] += 1
+        q = QTensor(be, rep.scheme, rep.shape, CudaData(rep.shape, rep.scheme, pv.numba()))
     be._raise_if_flagged(be._scratch()[2], xd, rep.shape, s)
     return q
+
+
+def _payload_target(be: Any, out: Any, rep: QuantizeRepeat, s: Any) -> Any:
+    """A view of the payload to write for `out` (None: new memory, `_array.reserve`; a QTensor of
+    this backend, shape and scheme: its payload; a uint8 device array of the payload's length),
+    or None for anything the whole way must look at."""
+    try:
+        if out is None:
+            return _array.reserve((rep.nbytes,), _U8, s)
+        if type(out) is QTensor:
+            data = out.data
+            if out.backend is not be or type(data) is not CudaData or out.shape != rep.shape or \
+                    data.shape != rep.shape or (out.scheme is not rep.scheme and out.scheme != rep.scheme) or \
+                    data.scheme != rep.scheme:
+                return None
+            pv = data.cache.get("payload view")
+            if pv is None:
+                pv = data.cache["payload view"] = _array.view_of(data.payload)
+            return pv if pv is not None and pv.size == rep.nbytes else None
+        return _array.check_out(out, (rep.nbytes,), (_U8,), "quantize")
+    except Exception:  # noqa: BLE001 - out of memory, a bad out=: the whole way trims the pool or explains
+        return None
 
 
 def remember_quantize(be: Any, x: Any, scheme_arg: Any, method: str, q: QTensor) -> None:
@@ -139,30 +172,36 @@ def remember_quantize(be: Any, x: Any, scheme_arg: Any, method: str, q: QTensor)
                                       fast.aligned)
 
 
-def dequantize_again(be: Any, q: Any) -> Any:
-    """`be.dequantize(q)` (float32, a new array, q's stream defaults) for a tensor whose fast
-    dequantize launch is packed, or None."""
+def dequantize_again(be: Any, q: Any, out: Any = None) -> Any:
+    """`be.dequantize(q, out=out)` (float32: a new array, or `out` on its stream) for a tensor
+    whose fast dequantize launch is packed, or None."""
     if type(q) is not QTensor or q.backend is not be or type(q.data) is not CudaData:
         return None
     rep = q.data.cache.get("repeat")
     if rep is None or q.shape != rep.shape:
         return None
-    s = _streams.DEFAULT
     try:
-        res, ov = _array.empty_view(rep.shape, _F32, s)
-    except Exception:  # noqa: BLE001
+        if out is None:
+            s = _streams.DEFAULT
+            ov = _array.reserve(rep.shape, _F32, s)
+        else:
+            s = _streams.resolve(None, out)
+            ov = _array.check_out(out, rep.shape, (_F32,), "dequantize")
+    except Exception:  # noqa: BLE001 - out of memory, a bad out=: the whole way trims the pool or explains
         return None
-    with quiet():
+    try:
         rep.launch(ov.arg, stream=s)
+    finally:
+        res = _array.result(ov, s) if out is None else out
     TAKEN["FastDequantize"] += 1
-    HITS["dequantize"] += 1
+    HITS["dequantize" if out is None else "dequantize out="] += 1
     if rep.flag is not None and be._read_flag(rep.flag, s):
         be._raise_if_bad_codes(q.data, s)  # reads the flag again, re-zeroes it, names the element
     return res
 
 
 def remember_dequantize(be: Any, q: QTensor) -> None:
-    """After a whole-way float32 dequantize of `q` into a new array: keep its packed fast
+    """After a whole-way float32 dequantize of `q` (into a new array or `out=`): keep its packed fast
     launch (FastDequantize made it) when q needs no other form (E6, E7)."""
     data = q.data
     if type(data) is not CudaData:
@@ -184,21 +223,21 @@ def matmul_again(be: Any, x: Any, w: Any, out: Any) -> Any:
         v = _array.view_of(x)
     except Exception:  # noqa: BLE001
         return None
-    if v is None or v.dtype != _F32 or v.ptr % 16:
+    if v is None or v.dtype != _F32 or not packed_takes(v):
         return None
     rep = w.data.cache.get(("matmul", v.nd_shape))
     if rep is None:
         return None
     s = _streams.resolve(None, x)
     try:
-        if out is None:
-            res, ov = _array.empty_view(rep.out_shape, _F32, s)
-        else:
-            res, ov = out, _array.check_out(out, rep.out_shape, (_F32,), "matmul")
+        ov = _array.reserve(rep.out_shape, _F32, s) if out is None else \
+            _array.check_out(out, rep.out_shape, (_F32,), "matmul")
     except Exception:  # noqa: BLE001 - the whole way explains a bad out= or a full device
         return None
-    with quiet():
+    try:
         run_packed(rep.packed, v.arg, ov.arg, rep.m, s)
+    finally:
+        res = _array.result(ov, s) if out is None else out
     HITS["matmul"] += 1
     return res
 

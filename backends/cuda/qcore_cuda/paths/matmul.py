@@ -7,10 +7,11 @@ from typing import Any
 
 import numpy as np
 
+from .._array import DevView
 from .._launch import Packed
 from .._streams import on
 
-__all__ = ["MATMUL", "MatmulCall", "TensorCoreMatmul", "GemvMatmul", "GeneralMatmul", "run_packed"]
+__all__ = ["MATMUL", "MatmulCall", "TensorCoreMatmul", "GemvMatmul", "GeneralMatmul", "run_packed", "packed_takes"]
 
 
 @dataclass
@@ -46,6 +47,12 @@ class MatmulCall:
         from .. import fast
 
         return self.gemv_geometry is not None and fast.aligned(self.xd)
+
+
+def packed_takes(xd: Any) -> bool:
+    """Whether a packed GEMV or tensor-core launch takes x as it is: the backend's own view of
+    it (`DevView`), starting on a 16-byte boundary (the kernels' vector loads)."""
+    return type(xd) is DevView and xd.ptr % 16 == 0
 
 
 def run_packed(st: tuple, xd: Any, out: Any, m: int, s: Any) -> None:
