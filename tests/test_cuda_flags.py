@@ -15,7 +15,7 @@ pytest.importorskip("numba")
 pytest.importorskip("qcore_cuda")
 
 from numba import cuda  # noqa: E402
-from qcore_cuda import _flags  # noqa: E402
+from qcore_cuda import _flags, grids  # noqa: E402,F401 - grids: numba-cuda's np.row_stack alias (numpy >= 2.5)
 
 
 @pytest.fixture

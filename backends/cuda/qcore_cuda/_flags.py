@@ -24,7 +24,7 @@ import numpy as np
 
 PAGE_WORDS = 1024  # int32 words per mapped page (4 KiB)
 _I32 = np.dtype(np.int32)
-_lock = threading.Lock()
+_lock = threading.Lock()  # page making; words come and go by atomic list operations
 _free: list[tuple[int, int]] = []  # (host address, device address) of words no flag holds
 _pages: list[int] = []  # host addresses of the pages (kept for the process)
 _mapped_ok: list[bool] = []  # [whether mapped pages can be had], decided on first use
@@ -61,9 +61,10 @@ class HostFlag:
         return np.array([self._word.value], dtype=_I32)
 
     def __del__(self) -> None:
+        # No lock here: the collector may run this inside `new()` on the same thread, and a list
+        # append is atomic.
         try:
-            with _lock:
-                _free.append((self._host, self._dev))
+            _free.append((self._host, self._dev))
         except Exception:  # noqa: BLE001 - at interpreter exit the module may be gone
             pass
 
@@ -72,7 +73,9 @@ def _new_page() -> bool:
     """Map one more page of words into `_free`; False where mapped memory cannot be had."""
     try:
         from cuda.bindings import driver as cu
+        from numba import cuda
 
+        cuda.current_context()  # the driver calls below need a current context on this thread
         err, host = cu.cuMemHostAlloc(PAGE_WORDS * 4, cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE)
         if err != cu.CUresult.CUDA_SUCCESS:
             return False
@@ -93,12 +96,19 @@ def new() -> Any:
     from numba import config
 
     if not config.ENABLE_CUDASIM:
-        with _lock:
-            if not _mapped_ok:
-                _mapped_ok.append(_new_page())
-            if _mapped_ok[0] and (_free or _new_page()):
-                host, dev = _free.pop()
-                return HostFlag(host, dev)
+        if not _mapped_ok:
+            with _lock:
+                if not _mapped_ok:
+                    _mapped_ok.append(_new_page())
+        while _mapped_ok[0]:
+            try:
+                host, dev = _free.pop()  # atomic: no lock (see HostFlag.__del__)
+            except IndexError:
+                with _lock:
+                    if not _free and not _new_page():
+                        break
+                continue
+            return HostFlag(host, dev)
     from numba import cuda
 
     return cuda.to_device(np.zeros(1, dtype=_I32))
