@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import io
 import json
 import os
@@ -37,6 +36,8 @@ import tempfile
 import time
 
 import numpy as np
+
+import runinfo  # benchmarks/runinfo.py (this folder is on sys.path when the script runs)
 
 
 def _make(path: str, n: int, rows: int, cols: int, shards: int) -> list[str]:
@@ -161,11 +162,8 @@ def main(argv: list[str] | None = None) -> int:
 
         argv_text = " ".join(sys.argv[1:] if argv is None else argv)
         doc = {
-            "run": {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-                    "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-                    "software": f"Python {platform.python_version()}, numba {numba.__version__}, "
-                                f"numpy {np.__version__}",
-                    "command": f"python benchmarks/cli.py {argv_text}".rstrip()},
+            "run": runinfo.record(runinfo.cpus(), f"{runinfo.python()}, numba {numba.__version__}, numpy {np.__version__}",
+                                  f"python benchmarks/cli.py {argv_text}".rstrip()),
             "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
             "backend": args.backend,
             "scheme": args.scheme,

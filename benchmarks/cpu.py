@@ -22,10 +22,8 @@ buffers to tracemalloc) over the input's size.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,6 +31,8 @@ import tempfile
 import time
 import tracemalloc
 from pathlib import Path
+
+import runinfo  # benchmarks/runinfo.py (this folder is on sys.path when the script runs)
 
 SCHEMES = ["q8s", "q8s/block32:f16", "q8f/block32:ue8m0"]
 
@@ -191,11 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     pythonpath = os.environ.get("PYTHONPATH")
     command = (f"PYTHONPATH={pythonpath} " if pythonpath else "") + f"python benchmarks/cpu.py {argv_text}".rstrip()
     res = {
-        "run": {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-                "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-                "software": f"Python {platform.python_version()}, numba {numba.__version__} ({threads} threads), "
-                            f"numpy {np.__version__}, {torch_note}",
-                "command": command},
+        "run": runinfo.record(runinfo.cpus(), f"{runinfo.python()}, numba {numba.__version__} ({threads} threads), "
+                                              f"numpy {np.__version__}, {torch_note}", command),
         "shape": list(x.shape), "repeats": args.repeats,
         "rows": [{"operation": what, "scheme": text, "backend": be, "threads": th, "median_s": med, "best_s": best,
                   "bytes": nbytes, "gbs": nbytes / med / 1e9} for what, text, be, th, med, best, nbytes in rows],

@@ -35,7 +35,6 @@ docs/performance.md from it (copied to `benchmarks/results/gpu.json`).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -43,6 +42,8 @@ import sys
 import time
 
 import numpy as np
+
+import runinfo  # benchmarks/runinfo.py (this folder is on sys.path when the script runs)
 
 ROWS, COLS = 65536, 4096  # 2**28 elements
 SCHEMES = [
@@ -237,10 +238,10 @@ def main(argv=None) -> int:
     n = ROWS * COLS
     import numba_cuda
 
-    res = {"run": {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-                   "hardware": f"1x {torch.cuda.get_device_name()}",
-                   "software": f"numba-cuda {numba_cuda.__version__}, numpy {np.__version__}, torch {torch.__version__}",
-                   "command": "NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu.py " + " ".join(sys.argv[1:] if argv is None else argv)},
+    res = {"run": runinfo.record(f"1x {torch.cuda.get_device_name()}",
+                                 f"numba-cuda {numba_cuda.__version__}, numpy {np.__version__}, torch {torch.__version__}",
+                                 "NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu.py "
+                                 + " ".join(sys.argv[1:] if argv is None else argv)),
            "device": torch.cuda.get_device_name(), "describe": be.describe(), "shape": [ROWS, COLS], "n": n, "rows": []}
     torch.manual_seed(0)
     x = torch.randn(ROWS, COLS, device="cuda") * 3

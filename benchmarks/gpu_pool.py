@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 
+import runinfo  # benchmarks/runinfo.py (this folder is on sys.path when the script runs)
+
 CHILD = r"""
 import statistics, time, torch, qcore
 from qcore_cuda import pool_bytes
@@ -61,13 +63,8 @@ def main(argv=None) -> int:
         rows.append({"keep": keep or "default (1/8 of the device)", "dequantize_call_us": float(us),
                      "pool_reserved_bytes": int(reserved)})
         print(json.dumps(rows[-1]), flush=True)
-    import datetime
-    import platform
-
-    run = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-           "hardware": f"{_gpu_name()}, {os.cpu_count()} CPUs",
-           "software": f"Python {platform.python_version()}",
-           "command": "NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_pool.py"}
+    run = runinfo.record(f"{_gpu_name()}, {os.cpu_count()} CPUs", runinfo.python(),
+                         "NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_pool.py")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_pool.json"), "w") as f:
         json.dump({"run": run, "rows": rows}, f, indent=1)

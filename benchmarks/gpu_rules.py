@@ -14,13 +14,13 @@ copy of x in the same run, and a v1 scheme on the fast kernels for comparison. W
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
+
+import runinfo  # benchmarks/runinfo.py (this folder is on sys.path when the script runs)
 
 SCHEMES = ("q4s/block32:f16", "q4f/block32:f16/signed", "q4_0", "q8_0", "q4_1", "q4f/block128:bf16/zero",
            "q4f/tensor:bf16/zero", "q4f/signed", "q4s/block32:f16/packed_native",
@@ -60,10 +60,9 @@ def main(argv=None) -> int:
         rows.append({"scheme": s, "quantize_ms": 1e3 * quant_s, "dequantize_ms": 1e3 * deq_s,
                      "quantize_vs_copy": copy_s / quant_s, "dequantize_vs_copy": copy_s / deq_s})
         print(json.dumps(rows[-1]), flush=True)
-    run = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-           "hardware": f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} CPUs",
-           "software": f"Python {platform.python_version()}, torch {torch.__version__}",
-           "command": "NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_rules.py"}
+    run = runinfo.record(f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} CPUs",
+                         f"{runinfo.python()}, torch {torch.__version__}",
+                         "NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_rules.py")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_rules.json"), "w") as f:
         json.dump({"run": run, "copy_ms": 1e3 * copy_s, "rows": rows}, f, indent=1)
