@@ -185,7 +185,7 @@ class DecodesAnything(ReferenceBackend):
 def test_conformance_check_invalid_codes(text):
     from qcore.conformance.cases import Case
     from qcore.conformance.checks import ConformanceFailure
-    from qcore.conformance.invalid import check_invalid_codes
+    from qcore.conformance.checks import check_invalid_codes
 
     case = Case(text, (3, 4))
     check_invalid_codes(REF, case)  # the reference conforms

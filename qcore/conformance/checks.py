@@ -35,7 +35,7 @@ from ..protocol import QParams, QTensor
 from ..scheme import OffsetKind, QuantScheme, scheme as parse_scheme
 from .cases import Case, make_input, np_dtype
 from .inputs import grid_exponents
-from .invalid import check_invalid_codes, with_valid_codes
+from .invalid import with_code, with_valid_codes
 
 __all__ = [
     "PASSED",
@@ -457,6 +457,30 @@ def check_supported(backend, case: Case, reference=None) -> None:
     y3 = _host(ctx, "dequantize", backend, ctx.call("dequantize", backend.dequantize, q, dtype=out_dt))
     compare_arrays(ctx, "deterministic.dequantize", y3, y, "dequantized values")
     _untouched(ctx, "inputs-untouched", x, before)
+
+
+def check_invalid_codes(backend, case, reference=None) -> None:
+    """A payload of `case` with one code outside the value's set (the last element) raises
+    `InvalidDataError` at `from_data` or at the first dequantize, naming that element; schemes
+    whose every code is valid (Q8F/Q4F/Q2F, E2M1, LOOKUP) have nothing to check."""
+    s = case.qscheme
+    invalid = np.flatnonzero(~s.valid_fields)
+    if invalid.size == 0 or 0 in case.shape:
+        return
+    ctx = _ctx(backend, case)
+    index = tuple(d - 1 for d in case.shape)
+    bad = with_code(random_payload(case), index, int(invalid[-1]))
+    try:
+        q = backend.from_data(bad)
+        np.asarray(backend.to_numpy(backend.dequantize(q)))
+    except InvalidDataError as e:
+        if str(index) not in str(e):
+            raise ctx.fail("invalid-codes", f"InvalidDataError does not name element {index}: {e}") from e
+        return
+    except Exception as e:  # noqa: BLE001 - any other exception is a finding
+        raise ctx.fail("invalid-codes", f"raised {type(e).__name__} ({e}), want InvalidDataError") from e
+    raise ctx.fail("invalid-codes", f"code 0x{int(invalid[-1]):x} at element {index} decoded without "
+                                    "InvalidDataError (SPEC v1.1 §3)")
 
 
 def random_payload(case: Case) -> QuantizedData:
