@@ -19,6 +19,7 @@ import numpy as np
 
 from . import __version__
 from . import io as qio
+from .console import console, escape, fmt_bytes, fmt_db, fmt_shape
 from .errors import InputError, QCoreError
 from .recipe import KEEP, Recipe, as_recipe
 from .scheme import PRESETS, Native, PackedNative, PackedU32, QuantMode, QuantScheme, QuantValue, ScaleDtype, base_scheme
@@ -40,38 +41,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         raise _UsageError(f"{message} (see '{self.prog} --help')")
-
-
-# --------------------------------------------------------------------------------------- output
-def _console(stderr: bool = False):
-    from rich.console import Console
-
-    stream = sys.stderr if stderr else sys.stdout
-    wide = None if stream.isatty() else 160  # rich would wrap tables at 80 columns in a pipe
-    return Console(file=stream, width=wide, highlight=False, soft_wrap=True)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-def _fmt_db(v: float) -> str:
-    return "exact" if math.isinf(v) else f"{v:.2f}"
-
-
-def _shape(shape: Sequence[int]) -> str:
-    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
-
-
-def escape(text: str) -> str:
-    """Text shown inside rich markup as it is (tensor names and notes may hold brackets)."""
-    from rich.markup import escape as _escape
-
-    return _escape(text)
 
 
 # ------------------------------------------------------------------------------------ backends
@@ -137,7 +106,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     reg = _registry()
-    out = _console()
+    out = console()
     found = reg.registered()
     out.print("[bold]qcore backends[/]")
     table = Table()
@@ -248,7 +217,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if os.path.isfile(args.input) and "://" not in args.output:
         qio.check_output_path(args.output)  # one file in, one file out: refuse a bad OUT before any work
 
-    err = _console(stderr=True)
+    err = console(stderr=True)
     with _progress(err) as bar:
         title = f"quantize {recipe.scheme if not recipe.rules else 'by recipe'}"
         task = bar.add_task(title, total=1, done=0, count=0)
@@ -284,7 +253,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                      for t, s in zip(args.compare or [], compare)}}
         report.write(args.report, names, series, title=f"{os.path.basename(args.input)}: SQNR per tensor")
 
-    out = _console()
+    out = console()
     what = str(recipe.scheme) if not recipe.rules else f"recipe: {recipe.describe()}"
     out.print(f"[bold]{args.input} -> {args.output}[/]  ({what} on {be.name})", markup=True)
     table = Table()
@@ -293,19 +262,19 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in res.tensors:
         if r.quantized and r.note:  # resumed: written by an earlier run
-            table.add_row(r.name, _shape(r.shape), f"{r.scheme} [dim]({r.note})[/]", _fmt_bytes(r.before),
-                          _fmt_bytes(r.after), "", "")
+            table.add_row(r.name, fmt_shape(r.shape), f"{r.scheme} [dim]({r.note})[/]", fmt_bytes(r.before),
+                          fmt_bytes(r.after), "", "")
         elif r.quantized:
-            stats = ("", "") if args.no_stats else (_fmt_db(r.sqnr), f"{r.max_err:.3g}")
-            table.add_row(r.name, _shape(r.shape), r.scheme, _fmt_bytes(r.before), _fmt_bytes(r.after), *stats)
+            stats = ("", "") if args.no_stats else (fmt_db(r.sqnr), f"{r.max_err:.3g}")
+            table.add_row(r.name, fmt_shape(r.shape), r.scheme, fmt_bytes(r.before), fmt_bytes(r.after), *stats)
         elif not args.verbose and r.note.startswith("kept: 1-D"):
             continue
         else:
-            table.add_row(r.name, _shape(r.shape), f"[dim]{escape(r.note)}[/]", _fmt_bytes(r.before),
-                          _fmt_bytes(r.after), "", "")
+            table.add_row(r.name, fmt_shape(r.shape), f"[dim]{escape(r.note)}[/]", fmt_bytes(r.before),
+                          fmt_bytes(r.after), "", "")
     table.add_section()
-    table.add_row(f"total ({len(q_rows)} of {len(res.tensors)} quantized)", "", "", _fmt_bytes(res.before),
-                  _fmt_bytes(res.after), "", "")
+    table.add_row(f"total ({len(q_rows)} of {len(res.tensors)} quantized)", "", "", fmt_bytes(res.before),
+                  fmt_bytes(res.after), "", "")
     out.print(table)
     hidden = sum(1 for r in res.tensors if r.note.startswith("kept: 1-D"))
     if hidden and not args.verbose:
@@ -315,7 +284,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                   markup=False)
     if len(res.files) > 1:
         out.print(f"wrote {len(res.files)} files to {args.output}", markup=False)
-    out.print(f"wrote {args.output}: {_fmt_bytes(res.before)} -> {_fmt_bytes(res.after)} "
+    out.print(f"wrote {args.output}: {fmt_bytes(res.before)} -> {fmt_bytes(res.after)} "
               f"({res.ratio:.2f}x smaller) in {res.seconds:.2f} s (sizes in the source dtypes)", markup=False)
     if args.report:
         out.print(f"wrote report {args.report}")
@@ -338,7 +307,7 @@ def cmd_dequantize(args: argparse.Namespace) -> int:
         qio.check_output_path(args.output)  # before any work
     n, total = dequantize_model(args.input, args.output, dtype, backend=args.backend)
     to = dtype if dtype is not None else "their source dtypes"
-    _console().print(f"wrote {args.output}: {n} of {total} tensors dequantized to {to}")
+    console().print(f"wrote {args.output}: {n} of {total} tensors dequantized to {to}")
     return EXIT_OK
 
 
@@ -394,7 +363,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**summary, "entries": rows}, indent=1))
         return EXIT_OK
-    out = _console()
+    out = console()
     kind = f"{fmt} checkpoint, read as qcore schemes" if fmt != "qcore" else \
         f"qcore format {summary['format_version'] or '- (plain safetensors)'}"
     out.print(f"[bold]{escape(where)}[/]  ({kind})")
@@ -405,13 +374,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in rows:
         kind = r["kind"] + (f" (from {r['source_dtype']})" if r["quantized"] else "")
-        table.add_row(escape(r["name"]), escape(kind), _shape(r["shape"]), _fmt_bytes(r["bytes"]),
-                      _fmt_bytes(r["source_bytes"]), f"{r['ratio']:.2f}x", *([r["file"]] if len(infos) > 1 else []))
+        table.add_row(escape(r["name"]), escape(kind), fmt_shape(r["shape"]), fmt_bytes(r["bytes"]),
+                      fmt_bytes(r["source_bytes"]), f"{r['ratio']:.2f}x", *([r["file"]] if len(infos) > 1 else []))
     table.add_section()
     table.add_row(f"total ({summary['quantized']} of {len(rows)} quantized)", escape(", ".join(summary["schemes"])),
-                  "", _fmt_bytes(stored), _fmt_bytes(source), f"{summary['ratio']:.2f}x")
+                  "", fmt_bytes(stored), fmt_bytes(source), f"{summary['ratio']:.2f}x")
     out.print(table)
-    out.print(f"file size {_fmt_bytes(summary['file_size'])}; compression vs the source dtypes: "
+    out.print(f"file size {fmt_bytes(summary['file_size'])}; compression vs the source dtypes: "
               f"{summary['ratio']:.2f}x")
     for text in recipes:
         out.print(f"recipe: {Recipe.from_json(text).describe()}", markup=False)
@@ -452,7 +421,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             reg.backend(n)  # raises BackendNotFoundError with the installed list
     n_el = max(256, int(args.size_mb * 1e6 / 4) // 256 * 256)
     x = np.random.default_rng(0).standard_normal((n_el // 256, 256)).astype(np.float32)
-    out = _console()
+    out = console()
     out.print(f"[bold]quantize + dequantize throughput[/], GB/s of float32 input ({x.nbytes / 1e6:.2f} MB, "
               f"host to host, best of {args.repeat})")
     table = Table()

@@ -382,8 +382,8 @@ def test_progress_bar_on_a_terminal(capsys, model, tmp_path, monkeypatch):
     from qcore import cli
 
     term = _io.StringIO()
-    real = cli._console
-    monkeypatch.setattr(cli, "_console", lambda stderr=False: Console(file=term, force_terminal=True, width=120)
+    real = cli.console
+    monkeypatch.setattr(cli, "console", lambda stderr=False: Console(file=term, force_terminal=True, width=120)
                         if stderr else real(stderr))
     rc, out, err = run(capsys, "quantize", model, tmp_path / "q.safetensors", "--scheme", "q8s", "--backend",
                        "reference")

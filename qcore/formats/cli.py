@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from .. import io as qio
+from ..console import console, escape, fmt_db, fmt_shape
 from ..errors import InputError
 from ..payload import QuantizedData
 from .base import INDEX_SUFFIX, FormatNotFoundError, shards
@@ -86,15 +87,12 @@ def add_convert(sub: Any) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from rich.markup import escape  # scheme text such as q4s-lookup[nf4] is not rich markup
     from rich.table import Table
-
-    from ..cli import _console, _fmt_db, _shape
 
     report = convert(args.src, args.dst, args.to, src_format=args.src_format, requantize=args.requantize,
                      backend=args.backend, read_options=_options(args.from_option, "--from-option"),
                      write_options=_options(args.to_option, "--to-option"))
-    out = _console()
+    out = console()
     out.print(f"[bold]{escape(report.src)} ({report.src_format}) -> {escape(report.dst)} ({report.dst_format})[/]")
     table = Table()
     for col, just in (("tensor", "left"), ("shape", "left"), ("source", "left"), ("written as", "left"),
@@ -102,8 +100,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     for t in report.tensors:
         re = t.action == "requantized"
-        table.add_row(escape(t.name), _shape(t.shape), escape(t.source), escape(t.target), t.action,
-                      _fmt_db(t.sqnr) if re else "", f"{t.max_err:.3g}" if re and not math.isnan(t.max_err) else "")
+        table.add_row(escape(t.name), fmt_shape(t.shape), escape(t.source), escape(t.target), t.action,
+                      fmt_db(t.sqnr) if re else "", f"{t.max_err:.3g}" if re and not math.isnan(t.max_err) else "")
     out.print(table)
     n_re = sum(t.action == "requantized" for t in report.tensors)
     out.print(f"wrote {report.dst}: {len(report.tensors)} tensors, "
