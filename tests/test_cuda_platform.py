@@ -53,22 +53,19 @@ _COMPILE_PART = textwrap.dedent("""
     import json, sys
     names = set(json.loads(sys.argv[1]))
     try:
-        from numba import cuda
-        from qcore_cuda import kernels as K, fast as F, gemv as G, tc as T
-        targets = [(f"{name}#{i}", getattr(K, name).py_func, sig, True)
-                   for name, sigs in K.SIGNATURES.items() for i, sig in enumerate(sigs)]
-        targets += [(name, fn, sig, False) for name, fn, sig, *_ in F.ptx_targets() + G.ptx_targets() + T.ptx_targets()]
+        from qcore_cuda import ptx as P
         n = 0
         newer = ("e4m3x2", "e5m2x2", "max.NaN")  # sm_89 FP8 conversions, sm_80 max.NaN
-        for name, fn, sig, general in targets:
+        for t in P.targets():
+            name = t.name
             if name not in names:
                 continue
-            ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
+            ptx = P.to_ptx(t, cc=(9, 0))
             n += 1
-            if general and name.endswith("#0"):  # the general kernels are the path of GPUs below 8.9:
+            if t.general and name.endswith("#0"):  # the general kernels are the path of GPUs below 8.9:
                 # nothing newer than sm_75 (checked on each one's first signature; the others
                 # differ only in array dtypes, which pull in no newer instruction)
-                ptx75, _ = cuda.compile_ptx(fn, sig, cc=(7, 5))
+                ptx75 = P.to_ptx(t, cc=(7, 5))
                 for f in newer:
                     if f in ptx75:
                         print("NEEDS_NEWER_GPU", name, f)
@@ -117,19 +114,18 @@ def _covering(names: list[str]) -> list[str]:
 
 
 def _ptx_names() -> list[str]:
-    from qcore_cuda import fast as F, gemv as G, kernels as K, tc as T
+    from qcore_cuda import ptx
 
-    names = [f"{name}#{i}" for name, sigs in K.SIGNATURES.items() for i in range(len(sigs))]
-    names += [name for name, *_ in F.ptx_targets() + G.ptx_targets() + T.ptx_targets()]
+    names = [t.name for t in ptx.targets()]
     return names if PTX_ALL else _covering(names)
 
 
 def test_ptx_covering_set_keeps_every_parameter_value():
     """The default compile set holds every kernel, and every value each template parameter of a
     generated kernel takes in the full list."""
-    from qcore_cuda import fast as F, gemv as G, kernels as K, tc as T
+    from qcore_cuda import ptx
 
-    full = [name for name, *_ in F.ptx_targets() + G.ptx_targets() + T.ptx_targets()] + list(K.SIGNATURES)
+    full = [t.name for t in ptx.targets()]
     cut = _covering(full)
     assert len(cut) < len(full)
 
@@ -173,6 +169,33 @@ def test_kernels_compile_for_sm90(part):
     e4m3 = f"k_fast_quant[{F.KIND_E4M3}]"
     if e4m3 in mine:
         assert f"FP8 {e4m3}" in out.stdout, out.stdout
+
+
+def test_kernel_stats_sizes_kernels_without_a_gpu(tmp_path):
+    """scripts/kernel_stats.py (over `qcore_cuda.ptx`): registers, spill bytes and SASS
+    instructions of kernels, from numba's PTX assembled by CUDA's ptxas, no GPU. Checked on the
+    max pass and the E2M1 quantize kernel, whose sizes differ by an order of magnitude."""
+    import json
+    from pathlib import Path
+
+    from qcore_cuda import ptx
+
+    if ptx.find_ptxas() is None:
+        pytest.skip("no ptxas on this machine (CUDA's toolkit): kernel_stats needs it")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "kernel_stats.py"
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    out = subprocess.run([sys.executable, str(script), "^k_amax$", r"^k_fast_quant\[5\]$", "--json",
+                          str(tmp_path / "s.json")], env=env, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0 and ("libnvvm" in out.stderr or "libnvrtc" in out.stderr):
+        if os.environ.get("QCORE_REQUIRE_PTX", "") not in ("", "0"):
+            pytest.fail("NVRTC/NVVM libraries missing (QCORE_REQUIRE_PTX=1)")
+        pytest.skip("NVRTC/NVVM libraries missing (pip install qcore-cuda[ptx])")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["kernel"]: r for r in json.loads((tmp_path / "s.json").read_text())["kernels"]}
+    assert set(rows) == {"k_amax", "k_fast_quant[5]"}, out.stdout
+    assert all(r["registers"] > 0 and r["spill_bytes"] >= 0 for r in rows.values()), rows
+    assert 10 * rows["k_amax"]["instructions"] < rows["k_fast_quant[5]"]["instructions"], rows
+    assert "k_fast_quant[5]" in out.stdout and "SASS instructions" in out.stdout
 
 
 @pytest.mark.parametrize("cc, env, usable", [((9, 0), None, True), ((8, 9), "1", True), ((12, 0), "", True),

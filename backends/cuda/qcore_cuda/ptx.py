@@ -1,0 +1,136 @@
+"""Every kernel the backend launches, compiled without a GPU: the PTX numba makes, and where CUDA's
+`ptxas` is at hand, what the GPU would run (registers, spills, SASS instruction count).
+
+`targets()` is the one list of kernels with the signatures they are launched with: the general
+kernels of kernels.py (each of its `SIGNATURES`), and the generated variants of fast.py, gemv.py
+and tc.py (their `ptx_targets()`). The CI test (`tests/test_cuda_platform.py`) compiles it for
+sm_90 and sm_75; `scripts/kernel_stats.py` prints `sass_stats` for any of it, which is how a
+kernel change can be sized before it reaches a GPU: every sm_90 instruction is 16 bytes, so the
+size of a kernel's `.text` section in the cubin is its instruction count.
+
+Needs the real numba.cuda target (not the simulator) and NVRTC/NVVM (`qcore-cuda[ptx]`);
+`sass_stats` also needs `ptxas` (CUDA's toolkit), no GPU.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import struct
+import subprocess
+import tempfile
+from typing import Any, NamedTuple
+
+__all__ = ["Target", "targets", "to_ptx", "SassStats", "sass_stats", "find_ptxas"]
+
+
+class Target(NamedTuple):
+    """A kernel as the backend launches it: `name` (`k_x#i` for the i-th signature of a general
+    kernel, `k_x[params]` for a generated variant), its Python function and signature."""
+
+    name: str
+    pyfunc: Any
+    signature: str
+    general: bool  # one of kernels.py's general kernels (the path of GPUs below sm_89)
+
+
+def targets() -> list[Target]:
+    """Every kernel and signature the backend launches."""
+    from . import fast, gemv, kernels as K, tc
+
+    out = [Target(f"{name}#{i}", getattr(K, name).py_func, sig, True)
+           for name, sigs in K.SIGNATURES.items() for i, sig in enumerate(sigs)]
+    out += [Target(name, fn, sig, False) for name, fn, sig, *_ in fast.ptx_targets() + gemv.ptx_targets()
+            + tc.ptx_targets()]
+    return out
+
+
+def to_ptx(target: Target, cc: tuple[int, int] = (9, 0)) -> str:
+    """The PTX of `target` for compute capability `cc`."""
+    from numba import cuda
+
+    ptx, _ = cuda.compile_ptx(target.pyfunc, target.signature, cc=cc)
+    return ptx
+
+
+class SassStats(NamedTuple):
+    """What ptxas made of one kernel."""
+
+    registers: int  # per thread
+    spill_bytes: int  # spill stores + loads
+    instructions: int  # SASS instructions (`.text` bytes / 16)
+
+
+def find_ptxas() -> str | None:
+    """`ptxas` on PATH, else in $CUDA_HOME/bin or /usr/local/cuda*/bin; None without one."""
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]
+    if os.path.isdir("/usr/local"):
+        roots += sorted((os.path.join("/usr/local", d) for d in os.listdir("/usr/local") if d.startswith("cuda-")),
+                        reverse=True)
+    for root in roots:
+        path = os.path.join(root, "bin", "ptxas") if root else ""
+        if path and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+_UNSUPPORTED = re.compile(r"Unsupported \.version (\d+\.\d+); current version is '(\d+\.\d+)'")
+
+
+def sass_stats(ptx: str, arch: str = "sm_90", ptxas: str | None = None) -> tuple[dict[str, SassStats], str]:
+    """({kernel symbol: SassStats}, note) for one PTX module. numba's NVVM may write a newer PTX
+    ISA `.version` than the `ptxas` at hand reads; the module is then assembled as the version
+    that ptxas names (the note says so), which holds as long as it uses nothing newer."""
+    ptxas = ptxas or find_ptxas()
+    if ptxas is None:
+        raise FileNotFoundError("ptxas not found (CUDA toolkit: PATH, $CUDA_HOME/bin or /usr/local/cuda*/bin)")
+    note = ""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        for _ in range(2):
+            with open(src, "w") as f:
+                f.write(ptx)
+            run = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", cubin], capture_output=True, text=True)
+            m = _UNSUPPORTED.search(run.stderr)
+            if run.returncode == 0 or m is None:
+                break
+            ptx = re.sub(r"^\.version \d+\.\d+", f".version {m.group(2)}", ptx, count=1, flags=re.M)
+            note = f"PTX .version {m.group(1)} assembled as {m.group(2)} (this ptxas)"
+        if run.returncode != 0:
+            raise RuntimeError(f"ptxas failed: {run.stderr.strip()[-2000:]}")
+        with open(cubin, "rb") as f:
+            sizes = _text_sizes(f.read())
+    regs: dict[str, tuple[int, int]] = {}
+    current = None
+    for line in run.stderr.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            current = m.group(1)
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and current:
+            regs[current] = (regs.get(current, (0, 0))[0], int(m.group(1)) + int(m.group(2)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current:
+            regs[current] = (int(m.group(1)), regs.get(current, (0, 0))[1])
+    return {name: SassStats(regs.get(name, (0, 0))[0], regs.get(name, (0, 0))[1], size // 16)
+            for name, size in sizes.items()}, note
+
+
+def _text_sizes(elf: bytes) -> dict[str, int]:
+    """{kernel symbol: bytes of its `.text.<symbol>` section} of a 64-bit little-endian ELF cubin."""
+    if elf[:4] != b"\x7fELF" or elf[4] != 2:
+        raise ValueError("not a 64-bit ELF file")
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+    names_off = headers[shstrndx][4]
+    out = {}
+    for name_off, _type, _flags, _addr, _off, size, *_ in headers:
+        end = elf.index(b"\0", names_off + name_off)
+        name = elf[names_off + name_off:end].decode()
+        if name.startswith(".text."):
+            out[name[len(".text."):]] = size
+    return out

@@ -1,0 +1,70 @@
+"""What the GPU would run for the cuda backend's kernels, without a GPU: registers per thread,
+spill bytes and SASS instructions of each kernel (numba's PTX assembled by CUDA's `ptxas`).
+
+    python scripts/kernel_stats.py k_fast_quant k_gemv     # kernels whose names match (regex)
+    python scripts/kernel_stats.py --list                  # the names
+    python scripts/kernel_stats.py k_amax --arch sm_90 --json stats.json
+
+Names are those of `qcore_cuda.ptx.targets()`: `k_x#i` for the i-th launch signature of a general
+kernel, `k_x[params]` for a generated variant (`k_fast_quant[5]`: the E2M1 quantize kernel).
+An instruction count compares two versions of a kernel before either reaches a GPU; it is not
+a speed (a memory-bound kernel hides many instructions). Needs `qcore-cuda[ptx]` and ptxas
+(PATH, $CUDA_HOME/bin or /usr/local/cuda*/bin); runs with NUMBA_ENABLE_CUDASIM unset.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("patterns", nargs="*", help="regular expressions; a kernel matching any is shown (default: all)")
+    ap.add_argument("--arch", default="sm_90", help="ptxas target (default sm_90)")
+    ap.add_argument("--list", action="store_true", help="print the kernel names and stop")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = ap.parse_args(argv)
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+        print("kernel_stats: unset NUMBA_ENABLE_CUDASIM (the simulator compiles nothing)", file=sys.stderr)
+        return 2
+    from qcore_cuda import ptx
+
+    chosen = [t for t in ptx.targets() if not args.patterns or any(re.search(p, t.name) for p in args.patterns)]
+    if args.list:
+        print("\n".join(t.name for t in chosen))
+        return 0
+    if not chosen:
+        print(f"kernel_stats: no kernel matches {args.patterns} (see --list)", file=sys.stderr)
+        return 2
+    tool = ptx.find_ptxas()
+    if tool is None:
+        print("kernel_stats: ptxas not found (install CUDA's toolkit or put ptxas on PATH)", file=sys.stderr)
+        return 2
+    m = re.fullmatch(r"sm_(\d+)(\d)a?", args.arch)
+    if m is None:
+        print(f"kernel_stats: --arch {args.arch}: write it as sm_90, sm_75, ...", file=sys.stderr)
+        return 2
+    cc = (int(m.group(1)), int(m.group(2)))
+    rows, notes = [], set()
+    print(f"{'kernel':34s} {'registers':>9s} {'spill B':>8s} {'SASS instructions':>18s}   ({args.arch}, {tool})")
+    for t in chosen:
+        stats, note = ptx.sass_stats(ptx.to_ptx(t, cc=cc), args.arch, tool)
+        notes.add(note)
+        for s in stats.values():  # one entry function per module
+            rows.append({"kernel": t.name, "registers": s.registers, "spill_bytes": s.spill_bytes,
+                         "instructions": s.instructions})
+            print(f"{t.name:34s} {s.registers:9d} {s.spill_bytes:8d} {s.instructions:18d}", flush=True)
+    for note in sorted(n for n in notes if n):
+        print(f"note: {note}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"arch": args.arch, "ptxas": tool, "notes": sorted(n for n in notes if n), "kernels": rows}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
