@@ -49,14 +49,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cc = (int(m.group(1)), int(m.group(2)))
     rows, notes = [], set()
-    print(f"{'kernel':34s} {'registers':>9s} {'spill B':>8s} {'SASS instructions':>18s}   ({args.arch}, {tool})")
+    print(f"{'kernel':34s} {'regs/cap':>9s} {'spill B':>8s} {'SASS instructions':>18s}   ({args.arch}, {tool})")
     for t in chosen:
-        stats, note = ptx.sass_stats(ptx.to_ptx(t, cc=cc), args.arch, tool)
+        stats, note = ptx.sass_stats(ptx.to_ptx(t, cc=cc), args.arch, tool, t.max_registers)
         notes.add(note)
         for s in stats.values():  # one entry function per module
-            rows.append({"kernel": t.name, "registers": s.registers, "spill_bytes": s.spill_bytes,
-                         "instructions": s.instructions})
-            print(f"{t.name:34s} {s.registers:9d} {s.spill_bytes:8d} {s.instructions:18d}", flush=True)
+            rows.append({"kernel": t.name, "max_registers": t.max_registers, "registers": s.registers,
+                         "spill_bytes": s.spill_bytes, "instructions": s.instructions})
+            cap = f"/{t.max_registers}" if t.max_registers else ""
+            print(f"{t.name:34s} {str(s.registers) + cap:>9s} {s.spill_bytes:8d} {s.instructions:18d}", flush=True)
     for note in sorted(n for n in notes if n):
         print(f"note: {note}")
     if args.json:

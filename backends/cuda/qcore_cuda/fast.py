@@ -507,7 +507,8 @@ def k_amax_py(x, gs, flag, nruns):
         cuda.atomic.max(gs, 1, shm[0])
 
 
-_jit = K.jit_regs(64)
+JIT_REGS = 64  # register cap of the fast kernels
+_jit = K.jit_regs(JIT_REGS)
 k_amax = _jit(k_amax_py)
 
 
@@ -528,10 +529,10 @@ AMAX_SIG = "void(float32[::1], float32[::1], int32[::1], int64)"
 
 
 def ptx_targets():
-    """(name, python function, signature) of every fast kernel, for the compile_ptx test."""
-    out = [("k_amax", k_amax_py, AMAX_SIG)]
+    """(name, python function, signature, register cap) of every fast kernel (`ptx.targets`)."""
+    out = [("k_amax", k_amax_py, AMAX_SIG, JIT_REGS)]
     for kind in range(len(KIND_BITS)):
-        out.append((f"k_fast_quant[{kind}]", _quant_kernel(kind), QUANT_SIG))
+        out.append((f"k_fast_quant[{kind}]", _quant_kernel(kind), QUANT_SIG, JIT_REGS))
         out.append((f"k_fast_dequant[{kind}]", _dequant_kernel(kind),
-                    DEQUANT_SIG.format(unit_dtype(kind).__name__)))
+                    DEQUANT_SIG.format(unit_dtype(kind).__name__), JIT_REGS))
     return out

@@ -364,8 +364,8 @@ SIG = ("void(float32[::1], uint32[::1], float32[::1], float32[::1], float32[::1]
 
 
 def ptx_targets():
-    """(name, python function, signature) of every GEMV variant `config_for` picks, for the
-    compile_ptx test."""
+    """(name, python function, signature, register cap) of every GEMV variant `config_for` picks
+    (`ptx.targets`)."""
     out = []
     for kind in range(len(fast.KIND_BITS)):
         cfgs = set()
@@ -375,7 +375,8 @@ def ptx_targets():
                 Q[Q_NWR], Q[Q_BLOCK] = nwr, block
                 cfgs |= {config_for(kind, m, Q) for m in (1, 2, 3, 4, 5, 16)}
         for mb, wpt, one in sorted(cfgs):
-            out.append((f"k_gemv[{kind},{mb},{wpt},{int(one)}]", _gemv_kernel(kind, mb, wpt, one), SIG))
+            out.append((f"k_gemv[{kind},{mb},{wpt},{int(one)}]", _gemv_kernel(kind, mb, wpt, one), SIG,
+                        tuning(mb).regs))
     return out
 
 

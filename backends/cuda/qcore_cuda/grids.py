@@ -24,6 +24,11 @@ def jit_regs(n: int):
     return cuda.jit(max_registers=n)
 
 
+def register_cap(kernel) -> int | None:
+    """The `jit_regs` cap a kernel dispatcher was made with (None: uncapped, or the simulator's)."""
+    return getattr(kernel, "targetoptions", {}).get("max_registers")
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count() -> int:
     """Streaming multiprocessors of the current device (read once per process; it only sizes

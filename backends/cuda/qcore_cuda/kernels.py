@@ -20,7 +20,7 @@ promote differently otherwise.
 from __future__ import annotations
 
 from .devmath import *  # noqa: E402,F401,F403
-from .grids import jit_regs, launch, sm_count  # noqa: E402,F401
+from .grids import jit_regs, launch, register_cap, sm_count  # noqa: E402,F401
 from .k_general import (  # noqa: E402,F401
     k_convert_f16, k_convert_f64, k_decode_scales, k_dequant, k_error_partials, k_fill2, k_first_extreme, k_quant,
     k_quant_fused, k_scales, k_slot_stats, k_take_extreme, k_tensor_range, k_tensor_stats, k_zero_stats,

@@ -32,16 +32,17 @@ class Target(NamedTuple):
     pyfunc: Any
     signature: str
     general: bool  # one of kernels.py's general kernels (the path of GPUs below sm_89)
+    max_registers: int | None = None  # the cap the backend compiles it with (ptxas -maxrregcount)
 
 
 def targets() -> list[Target]:
     """Every kernel and signature the backend launches."""
     from . import fast, gemv, kernels as K, tc
 
-    out = [Target(f"{name}#{i}", getattr(K, name).py_func, sig, True)
+    out = [Target(f"{name}#{i}", getattr(K, name).py_func, sig, True, K.register_cap(getattr(K, name)))
            for name, sigs in K.SIGNATURES.items() for i, sig in enumerate(sigs)]
-    out += [Target(name, fn, sig, False) for name, fn, sig, *_ in fast.ptx_targets() + gemv.ptx_targets()
-            + tc.ptx_targets()]
+    out += [Target(name, fn, sig, False, regs)
+            for name, fn, sig, regs in fast.ptx_targets() + gemv.ptx_targets() + tc.ptx_targets()]
     return out
 
 
@@ -80,8 +81,10 @@ def find_ptxas() -> str | None:
 _UNSUPPORTED = re.compile(r"Unsupported \.version (\d+\.\d+); current version is '(\d+\.\d+)'")
 
 
-def sass_stats(ptx: str, arch: str = "sm_90", ptxas: str | None = None) -> tuple[dict[str, SassStats], str]:
-    """({kernel symbol: SassStats}, note) for one PTX module. numba's NVVM may write a newer PTX
+def sass_stats(ptx: str, arch: str = "sm_90", ptxas: str | None = None,
+               max_registers: int | None = None) -> tuple[dict[str, SassStats], str]:
+    """({kernel symbol: SassStats}, note) for one PTX module, assembled under the register cap
+    the backend compiles it with (`Target.max_registers`). numba's NVVM may write a newer PTX
     ISA `.version` than the `ptxas` at hand reads; the module is then assembled as the version
     that ptxas names (the note says so), which holds as long as it uses nothing newer."""
     ptxas = ptxas or find_ptxas()
@@ -93,7 +96,9 @@ def sass_stats(ptx: str, arch: str = "sm_90", ptxas: str | None = None) -> tuple
         for _ in range(2):
             with open(src, "w") as f:
                 f.write(ptx)
-            run = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", cubin], capture_output=True, text=True)
+            cap = [f"-maxrregcount={max_registers}"] if max_registers else []
+            run = subprocess.run([ptxas, f"-arch={arch}", "-v", *cap, src, "-o", cubin], capture_output=True,
+                                 text=True)
             m = _UNSUPPORTED.search(run.stderr)
             if run.returncode == 0 or m is None:
                 break

@@ -412,10 +412,12 @@ def slot_scales(scales, Q: np.ndarray):
 
 
 def ptx_targets():
-    """(name, python function, signature) of every variant the backend launches."""
-    tc_kernels = [(f"k_tc[{kind},{mg}]", _tc_kernel(kind, mg), SIG)
+    """(name, python function, signature, register cap) of every variant the backend launches
+    (`ptx.targets`)."""
+    tc_kernels = [(f"k_tc[{kind},{mg}]", _tc_kernel(kind, mg), SIG, REGS)
                   for kind in range(len(fast.KIND_BITS)) for mg in (1, 2)]
-    return tc_kernels + [("k_slot_scales", k_slot_scales.py_func, SLOT_SCALES_SIG)]
+    return tc_kernels + [("k_slot_scales", k_slot_scales.py_func, SLOT_SCALES_SIG,
+                          fast.K.register_cap(k_slot_scales))]
 
 
 def buffers(Q: np.ndarray, kind: int, m: int):
