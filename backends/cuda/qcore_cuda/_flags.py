@@ -114,6 +114,15 @@ def new() -> Any:
     return cuda.to_device(np.zeros(1, dtype=_I32))
 
 
+def clear(flag: Any, stream: Any) -> None:
+    """Set a flag back to 0 after its stream was waited for: a mapped word at once, a device
+    flag by a copy in `stream`'s (a StreamRef) order."""
+    if type(flag) is HostFlag:
+        flag.clear()
+    else:
+        flag.copy_to_device(np.zeros(1, dtype=_I32), stream=stream.numba)
+
+
 def is_host_flag(flag: Any) -> bool:
     """Whether `flag` came from mapped memory (read it with `.value`, no copy)."""
     return type(flag) is HostFlag

@@ -279,8 +279,9 @@ class CudaBackend(BaseBackend):
     # ------------------------------------------------------------------ quantize
     def _scratch(self):
         """Persistent zeroed scratch on the device: f64 sum, f32 [g, max statistic, amax, -], and
-        the int32 non-finite flag (`_flags.new`: mapped host memory on a GPU). k_quant re-zeroes the statistics after use; the flag is only
-        ever set on an error, after which the scratch is rebuilt."""
+        the int32 non-finite flag (`_flags.new`: mapped host memory on a GPU). k_quant re-zeroes
+        the statistics after use; the flag is only ever set on an error, after which the scratch
+        is rebuilt."""
         scr = self.__dict__.get("_scr")
         if scr is None:
             z = _cuda().to_device(np.zeros(3, dtype=np.float64))
@@ -577,10 +578,7 @@ class CudaBackend(BaseBackend):
         data = self._kernel_data(data, s)
         flag = self._code_flag(data)
         if self._read_flag(flag, s):
-            if type(flag) is _flags.HostFlag:
-                flag.clear()  # (the stream has been waited for)
-            else:
-                flag.copy_to_device(np.zeros(1, dtype=np.int32), stream=s.numba)
+            _flags.clear(flag, s)
             self._into_data(data).check_codes()
 
     @guard(lambda self, x, q: (f"measure the error of a {q.shape} {q.scheme} tensor", 8 * math.prod(q.shape)))
