@@ -4,7 +4,7 @@
 plus the DLPack protocol (`__dlpack__`, `__dlpack_device__`), so torch (`torch.from_dlpack`,
 `torch.as_tensor`), CuPy (`cupy.asarray`, `cupy.from_dlpack`) and JAX (`jax.dlpack.from_dlpack`)
 take it without a copy; `.torch()` is the documented way back to a torch tensor. A result's
-memory comes from the pool (`_pool.alloc`) in its call's stream order, and `QArray.fast` builds
+memory comes from the pool (`_pool.reserve`) in its call's stream order, and `QArray.fast` builds
 the array without numba's layout bookkeeping (made lazily when a slice or a view needs it).
 
 `DevView` is what a call needs of an input or `out=` array (pointer, shape, dtype, C order),
@@ -203,16 +203,11 @@ def _simulated() -> bool:
 
 def empty_view(shape: tuple, dtype: np.dtype, stream: Any) -> tuple:
     """(result, DevView of it) for a non-empty result: `empty` without reading the new array's
-    `__cuda_array_interface__` back."""
-    if _simulated():
-        res = empty(shape, dtype, stream)
-        return res, view_of(res)
-    n = 1
-    for d in shape:
-        n *= d
-    mem = _pool.alloc(n * dtype.itemsize, stream.handle, context())
-    res = (_QArray or qarray_class()).fast(shape, dtype, mem, stream.handle)
-    return res, DevView(int(mem.device_pointer), shape, dtype, res)
+    `__cuda_array_interface__` back. The view keeps the result alive (a caller may keep only
+    the view)."""
+    v = reserve(shape, dtype, stream)
+    res = v.base = result(v, stream)
+    return res, v
 
 
 def reserve(shape: tuple, dtype: np.dtype, stream: Any) -> "DevView":
@@ -256,8 +251,7 @@ def empty(shape: tuple, dtype: Any, stream: Any) -> Any:
             strides.append(acc)
             acc *= max(d, 1)
         return cls(tuple(shape), tuple(reversed(strides)), dtype)
-    mem = _pool.alloc(n * dtype.itemsize, stream.handle, context())
-    return cls.fast(tuple(shape), dtype, mem, stream.handle)
+    return result(reserve(tuple(shape), dtype, stream), stream)
 
 
 # ----------------------------------------------------------------------------- inputs / outputs

@@ -24,8 +24,8 @@ Two users of the pool:
   numba still has its own default manager (no `NUMBA_CUDA_MEMORY_MANAGER`, no
   `cuda.set_memory_manager` by the user), and never under the simulator; `QCORE_CUDA_POOL=0`
   leaves numba's manager alone.
-* `alloc(nbytes, stream)`: the backend's results (dequantize, matmul), allocated and freed in
-  the order of the call's stream. Without the pool (opted out, or another manager installed)
+* `reserve(nbytes, stream)` and `own(...)`: the backend's results (dequantize, matmul), allocated
+  and freed in the order of the call's stream. Without the pool (opted out, or another manager installed)
   it asks numba's current manager, so a user's manager (RMM, say) serves them.
 """
 from __future__ import annotations
@@ -292,13 +292,6 @@ def _block() -> Any:
 
         _block_class = PoolBlock
     return _block_class
-
-
-def alloc(nbytes: int, stream: int, ctx: Any) -> Any:
-    """A numba MemoryPointer of `nbytes` for a result: from the pool in `stream`'s order (freed
-    in the same order when the last reference goes), else from numba's current manager."""
-    ptr, owner = reserve(nbytes, stream, ctx)
-    return owner if owner is not None else own(ptr, nbytes, stream, ctx)
 
 
 def reserve(nbytes: int, stream: int, ctx: Any) -> tuple[int, Any]:
