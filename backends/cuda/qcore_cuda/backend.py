@@ -78,6 +78,14 @@ def _sync_stream(handle: int) -> tuple:
     return _sync_stream(handle)
 
 
+def _check_cu(err: Any, what: str) -> None:
+    """Raise numba's CudaAPIError for a failed driver call (`err` from cuda-bindings)."""
+    if err:  # not CUDA_SUCCESS
+        from numba.cuda.cudadrv.driver import CudaAPIError
+
+        raise CudaAPIError(err, f"{what} failed: {err.name}")
+
+
 @functools.lru_cache(maxsize=None)
 def _k():
     from numba import config
@@ -243,11 +251,7 @@ class CudaBackend(BaseBackend):
         alone (not the device): a mapped host word (`_flags.HostFlag`) is read in place; a device
         flag takes one 4-byte asynchronous copy into this thread's pinned word first."""
         if type(flag) is _flags.HostFlag:  # mapped memory: the kernels' store is already here
-            err = _sync_stream(s.handle)[0]
-            if err:
-                from numba.cuda.cudadrv.driver import CudaAPIError
-
-                raise CudaAPIError(err, f"waiting for a call's stream failed: {err.name}")
+            _check_cu(_sync_stream(s.handle)[0], "waiting for a call's stream")
             return flag.value
         if _array._simulated():
             return int(flag.copy_to_host()[0])
@@ -257,17 +261,12 @@ class CudaBackend(BaseBackend):
             from cuda.bindings import driver as cu
 
             host = loc.host = _cuda().pinned_array(1, dtype=np.int32)
-            loc.word, loc.copy, loc.wait = host.ctypes.data, cu.cuMemcpyDtoHAsync, cu.cuStreamSynchronize
+            loc.word, loc.copy = host.ctypes.data, cu.cuMemcpyDtoHAsync
         last = getattr(loc, "last", None)
         if last is None or last[0] is not flag:  # the flag's address, read again only for another flag
             last = loc.last = (flag, flag.__cuda_array_interface__["data"][0])
-        err = loc.copy(loc.word, last[1], 4, s.handle)[0]
-        if not err:  # CUDA_SUCCESS
-            err = loc.wait(s.handle)[0]
-        if err:
-            from numba.cuda.cudadrv.driver import CudaAPIError
-
-            raise CudaAPIError(err, f"reading a device flag failed: {err.name}")
+        _check_cu(loc.copy(loc.word, last[1], 4, s.handle)[0], "reading a device flag")
+        _check_cu(_sync_stream(s.handle)[0], "waiting for a call's stream")
         return int(host[0])
 
     def _raise_if_flagged(self, flag, xd, shape, s: Any = _streams.DEFAULT) -> None:
