@@ -234,6 +234,43 @@ def test_results_come_from_the_pool(be):
 
 
 @GPU_ONLY
+def test_a_dropped_default_stream_result_is_reused_as_the_spare(be):
+    """The last result dropped in the default stream's order is the next one of its size (no
+    driver call either way); another size, a side stream or `trim()` free it; results stay right."""
+    from qcore_cuda import _pool
+
+    q = be.quantize(sample_x((128, 256), seed=16), W4)
+    want = be.dequantize(q).copy_to_host()
+    y = be.dequantize(q)
+    ptr = y.__cuda_array_interface__["data"][0]
+    del y
+    dev = cuda.current_context().device.id
+    assert _pool._spare.get(dev) == (ptr, 128 * 256 * 4)
+    y = be.dequantize(q)
+    assert y.__cuda_array_interface__["data"][0] == ptr and dev not in _pool._spare
+    np.testing.assert_array_equal(y.copy_to_host(), want)
+    del y
+    ctx = cuda.current_context()
+    other, _ = _pool.reserve(64, 0, ctx)  # another size: the spare stays
+    assert other != ptr and _pool._spare.get(dev) == (ptr, 128 * 256 * 4)
+    _pool._release(other, 64, 0, dev)  # it takes the spare's place; the old spare goes back to the pool
+    assert _pool._spare.get(dev) == (other, 64)
+    _pool.trim()
+    assert dev not in _pool._spare
+    side = cuda.stream()
+    y = be.dequantize(q, stream=side)
+    side.synchronize()
+    np.testing.assert_array_equal(y.copy_to_host(), want)
+    yp = y.__cuda_array_interface__["data"][0]
+    del y  # freed in the side stream's order, not kept
+    assert _pool._spare.get(dev, (0, 0))[0] != yp
+    _pool.trim()
+    big = _pool._keep[dev] + 1  # larger than the pool keeps cached: freed, not kept
+    _pool._release(_pool.reserve(big, 0, ctx)[0], big, 0, dev)
+    assert dev not in _pool._spare
+
+
+@GPU_ONLY
 @pytest.mark.parametrize("env,manager", [({"QCORE_CUDA_POOL": "0"}, None), ({}, "user")])
 def test_pool_leaves_other_managers_alone(env, manager):
     """`QCORE_CUDA_POOL=0`, or a numba memory manager the user set first: no pool; results still right."""
