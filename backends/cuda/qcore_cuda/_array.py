@@ -220,7 +220,7 @@ def reserve(shape: tuple, dtype: np.dtype, stream: Any) -> "DevView":
     for d in shape:
         n *= d
     ptr, owner = _pool.reserve(n * dtype.itemsize, stream.handle, context())
-    return DevView(ptr, shape, dtype, owner)
+    return DevView(ptr, shape, dtype, owner, None, n)
 
 
 def result(v: "DevView", stream: Any) -> Any:
@@ -261,16 +261,22 @@ class DevView:
     `arg` is what a launch takes: the view itself on a GPU, the flat simulator array under the
     simulator (whose arrays have no `__cuda_array_interface__`)."""
 
-    __slots__ = ("__cuda_array_interface__", "dtype", "shape", "ptr", "base", "nd_shape", "_sim")
+    __slots__ = ("dtype", "shape", "ptr", "base", "nd_shape", "_sim")
 
-    def __init__(self, ptr: int, nd_shape: tuple, dtype: np.dtype, base: Any, sim: Any = None):
-        n = 1
-        for d in nd_shape:
-            n *= d
+    def __init__(self, ptr: int, nd_shape: tuple, dtype: np.dtype, base: Any, sim: Any = None, n: int = -1):
+        if n < 0:
+            n = 1
+            for d in nd_shape:
+                n *= d
         self.ptr, self.dtype, self.shape, self.nd_shape, self.base = ptr, dtype, (n,), nd_shape, base
-        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (n,), "strides": None,
-                                         "typestr": dtype.str, "version": 3}
         self._sim = sim  # never the view itself: a reference cycle would keep `base` (a result) alive until gc
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """Made when asked (numba's `as_cuda_array`, a dispatcher launch): a packed launch reads
+        `ptr`, `dtype` and `shape` alone."""
+        return {"data": (self.ptr, False), "shape": self.shape, "strides": None, "typestr": self.dtype.str,
+                "version": 3}
 
     @property
     def arg(self) -> Any:
@@ -342,8 +348,10 @@ def prefix(a: Any, nbytes: int, dtype: Any) -> Any:
     """The first `nbytes` of a flat uint8 device array as `dtype` elements: a DevView of a
     DevView (no numba slicing), else numba's slice and view."""
     if type(a) is DevView:
-        dtype = np.dtype(dtype)
-        return DevView(a.ptr, (nbytes // dtype.itemsize,), dtype, a.base)
+        if not isinstance(dtype, np.dtype):
+            dtype = np.dtype(dtype)
+        n = nbytes // dtype.itemsize
+        return DevView(a.ptr, (n,), dtype, a.base, None, n)
     return a[:nbytes].view(dtype)
 
 

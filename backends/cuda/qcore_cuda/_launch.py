@@ -220,7 +220,8 @@ class Packed:
         vals = raw._values
         for (_, kind, pos, what), v in zip(self._swaps, values):
             if kind == "array":
-                if type(v) is not _array.DevView or v.dtype != what[0] or v.shape != what[1]:
+                if type(v) is not _array.DevView or (v.dtype is not what[0] and v.dtype != what[0]) or \
+                        v.shape != what[1]:
                     return False
                 vals[pos].value = v.ptr
             elif type(v) is int:

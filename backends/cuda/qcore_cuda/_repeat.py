@@ -35,7 +35,7 @@ from .paths.quantize import QUANTIZE, FastQuantize, QuantizeCall, run_fast_quant
 __all__ = ["HITS", "QuantizeRepeat", "DequantizeRepeat", "MatmulRepeat", "quantize_again", "remember_quantize",
            "dequantize_again", "remember_dequantize", "matmul_again", "remember_matmul"]
 
-_F32, _U8 = np.dtype(np.float32), np.dtype(np.uint8)
+_F32, _U8, _U32 = np.dtype(np.float32), np.dtype(np.uint8), np.dtype(np.uint32)
 HITS: Counter = Counter()  # calls served here, by operation (tests and benchmarks read it)
 MAX_REPEATS = 256  # distinct (scheme, method, shape) keys kept per backend; the table is cleared when full
 
@@ -95,7 +95,7 @@ def quantize_again(be: Any, x: Any, scheme: Any, method: str, out: Any = None) -
     if pv is None:
         return None
     xd, pd = v.arg, pv.arg  # (the simulator's arrays under the simulator)
-    qw32 = _array.prefix(pd, rep.values_nbytes, np.uint32)
+    qw32 = _array.prefix(pd, rep.values_nbytes, _U32)
     fp = rep.prepared["fast"]
     try:
         run_fast_quantize(be._fast_quant_launches(rep.prepared, fp, xd, qw32, pd, fp["G"]), fp, xd, qw32, pd, s)

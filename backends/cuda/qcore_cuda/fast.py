@@ -172,7 +172,8 @@ def aligned(a) -> bool:
     """Whether a device array's data starts on a 16-byte boundary (the vector accesses need it)."""
     if config.ENABLE_CUDASIM:
         return True
-    return a.__cuda_array_interface__["data"][0] % 16 == 0
+    ptr = getattr(a, "ptr", None)  # a DevView's pointer, without its interface dict
+    return (ptr if type(ptr) is int else a.__cuda_array_interface__["data"][0]) % 16 == 0
 
 
 # ----------------------------------------------------------------------------- scale words
