@@ -65,15 +65,19 @@ def l2_flushes(torch):
 
 def _timer(torch, fn, iters, warmup=2, hide_launch=False, flush=None):
     """Median ms of fn() over iters, CUDA events around each call; `flush()` runs before each
-    call (an L2 eviction, `l2_flushes`)."""
+    call (an L2 eviction, `l2_flushes`). The two events are made (and recorded once) before the
+    loop: torch creates a CUDA event at its first record, which would otherwise land inside the
+    timed span after fn()."""
     ts = []
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    e.record()
     for i in range(warmup + iters):
         if flush is not None:
             flush()
         torch.cuda.synchronize()
         if hide_launch:
             torch.cuda._sleep(2_000_000)  # ~1 ms: the GPU is busy while the host enqueues
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn()
         e.record()
