@@ -97,8 +97,9 @@ CALL_NOTES = """\
   what the later ones do.
 - The kernel columns repeat within a few percent from run to run. The API-call columns add the
   host's Python time per call (docs/gpu.md "Repeat calls") and swing with the lent machine's
-  host: five runs of this benchmark with this code gave the `q4s/block32:f16` quantize call
-  0.70x to 0.81x of copy, and torch's own fp16 matmul call 52 to 66 µs.
+  host: two runs of this benchmark with this code (the one above and one with
+  `--no-compile --no-fresh`) gave the `q4s/block32:f16` quantize call 0.84x and 0.87x of
+  copy and its dequantize 0.83x and 0.86x, and torch's own fp16 matmul call 50 to 67 µs.
 """
 
 GEMV_CALL_NOTES = """\
@@ -106,8 +107,9 @@ GEMV_CALL_NOTES = """\
 wall time of one call just after a synchronisation while a sleep kernel keeps the GPU busy (no
 launch waits), without and with `out=`; torch's likewise. **host µs back-to-back**: the wall
 time per call of 100 calls in a row (a decode step's matmuls), GPU kept busy; median of 9.
-One call after a synchronisation, with the host's caches cold, costs qcore's Python path up to
-twice its back-to-back time; torch's single C++ call much less.
+One call after a synchronisation, with the host's caches cold, costs qcore's Python path and
+torch's C++ call alike about 1.3-1.8x their back-to-back time (both jump together in a slow
+stretch of the host, as at M = 8 in the run of 2026-12-02).
 """
 
 
