@@ -245,29 +245,78 @@ def test_a_dropped_default_stream_result_is_reused_as_the_spare(be):
     ptr = y.__cuda_array_interface__["data"][0]
     del y
     dev = cuda.current_context().device.id
-    assert _pool._spare.get(dev) == (ptr, 128 * 256 * 4)
+    assert _pool.spare(dev) == (ptr, 128 * 256 * 4)
     y = be.dequantize(q)
-    assert y.__cuda_array_interface__["data"][0] == ptr and dev not in _pool._spare
+    assert y.__cuda_array_interface__["data"][0] == ptr and _pool.spare(dev) is None
     np.testing.assert_array_equal(y.copy_to_host(), want)
     del y
     ctx = cuda.current_context()
     other, _ = _pool.reserve(64, 0, ctx)  # another size: the spare stays
-    assert other != ptr and _pool._spare.get(dev) == (ptr, 128 * 256 * 4)
+    assert other != ptr and _pool.spare(dev) == (ptr, 128 * 256 * 4)
     _pool._release(other, 64, 0, dev)  # it takes the spare's place; the old spare goes back to the pool
-    assert _pool._spare.get(dev) == (other, 64)
+    assert _pool.spare(dev) == (other, 64)
     _pool.trim()
-    assert dev not in _pool._spare
+    assert _pool.spare(dev) is None
     side = cuda.stream()
     y = be.dequantize(q, stream=side)
     side.synchronize()
     np.testing.assert_array_equal(y.copy_to_host(), want)
     yp = y.__cuda_array_interface__["data"][0]
     del y  # freed in the side stream's order, not kept
-    assert _pool._spare.get(dev, (0, 0))[0] != yp
+    assert (_pool.spare(dev) or (0, 0))[0] != yp
     _pool.trim()
     big = _pool._keep[dev] + 1  # larger than the pool keeps cached: freed, not kept
     _pool._release(_pool.reserve(big, 0, ctx)[0], big, 0, dev)
-    assert dev not in _pool._spare
+    assert _pool.spare(dev) is None
+
+
+def test_the_spare_slot_hands_out_or_frees_each_block_once(monkeypatch):
+    """The spare's bookkeeping without a GPU (the driver's free recorded): one block kept per
+    device, the older one freed; a take of another size leaves it; side streams and blocks above
+    the release threshold are freed at once; many threads dropping and taking lose none and
+    free none twice."""
+    import threading
+
+    from qcore_cuda import _pool
+
+    freed: list = []
+    monkeypatch.setattr(_pool, "_free_async", lambda ptr, stream: freed.append(ptr))
+    monkeypatch.setattr(_pool, "_spare", {})
+    monkeypatch.setattr(_pool, "_keep", {0: 1000, 1: 1000})
+    _pool._release(16, 100, 0, 0)
+    _pool._release(32, 200, 0, 0)
+    assert _pool.spare(0) == (32, 200) and freed == [16]
+    assert _pool._take_spare(100, 0) == 0 and _pool.spare(0) == (32, 200)
+    assert _pool._take_spare(200, 0) == 32 and _pool.spare(0) is None
+    _pool._release(48, 100, 7, 0)  # a side stream: freed in its order
+    _pool._release(64, 2000, 0, 0)  # above the threshold
+    assert _pool.spare(0) is None and freed == [16, 48, 64]
+    _pool._release(80, 100, 0, 1)
+    _pool.drop_spares()
+    assert _pool.spare(1) is None and freed[-1] == 80
+
+    freed.clear()
+    taken: list = []
+    lock = threading.Lock()
+
+    def worker(base: int) -> None:
+        for i in range(2000):
+            ptr = base + 16 * i
+            _pool._release(ptr, 100 + i % 2, 0, 0)
+            got = _pool._take_spare(100 + (i + 1) % 2, 0)
+            if got:
+                with lock:
+                    taken.append(got)
+
+    threads = [threading.Thread(target=worker, args=(k << 32,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _pool.drop_spares()
+    ptrs = {(k << 32) + 16 * i for k in range(4) for i in range(2000)}
+    assert len(freed) == len(set(freed)) and len(taken) == len(set(taken)) and not set(freed) & set(taken)
+    assert set(freed) | set(taken) == ptrs
 
 
 @GPU_ONLY

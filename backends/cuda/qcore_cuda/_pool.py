@@ -145,8 +145,19 @@ def _free_async(ptr: int, stream: int) -> None:
 # without a driver call either way: a later reserve of that size in the default stream's order
 # takes it, since the default stream orders its new work after all the work on the block. One
 # block, no larger than the pool's release threshold (it is cached memory like the pool's own),
-# freed when another takes its place, by `trim()` and before an out-of-memory retry.
-_spare: dict[int, tuple[int, int]] = {}
+# freed when another takes its place, by `trim()` and before an out-of-memory retry. Each
+# device's slot is a list changed only by single appends and pops, which are atomic: blocks
+# are dropped on any thread, and a finalizer must not take a lock that the thread it
+# interrupts may hold. Every block that leaves a slot is either handed out or freed, once.
+_spare: dict[int, list[tuple[int, int]]] = {}
+
+
+def spare(device: int) -> tuple[int, int] | None:
+    """The device's spare block (pointer, bytes), or None."""
+    try:
+        return _spare[device][-1]
+    except (KeyError, IndexError):
+        return None
 
 
 def _release(ptr: int, nbytes: int, stream: int, device: int) -> None:
@@ -154,25 +165,41 @@ def _release(ptr: int, nbytes: int, stream: int, device: int) -> None:
     if stream != 0 or nbytes > _keep.get(device, 0):
         _free_async(ptr, stream)
         return
-    old = _spare.pop(device, None)
-    _spare[device] = (ptr, nbytes)
-    if old is not None:
+    slot = _spare.get(device)
+    if slot is None:
+        slot = _spare.setdefault(device, [])
+    slot.append((ptr, nbytes))
+    while len(slot) > 1:  # the older block goes back to the pool
+        try:
+            old = slot.pop(0)
+        except IndexError:  # another thread emptied it meanwhile
+            break
         _free_async(old[0], 0)
 
 
 def _take_spare(nbytes: int, device: int) -> int:
-    """The device's spare block if it has `nbytes` (0: none)."""
-    got = _spare.get(device)
-    if got is not None and got[1] == nbytes and _spare.pop(device, None) is got:  # (another thread may take it)
+    """The device's spare block if it has `nbytes`, taken out of the slot (0: none)."""
+    slot = _spare.get(device)
+    if not slot:
+        return 0
+    try:
+        got = slot.pop()
+    except IndexError:  # another thread took it
+        return 0
+    if got[1] == nbytes:
         return got[0]
+    _release(got[0], got[1], 0, device)  # not this size: it stays the spare
     return 0
 
 
 def drop_spares() -> None:
     """Free the spare blocks (`trim`, an out-of-memory retry)."""
-    for dev in list(_spare):
-        got = _spare.pop(dev, None)
-        if got is not None:
+    for slot in list(_spare.values()):
+        while slot:
+            try:
+                got = slot.pop()
+            except IndexError:
+                break
             _free_async(got[0], 0)
 
 
