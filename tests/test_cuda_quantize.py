@@ -75,6 +75,34 @@ def test_every_code_and_midpoint(cuda_backend, value):
     assert_same_bytes(got.payload, want.payload, f"codes of {value}")
 
 
+@pytest.mark.parametrize("value", INT_VALUES + FLOAT_VALUES)
+def test_every_code_and_midpoint_on_the_fast_layout(cuda_backend, value):
+    """The same points as above on the fast kernels' layout (lines of whole runs of 16, padded
+    with zeros): given scale 1, and calibrated per-tensor and two-level scales that are powers
+    of two (a line's max |x| is qmax, or 6 for E2M1), so each point stays exact after the
+    division: every code, every tie (to even) and its neighbours (SPEC §2.5)."""
+    from qcore_cuda import fast
+
+    t = qcore.scheme(value).traits
+    mags = t.magnitudes.astype(np.float64) if t.is_float else \
+        np.arange(0, max(abs(t.qmin), t.qmax) + 1, dtype=np.float64)
+    mids = (mags[1:] + mags[:-1]) / 2
+    near = np.concatenate([np.nextafter(mids.astype(np.float32), np.float32(0)),
+                           np.nextafter(mids.astype(np.float32), np.float32(np.inf))])
+    pts = np.concatenate([mags, mids, near, [t.qmax * 1.01, t.qmax * 9]])
+    row = np.concatenate([pts, -pts, [-0.0]]).astype(np.float32)
+    row = np.concatenate([row, np.zeros(-len(row) % 64, np.float32)])
+    x = np.stack([row, np.where(np.abs(row) <= t.qmax, row, 0).astype(np.float32)])  # line 2: max |x| = qmax
+    packed = "/packed_native" if t.bits < 8 else ""
+    for text, p in ((f"{value}{packed}", QParams(np.float32(1.0))), (f"{value}/tensor:f32{packed}", None),
+                    (f"{value}/block16:ue8m0{packed}", None)):
+        assert fast.geometry(x.shape, qcore.scheme(text)) is not None, text
+        xs = x[1:] if p is None else x  # calibrated: the line whose max is qmax (scale 1)
+        got = cuda_backend.into_data(cuda_backend.quantize(xs, text, params=p))
+        want = REF.into_data(REF.quantize(xs, text, params=p))
+        assert_same_bytes(got.payload, want.payload, f"codes of {text} on the fast layout")
+
+
 @pytest.mark.parametrize("text", ["q8s/block32:f16", "q4s/tensor:ue4m3", "e2m1/block16:ue4m3/tensor:f32/packed_native",
                                   "q2s/block2x4:bf16/packed_u32:1", "e5m2/block8:ue8m0"])
 def test_explicit_params(cuda_backend, text):
