@@ -358,7 +358,10 @@ def _block() -> Any:
                 pass
 
             def __del__(self) -> None:
-                _release(self.device_pointer, self.size, self._stream, self._device)
+                try:
+                    _release(self.device_pointer, self.size, self._stream, self._device)
+                except Exception:  # noqa: BLE001 - at interpreter exit the module may be gone
+                    pass
 
         _block_class = PoolBlock
     return _block_class
