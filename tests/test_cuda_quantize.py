@@ -56,16 +56,21 @@ def test_scale_round_up_across_magnitudes(cuda_backend, sdt, exp):
         assert got == want, f"{text} at 2**{exp}: cuda {got.scales.ravel()[:4]}, reference {want.scales.ravel()[:4]}"
 
 
-@pytest.mark.parametrize("value", INT_VALUES + FLOAT_VALUES)
-def test_every_code_and_midpoint(cuda_backend, value):
-    """With scale 1, y = x: every representable value, every midpoint between neighbours (ties
-    to even), values beyond max (saturate), and -0 encode exactly as the reference (SPEC §2.5)."""
+def _magnitudes_and_midpoints(value: str) -> tuple:
+    """(traits, every representable magnitude, the midpoints between neighbours) of a value."""
     t = qcore.scheme(value).traits
     if t.is_float:
         mags = t.magnitudes.astype(np.float64)
     else:
         mags = np.arange(0, max(abs(t.qmin), t.qmax) + 1, dtype=np.float64)
-    mids = (mags[1:] + mags[:-1]) / 2
+    return t, mags, (mags[1:] + mags[:-1]) / 2
+
+
+@pytest.mark.parametrize("value", INT_VALUES + FLOAT_VALUES)
+def test_every_code_and_midpoint(cuda_backend, value):
+    """With scale 1, y = x: every representable value, every midpoint between neighbours (ties
+    to even), values beyond max (saturate), and -0 encode exactly as the reference (SPEC §2.5)."""
+    t, mags, mids = _magnitudes_and_midpoints(value)
     pts = np.concatenate([mags, mids, mids * (1 + 1e-6), mids * (1 - 1e-6), [t.qmax * 1.01, t.qmax * 9]])
     x = np.concatenate([pts, -pts, [-0.0]]).astype(np.float32)
     text = f"{value}/packed_native" if t.bits < 8 else value
@@ -83,10 +88,7 @@ def test_every_code_and_midpoint_on_the_fast_layout(cuda_backend, value):
     division: every code, every tie (to even) and its neighbours (SPEC §2.5)."""
     from qcore_cuda import fast
 
-    t = qcore.scheme(value).traits
-    mags = t.magnitudes.astype(np.float64) if t.is_float else \
-        np.arange(0, max(abs(t.qmin), t.qmax) + 1, dtype=np.float64)
-    mids = (mags[1:] + mags[:-1]) / 2
+    t, mags, mids = _magnitudes_and_midpoints(value)
     near = np.concatenate([np.nextafter(mids.astype(np.float32), np.float32(0)),
                            np.nextafter(mids.astype(np.float32), np.float32(np.inf))])
     pts = np.concatenate([mags, mids, near, [t.qmax * 1.01, t.qmax * 9]])
