@@ -7,7 +7,8 @@ elements; one scale for the tensor, or one per block of `B` elements along the l
 elements `[16t, 16t + 16)`, its codes are `16 * bits` consecutive bits of the values section
 (the same bytes for PackedU32 and PackedNative), and its scale slot is `16t >> log2(B)`.
 
-One thread owns one run per loop step: four 16-byte loads, the run's max |x| with the
+One thread owns one run per loop step (the next run's four 16-byte loads are issued before this
+run's codes, so they are in flight while it computes): four 16-byte loads, the run's max |x| with the
 non-finite check folded in (`fmax_nan`), the block max over the `B / 16` lanes of the block
 (warp shuffles), the block scale rounded up with integer operations on its bits, the codes,
 and one 16- or 8-byte store of whole u32 words. The kernels are specialised per value kind
@@ -15,7 +16,8 @@ and one 16- or 8-byte store of whole u32 words. The kernels are specialised per 
 
 * integers: clamp, add 1.5 * 2**23 (round half to even, the code in the low mantissa bits);
 * E4M3 / E5M2: the sm_89+ `cvt.rn.satfinite.e4m3x2.f32` conversion (two codes per
-  instruction); E2M1: the bits of the f32, rounded to 1 mantissa bit;
+  instruction); E2M1: one fma rounding |y| scaled by a power of two from its exponent
+  (`e2m1_code`);
 * the division `y = x / e` of SPEC §2.4 as `q = x * r`, `q + fma(-q, e, x) * r` with
   `r = 1 / e` rounded once per block: Markstein's correction, the correctly rounded quotient
   whenever e's significand is not all ones and nothing overflows or underflows; the kernels
@@ -196,13 +198,16 @@ def fast_div_ok(e):
 
 @cuda.jit(device=True, inline="always")
 def e2m1_code(y):
-    """E2M1 code of y (SPEC §2.5): saturate at 6, nearest, ties to the even code, sign of y."""
+    """E2M1 code of y (SPEC §2.5): saturate at 6, nearest, ties to the even code, sign of y.
+
+    The E2M1 values of a = min(|y|, 6) are spaced 2**(E - 1) with E = max(exponent(a), 0), and
+    the code of the grid point q * 2**(E - 1) is q + 2E. One fma rounds a * 2**(1 - E) (exact:
+    a power of two times a) half-to-even to the integer q in the low mantissa bits of
+    1.5 * 2**23 + 2; those bits plus 2 * (E + 127) are q + 2E + 8 (mod 8)."""
     a = min(abs(y), float32(6.0))
-    u = f2u(a)
-    cn = ((u + uint32(0x1FFFFF) + ((u >> uint32(22)) & uint32(1))) >> uint32(22)) + uint32(4)  # - 252 (mod 8)
-    cs = f2u(a * float32(2.0) + float32(MAGIC)) & uint32(0x3)
-    c = cs if a < float32(1.0) else cn
-    return (c & uint32(0x7)) | ((f2u(y) >> uint32(28)) & uint32(0x8))
+    xe = max(f2u(a), uint32(0x3F800000)) >> uint32(23)  # E + 127
+    t = cuda.fma(a, u2f((uint32(255) - xe) << uint32(23)), float32(MAGIC + 2.0))
+    return ((f2u(t) + (xe << uint32(1))) & uint32(0x7)) | ((f2u(y) >> uint32(28)) & uint32(0x8))
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -247,21 +252,32 @@ def _quant_kernel(kind: int):
                 put_word(payload, soff, scale_word(et, sdt), snb)
         end = (nruns + int64(31)) & ~int64(31)  # whole warps iterate together (shuffles)
         bad = False
+        nv = cuda.local.array(16, float32)  # the next run's x, loaded before this run's codes
+        if start < nruns:
+            for j in range(4):
+                a0, a1, a2, a3 = ld4(x, (start << int64(4)) + int64(4 * j))
+                nv[4 * j] = a0
+                nv[4 * j + 1] = a1
+                nv[4 * j + 2] = a2
+                nv[4 * j + 3] = a3
         for t in range(start, end, stride):
             valid = t < nruns
             base = t << int64(4)
             m = float32(0.0)
+            for k in range(16):
+                v[k] = nv[k] if valid else float32(0.0)
+            tn = t + stride
+            if tn < nruns:
+                for j in range(4):
+                    a0, a1, a2, a3 = ld4(x, (tn << int64(4)) + int64(4 * j))
+                    nv[4 * j] = a0
+                    nv[4 * j + 1] = a1
+                    nv[4 * j + 2] = a2
+                    nv[4 * j + 3] = a3
             if valid:
                 for j in range(4):
-                    a0, a1, a2, a3 = ld4(x, base + int64(4 * j))
-                    v[4 * j] = a0
-                    v[4 * j + 1] = a1
-                    v[4 * j + 2] = a2
-                    v[4 * j + 3] = a3
-                    m = fmax_nan(m, fmax_nan(fmax_nan(abs(a0), abs(a1)), fmax_nan(abs(a2), abs(a3))))
-            else:
-                for k in range(16):
-                    v[k] = float32(0.0)
+                    m = fmax_nan(m, fmax_nan(fmax_nan(abs(v[4 * j]), abs(v[4 * j + 1])),
+                                             fmax_nan(abs(v[4 * j + 2]), abs(v[4 * j + 3]))))
             if not m <= float32(FLT_MAX):  # NaN or Inf: flagged (the call raises InputError)
                 bad = True
                 m = float32(0.0)
