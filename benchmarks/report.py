@@ -97,19 +97,23 @@ CALL_NOTES = """\
   what the later ones do.
 - The kernel columns repeat within a few percent from run to run. The API-call columns add the
   host's Python time per call (docs/gpu.md "Repeat calls") and swing with the lent machine's
-  host: two runs of this benchmark with this code (the one above and one with
-  `--no-compile --no-fresh`) gave the `q4s/block32:f16` quantize call 0.84x and 0.87x of
-  copy and its dequantize 0.83x and 0.86x, and torch's own fp16 matmul call 50 to 67 µs.
+  host: two runs of these kernels on two lent H200 machines on 2026-12-02 (the one above, whose
+  host took 20 µs per back-to-back matmul call and torch 27 µs, and one whose host took 12 and
+  16 µs) gave the `q4s/block32:f16` quantize call 0.83x and 0.84x of copy, its dequantize 0.83x
+  and 0.82x, `e4m3/block32:f32` quantize 0.82x and 0.87x, `q8s/block32:f16` dequantize 0.89x
+  and 0.84x, nvfp4 quantize 0.48x and 0.47x, and torch's own M = 1 fp16 matmul call 62 and
+  51 µs.
 """
 
 GEMV_CALL_NOTES = """\
 **API call, out=**: `be.matmul(x, w, out=y)` into an existing torch tensor. **host µs**: the
 wall time of one call just after a synchronisation while a sleep kernel keeps the GPU busy (no
-launch waits), without and with `out=`; torch's likewise. **host µs back-to-back**: the wall
-time per call of 100 calls in a row (a decode step's matmuls), GPU kept busy; median of 9.
-One call after a synchronisation, with the host's caches cold, costs qcore's Python path and
-torch's C++ call alike about 1.3-1.8x their back-to-back time (both jump together in a slow
-stretch of the host, as at M = 8 in the run of 2026-12-02).
+launch waits), without and with `out=`; torch's likewise. The shapes and torch take turns in
+four rounds of 50-call runs, so a slow stretch of the host falls on every row alike. **host µs
+back-to-back**: the wall time per call of 100 calls in a row (a decode step's matmuls), GPU
+kept busy; median of 9. One call after a synchronisation, with the host's caches cold, costs
+qcore's Python path and torch's C++ call alike about 1.3-1.8x their back-to-back time; a call
+timed right after calls of other shapes (no run of its own) costs both 2-5x.
 """
 
 
