@@ -4,11 +4,15 @@ spill bytes and SASS instructions of each kernel (numba's PTX assembled by CUDA'
     python scripts/kernel_stats.py k_fast_quant k_gemv     # kernels whose names match (regex)
     python scripts/kernel_stats.py --list                  # the names
     python scripts/kernel_stats.py k_amax --arch sm_90 --json stats.json
+    python scripts/kernel_stats.py 'k_gemv\[1,1,2,1\]' --loops --sass OUT   # + each loop, listings in OUT
 
 Names are those of `qcore_cuda.ptx.targets()`: `k_x#i` for the i-th launch signature of a general
 kernel, `k_x[params]` for a generated variant (`k_fast_quant[5]`: the E2M1 quantize kernel).
 An instruction count compares two versions of a kernel before either reaches a GPU; it is not
-a speed (a memory-bound kernel hides many instructions). Needs `qcore-cuda[ptx]` and ptxas
+a speed (a memory-bound kernel hides many instructions). `--loops` lists each loop of a kernel
+(the span of a backward branch: where it spends its time) with its instructions by opcode, and
+`--sass DIR` writes each kernel's SASS listing; both need `nvdisasm` (CUDA's toolkit, or the
+`nvidia-cuda-nvdisasm` wheel of `qcore-cuda[ptx]`). Needs `qcore-cuda[ptx]` and ptxas
 (PATH, $CUDA_HOME/bin or /usr/local/cuda*/bin); runs with NUMBA_ENABLE_CUDASIM unset.
 """
 from __future__ import annotations
@@ -26,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default="sm_90", help="ptxas target (default sm_90)")
     ap.add_argument("--list", action="store_true", help="print the kernel names and stop")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    ap.add_argument("--loops", action="store_true", help="each loop's instructions by opcode (needs nvdisasm)")
+    ap.add_argument("--sass", metavar="DIR", help="write each kernel's SASS listing into DIR (needs nvdisasm)")
     args = ap.parse_args(argv)
     if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
         print("kernel_stats: unset NUMBA_ENABLE_CUDASIM (the simulator compiles nothing)", file=sys.stderr)
@@ -48,16 +54,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kernel_stats: --arch {args.arch}: write it as sm_90, sm_75, ...", file=sys.stderr)
         return 2
     cc = (int(m.group(1)), int(m.group(2)))
+    nvdisasm = ptx.find_tool("nvdisasm") if args.loops or args.sass else None
+    if (args.loops or args.sass) and nvdisasm is None:
+        print("kernel_stats: nvdisasm not found (pip install nvidia-cuda-nvdisasm, or CUDA's toolkit)", file=sys.stderr)
+        return 2
+    if args.sass:
+        os.makedirs(args.sass, exist_ok=True)
     rows, notes = [], set()
     print(f"{'kernel':34s} {'regs/cap':>9s} {'spill B':>8s} {'SASS instructions':>18s}   ({args.arch}, {tool})")
     for t in chosen:
-        stats, note = ptx.sass_stats(ptx.to_ptx(t, cc=cc), args.arch, tool, t.max_registers)
+        code = ptx.to_ptx(t, cc=cc)
+        stats, note = ptx.sass_stats(code, args.arch, tool, t.max_registers)
         notes.add(note)
         for s in stats.values():  # one entry function per module
             rows.append({"kernel": t.name, "max_registers": t.max_registers, "registers": s.registers,
                          "spill_bytes": s.spill_bytes, "instructions": s.instructions})
             cap = f"/{t.max_registers}" if t.max_registers else ""
             print(f"{t.name:34s} {str(s.registers) + cap:>9s} {s.spill_bytes:8d} {s.instructions:18d}", flush=True)
+        if nvdisasm:
+            sass, _ = ptx.disassemble(code, args.arch, tool, nvdisasm, t.max_registers)
+            if args.sass:
+                with open(os.path.join(args.sass, re.sub(r"[^A-Za-z0-9_.#,-]", "_", t.name) + ".sass"), "w") as f:
+                    f.write(sass)
+            if args.loops:
+                for lp in ptx.sass_loops(sass):
+                    mix = ", ".join(f"{op} {n}" for op, n in lp.opcodes.most_common(8))
+                    print(f"  loop {lp.start:#06x}-{lp.end:#06x}: {lp.instructions} instructions ({mix})", flush=True)
     for note in sorted(n for n in notes if n):
         print(f"note: {note}")
     if args.json:

@@ -198,6 +198,57 @@ def test_kernel_stats_sizes_kernels_without_a_gpu(tmp_path):
     assert "k_fast_quant[5]" in out.stdout and "SASS instructions" in out.stdout
 
 
+def test_kernel_stats_lists_loops_and_sass(tmp_path):
+    """scripts/kernel_stats.py --loops --sass (nvdisasm, from `qcore-cuda[ptx]`): the max pass's
+    grid-stride loop shows its 16-byte loads and its max instructions, and its listing is written."""
+    from pathlib import Path
+
+    from qcore_cuda import ptx
+
+    if ptx.find_ptxas() is None:
+        pytest.skip("no ptxas on this machine (CUDA's toolkit): kernel_stats needs it")
+    if ptx.find_tool("nvdisasm") is None:
+        if os.environ.get("QCORE_REQUIRE_PTX", "") not in ("", "0"):
+            pytest.fail("nvdisasm missing (QCORE_REQUIRE_PTX=1; qcore-cuda[ptx] installs nvidia-cuda-nvdisasm)")
+        pytest.skip("no nvdisasm (pip install nvidia-cuda-nvdisasm)")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "kernel_stats.py"
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    out = subprocess.run([sys.executable, str(script), "^k_amax$", "--loops", "--sass", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode != 0 and ("libnvvm" in out.stderr or "libnvrtc" in out.stderr):
+        if os.environ.get("QCORE_REQUIRE_PTX", "") not in ("", "0"):
+            pytest.fail("NVRTC/NVVM libraries missing (QCORE_REQUIRE_PTX=1)")
+        pytest.skip("NVRTC/NVVM libraries missing (pip install qcore-cuda[ptx])")
+    assert out.returncode == 0, out.stderr[-3000:]
+    loops = [line for line in out.stdout.splitlines() if line.strip().startswith("loop 0x")]
+    assert any("LDG" in line and "FMNMX" in line for line in loops), out.stdout
+    assert "LDG.E.128" in (tmp_path / "k_amax.sass").read_text()
+
+
+def test_sass_loops_reads_labels_and_addresses():
+    """`ptx.sass_loops`: a backward branch to a label or to an address spans a loop (innermost
+    first); forward branches and the trap after the exit do not."""
+    from qcore_cuda.ptx import sass_loops
+
+    listing = """
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/               @P0 BRA `(.L_x_1) ;
+.L_x_0:
+        /*0020*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0030*/                   FMNMX R8, |R4|, R8, !PT ;
+        /*0040*/                   FFMA R9, R5, R6, R9 ;
+        /*0050*/               @P1 BRA 0x40 ;
+        /*0060*/              @!P2 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0070*/                   EXIT ;
+.L_x_2:
+        /*0080*/                   BRA `(.L_x_2) ;
+"""
+    loops = sass_loops(listing)
+    assert [(lp.start, lp.end, lp.instructions) for lp in loops] == [(0x40, 0x50, 2), (0x20, 0x60, 5)]
+    assert loops[1].opcodes == {"LDG": 1, "FMNMX": 1, "FFMA": 1, "BRA": 2}
+
+
 @pytest.mark.parametrize("cc, env, usable", [((9, 0), None, True), ((8, 9), "1", True), ((12, 0), "", True),
                                              ((8, 6), None, False), ((8, 0), None, False), ((7, 5), None, False),
                                              ((9, 0), "0", False), (None, None, True), (None, "0", False)])

@@ -8,6 +8,10 @@ sm_90 and sm_75; `scripts/kernel_stats.py` prints `sass_stats` for any of it, wh
 kernel change can be sized before it reaches a GPU: every sm_90 instruction is 16 bytes, so the
 size of a kernel's `.text` section in the cubin is its instruction count.
 
+`disassemble` adds `nvdisasm` (CUDA's toolkit, or the `nvidia-cuda-nvdisasm` wheel that
+`qcore-cuda[ptx]` installs): the SASS listing itself, and `sass_loops` the instructions of each
+loop in it (the span of a backward branch), which is where a kernel spends its time.
+
 Needs the real numba.cuda target (not the simulator) and NVRTC/NVVM (`qcore-cuda[ptx]`);
 `sass_stats` also needs `ptxas` (CUDA's toolkit), no GPU.
 """
@@ -19,9 +23,11 @@ import shutil
 import struct
 import subprocess
 import tempfile
+from collections import Counter
 from typing import Any, NamedTuple
 
-__all__ = ["Target", "targets", "to_ptx", "SassStats", "sass_stats", "find_ptxas"]
+__all__ = ["Target", "targets", "to_ptx", "SassStats", "sass_stats", "find_ptxas", "find_tool", "disassemble",
+           "SassLoop", "sass_loops"]
 
 
 class Target(NamedTuple):
@@ -62,31 +68,43 @@ class SassStats(NamedTuple):
     instructions: int  # SASS instructions (`.text` bytes / 16)
 
 
-def find_ptxas() -> str | None:
-    """`ptxas` on PATH, else in $CUDA_HOME/bin or /usr/local/cuda*/bin; None without one."""
-    found = shutil.which("ptxas")
+def find_tool(name: str) -> str | None:
+    """CUDA's tool `name` (`ptxas`, `nvdisasm`) on PATH, else in $CUDA_HOME/bin, /usr/local/cuda*/bin
+    or the `bin` folder of NVIDIA's pip wheels (site-packages/nvidia/cu*/bin); None without one."""
+    found = shutil.which(name)
     if found:
         return found
     roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]
     if os.path.isdir("/usr/local"):
         roots += sorted((os.path.join("/usr/local", d) for d in os.listdir("/usr/local") if d.startswith("cuda-")),
                         reverse=True)
+    try:
+        import nvidia  # the namespace package of NVIDIA's wheels (nvidia-cuda-nvdisasm, ...)
+
+        for base in getattr(nvidia, "__path__", []):
+            roots += sorted((os.path.join(base, d) for d in os.listdir(base) if d.startswith("cu")), reverse=True)
+    except ImportError:
+        pass
     for root in roots:
-        path = os.path.join(root, "bin", "ptxas") if root else ""
+        path = os.path.join(root, "bin", name) if root else ""
         if path and os.access(path, os.X_OK):
             return path
     return None
 
 
+def find_ptxas() -> str | None:
+    """`ptxas` (`find_tool`)."""
+    return find_tool("ptxas")
+
+
 _UNSUPPORTED = re.compile(r"Unsupported \.version (\d+\.\d+); current version is '(\d+\.\d+)'")
 
 
-def sass_stats(ptx: str, arch: str = "sm_90", ptxas: str | None = None,
-               max_registers: int | None = None) -> tuple[dict[str, SassStats], str]:
-    """({kernel symbol: SassStats}, note) for one PTX module, assembled under the register cap
-    the backend compiles it with (`Target.max_registers`). numba's NVVM may write a newer PTX
-    ISA `.version` than the `ptxas` at hand reads; the module is then assembled as the version
-    that ptxas names (the note says so), which holds as long as it uses nothing newer."""
+def _assemble(ptx: str, arch: str, ptxas: str | None, max_registers: int | None) -> tuple[bytes, str, str]:
+    """(cubin, ptxas's verbose report, note) of one PTX module under the register cap. numba's NVVM
+    may write a newer PTX ISA `.version` than the `ptxas` at hand reads; the module is then
+    assembled as the version that ptxas names (the note says so), which holds as long as it uses
+    nothing newer."""
     ptxas = ptxas or find_ptxas()
     if ptxas is None:
         raise FileNotFoundError("ptxas not found (CUDA toolkit: PATH, $CUDA_HOME/bin or /usr/local/cuda*/bin)")
@@ -107,10 +125,18 @@ def sass_stats(ptx: str, arch: str = "sm_90", ptxas: str | None = None,
         if run.returncode != 0:
             raise RuntimeError(f"ptxas failed: {run.stderr.strip()[-2000:]}")
         with open(cubin, "rb") as f:
-            sizes = _text_sizes(f.read())
+            return f.read(), run.stderr, note
+
+
+def sass_stats(ptx: str, arch: str = "sm_90", ptxas: str | None = None,
+               max_registers: int | None = None) -> tuple[dict[str, SassStats], str]:
+    """({kernel symbol: SassStats}, note) for one PTX module, assembled under the register cap
+    the backend compiles it with (`Target.max_registers`; the note: `_assemble`)."""
+    cubin, report, note = _assemble(ptx, arch, ptxas, max_registers)
+    sizes = _text_sizes(cubin)
     regs: dict[str, tuple[int, int]] = {}
     current = None
-    for line in run.stderr.splitlines():
+    for line in report.splitlines():
         m = re.search(r"Compiling entry function '([^']+)'", line)
         if m:
             current = m.group(1)
@@ -122,6 +148,68 @@ def sass_stats(ptx: str, arch: str = "sm_90", ptxas: str | None = None,
             regs[current] = (int(m.group(1)), regs.get(current, (0, 0))[1])
     return {name: SassStats(regs.get(name, (0, 0))[0], regs.get(name, (0, 0))[1], size // 16)
             for name, size in sizes.items()}, note
+
+
+def disassemble(ptx: str, arch: str = "sm_90", ptxas: str | None = None, nvdisasm: str | None = None,
+                max_registers: int | None = None) -> tuple[str, str]:
+    """(SASS listing of the module's code, note): `_assemble`, then `nvdisasm -c`."""
+    nvdisasm = nvdisasm or find_tool("nvdisasm")
+    if nvdisasm is None:
+        raise FileNotFoundError("nvdisasm not found (CUDA toolkit, or pip install nvidia-cuda-nvdisasm)")
+    cubin, _, note = _assemble(ptx, arch, ptxas, max_registers)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        run = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed: {run.stderr.strip()[-2000:]}")
+    return run.stdout, note
+
+
+class SassLoop(NamedTuple):
+    """The span of one backward branch in a SASS listing: a loop body (an outer loop's span holds
+    its inner loops)."""
+
+    start: int  # address of the branch target
+    end: int  # address of the branch
+    opcodes: Counter  # instructions by opcode (without modifiers: LDG.E.64 counts as LDG)
+
+    @property
+    def instructions(self) -> int:
+        return sum(self.opcodes.values())
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)[^;]*;")
+
+
+def sass_loops(sass: str) -> list[SassLoop]:
+    """The loops of a SASS listing (`disassemble`), innermost (shortest) first. A branch names its
+    target by address (`0x1a30`) or by label (nvdisasm's `` `(.L_x_2) ``, a line `.L_x_2:`
+    before the target instruction)."""
+    insns = []  # (address, opcode, text)
+    labels: dict[str, int] = {}
+    pending: list[str] = []
+    for line in sass.splitlines():
+        lab = re.match(r"^(\.L\w+):", line)
+        if lab:
+            pending.append(lab.group(1))
+            continue
+        m = _SASS_LINE.search(line)
+        if m:
+            addr = int(m.group(1), 16)
+            labels.update((name, addr) for name in pending)
+            pending.clear()
+            insns.append((addr, m.group(2), m.group(0)))
+    loops = []
+    for addr, op, text in insns:
+        if op != "BRA":
+            continue
+        t = re.search(r"`\((\.L\w+)\)|\b0x([0-9a-f]+)\s*;", text)
+        start = (labels.get(t.group(1)) if t.group(1) else int(t.group(2), 16)) if t else None
+        if start is not None and start < addr:  # (start == addr: the trap after the kernel's exit)
+            loops.append(SassLoop(start, addr, Counter(o for a, o, _ in insns if start <= a <= addr)))
+    return sorted(loops, key=lambda lp: (lp.instructions, lp.start))
 
 
 def _text_sizes(elf: bytes) -> dict[str, int]:
