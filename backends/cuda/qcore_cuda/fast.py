@@ -210,6 +210,17 @@ def e2m1_code(y):
     return ((f2u(t) + (xe << uint32(1))) & uint32(0x7)) | ((f2u(y) >> uint32(28)) & uint32(0x8))
 
 
+@cuda.jit(device=True, inline="always")
+def load_run(x, t, v):
+    """The 16 elements of run t of x into v: four 16-byte loads."""
+    for j in range(4):
+        a0, a1, a2, a3 = ld4(x, (t << int64(4)) + int64(4 * j))
+        v[4 * j] = a0
+        v[4 * j + 1] = a1
+        v[4 * j + 2] = a2
+        v[4 * j + 3] = a3
+
+
 # ----------------------------------------------------------------------------- kernels
 def _quant_kernel(kind: int):
     """The quantize kernel of one value kind (module docstring); kind is a compile-time constant."""
@@ -254,12 +265,7 @@ def _quant_kernel(kind: int):
         bad = False
         nv = cuda.local.array(16, float32)  # the next run's x, loaded before this run's codes
         if start < nruns:
-            for j in range(4):
-                a0, a1, a2, a3 = ld4(x, (start << int64(4)) + int64(4 * j))
-                nv[4 * j] = a0
-                nv[4 * j + 1] = a1
-                nv[4 * j + 2] = a2
-                nv[4 * j + 3] = a3
+            load_run(x, start, nv)
         for t in range(start, end, stride):
             valid = t < nruns
             base = t << int64(4)
@@ -268,12 +274,7 @@ def _quant_kernel(kind: int):
                 v[k] = nv[k] if valid else float32(0.0)
             tn = t + stride
             if tn < nruns:
-                for j in range(4):
-                    a0, a1, a2, a3 = ld4(x, (tn << int64(4)) + int64(4 * j))
-                    nv[4 * j] = a0
-                    nv[4 * j + 1] = a1
-                    nv[4 * j + 2] = a2
-                    nv[4 * j + 3] = a3
+                load_run(x, tn, nv)
             if valid:
                 for j in range(4):
                     m = fmax_nan(m, fmax_nan(fmax_nan(abs(v[4 * j]), abs(v[4 * j + 1])),
