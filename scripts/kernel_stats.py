@@ -63,16 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     rows, notes = [], set()
     print(f"{'kernel':34s} {'regs/cap':>9s} {'spill B':>8s} {'SASS instructions':>18s}   ({args.arch}, {tool})")
     for t in chosen:
-        code = ptx.to_ptx(t, cc=cc)
-        stats, note = ptx.sass_stats(code, args.arch, tool, t.max_registers)
-        notes.add(note)
+        cubin = ptx.assemble(ptx.to_ptx(t, cc=cc), args.arch, tool, t.max_registers)
+        stats = ptx.sass_stats(cubin)
+        notes.add(cubin.note)
         for s in stats.values():  # one entry function per module
             rows.append({"kernel": t.name, "max_registers": t.max_registers, "registers": s.registers,
                          "spill_bytes": s.spill_bytes, "instructions": s.instructions})
             cap = f"/{t.max_registers}" if t.max_registers else ""
             print(f"{t.name:34s} {str(s.registers) + cap:>9s} {s.spill_bytes:8d} {s.instructions:18d}", flush=True)
         if nvdisasm:
-            sass, _ = ptx.disassemble(code, args.arch, tool, nvdisasm, t.max_registers)
+            sass = ptx.disassemble(cubin, nvdisasm)
             if args.sass:
                 with open(os.path.join(args.sass, re.sub(r"[^A-Za-z0-9_.#,-]", "_", t.name) + ".sass"), "w") as f:
                     f.write(sass)

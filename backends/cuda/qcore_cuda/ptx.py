@@ -4,16 +4,17 @@
 `targets()` is the one list of kernels with the signatures they are launched with: the general
 kernels of kernels.py (each of its `SIGNATURES`), and the generated variants of fast.py, gemv.py
 and tc.py (their `ptx_targets()`). The CI test (`tests/test_cuda_platform.py`) compiles it for
-sm_90 and sm_75; `scripts/kernel_stats.py` prints `sass_stats` for any of it, which is how a
-kernel change can be sized before it reaches a GPU: every sm_90 instruction is 16 bytes, so the
-size of a kernel's `.text` section in the cubin is its instruction count.
+sm_90 and sm_75; `scripts/kernel_stats.py` `assemble`s any of it once and prints its
+`sass_stats`, which is how a kernel change can be sized before it reaches a GPU: every sm_90
+instruction is 16 bytes, so the size of a kernel's `.text` section in the cubin is its
+instruction count.
 
 `disassemble` adds `nvdisasm` (CUDA's toolkit, or the `nvidia-cuda-nvdisasm` wheel that
 `qcore-cuda[ptx]` installs): the SASS listing itself, and `sass_loops` the instructions of each
 loop in it (the span of a backward branch), which is where a kernel spends its time.
 
 Needs the real numba.cuda target (not the simulator) and NVRTC/NVVM (`qcore-cuda[ptx]`);
-`sass_stats` also needs `ptxas` (CUDA's toolkit), no GPU.
+`assemble` also needs `ptxas` (CUDA's toolkit), no GPU.
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ import tempfile
 from collections import Counter
 from typing import Any, NamedTuple
 
-__all__ = ["Target", "targets", "to_ptx", "SassStats", "sass_stats", "find_ptxas", "find_tool", "disassemble",
-           "SassLoop", "sass_loops"]
+__all__ = ["Target", "targets", "to_ptx", "Cubin", "assemble", "SassStats", "sass_stats", "find_ptxas", "find_tool",
+           "disassemble", "SassLoop", "sass_loops"]
 
 
 class Target(NamedTuple):
@@ -100,11 +101,19 @@ def find_ptxas() -> str | None:
 _UNSUPPORTED = re.compile(r"Unsupported \.version (\d+\.\d+); current version is '(\d+\.\d+)'")
 
 
-def _assemble(ptx: str, arch: str, ptxas: str | None, max_registers: int | None) -> tuple[bytes, str, str]:
-    """(cubin, ptxas's verbose report, note) of one PTX module under the register cap. numba's NVVM
-    may write a newer PTX ISA `.version` than the `ptxas` at hand reads; the module is then
-    assembled as the version that ptxas names (the note says so), which holds as long as it uses
-    nothing newer."""
+class Cubin(NamedTuple):
+    """One PTX module assembled by ptxas (`assemble`)."""
+
+    data: bytes  # the cubin (ELF)
+    report: str  # ptxas's verbose output: registers and spills per kernel
+    note: str  # "" or how the module's PTX ISA version was lowered
+
+
+def assemble(ptx: str, arch: str = "sm_90", ptxas: str | None = None, max_registers: int | None = None) -> Cubin:
+    """One PTX module assembled under the register cap the backend compiles it with
+    (`Target.max_registers`). numba's NVVM may write a newer PTX ISA `.version` than the
+    `ptxas` at hand reads; the module is then assembled as the version that ptxas names (the
+    note says so), which holds as long as it uses nothing newer."""
     ptxas = ptxas or find_ptxas()
     if ptxas is None:
         raise FileNotFoundError("ptxas not found (CUDA toolkit: PATH, $CUDA_HOME/bin or /usr/local/cuda*/bin)")
@@ -125,18 +134,15 @@ def _assemble(ptx: str, arch: str, ptxas: str | None, max_registers: int | None)
         if run.returncode != 0:
             raise RuntimeError(f"ptxas failed: {run.stderr.strip()[-2000:]}")
         with open(cubin, "rb") as f:
-            return f.read(), run.stderr, note
+            return Cubin(f.read(), run.stderr, note)
 
 
-def sass_stats(ptx: str, arch: str = "sm_90", ptxas: str | None = None,
-               max_registers: int | None = None) -> tuple[dict[str, SassStats], str]:
-    """({kernel symbol: SassStats}, note) for one PTX module, assembled under the register cap
-    the backend compiles it with (`Target.max_registers`; the note: `_assemble`)."""
-    cubin, report, note = _assemble(ptx, arch, ptxas, max_registers)
-    sizes = _text_sizes(cubin)
+def sass_stats(cubin: Cubin) -> dict[str, SassStats]:
+    """{kernel symbol: SassStats} of an assembled module."""
+    sizes = _text_sizes(cubin.data)
     regs: dict[str, tuple[int, int]] = {}
     current = None
-    for line in report.splitlines():
+    for line in cubin.report.splitlines():
         m = re.search(r"Compiling entry function '([^']+)'", line)
         if m:
             current = m.group(1)
@@ -147,24 +153,22 @@ def sass_stats(ptx: str, arch: str = "sm_90", ptxas: str | None = None,
         if m and current:
             regs[current] = (int(m.group(1)), regs.get(current, (0, 0))[1])
     return {name: SassStats(regs.get(name, (0, 0))[0], regs.get(name, (0, 0))[1], size // 16)
-            for name, size in sizes.items()}, note
+            for name, size in sizes.items()}
 
 
-def disassemble(ptx: str, arch: str = "sm_90", ptxas: str | None = None, nvdisasm: str | None = None,
-                max_registers: int | None = None) -> tuple[str, str]:
-    """(SASS listing of the module's code, note): `_assemble`, then `nvdisasm -c`."""
+def disassemble(cubin: Cubin, nvdisasm: str | None = None) -> str:
+    """The SASS listing of an assembled module's code (`nvdisasm -c`)."""
     nvdisasm = nvdisasm or find_tool("nvdisasm")
     if nvdisasm is None:
         raise FileNotFoundError("nvdisasm not found (CUDA toolkit, or pip install nvidia-cuda-nvdisasm)")
-    cubin, _, note = _assemble(ptx, arch, ptxas, max_registers)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
-            f.write(cubin)
+            f.write(cubin.data)
         run = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True)
     if run.returncode != 0:
         raise RuntimeError(f"nvdisasm failed: {run.stderr.strip()[-2000:]}")
-    return run.stdout, note
+    return run.stdout
 
 
 class SassLoop(NamedTuple):
