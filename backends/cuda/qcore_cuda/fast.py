@@ -16,8 +16,7 @@ and one 16- or 8-byte store of whole u32 words. The kernels are specialised per 
 
 * integers: clamp, add 1.5 * 2**23 (round half to even, the code in the low mantissa bits);
 * E4M3 / E5M2: the sm_89+ `cvt.rn.satfinite.e4m3x2.f32` conversion (two codes per
-  instruction); E2M1: one fma rounding |y| scaled by a power of two from its exponent
-  (`e2m1_code`);
+  instruction); E2M1: the least of three roundings of |y| (`e2m1_code`);
 * the division `y = x / e` of SPEC §2.4 as `q = x * r`, `q + fma(-q, e, x) * r` with
   `r = 1 / e` rounded once per block: Markstein's correction, the correctly rounded quotient
   whenever e's significand is not all ones and nothing overflows or underflows; the kernels
@@ -50,7 +49,8 @@ import numpy as np
 from qcore.scheme import QuantScheme, QuantValue, StoreKind
 
 from . import kernels as K
-from .intrin import e4m3x2, e4m3x2_f32, e5m2x2, e5m2x2_f32, f2u, fmax_nan, ld1, ld4, prmt, st2, st4, u2f
+from .intrin import (and_xor, bitsel, e4m3x2, e4m3x2_f32, e5m2x2, e5m2x2_f32, f2u, fmax_nan, ld1, ld4, prmt, st2, st4,
+                     u2f)
 from .scales import round_scale, scale_word
 from .devmath import two_level_e
 
@@ -200,14 +200,17 @@ def fast_div_ok(e):
 def e2m1_code(y):
     """E2M1 code of y (SPEC §2.5): saturate at 6, nearest, ties to the even code, sign of y.
 
-    The E2M1 values of a = min(|y|, 6) are spaced 2**(E - 1) with E = max(exponent(a), 0), and
-    the code of the grid point q * 2**(E - 1) is q + 2E. One fma rounds a * 2**(1 - E) (exact:
-    a power of two times a) half-to-even to the integer q in the low mantissa bits of
-    1.5 * 2**23 + 2; those bits plus 2 * (E + 127) are q + 2E + 8 (mod 8)."""
+    The E2M1 values of a = min(|y|, 6) are q / 2 (code q) on [0, 2], q (code q + 2) on [2, 4]
+    and 2q (code q + 4) on [4, 6]. Adding 1.5 * 2**23 (plus 0, 2 or 4) rounds each
+    form's q half-to-even into the low mantissa bits: 2a, a + 2 and a / 2 + 4 (one fma, an
+    add, one fma, the additions exact but for that rounding). On each range its own form is the
+    least of the three (2a <= a + 2 iff a <= 2, a + 2 <= a / 2 + 4 iff a <= 4), and an even offset
+    keeps ties on even codes; so the code is the low 3 bits of the minimum, and the sign bit
+    comes from y with one bit select."""
     a = min(abs(y), float32(6.0))
-    xe = max(f2u(a), uint32(0x3F800000)) >> uint32(23)  # E + 127
-    t = cuda.fma(a, u2f((uint32(255) - xe) << uint32(23)), float32(MAGIC + 2.0))
-    return ((f2u(t) + (xe << uint32(1))) & uint32(0x7)) | ((f2u(y) >> uint32(28)) & uint32(0x8))
+    t = min(min(cuda.fma(a, float32(2.0), float32(MAGIC)), a + float32(MAGIC + 2.0)),
+            cuda.fma(a, float32(0.5), float32(MAGIC + 4.0)))
+    return bitsel(uint32(0x7), f2u(t), f2u(y) >> uint32(28))
 
 
 @cuda.jit(device=True, inline="always")
@@ -380,9 +383,8 @@ def decoder(kind: int):
             val[off + 2] = u2f(prmt(w, MAGIC_HI, 0x7652)) - bias
             val[off + 3] = u2f(prmt(w, MAGIC_HI, 0x7653)) - bias
         elif is_int and bits == 4:  # even fields are the low nibbles of the bytes, odd the high
-            w = w ^ sign
-            lo = w & uint32(0x0F0F0F0F)
-            hi = (w >> uint32(4)) & uint32(0x0F0F0F0F)
+            lo = and_xor(w, uint32(0x0F0F0F0F), uint32(0x08080808))  # (w ^ sign) & 0x0F0F0F0F
+            hi = and_xor(w >> uint32(4), uint32(0x0F0F0F0F), uint32(0x08080808))
             val[off] = u2f(prmt(lo, MAGIC_HI, 0x7650)) - bias
             val[off + 1] = u2f(prmt(hi, MAGIC_HI, 0x7650)) - bias
             val[off + 2] = u2f(prmt(lo, MAGIC_HI, 0x7651)) - bias

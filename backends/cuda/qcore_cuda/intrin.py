@@ -20,6 +20,8 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
 * `e4m3x2_f32(c)` / `e5m2x2_f32(c)`: the reverse, exact (`cvt.rn.f16x2.e4m3x2`, then f16 -> f32).
 * `f16_bits(x)`: f32 -> f16 bits (round to nearest; exact for the already-rounded scales the
   kernels pass).
+* `bitsel(m, a, b)`: `(a & m) | (b & ~m)`, and `and_xor(a, m, c)`: `(a & m) ^ c`, each one
+  `lop3.b32` (immediate 0xCA and 0x6A; ptxas does not always find these merges itself).
 * `abs_bits_m1(u)`: `(u & 0x7FFFFFFF) - 1` in u32 arithmetic (an f32's |bits| - 1: 0 wraps to
   the top), for a range check by one u32 minimum.
 * `mma_tf32(a0..a3, b0, b1, c0..c3, scr, lane, base)`: one warp-wide
@@ -131,6 +133,13 @@ if config.ENABLE_CUDASIM:
 
     def abs_bits_m1(u):
         return np.uint32((int(u) & 0x7FFFFFFF) - 1 & 0xFFFFFFFF)
+
+    def bitsel(m, a, b):
+        m, a, b = int(m) & 0xFFFFFFFF, int(a) & 0xFFFFFFFF, int(b) & 0xFFFFFFFF
+        return np.uint32((a & m) | (b & ~m & 0xFFFFFFFF))
+
+    def and_xor(a, m, c):
+        return np.uint32(((int(a) & int(m)) ^ int(c)) & 0xFFFFFFFF)
 
     from numba import cuda as _cuda_sim  # swapped for the fake module inside device functions
 
@@ -343,6 +352,25 @@ else:
             return builder.sub(builder.and_(v, ir.Constant(_I32, 0x7FFFFFFF)), ir.Constant(_I32, 1))
 
         return types.uint32(u), codegen
+
+    def _lop3(lut):
+        """The typer of `lop3.b32 $0, $1, $2, $3, lut` on three u32 operands."""
+        def typer(typingctx, a, b, c):
+            def codegen(context, builder, sig, args):
+                f = _asm(_I32, [_I32] * 3, "lop3.b32 $0, $1, $2, $3, %d;" % lut, "=r,r,r,r")
+                return builder.call(f, [context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args)])
+
+            return types.uint32(a, b, c), codegen
+
+        return typer
+
+    @intrinsic
+    def bitsel(typingctx, m, a, b):  # lop3 operands (m, a, b) = (0xF0, 0xCC, 0xAA): (m & a) | (~m & b)
+        return _lop3(0xCA)(typingctx, m, a, b)
+
+    @intrinsic
+    def and_xor(typingctx, a, m, c):  # (a & m) ^ c
+        return _lop3(0x6A)(typingctx, a, m, c)
 
     @intrinsic
     def mma_tf32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base):
