@@ -41,12 +41,14 @@ def test_gpu_targets_are_judged_from_the_results():
     row = {"scheme": "q8s/block32:f16", "q_api_gbs": 900.0, "dq_api_gbs": 850.0, "q_api_out_gbs": 1.0,
            "fresh_process_q_s": [2.0, 0.1], "fresh_process_dq_s": [1.0, 0.2]}
     res = {"copy": {"gbs": 1000.0}, "rows": [row],
-           "gemv": [{"m": 1, "host_us": 20.0, "qcore_api": 5e-5, "torch_fp16_api": 6e-5, "speedup_kern": 2.4}]}
+           "gemv": [{"m": 1, "host_us": 20.0, "host_loop_us_out": 26.0, "qcore_api": 5e-5, "torch_fp16_api": 6e-5,
+                    "speedup_kern": 2.4}]}
     got = {name: ok for name, _, ok in report.gpu_targets(res)}
     assert got["`q8s/block32:f16` quantize call >= 0.85x copy"] is True
     assert got["`q8s/block32:f16` dequantize call >= 0.85x copy"] is True
     assert got["first call per scheme, new process (cache warm) <= 0.5 s"] is True
-    assert got["matmul host time per call, M <= 16, <= 25 µs"] is True
+    assert got["matmul host time per call, M <= 16, <= 25 µs: one call after a synchronisation"] is True
+    assert got["matmul host time per call, M <= 16, <= 25 µs: calls back-to-back (a decode step)"] is False
     assert got["matmul call at M = 1 faster than torch fp16's call"] is True
     assert got["M = 1 GEMV kernel >= 2.5x torch fp16"] is False
     row["dq_api_gbs"] = 849.0
