@@ -140,24 +140,56 @@ def test_repeat_quantize_of_misaligned_input(be):
 
 @pytest.mark.parametrize("text", ["q4s/block32:f16", "e4m3/block32:f32"])
 def test_repeat_dequantize_raises_for_invalid_codes_then_recovers(be, text):
-    """Bytes rewritten under a remembered tensor to hold an invalid code (SPEC v1.1 §3): the
-    repeat reads the flag, raises InvalidDataError naming the element, re-zeroes the flag, and
-    decodes the good bytes again afterwards."""
+    """Bytes rewritten under a remembered tensor over the caller's memory (quantize's out=
+    array) to hold an invalid code (SPEC v1.1 §3): the repeat reads the flag, raises
+    InvalidDataError naming the element, re-zeroes the flag, and decodes the good bytes again
+    afterwards."""
     x = sample_x((4, 64), seed=38)
     d = REF.quantize(x, text).to_data()
-    q = be.from_data(d)
+    buf = cuda.device_array(len(d.payload), np.uint8)
+    q = be.quantize(cuda.to_device(x), text, out=buf)
     be.dequantize(q)
     be.dequantize(q)
-    assert "repeat" in q.data.cache
+    assert "repeat" in q.data.cache and not q.data.codes_checked()
     field = int(np.flatnonzero(~d.scheme.valid_fields)[-1])
     bad = with_code(d, (2, 9), field)
-    q.data.payload.copy_to_device(np.frombuffer(bad.payload, np.uint8))
+    buf.copy_to_device(np.frombuffer(bad.payload, np.uint8))
     before = _hits("dequantize")
     with pytest.raises(InvalidDataError, match=r"element \(2, 9\)"):
         be.dequantize(q)
     assert _hits("dequantize") == before + 1, "the invalid code was not met by a repeat"
-    q.data.payload.copy_to_device(np.frombuffer(d.payload, np.uint8))
+    buf.copy_to_device(np.frombuffer(d.payload, np.uint8))
     assert_same_floats(be.dequantize(q).copy_to_host(), REF.dequantize(REF.from_data(d)), f"{text} after")
+
+
+@pytest.mark.parametrize("text", ["q4s/block32:f16", "e4m3/block32:f32"])
+def test_codes_are_checked_once_per_tensor_of_the_backends_memory(be, text, monkeypatch):
+    """SPEC v1.1 §3: invalid codes raise no later than a tensor's first dequantize. A tensor in
+    the backend's own memory is read once: its first dequantize reads the flag, later ones (the
+    whole way and repeats, quantize out= into it between them) read none, so they do not wait;
+    a tensor made from bad bytes raises at every dequantize."""
+    from qcore_cuda.backend import CudaBackend
+
+    reads = []
+    real = CudaBackend._read_flag
+    monkeypatch.setattr(CudaBackend, "_read_flag", lambda self, flag, s: reads.append(1) or real(self, flag, s))
+    x = sample_x((4, 64), seed=40)
+    d = REF.quantize(x, text).to_data()
+    q = be.from_data(d)
+    be.dequantize(q)
+    assert len(reads) == 1 and q.data.codes_checked()
+    be.quantize(cuda.to_device(x), text, out=q)  # the quantize kernels write only values
+    reads.clear()
+    ys = [be.dequantize(q), be.dequantize(q), be.dequantize(q, np.float16)]
+    assert reads == [], "a checked tensor's dequantize read the flag"
+    want = REF.dequantize(REF.from_data(d))
+    assert_same_floats(ys[1].copy_to_host(), want, text)
+    field = int(np.flatnonzero(~d.scheme.valid_fields)[-1])
+    bad = be.from_data(with_code(d, (1, 3), field))
+    for _ in range(2):
+        with pytest.raises(InvalidDataError, match=r"element \(1, 3\)"):
+            be.dequantize(bad)
+    assert not bad.data.codes_checked()
 
 
 @pytest.mark.parametrize("text", ["q4s/block32:f16", "q4s/block32:f16/packed_native/order:high"])

@@ -10,7 +10,8 @@ a `QuantizeRepeat` (`CudaBackend._repeats`, keyed by `(scheme as given, method, 
 tensor keeps its `DequantizeRepeat` in its cache and a weight its `MatmulRepeat` per shape of x.
 A later call that matches allocates its result (or takes `out=`: a float32 array, or for
 quantize a tensor of the same shape and scheme or a uint8 array of the payload's length),
-launches the same packed kernels and reads the flag; anything else (another dtype, a misaligned
+launches the same packed kernels and reads the flag (a dequantize only until one read has
+found the tensor's codes valid: `CudaData.codes_checked`); anything else (another dtype, a misaligned
 x, `params=`, `stream=`, an `out=` of another kind, a failed allocation) takes the whole way,
 which raises what it should.
 """
@@ -115,7 +116,9 @@ def quantize_again(be: Any, x: Any, scheme: Any, method: str, out: Any = None) -
         q = out
     else:
         HITS["quantize out="] += 1
-        q = QTensor(be, rep.scheme, rep.shape, CudaData(rep.shape, rep.scheme, pv.numba()))
+        data = CudaData(rep.shape, rep.scheme, pv.numba())
+        data.mark_caller_memory()
+        q = QTensor(be, rep.scheme, rep.shape, data)
     be._raise_if_flagged(be._scratch()[2], xd, rep.shape, s)
     return q
 
@@ -195,8 +198,8 @@ def dequantize_again(be: Any, q: Any, out: Any = None) -> Any:
         res = _array.result(ov, s) if out is None else out
     TAKEN["FastDequantize"] += 1
     HITS["dequantize" if out is None else "dequantize out="] += 1
-    if rep.flag is not None and be._read_flag(rep.flag, s):
-        be._raise_if_bad_codes(q.data, s)  # reads the flag again, re-zeroes it, names the element
+    if rep.flag is not None and not q.data.codes_checked():
+        be._raise_if_bad_codes(q.data, s)  # reads the flag; re-zeroes it and names the element, or notes the check
     return res
 
 

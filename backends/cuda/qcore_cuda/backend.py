@@ -479,6 +479,8 @@ class CudaBackend(BaseBackend):
         with quiet():
             target, payload = self._quantize_target(out, shape, scheme)
             data = self._quantize(x, inner, params, method, s, payload)
+            if target is None and payload is not None:  # an out= array: the caller's memory
+                data.mark_caller_memory()
             q = QTensor(self, scheme, shape, data) if target is None else target
             if target is not None:
                 self._refresh_decoded(target.data, s)
@@ -571,14 +573,17 @@ class CudaBackend(BaseBackend):
     def _raise_if_bad_codes(self, data: CudaData, s: Any = _streams.DEFAULT) -> None:
         """Read the flag (`_read_flag`: 4 bytes, a wait for stream `s`); when set, re-zero it and
         let the core name the first bad element. A scheme whose every field is a value (q8f, q4f,
-        q2f, e2m1) never sets it: no read, no wait."""
-        if data.scheme.valid_fields.all():
+        q2f, e2m1) never sets it, and a tensor whose codes a dequantize has checked
+        (`CudaData.codes_checked`) keeps them: no read, no wait."""
+        if data.scheme.valid_fields.all() or data.codes_checked():
             return
-        data = self._kernel_data(data, s)
-        flag = self._code_flag(data)
+        kd = self._kernel_data(data, s)
+        flag = self._code_flag(kd)
         if self._read_flag(flag, s):
             _flags.clear(flag, s)
-            self._into_data(data).check_codes()
+            self._into_data(kd).check_codes()
+        else:
+            data.note_codes_checked()
 
     @guard(lambda self, x, q: (f"measure the error of a {q.shape} {q.scheme} tensor", 8 * math.prod(q.shape)))
     def error_stats(self, x: Any, q: QTensor) -> tuple[float, float]:
@@ -632,9 +637,10 @@ class CudaBackend(BaseBackend):
         numba device array of q's shape (or size) whose dtype (float32, float16, float64) is the
         result's; `out` is returned. `stream=` as for `quantize` (default: the stream of a torch
         or CuPy `out`, else the default stream). `dtype` defaults to out's dtype, else float32.
-        Where the scheme has invalid codes (SPEC v1.1 §3: Q8S/Q4S/Q2S, E4M3, E5M2), the only wait
-        is for that stream, after a 4-byte read of the invalid-code flag; other schemes return
-        without waiting."""
+        Where the scheme has invalid codes (SPEC v1.1 §3: Q8S/Q4S/Q2S, E4M3, E5M2), the tensor's
+        first dequantize waits for that stream, after a 4-byte read of the invalid-code flag;
+        later ones, other schemes, and tensors over a caller's out= array aside, return without
+        waiting (`CudaData.codes_checked`)."""
         if stream is None and (dtype is None or dtype is np.float32):
             y = _repeat.dequantize_again(self, q, out)
             if y is not None:
