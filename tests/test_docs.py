@@ -52,5 +52,7 @@ def test_gpu_targets_are_judged_from_the_results():
     assert got["matmul call at M = 1 faster than torch fp16's call"] is True
     assert got["M = 1 GEMV kernel >= 2.5x torch fp16"] is False
     row["dq_api_gbs"] = 849.0
+    figures = {name: fig for name, fig, _ in report.gpu_targets(res)}
+    assert figures["`q8s/block32:f16` dequantize call >= 0.85x copy"] == "0.849x"  # not "0.85x" beside "no"
     assert dict((n, ok) for n, _, ok in report.gpu_targets(res))[
         "`q8s/block32:f16` dequantize call >= 0.85x copy"] is False
