@@ -348,8 +348,9 @@ def render_calls(res: dict) -> str:
 CALLS_NOTES = """\
 A call's cost beyond its kernels is the host's time before the first launch (the GPU waits for
 it) plus, for calls that read a flag, the time from the kernels' end until the host has
-returned and recorded the end event; a dequantize whose scheme has no invalid codes reads no
-flag, so its end event is queued behind the kernels. A quantize `out=` into a `QTensor` that a
+returned and recorded the end event. A dequantize reads no flag once its tensor's codes have
+been checked (its first dequantize; schemes without invalid codes never), so its end event is
+queued behind the kernels. A quantize `out=` into a `QTensor` that a
 dequantize or matmul has used also decodes the tensor's scales again (`k_decode_scales`), so
 that the launches it keeps stay valid; the `out=` rows here come before the tensor's first
 dequantize, so they have no such pass.
