@@ -251,6 +251,7 @@ def gpu_targets(res: dict) -> list[tuple[str, str, bool]]:
         out.append(("first call per scheme, new process (cache warm) <= 0.5 s", f"{max(firsts):.2f} s",
                     max(firsts) <= 0.5))
     gemv = {g["m"]: g for g in res["gemv"]}
+
     def worst(key: str) -> float | None:
         """The largest `key` over the matmul rows with M <= 16 (None: not in this file)."""
         got = [g[key] for g in res["gemv"] if g["m"] <= 16 and key in g]

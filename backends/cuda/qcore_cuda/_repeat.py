@@ -58,11 +58,11 @@ class QuantizeRepeat:
 @dataclass(frozen=True)
 class DequantizeRepeat:
     """A tensor's packed fast dequantize launch (only the output changes), the shape of its
-    result and the invalid-code flag to read (None: every field is a value)."""
+    result and whether its scheme has invalid codes to look for (SPEC v1.1 §3)."""
 
     launch: Any
     shape: tuple[int, ...]
-    flag: Any
+    has_invalid_codes: bool
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ def dequantize_again(be: Any, q: Any, out: Any = None) -> Any:
         res = _array.result(ov, s) if out is None else out
     TAKEN["FastDequantize"] += 1
     HITS["dequantize" if out is None else "dequantize out="] += 1
-    if rep.flag is not None and not q.data.codes_checked():
+    if rep.has_invalid_codes and not q.data.codes_checked():
         be._raise_if_bad_codes(q.data, s)  # reads the flag; re-zeroes it and names the element, or notes the check
     return res
 
@@ -213,8 +213,7 @@ def remember_dequantize(be: Any, q: QTensor) -> None:
     if launch is None or "repeat" in data.cache or q.shape != data.shape or q.scheme != data.scheme or \
             be._kernel_data(data) is not data:
         return
-    flag = None if data.scheme.valid_fields.all() else be._code_flag(data)
-    data.cache["repeat"] = DequantizeRepeat(launch, q.shape, flag)
+    data.cache["repeat"] = DequantizeRepeat(launch, q.shape, not data.scheme.valid_fields.all())
 
 
 def matmul_again(be: Any, x: Any, w: Any, out: Any) -> Any:
