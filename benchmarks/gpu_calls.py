@@ -61,10 +61,10 @@ class Probe:
                 probe.last.record()
             return ok
 
-        def noted_read_flag(be, flag, s):
+        def noted_read_flag(be, flag, s, ready=None):
             probe.marks["wait0"] = time.perf_counter()
             try:
-                return read_flag(be, flag, s)
+                return read_flag(be, flag, s, ready)
             finally:
                 probe.marks["wait1"] = time.perf_counter()
 

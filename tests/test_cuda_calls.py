@@ -133,9 +133,82 @@ def test_invalid_codes_raise_with_out_and_stream(be, text, monkeypatch):
     assert_same_floats(y.copy_to_host(), REF.dequantize(REF.from_data(d)), f"{text} after an invalid code")
     clean = be.quantize(x, "q4f/block32:f16")
     seen, real = [], be._read_flag
-    monkeypatch.setattr(be, "_read_flag", lambda flag, s: seen.append(flag) or real(flag, s))
+    monkeypatch.setattr(be, "_read_flag", lambda flag, s, ready=None: seen.append(flag) or real(flag, s, ready))
     be.dequantize(clean, out=out)
     assert seen == [], "a scheme without invalid codes read its flag back"
+
+
+# ----------------------------------------------------------------------------- early flag reads
+def _count_waits(monkeypatch, be) -> dict:
+    """Count the stream synchronisations and the waits on each `_flags.Mark` (by role)."""
+    from qcore_cuda import _flags, backend
+
+    seen = {"stream": 0, "flag": 0, "tail": 0}
+    sync, wait = backend._sync_stream, _flags.Mark.wait
+
+    def counted_sync(handle):
+        seen["stream"] += 1
+        return sync(handle)
+
+    def counted_wait(mark):
+        seen["tail" if mark is be.__dict__.get("_tail_mark") else "flag"] += 1
+        return wait(mark)
+
+    backend._sync_stream(0)  # (looks the driver call up before it is wrapped)
+    be._wait_tail(None)  # an earlier test's early call: done before the counting starts
+    monkeypatch.setattr(backend, "_sync_stream", counted_sync)
+    monkeypatch.setattr(_flags.Mark, "wait", counted_wait)
+    return seen
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("text", ["nvfp4", "q8s", "q4s/block32:f16"])
+def test_two_pass_quantize_waits_for_its_max_pass_alone(be, text, monkeypatch):
+    """The max pass flags every non-finite x, so a two-pass quantize on the default stream of x
+    in the caller's device memory reads its flag after that pass and returns while the codes
+    are written (the whole way and repeats); one-pass schemes, a host x (a temporary device
+    copy) and a call on another stream wait for the stream. The bytes are the reference's."""
+    x = sample_x((64, 256), seed=12)
+    want = REF.quantize(x, text).to_data().payload
+    seen = _count_waits(monkeypatch, be)
+    two_pass = text != "q4s/block32:f16"
+    for _ in range(3):
+        q = be.quantize(cuda.to_device(x), text)
+        assert q.to_data().payload == want, f"{text}: other bytes"
+    assert seen == ({"stream": 0, "flag": 3, "tail": 0} if two_pass else {"stream": 3, "flag": 0, "tail": 0}), seen
+    seen.update(stream=0, flag=0)
+    assert be.quantize(x, text).to_data().payload == want
+    assert seen == {"stream": 1, "flag": 0, "tail": 0}, f"a host x: {seen}"
+    seen.update(stream=0)
+    st = cuda.stream()
+    q = be.quantize(cuda.to_device(x), text, stream=st)
+    assert seen == {"stream": 1, "flag": 0, "tail": int(two_pass)}, f"another stream: {seen}"  # (after the tail)
+    assert q.to_data().payload == want
+
+
+@GPU_ONLY
+def test_a_call_on_another_stream_waits_for_an_early_calls_tail(be, monkeypatch):
+    """After a two-pass quantize returned with its codes still being written, a call on another
+    stream first waits for that call's last kernels (the statistics scratch they share), one on
+    the same stream does not; and a NaN found after the max pass waits for the stream before
+    the scratch is rebuilt. All results are the reference's."""
+    x = sample_x((512, 1024), seed=13)
+    xd = cuda.to_device(x)
+    want = REF.quantize(x, "nvfp4").to_data().payload
+    other = cuda.stream()
+    seen = _count_waits(monkeypatch, be)
+    q1 = be.quantize(xd, "nvfp4")
+    q2 = be.quantize(xd, "nvfp4")
+    assert seen == {"stream": 0, "flag": 2, "tail": 0}, f"two early calls on one stream: {seen}"
+    q3 = be.quantize(xd, "nvfp4", stream=other)
+    assert seen["tail"] == 1, "a call on another stream did not wait for the early call's tail"
+    assert q1.to_data().payload == q2.to_data().payload == q3.to_data().payload == want
+    bad = x.copy()
+    bad[300, 5] = np.nan
+    be.quantize(xd, "nvfp4")
+    with pytest.raises(InputError, match=r"nan at index \(300, 5\)"):
+        be.quantize(cuda.to_device(bad), "nvfp4")
+    assert be.quantize(xd, "nvfp4").to_data().payload == want, "after a NaN"
 
 
 # ----------------------------------------------------------------------------- streams

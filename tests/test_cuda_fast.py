@@ -139,3 +139,26 @@ def test_fast_path_flags_non_finite(cuda_backend, text, bad):
     q = cuda_backend.quantize(np.ones((2, 64), np.float32), text)  # the scratch is clean afterwards
     assert_same_bytes(cuda_backend.into_data(q).payload, REF.into_data(REF.quantize(np.ones((2, 64), np.float32), text)).payload,
                       f"{text} after a non-finite input")
+
+
+@pytest.mark.parametrize("text", ["nvfp4", "q8s", "e4m3/tensor:bf16", "q4s/block32:f16"])
+def test_fast_quantize_over_several_grid_strides(cuda_backend, text):
+    """More runs than the grid has threads, and a last warp of runs only partly inside the
+    tensor: every thread takes several steps, each loading the next step's run first. The bytes
+    are the reference's, and a NaN in the first and in the last run is found (one and two
+    passes)."""
+    from qcore_cuda import fast
+
+    grid, tpb = fast.launch(1 << 40)
+    runs = 2 * grid * tpb + 32 * 3 + 11  # two whole strides, then three warps and 11 runs
+    cols = 32 * 3 if SIM else 32 * 35  # lines of whole 32-blocks, not of whole warps of runs
+    rows = -(-runs * 16 // cols)
+    assert fast.geometry((rows, cols), qcore.scheme(text)) is not None and (rows * cols // 16) % 32
+    x = sample_x((rows, cols), seed=7)
+    got = cuda_backend.into_data(cuda_backend.quantize(cuda.to_device(x), text))
+    assert_same_bytes(got.payload, REF.into_data(REF.quantize(x, text)).payload, f"{text} over {rows * cols // 16} runs")
+    for at in ((0, 3), (rows - 1, cols - 1)):
+        bad = x.copy()
+        bad[at] = np.nan
+        with pytest.raises(InputError, match=rf"nan at index \({at[0]}, {at[1]}\)"):
+            cuda_backend.quantize(cuda.to_device(bad), text)

@@ -172,7 +172,8 @@ def test_codes_are_checked_once_per_tensor_of_the_backends_memory(be, text, monk
 
     reads = []
     real = CudaBackend._read_flag
-    monkeypatch.setattr(CudaBackend, "_read_flag", lambda self, flag, s: reads.append(1) or real(self, flag, s))
+    monkeypatch.setattr(CudaBackend, "_read_flag",
+                        lambda self, flag, s, ready=None: reads.append(1) or real(self, flag, s, ready))
     x = sample_x((4, 64), seed=40)
     d = REF.quantize(x, text).to_data()
     q = be.from_data(d)

@@ -126,3 +126,41 @@ def clear(flag: Any, stream: Any) -> None:
 def is_host_flag(flag: Any) -> bool:
     """Whether `flag` came from mapped memory (read it with `.value`, no copy)."""
     return type(flag) is HostFlag
+
+
+class Mark:
+    """A CUDA event (timing off) recorded on a call's stream and waited for by the host: the
+    point of that stream after which a flag can no longer change, or after which a call's last
+    kernels are done (`CudaBackend._early_marks`). Recorded again by each call that uses it."""
+
+    __slots__ = ("handle", "_cu")
+
+    def __init__(self) -> None:
+        from cuda.bindings import driver as cu
+        from numba import cuda
+
+        cuda.current_context()  # the driver calls need a current context on this thread
+        err, self.handle = cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuEventCreate failed: {err.name}")
+        self._cu = cu
+
+    def record(self, stream: Any) -> None:
+        """Mark the end of the work enqueued so far on `stream` (a `_streams.StreamRef`)."""
+        err, = self._cu.cuEventRecord(self.handle, stream.handle)
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuEventRecord failed: {err.name}")
+
+    def wait(self) -> None:
+        """Block until the work before the last `record` is done."""
+        err, = self._cu.cuEventSynchronize(self.handle)
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            from numba.cuda.cudadrv.driver import CudaAPIError
+
+            raise CudaAPIError(err, f"waiting for a call's kernels failed: {err.name}")
+
+    def __del__(self) -> None:
+        try:
+            self._cu.cuEventDestroy(self.handle)
+        except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone
+            pass

@@ -99,11 +99,12 @@ def quantize_again(be: Any, x: Any, scheme: Any, method: str, out: Any = None) -
     qw32 = _array.prefix(pd, rep.values_nbytes, _U32)
     fp = rep.prepared["fast"]
     try:
-        run_fast_quantize(be._fast_quant_launches(rep.prepared, fp, xd, qw32, pd, fp["G"]), fp, xd, qw32, pd, s)
+        ready = run_fast_quantize(be._fast_quant_launches(rep.prepared, fp, xd, qw32, pd, fp["G"], s=s), fp, xd, qw32,
+                                  pd, s, be)
         if type(out) is QTensor:  # its decoded scales follow the new bytes
             be._refresh_decoded(out.data, s)
     except BaseException:
-        be.__dict__.pop("_scr", None)  # the statistics may not have been consumed
+        be._drop_scratch(s)  # the statistics may not have been consumed
         if out is None:
             _array.result(pv, s)  # (dropped: the memory goes back to the pool)
         raise
@@ -119,7 +120,7 @@ def quantize_again(be: Any, x: Any, scheme: Any, method: str, out: Any = None) -
         data = CudaData(rep.shape, rep.scheme, pv.numba())
         data.mark_caller_memory()
         q = QTensor(be, rep.scheme, rep.shape, data)
-    be._raise_if_flagged(be._scratch()[2], xd, rep.shape, s)
+    be._raise_if_flagged(be._scratch(s)[2], xd, rep.shape, s, ready)
     return q
 
 

@@ -246,12 +246,16 @@ class CudaBackend(BaseBackend):
         """Per-thread state: the pinned word a flag is read into, and the last flag's address."""
         return threading.local()
 
-    def _read_flag(self, flag, s: Any) -> int:
+    def _read_flag(self, flag, s: Any, ready: Any = None) -> int:
         """An int32 flag (non-finite input, invalid code) after a wait for the call's stream
-        alone (not the device): a mapped host word (`_flags.HostFlag`) is read in place; a device
+        alone (not the device), or only up to `ready` (a `_flags.Mark` after which the flag is
+        final: `_early_marks`): a mapped host word (`_flags.HostFlag`) is read in place; a device
         flag takes one 4-byte asynchronous copy into this thread's pinned word first."""
         if type(flag) is _flags.HostFlag:  # mapped memory: the kernels' store is already here
-            _check_cu(_sync_stream(s.handle)[0], "waiting for a call's stream")
+            if ready is not None:
+                ready.wait()
+            else:
+                _check_cu(_sync_stream(s.handle)[0], "waiting for a call's stream")
             return flag.value
         if _array._simulated():
             return int(flag.copy_to_host()[0])
@@ -269,18 +273,62 @@ class CudaBackend(BaseBackend):
         _check_cu(_sync_stream(s.handle)[0], "waiting for a call's stream")
         return int(host[0])
 
-    def _raise_if_flagged(self, flag, xd, shape, s: Any = _streams.DEFAULT) -> None:
-        if self._read_flag(flag, s):
-            self.__dict__.pop("_scr", None)  # fresh scratch (and flag) for the next call
+    def _raise_if_flagged(self, flag, xd, shape, s: Any = _streams.DEFAULT, ready: Any = None) -> None:
+        """InputError naming x's first non-finite element when the call's flag is set (read after
+        the stream, or after `ready`: `_read_flag`)."""
+        if self._read_flag(flag, s, ready):
+            self._drop_scratch(s)  # fresh scratch (and flag) for the next call
             host = xd.copy_to_host() if hasattr(xd, "copy_to_host") else _cuda().as_cuda_array(xd).copy_to_host()
             raise_nonfinite(host.reshape(shape))
 
     # ------------------------------------------------------------------ quantize
-    def _scratch(self):
+    def _early_marks(self, xd: Any, s: Any) -> tuple | None:
+        """(flag mark, tail mark) for a two-pass fast quantize that may return before its last
+        kernels finish, or None. The max pass (`fast.k_amax`) sees every x and flags any NaN or
+        infinity, and the quantize pass flags only what it flagged, so the non-finite flag is
+        final after the max pass: the call records the flag mark there and waits for it alone,
+        while the quantize pass and the statistics reset run on (the scratch stays busy until
+        the tail mark, which `_scratch` makes a call on another stream wait for). Only on the
+        default stream, which the backend's own reads of a result (`into_data`, `to_numpy`)
+        follow, so a result is never read half written; for x in the caller's memory (a
+        `DevView`: no temporary to free under the running kernels); and with a mapped flag (the
+        simulator's and copied flags wait for the stream)."""
+        if s.handle != 0 or type(xd) is not _array.DevView or type(self._scratch(s)[2]) is not _flags.HostFlag:
+            return None
+        loc = self._local
+        flag_mark = getattr(loc, "flag_mark", None)
+        if flag_mark is None:
+            flag_mark = loc.flag_mark = _flags.Mark()
+        tail_mark = self.__dict__.get("_tail_mark")
+        if tail_mark is None:
+            tail_mark = self.__dict__["_tail_mark"] = _flags.Mark()
+        self.__dict__["_scr_tail"] = s.handle
+        return flag_mark, tail_mark
+
+    def _wait_tail(self, s: Any = None) -> None:
+        """Wait for the last kernels of a call that returned before them (`_early_marks`) unless
+        they ran on stream `s` (None: any stream), whose order covers them."""
+        tail = self.__dict__.get("_scr_tail")
+        if tail is not None and (s is None or s.handle != tail):
+            self.__dict__["_tail_mark"].wait()
+            self.__dict__["_scr_tail"] = None
+
+    def _drop_scratch(self, s: Any = None) -> None:
+        """Forget the scratch (after a flagged input or an interrupted call), once no kernel can
+        still be using it: the call's stream `s` (None: the last early call's tail) is waited for."""
+        if s is not None and not _array._simulated():
+            _check_cu(_sync_stream(s.handle)[0], "waiting for a call's stream")
+        self._wait_tail(None)
+        self.__dict__.pop("_scr", None)
+
+    def _scratch(self, s: Any = None):
         """Persistent zeroed scratch on the device: f64 sum, f32 [g, max statistic, amax, -], and
         the int32 non-finite flag (`_flags.new`: mapped host memory on a GPU). k_quant re-zeroes
         the statistics after use; the flag is only ever set on an error, after which the scratch
-        is rebuilt."""
+        is rebuilt. A call on stream `s` (None: unknown) first waits for the kernels of an earlier
+        call that returned before them on another stream (`_early_marks`)."""
+        if self.__dict__.get("_scr_tail") is not None:
+            self._wait_tail(s)
         scr = self.__dict__.get("_scr")
         if scr is None:
             z = _cuda().to_device(np.zeros(3, dtype=np.float64))
@@ -334,7 +382,7 @@ class CudaBackend(BaseBackend):
         """The fast path's (max pass, quantize, statistics reset) launches for this plan, scratch and
         `G` (calibrated or given mode), packed once (`_launch.Packed`): x and the payload change
         from call to call. Given explicit scales, `gbuf` is their device copy (new each call)."""
-        asum, fs, flag = self._scratch()
+        asum, fs, flag = self._scratch(s)
         key = ("fast_quant", id(G), gbuf is None)
         got = pp.get(key)
         if got is None or got[0] is not flag:  # a new scratch after a non-finite input: pack again
@@ -356,9 +404,10 @@ class CudaBackend(BaseBackend):
     def _launch_quantize(self, xd, shape, scheme: QuantScheme, params: QParams | None, method: str, payload,
                          s: Any = _streams.DEFAULT):
         """Enqueue the quantize kernels writing `payload` on stream `s` (no host synchronisation):
-        the first of `paths.QUANTIZE` that applies."""
+        the first of `paths.QUANTIZE` that applies. Returns the mark after which the call's flag
+        is final when that comes before its last kernel (`_early_marks`), else None."""
         call = QuantizeCall(self, _k(), xd, shape, scheme, params, self._prepared(shape, scheme, method), payload, s)
-        choose(QUANTIZE, call).launch(call)
+        return choose(QUANTIZE, call).launch(call)
 
     def _run_quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str,
                       s: Any = _streams.DEFAULT, payload: Any = None):
@@ -383,13 +432,13 @@ class CudaBackend(BaseBackend):
             target = payload
         low_target = target if low is scheme else _array.empty((pl.total_nbytes,), np.uint8, s)
         try:
-            self._launch_quantize(xd, shape, low, params, method, low_target, s)
+            ready = self._launch_quantize(xd, shape, low, params, method, low_target, s)
         except BaseException:
-            self.__dict__.pop("_scr", None)  # the statistics may not have been consumed
+            self._drop_scratch(s)  # the statistics may not have been consumed
             raise
         if low is not scheme:  # E6: the fields moved into the scheme's order, the rest copied
             self._launch_reorder(low_target, target, shape, low, scheme, s)
-        return (self._scratch()[2], xd), CudaData(shape, scheme, payload)
+        return (self._scratch(s)[2], xd, ready), CudaData(shape, scheme, payload)
 
     @functools.lru_cache(maxsize=64)
     def _order_plan(self, shape: tuple[int, ...], src: QuantScheme, dst: QuantScheme) -> tuple:
@@ -440,7 +489,7 @@ class CudaBackend(BaseBackend):
             s = _streams.resolve(None, x)
         check, data = self._run_quantize(x, scheme, params, method, s, payload)
         if check is not None:
-            self._raise_if_flagged(check[0], check[1], data.shape, s)
+            self._raise_if_flagged(check[0], check[1], data.shape, s, check[2])
         return data
 
     def calibrate(self, x: Any, scheme: QuantScheme | str, method: str = "minmax") -> QParams:

@@ -93,23 +93,32 @@ class FastQuantize:
         return c.fast and c.params is None and c.fast_geometry["mode"] != fast.MODE_GIVEN and \
             not c.scheme.reciprocal_global and not c.general_only  # its G comes from k_scales (staged)
 
-    def launch(self, c: QuantizeCall) -> None:
+    def launch(self, c: QuantizeCall) -> Any:
         fp = c.fast_geometry
-        launches = c.be._fast_quant_launches(c.prepared, fp, c.xd, c.qw32, c.payload, fp["G"])
-        run_fast_quantize(launches, fp, c.xd, c.qw32, c.payload, c.s)
+        launches = c.be._fast_quant_launches(c.prepared, fp, c.xd, c.qw32, c.payload, fp["G"], s=c.s)
+        return run_fast_quantize(launches, fp, c.xd, c.qw32, c.payload, c.s, c.be)
 
 
-def run_fast_quantize(launches: tuple, fp: dict, xd: Any, qw32: Any, payload: Any, s: Any) -> None:
+def run_fast_quantize(launches: tuple, fp: dict, xd: Any, qw32: Any, payload: Any, s: Any, be: Any) -> Any:
     """Enqueue the fast path's packed launches (`CudaBackend._fast_quant_launches`) for geometry
     `fp`: block schemes take one pass; per-tensor and two-level ones the tensor's max |x| first,
-    and the statistics scratch is zeroed after."""
+    and the statistics scratch is zeroed after. Returns, for those two passes, the mark after
+    the max pass where the non-finite flag is final (`CudaBackend._early_marks`), else None:
+    the call then waits for the stream."""
     amax, quant, zero = launches
-    two_pass = fp["two_pass"]
-    if two_pass:  # pass 1: the tensor's max |x| into the scratch
-        amax(xd, stream=s)
+    if not fp["two_pass"]:
+        quant(xd, qw32, payload, stream=s)
+        return None
+    marks = be._early_marks(xd, s)
+    amax(xd, stream=s)  # pass 1: the tensor's max |x| into the scratch
+    if marks is not None:
+        marks[0].record(s)
     quant(xd, qw32, payload, stream=s)
-    if two_pass:  # the statistics scratch is consumed: zero it
-        zero(stream=s)
+    zero(stream=s)  # the statistics scratch is consumed: zero it
+    if marks is not None:
+        marks[1].record(s)
+        return marks[0]
+    return None
 
 
 class TileQuantize:
@@ -139,7 +148,7 @@ class FusedQuantize:
     def launch(self, c: QuantizeCall) -> None:
         c.to_numba()
         K, pp = c.K, c.prepared
-        on(K.k_quant_fused, K.launch(c.plan.nruns), c.s)(c.xd, pp["P"], pp["F"], c.payload, c.be._scratch()[2])
+        on(K.k_quant_fused, K.launch(c.plan.nruns), c.s)(c.xd, pp["P"], pp["F"], c.payload, c.be._scratch(c.s)[2])
 
 
 class StagedQuantize:
@@ -157,7 +166,7 @@ class StagedQuantize:
         c.to_numba()
         raw, gbuf, P = self.statistics(c)
         K, pp = c.K, c.prepared
-        asum = c.be._scratch()[0]
+        asum = c.be._scratch(c.s)[0]
         on(K.k_scales, K.launch(c.plan.nslots), c.s)(raw, asum, P, pp["F"], pp["stored"], gbuf, c.payload)
         self.codes(c, raw, P, gbuf)
 
@@ -167,7 +176,7 @@ class StagedQuantize:
         from numba import cuda
 
         K, pp, pl, s = c.K, c.prepared, c.plan, c.s
-        asum, fs, flag = c.be._scratch()
+        asum, fs, flag = c.be._scratch(c.s)
         if c.params is not None:  # given scales (and offsets after them, E5): copied up, explicit mode
             given = [np.asarray(c.params.scales, dtype=np.float32).reshape(-1)]
             if c.scheme.affine:
@@ -211,11 +220,11 @@ class StagedQuantize:
     def codes(c: QuantizeCall, raw: Any, P: Any, gbuf: Any) -> None:
         """Stage 3: the codes from the stored scales, on the fast, row or general kernels."""
         K, pp, pl, s = c.K, c.prepared, c.plan, c.s
-        asum, fs, flag = c.be._scratch()
+        asum, fs, flag = c.be._scratch(c.s)
         calibrated = c.params is None
         if c.fast:
             fp = c.fast_geometry
-            _, quant, zero = c.be._fast_quant_launches(pp, fp, c.xd, c.qw32, c.payload, fp["G_given"], gbuf)
+            _, quant, zero = c.be._fast_quant_launches(pp, fp, c.xd, c.qw32, c.payload, fp["G_given"], gbuf, c.s)
             quant(c.xd, c.qw32, c.payload, stream=s)
             if calibrated:  # the statistics scratch is consumed: zero it for the next call
                 zero(stream=s)
@@ -233,7 +242,7 @@ def _tile_kernel(c: QuantizeCall) -> None:
     """kernels.k_tile_quant on the call: block statistics into `prepared["raw"]`, and for one-level
     schemes the scales and codes too (the mode is in TP)."""
     K, pp, pl = c.K, c.prepared, c.plan
-    _, fs, flag = c.be._scratch()
+    _, fs, flag = c.be._scratch(c.s)
     w8 = c.payload[: pl.values_nbytes]
     w32 = w8.view(np.uint32) if pl.TP[K.T_U32] else pp["dummy32"]
     on(K.k_tile_quant, K.launch_tiles(int(pl.TP[K.T_NT])), c.s)(c.xd, pp["TP"], pp["F"], w32, w8, c.payload, flag,
