@@ -109,7 +109,7 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
             runs.append((f"mb{mb} wpt{wpt} rows{rows} {'prefetch' if prefetch else 'plain'} r{regs} x{per_sm}",
                          run, out, dict(meta, grid=list(grid))))
         if variants is None and m in TC_M and tc.geometry(data.shape, data.scheme) is not None:
-            et = tc.slot_scales(scales, Q)
+            et = tc.slot_scales(scales, gbuf, Q)
             for gw, u1, u2, regs, per_sm in (TC_VARIANTS[:1] if quick else TC_VARIANTS):
                 mg = 1 if m <= 8 else 2
                 u = (u1 if mg == 1 else u2) or tc.U[mg]

@@ -101,7 +101,7 @@ def _launch_gemv_kernel(backend, qw, kern, grid, block, part, cnt, q, x, m, n_, 
     if tc:
         from qcore_cuda import tc as tc_
 
-        extra = [tc_.slot_scales(scales, np.asarray(q, dtype=np.int64))]
+        extra = [tc_.slot_scales(scales, gbuf, np.asarray(q, dtype=np.int64))]
     kern[grid, block](cuda.to_device(x.reshape(-1)), w32, scales, gbuf, pp["lut"], part, cnt, out,
                       tuple(int(v) for v in q), 0, m, *extra)
     return out.copy_to_host().reshape(m, n_)

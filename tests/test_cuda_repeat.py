@@ -263,11 +263,12 @@ def test_tensors_holding_other_data_take_the_whole_way(be):
         be.matmul(cuda.to_device(np.ones((1, 8), np.float32)), own)
 
 
-@pytest.mark.parametrize("text", ["q4s/block32:f16", "nvfp4"])
+@pytest.mark.parametrize("text", ["q4s/block32:f16", "nvfp4", "e4m3/block32:ue4m3/tensor:f32"])
 def test_repeat_quantize_into_a_tensor_refreshes_what_it_caches(be, text):
     """quantize(out=q) of a remembered key is a repeat: new x each time, the reference's bytes in
     q's own payload, and q's cached decoded scales follow them, so q's (repeat) dequantize and
-    its matmul give the new tensor's floats and product, not the old ones."""
+    its matmul give the new tensor's floats and product, not the old ones (for the two-level
+    E4M3 weight at M = 4, the tensor-core kernel's effective scales, new global included)."""
     rng = np.random.default_rng(44)
     xs = [rng.standard_normal((64, 32)).astype(np.float32) * (1 + 3 * i) for i in range(3)]
     q = be.quantize(cuda.to_device(xs[0]), text)

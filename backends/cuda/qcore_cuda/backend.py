@@ -578,13 +578,10 @@ class CudaBackend(BaseBackend):
         launches = [Packed(K.k_decode_scales, grid, block, [data.payload, pp["P"], scales, gbuf], dynamic=())]
         et = data.cache.get("tc_scales")
         if et is not None:
-            from . import fast, tc
+            from . import tc
 
-            Q = data.cache["gemv"][1]
-            k_, srow = int(Q[tc.Q_K]), int(Q[tc.Q_N]) >> int(Q[tc.Q_LB])
-            n = max(1, srow) * k_
-            grid, block = fast.K.launch(n)
-            launches.append(Packed(tc.k_slot_scales, grid, block, [scales, et, k_, srow, n], dynamic=()))
+            (grid, block), args = tc.slot_scale_args(scales, gbuf, data.cache["gemv"][1], et)
+            launches.append(Packed(tc.k_slot_scales, grid, block, args, dynamic=()))
         return tuple(launches)
 
     # ------------------------------------------------------------------ dequantize

@@ -30,9 +30,10 @@ k + R t .. k + R t + R - 1, and step s feeds rows k + R t + 2s and + 2s + 1 to A
 and t + 4 (any bijection of a step's rows onto the 8 positions gives the same sums): so the
 lane's R scales and R x values of a row of x are R / 4 vector loads each: a warp instruction then
 touches a few cache lines instead of the 4 and 8 rows of per-step loads of rows k + t and
-k + t + 4, which is what limited the kernel. The scales come in slot order
-(`slot_scales`: [slots per row, K], built once per weight and kept with it), where a lane's
-rows are consecutive; x's rows are consecutive already (K a multiple of 4: 16-byte aligned
+k + t + 4, which is what limited the kernel. The scales come in slot order and as effective
+scales (`slot_scales`: [slots per row, K] of `two_level_e(g, s_b)`, built once per weight and
+kept with it, so the loop multiplies no global scale and takes no branch for a reciprocal one),
+where a lane's rows are consecutive; x's rows are consecutive already (K a multiple of 4: 16-byte aligned
 rows). Weight words stay one u32 per row and group (4 rows per warp instruction). Rows past the block's
 range read a row inside it and are zeroed, so every warp runs the same steps (the simulator's
 mma twin needs every thread of the block at each call). The warps' sums meet in shared memory
@@ -149,7 +150,7 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None):
 
         @cuda.jit(device=True, inline="always")
         def load(w32, et, x, wv, ev, xv, kr, kw1, nwr, wofs, eofs, xofs):
-            """The lane's rows kr .. kr + R - 1: words, scales (by slot, `slot_scales`) and x into
+            """The lane's rows kr .. kr + R - 1: words, effective scales (by slot, `slot_scales`) and x into
             wv/ev/xv; unmasked, the scales and x of the R rows come in vector loads."""
             wi = kr * nwr
             for i in range(R):
@@ -171,7 +172,7 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None):
                         ldv(x, xofs[q] + kr + int64(i), xv, q * R + i)
 
         @cuda.jit(device=True, inline="always")
-        def compute(wv, ev, xv, acc, val, tab, kr, kw1, g2, sh, scr, lane, base, lim, limu):
+        def compute(wv, ev, xv, acc, val, tab, kr, kw1, sh, scr, lane, base, lim, limu):
             """The mma of the set's `u` steps (step s: rows kr + 2s at A/B position t, kr + 2s + 1
             at t + 4); lim[0] = max |v| (NaN if any), limu[0] = min over v of (|v| bits - 1) as
             u32 (0 wraps above every nonzero |v|)."""
@@ -182,8 +183,8 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None):
                     ok0 = kr + int64(2 * s) < kw1
                     ok1 = kr + int64(2 * s + 1) < kw1
                 for c in range(gw):
-                    e0 = two_level_e(g2, ev[c * R + 2 * s])  # g2 = 1 for one-level scales: exact
-                    e1 = two_level_e(g2, ev[c * R + 2 * s + 1])
+                    e0 = ev[c * R + 2 * s]  # effective scales (`slot_scales`)
+                    e1 = ev[c * R + 2 * s + 1]
                     w0 = wv[(s * 2) * gw + c]
                     w1 = wv[(s * 2 + 1) * gw + c]
                     if masked:
@@ -303,19 +304,19 @@ def _tc_kernel(kind: int, mg: int, gw: int = GW, u: int | None = None):
         while st < nfull:  # whole sets, alternating between registers a and b
             if st + int64(1) < nfull:
                 load_full(w32, et, x, wb, eb, xb, k + int64(8 * u), kw1, nwr, wofs, eofs, xofs)
-            compute_full(wa, ea, xa, acc, val, tab, k, kw1, g2, sh, scr, lane, base, lim, limu)
+            compute_full(wa, ea, xa, acc, val, tab, k, kw1, sh, scr, lane, base, lim, limu)
             k += int64(8 * u)
             st += int64(1)
             if st >= nfull:
                 break
             if st + int64(1) < nfull:
                 load_full(w32, et, x, wa, ea, xa, k + int64(8 * u), kw1, nwr, wofs, eofs, xofs)
-            compute_full(wb, eb, xb, acc, val, tab, k, kw1, g2, sh, scr, lane, base, lim, limu)
+            compute_full(wb, eb, xb, acc, val, tab, k, kw1, sh, scr, lane, base, lim, limu)
             k += int64(8 * u)
             st += int64(1)
         while st < nset:  # the rest, rows past kw1 zeroed
             load_masked(w32, et, x, wa, ea, xa, k, kw1, nwr, wofs, eofs, xofs)
-            compute_masked(wa, ea, xa, acc, val, tab, k, kw1, g2, sh, scr, lane, base, lim, limu)
+            compute_masked(wa, ea, xa, acc, val, tab, k, kw1, sh, scr, lane, base, lim, limu)
             k += int64(8 * u)
             st += int64(1)
         bad = not (lim[0] <= huge) or limu[0] < tiny
@@ -385,30 +386,41 @@ def tc_kernel(kind: int, mg: int, gw: int):
 SIG = gemv.SIG[:-1] + ", float32[::1])"  # the GEMV's arguments, then the scales by slot
 
 
-SLOT_SCALES_SIG = "void(float32[::1], float32[::1], int64, int64, int64)"
+SLOT_SCALES_SIG = "void(float32[::1], float32[::1], float32[::1], int64, int64, int64, int64)"
 
 
 @cuda.jit
-def k_slot_scales(scales, et, K, srow, n):
-    """et[s * K + k] = scales[k * srow + s] for the n = max(1, srow) * K entries (grid-stride)."""
+def k_slot_scales(scales, gbuf, et, K, srow, n, two):
+    """et[s * K + k] = two_level_e(g, scales[k * srow + s]) for the n = max(1, srow) * K entries
+    (grid-stride); g = gbuf[0] for two-level scales (`two` != 0), else 1 (exact)."""
+    g = gbuf[0] if two != int64(0) else float32(1.0)
     i = int64(cuda.grid(1))
     step = int64(cuda.gridsize(1))
     while i < n:
         s = i // K
         k = i - s * K
-        et[i] = scales[k * srow + s]
+        et[i] = two_level_e(g, scales[k * srow + s])
         i += step
 
 
-def slot_scales(scales, Q: np.ndarray):
-    """The decoded f32 scales of a [K, N] weight by slot: [slots per row, K] (one row of K for a
-    scale per tensor), so that a lane's scales of consecutive rows are one vector load (the
-    backend keeps it with the weight: 4 bytes per scale slot, as many as the decoded scales)."""
+def slot_scale_args(scales, gbuf, Q: np.ndarray, et=None) -> tuple:
+    """((grid, block), arguments) of `k_slot_scales` for a weight of GEMV geometry Q, writing `et`
+    (None: a new array; the arguments' third)."""
     k_, srow = int(Q[Q_K]), int(Q[Q_N]) >> int(Q[Q_LB])
     n = max(1, srow) * k_
-    et = cuda.device_array(n, dtype=np.float32)
-    k_slot_scales[fast.K.launch(n)](scales, et, k_, srow, n)
-    return et
+    if et is None:
+        et = cuda.device_array(n, dtype=np.float32)
+    return fast.K.launch(n), [scales, gbuf, et, k_, srow, n, int(Q[Q_TWO])]
+
+
+def slot_scales(scales, gbuf, Q: np.ndarray):
+    """The effective f32 scales of a [K, N] weight (SPEC §2.4: `g * s_b` for two-level scales,
+    decoded and global from `scales` and `gbuf`) by slot: [slots per row, K] (one row of K for a
+    scale per tensor), so that a lane's scales of consecutive rows are one vector load (the
+    backend keeps it with the weight: 4 bytes per scale slot, as many as the decoded scales)."""
+    cfg, args = slot_scale_args(scales, gbuf, Q)
+    k_slot_scales[cfg](*args)
+    return args[2]
 
 
 def ptx_targets():

@@ -97,7 +97,7 @@ class TensorCoreMatmul:
             kind, Q = c.gemv_geometry
             kern, mb, q, grid, block, part, cnt = tc.buffers(Q, kind, c.m)
             if "tc_scales" not in c.data.cache:
-                c.data.cache["tc_scales"] = tc.slot_scales(c.scales, Q)
+                c.data.cache["tc_scales"] = tc.slot_scales(c.scales, c.gbuf, Q)
             st = _packed(c, kern, mb, q, grid, block, part, cnt, [c.data.cache["tc_scales"]])
         run_packed(st, c.xd, c.out, c.m, c.s)
 
