@@ -98,16 +98,20 @@ CALL_NOTES = """\
 - The kernel columns repeat within a few percent from run to run. The API-call columns add the
   host's Python time per call (docs/gpu.md "Repeat calls") and swing with the lent machine's
   host (the section "GPU: where a call's time goes" below splits a call's time). Three runs of
-  these kernels on lent H200 hosts of different speed on 2026-12-02 put the `q4s/block32:f16`
-  quantize call at 0.78x, 0.77x and 0.90x of copy, `e4m3/block32:f32` quantize at 0.85x, 0.82x
-  and 0.89x and nvfp4 quantize at 0.48x, 0.47x and 0.50x (0.498); torch's own M = 1 fp16 matmul
-  call took 82, 110 and 66 µs on those hosts. A dequantize reads its tensor's invalid-code flag
+  the current code on lent H200 hosts on 2026-12-02 (this one last) put the `q4s/block32:f16`
+  quantize call at 0.78x, 0.83x and 0.91x of copy, `q8s/block32:f16` quantize at 0.79x, 0.84x
+  and 0.89x and nvfp4 quantize at 0.52x, 0.52x and 0.53x; the hosts lent that day spent 13 to
+  45 µs of Python before a quantize call's first launch (benchmarks/gpu_calls.py). A two-pass quantize
+  (nvfp4, per-tensor `q8s`) reads its non-finite flag after the max pass and returns while the
+  codes are written (docs/gpu.md). A dequantize reads its tensor's invalid-code flag
   only at the tensor's first call (docs/spec-choices.md, "Once per tensor on cuda"), so the
   repeated dequantize calls here wait for nothing.
 """
 
 GEMV_CALL_NOTES = """\
-**API call, out=**: `be.matmul(x, w, out=y)` into an existing torch tensor. **host µs**: the
+**API call, out=**: `be.matmul(x, w, out=y)` into an existing torch tensor; the two API-call
+columns and torch's call take turns call by call (45 each, an L2 eviction before each), so a
+slow stretch of the host falls on all three alike. **host µs**: the
 wall time of one call just after a synchronisation while a sleep kernel keeps the GPU busy (no
 launch waits), without and with `out=`; torch's likewise. The shapes and torch take turns in
 four rounds of 50-call runs, so a slow stretch of the host falls on every row alike. **host µs
@@ -351,7 +355,9 @@ A call's cost beyond its kernels is the host's time before the first launch (the
 it) plus, for calls that read a flag, the time from the kernels' end until the host has
 returned and recorded the end event. A dequantize reads no flag once its tensor's codes have
 been checked (its first dequantize; schemes without invalid codes never), so its end event is
-queued behind the kernels. A quantize `out=` into a `QTensor` that a
+queued behind the kernels. A two-pass quantize (nvfp4 here) waits only for its max pass, after
+which its flag is final (docs/gpu.md), so its wait ends mid-call and its end event is queued
+behind the quantize pass too. A quantize `out=` into a `QTensor` that a
 dequantize or matmul has used also decodes the tensor's scales again (`k_decode_scales`), so
 that the launches it keeps stay valid; the `out=` rows here come before the tensor's first
 dequantize, so they have no such pass.
