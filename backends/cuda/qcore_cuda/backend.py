@@ -506,7 +506,9 @@ class CudaBackend(BaseBackend):
           payload's byte length (`q.nbytes`), which the returned QTensor then uses.
         * `stream=`: the stream to run on (numba, torch or CuPy stream, or a cudaStream_t int);
           by default the current stream of a torch or CuPy `x`, else the default stream. The only
-          wait is for that stream, after a 4-byte read of the non-finite flag.
+          wait is for that stream, then a 4-byte read of the non-finite flag; a two-pass scheme
+          (per tensor, two-level) on the default stream with a float32 x on the device waits
+          for its max pass alone and returns while the codes are written (docs/gpu.md).
         """
         if stream is None and params is None:
             q = _repeat.quantize_again(self, x, scheme, method, out)
