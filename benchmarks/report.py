@@ -97,13 +97,12 @@ CALL_NOTES = """\
   what the later ones do.
 - The kernel columns repeat within a few percent from run to run. The API-call columns add the
   host's Python time per call (docs/gpu.md "Repeat calls") and swing with the lent machine's
-  host (the section "GPU: where a call's time goes" below splits a call's time). Three runs of
-  the current code on lent H200 hosts on 2026-12-02 (this one last) put the `q4s/block32:f16`
-  quantize call at 0.78x, 0.83x and 0.91x of copy, `q8s/block32:f16` quantize at 0.79x, 0.84x
-  and 0.89x and nvfp4 quantize at 0.52x, 0.52x and 0.53x; the hosts lent that day spent 13 to
-  45 µs of Python before a quantize call's first launch (benchmarks/gpu_calls.py). A two-pass quantize
-  (nvfp4, per-tensor `q8s`) reads its non-finite flag after the max pass and returns while the
-  codes are written (docs/gpu.md). A dequantize reads its tensor's invalid-code flag
+  host (the section "GPU: where a call's time goes" below splits a call's time). With these
+  kernels, the lent H200 hosts (13 to 45 µs of Python before a quantize call's first launch,
+  benchmarks/gpu_calls.py) put the `q4s/block32:f16` quantize call between 0.78x and 0.91x of
+  copy, `q8s/block32:f16` quantize between 0.79x and 0.89x and nvfp4 quantize at 0.52-0.53x.
+  A two-pass quantize (nvfp4, per-tensor `q8s`) reads its non-finite flag after the max pass
+  and returns while the codes are written (docs/gpu.md). A dequantize reads its tensor's invalid-code flag
   only at the tensor's first call (docs/spec-choices.md, "Once per tensor on cuda"), so the
   repeated dequantize calls here wait for nothing.
 """
