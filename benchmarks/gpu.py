@@ -65,32 +65,17 @@ def l2_flushes(torch):
 
 
 def _timer(torch, fn, iters, warmup=2, hide_launch=False, flush=None):
-    """Median ms of fn() over iters, CUDA events around each call; `flush()` runs before each
-    call (an L2 eviction, `l2_flushes`). The two events are made (and recorded once) before the
-    loop: torch creates a CUDA event at its first record, which would otherwise land inside the
-    timed span after fn()."""
-    ts = []
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    e.record()
-    for i in range(warmup + iters):
-        if flush is not None:
-            flush()
-        torch.cuda.synchronize()
-        if hide_launch:
-            torch.cuda._sleep(2_000_000)  # ~1 ms: the GPU is busy while the host enqueues
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        if i >= warmup:
-            ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
+    """Median ms of fn() over iters, CUDA events around each call (`_timers_in_turn` of fn alone)."""
+    return _timers_in_turn(torch, {"fn": fn}, iters, warmup, flush, hide_launch)["fn"]
 
 
-def _timers_in_turn(torch, fns: dict, iters, warmup=2, flush=None) -> dict:
-    """`_timer` of each of `fns` (label -> fn), the functions taking turns call by call: a slow
-    stretch of the host falls on each of them alike, so their ratios hold within one run."""
+def _timers_in_turn(torch, fns: dict, iters, warmup=2, flush=None, hide_launch=False) -> dict:
+    """Median ms of each of `fns` (label -> fn) over iters, CUDA events around each call, the
+    functions taking turns call by call: a slow stretch of the host falls on each of them alike,
+    so their ratios hold within one run. `flush()` runs before each call (an L2 eviction,
+    `l2_flushes`); with `hide_launch` a sleep kernel keeps the GPU busy while the host enqueues.
+    The two events are made (and recorded once) before the loop: torch creates a CUDA event at
+    its first record, which would otherwise land inside the timed span after fn()."""
     ts: dict = {k: [] for k in fns}
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
@@ -100,6 +85,8 @@ def _timers_in_turn(torch, fns: dict, iters, warmup=2, flush=None) -> dict:
             if flush is not None:
                 flush()
             torch.cuda.synchronize()
+            if hide_launch:
+                torch.cuda._sleep(2_000_000)  # ~1 ms: the GPU is busy while the host enqueues
             s.record()
             fn()
             e.record()
