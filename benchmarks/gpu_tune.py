@@ -34,16 +34,17 @@ def _time(torch, fn, flush=None):
     return _timer(torch, fn, 15, hide_launch=True, flush=flush)
 
 
-# GEMV variants: (mb, wpt, rows, prefetch, registers, blocks per SM); Q by value as
-# gemv.buffers passes it. M > mb runs ceil(M / mb) launches.
+# GEMV variants: (mb, wpt, rows, prefetch, registers, blocks per SM, block shape as word-columns
+# x k-lanes); Q by value as gemv.buffers passes it. M > mb runs ceil(M / mb) launches.
 GEMV_VARIANTS = {  # the first of each M is the FFMA kernel's default (gemv.config_for, gemv.TUNING)
-    1: [(1, 2, 4, True, 128, 2), (1, 2, 8, True, 128, 2)],
-    2: [(2, 2, 4, True, 128, 2), (2, 1, 4, True, 128, 2)],
-    4: [(4, 1, 4, True, 128, 2)],
-    8: [(8, 1, 4, True, 255, 1), (4, 1, 4, True, 128, 2)],
-    16: [(8, 1, 4, True, 255, 1), (4, 1, 4, True, 128, 2)],
-    5: [(8, 1, 4, True, 255, 1)],  # M = 5 and 12 on the FFMA kernel, against the tensor-core kernel
-    12: [(8, 1, 4, True, 255, 1)],
+    1: [(1, 2, 4, True, 128, 2, (32, 8)), (1, 2, 8, True, 128, 2, (32, 8)), (1, 2, 4, True, 128, 2, (16, 16)),
+        (1, 2, 4, True, 128, 4, (16, 8))],
+    2: [(2, 2, 4, True, 128, 2, (16, 16)), (2, 2, 4, True, 128, 2, (32, 8)), (2, 1, 4, True, 128, 2, (32, 8))],
+    4: [(4, 1, 4, True, 128, 2, (32, 8))],
+    8: [(8, 1, 4, True, 255, 1, (32, 8)), (4, 1, 4, True, 128, 2, (32, 8))],
+    16: [(8, 1, 4, True, 255, 1, (32, 8)), (4, 1, 4, True, 128, 2, (32, 8))],
+    5: [(8, 1, 4, True, 255, 1, (32, 8))],  # M = 5 and 12 on the FFMA kernel, against the tensor-core kernel
+    12: [(8, 1, 4, True, 255, 1, (32, 8))],
 }
 K1024 = {1: GEMV_VARIANTS[1][:1]}
 # tensor-core kernel variants (tc.py): (column groups per block, steps per register set for
@@ -86,27 +87,29 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
         x16, w16 = x.half(), w.half()
         torch_t = _time(torch, lambda: x16 @ w16, flush=flush)
         runs = []
-        if m == 1:
+        if m == 1:  # the default's grid and block
             ke, eo = _empty_kernel(cuda), cuda.device_array(1, dtype=np.float32)
-            runs.append(("empty kernel, same grid", lambda: ke[(16, 16), (32, 8)](eo), None, {}))
-        for mb, wpt, rows, prefetch, regs, per_sm in (vs[:1] if quick else vs):
-            meta = dict(mb=mb, wpt=wpt, rows=rows, prefetch=prefetch, regs=regs, per_sm=per_sm)
+            _, eg, eb = gemv.plan(Q, vs[0][1], vs[0][5], vs[0][2], vs[0][6])
+            runs.append(("empty kernel, same grid", lambda: ke[eg, eb](eo), None, {}))
+        for mb, wpt, rows, prefetch, regs, per_sm, shape in (vs[:1] if quick else vs):
+            meta = dict(mb=mb, wpt=wpt, rows=rows, prefetch=prefetch, regs=regs, per_sm=per_sm, shape=list(shape))
             try:
-                kern = jit_regs(regs)(gemv._gemv_kernel(kind, mb, wpt, True, rows, prefetch))
+                kern = jit_regs(regs)(gemv._gemv_kernel(kind, mb, wpt, True, rows, prefetch, shape))
             except Exception as e:  # a variant that does not compile is reported, not fatal
                 print(json.dumps({"m": m, **meta, "error": str(e)[:300]}), flush=True)
                 continue
-            q, grid, block = gemv.plan(Q, wpt, per_sm, rows)
+            q, grid, block = gemv.plan(Q, wpt, per_sm, rows, shape)
             qd = tuple(int(v) for v in q)
             part = cuda.device_array(int(q[gemv.Q_KS]) * mb * n_, dtype=np.float32)
             cnt = cuda.to_device(np.zeros(grid[0], dtype=np.int32))
             out = cuda.device_array(m * n_, dtype=np.float32)
 
-            def run(kern=kern, grid=grid, qd=qd, part=part, cnt=cnt, out=out, mb=mb):
+            def run(kern=kern, grid=grid, block=block, qd=qd, part=part, cnt=cnt, out=out, mb=mb):
                 for m0 in range(0, m, mb):
                     kern[grid, block](xd, w32, scales, gbuf, pp["lut"], part, cnt, out, qd, m0, min(mb, m - m0))
 
-            runs.append((f"mb{mb} wpt{wpt} rows{rows} {'prefetch' if prefetch else 'plain'} r{regs} x{per_sm}",
+            runs.append((f"mb{mb} wpt{wpt} rows{rows} {'prefetch' if prefetch else 'plain'} r{regs} x{per_sm} "
+                          f"{shape[0]}x{shape[1]}",
                          run, out, dict(meta, grid=list(grid))))
         if variants is None and m in TC_M and tc.geometry(data.shape, data.scheme) is not None:
             et = tc.slot_scales(scales, gbuf, Q)

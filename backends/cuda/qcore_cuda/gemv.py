@@ -4,11 +4,13 @@ Eligible (`geometry()`): a 2-D weight [K, N] on the fast layout (`fast.geometry`
 N, per-tensor or power-of-two blocks along N) whose blocks span at least one u32 word of
 codes (`B >= 32 / bits`), so a word's fields share one scale.
 
-Block = 32 word-columns x 8 k-lanes (256 threads); grid = (word-columns / 32 / wpt, KS
-k-splits), one wave of `tuning(mb).per_sm` blocks per SM. Thread (tx, ty) owns the columns of
-`wpt` consecutive u32 words (`WPT` = 2 at M <= 2: one 8-byte load per row, a warp reads 256
-contiguous bytes) and the rows `k0 + ty + 8j` of its block's k-range. Per row: its words, its
-f32 scale(s) and x, each word decoded once and used for up to `mb` rows of x. Rows go in steps
+Block = BDX word-columns x BDY k-lanes (256 threads; `tuning(mb).shape`: 16 x 16 at mb = 2,
+32 x 8 otherwise); grid = (word-columns / BDX / wpt, KS k-splits), one wave of
+`tuning(mb).per_sm` blocks per SM. Thread (tx, ty) owns the columns of `wpt` consecutive u32
+words (`WPT` = 2 at M <= 2: one 8-byte load per row, so a warp reads two rows of 128
+contiguous bytes at 16 x 16, one row of 256 at 32 x 8) and the rows `k0 + ty + BDY j` of its
+block's k-range. Per row: its words, its f32 scale(s) and x, each word decoded once and used
+for up to `mb` rows of x. Rows go in steps
 of `tuning(mb).rows`, with no bounds checks inside a step (the last rows of a thread go one at
 a time); with `PREFETCH` two register sets alternate, so one step's loads are in flight while
 the other step computes. Indices advance by addition.
@@ -20,7 +22,7 @@ weight, but the two sums round apart, so a column of zero codes under a nonzero 
 to a few ulps of sum(x e) instead of 0, beyond the conformance bound. `TUNING` holds the choices per mb, the fastest variants of
 `benchmarks/gpu_tune.py` on the H200.
 
-The 8 k-lanes are summed in shared memory (odd stride: no bank conflicts; `RED_CH`
+The BDY k-lanes are summed in shared memory (odd stride: no bank conflicts; `RED_CH`
 accumulators per pass), each block writes its partial sums to `part[KS, mb, N]`, and the last
 block of a column-block to finish (a counter per column-block, after a fence) adds the KS
 partials in split order, with up to `RED_LOADS` loads per thread in flight: the result does not
@@ -47,7 +49,7 @@ from .intrin import ld1, ld2, ld4, ldcg_f32
 
 from numba import config, cuda, float32, int32, int64, uint32  # noqa: E402
 
-BDX, BDY = 32, 8
+BDX, BDY = 32, 8  # the default block shape, word-columns x k-lanes (`Tuning.shape`)
 PREFETCH = True  # two register sets: one step's loads in flight while the other step computes
 WPT = 2  # u32 words per thread and row at M <= 2 (one 8-byte load)
 MB_WIDE = 8  # rows of x per launch for M > 4 (4-bit codes): 64 accumulators per thread
@@ -59,9 +61,16 @@ class Tuning(NamedTuple):
     rows: int  # rows of w per step (their loads are issued together)
     regs: int  # register cap per thread
     per_sm: int  # resident 256-thread blocks per SM the grid is sized for (128 registers allow 2)
+    shape: tuple[int, int] = (BDX, BDY)  # word-columns x k-lanes per block (256 threads)
 
 
-TUNING = {4: Tuning(4, 128, 2), MB_WIDE: Tuning(4, 255, 1)}  # 64 accumulators need the whole register file
+TUNING = {
+    1: Tuning(4, 128, 2),
+    # M = 2: 16 x 16 blocks halve the k-splits (8 for 8192 x 8192 4-bit codes) against 32 x 8
+    2: Tuning(4, 128, 2, (16, 16)),
+    4: Tuning(4, 128, 2),
+    MB_WIDE: Tuning(4, 255, 1),  # 64 accumulators need the whole register file
+}
 
 
 def tuning(mb: int) -> Tuning:
@@ -114,12 +123,14 @@ def config_for(kind: int, m: int, Q: np.ndarray) -> tuple[int, int, bool]:
     return mb, wpt, int(Q[Q_BLOCK]) >= wpt * pw
 
 
-def plan(Q: np.ndarray, wpt: int = 1, per_sm: int = TUNING[4].per_sm,
-         rows: int = TUNING[4].rows) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
-    """(Q with KS/RPB, grid, block): one wave of resident 256-thread blocks (`per_sm` per SM)."""
-    gx = -(-int(Q[Q_NWR]) // (BDX * wpt))
-    q = k_split(Q, gx, per_sm, BDY * rows * 2, 16, BDY)
-    return q, (gx, int(q[Q_KS])), (BDX, BDY)
+def plan(Q: np.ndarray, wpt: int = 1, per_sm: int = TUNING[4].per_sm, rows: int = TUNING[4].rows,
+         shape: tuple[int, int] = (BDX, BDY)) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
+    """(Q with KS/RPB, grid, block): one wave of resident blocks of `shape` (word-columns x
+    k-lanes), `per_sm` per SM."""
+    bdx, bdy = shape
+    gx = -(-int(Q[Q_NWR]) // (bdx * wpt))
+    q = k_split(Q, gx, per_sm, bdy * rows * 2, 16, bdy)
+    return q, (gx, int(q[Q_KS])), (bdx, bdy)
 
 
 def k_split(Q: np.ndarray, gx: int, per_sm: int, min_rows: int, sim_rows: int, align: int) -> np.ndarray:
@@ -138,12 +149,14 @@ def k_split(Q: np.ndarray, gx: int, per_sm: int, min_rows: int, sim_rows: int, a
 
 
 def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, rows: int | None = None,
-                 prefetch: bool = PREFETCH):
+                 prefetch: bool = PREFETCH, shape: tuple[int, int] | None = None):
     """The GEMV kernel for value kind `kind`, `mb` rows of x per launch, `wpt` u32 words per
     thread and row (`one_scale`: under one scale slot, else one slot per word), `rows` rows per
-    step, and (`prefetch`) two register sets that alternate: one step's loads are in flight while
-    the other step computes."""
+    step, (`prefetch`) two register sets that alternate: one step's loads are in flight while
+    the other step computes, and blocks of `shape` (word-columns x k-lanes; both default to
+    `tuning(mb)`'s)."""
     rows = rows or tuning(mb).rows
+    BDX, BDY = shape or tuning(mb).shape  # this variant's block, under the module text's names
     bits = fast.KIND_BITS[kind]
     pw = 32 // bits
     cpt = pw * wpt  # columns per thread
@@ -260,7 +273,7 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
         cuda.syncthreads()
         k = kb0 + ty
         if wcol < nwr and k < kb1:
-            nrow = (kb1 - k + int64(BDY - 1)) // int64(BDY)  # this thread's rows: k, k + 8, ...
+            nrow = (kb1 - k + int64(BDY - 1)) // int64(BDY)  # this thread's rows: k, k + BDY, ...
             nstep = nrow // int64(rows)
             dw = int64(BDY) * nwr
             ds = int64(BDY) * srow
@@ -385,7 +398,7 @@ def buffers(Q: np.ndarray, kind: int, m: int):
     part holds the largest launch's partial sums, cnt the zeroed column-block counters."""
     mb, wpt, one = config_for(kind, m, Q)
     t = tuning(mb)
-    q, grid, block = plan(Q, wpt, t.per_sm, t.rows)
+    q, grid, block = plan(Q, wpt, t.per_sm, t.rows, t.shape)
     part = cuda.device_array(max(1, int(q[Q_KS]) * mb * int(q[Q_N])), dtype=np.float32)
     cnt = cuda.to_device(np.zeros(grid[0], dtype=np.int32))
     return gemv_kernel(kind, mb, wpt, one), mb, tuple(int(v) for v in q), grid, block, part, cnt
