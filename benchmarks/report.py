@@ -100,7 +100,8 @@ CALL_NOTES = """\
   host (the section "GPU: where a call's time goes" below splits a call's time). With these
   kernels, the lent H200 hosts (13 to 45 µs of Python before a quantize call's first launch,
   benchmarks/gpu_calls.py) put the `q4s/block32:f16` quantize call between 0.78x and 0.91x of
-  copy, `q8s/block32:f16` quantize between 0.79x and 0.89x and nvfp4 quantize at 0.52-0.53x.
+  copy, `q8s/block32:f16` quantize between 0.79x and 0.91x, `e4m3/block32:f32` quantize
+  between 0.85x and 0.90x and nvfp4 quantize at 0.50-0.53x.
   A two-pass quantize (nvfp4, per-tensor `q8s`) reads its non-finite flag after the max pass
   and returns while the codes are written (docs/gpu.md). A dequantize reads its tensor's invalid-code flag
   only at the tensor's first call (docs/spec-choices.md, "Once per tensor on cuda"), so the
@@ -116,8 +117,10 @@ launch waits), without and with `out=`; torch's likewise. The shapes and torch t
 four rounds of 50-call runs, so a slow stretch of the host falls on every row alike. **host µs
 back-to-back**: the wall time per call of 100 calls in a row (a decode step's matmuls), GPU
 kept busy; median of 9. One call after a synchronisation, with the host's caches cold, costs
-qcore's Python path and torch's C++ call alike about 1.3-1.8x their back-to-back time; a call
-timed right after calls of other shapes (no run of its own) costs both 2-5x.
+qcore's Python path and torch's C++ call about 1.3-2.8x their back-to-back time; a call
+timed right after calls of other shapes (no run of its own) costs both 2-5x. Host times swing
+with the lent machine's host: the slowest of M <= 16 one call after a synchronisation has
+ranged from 20.8 µs (torch 20.1) to 40.7 µs (torch 49.3) over the lent H200 hosts.
 """
 
 
