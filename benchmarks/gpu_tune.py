@@ -38,7 +38,9 @@ def _time(torch, fn, flush=None):
 # x k-lanes); Q by value as gemv.buffers passes it. M > mb runs ceil(M / mb) launches.
 GEMV_VARIANTS = {  # the first of each M is the FFMA kernel's default (gemv.config_for, gemv.TUNING)
     1: [(1, 2, 4, True, 128, 2, (32, 8)), (1, 2, 8, True, 128, 2, (32, 8)), (1, 2, 4, True, 128, 2, (16, 16)),
-        (1, 2, 4, True, 128, 4, (16, 8))],
+        (1, 2, 4, True, 128, 4, (16, 8)),
+        # 16-byte loads per thread-row: 4.0 SASS per weight in the main loop against 4.5 (ptxas)
+        (1, 4, 2, True, 128, 2, (32, 8)), (1, 4, 4, True, 128, 2, (32, 8)), (1, 4, 2, True, 128, 2, (16, 16))],
     2: [(2, 2, 4, True, 128, 2, (16, 16)), (2, 2, 4, True, 128, 2, (32, 8)), (2, 1, 4, True, 128, 2, (32, 8))],
     4: [(4, 1, 4, True, 128, 2, (32, 8))],
     8: [(8, 1, 4, True, 255, 1, (32, 8)), (4, 1, 4, True, 128, 2, (32, 8))],

@@ -107,6 +107,28 @@ def _launch_gemv_kernel(backend, qw, kern, grid, block, part, cnt, q, x, m, n_, 
     return out.copy_to_host().reshape(m, n_)
 
 
+@pytest.mark.parametrize("wpt,rows,shape", [(4, 2, (32, 8)), (4, 4, (16, 16))])
+def test_gemv_wide_word_variants(cuda_backend, wpt, rows, shape):
+    """The FFMA kernel with 16-byte loads per thread-row (wpt = 4) at M = 1, a variant
+    `benchmarks/gpu_tune.py` times beside the default: K leaves partial steps under 2 k-splits;
+    the sums are x @ dequantize(w) within the matmul bound."""
+    from qcore_cuda import gemv
+
+    k_, n_ = (230, 64) if SIM else (8000 + 23, 2048)
+    text = "q4s/block32:f16"
+    x = sample_x((1, k_), seed=31, scale=1.0)
+    qw = cuda_backend.from_data(REF.into_data(REF.quantize(sample_x((k_, n_), seed=32), text)))
+    kind, Q = gemv.geometry(qw.data.shape, qw.data.scheme)
+    q, grid, block = gemv.plan(Q, wpt, 2, rows, shape)
+    part = cuda.device_array(int(q[gemv.Q_KS]) * n_, dtype=np.float32)
+    cnt = cuda.to_device(np.zeros(grid[0], dtype=np.int32))
+    kern = cuda.jit(gemv._gemv_kernel(kind, 1, wpt, True, rows, True, shape))
+    got = _launch_gemv_kernel(cuda_backend, qw, kern, grid, block, part, cnt, q, x, 1, n_)
+    W = REF.dequantize(REF.from_data(cuda_backend.into_data(qw))).astype(np.float64)
+    assert grid[1] >= 2 and np.all(np.abs(got - x.astype(np.float64) @ W) <= _matmul_bound(x, W))
+    assert not cnt.copy_to_host().any()
+
+
 def _matmul_bound(x, W):
     """The conformance suite's matmul bound (matmul_rel = 2): 2 K 2**-24 (|x| @ |W|)."""
     return 2 * x.shape[-1] * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ np.abs(W))
