@@ -1,14 +1,16 @@
 """Tuning runs for the cuda backend's fast kernels on a GPU (kernel variants side by side).
 
     NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_tune.py [--out DIR] [--only gemv|dequant] [--quick] [--m 4,8,16]
+        [--iters 15] [--scheme TEXT ...] [--variants 0,1,5]
 
-* GEMV `x[M, 8192] @ w[8192, 8192]`, w in q4s/block32:f16, the FFMA kernel (gemv.py): rows of x per launch (mb), u32
+* GEMV `x[M, 8192] @ w[8192, 8192]`, w in q4s/block32:f16 (or each `--scheme`), the FFMA kernel (gemv.py): rows of x per launch (mb), u32
   words per thread and row (wpt), rows per step, the prefetch pipeline, register cap, blocks
   per SM varied; and for M in `TC_M` the
   tensor-core kernel (tc.py: column groups per block, steps per register set, registers, blocks per
   SM); each variant's result
   checked against x @ dequantize(w) in f64 (largest error over the largest |result|, and over the
-  conformance suite's matmul bound), timed with CUDA events after an L2 flush (as in benchmarks/gpu.py), next to torch's fp16 matmul; then
+  conformance suite's matmul bound), timed with CUDA events after an L2 flush (as in benchmarks/gpu.py), the variants
+  of one M and torch's fp16 matmul taking turns call by call (`--iters` calls each, median); then
   M = 1 with K = 1024 (an eighth of the weight), whose time is mostly the fixed costs.
 * Dequantize of 2**28 elements: units in flight per thread, each checked bit for bit; next to
   the ceilings of its memory traffic: a device-to-device copy, a 1 GiB fill (writes only) and
@@ -26,7 +28,7 @@ import sys
 
 import numpy as np
 
-from gpu import _timer, l2_flushes  # benchmarks/gpu.py (this script's directory is on sys.path)
+from gpu import _timer, _timers_in_turn, l2_flushes  # benchmarks/gpu.py (this script's directory is on sys.path)
 
 
 def _time(torch, fn, flush=None):
@@ -36,10 +38,10 @@ def _time(torch, fn, flush=None):
 
 # GEMV variants: (mb, wpt, rows, prefetch, registers, blocks per SM, block shape as word-columns
 # x k-lanes); Q by value as gemv.buffers passes it. M > mb runs ceil(M / mb) launches.
-GEMV_VARIANTS = {  # the first of each M is the FFMA kernel's default (gemv.config_for, gemv.TUNING)
-    1: [(1, 2, 4, True, 128, 2, (32, 8)), (1, 2, 8, True, 128, 2, (32, 8)), (1, 2, 4, True, 128, 2, (16, 16)),
-        (1, 2, 4, True, 128, 4, (16, 8)),
-        # 16-byte loads per thread-row: 4.0 SASS per weight in the main loop against 4.5 (ptxas)
+GEMV_VARIANTS = {  # the first of each M is the FFMA kernel's default for q4s/block32:f16 (gemv.config_for, gemv.tuning)
+    1: [(1, 2, 8, True, 128, 2, (32, 8)), (1, 2, 4, True, 128, 2, (32, 8)), (1, 2, 8, True, 128, 2, (16, 16)),
+        (1, 2, 4, True, 128, 2, (16, 16)), (1, 2, 4, True, 128, 4, (16, 8)), (1, 2, 8, True, 128, 4, (16, 8)),
+        # 16-byte loads per thread-row: 4.0 SASS per weight in the main loop against 4.5 (ptxas), yet slower
         (1, 4, 2, True, 128, 2, (32, 8)), (1, 4, 4, True, 128, 2, (32, 8)), (1, 4, 2, True, 128, 2, (16, 16))],
     2: [(2, 2, 4, True, 128, 2, (16, 16)), (2, 2, 4, True, 128, 2, (32, 8)), (2, 1, 4, True, 128, 2, (32, 8))],
     4: [(4, 1, 4, True, 128, 2, (32, 8))],
@@ -64,13 +66,14 @@ def _empty_kernel(cuda):
     return k_empty
 
 
-def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quick=False, only_m=None):
-    from qcore_cuda import gemv, tc
+def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quick=False, only_m=None, iters=15,
+              text="q4s/block32:f16", pick=None):
+    from qcore_cuda import fast, gemv, tc
     from qcore_cuda.kernels import jit_regs
 
     torch.manual_seed(0)
     w = torch.randn(k_, n_, device="cuda")
-    qw = be.quantize(cuda.as_cuda_array(w), "q4s/block32:f16")
+    qw = be.quantize(cuda.as_cuda_array(w), text)
     data = qw.data
     scales, gbuf = be._decoded_scales(data)
     pp = be._prepared(data.shape, data.scheme, "minmax")
@@ -81,22 +84,25 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
     ms = variants or {**GEMV_VARIANTS, **{m: GEMV_VARIANTS.get(m, []) for m in TC_M}}
     if only_m:
         ms = {m: v for m, v in ms.items() if m in only_m}
+    if pick is not None:  # these FFMA variants (indices into each M's list) and no tensor-core kernel
+        ms = {m: [v[i] for i in pick if i < len(v)] for m, v in ms.items()}
     for m, vs in sorted(ms.items()):
         x = torch.randn(m, k_, device="cuda")
         xd = cuda.as_cuda_array(x).reshape(m * k_)
         want = x.double() @ wd  # exact to f64, against which every variant's error is shown
         bound = 2 * k_ * 2.0 ** -24 * (x.double().abs() @ wd.abs())  # the conformance suite's matmul bound
         x16, w16 = x.half(), w.half()
-        torch_t = _time(torch, lambda: x16 @ w16, flush=flush)
         runs = []
         if m == 1:  # the default's grid and block
             ke, eo = _empty_kernel(cuda), cuda.device_array(1, dtype=np.float32)
             _, eg, eb = gemv.plan(Q, vs[0][1], vs[0][5], vs[0][2], vs[0][6])
             runs.append(("empty kernel, same grid", lambda: ke[eg, eb](eo), None, {}))
         for mb, wpt, rows, prefetch, regs, per_sm, shape in (vs[:1] if quick else vs):
-            meta = dict(mb=mb, wpt=wpt, rows=rows, prefetch=prefetch, regs=regs, per_sm=per_sm, shape=list(shape))
+            meta = dict(scheme=text, mb=mb, wpt=wpt, rows=rows, prefetch=prefetch, regs=regs, per_sm=per_sm,
+                        shape=list(shape))
+            one = int(Q[gemv.Q_BLOCK]) >= wpt * 32 // fast.KIND_BITS[kind]  # as gemv.config_for decides it
             try:
-                kern = jit_regs(regs)(gemv._gemv_kernel(kind, mb, wpt, True, rows, prefetch, shape))
+                kern = jit_regs(regs)(gemv._gemv_kernel(kind, mb, wpt, one, rows, prefetch, shape))
             except Exception as e:  # a variant that does not compile is reported, not fatal
                 print(json.dumps({"m": m, **meta, "error": str(e)[:300]}), flush=True)
                 continue
@@ -113,7 +119,7 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
             runs.append((f"mb{mb} wpt{wpt} rows{rows} {'prefetch' if prefetch else 'plain'} r{regs} x{per_sm} "
                           f"{shape[0]}x{shape[1]}",
                          run, out, dict(meta, grid=list(grid))))
-        if variants is None and m in TC_M and tc.geometry(data.shape, data.scheme) is not None:
+        if variants is None and pick is None and m in TC_M and tc.geometry(data.shape, data.scheme) is not None:
             et = tc.slot_scales(scales, gbuf, Q)
             for gw, u1, u2, regs, per_sm in (TC_VARIANTS[:1] if quick else TC_VARIANTS):
                 mg = 1 if m <= 8 else 2
@@ -137,6 +143,7 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
 
                 runs.append((f"tensor cores: mg{mg} gw{gw} u{u} r{regs} x{per_sm}", run, out,
                              dict(meta, grid=list(grid))))
+        checked = []
         for name, run, out, meta in runs:
             try:
                 run()
@@ -146,10 +153,16 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
                     got = torch.as_tensor(out.copy_to_host().reshape(m, n_), device="cuda").double()
                     err = float((got - want).abs().max() / want.abs().max())
                     over = float(((got - want).abs() / bound).max())  # <= 1: inside the bound
-                t = _time(torch, run, flush=flush)
             except Exception as e:  # e.g. too many resources for this GPU
                 print(json.dumps({"m": m, "variant": name, "error": str(e)[:300]}), flush=True)
                 continue
+            checked.append((name, run, meta, err, over))
+        # every variant and torch in turn, call by call: a slow stretch falls on all of them alike
+        fns = {"torch fp16": lambda: x16 @ w16, **{name: run for name, run, *_ in checked}}
+        ts = _timers_in_turn(torch, fns, iters, flush=flush, hide_launch=True)
+        torch_t = ts["torch fp16"]
+        for name, run, meta, err, over in checked:
+            t = ts[name]
             r = {"m": m, "k": k_, "n": n_, "variant": name, **meta, "us": round(1e3 * t, 2),
                  "torch_fp16_us": round(1e3 * torch_t, 2), "speedup": round(torch_t / t, 3), "rel_err": err, "err_over_bound": over}
             res["gemv"].append(r)
@@ -205,6 +218,12 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=("gemv", "dequant"), help="run one of the two parts")
     ap.add_argument("--quick", action="store_true", help="each GEMV kernel's default per M only")
     ap.add_argument("--m", type=lambda t: [int(v) for v in t.split(",")], help="these M only (comma-separated)")
+    ap.add_argument("--iters", type=int, default=15, help="timed calls per GEMV variant (median)")
+    ap.add_argument("--scheme", action="append", help="the weight's scheme for the GEMV part (repeatable; "
+                    "default q4s/block32:f16)")
+    ap.add_argument("--variants", type=lambda t: [int(v) for v in t.split(",")],
+                    help="these FFMA variants only (indices into each M's GEMV_VARIANTS, comma-separated), "
+                         "no tensor-core kernel")
     args = ap.parse_args(argv)
     import torch
     from numba import config, cuda
@@ -218,7 +237,9 @@ def main(argv=None) -> int:
     res = {"gemv": [], "dequant": []}
     flush = l2_flushes(torch)[0]
     if args.only != "dequant":
-        tune_gemv(torch, cuda, be, res, flush, quick=args.quick, only_m=args.m)
+        for text in args.scheme or ["q4s/block32:f16"]:
+            tune_gemv(torch, cuda, be, res, flush, quick=args.quick, only_m=args.m, iters=args.iters, text=text,
+                      pick=args.variants)
         tune_gemv(torch, cuda, be, res, flush, k_=1024, variants=K1024)  # 1/8 of the weight: the fixed costs
     if args.only != "gemv":
         tune_dequant(torch, cuda, be, res)

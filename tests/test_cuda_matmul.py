@@ -70,12 +70,14 @@ _GEMV_M2 = [c for c in _GEMV_CASES if not SIM or c[0] in ("q4s/block8:bf16", "q8
 @pytest.mark.parametrize("text,n_,wpt,one,m", [(*c, 1) for c in _GEMV_CASES] + [(*c, 2) for c in _GEMV_M2])
 def test_gemv_paths(cuda_backend, text, n_, wpt, one, m):
     """Every GEMV kernel variant `config_for` picks at M = 1 (words per thread, scale slots per
-    thread-row): K leaves a thread 15 rows (3 steps of 4, both register sets of the prefetch
-    pipeline, and 3 single rows after them) under 2 k-splits; the results equal x @ dequantize(w)
+    thread-row): on the simulator K leaves a thread of the first k-split 19 rows (2 steps of 8
+    at M = 1 for 8-bit codes and 4-bit integers, else 4 steps of 4, so both register sets of
+    the prefetch pipeline, and 3 single rows after them; 10 rows, 2 steps of 4 and 2 single, in
+    the 16 x 16 blocks of 2-bit codes) under 2 k-splits; the results equal x @ dequantize(w)
     to rounding and repeat bit for bit."""
     from qcore_cuda import gemv
 
-    k_ = 230 if SIM else 1000 * 8 + 23
+    k_ = 300 if SIM else 1000 * 8 + 23
     w = sample_x((k_, n_), seed=11)
     x = sample_x((m, k_), seed=12, scale=1.0)
     kind, Q = gemv.geometry((k_, n_), qcore.scheme(text))

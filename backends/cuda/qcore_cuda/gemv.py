@@ -4,14 +4,15 @@ Eligible (`geometry()`): a 2-D weight [K, N] on the fast layout (`fast.geometry`
 N, per-tensor or power-of-two blocks along N) whose blocks span at least one u32 word of
 codes (`B >= 32 / bits`), so a word's fields share one scale.
 
-Block = BDX word-columns x BDY k-lanes (256 threads; `tuning(mb).shape`: 16 x 16 at mb = 2,
-32 x 8 otherwise); grid = (word-columns / BDX / wpt, KS k-splits), one wave of
-`tuning(mb).per_sm` blocks per SM. Thread (tx, ty) owns the columns of `wpt` consecutive u32
+Block = BDX word-columns x BDY k-lanes (256 threads; `tuning(...).shape`: 16 x 16 at mb = 2
+and for 2-bit codes at mb = 1, 32 x 8 otherwise); grid = (word-columns / BDX / wpt, KS k-splits),
+one wave of `tuning(...).per_sm` blocks per SM. Thread (tx, ty) owns the columns of `wpt` consecutive u32
 words (`WPT` = 2 at M <= 2: one 8-byte load per row, so a warp reads two rows of 128
 contiguous bytes at 16 x 16, one row of 256 at 32 x 8) and the rows `k0 + ty + BDY j` of its
 block's k-range. Per row: its words, its f32 scale(s) and x, each word decoded once and used
 for up to `mb` rows of x. Rows go in steps
-of `tuning(mb).rows`, with no bounds checks inside a step (the last rows of a thread go one at
+of `tuning(...).rows` (8 at M = 1 for 8-bit codes and 4-bit integers under one scale slot a
+thread, else 4), with no bounds checks inside a step (the last rows of a thread go one at
 a time); with `PREFETCH` two register sets alternate, so one step's loads are in flight while
 the other step computes. Indices advance by addition.
 
@@ -65,17 +66,28 @@ class Tuning(NamedTuple):
 
 
 TUNING = {
-    1: Tuning(4, 128, 2),
+    # M = 1: 8 rows per step (8-bit codes, 4-bit integers; TUNING_BY_KIND has the others)
+    1: Tuning(8, 128, 2),
     # M = 2: 16 x 16 blocks halve the k-splits (8 for 8192 x 8192 4-bit codes) against 32 x 8
     2: Tuning(4, 128, 2, (16, 16)),
     4: Tuning(4, 128, 2),
     MB_WIDE: Tuning(4, 255, 1),  # 64 accumulators need the whole register file
 }
+# (mb, value kind) where another variant is the fastest: at M = 1 rows of 2-bit codes (32
+# columns a thread) and E2M1 (its decode table) go 4 per step, 2-bit codes in 16 x 16 blocks
+TUNING_BY_KIND = {
+    (1, fast.KIND_I2): Tuning(4, 128, 2, (16, 16)),
+    (1, fast.KIND_E2M1): Tuning(4, 128, 2),
+}
+NARROW_ROWS = 4  # rows per step at most where a thread's words lie under several scale slots (more spill)
 
 
-def tuning(mb: int) -> Tuning:
-    """The choices for `mb` rows of x per launch (the next tabled mb up)."""
-    return TUNING[min(k for k in TUNING if k >= mb)]
+def tuning(mb: int, kind: int | None = None, one_scale: bool = True) -> Tuning:
+    """The choices for `mb` rows of x per launch (the next tabled mb up), for value kind `kind`
+    and (`one_scale`) a thread's words under one scale slot."""
+    mb = min(k for k in TUNING if k >= mb)
+    t = TUNING_BY_KIND.get((mb, kind), TUNING[mb])
+    return t if one_scale or t.rows <= NARROW_ROWS else t._replace(rows=NARROW_ROWS)
 
 
 RED_LOADS = 32  # partial sums in flight per thread in the final reduction
@@ -154,9 +166,9 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
     thread and row (`one_scale`: under one scale slot, else one slot per word), `rows` rows per
     step, (`prefetch`) two register sets that alternate: one step's loads are in flight while
     the other step computes, and blocks of `shape` (word-columns x k-lanes; both default to
-    `tuning(mb)`'s)."""
-    rows = rows or tuning(mb).rows
-    BDX, BDY = shape or tuning(mb).shape  # this variant's block, under the module text's names
+    `tuning(mb, kind, one_scale)`'s)."""
+    rows = rows or tuning(mb, kind, one_scale).rows
+    BDX, BDY = shape or tuning(mb, kind, one_scale).shape  # this variant's block, under the module text's names
     bits = fast.KIND_BITS[kind]
     pw = 32 // bits
     cpt = pw * wpt  # columns per thread
@@ -368,8 +380,8 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
 
 @lru_cache(maxsize=None)
 def gemv_kernel(kind: int, mb: int, wpt: int, one_scale: bool):
-    """The kernel for `config_for`'s choice, under `tuning(mb)`'s register cap."""
-    return fast.K.jit_regs(tuning(mb).regs)(_gemv_kernel(kind, mb, wpt, one_scale))
+    """The kernel for `config_for`'s choice, under `tuning`'s register cap."""
+    return fast.K.jit_regs(tuning(mb, kind, one_scale).regs)(_gemv_kernel(kind, mb, wpt, one_scale))
 
 
 SIG = ("void(float32[::1], uint32[::1], float32[::1], float32[::1], float32[::1], float32[::1], int32[::1], "
@@ -389,7 +401,7 @@ def ptx_targets():
                 cfgs |= {config_for(kind, m, Q) for m in (1, 2, 3, 4, 5, 16)}
         for mb, wpt, one in sorted(cfgs):
             out.append((f"k_gemv[{kind},{mb},{wpt},{int(one)}]", _gemv_kernel(kind, mb, wpt, one), SIG,
-                        tuning(mb).regs))
+                        tuning(mb, kind, one).regs))
     return out
 
 
@@ -397,7 +409,7 @@ def buffers(Q: np.ndarray, kind: int, m: int):
     """(kernel, mb, Q, grid, block, part, cnt) for m rows of x (Q as the kernel's by-value tuple);
     part holds the largest launch's partial sums, cnt the zeroed column-block counters."""
     mb, wpt, one = config_for(kind, m, Q)
-    t = tuning(mb)
+    t = tuning(mb, kind, one)
     q, grid, block = plan(Q, wpt, t.per_sm, t.rows, t.shape)
     part = cuda.device_array(max(1, int(q[Q_KS]) * mb * int(q[Q_N])), dtype=np.float32)
     cnt = cuda.to_device(np.zeros(grid[0], dtype=np.int32))
