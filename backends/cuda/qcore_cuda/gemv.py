@@ -73,13 +73,13 @@ TUNING = {
     4: Tuning(4, 128, 2),
     MB_WIDE: Tuning(4, 255, 1),  # 64 accumulators need the whole register file
 }
-# (mb, value kind) where another variant is the fastest: at M = 1 rows of 2-bit codes (32
-# columns a thread) and E2M1 (its decode table) go 4 per step, 2-bit codes in 16 x 16 blocks
+# (mb, value kind) where another variant is the fastest (`gpu_tune.py --scheme`): at M = 1
+# 2-bit codes and E2M1 go 4 rows per step, 2-bit codes in 16 x 16 blocks
 TUNING_BY_KIND = {
     (1, fast.KIND_I2): Tuning(4, 128, 2, (16, 16)),
     (1, fast.KIND_E2M1): Tuning(4, 128, 2),
 }
-NARROW_ROWS = 4  # rows per step at most where a thread's words lie under several scale slots (more spill)
+NARROW_ROWS = 4  # rows per step at most where a thread's words lie under several scale slots (8 spill there)
 
 
 def tuning(mb: int, kind: int | None = None, one_scale: bool = True) -> Tuning:
