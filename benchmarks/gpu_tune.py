@@ -3,8 +3,8 @@
     NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_tune.py [--out DIR] [--only gemv|dequant] [--quick] [--m 4,8,16]
         [--iters 15] [--scheme TEXT ...] [--variants 0,1,5]
 
-* GEMV `x[M, 8192] @ w[8192, 8192]`, w in q4s/block32:f16 (or each `--scheme`), the FFMA kernel (gemv.py): rows of x per launch (mb), u32
-  words per thread and row (wpt), rows per step, the prefetch pipeline, register cap, blocks
+* GEMV `x[M, 8192] @ w[8192, 8192]`, w in q4s/block32:f16 (or each `--scheme`), the FFMA kernel
+  (gemv.py): rows of x per launch (mb), u32 words per thread and row (wpt), rows per step, the prefetch pipeline, register cap, blocks
   per SM varied; and for M in `TC_M` the
   tensor-core kernel (tc.py: column groups per block, steps per register set, registers, blocks per
   SM); each variant's result

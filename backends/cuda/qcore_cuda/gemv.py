@@ -20,8 +20,9 @@ Decoding (`fast.decoder`): byte permutes under 2**23 for integers, the FP8 conve
 table. Each weight is decoded to its exact code value before the multiply: decoding to an
 offset form and taking the bias off from a sum of x * e at the end saves an instruction per
 weight, but the two sums round apart, so a column of zero codes under a nonzero scale would sum
-to a few ulps of sum(x e) instead of 0, beyond the conformance bound. `TUNING` holds the choices per mb, the fastest variants of
-`benchmarks/gpu_tune.py` on the H200.
+to a few ulps of sum(x e) instead of 0, beyond the conformance bound. `TUNING` holds the
+choices per mb (`TUNING_BY_KIND` per mb and value kind where they differ), the fastest variants
+of `benchmarks/gpu_tune.py` on the H200.
 
 The BDY k-lanes are summed in shared memory (odd stride: no bank conflicts; `RED_CH`
 accumulators per pass), each block writes its partial sums to `part[KS, mb, N]`, and the last
