@@ -4,14 +4,14 @@
         [--iters 15] [--scheme TEXT ...] [--variants 0,1,5]
 
 * GEMV `x[M, 8192] @ w[8192, 8192]`, w in q4s/block32:f16 (or each `--scheme`), the FFMA kernel
-  (gemv.py): rows of x per launch (mb), u32 words per thread and row (wpt), rows per step, the prefetch pipeline, register cap, blocks
-  per SM varied; and for M in `TC_M` the
-  tensor-core kernel (tc.py: column groups per block, steps per register set, registers, blocks per
-  SM); each variant's result
-  checked against x @ dequantize(w) in f64 (largest error over the largest |result|, and over the
-  conformance suite's matmul bound), timed with CUDA events after an L2 flush (as in benchmarks/gpu.py), the variants
-  of one M and torch's fp16 matmul taking turns call by call (`--iters` calls each, median); then
-  M = 1 with K = 1024 (an eighth of the weight), whose time is mostly the fixed costs.
+  (gemv.py): rows of x per launch (mb), u32 words per thread and row (wpt), rows per step, the
+  prefetch pipeline, register cap, blocks per SM varied; and for M in `TC_M` the tensor-core
+  kernel (tc.py: column groups per block, steps per register set, registers, blocks per SM).
+  Each variant's result is checked against x @ dequantize(w) in f64 (largest error over the
+  largest |result|, and over the conformance suite's matmul bound) and timed with CUDA events
+  after an L2 flush (as in benchmarks/gpu.py), the variants of one M and torch's fp16 matmul
+  taking turns call by call (`--iters` calls each, median); then M = 1 with K = 1024 (an eighth
+  of the weight), whose time is mostly the fixed costs.
 * Dequantize of 2**28 elements: units in flight per thread, each checked bit for bit; next to
   the ceilings of its memory traffic: a device-to-device copy, a 1 GiB fill (writes only) and
   torch's int8 -> float32 conversion (the same 1 : 4 mix of reads and writes as int8
