@@ -68,7 +68,7 @@ def _empty_kernel(cuda):
 
 def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quick=False, only_m=None, iters=15,
               text="q4s/block32:f16", pick=None):
-    from qcore_cuda import fast, gemv, tc
+    from qcore_cuda import gemv, tc
     from qcore_cuda.kernels import jit_regs
 
     torch.manual_seed(0)
@@ -100,7 +100,7 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
         for mb, wpt, rows, prefetch, regs, per_sm, shape in (vs[:1] if quick else vs):
             meta = dict(scheme=text, mb=mb, wpt=wpt, rows=rows, prefetch=prefetch, regs=regs, per_sm=per_sm,
                         shape=list(shape))
-            one = int(Q[gemv.Q_BLOCK]) >= wpt * 32 // fast.KIND_BITS[kind]  # as gemv.config_for decides it
+            one = gemv.under_one_scale(kind, wpt, Q)
             try:
                 kern = jit_regs(regs)(gemv._gemv_kernel(kind, mb, wpt, one, rows, prefetch, shape))
             except Exception as e:  # a variant that does not compile is reported, not fatal

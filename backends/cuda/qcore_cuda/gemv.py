@@ -133,7 +133,13 @@ def config_for(kind: int, m: int, Q: np.ndarray) -> tuple[int, int, bool]:
         mb, wpt = MB_WIDE, 1
     else:
         mb, wpt = min(4, 32 // pw, 1 << (m - 1).bit_length()), 1
-    return mb, wpt, int(Q[Q_BLOCK]) >= wpt * pw
+    return mb, wpt, under_one_scale(kind, wpt, Q)
+
+
+def under_one_scale(kind: int, wpt: int, Q: np.ndarray) -> bool:
+    """Whether a thread's `wpt` words of a row lie under one scale slot (blocks of at least
+    `wpt` words)."""
+    return int(Q[Q_BLOCK]) >= wpt * (32 // fast.KIND_BITS[kind])
 
 
 def plan(Q: np.ndarray, wpt: int = 1, per_sm: int = TUNING[4].per_sm, rows: int = TUNING[4].rows,
@@ -168,8 +174,9 @@ def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, row
     step, (`prefetch`) two register sets that alternate: one step's loads are in flight while
     the other step computes, and blocks of `shape` (word-columns x k-lanes; both default to
     `tuning(mb, kind, one_scale)`'s)."""
-    rows = rows or tuning(mb, kind, one_scale).rows
-    BDX, BDY = shape or tuning(mb, kind, one_scale).shape  # this variant's block, under the module text's names
+    t = tuning(mb, kind, one_scale)
+    rows = rows or t.rows
+    BDX, BDY = shape or t.shape  # this variant's block, under the module text's names
     bits = fast.KIND_BITS[kind]
     pw = 32 // bits
     cpt = pw * wpt  # columns per thread
