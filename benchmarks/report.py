@@ -101,7 +101,7 @@ CALL_NOTES = """\
   kernels, the lent H200 hosts (13 to 45 µs of Python before a quantize call's first launch,
   benchmarks/gpu_calls.py) put the `q4s/block32:f16` quantize call between 0.78x and 0.91x of
   copy, `q8s/block32:f16` quantize between 0.79x and 0.91x, `e4m3/block32:f32` quantize
-  between 0.85x and 0.90x and nvfp4 quantize at 0.50-0.53x.
+  between 0.81x and 0.90x and nvfp4 quantize at 0.50-0.53x.
   A two-pass quantize (nvfp4, per-tensor `q8s`) reads its non-finite flag after the max pass
   and returns while the codes are written (docs/gpu.md). A dequantize reads its tensor's invalid-code flag
   only at the tensor's first call (docs/spec-choices.md, "Once per tensor on cuda"), so the
