@@ -340,3 +340,58 @@ def test_repeat_dequantize_into_out(be):
     assert _hits("dequantize out=") == before + 2, "a float16 out= was served as a float32 repeat"
     with pytest.raises(InputError, match="dequantize out="):
         be.dequantize(q, out=cuda.device_array((4, 32), np.float32))
+
+
+@pytest.mark.skipif(SIM, reason="needs a GPU: the simulator takes no torch CUDA tensors")
+def test_repeat_calls_read_torch_tensors_as_pointers(be):
+    """A float32 torch x (and out=) is read as plain pointers (`_array.torch_f32`): repeat
+    quantizes, matmuls and dequantizes give the reference's bytes and the first call's floats,
+    into a new array or an out= of the result's shape or size; a misaligned x takes the whole
+    way and is right; a strided x, an out= of another size or dtype get the whole way's
+    InputError."""
+    torch = pytest.importorskip("torch")
+    from qcore_cuda import _launch
+
+    text = "q4s/block32:f16"
+    x = sample_x((4, 64), seed=49)
+    xt = torch.from_numpy(x).cuda()
+    want = REF.quantize(x, text).to_data().payload
+    be.quantize(xt, text)
+    before, raw = _hits("quantize"), _launch.COUNTS["raw"]
+    assert [be.quantize(xt, text).to_data().payload for _ in range(2)] == [want, want]
+    assert _hits("quantize") == before + 2 and _launch.COUNTS["raw"] >= raw + 2
+    buf = torch.zeros(1 + x.size, device="cuda")
+    buf[1:] = xt.reshape(-1)
+    xm = buf[1:].view(4, 64)  # 4 bytes past a 16-byte boundary
+    before = _hits("quantize")
+    assert be.quantize(xm, text).to_data().payload == want
+    assert _hits("quantize") == before, "a misaligned torch x was served by the fast kernels' repeat"
+    with pytest.raises(InputError, match="C-contiguous"):
+        be.quantize(torch.from_numpy(sample_x((4, 128), seed=50)).cuda()[:, ::2], text)
+
+    rng = np.random.default_rng(51)
+    w = be.quantize(torch.from_numpy(rng.standard_normal((64, 32)).astype(np.float32)).cuda(), text)
+    for m in (1, 4):
+        xmm = torch.from_numpy(rng.standard_normal((m, 64)).astype(np.float32)).cuda()
+        first = be.matmul(xmm, w).torch().clone()
+        before = _hits("matmul")
+        again = be.matmul(xmm, w).torch()
+        out, flat = torch.full((m, 32), float("nan"), device="cuda"), torch.empty(m * 32, device="cuda")
+        assert be.matmul(xmm, w, out=out) is out and be.matmul(xmm, w, out=flat) is flat
+        assert _hits("matmul") == before + 3, f"M={m}: a repeated torch matmul took the whole way"
+        for got in (again, out, flat.view(m, 32)):
+            assert torch.equal(got, first)
+        for bad in (torch.empty(m, 16, device="cuda"), torch.empty(m, 32, device="cuda", dtype=torch.float16)):
+            with pytest.raises(InputError, match="matmul out="):
+                be.matmul(xmm, w, out=bad)
+
+    q = be.quantize(xt, text)
+    want_y = torch.from_numpy(REF.dequantize(REF.quantize(x, text))).cuda()
+    out = torch.empty(4, 64, device="cuda")
+    be.dequantize(q, out=out)
+    before = _hits("dequantize out=")
+    for into in (torch.full((4, 64), float("nan"), device="cuda"), torch.empty(256, device="cuda")):
+        assert be.dequantize(q, out=into) is into and torch.equal(into.view(4, 64), want_y)
+    assert _hits("dequantize out=") == before + 2, "a repeated dequantize into a torch out= took the whole way"
+    with pytest.raises(InputError, match="dequantize out="):
+        be.dequantize(q, out=torch.empty(4, 32, device="cuda"))

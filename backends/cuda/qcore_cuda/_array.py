@@ -315,6 +315,24 @@ def _torch_view(x: Any) -> DevView | None:
     return DevView(x.data_ptr(), tuple(x.shape), dt, x)
 
 
+_TORCH_F32: list = []  # [torch.Tensor, torch.float32] once torch is imported (on a GPU)
+
+
+def torch_f32(x: Any) -> tuple | None:
+    """(data pointer, shape, device index) of a C-contiguous float32 torch CUDA tensor (of the
+    class itself, not a subclass), else None: what a repeat call (`_repeat`) needs of such an
+    input or output, read without a DevView. The shape is torch's `Size`, a tuple."""
+    t = _TORCH_F32
+    if not t:
+        torch = sys.modules.get("torch")
+        if torch is None or _simulated():
+            return None
+        t.extend((torch.Tensor, torch.float32))
+    if type(x) is not t[0] or x.dtype is not t[1] or not x.is_cuda or not x.is_contiguous():
+        return None
+    return x.data_ptr(), x.shape, x.get_device()
+
+
 def view_of(x: Any) -> DevView | None:
     """A DevView of a C-contiguous device array (torch, CuPy, numba, anything with
     `__cuda_array_interface__`), None for host data; InputError for a strided device array."""

@@ -130,6 +130,7 @@ class Packed:
         self._state: Any = None  # None: not packed yet; False: dispatcher only; else the packed launch
         self._lock = threading.Lock()  # threads sharing a tensor: one swap-and-launch at a time
         self._raw: _RawLaunch | None = None  # the packed list as a C argument array, once packed
+        self._raw_pos: tuple = ()  # where each dynamic value goes in it
 
     @property
     def packed(self) -> bool:
@@ -163,6 +164,7 @@ class Packed:
                     self._state = self._pack(args) if _enabled() else False
                     if self._state:
                         self._raw = _RawLaunch.build(self._state[3], self._grid, self._block, self._state[4])
+                        self._raw_pos = tuple(pos for _, _, pos, _ in self._swaps)
                 elif self._state is False or not self._swap(values):
                     COUNTS["dispatcher"] += 1
                     with quiet():
@@ -176,6 +178,30 @@ class Packed:
             finally:
                 for i in passed:  # hold no reference to the caller's arrays (a 1 GiB output, say)
                     args[i] = None
+
+    @property
+    def raw_packed(self) -> bool:
+        """Whether `launch_values` can launch (the packed list is held as a C argument array)."""
+        return self._raw is not None
+
+    def launch_values(self, values: Sequence[int], handle: int) -> bool:
+        """Launch with plain values at the first dynamic positions (an array's device pointer as
+        an int, an int for an integer) on the stream with raw `handle`, without the checks
+        `__call__` makes: for callers whose arrays have the packed dtype and length by
+        construction (a repeat call, whose key fixes them). False, with nothing launched, where
+        the list is not packed as a C array or the driver refuses it; the caller then takes
+        `__call__` with views."""
+        raw = self._raw
+        if raw is None:
+            return False
+        with self._lock:
+            vals = raw._values
+            for pos, v in zip(self._raw_pos, values):
+                vals[pos].value = v
+            if not raw(handle):
+                return False
+        COUNTS["raw"] += 1
+        return True
 
     # ------------------------------------------------------------------ packing
     def _pack(self, args: list) -> Any:

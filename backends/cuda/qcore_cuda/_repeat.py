@@ -14,6 +14,11 @@ launches the same packed kernels and reads the flag (a dequantize only until one
 found the tensor's codes valid: `CudaData.codes_checked`); anything else (another dtype, a misaligned
 x, `params=`, `stream=`, an `out=` of another kind, a failed allocation) takes the whole way,
 which raises what it should.
+
+A float32 torch CUDA tensor, as x or as a float32 out=, is read through `_array.torch_f32` (its
+pointer, shape and device, a few of torch's C attributes) rather than the generic `view_of`, and
+a repeat matmul with such an x launches with plain pointers (`Packed.launch_values`), the
+dtypes and lengths being fixed by the key (docs/gpu.md, "Repeat calls").
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from qcore.scheme import QuantScheme
 from . import _array, _streams
 from ._data import CudaData
 from .paths import TAKEN
-from .paths.matmul import packed_takes, run_packed
+from .paths.matmul import packed_takes, run_packed, run_packed_values
 from .paths.quantize import QUANTIZE, FastQuantize, QuantizeCall, run_fast_quantize
 
 __all__ = ["HITS", "QuantizeRepeat", "DequantizeRepeat", "MatmulRepeat", "quantize_again", "remember_quantize",
@@ -78,20 +83,25 @@ class MatmulRepeat:
 def quantize_again(be: Any, x: Any, scheme: Any, method: str, out: Any = None) -> QTensor | None:
     """`be.quantize(x, scheme, method=method, out=out)` for a key a fast call has served, or None
     (the caller then takes the whole way). The launches come first; the result's objects are
-    made while the kernels run."""
-    try:
-        v = _array.view_of(x)
-    except Exception:  # noqa: BLE001 - the whole way raises the proper error
-        return None
-    if v is None or v.dtype != _F32:
-        return None
+    made while the kernels run. A float32 torch x is read without its generic view
+    (`_array.torch_f32`)."""
+    t = _array.torch_f32(x)
+    if t is not None:
+        v = _array.DevView(t[0], t[1], _F32, x)
+    else:
+        try:
+            v = _array.view_of(x)
+        except Exception:  # noqa: BLE001 - the whole way raises the proper error
+            return None
+        if v is None or v.dtype != _F32:
+            return None
     try:
         rep = be._repeats.get((scheme, method, v.nd_shape))
     except TypeError:  # an unhashable scheme or method: the whole way names the mistake
         return None
     if rep is None or not rep.aligned(v):
         return None
-    s = _streams.resolve(None, x)
+    s = _streams.resolve(None, x) if t is None else _streams.from_handle(_streams.torch_handle(t[2]))
     pv = _payload_target(be, out, rep, s)
     if pv is None:
         return None
@@ -188,6 +198,8 @@ def dequantize_again(be: Any, q: Any, out: Any = None) -> Any:
         if out is None:
             s = _streams.DEFAULT
             ov = _array.reserve(rep.shape, _F32, s)
+        elif (ot := _torch_out(out, rep.shape)) is not None:
+            ov, s = ot[0], _streams.from_handle(_streams.torch_handle(ot[1]))
         else:
             s = _streams.resolve(None, out)
             ov = _array.check_out(out, rep.shape, (_F32,), "dequantize")
@@ -219,9 +231,18 @@ def remember_dequantize(be: Any, q: QTensor) -> None:
 
 def matmul_again(be: Any, x: Any, w: Any, out: Any) -> Any:
     """`be.matmul(x, w, out=out)` (the stream x's) for a weight and shape of x whose launch is
-    packed, x float32 on the device and 16-byte aligned; else None."""
+    packed, x float32 on the device and 16-byte aligned; else None. A float32 torch x (and
+    out=) is read as plain pointers (`_matmul_torch`), anything else through its DevView."""
     if type(w) is not QTensor or w.backend is not be or type(w.data) is not CudaData:
         return None
+    t = _array.torch_f32(x)
+    if t is not None:
+        rep = w.data.cache.get(("matmul", t[1]))
+        if rep is None:
+            return None
+        y = _matmul_torch(rep, t, out)
+        if y is not None:
+            return y
     try:
         v = _array.view_of(x)
     except Exception:  # noqa: BLE001
@@ -243,6 +264,47 @@ def matmul_again(be: Any, x: Any, w: Any, out: Any) -> Any:
         res = _array.result(ov, s) if out is None else out
     HITS["matmul"] += 1
     return res
+
+
+def _matmul_torch(rep: MatmulRepeat, t: tuple, out: Any) -> Any:
+    """The packed launch for x read by `_array.torch_f32` (`t`), with plain pointers, into a new
+    result or a float32 torch `out=` of the result's shape or size, on x's torch stream; None
+    where the DevView path must look (a misaligned x, another out=, a launch not held as a C
+    argument array, a failed allocation)."""
+    xptr, _, dev = t
+    if xptr % 16 or not rep.packed[1].raw_packed:
+        return None
+    s = _streams.from_handle(_streams.torch_handle(dev))
+    if out is None:
+        try:
+            ov = _array.reserve(rep.out_shape, _F32, s)
+        except Exception:  # noqa: BLE001 - out of memory: the whole way trims the pool
+            return None
+    else:
+        ot = _torch_out(out, rep.out_shape)
+        if ot is None:
+            return None
+        ov = ot[0]
+    try:
+        ok = run_packed_values(rep.packed, xptr, ov.ptr, rep.m, s.handle)
+    finally:
+        res = _array.result(ov, s) if out is None else out  # (dropped if nothing ran: back to the pool)
+    if not ok:
+        return None
+    HITS["matmul"] += 1
+    return res
+
+
+def _torch_out(out: Any, shape: tuple) -> tuple | None:
+    """(DevView, device index) of a float32 torch `out=` of `shape` or of its element count, read
+    by `_array.torch_f32`; None for anything else (`_array.check_out` looks at it)."""
+    o = _array.torch_f32(out)
+    if o is None:
+        return None
+    n = math.prod(shape)
+    if o[1] != shape and out.numel() != n:
+        return None
+    return _array.DevView(o[0], o[1], _F32, out, None, n), o[2]
 
 
 def remember_matmul(be: Any, x: Any, w: QTensor) -> None:

@@ -101,16 +101,26 @@ def _handle_of(stream: Any) -> int:
                      "leave it out to follow the input's stream")
 
 
+_TORCH_RAW: list = []  # [torch's current-stream handle getter], looked up once
+
+
+def torch_handle(device: int) -> int:
+    """The handle of torch's current stream on CUDA device `device` (the stream a torch input
+    follows), read without a torch Stream object where torch offers that."""
+    if not _TORCH_RAW:
+        torch = sys.modules["torch"]
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _TORCH_RAW.append(raw if raw is not None else lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return int(_TORCH_RAW[0](device))
+
+
 def _follow(x: Any) -> int:
     """The handle of the stream a torch or CuPy input is current on (0 otherwise)."""
     mod = type(x).__module__
     if mod.startswith("torch") and "torch" in sys.modules:
         torch = sys.modules["torch"]
         if isinstance(x, torch.Tensor) and x.is_cuda:
-            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the handle without a Stream object
-            if raw is not None:
-                return int(raw(x.get_device()))
-            return int(torch.cuda.current_stream(x.device).cuda_stream)
+            return torch_handle(x.get_device())
     elif mod.startswith("cupy") and "cupy" in sys.modules:
         return int(sys.modules["cupy"].cuda.get_current_stream().ptr)
     return 0

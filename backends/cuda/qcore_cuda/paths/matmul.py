@@ -11,7 +11,8 @@ from .._array import DevView
 from .._launch import Packed
 from .._streams import on
 
-__all__ = ["MATMUL", "MatmulCall", "TensorCoreMatmul", "GemvMatmul", "GeneralMatmul", "run_packed", "packed_takes"]
+__all__ = ["MATMUL", "MatmulCall", "TensorCoreMatmul", "GemvMatmul", "GeneralMatmul", "run_packed", "run_packed_values",
+           "packed_takes"]
 
 
 @dataclass
@@ -63,6 +64,19 @@ def run_packed(st: tuple, xd: Any, out: Any, m: int, s: Any) -> None:
         return
     for m0 in range(0, m, mb):
         launch(xd, out, m0, min(mb, m - m0), stream=s)
+
+
+def run_packed_values(st: tuple, xptr: int, optr: int, m: int, handle: int) -> bool:
+    """`run_packed` with plain device pointers for x and out (of the packed dtype and length: a
+    repeat call's key fixes them) on the stream with raw `handle`; False when nothing was
+    launched (the launch is not held as a C argument array: `Packed.launch_values`)."""
+    mb, launch = st
+    for m0 in range(0, m, mb):
+        if not launch.launch_values((xptr, optr, m0, min(mb, m - m0)), handle):
+            if m0:
+                raise RuntimeError("the driver refused a GEMV launch after taking the first of the call's launches")
+            return False
+    return True
 
 
 def _packed(c: MatmulCall, kern: Any, mb: int, q: Any, grid: Any, block: Any, part: Any, cnt: Any,
