@@ -89,7 +89,10 @@ def render_cpu(res: dict) -> str:
 
 CALL_NOTES = """\
 - **API call, out=**: the whole call writing into existing memory (`be.quantize(x, s, out=q)`,
-  `be.dequantize(q, out=y)`; x a torch tensor). **first call, new process**: the first quantize
+  `be.dequantize(q, out=y)`; x a torch tensor). The four API calls of a scheme take turns call
+  by call, so each quantize into `q` follows a dequantize of it and also decodes `q`'s cached
+  scales again for its packed dequantize launch (`CudaBackend._refresh_decoded`), one more
+  kernel than the plain call. **first call, new process**: the first quantize
   and dequantize of the scheme in a child process, after CUDA is set up; two children run in
   turn: the first compiles unless numba's disk cache holds the kernels, the second loads them.
   A kernel loaded from the cache skips numba-cuda's set-up of its typing registries
@@ -99,7 +102,7 @@ CALL_NOTES = """\
   host's Python time per call (docs/gpu.md "Repeat calls") and swing with the lent machine's
   host (the section "GPU: where a call's time goes" below splits a call's time). With these
   kernels, the lent H200 hosts (13 to 45 µs of Python before a quantize call's first launch,
-  benchmarks/gpu_calls.py) put the `q4s/block32:f16` quantize call between 0.78x and 0.91x of
+  benchmarks/gpu_calls.py) put the `q4s/block32:f16` quantize call between 0.77x and 0.91x of
   copy, `q8s/block32:f16` quantize between 0.79x and 0.91x, `e4m3/block32:f32` quantize
   between 0.81x and 0.90x and nvfp4 quantize at 0.50-0.53x.
   A two-pass quantize (nvfp4, per-tensor `q8s`) reads its non-finite flag after the max pass
@@ -191,12 +194,22 @@ def _gemv_columns(res: dict) -> list:
     return cols
 
 
+def _timing_counts(res: dict) -> str:
+    """How many calls each median holds and the untimed warm-up before each timing, where the run
+    recorded them."""
+    t = res.get("timing")
+    if not t:
+        return ""
+    return (f"; {t['api_iters']} per API-call column, in {t['api_rounds']} rounds over the schemes, "
+            f"{t['iters']} per kernel and torch column; each timing after {t['warm_s']:g} s of untimed calls")
+
+
 def render_gpu(res: dict) -> str:
     """The GPU (cuda) section from `benchmarks/gpu.py` output."""
     c = res["copy"]["gbs"]
     lines = ["## GPU (cuda backend)", "", _run_line(res["run"]), "",
              f"Input float32 [{res['shape'][0]}, {res['shape'][1]}] on the device; medians of the timed calls "
-             f"(CUDA events). Device-to-device copy: {res['copy']['ms']:.3f} ms = **{c:.0f} GB/s**.", ""]
+             f"(CUDA events{_timing_counts(res)}). Device-to-device copy: {res['copy']['ms']:.3f} ms = **{c:.0f} GB/s**.", ""]
     lines += _table(_op_columns(res), [(r, op) for r in res["rows"] for op in ("q", "dq")])
     notes = GPU_NOTES + (CALL_NOTES if _has_calls(res, "rows", "q_api_out_gbs") else "")
     lines += ["", notes, "### Fused matmul", "",
