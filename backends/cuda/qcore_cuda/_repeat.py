@@ -35,7 +35,7 @@ from qcore.scheme import QuantScheme
 from . import _array, _streams
 from ._data import CudaData
 from .paths import TAKEN
-from .paths.matmul import packed_takes, run_packed, run_packed_values
+from .paths.matmul import packed_aligned, packed_takes, run_packed, run_packed_values
 from .paths.quantize import QUANTIZE, FastQuantize, QuantizeCall, run_fast_quantize
 
 __all__ = ["HITS", "QuantizeRepeat", "DequantizeRepeat", "MatmulRepeat", "quantize_again", "remember_quantize",
@@ -101,7 +101,7 @@ def quantize_again(be: Any, x: Any, scheme: Any, method: str, out: Any = None) -
         return None
     if rep is None or not rep.aligned(v):
         return None
-    s = _streams.resolve(None, x) if t is None else _streams.from_handle(_streams.torch_handle(t[2]))
+    s = _streams.resolve(None, x) if t is None else _streams.torch_stream(t[2])
     pv = _payload_target(be, out, rep, s)
     if pv is None:
         return None
@@ -199,7 +199,7 @@ def dequantize_again(be: Any, q: Any, out: Any = None) -> Any:
             s = _streams.DEFAULT
             ov = _array.reserve(rep.shape, _F32, s)
         elif (ot := _torch_out(out, rep.shape)) is not None:
-            ov, s = ot[0], _streams.from_handle(_streams.torch_handle(ot[1]))
+            ov, s = ot[0], _streams.torch_stream(ot[1])
         else:
             s = _streams.resolve(None, out)
             ov = _array.check_out(out, rep.shape, (_F32,), "dequantize")
@@ -272,9 +272,9 @@ def _matmul_torch(rep: MatmulRepeat, t: tuple, out: Any) -> Any:
     where the DevView path must look (a misaligned x, another out=, a launch not held as a C
     argument array, a failed allocation)."""
     xptr, _, dev = t
-    if xptr % 16 or not rep.packed[1].raw_packed:
+    if not packed_aligned(xptr) or not rep.packed[1].raw_packed:
         return None
-    s = _streams.from_handle(_streams.torch_handle(dev))
+    s = _streams.torch_stream(dev)
     if out is None:
         try:
             ov = _array.reserve(rep.out_shape, _F32, s)

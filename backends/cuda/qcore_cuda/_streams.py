@@ -114,6 +114,11 @@ def torch_handle(device: int) -> int:
     return int(_TORCH_RAW[0](device))
 
 
+def torch_stream(device: int) -> Any:
+    """The StreamRef of torch's current stream on CUDA device `device` (`torch_handle`)."""
+    return from_handle(torch_handle(device))
+
+
 def _follow(x: Any) -> int:
     """The handle of the stream a torch or CuPy input is current on (0 otherwise)."""
     mod = type(x).__module__

@@ -12,7 +12,7 @@ from .._launch import Packed
 from .._streams import on
 
 __all__ = ["MATMUL", "MatmulCall", "TensorCoreMatmul", "GemvMatmul", "GeneralMatmul", "run_packed", "run_packed_values",
-           "packed_takes"]
+           "packed_aligned", "packed_takes"]
 
 
 @dataclass
@@ -50,10 +50,16 @@ class MatmulCall:
         return self.gemv_geometry is not None and fast.aligned(self.xd)
 
 
+def packed_aligned(ptr: int) -> bool:
+    """Whether x's data at `ptr` suits a packed GEMV or tensor-core launch: on a 16-byte boundary
+    (the kernels' vector loads)."""
+    return ptr % 16 == 0
+
+
 def packed_takes(xd: Any) -> bool:
     """Whether a packed GEMV or tensor-core launch takes x as it is: the backend's own view of
-    it (`DevView`), starting on a 16-byte boundary (the kernels' vector loads)."""
-    return type(xd) is DevView and xd.ptr % 16 == 0
+    it (`DevView`), `packed_aligned`."""
+    return type(xd) is DevView and packed_aligned(xd.ptr)
 
 
 def run_packed(st: tuple, xd: Any, out: Any, m: int, s: Any) -> None:
