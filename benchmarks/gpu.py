@@ -340,9 +340,9 @@ def main(argv=None) -> int:
     del api_fns
     for row in res["rows"]:
         row.update({k: statistics.median(v) for k, v in api_samples[row["scheme"]].items()})
-        qb = dqb = 4 * n + row["payload_bytes"]
+        moved = 4 * n + row["payload_bytes"]  # x and the payload, read one way and written the other
         for k in [k for k in row if k.startswith(("q_", "dq_")) and not k.endswith("_gbs")]:
-            row[k + "_gbs"] = (qb if k.startswith("q_") else dqb) / row[k] / 1e6
+            row[k + "_gbs"] = moved / row[k] / 1e6
         print(json.dumps(row), flush=True)
 
     # fused GEMV / small-M matmul
