@@ -127,3 +127,13 @@ def assert_same_floats(got: np.ndarray, want: np.ndarray, what: str) -> None:
         i = int(bad[0])
         pytest.fail(f"{what}: {bad.size} of {g.size} values differ; first at flat index {i}: "
                     f"cuda {g[i]!r} (0x{int(g.view(ub)[i]):x}), reference {w[i]!r} (0x{int(w.view(ub)[i]):x})")
+
+
+def assert_f32_sums(got, want, bound, what) -> None:
+    """A matmul result against the f32 rounding of the f64 sum `want`: NaN and infinity where it
+    has them (the same infinities), elsewhere within `bound` (the conformance suite's)."""
+    fin = np.isfinite(want)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)])
+    assert np.all(np.abs(got[fin] - want[fin]) <= bound[fin]), what

@@ -563,7 +563,7 @@ class CudaBackend(BaseBackend):
             data = twin
         if "scales" not in data.cache:
             return
-        key = ("refresh", "tc_scales" in data.cache)
+        key = ("refresh", "tc_scales" in data.cache, "frag" in data.cache)
         launches = data.cache.get(key)
         if launches is None:
             launches = data.cache[key] = self._refresh_launches(data)
@@ -572,7 +572,8 @@ class CudaBackend(BaseBackend):
 
     def _refresh_launches(self, data: CudaData) -> tuple:
         """The packed launches that decode `data`'s scales into its cached arrays: the decoded
-        scales (and global), then the tensor-core kernels' per-slot scales where it has them."""
+        scales (and global), then the tensor-core kernels' per-slot scales and the fragment
+        GEMV's copy where it has them."""
         K = _k()
         pp = self._prepared(data.shape, data.scheme, "minmax")
         scales, gbuf = data.cache["scales"]
@@ -584,6 +585,14 @@ class CudaBackend(BaseBackend):
 
             (grid, block), args = tc.slot_scale_args(scales, gbuf, data.cache["gemv"][1], et)
             launches.append(Packed(tc.k_slot_scales, grid, block, args, dynamic=()))
+        fc = data.cache.get("frag")
+        if fc is not None:  # the fragment GEMV's copy of the codes and scales, packed again
+            from . import frag
+
+            w32 = data.payload[: pp["plan"].values_nbytes].view(np.uint32)
+            for (grid, block), kern, args in frag.pack_launches(w32, scales, gbuf, data.cache["gemv"][1],
+                                                                frag.half_scales(data.scheme), pp["plan"].nslots, fc):
+                launches.append(Packed(kern, grid, block, args, dynamic=()))
         return tuple(launches)
 
     # ------------------------------------------------------------------ dequantize

@@ -32,6 +32,18 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
   the fragments through `scr[base : base + 192]` (a shared f32 array, one slot per warp) with
   two block barriers, so under the simulator every thread of the block must call it the same
   number of times; the GPU ignores `scr`, `lane` and `base`.
+* `mma_bf16(a0..a3, b0, b1, c0..c3, scr, lane, base)`: one warp-wide
+  `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`; each A and B register holds two bf16
+  (the lower k in the low half): lane (g, t) holds A[g][2t..2t+1], A[g+8][2t..2t+1],
+  A[g][2t+8..2t+9], A[g+8][2t+8..2t+9] (16 x 16), B[2t..2t+1][g], B[2t+8..2t+9][g] (16 x 8),
+  and C as in `mma_tf32`. The simulator's twin exchanges the fragments through
+  `scr[base : base + 384]`, with the same rule for the block's threads.
+* `code4_bf16x2(w)`: the 4-bit fields at bits 0-3 and 16-19 of `w`, stored offset by 8 (`c + 8`),
+  as the bf16 pair (c_lo, c_hi) with c_lo in the low half: a `lop3` under the bf16 bits of 128
+  and one `fma.rn.bf16x2` (exact).
+* `bf16x2_rn(hi, lo)`: two f32 rounded to nearest-even bf16, `hi` in the upper half
+  (`cvt.rn.bf16x2.f32`); the caller passes finite values below bf16's largest.
+* `f16x2_f32(u)`: the two f16 of `u` as f32 (low half first), exact.
 """
 from __future__ import annotations
 
@@ -155,6 +167,45 @@ if config.ENABLE_CUDASIM:
         out = []
         for r, n, c in ((g, 2 * t, c0), (g, 2 * t + 1, c1), (g + 8, 2 * t, c2), (g + 8, 2 * t + 1, c3)):
             s = float(c) + sum(float(scr[b + r * 8 + k]) * float(scr[b + 128 + k * 8 + n]) for k in range(8))
+            out.append(np.float32(s))
+        _cuda_sim.syncthreads()
+        return out[0], out[1], out[2], out[3]
+
+
+    def _bf16_bits(v):
+        u = int(np.float32(v).view(np.uint32))
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+    def _bf16_value(b):
+        return float(np.uint32((int(b) & 0xFFFF) << 16).view(np.float32))
+
+    def code4_bf16x2(w):
+        w = int(w)
+        lo, hi = (w & 0xF) - 8, ((w >> 16) & 0xF) - 8
+        return np.uint32(_bf16_bits(hi) << 16 | _bf16_bits(lo))
+
+    def bf16x2_rn(hi, lo):
+        return np.uint32(_bf16_bits(hi) << 16 | _bf16_bits(lo))
+
+    def f16x2_f32(u):
+        u = int(u)
+        return (np.float32(np.uint16(u & 0xFFFF).view(np.float16)),
+                np.float32(np.uint16((u >> 16) & 0xFFFF).view(np.float16)))
+
+    @_cuda_sim.jit(device=True)
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base):
+        g, t = int(lane) >> 2, int(lane) & 3
+        b = int(base)
+        for r, k, v in ((g, 2 * t, a0), (g + 8, 2 * t, a1), (g, 2 * t + 8, a2), (g + 8, 2 * t + 8, a3)):
+            scr[b + r * 16 + k] = _bf16_value(int(v))
+            scr[b + r * 16 + k + 1] = _bf16_value(int(v) >> 16)
+        for k, v in ((2 * t, b0), (2 * t + 8, b1)):
+            scr[b + 256 + k * 8 + g] = _bf16_value(int(v))
+            scr[b + 256 + (k + 1) * 8 + g] = _bf16_value(int(v) >> 16)
+        _cuda_sim.syncthreads()
+        out = []
+        for r, n, c in ((g, 2 * t, c0), (g, 2 * t + 1, c1), (g + 8, 2 * t, c2), (g + 8, 2 * t + 1, c3)):
+            s = float(c) + sum(float(scr[b + r * 16 + k]) * float(scr[b + 256 + k * 8 + n]) for k in range(16))
             out.append(np.float32(s))
         _cuda_sim.syncthreads()
         return out[0], out[1], out[2], out[3]
@@ -372,20 +423,61 @@ else:
     def and_xor(typingctx, a, m, c):  # (a & m) ^ c
         return _lop3(0x6A)(typingctx, a, m, c)
 
+    def _mma(shape_types: str, operand):
+        """The typer of a warp's `mma.sync.aligned.<shape_types>` with four 32-bit A registers, two B
+        and four f32 C (`operand`: the numba type of the A and B registers, passed as bits)."""
+        def typer(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base):
+            ret = types.UniTuple(types.float32, 4)
+            sig = ret(*[operand] * 6, *[types.float32] * 4, scr, lane, base)
+
+            def codegen(context, builder, sig, args):
+                st = ir.LiteralStructType([_F32] * 4)
+                f = _asm(st, [_I32] * 6 + [_F32] * 4,
+                         "mma.sync.aligned.%s {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+                         "{$10, $11, $12, $13};" % shape_types, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+                ins = [builder.bitcast(a, _I32) for a in args[:6]] + list(args[6:10])
+                r = builder.call(f, ins)
+                return context.make_tuple(builder, ret, [builder.extract_value(r, k) for k in range(4)])
+
+            return sig, codegen
+
+        return typer
+
     @intrinsic
     def mma_tf32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base):
-        ret = types.UniTuple(types.float32, 4)
-        sig = ret(types.float32, types.float32, types.float32, types.float32, types.float32, types.float32,
-                  types.float32, types.float32, types.float32, types.float32, scr, lane, base)
+        return _mma("m16n8k8.row.col.f32.tf32.tf32.f32", types.float32)(
+            typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base)
+
+    @intrinsic
+    def mma_bf16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base):
+        return _mma("m16n8k16.row.col.f32.bf16.bf16.f32", types.uint32)(
+            typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base)
+
+    @intrinsic
+    def code4_bf16x2(typingctx, w):
+        def codegen(context, builder, sig, args):
+            f = _asm(_I32, [_I32], "{ .reg .b32 t, o, c; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; "
+                     "mov.b32 o, 0x3F803F80; mov.b32 c, 0xC308C308; fma.rn.bf16x2 $0, t, o, c; }", "=r,r")
+            return builder.call(f, [context.cast(builder, args[0], sig.args[0], types.uint32)])
+
+        return types.uint32(w), codegen
+
+    @intrinsic
+    def bf16x2_rn(typingctx, hi, lo):
+        def codegen(context, builder, sig, args):
+            return builder.call(_asm(_I32, [_F32, _F32], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f"), list(args))
+
+        return types.uint32(types.float32, types.float32), codegen
+
+    @intrinsic
+    def f16x2_f32(typingctx, u):
+        ret = types.UniTuple(types.float32, 2)
 
         def codegen(context, builder, sig, args):
-            st = ir.LiteralStructType([_F32] * 4)
-            f = _asm(st, [_I32] * 6 + [_F32] * 4,
-                     "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-                     "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-                     "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-            ins = [builder.bitcast(a, _I32) for a in args[:6]] + list(args[6:10])
-            r = builder.call(f, ins)
-            return context.make_tuple(builder, ret, [builder.extract_value(r, k) for k in range(4)])
+            st = ir.LiteralStructType([_F32, _F32])
+            f = _asm(st, [_I32], "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
+                     "=f,=f,r")
+            r = builder.call(f, [context.cast(builder, args[0], sig.args[0], types.uint32)])
+            return context.make_tuple(builder, ret, [builder.extract_value(r, 0), builder.extract_value(r, 1)])
 
-        return sig, codegen
+        return ret(u), codegen

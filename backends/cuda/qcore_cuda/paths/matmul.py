@@ -11,7 +11,7 @@ from .._array import DevView
 from .._launch import Packed
 from .._streams import on
 
-__all__ = ["MATMUL", "MatmulCall", "TensorCoreMatmul", "GemvMatmul", "GeneralMatmul", "run_packed", "run_packed_values",
+__all__ = ["MATMUL", "MatmulCall", "FragmentGemvMatmul", "TensorCoreMatmul", "GemvMatmul", "GeneralMatmul", "run_packed", "run_packed_values",
            "packed_aligned", "packed_takes"]
 
 
@@ -97,6 +97,35 @@ def _packed(c: MatmulCall, kern: Any, mb: int, q: Any, grid: Any, block: Any, pa
     return st
 
 
+class FragmentGemvMatmul:
+    """frag.py: bf16 mma at M = 1 over a copy of a 4-bit integer weight in fragment order (made
+    once per weight and kept with it; not for a payload in the caller's memory, which the
+    caller may write), x * e split in two (within the f32 accumulation bound); k-split partial
+    sums added in a fixed order, so results repeat bit for bit."""
+
+    name = "fragment-gemv"
+
+    def applies(self, c: MatmulCall) -> bool:
+        from .. import frag
+
+        return (c.m == 1 and c.gemv_ready and frag.enabled() and frag.applies(*c.gemv_geometry)
+                and not c.data.cache.get("caller memory", False))
+
+    def launch(self, c: MatmulCall) -> None:
+        from .. import frag
+
+        st = c.data.cache.get(("gemv", c.m))
+        if st is None:
+            half = frag.half_scales(c.data.scheme)
+            if "frag" not in c.data.cache:
+                pp = c.be._prepared(c.data.shape, c.data.scheme, "minmax")
+                w32 = c.data.payload[: pp["plan"].values_nbytes].view(np.uint32)
+                c.data.cache["frag"] = frag.pack(w32, c.scales, c.gbuf, c.gemv_geometry[1], half, pp["plan"].nslots)
+            kern, mb, q, grid, block, part, cnt = frag.buffers(c.gemv_geometry[1], half)
+            st = _packed(c, kern, mb, q, grid, block, part, cnt, [c.data.cache["frag"]])
+        run_packed(st, c.xd, c.out, c.m, c.s)
+
+
 class TensorCoreMatmul:
     """tc.py: TF32 mma with x * e split in two (within the f32 accumulation bound), from
     M = tc.MIN_M, for weights whose N, blocks and K suit it; k-split partial sums added in a
@@ -175,5 +204,5 @@ class GeneralMatmul:
         on(K.k_matmul, mm["launch"], c.s)(xd, data.payload, mm["p32"], mm["Q"], mm["lut"], c.scales, c.gbuf, out)
 
 
-MATMUL = (TensorCoreMatmul(), GemvMatmul(), GeneralMatmul())
+MATMUL = (FragmentGemvMatmul(), TensorCoreMatmul(), GemvMatmul(), GeneralMatmul())
 """The matmul paths in the order the backend tries them."""

@@ -1,0 +1,185 @@
+"""The `cuda` backend's tensor-core GEMV at M = 1 over a weight's fragment-order copy (frag.py):
+the copy, the kernel within the conformance suite's matmul bound, its range fallback, the copy
+made again after quantize `out=`, and the cases that keep the FFMA GEMV."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import qcore
+from qcore.reference import ReferenceBackend
+
+from tests.cuda_cases import SIM, assert_f32_sums, sample_x
+
+REF = ReferenceBackend()
+from numba import cuda  # noqa: E402  (a module global for kernels defined here: conftest.py set the mode)
+
+# The simulator's mma twin costs two block barriers per call: there the smallest weight the
+# kernel takes (one strip, 16 k-tile pairs in 2 splits); on a GPU several strips, splits and
+# a last block with fewer pairs than the others.
+K_, N_ = (512, 128) if SIM else (8192 + 32 * 5, 1024)
+
+
+def _bound(x, W):
+    """The conformance suite's matmul bound (matmul_rel = 2): 2 K 2**-24 (|x| @ |W|)."""
+    return 2 * x.shape[-1] * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ np.abs(W))
+
+
+def _x(seed, k_=K_):
+    x = sample_x((1, k_), seed=seed, scale=1.0)
+    x.reshape(-1)[2] = 0.25  # (sample_x's 1e-30 would send its block to the FFMA fallback)
+    return x
+
+
+def _taken(be, x, qw):
+    from qcore_cuda import paths
+
+    before = paths.TAKEN["FragmentGemvMatmul"]
+    got = be.to_numpy(be.matmul(x, qw))
+    return got, paths.TAKEN["FragmentGemvMatmul"] - before
+
+
+_TEXTS = ["q4s/block32:f16", "q4f/block64:f32", "q4s/block32:bf16", "q4s/block32:f16/tensor:f32", "q4s",
+          "q4s/block128:ue8m0"]
+# f16 scales with no global make an f16 copy of the scales; the others f32 (bf16, f32, E8M0,
+# a two-level global multiplied in). On the simulator one of each copy (its mma twin costs two
+# block barriers a call; test_fragment_copy_layout packs f16 scales there too).
+_CASES = (["q4s/block32:f16/tensor:f32"] if SIM else _TEXTS)
+
+
+@pytest.mark.parametrize("text", _CASES)
+def test_fragment_gemv(cuda_backend, text):
+    """x[1, K] @ w for 4-bit integer codes under each kind of scale: the backend takes the
+    fragment GEMV, the result lies within the matmul bound of x @ dequantize(w), no block fell
+    back to FFMA, and (on a GPU: the order of the k-split sums is the GPU's) a second call
+    repeats it bit for bit."""
+    from qcore_cuda import frag
+
+    sch = qcore.scheme(text)
+    assert frag.geometry((K_, N_), sch) is not None
+    w = sample_x((K_, N_), seed=41)
+    x = _x(42)
+    qw = cuda_backend.from_data(REF.into_data(REF.quantize(w, text)))
+    got, n = _taken(cuda_backend, x, qw)
+    assert n == 1
+    W = REF.dequantize(REF.quantize(w, text)).astype(np.float64)
+    err = np.abs(got - x.astype(np.float64) @ W)
+    bound = _bound(x, W)
+    assert np.all(err <= bound), f"{int((err > bound).sum())} outputs past the bound, worst {np.max(err / bound):.3g}x"
+    kind, Q = frag.geometry((K_, N_), sch)
+    assert qw.data.cache["frag"].size == frag.copy_words(Q, frag.half_scales(sch))
+    st = qw.data.cache[("gemv", 1)]
+    assert st[1]._disp is frag.frag_kernel(frag.half_scales(sch))
+    assert st[1]._args[6].copy_to_host()[-1] == 0, "fallback flag"
+    if not SIM:
+        again = cuda_backend.to_numpy(cuda_backend.matmul(x, qw))
+        np.testing.assert_array_equal(again.view(np.uint32), got.view(np.uint32))
+
+
+def test_fragment_copy_layout(cuda_backend):
+    """The copy holds, for lane (g, t) of tile i of a chunk (strip, k-tile), the codes of columns
+    16i + g and 16i + g + 8 at rows 4t .. 4t + 3 offset by 8, pair r in bits 4r and 16 + 4r, and
+    after the codes the chunk's effective scales in f16, row-minor per 32-column group."""
+    from qcore_cuda import frag
+
+    k_, n_ = 512, 256
+    text = "q4s/block32:f16"
+    w = sample_x((k_, n_), seed=43)
+    qw = cuda_backend.from_data(REF.into_data(REF.quantize(w, text)))
+    kind, Q = frag.geometry((k_, n_), qcore.scheme(text))
+    scales, gbuf = cuda_backend._decoded_scales(qw.data)
+    pp = cuda_backend._prepared(qw.data.shape, qw.data.scheme, "minmax")
+    w32 = qw.data.payload[: pp["plan"].values_nbytes].view(np.uint32)
+    got = frag.pack(w32, scales, gbuf, Q, True, pp["plan"].nslots).copy_to_host()
+    W = REF.dequantize(REF.quantize(w, text))
+    S = scales.copy_to_host().reshape(k_, n_ // 32)
+    codes = np.rint(W / np.repeat(S, 32, axis=1)).astype(np.int64)
+    cw = frag.chunk_words(True)
+    nkt = k_ // 16
+    rng = np.random.default_rng(0)
+    for c in rng.integers(0, (n_ // 128) * nkt, 6):
+        strip, kt = divmod(int(c), nkt)
+        chunk = got[c * cw:(c + 1) * cw]
+        for o in rng.integers(0, 256, 24):
+            lane, tile = (o & 127) >> 2, (o >> 7) * 4 + (o & 3)
+            g, t = lane >> 2, lane & 3
+            col, k0 = strip * 128 + tile * 16 + g, kt * 16 + 4 * t
+            for r in range(4):
+                for h in range(2):
+                    kk, cc = k0 + h + (2 if r >= 2 else 0), col + (8 if r & 1 else 0)
+                    assert (int(chunk[o]) >> (4 * r + 16 * h)) & 15 == codes[kk, cc] + 8
+        sc = chunk[256:].view(np.float16).astype(np.float32).reshape(4, 16)
+        np.testing.assert_array_equal(sc, S[kt * 16:kt * 16 + 16, strip * 4:strip * 4 + 4].T)
+    # the tail: per block of k_frag_erange, max |e| and min nonzero |e| (bits - 1)
+    tail = got[-2 * frag.RANGE_BLOCKS:].reshape(-1, 2)
+    assert tail[:, 0].max() == np.abs(S).max().view(np.uint32)
+    assert tail[:, 1].min() == np.abs(S[S != 0]).min().view(np.uint32) - 1
+
+
+@pytest.mark.parametrize("case", ["nan"] if SIM else ["tiny", "huge", "nan", "inf"])
+def test_fragment_gemv_range_fallback(cuda_backend, case):
+    """Where x * e leaves [2**-100, 2**100] (subnormal x, huge products, NaN, infinity), the block
+    sums its columns again with FFMA in k order: results within the matmul bound of the f64 sum,
+    NaN and infinity where the f32 sum has them, and the kernel's fallback flag set. (The
+    simulator runs one case: the four share the kernel's one test of v's range.)"""
+    from qcore_cuda import frag
+
+    w = sample_x((K_, N_), seed=44)
+    x = _x(45)
+    if case == "tiny":
+        x = (x * 1e-39).astype(np.float32)
+    elif case == "huge":
+        x = (x * 2.0 ** 110).astype(np.float32)
+    elif case == "nan":
+        x[0, 7] = np.nan
+    else:
+        x[0, K_ - 1] = np.inf
+    text = "q4s/block32:f32"
+    qw = cuda_backend.from_data(REF.into_data(REF.quantize(w, text)))
+    got, n = _taken(cuda_backend, x, qw)
+    assert n == 1
+    st = qw.data.cache[("gemv", 1)]
+    cnt = st[1]._args[6]
+    assert cnt.copy_to_host()[-1] == 1, "fallback flag"
+    got = got.astype(np.float64)
+    W = REF.dequantize(REF.quantize(w, text)).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = (x.astype(np.float64) @ W).astype(np.float32).astype(np.float64)
+        bound = _bound(x, W)
+    assert_f32_sums(got, want, bound, case)
+    assert frag.half_scales(qcore.scheme(text)) is False
+
+
+def test_fragment_copy_follows_quantize_out(cuda_backend):
+    """quantize(out=w) of new weights into a tensor the fragment GEMV has used: the next matmul
+    reads the new codes and scales (the copy is packed again with the decoded scales)."""
+    text = "q4s/block32:f16"
+    x = _x(46)
+    w1, w2 = sample_x((K_, N_), seed=47), sample_x((K_, N_), seed=48, scale=0.5)
+    qw = cuda_backend.quantize(w1, text)
+    _, n = _taken(cuda_backend, x, qw)
+    assert n == 1
+    cuda_backend.quantize(w2, text, out=qw)
+    got = cuda_backend.to_numpy(cuda_backend.matmul(x, qw)).astype(np.float64)
+    W = REF.dequantize(REF.quantize(w2, text)).astype(np.float64)
+    assert np.all(np.abs(got - x.astype(np.float64) @ W) <= _bound(x, W))
+
+
+def test_fragment_gemv_not_taken(cuda_backend, monkeypatch):
+    """The FFMA GEMV keeps: M = 2, 8-bit codes, K below `MIN_K` or not a multiple of 32, N not a
+    multiple of 128, 16-column blocks, and every weight while QCORE_CUDA_FRAGMENT_GEMV=0."""
+    from qcore_cuda import frag
+
+    for shape, text in [((K_, N_), "q8s/block32:f16"), ((256, N_), "q4s/block32:f16"),
+                        ((K_ + 16, N_), "q4s/block32:f16"), ((K_, N_ + 64), "q4s/block32:f16"),
+                        ((K_, N_), "q4s/block16:f16")]:
+        assert frag.geometry(shape, qcore.scheme(text)) is None, (shape, text)
+    w = sample_x((K_, N_), seed=49)
+    qw = cuda_backend.quantize(w, "q4s/block32:f16")
+    x2 = sample_x((2, K_), seed=50, scale=1.0)
+    _, n = _taken(cuda_backend, x2, qw)
+    assert n == 0
+    monkeypatch.setenv(frag.ENV, "0")
+    qw2 = cuda_backend.quantize(w, "q4s/block32:f16")
+    got, n = _taken(cuda_backend, _x(51), qw2)
+    assert n == 0 and "frag" not in qw2.data.cache
