@@ -52,9 +52,11 @@ GPU_NOTES = """\
 """
 
 GEMV_NOTES = """\
-The backend takes the FFMA GEMV kernel (`qcore_cuda/gemv.py`) for M <= 2 and the tensor-core
-kernel (`qcore_cuda/tc.py`, TF32 with `x * e` split in two) from M = 4 where the weight allows
-it; `benchmarks/gpu_tune.py` times their variants side by side. Before each timed call a 512 MiB
+The backend takes the fragment GEMV (`qcore_cuda/frag.py`: bf16 mma over a copy of the weight
+in fragment order, which takes about as much device memory again as the payload) at M = 1 for
+this weight, the FFMA GEMV kernel (`qcore_cuda/gemv.py`) at M = 2 and the tensor-core kernel
+(`qcore_cuda/tc.py`, TF32 with `x * e` split in two) from M = 4 where the weight allows it;
+`benchmarks/gpu_tune.py` times the GEMV and tensor-core variants side by side. Before each timed call a 512 MiB
 read evicts the weight from L2. Every result stays within the conformance suite's matmul bound
 and repeats bit for bit.
 """
@@ -102,9 +104,9 @@ CALL_NOTES = """\
   host's Python time per call (docs/gpu.md "Repeat calls") and swing with the lent machine's
   host (the section "GPU: where a call's time goes" below splits a call's time). With these
   kernels, the lent H200 hosts (13 to 45 µs of Python before a quantize call's first launch,
-  benchmarks/gpu_calls.py) put the `q4s/block32:f16` quantize call between 0.77x and 0.91x of
+  benchmarks/gpu_calls.py) put the `q4s/block32:f16` quantize call between 0.75x and 0.91x of
   copy, `q8s/block32:f16` quantize between 0.79x and 0.91x, `e4m3/block32:f32` quantize
-  between 0.81x and 0.90x and nvfp4 quantize at 0.50-0.53x.
+  between 0.76x and 0.90x and nvfp4 quantize at 0.498-0.53x.
   A two-pass quantize (nvfp4, per-tensor `q8s`) reads its non-finite flag after the max pass
   and returns while the codes are written (docs/gpu.md). A dequantize reads its tensor's invalid-code flag
   only at the tensor's first call (docs/spec-choices.md, "Once per tensor on cuda"), so the
@@ -122,9 +124,9 @@ back-to-back**: the wall time per call of 100 calls in a row (a decode step's ma
 kept busy; median of 9. One call after a synchronisation, with the host's caches cold, costs
 qcore's Python path and torch's C++ call about 1.3-2.8x their back-to-back time; a call
 timed right after calls of other shapes (no run of its own) costs both 2-5x. Host times swing
-with the lent machine's host: over three runs of this command on lent H200 hosts (2026-12-03)
+with the lent machine's host: over five runs of this command on lent H200 hosts (2026-12-03)
 the slowest of M <= 16, one call after a synchronisation, ranges from 18.4 µs (torch 21.9) to
-29.9 µs (torch 25.4).
+43.0 µs (torch 47.9).
 """
 
 

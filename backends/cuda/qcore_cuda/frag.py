@@ -349,15 +349,26 @@ def _frag_kernel(half: bool):
         xi0 = xoff + t * int64(4)
         if nst > int64(0):
             load(frag, x, wa, xa, ea, ci if nreal > int64(0) else ci0, xi if nreal > int64(0) else xi0, lane, g, t)
-        # the block's x range (its rows are in L2: every strip reads them), for the split's check
+        # for the split's check: |e|'s range over the weight (`k_frag_erange`, after the chunks)
+        # and the block's x range (its rows are in L2: every strip reads them), 8 rows a thread
+        # in two vector loads per pass (one pass for up to 8 * nt rows)
+        emax = uint32(0)
+        emin = uint32(0xFFFFFFFF)
+        if tid < int64(RANGE_BLOCKS):
+            emax, emin = ld2(frag, (N // int64(STRIP)) * nkt * int64(tail) + tid * int64(2))
         xmax = float32(0.0)
         xmin = uint32(0xFFFFFFFF)
-        k = p0 * int64(32) + tid
+        k = p0 * int64(32) + tid * int64(8)
         while k < p1 * int64(32):
-            ax = abs(ld1(x, xoff + k))
-            xmax = fmax_nan(xmax, ax)
-            xmin = min(xmin, abs_bits_m1(f2u(ax)))
-            k += int64(nt)
+            a0, a1, a2, a3 = ld4(x, xoff + k)
+            a4, a5, a6, a7 = ld4(x, xoff + k + int64(4))
+            xmax = fmax_nan(xmax, fmax_nan(fmax_nan(fmax_nan(abs(a0), abs(a1)), fmax_nan(abs(a2), abs(a3))),
+                                           fmax_nan(fmax_nan(abs(a4), abs(a5)), fmax_nan(abs(a6), abs(a7)))))
+            xmin = min(xmin, min(min(min(abs_bits_m1(f2u(a0)), abs_bits_m1(f2u(a1))),
+                                     min(abs_bits_m1(f2u(a2)), abs_bits_m1(f2u(a3)))),
+                                 min(min(abs_bits_m1(f2u(a4)), abs_bits_m1(f2u(a5))),
+                                     min(abs_bits_m1(f2u(a6)), abs_bits_m1(f2u(a7))))))
+            k += int64(8 * nt)
         s = int64(0)
         while s < nst:  # pairs alternate between register sets a and b
             if s + int64(1) < nst:
@@ -379,10 +390,9 @@ def _frag_kernel(half: bool):
         cuda.syncthreads()  # (rng initialised)
         cuda.atomic.max(rng, 0, f2u(xmax))
         cuda.atomic.min(rng, 1, xmin)
-        if tid < int64(RANGE_BLOCKS):  # |e|'s range over the weight (`k_frag_erange`)
-            eo = (N // int64(STRIP)) * nkt * int64(tail) + tid * int64(2)
-            cuda.atomic.max(rng, 2, ld1(frag, eo))
-            cuda.atomic.min(rng, 3, ld1(frag, eo + int64(1)))
+        if tid < int64(RANGE_BLOCKS):
+            cuda.atomic.max(rng, 2, emax)
+            cuda.atomic.min(rng, 3, emin)
         # tile i's outputs: lanes t = i // 2 hold C[g][2t] + C[g][2t + 1] (column 16i + g) and
         # C[g + 8][..] (column 16i + g + 8)
         for i in range(8):
