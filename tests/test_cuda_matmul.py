@@ -97,7 +97,7 @@ def _launch_gemv_kernel(backend, qw, kern, grid, block, part, cnt, q, x, m, n_, 
     data = qw.data
     scales, gbuf = backend._decoded_scales(data)
     pp = backend._prepared(data.shape, data.scheme, "minmax")
-    w32 = data.payload[: pp["plan"].values_nbytes].view(np.uint32)
+    w32 = backend._code_words(data)
     out = cuda.device_array(m * n_, dtype=np.float32)
     extra = []
     if tc:

@@ -371,6 +371,11 @@ class CudaBackend(BaseBackend):
                 pp[("RP", mode)] = cuda.to_device(rp)
         return pp
 
+    def _code_words(self, data: CudaData):
+        """A tensor's values section as u32 words: the codes the GEMV-family kernels read."""
+        plan = self._prepared(data.shape, data.scheme, "minmax")["plan"]
+        return data.payload[: plan.values_nbytes].view(np.uint32)
+
     @staticmethod
     def _words(payload, pl):
         """The values section as the kernels' word array: uint32 for PackedU32, else bytes."""
@@ -589,8 +594,7 @@ class CudaBackend(BaseBackend):
         if fc is not None:  # the fragment GEMV's copy of the codes and scales, packed again
             from . import frag
 
-            w32 = data.payload[: pp["plan"].values_nbytes].view(np.uint32)
-            for (grid, block), kern, args in frag.pack_launches(w32, scales, gbuf, data.cache["gemv"][1],
+            for (grid, block), kern, args in frag.pack_launches(self._code_words(data), scales, gbuf, data.cache["gemv"][1],
                                                                 frag.half_scales(data.scheme), pp["plan"].nslots, fc):
                 launches.append(Packed(kern, grid, block, args, dynamic=()))
         return tuple(launches)

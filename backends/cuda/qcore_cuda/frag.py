@@ -246,6 +246,7 @@ def _frag_kernel(half: bool):
     nt = 32 * WARPS
     tiny, huge = float32(TINY), float32(HUGE)
     masked = bool(config.ENABLE_CUDASIM)  # every warp the same steps (the simulator's mma twin)
+    cstep = 2 * cw  # u32 words per pair of k-tiles
     tail = chunk_words(half)  # (the range pairs follow the chunks: `copy_words`)
 
     @cuda.jit(device=True, inline="always")
@@ -289,6 +290,24 @@ def _frag_kernel(half: bool):
                     code4_bf16x2(w), code4_bf16x2(w >> uint32(4)), code4_bf16x2(w >> uint32(8)),
                     code4_bf16x2(w >> uint32(12)), b0, b1, acc[4 * i], acc[4 * i + 1], acc[4 * i + 2],
                     acc[4 * i + 3], scr, lane, base)
+
+    @cuda.jit(device=True, inline="always")
+    def step(frag, x, wn, xn, en, wc, xc, ec, acc, part_b, s, nst, nreal, ci, xi, ci0, xi0, lane, g, t, scr, base):
+        """One step of the pipeline: the next pair's loads into set n (masked: a step past the
+        warp's range reads the strip's first pair), then set c's mma. Returns the next chunk and
+        x indices."""
+        if s + int64(1) < nst:
+            nci, nxi = ci + cstep, xi + int64(32)
+            if masked and s + int64(1) >= nreal:
+                nci, nxi = ci0, xi0
+            load(frag, x, wn, xn, en, nci, nxi, lane, g, t)
+        compute(wc, xc, ec, acc, part_b, s < nreal, scr, lane, base)
+        return ci + cstep, xi + int64(32)
+
+    @cuda.jit(device=True, inline="always")
+    def x_range(xmax, xmin, a):
+        """(max |x|, min nonzero |x| bits - 1) with a folded in (NaN: max NaN)."""
+        return fmax_nan(xmax, abs(a)), min(xmin, abs_bits_m1(f2u(a)))
 
     @cuda.jit(device=True, inline="always")
     def exact_sums(x, w32, scales, g2, col, k0, k1, nwr, srow, lb, xoff):
@@ -344,7 +363,6 @@ def _frag_kernel(half: bool):
         base = warp * int64(SCR)
         ci = (strip * nkt + w0 * int64(2)) * int64(cw)
         xi = xoff + w0 * int64(32) + t * int64(4)
-        cstep = int64(2 * cw)
         ci0 = strip * nkt * int64(cw)  # (masked steps read the strip's first pair, with B zero)
         xi0 = xoff + t * int64(4)
         if nst > int64(0):
@@ -362,30 +380,18 @@ def _frag_kernel(half: bool):
         while k < p1 * int64(32):
             a0, a1, a2, a3 = ld4(x, xoff + k)
             a4, a5, a6, a7 = ld4(x, xoff + k + int64(4))
-            xmax = fmax_nan(xmax, fmax_nan(fmax_nan(fmax_nan(abs(a0), abs(a1)), fmax_nan(abs(a2), abs(a3))),
-                                           fmax_nan(fmax_nan(abs(a4), abs(a5)), fmax_nan(abs(a6), abs(a7)))))
-            xmin = min(xmin, min(min(min(abs_bits_m1(f2u(a0)), abs_bits_m1(f2u(a1))),
-                                     min(abs_bits_m1(f2u(a2)), abs_bits_m1(f2u(a3)))),
-                                 min(min(abs_bits_m1(f2u(a4)), abs_bits_m1(f2u(a5))),
-                                     min(abs_bits_m1(f2u(a6)), abs_bits_m1(f2u(a7))))))
+            for a in (a0, a1, a2, a3, a4, a5, a6, a7):
+                xmax, xmin = x_range(xmax, xmin, a)
             k += int64(8 * nt)
         s = int64(0)
         while s < nst:  # pairs alternate between register sets a and b
-            if s + int64(1) < nst:
-                ok = s + int64(1) < nreal
-                load(frag, x, wb, xb, eb, ci + cstep if ok else ci0, xi + int64(32) if ok else xi0, lane, g, t)
-            compute(wa, xa, ea, acc, part_b, s < nreal, scr, lane, base)
-            ci += cstep
-            xi += int64(32)
+            ci, xi = step(frag, x, wb, xb, eb, wa, xa, ea, acc, part_b, s, nst, nreal, ci, xi, ci0, xi0, lane, g, t,
+                          scr, base)
             s += int64(1)
             if s >= nst:
                 break
-            if s + int64(1) < nst:
-                ok = s + int64(1) < nreal
-                load(frag, x, wa, xa, ea, ci + cstep if ok else ci0, xi + int64(32) if ok else xi0, lane, g, t)
-            compute(wb, xb, eb, acc, part_b, s < nreal, scr, lane, base)
-            ci += cstep
-            xi += int64(32)
+            ci, xi = step(frag, x, wa, xa, ea, wb, xb, eb, acc, part_b, s, nst, nreal, ci, xi, ci0, xi0, lane, g, t,
+                          scr, base)
             s += int64(1)
         cuda.syncthreads()  # (rng initialised)
         cuda.atomic.max(rng, 0, f2u(xmax))

@@ -156,20 +156,30 @@ if config.ENABLE_CUDASIM:
     from numba import cuda as _cuda_sim  # swapped for the fake module inside device functions
 
     @_cuda_sim.jit(device=True)
-    def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base):
-        g, t = int(lane) >> 2, int(lane) & 3
-        b = int(base)
-        for r, k, v in ((g, t, a0), (g + 8, t, a1), (g, t + 4, a2), (g + 8, t + 4, a3)):
-            scr[b + r * 8 + k] = _tf32_trunc(v)
-        scr[b + 128 + t * 8 + g] = _tf32_trunc(b0)
-        scr[b + 128 + (t + 4) * 8 + g] = _tf32_trunc(b1)
+    def _mma_exchange(scr, b, kd, a_cells, b_cells, c, g, t):
+        """The mma twins' warp exchange: the lane's A cells ((row, k), value) of the 16 x kd A at
+        scr[b:], its B cells ((k, n), value) of the kd x 8 B after it, a block barrier, its four
+        C entries (C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]) plus A B, a block barrier."""
+        bo = b + 16 * kd
+        for (r, k), v in a_cells:
+            scr[b + r * kd + k] = v
+        for (k, n), v in b_cells:
+            scr[bo + k * 8 + n] = v
         _cuda_sim.syncthreads()
         out = []
-        for r, n, c in ((g, 2 * t, c0), (g, 2 * t + 1, c1), (g + 8, 2 * t, c2), (g + 8, 2 * t + 1, c3)):
-            s = float(c) + sum(float(scr[b + r * 8 + k]) * float(scr[b + 128 + k * 8 + n]) for k in range(8))
+        for r, n, cv in ((g, 2 * t, c[0]), (g, 2 * t + 1, c[1]), (g + 8, 2 * t, c[2]), (g + 8, 2 * t + 1, c[3])):
+            s = float(cv) + sum(float(scr[b + r * kd + k]) * float(scr[bo + k * 8 + n]) for k in range(kd))
             out.append(np.float32(s))
         _cuda_sim.syncthreads()
         return out[0], out[1], out[2], out[3]
+
+    @_cuda_sim.jit(device=True)
+    def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base):
+        g, t = int(lane) >> 2, int(lane) & 3
+        a_cells = [((r, k), _tf32_trunc(v))
+                   for r, k, v in ((g, t, a0), (g + 8, t, a1), (g, t + 4, a2), (g + 8, t + 4, a3))]
+        b_cells = [((t, g), _tf32_trunc(b0)), ((t + 4, g), _tf32_trunc(b1))]
+        return _mma_exchange(scr, int(base), 8, a_cells, b_cells, (c0, c1, c2, c3), g, t)
 
 
     def _bf16_bits(v):
@@ -195,20 +205,12 @@ if config.ENABLE_CUDASIM:
     @_cuda_sim.jit(device=True)
     def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base):
         g, t = int(lane) >> 2, int(lane) & 3
-        b = int(base)
-        for r, k, v in ((g, 2 * t, a0), (g + 8, 2 * t, a1), (g, 2 * t + 8, a2), (g + 8, 2 * t + 8, a3)):
-            scr[b + r * 16 + k] = _bf16_value(int(v))
-            scr[b + r * 16 + k + 1] = _bf16_value(int(v) >> 16)
-        for k, v in ((2 * t, b0), (2 * t + 8, b1)):
-            scr[b + 256 + k * 8 + g] = _bf16_value(int(v))
-            scr[b + 256 + (k + 1) * 8 + g] = _bf16_value(int(v) >> 16)
-        _cuda_sim.syncthreads()
-        out = []
-        for r, n, c in ((g, 2 * t, c0), (g, 2 * t + 1, c1), (g + 8, 2 * t, c2), (g + 8, 2 * t + 1, c3)):
-            s = float(c) + sum(float(scr[b + r * 16 + k]) * float(scr[b + 256 + k * 8 + n]) for k in range(16))
-            out.append(np.float32(s))
-        _cuda_sim.syncthreads()
-        return out[0], out[1], out[2], out[3]
+        a_cells = [((r, k + h), _bf16_value(int(v) >> (16 * h)))
+                   for r, k, v in ((g, 2 * t, a0), (g + 8, 2 * t, a1), (g, 2 * t + 8, a2), (g + 8, 2 * t + 8, a3))
+                   for h in range(2)]
+        b_cells = [((k + h, g), _bf16_value(int(v) >> (16 * h))) for k, v in ((2 * t, b0), (2 * t + 8, b1))
+                   for h in range(2)]
+        return _mma_exchange(scr, int(base), 16, a_cells, b_cells, (c0, c1, c2, c3), g, t)
 
 else:
     from llvmlite import ir

@@ -90,10 +90,8 @@ def _packed(c: MatmulCall, kern: Any, mb: int, q: Any, grid: Any, block: Any, pa
     """Pack a GEMV-family launch once per (weight, m): x, out, m0 and the row count change from
     call to call (`dynamic`); the backend runs it directly on later calls."""
     pp = c.be._prepared(c.data.shape, c.data.scheme, "minmax")
-    w32 = c.data.payload[: pp["plan"].values_nbytes].view(np.uint32)
-    st = c.data.cache[("gemv", c.m)] = (mb, Packed(kern, grid, block, [c.xd, w32, c.scales, c.gbuf, pp["lut"], part,
-                                                                      cnt, c.out, q, 0, mb] + extra,
-                                                   dynamic=(0, 7, 9, 10)))
+    args = [c.xd, c.be._code_words(c.data), c.scales, c.gbuf, pp["lut"], part, cnt, c.out, q, 0, mb] + extra
+    st = c.data.cache[("gemv", c.m)] = (mb, Packed(kern, grid, block, args, dynamic=(0, 7, 9, 10)))
     return st
 
 
@@ -118,9 +116,9 @@ class FragmentGemvMatmul:
         if st is None:
             half = frag.half_scales(c.data.scheme)
             if "frag" not in c.data.cache:
-                pp = c.be._prepared(c.data.shape, c.data.scheme, "minmax")
-                w32 = c.data.payload[: pp["plan"].values_nbytes].view(np.uint32)
-                c.data.cache["frag"] = frag.pack(w32, c.scales, c.gbuf, c.gemv_geometry[1], half, pp["plan"].nslots)
+                nslots = c.be._prepared(c.data.shape, c.data.scheme, "minmax")["plan"].nslots
+                c.data.cache["frag"] = frag.pack(c.be._code_words(c.data), c.scales, c.gbuf, c.gemv_geometry[1], half,
+                                                 nslots)
             kern, mb, q, grid, block, part, cnt = frag.buffers(c.gemv_geometry[1], half)
             st = _packed(c, kern, mb, q, grid, block, part, cnt, [c.data.cache["frag"]])
         run_packed(st, c.xd, c.out, c.m, c.s)
