@@ -202,14 +202,16 @@ def test_second_signal_during_cleanup_leaves_no_temp(tmp_path, capsys, monkeypat
 
 def _before_any_qcore_code(err: str) -> bool:
     """A KeyboardInterrupt from Python's default handler, raised before the launcher could hold
-    signals: while the console script imports `_qcore_launch` or that module's own first imports
-    run (`import signal`), so the only frames of ours are module-level lines of `_qcore_launch.py`
-    (seen at 0.3-0.6 s on slow-starting or loaded machines). Frames in `main`, `_import_cli` or
-    the qcore package mean the launcher was running, and a traceback there is a bug."""
+    signals: while the console script runs its first lines (`import sys`, seen as "line 0" of
+    the script with no source shown) or imports `_qcore_launch`, or that module's own first
+    imports run (`import signal`), so every frame outside the import machinery is a module-level
+    line of the console script or of `_qcore_launch.py` (seen at 0.1-0.6 s on slow-starting or
+    loaded machines). Frames in `main`, `_import_cli` or the qcore package mean the launcher was
+    running, and a traceback there is a bug."""
     frames = re.findall(r'File "([^"]+)", line \d+, in (\S+)', err)
-    ours = [(f, fn) for f, fn in frames if f.endswith("_qcore_launch.py") or f"{os.sep}qcore{os.sep}" in f]
-    return "KeyboardInterrupt" in err and "from _qcore_launch import main" in err and \
-        all(f.endswith("_qcore_launch.py") and fn == "<module>" for f, fn in ours)
+    outside = [(f, fn) for f, fn in frames if not f.startswith("<frozen ")]
+    return "KeyboardInterrupt" in err and bool(outside) and \
+        all(fn == "<module>" and (f.endswith("_qcore_launch.py") or f.endswith(f"{os.sep}qcore")) for f, fn in outside)
 
 
 _IGNORED_IN_IMPORTLIB = re.compile(
