@@ -204,14 +204,15 @@ def _before_any_qcore_code(err: str) -> bool:
     """A KeyboardInterrupt from Python's default handler, raised before the launcher could hold
     signals: while the console script runs its first lines (`import sys`, seen as "line 0" of
     the script with no source shown) or imports `_qcore_launch`, or that module's own first
-    imports run (`import signal`), so every frame outside the import machinery is a module-level
-    line of the console script or of `_qcore_launch.py` (seen at 0.1-0.6 s on slow-starting or
-    loaded machines). Frames in `main`, `_import_cli` or the qcore package mean the launcher was
+    imports run (`import signal`), so every frame of ours (the console script, `_qcore_launch.py`,
+    the qcore package) is a module-level line of the console script or of `_qcore_launch.py`
+    (seen at 0.1-0.6 s on slow-starting or loaded machines). Frames in `main`, `_import_cli` or the qcore package mean the launcher was
     running, and a traceback there is a bug."""
     frames = re.findall(r'File "([^"]+)", line \d+, in (\S+)', err)
-    outside = [(f, fn) for f, fn in frames if not f.startswith("<frozen ")]
-    return "KeyboardInterrupt" in err and bool(outside) and \
-        all(fn == "<module>" and (f.endswith("_qcore_launch.py") or f.endswith(f"{os.sep}qcore")) for f, fn in outside)
+    entry = [(f, fn) for f, fn in frames if f.endswith(("_qcore_launch.py", f"{os.sep}qcore"))]
+    ours = entry + [(f, fn) for f, fn in frames if f"{os.sep}qcore{os.sep}" in f]
+    return "KeyboardInterrupt" in err and bool(entry) and all(fn == "<module>" for f, fn in ours) and \
+        len(ours) == len(entry)
 
 
 _IGNORED_IN_IMPORTLIB = re.compile(
@@ -309,6 +310,8 @@ def test_a_signal_before_any_qcore_code_is_told_apart():
     imports = script.replace("KeyboardInterrupt\n", '  File "/src/_qcore_launch.py", line 10, in <module>\n'
                              '    import signal\n  File "/py/signal.py", line 5, in <module>\nKeyboardInterrupt\n')
     assert _before_any_qcore_code(imports)
+    first_line = 'Traceback (most recent call last):\n  File "/venv/bin/qcore", line 0, in <module>\nKeyboardInterrupt\n'
+    assert _before_any_qcore_code(first_line)
     ours = script.replace("KeyboardInterrupt\n", '  File "/src/_qcore_launch.py", line 20, in main\nKeyboardInterrupt\n')
     assert not _before_any_qcore_code(ours)
     lib = script.replace("KeyboardInterrupt\n", f'  File "/src{os.sep}qcore{os.sep}cli.py", line 9, in <module>\n'
