@@ -76,41 +76,54 @@ def test_fragment_gemv(cuda_backend, text):
         np.testing.assert_array_equal(again.view(np.uint32), got.view(np.uint32))
 
 
-def test_fragment_copy_layout(cuda_backend):
-    """The copy holds, for lane (g, t) of tile i of a chunk (strip, k-tile), the codes of columns
-    16i + g and 16i + g + 8 at rows 4t .. 4t + 3 offset by 8, pair r in bits 4r and 16 + 4r, and
-    after the codes the chunk's effective scales in f16, row-minor per 32-column group."""
+def _expected_copy(be, qw, k_, n_):
+    """The chunks of a q4s/block32:f16 [k_, n_] weight's fragment copy, built on the host from the
+    module text: for lane (g, t) of tile i of chunk (strip, k-tile), the codes of columns
+    16i + g (pairs r = 0, 2) and 16i + g + 8 (r = 1, 3) at rows 4t + h (r < 2) and 4t + 2 + h
+    (r >= 2), offset by 8, in bits 4r + 16h; after the codes the chunk's effective scales in
+    f16, row-minor per 32-column group. Also the decoded scales [k_, n_ / 32]."""
+    scales, _ = be._decoded_scales(qw.data)
+    S = scales.copy_to_host().reshape(k_, n_ // 32)
+    W = be.to_numpy(be.dequantize(qw))
+    codes = np.rint(W / np.repeat(S, 32, axis=1)).astype(np.int64) + 8
+    strips, nkt = n_ // 128, k_ // 16
+    o = np.arange(256)
+    lane, tile = (o & 127) >> 2, (o >> 7) * 4 + (o & 3)
+    g, t = lane >> 2, lane & 3
+    st, kt = np.arange(strips)[:, None, None], np.arange(nkt)[None, :, None]
+    words = np.zeros((strips, nkt, 256), dtype=np.uint32)
+    for r in range(4):
+        for h in range(2):
+            row = kt * 16 + 4 * t + h + (2 if r >= 2 else 0)
+            col = st * 128 + 16 * tile + g + (8 if r & 1 else 0)
+            words |= (codes[row, col] << (4 * r + 16 * h)).astype(np.uint32)
+    sc = S.reshape(nkt, 16, strips, 4).transpose(2, 0, 3, 1).astype(np.float16)  # [strip, k-tile, group, row]
+    chunks = np.concatenate([words, np.ascontiguousarray(sc).view(np.uint32).reshape(strips, nkt, 32)], axis=2)
+    return chunks.reshape(-1), S
+
+
+def _pack_now(be, qw, Q):
     from qcore_cuda import frag
 
-    k_, n_ = 512, 256
+    scales, gbuf = be._decoded_scales(qw.data)
+    nslots = be._prepared(qw.data.shape, qw.data.scheme, "minmax")["plan"].nslots
+    return frag.pack(be._code_words(qw.data), scales, gbuf, Q, frag.half_scales(qw.data.scheme), nslots)
+
+
+def test_fragment_copy_layout(cuda_backend):
+    """`frag.pack` writes the copy the module text describes (`_expected_copy`), word for word,
+    then per block of `k_frag_erange` the bits of max |e| and of min nonzero |e| minus 1."""
+    from qcore_cuda import frag, gemv
+
+    k_, n_ = 64, 256  # (below MIN_K, which only the kernel needs: the GEMV geometry packs the same)
     text = "q4s/block32:f16"
-    w = sample_x((k_, n_), seed=43)
-    qw = cuda_backend.from_data(REF.into_data(REF.quantize(w, text)))
-    kind, Q = frag.geometry((k_, n_), qcore.scheme(text))
-    scales, gbuf = cuda_backend._decoded_scales(qw.data)
-    pp = cuda_backend._prepared(qw.data.shape, qw.data.scheme, "minmax")
-    got = frag.pack(cuda_backend._code_words(qw.data), scales, gbuf, Q, True, pp["plan"].nslots).copy_to_host()
-    W = REF.dequantize(REF.quantize(w, text))
-    S = scales.copy_to_host().reshape(k_, n_ // 32)
-    codes = np.rint(W / np.repeat(S, 32, axis=1)).astype(np.int64)
-    cw = frag.chunk_words(True)
-    nkt = k_ // 16
-    rng = np.random.default_rng(0)
-    for c in rng.integers(0, (n_ // 128) * nkt, 6):
-        strip, kt = divmod(int(c), nkt)
-        chunk = got[c * cw:(c + 1) * cw]
-        for o in rng.integers(0, 256, 24):
-            lane, tile = (o & 127) >> 2, (o >> 7) * 4 + (o & 3)
-            g, t = lane >> 2, lane & 3
-            col, k0 = strip * 128 + tile * 16 + g, kt * 16 + 4 * t
-            for r in range(4):
-                for h in range(2):
-                    kk, cc = k0 + h + (2 if r >= 2 else 0), col + (8 if r & 1 else 0)
-                    assert (int(chunk[o]) >> (4 * r + 16 * h)) & 15 == codes[kk, cc] + 8
-        sc = chunk[256:].view(np.float16).astype(np.float32).reshape(4, 16)
-        np.testing.assert_array_equal(sc, S[kt * 16:kt * 16 + 16, strip * 4:strip * 4 + 4].T)
-    # the tail: per block of k_frag_erange, max |e| and min nonzero |e| (bits - 1)
-    tail = got[-2 * frag.RANGE_BLOCKS:].reshape(-1, 2)
+    qw = cuda_backend.from_data(REF.into_data(REF.quantize(sample_x((k_, n_), seed=43), text)))
+    kind, Q = gemv.geometry((k_, n_), qcore.scheme(text))
+    got = _pack_now(cuda_backend, qw, Q).copy_to_host()
+    want, S = _expected_copy(cuda_backend, qw, k_, n_)
+    assert got.size == want.size + 2 * frag.RANGE_BLOCKS
+    np.testing.assert_array_equal(got[:want.size], want)
+    tail = got[want.size:].reshape(-1, 2)
     assert tail[:, 0].max() == np.abs(S).max().view(np.uint32)
     assert tail[:, 1].min() == np.abs(S[S != 0]).min().view(np.uint32) - 1
 
@@ -150,18 +163,33 @@ def test_fragment_gemv_range_fallback(cuda_backend, case):
 
 
 def test_fragment_copy_follows_quantize_out(cuda_backend):
-    """quantize(out=w) of new weights into a tensor the fragment GEMV has used: the next matmul
-    reads the new codes and scales (the copy is packed again with the decoded scales)."""
+    """quantize(out=w) of new weights into a tensor that holds a fragment copy packs the copy
+    again from the new codes and decoded scales (`_expected_copy`); on a GPU the copy comes from
+    a matmul and the next matmul reads the new weights. (The simulator puts a copy in the cache
+    as the path does, for a smaller weight: its pack and mma twins cost seconds per call.)"""
+    from qcore_cuda import gemv
+
     text = "q4s/block32:f16"
-    x = _x(46)
-    w1, w2 = sample_x((K_, N_), seed=47), sample_x((K_, N_), seed=48, scale=0.5)
+    k_, n_ = (64, 128) if SIM else (K_, N_)
+    x = _x(46, k_)
+    w1, w2 = sample_x((k_, n_), seed=47), sample_x((k_, n_), seed=48, scale=0.5)
     qw = cuda_backend.quantize(w1, text)
-    _, n = _taken(cuda_backend, x, qw)
-    assert n == 1
+    if SIM:
+        qw.data.cache["gemv"] = gemv.geometry((k_, n_), qcore.scheme(text))  # (as `MatmulCall` keeps it)
+        qw.data.cache["frag"] = _pack_now(cuda_backend, qw, qw.data.cache["gemv"][1])
+    else:
+        _, n = _taken(cuda_backend, x, qw)
+        assert n == 1
+    before = qw.data.cache["frag"].copy_to_host()
     cuda_backend.quantize(w2, text, out=qw)
-    got = cuda_backend.to_numpy(cuda_backend.matmul(x, qw)).astype(np.float64)
-    W = REF.dequantize(REF.quantize(w2, text)).astype(np.float64)
-    assert np.all(np.abs(got - x.astype(np.float64) @ W) <= _bound(x, W))
+    want, _ = _expected_copy(cuda_backend, qw, k_, n_)
+    got = qw.data.cache["frag"].copy_to_host()
+    assert not np.array_equal(before[:want.size], want)
+    np.testing.assert_array_equal(got[:want.size], want)
+    if not SIM:
+        y = cuda_backend.to_numpy(cuda_backend.matmul(x, qw)).astype(np.float64)
+        W = REF.dequantize(REF.quantize(w2, text)).astype(np.float64)
+        assert np.all(np.abs(y - x.astype(np.float64) @ W) <= _bound(x, W))
 
 
 def test_fragment_gemv_not_taken(cuda_backend, monkeypatch):

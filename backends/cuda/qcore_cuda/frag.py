@@ -25,7 +25,7 @@ serves the strip's 8 tiles (tile i reads group i // 2's columns of C). The codes
 bf16 and the tensor core's products exact, so each term is off by at most 2**-16 of itself plus
 the f32 accumulation: inside the conformance bound (`matmul_rel * K * 2**-24 * (|x| @ |W|)`)
 from K = `MIN_K`. The split needs normal parts: a block checks the range of its rows of x
-(read once from L2 at its start) against the range of |e| over the weight (`k_frag_erange`,
+(read from L2 after its main loop) against the range of |e| over the weight (`k_frag_erange`,
 after the chunks in the copy); where some nonzero |x| * |e| may lie below 2**-100 or above
 2**100 (or x or e is not finite), it sums its columns again with FFMA in k order from the
 payload (`exact_sums`), so tiny, huge, infinite and NaN inputs get the FFMA kernel's arithmetic.
@@ -66,6 +66,7 @@ TILE_WORDS = 256  # u32 words of codes per chunk (8 tiles x 32 lanes)
 WARPS = 8 if config.ENABLE_CUDASIM else 16  # warps per block (the simulator: half the threads a barrier)
 PER_SM = 1  # resident blocks per SM the grid is sized for (128 registers)
 RANGE_BLOCKS = 32  # blocks of `k_frag_erange`: each leaves its (max, min) of |e| in the copy's tail
+RANGE_THREADS = 32 if config.ENABLE_CUDASIM else 256  # its threads per block (the simulator's cost is per thread)
 REGS = 128
 MIN_K = 512  # the split's 2**-16 per term is a quarter of the bound's K * 2**-23 here
 SCR = 384  # simulator: f32 scratch per warp for the mma twin (A 16 x 16, B 16 x 8)
@@ -212,7 +213,7 @@ def pack_launches(w32, scales, gbuf, Q: np.ndarray, half: bool, nslots: int, fra
         frag = cuda.device_array(copy_words(Q, half), dtype=np.uint32)
     two = int(Q[Q_TWO])
     return [(fast.K.launch(n), pack_kernel(half), [w32, scales, gbuf, frag, k_, n_, int(Q[Q_LB]), two, n]),
-            (((RANGE_BLOCKS,), (256,)), k_frag_erange, [scales, gbuf, frag, max(1, nslots), two, n])]
+            (((RANGE_BLOCKS,), (RANGE_THREADS,)), k_frag_erange, [scales, gbuf, frag, max(1, nslots), two, n])]
 
 
 def pack(w32, scales, gbuf, Q: np.ndarray, half: bool, nslots: int):
@@ -293,16 +294,15 @@ def _frag_kernel(half: bool):
 
     @cuda.jit(device=True, inline="always")
     def step(frag, x, wn, xn, en, wc, xc, ec, acc, part_b, s, nst, nreal, ci, xi, ci0, xi0, lane, g, t, scr, base):
-        """One step of the pipeline: the next pair's loads into set n (masked: a step past the
-        warp's range reads the strip's first pair), then set c's mma. Returns the next chunk and
-        x indices."""
+        """Step s of the pipeline: pair s + 1's loads into set n (its chunk and x indices from s
+        and the warp's first pair's `ci`, `xi`; masked: a step past the warp's range reads the
+        strip's first pair), then set c's mma of pair s."""
         if s + int64(1) < nst:
-            nci, nxi = ci + cstep, xi + int64(32)
+            nci, nxi = ci + (s + int64(1)) * cstep, xi + (s + int64(1)) * int64(32)
             if masked and s + int64(1) >= nreal:
                 nci, nxi = ci0, xi0
             load(frag, x, wn, xn, en, nci, nxi, lane, g, t)
         compute(wc, xc, ec, acc, part_b, s < nreal, scr, lane, base)
-        return ci + cstep, xi + int64(32)
 
     @cuda.jit(device=True, inline="always")
     def x_range(xmax, xmin, a):
@@ -368,12 +368,21 @@ def _frag_kernel(half: bool):
         if nst > int64(0):
             load(frag, x, wa, xa, ea, ci if nreal > int64(0) else ci0, xi if nreal > int64(0) else xi0, lane, g, t)
         # for the split's check: |e|'s range over the weight (`k_frag_erange`, after the chunks)
-        # and the block's x range (its rows are in L2: every strip reads them), 8 rows a thread
-        # in two vector loads per pass (one pass for up to 8 * nt rows)
         emax = uint32(0)
         emin = uint32(0xFFFFFFFF)
         if tid < int64(RANGE_BLOCKS):
             emax, emin = ld2(frag, (N // int64(STRIP)) * nkt * int64(tail) + tid * int64(2))
+        s = int64(0)
+        while s < nst:  # pairs alternate between register sets a and b
+            step(frag, x, wb, xb, eb, wa, xa, ea, acc, part_b, s, nst, nreal, ci, xi, ci0, xi0, lane, g, t, scr, base)
+            if s + int64(1) >= nst:
+                break
+            step(frag, x, wa, xa, ea, wb, xb, eb, acc, part_b, s + int64(1), nst, nreal, ci, xi, ci0, xi0, lane, g, t,
+                 scr, base)
+            s += int64(2)
+        # and the block's x range, after the loop (its rows are in L2 by then: every strip reads
+        # them; read before the loop, their wait delayed the pipeline's second loads), 8 rows a
+        # thread in two vector loads per pass (one pass for up to 8 * nt rows)
         xmax = float32(0.0)
         xmin = uint32(0xFFFFFFFF)
         k = p0 * int64(32) + tid * int64(8)
@@ -383,16 +392,6 @@ def _frag_kernel(half: bool):
             for a in (a0, a1, a2, a3, a4, a5, a6, a7):
                 xmax, xmin = x_range(xmax, xmin, a)
             k += int64(8 * nt)
-        s = int64(0)
-        while s < nst:  # pairs alternate between register sets a and b
-            ci, xi = step(frag, x, wb, xb, eb, wa, xa, ea, acc, part_b, s, nst, nreal, ci, xi, ci0, xi0, lane, g, t,
-                          scr, base)
-            s += int64(1)
-            if s >= nst:
-                break
-            ci, xi = step(frag, x, wa, xa, ea, wb, xb, eb, acc, part_b, s, nst, nreal, ci, xi, ci0, xi0, lane, g, t,
-                          scr, base)
-            s += int64(1)
         cuda.syncthreads()  # (rng initialised)
         cuda.atomic.max(rng, 0, f2u(xmax))
         cuda.atomic.min(rng, 1, xmin)
