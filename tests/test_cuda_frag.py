@@ -128,12 +128,14 @@ def test_fragment_copy_layout(cuda_backend):
     assert tail[:, 1].min() == np.abs(S[S != 0]).min().view(np.uint32) - 1
 
 
-@pytest.mark.parametrize("case", ["nan"] if SIM else ["tiny", "huge", "nan", "inf"])
-def test_fragment_gemv_range_fallback(cuda_backend, case):
+@pytest.mark.parametrize("case, text", [("nan", "q4s/block32:f16")] if SIM else [
+    (c, t) for c in ("tiny", "huge", "nan", "inf") for t in ("q4s/block32:f32", "q4s/block32:f16")])
+def test_fragment_gemv_range_fallback(cuda_backend, case, text):
     """Where x * e leaves [2**-100, 2**100] (subnormal x, huge products, NaN, infinity), the block
     sums its columns again with FFMA in k order: results within the matmul bound of the f64 sum,
-    NaN and infinity where the f32 sum has them, and the kernel's fallback flag set. (The
-    simulator runs one case: the four share the kernel's one test of v's range.)"""
+    NaN and infinity where the f32 sum has them, and the kernel's fallback flag set; for f32 and
+    f16 copies of the scales (two kernel variants). (The simulator runs one case, f16: the cases
+    share the kernel's one test of the range; test_fragment_gemv runs an f32 copy there.)"""
     from qcore_cuda import frag
 
     w = sample_x((K_, N_), seed=44)
@@ -146,7 +148,6 @@ def test_fragment_gemv_range_fallback(cuda_backend, case):
         x[0, 7] = np.nan
     else:
         x[0, K_ - 1] = np.inf
-    text = "q4s/block32:f32"
     qw = cuda_backend.from_data(REF.into_data(REF.quantize(w, text)))
     got, n = _taken(cuda_backend, x, qw)
     assert n == 1
@@ -159,7 +160,7 @@ def test_fragment_gemv_range_fallback(cuda_backend, case):
         want = (x.astype(np.float64) @ W).astype(np.float32).astype(np.float64)
         bound = _bound(x, W)
     assert_f32_sums(got, want, bound, case)
-    assert frag.half_scales(qcore.scheme(text)) is False
+    assert frag.half_scales(qcore.scheme(text)) is text.endswith("f16")
 
 
 def test_fragment_copy_follows_quantize_out(cuda_backend):
