@@ -103,11 +103,9 @@ def _expected_copy(be, qw, k_, n_):
 
 
 def _pack_now(be, qw, Q):
-    from qcore_cuda import frag
+    from qcore_cuda.paths.matmul import fragment_copy
 
-    scales, gbuf = be._decoded_scales(qw.data)
-    nslots = be._prepared(qw.data.shape, qw.data.scheme, "minmax")["plan"].nslots
-    return frag.pack(be._code_words(qw.data), scales, gbuf, Q, frag.half_scales(qw.data.scheme), nslots)
+    return fragment_copy(be, qw.data, *be._decoded_scales(qw.data), Q)
 
 
 def test_fragment_copy_layout(cuda_backend):

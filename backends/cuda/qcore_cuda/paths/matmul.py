@@ -95,6 +95,15 @@ def _packed(c: MatmulCall, kern: Any, mb: int, q: Any, grid: Any, block: Any, pa
     return st
 
 
+def fragment_copy(be: Any, data: Any, scales: Any, gbuf: Any, Q: Any) -> Any:
+    """A new fragment copy (`frag.pack`) of weight `data` with its decoded `scales` and global
+    and GEMV geometry `Q`."""
+    from .. import frag
+
+    nslots = be._prepared(data.shape, data.scheme, "minmax")["plan"].nslots
+    return frag.pack(be._code_words(data), scales, gbuf, Q, frag.half_scales(data.scheme), nslots)
+
+
 class FragmentGemvMatmul:
     """frag.py: bf16 mma at M = 1 over a copy of a 4-bit integer weight in fragment order (made
     once per weight and kept with it; not for a payload in the caller's memory, which the
@@ -116,9 +125,7 @@ class FragmentGemvMatmul:
         if st is None:
             half = frag.half_scales(c.data.scheme)
             if "frag" not in c.data.cache:
-                nslots = c.be._prepared(c.data.shape, c.data.scheme, "minmax")["plan"].nslots
-                c.data.cache["frag"] = frag.pack(c.be._code_words(c.data), c.scales, c.gbuf, c.gemv_geometry[1], half,
-                                                 nslots)
+                c.data.cache["frag"] = fragment_copy(c.be, c.data, c.scales, c.gbuf, c.gemv_geometry[1])
             kern, mb, q, grid, block, part, cnt = frag.buffers(c.gemv_geometry[1], half)
             st = _packed(c, kern, mb, q, grid, block, part, cnt, [c.data.cache["frag"]])
         run_packed(st, c.xd, c.out, c.m, c.s)
