@@ -127,18 +127,20 @@ def _ptx_names() -> list[str]:
     return names if PTX_ALL else _covering(names)
 
 
-def _ptx_parts(names: list[str], parts: int = PTX_PARTS) -> list[list[str]]:
-    """`names` in `parts` lists of about equal compile cost (`PTX_COST`; longest first, each to
-    the cheapest part so far)."""
-    def cost(name):
-        return PTX_COST.get(re.split(r"[\[#]", name)[0], 1.0)
+def _ptx_cost(name: str) -> float:
+    """A kernel's compile cost by its family (`PTX_COST`, else 1 s)."""
+    return PTX_COST.get(re.split(r"[\[#]", name)[0], 1.0)
 
+
+def _ptx_parts(names: list[str], parts: int = PTX_PARTS) -> list[list[str]]:
+    """`names` in `parts` lists of about equal compile cost (`_ptx_cost`; longest first, each to
+    the cheapest part so far)."""
     out: list[list[str]] = [[] for _ in range(parts)]
     load = [0.0] * parts
-    for name in sorted(names, key=cost, reverse=True):
+    for name in sorted(names, key=_ptx_cost, reverse=True):
         i = load.index(min(load))
         out[i].append(name)
-        load[i] += cost(name)
+        load[i] += _ptx_cost(name)
     return out
 
 
@@ -148,7 +150,7 @@ def test_ptx_parts_cover_the_list_once():
     names = _ptx_names()
     parts = _ptx_parts(names)
     assert sorted(n for p in parts for n in p) == sorted(names)
-    costs = [sum(PTX_COST.get(re.split(r"[\[#]", n)[0], 1.0) for n in p) for p in parts]
+    costs = [sum(_ptx_cost(n) for n in p) for p in parts]
     assert max(costs) - min(costs) <= max(PTX_COST.values())
 
 

@@ -206,13 +206,12 @@ def _before_any_qcore_code(err: str) -> bool:
     the script with no source shown) or imports `_qcore_launch`, or that module's own first
     imports run (`import signal`), so every frame of ours (the console script, `_qcore_launch.py`,
     the qcore package) is a module-level line of the console script or of `_qcore_launch.py`
-    (seen at 0.1-0.6 s on slow-starting or loaded machines). Frames in `main`, `_import_cli` or the qcore package mean the launcher was
-    running, and a traceback there is a bug."""
+    (seen at 0.1-0.6 s on slow-starting or loaded machines). Frames in `main`, `_import_cli` or
+    the qcore package mean the launcher was running, and a traceback there is a bug."""
     frames = re.findall(r'File "([^"]+)", line \d+, in (\S+)', err)
-    entry = [(f, fn) for f, fn in frames if f.endswith(("_qcore_launch.py", f"{os.sep}qcore"))]
-    ours = entry + [(f, fn) for f, fn in frames if f"{os.sep}qcore{os.sep}" in f]
-    return "KeyboardInterrupt" in err and bool(entry) and all(fn == "<module>" for f, fn in ours) and \
-        len(ours) == len(entry)
+    entry = [fn for f, fn in frames if f.endswith(("_qcore_launch.py", f"{os.sep}qcore"))]
+    in_package = any(f"{os.sep}qcore{os.sep}" in f for f, _ in frames)
+    return "KeyboardInterrupt" in err and bool(entry) and all(fn == "<module>" for fn in entry) and not in_package
 
 
 _IGNORED_IN_IMPORTLIB = re.compile(
