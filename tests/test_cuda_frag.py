@@ -209,3 +209,56 @@ def test_fragment_gemv_not_taken(cuda_backend, monkeypatch):
     qw2 = cuda_backend.quantize(w, "q4s/block32:f16")
     got, n = _taken(cuda_backend, _x(51), qw2)
     assert n == 0 and "frag" not in qw2.data.cache
+
+
+def test_fragment_gemv_cluster_dims(monkeypatch):
+    """A strip's k-splits are launched as one thread-block cluster for 2 to `CLUSTER_MAX` splits
+    on a GPU; without clusters for one split, more splits, under the simulator, and while
+    QCORE_CUDA_FRAGMENT_CLUSTERS=0."""
+    from qcore_cuda import frag
+
+    monkeypatch.setattr(frag.config, "ENABLE_CUDASIM", False)
+    assert frag.cluster_dims((64, 1)) is None
+    assert frag.cluster_dims((64, 2)) == (1, 2, 1)
+    assert frag.cluster_dims((8, frag.CLUSTER_MAX)) == (1, frag.CLUSTER_MAX, 1)
+    assert frag.cluster_dims((8, frag.CLUSTER_MAX + 1)) is None
+    monkeypatch.setenv(frag.CLUSTER_ENV, "0")
+    assert frag.cluster_dims((64, 2)) is None
+    monkeypatch.delenv(frag.CLUSTER_ENV)
+    monkeypatch.setattr(frag.config, "ENABLE_CUDASIM", True)
+    assert frag.cluster_dims((64, 2)) is None
+
+
+@pytest.mark.skipif(SIM, reason="thread-block clusters need a GPU (sm_90); the simulator runs none")
+def test_fragment_gemv_clusters_give_the_counter_sums(cuda_backend, monkeypatch):
+    """Packed launches run a strip's k-splits as one cluster (their sums meet in rank 0's shared
+    memory); numba's first launch of the kernel has no clusters and takes the counter path. Both
+    give the same result bit for bit, within the matmul bound, and so does a weight whose launches
+    have no clusters (QCORE_CUDA_FRAGMENT_CLUSTERS=0)."""
+    from qcore_cuda import _launch, frag
+
+    k_, n_ = K_, 4096  # 32 strips: 4 k-splits, the last with fewer pairs than the others
+    w = sample_x((k_, n_), seed=53)
+    x = _x(54, k_)
+    W = REF.dequantize(REF.quantize(w, "q4s/block32:f16")).astype(np.float64)
+    results = {}
+    for clusters in (True, False):
+        if not clusters:
+            monkeypatch.setenv(frag.CLUSTER_ENV, "0")
+        qw = cuda_backend.from_data(REF.into_data(REF.quantize(w, "q4s/block32:f16")))
+        first, n = _taken(cuda_backend, x, qw)  # the dispatcher: no clusters
+        assert n == 1
+        st = qw.data.cache[("gemv", 1)][1]
+        ks = st._grid[1]
+        raw_before = _launch.COUNTS["raw"]
+        again = cuda_backend.to_numpy(cuda_backend.matmul(x, qw))
+        assert _launch.COUNTS["raw"] == raw_before + 1, "the second launch was not the packed one"
+        if clusters:
+            assert 2 <= ks <= frag.CLUSTER_MAX and st._cluster == (1, ks, 1)
+            assert st._raw._config not in (None, False), "the packed launch did not run in clusters"
+        else:
+            assert st._cluster is None and st._raw._config is None
+        np.testing.assert_array_equal(again.view(np.uint32), first.view(np.uint32))
+        assert np.all(np.abs(again - x.astype(np.float64) @ W) <= _bound(x, W))
+        results[clusters] = again
+    np.testing.assert_array_equal(results[True].view(np.uint32), results[False].view(np.uint32))

@@ -176,6 +176,23 @@ def test_packed_swap_rejects_what_does_not_fit():
     assert kargs[4] == 3000 and kargs[7].value == 5
 
 
+def test_cluster_launch_config():
+    """A packed launch in thread-block clusters holds one `CUlaunchConfig`: the grid and block in
+    blocks, the cluster shape as its one attribute, no dynamic shared memory (cuda-bindings; no
+    GPU needed)."""
+    from cuda.bindings import driver as cu
+
+    from qcore_cuda._launch import _cluster_config
+
+    cfg = _cluster_config(cu, (64, 4, 1, 512, 1, 1), (1, 4))
+    assert (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ) == (64, 4, 1)
+    assert (cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ) == (512, 1, 1)
+    assert cfg.sharedMemBytes == 0 and cfg.numAttrs == 1
+    attr = cfg.attrs[0]
+    assert attr.id == cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    assert (attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z) == (1, 4, 1)
+
+
 _INTERNALS = """
 import json
 from numba.cuda import dispatcher

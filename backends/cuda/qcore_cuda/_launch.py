@@ -17,6 +17,12 @@ them; a test calls it, so an upgrade that moves them fails that test instead of 
 silently. At run time anything unexpected (the simulator, another numba-cuda layout, a swapped
 array of another shape or dtype) takes the dispatcher path, so a launch is never wrong, at worst
 as slow as the dispatcher. `QCORE_CUDA_PACKED=0` turns packing off.
+
+A `Packed` made with `cluster=(cx, cy, cz)` launches its packed form in thread-block clusters of
+that shape (`cuLaunchKernelEx` with the cluster attribute; cuda.core's `LaunchConfig(cluster=)`
+where the driver refuses that). numba's dispatcher has no clusters, so the first launch, and any
+launch that falls back to the dispatcher, runs without them: a kernel packed this way must give
+the same results with clusters of one block (`intrin.cluster_size()` tells it which).
 """
 from __future__ import annotations
 
@@ -122,9 +128,10 @@ class Packed:
     No reference to a passed value outlives the call."""
 
     def __init__(self, dispatcher: Any, griddim: tuple, blockdim: tuple, args: Sequence[Any],
-                 dynamic: Sequence[int]):
+                 dynamic: Sequence[int], cluster: tuple | None = None):
         self._disp = dispatcher
         self._grid, self._block = griddim, blockdim
+        self._cluster = cluster  # blocks per cluster of the packed launches (None: no clusters)
         self._args = list(args)
         self._dynamic = tuple(dynamic)
         self._state: Any = None  # None: not packed yet; False: dispatcher only; else the packed launch
@@ -163,7 +170,8 @@ class Packed:
                         self._disp[self._grid, self._block, s.numba](*args)  # compiles on first use
                     self._state = self._pack(args) if _enabled() else False
                     if self._state:
-                        self._raw = _RawLaunch.build(self._state[3], self._grid, self._block, self._state[4])
+                        self._raw = _RawLaunch.build(self._state[3], self._grid, self._block, self._state[4],
+                                                     self._cluster)
                         self._raw_pos = tuple(pos for _, _, pos, _ in self._swaps)
                 elif self._state is False or not self._swap(values):
                     COUNTS["dispatcher"] += 1
@@ -230,10 +238,14 @@ class Packed:
                 else:
                     return False
             self._swaps = swaps
+            grid, extra = self._grid, {}
+            if self._cluster is not None:  # cuda.core counts the grid in clusters
+                g3 = tuple(grid) + (1,) * (3 - len(grid))
+                grid, extra = tuple(g // c for g, c in zip(g3, self._cluster)), {"cluster": tuple(self._cluster)}
             try:
-                config = LaunchConfig(grid=self._grid, block=self._block, shmem_size=0, is_cooperative=False)
+                config = LaunchConfig(grid=grid, block=self._block, shmem_size=0, is_cooperative=False, **extra)
             except TypeError:  # cuda.core < 1.0 spells it cooperative_launch
-                config = LaunchConfig(grid=self._grid, block=self._block, shmem_size=0, cooperative_launch=False)
+                config = LaunchConfig(grid=grid, block=self._block, shmem_size=0, cooperative_launch=False, **extra)
             return launch, _numba_default_stream(), config, _numba_cufunc(kernel), kargs
         except Exception:  # any other numba-cuda: the dispatcher path
             return False
@@ -288,9 +300,10 @@ class _RawLaunch:
     """One packed argument list as ctypes values and a `void*[]` of their addresses: a launch is
     `cuLaunchKernel(kernel, grid, block, 0, stream, params)`, and a swap writes a value in place.
     The kernel is numba's `CUkernel` (cuda.core's library kernel), which `cuLaunchKernel` takes
-    for a `CUfunction` in the current context (CUDA 12+)."""
+    for a `CUfunction` in the current context (CUDA 12+). With `cluster`, a launch is
+    `cuLaunchKernelEx` with a launch configuration (the cluster attribute) made once."""
 
-    def __init__(self, fn: int, grid: tuple, block: tuple, values: list):
+    def __init__(self, fn: int, grid: tuple, block: tuple, values: list, cluster: tuple | None = None):
         from cuda.bindings import driver as cu
 
         self._cu = cu
@@ -298,12 +311,14 @@ class _RawLaunch:
         self._ok = cu.CUresult.CUDA_SUCCESS
         self._fn = fn
         self._dims = tuple(grid) + (1,) * (3 - len(grid)) + tuple(block) + (1,) * (3 - len(block))
+        self._config = None if cluster is None else _cluster_config(cu, self._dims, cluster)
         self._values = values
         self._params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
         self._addr = ctypes.addressof(self._params)
 
     @classmethod
-    def build(cls, kernel: Any, grid: Any, block: Any, kargs: list) -> "_RawLaunch | None":
+    def build(cls, kernel: Any, grid: Any, block: Any, kargs: list,
+              cluster: tuple | None = None) -> "_RawLaunch | None":
         """The C form of a packed list (numba's ints are 8-byte values, its ctypes values kept as
         their own type), or None where anything does not fit (the cuda.core path then)."""
         try:
@@ -320,7 +335,7 @@ class _RawLaunch:
                     return None
             grid = (grid,) if isinstance(grid, int) else tuple(grid)
             block = (block,) if isinstance(block, int) else tuple(block)
-            return cls(int(kernel.handle), grid, block, values)
+            return cls(int(kernel.handle), grid, block, values, cluster)
         except Exception:
             return None
 
@@ -331,5 +346,30 @@ class _RawLaunch:
     def __call__(self, stream: int) -> bool:
         """Launch on the stream handle; False if the driver refuses it (no current context on this
         thread, a driver without `CUkernel` launches): the caller then launches through cuda.core."""
+        cfg = self._config
+        if cfg is not None:
+            if cfg is False:
+                return False
+            try:
+                cfg.hStream = stream
+                return self._cu.cuLaunchKernelEx(cfg, self._fn, self._addr, 0)[0] == self._ok
+            except Exception:  # noqa: BLE001 - bindings that want these values otherwise: cuda.core's path from now on
+                self._config = False
+                return False
         gx, gy, gz, bx, by, bz = self._dims
         return self._launch(self._fn, gx, gy, gz, bx, by, bz, 0, stream, self._addr, 0)[0] == self._ok
+
+
+def _cluster_config(cu: Any, dims: tuple, cluster: tuple) -> Any:
+    """A `CUlaunchConfig` for grid and block `dims` (six ints) in clusters of shape `cluster` (the
+    stream is set at each launch; no dynamic shared memory)."""
+    cfg = cu.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = dims
+    cfg.sharedMemBytes = 0
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    c3 = tuple(cluster) + (1,) * (3 - len(cluster))
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = c3
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    return cfg

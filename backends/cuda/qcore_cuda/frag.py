@@ -37,9 +37,12 @@ block split its k-tiles in pairs (each step loads two k-tiles: 2 KiB a warp) wit
 sets alternating, so one step's loads are in flight while the other computes. Under the
 simulator every warp of a block runs the same steps (its mma twin needs every thread at each
 call): the steps past a warp's range read the strip's first pair with B zero. The warps' sums
-meet in shared memory in warp order; the blocks write partial sums and the last block of a
-strip to finish adds them in split order (a counter per strip, after a fence), as in `gemv.py`:
-results repeat bit for bit.
+meet in shared memory in warp order. A strip's k-splits are launched as one thread-block
+cluster (`cluster_dims`: up to `CLUSTER_MAX` splits, sm_90): the other splits store their sums
+into rank 0's shared memory and rank 0 adds them in split order after one cluster barrier. A
+launch without clusters (numba's first launch, more splits, `CLUSTER_ENV=0`) writes partial sums
+and the last block of a strip to finish adds them in the same order (a counter per strip, after
+a fence), as in `gemv.py`. Either way results repeat bit for bit.
 
 Eligible (`applies`): 4-bit integer codes on the GEMV's geometry with N a multiple of 128, scale
 blocks of at least 32 columns (or one per tensor), K a multiple of 32 and at least `MIN_K`; M = 1.
@@ -58,8 +61,8 @@ from qcore.scheme import QuantScheme, ScaleDtype
 from . import fast, gemv
 from .devmath import two_level_e
 from .gemv import Q_K, Q_KS, Q_LB, Q_N, Q_NWR, Q_RPB, Q_TWO
-from .intrin import (abs_bits_m1, bf16x2_rn, code4_bf16x2, f16_bits, f16x2_f32, f2u, fmax_nan, ld1, ld2, ld4,
-                     ldcg_f32, mma_bf16, u2f)
+from .intrin import (abs_bits_m1, bf16x2_rn, cluster_arrive, cluster_size, cluster_sync, cluster_wait, code4_bf16x2,
+                     f16_bits, f16x2_f32, f2u, fmax_nan, ld1, ld2, ld4, ldcg_f32, mma_bf16, st_cluster_f32, u2f)
 
 STRIP = 128  # columns per strip: 8 A tiles of 16, four 32-column scale groups
 TILE_WORDS = 256  # u32 words of codes per chunk (8 tiles x 32 lanes)
@@ -67,12 +70,14 @@ WARPS = 8 if config.ENABLE_CUDASIM else 16  # warps per block (the simulator: ha
 PER_SM = 1  # resident blocks per SM the grid is sized for (128 registers)
 RANGE_BLOCKS = 32  # blocks of `k_frag_erange`: each leaves its (max, min) of |e| in the copy's tail
 RANGE_THREADS = 32 if config.ENABLE_CUDASIM else 256  # its threads per block (the simulator's cost is per thread)
+CLUSTER_MAX = 8  # k-splits a strip may have to meet in one thread-block cluster (the portable cluster size)
 REGS = 128
 MIN_K = 512  # the split's 2**-16 per term is a quarter of the bound's K * 2**-23 here
 SCR = 384  # simulator: f32 scratch per warp for the mma twin (A 16 x 16, B 16 x 8)
 TINY = 2.0 ** -100  # a nonzero |x * e| below (or above HUGE, or not finite): the FFMA fallback
 HUGE = 2.0 ** 100
 ENV = "QCORE_CUDA_FRAGMENT_GEMV"  # "0": never make the fragment copy (the FFMA GEMV instead)
+CLUSTER_ENV = "QCORE_CUDA_FRAGMENT_CLUSTERS"  # "0": k-splits meet through global memory only
 
 
 def enabled() -> bool:
@@ -249,6 +254,7 @@ def _frag_kernel(half: bool):
     masked = bool(config.ENABLE_CUDASIM)  # every warp the same steps (the simulator's mma twin)
     cstep = 2 * cw  # u32 words per pair of k-tiles
     tail = chunk_words(half)  # (the range pairs follow the chunks: `copy_words`)
+    xch_n = (CLUSTER_MAX - 1) * STRIP
 
     @cuda.jit(device=True, inline="always")
     def load(frag, x, wv, xv, ev, ci, xi, lane, g, t):
@@ -325,6 +331,7 @@ def _frag_kernel(half: bool):
         scr = cuda.shared.array(scr_n, float32)
         last = cuda.shared.array(1, int32)
         rng = cuda.shared.array(4, uint32)  # max |x| bits, min nonzero |x| bits - 1, the same of |e|
+        xch = cuda.shared.array(xch_n, float32)  # rank 0 of a cluster: the other k-splits' sums
         acc = cuda.local.array(32, float32)
         wa = cuda.local.array(16, uint32)
         xa = cuda.local.array(8, float32)
@@ -353,6 +360,8 @@ def _frag_kernel(half: bool):
         w1 = min(w0 + ppw, p1)
         nreal = w1 - w0
         nst = ppw if masked else nreal  # steps (masked: the same for every warp)
+        if ks > int64(1) and int64(cluster_size()) == ks:
+            cluster_arrive()  # (waited for before the sums meet: every block of the cluster has started)
         for a in range(32):
             acc[a] = float32(0.0)
         if tid == int64(0):
@@ -426,6 +435,18 @@ def _frag_kernel(half: bool):
             if tid < int64(STRIP):
                 out[m0 * N + col] = v
             return
+        if int64(cluster_size()) == ks:  # the strip's k-splits are one cluster: sums via rank 0's shared memory
+            cluster_wait()
+            if by > int64(0) and tid < int64(STRIP):
+                st_cluster_f32(xch, (by - int64(1)) * int64(STRIP) + tid, uint32(0), v)
+            cluster_sync()
+            if by == int64(0) and tid < int64(STRIP):
+                s2 = float32(0.0)
+                s2 += v
+                for b in range(1, ks):
+                    s2 += xch[(b - int64(1)) * int64(STRIP) + tid]
+                out[m0 * N + col] = s2
+            return
         if tid < int64(STRIP):
             part[by * N + col] = v
         cuda.threadfence()
@@ -458,6 +479,17 @@ def ptx_targets():
     return ([(f"k_frag[{int(h)}]", _frag_kernel(h), SIG, REGS) for h in (True, False)]
             + [(f"k_frag_pack[{int(h)}]", _pack_kernel(h), PACK_SIG, None) for h in (True, False)]
             + [("k_frag_erange", k_frag_erange.py_func, ERANGE_SIG, None)])
+
+
+def cluster_dims(grid: tuple) -> tuple | None:
+    """The thread-block clusters a launch of grid `grid` (strips x KS) runs in: one cluster per
+    strip, (1, KS, 1), for 2 <= KS <= `CLUSTER_MAX` on a GPU (their sums meet in rank 0's shared
+    memory); None (the k-splits meet through global memory) under the simulator, for one split or
+    more than `CLUSTER_MAX`, or with `CLUSTER_ENV` set to "0"."""
+    ks = int(grid[1])
+    if config.ENABLE_CUDASIM or not 2 <= ks <= CLUSTER_MAX or os.environ.get(CLUSTER_ENV, "1") == "0":
+        return None
+    return (1, ks, 1)
 
 
 def buffers(Q: np.ndarray, half: bool):

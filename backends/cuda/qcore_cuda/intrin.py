@@ -44,6 +44,15 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
 * `bf16x2_rn(hi, lo)`: two f32 rounded to nearest-even bf16, `hi` in the upper half
   (`cvt.rn.bf16x2.f32`); the caller passes finite values below bf16's largest.
 * `f16x2_f32(u)`: the two f16 of `u` as f32 (low half first), exact.
+* Thread-block clusters (sm_90): `cluster_size()` is the launch's blocks per cluster (1 for a
+  launch without clusters); `st_cluster_f32(sh, i, rank, v)` stores `v` at `sh[i]` of the block
+  of rank `rank` in the cluster (`sh` a shared array: `mapa` + `st.shared::cluster`);
+  `cluster_sync()` is the cluster-wide barrier (`barrier.cluster.arrive.release` + `wait.acquire`: every thread of every
+  block of the cluster calls it, and the stores before it are visible after it);
+  `cluster_arrive()` / `cluster_wait()` are its two halves without ordering (`arrive.relaxed`,
+  then `wait`): arrive at a kernel's start and wait before the first store into another block's
+  shared memory, and every block of the cluster has started by then. The simulator
+  runs no clusters: size 1, and the store is into the block's own array.
 """
 from __future__ import annotations
 
@@ -201,6 +210,21 @@ if config.ENABLE_CUDASIM:
         u = int(u)
         return (np.float32(np.uint16(u & 0xFFFF).view(np.float16)),
                 np.float32(np.uint16((u >> 16) & 0xFFFF).view(np.float16)))
+
+    def cluster_size():
+        return np.uint32(1)
+
+    def st_cluster_f32(sh, i, rank, v):
+        sh[i] = v  # (a cluster of one block: its own shared memory)
+
+    def cluster_sync():
+        return None
+
+    def cluster_arrive():
+        return None
+
+    def cluster_wait():
+        return None
 
     @_cuda_sim.jit(device=True)
     def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base):
@@ -483,3 +507,50 @@ else:
             return context.make_tuple(builder, ret, [builder.extract_value(r, 0), builder.extract_value(r, 1)])
 
         return ret(u), codegen
+
+    @intrinsic
+    def cluster_size(typingctx):
+        def codegen(context, builder, sig, args):
+            f = ir.InlineAsm(ir.FunctionType(_I32, []), "mov.u32 $0, %cluster_nctarank;", "=r", side_effect=True)
+            return builder.call(f, [])
+
+        return types.uint32(), codegen
+
+    @intrinsic
+    def st_cluster_f32(typingctx, sh, i, rank, v):
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+            p = builder.gep(ary.data, [context.cast(builder, args[1], sig.args[1], types.int64)])
+            f = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I64, _I32, _F32]),
+                             "{ .reg .u64 g; .reg .u32 s, d; cvta.to.shared.u64 g, $0; cvt.u32.u64 s, g; "
+                             "mapa.shared::cluster.u32 d, s, $1; st.shared::cluster.f32 [d], $2; }",
+                             "l,r,f,~{memory}", side_effect=True)
+            builder.call(f, [builder.ptrtoint(p, _I64), context.cast(builder, args[2], sig.args[2], types.uint32),
+                             context.cast(builder, args[3], sig.args[3], types.float32)])
+            return context.get_dummy_value()
+
+        return types.void(sh, i, rank, v), codegen
+
+    def _cluster_barrier(text: str):
+        def typer(typingctx):
+            def codegen(context, builder, sig, args):
+                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return typer
+
+    @intrinsic
+    def cluster_arrive(typingctx):
+        return _cluster_barrier("barrier.cluster.arrive.relaxed.aligned;")(typingctx)
+
+    @intrinsic
+    def cluster_wait(typingctx):
+        return _cluster_barrier("barrier.cluster.wait.aligned;")(typingctx)
+
+    @intrinsic
+    def cluster_sync(typingctx):
+        return _cluster_barrier("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;")(
+            typingctx)
+

@@ -86,12 +86,13 @@ def run_packed_values(st: tuple, xptr: int, optr: int, m: int, handle: int) -> b
 
 
 def _packed(c: MatmulCall, kern: Any, mb: int, q: Any, grid: Any, block: Any, part: Any, cnt: Any,
-            extra: list) -> tuple:
+            extra: list, cluster: tuple | None = None) -> tuple:
     """Pack a GEMV-family launch once per (weight, m): x, out, m0 and the row count change from
-    call to call (`dynamic`); the backend runs it directly on later calls."""
+    call to call (`dynamic`); the backend runs it directly on later calls (in thread-block
+    clusters of shape `cluster`, if given: `_launch.Packed`)."""
     pp = c.be._prepared(c.data.shape, c.data.scheme, "minmax")
     args = [c.xd, c.be._code_words(c.data), c.scales, c.gbuf, pp["lut"], part, cnt, c.out, q, 0, mb] + extra
-    st = c.data.cache[("gemv", c.m)] = (mb, Packed(kern, grid, block, args, dynamic=(0, 7, 9, 10)))
+    st = c.data.cache[("gemv", c.m)] = (mb, Packed(kern, grid, block, args, dynamic=(0, 7, 9, 10), cluster=cluster))
     return st
 
 
@@ -127,7 +128,7 @@ class FragmentGemvMatmul:
             if "frag" not in c.data.cache:
                 c.data.cache["frag"] = fragment_copy(c.be, c.data, c.scales, c.gbuf, c.gemv_geometry[1])
             kern, mb, q, grid, block, part, cnt = frag.buffers(c.gemv_geometry[1], half)
-            st = _packed(c, kern, mb, q, grid, block, part, cnt, [c.data.cache["frag"]])
+            st = _packed(c, kern, mb, q, grid, block, part, cnt, [c.data.cache["frag"]], frag.cluster_dims(grid))
         run_packed(st, c.xd, c.out, c.m, c.s)
 
 
