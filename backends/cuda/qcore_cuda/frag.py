@@ -24,13 +24,13 @@ parts, `hi` = v rounded to 8 significant bits and `lo` = the rest rounded again 
 serves the strip's 8 tiles (tile i reads group i // 2's columns of C). The codes are exact in
 bf16 and the tensor core's products exact, so each term is off by at most 2**-16 of itself plus
 the f32 accumulation: inside the conformance bound (`matmul_rel * K * 2**-24 * (|x| @ |W|)`)
-from K = `MIN_K`. The split needs normal parts: a block checks the range of its rows of x
-(read from L2 after its main loop) against the range of |e| over the weight (`k_frag_erange`,
-after the chunks in the copy); where some nonzero |x| * |e| may lie below 2**-100 or above
-2**100 (or x or e is not finite), it sums its columns again with FFMA in k order from the
-payload (`exact_sums`), so tiny, huge, infinite and NaN inputs get the FFMA kernel's arithmetic.
-The check is by ranges, so a block can fall back where no single product leaves the range; the
-fallback is correct, only slower.
+from K = `MIN_K`. The split needs normal parts: a block checks the range of its rows of x (a
+thread's first 8 loaded during its warp's last mma step) against the range of |e| over the
+weight (`k_frag_erange`, after the chunks in the copy); where some nonzero |x| * |e| may lie
+below 2**-100 or above 2**100 (or x or e is not finite), it sums its columns again with FFMA in
+k order from the payload (`exact_sums`), so tiny, huge, infinite and NaN inputs get the FFMA
+kernel's arithmetic. The check is by ranges, so a block can fall back where no single product
+leaves the range; the fallback is correct, only slower.
 
 Grid: strips x KS k-splits (about `PER_SM` blocks of `WARPS` warps per SM); the warps of a
 block split its k-tiles in pairs (each step loads two k-tiles: 2 KiB a warp) with two register
@@ -299,16 +299,25 @@ def _frag_kernel(half: bool):
                     acc[4 * i + 3], scr, lane, base)
 
     @cuda.jit(device=True, inline="always")
-    def step(frag, x, wn, xn, en, wc, xc, ec, acc, part_b, s, nst, nreal, ci, xi, ci0, xi0, lane, g, t, scr, base):
-        """Step s of the pipeline: pair s + 1's loads into set n (its chunk and x indices from s
-        and the warp's first pair's `ci`, `xi`; masked: a step past the warp's range reads the
-        strip's first pair), then set c's mma of pair s."""
-        if s + int64(1) < nst:
-            nci, nxi = ci + (s + int64(1)) * cstep, xi + (s + int64(1)) * int64(32)
-            if masked and s + int64(1) >= nreal:
-                nci, nxi = ci0, xi0
-            load(frag, x, wn, xn, en, nci, nxi, lane, g, t)
+    def step(frag, x, wn, xn, en, wc, xc, ec, acc, part_b, s, nreal, ci, xi, ci0, xi0, lane, g, t, scr, base):
+        """Step s of the pipeline, not the last: pair s + 1's loads into set n (its chunk and x
+        indices from s and the warp's first pair's `ci`, `xi`; masked: a step past the warp's
+        range reads the strip's first pair), then set c's mma of pair s."""
+        nci, nxi = ci + (s + int64(1)) * cstep, xi + (s + int64(1)) * int64(32)
+        if masked and s + int64(1) >= nreal:
+            nci, nxi = ci0, xi0
+        load(frag, x, wn, xn, en, nci, nxi, lane, g, t)
         compute(wc, xc, ec, acc, part_b, s < nreal, scr, lane, base)
+
+    @cuda.jit(device=True, inline="always")
+    def last_step(x, xn, wc, xc, ec, acc, part_b, ok, xr, xr_on, scr, lane, base):
+        """The warp's last step: the thread's first 8 rows of x for the block's range check into
+        set n's x (from `xr`, when `xr_on`), so that their wait overlaps the last mma; then set
+        c's mma."""
+        if xr_on:
+            xn[0], xn[1], xn[2], xn[3] = ld4(x, xr)
+            xn[4], xn[5], xn[6], xn[7] = ld4(x, xr + int64(4))
+        compute(wc, xc, ec, acc, part_b, ok, scr, lane, base)
 
     @cuda.jit(device=True, inline="always")
     def x_range(xmax, xmin, a):
@@ -381,20 +390,31 @@ def _frag_kernel(half: bool):
         emin = uint32(0xFFFFFFFF)
         if tid < int64(RANGE_BLOCKS):
             emax, emin = ld2(frag, (N // int64(STRIP)) * nkt * int64(tail) + tid * int64(2))
+        # and the block's x range: 8 rows a thread in two vector loads per pass of 8 * nt rows,
+        # the first pass's loads in the warp's last step (before the loop, their wait delayed the
+        # pipeline's second loads; after it, they added their whole wait to the block's end)
+        k = p0 * int64(32) + tid * int64(8)
+        xr_on = k < p1 * int64(32)
         s = int64(0)
-        while s < nst:  # pairs alternate between register sets a and b
-            step(frag, x, wb, xb, eb, wa, xa, ea, acc, part_b, s, nst, nreal, ci, xi, ci0, xi0, lane, g, t, scr, base)
-            if s + int64(1) >= nst:
+        while s + int64(1) < nst:  # pairs alternate between register sets a and b
+            step(frag, x, wb, xb, eb, wa, xa, ea, acc, part_b, s, nreal, ci, xi, ci0, xi0, lane, g, t, scr, base)
+            if s + int64(2) >= nst:
                 break
-            step(frag, x, wa, xa, ea, wb, xb, eb, acc, part_b, s + int64(1), nst, nreal, ci, xi, ci0, xi0, lane, g, t,
+            step(frag, x, wa, xa, ea, wb, xb, eb, acc, part_b, s + int64(1), nreal, ci, xi, ci0, xi0, lane, g, t,
                  scr, base)
             s += int64(2)
-        # and the block's x range, after the loop (its rows are in L2 by then: every strip reads
-        # them; read before the loop, their wait delayed the pipeline's second loads), 8 rows a
-        # thread in two vector loads per pass (one pass for up to 8 * nt rows)
+        in_b = (nst & int64(1)) == int64(1)  # the last pair (nst - 1) is in set a, and x's rows go to b
+        if nst > int64(0):
+            if in_b:
+                last_step(x, xb, wa, xa, ea, acc, part_b, nst - int64(1) < nreal, xoff + k, xr_on, scr, lane, base)
+            else:
+                last_step(x, xa, wb, xb, eb, acc, part_b, nst - int64(1) < nreal, xoff + k, xr_on, scr, lane, base)
         xmax = float32(0.0)
         xmin = uint32(0xFFFFFFFF)
-        k = p0 * int64(32) + tid * int64(8)
+        if nst > int64(0) and xr_on:  # the first pass, loaded by the last step
+            for j in range(8):
+                xmax, xmin = x_range(xmax, xmin, xb[j] if in_b else xa[j])
+            k += int64(8 * nt)
         while k < p1 * int64(32):
             a0, a1, a2, a3 = ld4(x, xoff + k)
             a4, a5, a6, a7 = ld4(x, xoff + k + int64(4))
