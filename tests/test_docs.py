@@ -56,3 +56,9 @@ def test_gpu_targets_are_judged_from_the_results():
     assert figures["`q8s/block32:f16` dequantize call >= 0.85x copy"] == "0.849x"  # not "0.85x" beside "no"
     assert dict((n, ok) for n, _, ok in report.gpu_targets(res))[
         "`q8s/block32:f16` dequantize call >= 0.85x copy"] is False
+    res["gemv"][0]["speedup_kern"] = 2.4969
+    figures = {name: fig for name, fig, _ in report.gpu_targets(res)}
+    assert figures["M = 1 GEMV kernel >= 2.5x torch fp16"] == "2.497x"  # not "2.50x" beside "no"
+    res["gemv"][0]["speedup_kern"] = 2.5031
+    figures = {name: fig for name, fig, _ in report.gpu_targets(res)}
+    assert figures["M = 1 GEMV kernel >= 2.5x torch fp16"] == "2.50x"
