@@ -124,7 +124,7 @@ back-to-back**: the wall time per call of 100 calls in a row (a decode step's ma
 kept busy; median of 9. One call after a synchronisation, with the host's caches cold, costs
 qcore's Python path and torch's C++ call about 1.3-2.8x their back-to-back time; a call
 timed right after calls of other shapes (no run of its own) costs both 2-5x. Host times swing
-with the lent machine's host: over eight runs of this command on lent H200 hosts (2026-12-03)
+with the lent machine's host: over nine runs of this command on lent H200 hosts (2026-12-03)
 the slowest of M <= 16, one call after a synchronisation, ranges from 18.4 µs (torch 21.9) to
 48.8 µs (torch 63.0).
 """
