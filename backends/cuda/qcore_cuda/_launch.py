@@ -240,8 +240,8 @@ class Packed:
             self._swaps = swaps
             grid, extra = self._grid, {}
             if self._cluster is not None:  # cuda.core counts the grid in clusters
-                g3 = tuple(grid) + (1,) * (3 - len(grid))
-                grid, extra = tuple(g // c for g, c in zip(g3, self._cluster)), {"cluster": tuple(self._cluster)}
+                grid = tuple(g // c for g, c in zip(_dim3(grid), _dim3(self._cluster)))
+                extra = {"cluster": _dim3(self._cluster)}
             try:
                 config = LaunchConfig(grid=grid, block=self._block, shmem_size=0, is_cooperative=False, **extra)
             except TypeError:  # cuda.core < 1.0 spells it cooperative_launch
@@ -310,7 +310,7 @@ class _RawLaunch:
         self._launch = cu.cuLaunchKernel
         self._ok = cu.CUresult.CUDA_SUCCESS
         self._fn = fn
-        self._dims = tuple(grid) + (1,) * (3 - len(grid)) + tuple(block) + (1,) * (3 - len(block))
+        self._dims = _dim3(grid) + _dim3(block)
         self._config = None if cluster is None else _cluster_config(cu, self._dims, cluster)
         self._values = values
         self._params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
@@ -333,8 +333,6 @@ class _RawLaunch:
                     values.append(ctypes.c_uint64(v) if v >= 2**63 else ctypes.c_int64(v))
                 else:
                     return None
-            grid = (grid,) if isinstance(grid, int) else tuple(grid)
-            block = (block,) if isinstance(block, int) else tuple(block)
             return cls(int(kernel.handle), grid, block, values, cluster)
         except Exception:
             return None
@@ -360,6 +358,12 @@ class _RawLaunch:
         return self._launch(self._fn, gx, gy, gz, bx, by, bz, 0, stream, self._addr, 0)[0] == self._ok
 
 
+def _dim3(d: Any) -> tuple:
+    """A launch dimension (an int or a tuple of up to three) as three ints."""
+    d = (d,) if isinstance(d, int) else tuple(d)
+    return d + (1,) * (3 - len(d))
+
+
 def _cluster_config(cu: Any, dims: tuple, cluster: tuple) -> Any:
     """A `CUlaunchConfig` for grid and block `dims` (six ints) in clusters of shape `cluster` (the
     stream is set at each launch; no dynamic shared memory)."""
@@ -368,8 +372,7 @@ def _cluster_config(cu: Any, dims: tuple, cluster: tuple) -> Any:
     cfg.sharedMemBytes = 0
     attr = cu.CUlaunchAttribute()
     attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    c3 = tuple(cluster) + (1,) * (3 - len(cluster))
-    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = c3
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = _dim3(cluster)
     cfg.attrs = [attr]
     cfg.numAttrs = 1
     return cfg

@@ -461,7 +461,7 @@ def _frag_kernel(half: bool):
                 st_cluster_f32(xch, (by - int64(1)) * int64(STRIP) + tid, uint32(0), v)
             cluster_sync()
             if by == int64(0) and tid < int64(STRIP):
-                s2 = float32(0.0)
+                s2 = float32(0.0)  # (0 + v, as the counter path adds: -0 becomes +0 either way)
                 s2 += v
                 for b in range(1, ks):
                     s2 += xch[(b - int64(1)) * int64(STRIP) + tid]

@@ -47,12 +47,12 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
 * Thread-block clusters (sm_90): `cluster_size()` is the launch's blocks per cluster (1 for a
   launch without clusters); `st_cluster_f32(sh, i, rank, v)` stores `v` at `sh[i]` of the block
   of rank `rank` in the cluster (`sh` a shared array: `mapa` + `st.shared::cluster`);
-  `cluster_sync()` is the cluster-wide barrier (`barrier.cluster.arrive.release` + `wait.acquire`: every thread of every
-  block of the cluster calls it, and the stores before it are visible after it);
-  `cluster_arrive()` / `cluster_wait()` are its two halves without ordering (`arrive.relaxed`,
-  then `wait`): arrive at a kernel's start and wait before the first store into another block's
-  shared memory, and every block of the cluster has started by then. The simulator
-  runs no clusters: size 1, and the store is into the block's own array.
+  `cluster_sync()` is the cluster-wide barrier (`barrier.cluster.arrive.release` +
+  `wait.acquire`: every thread of every block of the cluster calls it, and the stores before it
+  are visible after it); `cluster_arrive()` / `cluster_wait()` are its two halves without
+  ordering (`arrive.relaxed`, then `wait`): arrive at a kernel's start and wait before the first
+  store into another block's shared memory, and every block of the cluster has started by then.
+  The simulator runs no clusters: size 1, and the store is into the block's own array.
 """
 from __future__ import annotations
 
@@ -553,4 +553,3 @@ else:
     def cluster_sync(typingctx):
         return _cluster_barrier("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;")(
             typingctx)
-
