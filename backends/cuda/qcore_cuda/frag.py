@@ -32,17 +32,18 @@ k order from the payload (`exact_sums`), so tiny, huge, infinite and NaN inputs 
 kernel's arithmetic. The check is by ranges, so a block can fall back where no single product
 leaves the range; the fallback is correct, only slower.
 
-Grid: strips x KS k-splits (about `PER_SM` blocks of `WARPS` warps per SM); the warps of a
-block split its k-tiles in pairs (each step loads two k-tiles: 2 KiB a warp) with two register
-sets alternating, so one step's loads are in flight while the other computes. Under the
-simulator every warp of a block runs the same steps (its mma twin needs every thread at each
-call): the steps past a warp's range read the strip's first pair with B zero. The warps' sums
-meet in shared memory in warp order. A strip's k-splits are launched as one thread-block
-cluster (`cluster_dims`: up to `CLUSTER_MAX` splits, sm_90): the other splits store their sums
-into rank 0's shared memory and rank 0 adds them in split order after one cluster barrier. A
-launch without clusters (numba's first launch, more splits, `CLUSTER_ENV=0`) writes partial sums
-and the last block of a strip to finish adds them in the same order (a counter per strip, after
-a fence), as in `gemv.py`. Either way results repeat bit for bit.
+Grid: strips x KS k-splits (about `PER_SM` blocks of `WARPS` warps per SM); the warps of a block
+split its k-tiles in pairs (each step loads two k-tiles: 2 KiB a warp) with two register sets
+alternating, so one step's loads are in flight while the other computes. Under the simulator
+every warp of a block runs the same steps (its mma twin needs every thread at each call): the
+steps past a warp's range read the strip's first pair with B zero. The warps' sums meet in
+shared memory in warp order. A strip's k-splits are launched as one thread-block cluster
+(`cluster_dims`: up to `CLUSTER_MAX` splits, sm_90): the other splits store their sums into rank
+0's shared memory (`st.async`, each counted on rank 0's mbarrier) and exit; rank 0 waits for the
+mbarrier and adds them in split order. A launch without clusters (numba's first launch, more
+splits, `CLUSTER_ENV=0`) writes partial sums and the last block of a strip to finish adds them
+in the same order (a counter per strip, after a fence), as in `gemv.py`. Either way results
+repeat bit for bit.
 
 Eligible (`applies`): 4-bit integer codes on the GEMV's geometry with N a multiple of 128, scale
 blocks of at least 32 columns (or one per tensor), K a multiple of 32 and at least `MIN_K`; M = 1.
@@ -61,8 +62,9 @@ from qcore.scheme import QuantScheme, ScaleDtype
 from . import fast, gemv
 from .devmath import two_level_e
 from .gemv import Q_K, Q_KS, Q_LB, Q_N, Q_NWR, Q_RPB, Q_TWO
-from .intrin import (abs_bits_m1, bf16x2_rn, cluster_arrive, cluster_size, cluster_sync, cluster_wait, code4_bf16x2,
-                     f16_bits, f16x2_f32, f2u, fmax_nan, ld1, ld2, ld4, ldcg_f32, mma_bf16, st_cluster_f32, u2f)
+from .intrin import (abs_bits_m1, bf16x2_rn, cluster_arrive, cluster_size, cluster_wait, code4_bf16x2, f16_bits,
+                     f16x2_f32, f2u, fmax_nan, ld1, ld2, ld4, ldcg_f32, mbar_init_expect, mbar_try_wait, mma_bf16,
+                     st_async_f32, u2f)
 
 STRIP = 128  # columns per strip: 8 A tiles of 16, four 32-column scale groups
 TILE_WORDS = 256  # u32 words of codes per chunk (8 tiles x 32 lanes)
@@ -341,6 +343,7 @@ def _frag_kernel(half: bool):
         last = cuda.shared.array(1, int32)
         rng = cuda.shared.array(4, uint32)  # max |x| bits, min nonzero |x| bits - 1, the same of |e|
         xch = cuda.shared.array(xch_n, float32)  # rank 0 of a cluster: the other k-splits' sums
+        mbar = cuda.shared.array(1, int64)  # rank 0 of a cluster: complete when those sums have landed
         acc = cuda.local.array(32, float32)
         wa = cuda.local.array(16, uint32)
         xa = cuda.local.array(8, float32)
@@ -370,6 +373,8 @@ def _frag_kernel(half: bool):
         nreal = w1 - w0
         nst = ppw if masked else nreal  # steps (masked: the same for every warp)
         if ks > int64(1) and int64(cluster_size()) == ks:
+            if by == int64(0) and tid == int64(0):  # expects the other splits' 4 * STRIP bytes each
+                mbar_init_expect(mbar, uint32(4 * STRIP) * uint32(ks - int64(1)))
             cluster_arrive()  # (waited for before the sums meet: every block of the cluster has started)
         for a in range(32):
             acc[a] = float32(0.0)
@@ -457,10 +462,13 @@ def _frag_kernel(half: bool):
             return
         if int64(cluster_size()) == ks:  # the strip's k-splits are one cluster: sums via rank 0's shared memory
             cluster_wait()
-            if by > int64(0) and tid < int64(STRIP):
-                st_cluster_f32(xch, (by - int64(1)) * int64(STRIP) + tid, uint32(0), v)
-            cluster_sync()
-            if by == int64(0) and tid < int64(STRIP):
+            if by > int64(0):
+                if tid < int64(STRIP):
+                    st_async_f32(xch, (by - int64(1)) * int64(STRIP) + tid, uint32(0), v, mbar)
+                return
+            if tid < int64(STRIP):
+                while not mbar_try_wait(mbar):
+                    pass
                 s2 = float32(0.0)  # (0 + v, as the counter path adds: -0 becomes +0 either way)
                 s2 += v
                 for b in range(1, ks):

@@ -45,14 +45,18 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
   (`cvt.rn.bf16x2.f32`); the caller passes finite values below bf16's largest.
 * `f16x2_f32(u)`: the two f16 of `u` as f32 (low half first), exact.
 * Thread-block clusters (sm_90): `cluster_size()` is the launch's blocks per cluster (1 for a
-  launch without clusters); `st_cluster_f32(sh, i, rank, v)` stores `v` at `sh[i]` of the block
-  of rank `rank` in the cluster (`sh` a shared array: `mapa` + `st.shared::cluster`);
-  `cluster_sync()` is the cluster-wide barrier (`barrier.cluster.arrive.release` +
-  `wait.acquire`: every thread of every block of the cluster calls it, and the stores before it
-  are visible after it); `cluster_arrive()` / `cluster_wait()` are its two halves without
-  ordering (`arrive.relaxed`, then `wait`): arrive at a kernel's start and wait before the first
-  store into another block's shared memory, and every block of the cluster has started by then.
-  The simulator runs no clusters: size 1, and the store is into the block's own array.
+  launch without clusters); `cluster_arrive()` / `cluster_wait()` are the two halves of the
+  cluster-wide barrier (`barrier.cluster.arrive.relaxed`, then `wait`): arrive at a kernel's
+  start and wait before the first access to another block's shared memory, and every block of
+  the cluster has started by then.
+* Sums that land in another block's shared memory without a cluster barrier (sm_90):
+  `mbar_init_expect(mb, n)` (one thread of the receiving block, before its `cluster_arrive`)
+  makes `mb[0]` (a shared int64) an mbarrier of one arrival that has arrived and expects `n`
+  bytes, fenced for the cluster; `st_async_f32(sh, i, rank, v, mb)` stores `v` at `sh[i]` of the
+  block of rank `rank` (`st.async`, no wait) and counts its 4 bytes on that block's `mb`;
+  `mbar_try_wait(mb)` is whether the barrier's first phase is complete (every expected byte has
+  landed and is visible to the caller). The simulator runs no clusters: size 1; its twins are
+  a plain store into the block's own array, and complete.
 """
 from __future__ import annotations
 
@@ -214,17 +218,20 @@ if config.ENABLE_CUDASIM:
     def cluster_size():
         return np.uint32(1)
 
-    def st_cluster_f32(sh, i, rank, v):
-        sh[i] = v  # (a cluster of one block: its own shared memory)
-
-    def cluster_sync():
-        return None
-
     def cluster_arrive():
         return None
 
     def cluster_wait():
         return None
+
+    def mbar_init_expect(mb, nbytes):
+        return None
+
+    def st_async_f32(sh, i, rank, v, mb):
+        sh[i] = v  # (a cluster of one block: its own shared memory)
+
+    def mbar_try_wait(mb):
+        return True
 
     @_cuda_sim.jit(device=True)
     def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base):
@@ -516,21 +523,6 @@ else:
 
         return types.uint32(), codegen
 
-    @intrinsic
-    def st_cluster_f32(typingctx, sh, i, rank, v):
-        def codegen(context, builder, sig, args):
-            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
-            p = builder.gep(ary.data, [context.cast(builder, args[1], sig.args[1], types.int64)])
-            f = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I64, _I32, _F32]),
-                             "{ .reg .u64 g; .reg .u32 s, d; cvta.to.shared.u64 g, $0; cvt.u32.u64 s, g; "
-                             "mapa.shared::cluster.u32 d, s, $1; st.shared::cluster.f32 [d], $2; }",
-                             "l,r,f,~{memory}", side_effect=True)
-            builder.call(f, [builder.ptrtoint(p, _I64), context.cast(builder, args[2], sig.args[2], types.uint32),
-                             context.cast(builder, args[3], sig.args[3], types.float32)])
-            return context.get_dummy_value()
-
-        return types.void(sh, i, rank, v), codegen
-
     def _cluster_barrier(text: str):
         def typer(typingctx):
             def codegen(context, builder, sig, args):
@@ -549,7 +541,54 @@ else:
     def cluster_wait(typingctx):
         return _cluster_barrier("barrier.cluster.wait.aligned;")(typingctx)
 
+    def _generic_addr(builder, context, aryty, ary, idxty, idx):
+        """The generic (u64) address of ary[idx], which the inline asm turns into a shared one."""
+        a = context.make_array(aryty)(context, builder, value=ary)
+        return builder.ptrtoint(builder.gep(a.data, [context.cast(builder, idx, idxty, types.int64)]), _I64)
+
     @intrinsic
-    def cluster_sync(typingctx):
-        return _cluster_barrier("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;")(
-            typingctx)
+    def mbar_init_expect(typingctx, mb, nbytes):
+        def codegen(context, builder, sig, args):
+            f = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I64, _I32]),
+                             "{ .reg .u64 g; .reg .u32 s; cvta.to.shared.u64 g, $0; cvt.u32.u64 s, g; "
+                             "mbarrier.init.shared::cta.b64 [s], 1; "
+                             "mbarrier.arrive.expect_tx.shared::cta.b64 _, [s], $1; "
+                             "fence.mbarrier_init.release.cluster; }",
+                             "l,r,~{memory}", side_effect=True)
+            builder.call(f, [_generic_addr(builder, context, sig.args[0], args[0], types.int64,
+                                         context.get_constant(types.int64, 0)),
+                             context.cast(builder, args[1], sig.args[1], types.uint32)])
+            return context.get_dummy_value()
+
+        return types.void(mb, nbytes), codegen
+
+    @intrinsic
+    def st_async_f32(typingctx, sh, i, rank, v, mb):
+        def codegen(context, builder, sig, args):
+            f = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I64, _I64, _I32, _F32]),
+                             "{ .reg .u64 g, h; .reg .u32 s, m, d, e; cvta.to.shared.u64 g, $0; cvt.u32.u64 s, g; "
+                             "cvta.to.shared.u64 h, $1; cvt.u32.u64 m, h; "
+                             "mapa.shared::cluster.u32 d, s, $2; mapa.shared::cluster.u32 e, m, $2; "
+                             "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [d], $3, [e]; }",
+                             "l,l,r,f,~{memory}", side_effect=True)
+            builder.call(f, [_generic_addr(builder, context, sig.args[0], args[0], sig.args[1], args[1]),
+                             _generic_addr(builder, context, sig.args[4], args[4], types.int64,
+                                         context.get_constant(types.int64, 0)),
+                             context.cast(builder, args[2], sig.args[2], types.uint32),
+                             context.cast(builder, args[3], sig.args[3], types.float32)])
+            return context.get_dummy_value()
+
+        return types.void(sh, i, rank, v, mb), codegen
+
+    @intrinsic
+    def mbar_try_wait(typingctx, mb):
+        def codegen(context, builder, sig, args):
+            f = ir.InlineAsm(ir.FunctionType(_I32, [_I64]),
+                             "{ .reg .u64 g; .reg .u32 s; .reg .pred p; cvta.to.shared.u64 g, $1; cvt.u32.u64 s, g; "
+                             "mbarrier.try_wait.parity.shared::cta.b64 p, [s], 0; selp.u32 $0, 1, 0, p; }",
+                             "=r,l,~{memory}", side_effect=True)
+            r = builder.call(f, [_generic_addr(builder, context, sig.args[0], args[0], types.int64,
+                                             context.get_constant(types.int64, 0))])
+            return builder.icmp_unsigned("!=", r, ir.Constant(_I32, 0))
+
+        return types.boolean(mb), codegen
