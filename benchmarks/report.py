@@ -104,9 +104,9 @@ CALL_NOTES = """\
   host's Python time per call (docs/gpu.md "Repeat calls") and swing with the lent machine's
   host (the section "GPU: where a call's time goes" below splits a call's time). With these
   kernels, the lent H200 hosts (13 to 45 µs of Python before a quantize call's first launch,
-  benchmarks/gpu_calls.py) put the `q4s/block32:f16` quantize call between 0.75x and 0.91x of
-  copy, `q8s/block32:f16` quantize between 0.79x and 0.91x, `e4m3/block32:f32` quantize
-  between 0.72x and 0.90x and nvfp4 quantize at 0.48-0.53x.
+  benchmarks/gpu_calls.py) put the `q4s/block32:f16` quantize call between 0.68x and 0.91x of
+  copy, `q8s/block32:f16` quantize between 0.69x and 0.91x, `e4m3/block32:f32` quantize
+  between 0.69x and 0.90x and nvfp4 quantize at 0.46-0.53x.
   A two-pass quantize (nvfp4, per-tensor `q8s`) reads its non-finite flag after the max pass
   and returns while the codes are written (docs/gpu.md). A dequantize reads its tensor's invalid-code flag
   only at the tensor's first call (docs/spec-choices.md, "Once per tensor on cuda"), so the
@@ -124,8 +124,8 @@ back-to-back**: the wall time per call of 100 calls in a row (a decode step's ma
 kept busy; median of 9. One call after a synchronisation, with the host's caches cold, costs
 qcore's Python path and torch's C++ call about 1.3-2.8x their back-to-back time; a call
 timed right after calls of other shapes (no run of its own) costs both 2-5x. Host times swing
-with the lent machine's host: over nine runs of this command on lent H200 hosts (2026-12-03)
-the slowest of M <= 16, one call after a synchronisation, ranges from 18.4 µs (torch 21.9) to
+with the lent machine's host: over eleven runs of this command on lent H200 hosts (2026-12-03)
+the slowest of M <= 16, one call after a synchronisation, ranges from 17.2 µs (torch 19.5) to
 48.8 µs (torch 63.0).
 """
 
