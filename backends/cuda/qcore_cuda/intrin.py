@@ -541,10 +541,12 @@ else:
     def cluster_wait(typingctx):
         return _cluster_barrier("barrier.cluster.wait.aligned;")(typingctx)
 
-    def _generic_addr(builder, context, aryty, ary, idxty, idx):
-        """The generic (u64) address of ary[idx], which the inline asm turns into a shared one."""
+    def _generic_addr(builder, context, aryty, ary, idxty=None, idx=None):
+        """The generic (u64) address of ary[idx] (no index: ary[0]), which the inline asm turns
+        into a shared one."""
         a = context.make_array(aryty)(context, builder, value=ary)
-        return builder.ptrtoint(builder.gep(a.data, [context.cast(builder, idx, idxty, types.int64)]), _I64)
+        i = ir.Constant(_I64, 0) if idx is None else context.cast(builder, idx, idxty, types.int64)
+        return builder.ptrtoint(builder.gep(a.data, [i]), _I64)
 
     @intrinsic
     def mbar_init_expect(typingctx, mb, nbytes):
@@ -555,8 +557,7 @@ else:
                              "mbarrier.arrive.expect_tx.shared::cta.b64 _, [s], $1; "
                              "fence.mbarrier_init.release.cluster; }",
                              "l,r,~{memory}", side_effect=True)
-            builder.call(f, [_generic_addr(builder, context, sig.args[0], args[0], types.int64,
-                                         context.get_constant(types.int64, 0)),
+            builder.call(f, [_generic_addr(builder, context, sig.args[0], args[0]),
                              context.cast(builder, args[1], sig.args[1], types.uint32)])
             return context.get_dummy_value()
 
@@ -572,8 +573,7 @@ else:
                              "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [d], $3, [e]; }",
                              "l,l,r,f,~{memory}", side_effect=True)
             builder.call(f, [_generic_addr(builder, context, sig.args[0], args[0], sig.args[1], args[1]),
-                             _generic_addr(builder, context, sig.args[4], args[4], types.int64,
-                                         context.get_constant(types.int64, 0)),
+                             _generic_addr(builder, context, sig.args[4], args[4]),
                              context.cast(builder, args[2], sig.args[2], types.uint32),
                              context.cast(builder, args[3], sig.args[3], types.float32)])
             return context.get_dummy_value()
@@ -587,8 +587,7 @@ else:
                              "{ .reg .u64 g; .reg .u32 s; .reg .pred p; cvta.to.shared.u64 g, $1; cvt.u32.u64 s, g; "
                              "mbarrier.try_wait.parity.shared::cta.b64 p, [s], 0; selp.u32 $0, 1, 0, p; }",
                              "=r,l,~{memory}", side_effect=True)
-            r = builder.call(f, [_generic_addr(builder, context, sig.args[0], args[0], types.int64,
-                                             context.get_constant(types.int64, 0))])
+            r = builder.call(f, [_generic_addr(builder, context, sig.args[0], args[0])])
             return builder.icmp_unsigned("!=", r, ir.Constant(_I32, 0))
 
         return types.boolean(mb), codegen
