@@ -8,6 +8,8 @@ it runs only on a real GPU (`NUMBA_ENABLE_CUDASIM=0`).
 from __future__ import annotations
 
 import os
+import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -66,6 +68,22 @@ def test_other_errors_pass_through(cuda_backend, monkeypatch):
         cuda_backend.quantize(np.ones((2, 16), np.float32), "q8s")
 
 
+def _hold_all_but(nbytes: int) -> Any:
+    """A device array of all the free device memory but `nbytes`. Other test processes share the
+    GPU (pytest-xdist) and may take memory between the query and the allocation: measure again
+    and retry."""
+    from numba import cuda
+    from numba.cuda.cudadrv.driver import CudaAPIError
+
+    for _ in range(50):
+        free, _ = cuda.current_context().get_memory_info()
+        try:
+            return cuda.device_array(free - nbytes, dtype=np.uint8)
+        except CudaAPIError:
+            time.sleep(0.1)
+    pytest.fail("other processes kept changing the free device memory: could not hold all of it but 256 MiB")
+
+
 @pytest.mark.skipif(SIM, reason="needs a real GPU: fills its memory (NUMBA_ENABLE_CUDASIM=0 on the H200)")
 def test_real_device_out_of_memory(cuda_backend):
     """Hold all but ~256 MiB of the device, then dequantize a tensor whose output needs 1 GiB:
@@ -76,8 +94,7 @@ def test_real_device_out_of_memory(cuda_backend):
     x = np.tile(np.linspace(-1, 1, 256, dtype=np.float32), n // 256).reshape(-1, 4096)
     q = cuda_backend.quantize(x, "q4s/block32:f16")
     del x
-    free, _ = cuda.current_context().get_memory_info()
-    hold = cuda.device_array(free - (256 << 20), dtype=np.uint8)
+    hold = _hold_all_but(256 << 20)
     try:
         with pytest.raises(DeviceMemoryError, match=r"dequantize a \(65536, 4096\) q4s/block32:f16 tensor to "
                                                     r"float32: it needs about 1\.0 GiB \(1073741824 bytes\)"):
