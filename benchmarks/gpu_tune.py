@@ -1,6 +1,6 @@
 """Tuning runs for the cuda backend's fast kernels on a GPU (kernel variants side by side).
 
-    NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_tune.py [--out DIR] [--only gemv|dequant] [--quick] [--m 4,8,16]
+    NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_tune.py [--out DIR] [--only gemv|dequant|quant] [--quick] [--m 4,8,16]
         [--iters 15] [--scheme TEXT ...] [--variants 0,1,5]
 
 * GEMV `x[M, 8192] @ w[8192, 8192]`, w in q4s/block32:f16 (or each `--scheme`), the FFMA kernel
@@ -16,6 +16,11 @@
   the ceilings of its memory traffic: a device-to-device copy, a 1 GiB fill (writes only) and
   torch's int8 -> float32 conversion (the same 1 : 4 mix of reads and writes as int8
   dequantize).
+* Quantize of 2**28 elements (a [65536, 4096] float32 tensor): the fast quantize kernel's blocks
+  per SM (`fast.QUANT_PER_SM`) for each value kind of `QUANT_SCHEMES`; a two-pass scheme is timed
+  with its max pass (`fast.k_amax`) before it, as a call runs them. All grids of all schemes and
+  a device copy take turns call by call, in three rounds; each grid's payload is checked
+  against the default grid's.
 
 Prints one JSON line per variant and writes gpu_tune.json into --out.
 """
@@ -212,10 +217,64 @@ def tune_dequant(torch, cuda, be, res):
             print(json.dumps(r), flush=True)
 
 
+QUANT_SCHEMES = ("q4s/block32:f16", "q8s/block32:f16", "e4m3/block32:f32", "q8s",
+                 "e2m1/block16:ue4m3/tensor:f32/packed_native")
+QUANT_PER_SM = (2, 3, 4, 6, 8, 12)
+
+
+def tune_quant(torch, cuda, be, res, iters=15):
+    from qcore_cuda import _streams, fast
+    from qcore_cuda._launch import Packed
+
+    rows, cols = 65536, 4096
+    n = rows * cols
+    x = torch.randn(rows, cols, device="cuda")
+    y = torch.empty_like(x)
+    xf = cuda.as_cuda_array(x).reshape(n)
+    amax_grid = fast.launch(n // 16, fast.AMAX_PER_SM)
+    fs = be._scratch(_streams.DEFAULT)[1]  # the statistics scratch: the max pass writes gs[1], never zeroed here
+    fns, nbytes, meta = {"copy": lambda: y.copy_(x)}, {"copy": 2 * 4 * n}, {}
+    for text in QUANT_SCHEMES:
+        s = be._require(text)
+        q = be.quantize(x, s)
+        pp = be._prepared((rows, cols), s, "minmax")
+        fp = pp["fast"]
+        packed = be._fast_quant_launches(pp, fp, xf, None, None, fp["G"], s=_streams.DEFAULT)[1]
+        stored, flag, g_dev, c_dev = (packed._args[i] for i in (3, 5, 6, 7))  # device arrays, as the call passes them
+        kern = fast.quant_kernel(fp["kind"])
+        want = None
+        for per_sm in sorted(set(QUANT_PER_SM) | {fast.QUANT_PER_SM[fp["kind"]]}):
+            pay = cuda.device_array(q.nbytes, dtype=np.uint8)
+            args = (xf, pay[: int(pp["plan"].values_nbytes)].view(np.uint32), pay, stored, fs, flag, g_dev, c_dev)
+            # packed launches, as a call makes them (a few µs of host time each, hidden by the sleep)
+            quant = Packed(kern, *fast.launch(n // 16, per_sm), list(args), dynamic=())
+            amax = Packed(fast.k_amax, *amax_grid, [xf, fs, flag, n // 16], dynamic=()) if fp["two_pass"] else None
+
+            def run(quant=quant, amax=amax):
+                if amax is not None:
+                    amax()
+                quant()
+
+            run()
+            got = pay.copy_to_host()
+            want = got if want is None else want
+            label = f"{text} x{per_sm}"
+            fns[label], nbytes[label] = run, (2 if fp["two_pass"] else 1) * 4 * n + q.nbytes
+            meta[label] = {"scheme": text, "per_sm": per_sm, "default": per_sm == fast.QUANT_PER_SM[fp["kind"]],
+                           "same_bytes": bool(np.array_equal(got, want))}
+    for rnd in range(3):
+        t = _timers_in_turn(torch, fns, iters, hide_launch=True)
+        for label, ms in t.items():
+            r = {"round": rnd, "label": label, **meta.get(label, {}), "us": round(ms * 1000, 1),
+                 "gbs": round(nbytes[label] / ms / 1e6, 1)}
+            res["quant"].append(r)
+        print(json.dumps({label: round(ms * 1000, 1) for label, ms in t.items()}), flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--only", choices=("gemv", "dequant"), help="run one of the two parts")
+    ap.add_argument("--only", choices=("gemv", "dequant", "quant"), help="run one of the three parts")
     ap.add_argument("--quick", action="store_true", help="each GEMV kernel's default per M only")
     ap.add_argument("--m", type=lambda t: [int(v) for v in t.split(",")], help="these M only (comma-separated)")
     ap.add_argument("--iters", type=int, default=15, help="timed calls per GEMV variant (median)")
@@ -234,15 +293,19 @@ def main(argv=None) -> int:
     import qcore
 
     be = qcore.backend("cuda")
-    res = {"gemv": [], "dequant": []}
+    res = {"gemv": [], "dequant": [], "quant": []}
     flush = l2_flushes(torch)[0]
-    if args.only != "dequant":
+    if args.only == "quant":
+        tune_quant(torch, cuda, be, res)
+    elif args.only != "dequant":
         for text in args.scheme or ["q4s/block32:f16"]:
             tune_gemv(torch, cuda, be, res, flush, quick=args.quick, only_m=args.m, iters=args.iters, text=text,
                       pick=args.variants)
         tune_gemv(torch, cuda, be, res, flush, k_=1024, variants=K1024)  # 1/8 of the weight: the fixed costs
-    if args.only != "gemv":
+    if args.only in (None, "dequant"):
         tune_dequant(torch, cuda, be, res)
+    if args.only is None:
+        tune_quant(torch, cuda, be, res)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_tune.json"), "w") as f:
         json.dump(res, f, indent=1)

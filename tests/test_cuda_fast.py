@@ -149,8 +149,8 @@ def test_fast_quantize_over_several_grid_strides(cuda_backend, text):
     passes)."""
     from qcore_cuda import fast
 
-    grid, tpb = fast.launch(1 << 40)
-    runs = 2 * grid * tpb + 32 * 3 + 11  # two whole strides, then three warps and 11 runs
+    grid, tpb = max(fast.launch(1 << 40, n) for n in (*fast.QUANT_PER_SM, fast.AMAX_PER_SM))  # the quantize and max passes
+    runs = 2 * grid * tpb + 32 * 3 + 11  # two whole strides of each, then three warps and 11 runs
     cols = 32 * 3 if SIM else 32 * 35  # lines of whole 32-blocks, not of whole warps of runs
     rows = -(-runs * 16 // cols)
     assert fast.geometry((rows, cols), qcore.scheme(text)) is not None and (rows * cols // 16) % 32

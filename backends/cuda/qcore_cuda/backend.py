@@ -393,10 +393,11 @@ class CudaBackend(BaseBackend):
         if got is None or got[0] is not flag:  # a new scratch after a non-finite input: pack again
             from . import fast
 
-            qgrid, qtpb = fast.launch(fp["nruns"])
+            qgrid, qtpb = fast.launch(fp["nruns"], fast.QUANT_PER_SM[fp["kind"]])
+            agrid, atpb = fast.launch(fp["nruns"], fast.AMAX_PER_SM)
             gb = fs if gbuf is None else gbuf
             got = pp[key] = (flag, (
-                Packed(fast.k_amax, qgrid, qtpb, [xd, fs, flag, fp["nruns"]], dynamic=(0,)),
+                Packed(fast.k_amax, agrid, atpb, [xd, fs, flag, fp["nruns"]], dynamic=(0,)),
                 Packed(fast.quant_kernel(fp["kind"]), qgrid, qtpb, [xd, qw32, payload, pp["stored"], gb, flag, G,
                                                                     fp["C"]], dynamic=(0, 1, 2, 4)),
                 Packed(_k().k_zero_stats, 1, 1, [asum, fs], dynamic=()),

@@ -163,11 +163,21 @@ def launch_dequant(nruns: int, kind: int) -> tuple[int, int]:
     return (max(1, -(-nch // (TPB // 32))), TPB)
 
 
-def launch(nruns: int) -> tuple[int, int]:
-    """(blocks, threads): a few waves of 256-thread blocks on a GPU; 2 x 32 on the simulator."""
+# k_fast_quant's 256-thread blocks per SM, by value kind: the fastest of 2, 3, 4, 6, 8 and 12
+# (`benchmarks/gpu_tune.py --only quant`; figures in docs/gpu.md). Four blocks of its 64
+# registers fill an SM; E2M1 codes (more arithmetic per element) gain from blocks queued
+# behind the resident ones, the other kinds do not.
+QUANT_PER_SM = (3, 3, 3, 3, 3, 12)
+AMAX_PER_SM = 8  # k_amax blocks per SM (22 registers: all resident at once)
+
+
+def launch(nruns: int, per_sm: int) -> tuple[int, int]:
+    """(blocks, threads) of a grid-stride kernel over `nruns` runs: `per_sm` 256-thread blocks
+    per SM on a GPU (`QUANT_PER_SM[kind]` for the quantize kernel, `AMAX_PER_SM` for the max
+    pass); 2 x 32 on the simulator."""
     if config.ENABLE_CUDASIM:
         return (max(1, min(2, -(-nruns // 32))), 32)
-    return (max(1, min(-(-nruns // TPB), K.sm_count() * 8)), TPB)
+    return (max(1, min(-(-nruns // TPB), K.sm_count() * per_sm)), TPB)
 
 
 def aligned(a) -> bool:
