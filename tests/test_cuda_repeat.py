@@ -343,6 +343,37 @@ def test_repeat_dequantize_into_out(be):
 
 
 @pytest.mark.skipif(SIM, reason="needs a GPU: the simulator takes no torch CUDA tensors")
+@pytest.mark.parametrize("text", ["q4s/block32:f16", "q8s", "nvfp4"])  # one pass; two passes
+def test_repeat_quantize_of_torch_x_launches_with_pointers(be, text, monkeypatch):
+    """A repeat quantize of a float32 torch x into a new payload launches its packed kernels
+    with plain pointers (`_repeat._quantize_torch`): the reference's bytes; a NaN raises the
+    whole way's InputError naming it, and the next call, which packs the launches again for the
+    new scratch, takes the pointers once more with the right bytes."""
+    torch = pytest.importorskip("torch")
+    took = []  # per call of `_quantize_torch`: whether it served the call ("raised" until it returns)
+
+    def spy(*args):
+        took.append("raised")
+        q = inner(*args)
+        took[-1] = q is not None
+        return q
+
+    inner = _repeat._quantize_torch
+    monkeypatch.setattr(_repeat, "_quantize_torch", spy)
+    x = sample_x((6, 160), seed=52)  # a shape of its own: the first call takes the whole way
+    xt = torch.from_numpy(x).cuda()
+    want = REF.quantize(x, text).to_data().payload
+    assert [be.quantize(xt, text).to_data().payload for _ in range(3)] == [want] * 3
+    assert took == [True, True], f"{text}: the repeats did not launch with pointers: {took}"
+    bad = xt.clone()
+    bad[1, 5] = float("nan")
+    with pytest.raises(InputError, match=r"nan at index \(1, 5\)"):
+        be.quantize(bad, text)
+    assert [be.quantize(xt, text).to_data().payload for _ in range(2)] == [want] * 2, f"{text} after a NaN"
+    assert took[2:] == ["raised", False, True], f"{text}: {took[2:]} (the NaN, a repack, pointers again)"
+
+
+@pytest.mark.skipif(SIM, reason="needs a GPU: the simulator takes no torch CUDA tensors")
 def test_repeat_calls_read_torch_tensors_as_pointers(be):
     """A float32 torch x (and out=) is read as plain pointers (`_array.torch_f32`): repeat
     quantizes, matmuls and dequantizes give the reference's bytes and the first call's floats,

@@ -84,9 +84,17 @@ def quantize_again(be: Any, x: Any, scheme: Any, method: str, out: Any = None) -
     """`be.quantize(x, scheme, method=method, out=out)` for a key a fast call has served, or None
     (the caller then takes the whole way). The launches come first; the result's objects are
     made while the kernels run. A float32 torch x is read without its generic view
-    (`_array.torch_f32`)."""
+    (`_array.torch_f32`), and into a new payload launched with plain pointers (`_quantize_torch`)."""
     t = _array.torch_f32(x)
     if t is not None:
+        if out is None:
+            try:
+                rep = be._repeats.get((scheme, method, t[1]))
+            except TypeError:  # an unhashable scheme or method: the whole way names the mistake
+                return None
+            q = None if rep is None else _quantize_torch(be, rep, x, t)
+            if q is not None:
+                return q
         v = _array.DevView(t[0], t[1], _F32, x)
     else:
         try:
@@ -131,6 +139,39 @@ def quantize_again(be: Any, x: Any, scheme: Any, method: str, out: Any = None) -
         data.mark_caller_memory()
         q = QTensor(be, rep.scheme, rep.shape, data)
     be._raise_if_flagged(be._scratch(s)[2], xd, rep.shape, s, ready)
+    return q
+
+
+def _quantize_torch(be: Any, rep: QuantizeRepeat, x: Any, t: tuple) -> QTensor | None:
+    """The repeat quantize of torch x (read by `_array.torch_f32`: `t`) into a new payload, the
+    launches packed already taking plain pointers (`CudaBackend._fast_quant_held`), on x's
+    torch stream; None where the views' way must look (a misaligned x, launches not packed yet
+    or not held as C argument arrays, a failed allocation, a driver that refused the launch)."""
+    xptr, _, dev = t
+    if xptr % 16:  # (fast.aligned; torch_f32 reads no simulated array)
+        return None
+    s = _streams.torch_stream(dev)
+    fp = rep.prepared["fast"]
+    launches = be._fast_quant_held(rep.prepared, fp, s)
+    if launches is None:
+        return None
+    try:
+        pv = _array.reserve((rep.nbytes,), _U8, s)
+    except Exception:  # noqa: BLE001 - out of memory: the whole way trims the pool
+        return None
+    try:
+        ready = run_fast_quantize(launches, fp, None, None, None, s, be, (xptr, pv.ptr))
+    except BaseException:
+        be._drop_scratch(s)  # the statistics may not have been consumed
+        _array.result(pv, s)  # (dropped: the memory goes back to the pool)
+        raise
+    if ready is False:  # nothing ran
+        _array.result(pv, s)
+        return None
+    TAKEN["FastQuantize"] += 1
+    HITS["quantize"] += 1
+    q = QTensor(be, rep.scheme, rep.shape, CudaData(rep.shape, rep.scheme, _array.result(pv, s)))
+    be._raise_if_flagged(be._scratch(s)[2], x, rep.shape, s, ready)
     return q
 
 

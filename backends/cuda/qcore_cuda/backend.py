@@ -282,7 +282,7 @@ class CudaBackend(BaseBackend):
             raise_nonfinite(host.reshape(shape))
 
     # ------------------------------------------------------------------ quantize
-    def _early_marks(self, xd: Any, s: Any) -> tuple | None:
+    def _early_marks(self, caller_x: bool, s: Any) -> tuple | None:
         """(flag mark, tail mark) for a two-pass fast quantize that may return before its last
         kernels finish, or None. The max pass (`fast.k_amax`) sees every x and flags any NaN or
         infinity, and the quantize pass flags only what it flagged, so the non-finite flag is
@@ -290,10 +290,10 @@ class CudaBackend(BaseBackend):
         while the quantize pass and the statistics reset run on (the scratch stays busy until
         the tail mark, which `_scratch` makes a call on another stream wait for). Only on the
         default stream, which the backend's own reads of a result (`into_data`, `to_numpy`)
-        follow, so a result is never read half written; for x in the caller's memory (a
-        `DevView`: no temporary to free under the running kernels); and with a mapped flag (the
-        simulator's and copied flags wait for the stream)."""
-        if s.handle != 0 or type(xd) is not _array.DevView or type(self._scratch(s)[2]) is not _flags.HostFlag:
+        follow, so a result is never read half written; for x in the caller's memory (`caller_x`:
+        no temporary to free under the running kernels); and with a mapped flag (the simulator's
+        and copied flags wait for the stream)."""
+        if s.handle != 0 or not caller_x or type(self._scratch(s)[2]) is not _flags.HostFlag:
             return None
         loc = self._local
         flag_mark = getattr(loc, "flag_mark", None)
@@ -388,7 +388,7 @@ class CudaBackend(BaseBackend):
         `G` (calibrated or given mode), packed once (`_launch.Packed`): x and the payload change
         from call to call. Given explicit scales, `gbuf` is their device copy (new each call)."""
         asum, fs, flag = self._scratch(s)
-        key = ("fast_quant", id(G), gbuf is None)
+        key = ("fast_quant", id(G), gbuf is None)  # (`_fast_quant_held` reads the calibrated one)
         got = pp.get(key)
         if got is None or got[0] is not flag:  # a new scratch after a non-finite input: pack again
             from . import fast
@@ -406,6 +406,19 @@ class CudaBackend(BaseBackend):
         if gbuf is None:
             return amax, quant, zero
         return amax, lambda x, w, p, stream=None: quant(x, w, p, gbuf, stream=stream), zero
+
+    def _fast_quant_held(self, pp: dict, fp: dict, s: Any) -> tuple | None:
+        """The calibrated fast path's launches for this plan as `_fast_quant_launches` packed them,
+        each one the call takes held as a C argument array (`Packed.raw_packed`: launched with
+        plain pointers), for the current scratch; else None (`_fast_quant_launches` then packs
+        them, with views)."""
+        got = pp.get(("fast_quant", id(fp["G"]), True))
+        if got is None or got[0] is not self._scratch(s)[2]:
+            return None
+        amax, quant, zero = got[1]
+        if not quant.raw_packed or fp["two_pass"] and not (amax.raw_packed and zero.raw_packed):
+            return None
+        return got[1]
 
     def _launch_quantize(self, xd, shape, scheme: QuantScheme, params: QParams | None, method: str, payload,
                          s: Any = _streams.DEFAULT):

@@ -99,26 +99,46 @@ class FastQuantize:
         return run_fast_quantize(launches, fp, c.xd, c.qw32, c.payload, c.s, c.be)
 
 
-def run_fast_quantize(launches: tuple, fp: dict, xd: Any, qw32: Any, payload: Any, s: Any, be: Any) -> Any:
+def run_fast_quantize(launches: tuple, fp: dict, xd: Any, qw32: Any, payload: Any, s: Any, be: Any,
+                      ptrs: tuple[int, int] | None = None) -> Any:
     """Enqueue the fast path's packed launches (`CudaBackend._fast_quant_launches`) for geometry
     `fp`: block schemes take one pass; per-tensor and two-level ones the tensor's max |x| first,
     and the statistics scratch is zeroed after. Returns, for those two passes, the mark after
     the max pass where the non-finite flag is final (`CudaBackend._early_marks`), else None:
-    the call then waits for the stream."""
+    the call then waits for the stream. With `ptrs` (x's and the payload's device pointers, in
+    the caller's memory and of the packed lengths: a repeat call's key fixes them) the launches
+    take plain pointers (`Packed.launch_values`, each one held as a C argument array:
+    `CudaBackend._fast_quant_held`) and the views are not used; False then when the driver
+    refused the first launch (nothing ran: the caller takes the views' way)."""
     amax, quant, zero = launches
+    if ptrs is None:
+        caller_x, xv, qv = type(xd) is _array.DevView, None, None
+    else:
+        caller_x, xv, qv = True, ptrs[:1], (ptrs[0], ptrs[1], ptrs[1])
     if not fp["two_pass"]:
-        quant(xd, qw32, payload, stream=s)
-        return None
-    marks = be._early_marks(xd, s)
-    amax(xd, stream=s)  # pass 1: the tensor's max |x| into the scratch
+        return None if _enqueue(quant, s, (xd, qw32, payload), qv) else False
+    if not _enqueue(amax, s, (xd,), xv):  # pass 1: the tensor's max |x| into the scratch
+        return False
+    marks = be._early_marks(caller_x, s)
     if marks is not None:
         marks[0].record(s)
-    quant(xd, qw32, payload, stream=s)
-    zero(stream=s)  # the statistics scratch is consumed: zero it
+    ok = _enqueue(quant, s, (xd, qw32, payload), qv)
+    ok = ok and _enqueue(zero, s, (), None if ptrs is None else ())  # the statistics scratch is consumed: zero it
+    if not ok:
+        raise RuntimeError("the driver refused a quantize launch after taking the call's first")
     if marks is not None:
         marks[1].record(s)
         return marks[0]
     return None
+
+
+def _enqueue(launch: Any, s: Any, views: tuple, values: tuple | None) -> bool:
+    """One packed launch on stream `s`: with its views, or with plain `values` when given
+    (`Packed.launch_values`: False if the driver refused it)."""
+    if values is None:
+        launch(*views, stream=s)
+        return True
+    return launch.launch_values(values, s.handle)
 
 
 class TileQuantize:
