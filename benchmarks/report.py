@@ -102,11 +102,11 @@ CALL_NOTES = """\
   what the later ones do.
 - The kernel columns repeat within a few percent from run to run. The API-call columns add the
   host's Python time per call (docs/gpu.md "Repeat calls") and swing with the lent machine's
-  host (the section "GPU: where a call's time goes" below splits a call's time). With these
-  kernels, the lent H200 hosts (13 to 45 µs of Python before a quantize call's first launch,
-  benchmarks/gpu_calls.py) put the `q4s/block32:f16` quantize call between 0.68x and 0.91x of
-  copy, `q8s/block32:f16` quantize between 0.69x and 0.91x, `e4m3/block32:f32` quantize
-  between 0.69x and 0.90x and nvfp4 quantize at 0.46-0.53x.
+  host (the section "GPU: where a call's time goes" below splits a call's time). This call
+  path and these kernels, in four runs of this command on two lent H200 hosts (2026-12-03):
+  quantize `q8s/block32:f16` 0.83-0.89x of copy, `q4s/block32:f16` 0.82-0.89x,
+  `e4m3/block32:f32` 0.849-0.90x, nvfp4 0.51-0.52x; the slower host spent 63-76 µs per
+  block-scheme quantize call beyond its kernel, the faster 41-47 µs.
   A two-pass quantize (nvfp4, per-tensor `q8s`) reads its non-finite flag after the max pass
   and returns while the codes are written (docs/gpu.md). A dequantize reads its tensor's invalid-code flag
   only at the tensor's first call (docs/spec-choices.md, "Once per tensor on cuda"), so the
