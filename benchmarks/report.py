@@ -103,10 +103,10 @@ CALL_NOTES = """\
 - The kernel columns repeat within a few percent from run to run. The API-call columns add the
   host's Python time per call (docs/gpu.md "Repeat calls") and swing with the lent machine's
   host (the section "GPU: where a call's time goes" below splits a call's time). This call
-  path and these kernels, in four runs of this command on two lent H200 hosts (2026-12-03):
-  quantize `q8s/block32:f16` 0.83-0.89x of copy, `q4s/block32:f16` 0.82-0.89x,
-  `e4m3/block32:f32` 0.849-0.90x, nvfp4 0.51-0.52x; the slower host spent 63-76 µs per
-  block-scheme quantize call beyond its kernel, the faster 41-47 µs.
+  path and these kernels, in five runs of this command on lent H200 hosts (2026-12-03 and
+  2026-12-04): quantize `q8s/block32:f16` 0.83-0.91x of copy, `q4s/block32:f16` 0.82-0.91x,
+  `e4m3/block32:f32` 0.849-0.91x, nvfp4 0.51-0.52x; the slowest host spent 63-76 µs per
+  block-scheme quantize call beyond its kernel, the fastest 33-34 µs.
   A two-pass quantize (nvfp4, per-tensor `q8s`) reads its non-finite flag after the max pass
   and returns while the codes are written (docs/gpu.md). A dequantize reads its tensor's invalid-code flag
   only at the tensor's first call (docs/spec-choices.md, "Once per tensor on cuda"), so the
@@ -124,9 +124,9 @@ back-to-back**: the wall time per call of 100 calls in a row (a decode step's ma
 kept busy; median of 9. One call after a synchronisation, with the host's caches cold, costs
 qcore's Python path and torch's C++ call about 1.3-2.8x their back-to-back time; a call
 timed right after calls of other shapes (no run of its own) costs both 2-5x. Host times swing
-with the lent machine's host: over eleven runs of this command on lent H200 hosts (2026-12-03)
-the slowest of M <= 16, one call after a synchronisation, ranges from 17.2 µs (torch 19.5) to
-48.8 µs (torch 63.0).
+with the lent machine's host: over twelve runs of this command on lent H200 hosts (2026-12-03
+and 2026-12-04) the slowest of M <= 16, one call after a synchronisation, ranges from 13.1 µs
+(torch 14.9) to 48.8 µs (torch 63.0).
 """
 
 
