@@ -284,6 +284,42 @@ def test_numba_warnings_stay_on_for_user_kernels(be):
         k[1, 1](cuda.device_array(1, np.float32))
 
 
+_STRICT_CALLS = """
+import sys, warnings
+import numpy as np
+warnings.simplefilter("error")  # as pytest's `filterwarnings = error` does, after start-up
+import qcore
+from qcore_cuda import CudaBackend
+x = np.linspace(-3, 3, 64 * 64, dtype=np.float32).reshape(64, 64)
+ref = qcore.backend("reference")
+want = ref.dequantize(ref.quantize(x, "q4s/block32:f16"))
+if sys.argv[1] == "registry":  # the public API: the registry asks available() first
+    q = qcore.quantize(x, "q4s/block32:f16", backend="cuda")
+    y = q.numpy()
+else:  # a backend made directly: its first call is the first use of numba
+    be = CudaBackend()
+    q = be.quantize(x, "q4s/block32:f16")
+    y = be.to_numpy(be.dequantize(q))
+    be.to_numpy(be.matmul(x[:2], q))
+assert np.array_equal(y, want)
+print("OK", np.__version__)
+"""
+
+
+@pytest.mark.parametrize("entry", ["registry", "direct"])
+def test_no_warning_at_numbas_first_import_under_strict_filters(entry):
+    """A fresh process that turns every warning into an error (`-W error`, then
+    `simplefilter("error")` as pytest's `filterwarnings = error` does) quantizes, dequantizes and
+    multiplies on the cuda backend: nothing numba or numba-cuda emits on first import or first
+    compile reaches it. Under numpy >= 2.5 (the H200 image) numba-cuda's import warns about
+    `np.timedelta64("nat")`, which used to make the backend unavailable there (qcore_cuda._compat);
+    under the simulator the same calls run with numba.cuda's simulator import."""
+    r = subprocess.run([sys.executable, "-W", "error", "-c", _STRICT_CALLS, entry], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "NUMBA_ENABLE_CUDASIM": "1" if SIM else "0"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith("OK"), r.stdout
+
+
 # ----------------------------------------------------------------------------- GPU: pool, interop
 @GPU_ONLY
 def test_results_come_from_the_pool(be):

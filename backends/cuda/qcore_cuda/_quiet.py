@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from ._compat import numba_cuda
+
 _SWITCHES = ("CUDA_LOW_OCCUPANCY_WARNINGS", "CUDA_WARN_ON_IMPLICIT_COPY")
 
 
@@ -31,6 +33,7 @@ class _Quiet:
     def __enter__(self) -> None:
         cfg = self._config
         if cfg is None:
+            numba_cuda()  # numba.cuda's first import, quiet under numpy 2.5 (_compat)
             from numba.cuda import config
 
             cfg = self._config = config

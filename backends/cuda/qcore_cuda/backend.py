@@ -23,6 +23,7 @@ from qcore.protocol import BaseBackend, QParams, QTensor, Support
 from qcore.scheme import QuantScheme
 
 from . import _array, _flags, _repeat, _streams
+from ._compat import numba_cuda
 from ._data import CudaData
 from ._launch import Packed
 from ._memory import guard
@@ -47,7 +48,7 @@ def no_device_reason(err: BaseException | None) -> str:
 def cuda_status() -> tuple[bool, str]:
     """(available, why) without raising: GPU, simulator, or the reason neither works."""
     try:
-        from numba import cuda
+        cuda = numba_cuda()
     except Exception as e:  # numba, numba-cuda or cuda-bindings missing
         return False, f"numba.cuda import failed: {type(e).__name__}: {e}"
     import numba
@@ -88,6 +89,7 @@ def _check_cu(err: Any, what: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _k():
+    numba_cuda()  # numba.cuda's first import, quiet under numpy 2.5 (_compat)
     from numba import config
 
     from . import kernels
@@ -113,9 +115,7 @@ def _k():
 
 
 def _cuda():
-    from numba import cuda
-
-    return cuda
+    return numba_cuda()
 
 
 def _shape_of(be: "CudaBackend", x: Any) -> tuple[int, ...]:

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
-
-# numba-cuda 0.30.4 registers `np.row_stack`, which numpy 2.5 removed, so no kernel compiles
-# under numpy >= 2.5 without this alias (NVIDIA/numba-cuda#907, closed as won't-fix). Every
-# kernel module imports this one before numba compiles anything.
-if not hasattr(np, "row_stack"):
-    np.row_stack = np.vstack
+# numba-cuda 0.30.4 under numpy >= 2.5 (the `np.row_stack` alias): every kernel module imports
+# this one before numba compiles anything.
+from . import _compat  # noqa: F401
 
 from numba import config, cuda  # noqa: E402
 
