@@ -127,9 +127,9 @@ timed right after calls of other shapes (no run of its own) costs both 2-5x. Hos
 with the lent machine's host: over twelve runs of this command on lent H200 hosts (2026-12-03
 and 2026-12-04) the slowest of M <= 16, one call after a synchronisation, ranges from 13.1 µs
 (torch 14.9) to 48.8 µs (torch 63.0). The M = 1 kernel columns swing less, and mostly on torch's
-side: over this week's runs of these kernels the fragment GEMV took 15.1-15.3 µs and torch's
-fp16 GEMV 37.1-39.1 µs, 2.43-2.56x; the 2.43x (2026-12-04) came on a host where torch's took
-37.1 µs.
+side: over this command's runs on lent H200 hosts (2026-12-03 and 2026-12-04) the fragment
+GEMV took 15.1-15.3 µs and torch's fp16 GEMV 37.1-39.1 µs, 2.43-2.56x; the 2.43x came on a host
+where torch's took 37.1 µs.
 """
 
 

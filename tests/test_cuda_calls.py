@@ -312,7 +312,7 @@ def test_no_warning_at_numbas_first_import_under_strict_filters(entry):
     `simplefilter("error")` as pytest's `filterwarnings = error` does) quantizes, dequantizes and
     multiplies on the cuda backend: nothing numba or numba-cuda emits on first import or first
     compile reaches it. Under numpy >= 2.5 (the H200 image) numba-cuda's import warns about
-    `np.timedelta64("nat")`, which used to make the backend unavailable there (qcore_cuda._compat);
+    `np.timedelta64("nat")`, which unfiltered makes the backend unavailable there (qcore_cuda._compat);
     under the simulator the same calls run with numba.cuda's simulator import."""
     r = subprocess.run([sys.executable, "-W", "error", "-c", _STRICT_CALLS, entry], capture_output=True, text=True,
                        timeout=300, env={**os.environ, "NUMBA_ENABLE_CUDASIM": "1" if SIM else "0"})

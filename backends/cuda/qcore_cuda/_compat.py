@@ -13,6 +13,8 @@ Importing this module imports numpy alone; `numba_cuda()` imports numba.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import warnings
 from types import ModuleType
@@ -26,23 +28,18 @@ if not hasattr(np, "row_stack"):
 GENERIC_TIMEDELTA_WARNING = r"The 'generic' unit for NumPy timedelta is deprecated"
 # The numba-cuda module whose import evaluates it (absent under the simulator and in other versions).
 _TIMEDELTA_MODULE = "numba.cuda.np.npdatetime_helpers"
-_imported: list[ModuleType] = []
 
 
+@functools.lru_cache(maxsize=None)
 def numba_cuda() -> ModuleType:
     """`numba.cuda` (the simulator under NUMBA_ENABLE_CUDASIM=1), imported the first time with
     numpy 2.5's timedelta DeprecationWarning from inside numba-cuda ignored; raises what the
-    import raises (numba, numba-cuda or cuda-bindings missing)."""
-    if _imported:
-        return _imported[0]
+    import raises (numba, numba-cuda or cuda-bindings missing), and a later call tries again."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=GENERIC_TIMEDELTA_WARNING, category=DeprecationWarning)
         from numba import cuda
 
-        try:
+        # Absent from the simulator's numba.cuda, and from a numba-cuda that moved it.
+        with contextlib.suppress(ImportError):
             importlib.import_module(_TIMEDELTA_MODULE)
-        except ImportError:  # the simulator's numba.cuda, or a numba-cuda that moved it
-            pass
-    _imported.append(cuda)
     return cuda
-

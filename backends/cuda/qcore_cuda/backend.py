@@ -114,8 +114,7 @@ def _k():
     return kernels
 
 
-def _cuda():
-    return numba_cuda()
+_cuda = numba_cuda  # numba.cuda, first imported without numpy 2.5's warning (_compat)
 
 
 def _shape_of(be: "CudaBackend", x: Any) -> tuple[int, ...]:
