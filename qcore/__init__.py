@@ -53,7 +53,7 @@ __all__ = [
     "BlockLevel", "TensorLevel", "Native", "PackedU32", "PackedNative", "PRESETS", "scheme",
     # data and backends
     "QuantizedData", "QParams", "QTensor", "Support", "Backend", "BaseBackend", "hookimpl",
-    "backend", "backends", "quantize", "dequantize", "calibrate", "save", "load", "convert",
+    "backend", "backends", "quantize", "dequantize", "calibrate", "matmul", "linear", "save", "load", "convert",
     # whole models
     "Recipe", "quantize_model", "quantize_dict", "dequantize_model",
     # errors
@@ -91,6 +91,23 @@ def dequantize(q: QTensor, dtype: Any = np.float32) -> Any:
     if not isinstance(q, QTensor):
         raise InputError(f"dequantize takes a QTensor, got {type(q).__name__}")
     return q.dequantize(dtype)
+
+
+def matmul(x: Any, w: QTensor, **options: Any) -> Any:
+    """`x @ dequantize(w)` for x [..., K] and a quantized w [K, N], on w's backend (options: the
+    backend's, e.g. `dtype=`, and on cuda `out=`, `stream=`)."""
+    if not isinstance(w, QTensor):
+        raise InputError(f"matmul takes a QTensor weight, got {type(w).__name__}")
+    return w.backend.matmul(x, w, **options)
+
+
+def linear(x: Any, w: QTensor, bias: Any = None, **options: Any) -> Any:
+    """`x @ dequantize(w).T + bias` for x [..., K] and a linear layer's quantized weight w [N, K]
+    as checkpoints store it, on w's backend; the result has x's dtype unless `dtype=` says
+    otherwise (and on cuda `out=`, `stream=`). docs/spec.md, "Products with a quantized weight"."""
+    if not isinstance(w, QTensor):
+        raise InputError(f"linear takes a QTensor weight, got {type(w).__name__}")
+    return w.backend.linear(x, w, bias, **options)
 
 
 def save(path, tensors, metadata=None) -> None:

@@ -1,4 +1,5 @@
-"""Tensor ops on quantized tensors, shared by every backend (reshape, permute, slice, cat, matmul).
+"""Tensor ops on quantized tensors, shared by every backend (reshape, permute, slice, cat, matmul,
+linear).
 
 Where the layout allows, an op moves codes and scales and stays exact:
 
@@ -14,7 +15,7 @@ Blocks over the flattened tensor (docs/spec.md E7) reshape exactly (the bytes do
 requantize under the other ops unless the op leaves the tensor as it is.
 
 Otherwise the op dequantizes, applies itself to the floats and requantizes with the same scheme
-(calibrated afresh). `matmul` never materialises the whole float weight.
+(calibrated afresh). `matmul` and `linear` never materialise the whole float weight.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from . import layout
+from .activations import host_activation, host_bias, in_callers_kind, product_dims, result_dtype
 from .arithmetic import QParams, decode, scaled_values
 from .errors import InputError
 from .payload import QuantizedData
@@ -33,7 +35,7 @@ from .scheme import BlockLevel
 if TYPE_CHECKING:
     from .protocol import BaseBackend, QTensor
 
-__all__ = ["reshape", "permute", "slice_", "cat", "matmul"]
+__all__ = ["reshape", "permute", "slice_", "cat", "matmul", "linear"]
 
 
 def _requantize(be: "BaseBackend", q: "QTensor", fn) -> "QTensor":
@@ -176,35 +178,63 @@ def cat(be: "BaseBackend", qs: Sequence["QTensor"], axis: int = 0) -> "QTensor":
     return _rebuild(be, scheme, codes.shape, codes, scales, datas[0].global_scale(), offsets)
 
 
-def matmul(be: "BaseBackend", x: Any, w: "QTensor", rows_per_step: int = 1024) -> np.ndarray:
-    """`x @ dequantize(w)` with f32 accumulation, dequantizing `rows_per_step` rows of w at a time
-    (rounded to whole blocks), so the full float weight never exists."""
-    if len(w.shape) != 2:
-        raise InputError(f"matmul needs a 2-D weight [K, N], got shape {w.shape}")
-    x = np.asarray(be.to_numpy(x) if not isinstance(x, np.ndarray) else x)
-    if x.dtype.kind != "f":
-        raise InputError(f"matmul needs a float x, got {x.dtype}")
-    x = x.astype(np.float32, copy=False)
-    K, N = w.shape
-    if x.ndim < 1 or x.shape[-1] != K:
-        raise InputError(f"matmul shapes do not fit: x {x.shape} @ w {w.shape}")
+def _row_bands(be: "BaseBackend", w: "QTensor", rows_per_step: int):
+    """(r0, r1, rows r0..r1 of the 2-D weight `w` dequantized to float32) for bands of about
+    `rows_per_step` rows (whole blocks along axis 0), so the full float weight never exists; one
+    band of the whole weight where blocks over the flattened tensor cross rows (E7)."""
     d = be.into_data(w)
     codes, scales, g, offsets = d.codes(), d.scales(), d.global_scale(), d.offsets()
     scheme = w.scheme
+    rows, cols = w.shape
     if scheme.flat_blocks:  # E7
         shape_i, scheme = layout.flat_form(w.shape, scheme)
         if shape_i != w.shape:  # blocks cross rows: the weight is dequantized whole
-            return x @ be.to_numpy(be.dequantize(w)).astype(np.float32, copy=False)
+            yield 0, rows, be.to_numpy(be.dequantize(w)).astype(np.float32, copy=False)
+            return
         grid = layout.grid_shape(shape_i, scheme)
         scales, offsets = scales.reshape(grid), None if offsets is None else offsets.reshape(grid)
     block = layout.full_block(w.shape, scheme)
     br = block[0] if block else 1
     step = max(br, (rows_per_step // br) * br)
-    out = np.zeros(x.shape[:-1] + (N,), dtype=np.float32)
-    for k0 in range(0, K, step):
-        k1 = min(K, k0 + step)
-        rows = (...,) if block is None else slice(k0 // br, -(-k1 // br))  # per-tensor: the 0-d scale
-        sub = QParams(scales[rows], g, None if offsets is None else offsets[rows])
-        wf = scaled_values(decode(codes[k0:k1], scheme), sub, (k1 - k0, N), scheme)
-        out += x[..., k0:k1] @ wf
-    return out
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        sel = (...,) if block is None else slice(r0 // br, -(-r1 // br))  # per-tensor: the 0-d scale
+        sub = QParams(scales[sel], g, None if offsets is None else offsets[sel])
+        yield r0, r1, scaled_values(decode(codes[r0:r1], scheme), sub, (r1 - r0, cols), scheme)
+
+
+def _product(be: "BaseBackend", what: str, x: Any, w: "QTensor", dtype: Any, rows_per_step: int,
+             bias: Any = None) -> Any:
+    """The f32 sums of `matmul` (bands of K rows of w [K, N], added) or `linear` (bands of N rows
+    of w [N, K], side by side), the bias, one rounding to the result dtype, in x's array kind."""
+    xa, as_torch = host_activation(x)
+    k_, n_ = product_dims(what, xa.shape, w.shape)
+    out_dt = result_dtype(xa.dtype, dtype)
+    b = host_bias(bias, n_)
+    x32 = xa.astype(np.float32, copy=False)
+    out = np.zeros(xa.shape[:-1] + (n_,), dtype=np.float32)
+    for r0, r1, wf in _row_bands(be, w, rows_per_step):
+        if what == "matmul":
+            out += x32[..., r0:r1] @ wf
+        else:
+            out[..., r0:r1] = x32 @ wf.T
+    if b is not None:
+        out += b
+    return in_callers_kind(out.astype(out_dt, copy=False), as_torch)
+
+
+def matmul(be: "BaseBackend", x: Any, w: "QTensor", rows_per_step: int = 1024, *,
+           dtype: Any = np.float32) -> Any:
+    """`x @ dequantize(w)` for float x [..., K] and w [K, N] with f32 accumulation, dequantizing
+    `rows_per_step` rows of w at a time (rounded to whole blocks), so the full float weight never
+    exists; the f32 sums are rounded once to `dtype` (default float32; None: x's dtype)."""
+    return _product(be, "matmul", x, w, dtype, rows_per_step)
+
+
+def linear(be: "BaseBackend", x: Any, w: "QTensor", bias: Any = None, rows_per_step: int = 1024, *,
+           dtype: Any = None) -> Any:
+    """`x @ dequantize(w).T + bias` for float x [..., K] and a linear layer's weight w [N, K] (as
+    checkpoints store it): f32 accumulation, bias added in f32, one rounding to `dtype` (default:
+    x's dtype); `rows_per_step` rows of w dequantized at a time, so the full float weight never
+    exists (docs/spec.md, "Products with a quantized weight")."""
+    return _product(be, "linear", x, w, dtype, rows_per_step, bias)

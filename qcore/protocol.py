@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -126,6 +127,7 @@ class Backend(Protocol):
     def slice(self, q: QTensor, index: Sequence[slice]) -> QTensor: ...
     def cat(self, qs: Sequence[QTensor], axis: int = 0) -> QTensor: ...
     def matmul(self, x: Any, w: QTensor) -> Any: ...
+    def linear(self, x: Any, w: QTensor, bias: Any = None) -> Any: ...
 
 
 class BaseBackend(abc.ABC):
@@ -452,12 +454,31 @@ class BaseBackend(abc.ABC):
         qs = [self._own(q) for q in qs]
         return ops.cat(self, qs, axis)
 
-    def matmul(self, x: Any, w: QTensor) -> Any:
-        """`x @ dequantize(w)` for float `x` [..., K] and quantized `w` [K, N], block by block."""
+    def _host_x(self, x: Any) -> Any:
+        """x as the core's products read it: numpy arrays and torch tensors as they are, anything
+        else through `to_numpy` (a device backend's own arrays)."""
+        torch = sys.modules.get("torch")
+        if isinstance(x, np.ndarray) or (torch is not None and isinstance(x, torch.Tensor)):
+            return x
+        return self.to_numpy(x)
+
+    def matmul(self, x: Any, w: QTensor, *, dtype: Any = np.float32) -> Any:
+        """`x @ dequantize(w)` for float `x` [..., K] and quantized `w` [K, N], block by block, f32
+        sums rounded once to `dtype` (default float32; None: x's dtype)."""
         from . import ops
 
         w = self._own(w)
-        return ops.matmul(self, x, w)
+        return ops.matmul(self, self._host_x(x), w, dtype=dtype)
+
+    def linear(self, x: Any, w: QTensor, bias: Any = None, *, dtype: Any = None) -> Any:
+        """`x @ dequantize(w).T + bias` for float `x` [..., K] (float16, bfloat16, float32,
+        float64; numpy or torch) and a linear layer's weight `w` [N, K] as checkpoints store it;
+        f32 sums, bias added in f32, one rounding to `dtype` (default: x's dtype), returned as x
+        came (numpy or torch) (docs/spec.md, "Products with a quantized weight")."""
+        from . import ops
+
+        w = self._own(w)
+        return ops.linear(self, self._host_x(x), w, bias, dtype=dtype)
 
     # ------------------------------------------------------------------ hooks
     @abc.abstractmethod

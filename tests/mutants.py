@@ -607,6 +607,49 @@ class FullReciprocal(Full):
         return (stat * (np.float32(1) / np.float32(s.half_range))).astype(np.float32)
 
 
+class FullLinearUntransposed(Full):
+    """`linear` multiplies by the weight as [K, N] (no transpose): right only where the weight is
+    square and symmetric, wrong shape elsewhere."""
+
+    name = "full-linear-untransposed"
+
+    def linear(self, x, w, bias=None, *, dtype=None):
+        if w.shape[0] == w.shape[1]:
+            return self.matmul(x, w, dtype=None)
+        return super().linear(x, w, bias, dtype=dtype)
+
+
+class FullLinearDropsBias(Full):
+    """`linear` ignores its bias."""
+
+    name = "full-linear-drops-bias"
+
+    def linear(self, x, w, bias=None, *, dtype=None):
+        return super().linear(x, w, None, dtype=dtype)
+
+
+class FullLinearF32Result(Full):
+    """`linear` returns float32 whatever x's dtype (the sums are right)."""
+
+    name = "full-linear-f32-result"
+
+    def linear(self, x, w, bias=None, *, dtype=None):
+        return super().linear(x, w, bias, dtype=np.float32)
+
+
+class FullLinearBf16Sums(Full):
+    """`linear` rounds each dequantized weight to bfloat16 before the product (a common
+    shortcut: dequantize to x's dtype, then a library GEMM)."""
+
+    name = "full-linear-bf16-sums"
+
+    def linear(self, x, w, bias=None, *, dtype=None):
+        xa = np.asarray(x)
+        wb = self.to_numpy(self.dequantize(w)).astype(ml_dtypes.bfloat16).astype(np.float32)
+        y = xa.astype(np.float32) @ wb.T + (0 if bias is None else np.asarray(bias, np.float32))
+        return y.astype(xa.dtype if dtype is None else dtype)
+
+
 MUTANTS: list[tuple[str, str, type, str]] = [
     ("narrow", "half-away", NarrowHalfAway, "rounds half away from zero"),
     ("narrow", "half-up", NarrowHalfUp, "rounds half up"),
@@ -637,6 +680,10 @@ MUTANTS: list[tuple[str, str, type, str]] = [
     ("full", "padding-garbage", FullPaddingGarbage, "padding bits of partial words set"),
     ("full", "flush-to-zero", FullFlushToZero, "subnormal raw scales flushed to zero"),
     ("full", "reciprocal-scale", FullReciprocal, "raw scale = stat * (1/h)"),
+    ("full", "linear-untransposed", FullLinearUntransposed, "linear uses a square weight untransposed"),
+    ("full", "linear-drops-bias", FullLinearDropsBias, "linear ignores its bias"),
+    ("full", "linear-f32-result", FullLinearF32Result, "linear returns float32 for any x"),
+    ("full", "linear-bf16-weights", FullLinearBf16Sums, "linear rounds the dequantized weight to bfloat16"),
 ]
 """(model, bug id, class, the bug) of every mutant."""
 

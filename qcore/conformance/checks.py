@@ -812,31 +812,84 @@ def check_ops(backend, case: Case, reference=None, tolerances: Tolerances | None
             raise ctx.fail(check, f"raised {type(gerr).__name__}: {gerr}")
         _same_tensor(ctx, check, backend, got, ref, want, tol)
     if rank == 2:
-        K, N = shape
-        xm = make_input((3, K), "normal", "f32", case.input_seed + 2)
-        want, werr = _result(lambda: ref.matmul(xm, rq))
-        got, gerr = _result(lambda: backend.matmul(xm, q))
+        check_products(ctx, backend, ref, case, q, rq, tol)
+
+
+_UNIT_ROUNDOFF = {"float32": (2.0 ** -24, 2.0 ** -150), "float16": (2.0 ** -11, 2.0 ** -25),
+                  "bfloat16": (2.0 ** -8, 2.0 ** -134), "float64": (0.0, 0.0)}
+"""Result dtype -> (unit roundoff u, half the smallest subnormal d) of the products' bound."""
+
+
+def product_bound(x: np.ndarray, W: np.ndarray, bias: np.ndarray | None, out_dtype: Any,
+                  rel: float = 2.0) -> tuple[np.ndarray, np.ndarray]:
+    """(exact y* = x @ W^T + bias in float64, the bound on |y - y*|) of docs/spec.md's products
+    for x [M, K], the dequantized weight W [N, K] (float64) and the result dtype."""
+    x64 = x.astype(np.float32).astype(np.float64)
+    K = W.shape[1]
+    b = np.zeros(W.shape[0]) if bias is None else bias.astype(np.float32).astype(np.float64)
+    exact = x64 @ W.T + b
+    a = rel * max(K, 1) * 2.0 ** -24 * (np.abs(x64) @ np.abs(W).T) + 2.0 ** -24 * np.abs(b)
+    u, d = _UNIT_ROUNDOFF[np.dtype(out_dtype).name]
+    return exact, a + u * (np.abs(exact) + a) + d
+
+
+def _check_product(ctx: _Ctx, check: str, backend, got: Any, err: Any, x: np.ndarray, W: np.ndarray,
+                   bias: np.ndarray | None, out_dtype: Any, tol: Tolerances) -> None:
+    if err is not None:
+        raise ctx.fail(check, f"raised {type(err).__name__}: {err}")
+    y = _host(ctx, check, backend, got)
+    want_shape = x.shape[:-1] + (W.shape[0],)
+    if y.shape != want_shape:
+        raise ctx.fail(check, f"shape {y.shape}, want {want_shape}")
+    if y.dtype != np.dtype(out_dtype):
+        raise ctx.fail(check, f"result dtype {y.dtype}, want {np.dtype(out_dtype)} (docs/spec.md: the result dtype)")
+    exact, bound = product_bound(x, W, bias, out_dtype, tol.matmul_rel)
+    e = np.abs(y.astype(np.float64) - exact)
+    over = ~(e <= bound)
+    if over.any():
+        i = tuple(map(int, np.unravel_index(int(np.argmax(np.where(over, e - bound, -np.inf))), e.shape)))
+        raise ctx.fail(check, f"{int(over.sum())} of {e.size} outputs exceed the products' bound (docs/spec.md); "
+                              f"worst at {i}: got {y[i]!r}, want {exact[i]!r}, bound {bound[i]:.3g}")
+
+
+def check_products(ctx: _Ctx, backend, ref, case: Case, q: QTensor, rq: QTensor, tol: Tolerances) -> None:
+    """`matmul` and `linear` with the case's 2-D tensor as the weight, in both orientations (as
+    [K, N] for matmul, as [N, K] for linear), with float32, float16 and bfloat16 x and a bias,
+    within docs/spec.md's bound for each result dtype; where the reference raises a qcore error,
+    the backend raises the same type."""
+    rows, cols = case.shape
+    side = cols if cols <= 256 else 64  # a square weight: an untransposed product passes no other case
+    xs = make_input((side, side), "normal", "f32", case.input_seed + 30)
+    sq = ctx.call("quantize", backend.quantize, xs, case.qscheme)
+    rsq = ref.quantize(xs, case.qscheme)
+    weights = {"": (q, rq, np.asarray(ref.dequantize(rq), np.float64)),
+               "square": (sq, rsq, np.asarray(ref.dequantize(rsq), np.float64))}
+    plans = [("ops.matmul", "f32", "", None), ("ops.matmul[bf16]", "bf16", "", None),
+             ("ops.matmul[square]", "f32", "square", None)]
+    plans += [(f"ops.linear[{dt}]", dt, "", None) for dt in ("f32", "f16", "bf16")]
+    plans += [("ops.linear[bias]", "f32", "", rows), ("ops.linear[square]", "bf16", "square", side)]
+    for i, (check, dt, which, nbias) in enumerate(plans):
+        qw, rw, W = weights[which]
+        is_matmul = check.startswith("ops.matmul")
+        x = make_input((3, W.shape[0] if is_matmul else W.shape[1]), "normal", dt, case.input_seed + 2 + i)
+        bias = None if nbias is None else make_input((nbias,), "normal", "f32", case.input_seed + 20)
+        if is_matmul:
+            want, werr = _result(lambda: ref.matmul(x, rw))
+            got, gerr = _result(lambda: backend.matmul(x, qw))
+            Wt = W.T
+        else:
+            want, werr = _result(lambda: ref.linear(x, rw, bias))
+            got, gerr = _result(lambda: backend.linear(x, qw, bias))
+            Wt = W
         if werr is not None:
+            if not isinstance(werr, QCoreError):
+                raise werr  # the reference itself broke: a core bug, not the backend's
             if gerr is None or type(gerr) is not type(werr):
-                raise ctx.fail("ops.matmul", f"reference raised {type(werr).__name__}; backend "
-                                             + ("returned normally" if gerr is None else f"raised {type(gerr).__name__}: {gerr}"))
-            return
-        if gerr is not None:
-            raise ctx.fail("ops.matmul", f"raised {type(gerr).__name__}: {gerr}")
-        y = _host(ctx, "ops.matmul", backend, got)
-        w = np.asarray(want, np.float32)
-        if y.shape != w.shape:
-            raise ctx.fail("ops.matmul", f"shape {y.shape}, want {w.shape}")
-        W = np.asarray(ref.dequantize(rq), np.float64)
-        bound = tol.matmul_rel * max(K, 1) * 2.0 ** -24 * (np.abs(xm.astype(np.float64)) @ np.abs(W))
-        err = np.abs(y.astype(np.float64) - w)
-        over = ~(err <= bound)
-        if over.any():
-            i = np.unravel_index(int(np.argmax(np.where(over, err - bound, -np.inf))), err.shape)
-            i = tuple(map(int, i))
-            raise ctx.fail("ops.matmul", f"{int(over.sum())} of {err.size} outputs exceed the f32 "
-                                         f"accumulation bound; worst at {i}: got {y[i]!r}, want {w[i]!r}, "
-                                         f"bound {bound[i]:.3g}")
+                raise ctx.fail(check, f"reference raised {type(werr).__name__}; backend "
+                                      + ("returned normally" if gerr is None else f"raised {type(gerr).__name__}: {gerr}"))
+            continue
+        out_dtype = np.float32 if is_matmul else x.dtype
+        _check_product(ctx, check, backend, got, gerr, x, Wt, bias, out_dtype, tol)
 
 
 # --------------------------------------------------------------------------- cross-backend

@@ -271,12 +271,15 @@ class NdarrayBackend(BaseBackend):
     """Rows of w dequantized per step: the same steps as `qcore.ops.matmul`, so the f32 sums
     (and so the results) are identical to every other backend's."""
 
-    def matmul(self, x: Any, w: Any) -> Any:
+    def matmul(self, x: Any, w: Any, *, dtype: Any = np.float32) -> Any:
         """`x @ dequantize(w)` for float x [..., K] and w [K, N], `MATMUL_ROWS` rows of w at a time
         (whole blocks) dequantized by the numba kernel straight from the stored bytes, so the
         full float weight never exists. Anything unusual goes to `qcore.ops.matmul` (its checks,
-        its error text, and its generic path for a weight packed along K)."""
+        its error text, its other activation and result dtypes, and its generic path for a
+        weight packed along K)."""
         w = self._own(w)
+        if dtype is not np.float32 or not isinstance(x, np.ndarray) or x.dtype not in (np.float32, np.float16):
+            return super().matmul(x, w, dtype=dtype)
         data: NdQuantized = w.data  # its shape and scheme: what the kernels see (E6, E7: the core's forms)
         sch = data.scheme
         if (sch.affine or len(w.shape) != 2 or data.shape != w.shape or not isinstance(x, np.ndarray)

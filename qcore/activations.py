@@ -1,0 +1,109 @@
+"""Activations of a product with a quantized weight (`matmul`, `linear`): the float arrays a host
+backend reads (x, bias), the result dtype, and the result handed back in the caller's array kind.
+
+A host backend reads numpy arrays (float16, bfloat16 as `ml_dtypes.bfloat16`, float32, float64)
+and torch CPU tensors (bfloat16 included, read without a copy where torch allows); it returns a
+numpy array, or a torch tensor when x was one. docs/spec.md ("Products with a quantized
+weight") fixes the arithmetic; this module only moves arrays.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .checks import INPUT_DTYPES
+from .errors import InputError
+
+__all__ = ["ACTIVATION_DTYPES", "product_dims", "host_activation", "host_bias", "result_dtype", "in_callers_kind"]
+
+ACTIVATION_DTYPES = INPUT_DTYPES
+"""x, bias and result dtypes of `matmul` and `linear`: float16, bfloat16, float32, float64."""
+
+_NAMES = "float16, bfloat16, float32 or float64"
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+_WEIGHT_FORM = {"matmul": "[K, N]", "linear": "[N, K] (out features, in features)"}
+
+
+def product_dims(what: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> tuple[int, int]:
+    """(K, N) of `matmul` (w [K, N]) or `linear` (w [N, K]) for x of `x_shape` [..., K], or an
+    `InputError` naming what does not fit."""
+    if len(w_shape) != 2:
+        raise InputError(f"{what} needs a 2-D weight {_WEIGHT_FORM[what]}, got shape {tuple(w_shape)}")
+    k_, n_ = w_shape if what == "matmul" else w_shape[::-1]
+    if len(x_shape) < 1:
+        raise InputError(f"{what} needs x of rank >= 1, got a scalar")
+    if x_shape[-1] != k_:
+        raise InputError(f"{what} shapes do not fit: x {tuple(x_shape)} against a weight {_WEIGHT_FORM[what]} = "
+                         f"{tuple(w_shape)}; x's last axis must be K = {k_}")
+    return k_, n_
+
+
+def host_activation(x: Any, what: str = "x") -> tuple[np.ndarray, bool]:
+    """(x as a host numpy array in its own dtype, whether it came as a torch tensor). A torch
+    tensor on another device, a non-float array or an unreadable object is an `InputError`."""
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise InputError(f"{what} is a torch tensor on {x.device}; this backend reads host arrays: "
+                             f"pass {what}.cpu(), or use a backend on that device")
+        t = x.detach()
+        if t.dtype == torch.bfloat16:
+            return t.contiguous().view(torch.int16).numpy().view(_BF16), True
+        try:
+            return t.numpy(), True
+        except TypeError:
+            raise InputError(f"{what} has torch dtype {t.dtype}; pass {_NAMES}") from None
+    try:
+        arr = np.asarray(x)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise InputError(f"{what} is not a rectangular array of numbers ({e}); pass a numpy array") from None
+    if arr.dtype not in ACTIVATION_DTYPES:
+        raise InputError(f"{what} has dtype {arr.dtype}; products take {_NAMES} activations")
+    return arr, False
+
+
+def result_dtype(x_dtype: Any, dtype: Any) -> np.dtype:
+    """The dtype of a product's result: `dtype` if given (one of `ACTIVATION_DTYPES`), else x's."""
+    if dtype is None:
+        return np.dtype(x_dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        torch = _torch()
+        if torch is not None and isinstance(dtype, torch.dtype):
+            dt = _BF16 if dtype == torch.bfloat16 else np.dtype(str(dtype).removeprefix("torch."))
+        else:
+            raise InputError(f"dtype={dtype!r} is not an array dtype; use {_NAMES}") from None
+    if dt not in ACTIVATION_DTYPES:
+        raise InputError(f"a product's result can be {_NAMES}, not {dt}")
+    return dt
+
+
+def host_bias(bias: Any, n: int) -> np.ndarray | None:
+    """`bias` as host float32 [n] (None stays None): it is added to the f32 sums."""
+    if bias is None:
+        return None
+    b, _ = host_activation(bias, "bias")
+    if b.shape != (n,):
+        raise InputError(f"bias has shape {b.shape}; linear with a weight of {n} output rows takes a bias of shape ({n},)")
+    return b.astype(np.float32)
+
+
+def in_callers_kind(y: np.ndarray, as_torch: bool) -> Any:
+    """A host result as the caller passed x: a torch tensor over the same memory, or numpy."""
+    if not as_torch:
+        return y
+    torch = _torch()
+    y = np.ascontiguousarray(y)
+    if y.dtype == _BF16:
+        return torch.from_numpy(y.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(y)

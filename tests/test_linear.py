@@ -1,0 +1,105 @@
+"""`linear` (a weight [N, K] as checkpoints store it) and the activation dtypes of `matmul`, on the
+host backends, through the public API: results, result dtypes, bias, shapes, errors, and the
+products' bound of docs/spec.md."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import qcore
+from qcore.conformance.checks import product_bound
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+SCHEMES = ["q8s", "q4s/block32:f16", "nvfp4", "mxfp8", "q4_1", "q8s/block16:f32:flat", "nf4"]
+
+
+def _weight(shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _x(shape, dtype, seed=1):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _within(y, x, W, bias, out_dtype):
+    exact, bound = product_bound(np.asarray(x).reshape(-1, x.shape[-1]), W, bias, out_dtype)
+    err = np.abs(np.asarray(y, np.float64).reshape(exact.shape) - exact)
+    return bool((err <= bound).all())
+
+
+@pytest.mark.parametrize("backend", ["reference", "ndarray"])
+@pytest.mark.parametrize("text", SCHEMES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16, np.float64])
+def test_linear_within_the_bound_in_x_dtype(backend, text, dtype):
+    be = qcore.backend(backend)
+    if not be.supports(text):
+        pytest.skip(f"{backend} does not run {text}")  # ndarray: Q8 values only (SPEC §4)
+    q = be.quantize(_weight((40, 96)), text)
+    W = np.asarray(be.dequantize(q), np.float64)
+    x = _x((2, 3, 96), dtype)
+    bias = _x((40,), np.float32, seed=5)
+    y = be.linear(x, q, bias)
+    assert y.shape == (2, 3, 40) and y.dtype == np.dtype(dtype)
+    assert _within(y, x, W, bias, dtype)
+
+
+def test_linear_is_matmul_of_the_transpose_and_module_level_names():
+    q = qcore.quantize(_weight((24, 64)), "q4s/block32:f16", "reference")
+    x = _x((5, 64), np.float32)
+    y = qcore.linear(x, q)
+    be = q.backend
+    W = np.asarray(be.dequantize(q), np.float64)
+    assert _within(y, x, W, None, np.float32) and _within(be.matmul(x, be.transpose(q)), x, W, None, np.float32)
+    assert np.array_equal(qcore.matmul(x[:, :24], q), be.matmul(x[:, :24], q))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16])
+def test_result_dtype_follows_x_or_dtype(dtype):
+    q = qcore.quantize(_weight((8, 32)), "q8s", "reference")
+    x = _x((2, 32), dtype)
+    assert qcore.linear(x, q).dtype == np.dtype(dtype)
+    assert qcore.linear(x, q, dtype=np.float32).dtype == np.float32
+    assert qcore.matmul(x[:, :8], q).dtype == np.float32  # matmul keeps its float32 default
+    assert qcore.matmul(x[:, :8], q, dtype=None).dtype == np.dtype(dtype)
+
+
+def test_one_rounding_to_the_result_dtype():
+    q = qcore.quantize(_weight((16, 64)), "q8s/block32:f32", "reference")
+    x = _x((4, 64), BF16)
+    b = _x((16,), np.float32, seed=3)
+    y32 = qcore.linear(x, q, b, dtype=np.float32)
+    assert np.array_equal(qcore.linear(x, q, b).view(np.uint16), y32.astype(BF16).view(np.uint16))
+
+
+def test_empty_extents():
+    be = qcore.backend("reference")
+    q = be.quantize(_weight((6, 0)), "q8s")
+    b = np.arange(6, dtype=np.float32)
+    assert np.array_equal(be.linear(np.zeros((2, 0), np.float32), q, b), np.tile(b, (2, 1)))
+    q2 = be.quantize(_weight((6, 32)), "q8s")
+    assert be.linear(np.zeros((0, 32), np.float16), q2).shape == (0, 6)
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda q: qcore.linear(np.zeros((2, 31), np.float32), q), "x's last axis must be K = 32"),
+    (lambda q: qcore.linear(np.zeros((2, 32), np.int32), q), "products take"),
+    (lambda q: qcore.linear(np.zeros((2, 32), np.float32), q, np.zeros(7, np.float32)), "bias of shape"),
+    (lambda q: qcore.linear(np.zeros((2, 32), np.float32), q, dtype=np.int8), "result can be"),
+    (lambda q: qcore.linear(np.zeros((2, 32), np.float32), q.backend.reshape(q, (6, 4, 8))), "2-D weight"),
+    (lambda q: qcore.linear(np.zeros((2, 32), np.float32), np.zeros((6, 32))), "QTensor"),
+])
+def test_errors_are_one_line_input_errors(call, match):
+    q = qcore.quantize(_weight((6, 32)), "q8s", "reference")
+    with pytest.raises(qcore.InputError, match=match):
+        call(q)
+
+
+def test_torch_tensors_in_and_out():
+    torch = pytest.importorskip("torch")
+    q = qcore.quantize(_weight((12, 32)), "q4s/block32:f16", "reference")
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    y = qcore.linear(x, q)
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16 and tuple(y.shape) == (3, 12)
+    want = qcore.linear(x.float().numpy().astype(BF16), q)
+    assert np.array_equal(y.view(torch.int16).numpy(), want.view(np.int16))
