@@ -10,12 +10,14 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 import threading
 from typing import Any
 
 import numpy as np
 
 from qcore import layout
+from qcore.activations import ACTIVATION_DTYPES
 from qcore.checks import check_input_dtype, check_output_dtype, raise_nonfinite, to_f32
 from qcore.errors import InputError
 from qcore.payload import QuantizedData, sections
@@ -770,8 +772,35 @@ class CudaBackend(BaseBackend):
             return _cuda().as_cuda_array(array).copy_to_host()
         return np.asarray(array)
 
+    # ------------------------------------------------------------------ linear
+    @guard(lambda self, x, w, *_a, **_k: (f"apply a {w.shape} {w.scheme} linear weight",
+                                          4 * (_numel(self, x) // max(1, w.shape[-1]) * w.shape[0] + _numel(self, x))))
+    def linear(self, x: Any, w: QTensor, bias: Any = None, *, out: Any = None, dtype: Any = None,
+               stream: Any = None) -> Any:
+        """`x @ dequantize(w).T + bias` (docs/spec.md, "Products with a quantized weight") for a
+        linear layer's weight `w` [N, K] as checkpoints store it and float `x` [..., K]: float16,
+        bfloat16, float32 or float64, a torch, CuPy or numba device array or a host array.
+
+        The result has x's dtype unless `dtype=` names another (or `out=` is given: a
+        C-contiguous torch, CuPy or numba device array of the result's shape or size, float32,
+        float16 or bfloat16 (torch), returned). It is a torch tensor for a torch x, else a device
+        array (`QArray`); a bfloat16 result of a non-torch x comes back as a host
+        `ml_dtypes.bfloat16` array. `stream=` as for `quantize`.
+
+        Weights of 4- and 8-bit values with codes along K, K a multiple of 32 and one scale per
+        tensor or blocks along K of 32 * 2**j (or at least K) take the tensor-core kernel
+        (`linear.py`): the codes and 16-bit x exact as mma inputs, float32 x as three exact
+        bfloat16 parts, the scales applied in f32 to each 32-k partial sum; results repeat bit
+        for bit. Others are transposed once (kept with the weight) and go through `matmul`.
+        """
+        from .paths import linear as _linear_path
+
+        _k()  # the kernels, the memory pool and the disk cache, before the first allocation
+        with quiet():
+            return _linear_path.run(self, x, w, bias, out, dtype, stream)
+
     # ------------------------------------------------------------------ fused matmul
-    def matmul(self, x: Any, w: QTensor, *, out: Any = None, stream: Any = None) -> Any:
+    def matmul(self, x: Any, w: QTensor, *, out: Any = None, stream: Any = None, dtype: Any = np.float32) -> Any:
         """`x @ dequantize(w)` with the weight dequantized inside the kernel.
 
         Orientation: `x` is float [..., K] (host or device), `w` a quantized [K, N] tensor on
@@ -787,7 +816,20 @@ class CudaBackend(BaseBackend):
         k-split partial sums added in a fixed order, so results repeat bit for bit. Other layouts
         take the general kernel: 8 output columns per thread, k-chunks summed in shared memory
         and added to the output with f32 atomics (the last bits may vary from run to run).
+
+        `dtype=` other than float32 (None: x's dtype) rounds the f32 sums once to it, on the host
+        for bfloat16 and float64 (a host array), on the device for float16.
         """
+        if dtype is not np.float32 and (dtype is None or np.dtype(dtype) != np.float32):
+            from qcore.activations import result_dtype
+
+            if out is not None:
+                raise InputError("matmul out= is float32; leave dtype= out, or take linear(x, w_transposed, out=)")
+            from .paths.linear import rounded
+
+            y = self.matmul(x, w, stream=stream)
+            dt = result_dtype(self._shape_dtype(x)[1] if not isinstance(x, np.ndarray) else x.dtype, dtype)
+            return rounded(y, dt, _streams.resolve(stream, x))
         if stream is None:
             y = _repeat.matmul_again(self, x, w, out)
             if y is not None:
@@ -809,10 +851,13 @@ class CudaBackend(BaseBackend):
             raise InputError(f"matmul needs a 2-D weight [K, N], got shape {w.shape}")
         if w.data.shape != w.shape:  # E7: flattened blocks that cross rows: the core's matmul
             return self._host_matmul(x, w, out, stream)
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16:
+            x = x.float()  # (read as float32: exact)
         xv = _array.view_of(x)
         xshape, xdt = (xv.nd_shape, xv.dtype) if xv is not None else self._shape_dtype(x)
-        if np.dtype(xdt).kind != "f":
-            raise InputError(f"matmul needs a float x, got {xdt}")
+        if np.dtype(xdt) not in ACTIVATION_DTYPES:
+            raise InputError(f"matmul needs a float x (float16, bfloat16, float32 or float64), got {xdt}")
         k_, n_ = w.shape
         if len(xshape) < 1 or xshape[-1] != k_:
             raise InputError(f"matmul shapes do not fit: x {tuple(xshape)} @ w {w.shape}")

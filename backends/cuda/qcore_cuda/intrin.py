@@ -243,6 +243,53 @@ if config.ENABLE_CUDASIM:
                    for h in range(2)]
         return _mma_exchange(scr, int(base), 16, a_cells, b_cells, (c0, c1, c2, c3), g, t)
 
+    def _f16_value(b):
+        return float(np.uint16(int(b) & 0xFFFF).view(np.float16))
+
+    def _f16_bits(v):
+        return int(np.float16(v).view(np.uint16))
+
+    def _pair_f16(lo, hi):
+        return np.uint32(_f16_bits(hi) << 16 | _f16_bits(lo))
+
+    @_cuda_sim.jit(device=True)
+    def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base):
+        g, t = int(lane) >> 2, int(lane) & 3
+        a_cells = [((r, k + h), _f16_value(int(v) >> (16 * h)))
+                   for r, k, v in ((g, 2 * t, a0), (g + 8, 2 * t, a1), (g, 2 * t + 8, a2), (g + 8, 2 * t + 8, a3))
+                   for h in range(2)]
+        b_cells = [((k + h, g), _f16_value(int(v) >> (16 * h))) for k, v in ((2 * t, b0), (2 * t + 8, b1))
+                   for h in range(2)]
+        return _mma_exchange(scr, int(base), 16, a_cells, b_cells, (c0, c1, c2, c3), g, t)
+
+    def code4_f16x2(w):
+        w = int(w)
+        return _pair_f16((w & 0xF) - 8, ((w >> 16) & 0xF) - 8)
+
+    def i8x2_f16x2(v):
+        v = int(v)
+        lo, hi = v & 0xFF, (v >> 16) & 0xFF
+        return _pair_f16(lo - 256 if lo > 127 else lo, hi - 256 if hi > 127 else hi)
+
+    def e4m3x2_f16x2(c):
+        lo, hi = e4m3x2_f32(c)
+        return _pair_f16(lo, hi)
+
+    def e5m2x2_f16x2(c):
+        lo, hi = e5m2x2_f32(c)
+        return _pair_f16(lo, hi)
+
+    _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+    def e2m1x2_f16x2(v):
+        v = int(v)
+        lo, hi = v & 0xF, (v >> 16) & 0xF
+        return _pair_f16(-_E2M1[lo & 7] if lo & 8 else _E2M1[lo], -_E2M1[hi & 7] if hi & 8 else _E2M1[hi])
+
+    def f16x2_bf16x2(u):
+        lo, hi = f16x2_f32(u)
+        return bf16x2_rn(hi, lo)
+
 else:
     from llvmlite import ir
     from numba import types
@@ -485,6 +532,54 @@ else:
     def mma_bf16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base):
         return _mma("m16n8k16.row.col.f32.bf16.bf16.f32", types.uint32)(
             typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base)
+
+    @intrinsic
+    def mma_f16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base):
+        return _mma("m16n8k16.row.col.f32.f16.f16.f32", types.uint32)(
+            typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base)
+
+    def _u32_unary(text):
+        """The typer of a u32 -> u32 PTX block `text` ($0 = f($1))."""
+        def typer(typingctx, w):
+            def codegen(context, builder, sig, args):
+                return builder.call(_asm(_I32, [_I32], text, "=r,r"),
+                                    [context.cast(builder, args[0], sig.args[0], types.uint32)])
+
+            return types.uint32(w), codegen
+
+        return typer
+
+    @intrinsic
+    def code4_f16x2(typingctx, w):  # 1024 + (c + 8), less 1032: exact
+        return _u32_unary("{ .reg .b32 t, k; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; "
+                          "mov.b32 k, 0x64086408; sub.f16x2 $0, t, k; }")(typingctx, w)
+
+    @intrinsic
+    def i8x2_f16x2(typingctx, v):  # 1024 + (c + 128), less 1152: exact
+        return _u32_unary("{ .reg .b32 t, k; lop3.b32 t, $1, 0x00FF00FF, 0x64806480, 0x6A; "
+                          "mov.b32 k, 0x64806480; sub.f16x2 $0, t, k; }")(typingctx, v)
+
+    def _fp8_f16x2(kind):
+        return _u32_unary("{ .reg .b16 a; cvt.u16.u32 a, $1; cvt.rn.f16x2.%sx2 $0, a; }" % kind)
+
+    @intrinsic
+    def e4m3x2_f16x2(typingctx, c):
+        return _fp8_f16x2("e4m3")(typingctx, c)
+
+    @intrinsic
+    def e5m2x2_f16x2(typingctx, c):
+        return _fp8_f16x2("e5m2")(typingctx, c)
+
+    @intrinsic
+    def e2m1x2_f16x2(typingctx, v):  # (e1 e0 m) under f16's exponent and mantissa, times 2**14
+        return _u32_unary("{ .reg .b32 a, b, t, k; shl.b32 a, $1, 9; shl.b32 b, $1, 12; "
+                          "and.b32 t, a, 0x0E000E00; and.b32 b, b, 0x80008000; or.b32 t, t, b; "
+                          "mov.b32 k, 0x74007400; mul.rn.f16x2 $0, t, k; }")(typingctx, v)
+
+    @intrinsic
+    def f16x2_bf16x2(typingctx, u):  # exact for values bf16 holds
+        return _u32_unary("{ .reg .b16 l, h; .reg .f32 fl, fh; mov.b32 {l, h}, $1; cvt.f32.f16 fl, l; "
+                          "cvt.f32.f16 fh, h; cvt.rn.bf16x2.f32 $0, fh, fl; }")(typingctx, u)
 
     @intrinsic
     def code4_bf16x2(typingctx, w):

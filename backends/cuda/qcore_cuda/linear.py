@@ -1,0 +1,380 @@
+"""Tensor-core `linear` over a weight [N, K] as checkpoints store it (codes along K, scale blocks
+along K): `y[m, n] = sum_k x[m, k] * decode(w[n, k]) * e[n, k] (+ bias[n])`, x in bfloat16,
+float16 or float32, the result in float32, float16 or bfloat16.
+
+Arithmetic (docs/spec.md, "Products with a quantized weight"). The codes of every 4- and 8-bit
+value kind are exact in float16 and in bfloat16, so the weight is the A operand of
+`mma.sync.m16n8k16` in x's type (bf16 or f16, f32 accumulate) with no scale in it: each product
+is exact. A 32-k chunk of a row lies under one scale slot (blocks along K of 32 * 2**j, a block
+of at least K, or one scale for the tensor), so its two mma steps sum into zeroed accumulators
+and the thread then adds `e * partial` (f32) to its sums: the scale multiplies the f32 sum of one
+block's terms, as the spec allows. float32 x enters as three bfloat16 parts per element, each
+the next 8 significant bits of x, cut by truncation (`x = hi + mid + lo` exactly for normal
+parts; truncation never rounds up past the largest float), and the three mma products add into
+the same accumulators. Nothing is added with atomics: the warps' sums meet in shared memory and
+are added in warp order, so results repeat bit for bit.
+
+Fragments. Lane (g, t) of a warp holds rows g and g + 8 of the block's 16-row tile; in chunk c
+it reads the u32 word(s) of codes 8t .. 8t + 7 of the chunk (one word of 4-bit codes, two of
+8-bit), so a warp instruction reads 16 rows x 16 (or 32) contiguous bytes. The sum over k does
+not care which k sits in which mma position, as long as A and B agree: position pair p of the
+lane (A/B register halves) is codes (8t + p, 8t + p + 4), p = 0..3, which is one shift of a
+word of 4-bit codes (`code4_bf16x2` and friends read bits 0-3 and 16-19) and one byte permute of
+two words of 8-bit codes; step 0 of the chunk takes pairs 0 and 1, step 1 pairs 2 and 3. B is
+x's rows m0 + 8j + g (j < NB), whose 8 values at the same k are one 16-byte load, permuted into
+the same pairs. `U` chunks' code words are loaded before any of them is used, so a warp keeps
+U * 16 bytes per row in flight.
+
+Grid: (ceil(N / 16), ceil(M / (8 NB))) blocks of `WARPS` warps; the warps split the chunks of
+K into contiguous ranges (`plan`). Under the simulator every warp runs the same number of steps
+(its mma twin needs every thread of the block at each call); steps past a warp's range read
+chunk 0 with B zero.
+
+Eligible (`applies`): a 2-D weight of 4- or 8-bit integer or minifloat codes (Q8*, Q4*, E4M3,
+E5M2, E2M1; no offsets, no lookup table) in SPEC §3's field order, packed along K (Native, or
+packed along the last axis), K a multiple of 32, one scale for the tensor, or blocks that span
+one row each along K: 32 * 2**j elements, or at least K.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from qcore.scheme import QuantScheme, StoreKind
+
+from . import fast
+from .devmath import two_level_e
+from .intrin import (code4_bf16x2, code4_f16x2, e2m1x2_f16x2, e4m3x2_f16x2, e5m2x2_f16x2, f16_bits, f16x2_bf16x2,
+                     f2u, i8x2_f16x2, ld1, ld2, ld4, mma_bf16, mma_f16, prmt, u2f)
+
+from numba import config, cuda, float32, int64, uint16, uint32  # noqa: E402
+
+XT_BF16, XT_F16, XT_F32 = range(3)
+"""x's type as the kernel reads it: bfloat16 or float16 bits (u32 pairs), float32 (split in three)."""
+OT_F32, OT_F16, OT_BF16 = range(3)
+"""The result's type: float32, or float16 / bfloat16 bits."""
+KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_E4M3, fast.KIND_E5M2, fast.KIND_E2M1)
+"""Value kinds (`fast.KINDS`) the kernel decodes."""
+WARPS = 4 if config.ENABLE_CUDASIM else 8
+U = 2 if config.ENABLE_CUDASIM else 4
+NBS = (1, 4)
+"""Variants: x rows per pass, in n8 tiles (8 or 32 rows)."""
+SCR = 384  # simulator: f32 scratch per warp for the mma twin
+REGS = 128
+P_N, P_K, P_M, P_NSB, P_LB, P_TWO, P_WPR, P_CPW, P_OT, P_BIAS, P_LEN = range(11)
+"""The kernel's int64 parameters: shape, scale slots per row (0: one for the tensor), chunk ->
+slot shift, two-level flag, u32 words per row of codes, chunks per warp, result type, bias flag."""
+
+
+def geometry(shape: tuple[int, ...], scheme: QuantScheme) -> tuple[int, np.ndarray] | None:
+    """(value kind, P without M, CPW, OT and the bias flag) for a [N, K] weight, or None when
+    the kernel does not apply (module text)."""
+    if len(shape) != 2 or scheme.affine or scheme.is_lookup:
+        return None
+    kind = fast.KINDS.get(scheme.value)
+    if kind not in KINDS:
+        return None
+    n_, k_ = shape
+    if k_ % 32 or k_ == 0 or n_ == 0:
+        return None
+    store = scheme.store
+    if store.kind is not StoreKind.NATIVE and store.dim != 0:
+        return None
+    if store.order.value != "low":  # (the backend hands kernels SPEC §3's order: `_kernel_data`)
+        return None
+    P = np.zeros(P_LEN, dtype=np.int64)
+    P[P_N], P[P_K] = n_, k_
+    P[P_WPR] = k_ * fast.KIND_BITS[kind] // 32
+    P[P_TWO] = 1 if scheme.two_level else 0
+    if scheme.block is None:
+        P[P_NSB], P[P_LB] = 0, 62
+    else:
+        if scheme.block.flat:
+            return None
+        dims = scheme.block.dims
+        if len(dims) == 2 and dims[0] != 1:
+            return None
+        b = dims[-1]
+        if b >= k_:
+            P[P_NSB], P[P_LB] = 1, 62
+        elif b % 32 == 0 and (b // 32) & (b // 32 - 1) == 0:
+            P[P_NSB], P[P_LB] = k_ // b, (b // 32).bit_length() - 1
+        else:
+            return None
+    return kind, P
+
+
+def plan(P: np.ndarray, m: int, nb: int, out_type: int, has_bias: bool) -> tuple[tuple, tuple[int, int], tuple[int]]:
+    """(P as the kernel's tuple, grid, block) for m rows of x with `nb` n8 tiles per pass."""
+    q = P.copy()
+    nch = int(q[P_K]) // 32
+    q[P_M], q[P_CPW] = m, -(-nch // WARPS)
+    q[P_OT], q[P_BIAS] = out_type, int(has_bias)
+    grid = (-(-int(q[P_N]) // 16), -(-m // (8 * nb)))
+    return tuple(int(v) for v in q), grid, (32 * WARPS,)
+
+
+def nb_for(m: int) -> int:
+    """n8 tiles per pass for m rows of x: one up to 8 rows, else four."""
+    return 1 if m <= 8 else 4
+
+
+def _decoder(kind: int, bf: bool):
+    """A device function: a row's code word(s) of one chunk -> its four A pairs (module text)."""
+    if kind == fast.KIND_I4:
+        conv = code4_bf16x2 if bf else code4_f16x2
+
+        @cuda.jit(device=True, inline="always")
+        def pairs(w0, w1):
+            u = w0 ^ uint32(0x88888888)  # two's complement -> offset by 8
+            return conv(u), conv(u >> uint32(4)), conv(u >> uint32(8)), conv(u >> uint32(12))
+
+        return pairs
+    if kind == fast.KIND_E2M1:
+        @cuda.jit(device=True, inline="always")
+        def e2m1(v):
+            h = e2m1x2_f16x2(v)
+            return f16x2_bf16x2(h) if bf else h
+
+        @cuda.jit(device=True, inline="always")
+        def pairs(w0, w1):
+            return e2m1(w0), e2m1(w0 >> uint32(4)), e2m1(w0 >> uint32(8)), e2m1(w0 >> uint32(12))
+
+        return pairs
+    if kind == fast.KIND_I8:
+        @cuda.jit(device=True, inline="always")
+        def i8(v):
+            h = i8x2_f16x2(v)
+            return f16x2_bf16x2(h) if bf else h
+
+        @cuda.jit(device=True, inline="always")
+        def pairs(w0, w1):  # bytes p of w0 and w1 into bytes 0 and 2
+            return (i8(prmt(w0, w1, 0x4400)), i8(prmt(w0, w1, 0x5511)), i8(prmt(w0, w1, 0x6622)),
+                    i8(prmt(w0, w1, 0x7733)))
+
+        return pairs
+    fp8 = e4m3x2_f16x2 if kind == fast.KIND_E4M3 else e5m2x2_f16x2
+
+    @cuda.jit(device=True, inline="always")
+    def f8(v):
+        h = fp8(v)
+        return f16x2_bf16x2(h) if bf else h
+
+    @cuda.jit(device=True, inline="always")
+    def pairs(w0, w1):  # bytes p of w0 and w1 into bytes 0 and 1
+        return f8(prmt(w0, w1, 0x40)), f8(prmt(w0, w1, 0x51)), f8(prmt(w0, w1, 0x62)), f8(prmt(w0, w1, 0x73))
+
+    return pairs
+
+
+@cuda.jit(device=True, inline="always")
+def _trunc_bf16(v):
+    """v's top 16 bits (bfloat16, cut toward zero) as an f32."""
+    return u2f(f2u(v) & uint32(0xFFFF0000))
+
+
+@cuda.jit(device=True, inline="always")
+def _split_pair(lo, hi, part):
+    """Part `part` (0 hi, 1 mid, 2 lo) of the three-way bfloat16 split of (lo, hi), as a pair."""
+    a, b = lo, hi
+    for _ in range(part):
+        a = a - _trunc_bf16(a)
+        b = b - _trunc_bf16(b)
+    return (f2u(b) & uint32(0xFFFF0000)) | (f2u(a) >> uint32(16))
+
+
+def _linear_kernel(kind: int, xt: int, nb: int):
+    bits = fast.KIND_BITS[kind]
+    bf = xt != XT_F16
+    mma = mma_f16 if xt == XT_F16 else mma_bf16
+    nxs = 3 if xt == XT_F32 else 1
+    mt = 8 * nb
+    masked = bool(config.ENABLE_CUDASIM)
+    scr_n = SCR * WARPS if masked else 1
+    red_n = WARPS * 16 * mt
+    nt = 32 * WARPS
+    pairs = _decoder(kind, bf)
+    acc_n, bx_n, w_n = 4 * nb, 4 * nxs * nb, 2 * U  # (local array sizes: constants)
+
+    @cuda.jit(device=True, inline="always")
+    def load_x(x, bx, o, m, K, cc, t, ok):
+        """The B pairs of x's row m at chunk cc into bx[o .. o + 4 nxs) (zero where not ok)."""
+        if not ok:
+            for i in range(4 * nxs):
+                bx[o + i] = uint32(0)
+            return
+        if xt == XT_F32:
+            xo = m * K + cc * int64(32) + t * int64(8)
+            v0, v1, v2, v3 = ld4(x, xo)
+            v4, v5, v6, v7 = ld4(x, xo + int64(4))
+            for s in range(nxs):
+                bx[o + 4 * s] = _split_pair(v0, v4, s)
+                bx[o + 4 * s + 1] = _split_pair(v1, v5, s)
+                bx[o + 4 * s + 2] = _split_pair(v2, v6, s)
+                bx[o + 4 * s + 3] = _split_pair(v3, v7, s)
+        else:
+            xo = m * (K >> int64(1)) + cc * int64(16) + t * int64(4)
+            x0, x1, x2, x3 = ld4(x, xo)
+            bx[o] = prmt(x0, x2, 0x5410)
+            bx[o + 1] = prmt(x0, x2, 0x7632)
+            bx[o + 2] = prmt(x1, x3, 0x5410)
+            bx[o + 3] = prmt(x1, x3, 0x7632)
+
+    def k_linear(x, w32, scales, gbuf, bias, out32, out16, P):
+        red = cuda.shared.array(red_n, float32)
+        scr = cuda.shared.array(scr_n, float32)
+        acc = cuda.local.array(acc_n, float32)
+        tmp = cuda.local.array(acc_n, float32)
+        bx = cuda.local.array(bx_n, uint32)
+        wa = cuda.local.array(w_n, uint32)
+        wb = cuda.local.array(w_n, uint32)
+        tid = int64(cuda.threadIdx.x)
+        warp = tid >> int64(5)
+        lane = tid & int64(31)
+        g = lane >> int64(2)
+        t = lane & int64(3)
+        N = P[P_N]
+        K = P[P_K]
+        M = P[P_M]
+        nsb = P[P_NSB]
+        lb = P[P_LB]
+        wpr = P[P_WPR]
+        cpw = P[P_CPW]
+        n0 = int64(cuda.blockIdx.x) * int64(16)
+        m0 = int64(cuda.blockIdx.y) * int64(mt)
+        ra = min(n0 + g, N - int64(1))
+        rb = min(n0 + g + int64(8), N - int64(1))
+        g2 = gbuf[0] if P[P_TWO] != int64(0) else float32(1.0)
+        nch = K >> int64(5)
+        c0 = warp * cpw
+        c1 = min(c0 + cpw, nch)
+        nst = cpw if masked else c1 - c0
+        base = warp * int64(SCR)
+        for i in range(4 * nb):
+            acc[i] = float32(0.0)
+        s0 = int64(0)
+        while s0 < nst:
+            for u in range(U):  # the group's code words first: U chunks in flight
+                c = c0 + s0 + int64(u)
+                cc = c if c < c1 else int64(0)
+                if bits == 4:
+                    wa[2 * u] = ld1(w32, ra * wpr + cc * int64(4) + t)
+                    wb[2 * u] = ld1(w32, rb * wpr + cc * int64(4) + t)
+                else:
+                    wa[2 * u], wa[2 * u + 1] = ld2(w32, ra * wpr + cc * int64(8) + t * int64(2))
+                    wb[2 * u], wb[2 * u + 1] = ld2(w32, rb * wpr + cc * int64(8) + t * int64(2))
+            for u in range(U):
+                c = c0 + s0 + int64(u)
+                ok = c < c1
+                if masked or (s0 + int64(u) < nst):
+                    cc = c if ok else int64(0)
+                    slot = cc >> lb
+                    ea = two_level_e(g2, scales[ra * nsb + slot])
+                    eb = two_level_e(g2, scales[rb * nsb + slot])
+                    pa0, pa1, pa2, pa3 = pairs(wa[2 * u], wa[2 * u + 1])
+                    pb0, pb1, pb2, pb3 = pairs(wb[2 * u], wb[2 * u + 1])
+                    for j in range(nb):
+                        m = m0 + int64(8 * j) + g
+                        load_x(x, bx, 4 * nxs * j, min(m, M - int64(1)), K, cc, t, ok and m < M)
+                    for i in range(4 * nb):
+                        tmp[i] = float32(0.0)
+                    for j in range(nb):
+                        for s in range(nxs):
+                            b = 4 * nxs * j + 4 * s
+                            tmp[4 * j], tmp[4 * j + 1], tmp[4 * j + 2], tmp[4 * j + 3] = mma(
+                                pa0, pb0, pa1, pb1, bx[b], bx[b + 1], tmp[4 * j], tmp[4 * j + 1], tmp[4 * j + 2],
+                                tmp[4 * j + 3], scr, lane, base)
+                            tmp[4 * j], tmp[4 * j + 1], tmp[4 * j + 2], tmp[4 * j + 3] = mma(
+                                pa2, pb2, pa3, pb3, bx[b + 2], bx[b + 3], tmp[4 * j], tmp[4 * j + 1], tmp[4 * j + 2],
+                                tmp[4 * j + 3], scr, lane, base)
+                    for j in range(nb):
+                        acc[4 * j] += ea * tmp[4 * j]
+                        acc[4 * j + 1] += ea * tmp[4 * j + 1]
+                        acc[4 * j + 2] += eb * tmp[4 * j + 2]
+                        acc[4 * j + 3] += eb * tmp[4 * j + 3]
+            s0 += int64(U)
+        # C of tile j: lane (g, t) holds rows g, g + 8 and columns 8j + 2t, 8j + 2t + 1
+        wo = warp * int64(16 * mt)
+        for j in range(nb):
+            col = int64(8 * j) + t * int64(2)
+            red[wo + g * int64(mt) + col] = acc[4 * j]
+            red[wo + g * int64(mt) + col + int64(1)] = acc[4 * j + 1]
+            red[wo + (g + int64(8)) * int64(mt) + col] = acc[4 * j + 2]
+            red[wo + (g + int64(8)) * int64(mt) + col + int64(1)] = acc[4 * j + 3]
+        cuda.syncthreads()
+        idx = tid
+        while idx < int64(16 * mt):
+            row = idx // int64(mt)
+            col = idx - row * int64(mt)
+            n = n0 + row
+            m = m0 + col
+            if n < N and m < M:
+                v = red[idx]
+                for w in range(1, WARPS):
+                    v += red[int64(w * 16 * mt) + idx]
+                if P[P_BIAS] != int64(0):
+                    v += bias[n]
+                o = m * N + n
+                if P[P_OT] == int64(OT_F32):
+                    out32[o] = v
+                elif P[P_OT] == int64(OT_F16):
+                    out16[o] = uint16(f16_bits(v))
+                else:
+                    out16[o] = uint16(_bf16_rn_bits(v))
+            idx += int64(nt)
+
+    return k_linear
+
+
+@cuda.jit(device=True, inline="always")
+def _bf16_rn_bits(v):
+    """v rounded to nearest-even bfloat16, as bits (NaN stays NaN)."""
+    u = f2u(v)
+    if (u & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
+        return (u >> uint32(16)) | uint32(0x40)
+    return (u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))) >> uint32(16)
+
+
+@lru_cache(maxsize=None)
+def kernel(kind: int, xt: int, nb: int):
+    """The compiled variant for value kind `kind`, x type `xt`, `nb` n8 tiles per pass."""
+    return fast.K.jit_regs(REGS)(_linear_kernel(kind, xt, nb))
+
+
+def signature(xt: int) -> str:
+    xs = "float32" if xt == XT_F32 else "uint32"
+    return (f"void({xs}[::1], uint32[::1], float32[::1], float32[::1], float32[::1], float32[::1], "
+            "uint16[::1], int64[::1])")
+
+
+def _variants():
+    return [(f"k_linear[{kind},{xt},{nb}]", _linear_kernel(kind, xt, nb), signature(xt), REGS)
+            for kind in KINDS for xt in (XT_BF16, XT_F16, XT_F32) for nb in NBS]
+
+
+FINISH_SIG = "void(float32[::1], float32[::1], float32[::1], uint16[::1], int64, int64, int64, int64)"
+
+
+@cuda.jit
+def k_finish(y, bias, out32, out16, n, cols, ot, has_bias):
+    """out[i] = y[i] (+ bias[i % cols]) rounded once to the result type `ot` (grid-stride over n):
+    the end of a `linear` whose f32 sums came from another kernel."""
+    i = int64(cuda.grid(1))
+    while i < n:
+        v = y[i]
+        if has_bias != int64(0):
+            v += bias[i % cols]
+        if ot == int64(OT_F32):
+            out32[i] = v
+        elif ot == int64(OT_F16):
+            out16[i] = uint16(f16_bits(v))
+        else:
+            out16[i] = uint16(_bf16_rn_bits(v))
+        i += int64(cuda.gridsize(1))
+
+
+def ptx_targets():
+    """(name, python function, signature, register cap) of every variant and the finishing kernel
+    (`ptx.targets`)."""
+    return _variants() + [("k_finish", k_finish.py_func, FINISH_SIG, None)]

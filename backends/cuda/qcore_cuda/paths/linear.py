@@ -1,0 +1,343 @@
+"""`linear` on the cuda backend: x [..., K] @ dequantize(w [N, K]).T + bias, in x's dtype.
+
+`run` reads x (torch, CuPy, numba device arrays, or host numpy with `ml_dtypes.bfloat16`), the
+bias and `out=`, takes the first path of `LINEAR` that applies and hands the result back as the
+caller gave x: a torch tensor for a torch x, else a device array (`QArray`), or a host
+`ml_dtypes.bfloat16` array for a bfloat16 result without torch (numba has no bfloat16 device
+dtype, as for `dequantize`). A float64 result is the f32 sums widened.
+
+Paths:
+- `TensorCoreLinear` (`linear.py`): the weight's payload read as it is; bit-repeatable.
+- `TransposedLinear`: any other weight. Its transpose ([K, N], `permute`: exact) is made once and
+  kept with the weight, multiplied by the matmul paths in f32 (`CudaBackend._launch_matmul`), and
+  `k_finish` adds the bias and rounds once to the result dtype.
+
+The first `linear` of a tensor whose scheme has invalid codes (SPEC v1.1 §3) dequantizes it once
+to check them, as a first dequantize does, so a bad code is an `InvalidDataError`, never a value.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from qcore.activations import ACTIVATION_DTYPES, product_dims, result_dtype
+from qcore.errors import InputError
+from qcore.protocol import QTensor
+
+from .. import _array, _streams
+from .._launch import Packed
+from . import choose
+
+__all__ = ["LINEAR", "LinearCall", "TensorCoreLinear", "TransposedLinear", "run", "rounded"]
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+
+
+@dataclass
+class LinearCall:
+    """One `linear`: the weight `w` (its `data` in SPEC §3's field order), x as given and as the
+    kernels read it (`xd`: u32 pairs of 16-bit values for `xt` XT_BF16/XT_F16, float32 for
+    XT_F32; None: no tensor-core form), m rows, the result type `ot` and arrays (`out32`,
+    `out16`: one is a placeholder), the bias (f32 [N], or a placeholder), the stream."""
+
+    be: Any
+    w: Any
+    data: Any
+    x: Any
+    xd: Any
+    xt: int | None
+    m: int
+    ot: int
+    out32: Any
+    out16: Any
+    bias: Any
+    has_bias: bool
+    s: Any
+
+
+class TensorCoreLinear:
+    """linear.py: mma over the payload as it is (module text there)."""
+
+    name = "tensor-core-linear"
+
+    def applies(self, c: LinearCall) -> bool:
+        from .. import linear
+
+        cache = c.data.cache
+        if "linear geometry" not in cache:
+            cache["linear geometry"] = linear.geometry(c.data.shape, c.data.scheme)
+        return cache["linear geometry"] is not None and c.xt is not None
+
+    def launch(self, c: LinearCall) -> None:
+        from .. import linear
+
+        key = ("linear", c.m, c.xt, c.ot, c.has_bias)
+        st = c.data.cache.get(key)
+        if st is None:
+            from numba import cuda
+
+            kind, P = c.data.cache["linear geometry"]
+            nb = linear.nb_for(c.m)
+            q, grid, block = linear.plan(P, c.m, nb, c.ot, c.has_bias)
+            scales, gbuf = c.be._decoded_scales(c.data, c.s)
+            args = [c.xd, c.be._code_words(c.data), scales, gbuf, c.bias, c.out32, c.out16,
+                    cuda.to_device(np.asarray(q, np.int64))]
+            st = c.data.cache[key] = Packed(linear.kernel(kind, c.xt, nb), grid, block, args, dynamic=(0, 5, 6, 4))
+        st(c.xd, c.out32, c.out16, c.bias, stream=c.s)
+
+
+class TransposedLinear:
+    """Any weight: its transpose, made once and kept, through the matmul paths; then `k_finish`."""
+
+    name = "transposed-matmul"
+
+    def applies(self, c: LinearCall) -> bool:
+        return True
+
+    def launch(self, c: LinearCall) -> None:
+        from .. import linear
+        from ..fast import K
+
+        n_, k_ = c.w.shape
+        y32 = c.out32 if c.ot == linear.OT_F32 and not c.has_bias else _array.empty((c.m * n_,), np.float32, c.s)
+        if k_ == 0:
+            _streams.on(K.k_zero, K.launch(c.m * n_), c.s)(y32)
+        elif c.data.shape != c.w.shape:  # blocks over the flattened tensor that cross rows (E7): the core's sums
+            from qcore import ops
+
+            host = ops.linear(c.be, c.be.to_numpy(_f32_source(c.x)) if not isinstance(c.x, np.ndarray) else c.x, c.w,
+                              dtype=np.float32)
+            _array.view_of(y32).numba().copy_to_device(np.ascontiguousarray(host).reshape(-1), stream=c.s.numba)
+        else:
+            wt = c.data.cache.get("transposed")
+            if wt is None:  # (the payload's own form: a flat-block tensor's transpose would requantize)
+                wt = c.data.cache["transposed"] = c.be.transpose(QTensor(c.be, c.data.scheme, c.data.shape, c.data))
+            xf = c.xd if c.xt == linear.XT_F32 else c.be._device_f32(_f32_source(c.x), c.s)
+            xf = _array.DevView(xf.ptr, (c.m, k_), _F32, xf.base) if type(xf) is _array.DevView else xf.reshape(c.m, k_)
+            c.be.matmul(xf, wt, out=y32, stream=c.s.handle)
+        if y32 is not c.out32:
+            _streams.on(linear.k_finish, K.launch(c.m * n_), c.s)(y32, c.bias, c.out32, c.out16, c.m * n_, n_, c.ot,
+                                                                   int(c.has_bias))
+
+
+LINEAR = (TensorCoreLinear(), TransposedLinear())
+"""The linear paths in the order the backend tries them."""
+
+
+# ----------------------------------------------------------------------------- the call
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def _is_torch(x: Any) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _torch_dtype(dt: np.dtype) -> Any:
+    torch = _torch()
+    return torch.bfloat16 if dt == _BF16 else getattr(torch, dt.name)
+
+
+def _np_dtype(x: Any) -> np.dtype:
+    """x's element type, bfloat16 included (torch's, or numpy's with ml_dtypes)."""
+    if _is_torch(x):
+        return _BF16 if x.dtype == _torch().bfloat16 else np.dtype(str(x.dtype).removeprefix("torch."))
+    v = _array.view_of(x) if not isinstance(x, np.ndarray) else None
+    if v is not None:
+        return v.dtype
+    return np.asarray(x).dtype
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    if _is_torch(x):
+        return tuple(x.shape)
+    v = _array.view_of(x) if not isinstance(x, np.ndarray) else None
+    return v.nd_shape if v is not None else tuple(np.shape(x))
+
+
+def _device_bits(x: Any, dt: np.dtype, s: Any) -> Any:
+    """A device array of x's raw elements (flat, `dt`-sized words), read in place where x is on
+    the device already."""
+    from numba import cuda
+
+    if _is_torch(x):
+        if not x.is_cuda:
+            raise InputError(f"x is a torch tensor on {x.device}; the cuda backend reads CUDA tensors or host arrays")
+        if not x.is_contiguous():
+            raise InputError("the cuda backend reads C-contiguous device arrays; pass x.contiguous() / a copy")
+        return _array.DevView(x.data_ptr(), (x.numel(),), np.dtype(dt), x)
+    v = _array.view_of(x) if not isinstance(x, np.ndarray) else None
+    if v is not None:
+        return v.arg if v._sim is not None else _array.DevView(v.ptr, (v.size,), np.dtype(dt), v.base)
+    host = np.ascontiguousarray(x).reshape(-1)
+    return cuda.to_device(host.view(dt), stream=s.numba)
+
+
+def _as_words(d: Any, dt: np.dtype) -> Any:
+    """`d` (flat device array or DevView) reinterpreted as elements of `dt` (same bytes)."""
+    if type(d) is _array.DevView:
+        return _array.DevView(d.ptr, (d.size * d.dtype.itemsize // dt.itemsize,), dt, d.base)
+    return d.view(dt)
+
+
+def _kernel_x(be: Any, x: Any, xdt: np.dtype, n: int, s: Any) -> tuple[Any, int | None]:
+    """(x as the tensor-core kernel reads it, its XT) or (None, None) where it cannot: 16-bit x as
+    u32 pairs on a 16-byte boundary, float32 (and float64, rounded) as float32."""
+    from .. import linear
+
+    if xdt in (_BF16, _F16):
+        if n % 2:
+            return None, None
+        d = _as_words(_device_bits(x, np.dtype(np.uint16), s), np.dtype(np.uint32))
+        if type(d) is _array.DevView and d.ptr % 16:
+            return None, None
+        return d, (linear.XT_BF16 if xdt == _BF16 else linear.XT_F16)
+    d = be._device_f32(_f32_source(x), s)
+    if type(d) is _array.DevView and d.ptr % 16:
+        return None, None
+    return d, linear.XT_F32
+
+
+def _f32_source(x: Any) -> Any:
+    """x in a form `_device_f32` reads (a torch bfloat16 tensor widened by torch)."""
+    if _is_torch(x) and x.dtype == _torch().bfloat16:
+        return x.float()
+    return x
+
+
+def _placeholders(s: Any) -> tuple[Any, Any]:
+    """One-element float32 and uint16 device arrays for the kernel's unused arguments."""
+    from numba import cuda
+
+    global _PLACE
+    if _PLACE is None:
+        _PLACE = (cuda.device_array(1, np.float32), cuda.device_array(1, np.uint16))
+    return _PLACE
+
+
+_PLACE: tuple | None = None
+
+
+def _device_bias(be: Any, bias: Any, n: int, s: Any) -> Any:
+    """The bias as a float32 device array [n] (read in place when it is one already)."""
+    if _is_torch(bias):
+        if tuple(bias.shape) != (n,):
+            raise InputError(f"bias has shape {tuple(bias.shape)}; linear with a weight of {n} output rows takes a "
+                             f"bias of shape ({n},)")
+        if bias.dtype not in (_torch().float16, _torch().bfloat16, _torch().float32, _torch().float64):
+            raise InputError(f"bias has dtype {bias.dtype}; pass float16, bfloat16, float32 or float64")
+        return be._device_f32(bias.float().contiguous() if bias.is_cuda else bias.float().numpy(), s)
+    shape, dt = _shape(bias), _np_dtype(bias)
+    if shape != (n,):
+        raise InputError(f"bias has shape {shape}; linear with a weight of {n} output rows takes a bias of shape ({n},)")
+    if dt not in ACTIVATION_DTYPES:
+        raise InputError(f"bias has dtype {dt}; pass float16, bfloat16, float32 or float64")
+    return be._device_f32(bias, s)
+
+
+def _outputs(x: Any, out: Any, shape: tuple[int, ...], dt: np.dtype, s: Any) -> tuple:
+    """(result, its float32 form or None, its 16-bit words or None, finish): the arrays the
+    kernels write for a result of `shape` and `dt`, and a function that turns the written
+    result into what `linear` returns."""
+    n = math.prod(shape)
+    if out is not None:
+        if dt == _F64:
+            raise InputError("linear out= takes float32, float16 or bfloat16 arrays; leave it out for float64")
+        if _is_torch(out):
+            if not out.is_cuda or not out.is_contiguous():
+                raise InputError("linear out= must be a C-contiguous CUDA tensor")
+            odt = _np_dtype(out)
+            if tuple(out.shape) != shape and out.numel() != n:
+                raise InputError(f"linear out= has shape {tuple(out.shape)}, the result has shape {shape}")
+            v = _array.DevView(out.data_ptr(), (n,), odt, out)
+        else:
+            v = _array.check_out(out, shape, (_F32, _F16), "linear")
+            odt = v.dtype
+        if odt != dt:
+            raise InputError(f"linear out= has dtype {odt}, the result's is {dt}; pass dtype={odt} or an out= of {dt}")
+        words = v.arg if odt == _F32 else _as_words(v.arg if v._sim is not None else v, np.dtype(np.uint16))
+        return out, (words if odt == _F32 else None), (None if odt == _F32 else words), lambda r: r
+    wide = dt == _F64
+    kdt = _F32 if wide else dt
+    if _is_torch(x):
+        torch = _torch()
+        res = torch.empty(shape, dtype=_torch_dtype(kdt), device=x.device)
+        v = _array.DevView(res.data_ptr(), (n,), np.dtype(np.uint16) if kdt != _F32 else _F32, res)
+        return res, (v if kdt == _F32 else None), (None if kdt == _F32 else v), \
+            ((lambda r: r.double()) if wide else (lambda r: r))
+    if kdt == _BF16:
+        buf = _array.empty((n,), np.uint16, s)
+        return buf, None, buf, lambda r: r.copy_to_host().view(_BF16).reshape(shape)
+    res, v = _array.empty_view(shape, kdt, s)
+    words = v.arg if kdt == _F32 else _as_words(v.arg if v._sim is not None else v, np.dtype(np.uint16))
+
+    def widen(r: Any) -> Any:
+        from numba import cuda
+
+        return cuda.to_device(r.copy_to_host().astype(np.float64))
+
+    return res, (words if kdt == _F32 else None), (None if kdt == _F32 else words), (widen if wide else (lambda r: r))
+
+
+def _check_codes_once(be: Any, w: Any, s: Any) -> None:
+    """A tensor whose scheme has invalid codes is dequantized once before its first product, so
+    a bad code raises `InvalidDataError` (SPEC v1.1 §3) as at a first dequantize."""
+    if w.scheme.valid_fields.all() or w.data.codes_checked() or w.data.cache.get("linear codes checked"):
+        return
+    with be._naming_elements(w):
+        be._dequantize(w.data, _F16, None, s)
+    w.data.cache["linear codes checked"] = not w.data.cache.get("caller memory", False)
+
+
+def run(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -> Any:
+    """`CudaBackend.linear` (module text)."""
+    from .. import linear
+
+    w = be._own(w)
+    xshape, xdt = _shape(x), _np_dtype(x)
+    if xdt not in ACTIVATION_DTYPES:
+        raise InputError(f"x has dtype {xdt}; products take float16, bfloat16, float32 or float64 activations")
+    k_, n_ = product_dims("linear", xshape, w.shape)
+    if dtype is None and out is not None:
+        dtype = _np_dtype(out)
+    dt = result_dtype(xdt, dtype)
+    m = math.prod(xshape[:-1])
+    s = _streams.resolve(stream, x)
+    res, out32, out16, finish = _outputs(x, out, tuple(xshape[:-1]) + (n_,), dt, s)
+    if m * n_ == 0:
+        return finish(res)
+    p32, p16 = _placeholders(s)
+    bias_d = p32 if bias is None else _device_bias(be, bias, n_, s)
+    ot = {_F32: linear.OT_F32, _F16: linear.OT_F16, _BF16: linear.OT_BF16}[_F32 if dt == _F64 else dt]
+    _check_codes_once(be, w, s)
+    data = be._kernel_data(w.data, s)
+    xd, xt = _kernel_x(be, x, xdt, m * k_, s) if k_ else (None, None)
+    call = LinearCall(be, w, data, x, xd, xt, m, ot, p32 if out32 is None else out32,
+                      p16 if out16 is None else out16, bias_d, bias is not None, s)
+    choose(LINEAR, call).launch(call)
+    return finish(res)
+
+
+def rounded(y: Any, dt: np.dtype, s: Any) -> Any:
+    """A float32 device result `y` rounded once to `dt`: float16 on the device (`k_finish`), the
+    others on the host (bfloat16, which numba's arrays lack, and float64)."""
+    from .. import linear
+    from ..fast import K
+
+    if dt == _F32:
+        return y
+    if dt != _F16 or not y.size:
+        return y.copy_to_host().astype(dt)
+    res, v = _array.empty_view(tuple(y.shape), _F16, s)
+    p32, _ = _placeholders(s)
+    words = _as_words(v.arg if v._sim is not None else v, np.dtype(np.uint16))
+    _streams.on(linear.k_finish, K.launch(y.size), s)(y.reshape(y.size), p32, p32, words, y.size, y.size,
+                                                       linear.OT_F16, 0)
+    return res

@@ -1,0 +1,152 @@
+"""`linear` of the `cuda` backend (a weight [N, K] as checkpoints store it): the tensor-core kernel
+(`qcore_cuda/linear.py`) for every value kind it decodes and each x type, M from 1 past the
+n8 tile switch, odd N, the fallback for other layouts, bias, result dtypes, `out=`, device and
+torch inputs; every result within docs/spec.md's products' bound, the tensor-core results bit
+for bit the same from call to call."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qcore.conformance.checks import product_bound
+from qcore.errors import InputError
+from qcore.reference import ReferenceBackend
+
+from tests.cuda_cases import SIM
+
+from numba import cuda  # noqa: E402  (conftest.py has set the simulator mode)
+
+REF = ReferenceBackend()
+BF16 = np.dtype(ml_dtypes.bfloat16)
+XDT = {"bf16": BF16, "f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
+TC_SCHEMES = ["q4s/block32:f16", "q4f/block64:bf16", "q8s", "q8f/block32:f32", "e4m3/block32:f32", "e5m2", "mxfp8",
+              "mxfp4", "q4_0", "q8s/block128:ue8m0"]
+OTHER_SCHEMES = ["nvfp4", "q4_1", "q2s/block32:f16", "q8s/block48:f32", "q4s/block16:f16:flat"]
+
+
+def _weight(n, k, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+
+
+def _x(m, k, dt, seed=1):
+    return np.random.default_rng(seed).standard_normal((m, k)).astype(dt)
+
+
+def _host(be, y):
+    return y if isinstance(y, np.ndarray) else be.to_numpy(y)
+
+
+def _check(be, text, n, k, m, xt, bias=True, seed=0):
+    w = _weight(n, k, seed)
+    q = be.quantize(w, text)
+    W = np.asarray(REF.dequantize(REF.quantize(w, text)), np.float64)
+    x = _x(m, k, XDT[xt], seed + 1)
+    b = _x(1, n, np.float32, seed + 2)[0] if bias else None
+    y = _host(be, be.linear(x, q, b))
+    assert y.dtype == XDT[xt] and y.shape == (m, n)
+    exact, bound = product_bound(x, W, b, y.dtype)
+    err = np.abs(y.astype(np.float64) - exact)
+    assert (err <= bound).all(), f"{text} {xt} M={m}: max err {err.max()} (bound there {bound.flat[err.argmax()]})"
+    return q, x, b, y
+
+
+def _paths():
+    from qcore_cuda.paths import TAKEN
+
+    return dict(TAKEN)
+
+
+# (scheme, x type, M): on the simulator a Latin square over the three x types and M in {1, 9};
+# on a GPU every combination and more M.
+_MS = [1, 9] if SIM else [1, 5, 8, 9, 16, 31, 33, 100]
+_TC_CASES = ([(t, xt, _MS[i % 2]) for i, t in enumerate(TC_SCHEMES) for xt in XDT] if SIM
+             else [(t, xt, m) for t in TC_SCHEMES for xt in XDT for m in _MS])
+
+
+@pytest.mark.parametrize("text,xt,m", _TC_CASES)
+def test_tensor_core_linear(cuda_backend, text, xt, m):
+    """The kernel's results lie within the bound (odd N: a partial 16-row tile), take the
+    tensor-core path, and repeat bit for bit."""
+    before = _paths().get("TensorCoreLinear", 0)
+    n, k = (20, 64) if SIM else (200, 1024)
+    q, x, b, y = _check(cuda_backend, text, n, k, m, xt)
+    assert _paths().get("TensorCoreLinear", 0) > before
+    again = _host(cuda_backend, cuda_backend.linear(x, q, b))
+    assert np.array_equal(again.view(np.uint8), y.view(np.uint8))
+
+
+@pytest.mark.parametrize("text", OTHER_SCHEMES)
+def test_other_layouts_take_the_transposed_matmul(cuda_backend, text):
+    before = _paths().get("TransposedLinear", 0)
+    _check(cuda_backend, text, 20, 64, 3, "bf16")
+    assert _paths().get("TransposedLinear", 0) > before
+
+
+def test_k_not_a_multiple_of_32_and_k_zero(cuda_backend):
+    _check(cuda_backend, "q8s/block16:f32", 12, 48, 2, "f16")
+    q = cuda_backend.quantize(np.zeros((5, 0), np.float32), "q8s")
+    b = np.arange(5, dtype=np.float32)
+    y = _host(cuda_backend, cuda_backend.linear(np.zeros((2, 0), np.float32), q, b))
+    assert np.array_equal(y, np.tile(b, (2, 1)))
+
+
+def test_dtype_out_and_device_inputs(cuda_backend):
+    be = cuda_backend
+    q = be.quantize(_weight(24, 64), "q4s/block32:f16")
+    x = _x(3, 64, np.float16)
+    want = _host(be, be.linear(x, q))
+    xd = cuda.to_device(x)
+    y = be.linear(xd, q)
+    assert np.array_equal(_host(be, y), want)  # a device x: a device result of x's dtype
+    y32 = _host(be, be.linear(xd, q, dtype=np.float32))
+    assert y32.dtype == np.float32 and np.array_equal(y32.astype(np.float16), want)
+    out = cuda.device_array((3, 24), np.float32)
+    assert be.linear(xd, q, out=out) is out and np.array_equal(out.copy_to_host(), y32)
+    yb = be.linear(x, q, dtype=BF16)
+    assert isinstance(yb, np.ndarray) and yb.dtype == BF16  # bfloat16 without torch: a host array
+    y64 = _host(be, be.linear(x, q, dtype=np.float64))
+    assert y64.dtype == np.float64 and np.array_equal(y64, y32.astype(np.float64))
+    assert _host(be, be.matmul(x, be.transpose(q), dtype=np.float16)).dtype == np.float16
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda be, q: be.linear(np.zeros((2, 63), np.float32), q), "x's last axis must be K = 64"),
+    (lambda be, q: be.linear(np.zeros((2, 64), np.int8), q), "activations"),
+    (lambda be, q: be.linear(np.zeros((2, 64), np.float32), q, np.zeros(3, np.float32)), "bias of shape"),
+    (lambda be, q: be.linear(np.zeros((2, 64), np.float32), q, out=cuda.device_array((2, 8), np.float16),
+                             dtype=np.float32), "out= has dtype float16"),
+    (lambda be, q: be.linear(np.zeros((2, 64), np.float32), q, out=np.zeros((2, 8), np.float32)), "device array"),
+])
+def test_errors(cuda_backend, call, match):
+    q = cuda_backend.quantize(_weight(8, 64), "q8s/block32:f16")
+    with pytest.raises(InputError, match=match):
+        call(cuda_backend, q)
+
+
+def test_a_bad_code_is_invalid_data_not_a_value(cuda_backend):
+    from qcore.errors import InvalidDataError
+    from qcore.payload import QuantizedData
+
+    d = REF.into_data(REF.quantize(_weight(4, 32), "q8s"))
+    bad = bytearray(d.payload)
+    bad[5] = 0x80  # -128: outside Q8S's codes
+    q = cuda_backend.from_data(QuantizedData(d.shape, d.scheme, bytes(bad)))
+    with pytest.raises(InvalidDataError, match=r"\(0, 5\)"):
+        cuda_backend.linear(np.ones((1, 32), np.float32), q)
+
+
+@pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
+def test_torch_in_torch_out(cuda_backend):
+    torch = pytest.importorskip("torch")
+    be = cuda_backend
+    q = be.quantize(_weight(256, 512), "q4s/block32:f16")
+    x = torch.randn(4, 512, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(256, dtype=torch.bfloat16, device="cuda")
+    y = be.linear(x, q, b)
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16 and y.is_cuda
+    host = x.float().cpu().numpy().astype(BF16)
+    want = _host(be, be.linear(host, q, b.float().cpu().numpy()))
+    assert np.array_equal(y.view(torch.int16).cpu().numpy(), want.view(np.int16))
+    out = torch.empty(4, 256, dtype=torch.bfloat16, device="cuda")
+    assert be.linear(x, q, b, out=out) is out and torch.equal(out, y)
