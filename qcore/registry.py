@@ -351,8 +351,11 @@ class AutoBackend:
     def cat(self, qs: Sequence[QTensor], axis: int = 0) -> QTensor:
         return qs[0].backend.cat(qs, axis)
 
-    def matmul(self, x: Any, w: QTensor) -> Any:
-        return w.backend.matmul(x, w)
+    def matmul(self, x: Any, w: QTensor, **options: Any) -> Any:
+        return w.backend.matmul(x, w, **options)
+
+    def linear(self, x: Any, w: QTensor, bias: Any = None, **options: Any) -> Any:
+        return w.backend.linear(x, w, bias, **options)
 
     def __repr__(self) -> str:
         return "<AutoBackend>"

@@ -848,7 +848,8 @@ def _check_product(ctx: _Ctx, check: str, backend, got: Any, err: Any, x: np.nda
     over = ~(e <= bound)
     if over.any():
         i = tuple(map(int, np.unravel_index(int(np.argmax(np.where(over, e - bound, -np.inf))), e.shape)))
-        raise ctx.fail(check, f"{int(over.sum())} of {e.size} outputs exceed the products' bound (docs/spec.md); "
+        raise ctx.fail(check, f"{int(over.sum())} of {e.size} outputs exceed the f32 accumulation bound "
+                              f"(docs/spec.md's products, with one rounding to the result dtype); "
                               f"worst at {i}: got {y[i]!r}, want {exact[i]!r}, bound {bound[i]:.3g}")
 
 
