@@ -57,10 +57,11 @@ def _paths():
     return dict(TAKEN)
 
 
-# (scheme, x type, M): on the simulator a Latin square over the three x types and M in {1, 9};
+# (scheme, x type, M): on the simulator a Latin square over the three x types and M in {1, 9, 17}
+# (one, two and four n8 tiles of x);
 # on a GPU every combination and more M.
-_MS = [1, 9] if SIM else [1, 5, 8, 9, 16, 31, 33, 100]
-_TC_CASES = ([(t, xt, _MS[i % 2]) for i, t in enumerate(TC_SCHEMES) for xt in XDT] if SIM
+_MS = [1, 9, 17] if SIM else [1, 5, 8, 9, 16, 17, 31, 33, 100]
+_TC_CASES = ([(t, xt, _MS[(i + j) % 3]) for i, t in enumerate(TC_SCHEMES) for j, xt in enumerate(XDT)] if SIM
              else [(t, xt, m) for t in TC_SCHEMES for xt in XDT for m in _MS])
 
 

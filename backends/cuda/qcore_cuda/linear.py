@@ -25,7 +25,7 @@ x's rows m0 + 8j + g (j < NB), whose 8 values at the same k are one 16-byte load
 the same pairs. `U` chunks' code words are loaded before any of them is used, so a warp keeps
 U * 16 bytes per row in flight.
 
-Grid: (ceil(N / 16), ceil(M / (8 NB))) blocks of `WARPS` warps; the warps split the chunks of
+Grid: (ceil(N / 16), ceil(M / (8 NB))) blocks (NB = 1, 2 or 4: `nb_for`) of `WARPS` warps; the warps split the chunks of
 K into contiguous ranges (`plan`). Under the simulator every warp runs the same number of steps
 (its mma twin needs every thread of the block at each call); steps past a warp's range read
 chunk 0 with B zero.
@@ -58,8 +58,8 @@ KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_E4M3, fast.KIND_E5M2, fast.KIND_E
 """Value kinds (`fast.KINDS`) the kernel decodes."""
 WARPS = 4 if config.ENABLE_CUDASIM else 8
 U = 2 if config.ENABLE_CUDASIM else 4
-NBS = (1, 4)
-"""Variants: x rows per pass, in n8 tiles (8 or 32 rows)."""
+NBS = (1, 2, 4)
+"""Variants: x rows per pass, in n8 tiles (8, 16 or 32 rows)."""
 SCR = 384  # simulator: f32 scratch per warp for the mma twin
 REGS = 128
 P_N, P_K, P_M, P_NSB, P_LB, P_TWO, P_WPR, P_CPW, P_OT, P_BIAS, P_LEN = range(11)
@@ -116,8 +116,8 @@ def plan(P: np.ndarray, m: int, nb: int, out_type: int, has_bias: bool) -> tuple
 
 
 def nb_for(m: int) -> int:
-    """n8 tiles per pass for m rows of x: one up to 8 rows, else four."""
-    return 1 if m <= 8 else 4
+    """n8 tiles per pass for m rows of x: the fewest that hold m, at most four."""
+    return 1 if m <= 8 else 2 if m <= 16 else 4
 
 
 def _decoder(kind: int, bf: bool):
