@@ -8,7 +8,8 @@ value kind are exact in float16 and in bfloat16, so the weight is the A operand 
 is exact. A 32-k chunk of a row lies under one scale slot (blocks along K of 32 * 2**j, a block
 of at least K, or one scale for the tensor), so its two mma steps sum into zeroed accumulators
 and the thread then adds `e * partial` (f32) to its sums: the scale multiplies the f32 sum of one
-block's terms, as the spec allows. float32 x enters as three bfloat16 parts per element, each
+block's terms, as the spec allows. `e` is read as one f32 per slot: the decoded scales, or for a
+two-level weight its effective scales (`k_effective`, made once and kept with the weight). float32 x enters as three bfloat16 parts per element, each
 the next 8 significant bits of x, cut by truncation (`x = hi + mid + lo` exactly for normal
 parts; truncation never rounds up past the largest float), and the three mma products add into
 the same accumulators. Nothing is added with atomics: the warps' sums meet in shared memory and
@@ -23,7 +24,9 @@ word of 4-bit codes (`code4_bf16x2` and friends read bits 0-3 and 16-19) and one
 two words of 8-bit codes; step 0 of the chunk takes pairs 0 and 1, step 1 pairs 2 and 3. B is
 x's rows m0 + 8j + g (j < NB), whose 8 values at the same k are one 16-byte load, permuted into
 the same pairs. `U` chunks' code words are loaded before any of them is used, so a warp keeps
-U * 16 bytes per row in flight.
+U * 16 bytes per row in flight; the loop over whole groups of U chunks has no bounds checks (a
+warp's last chunks run one by one), and the lane's offsets into its rows of w, of the scales and
+of x are computed once.
 
 Grid: (ceil(N / 16), ceil(M / (8 NB))) blocks (NB = 1, 2 or 4: `nb_for`) of `WARPS` warps; the warps split the chunks of
 K into contiguous ranges (`plan`). Under the simulator every warp runs the same number of steps
@@ -37,6 +40,7 @@ one row each along K: 32 * 2**j elements, or at least K.
 """
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import numpy as np
@@ -56,8 +60,10 @@ OT_F32, OT_F16, OT_BF16 = range(3)
 """The result's type: float32, or float16 / bfloat16 bits."""
 KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_E4M3, fast.KIND_E5M2, fast.KIND_E2M1)
 """Value kinds (`fast.KINDS`) the kernel decodes."""
-WARPS = 4 if config.ENABLE_CUDASIM else 8
-U = 2 if config.ENABLE_CUDASIM else 4
+TUNE_ENV = "QCORE_CUDA_LINEAR_TUNE"
+"""'WARPS,U' in the environment replaces the defaults below on a GPU (benchmarks/gpu_tune.py-style
+comparisons); read at import."""
+WARPS, U = (4, 2) if config.ENABLE_CUDASIM else tuple(int(v) for v in os.environ.get(TUNE_ENV, "8,4").split(","))
 NBS = (1, 2, 4)
 """Variants: x rows per pass, in n8 tiles (8, 16 or 32 rows)."""
 SCR = 384  # simulator: f32 scratch per warp for the mma twin
@@ -197,31 +203,62 @@ def _linear_kernel(kind: int, xt: int, nb: int):
     pairs = _decoder(kind, bf)
     acc_n, bx_n, w_n = 4 * nb, 4 * nxs * nb, 2 * U  # (local array sizes: constants)
 
+    ws = 1 if bits == 4 else 2  # u32 words of a lane's 8 codes
+    cw = 4 * ws  # u32 words of a row's 32-code chunk
+
     @cuda.jit(device=True, inline="always")
-    def load_x(x, bx, o, m, K, cc, t, ok):
-        """The B pairs of x's row m at chunk cc into bx[o .. o + 4 nxs) (zero where not ok)."""
-        if not ok:
+    def load_x(x, bx, o, xo, cc):
+        """The B pairs of one row of x at chunk cc into bx[o .. o + 4 nxs); `xo` is the lane's
+        offset into the row at chunk 0, or -1 for a row past M (zeros)."""
+        if xo < int64(0):
             for i in range(4 * nxs):
                 bx[o + i] = uint32(0)
             return
         if xt == XT_F32:
-            xo = m * K + cc * int64(32) + t * int64(8)
-            v0, v1, v2, v3 = ld4(x, xo)
-            v4, v5, v6, v7 = ld4(x, xo + int64(4))
+            xi = xo + cc * int64(32)
+            v0, v1, v2, v3 = ld4(x, xi)
+            v4, v5, v6, v7 = ld4(x, xi + int64(4))
             for s in range(nxs):
                 bx[o + 4 * s] = _split_pair(v0, v4, s)
                 bx[o + 4 * s + 1] = _split_pair(v1, v5, s)
                 bx[o + 4 * s + 2] = _split_pair(v2, v6, s)
                 bx[o + 4 * s + 3] = _split_pair(v3, v7, s)
         else:
-            xo = m * (K >> int64(1)) + cc * int64(16) + t * int64(4)
-            x0, x1, x2, x3 = ld4(x, xo)
+            x0, x1, x2, x3 = ld4(x, xo + cc * int64(16))
             bx[o] = prmt(x0, x2, 0x5410)
             bx[o + 1] = prmt(x0, x2, 0x7632)
             bx[o + 2] = prmt(x1, x3, 0x5410)
             bx[o + 3] = prmt(x1, x3, 0x7632)
 
-    def k_linear(x, w32, scales, gbuf, bias, out32, out16, P):
+    @cuda.jit(device=True, inline="always")
+    def chunk(x, es, cc, wa0, wa1, wb0, wb1, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base):
+        """One 32-k chunk: the rows' scales, codes and x, two mma steps into zeroed sums, then
+        `acc += e * sums` (f32)."""
+        slot = cc >> lb
+        ea = es[sra + slot]
+        eb = es[srb + slot]
+        pa0, pa1, pa2, pa3 = pairs(wa0, wa1)
+        pb0, pb1, pb2, pb3 = pairs(wb0, wb1)
+        for j in range(nb):
+            load_x(x, bx, 4 * nxs * j, xo[j], cc)
+        for i in range(4 * nb):
+            tmp[i] = float32(0.0)
+        for j in range(nb):
+            for s in range(nxs):
+                b = 4 * nxs * j + 4 * s
+                tmp[4 * j], tmp[4 * j + 1], tmp[4 * j + 2], tmp[4 * j + 3] = mma(
+                    pa0, pb0, pa1, pb1, bx[b], bx[b + 1], tmp[4 * j], tmp[4 * j + 1], tmp[4 * j + 2],
+                    tmp[4 * j + 3], scr, lane, base)
+                tmp[4 * j], tmp[4 * j + 1], tmp[4 * j + 2], tmp[4 * j + 3] = mma(
+                    pa2, pb2, pa3, pb3, bx[b + 2], bx[b + 3], tmp[4 * j], tmp[4 * j + 1], tmp[4 * j + 2],
+                    tmp[4 * j + 3], scr, lane, base)
+        for j in range(nb):
+            acc[4 * j] += ea * tmp[4 * j]
+            acc[4 * j + 1] += ea * tmp[4 * j + 1]
+            acc[4 * j + 2] += eb * tmp[4 * j + 2]
+            acc[4 * j + 3] += eb * tmp[4 * j + 3]
+
+    def k_linear(x, w32, es, bias, out32, out16, P):
         red = cuda.shared.array(red_n, float32)
         scr = cuda.shared.array(scr_n, float32)
         acc = cuda.local.array(acc_n, float32)
@@ -229,6 +266,7 @@ def _linear_kernel(kind: int, xt: int, nb: int):
         bx = cuda.local.array(bx_n, uint32)
         wa = cuda.local.array(w_n, uint32)
         wb = cuda.local.array(w_n, uint32)
+        xo = cuda.local.array(nb, int64)
         tid = int64(cuda.threadIdx.x)
         warp = tid >> int64(5)
         lane = tid & int64(31)
@@ -237,63 +275,68 @@ def _linear_kernel(kind: int, xt: int, nb: int):
         N = P[P_N]
         K = P[P_K]
         M = P[P_M]
-        nsb = P[P_NSB]
         lb = P[P_LB]
-        wpr = P[P_WPR]
         cpw = P[P_CPW]
         n0 = int64(cuda.blockIdx.x) * int64(16)
         m0 = int64(cuda.blockIdx.y) * int64(mt)
         ra = min(n0 + g, N - int64(1))
         rb = min(n0 + g + int64(8), N - int64(1))
-        g2 = gbuf[0] if P[P_TWO] != int64(0) else float32(1.0)
+        wra = ra * P[P_WPR] + t * int64(ws)  # the lane's code words at chunk 0
+        wrb = rb * P[P_WPR] + t * int64(ws)
+        sra = ra * P[P_NSB]  # the rows' first scale slots
+        srb = rb * P[P_NSB]
+        for j in range(nb):  # the lane's offset into its row of x at chunk 0 (-1: past M)
+            m = m0 + int64(8 * j) + g
+            if m >= M:
+                xo[j] = int64(-1)
+            elif xt == XT_F32:
+                xo[j] = m * K + t * int64(8)
+            else:
+                xo[j] = m * (K >> int64(1)) + t * int64(4)
         nch = K >> int64(5)
         c0 = warp * cpw
         c1 = min(c0 + cpw, nch)
-        nst = cpw if masked else c1 - c0
         base = warp * int64(SCR)
         for i in range(4 * nb):
             acc[i] = float32(0.0)
-        s0 = int64(0)
-        while s0 < nst:
-            for u in range(U):  # the group's code words first: U chunks in flight
-                c = c0 + s0 + int64(u)
-                cc = c if c < c1 else int64(0)
-                if bits == 4:
-                    wa[2 * u] = ld1(w32, ra * wpr + cc * int64(4) + t)
-                    wb[2 * u] = ld1(w32, rb * wpr + cc * int64(4) + t)
-                else:
-                    wa[2 * u], wa[2 * u + 1] = ld2(w32, ra * wpr + cc * int64(8) + t * int64(2))
-                    wb[2 * u], wb[2 * u + 1] = ld2(w32, rb * wpr + cc * int64(8) + t * int64(2))
-            for u in range(U):
-                c = c0 + s0 + int64(u)
+        if masked:  # the simulator: every warp the same steps (past its range: chunk 0, B zero)
+            for s in range(cpw):
+                c = c0 + s
                 ok = c < c1
-                if masked or (s0 + int64(u) < nst):
-                    cc = c if ok else int64(0)
-                    slot = cc >> lb
-                    ea = two_level_e(g2, scales[ra * nsb + slot])
-                    eb = two_level_e(g2, scales[rb * nsb + slot])
-                    pa0, pa1, pa2, pa3 = pairs(wa[2 * u], wa[2 * u + 1])
-                    pb0, pb1, pb2, pb3 = pairs(wb[2 * u], wb[2 * u + 1])
+                cc = c if ok else int64(0)
+                wa[0], wa[1] = (ld1(w32, wra + cc * int64(cw)), uint32(0)) if ws == 1 else \
+                    ld2(w32, wra + cc * int64(cw))
+                wb[0], wb[1] = (ld1(w32, wrb + cc * int64(cw)), uint32(0)) if ws == 1 else \
+                    ld2(w32, wrb + cc * int64(cw))
+                if not ok:
                     for j in range(nb):
-                        m = m0 + int64(8 * j) + g
-                        load_x(x, bx, 4 * nxs * j, min(m, M - int64(1)), K, cc, t, ok and m < M)
-                    for i in range(4 * nb):
-                        tmp[i] = float32(0.0)
-                    for j in range(nb):
-                        for s in range(nxs):
-                            b = 4 * nxs * j + 4 * s
-                            tmp[4 * j], tmp[4 * j + 1], tmp[4 * j + 2], tmp[4 * j + 3] = mma(
-                                pa0, pb0, pa1, pb1, bx[b], bx[b + 1], tmp[4 * j], tmp[4 * j + 1], tmp[4 * j + 2],
-                                tmp[4 * j + 3], scr, lane, base)
-                            tmp[4 * j], tmp[4 * j + 1], tmp[4 * j + 2], tmp[4 * j + 3] = mma(
-                                pa2, pb2, pa3, pb3, bx[b + 2], bx[b + 3], tmp[4 * j], tmp[4 * j + 1], tmp[4 * j + 2],
-                                tmp[4 * j + 3], scr, lane, base)
-                    for j in range(nb):
-                        acc[4 * j] += ea * tmp[4 * j]
-                        acc[4 * j + 1] += ea * tmp[4 * j + 1]
-                        acc[4 * j + 2] += eb * tmp[4 * j + 2]
-                        acc[4 * j + 3] += eb * tmp[4 * j + 3]
-            s0 += int64(U)
+                        xo[j] = int64(-1)
+                chunk(x, es, cc, wa[0], wa[1], wb[0], wb[1], sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
+        else:
+            c = c0
+            while c + int64(U) <= c1:  # U chunks' code words in flight, then their sums
+                for u in range(U):
+                    o = (c + int64(u)) * int64(cw)
+                    if ws == 1:
+                        wa[2 * u] = ld1(w32, wra + o)
+                        wb[2 * u] = ld1(w32, wrb + o)
+                    else:
+                        wa[2 * u], wa[2 * u + 1] = ld2(w32, wra + o)
+                        wb[2 * u], wb[2 * u + 1] = ld2(w32, wrb + o)
+                for u in range(U):
+                    chunk(x, es, c + int64(u), wa[2 * u], wa[2 * u + 1], wb[2 * u], wb[2 * u + 1], sra, srb, lb, xo,
+                          bx, tmp, acc, scr, lane, base)
+                c += int64(U)
+            while c < c1:
+                o = c * int64(cw)
+                if ws == 1:
+                    wa[0] = ld1(w32, wra + o)
+                    wb[0] = ld1(w32, wrb + o)
+                else:
+                    wa[0], wa[1] = ld2(w32, wra + o)
+                    wb[0], wb[1] = ld2(w32, wrb + o)
+                chunk(x, es, c, wa[0], wa[1], wb[0], wb[1], sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
+                c += int64(1)
         # C of tile j: lane (g, t) holds rows g, g + 8 and columns 8j + 2t, 8j + 2t + 1
         wo = warp * int64(16 * mt)
         for j in range(nb):
@@ -344,13 +387,26 @@ def kernel(kind: int, xt: int, nb: int):
 
 def signature(xt: int) -> str:
     xs = "float32" if xt == XT_F32 else "uint32"
-    return (f"void({xs}[::1], uint32[::1], float32[::1], float32[::1], float32[::1], float32[::1], "
-            "uint16[::1], int64[::1])")
+    return f"void({xs}[::1], uint32[::1], float32[::1], float32[::1], float32[::1], uint16[::1], int64[::1])"
 
 
 def _variants():
     return [(f"k_linear[{kind},{xt},{nb}]", _linear_kernel(kind, xt, nb), signature(xt), REGS)
             for kind in KINDS for xt in (XT_BF16, XT_F16, XT_F32) for nb in NBS]
+
+
+EFFECTIVE_SIG = "void(float32[::1], float32[::1], float32[::1], int64)"
+
+
+@cuda.jit
+def k_effective(scales, gbuf, es, n):
+    """es[i] = the effective scale of slot i of a two-level weight (`two_level_e` of its global
+    and block scale; grid-stride): made once per weight, so the linear kernel reads one f32 per
+    slot and multiplies no global."""
+    i = int64(cuda.grid(1))
+    while i < n:
+        es[i] = two_level_e(gbuf[0], scales[i])
+        i += int64(cuda.gridsize(1))
 
 
 FINISH_SIG = "void(float32[::1], float32[::1], float32[::1], uint16[::1], int64, int64, int64, int64)"
@@ -377,4 +433,5 @@ def k_finish(y, bias, out32, out16, n, cols, ot, has_bias):
 def ptx_targets():
     """(name, python function, signature, register cap) of every variant and the finishing kernel
     (`ptx.targets`)."""
-    return _variants() + [("k_finish", k_finish.py_func, FINISH_SIG, None)]
+    return _variants() + [("k_finish", k_finish.py_func, FINISH_SIG, None),
+                          ("k_effective", k_effective.py_func, EFFECTIVE_SIG, None)]

@@ -85,11 +85,26 @@ class TensorCoreLinear:
             kind, P = c.data.cache["linear geometry"]
             nb = linear.nb_for(c.m)
             q, grid, block = linear.plan(P, c.m, nb, c.ot, c.has_bias)
-            scales, gbuf = c.be._decoded_scales(c.data, c.s)
-            args = [c.xd, c.be._code_words(c.data), scales, gbuf, c.bias, c.out32, c.out16,
+            args = [c.xd, c.be._code_words(c.data), _effective_scales(c), c.bias, c.out32, c.out16,
                     cuda.to_device(np.asarray(q, np.int64))]
-            st = c.data.cache[key] = Packed(linear.kernel(kind, c.xt, nb), grid, block, args, dynamic=(0, 5, 6, 4))
+            st = c.data.cache[key] = Packed(linear.kernel(kind, c.xt, nb), grid, block, args, dynamic=(0, 4, 5, 3))
         st(c.xd, c.out32, c.out16, c.bias, stream=c.s)
+
+
+def _effective_scales(c: LinearCall) -> Any:
+    """One f32 effective scale per slot: the decoded scales, or for a two-level weight
+    `linear.k_effective`'s copy, made once and kept with the weight."""
+    from .. import linear
+    from ..fast import K
+
+    scales, gbuf = c.be._decoded_scales(c.data, c.s)
+    if not c.data.scheme.two_level:
+        return scales
+    es = c.data.cache.get("linear scales")
+    if es is None:
+        es = c.data.cache["linear scales"] = _array.empty((int(scales.size),), np.float32, c.s)
+        _streams.on(linear.k_effective, K.launch(int(scales.size)), c.s)(scales, gbuf, es, int(scales.size))
+    return es
 
 
 class TransposedLinear:
