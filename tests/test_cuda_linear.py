@@ -151,3 +151,27 @@ def test_torch_in_torch_out(cuda_backend):
     assert np.array_equal(y.view(torch.int16).cpu().numpy(), want.view(np.int16))
     out = torch.empty(4, 256, dtype=torch.bfloat16, device="cuda")
     assert be.linear(x, q, b, out=out) is out and torch.equal(out, y)
+
+
+@pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
+@pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
+def test_repeat_calls_skip_the_path_choice_and_give_the_same_bits(cuda_backend, dt):
+    torch = pytest.importorskip("torch")
+    from qcore_cuda.paths import TAKEN
+
+    be = cuda_backend
+    q = be.quantize(_weight(128, 256), "q8s/block32:f16")
+    x = torch.randn(3, 256, dtype=getattr(torch, dt), device="cuda")
+    b = torch.randn(128, dtype=torch.float32, device="cuda")
+    for bias in (None, b):
+        first = be.linear(x, q, bias)
+        taken = sum(TAKEN.values())
+        again = be.linear(x, q, bias)
+        assert sum(TAKEN.values()) == taken  # the repeat call chose no path
+        assert again.dtype == first.dtype and torch.equal(again, first)
+        x2 = torch.randn(3, 256, dtype=getattr(torch, dt), device="cuda")
+        want = be.linear(x2.cpu().numpy() if dt != "bfloat16" else x2.float().cpu().numpy().astype(BF16), q,
+                         None if bias is None else bias.cpu().numpy())
+        got = be.linear(x2, q, bias)  # new data through the repeat path
+        assert np.array_equal(got.cpu().view(torch.int16 if dt != "float32" else torch.int32).numpy(),
+                              _host(be, want).view(np.int16 if dt != "float32" else np.int32))

@@ -12,6 +12,10 @@ Paths:
   kept with the weight, multiplied by the matmul paths in f32 (`CudaBackend._launch_matmul`), and
   `k_finish` adds the bias and rounds once to the result dtype.
 
+A repeat call (`again`) with a torch CUDA x of a shape, dtype and bias kind the weight has seen on
+the tensor-core path, no `out=`, `dtype=` or `stream=`, skips the checks and the path choice: a
+result tensor, two views and the packed launch.
+
 The first `linear` of a tensor whose scheme has invalid codes (SPEC v1.1 §3) dequantizes it once
 to check them, as a first dequantize does, so a bad code is an `InvalidDataError`, never a value.
 """
@@ -33,7 +37,7 @@ from .. import _array, _streams
 from .._launch import Packed
 from . import choose
 
-__all__ = ["LINEAR", "LinearCall", "TensorCoreLinear", "TransposedLinear", "run", "rounded"]
+__all__ = ["LINEAR", "LinearCall", "TensorCoreLinear", "TransposedLinear", "run", "again", "rounded"]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
@@ -336,8 +340,74 @@ def run(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -
     xd, xt = _kernel_x(be, x, xdt, m * k_, s) if k_ else (None, None)
     call = LinearCall(be, w, data, x, xd, xt, m, ot, p32 if out32 is None else out32,
                       p16 if out16 is None else out16, bias_d, bias is not None, s)
-    choose(LINEAR, call).launch(call)
+    path = choose(LINEAR, call)
+    path.launch(call)
+    if type(path) is TensorCoreLinear and out is None and dtype is None and stream is None:
+        _remember(call, x, tuple(xshape[:-1]) + (n_,), bias)
     return finish(res)
+
+
+@dataclass(frozen=True)
+class _Again:
+    """What a repeat call needs: the packed launch, the result's shape and torch dtype, the
+    element types and counts of the views of x and of the result, the placeholders."""
+
+    launch: Any
+    out_shape: tuple
+    out_torch: Any
+    out_words: np.dtype
+    n_out: int
+    x_words: np.dtype
+    n_x: int
+    p32: Any
+    p16: Any
+
+
+def _remember(c: LinearCall, x: Any, out_shape: tuple, bias: Any) -> None:
+    """Keep what `again` needs after a tensor-core call with a torch CUDA x (and a float32 CUDA
+    bias or none), unless the payload is the caller's memory (checked on every call)."""
+    from .. import linear
+
+    torch = _torch()
+    if (torch is None or type(x) is not torch.Tensor or not x.is_cuda or c.data.cache.get("caller memory", False)
+            or x.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+            or (bias is not None and not (type(bias) is torch.Tensor and bias.dtype == torch.float32 and bias.is_cuda))):
+        return
+    st = c.data.cache.get(("linear", c.m, c.xt, c.ot, c.has_bias))
+    if st is None:
+        return
+    wide = c.ot == linear.OT_F32
+    x_words = _F32 if c.xt == linear.XT_F32 else np.dtype(np.uint32)
+    n_out = math.prod(out_shape)
+    again_ = c.w.data.cache.setdefault("linear again", {})
+    again_[(x.dtype, x.shape, bias is not None)] = _Again(
+        st, out_shape, x.dtype, _F32 if wide else np.dtype(np.uint16), n_out, x_words,
+        x.numel() if c.xt == linear.XT_F32 else x.numel() // 2, *_placeholders(c.s))
+
+
+def again(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -> Any:
+    """A repeat call's result (module text), or None when the call needs the whole way."""
+    if out is not None or dtype is not None or stream is not None or type(w) is not QTensor or w.backend is not be:
+        return None
+    plans = w.data.cache.get("linear again")
+    torch = _torch()
+    if not plans or torch is None or type(x) is not torch.Tensor:
+        return None
+    p = plans.get((x.dtype, x.shape, bias is not None))
+    if p is None or not x.is_cuda or not x.is_contiguous() or x.data_ptr() % 16:
+        return None
+    bd = p.p32
+    if bias is not None:
+        if (type(bias) is not torch.Tensor or bias.dtype != torch.float32 or not bias.is_cuda
+                or not bias.is_contiguous() or bias.numel() != p.out_shape[-1] or bias.dim() != 1):
+            return None
+        bd = _array.DevView(bias.data_ptr(), (bias.numel(),), _F32, bias)
+    res = torch.empty(p.out_shape, dtype=p.out_torch, device=x.device)
+    od = _array.DevView(res.data_ptr(), (p.n_out,), p.out_words, res)
+    xd = _array.DevView(x.data_ptr(), (p.n_x,), p.x_words, x)
+    p.launch(xd, od if p.out_words == _F32 else p.p32, p.p16 if p.out_words == _F32 else od, bd,
+             stream=_streams.resolve(None, x))
+    return res
 
 
 def rounded(y: Any, dt: np.dtype, s: Any) -> Any:
