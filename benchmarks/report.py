@@ -408,11 +408,52 @@ def render_rules(res: dict) -> str:
     return "\n".join(lines)
 
 
+def render_linear(res: dict) -> str:
+    """`linear` with a quantized [N, K] weight against torch, from `benchmarks/matmul.py`."""
+    timing = res.get("timing", {})
+    how = ("GPU time of each call, its host launch hidden behind a GPU sleep" if timing.get("hide_launch")
+           else "whole calls between CUDA events")
+    lines = ["## GPU: `linear` with a quantized weight [N, K] against torch", "", _run_line(res["run"]), "",
+             f"y = x @ W^T for bfloat16 x [M, K] (torch CUDA tensors) and a weight [N, K] (out x in features), "
+             f"the result bfloat16; {how}, median of {timing.get('reps', '?')}"
+             + (", the weight evicted from L2 before each call" if timing.get("evict_bytes") else "")
+             + ". A cell is microseconds / speed-up over torch bf16 dense `x @ W.T` in the same run (above 1: "
+               "faster). qcore rows are `be.linear(x, qw)` on the cuda backend (docs/gpu.md, `linear`).", ""]
+    cells = [c for c in res["cells"] if c.get("m") is not None]
+    for shape in res.get("shapes", sorted({c["shape"] for c in cells})):
+        rows = [c for c in cells if c["shape"] == shape and not c.get("label", "").endswith("out=")]
+        ms = sorted({c["m"] for c in rows})
+        if not ms:
+            continue
+        names = list(dict.fromkeys(c["label"] for c in rows))
+        lines += [f"**{shape}** (N x K)", "", "| case | " + " | ".join(f"M={m}" for m in ms) + " |",
+                  "|---|" + "---|" * len(ms)]
+        for name in names:
+            row = []
+            for m in ms:
+                c = next((c for c in rows if c["label"] == name and c["m"] == m), None)
+                if c is None or c.get("us") is None:
+                    row.append("-" if c is None or not c.get("error") else "error")
+                else:
+                    r = c.get("ratios", {}).get("vs_torch_bf16")
+                    row.append(f"{c['us']:.1f} / {r:.2f}x" if r else f"{c['us']:.1f}")
+            lines.append(f"| {name} | " + " | ".join(row) + " |")
+        lines.append("")
+    lines += ["Targets (the plain call's ratio to torch bf16):", ""]
+    for t in res.get("targets", []):
+        worst = t.get("worst") or {}
+        fig = f"; worst {worst['ratio']:.2f}x ({worst['scheme']}, M = {worst['m']})" if worst.get("ratio") else ""
+        lines.append(f"- {t['description']}: **{t['status']}**{fig}")
+    lines.append("")
+    return "\n".join(lines)
+
+
 def render(results: Path = RESULTS) -> str:
     """The whole document: the intro, then a section per results file present."""
     parts = [INTRO]
     for name, fn in (("cpu.json", render_cpu), ("gpu.json", render_gpu), ("gpu_pool.json", render_pool),
-                     ("gpu_calls.json", render_calls), ("gpu_rules.json", render_rules)):
+                     ("gpu_calls.json", render_calls), ("gpu_rules.json", render_rules),
+                     ("matmul.json", render_linear)):
         path = results / name
         if path.exists():
             parts.append(fn(json.loads(path.read_text())))
