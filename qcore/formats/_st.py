@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with numpy, so safetensors can read them)
 import numpy as np
@@ -11,12 +11,13 @@ from safetensors.numpy import save_file
 from .. import io as qio
 from ..errors import InputError, InvalidDataError, QCoreError
 from ..stfile import Reader
-from .base import PathLike, shards
+from .base import PathLike, shards, short_repr
 
 if TYPE_CHECKING:
     from ..protocol import Support
 
-__all__ = ["array_support", "pop_json", "put_quantization_config", "read_arrays", "storable", "write_arrays"]
+__all__ = ["array_support", "carried", "pop_json", "put_quantization_config", "read_arrays", "storable",
+           "write_arrays"]
 
 _FLOAT8 = ("F8_E4M3", "F8_E5M2")  # read by qcore's own reader (ml_dtypes' float8 types)
 
@@ -36,12 +37,27 @@ def array_support(value: np.ndarray) -> "Support":
 
 
 def pop_json(meta: dict[str, str], key: str) -> dict:
-    """Remove `key` from `meta` and return its JSON object ({} when absent or not JSON)."""
+    """Remove `key` from `meta` and return its JSON object ({} when absent or not JSON, text nested
+    too deeply for Python's parser included)."""
     try:
         got = json.loads(meta.pop(key, "{}"))
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return got if isinstance(got, dict) else {}
+
+
+def carried(table: dict, key: str, name: str, ok: Callable[[Any], bool], expected: str) -> Any:
+    """The entry of tensor `name` in `table`, the JSON object a writer carries in metadata `key`
+    (`pop_json`), or None when it has none; an entry a previous read cannot have written (`ok`
+    false) is an `InvalidDataError` saying what was `expected`, before anything is written."""
+    if name not in table:
+        return None
+    value = table[name]
+    if not ok(value):
+        raise InvalidDataError(
+            f"metadata '{key}': the entry of tensor '{name}' must be {expected}, got {short_repr(value)}; "
+            "drop the key or fix it")
+    return value
 
 
 def read_arrays(path: PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 import struct
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
@@ -28,7 +29,9 @@ __all__ = [
     "Probe",
     "Tensor",
     "UnrepresentableError",
+    "parse_json",
     "shards",
+    "short_repr",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -58,6 +61,26 @@ class Checkpoint:
 
 
 INDEX_SUFFIX = ".safetensors.index.json"
+
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother = 200, 40
+
+
+def short_repr(value: Any) -> str:
+    """`repr(value)` cut to a few dozen characters and levels (`reprlib`): a value from a file, shown
+    in a one-line message, whatever its size or nesting."""
+    return _REPR.repr(value)
+
+
+def parse_json(text: str | bytes, what: str) -> Any:
+    """`json.loads(text)`, or a one-line `InvalidDataError` saying `what` is not JSON; text nested
+    deeper than Python's parser goes (its RecursionError, a few KB of brackets) included."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise InvalidDataError(f"{what} is not JSON (nested too deeply for Python's JSON parser)") from None
+    except ValueError as e:  # UnicodeDecodeError included
+        raise InvalidDataError(f"{what} is not JSON ({' '.join(str(e).split())})") from None
 
 
 def shards(path: PathLike) -> list[str]:
@@ -118,7 +141,7 @@ class Probe:
                     if text[:1] == b"{":
                         try:
                             parsed = json.loads(text.decode("utf-8"))
-                        except (UnicodeDecodeError, ValueError):
+                        except (ValueError, RecursionError):  # not JSON, or nested too deeply to parse
                             parsed = None
                         header = parsed if isinstance(parsed, dict) else None
         return cls(p, magic, header)

@@ -20,7 +20,9 @@ Where the tensor is 1-D or its last dim is a multiple of the blocksize, the flat
 qcore's per-axis blocks and the scheme is the v1 one; otherwise (blocks that cross rows) it is
 `q4s-lookup[nf4]/block<B>:f32:flat`, blocks over the flattened tensor (docs/spec.md E7).
 Refused, with the reason: quant_type fp4 (its table holds +0 and -0 and is not increasing, which
-LOOKUP excludes), and absmax values that are negative or not finite.
+LOOKUP excludes), and absmax values that are negative or not finite. Every size in the quant_state
+(`shape`, `blocksize`, `nested_blocksize`) is checked for its type and against the tensors the
+file holds before anything is allocated: a bad one is an `InvalidDataError` naming the field.
 
 Writing takes `q4s-lookup[nf4]/block<B>:f32` tensors (B a bitsandbytes blocksize, 64 ... 4096;
 blocks along the last axis whose extent B divides, or a 1-D tensor) and `.../block<B>:f32:flat`
@@ -33,15 +35,17 @@ refused: bitsandbytes' CUDA kernels decode nf4 with their built-in table, not `q
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 
-from ..errors import InvalidDataError, SchemeError
+from ..errors import InputError, InvalidDataError, SchemeError
+from ..layout import check_shape
 from ..payload import QuantizedData
 from ..protocol import Support
 from ..scheme import PRESETS, QuantMode, QuantScheme, QuantValue, ScaleDtype
 from ._st import array_support, pop_json, read_arrays, write_arrays
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
+from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
 
 __all__ = ["BnbNF4Format"]
 
@@ -49,6 +53,7 @@ STATE_SUFFIX = ".quant_state.bitsandbytes__"
 DTYPES_KEY = "bitsandbytes.dtypes"   # JSON {name: original dtype}, what bitsandbytes casts to
 _NF4 = np.asarray(PRESETS["nf4"].table, np.float32)
 _NF4_ZERO = int(np.argmin(np.abs(_NF4)))  # index 7
+_F32_MAX = float(np.finfo(np.float32).max)
 _PARTS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
 BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 """bitsandbytes' 4-bit blocksizes that qcore writes."""
@@ -56,12 +61,40 @@ BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 
 def _state(arr: np.ndarray, where: str) -> dict:
     try:
-        st = json.loads(np.ascontiguousarray(arr).view(np.uint8).tobytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise InvalidDataError(f"{where} is not JSON") from None
+        text = np.ascontiguousarray(arr).view(np.uint8).tobytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidDataError(f"{where} is not JSON (not UTF-8 text)") from None
+    st = parse_json(text, where)
     if not isinstance(st, dict):
         raise InvalidDataError(f"{where} is not a JSON object")
     return st
+
+
+def _positive(st: dict, key: str, default: int | None = None) -> int:
+    """A positive integer field of the quant_state (`blocksize`, `nested_blocksize`)."""
+    v = st[key] if default is None else st.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise InvalidDataError(f"quant_state '{key}' must be a positive integer, got {short_repr(v)}")
+    return v
+
+
+def _number(st: dict, key: str) -> float:
+    """A finite float32 number field of the quant_state (`nested_offset`)."""
+    v = st[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= _F32_MAX:  # NaN, inf, 10**400 too
+        raise InvalidDataError(f"quant_state '{key}' must be a finite float32 number, got {short_repr(v)}")
+    return float(v)
+
+
+def _shape(st: dict) -> tuple[int, ...]:
+    """The quant_state's `shape`: a list of integers >= 0 that spans a tensor qcore can hold."""
+    v = st["shape"]
+    if not isinstance(v, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v):
+        raise InvalidDataError(f"quant_state 'shape' must be a list of integers >= 0, got {short_repr(v)}")
+    try:
+        return check_shape(v)
+    except InputError as e:
+        raise InvalidDataError(f"quant_state 'shape' {short_repr(v)}: {e}") from None
 
 
 def _absmax(arrays: dict[str, np.ndarray], w: str, st: dict) -> np.ndarray:
@@ -74,14 +107,16 @@ def _absmax(arrays: dict[str, np.ndarray], w: str, st: dict) -> np.ndarray:
     codes = absmax.reshape(-1).view(np.uint8)
     nested = arrays[w + ".nested_absmax"].astype(np.float32).reshape(-1)
     table = arrays[w + ".nested_quant_map"].astype(np.float32).reshape(-1)
-    nb = int(st.get("nested_blocksize", 256))
-    per = np.repeat(nested, nb)[: codes.size]
-    if per.size != codes.size or table.size != 256:
+    nb = _positive(st, "nested_blocksize", 256)
+    offset = _number(st, "nested_offset")
+    need = -(-codes.size // nb)
+    if nested.size != need or table.size != 256:
         raise InvalidDataError(
-            f"double quant of '{w}': {codes.size} absmax codes need {-(-codes.size // nb)} nested absmax "
-            f"values and a 256-entry map, got {nested.size} and {table.size}"
+            f"double quant of '{w}': {codes.size} absmax codes in blocks of {nb} (quant_state 'nested_blocksize') "
+            f"need {need} nested absmax values and a 256-entry map, got {nested.size} and {table.size}"
         )
-    return (table[codes] * per).astype(np.float32) + np.float32(float(st["nested_offset"]))
+    per = nested[np.arange(codes.size) // nb]  # one per code: no array of nb-sized blocks, whatever nb claims
+    return (table[codes] * per).astype(np.float32) + np.float32(offset)
 
 
 def _tensor(arrays: dict[str, np.ndarray], w: str, st: dict) -> QuantizedData:
@@ -91,16 +126,19 @@ def _tensor(arrays: dict[str, np.ndarray], w: str, st: dict) -> QuantizedData:
             f"quant_type {quant_type!r} is not read (bitsandbytes fp4's table holds +0 and -0 and is not "
             "increasing, which a LOOKUP table cannot be); only nf4 is read"
         )
-    shape = tuple(int(d) for d in st["shape"])
-    block = int(st["blocksize"])
+    shape = _shape(st)
+    block = _positive(st, "blocksize")
     crosses_rows = len(shape) > 1 and shape[-1] % block != 0  # then blocks over the flattened tensor (E7)
     table = arrays[w + ".quant_map"].astype(np.float32).reshape(-1)
     try:
         sch = QuantScheme(QuantValue.Q4S).per_block([block], ScaleDtype.F32, flat=crosses_rows)
+    except SchemeError as e:
+        raise InvalidDataError(f"quant_state 'blocksize' {block} is no qcore block: {e}") from None
+    try:
         sch = sch.with_mode(QuantMode.LOOKUP, "nf4" if np.array_equal(table, _NF4) else tuple(table.tolist()))
     except SchemeError as e:
         raise UnrepresentableError(f"its quant_map is not a LOOKUP table: {e}") from None
-    n = int(np.prod(shape, dtype=np.int64))
+    n = math.prod(shape)  # exact: the bytes below are checked against it before any array is made
     packed = np.ascontiguousarray(arrays[w]).view(np.uint8).reshape(-1)
     if packed.size != -(-n // 2):
         raise InvalidDataError(f"'{w}' holds {packed.size} bytes; shape {list(shape)} needs {-(-n // 2)}")

@@ -69,13 +69,14 @@ import ml_dtypes
 import numpy as np
 
 from .. import layout
+from ..errors import InvalidDataError
 from ..io import VERSION_KEY
 from ..payload import QuantizedData
 from ..protocol import Support
 from ..scheme import OffsetKind, QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
 from . import _mx, _nvfp4
-from ._st import array_support, pop_json, put_quantization_config, read_arrays, write_arrays
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
+from ._st import array_support, carried, pop_json, put_quantization_config, read_arrays, write_arrays
+from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
 
 __all__ = ["CompressedTensorsFormat", "quantization_config", "write_config"]
 
@@ -220,6 +221,20 @@ def _scales_f32(scale: np.ndarray, where: str) -> np.ndarray:
     return s
 
 
+def _weight_shape(a: np.ndarray | None, where: str) -> tuple[int, ...]:
+    """The weight's `[..., m, n]` that `weight_shape` holds (int64, as the tool writes it; whole
+    floats are read too): 2 or more whole numbers >= 0, checked against `weight_packed` by the caller."""
+    if a is None or np.asarray(a).size < 2:
+        raise UnrepresentableError(f"{where}: no {SHAPE} of 2 or more dims beside {PACKED}")
+    v = np.asarray(a).reshape(-1)
+    whole = v.dtype.kind in "iu" or (v.dtype.kind == "f" and bool(np.all(np.isfinite(v)))
+                                     and bool(np.all(v == np.floor(v))))
+    if not whole or bool(np.any(v < 0)):
+        raise InvalidDataError(f"{where}: {SHAPE} must hold whole numbers >= 0 (the weight's [..., m, n]), got "
+                               f"{v.dtype} {short_repr(v.tolist())}")
+    return tuple(int(d) for d in v)
+
+
 def _flip(words: np.ndarray, bits: int) -> np.ndarray:
     """u32 words with each `bits`-wide field's top bit flipped: compressed-tensors' offset-binary
     fields (`q + 2^(bits-1)`) <-> qcore's two's-complement `packed_u32` fields, both low bits first."""
@@ -358,10 +373,7 @@ class CompressedTensorsFormat(Format):
                 used |= {f"{mod}.{PACKED}", f"{mod}.{SCALE}", f"{mod}.{GLOBAL}"}  # the global is in the payload
                 continue
             if kind == "pack":
-                shape_a = arrays.get(f"{mod}.{SHAPE}")
-                if shape_a is None or np.asarray(shape_a).size < 2:
-                    raise UnrepresentableError(f"{where}: no {SHAPE} of 2 or more dims beside {PACKED}")
-                shape = tuple(int(v) for v in np.asarray(shape_a).reshape(-1))
+                shape = _weight_shape(arrays.get(f"{mod}.{SHAPE}"), where)
                 packed = arrays[f"{mod}.{PACKED}"]
                 words = packed.shape[-1] if packed.ndim == len(shape) else 0
                 bits = 32 * words // shape[-1] if words and shape[-1] else 0
@@ -467,7 +479,8 @@ class CompressedTensorsFormat(Format):
             if not isinstance(value, QuantizedData):
                 arrays[name] = value
                 continue
-            mod = spelled.get(name) or _module(name)
+            mod = carried(spelled, NAMES_KEY, name, lambda v: isinstance(v, str) and v != "",
+                          "a module name (a non-empty string)") or _module(name)
             s = value.scheme
             *lead, n = value.shape  # [m, n] or fused experts [..., m, n]
             if s.payload_form == _mx.MXFP4:
@@ -497,13 +510,19 @@ class CompressedTensorsFormat(Format):
 
 
 def _config_beside(path: PathLike) -> dict | None:
-    """The `quantization_config` of a `config.json` in the checkpoint's folder, if there is one."""
+    """The `quantization_config` of a `config.json` in the checkpoint's folder, if there is one
+    (None when the file is missing or not JSON); a file nested deeper than Python's JSON parser
+    goes is an `InvalidDataError` (a RecursionError otherwise)."""
     p = os.fspath(path)
     folder = p if os.path.isdir(p) else os.path.dirname(os.path.abspath(p))
     cfg_path = os.path.join(folder, "config.json")
     try:
         with open(cfg_path, encoding="utf-8") as f:
             cfg = json.load(f).get("quantization_config")
+        json.dumps(cfg)  # what `read` does with it: nested as deep as the parser allowed, it may not encode
     except (OSError, ValueError, AttributeError):
         return None
+    except RecursionError:
+        raise InvalidDataError(f"{cfg_path} is nested too deeply for Python's JSON parser, so its "
+                               "'quantization_config' cannot be read; fix the file or move it away") from None
     return cfg if isinstance(cfg, dict) else None

@@ -25,12 +25,21 @@ so the block grid is qcore's `block32` on the last axis. Float and integer tenso
 F64, I8..I64) pass through as numpy arrays. Every other type (Q5_x, K-quants, IQ*, ...) is
 refused: qcore has no 5-bit values, no super-blocks and no codebooks. Key-value metadata is kept as JSON under `gguf.kv`, so GGUF -> qcore -> GGUF restores it;
 a checkpoint's other metadata travels in GGUF string keys `qcore.metadata.<key>`.
+
+`gguf.kv` is read back from whatever file the checkpoint came from, so the writer checks it before
+writing a byte: every entry `[key, type, item type or null, value]` must be a value of the GGUF type
+it names (in range, a UTF-8 string, a list of one item type), each key once, `general.architecture`
+a STRING and `general.alignment` a UINT32 power of two of at most 65536 (it pads every tensor, and
+gguf's own writer would pad to any UINT32 it is given); anything else is an `InvalidDataError`
+naming the key. An empty array is left out, as gguf's `add_array` leaves it out (its writer
+cannot pack one; gguf's reader reads one with no item type).
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+import struct
+from typing import Any, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -41,7 +50,7 @@ from ..payload import QuantizedData
 from ..protocol import Support
 from ..scheme import QuantScheme, ScaleDtype, scheme as parse_scheme
 from . import _mx
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
+from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
 
 __all__ = ["GGUFFormat"]
 
@@ -53,6 +62,12 @@ Q4_SCHEMES = (parse_scheme("q4f/block32:f16/signed"), parse_scheme("q4f/block32:
 _MAX_DIMS = 4           # GGML_MAX_DIMS
 _MAX_NAME = 64          # GGML_MAX_NAME, the terminating NUL included
 _QUANTIZATION_VERSION = 2
+MAX_ALIGNMENT = 1 << 16
+"""The largest `general.alignment` written: every tensor is padded to it (gguf's default is 32)."""
+_NUMBERS = {"UINT8": "B", "INT8": "b", "UINT16": "H", "INT16": "h", "UINT32": "I", "INT32": "i",
+            "UINT64": "Q", "INT64": "q", "FLOAT32": "f", "FLOAT64": "d"}
+"""GGUF's numeric value types and their `struct` formats (gguf's `GGUFWriter._simple_value_packing`)."""
+_VALUE_TYPES = (*_NUMBERS, "BOOL", "STRING", "ARRAY")
 _INSTALL = "the gguf package is not installed; pip install 'qcore-quant[formats]' (or gguf)"
 
 # numpy dtype <-> GGUF plain type (by name, so importing this module does not need gguf)
@@ -163,6 +178,87 @@ def _mx_write(d: QuantizedData) -> np.ndarray:
     return blocks.reshape(*d.shape[:-1], d.shape[-1] // 32 * 17)
 
 
+def _is_value(vtype: str, value: Any) -> bool:
+    """Whether `value` (from JSON) is a value of GGUF scalar or STRING type `vtype` that gguf's
+    writer packs as it is: a UTF-8 encodable str, a bool, or a number in the type's range."""
+    if vtype == "STRING":
+        if not isinstance(value, str):
+            return False
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate, which JSON's \uXXXX escapes can spell
+            return False
+        return True
+    if vtype == "BOOL":
+        return isinstance(value, bool)
+    fmt = _NUMBERS.get(vtype)
+    if fmt is None or isinstance(value, bool) or not isinstance(value, int if fmt not in "fd" else (int, float)):
+        return False
+    try:
+        struct.pack("<" + fmt, value)
+    except (struct.error, OverflowError):
+        return False
+    return True
+
+
+def _kv_entry(what: str, i: int, entry: Any) -> tuple[str, str, str | None, Any]:
+    """One checked entry `[key, type, item type or null, value]` of `gguf.kv`."""
+    if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str) and entry[0]
+            and _is_value("STRING", entry[0])):
+        raise InvalidDataError(f"{what}: entry {i} must be [key, type, item type or null, value] with a non-empty "
+                               f"UTF-8 key, got {short_repr(entry)}")
+    key, vtype, sub, value = entry
+    where = f"{what}: key {short_repr(key)}"
+    if vtype not in _VALUE_TYPES:
+        raise InvalidDataError(f"{where}: unknown GGUF value type {short_repr(vtype)}; expected one of "
+                               f"{', '.join(_VALUE_TYPES)}")
+    if vtype != "ARRAY":
+        if not _is_value(vtype, value):
+            raise InvalidDataError(f"{where}: {short_repr(value)} is not a GGUF {vtype} value")
+        return key, vtype, None, value
+    if not isinstance(value, list):
+        raise InvalidDataError(f"{where}: an ARRAY value must be a JSON list, got {short_repr(value)}")
+    if value and (sub not in _VALUE_TYPES or sub == "ARRAY"):
+        raise InvalidDataError(f"{where}: item type {short_repr(sub)} is not a GGUF scalar or STRING type "
+                               "(qcore carries no nested arrays)")
+    bad = next((j for j, x in enumerate(value) if not _is_value(sub, x)), None)
+    if bad is not None:
+        raise InvalidDataError(f"{where}: item {bad}, {short_repr(value[bad])}, is not a GGUF {sub} value")
+    return key, vtype, sub, value
+
+
+def _kv_entries(metadata: Mapping[str, str]) -> list[tuple[str, str, str | None, Any]]:
+    """The GGUF key-value pairs that metadata `gguf.kv` carries (JSON written by `read`, but read
+    back from any file), each checked to be what gguf's writer packs as it claims, before anything
+    is written; an empty array is left out, as gguf's `add_array` does."""
+    what = f"metadata '{KV_KEY}'"
+    kv = parse_json(metadata.get(KV_KEY, "[]"), what)
+    if not isinstance(kv, list):
+        raise InvalidDataError(f"{what} must be a JSON list of [key, type, item type or null, value], "
+                               f"got {short_repr(kv)}")
+    out: list[tuple[str, str, str | None, Any]] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(kv):
+        key, vtype, sub, value = _kv_entry(what, i, entry)
+        where = f"{what}: key {short_repr(key)}"
+        if key in seen:
+            raise InvalidDataError(f"{where} appears twice; a GGUF file holds each key once")
+        seen.add(key)
+        if key == "general.architecture" and vtype != "STRING":
+            raise InvalidDataError(f"{where} must be a STRING, got {vtype}")
+        if key == "general.alignment":
+            if vtype != "UINT32":  # gguf's reader and llama.cpp read it as UINT32 only
+                raise InvalidDataError(f"{where} must be a UINT32 (as gguf's reader and llama.cpp read it), "
+                                       f"got {vtype}")
+            if value & (value - 1) or not 1 <= value <= MAX_ALIGNMENT:
+                raise InvalidDataError(f"{where} must be a power of two from 1 to {MAX_ALIGNMENT} (gguf's default "
+                                       f"is 32), got {value}; drop it to use the default")
+        if vtype == "ARRAY" and not value:
+            continue
+        out.append((key, vtype, sub, value))
+    return out
+
+
 def _jsonable(v: Any) -> Any:
     if isinstance(v, (bytes, bytearray)):
         return v.decode("utf-8", "replace")
@@ -266,10 +362,7 @@ class GGUFFormat(Format):
         gguf = _gguf()
         self.require(checkpoint)
         T, V = gguf.GGMLQuantizationType, gguf.GGUFValueType
-        try:
-            kv = json.loads(checkpoint.metadata.get(KV_KEY, "[]"))
-        except ValueError:
-            raise InvalidDataError(f"metadata '{KV_KEY}' is not JSON; drop it or fix it") from None
+        kv = _kv_entries(checkpoint.metadata)
         arch = next((v for k, _, _, v in kv if k == "general.architecture"), "qcore")
         alignment = next((v for k, _, _, v in kv if k == "general.alignment"), None)
 

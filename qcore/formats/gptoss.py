@@ -25,7 +25,7 @@ from ..io import VERSION_KEY
 from ..payload import QuantizedData
 from ..protocol import Support
 from . import _mx
-from ._st import array_support, pop_json, put_quantization_config, read_arrays, write_arrays
+from ._st import array_support, carried, pop_json, put_quantization_config, read_arrays, write_arrays
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
 
 __all__ = ["GptOssFormat"]
@@ -44,6 +44,11 @@ def _pairs(names: list[str]) -> dict[str, tuple[str, str]]:
             if n.endswith(b) and n[: -len(b)] + s in have:
                 out[n[: -len(b)]] = (n, n[: -len(b)] + s)
     return out
+
+
+def _key_pair(v: object) -> bool:
+    """Whether `v` is what `read` keeps per weight in `gpt-oss.names`: two distinct non-empty keys."""
+    return isinstance(v, list) and len(v) == 2 and all(isinstance(k, str) and k for k in v) and v[0] != v[1]
 
 
 def quantization_config(checkpoint: Checkpoint) -> dict:
@@ -132,7 +137,8 @@ class GptOssFormat(Format):
             if isinstance(value, QuantizedData):
                 blocks, scales = _mx.split(value)
                 self._zero_scale_ok(name, blocks, scales)
-                bkey, skey = spelled.get(name) or (name + ".blocks", name + ".scales")
+                bkey, skey = carried(spelled, NAMES_KEY, name, _key_pair, "[blocks key, scales key], two distinct "
+                                     "non-empty strings") or (name + ".blocks", name + ".scales")
                 arrays[bkey], arrays[skey] = blocks, scales
             else:
                 arrays[name] = value

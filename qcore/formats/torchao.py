@@ -20,12 +20,16 @@ back byte for byte; a tensor quantized in qcore gets torchao's defaults (`orig_d
 
 Refused, with the reason: other torchao tensor types, per-expert scales (qcore has one global per
 tensor), block sizes other than 16, and block scales that are negative or NaN (UE4M3 is unsigned).
+Metadata that is not what torchao writes (`tensor_names` not a list of distinct names, an entry
+not a JSON object, `_data` not an object, `_tensor_data_names` not a list of names, a listed
+field missing) is an `InvalidDataError` naming the key and the field.
 torchao's quantizer multiplies by the reciprocal scale; qcore's `nvfp4` quantize divides, so only
 decoding is claimed bit-identical.
 """
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 
@@ -35,8 +39,8 @@ from ..payload import QuantizedData
 from ..protocol import Support
 from ..scheme import PRESETS, scheme as parse_scheme
 from . import _nvfp4
-from ._st import array_support, pop_json, read_arrays, write_arrays
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
+from ._st import array_support, carried, pop_json, read_arrays, write_arrays
+from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
 
 __all__ = ["TorchaoFormat", "from_blocked", "to_blocked"]
 
@@ -77,8 +81,7 @@ def to_blocked(scales: np.ndarray) -> np.ndarray:
 def _read_weight(arrays: dict[str, np.ndarray], name: str, info: dict, where: str) -> tuple[QuantizedData, list]:
     """The qcore payload of one NVFP4Tensor and the keys it used."""
     prefix, _ = _parts(name)
-    attrs = info.get("_data") or {}
-    fields = info.get("_tensor_data_names") or []
+    attrs, fields = _attributes(info, where), _field_names(info, where)
     if attrs.get("block_size", BLOCK) != BLOCK:
         raise UnrepresentableError(f"{where}: block_size {attrs.get('block_size')}; NVFP4 blocks are 16")
     try:
@@ -104,7 +107,9 @@ def _read_weight(arrays: dict[str, np.ndarray], name: str, info: dict, where: st
         raise InvalidDataError(f"{where}: {words.size} block scales; shape {[*lead, m, k]} needs {rows * (k // BLOCK)}")
     parts = [np.ascontiguousarray(qdata).tobytes(), np.ascontiguousarray(words).tobytes()]
     if "per_tensor_scale" in fields:
-        g = np.asarray(arrays.get(prefix + "per_tensor_scale"), np.float32)
+        if prefix + "per_tensor_scale" not in arrays:
+            raise InvalidDataError(f"{where}: lacks '{prefix}per_tensor_scale', which '_tensor_data_names' lists")
+        g = np.asarray(arrays[prefix + "per_tensor_scale"], np.float32)
         if g.ndim != 0:
             raise UnrepresentableError(
                 f"{where}: a per-expert scale of shape {list(g.shape)}; qcore's nvfp4 has one per-tensor scale")
@@ -112,7 +117,54 @@ def _read_weight(arrays: dict[str, np.ndarray], name: str, info: dict, where: st
         sch = NVFP4
     else:
         sch = ONE_LEVEL
-    return QuantizedData((*lead, m, k), sch, b"".join(parts)), used
+    try:
+        return QuantizedData((*lead, m, k), sch, b"".join(parts)), used
+    except InvalidDataError as e:
+        raise InvalidDataError(f"{where}: {e}") from None
+
+
+def _attributes(info: dict, where: str) -> dict:
+    """An NVFP4Tensor's `_data` (its attributes): a JSON object, {} when absent or null."""
+    attrs = info.get("_data")
+    if attrs is None:
+        return {}
+    if not isinstance(attrs, dict):
+        raise InvalidDataError(f"{where}: '_data' must be a JSON object of NVFP4Tensor attributes, "
+                               f"got {short_repr(attrs)}")
+    return attrs
+
+
+def _field_names(info: dict, where: str) -> list[str]:
+    """An NVFP4Tensor's `_tensor_data_names`: a list of field names, [] when absent or null."""
+    fields = info.get("_tensor_data_names")
+    if fields is None:
+        return []
+    if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+        raise InvalidDataError(f"{where}: '_tensor_data_names' must be a list of field names such as "
+                               f"[\"per_tensor_scale\", \"qdata\", \"scale\"], got {short_repr(fields)}")
+    return fields
+
+
+def _kept_ok(attrs: Any) -> bool:
+    """Whether `attrs` can be what `read` kept of a weight in `torchao.tensors`: its attributes,
+    whose `block_size` (written as it is) can only be NVFP4's."""
+    return isinstance(attrs, dict) and attrs.get("block_size", BLOCK) == BLOCK
+
+
+def _listed(meta: dict[str, str], path: PathLike) -> dict[str, Any]:
+    """The tensors `tensor_names` lists, each with its parsed metadata entry (both popped from
+    `meta`): a list of distinct names, each with an entry of its own."""
+    if "tensor_names" not in meta:
+        raise InvalidDataError(f"{path}: lacks metadata 'tensor_names' (torchao's list of every tensor)")
+    names = parse_json(meta.pop("tensor_names"), f"{path}: metadata 'tensor_names'")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise InvalidDataError(f"{path}: metadata 'tensor_names' must be a list of distinct tensor names, "
+                               f"got {short_repr(names)}")
+    missing = next((n for n in names if n not in meta), None)
+    if missing is not None:
+        raise InvalidDataError(f"{path}: metadata 'tensor_names' lists {short_repr(missing)}, which has no "
+                               "metadata entry (its torchao JSON)")
+    return {n: parse_json(meta.pop(n), f"{path}: metadata {short_repr(n)}") for n in names}
 
 
 class TorchaoFormat(Format):
@@ -128,27 +180,25 @@ class TorchaoFormat(Format):
             names = json.loads(meta["tensor_names"])
             return isinstance(names, list) and any(
                 json.loads(meta.get(n, "{}")).get("_type") == "NVFP4Tensor" for n in names)
-        except (ValueError, AttributeError, TypeError):
+        except (ValueError, AttributeError, TypeError, RecursionError):
             return False
 
     def read(self, path: PathLike) -> Checkpoint:
         arrays, meta = read_arrays(path)
-        try:
-            names = json.loads(meta.pop("tensor_names"))
-            infos = {n: json.loads(meta.pop(n)) for n in names}
-        except (KeyError, ValueError) as e:
-            raise InvalidDataError(f"{path}: torchao metadata is not readable: {e}") from None
+        infos = _listed(meta, path)
         tensors: dict[str, Tensor] = {}
         kept: dict[str, dict] = {}
         used: set[str] = set()
-        for name in names:
-            info = infos[name]
-            kind = info.get("_type") if isinstance(info, dict) else None
-            where = f"{path}: torchao tensor '{name}'"
+        for name, info in infos.items():
+            where = f"{path}: torchao tensor {short_repr(name)}"
+            if not isinstance(info, dict):
+                raise InvalidDataError(f"{where}: its metadata must be a JSON object such as "
+                                       f"{{\"_type\": \"Tensor\"}}, got {short_repr(info)}")
+            kind = info.get("_type")
             if kind == "NVFP4Tensor":
                 tensors[name], keys = _read_weight(arrays, name, info, where)
                 used.update(keys)
-                kept[name] = info.get("_data") or {}
+                kept[name] = _attributes(info, where)
             elif kind == "Tensor":
                 if name not in arrays:
                     raise InvalidDataError(f"{where} is listed but not in the file")
@@ -186,7 +236,9 @@ class TorchaoFormat(Format):
                 arrays[name] = value
                 continue
             prefix, _ = _parts(name)
-            attrs = {**_DEFAULTS, **kept.get(name, {})}
+            own = carried(kept, TENSORS_KEY, name, _kept_ok, f"a JSON object of NVFP4Tensor attributes (block_size "
+                          f"{BLOCK} or absent)")
+            attrs = {**_DEFAULTS, **(own or {})}
             *lead, m, k = value.shape
             words = value.scales().astype(np.float32)  # decoded UE4M3 values
             scale = words.astype(_FP8).reshape(*lead, m, k // BLOCK)
