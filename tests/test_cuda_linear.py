@@ -175,3 +175,20 @@ def test_repeat_calls_skip_the_path_choice_and_give_the_same_bits(cuda_backend, 
         got = be.linear(x2, q, bias)  # new data through the repeat path
         assert np.array_equal(got.cpu().view(torch.int16 if dt != "float32" else torch.int32).numpy(),
                               _host(be, want).view(np.int16 if dt != "float32" else np.int32))
+
+
+@pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
+@pytest.mark.parametrize("text", ["nvfp4", "q4_1", "q8s/block48:f32"])
+@pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
+def test_torch_x_on_the_transposed_matmul(cuda_backend, text, dt):
+    torch = pytest.importorskip("torch")
+    be = cuda_backend
+    w = _weight(64, 96)
+    q = be.quantize(w, text)
+    W = np.asarray(REF.dequantize(REF.quantize(w, text)), np.float64)
+    x = torch.randn(2, 3, 96, dtype=getattr(torch, dt), device="cuda")
+    y = be.linear(x, q)
+    assert isinstance(y, torch.Tensor) and y.dtype == x.dtype and tuple(y.shape) == (2, 3, 64)
+    xh = x.float().cpu().numpy().reshape(6, 96).astype(XDT[{"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[dt]])
+    exact, bound = product_bound(xh, W, None, xh.dtype)
+    assert (np.abs(y.float().cpu().numpy().reshape(6, 64) - exact) <= bound).all()

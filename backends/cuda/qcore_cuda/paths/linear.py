@@ -137,9 +137,8 @@ class TransposedLinear:
             wt = c.data.cache.get("transposed")
             if wt is None:  # (the payload's own form: a flat-block tensor's transpose would requantize)
                 wt = c.data.cache["transposed"] = c.be.transpose(QTensor(c.be, c.data.scheme, c.data.shape, c.data))
-            xf = c.xd if c.xt == linear.XT_F32 else c.be._device_f32(_f32_source(c.x), c.s)
-            xf = _array.DevView(xf.ptr, (c.m, k_), _F32, xf.base) if type(xf) is _array.DevView else xf.reshape(c.m, k_)
-            c.be.matmul(xf, wt, out=y32, stream=c.s.handle)
+            xf = _f32_source(c.x)  # (matmul reads every x kind; a torch bfloat16 one widened here)
+            c.be.matmul(xf.reshape(c.m, k_), wt, out=y32, stream=c.s.handle)
         if y32 is not c.out32:
             _streams.on(linear.k_finish, K.launch(c.m * n_), c.s)(y32, c.bias, c.out32, c.out16, c.m * n_, n_, c.ot,
                                                                    int(c.has_bias))
