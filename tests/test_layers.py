@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # module -> modules of the qcore package it must not import (directly or lazily)
-LOWER = ["codecs", "scheme", "layout", "payload", "arithmetic", "checks", "errors"]
+LOWER = ["codecs", "scheme", "layout", "payload", "arithmetic", "checks", "errors", "activations"]
 HIGHER = {"protocol", "registry", "ops", "reference", "_builtin", "cli", "io", "report", "conformance"}
 
 
