@@ -3,12 +3,15 @@
 Plugins are found through the `qcore` entry point group and loaded one by one, so a broken
 plugin is recorded (see `plugin_errors()`) instead of taking the others down.
 Selection: `backend(name)`; no name -> `$QCORE_BACKEND`, else `auto`, which picks per scheme the
-highest-priority available backend that supports it.
+highest-priority available backend that supports it, a backend on a simulated device (the cuda
+backend under numba's CUDA simulator, `NUMBA_ENABLE_CUDASIM=1`) only after every real one: the
+simulator is correct but minutes slower than a CPU backend. Asked for by name, it is used.
 """
 from __future__ import annotations
 
 import difflib
 import os
+import sys
 import threading
 from importlib.metadata import entry_points
 from typing import Any, Sequence
@@ -172,6 +175,21 @@ def _by_priority() -> list[Backend]:
     return sorted(_load().values(), key=lambda b: (-int(b.priority), b.name))
 
 
+def _simulated(be: Backend) -> bool:
+    """Whether `be` says it runs on a simulated device (a bool `simulated` attribute; the cuda
+    backend's is numba's CUDA simulator setting); a broken property counts as a real device."""
+    try:
+        flag = getattr(be, "simulated", False)
+    except Exception:  # noqa: BLE001 - a broken plugin's property
+        return False
+    return flag is True
+
+
+def _auto_order() -> list[Backend]:
+    """The backends `auto` tries, in order: by priority, those on a simulated device last."""
+    return sorted(_by_priority(), key=_simulated)  # stable: priority order within real and simulated ones
+
+
 def _timeout_s() -> float:
     try:
         return max(0.01, float(os.environ.get(TIMEOUT_VAR, "30")))
@@ -294,8 +312,9 @@ class AutoBackend:
     priority = -1
 
     def pick(self, scheme: QuantScheme | str) -> Backend:
+        """The first available backend of `_auto_order` that supports `scheme`."""
         scheme = parse_scheme(scheme)
-        for be in _by_priority():
+        for be in _auto_order():
             try:
                 ok = _safe_available(be) and be.supports(scheme)
             except Exception:  # a broken plugin's supports(): not a candidate
@@ -308,7 +327,8 @@ class AutoBackend:
         return True
 
     def describe(self) -> str:
-        order = ", ".join(b.name for b in _by_priority() if _safe_available(b))
+        order = ", ".join(b.name + (" (simulated)" if _simulated(b) else "") for b in _auto_order()
+                          if _safe_available(b))
         return f"picks per scheme among: {order}"
 
     def supports(self, scheme: QuantScheme | str) -> Support:

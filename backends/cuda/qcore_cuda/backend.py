@@ -196,6 +196,14 @@ class CudaBackend(BaseBackend):
     def available(self) -> bool:
         return self._status[0]
 
+    @property
+    def simulated(self) -> bool:
+        """Whether the kernels run on numba's CUDA simulator (`NUMBA_ENABLE_CUDASIM=1`): correct,
+        but minutes slower than a CPU backend, so `auto` tries it after every real one."""
+        from numba import config
+
+        return bool(config.ENABLE_CUDASIM)
+
     def describe(self) -> str:
         ok, why = self._status
         return f"{why}; {self._fast[1]}" if ok else why
