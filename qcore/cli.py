@@ -223,6 +223,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         task = bar.add_task(title, total=1, done=0, count=0)
         done = [0]
         run, spread = _runner(args, err, lambda name, k, n: bar.update(task, description=f"{title} [{k}/{n} shards]"))
+        progress = _track_progress() if not spread else None  # (the distributed runner reports by shard)
 
         def on_plan(count: int, nbytes: int) -> None:
             bar.update(task, total=nbytes or 1, count=count)
@@ -235,9 +236,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         try:
             res = run(args.input, args.output, recipe, be, max_shard_size=args.max_shard_size,
                       resume=args.resume, stats=not args.no_stats, compare=compare,
-                      on_plan=on_plan, on_tensor=on_tensor, **spread)
-        except (KeyboardInterrupt, QCoreError, OSError):
-            if os.path.isdir(args.output):  # shards written before the stop are complete and kept
+                      on_plan=on_plan, on_tensor=on_tensor, **({"progress": progress} if progress else spread))
+        except (QCoreError, OSError):  # (an interruption is reported by main, with what was left)
+            kept = progress.complete() if progress is not None else os.path.isdir(args.output)
+            if kept and os.path.isdir(args.output):  # shards written before the error are complete and kept
                 print(f"qcore: complete shards in {args.output} are kept; the same command with --resume "
                       "continues from them", file=sys.stderr)
             raise
@@ -305,7 +307,7 @@ def cmd_dequantize(args: argparse.Namespace) -> int:
         dtype = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(_DTYPES[args.dtype])
     if os.path.isfile(args.input):
         qio.check_output_path(args.output)  # before any work
-    n, total = dequantize_model(args.input, args.output, dtype, backend=args.backend)
+    n, total = dequantize_model(args.input, args.output, dtype, backend=args.backend, progress=_track_progress())
     to = dtype if dtype is not None else "their source dtypes"
     console().print(f"wrote {args.output}: {n} of {total} tensors dequantized to {to}")
     return EXIT_OK
@@ -323,6 +325,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if fmt == "qcore":
         ck = resolve(args.file)
         infos = [qio.read_info(ck.path(s)) for s in ck.shards]
+        ck.check_tensors({s: [e.name for e in info.entries] for s, info in zip(ck.shards, infos)})
         where = f"{len(infos)} shards in {ck.root}" if len(infos) > 1 else infos[0].path
     else:  # another tool's checkpoint, described as the qcore schemes it reads as
         infos = [read_foreign_info(args.file)[0]]
@@ -344,6 +347,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     stored = sum(r["bytes"] for r in rows)
     source = sum(r["source_bytes"] for r in rows)
     recipes = sorted({i.recipe for i in infos if i.recipe})
+    shown_recipes = [_stored_recipe(t) for t in recipes]
     versions = sorted({i.format_version for i in infos if i.format_version})
     summary = {
         "file": os.fspath(args.file),
@@ -357,7 +361,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "stored_bytes": stored,
         "source_bytes": source,
         "ratio": source / stored if stored else 1.0,
-        "recipe": json.loads(recipes[0]) if len(recipes) == 1 else [json.loads(t) for t in recipes] or None,
+        "recipe": shown_recipes[0][0] if len(shown_recipes) == 1 else [v for v, _ in shown_recipes] or None,
         "metadata": infos[0].metadata if infos else {},
     }
     if args.json:
@@ -382,11 +386,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     out.print(table)
     out.print(f"file size {fmt_bytes(summary['file_size'])}; compression vs the source dtypes: "
               f"{summary['ratio']:.2f}x")
-    for text in recipes:
-        out.print(f"recipe: {Recipe.from_json(text).describe()}", markup=False)
+    for _, line in shown_recipes:
+        out.print(line, markup=False)
     for k, v in sorted(summary["metadata"].items()):
         out.print(f"metadata {k} = {v}", markup=False)
     return EXIT_OK
+
+
+def _stored_recipe(text: str) -> tuple[Any, str]:
+    """A file's stored recipe (`qcore.recipe` metadata) as inspect shows it: (its value in --json,
+    its line in the table). Text that is not a valid recipe is shown as it is, with a note."""
+    try:
+        line = Recipe.from_json(text).describe()
+    except (QCoreError, RecursionError) as e:
+        shown = repr(text) if len(text) <= 200 else f"{text[:160]!r}... ({len(text)} characters)"
+        return text, f"recipe (stored, not a valid recipe: {_one_line(e)}): {shown}"
+    return json.loads(text), f"recipe: {line}"
 
 
 # --------------------------------------------------------------------------------- conformance
@@ -562,20 +577,74 @@ def _file_id(path: str | None) -> tuple[int, int, int] | None:
 
 
 def _interrupted_message(output: str | None, before: tuple[int, int, int] | None) -> str:
-    """Say what the interruption left: OUT written, OUT as it was, or nothing."""
+    """Say what the interruption left: OUT written, OUT as it was, or nothing; for a folder, how
+    many of its shards are complete and whether its index is written."""
+    progress = _RUN.get("progress")
+    if output and progress is not None and progress.planned:
+        return _folder_message(output, progress)
     after = _file_id(output)
     if after is not None and after != before:
+        if os.path.isdir(output):  # a folder whose files were not tracked (a distributed run)
+            return (f"qcore: interrupted; {output} may be incomplete: the same command with --resume keeps the "
+                    "complete shards in it and writes the rest")
         return f"qcore: interrupted after {output} was written (it is complete)"
     if before is not None:
         return f"qcore: interrupted; {output} was left as it was"
     return "qcore: interrupted; no output file was written"
 
 
-_RUN: dict[str, Any] = {"output": None, "before": None, "restore": None, "reported": False, "rc": None}
-"""The running command's OUT, what was at OUT before, the SIGTERM handler to restore, and whether
-its outcome was reported (with which exit status): a module value, so that the `qcore` entry
-point (`_qcore_launch`) can report truthfully on a signal that lands on the first or last lines
-of `main`."""
+def _folder_message(output: str, progress: Any) -> str:
+    """What an interrupted run left in its output folder (a `qcore.model.RunProgress`): complete
+    only when every shard and the index are; else how many shards are, and the way on."""
+    done = set(progress.complete())
+    shards = sum(p in done for p in progress.shards)
+    index_done = progress.index is None or progress.index in done
+    if shards == len(progress.shards) and index_done:
+        return f"qcore: interrupted after {output} was written (it is complete)"
+    left = f"{shards} of {len(progress.shards)} shards complete"
+    if progress.index is not None:
+        left += ", and its index" if index_done else ", not its index"
+    way = ("the same command with --resume keeps the complete shards in it and writes the rest" if progress.resumable
+           else "the same command writes it whole")
+    return f"qcore: interrupted; {output} is incomplete ({left}): {way}"
+
+
+def _track_progress() -> Any:
+    """A `qcore.model.RunProgress` for this run, where `_interrupted_message` finds it."""
+    from .model import RunProgress
+
+    progress = RunProgress()
+    _RUN["progress"] = progress
+    return progress
+
+
+_INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def _check_source(path: str) -> None:
+    """Refuse, before any format is probed, a source that would block or never end: a FIFO, a
+    device or a socket (reading waits for a writer, or goes on forever), and a checkpoint whose
+    index is unreadable or names shards that are not files in its folder (an index naming `.`
+    would be read again and again). Missing paths, hub ids and URLs are left to the command."""
+    from .checkpoint import resolve
+    from .storage import is_url
+
+    if is_url(path) or not os.path.exists(path):
+        return
+    if not os.path.isdir(path):
+        qio.check_input_path(path)  # a regular file, else StorageError naming it
+        if path.endswith(_INDEX_SUFFIX):
+            resolve(path)
+    elif any(name.endswith(_INDEX_SUFFIX) for name in os.listdir(path)):
+        resolve(path)
+
+
+_RUN: dict[str, Any] = {"output": None, "before": None, "restore": None, "reported": False, "rc": None,
+                        "progress": None}
+"""The running command's OUT, what was at OUT before, the SIGTERM handler to restore, whether
+its outcome was reported (with which exit status), and the files of a folder OUT
+(`qcore.model.RunProgress`): a module value, so that the `qcore` entry point (`_qcore_launch`)
+can report truthfully on a signal that lands on the first or last lines of `main`."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -584,7 +653,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     SIGTERM is handled like Ctrl-C: the temporary file goes, OUT is the old one or the new one.
     """
     try:  # the first statement: a signal at any later point ends in one line and exit 130/143
-        _RUN.update(output=None, before=None, restore=None, reported=False, rc=None)
+        _RUN.update(output=None, before=None, restore=None, reported=False, rc=None, progress=None)
         try:
             _RUN["restore"] = signal.signal(signal.SIGTERM, _on_sigterm) or signal.SIG_DFL
         except ValueError:  # not the main thread: leave SIGTERM alone
@@ -597,6 +666,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_conformance(args, extra)
         if extra:
             raise _UsageError(f"unrecognized arguments: {' '.join(extra)} (see 'qcore {args.command} --help')")
+        if args.command in ("inspect", "convert"):  # (quantize and dequantize check theirs as they resolve it)
+            _check_source(args.file if args.command == "inspect" else args.src)
         rc = int(args.func(args))
         _RUN.update(reported=True, rc=rc)
         return rc

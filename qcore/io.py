@@ -211,40 +211,63 @@ def _atomic_write(path: str, write, finish) -> None:
     check_output_path(path)
     directory = os.path.dirname(os.path.abspath(path))
     tmp: str | None = None
-    try:
+    try:  # (no `try` statement inside: see _make_temp)
         with _signals.deferred():
-            try:
-                fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-            except OSError as e:
-                raise _storage_error(path, e) from None
-            os.close(fd)
-        try:
-            write(tmp)
-            with open(tmp, "r+b") as f:
-                if finish is not None:
-                    finish(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, _default_mode())
-        except (OSError, SafetensorError) as e:
-            if isinstance(e, QCoreError):
-                raise
-            raise _storage_error(path, e) from None
+            tmp = _make_temp(path, directory)
+        _fill_temp(path, tmp, write, finish)
         with _signals.deferred():
-            try:
-                os.replace(tmp, path)
-            except OSError as e:
-                raise _storage_error(path, e) from None
+            _move_into_place(tmp, path)
             tmp = None
     except BaseException:
         if tmp is not None:
             with _signals.deferred():
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+                _remove_quietly(tmp)
         raise
     _fsync_dir(directory)
+
+
+# The steps of `_atomic_write`, each a function of its own so that no `try` statement sits
+# inside its try/except: on CPython 3.11 an exception raised at such a statement's line (by a
+# trace function, as the interrupt tests send signals) skips the enclosing handler, which
+# removes the temporary file.
+def _make_temp(path: str, directory: str) -> str:
+    """A new empty temporary file next to `path` (`.NAME.<8 characters>.tmp`)."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    except OSError as e:
+        raise _storage_error(path, e) from None
+    os.close(fd)
+    return tmp
+
+
+def _fill_temp(path: str, tmp: str, write, finish) -> None:
+    """Run `write(tmp)` and `finish(f)`, flush the file to disk and give it the default mode."""
+    try:
+        write(tmp)
+        with open(tmp, "r+b") as f:
+            if finish is not None:
+                finish(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, _default_mode())
+    except (OSError, SafetensorError) as e:
+        if isinstance(e, QCoreError):
+            raise
+        raise _storage_error(path, e) from None
+
+
+def _move_into_place(tmp: str, path: str) -> None:
+    try:
+        os.replace(tmp, path)
+    except OSError as e:
+        raise _storage_error(path, e) from None
+
+
+def _remove_quietly(tmp: str) -> None:
+    try:
+        os.unlink(tmp)
+    except OSError:
+        pass
 
 
 def _default_mode() -> int:

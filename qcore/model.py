@@ -19,6 +19,7 @@ import json
 import math
 import os
 import queue
+import re
 import shutil
 import threading
 import time
@@ -38,7 +39,7 @@ from .scheme import QuantScheme, scheme as parse_scheme
 from .stats import tensor_stats
 from .stfile import Reader, StreamWriter, TensorHead, header_room, np_dtype, st_dtype
 
-__all__ = ["TensorResult", "ModelResult", "quantize_model", "quantize_dict", "dequantize_model",
+__all__ = ["TensorResult", "ModelResult", "RunProgress", "quantize_model", "quantize_dict", "dequantize_model",
            "plan_shards", "quantize_shard", "assemble_shard", "consecutive_groups", "resumed_rows",
            "completed_shard"]
 
@@ -94,6 +95,50 @@ class ModelResult:
     def ratio(self) -> float:
         """Compression against the source dtypes."""
         return self.before / self.after if self.after else math.inf
+
+
+FileId = tuple[int, int, int]
+
+
+def _file_id(path: str) -> FileId | None:
+    """What identifies the file at `path` now (inode, size, mtime), or None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+@dataclass
+class RunProgress:
+    """The files a whole-model run writes into its output folder and which of them are complete,
+    for a caller that reports on a run that stopped early (Ctrl-C, SIGTERM, an error).
+
+    Pass one to `quantize_model` or `dequantize_model` (`progress=`); the run fills in its plan
+    before it writes anything. Every file is written atomically, so a file that changed since the
+    plan is complete; a shard kept by `resume` is complete too. A one-file output has no plan
+    (`planned` is False): the file is there whole or not at all.
+    """
+
+    shards: list[str] = field(default_factory=list)   # the output shards' paths, in order
+    index: str | None = None                          # the index file's path, None when none is written
+    kept: list[str] = field(default_factory=list)     # shards an earlier run completed (resume)
+    resumable: bool = False                           # whether `resume=True` continues from the shards
+    _before: dict[str, FileId | None] = field(default_factory=dict, repr=False)
+
+    def plan(self, shards: Sequence[str], index: str | None, *, kept: Sequence[str] = (),
+             resumable: bool = False) -> None:
+        """Record the run's files and what was at each path before the run."""
+        self._before = {p: _file_id(p) for p in [*shards, *([index] if index else [])]}
+        self.shards, self.index, self.kept, self.resumable = list(shards), index, list(kept), resumable
+
+    @property
+    def planned(self) -> bool:
+        return bool(self._before)
+
+    def complete(self) -> list[str]:
+        """The shards and the index that are complete now: kept, or written since the plan."""
+        return [p for p in self._before if p in self.kept or _file_id(p) not in (None, self._before[p])]
 
 
 # ------------------------------------------------------------------------------------ planning
@@ -158,25 +203,15 @@ def _plan(ck: Checkpoint, recipe: Recipe, max_shard_size: int | None,
           readers: dict[str, Reader]) -> tuple[list[_OutShard], str]:
     items: list[_Item] = []
     metas: dict[str, dict[str, str]] = {}
-    seen: dict[str, str] = {}
+    ck.check_tensors({shard: list(readers[shard].tensors) for shard in ck.shards})
     for shard in ck.shards:
         r = readers[shard]
         info = qio.read_info(r.path)
         entries = {e.name: e for e in info.entries}
         metas[shard] = dict(info.metadata)
         for name, head in r.tensors.items():
-            if name in seen:
-                raise InvalidDataError(f"tensor '{name}' is in both {seen[name]} and {shard}; a checkpoint names "
-                                       "each tensor once")
-            seen[name] = shard
-            if ck.weight_map and ck.weight_map.get(name, shard) != shard:
-                raise InvalidDataError(f"{ck.index_name} puts tensor '{name}' in {ck.weight_map[name]}, "
-                                       f"but it is in {shard}")
             sch, note, dt, shape, carried = _decide(recipe, head, entries.get(name))
             items.append(_Item(name, shard, head, sch, note, dt, shape, carried))
-    missing = sorted(set(ck.weight_map) - set(seen))
-    if missing:
-        raise InvalidDataError(f"{ck.index_name} names tensor '{missing[0]}', which no shard holds")
     prefix = (ck.index_name or INDEX_NAME)[: -len(".safetensors.index.json")] if not ck.single_file \
         else os.path.splitext(ck.shards[0])[0]
     if max_shard_size is None:
@@ -305,6 +340,32 @@ def _in_place(path: str, write: Callable[[str], None]) -> None:
     write(path)
 
 
+def _quantize_row(be: Backend, x: np.ndarray, it: _Item, row: TensorResult, stats: bool,
+                  compare: Sequence[Any]) -> list[np.ndarray] | None:
+    """Quantize source tensor `x` by its planned scheme and fill in `row` (scheme, stored size,
+    SQNR and max error, the compared schemes' SQNR): the payload's parts, or None when the scheme
+    cannot take the data (NaN/Inf: the tensor is kept, `row.note` says why).
+
+    A function of its own, so that no `try` statement sits inside `_stream`'s try/finally: on
+    CPython 3.11 an exception raised at such a statement's line (by a trace function, as the
+    interrupt tests send signals) skips the enclosing `finally`, which joins the writer thread."""
+    try:
+        q: QTensor = be.quantize(x, it.scheme)
+    except InputError as e:  # NaN/Inf and other data the scheme cannot take
+        row.note = f"kept: {e}"
+        return None
+    payload = _payload_parts(be, q)
+    row.scheme, row.after = str(it.scheme), sum(part.nbytes for part in payload)
+    if stats:
+        row.sqnr, row.max_err = tensor_stats(be, x, q)
+    for s in compare:
+        try:
+            row.compare[str(s)] = tensor_stats(be, x, be.quantize(x, s))[0]
+        except InputError:
+            row.compare[str(s)] = math.nan
+    return payload
+
+
 def _stream(todo: list[_OutShard], paths: dict[str, str], readers: dict[str, Reader], be: Backend,
             recipe_json: str, stats: bool, compare: Sequence[Any],
             on_tensor: Callable[[TensorResult], None] | None,
@@ -353,25 +414,11 @@ def _stream(todo: list[_OutShard], paths: dict[str, str], readers: dict[str, Rea
             row = TensorResult(it.name, it.head.shape, it.head.dtype, it.head.nbytes, it.head.nbytes,
                                note=it.note, file=it.shard)
             out, release, fell_back = x, True, it.scheme is not None  # until it is quantized
-            if it.scheme is not None:
-                try:
-                    q: QTensor = be.quantize(x, it.scheme)
-                except InputError as e:  # NaN/Inf and other data the scheme cannot take
-                    row.note = f"kept: {e}"
-                else:
-                    payload = _payload_parts(be, q)
-                    row.scheme, row.after = str(it.scheme), sum(p.nbytes for p in payload)
-                    if stats:
-                        row.sqnr, row.max_err = tensor_stats(be, x, q)
-                    for s in compare:
-                        try:
-                            row.compare[str(s)] = tensor_stats(be, x, be.quantize(x, s))[0]
-                        except InputError:
-                            row.compare[str(s)] = math.nan
-                    del q
-                    out, release, fell_back = payload, False, False
-                    x = None
-                    p.slots.release()
+            payload = _quantize_row(be, x, it, row, stats, compare) if it.scheme is not None else None
+            if payload is not None:
+                out, release, fell_back = payload, False, False
+                x = None
+                p.slots.release()
             p.put(p.outbox, (it.name, out, release, fell_back))
             del out, x
             rows.append(row)
@@ -422,14 +469,45 @@ def quantize_dict(tensors: Mapping[str, Any], recipe: RecipeLike = None, backend
     return out
 
 
-def _copy_extras(ck: Checkpoint, dst: str) -> None:
-    for name in ck.extras:
-        src = os.path.join(ck.root, name)
-        target = os.path.join(dst, name)
-        if os.path.isdir(src):
-            shutil.copytree(src, target, dirs_exist_ok=True)
-        else:
-            qio.atomic_write(target, lambda tmp, src=src: shutil.copyfile(src, tmp))
+def _extras_targets(ck: Checkpoint, dst: str) -> dict[str, str]:
+    """The model folder's other files to copy (`Checkpoint.other_files`: no links out of the folder,
+    no devices or FIFOs, no loops), as {source path: path under dst}."""
+    return {ck.path(rel): os.path.join(dst, rel) for rel in ck.other_files()}
+
+
+def _copy_extras(targets: Mapping[str, str]) -> None:
+    """Copy the other files (`_extras_targets`), each atomically."""
+    for src, target in targets.items():
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        qio.atomic_write(target, lambda tmp, src=src: shutil.copyfile(src, tmp))
+
+
+_TEMP_TOKEN = r"\.(?:[a-z0-9_]{8}|[0-9a-f]{32})\.tmp"
+"""The tail of a temporary file's name: `qcore.io`'s (tempfile's 8 characters) or a storage
+upload's (a uuid): `.NAME.<token>.tmp` next to the file NAME it becomes."""
+
+
+def _remove_stale_temporaries(paths: Iterable[str]) -> None:
+    """Remove the temporary files (`.NAME.<token>.tmp`) that a killed run (SIGKILL, a power cut)
+    left next to the files `paths` this run writes: they are this run's to replace, and nothing
+    else removes them. Other hidden files are left alone."""
+    by_folder: dict[str, set[str]] = {}
+    for p in paths:
+        folder, name = os.path.split(os.path.abspath(p))
+        by_folder.setdefault(folder, set()).add(name)
+    for folder, names in by_folder.items():
+        try:
+            entries = os.listdir(folder)
+        except OSError:  # not there yet: nothing stale
+            continue
+        stale = re.compile("|".join(rf"\.{re.escape(n)}{_TEMP_TOKEN}" for n in sorted(names)))
+        for entry in entries:
+            if stale.fullmatch(entry):
+                with _signals.deferred():
+                    try:
+                        os.unlink(os.path.join(folder, entry))
+                    except FileNotFoundError:
+                        pass
 
 
 def _write_index(path: str, ck: Checkpoint, weight_map: dict[str, str], total: int) -> None:
@@ -458,7 +536,8 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
                    backend: str | Backend | None = None, *, rules: Sequence[str] = (),
                    max_shard_size: int | str | None = None, resume: bool = False, stats: bool = True,
                    compare: Sequence[Any] = (), on_plan: Callable[[int, int], None] | None = None,
-                   on_tensor: Callable[[TensorResult], None] | None = None) -> Any:
+                   on_tensor: Callable[[TensorResult], None] | None = None,
+                   progress: RunProgress | None = None) -> Any:
     """Quantize a whole model by `recipe` (a Recipe, scheme text, a .toml path or a dict).
 
     `src` is a .safetensors file, a sharded checkpoint directory, its index file, a hub id in the
@@ -468,7 +547,9 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
     `max_shard_size` bytes, e.g. "5GB"), a rewritten index and the source directory's other files.
     `resume` keeps output shards a previous identical run completed. `stats` measures SQNR and max
     error per tensor; `compare` adds the SQNR of other schemes (not written). `on_plan(count, bytes)`
-    is called once with the work to do, `on_tensor(row)` after each tensor. Returns a ModelResult.
+    is called once with the work to do, `on_tensor(row)` after each tensor. `progress` (a
+    `RunProgress`) is filled with the output folder's files, to tell what a stopped run left. The
+    temporary files a killed run left next to the files written are removed. Returns a ModelResult.
     """
     if isinstance(src, Mapping):
         out = quantize_dict(src, recipe, backend, rules=rules)
@@ -492,8 +573,9 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
         if one_file:
             paths = {shards[0].name: dst_s}
         else:
-            os.makedirs(dst_s, exist_ok=True)
             paths = {s.name: os.path.join(dst_s, s.name) for s in shards}
+        index = os.path.join(dst_s, ck.index_name or INDEX_NAME) \
+            if not one_file and (ck.index_name or limit is not None) else None
         done_rows: list[TensorResult] = []
         resumed: list[str] = []
         todo: list[_OutShard] = []
@@ -504,11 +586,16 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
                 continue
             resumed.append(s.name)
             done_rows += resumed_rows(s, prior)
+        extras = {} if one_file else _extras_targets(ck, dst_s)
+        if progress is not None and not one_file:
+            progress.plan([paths[s.name] for s in shards], index, kept=[paths[n] for n in resumed], resumable=True)
         if on_plan is not None:
             work = [i for s in todo for i in s.items if i.scheme is not None]
             on_plan(len(work), sum(i.head.nbytes for i in work))
         if not one_file:
-            _copy_extras(ck, dst_s)
+            os.makedirs(dst_s, exist_ok=True)
+        _remove_stale_temporaries([*paths.values(), *([index] if index else []), *extras.values()])
+        _copy_extras(extras)
         rows = _stream(todo, paths, readers, be, recipe_json, stats, cmp, on_tensor)
     finally:
         for r in readers.values():
@@ -516,8 +603,7 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
     by_name = {r.name: r for r in done_rows + rows}
     ordered = [by_name[i.name] for s in shards for i in s.items]
     files = [paths[s.name] for s in shards]
-    if not one_file and (ck.index_name or limit is not None):
-        index = os.path.join(dst_s, ck.index_name or INDEX_NAME)
+    if index is not None:
         _write_index(index, ck, {r.name: r.file for r in ordered}, sum(r.after for r in ordered))
         files.append(index)
     return ModelResult(os.fspath(src), dst_s, rc, be.name, ordered, files, resumed, time.perf_counter() - t0)
@@ -630,27 +716,37 @@ def completed_shard(path: PathLike, marker: str) -> qio.FileInfo | None:
 
 # ------------------------------------------------------------------------------------ dequantize
 def dequantize_model(src: PathLike, dst: PathLike, dtype: Any = None,
-                     backend: str | Backend | None = None) -> tuple[int, int]:
+                     backend: str | Backend | None = None, *,
+                     progress: RunProgress | None = None) -> tuple[int, int]:
     """Dequantize every quantized tensor of a file or checkpoint directory.
 
     Returns (tensors dequantized, tensors written).
 
     `dtype` None restores each tensor's recorded source dtype (float32 when none is recorded).
     The output has the source's structure (one file, or shards + index + other files), one
-    tensor in memory at a time.
+    tensor in memory at a time. The shards and the index are checked as `quantize_model` checks
+    them, before anything is written; `progress` is filled as `quantize_model` fills it.
     """
     ck = resolve(src)
     dst_s = os.fspath(dst)
+    infos = {shard: qio.read_info(ck.path(shard)) for shard in ck.shards}
+    ck.check_tensors({shard: [e.name for e in info.entries] for shard, info in infos.items()})
+    outs = {shard: dst_s if ck.single_file else os.path.join(dst_s, shard) for shard in ck.shards}
+    if any(os.path.abspath(outs[s]) == os.path.abspath(ck.path(s)) for s in ck.shards):
+        raise InputError("OUT must differ from IN; write elsewhere and move it if you want to replace IN")
+    index = os.path.join(dst_s, ck.index_name) if ck.index_name else None
+    extras = {} if ck.single_file else _extras_targets(ck, dst_s)
+    if progress is not None and not ck.single_file:
+        progress.plan(list(outs.values()), index)
     if not ck.single_file:
         os.makedirs(dst_s, exist_ok=True)
-        _copy_extras(ck, dst_s)
+    _remove_stale_temporaries([*outs.values(), *([index] if index else []), *extras.values()])
+    _copy_extras(extras)
     be = None
     n = total = 0
     for shard in ck.shards:
-        info = qio.read_info(ck.path(shard))
-        out_path = dst_s if ck.single_file else os.path.join(dst_s, shard)
-        if os.path.abspath(out_path) == os.path.abspath(ck.path(shard)):
-            raise InputError("OUT must differ from IN; write elsewhere and move it if you want to replace IN")
+        info = infos[shard]
+        out_path = outs[shard]
         with Reader(ck.path(shard)) as r:
             plan = []
             for e in info.entries:
@@ -675,12 +771,14 @@ def dequantize_model(src: PathLike, dst: PathLike, dtype: Any = None,
 
             qio.atomic_write(out_path, write)
         total += len(plan)
-    if ck.index_name:
+    if index is not None:
         with open(os.path.join(ck.root, ck.index_name), encoding="utf-8") as f:
             doc = json.load(f)
         size = sum(os.path.getsize(os.path.join(dst_s, s)) - 8 - _header_len(os.path.join(dst_s, s))
                    for s in ck.shards)
-        doc.setdefault("metadata", {})["total_size"] = size
+        if not isinstance(doc.get("metadata"), dict):
+            doc["metadata"] = {}
+        doc["metadata"]["total_size"] = size
         text = json.dumps(doc, indent=2) + "\n"
-        qio.atomic_write(os.path.join(dst_s, ck.index_name), lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
+        qio.atomic_write(index, lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
     return n, total

@@ -24,6 +24,12 @@ A recipe file is TOML:
 
 The recipe travels in each output file's metadata as JSON (`Recipe.to_json`), and `qcore inspect`
 shows it.
+
+Regex rules match in bounded time: a regex may not nest a repetition or an alternative (`|`)
+inside a repetition (`(a+)+`, `(a|ab)*`: exponential time on a long name), may hold at most
+`MAX_REGEX_CHOICES` repetitions of variable length (`*`, `+`, `?`, `{m,n}`), and is matched
+against names of at most `MAX_REGEX_NAME` characters (a longer name meeting a regex rule is an
+InputError; glob rules take any name).
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ import fnmatch
 import json
 import os
 import re
+import reprlib
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,16 +46,92 @@ from typing import Any, Union
 import numpy as np
 
 from .checks import INPUT_DTYPES
-from .errors import InputError, QCoreError
+from .errors import InputError, InvalidDataError, QCoreError, StorageError
 from .scheme import QuantScheme, scheme as parse_scheme
 
-__all__ = ["KEEP", "DEFAULT_KEEP", "Rule", "Recipe", "Decision", "as_recipe"]
+try:  # the parser of the `re` module, to check a regex's shape (sre_parse before Python 3.11)
+    from re import _constants as _sre
+    from re import _parser as _sre_parse
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_constants as _sre  # type: ignore[no-redef]
+    import sre_parse as _sre_parse  # type: ignore[no-redef]
+
+__all__ = ["KEEP", "DEFAULT_KEEP", "MAX_REGEX_NAME", "MAX_REGEX_CHOICES", "Rule", "Recipe", "Decision", "as_recipe"]
 
 KEEP = "keep"
 REGEX_PREFIX = "re:"
 # Globs of tensor names kept by default: embeddings and normalisation weights are small and
 # sensitive; a rule naming them explicitly still quantizes them.
 DEFAULT_KEEP: tuple[str, ...] = ("*embed*", "*norm*", "*.ln_*", "*layernorm*")
+MAX_REGEX_NAME = 256
+"""The longest tensor name a regex rule is matched against (real names have about 100 characters)."""
+MAX_REGEX_CHOICES = 3
+"""The most repetitions of variable length (`*`, `+`, `?`, `{m,n}`) a regex rule may hold."""
+_REPEATS = {_sre.MAX_REPEAT, _sre.MIN_REPEAT} | {getattr(_sre, "POSSESSIVE_REPEAT", _sre.MAX_REPEAT)}
+
+
+def _shown(pattern: str) -> str:
+    """A pattern quoted for a message, cut after 80 characters."""
+    return repr(pattern) if len(pattern) <= 100 else f"{pattern[:80]!r}... ({len(pattern)} characters)"
+
+
+def _short(value: Any) -> str:
+    """`repr(value)` for a one-line message: text cut after 80 characters, other values shortened."""
+    return _shown(value) if isinstance(value, str) else reprlib.repr(value)
+
+
+def _nested(pattern: str) -> InputError:
+    return InputError(f"recipe pattern {_shown(pattern)} nests a repetition or an alternative (|) inside a repetition "
+                      "(as (a+)+ or (a|ab)* do), which can take exponential time on a long name; regex rules must "
+                      "match in bounded time: write it without the nesting (a character class such as [ab]+ "
+                      "often does)")
+
+
+def _choices(parsed: Any, pattern: str, repeated: bool = False) -> int:
+    """The repetitions of variable length in a parsed regex; `_nested` when one, or an alternative,
+    sits inside a repetition (`repeated`): the shapes that backtrack exponentially."""
+    count = 0
+    for op, av in parsed:
+        if op in _REPEATS:
+            lo, hi, sub = av
+            if repeated and hi > lo:
+                raise _nested(pattern)
+            count += (hi > lo) + _choices(sub, pattern, repeated or hi > 1)
+        elif op == _sre.BRANCH:
+            if repeated:
+                raise _nested(pattern)
+            count += sum(_choices(alt, pattern, repeated) for alt in av[1])
+        elif op == _sre.SUBPATTERN:
+            count += _choices(av[-1], pattern, repeated)
+        elif op in (_sre.ASSERT, _sre.ASSERT_NOT):
+            count += _choices(av[1], pattern, repeated)
+        elif op == getattr(_sre, "ATOMIC_GROUP", None):
+            count += _choices(av, pattern, repeated)
+        elif op == _sre.GROUPREF_EXISTS:
+            count += sum(_choices(alt, pattern, repeated) for alt in av[1:] if alt is not None)
+    return count
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    """The regex of a `re:` rule, refused (InputError) unless it is valid and matches in bounded
+    time (see the module docstring)."""
+    text = pattern[len(REGEX_PREFIX):]
+    try:
+        rx = re.compile(text)
+        parsed = _sre_parse.parse(text)
+    except (re.error, OverflowError, ValueError, RecursionError) as e:
+        why = "nested too deep" if isinstance(e, RecursionError) else " ".join(str(e).split())
+        raise InputError(f"recipe pattern {_shown(pattern)} is not a valid regular expression: {why}") from None
+    try:
+        n = _choices(parsed, pattern)
+    except RecursionError:
+        raise InputError(f"recipe pattern {_shown(pattern)} nests groups too deep to check that it matches in bounded "
+                         "time; write it with fewer nested groups") from None
+    if n > MAX_REGEX_CHOICES:
+        raise InputError(f"recipe pattern {_shown(pattern)} has {n} repetitions of variable length (*, +, ?, {{m,n}}); "
+                         f"regex rules may hold {MAX_REGEX_CHOICES}, so that they match in bounded time: use a "
+                         "glob, or drop a leading or trailing .* (a regex is searched anywhere in the name)")
+    return rx
 
 
 @dataclass(frozen=True)
@@ -60,12 +143,9 @@ class Rule:
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str) or not self.pattern:
-            raise InputError(f"a recipe rule needs a non-empty pattern, got {self.pattern!r}")
+            raise InputError(f"a recipe rule needs a non-empty pattern, got {_short(self.pattern)}")
         if self.pattern.startswith(REGEX_PREFIX):
-            try:
-                object.__setattr__(self, "_regex", re.compile(self.pattern[len(REGEX_PREFIX):]))
-            except re.error as e:
-                raise InputError(f"recipe pattern {self.pattern!r} is not a valid regular expression: {e}") from None
+            object.__setattr__(self, "_regex", _compile(self.pattern))
         else:
             object.__setattr__(self, "_regex", None)
 
@@ -79,8 +159,16 @@ class Rule:
         return cls(pattern.strip(), _scheme_or_keep(sch.strip(), f"rule {text!r}"))
 
     def matches(self, name: str) -> bool:
+        """Whether the rule names tensor `name`. A regex rule takes names of at most
+        `MAX_REGEX_NAME` characters (a bound on its time), else InputError."""
         rx = self._regex  # type: ignore[attr-defined]
-        return bool(rx.search(name)) if rx is not None else fnmatch.fnmatchcase(name, self.pattern)
+        if rx is None:
+            return fnmatch.fnmatchcase(name, self.pattern)
+        if len(name) > MAX_REGEX_NAME:
+            raise InputError(f"tensor name {name[:40]!r}... is {len(name)} characters long; regex rules match names "
+                             f"of at most {MAX_REGEX_NAME} characters, so that matching takes bounded time: name it "
+                             f"with a glob rule instead of {self.pattern!r}")
+        return bool(rx.search(name))
 
     @property
     def scheme_text(self) -> str:
@@ -177,32 +265,47 @@ class Recipe:
         extra = sorted(set(doc) - known)
         if extra:
             raise InputError(f"{where}: unknown recipe key {extra[0]!r}; known keys: {', '.join(sorted(known))}")
+        items: list[Any] = []
+        for key in ("rules", "rule"):
+            given = doc.get(key, [])
+            if not isinstance(given, (list, tuple)):
+                raise InputError(f"{where}: {key} must be a list of rules ([[rule]] tables of pattern and scheme, "
+                                 f"[pattern, scheme] pairs or 'PATTERN=SCHEME' texts), got {_short(given)}")
+            items += list(given)
         rules: list[Rule] = []
-        for item in list(doc.get("rules", [])) + list(doc.get("rule", [])):
+        for item in items:
             if isinstance(item, Mapping):
                 if set(item) != {"pattern", "scheme"}:
                     raise InputError(f"{where}: each [[rule]] needs exactly 'pattern' and 'scheme', got {sorted(item)}")
-                where_rule = f"{where}: rule {item['pattern']!r}"
+                where_rule = f"{where}: rule {_short(item['pattern'])}"
                 rules.append(Rule(item["pattern"], _scheme_or_keep(item["scheme"], where_rule)))
             elif isinstance(item, (list, tuple)) and len(item) == 2:
-                rules.append(Rule(item[0], _scheme_or_keep(item[1], f"{where}: rule {item[0]!r}")))
+                rules.append(Rule(item[0], _scheme_or_keep(item[1], f"{where}: rule {_short(item[0])}")))
             elif isinstance(item, str):
                 rules.append(Rule.parse(item))
             else:
                 raise InputError(f"{where}: a rule is {{pattern, scheme}}, [pattern, scheme] or 'PATTERN=SCHEME', "
-                                 f"got {item!r}")
+                                 f"got {_short(item)}")
         include_1d = doc.get("include_1d", False)
         if not isinstance(include_1d, bool):
-            raise InputError(f"{where}: include_1d must be true or false, got {include_1d!r}")
+            raise InputError(f"{where}: include_1d must be true or false, got {_short(include_1d)}")
         keep = doc.get("keep", DEFAULT_KEEP)
-        if isinstance(keep, str) or not all(isinstance(k, str) for k in keep):
-            raise InputError(f"{where}: keep must be a list of globs, got {keep!r}")
-        return cls(_scheme_or_keep(doc.get("scheme", KEEP), where), tuple(rules), include_1d,
-                   doc.get("min_size", 0), tuple(keep))
+        if not isinstance(keep, (list, tuple)) or not all(isinstance(k, str) for k in keep):
+            raise InputError(f"{where}: keep must be a list of globs, got {_short(keep)}")
+        min_size = doc.get("min_size", 0)
+        if not isinstance(min_size, int) or isinstance(min_size, bool) or min_size < 0:
+            raise InputError(f"{where}: min_size must be an int >= 0, got {_short(min_size)}")
+        return cls(_scheme_or_keep(doc.get("scheme", KEEP), where), tuple(rules), include_1d, min_size, tuple(keep))
 
     @classmethod
     def from_json(cls, text: str) -> "Recipe":
-        return cls.from_dict(json.loads(text), "stored recipe")
+        """A recipe stored as JSON (`to_json`); InvalidDataError when the text is not JSON."""
+        try:
+            doc = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            why = "nested too deep" if isinstance(e, RecursionError) else " ".join(str(e).split())
+            raise InvalidDataError(f"stored recipe is not JSON: {why}") from None
+        return cls.from_dict(doc, "stored recipe")
 
     @classmethod
     def from_toml(cls, path: Union[str, "os.PathLike[str]"]) -> "Recipe":
@@ -211,12 +314,21 @@ class Recipe:
             import tomllib
         else:  # pragma: no cover - Python 3.10
             import tomli as tomllib
-        p = os.fspath(path)
-        with open(p, "rb") as f:
-            try:
+        from .io import check_input_path
+
+        p = check_input_path(path)  # a readable regular file (a FIFO would block), else StorageError
+        try:
+            with open(p, "rb") as f:
                 doc = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise InputError(f"recipe file {p} is not valid TOML: {e}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise InputError(f"recipe file {p} is not valid TOML: {' '.join(str(e).split())}") from None
+        except UnicodeDecodeError as e:
+            raise InputError(f"recipe file {p} is not UTF-8 text ({e.reason} at byte {e.start}); TOML files are "
+                             "UTF-8: save it as UTF-8") from None
+        except RecursionError:
+            raise InputError(f"recipe file {p} is not valid TOML: arrays or tables nested too deep") from None
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot read recipe file {p}: {e.strerror or e}", p) from None
         return cls.from_dict(doc, f"recipe file {p}")
 
     def describe(self) -> str:

@@ -11,7 +11,9 @@ safetensors' own reader loads these files (tests/test_shards.py checks it bit fo
 from __future__ import annotations
 
 import json
+import math
 import os
+import reprlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Union
@@ -36,7 +38,18 @@ ST_DTYPES: dict[str, np.dtype] = {
 }
 _BY_NP = {v: k for k, v in ST_DTYPES.items()}
 _MAX_HEADER = 100_000_000  # safetensors' own limit
+_INT64_MAX = 2 ** 63 - 1
 _CHUNK = 64 << 20
+
+
+def _is_count(v: Any) -> bool:
+    """A JSON integer in 0..2**63-1 (not a bool, float or string): a dimension or an offset."""
+    return type(v) is int and 0 <= v <= _INT64_MAX
+
+
+def _nbytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes of a tensor of `dtype` (a known safetensors name) and `shape`, in exact integers."""
+    return math.prod(shape) * np_dtype(dtype).itemsize
 
 
 def st_dtype(dtype: Any) -> str:
@@ -100,7 +113,7 @@ class Reader:
         text = self._f.read(n)
         try:
             head = json.loads(text.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise self._bad(f"header is not JSON ({e})") from None
         if not isinstance(head, dict):
             raise self._bad("header is not a JSON object")
@@ -110,17 +123,32 @@ class Reader:
         self._start = 8 + n
         tensors: dict[str, TensorHead] = {}
         for name, e in head.items():
-            try:
-                dtype, shape, (b, en) = e["dtype"], tuple(int(d) for d in e["shape"]), e["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise self._bad(f"tensor '{name}' needs dtype, shape and data_offsets, got {e!r}") from None
-            want = int(np.prod(shape, dtype=np.int64)) * np_dtype(dtype).itemsize
-            if not (0 <= b <= en <= size - self._start) or en - b != want:
-                raise self._bad(f"tensor '{name}' ({dtype} {list(shape)}, {want} bytes) has data_offsets "
-                                f"[{b}, {en}] in {size - self._start} data bytes")
-            tensors[name] = TensorHead(name, dtype, shape, b, en)
+            t = self._head(name, e)
+            if not t.end <= size - self._start or t.nbytes != _nbytes(t.dtype, t.shape):
+                raise self._bad(f"tensor '{name}' ({t.dtype} {list(t.shape)}, {_nbytes(t.dtype, t.shape)} bytes) "
+                                f"has data_offsets [{t.begin}, {t.end}] in {size - self._start} data bytes")
+            tensors[name] = t
         ordered = dict(sorted(tensors.items(), key=lambda kv: kv[1].begin))
         return text, ordered, meta
+
+    def _head(self, name: str, e: Any) -> TensorHead:
+        """One header entry checked for its types, as safetensors' own parser does: a known dtype
+        name, a shape of ints in 0..2**63-1, two ordered int offsets; else InvalidDataError."""
+        fields = e if isinstance(e, dict) else {}
+        dtype, shape, offsets = fields.get("dtype"), fields.get("shape"), fields.get("data_offsets")
+        if not (isinstance(dtype, str) and isinstance(shape, list) and all(_is_count(d) for d in shape)
+                and isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+            raise self._bad(f"tensor '{name}' needs a dtype name, a shape of ints and two int data_offsets "
+                            f"(each 0..2**63-1), got {reprlib.repr(e)}")
+        if dtype not in ST_DTYPES:
+            raise self._bad(f"tensor '{name}' has dtype {dtype!r}, not one qcore reads; known: {', '.join(ST_DTYPES)}")
+        if math.prod(d for d in shape if d) * ST_DTYPES[dtype].itemsize > _INT64_MAX:
+            raise self._bad(f"tensor '{name}' has shape {shape}: no array of it can be indexed (its dimensions "
+                            "other than 0 multiply past 2**63-1 bytes)")
+        begin, end = offsets
+        if begin > end:
+            raise self._bad(f"tensor '{name}' has data_offsets [{begin}, {end}]: the end is before the start")
+        return TensorHead(name, dtype, tuple(shape), begin, end)
 
     def read(self, name: str) -> np.ndarray:
         """Tensor `name` as a new numpy array (its own dtype and shape)."""

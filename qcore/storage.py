@@ -174,16 +174,16 @@ class Location:
             raise
 
     def upload_tree(self, local: str, path: str) -> None:
-        """Copy a local file or directory tree to `path`, each file through `upload`."""
-        if os.path.isdir(local):
-            for root, _, files in os.walk(local):
-                rel = os.path.relpath(root, local)
-                for name in files:
-                    parts = [] if rel == "." else rel.split(os.sep)
-                    target = os.path.join(path, *parts, name) if self.local else posixpath.join(path, *parts, name)
-                    self._copy(os.path.join(root, name), target)
-        else:
-            self._copy(local, path)
+        """Copy a local file or directory tree (an entry of a model folder) to `path`, each file
+        through `upload`: the files `qcore.checkpoint.other_files` names, so no link out of the
+        model folder, to a device or FIFO, or to a folder (a loop) is followed."""
+        from .checkpoint import other_files
+
+        root, name = os.path.split(os.path.abspath(local))
+        for rel in other_files(root, [name]):
+            parts = rel.split(os.sep)[1:]
+            target = os.path.join(path, *parts) if self.local else posixpath.join(path, *parts)
+            self._copy(os.path.join(root, rel), target)
 
     def _copy(self, src: str, path: str) -> None:
         if self.local:
