@@ -242,5 +242,5 @@ def test_bad_index_and_missing_index(tmp_path):
     with pytest.raises(qcore.InvalidDataError, match=r"not a safetensors index"):
         qf.read(tmp_path / "bad.safetensors.index.json")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(qcore.StorageError, match="No such file"):
         qf.detect(tmp_path / "empty")

@@ -419,3 +419,27 @@ def test_carried_metadata_nested_too_deeply_is_not_json(tmp_path, key, to):
     (tmp_path / "o").mkdir()
     qcore.convert(tmp_path / "a.safetensors", tmp_path / "o" / "m.safetensors", to)
     assert np.array_equal(qf.read(tmp_path / "o" / "m.safetensors", to).tensors["w"], np.ones((2, 64), np.float32))
+
+
+def test_a_missing_source_is_a_storage_error(tmp_path):
+    """qcore.convert and qcore.formats.read of a path that does not exist raise StorageError (a
+    QCoreError and an OSError with ENOENT), not a bare FileNotFoundError."""
+    import errno
+
+    import qcore.formats as qf
+
+    for call in (lambda: qcore.convert(tmp_path / "nope", tmp_path / "out.gguf", to="gguf"),
+                 lambda: qf.read(tmp_path / "nope.safetensors")):
+        with pytest.raises(qcore.StorageError, match="No such file") as e:
+            call()
+        assert e.value.errno == errno.ENOENT
+
+
+@pytest.mark.parametrize("name", [".", ".."])
+def test_an_index_naming_its_own_folder_is_invalid_data(tmp_path, name):
+    """An index whose weight_map names "." or ".." is refused, not followed (it recursed without end)."""
+    import qcore.formats as qf
+
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": name}}))
+    with pytest.raises(qcore.InvalidDataError, match="must name shard files"):
+        qf.read(tmp_path)

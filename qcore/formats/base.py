@@ -9,6 +9,7 @@ written, whether the format holds a tensor exactly, and `write` refuses what `ch
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import reprlib
@@ -18,7 +19,7 @@ from typing import Any, ClassVar, Union
 
 import numpy as np
 
-from ..errors import InputError, InvalidDataError, QCoreError
+from ..errors import InputError, InvalidDataError, QCoreError, StorageError
 from ..payload import QuantizedData
 from ..protocol import Support
 
@@ -83,6 +84,11 @@ def parse_json(text: str | bytes, what: str) -> Any:
         raise InvalidDataError(f"{what} is not JSON ({' '.join(str(e).split())})") from None
 
 
+def _missing(p: str) -> StorageError:
+    """The error for a path that does not exist (an OSError with ENOENT, as `qcore.io` raises)."""
+    return StorageError(errno.ENOENT, f"{p}: No such file or directory (cannot read it)", p)
+
+
 def shards(path: PathLike) -> list[str]:
     """The files of a checkpoint: the shards an index names (`*.safetensors.index.json`, or a folder
     holding `model.safetensors.index.json`, as transformers writes them), else the path itself."""
@@ -91,7 +97,7 @@ def shards(path: PathLike) -> list[str]:
     if not index.endswith(INDEX_SUFFIX):
         return [p]
     if not os.path.exists(index):
-        raise FileNotFoundError(2, "No such file", index)
+        raise _missing(index)
     try:
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
@@ -99,7 +105,8 @@ def shards(path: PathLike) -> list[str]:
     except (ValueError, KeyError, TypeError, AttributeError):
         raise InvalidDataError(
             f"{index}: not a safetensors index (JSON with a 'weight_map' of tensor -> file)") from None
-    if not names or not all(isinstance(n, str) and n and os.path.basename(n) == n for n in names):
+    if not names or not all(isinstance(n, str) and n not in ("", ".", "..") and os.path.basename(n) == n
+                            for n in names):
         raise InvalidDataError(f"{index}: 'weight_map' must name shard files in the index's folder")
     return [os.path.join(os.path.dirname(index), n) for n in names]
 
@@ -118,7 +125,7 @@ class Probe:
         whose header holds every shard's tensors and the first shard's metadata."""
         p = os.fspath(path)
         if not os.path.exists(p):
-            raise FileNotFoundError(2, "No such file", p)   # the wording qcore.io uses
+            raise _missing(p)
         files = shards(p)
         if files != [p]:
             probes = [cls.of(f) for f in files]
