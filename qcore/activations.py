@@ -17,7 +17,7 @@ import numpy as np
 from .checks import INPUT_DTYPES
 from .errors import InputError
 
-__all__ = ["ACTIVATION_DTYPES", "product_dims", "host_activation", "host_bias", "result_dtype", "in_callers_kind"]
+__all__ = ["ACTIVATION_DTYPES", "product_dims", "host_array", "host_activation", "host_bias", "result_dtype", "in_callers_kind"]
 
 ACTIVATION_DTYPES = INPUT_DTYPES
 """x, bias and result dtypes of `matmul` and `linear`: float16, bfloat16, float32, float64."""
@@ -47,6 +47,28 @@ def product_dims(what: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) 
     return k_, n_
 
 
+def _torch_cpu(t: Any, what: str) -> np.ndarray:
+    """A torch CPU tensor as numpy over the same memory where torch allows (bfloat16 as
+    `ml_dtypes.bfloat16` bits)."""
+    torch = _torch()
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(_BF16)
+    try:
+        return t.numpy()
+    except TypeError:
+        raise InputError(f"{what} has torch dtype {t.dtype}; pass {_NAMES}") from None
+
+
+def host_array(x: Any) -> Any:
+    """A torch CPU tensor as a numpy array (as `host_activation` reads it); anything else, a torch
+    tensor on a device included (a device backend reads those), as it is."""
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor) and x.device.type == "cpu":
+        return _torch_cpu(x, "input")
+    return x
+
+
 def host_activation(x: Any, what: str = "x") -> tuple[np.ndarray, bool]:
     """(x as a host numpy array in its own dtype, whether it came as a torch tensor). A torch
     tensor on another device, a non-float array or an unreadable object is an `InputError`."""
@@ -55,13 +77,7 @@ def host_activation(x: Any, what: str = "x") -> tuple[np.ndarray, bool]:
         if x.device.type != "cpu":
             raise InputError(f"{what} is a torch tensor on {x.device}; this backend reads host arrays: "
                              f"pass {what}.cpu(), or use a backend on that device")
-        t = x.detach()
-        if t.dtype == torch.bfloat16:
-            return t.contiguous().view(torch.int16).numpy().view(_BF16), True
-        try:
-            return t.numpy(), True
-        except TypeError:
-            raise InputError(f"{what} has torch dtype {t.dtype}; pass {_NAMES}") from None
+        return _torch_cpu(x, what), True
     try:
         arr = np.asarray(x)
     except (ValueError, TypeError, RecursionError) as e:

@@ -17,6 +17,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from . import arithmetic, layout
+from .activations import host_array
 from .arithmetic import QParams
 from .checks import check_input_dtype, check_output_dtype
 from .codecs import F32_TINY
@@ -100,6 +101,18 @@ class QTensor:
 
             backend = get_backend(backend)
         return backend.from_data(self.to_data())
+
+    @property
+    def T(self) -> "QTensor":
+        """The transpose (the axes reversed: `backend.transpose`, exact except for blocks over the
+        flattened tensor, which it quantizes again)."""
+        return self.backend.transpose(self)
+
+    __array_ufunc__ = None  # numpy defers `x @ q` to `__rmatmul__`
+
+    def __rmatmul__(self, x: Any) -> Any:
+        """`x @ q`: `backend.matmul(x, q)` for a 2-D q [K, N] (f32 sums, float32 result)."""
+        return self.backend.matmul(x, self)
 
     def __repr__(self) -> str:
         return f"QTensor(shape={self.shape}, scheme='{self.scheme}', backend='{self.backend.name}')"
@@ -340,6 +353,7 @@ class BaseBackend(abc.ABC):
     # ------------------------------------------------------------------ entry points
     def calibrate(self, x: Any, scheme: QuantScheme | str, method: str = "minmax") -> QParams:
         """Scales for `x` under `scheme` (SPEC §2.1-2.3): stored, rounded-up, grid-shaped."""
+        x = host_array(x)
         scheme = self._require(scheme)
         self._check_method(method, scheme)
         shape = self._check_input(x, scheme)
@@ -351,7 +365,9 @@ class BaseBackend(abc.ABC):
 
     def quantize(self, x: Any, scheme: QuantScheme | str, *, params: QParams | None = None,
                  method: str = "minmax") -> QTensor:
-        """Quantize `x` (calibrated, or with explicit `params`) (SPEC §2)."""
+        """Quantize `x` (calibrated, or with explicit `params`) (SPEC §2): a numpy array, a torch CPU
+        tensor (read in place where torch allows, bfloat16 included), or the backend's own arrays."""
+        x = host_array(x)
         scheme = self._require(scheme)
         self._check_method(method, scheme)
         shape = self._check_input(x, scheme)

@@ -103,3 +103,25 @@ def test_torch_tensors_in_and_out():
     assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16 and tuple(y.shape) == (3, 12)
     want = qcore.linear(x.float().numpy().astype(BF16), q)
     assert np.array_equal(y.view(torch.int16).numpy(), want.view(np.int16))
+
+
+def test_qtensor_transpose_and_x_at_q():
+    q = qcore.quantize(_weight((24, 64)), "q8s/block32:f32", "reference")
+    assert q.T.shape == (64, 24) and q.T.scheme == q.backend.transpose(q).scheme
+    x = _x((3, 24), np.float32)
+    y = x @ q  # numpy defers to QTensor.__rmatmul__: matmul with the weight as [K, N]
+    assert isinstance(y, np.ndarray) and np.array_equal(y, q.backend.matmul(x, q))
+
+
+def test_torch_cpu_tensors_quantize_in_place_of_numpy():
+    torch = pytest.importorskip("torch")
+    w = torch.randn(16, 64)
+    for t, a in ((w, w.numpy()), (w.to(torch.bfloat16), w.to(torch.bfloat16).float().numpy().astype(BF16))):
+        for backend in ("reference", "ndarray"):
+            got = qcore.quantize(t, "q8s/block32:f32", backend).to_data()
+            assert got == qcore.quantize(a, "q8s/block32:f32", backend).to_data()
+    p = qcore.calibrate(w, "q4s/block32:f16", "reference")
+    assert np.array_equal(p.scales, qcore.calibrate(w.numpy(), "q4s/block32:f16", "reference").scales)
+    x = torch.randn(2, 16)
+    q = qcore.quantize(w, "q8s", "reference")
+    assert isinstance(x @ q, torch.Tensor)  # torch defers to QTensor.__rmatmul__ too

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from qcore import layout
-from qcore.activations import ACTIVATION_DTYPES
+from qcore.activations import ACTIVATION_DTYPES, host_array
 from qcore.checks import check_input_dtype, check_output_dtype, raise_nonfinite, to_f32
 from qcore.errors import InputError
 from qcore.payload import QuantizedData, sections
@@ -548,6 +548,7 @@ class CudaBackend(BaseBackend):
             if params is None:
                 _repeat.remember_quantize(self, x, scheme, method, q)
             return q
+        x = host_array(x)
         x_arg, scheme_arg, scheme = x, scheme, self._require(scheme)
         self._check_method(method, scheme)
         shape = self._check_input(x, scheme)
