@@ -551,15 +551,26 @@ def load_data(path: PathLike) -> dict[str, QuantizedData | np.ndarray]:
 
 
 def load(path: PathLike, backend: str | Backend | None = None) -> dict[str, QTensor | np.ndarray]:
-    """Read a file written by `save`: quantized tensors become QTensors on `backend`.
+    """Read a file written by `save`, or any checkpoint the `qcore` command takes (a folder of
+    shards, its `*.safetensors.index.json`, a hub id in the local cache): quantized tensors become
+    QTensors on `backend`.
 
     `backend` None -> `$QCORE_BACKEND`, else `auto` (per scheme, the best available backend that
     supports it). Float tensors come back as numpy arrays. The payload bytes are loaded as they are,
-    so `q.to_data()` gives the same bytes on every backend.
+    so `q.to_data()` gives the same bytes on every backend. Shards are checked against each other
+    and their index as `qcore quantize` checks them (a tensor in two shards, a missing one).
     """
+    from .checkpoint import resolve
     from .registry import backend as get_backend
 
-    data = load_data(path)
+    try:
+        ck = resolve(path)
+    except TypeError:
+        raise InputError(f"a file path is a str or os.PathLike, got {type(path).__name__}") from None
+    parts = {shard: load_data(ck.path(shard)) for shard in ck.shards}
+    if ck.sharded:
+        ck.check_tensors({shard: list(d) for shard, d in parts.items()})
+    data = {name: v for d in parts.values() for name, v in d.items()}
     be = get_backend(backend)
     out: dict[str, QTensor | np.ndarray] = {}
     for name, d in data.items():

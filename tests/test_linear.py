@@ -125,3 +125,22 @@ def test_torch_cpu_tensors_quantize_in_place_of_numpy():
     x = torch.randn(2, 16)
     q = qcore.quantize(w, "q8s", "reference")
     assert isinstance(x @ q, torch.Tensor)  # torch defers to QTensor.__rmatmul__ too
+
+
+def test_load_takes_a_shard_folder_and_its_index(tmp_path):
+    """qcore.load reads what the CLI reads: a folder of shards or its index, the shards checked."""
+    import json
+
+    be = qcore.backend("reference")
+    a, b = be.quantize(_weight((8, 32)), "q8s"), _weight((4,), seed=3)
+    qcore.save(tmp_path / "model-00001-of-00002.safetensors", {"a": a})
+    qcore.save(tmp_path / "model-00002-of-00002.safetensors", {"b": b})
+    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                            "b": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    for src in (tmp_path, tmp_path / "model.safetensors.index.json"):
+        got = qcore.load(src, backend="reference")
+        assert sorted(got) == ["a", "b"] and got["a"].to_data() == a.to_data() and np.array_equal(got["b"], b)
+    qcore.save(tmp_path / "model-00002-of-00002.safetensors", {"b": b, "a": a})
+    with pytest.raises(qcore.InvalidDataError, match="'a' is in both"):
+        qcore.load(tmp_path, backend="reference")

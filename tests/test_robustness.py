@@ -220,11 +220,14 @@ def test_ragged_or_odd_list_input_is_input_error(x):
 def test_directory_or_device_as_input_names_the_path(tmp_path, capsys):
     for p, why in ((tmp_path, "is a directory"), ("/dev/null", "not a regular file"),
                    (tmp_path / "missing.safetensors", "No such file")):
-        for fn in (qcore.load, qio.read_info, qio.load_data):
+        for fn in (qio.read_info, qio.load_data):
             with pytest.raises(StorageError, match=re.escape(str(p)) + ".*" + why):
                 fn(p)
-        # the commands take a checkpoint directory too: an empty one is named with what it lacks
+        # qcore.load and the commands take a checkpoint directory too: an empty one is named with
+        # what it lacks
         cli_why = "holds no .safetensors file" if p == tmp_path else why
+        with pytest.raises(qcore.InputError if p == tmp_path else StorageError, match=re.escape(str(p)) + ".*" + cli_why):
+            qcore.load(p)
         for cmd in (["inspect", p], ["dequantize", p, tmp_path / "o.safetensors"],
                     ["quantize", p, tmp_path / "o.safetensors", "--scheme", "q8s"]):
             rc, _, err = _run(capsys, *cmd)
