@@ -417,6 +417,22 @@ def cmd_conformance(args: argparse.Namespace, extra: list[str]) -> int:
     return int(rc or 0)
 
 
+class _RunnerHelp(argparse.Action):
+    """`qcore conformance --help`: the runner's own help (every option it takes), as `qcore
+    conformance`; the other arguments go to the runner as they are."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .conformance import runner
+
+        rp = runner._parser()
+        rp.prog = "qcore conformance"
+        rp.print_help()
+        parser.exit()
+
+
 # --------------------------------------------------------------------------------------- bench
 BENCH_SCHEMES = ("q8s", "q4s/block32:f16", "nvfp4")
 
@@ -535,11 +551,9 @@ def _parser() -> _Parser:
 
     add_convert(sub)
 
-    s = sub.add_parser("conformance", help="run the conformance suite against a backend",
-                       description="Run qcore's conformance suite against one or more backends.",
-                       epilog="Other arguments go to the runner (qcore.conformance.runner), e.g. --seed N, "
-                              "--max-elements N, --max-schemes N, --filter TEXT, --checks case,bad-input,ops,cross, "
-                              "--no-progress.")
+    s = sub.add_parser("conformance", help="run the conformance suite against a backend", add_help=False,
+                       description="Run qcore's conformance suite against one or more backends.")
+    s.add_argument("-h", "--help", action=_RunnerHelp, help="show every option of the runner and exit")
     s.add_argument("--backend", required=True, action="append", help="backend to check (repeatable)")
     s.add_argument("--full", action="store_true", help="run the full (slow) suite")
     s.set_defaults(func=cmd_conformance)

@@ -409,3 +409,13 @@ def test_unavailable_backend(capsys, model, tmp_path):
     finally:
         registry.reset()
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_conformance_help_lists_every_runner_option(capsys):
+    """`qcore conformance --help` shows every option the runner takes, not a few of them."""
+    from qcore.conformance import runner
+
+    assert main(["conformance", "--help"]) == 0
+    out = capsys.readouterr().out
+    options = [o for a in runner._parser()._actions for o in a.option_strings]
+    assert options and all(o in out for o in options), [o for o in options if o not in out]
