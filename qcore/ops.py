@@ -181,8 +181,10 @@ def cat(be: "BaseBackend", qs: Sequence["QTensor"], axis: int = 0) -> "QTensor":
 def _row_bands(be: "BaseBackend", w: "QTensor", rows_per_step: int):
     """(r0, r1, rows r0..r1 of the 2-D weight `w` dequantized to float32) for bands of about
     `rows_per_step` rows (whole blocks along axis 0), so the full float weight never exists; one
-    band of the whole weight where blocks over the flattened tensor cross rows (E7)."""
+    band of the whole weight where blocks over the flattened tensor cross rows (E7). A payload
+    holding an invalid code raises `InvalidDataError` first."""
     d = be.into_data(w)
+    d.check_codes()  # a code outside the value's set is InvalidDataError, never a value (SPEC v1.1 §3)
     codes, scales, g, offsets = d.codes(), d.scales(), d.global_scale(), d.offsets()
     scheme = w.scheme
     rows, cols = w.shape

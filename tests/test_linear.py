@@ -144,3 +144,20 @@ def test_load_takes_a_shard_folder_and_its_index(tmp_path):
     qcore.save(tmp_path / "model-00002-of-00002.safetensors", {"b": b, "a": a})
     with pytest.raises(qcore.InvalidDataError, match="'a' is in both"):
         qcore.load(tmp_path, backend="reference")
+
+
+@pytest.mark.parametrize("backend", ["reference", "ndarray"])
+def test_a_bad_code_is_invalid_data_in_the_products(backend):
+    """A payload holding a code outside the value's set raises InvalidDataError naming the element
+    from matmul and linear, as from a first dequantize (SPEC v1.1 §3)."""
+    from qcore.payload import QuantizedData
+
+    ref = qcore.backend("reference")
+    d = ref.into_data(ref.quantize(_weight((4, 32)), "q8s"))
+    bad = bytearray(d.payload)
+    bad[5] = 0x80  # -128: outside Q8S's codes
+    q = qcore.backend(backend).from_data(QuantizedData(d.shape, d.scheme, bytes(bad)))
+    for call in (lambda: qcore.linear(np.ones((1, 32), np.float32), q),
+                 lambda: qcore.matmul(np.ones((1, 4), np.float32), q)):
+        with pytest.raises(qcore.InvalidDataError, match=r"\(0, 5\)"):
+            call()
