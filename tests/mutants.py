@@ -228,6 +228,84 @@ class NarrowEdgeOffByOne(Narrow):
         return a
 
 
+class NarrowMaxSkipsLast(Narrow):
+    """A per-tensor scale's max|x| (the minmax statistic only) skips the tensor's last element;
+    absmean and per-block scales are right. It passed the default run before the `maxlast`
+    inputs (its one maximum was never the last element alone)."""
+
+    name = "narrow-max-skips-last"
+
+    def _reduce(self, a, s, method):
+        if method == "minmax" and s.block is None and a.size > 1:
+            a = a.copy()
+            a.reshape(-1)[-1] = 0
+        return super()._reduce(a, s, method)
+
+
+CHUNK = 1 << 16
+
+
+class NarrowChunkTail(Narrow):
+    """The kernel runs in chunks of 2**16 elements, one chunk per 'thread block', and a tensor
+    of more than one chunk drops the partial chunk at its end (its codes stay 0): right on every
+    tensor below 65,537 elements."""
+
+    name = "narrow-chunk-tail"
+
+    def _quantize(self, x, s, params, method):
+        q = super()._quantize(x, s, params, method)
+        n = q.codes.size
+        if n > CHUNK:
+            flat = q.codes.reshape(-1)
+            flat[n // CHUNK * CHUNK:] = 0
+        return q
+
+
+def _memory_order(x):
+    """The elements in the order they sit in memory (what a kernel reading the buffer from the
+    data pointer sees), shaped as x."""
+    a = np.asarray(x)
+    return a if a.flags.c_contiguous else a.ravel(order="K").reshape(a.shape)
+
+
+class NarrowMemoryOrder(Narrow):
+    """Reads a non-contiguous input in memory order instead of through its strides."""
+
+    name = "narrow-memory-order"
+
+    def _calibrate(self, x, s, method):
+        return super()._calibrate(_memory_order(x), s, method)
+
+    def _quantize(self, x, s, params, method):
+        return super()._quantize(_memory_order(x), s, params, method)
+
+
+def _cast_truncating(y: np.ndarray, dtype) -> np.ndarray:
+    """f32 -> f16 / bf16 rounding toward zero (bits dropped) instead of to nearest even."""
+    dt = np.dtype(dtype)
+    y = np.asarray(y, np.float32)
+    if dt == np.dtype(ml_dtypes.bfloat16):
+        return bits_f32(f32_bits(y) & np.uint32(0xFFFF0000)).astype(dt)
+    if dt == np.float16:
+        with np.errstate(over="ignore", invalid="ignore"):
+            r = y.astype(np.float16)
+            over = np.abs(r.astype(np.float32)) > np.abs(y)
+            return np.where(over, np.nextafter(r, np.float16(0)), r).astype(np.float16)
+    return y.astype(dt)
+
+
+class NarrowTruncatingCast(Narrow):
+    """Dequantize to float16 truncates the f32 result instead of rounding it to nearest even
+    (bfloat16 and float64 are right). It passed the default run before every group dequantized
+    to every output dtype."""
+
+    name = "narrow-truncating-cast"
+
+    def _dequantize(self, q, dtype):
+        y = super()._dequantize(q, np.float32)
+        return _cast_truncating(y, dtype) if np.dtype(dtype) == np.float16 else y.astype(dtype)
+
+
 class NarrowReciprocal(Narrow):
     name = "narrow-reciprocal"
 
@@ -518,6 +596,47 @@ class FullEdgeOffByOne(Full):
         return x
 
 
+class FullChunkIndexWrap(Full):
+    """The element index wraps at 2**16 when the kernel looks up an element's effective scale
+    (a 16-bit index): right on every tensor up to 65,536 elements."""
+
+    name = "full-chunk-index-wrap"
+
+    def _quantize(self, x, s, params, method):
+        x = np.asarray(x)
+        if x.size <= CHUNK or s.reciprocal_codes or s.affine:
+            return super()._quantize(x, s, params, method)
+        x = to_f32(x)
+        if params is None:
+            params = self._params(x, s, method)
+        e = np.asarray(effective_scale(params, x.shape, s), np.float32).reshape(-1)
+        e = e[np.arange(e.size) % CHUNK].reshape(x.shape)  # e[i mod 2**16]
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            y = np.where(e == 0, np.float32(0), x / e).astype(np.float32)
+        return QuantizedData.from_parts(x.shape, s, self._encode(y, s), params.scales, params.global_scale)
+
+
+class FullMemoryOrder(Full):
+    """Reads a non-contiguous input in memory order instead of through its strides."""
+
+    name = "full-memory-order"
+
+    def _calibrate(self, x, s, method):
+        return super()._calibrate(_memory_order(x), s, method)
+
+    def _quantize(self, x, s, params, method):
+        return super()._quantize(_memory_order(x), s, params, method)
+
+
+class FullTruncatingCast(Full):
+    """Dequantize to float16 / bfloat16 truncates the f32 result instead of rounding it."""
+
+    name = "full-truncating-cast"
+
+    def _dequantize(self, d, dtype):
+        return _cast_truncating(super()._dequantize(d, np.float32), dtype)
+
+
 class FullWrongPackingAxis(Full):
     """Packs along the last axis whatever the store's packing axis (and unpacks the same way)."""
 
@@ -661,6 +780,10 @@ MUTANTS: list[tuple[str, str, type, str]] = [
     ("narrow", "claims-and-raises", NarrowClaimsAndRaises, "says yes to 2-D blocks, then raises"),
     ("narrow", "edge-off-by-one", NarrowEdgeOffByOne, "statistic skips the last element"),
     ("narrow", "reciprocal-scale", NarrowReciprocal, "scale = max * (1/h)"),
+    ("narrow", "max-skips-last", NarrowMaxSkipsLast, "per-tensor max|x| skips the last element"),
+    ("narrow", "chunk-tail", NarrowChunkTail, "drops the partial 2**16 chunk of a larger tensor"),
+    ("narrow", "memory-order", NarrowMemoryOrder, "reads a strided view in memory order"),
+    ("narrow", "truncating-cast", NarrowTruncatingCast, "dequantize truncates to f16"),
     ("narrow", "flush-to-zero", NarrowFlushToZero, "subnormal scales flushed to zero"),
     ("full", "half-away", FullHalfAway, "rounds half away from zero"),
     ("full", "half-up", FullHalfUp, "rounds half up"),
@@ -674,6 +797,9 @@ MUTANTS: list[tuple[str, str, type, str]] = [
     ("full", "refuses-expected", FullRefusesTwoLevel, "refuses two-level schemes it is expected to run"),
     ("full", "claims-and-raises", FullClaimsAndRaises, "says yes to packing axis 1, then raises"),
     ("full", "edge-off-by-one", FullEdgeOffByOne, "statistic skips the last element"),
+    ("full", "chunk-index-wrap", FullChunkIndexWrap, "element index wraps at 2**16"),
+    ("full", "memory-order", FullMemoryOrder, "reads a strided view in memory order"),
+    ("full", "truncating-cast", FullTruncatingCast, "dequantize truncates to f16/bf16"),
     ("full", "wrong-packing-axis", FullWrongPackingAxis, "packs along axis 0 for packing axis 1"),
     ("full", "f16-as-bf16", FullF16AsBf16, "F16 scale slots hold BF16 bits"),
     ("full", "global-ignored", FullGlobalIgnored, "two-level dequantize forgets the global"),

@@ -142,6 +142,37 @@ def test_grid_input_puts_y_exactly_on_decision_points(text):
     assert abs(y[0]) == abs(y[-1]) == np.float32(s.half_range)  # the maximum on the first and last elements
 
 
+@pytest.mark.parametrize("text", ["q8s", "q8s/block32:f32", "q4f/block3x5:f16/packed_native:1",
+                                  "e2m1/block16:ue4m3/tensor:f32", "q8s/block32:f32:flat"])
+@pytest.mark.parametrize("dist", ["maxfirst", "maxlast"])
+def test_edge_max_inputs_put_each_slots_only_maximum_on_its_first_or_last_element(text, dist):
+    s = C.conformance_scheme(text)
+    shape = C.EDGE_SHAPES[0]
+    x = scheme_input(shape, dist, s, 11).reshape(-1).astype(np.float64)
+    slots = slot_ids(shape, s)
+    for k in np.unique(slots):
+        members = np.flatnonzero(slots == k)
+        a = np.abs(x[members])
+        edge = -1 if dist == "maxlast" else 0
+        assert a[edge] > 0 and (np.delete(a, edge if edge >= 0 else a.size - 1) < a[edge]).all()
+    assert np.abs(x[-1 if dist == "maxlast" else 0]) == np.abs(x[slots == slots[-1 if dist == "maxlast" else 0]]).max()
+
+
+def test_input_kinds_views_hold_the_same_values_in_other_memory_orders():
+    from qcore.conformance.checks import input_views
+
+    x = C.make_input((3, 5, 7), "normal", "f32", 1)
+    views = dict(input_views(x))
+    assert set(views) == {"fortran", "transposed", "step-axis0", "step-last-axis", "negative-strides"}
+    for v in views.values():
+        assert not v.flags.c_contiguous and np.array_equal(v, x)
+    cases = list(C.scheme_cases("inputs", schemes=[qcore.scheme("q8s/block3x5:f32")]))
+    assert [c.dist for c in cases] == ["maxlast", "maxfirst", "normal", "normal"]
+    assert cases[-1].shape == C.LARGE_SHAPE and np.prod(C.LARGE_SHAPE) > 2 ** 20
+    assert [c.dist for c in C.scheme_cases("inputs", max_elements=1000, schemes=[qcore.scheme("q8s")])] == \
+        ["maxlast", "maxfirst", "normal"]
+
+
 def test_bounds_input_puts_raw_scales_on_and_around_storable_values():
     s = qcore.scheme("q8s/block4x8:f16")
     x = scheme_input((24, 64), "bounds", s, 3)

@@ -4,7 +4,7 @@ and the clean twins pass.
 Both routes run the same per-stratum functions (`qcore.conformance.sampling.check_stratum` /
 `check_group`), so every mutant goes through the runner behind `qcore conformance` (in process,
 stopping at the first failure, a fraction of a second each), and one mutant per kind of failure
-(codes, bytes, scales, bad input, expectation, a raising kernel, dequantize) also goes through
+(codes, bytes, scales, bad input, expectation, a raising kernel, dequantize, input views) also goes through
 pytest adoption (`-x`, about a second each), to keep this file well under a minute and a half.
 
 The clean `full` twin is the reference maths re-assembled; its whole default run (like the
@@ -25,7 +25,7 @@ from tests.mutants import CLEAN, EXPECT, MUTANTS
 IDS = [f"{model}-{bug}" for model, bug, _, _ in MUTANTS]
 PYTEST_ROUTE = ("narrow-half-away", "narrow-big-endian-scales", "narrow-no-nonfinite-check",
                 "narrow-refuses-expected", "full-claims-and-raises", "full-swapped-nibbles",
-                "full-global-ignored", "full-round-up-off-by-one")
+                "full-global-ignored", "full-round-up-off-by-one", "narrow-memory-order")
 
 
 @pytest.mark.parametrize(("model", "bug", "cls", "what"), MUTANTS, ids=IDS)

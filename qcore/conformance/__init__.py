@@ -49,7 +49,7 @@ from typing import Any
 __all__ = [
     # pytest side (imports pytest when first used)
     "ConformanceFixtures", "ConformanceTests", "BaseSchemeTests", "BaseBadInputTests",
-    "BaseOpsTests", "BaseCrossBackendTests", "installed_backend", "required_backends",
+    "BaseOpsTests", "BaseCrossBackendTests", "BaseInputKindTests", "installed_backend", "required_backends",
     # plain functions
     "Case", "cases", "scheme_space", "check_case", "check_supported", "check_rejected",
     "check_bad_inputs", "check_ops", "check_cross_backend", "ConformanceFailure", "Outcome",
@@ -62,7 +62,7 @@ __all__ = [
 
 _WHERE = {
     **{n: "base" for n in ("ConformanceFixtures", "ConformanceTests", "BaseSchemeTests",
-                           "BaseBadInputTests", "BaseOpsTests", "BaseCrossBackendTests",
+                           "BaseBadInputTests", "BaseOpsTests", "BaseCrossBackendTests", "BaseInputKindTests",
                            "installed_backend", "required_backends")},
     **{n: "cases" for n in ("Case", "cases", "scheme_space")},
     **{n: "checks" for n in ("check_case", "check_supported", "check_rejected", "check_bad_inputs",

@@ -53,6 +53,7 @@ __all__ = [
     "BaseBadInputTests",
     "BaseOpsTests",
     "BaseCrossBackendTests",
+    "BaseInputKindTests",
     "ConformanceTests",
     "installed_backend",
     "required_backends",
@@ -290,5 +291,15 @@ class BaseCrossBackendTests(ConformanceFixtures):
         _settle(request, outcomes)
 
 
-class ConformanceTests(BaseSchemeTests, BaseBadInputTests, BaseOpsTests, BaseCrossBackendTests):
+class BaseInputKindTests(ConformanceFixtures):
+    """Inputs of other kinds: the maximum on the first / last element of the tensor and of every
+    (edge) block, non-C-ordered views, every output dtype, a tensor past 2**20 elements."""
+
+    def test_input_kinds(self, backend, reference, qcore_group, request):
+        _settle(request, S.check_group(backend, "inputs", qcore_group, self._settings(request.config),
+                                       reference))
+
+
+class ConformanceTests(BaseSchemeTests, BaseBadInputTests, BaseOpsTests, BaseCrossBackendTests,
+                       BaseInputKindTests):
     """The whole suite. Mix it with your fixtures class: `class TestX(ConformanceTests, XFixtures): pass`."""

@@ -43,6 +43,8 @@ __all__ = [
     "make_input",
     "np_dtype",
     "OPS_SHAPES",
+    "LARGE_SHAPE",
+    "EDGE_SHAPES",
     "scheme_cases",
     "scheme_space",
     "shapes_for",
@@ -375,6 +377,15 @@ def np_dtype(name: str):
     return np.dtype(_NP_DTYPES[name])
 
 
+LARGE_SHAPE: tuple[int, ...] = (1025, 1024)
+"""The `inputs` group check's large tensor: 1,049,600 elements, past 2**20 (and past every
+2**16 chunk), with partial blocks on 4x8 and 3x5 and a partial row of 16-element chunks."""
+
+EDGE_SHAPES: tuple[tuple[int, ...], ...] = ((3, 5, 37), (67,), (6, 40))
+"""Shapes of the `maxfirst` / `maxlast` inputs (first that fits): (3, 5, 37) leaves partial
+(edge) blocks on every block shape of the space."""
+
+
 OPS_SHAPES: tuple[tuple[int, ...], ...] = ((8, 40), (4, 16), (2, 4))
 """Matrix shapes for the ops checks (first that fits `max_elements`): 8 x 40 crosses block and
 word edges (40 = 32 + 8) and is a valid matmul weight [K, N]."""
@@ -383,9 +394,21 @@ word edges (40 = 32 + 8) and is a valid matmul weight [K, N]."""
 def scheme_cases(kind: str, full: bool = False, seed: int = 0, max_elements: int | None = None,
                  schemes: list[QuantScheme] | None = None) -> Iterator[Case]:
     """One case per scheme for the per-scheme checks: `kind` 'ops' (a matrix from `OPS_SHAPES`,
-    normal f32 input), or 'bad-input' / 'cross' (the first non-empty default shape that fits)."""
+    normal f32 input), 'bad-input' / 'cross' (the first non-empty default shape that fits), or
+    'inputs' (per scheme: `maxfirst` and `maxlast` inputs on the first of `EDGE_SHAPES` that
+    fits, a normal input for the views and output dtypes, and a `LARGE_SHAPE` tensor where
+    `max_elements` allows)."""
     space = scheme_space(full) if schemes is None else schemes
     for s in space:
+        if kind == "inputs":
+            edge = [sh for sh in shapes_for(s, EDGE_SHAPES, max_elements)]
+            if edge:
+                yield Case(str(s), edge[0], "maxlast", "f32", seed, 0, "f32", _parsed=s)
+                yield Case(str(s), edge[0], "maxfirst", "f32", seed, 0, "f32", _parsed=s)
+                yield Case(str(s), edge[0], "normal", "f32", seed, 1, "f32", _parsed=s)
+            for sh in shapes_for(s, (LARGE_SHAPE,), max_elements):
+                yield Case(str(s), sh, "normal", "f32", seed, 0, "f32", _parsed=s)
+            continue
         if kind == "ops":
             fit = shapes_for(s, OPS_SHAPES, max_elements)
             dist, dtype = "normal", "f32"

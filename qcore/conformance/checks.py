@@ -53,6 +53,8 @@ __all__ = [
     "check_payload_validation",
     "check_ops",
     "check_cross_backend",
+    "check_views",
+    "check_large",
     "check_decode_random",
     "random_payload",
     "compare_arrays",
@@ -741,6 +743,79 @@ def check_bad_inputs(backend, case: Case, reference=None) -> None:
         _expect(ctx, f"bad-input.dequantize-dtype-{np.dtype(dt).name}", I, lambda: backend.dequantize(q, dtype=dt))
     _expect(ctx, "bad-input.method", I, lambda: backend.calibrate(x, s, method="percentile"), x)
     check_payload_validation(backend, case, ref)
+
+
+# --------------------------------------------------------------------------- input kinds
+
+
+def input_views(x: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """Views holding `x`'s values whose memory order is not C order: Fortran order (transposed
+    in memory), steps along the first and the last axis of a bigger array, negative strides
+    (every axis reversed), and a transposed view of `x`'s transpose."""
+    out: list[tuple[str, np.ndarray]] = []
+    if x.ndim >= 2:
+        out.append(("fortran", np.asfortranarray(x)))
+        out.append(("transposed", np.ascontiguousarray(np.swapaxes(x, 0, -1)).swapaxes(0, -1)))
+    big = np.zeros((2 * x.shape[0],) + x.shape[1:], x.dtype)
+    big[::2] = x
+    big[1::2] = x[::-1] if x.shape[0] else x
+    out.append(("step-axis0", big[::2]))
+    wide = np.zeros(x.shape[:-1] + (3 * x.shape[-1],), x.dtype)
+    wide[..., ::3] = x
+    wide[..., 1::3] = -x
+    out.append(("step-last-axis", wide[..., ::3]))
+    rev = (slice(None, None, -1),) * x.ndim
+    out.append(("negative-strides", np.ascontiguousarray(x[rev])[rev]))
+    return out
+
+
+def check_views(backend, case: Case, reference=None) -> None:
+    """The case's input given as non-C-ordered views (`input_views`) quantizes (calibrated, and
+    with explicit params) to the reference's quantize of the C-ordered array, leaving the view
+    untouched; and the tensor dequantizes to every output dtype (f32, f16, bf16, f64) as the
+    reference's does."""
+    ref = reference or reference_backend()
+    ctx = _ctx(backend, case)
+    s = case.qscheme
+    x = np.ascontiguousarray(case.input())
+    r_q = ref.quantize(x, s)
+    r_data = ref.into_data(r_q)
+    r_params = ref.calibrate(x, s)
+    for label, v in input_views(x):
+        assert np.array_equal(np.ascontiguousarray(v), x)  # a view of the same values
+        before = np.ascontiguousarray(v).tobytes()
+        check = f"quantize(view {label})"
+        p = ctx.call(f"calibrate(view {label})", backend.calibrate, v, s)
+        compare_params(ctx, f"calibrate(view {label})", p, r_params)
+        q = ctx.call(check, backend.quantize, v, s)
+        compare_data(ctx, check, ctx.call(check, backend.into_data, q), r_data)
+        qp = ctx.call(check, backend.quantize, v, s, params=r_params)
+        compare_data(ctx, f"quantize(params, view {label})", ctx.call(check, backend.into_data, qp), r_data)
+        if np.ascontiguousarray(v).tobytes() != before:
+            raise ctx.fail(check, "the call modified its input view in place")
+    q = ctx.call("quantize", backend.quantize, x, s)
+    for dt in ("f32", "f16", "bf16", "f64"):
+        out = np_dtype(dt)
+        y = _host(ctx, f"dequantize({dt})", backend, ctx.call(f"dequantize({dt})", backend.dequantize, q, dtype=out))
+        compare_arrays(ctx, f"dequantize({dt})", y, np.asarray(ref.dequantize(r_q, dtype=out)), "dequantized values")
+
+
+def check_large(backend, case: Case, reference=None) -> None:
+    """A tensor past 2**20 elements (grid, index and chunking bugs show only past some tens of
+    thousands): calibrate, quantize (codes, scales, payload) and dequantize agree with the
+    reference bit for bit."""
+    ref = reference or reference_backend()
+    ctx = _ctx(backend, case)
+    s = case.qscheme
+    x = case.input()
+    r_q = ref.quantize(x, s)
+    compare_params(ctx, "calibrate", ctx.call("calibrate", backend.calibrate, x, s), ref.calibrate(x, s))
+    q = ctx.call("quantize", backend.quantize, x, s)
+    compare_data(ctx, "quantize", ctx.call("into_data", backend.into_data, q), ref.into_data(r_q))
+    out = np_dtype(case.out_dtype)
+    y = _host(ctx, "dequantize", backend, ctx.call("dequantize", backend.dequantize, q, dtype=out))
+    compare_arrays(ctx, f"dequantize({case.out_dtype})", y, np.asarray(ref.dequantize(r_q, dtype=out)),
+                   "dequantized values")
 
 
 # --------------------------------------------------------------------------- ops

@@ -17,6 +17,11 @@ clamps, scale rounding and block bookkeeping:
   itself: at a power of two and one ulp either side); a subnormal scale (f32-subnormal
   inputs included); a scale above the dtype's largest value (stored clamped, so codes saturate);
   an all-zero slot with -0.0 entries.
+- `maxfirst` / `maxlast`: every slot's `max |x|` is *unique* and sits on the slot's first
+  (`maxfirst`) or last (`maxlast`) element in row-major order, edge (partial) blocks included,
+  so the tensor's first or last element is its slot's only maximum (a per-tensor scale's too):
+  a reduction loop that starts one late or stops one early gets another scale. The other
+  elements are below 0.9 of the maximum; every effective scale is a power of two.
 
 `grid_exponents` gives the `j` of each slot, so the checks can also quantize with explicit
 power-of-two parameters and get exact ties on two-level schemes (whose calibrated scales are not
@@ -34,7 +39,7 @@ from ..scheme import QuantScheme
 
 __all__ = ["SCHEME_DISTRIBUTIONS", "decision_points", "grid_exponents", "scheme_input", "slot_ids"]
 
-SCHEME_DISTRIBUTIONS = ("grid", "bounds")
+SCHEME_DISTRIBUTIONS = ("grid", "bounds", "maxfirst", "maxlast")
 """Distributions that need the scheme (see the module docstring); their inputs are f32."""
 
 _F32 = np.float32
@@ -189,11 +194,31 @@ def _bounds(shape, s: QuantScheme, seed: int) -> np.ndarray:
         return x.astype(np.float32).reshape(shape)
 
 
+def _edge_max(shape, s: QuantScheme, seed: int, last: bool) -> np.ndarray:
+    n = math.prod(shape)
+    rng = _rng(shape, s, seed, "maxlast" if last else "maxfirst")
+    slots = slot_ids(shape, s)
+    js = grid_exponents(shape, s, seed).reshape(-1)
+    m = float(_F32(s.half_range)) * np.ldexp(np.ones(js.size), js)
+    x = rng.uniform(-0.9, 0.9, n) * m[slots]
+    order = np.argsort(slots, kind="stable")
+    bounds = np.searchsorted(slots[order], np.arange(js.size + 1))
+    for k in range(js.size):
+        members = order[bounds[k]:bounds[k + 1]]
+        if members.size:
+            x[members[-1] if last else members[0]] = m[k] if k % 2 == 0 else -m[k]
+    return x.astype(np.float32).reshape(shape)
+
+
 def scheme_input(shape: tuple[int, ...], dist: str, s: QuantScheme, seed: int) -> np.ndarray:
-    """The f32 input of distribution `dist` ('grid' or 'bounds') for scheme `s` on `shape`."""
+    """The f32 input of distribution `dist` ('grid', 'bounds', 'maxfirst' or 'maxlast') for
+    scheme `s` on `shape`."""
     shape = tuple(shape)
     if math.prod(shape) == 0:
         return np.zeros(shape, np.float32)
-    out = _grid(shape, s, seed) if dist == "grid" else _bounds(shape, s, seed)
+    if dist in ("maxfirst", "maxlast"):
+        out = _edge_max(shape, s, seed, dist == "maxlast")
+    else:
+        out = _grid(shape, s, seed) if dist == "grid" else _bounds(shape, s, seed)
     assert np.all(np.isfinite(out)), (dist, str(s), shape)
     return out

@@ -17,7 +17,7 @@ for a usage error (an unknown check kind, a malformed case id, nothing left to c
     usage: qcore conformance --backend NAME [--backend NAME ...] [--full] [--seed N]
                              [--expect [NAME=]PATTERNS|@FILE|none] [--case ID] [-x]
                              [--max-elements N] [--max-schemes N] [--cases-per-stratum N]
-                             [--filter TEXT] [--checks case,bad-input,ops,cross]
+                             [--filter TEXT] [--checks case,bad-input,ops,cross,inputs]
                              [--max-failures N] [--no-progress]
 
 `run(backends, ...)` is the same without argument parsing or printing; it returns a `Report`.
@@ -38,7 +38,7 @@ from .expect import parse_expect, per_backend
 
 __all__ = ["main", "run", "run_cases", "plan", "Report", "CHECK_KINDS"]
 
-CHECK_KINDS = ("case", "bad-input", "ops", "cross")
+CHECK_KINDS = ("case", "bad-input", "ops", "cross", "inputs")
 
 
 @dataclass

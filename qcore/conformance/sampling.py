@@ -27,8 +27,10 @@ unsigned values), `affine:min/*` (min offsets on unsigned values, with llama.cpp
 Field orders (E6) add `order:high/*` and `order:split/*` per packed store kind, and blocks over the
 flattened tensor (E7) `flat/*` per level kind.
 
-The per-scheme checks (bad input, ops, cross-backend) run on coarser **groups**, one per
-(value x mode, level kind), on one supported candidate each. `--full` takes every candidate of
+The per-scheme checks (bad input, ops, cross-backend, input kinds) run on coarser **groups**,
+one per (value x mode, level kind), on one supported candidate each; the input kinds are the
+maximum on the first / last element of the tensor and of every (edge) block, non-C-ordered
+views, every output dtype, and a tensor past 2**20 elements. `--full` takes every candidate of
 every stratum on every shape.
 """
 from __future__ import annotations
@@ -49,7 +51,7 @@ from . import checks as K
 __all__ = ["Settings", "Stratum", "level_kind", "is_v1_stratum", "strata", "groups", "group_of", "subset", "strata_subset", "stratum_cases",
            "check_stratum", "check_group", "tested_nothing", "supports_nothing"]
 
-GROUP_KINDS = ("bad-input", "ops", "cross")
+GROUP_KINDS = ("bad-input", "ops", "cross", "inputs")
 
 
 @dataclass(frozen=True)
@@ -396,8 +398,11 @@ def _run(backend, check: str, case: C.Case, fn: Callable[[], str]) -> K.Outcome:
 def check_group(backend, kind: str, group: Stratum, st: Settings, reference=None,
                 tolerances: K.Tolerances | None = None, peers: Sequence[Any] = (),
                 case_filter: str | None = None) -> list[K.Outcome]:
-    """The per-scheme check `kind` ('bad-input', 'ops' or 'cross') on one group: on a supported
-    candidate (every one with `full`), else a rejection check (none for 'cross')."""
+    """The per-scheme check `kind` ('bad-input', 'ops', 'cross' or 'inputs') on one group: on a
+    supported candidate (every one with `full`), else a rejection check (none for 'cross' and
+    'inputs'). 'inputs': the maximum unique on each slot's first / last element (`maxfirst`,
+    `maxlast`, through every supported-scheme check), non-C-ordered views and every output
+    dtype (`check_views`), and a tensor past 2**20 elements (`check_large`)."""
     sup, refused, bad = _support(backend, group, None)
     if bad is not None:
         return [bad]
@@ -413,6 +418,14 @@ def check_group(backend, kind: str, group: Stratum, st: Settings, reference=None
             elif kind == "ops":
                 out.append(_run(backend, kind, case,
                                 _then(partial(K.check_ops, backend, case, reference, tolerances))))
+            elif kind == "inputs":
+                if case.dist in ("maxfirst", "maxlast"):
+                    fn = K.check_supported
+                elif case.shape == C.LARGE_SHAPE:
+                    fn = K.check_large
+                else:
+                    fn = K.check_views
+                out.append(_run(backend, kind, case, _then(partial(fn, backend, case, reference))))
             else:
                 for peer in peers:
                     try:
@@ -422,7 +435,7 @@ def check_group(backend, kind: str, group: Stratum, st: Settings, reference=None
                         continue
                     out.append(_run(backend, f"cross:{_name(peer)}", case,
                                     _then(partial(K.check_cross_backend, backend, peer, case, reference))))
-    if not sup and refused and kind != "cross":
+    if not sup and refused and kind not in ("cross", "inputs"):
         s = refused[i % len(refused)]
         for case in C.scheme_cases(kind, False, st.seed, st.max_elements, schemes=[s]):
             if _keep(case, group, case_filter):
