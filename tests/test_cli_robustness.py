@@ -73,7 +73,7 @@ def write_raw(path, header: dict, data: bytes = b"\0" * 16) -> None:
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
 
 
-# ------------------------------------------------------------------ 3: FIFOs as inputs
+# ------------------------------------------------------------------ FIFOs as inputs
 @pytest.mark.parametrize("command", [["inspect"], ["convert", "--to", "qcore"]], ids=["inspect", "convert"])
 def test_inspect_and_convert_refuse_a_fifo(tmp_path, command):
     fifo = tmp_path / "pipe.safetensors"
@@ -88,7 +88,7 @@ def test_inspect_and_convert_refuse_a_fifo(tmp_path, command):
     assert not (tmp_path / "o.safetensors").exists()
 
 
-# ------------------------------------------------------------------ 4: the streaming reader
+# ------------------------------------------------------------------ the streaming reader
 HOSTILE_HEADERS = {
     "string-offsets": {"a": {"dtype": "F32", "shape": [4], "data_offsets": ["0", "16"]}},
     "huge-shape": {"a": {"dtype": "F32", "shape": [2 ** 70], "data_offsets": [0, 16]}},
@@ -114,7 +114,7 @@ def test_streaming_reader_says_invalid_data_for_hostile_headers(tmp_path, capsys
         qcore.load(f, backend="reference")  # the same verdict as `load` and `inspect`
 
 
-# ------------------------------------------------------------------ 5: interrupted runs into a folder
+# ------------------------------------------------------------------ interrupted runs into a folder
 def _interrupt_at_quantize_call(monkeypatch, k: int, sig: int) -> None:
     real = ReferenceBackend.quantize
     calls = []
@@ -235,7 +235,7 @@ def test_interrupted_folder_dequantize_message_is_true(tmp_path, capsys, monkeyp
     assert "it is complete" not in last and "2 of 4 shards" in last, last
 
 
-# ------------------------------------------------------------------ 6: the other files of a model folder
+# ------------------------------------------------------------------ the other files of a model folder
 def test_other_files_skip_links_out_of_the_folder_and_loops(tmp_path, capsys):
     ck = make_checkpoint(tmp_path / "ck")
     (ck / "tok" / "loop").symlink_to("..")          # a loop back to the model folder
@@ -272,7 +272,7 @@ def test_hub_snapshot_links_into_its_blobs_are_copied(tmp_path, monkeypatch):
     assert (tmp_path / "out" / "tok" / "vocab.txt").read_text() == "a\nb\n"
 
 
-# ------------------------------------------------------------------ 8: stored recipe that is not JSON
+# ------------------------------------------------------------------ stored recipe that is not JSON
 @pytest.mark.parametrize("recipe", ["{not json", '{"rules": 5}', "[1, 2]", "[" * 5000], ids=["not-json", "bad-rules",
                                                                                              "a-list", "deep"])
 def test_inspect_shows_a_stored_recipe_that_is_not_valid(tmp_path, capsys, recipe):
@@ -286,7 +286,7 @@ def test_inspect_shows_a_stored_recipe_that_is_not_valid(tmp_path, capsys, recip
     assert json.loads(out)["recipe"] == recipe  # the stored text, as it is
 
 
-# ------------------------------------------------------------------ 9: file errors are typed
+# ------------------------------------------------------------------ file errors are typed
 @pytest.mark.parametrize("shard,error", [
     ("missing.safetensors", StorageError), ("../m.safetensors", InvalidDataError),
     ("/abs/m.safetensors", InvalidDataError), (".", InvalidDataError), ("", InvalidDataError),
@@ -309,7 +309,7 @@ def test_index_naming_a_bad_shard(tmp_path, capsys, shard, error):
         one_line_error(err, re.escape(INDEX))
 
 
-# ------------------------------------------------------------------ 10: sizes and recipes
+# ------------------------------------------------------------------ sizes and recipes
 @pytest.mark.parametrize("size", ["1e400", "1e308GB", "99999999999999999999TiB", "1e99999999999999999999"])
 def test_huge_max_shard_size_is_one_line(tmp_path, capsys, size):
     f = tmp_path / "m.safetensors"
@@ -391,7 +391,7 @@ def test_long_names_and_regex_rules(tmp_path):
         rc.choose("mlp." + "a" * 5000, (4, 8), np.float32)
 
 
-# ------------------------------------------------------------------ 11: stale temporaries and index checks
+# ------------------------------------------------------------------ stale temporaries and index checks
 def test_resume_removes_stale_temporaries(tmp_path, capsys):
     ck = make_checkpoint(tmp_path / "ck")
     out = tmp_path / "out"
@@ -432,7 +432,7 @@ def test_inspect_and_dequantize_reject_indexes_quantize_rejects(tmp_path, capsys
     assert one_line_error(err, ".") == f"qcore: error: {message}"
 
 
-# ------------------------------------------------------------------ 12: auto under the CUDA simulator
+# ------------------------------------------------------------------ auto under the CUDA simulator
 class _Simulated(ReferenceBackend):
     """A backend on a simulated device: correct, and far slower than the CPU backends."""
 
