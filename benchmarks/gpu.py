@@ -77,16 +77,16 @@ API_ROUNDS = 3  # rounds over the schemes in which the API-call columns are time
 
 
 def _timers_in_turn(torch, fns: dict, iters, warmup=2, flush=None, hide_launch=False) -> dict:
-    """Median ms of each of `fns` (label -> fn) over iters (`_samples_in_turn`)."""
-    return {k: statistics.median(v) for k, v in _samples_in_turn(torch, fns, iters, warmup, flush, hide_launch).items()}
+    """Median ms of each of `fns` (label -> fn) over iters (`samples_in_turn`)."""
+    return {k: statistics.median(v) for k, v in samples_in_turn(torch, fns, iters, warmup, flush, hide_launch).items()}
 
 
-def _samples_in_turn(torch, fns: dict, iters, warmup=2, flush=None, hide_launch=False) -> dict:
+def samples_in_turn(torch, fns: dict, iters, warmup=2, flush=None, hide_launch=False, warm_s: float = WARM_S) -> dict:
     """The ms of each of `fns` (label -> fn) in iters calls, CUDA events around each call, the
     functions taking turns call by call: a slow stretch of the host falls on each of them alike,
     so their ratios hold within one run. `flush()` runs before each call (an L2 eviction,
     `l2_flushes`); with `hide_launch` a sleep kernel keeps the GPU busy while the host enqueues.
-    Untimed calls run first for `WARM_S` seconds (and at least `warmup` rounds), so that the
+    Untimed calls run first for `warm_s` seconds (and at least `warmup` rounds), so that the
     first functions timed after an idle stretch (the fresh-process children, a compilation) are
     not timed while the host and the GPU come back to their working clocks. The two events are
     made (and recorded once) before the loop: torch creates a CUDA event at its first record,
@@ -95,7 +95,7 @@ def _samples_in_turn(torch, fns: dict, iters, warmup=2, flush=None, hide_launch=
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
     e.record()
-    end = time.perf_counter() + WARM_S
+    end = time.perf_counter() + warm_s
     while time.perf_counter() < end:
         for fn in fns.values():
             if flush is not None:
@@ -335,7 +335,7 @@ def main(argv=None) -> int:
     api_samples: dict = {text: {} for text in SCHEMES}
     for _ in range(API_ROUNDS):
         for text in SCHEMES:
-            for k, v in _samples_in_turn(torch, api_fns[text], iters).items():
+            for k, v in samples_in_turn(torch, api_fns[text], iters).items():
                 api_samples[text].setdefault(k, []).extend(v)
     del api_fns
     for row in res["rows"]:

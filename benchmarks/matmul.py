@@ -51,6 +51,7 @@ import sys
 import time
 
 import runinfo  # benchmarks/runinfo.py (this folder is on sys.path when the script runs)
+from gpu import l2_flushes, samples_in_turn  # benchmarks/gpu.py: the same timing and L2 eviction
 
 SCHEMES = ["q4s/block32:f16", "q4s/block128:bf16", "q8s/block32:f16", "q8s", "e4m3/block32:f32", "mxfp8", "mxfp4",
            "nvfp4"]
@@ -63,7 +64,7 @@ PEERS = ["torch_bf16", "torch_fp16", "torch_scaled_mm", "torch_int4pack", "torch
          "torchao_int8wo"]
 RATIO_PEERS = {"vs_torch_bf16": "torch_bf16", "vs_torch_fp16": "torch_fp16", "vs_torch_scaled_mm": "torch_scaled_mm"}
 INT4_GROUP = 128  # group size of the int4 peers (as q4s/block128:bf16)
-EVICT_BYTES = 512 * 2**20
+EVICT_BYTES = 512 * 2**20  # the buffer of benchmarks/gpu.py's l2_flushes
 SUSPECT_REL_ERR = 0.25  # results farther from x @ wb.T (largest error / largest |ref|) are listed under the table
 
 BITS = {"q4s": 4, "mxfp4": 4, "nvfp4": 4, "q8s": 8, "e4m3": 8, "mxfp8": 8}  # by the scheme text's first piece
@@ -93,47 +94,6 @@ def one_line(e: BaseException) -> str:
     """An exception as one line: its type and the first line of its message (at most 300 characters)."""
     msg = str(e).strip().splitlines()
     return (f"{type(e).__name__}: {msg[0] if msg else ''}")[:300]
-
-
-# ------------------------------------------------------------------ timing (as benchmarks/gpu.py times)
-def l2_evict(torch):
-    """A read of a 512 MiB buffer: evicts the weight from the 60 MB L2 and leaves it holding clean
-    lines (a decode step that has just read other layers' weights), as benchmarks/gpu.py's `l2_flushes`."""
-    buf = torch.zeros(EVICT_BYTES // 4, device="cuda")
-    return lambda: buf.sum()
-
-
-def samples_in_turn(torch, fns: dict, reps: int, warm_s: float, warmup: int = 2, flush=None, hide_launch=False) -> dict:
-    """The ms of each of `fns` (label -> fn) in `reps` calls, CUDA events around each call, the
-    functions taking turns call by call (a slow stretch of the host falls on all of them alike).
-    `flush()` runs before each call; untimed rounds run first for `warm_s` seconds (at least
-    `warmup` rounds). The two events are recorded once before the loop (torch creates an event
-    at its first record, which would otherwise land inside the timed span)."""
-    ts: dict = {k: [] for k in fns}
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    e.record()
-    end = time.perf_counter() + warm_s
-    while time.perf_counter() < end:
-        for fn in fns.values():
-            if flush is not None:
-                flush()
-            fn()
-        torch.cuda.synchronize()
-    for i in range(warmup + reps):
-        for k, fn in fns.items():
-            if flush is not None:
-                flush()
-            torch.cuda.synchronize()
-            if hide_launch:
-                torch.cuda._sleep(2_000_000)  # ~1 ms: the GPU is busy while the host enqueues
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            if i >= warmup:
-                ts[k].append(s.elapsed_time(e))
-    return ts
 
 
 # ------------------------------------------------------------------ peers (torch)
@@ -540,7 +500,7 @@ def main(argv=None) -> int:
         raise KeyboardInterrupt(f"signal {signum}")
     signal.signal(signal.SIGTERM, on_term)
 
-    flush = l2_evict(torch) if args.evict else None
+    flush = l2_flushes(torch)[0] if args.evict else None
     torch.manual_seed(0)
     slow: dict = {}  # label -> (m, n * k, ms, shape): not timed at M >= m on shapes with N * K >= n * k
     labels = [c[3] for c in cases]
@@ -559,7 +519,7 @@ def main(argv=None) -> int:
                                      "setup_s": time.perf_counter() - t0}
             src = S.wb.clone()
             dst = torch.empty_like(src)
-            ct = statistics.median(samples_in_turn(torch, {"copy": lambda: dst.copy_(src)}, args.reps, args.warm_s,
+            ct = statistics.median(samples_in_turn(torch, {"copy": lambda: dst.copy_(src)}, args.reps, warm_s=args.warm_s,
                                                    flush=flush, hide_launch=args.hide_launch)["copy"])
             res["copy"][sh] = {"us": 1e3 * ct, "gbs": 2 * src.nbytes / ct / 1e6, "bytes": src.nbytes}
             res["cells"].append({"case": "copy", "scheme": None, "peer": "copy", "label": "copy bf16 [N, K]",
@@ -662,7 +622,7 @@ def run_cell(torch, be, S, m, cases, args, flush, slow) -> list:
     ts, tries = {}, 0
     while fns:  # a case that raises while timed (its check passed) is dropped with its message, the rest timed again
         try:
-            ts = samples_in_turn(torch, fns, args.reps, args.warm_s, flush=flush, hide_launch=args.hide_launch)
+            ts = samples_in_turn(torch, fns, args.reps, flush=flush, hide_launch=args.hide_launch, warm_s=args.warm_s)
             break
         except Exception as e:  # noqa: BLE001
             torch.cuda.synchronize()  # a sticky CUDA error raises here and ends the run (its JSON kept)
