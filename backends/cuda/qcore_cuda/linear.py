@@ -126,50 +126,50 @@ def nb_for(m: int) -> int:
     return 1 if m <= 8 else 2 if m <= 16 else 4
 
 
+_TO_F16X2 = {fast.KIND_I4: code4_f16x2, fast.KIND_E2M1: e2m1x2_f16x2, fast.KIND_I8: i8x2_f16x2,
+             fast.KIND_E4M3: e4m3x2_f16x2, fast.KIND_E5M2: e5m2x2_f16x2}
+"""Value kind -> the intrinsic that decodes a pair of its codes to an f16 pair (4-bit codes from
+bits 0-3 and 16-19, Q4 offset by 8; int8 from bytes 0 and 2; FP8 from bytes 0 and 1)."""
+
+
+def _pair_decoder(kind: int, bf: bool):
+    """A pair of codes -> the pair of values in x's 16-bit type (exact)."""
+    if kind == fast.KIND_I4 and bf:
+        return code4_bf16x2  # (straight to bf16: one lop3 and one fma)
+    to_f16 = _TO_F16X2[kind]
+    if not bf:
+        return to_f16
+
+    @cuda.jit(device=True, inline="always")
+    def to_bf16(v):
+        return f16x2_bf16x2(to_f16(v))
+
+    return to_bf16
+
+
 def _decoder(kind: int, bf: bool):
     """A device function: a row's code word(s) of one chunk -> its four A pairs (module text)."""
-    if kind == fast.KIND_I4:
-        conv = code4_bf16x2 if bf else code4_f16x2
+    conv = _pair_decoder(kind, bf)
+    if fast.KIND_BITS[kind] == 4:
+        flip = 0x88888888 if kind == fast.KIND_I4 else 0  # Q4: two's complement -> offset by 8
 
         @cuda.jit(device=True, inline="always")
-        def pairs(w0, w1):
-            u = w0 ^ uint32(0x88888888)  # two's complement -> offset by 8
+        def pairs(w0, w1):  # nibbles p and p + 4 of w0
+            u = w0 ^ uint32(flip)
             return conv(u), conv(u >> uint32(4)), conv(u >> uint32(8)), conv(u >> uint32(12))
-
-        return pairs
-    if kind == fast.KIND_E2M1:
-        @cuda.jit(device=True, inline="always")
-        def e2m1(v):
-            h = e2m1x2_f16x2(v)
-            return f16x2_bf16x2(h) if bf else h
-
-        @cuda.jit(device=True, inline="always")
-        def pairs(w0, w1):
-            return e2m1(w0), e2m1(w0 >> uint32(4)), e2m1(w0 >> uint32(8)), e2m1(w0 >> uint32(12))
 
         return pairs
     if kind == fast.KIND_I8:
         @cuda.jit(device=True, inline="always")
-        def i8(v):
-            h = i8x2_f16x2(v)
-            return f16x2_bf16x2(h) if bf else h
-
-        @cuda.jit(device=True, inline="always")
         def pairs(w0, w1):  # bytes p of w0 and w1 into bytes 0 and 2
-            return (i8(prmt(w0, w1, 0x4400)), i8(prmt(w0, w1, 0x5511)), i8(prmt(w0, w1, 0x6622)),
-                    i8(prmt(w0, w1, 0x7733)))
+            return (conv(prmt(w0, w1, 0x4400)), conv(prmt(w0, w1, 0x5511)), conv(prmt(w0, w1, 0x6622)),
+                    conv(prmt(w0, w1, 0x7733)))
 
         return pairs
-    fp8 = e4m3x2_f16x2 if kind == fast.KIND_E4M3 else e5m2x2_f16x2
-
-    @cuda.jit(device=True, inline="always")
-    def f8(v):
-        h = fp8(v)
-        return f16x2_bf16x2(h) if bf else h
 
     @cuda.jit(device=True, inline="always")
     def pairs(w0, w1):  # bytes p of w0 and w1 into bytes 0 and 1
-        return f8(prmt(w0, w1, 0x40)), f8(prmt(w0, w1, 0x51)), f8(prmt(w0, w1, 0x62)), f8(prmt(w0, w1, 0x73))
+        return conv(prmt(w0, w1, 0x40)), conv(prmt(w0, w1, 0x51)), conv(prmt(w0, w1, 0x62)), conv(prmt(w0, w1, 0x73))
 
     return pairs
 
