@@ -70,13 +70,17 @@ class TensorCoreLinear:
 
     name = "tensor-core-linear"
 
-    def applies(self, c: LinearCall) -> bool:
+    @staticmethod
+    def geometry(data: Any) -> tuple | None:
+        """`linear.geometry` of the weight's kernel data, kept with it."""
         from .. import linear
 
-        cache = c.data.cache
-        if "linear geometry" not in cache:
-            cache["linear geometry"] = linear.geometry(c.data.shape, c.data.scheme)
-        return cache["linear geometry"] is not None and c.xt is not None
+        if "linear geometry" not in data.cache:
+            data.cache["linear geometry"] = linear.geometry(data.shape, data.scheme)
+        return data.cache["linear geometry"]
+
+    def applies(self, c: LinearCall) -> bool:
+        return c.xt is not None and self.geometry(c.data) is not None
 
     def launch(self, c: LinearCall) -> None:
         from .. import linear
@@ -336,7 +340,8 @@ def run(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -
     ot = {_F32: linear.OT_F32, _F16: linear.OT_F16, _BF16: linear.OT_BF16}[_F32 if dt == _F64 else dt]
     _check_codes_once(be, w, s)
     data = be._kernel_data(w.data, s)
-    xd, xt = _kernel_x(be, x, xdt, m * k_, s) if k_ else (None, None)
+    # x in the kernel's form only where the kernel takes the weight (the fallback reads x itself)
+    xd, xt = _kernel_x(be, x, xdt, m * k_, s) if k_ and TensorCoreLinear.geometry(data) else (None, None)
     call = LinearCall(be, w, data, x, xd, xt, m, ot, p32 if out32 is None else out32,
                       p16 if out16 is None else out16, bias_d, bias is not None, s)
     path = choose(LINEAR, call)
