@@ -17,7 +17,8 @@ import numpy as np
 from .checks import INPUT_DTYPES
 from .errors import InputError
 
-__all__ = ["ACTIVATION_DTYPES", "product_dims", "host_array", "host_activation", "host_bias", "result_dtype", "in_callers_kind"]
+__all__ = ["ACTIVATION_DTYPES", "product_dims", "host_array", "host_activation", "host_bias", "result_dtype",
+           "in_callers_kind", "torch_dtype_as_numpy", "as_torch"]
 
 ACTIVATION_DTYPES = INPUT_DTYPES
 """x, bias and result dtypes of `matmul` and `linear`: float16, bfloat16, float32, float64."""
@@ -123,3 +124,23 @@ def in_callers_kind(y: np.ndarray, as_torch: bool) -> Any:
     if y.dtype == _BF16:
         return torch.from_numpy(y.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(y)
+
+
+def torch_dtype_as_numpy(dtype: Any) -> np.dtype | None:
+    """The numpy dtype of a torch dtype (bfloat16 as `ml_dtypes.bfloat16`); None for anything
+    that is not a torch dtype."""
+    torch = _torch()
+    if torch is None or not isinstance(dtype, torch.dtype):
+        return None
+    if dtype == torch.bfloat16:
+        return _BF16
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def as_torch(y: Any) -> Any:
+    """A backend's array as a torch tensor over the same memory: a host numpy array on the CPU
+    (`in_callers_kind`), a device array (`__cuda_array_interface__`) on its GPU."""
+    if isinstance(y, np.ndarray):
+        return in_callers_kind(y, True)
+    torch = _torch()
+    return torch.as_tensor(y, device="cuda")

@@ -44,8 +44,10 @@ from typing import Any
 
 from .checkpoint import INDEX_NAME, Checkpoint, parse_size, resolve
 from .errors import InputError
+from .integrations.config import CONFIG_NAME, quantization_config, write_config
 from .model import (IN_FLIGHT, ModelResult, PathLike, TensorResult, _write_index, assemble_shard,
-                    completed_shard, consecutive_groups, plan_shards, prepare_run, quantize_shard, resumed_rows)
+                    completed_shard, consecutive_groups, plan_shards, planned_schemes, prepare_run, quantize_shard,
+                    resumed_rows)
 from .recipe import RecipeLike
 from .stfile import Reader
 from .storage import Location, location
@@ -348,6 +350,12 @@ def quantize_model_distributed(src: PathLike, dst: PathLike, recipe: RecipeLike 
 
         if not one_file:
             for name in ck.extras:
+                if name == CONFIG_NAME and os.path.isfile(ck.path(name)):  # with its quantization_config
+                    local = dloc.join(name) if dloc.local else os.path.join(stubs, name)
+                    write_config(ck.path(name), local, quantization_config(planned_schemes(shards), recipe_json))
+                    if not dloc.local:
+                        dloc.upload(local, dloc.join(name))
+                    continue
                 dloc.upload_tree(ck.path(name), dloc.join(name))
         try:
             rows = _run(units, cluster, scheduler, be.name, workers, group_limit, on_tensor, on_shard, say)

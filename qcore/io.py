@@ -316,6 +316,48 @@ def _canonical_header(f) -> None:
     f.write(new + b" " * (n - len(new)))
 
 
+def _tensor_of_key(key: str) -> str | None:
+    """The tensor a per-tensor qcore key (`qcore.NAME.scheme|shape|dtype`) names, else None."""
+    if not key.startswith(PREFIX) or key in _GLOBAL_KEYS:
+        return None
+    for suffix in (_SCHEME, _SHAPE, _DTYPE):
+        if key.endswith(suffix):
+            return key[len(PREFIX):-len(suffix)]
+    return None
+
+
+def settle_metadata(path: PathLike) -> None:
+    """Keep in the file's `__metadata__` only the qcore keys of the tensors it holds (and every
+    other key), in sorted order, rewriting the header in place at its length (padded with spaces,
+    as safetensors pads it). For a shard another writer gave the keys of every shard
+    (transformers' `save_pretrained` writes one metadata map into each): afterwards it is a valid
+    qcore file, and equal contents give equal bytes. `InvalidDataError` if the header is not a
+    safetensors header."""
+    p = os.fspath(path)
+    with open(p, "r+b") as f:
+        raw = f.read(8)
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        text = f.read(n) if 0 < n <= 100_000_000 else b""
+        try:
+            head = json.loads(text.decode("utf-8")) if len(text) == n else None
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            head = None
+        if not isinstance(head, dict):
+            raise InvalidDataError(f"{p}: not a safetensors file (its header does not parse)")
+        held = set(head) - {_RESERVED_NAME}
+        meta = head.get(_RESERVED_NAME) or {}
+        kept = {k: v for k, v in sorted(meta.items()) if _tensor_of_key(k) in (None, *held)}
+        if kept:
+            head[_RESERVED_NAME] = kept
+        else:
+            head.pop(_RESERVED_NAME, None)
+        new = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if len(new) > n:  # only keys were dropped: never longer than the compact original
+            raise InvalidDataError(f"{p}: its header is not in safetensors' compact form; cannot rewrite it in place")
+        f.seek(8)
+        f.write(new + b" " * (n - len(new)))
+
+
 # ---------------------------------------------------------------------------------------- read
 @dataclass(frozen=True)
 class Entry:

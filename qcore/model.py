@@ -32,6 +32,7 @@ import numpy as np
 from . import _signals, io as qio
 from .checkpoint import INDEX_NAME, Checkpoint, parse_size, resolve, shard_name
 from .errors import InputError, InvalidDataError, QCoreError, UnsupportedSchemeError
+from .integrations.config import CONFIG_NAME, quantization_config, write_config
 from .payload import QuantizedData, sections
 from .protocol import Backend, QTensor
 from .recipe import Decision, Recipe, RecipeLike, Rule, as_recipe
@@ -587,6 +588,7 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
             resumed.append(s.name)
             done_rows += resumed_rows(s, prior)
         extras = {} if one_file else _extras_targets(ck, dst_s)
+        config = extras.pop(ck.path(CONFIG_NAME), None)  # written with its quantization_config
         if progress is not None and not one_file:
             progress.plan([paths[s.name] for s in shards], index, kept=[paths[n] for n in resumed], resumable=True)
         if on_plan is not None:
@@ -594,8 +596,11 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
             on_plan(len(work), sum(i.head.nbytes for i in work))
         if not one_file:
             os.makedirs(dst_s, exist_ok=True)
-        _remove_stale_temporaries([*paths.values(), *([index] if index else []), *extras.values()])
+        _remove_stale_temporaries([*paths.values(), *([index] if index else []), *extras.values(),
+                                   *([config] if config else [])])
         _copy_extras(extras)
+        if config is not None:
+            write_config(ck.path(CONFIG_NAME), config, quantization_config(planned_schemes(shards), recipe_json))
         rows = _stream(todo, paths, readers, be, recipe_json, stats, cmp, on_tensor)
     finally:
         for r in readers.values():
@@ -628,6 +633,18 @@ def _completed(path: str, marker: str) -> qio.FileInfo | None:
 # ------------------------------------------------------------------------- per-shard entry points
 # The units a runner spreads over processes or hosts (qcore.distributed): plan every output shard
 # once, then quantize each one on its own from the planned description (picklable).
+def planned_schemes(shards: Sequence[_OutShard]) -> dict[str, QuantScheme]:
+    """{name: scheme} of every tensor the planned output holds quantized: quantized by the run,
+    or already quantized in the source."""
+    out: dict[str, QuantScheme] = {}
+    for s in shards:
+        for it in s.items:
+            carried = it.carried.get(qio.scheme_key(it.name))
+            if it.scheme is not None or carried is not None:
+                out[it.name] = it.scheme if it.scheme is not None else parse_scheme(carried)
+    return out
+
+
 def plan_shards(ck: Checkpoint, recipe: Recipe, max_shard_size: int | None,
                 readers: Mapping[str, Reader]) -> tuple[list[_OutShard], str]:
     """The output shards of `ck` (their tensors, schemes and run markers) and the recipe's JSON.
@@ -736,12 +753,16 @@ def dequantize_model(src: PathLike, dst: PathLike, dtype: Any = None,
         raise InputError("OUT must differ from IN; write elsewhere and move it if you want to replace IN")
     index = os.path.join(dst_s, ck.index_name) if ck.index_name else None
     extras = {} if ck.single_file else _extras_targets(ck, dst_s)
+    config = extras.pop(ck.path(CONFIG_NAME), None)  # written without qcore's quantization_config
     if progress is not None and not ck.single_file:
         progress.plan(list(outs.values()), index)
     if not ck.single_file:
         os.makedirs(dst_s, exist_ok=True)
-    _remove_stale_temporaries([*outs.values(), *([index] if index else []), *extras.values()])
+    _remove_stale_temporaries([*outs.values(), *([index] if index else []), *extras.values(),
+                               *([config] if config else [])])
     _copy_extras(extras)
+    if config is not None:
+        write_config(ck.path(CONFIG_NAME), config, None)
     be = None
     n = total = 0
     for shard in ck.shards:

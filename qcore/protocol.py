@@ -85,7 +85,15 @@ class QTensor:
         return len(self.shape)
 
     def dequantize(self, dtype: Any = np.float32) -> Any:
-        return self.backend.dequantize(self, dtype=dtype)
+        """Decode (SPEC §2.6) to `dtype`: a numpy dtype gives the backend's array (numpy on a host
+        backend, a device array on cuda), a torch dtype a torch tensor (on the CPU from a host
+        backend, on the GPU from cuda)."""
+        from .activations import as_torch, torch_dtype_as_numpy
+
+        as_numpy = torch_dtype_as_numpy(dtype)
+        if as_numpy is None:
+            return self.backend.dequantize(self, dtype=dtype)
+        return as_torch(self.backend.dequantize(self, dtype=as_numpy))
 
     def numpy(self, dtype: Any = np.float32) -> np.ndarray:
         """Dequantize and copy to a host numpy array."""

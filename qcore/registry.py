@@ -28,6 +28,7 @@ from .scheme import QuantScheme, scheme as parse_scheme
 __all__ = [
     "ENV_VAR",
     "AutoBackend",
+    "device_of",
     "backend",
     "backends",
     "registered",
@@ -185,6 +186,16 @@ def _simulated(be: Backend) -> bool:
     return flag is True
 
 
+def device_of(be: Backend) -> str:
+    """Where `be` keeps its tensors: its `device` attribute (a torch device type such as "cuda"),
+    "cpu" when it has none (host backends)."""
+    try:
+        where = getattr(be, "device", "cpu")
+    except Exception:  # noqa: BLE001 - a broken plugin's property
+        return "cpu"
+    return where if isinstance(where, str) else "cpu"
+
+
 def _auto_order() -> list[Backend]:
     """The backends `auto` tries, in order: by priority, those on a simulated device last."""
     return sorted(_by_priority(), key=_simulated)  # stable: priority order within real and simulated ones
@@ -311,17 +322,21 @@ class AutoBackend:
     name = "auto"
     priority = -1
 
-    def pick(self, scheme: QuantScheme | str) -> Backend:
-        """The first available backend of `_auto_order` that supports `scheme`."""
+    def pick(self, scheme: QuantScheme | str, device: str | None = None) -> Backend:
+        """The first available backend of `_auto_order` that supports `scheme`; with `device`
+        ("cpu", "cuda"), only among backends that keep their tensors there (`device_of`)."""
         scheme = parse_scheme(scheme)
         for be in _auto_order():
+            if device is not None and device_of(be) != device:
+                continue
             try:
                 ok = _safe_available(be) and be.supports(scheme)
             except Exception:  # a broken plugin's supports(): not a candidate
                 continue
             if ok:
                 return be
-        raise UnsupportedSchemeError(f"no available backend supports {scheme}; installed: {', '.join(backends())}")
+        where = f" on {device}" if device is not None else ""
+        raise UnsupportedSchemeError(f"no available backend{where} supports {scheme}; installed: {', '.join(backends())}")
 
     def available(self) -> bool:
         return True

@@ -55,7 +55,10 @@ def check_output(out, src, backend):
     assert shards == [f"model-{k:05d}-of-00004.safetensors" for k in range(1, 5)]
     assert index["metadata"]["total_size"] == sum(qio.read_info(out / s).file_size - 8 - _header_len(out / s)
                                                   for s in shards)
-    assert (out / "config.json").read_text() == '{"model_type": "toy"}'
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "toy"
+    assert config["quantization_config"]["tensors"] == {
+        t: expected_scheme(t) for t in index["weight_map"] if expected_scheme(t) is not None}
     assert (out / "tok" / "vocab.txt").read_text() == "a\nb\n"
     for shard in shards:
         got = qcore.load(out / shard, backend=backend)
@@ -210,6 +213,44 @@ def test_dequantize_sharded_directory(tmp_path):
     for shard in set(index["weight_map"].values()):
         for v in load_file(str(tmp_path / "d" / shard)).values():
             assert v.dtype == np.float16
+
+
+def test_config_json_says_which_tensors_are_quantized_and_dequantize_removes_it(tmp_path):
+    """config.json's quantization_config (what transformers dispatches on) names the method, the
+    format version, the recipe and every quantized tensor's scheme; the model's other keys are kept;
+    `dequantize` writes the config without it."""
+    make_checkpoint(tmp_path / "ck")
+    (tmp_path / "ck" / "config.json").write_text('{"model_type": "toy", "hidden_size": 64}')
+    quantize_model(tmp_path / "ck", tmp_path / "q", "q8s", "reference", rules=RULES, stats=False)
+    doc = json.loads((tmp_path / "q" / "config.json").read_text())
+    qc = doc.pop("quantization_config")
+    assert doc == {"model_type": "toy", "hidden_size": 64}
+    assert qc["quant_method"] == "qcore" and qc["format_version"] == "1"
+    assert qc["recipe"] == json.loads(qcore.Recipe("q8s", tuple(RULES)).to_json())
+    assert qc["tensors"] == {f"layers.{k}.{part}.weight": "q4s/block32:f16" if part == "mlp" else "q8s"
+                             for k in range(4) for part in ("attn", "mlp")}
+    # a quantized checkpoint quantized again keeps its tensors' schemes (they are carried, not redone)
+    quantize_model(tmp_path / "q", tmp_path / "q2", "q8s", "reference", stats=False)
+    assert json.loads((tmp_path / "q2" / "config.json").read_text())["quantization_config"]["tensors"] == qc["tensors"]
+    dequantize_model(tmp_path / "q", tmp_path / "d", backend="reference")
+    assert json.loads((tmp_path / "d" / "config.json").read_text()) == {"model_type": "toy", "hidden_size": 64}
+
+
+@pytest.mark.parametrize("text", ["not json {", "[1, 2]"])
+def test_a_config_json_that_is_not_an_object_is_copied_as_it_is(tmp_path, text):
+    make_checkpoint(tmp_path / "ck")
+    (tmp_path / "ck" / "config.json").write_text(text)
+    quantize_model(tmp_path / "ck", tmp_path / "q", "q8s", "reference", stats=False)
+    assert (tmp_path / "q" / "config.json").read_text() == text
+
+
+def test_dequantize_keeps_another_methods_quantization_config(tmp_path):
+    make_checkpoint(tmp_path / "ck")
+    quantize_model(tmp_path / "ck", tmp_path / "q", "q8s", "reference", stats=False)
+    other = {"model_type": "toy", "quantization_config": {"quant_method": "fp8"}}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(other))
+    dequantize_model(tmp_path / "q", tmp_path / "d", backend="reference")
+    assert json.loads((tmp_path / "d" / "config.json").read_text()) == other
 
 
 def test_cli_interrupt_of_a_directory_says_resume(tmp_path, capsys, monkeypatch):

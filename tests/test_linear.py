@@ -9,6 +9,7 @@ import pytest
 
 import qcore
 from qcore.conformance.checks import product_bound
+from tests.optional import need
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SCHEMES = ["q8s", "q4s/block32:f16", "nvfp4", "mxfp8", "q4_1", "q8s/block16:f32:flat", "nf4"]
@@ -96,7 +97,7 @@ def test_errors_are_one_line_input_errors(call, match):
 
 
 def test_torch_tensors_in_and_out():
-    torch = pytest.importorskip("torch")
+    torch = need("torch", "torch is not installed (pip install torch)")
     q = qcore.quantize(_weight((12, 32)), "q4s/block32:f16", "reference")
     x = torch.randn(3, 32, dtype=torch.bfloat16)
     y = qcore.linear(x, q)
@@ -114,7 +115,7 @@ def test_qtensor_transpose_and_x_at_q():
 
 
 def test_torch_cpu_tensors_quantize_in_place_of_numpy():
-    torch = pytest.importorskip("torch")
+    torch = need("torch", "torch is not installed (pip install torch)")
     w = torch.randn(16, 64)
     for t, a in ((w, w.numpy()), (w.to(torch.bfloat16), w.to(torch.bfloat16).float().numpy().astype(BF16))):
         for backend in ("reference", "ndarray"):

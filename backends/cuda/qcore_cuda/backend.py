@@ -173,6 +173,7 @@ class CudaBackend(BaseBackend):
     name = "cuda"
     priority = 30
     packs_field_orders = True  # k_order.k_reorder on the device (docs/spec.md E6)
+    device = "cuda"  # where its tensors live (a torch device type; `qcore.registry.device_of`)
 
     @functools.cached_property
     def _status(self) -> tuple[bool, str]:
