@@ -243,7 +243,7 @@ def render_gpu(res: dict) -> str:
     lines += ["", GEMV_NOTES]
     targets = gpu_targets(res)
     if targets:
-        lines += ["", "### Call targets (issue 18) in this run", "",
+        lines += ["", "### Call targets in this run", "",
                   "| target | this run | met |", "|---|---|---|"]
         lines += [f"| {name} | {got} | {'yes' if ok else '**no**'} |" for name, got, ok in targets]
         lines.append("")
@@ -255,7 +255,7 @@ NVFP4 = "e2m1/block16:ue4m3/tensor:f32/packed_native"
 
 
 def gpu_targets(res: dict) -> list[tuple[str, str, bool]]:
-    """Issue 18's targets checked against one gpu.json: (target, figure, met). Empty for a
+    """The call targets checked against one gpu.json: (target, figure, met). Empty for a
     results file from before the API-call columns."""
     if not _has_calls(res, "rows", "q_api_out_gbs"):
         return []
@@ -314,8 +314,8 @@ the peak resident memory is that of the command in a fresh process, against the 
 3x the largest tensor + 300 MB; "set-up alone" is the peak of a process that only sets the
 backend up and quantizes one tiny tensor (for cuda: the CUDA context, numba's and the driver's
 host memory), the fixed cost under the streaming. The rows here come from the H200 machine
-(16 CPUs); on a shared 2-CPU machine the same ratios swing by 2x from run to run. Targets
-(issue 19): ndarray `q8s/block32:f16` <= 2x the floor, cuda <= 1.5x, peak RSS within the bound.
+(16 CPUs); on a shared 2-CPU machine the same ratios swing by 2x from run to run. Targets:
+ndarray `q8s/block32:f16` <= 2x the floor, cuda <= 1.5x, peak RSS within the bound.
 """
 
 
@@ -448,6 +448,28 @@ def render_linear(res: dict) -> str:
     return "\n".join(lines)
 
 
+def render_inference(runs: list[dict]) -> str:
+    """transformers' `generate()` on a qcore checkpoint against the float model, from
+    `benchmarks/inference.py` (one table per device)."""
+    lines = ["## Running models: `generate()` through transformers", ""]
+    for res in runs:
+        cfg = res["config"]
+        lines += [_run_line(res["run"]), "",
+                  f"A random Llama (preset `{res['preset']}`: {cfg['num_hidden_layers']} layers, hidden "
+                  f"{cfg['hidden_size']}, MLP {cfg['intermediate_size']}, vocabulary {cfg['vocab_size']}) on "
+                  f"{res['device']}; a prompt of {res['prompt']} tokens, then {res['new_tokens']} greedy new tokens, "
+                  f"median of {res['repeats']}. The qcore model is the `qcore quantize` output (rules "
+                  + ", ".join(f"`{r}`" for r in res["recipe_rules"]) + ") loaded by `from_pretrained` through "
+                  "`qcore.integrations.transformers`; weights are the parameters and buffers on the device.", "",
+                  "| model | batch | tokens/s | vs float | weights | peak memory |", "|---|---|---|---|---|---|"]
+        for r in res["rows"]:
+            peak = f"{r['peak_bytes'] / 2**20:.0f} MiB" if r.get("peak_bytes") else "-"
+            lines.append(f"| {r['model']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['vs_float']:.2f}x | "
+                         f"{r['weights_bytes'] / 2**20:.1f} MiB | {peak} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def render(results: Path = RESULTS) -> str:
     """The whole document: the intro, then a section per results file present."""
     parts = [INTRO]
@@ -460,6 +482,9 @@ def render(results: Path = RESULTS) -> str:
     whole = sorted(results.glob("cli*.json"))
     if whole:
         parts.append(render_whole_models([json.loads(p.read_text()) for p in whole]))
+    runs = sorted(results.glob("inference_*.json"))
+    if runs:
+        parts.append(render_inference([json.loads(p.read_text()) for p in runs]))
     return "\n".join(parts).rstrip("\n") + "\n"
 
 

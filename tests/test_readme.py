@@ -46,6 +46,12 @@ def test_readme_shell_commands(tmp_path, section):
                        text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "Traceback" not in p.stderr
+    if section == "Whole models" and importlib.util.find_spec("transformers") is not None:
+        # "Running a quantized model" loads the folder the commands above wrote
+        (code,) = blocks("Running a quantized model", "python")
+        p = subprocess.run([sys.executable, "-c", code + "\nprint(type(model).__name__)"], cwd=tmp_path, env=env(),
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0 and p.stdout.strip() == "BertModel", p.stderr[-3000:]
 
 
 @needs_model
