@@ -11,10 +11,13 @@ Quantized GGUF types with an exact qcore scheme (facts from gguf 0.19.0 `quants.
   negative whenever the block's extreme is positive. `nibble ^ 8` is the Q4F code; the nibbles
   move to SPEC §3's order (element 2k low). Any 4-bit integer scheme with f16 blocks of 32 along
   the last axis writes as Q4_0 (its codes are within Q4F's); the `q4_0` preset quantizes as
-  llama.cpp does, bit for bit.
+  llama.cpp does, bit for bit, but for near-zero blocks (docs/formats.md).
 - **Q4_1** -> `u4/block32:f16/min:f16` (docs/spec.md E5). A block is `[d f16][m f16][16 B]`, the
   nibbles unsigned codes in Q4_0's split-half order; value `f32(q * f32(d)) + f32(m)`, SPEC E5's
-  MIN offset. The `q4_1` preset quantizes as llama.cpp does, bit for bit.
+  MIN offset. The `q4_1` preset quantizes as llama.cpp does, bit for bit, but for near-zero
+  blocks: where `f32(1 / s)` of the raw scale overflows (`0 < s <= 2^-128`), gguf's codes are
+  casts of ±inf/NaN (undefined in C) and qcore's its rule's; both decode to zeros (the same holds
+  for the `q8_0` and `q4_0` presets).
 - **MXFP4** -> `mxfp4`. A block is `[e u8][16 B]` where byte j holds element j (low nibble) and
   element j + 16 (high nibble); value = doubled E2M1 * 2^(e - 128) = E2M1 * 2^(e - 127), including
   e = 0 and 1 (`ggml_e8m0_to_fp32_half`). Nibble j is the E2M1 code itself; only the order moves.
