@@ -217,6 +217,9 @@ REFUSALS = [
                  r"tokenizer.json's pre-tokenizer \('Whitespace'\) is not one qcore names for llama.cpp", id="pre"),
     pytest.param(dict(cfg=_cfg(vocab_size=200)), qcore.InvalidDataError,
                  r"the tokenizer has 260 tokens, more than config.json's vocab_size 200", id="vocab"),
+    pytest.param(dict(cfg={k: v for k, v in CONFIG.items() if k != "max_position_embeddings"}),
+                 qcore.InvalidDataError, r"config.json: 'max_position_embeddings' is missing; llama.cpp needs it",
+                 id="no-context-length"),
     pytest.param(dict(cfg=_cfg(num_hidden_layers="2")), qcore.InvalidDataError,
                  r"'num_hidden_layers' must be a positive integer, got '2'", id="bad-config"),
 ]

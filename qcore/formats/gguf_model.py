@@ -126,8 +126,7 @@ class ModelPlan:
         h = self.hparams
         w.add_name(self.name)
         w.add_block_count(h["n_layer"])
-        if h["n_ctx"] is not None:
-            w.add_context_length(h["n_ctx"])
+        w.add_context_length(h["n_ctx"])
         w.add_embedding_length(h["n_embd"])
         w.add_feed_forward_length(h["n_ff"])
         w.add_head_count(h["n_head"])
@@ -206,7 +205,7 @@ def _hparams(cfg: Mapping[str, Any], where: str, folder: str) -> dict[str, Any]:
     if head_dim % 2:
         raise InvalidDataError(f"{where}: the head dimension {head_dim} is odd; rotary embeddings pair its elements")
     return {
-        "n_layer": _int(cfg, "num_hidden_layers", where), "n_ctx": _int(cfg, "max_position_embeddings", where, None),
+        "n_layer": _int(cfg, "num_hidden_layers", where), "n_ctx": _int(cfg, "max_position_embeddings", where),
         "n_embd": n_embd, "n_ff": _int(cfg, "intermediate_size", where), "n_head": n_head,
         "n_head_kv": _int(cfg, "num_key_value_heads", where, None) or n_head, "rope_theta": theta,
         "rms_eps": float(eps), "n_vocab": _int(cfg, "vocab_size", where), "head_dim": head_dim,
