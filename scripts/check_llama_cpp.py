@@ -1,7 +1,8 @@
 """Live check: llama.cpp itself loads the GGUF files `qcore convert DIR out.gguf --to gguf` writes.
 
 For each architecture (llama, mistral, qwen2), a tiny random model made with transformers and a
-small byte-level BPE tokenizer made with `tokenizers` is saved with `save_pretrained`; then for
+small byte-level BPE tokenizer made with `tokenizers` (Llama 3's, GPT-2's and Qwen2's
+pre-tokenizer respectively) is saved with `save_pretrained`; then for
 each preset (f32 = the float model as it is, q8_0, q4_0, q4_1, mxfp4):
 
 1. `qcore quantize DIR Q --scheme PRESET`, `qcore convert Q out.gguf --to gguf`;
@@ -13,7 +14,9 @@ Tolerance: llama.cpp's CPU matmul of Q8_0/Q4_0/Q4_1/MXFP4 weights quantizes the 
 8 bits per block of 32 (`vec_dot_type` Q8_0/Q8_1), so its logits differ from the dequantized
 model's by that activation rounding; the f32 export has no such step and must agree to float
 rounding. Each run reports the max |logit difference| relative to the max |logit| and the argmax
-agreement, and fails over `--tol` (default 1e-4 for f32, 5e-2 for quantized presets).
+agreement, and fails over `--tol` (default 1e-4 for f32, 5e-2 for quantized presets); for scale,
+`weights_rel_diff` is the same measure between the float model and its dequantized weights (both
+in transformers), the format's own error.
 
 Needs torch, transformers, tokenizers and llama-cpp-python (`pip install llama-cpp-python`, a
 source build with cmake; not part of CI). Prints one JSON object per run and a summary line.
@@ -36,17 +39,30 @@ TEXT = ["The quick brown fox jumps over the lazy dog. ", "Quantization maps floa
         "llama.cpp loads GGUF files; qcore writes them. ", "Numbers 12345 and 2026, tabs\tand newlines\n"] * 25
 
 
-def _tokenizer(folder: str) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _tokenizer(folder: str, pre: str) -> None:
+    """A byte-level BPE trained on TEXT whose pre-tokenizer is llama.cpp's `pre` (gpt-2, llama-bpe, qwen2)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from qcore.formats.gguf_model import _LLAMA3_SPLIT, _QWEN2_SPLIT
+
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if pre == "gpt-2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT if pre == "llama-bpe" else _QWEN2_SPLIT),
+                                     behavior="isolated", invert=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                     use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<|bos|>", "<|eos|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(TEXT, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>").save_pretrained(folder)
+
+
+PRE = {"llama": "llama-bpe", "mistral": "gpt-2", "qwen2": "qwen2"}
+"""The pre-tokenizer each architecture's tokenizer gets (one run covers all three)."""
 
 
 def make_model(arch: str, folder: str, seed: int = 0) -> None:
@@ -66,7 +82,7 @@ def make_model(arch: str, folder: str, seed: int = 0) -> None:
             if p.ndim == 1:
                 p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
     m.save_pretrained(folder)
-    _tokenizer(folder)
+    _tokenizer(folder, PRE[arch])
 
 
 def _cli(*args: str) -> None:
@@ -95,7 +111,8 @@ def reference_logits(arch: str, folder: str, weights: str, tokens: list[int]) ->
 def llama_cpp_logits(path: str, tokens: list[int], text: str) -> tuple[np.ndarray, list[int]]:
     from llama_cpp import Llama
 
-    llm = Llama(model_path=path, n_ctx=128, n_batch=128, logits_all=True, n_threads=1, verbose=False, seed=0)
+    llm = Llama(model_path=path, n_ctx=128, n_batch=128, logits_all=True, n_threads=1, verbose=False, seed=0,
+                type_k=0, type_v=0)   # an f32 KV cache (GGML_TYPE_F32; the default f16 one rounds k and v)
     llm.eval(tokens)
     logits = np.array(llm.scores[: len(tokens)], dtype=np.float64)
     ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
@@ -129,8 +146,12 @@ def run(arch: str, preset: str, work: str, tol: float | None) -> dict[str, Any]:
     got, cpp_ids = llama_cpp_logits(out, tokens, text)
     scale = float(np.max(np.abs(ref)))
     rel = float(np.max(np.abs(got - ref))) / scale
+    # the format's own effect, for scale: the float model against its dequantized weights
+    float_ref = reference_logits(arch, src, os.path.join(src, "model.safetensors"), tokens)
+    weight_rel = float(np.max(np.abs(float_ref - ref))) / scale
     limit = tol if tol is not None else (1e-4 if preset == "f32" else 5e-2)
-    row = {"arch": arch, "preset": preset, "tokens": len(tokens), "max_abs_logit": scale, "max_rel_diff": rel,
+    row = {"arch": arch, "preset": preset, "pre": PRE[arch], "tokens": len(tokens), "max_abs_logit": scale, "max_rel_diff": rel,
+           "weights_rel_diff": weight_rel,
            "argmax_agree": float(np.mean(np.argmax(got, 1) == np.argmax(ref, 1))), "tol": limit,
            "tokenizer_agrees": cpp_ids == hf_ids, "ok": rel <= limit and cpp_ids == hf_ids}
     print(json.dumps(row), flush=True)
@@ -143,14 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", action="append", choices=("llama", "mistral", "qwen2"))
     ap.add_argument("--preset", action="append", choices=PRESETS)
     ap.add_argument("--tol", type=float, help="max |logit diff| / max |logit| (default 1e-4 f32, 5e-2 quantized)")
-    ap.add_argument("--json", help="write the rows as a JSON list here")
+    ap.add_argument("--json", help="write the versions and rows as JSON here (benchmarks/results/llama_cpp.json)")
     a = ap.parse_args(argv)
     import llama_cpp
     import qcore
     import transformers
 
-    print(json.dumps({"llama_cpp_python": llama_cpp.__version__, "transformers": transformers.__version__,
-                      "qcore": qcore.__version__}), flush=True)
+    versions = {"llama_cpp_python": llama_cpp.__version__, "transformers": transformers.__version__,
+                "qcore": qcore.__version__}
+    print(json.dumps(versions), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = a.work or tmp
         os.makedirs(work, exist_ok=True)
@@ -158,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 for preset in a.preset or PRESETS]
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"command": "python scripts/check_llama_cpp.py", "versions": versions, "rows": rows}, f, indent=1)
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(bad)} passed, {len(bad)} failed")
     return 1 if bad else 0

@@ -104,7 +104,7 @@ def test_llama_folder_writes_the_keys_names_and_tokenizer_llama_cpp_reads(tmp_pa
         "llama.rope.freq_base": 500000.0, "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 300,
         "llama.rope.dimension_count": 16})
     # the tokenizer: gpt2 BPE with llama.cpp's gpt2 pre-tokenizer, padded to vocab_size rows
-    assert kv["tokenizer.ggml.model"] == "gpt2" and kv["tokenizer.ggml.pre"] == "gpt2"
+    assert kv["tokenizer.ggml.model"] == "gpt2" and kv["tokenizer.ggml.pre"] == "gpt-2"
     tokens, types = kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.token_type"]
     assert len(tokens) == len(types) == 300
     assert tokens[:3] == ["<|bos|>", "<|eos|>", "!"] and tokens[258:261] == ["he", "Ġt", "[PAD260]"]
@@ -157,6 +157,24 @@ def test_qwen2_keeps_rows_and_stores_biases_as_f32(tmp_path):
     bias = qf.read(src).tensors["model.layers.0.self_attn.q_proj.bias"]
     t = ts["blk.0.attn_q.bias"]
     assert t.tensor_type == T.F32 and np.array_equal(np.asarray(t.data), bias)   # NEOX rope: no permutation
+
+
+def _split_bytes(regex):
+    """tokenizer.json's `pre_tokenizer` of Llama 3 / Qwen2 as `tokenizers` saves it."""
+    return {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+
+
+@pytest.mark.parametrize("pre,name", [
+    (_split_bytes(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+"), "llama-bpe"),
+    (_split_bytes(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+"), "qwen2"),
+], ids=["llama-bpe", "qwen2"])
+def test_the_pre_tokenizer_is_named_from_tokenizer_json(tmp_path, pre, name):
+    qf.convert(model_folder(tmp_path / "m", tokenizer=_tokenizer_json(pre)), tmp_path / "out.gguf", "gguf")
+    assert _read(tmp_path / "out.gguf")[1]["tokenizer.ggml.pre"] == name
 
 
 def test_mistral_is_written_as_llama_and_bf16_norms_as_f32(tmp_path):

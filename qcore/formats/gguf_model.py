@@ -72,7 +72,7 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS: dict[str, Callable[[Mapping[str, Any]], bool]] = {
     # GPT-2's regex inside ByteLevel itself
-    "gpt2": lambda p: p.get("type") == "ByteLevel" and p.get("use_regex", True) and not p.get("add_prefix_space"),
+    "gpt-2": lambda p: p.get("type") == "ByteLevel" and p.get("use_regex", True) and not p.get("add_prefix_space"),
     "llama-bpe": lambda p: _split_then_bytes(p, _LLAMA3_SPLIT),
     "qwen2": lambda p: _split_then_bytes(p, _QWEN2_SPLIT),
 }
