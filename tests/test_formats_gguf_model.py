@@ -277,3 +277,13 @@ def test_cli_converts_a_model_folder_and_refuses_an_unmapped_one(tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert err.startswith("qcore: error: ") and "model_type 'phi3' has no llama.cpp mapping" in err
     assert len(err.splitlines()) == 1
+
+
+def test_a_model_gguf_read_and_written_again_keeps_every_key_and_tensor(tmp_path):
+    """GGUF -> qcore -> GGUF: the key/values travel in `gguf.kv`, the tensors as bytes."""
+    qf.convert(model_folder(tmp_path / "m", scheme="q4_1"), tmp_path / "a.gguf", "gguf")
+    qf.convert(tmp_path / "a.gguf", tmp_path / "b.gguf", "gguf")
+    (ra, kva, ta), (rb, kvb, tb) = _read(tmp_path / "a.gguf"), _read(tmp_path / "b.gguf")
+    assert kva == kvb
+    assert list(ta) == list(tb)
+    assert all(np.array_equal(np.asarray(ta[n].data), np.asarray(tb[n].data)) for n in ta)
