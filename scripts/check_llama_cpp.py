@@ -1,9 +1,10 @@
 """Live check: llama.cpp itself loads the GGUF files `qcore convert DIR out.gguf --to gguf` writes.
 
-For each architecture (llama, mistral, qwen2), a tiny random model made with transformers and a
-small byte-level BPE tokenizer made with `tokenizers` (Llama 3's, GPT-2's and Qwen2's
-pre-tokenizer respectively) is saved with `save_pretrained`; then for
-each preset (f32 = the float model as it is, q8_0, q4_0, q4_1, mxfp4):
+For each model of `PRE` (llama, mistral and qwen2 with a byte-level BPE made with `tokenizers`
+under Llama 3's, GPT-2's and Qwen2's pre-tokenizer; mistral-spm with a SentencePiece BPE with
+byte fallback, tokenizer.model beside its tokenizer.json; llama-hf with that tokenizer.json alone),
+a tiny random model made with transformers is saved with `save_pretrained`; then for each preset
+(f32 = the float model as it is, q8_0, q4_0, q4_1, mxfp4):
 
 1. `qcore quantize DIR Q --scheme PRESET`, `qcore convert Q out.gguf --to gguf`;
 2. `qcore dequantize Q D` and transformers runs the dequantized model on a token sequence (f32);
@@ -18,8 +19,8 @@ agreement, and fails over `--tol` (default 1e-4 for f32, 5e-2 for quantized pres
 `weights_rel_diff` is the same measure between the float model and its dequantized weights (both
 in transformers), the format's own error.
 
-Needs torch, transformers, tokenizers and llama-cpp-python (`pip install llama-cpp-python`, a
-source build with cmake; not part of CI). Prints one JSON object per run and a summary line.
+Needs torch, transformers, tokenizers, sentencepiece and llama-cpp-python (`pip install
+llama-cpp-python`, a source build with cmake; not part of CI). Prints one JSON object per run and a summary line.
 
     python scripts/check_llama_cpp.py [--work DIR] [--arch llama] [--preset q8_0] [--json out.json]
 """
@@ -39,8 +40,32 @@ TEXT = ["The quick brown fox jumps over the lazy dog. ", "Quantization maps floa
         "llama.cpp loads GGUF files; qcore writes them. ", "Numbers 12345 and 2026, tabs\tand newlines\n"] * 25
 
 
+def _sentencepiece(folder: str, keep_model: bool) -> None:
+    """A SentencePiece BPE with byte fallback trained on TEXT (Llama 2 / Mistral style), saved by
+    transformers' LlamaTokenizer (tokenizer.model and tokenizer.json); `keep_model` False removes
+    tokenizer.model, leaving the byte-fallback tokenizer.json alone."""
+    import io
+
+    import sentencepiece as spm
+    from transformers import LlamaTokenizer
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT), model_writer=buf, model_type="bpe", vocab_size=400,
+                                   byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, split_digits=True,
+                                   character_coverage=1.0, normalization_rule_name="identity", minloglevel=2)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "tokenizer.model"), "wb") as f:
+        f.write(buf.getvalue())
+    LlamaTokenizer.from_pretrained(folder).save_pretrained(folder)
+    if not keep_model:
+        os.remove(os.path.join(folder, "tokenizer.model"))
+
+
 def _tokenizer(folder: str, pre: str) -> None:
-    """A byte-level BPE trained on TEXT whose pre-tokenizer is llama.cpp's `pre` (gpt-2, llama-bpe, qwen2)."""
+    """A byte-level BPE trained on TEXT whose pre-tokenizer is llama.cpp's `pre` (gpt-2, llama-bpe,
+    qwen2), or a SentencePiece one (`spm`: with tokenizer.model; `hf-spm`: its tokenizer.json only)."""
+    if pre in ("spm", "hf-spm"):
+        return _sentencepiece(folder, pre == "spm")
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -61,8 +86,9 @@ def _tokenizer(folder: str, pre: str) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>").save_pretrained(folder)
 
 
-PRE = {"llama": "llama-bpe", "mistral": "gpt-2", "qwen2": "qwen2"}
-"""The pre-tokenizer each architecture's tokenizer gets (one run covers all three)."""
+PRE = {"llama": "llama-bpe", "mistral": "gpt-2", "qwen2": "qwen2", "mistral-spm": "spm", "llama-hf": "hf-spm"}
+"""The tokenizer each model gets: a byte-level BPE with one of llama.cpp's pre-tokenizers, or
+SentencePiece (read by gguf's SentencePieceVocab; `hf-spm`: by LlamaHfVocab from tokenizer.json)."""
 
 
 def make_model(arch: str, folder: str, seed: int = 0) -> None:
@@ -74,7 +100,7 @@ def make_model(arch: str, folder: str, seed: int = 0) -> None:
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
                   bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, initializer_range=0.08)
     config, model = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-                     "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}[arch]
+                     "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}[arch.split("-")[0]]
     torch.manual_seed(seed)
     m = model(config(**common)).eval()
     with torch.no_grad():   # non-trivial norms and biases, so a misplaced one shows
@@ -126,8 +152,9 @@ def run(arch: str, preset: str, work: str, tol: float | None) -> dict[str, Any]:
     if not os.path.isdir(src):
         make_model(arch, src)
     text = "The lazy dog maps 2026 floats to codes; qcore writes them.\n"
-    hf_ids = AutoTokenizer.from_pretrained(src).encode(text, add_special_tokens=False)
-    tokens = [0, *hf_ids]
+    tok = AutoTokenizer.from_pretrained(src)
+    hf_ids = tok.encode(text, add_special_tokens=False)
+    tokens = [tok.bos_token_id or 0, *hf_ids]
     out = os.path.join(work, f"{arch}-{preset}.gguf")
     if preset == "f32":
         _cli("convert", src, out, "--to", "gguf")
@@ -161,7 +188,8 @@ def run(arch: str, preset: str, work: str, tol: float | None) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", help="working folder (default: a temporary one)")
-    ap.add_argument("--arch", action="append", choices=("llama", "mistral", "qwen2"))
+    ap.add_argument("--arch", action="append", choices=tuple(PRE),
+                    help="model and tokenizer (default: all; mistral-spm needs sentencepiece)")
     ap.add_argument("--preset", action="append", choices=PRESETS)
     ap.add_argument("--tol", type=float, help="max |logit diff| / max |logit| (default 1e-4 f32, 5e-2 quantized)")
     ap.add_argument("--json", help="write the versions and rows as JSON here (benchmarks/results/llama_cpp.json)")
@@ -176,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = a.work or tmp
         os.makedirs(work, exist_ok=True)
-        rows = [run(arch, preset, work, a.tol) for arch in a.arch or ("llama", "mistral", "qwen2")
+        rows = [run(arch, preset, work, a.tol) for arch in a.arch or tuple(PRE)
                 for preset in a.preset or PRESETS]
     if a.json:
         with open(a.json, "w") as f:
