@@ -287,3 +287,20 @@ def test_a_model_gguf_read_and_written_again_keeps_every_key_and_tensor(tmp_path
     assert kva == kvb
     assert list(ta) == list(tb)
     assert all(np.array_equal(np.asarray(ta[n].data), np.asarray(tb[n].data)) for n in ta)
+
+
+def test_a_sharded_folder_or_its_index_converts_as_the_model(tmp_path):
+    """Two shards and `model.safetensors.index.json`, as transformers writes a larger model: the
+    folder and the index path both give the llama GGUF."""
+    src = model_folder(tmp_path / "sh")
+    tensors = qcore.load(src / "model.safetensors")
+    (src / "model.safetensors").unlink()
+    names = list(tensors)
+    shard_of = {n: f"model-0000{1 + (i % 2)}-of-00002.safetensors" for i, n in enumerate(names)}
+    for shard in sorted(set(shard_of.values())):
+        qcore.save(src / shard, {n: tensors[n] for n in names if shard_of[n] == shard})
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shard_of}))
+    for i, path in enumerate((src, src / "model.safetensors.index.json")):
+        qf.convert(path, tmp_path / f"{i}.gguf", "gguf")
+        _, kv, ts = _read(tmp_path / f"{i}.gguf")
+        assert kv["general.architecture"] == "llama" and len(ts) == 21 and "blk.1.attn_q.weight" in ts

@@ -42,7 +42,7 @@ from ..errors import InvalidDataError
 from ..payload import QuantizedData
 from .base import Tensor, UnrepresentableError, parse_json, short_repr
 
-__all__ = ["ARCHITECTURES", "Architecture", "ModelPlan", "PRE_TOKENIZERS", "plan"]
+__all__ = ["ARCHITECTURES", "Architecture", "HParams", "ModelPlan", "PRE_TOKENIZERS", "Vocabulary", "plan"]
 
 _CONVERT = "convert the model with llama.cpp's convert_hf_to_gguf.py instead"
 
@@ -92,6 +92,27 @@ def _split_then_bytes(p: Mapping[str, Any], regex: str) -> bool:
 
 
 @dataclass(frozen=True)
+class HParams:
+    """The hyper-parameters llama.cpp's llama/qwen2 loaders read, from config.json (named after
+    their GGUF keys)."""
+
+    block_count: int
+    context_length: int
+    embedding_length: int
+    feed_forward_length: int
+    head_count: int
+    head_count_kv: int
+    head_dim: int
+    vocab_size: int
+    rms_eps: float
+    rope_theta: float | None
+    rope_linear_factor: float | None
+    """Linear rope scaling's factor, or None."""
+    llama3_rope: Mapping[str, Any] | None
+    """config.json's llama3 rope scaling object, or None."""
+
+
+@dataclass(frozen=True)
 class Vocabulary:
     """The tokenizer as GGUF holds it (`tokenizer.ggml.*`)."""
 
@@ -112,7 +133,7 @@ class ModelPlan:
     arch_name: str
     """`general.architecture`, e.g. `llama`."""
     name: str
-    hparams: dict[str, Any]
+    hparams: HParams
     vocab: Vocabulary
     names: dict[str, str] = field(default_factory=dict)
     """Checkpoint tensor name -> llama.cpp's name."""
@@ -125,23 +146,23 @@ class ModelPlan:
         """Write the model's key/values with `gguf.GGUFWriter` `w`'s own methods."""
         h = self.hparams
         w.add_name(self.name)
-        w.add_block_count(h["n_layer"])
-        w.add_context_length(h["n_ctx"])
-        w.add_embedding_length(h["n_embd"])
-        w.add_feed_forward_length(h["n_ff"])
-        w.add_head_count(h["n_head"])
-        w.add_head_count_kv(h["n_head_kv"])
-        if h["rope_theta"] is not None:
-            w.add_rope_freq_base(h["rope_theta"])
-        w.add_layer_norm_rms_eps(h["rms_eps"])
-        w.add_vocab_size(h["n_vocab"])
-        w.add_rope_dimension_count(h["head_dim"])
-        if h["head_dim"] != h["n_embd"] // h["n_head"]:
-            w.add_key_length(h["head_dim"])
-            w.add_value_length(h["head_dim"])
-        if h["rope_linear"] is not None:
+        w.add_block_count(h.block_count)
+        w.add_context_length(h.context_length)
+        w.add_embedding_length(h.embedding_length)
+        w.add_feed_forward_length(h.feed_forward_length)
+        w.add_head_count(h.head_count)
+        w.add_head_count_kv(h.head_count_kv)
+        if h.rope_theta is not None:
+            w.add_rope_freq_base(h.rope_theta)
+        w.add_layer_norm_rms_eps(h.rms_eps)
+        w.add_vocab_size(h.vocab_size)
+        w.add_rope_dimension_count(h.head_dim)
+        if h.head_dim != h.embedding_length // h.head_count:
+            w.add_key_length(h.head_dim)
+            w.add_value_length(h.head_dim)
+        if h.rope_linear_factor is not None:
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            w.add_rope_scaling_factor(h["rope_linear"])
+            w.add_rope_scaling_factor(h.rope_linear_factor)
         v = self.vocab
         w.add_tokenizer_model(v.model)
         if v.pre is not None:
@@ -169,16 +190,17 @@ def _refuse(folder: str, why: str) -> UnrepresentableError:
                                 "(a GGUF without the model's key/values)")
 
 
-def _int(cfg: Mapping[str, Any], key: str, where: str, default: Any = ...) -> Any:
-    v = cfg.get(key, default if default is not ... else None)
-    if v is None and default is ...:
+def _int(cfg: Mapping[str, Any], key: str, where: str, required: bool = True) -> int | None:
+    """config.json's positive integer `key`; None when it is absent and not `required`."""
+    v = cfg.get(key)
+    if v is None and required:
         raise InvalidDataError(f"{where}: '{key}' is missing; llama.cpp needs it")
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
         raise InvalidDataError(f"{where}: '{key}' must be a positive integer, got {short_repr(v)}")
     return v
 
 
-def _hparams(cfg: Mapping[str, Any], where: str, folder: str) -> dict[str, Any]:
+def _hparams(cfg: Mapping[str, Any], where: str, folder: str) -> HParams:
     """The hyper-parameters llama.cpp's llama/qwen2 loaders read, from config.json."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise _refuse(folder, f"hidden_act {short_repr(cfg.get('hidden_act'))} is not SiLU, which llama.cpp's "
@@ -201,23 +223,22 @@ def _hparams(cfg: Mapping[str, Any], where: str, folder: str) -> dict[str, Any]:
     factor = rope.get("factor")
     if rope_type == "linear" and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0):
         raise InvalidDataError(f"{where}: linear rope scaling needs a positive 'factor', got {short_repr(factor)}")
-    head_dim = _int(cfg, "head_dim", where, None) or n_embd // n_head
+    head_dim = _int(cfg, "head_dim", where, required=False) or n_embd // n_head
     if head_dim % 2:
         raise InvalidDataError(f"{where}: the head dimension {head_dim} is odd; rotary embeddings pair its elements")
-    return {
-        "n_layer": _int(cfg, "num_hidden_layers", where), "n_ctx": _int(cfg, "max_position_embeddings", where),
-        "n_embd": n_embd, "n_ff": _int(cfg, "intermediate_size", where), "n_head": n_head,
-        "n_head_kv": _int(cfg, "num_key_value_heads", where, None) or n_head, "rope_theta": theta,
-        "rms_eps": float(eps), "n_vocab": _int(cfg, "vocab_size", where), "head_dim": head_dim,
-        "rope_linear": float(factor) if rope_type == "linear" else None,
-        "llama3": rope if rope_type == "llama3" else None,
-    }
+    return HParams(
+        block_count=_int(cfg, "num_hidden_layers", where), context_length=_int(cfg, "max_position_embeddings", where),
+        embedding_length=n_embd, feed_forward_length=_int(cfg, "intermediate_size", where), head_count=n_head,
+        head_count_kv=_int(cfg, "num_key_value_heads", where, required=False) or n_head, head_dim=head_dim,
+        vocab_size=_int(cfg, "vocab_size", where), rms_eps=float(eps), rope_theta=theta,
+        rope_linear_factor=float(factor) if rope_type == "linear" else None,
+        llama3_rope=rope if rope_type == "llama3" else None)
 
 
-def _llama3_rope_freqs(h: Mapping[str, Any]) -> np.ndarray:
+def _llama3_rope_freqs(h: HParams) -> np.ndarray:
     """llama3 rope scaling's per-frequency factors (`LlamaModel.generate_extra_tensors`)."""
-    rope, dim = h["llama3"], h["head_dim"]
-    base = h["rope_theta"] if h["rope_theta"] is not None else 10000.0
+    rope, dim = h.llama3_rope or {}, h.head_dim
+    base = h.rope_theta if h.rope_theta is not None else 10000.0
     freqs = (1.0 / (np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))).astype(np.float32)
     factor = rope.get("factor", 8.0)
     low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
@@ -297,13 +318,14 @@ def _vocabulary(folder: str, n_vocab: int, gguf: Any) -> Vocabulary:
     return Vocabulary(model, pre, tokens, scores if model == "llama" else None, types, special)
 
 
-def _expected_shapes(h: Mapping[str, Any], gguf: Any) -> dict[Any, tuple[int, ...]]:
+def _expected_shapes(h: HParams, gguf: Any) -> dict[Any, tuple[int, ...]]:
     """The weight shape (numpy order, [out, in]) llama.cpp's loader checks, by tensor kind."""
     M = gguf.MODEL_TENSOR
-    d, q, kv = h["n_embd"], h["n_head"] * h["head_dim"], h["n_head_kv"] * h["head_dim"]
-    return {M.TOKEN_EMBD: (h["n_vocab"], d), M.OUTPUT: (h["n_vocab"], d), M.OUTPUT_NORM: (d,),
-            M.ATTN_NORM: (d,), M.ATTN_Q: (q, d), M.ATTN_K: (kv, d), M.ATTN_V: (kv, d), M.ATTN_OUT: (d, q),
-            M.FFN_NORM: (d,), M.FFN_GATE: (h["n_ff"], d), M.FFN_UP: (h["n_ff"], d), M.FFN_DOWN: (d, h["n_ff"])}
+    d, ff, v = h.embedding_length, h.feed_forward_length, h.vocab_size
+    q, kv = h.head_count * h.head_dim, h.head_count_kv * h.head_dim
+    return {M.TOKEN_EMBD: (v, d), M.OUTPUT: (v, d), M.OUTPUT_NORM: (d,), M.ATTN_NORM: (d,), M.ATTN_Q: (q, d),
+            M.ATTN_K: (kv, d), M.ATTN_V: (kv, d), M.ATTN_OUT: (d, q), M.FFN_NORM: (d,), M.FFN_GATE: (ff, d),
+            M.FFN_UP: (ff, d), M.FFN_DOWN: (d, ff)}
 
 
 _REQUIRED_GLOBAL = ("TOKEN_EMBD", "OUTPUT_NORM")
@@ -333,11 +355,11 @@ def plan(folder: str, tensors: Mapping[str, Tensor], gguf: Any) -> ModelPlan | N
     h = _hparams(cfg, cfg_path, folder)
     arch = gguf.MODEL_ARCH[row.arch]
     M = gguf.MODEL_TENSOR
-    tmap = gguf.get_tensor_name_map(arch, h["n_layer"])
+    tmap = gguf.get_tensor_name_map(arch, h.block_count)
     allowed = set(gguf.MODEL_TENSORS[arch]) - set(gguf.MODEL_TENSOR_SKIP.get(arch, ()))
     shapes = _expected_shapes(h, gguf)
     out = ModelPlan(row, gguf.MODEL_ARCH_NAMES[arch], os.path.basename(os.path.abspath(folder)), h,
-                    _vocabulary(folder, h["n_vocab"], gguf))
+                    _vocabulary(folder, h.vocab_size, gguf))
     seen: dict[str, str] = {}
     for name, value in tensors.items():
         found = tmap.get_type_and_name(name, try_suffixes=(".weight", ".bias"))
@@ -355,19 +377,19 @@ def plan(folder: str, tensors: Mapping[str, Tensor], gguf: Any) -> ModelPlan | N
                                    f"makes llama.cpp's '{new}' {list(want)}")
         out.names[name] = new
         if row.permute_qk and kind in (M.ATTN_Q, M.ATTN_K):
-            heads = h["n_head"] if kind == M.ATTN_Q else h["n_head_kv"]
+            heads = h.head_count if kind == M.ATTN_Q else h.head_count_kv
             if isinstance(value, QuantizedData) and len(value.shape) == 1:
                 raise UnrepresentableError(
                     f"tensor '{name}' is a quantized 1-D bias whose blocks span rows, so llama.cpp's rotary row "
                     "permutation is not a move of whole blocks; keep biases unquantized (quantize without --include-1d)")
             out.row_orders[name] = _rotary_order(value.shape[0], heads)
     missing = [gguf.TENSOR_NAMES[M[k]] + ".weight" for k in _REQUIRED_GLOBAL]
-    missing += [gguf.TENSOR_NAMES[M[k]].format(bid=b) + ".weight" for b in range(h["n_layer"]) for k in _REQUIRED_BLOCK]
+    missing += [gguf.TENSOR_NAMES[M[k]].format(bid=b) + ".weight" for b in range(h.block_count) for k in _REQUIRED_BLOCK]
     missing = [m for m in missing if m not in seen]
     if missing:
         raise InvalidDataError(f"{folder}: llama.cpp needs tensor {missing[0]} (and {len(missing) - 1} more missing), "
                                "which no tensor of the checkpoint maps to")
-    if h["llama3"] is not None:
+    if h.llama3_rope is not None:
         out.extra[gguf.TENSOR_NAMES[M.ROPE_FREQS] + ".weight"] = _llama3_rope_freqs(h)
     return out
 
