@@ -253,7 +253,7 @@ def test_what_llama_cpp_would_not_load_is_refused_in_one_line(tmp_path, kw, erro
     assert not (tmp_path / "out.gguf").exists()
 
 
-def test_no_tokenizer_and_a_quantized_rotary_bias_are_refused(tmp_path):
+def test_no_tokenizer_and_a_quantized_bias_are_refused(tmp_path):
     src = model_folder(tmp_path / "m")
     (src / "tokenizer.json").unlink()
     with pytest.raises(UnrepresentableError, match=r"it has no tokenizer.json or tokenizer.model; llama.cpp needs"):
@@ -263,7 +263,7 @@ def test_no_tokenizer_and_a_quantized_rotary_bias_are_refused(tmp_path):
         "model.layers.0.self_attn.q_proj.bias": qcore.quantize(ts["model.layers.0.self_attn.q_proj.bias"], "q8_0",
                                                                backend="reference")})
     with pytest.raises(UnrepresentableError, match=r"tensor 'model.layers.0.self_attn.q_proj.bias' is a quantized "
-                                                   r"1-D bias whose blocks span rows"):
+                                                   r"1-D tensor; llama.cpp reads norms and biases as F32"):
         qf.convert(src, tmp_path / "out.gguf", "gguf")
 
 

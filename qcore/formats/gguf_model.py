@@ -18,9 +18,10 @@ package 0.19 it ships); the code is qcore's, driven by gguf's own tables:
   each with the shape llama.cpp's loader expects;
 - llama's q/k rows permuted for its rotary layout (`LlamaModel.permute`: rows as
   `[head, 2, half]` -> `[head, half, 2]`). A GGUF quantized row holds whole blocks (blocks of 32
-  run along the row), so the permutation moves the bytes of whole rows and is exact; a quantized
-  1-D q/k bias (its blocks span rows) is refused;
+  run along the row), so the permutation moves the bytes of whole rows and is exact;
 - 1-D f16/bf16 tensors (norms, biases) stored as F32, as `convert_hf_to_gguf` stores them (exact);
+  a quantized 1-D tensor is refused (llama.cpp reads them as floats; a q/k bias's blocks would
+  span the permuted rows);
 - the tokenizer through gguf's vocab helpers: `tokenizer.model` with sentencepiece installed
   (`SentencePieceVocab`, model `llama`), else `tokenizer.json` with byte fallback
   (`LlamaHfVocab`, model `llama`), else a byte-level BPE `tokenizer.json` (`BpeVocab`, model
@@ -375,13 +376,14 @@ def plan(folder: str, tensors: Mapping[str, Tensor], gguf: Any) -> ModelPlan | N
         if want is not None and tuple(value.shape) != want:
             raise InvalidDataError(f"{folder}: tensor '{name}' has shape {list(value.shape)}, but config.json "
                                    f"makes llama.cpp's '{new}' {list(want)}")
+        if isinstance(value, QuantizedData) and len(value.shape) == 1:
+            raise UnrepresentableError(
+                f"tensor '{name}' is a quantized 1-D tensor; llama.cpp reads norms and biases as F32 (and a q/k "
+                "bias's blocks span the rows its rotary permutation moves); keep them unquantized (quantize "
+                "without --include-1d)")
         out.names[name] = new
         if row.permute_qk and kind in (M.ATTN_Q, M.ATTN_K):
             heads = h.head_count if kind == M.ATTN_Q else h.head_count_kv
-            if isinstance(value, QuantizedData) and len(value.shape) == 1:
-                raise UnrepresentableError(
-                    f"tensor '{name}' is a quantized 1-D bias whose blocks span rows, so llama.cpp's rotary row "
-                    "permutation is not a move of whole blocks; keep biases unquantized (quantize without --include-1d)")
             out.row_orders[name] = _rotary_order(value.shape[0], heads)
     missing = [gguf.TENSOR_NAMES[M[k]] + ".weight" for k in _REQUIRED_GLOBAL]
     missing += [gguf.TENSOR_NAMES[M[k]].format(bid=b) + ".weight" for b in range(h.block_count) for k in _REQUIRED_BLOCK]
