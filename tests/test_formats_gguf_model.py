@@ -304,3 +304,12 @@ def test_a_sharded_folder_or_its_index_converts_as_the_model(tmp_path):
         qf.convert(path, tmp_path / f"{i}.gguf", "gguf")
         _, kv, ts = _read(tmp_path / f"{i}.gguf")
         assert kv["general.architecture"] == "llama" and len(ts) == 21 and "blk.1.attn_q.weight" in ts
+
+
+def test_tied_embeddings_leave_output_out(tmp_path):
+    """`tie_word_embeddings`: no lm_head in the checkpoint, no `output.weight` in the file (llama.cpp
+    then reads `token_embd` for the output)."""
+    src = model_folder(tmp_path / "t", _cfg(tie_word_embeddings=True), drop=("lm_head.weight",))
+    qf.convert(src, tmp_path / "out.gguf", "gguf")
+    ts = _read(tmp_path / "out.gguf")[2]
+    assert "output.weight" not in ts and "token_embd.weight" in ts and len(ts) == 20
