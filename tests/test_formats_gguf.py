@@ -301,3 +301,80 @@ def test_mx_rule_gives_gguf_mxfp4_scale_bytes_but_not_all_its_codes(tmp_path):
     got = np.asarray(gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors[0].data).reshape(want.shape)
     assert np.array_equal(got[:, 0], want[:, 0])
     assert not np.array_equal(got[:, 1:], want[:, 1:])
+
+
+def _near_zero_blocks():
+    """One block of 32 per scale: a fixed random shape scaled so that its extreme is 1.37 * 2^k, for
+    k from -149 (f32's least subnormal) to -100, plus a block with an exact zero."""
+    base = np.random.default_rng(7).standard_normal(32).astype(np.float32)
+    base /= np.abs(base).max()
+    rows = [(base * np.float32(1.37 * 2.0 ** k)).astype(np.float32) for k in range(-149, -99)]
+    with_zero = rows[20].copy()
+    with_zero[5] = 0.0
+    return np.stack(rows + [with_zero])
+
+
+def _raw_scale(blocks, kind):
+    """The f32 raw scale s each gguf-py quantizer takes the reciprocal of."""
+    if kind == T.Q8_0:
+        return (np.abs(blocks).max(axis=1) / np.float32(127)).astype(np.float32)
+    if kind == T.Q4_0:
+        m = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)[:, 0]
+        return np.abs(m / np.float32(-8)).astype(np.float32)
+    return ((blocks.max(axis=1) - blocks.min(axis=1)) / np.float32(15)).astype(np.float32)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered", "ignore:overflow encountered")
+@pytest.mark.parametrize("preset,kind,bes", [("q8_0", T.Q8_0, BACKENDS), ("q4_0", T.Q4_0, ["reference", "cuda"]),
+                                             ("q4_1", T.Q4_1, ["reference", "cuda"])], ids=["q8_0", "q4_0", "q4_1"])
+def test_presets_differ_from_gguf_only_where_its_reciprocal_overflows(tmp_path, request, preset, kind, bes):
+    """docs/formats.md, near-zero blocks: the presets write gguf-py's bytes for every block whose raw
+    scale s has a finite f32 reciprocal; where `f32(1 / s)` is inf (0 < s <= 2^-128) gguf's codes
+    are integer casts of ±inf or NaN (undefined in C) and qcore's are its rule's (±inf clamps to
+    the end codes, an exact zero is coded as 0). The f16 scale is 0 there, so both decode to
+    zeros (signs may differ); every backend writes the same bytes."""
+    x = _near_zero_blocks()
+    size = {T.Q8_0: 34, T.Q4_0: 18, T.Q4_1: 20}[kind]
+    want = gguf.quants.quantize(x, kind).reshape(-1, size)
+    s = _raw_scale(x, kind)
+    overflow = (s > 0) & (s <= np.float32(2.0 ** -128))
+    with np.errstate(divide="ignore", over="ignore"):
+        assert np.array_equal(overflow, (s > 0) & np.isinf(np.float32(1) / s))   # the threshold, exactly
+    assert 10 <= overflow.sum() < len(s) - 10
+    first = None
+    for be_name in bes:
+        be = get_backend(be_name, request)
+        d = be.into_data(be.quantize(x, preset))
+        qf.write(tmp_path / f"{be_name}.gguf", {"w": d}, "gguf")
+        got = np.asarray(gguf.GGUFReader(str(tmp_path / f"{be_name}.gguf")).tensors[0].data).reshape(want.shape)
+        assert np.array_equal(got[~overflow], want[~overflow]), be_name
+        first = got if first is None else first
+        assert np.array_equal(got, first), be_name          # one rule on every backend
+        dec = gguf.quants.dequantize(got.reshape(-1), kind).reshape(x.shape)
+        assert_bits_equal(dec, gguf.quants.dequantize(want.reshape(-1), kind).reshape(x.shape), signed_zero=False)
+        assert not dec[overflow].any()
+    codes = first[overflow][:, {T.Q8_0: 2, T.Q4_0: 2, T.Q4_1: 4}[kind]:]
+    if kind == T.Q8_0:   # ±127 for a non-zero element, 0 for an exact zero
+        want_codes = np.where(x[overflow] == 0, 0, np.sign(x[overflow]) * 127).astype(np.int8).view(np.uint8)
+        assert np.array_equal(codes, want_codes)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered", "ignore:divide by zero", "ignore:overflow encountered")
+def test_mx_rule_scale_bytes_are_gguf_bytes_down_to_two_to_the_minus_125(tmp_path):
+    """`mxfp4/round:mx` takes OCP's `floor(log2 amax) - 2 + 127` as gguf-py does for amax >= 2^-125;
+    below, that number is negative, gguf-py's uint8 cast wraps it (255, 254, ... on x86-64: a huge
+    scale under which every code is 0), and qcore stores byte 0 (2^-127), the least UE8M0 scale,
+    which keeps the block's values on the E2M1 grid of 2^-127."""
+    x = _near_zero_blocks()[:-1]
+    amax = np.abs(x).max(axis=1)
+    want = gguf.quants.quantize(x, T.MXFP4).reshape(-1, 17)
+    ref = qcore.backend("reference")
+    q = ref.quantize(x, "mxfp4/round:mx")
+    qf.write(tmp_path / "m.gguf", {"w": ref.into_data(q)}, "gguf")
+    got = np.asarray(gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors[0].data).reshape(want.shape)
+    low = amax < np.float32(2.0 ** -125)
+    assert 10 <= low.sum() < len(amax) - 10
+    assert np.array_equal(got[~low, 0], want[~low, 0])
+    assert np.array_equal(got[~low, 0], (np.floor(np.log2(amax[~low])) + 125).astype(np.uint8))
+    assert not got[low, 0].any()
+    assert np.abs(q.numpy()[low] - x[low]).max() <= 2.0 ** -128   # half an E2M1 step at scale 2^-127

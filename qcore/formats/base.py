@@ -30,6 +30,7 @@ __all__ = [
     "Probe",
     "Tensor",
     "UnrepresentableError",
+    "model_folder",
     "parse_json",
     "shards",
     "short_repr",
@@ -59,6 +60,10 @@ class Checkpoint:
     tensors: dict[str, Tensor] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     format: str = ""
+    folder: str | None = None
+    """The model folder the checkpoint was read from (a transformers checkpoint directory with its
+    `config.json` and tokenizer files), or None for a single file; a writer may read the model's
+    hyper-parameters and tokenizer from it (GGUF does)."""
 
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -84,6 +89,15 @@ def parse_json(text: str | bytes, what: str) -> Any:
         raise InvalidDataError(f"{what} is not JSON ({' '.join(str(e).split())})") from None
 
 
+def model_folder(path: PathLike) -> str | None:
+    """The transformers model folder a checkpoint path stands for: the path itself when it is a
+    directory, the index's directory for a `*.safetensors.index.json`, else None (a single file)."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        return p
+    return os.path.dirname(os.path.abspath(p)) if p.endswith(INDEX_SUFFIX) else None
+
+
 def _missing(p: str) -> StorageError:
     """The error for a path that does not exist (an OSError with ENOENT, as `qcore.io` raises)."""
     return StorageError(errno.ENOENT, f"{p}: No such file or directory (cannot read it)", p)
@@ -91,9 +105,13 @@ def _missing(p: str) -> StorageError:
 
 def shards(path: PathLike) -> list[str]:
     """The files of a checkpoint: the shards an index names (`*.safetensors.index.json`, or a folder
-    holding `model.safetensors.index.json`, as transformers writes them), else the path itself."""
+    holding `model.safetensors.index.json`, as transformers writes them), a folder's one
+    `model.safetensors` when it has no index, else the path itself."""
     p = os.fspath(path)
     index = os.path.join(p, "model" + INDEX_SUFFIX) if os.path.isdir(p) else p
+    single = os.path.join(p, "model.safetensors")
+    if os.path.isdir(p) and not os.path.exists(index) and os.path.isfile(single):
+        return [single]
     if not index.endswith(INDEX_SUFFIX):
         return [p]
     if not os.path.exists(index):

@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import InputError
 from ..payload import QuantizedData
 from ..scheme import QuantScheme, scheme as parse_scheme
-from .base import Checkpoint, Format, PathLike, Tensor, UnrepresentableError
+from .base import Checkpoint, Format, PathLike, Tensor, UnrepresentableError, model_folder
 from .registry import detect, get
 
 __all__ = ["ConvertReport", "TensorReport", "convert", "describe", "error_stats"]
@@ -81,7 +81,8 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
     """Read `src` (its format detected, or `src_format`) and write it to `dst` as format `to`.
 
     Every quantized tensor the target holds exactly moves byte for byte (rearranged, never
-    re-quantized). One it cannot hold raises `UnrepresentableError` before anything is written,
+    re-quantized). A model folder (`src` a directory or its index) is passed to the writer as
+    `Checkpoint.folder`, so GGUF can write the model's config.json and tokenizer. One it cannot hold raises `UnrepresentableError` before anything is written,
     unless `requantize` names a scheme: then it is dequantized and quantized again on `backend`
     (None: $QCORE_BACKEND, else auto), and its error is in the report.
     """
@@ -121,7 +122,7 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
                 f"tensor '{name}' requantized to {target} still cannot be written as {writer.name}: {again.reason}"
             )
         report.tensors.append(row)
-    writer.write(d, Checkpoint(out, dict(checkpoint.metadata), writer.name))
+    writer.write(d, Checkpoint(out, dict(checkpoint.metadata), writer.name, checkpoint.folder or model_folder(s)))
     return report
 
 

@@ -11,10 +11,13 @@ Quantized GGUF types with an exact qcore scheme (facts from gguf 0.19.0 `quants.
   negative whenever the block's extreme is positive. `nibble ^ 8` is the Q4F code; the nibbles
   move to SPEC §3's order (element 2k low). Any 4-bit integer scheme with f16 blocks of 32 along
   the last axis writes as Q4_0 (its codes are within Q4F's); the `q4_0` preset quantizes as
-  llama.cpp does, bit for bit.
+  llama.cpp does, bit for bit, but for near-zero blocks (docs/formats.md).
 - **Q4_1** -> `u4/block32:f16/min:f16` (docs/spec.md E5). A block is `[d f16][m f16][16 B]`, the
   nibbles unsigned codes in Q4_0's split-half order; value `f32(q * f32(d)) + f32(m)`, SPEC E5's
-  MIN offset. The `q4_1` preset quantizes as llama.cpp does, bit for bit.
+  MIN offset. The `q4_1` preset quantizes as llama.cpp does, bit for bit, but for near-zero
+  blocks: where `f32(1 / s)` of the raw scale overflows (`0 < s <= 2^-128`), gguf's codes are
+  casts of ±inf/NaN (undefined in C) and qcore's its rule's; both decode to zeros (the same holds
+  for the `q8_0` and `q4_0` presets).
 - **MXFP4** -> `mxfp4`. A block is `[e u8][16 B]` where byte j holds element j (low nibble) and
   element j + 16 (high nibble); value = doubled E2M1 * 2^(e - 128) = E2M1 * 2^(e - 127), including
   e = 0 and 1 (`ggml_e8m0_to_fp32_half`). Nibble j is the E2M1 code itself; only the order moves.
@@ -49,7 +52,7 @@ from ..errors import InvalidDataError
 from ..payload import QuantizedData
 from ..protocol import Support
 from ..scheme import QuantScheme, ScaleDtype, scheme as parse_scheme
-from . import _mx
+from . import _mx, gguf_model
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
 
 __all__ = ["GGUFFormat"]
@@ -176,6 +179,22 @@ def _mx_write(d: QuantizedData) -> np.ndarray:
     qs = _join_halves(codes)
     blocks = np.concatenate([e.reshape(-1, 1), qs], axis=1)
     return blocks.reshape(*d.shape[:-1], d.shape[-1] // 32 * 17)
+
+
+def _encode(value: Tensor, T: Any) -> tuple[np.ndarray, Any]:
+    """A tensor as GGUF data (rows first: numpy's first axis) and its GGML type; None for a plain
+    dtype gguf's writer maps itself, BF16 as its uint16 words."""
+    if isinstance(value, QuantizedData):
+        if value.scheme.payload_form in Q8_SCHEMES:
+            return _q8_write(value), T.Q8_0
+        if _q4_fits(value.scheme):
+            return _q4_write(value), T.Q4_0
+        if _q41_fits(value.scheme):
+            return _q41_write(value), T.Q4_1
+        return _mx_write(value), T.MXFP4
+    kind = next(k for k, dt in _PLAIN.items() if dt == value.dtype)
+    data = np.ascontiguousarray(value)
+    return (data.view(np.uint16), T.BF16) if kind == "BF16" else (data, None)
 
 
 def _is_value(vtype: str, value: Any) -> bool:
@@ -359,17 +378,25 @@ class GGUFFormat(Format):
         return Support.yes()
 
     def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
+        """Write every tensor; with `checkpoint.folder` holding a config.json, as a model llama.cpp
+        loads (`gguf_model`: its architecture's key/values, tokenizer and tensor names)."""
         gguf = _gguf()
         self.require(checkpoint)
         T, V = gguf.GGMLQuantizationType, gguf.GGUFValueType
+        model = gguf_model.plan(checkpoint.folder, checkpoint.tensors, gguf) if checkpoint.folder else None
         kv = _kv_entries(checkpoint.metadata)
-        arch = next((v for k, _, _, v in kv if k == "general.architecture"), "qcore")
+        if model is not None:  # the model's own key/values replace those carried from another GGUF file
+            kv = [e for e in kv if e[0] == "general.alignment"]
+        arch = model.arch_name if model is not None else next((v for k, _, _, v in kv if k == "general.architecture"),
+                                                             "qcore")
         alignment = next((v for k, _, _, v in kv if k == "general.alignment"), None)
 
         def write(tmp: str) -> None:
             w = gguf.GGUFWriter(tmp, arch)
             if alignment is not None:
                 w.data_alignment = int(alignment)
+            if model is not None:
+                model.add_keys(w, gguf)
             for key, vtype, sub, value in kv:
                 if key == "general.architecture":
                     continue
@@ -379,23 +406,20 @@ class GGUFFormat(Format):
                     w.add_string(META_PREFIX + key, value)
             quantized = False
             for name, value in checkpoint.tensors.items():
-                if isinstance(value, QuantizedData):
-                    quantized = True
-                    if value.scheme.payload_form in Q8_SCHEMES:
-                        w.add_tensor(name, _q8_write(value), raw_dtype=T.Q8_0)
-                    elif _q4_fits(value.scheme):
-                        w.add_tensor(name, _q4_write(value), raw_dtype=T.Q4_0)
-                    elif _q41_fits(value.scheme):
-                        w.add_tensor(name, _q41_write(value), raw_dtype=T.Q4_1)
-                    else:
-                        w.add_tensor(name, _mx_write(value), raw_dtype=T.MXFP4)
+                if model is not None:
+                    value = model.store(name, value)
+                data, kind = _encode(value, T)
+                quantized = quantized or isinstance(value, QuantizedData)
+                if model is not None:
+                    name, data = model.names[name], model.reorder(name, data)
+                if kind is None:
+                    w.add_tensor(name, data)   # the writer maps F16/F32/F64/I8..I64 from the dtype
+                elif kind == T.BF16:
+                    w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
                 else:
-                    kind = next(k for k, dt in _PLAIN.items() if dt == value.dtype)
-                    data = np.ascontiguousarray(value)
-                    if kind == "BF16":
-                        w.add_tensor(name, data.view(np.uint16), raw_shape=data.shape, raw_dtype=T.BF16)
-                    else:
-                        w.add_tensor(name, data)   # the writer maps F16/F32/F64/I8..I64 from the dtype
+                    w.add_tensor(name, data, raw_dtype=kind)
+            for name, data in (model.extra if model is not None else {}).items():
+                w.add_tensor(name, data)
             if quantized and not any(k == "general.quantization_version" for k, *_ in kv):
                 w.add_uint32("general.quantization_version", _QUANTIZATION_VERSION)
             w.write_header_to_file()
