@@ -5,6 +5,7 @@ plain-numpy statement of them and are used by the reference backend and the payl
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -242,6 +243,17 @@ def pack(codes: np.ndarray, scheme: QuantScheme) -> np.ndarray:
     return np.ascontiguousarray(words).view(np.uint8).reshape(-1)
 
 
+@functools.lru_cache(maxsize=None)
+def _byte_fields(bits: int, signed: bool) -> np.ndarray:
+    """[256, 8 // bits]: the `bits`-wide fields of each byte value, lowest first (SPEC §3's order),
+    sign-extended two's complement when `signed` (int8), else uint8."""
+    shifts = np.arange(8 // bits, dtype=np.int32) * bits
+    fields = (np.arange(256, dtype=np.int32)[:, None] >> shifts) & ((1 << bits) - 1)
+    if signed:
+        fields = np.where(fields >= 1 << (bits - 1), fields - (1 << bits), fields)
+    return fields.astype(np.int8 if signed else np.uint8)
+
+
 def unpack(buf: np.ndarray | bytes, shape: Sequence[int], scheme: QuantScheme) -> np.ndarray:
     """Stored words (bytes) -> codes of `shape`: int8 (sign-extended) for integer values,
     uint8 for minifloat codes and LOOKUP indices (SPEC §3)."""
@@ -259,11 +271,18 @@ def unpack(buf: np.ndarray | bytes, shape: Sequence[int], scheme: QuantScheme) -
         return raw.view(out_dtype).reshape(shape).copy()
     bits, n = scheme.bits, fields_per_word(scheme)
     wshape = words_shape(shape, scheme)
+    extent = shape[axis]
+    if scheme.store.order is FieldOrder.LOW and 8 % bits == 0:
+        # Fields never straddle a byte, and a little-endian word's bytes come low first: each
+        # byte gives its 8 / bits fields in order, from one table (the words' fields, as below).
+        line = np.ascontiguousarray(np.moveaxis(raw.view(_word_dtype(scheme)).reshape(wshape), axis, -1))
+        by_byte = _byte_fields(bits, signed)[line.view(np.uint8)]
+        fields = by_byte.reshape(line.shape[:-1] + (-1,))[..., :extent]
+        return np.ascontiguousarray(np.moveaxis(fields, -1, axis)).astype(out_dtype, copy=False)
     words = raw.view(_word_dtype(scheme)).reshape(wshape).astype(np.uint32)
     words = np.moveaxis(words, axis, -1)
     shifts = np.arange(n, dtype=np.uint32) * np.uint32(bits)
     fields = (words[..., None] >> shifts) & np.uint32((1 << bits) - 1)
-    extent = shape[axis]
     if scheme.store.order is FieldOrder.LOW:
         fields = fields.reshape(words.shape[:-1] + (words.shape[-1] * n,))[..., :extent]
     else:  # E6: element field_positions[j, f] is in field f of word j (padding goes to `extent`)

@@ -175,9 +175,13 @@ class QuantizedData:
         return tuple(int(i) for i in np.unravel_index(flat, self.shape))
 
     def check_codes(self) -> None:
-        """Raise `InvalidDataError` naming the first invalid value code (see `first_invalid_code`)."""
+        """Raise `InvalidDataError` naming the first invalid value code (see `first_invalid_code`);
+        a payload found valid is not read again (it is immutable)."""
+        if getattr(self, "_codes_valid", False):
+            return
         idx = self.first_invalid_code()
         if idx is None:
+            object.__setattr__(self, "_codes_valid", True)
             return
         field_ = int(self.codes()[idx].view(np.uint8)) & ((1 << self.scheme.bits) - 1)
         t = self.scheme.traits
