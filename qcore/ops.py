@@ -206,16 +206,18 @@ def _row_bands(be: "BaseBackend", w: "QTensor", rows_per_step: int):
 
 
 def _product(be: "BaseBackend", what: str, x: Any, w: "QTensor", dtype: Any, rows_per_step: int,
-             bias: Any = None) -> Any:
+             bias: Any = None, bands: Any = None) -> Any:
     """The f32 sums of `matmul` (bands of K rows of w [K, N], added) or `linear` (bands of N rows
-    of w [N, K], side by side), the bias, one rounding to the result dtype, in x's array kind."""
+    of w [N, K], side by side), the bias, one rounding to the result dtype, in x's array kind.
+    `bands(w, rows_per_step)` gives the weight's (r0, r1, float32 rows) (default `_row_bands`: the
+    core's decode; a backend passes its own kernel's, the same values)."""
     xa, as_torch = host_activation(x)
     k_, n_ = product_dims(what, xa.shape, w.shape)
     out_dt = result_dtype(xa.dtype, dtype)
     b = host_bias(bias, n_)
     x32 = xa.astype(np.float32, copy=False)
     out = np.zeros(xa.shape[:-1] + (n_,), dtype=np.float32)
-    for r0, r1, wf in _row_bands(be, w, rows_per_step):
+    for r0, r1, wf in (bands(w, rows_per_step) if bands is not None else _row_bands(be, w, rows_per_step)):
         if what == "matmul":
             out += x32[..., r0:r1] @ wf
         else:
@@ -226,17 +228,18 @@ def _product(be: "BaseBackend", what: str, x: Any, w: "QTensor", dtype: Any, row
 
 
 def matmul(be: "BaseBackend", x: Any, w: "QTensor", rows_per_step: int = 1024, *,
-           dtype: Any = np.float32) -> Any:
+           dtype: Any = np.float32, bands: Any = None) -> Any:
     """`x @ dequantize(w)` for float x [..., K] and w [K, N] with f32 accumulation, dequantizing
     `rows_per_step` rows of w at a time (rounded to whole blocks), so the full float weight never
-    exists; the f32 sums are rounded once to `dtype` (default float32; None: x's dtype)."""
-    return _product(be, "matmul", x, w, dtype, rows_per_step)
+    exists; the f32 sums are rounded once to `dtype` (default float32; None: x's dtype). `bands`:
+    see `_product`."""
+    return _product(be, "matmul", x, w, dtype, rows_per_step, bands=bands)
 
 
 def linear(be: "BaseBackend", x: Any, w: "QTensor", bias: Any = None, rows_per_step: int = 1024, *,
-           dtype: Any = None) -> Any:
+           dtype: Any = None, bands: Any = None) -> Any:
     """`x @ dequantize(w).T + bias` for float x [..., K] and a linear layer's weight w [N, K] (as
     checkpoints store it): f32 accumulation, bias added in f32, one rounding to `dtype` (default:
     x's dtype); `rows_per_step` rows of w dequantized at a time, so the full float weight never
-    exists (docs/spec.md, "Products with a quantized weight")."""
-    return _product(be, "linear", x, w, dtype, rows_per_step, bias)
+    exists (docs/spec.md, "Products with a quantized weight"). `bands`: see `_product`."""
+    return _product(be, "linear", x, w, dtype, rows_per_step, bias, bands)

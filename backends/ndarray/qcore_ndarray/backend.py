@@ -25,10 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from qcore import arithmetic, layout
+from qcore import arithmetic, layout, ops
 from qcore.arithmetic import slot_effective, store_reciprocal, store_scales
 from qcore.checks import raise_nonfinite, to_f32
 from qcore.codecs import CODE_RULES
+from qcore.errors import InvalidDataError
 from qcore.payload import QuantizedData, offset_bytes
 from qcore.protocol import BaseBackend, QParams, QTensor, Support
 from qcore.scheme import QuantScheme, StoreKind
@@ -271,32 +272,47 @@ class NdarrayBackend(BaseBackend):
     """Rows of w dequantized per step: the same steps as `qcore.ops.matmul`, so the f32 sums
     (and so the results) are identical to every other backend's."""
 
-    def matmul(self, x: Any, w: Any, *, dtype: Any = np.float32) -> Any:
-        """`x @ dequantize(w)` for float x [..., K] and w [K, N], `MATMUL_ROWS` rows of w at a time
-        (whole blocks) dequantized by the numba kernel straight from the stored bytes, so the
-        full float weight never exists. Anything unusual goes to `qcore.ops.matmul` (its checks,
-        its error text, its other activation and result dtypes, and its generic path for a
-        weight packed along K)."""
-        w = self._own(w)
-        if dtype is not np.float32 or not isinstance(x, np.ndarray) or x.dtype not in (np.float32, np.float16):
-            return super().matmul(x, w, dtype=dtype)
-        data: NdQuantized = w.data  # its shape and scheme: what the kernels see (E6, E7: the core's forms)
+    def _row_bands(self, w: Any, rows_per_step: int) -> Any:
+        """(r0, r1, rows r0..r1 of the 2-D weight dequantized to float32) for bands of
+        `rows_per_step` rows (whole blocks) by the numba kernel straight from the stored bytes: the
+        values of `qcore.ops`' own bands, faster. A band holding an invalid code raises the core's
+        `InvalidDataError`, naming the weight's first invalid code."""
+        data: NdQuantized = w.data
         sch = data.scheme
-        if (sch.affine or len(w.shape) != 2 or data.shape != w.shape or not isinstance(x, np.ndarray)
-                or x.dtype.kind != "f" or x.ndim < 1 or x.shape[-1] != w.shape[0]
-                or sch.store.kind is not StoreKind.NATIVE and sch.store.dim != 0):
-            return super().matmul(x, w)
-        k_rows, n_cols = w.shape
+        rows, cols = w.shape
         block = layout.full_block(w.shape, sch)
         br = block[0] if block else 1
-        step = max(br, (self.MATMUL_ROWS // br) * br)
-        row_bytes = layout.values_nbytes((1, n_cols), sch)  # codes of one row of w
-        x = x.astype(np.float32, copy=False)
-        out = np.zeros(x.shape[:-1] + (n_cols,), dtype=np.float32)
-        for k0 in range(0, k_rows, step):
-            k1 = min(k_rows, k0 + step)
-            scales = data.scales if block is None else data.scales[k0 // br: -(-k1 // br)]
-            rows = NdQuantized((k1 - k0, n_cols), sch, data.values[k0 * row_bytes: k1 * row_bytes],
-                               scales, data.global_scale)
-            out += x[..., k0:k1] @ self._dequantize(rows, np.dtype(np.float32))
-        return out
+        step = max(br, (rows_per_step // br) * br)
+        row_bytes = layout.values_nbytes((1, cols), sch)  # codes of one row of w
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            scales = data.scales if block is None else data.scales[r0 // br: -(-r1 // br)]
+            band = NdQuantized((r1 - r0, cols), sch, data.values[r0 * row_bytes: r1 * row_bytes], scales,
+                               data.global_scale)
+            try:
+                yield r0, r1, self._dequantize(band, np.dtype(np.float32))
+            except InvalidDataError:
+                self._into_data(data).check_codes()  # the first invalid code of the whole weight
+                raise
+
+    def _bands_apply(self, w: Any) -> bool:
+        """Whether `_row_bands` reads `w`: a 2-D weight of a non-affine scheme in its own shape
+        whose rows are whole stored lines (Native store, or words packed along axis 0)."""
+        sch = w.data.scheme
+        return (not sch.affine and len(w.shape) == 2 and w.data.shape == w.shape
+                and (sch.store.kind is StoreKind.NATIVE or sch.store.dim == 0))
+
+    def matmul(self, x: Any, w: Any, *, dtype: Any = np.float32) -> Any:
+        """`x @ dequantize(w)` for float x [..., K] and w [K, N], `MATMUL_ROWS` rows of w at a time
+        (whole blocks) dequantized by the numba kernel (`_row_bands`), so the full float weight
+        never exists; the core's `qcore.ops.matmul` does the rest (checks, activation and result
+        dtypes, its own decode for weights `_row_bands` does not read)."""
+        w = self._own(w)
+        bands = self._row_bands if self._bands_apply(w) else None
+        return ops.matmul(self, self._host_x(x), w, self.MATMUL_ROWS, dtype=dtype, bands=bands)
+
+    def linear(self, x: Any, w: Any, bias: Any = None, *, dtype: Any = None) -> Any:
+        """`x @ dequantize(w).T + bias` for a weight [N, K]: as `matmul`, bands of N rows."""
+        w = self._own(w)
+        bands = self._row_bands if self._bands_apply(w) else None
+        return ops.linear(self, self._host_x(x), w, bias, self.MATMUL_ROWS, dtype=dtype, bands=bands)
