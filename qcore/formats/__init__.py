@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .base import Checkpoint, Format, FormatNotFoundError, PathLike, Probe, Tensor, UnrepresentableError
+from .base import Checkpoint, Format, FormatNotFoundError, PathLike, Probe, Tensor, UnrepresentableError, read_checked
 from .convert import ConvertReport, TensorReport, convert, describe
 from .registry import GROUP, detect, formats, get, plugin_errors, register, reset
 
@@ -26,9 +26,11 @@ __all__ = [
 
 
 def read(path: PathLike, format: str | None = None, **options: str) -> Checkpoint:
-    """Read a file in `format` (None: detected) into qcore terms; exact or `UnrepresentableError`."""
+    """Read a file in `format` (None: detected) into qcore terms; exact or `UnrepresentableError`.
+    A quantized tensor the reader leaves as a plain array (codes beside their scale) is an
+    `InvalidDataError` (`base.read_checked`)."""
     fmt = get(format) if format is not None else detect(path)
-    return fmt.with_options(**options).read(path)
+    return read_checked(fmt.with_options(**options), path)
 
 
 def write(path: PathLike, tensors: Mapping[str, Tensor] | Checkpoint, format: str,

@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import InputError
 from ..payload import QuantizedData
 from ..scheme import QuantScheme, scheme as parse_scheme
-from .base import Checkpoint, Format, PathLike, Tensor, UnrepresentableError
+from .base import Checkpoint, Format, PathLike, Tensor, UnrepresentableError, read_checked
 from .registry import detect, get
 
 __all__ = ["ConvertReport", "TensorReport", "convert", "describe", "error_stats"]
@@ -81,7 +81,9 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
     """Read `src` (its format detected, or `src_format`) and write it to `dst` as format `to`.
 
     Every quantized tensor the target holds exactly moves byte for byte (rearranged, never
-    re-quantized). One it cannot hold raises `UnrepresentableError` before anything is written,
+    re-quantized); codes the reader left as a plain array beside their scale are an
+    `InvalidDataError` (`base.read_checked`), so "copied" is only ever a float or integer tensor
+    and a report without re-quantized tensors is lossless. One it cannot hold raises `UnrepresentableError` before anything is written,
     unless `requantize` names a scheme: then it is dequantized and quantized again on `backend`
     (None: $QCORE_BACKEND, else auto), and its error is in the report.
     """
@@ -92,7 +94,7 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
     writer = _format(to, write_options)
     if not writer.writable:
         raise UnrepresentableError(f"format '{writer.name}' is read-only in this qcore; convert to another format")
-    checkpoint = reader.read(s)
+    checkpoint = read_checked(reader, s)  # no quantized tensor passes as a plain array
     target = parse_scheme(requantize) if requantize is not None else None
     report = ConvertReport(s, d, reader.name, writer.name)
     out: dict[str, Tensor] = {}
