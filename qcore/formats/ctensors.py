@@ -391,7 +391,8 @@ def write_config(path: PathLike, checkpoint: Checkpoint) -> str:
 class CompressedTensorsFormat(Format):
     name = "compressed-tensors"
     description = ("compressed-tensors safetensors (llm-compressor, vLLM): pack-quantized int4/int8 "
-                   "(symmetric or with zero points), float-quantized FP8, mxfp4- and nvfp4-pack-quantized "
+                   "(symmetric or with zero points), int-quantized int8 (W8A8), float-quantized FP8, mxfp4- and "
+                   "nvfp4-pack-quantized "
                    "weights; config.json quantization_config")
     priority = 10
 
