@@ -29,6 +29,8 @@ UNREAD = {
                                 "w", "w.absmax"),
     "llm-int8": ({"m.weight": np.zeros((4, 64), np.int8), "m.weight.SCB": np.ones(4, np.float32)},
                  "m.weight", "m.weight.SCB"),
+    "fp8-scale-inv-e5m2": ({"m.weight": np.zeros((4, 32), ml_dtypes.float8_e5m2),
+                            "m.weight_scale_inv": np.ones((1, 1), np.float32)}, "m.weight", "m.weight_scale_inv"),
 }
 
 
@@ -78,10 +80,10 @@ def test_integer_and_float8_tensors_without_a_scale_are_plain(tmp_path):
     assert ck.format == "qcore" and all(isinstance(v, np.ndarray) for v in ck.tensors.values())
 
 
-@pytest.mark.parametrize("src", ["ctensors_w8a8"])
+@pytest.mark.parametrize("src", ["ctensors_w8a8", "fp8"])
 def test_to_gguf_is_refused_not_reported_lossless(tmp_path, capsys, src):
-    """W8A8 int8 weights are read as q8f, which GGUF does not hold: `--to gguf` names the first such
-    tensor (before, they crossed as plain int8 arrays, "lossless")."""
+    """W8A8 int8 and DeepSeek FP8 weights are read as q8f / e4m3, which GGUF does not hold: `--to gguf`
+    names the first such tensor (before, they crossed as plain int8 / float8 arrays, "lossless")."""
     pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'qcore-quant[formats]')")
     path = os.path.join(DATA, src, "model.safetensors")
     assert main(["convert", path, str(tmp_path / "o.gguf"), "--to", "gguf"]) == 1
