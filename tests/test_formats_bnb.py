@@ -263,3 +263,39 @@ def test_codes_midpoint_writes_bitsandbytes_quantize_bytes(tmp_path, request, be
     for name in blocks:
         assert got[name].tobytes() == t[f"w.{name}"].tobytes(), name
         assert got[f"{name}.absmax"].tobytes() == t[f"absmax.{name}"].astype("<f4").tobytes(), name
+
+
+NEGATIVE = os.path.join(DATA, "bnb_nf4_negative.safetensors")  # scripts/make_bnb_fixture.py --negative
+
+
+@pytest.mark.parametrize("name", ["zero_row.f32.weight", "zero_row.bf16.weight"])
+@pytest.mark.parametrize("be_name", ["reference", "lutcpu"])
+def test_a_negative_absmax_on_a_block_of_zeros_decodes_as_bitsandbytes(request, name, be_name):
+    """Double quant left the zero row's blocks with a negative absmax (bitsandbytes 0.50.2's own
+    file: a row of zeros beside an outlier); bitsandbytes decodes them to -0.0, and so does qcore,
+    bit for bit, the rest of the tensor included."""
+    be = get_backend(be_name, request)
+    d = qf.read(NEGATIVE).tensors[name]
+    want = qf.read(os.path.join(DATA, "bnb_nf4_negative.ref.safetensors")).tensors[name]
+    got = decode(d, be).astype(want.dtype)
+    assert got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes(), name
+    zeros = want.reshape(-1, 64).astype(np.float32)
+    negative_zero_blocks = np.flatnonzero(np.all(np.signbit(zeros) & (zeros == 0), axis=1))
+    assert negative_zero_blocks.size == 4  # the zero row's four blocks: -0.0 everywhere
+    assert np.all(d.scales().reshape(-1)[negative_zero_blocks] == 0)
+
+
+def test_a_negative_absmax_written_back_decodes_the_same(tmp_path):
+    """Written as bitsandbytes (no double quant), those blocks carry absmax +0 and the code of -1.0,
+    whose product is -0.0 again: the file reads back to the same payload."""
+    qcore.convert(NEGATIVE, tmp_path / "b.safetensors", "bitsandbytes")
+    a, b = qf.read(NEGATIVE).tensors, qf.read(tmp_path / "b.safetensors").tensors
+    assert all(a[n].payload == b[n].payload for n in a if isinstance(a[n], qcore.QuantizedData))
+
+
+def test_a_negative_absmax_with_non_zero_codes_is_refused_naming_the_tensor():
+    """Beside a far larger outlier row, small blocks get a negative absmax and keep their codes:
+    bitsandbytes decodes them with flipped signs, which no scale >= 0 holds."""
+    with pytest.raises(UnrepresentableError, match=r"bitsandbytes tensor 'flipped.weight': 21 block\(s\) have a "
+                                                   r"negative absmax after double quant and non-zero codes"):
+        qf.read(os.path.join(DATA, "bnb_nf4_flipped.safetensors"))
