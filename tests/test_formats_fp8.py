@@ -29,6 +29,7 @@ SCHEMES = {  # weight -> the qcore scheme it reads as
     "model.layers.0.mlp.experts.gate_up_proj": "e4m3/block96:f32",  # fused experts [2, 16, 96], per channel
     "model.layers.0.self_attn.v_proj.weight": "e4m3",  # per tensor: a scale of shape []
     "model.layers.0.mlp.down_proj.weight": "e4m3/block128x128:f32",  # [136, 40]: DeepSeek's ceil grid [2, 1]
+    "model.layers.0.mlp.up_proj.weight": "e4m3/block32x64:ue8m0",  # scale_fmt ue8m0: float8_e8m0fnu scales
 }
 BLOCKED = [n for n, s in SCHEMES.items() if s == "e4m3/block128x128:f32"]
 
@@ -86,7 +87,8 @@ def test_without_the_config_the_grid_that_divides_gives_the_blocks(tmp_path):
     (np.ones(2, np.float32), r"a scale of shape \[2\] is not one per block"),
     (np.full((2, 1), -1.0, np.float32), r"scale 0 is -1.0; SPEC scales are finite and >= 0"),
     (np.full((2, 1), np.nan, np.float32), r"scale 0 is nan"),
-    (np.ones((2, 1), np.uint8), r"scale dtype uint8 is not f32, f16 or bf16"),
+    (np.ones((2, 1), np.uint8), r"scale dtype uint8 is not f32, f16, bf16 or float8_e8m0fnu"),
+    (np.full((2, 1), 255, np.uint8).view(ml_dtypes.float8_e8m0fnu), r"scale 0 is nan"),  # E8M0 byte 255
 ])
 def test_scales_it_cannot_place_or_hold_are_refused(tmp_path, scale, why):
     arrays = _arrays(MODEL)

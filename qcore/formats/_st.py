@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["array_support", "carried", "config_beside", "pop_json", "put_quantization_config", "read_arrays", "storable",
            "write_arrays"]
 
-_FLOAT8 = ("F8_E4M3", "F8_E5M2")  # read by qcore's own reader (ml_dtypes' float8 types)
+_FLOAT8 = ("F8_E4M3", "F8_E5M2", "F8_E8M0")  # read by qcore's own reader (ml_dtypes' float8 types)
 
 
 def storable(dtype: np.dtype) -> bool:

@@ -5,23 +5,25 @@ integration, `Fp8Dequantize`), for a weight `X` (`M.weight`; fused experts spell
 `M.experts.gate_up_proj`):
 
     X              float8_e4m3fn [..., m, n]
-    X_scale_inv    float32 (bf16 and f16 read too): [..., ceil(m / bm), ceil(n / bn)], one per
-                   bm x bn block (`weight_block_size` of the config, [128, 128] in DeepSeek-V3 and
-                   Qwen3; partial blocks at the bottom and right edges), [..., m, 1] per channel,
-                   or one value ([] or [1]) per tensor
+    X_scale_inv    float32 (bf16, f16, and float8_e8m0fnu for `scale_fmt: ue8m0`, read too):
+                   [..., ceil(m / bm), ceil(n / bn)], one per bm x bn block (`weight_block_size`
+                   of the config, [128, 128] in DeepSeek-V3 and Qwen3; partial blocks at the
+                   bottom and right edges), [..., m, 1] per channel, or one value ([] or [1])
+                   per tensor
     config.json    quantization_config {quant_method: fp8, activation_scheme, fmt: e4m3,
                    weight_block_size: [bm, bn] or null}
 
 Despite its name the scale multiplies: both decode `f32(X) * f32(scale)` in one f32 multiply per
-element (then cast to the model's dtype), which is SPEC's decode of qcore's `e4m3` with the same
-blocks and an f32 scale: `e4m3/block<bm>x<bn>:f32` (edge blocks partial as DeepSeek's grid has
-them), `e4m3/block<n>:f32` per channel, `e4m3` per tensor; the FP8 bytes are the values section
-as they are. The blocks come from the config's `weight_block_size` when the scale's grid is
-`ceil` of the weight by it (DeepSeek's kernel and vLLM use the config); otherwise from the grid
-itself when it divides the weight (`Fp8Dequantize`'s rule: block = weight / grid); a grid that
-is neither is refused. Activation scales (`M.activation_scale`, `M.input_scale`) and other
-tensors pass through as arrays. Refused, with the reason: scales that are negative, NaN or
-infinite (SPEC §2), E8M0 or other scale dtypes, and weights of fewer than 2 dims.
+element (then cast to the model's dtype; an E8M0 scale is `2^(byte - 127)`), which is SPEC's
+decode of qcore's `e4m3` with the same blocks and the stored scale dtype: `e4m3/block<bm>x<bn>:f32`
+(edge blocks partial as DeepSeek's grid has them), `e4m3/block<n>:f32` per channel, `e4m3` per
+tensor, `:ue8m0` for E8M0; the FP8 bytes are the values section as they are. The blocks come from
+the config's `weight_block_size` when the scale's grid is `ceil` of the weight by it (DeepSeek's
+kernel and vLLM use the config); otherwise from the grid itself when it divides the weight
+(`Fp8Dequantize`'s rule: block = weight / grid); a grid that is neither is refused. Activation
+scales (`M.activation_scale`, `M.input_scale`) and other tensors pass through as arrays. Refused,
+with the reason: scales that are negative, NaN or infinite (SPEC §2; an E8M0 byte of 255 is NaN),
+other scale dtypes, and weights of fewer than 2 dims.
 
 Writing takes `e4m3` tensors with f32 scales on the native store, all with the same 2-D blocks
 (`weight_block_size`) or all per tensor (`weight_block_size: null`), and puts the config beside
@@ -48,7 +50,8 @@ __all__ = ["Fp8Format", "SCALE_SUFFIX"]
 SCALE_SUFFIX = "_scale_inv"
 CONFIG_KEY = "fp8.config"  # the source's quantization_config, JSON (kept through conversions)
 _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
-_SCALE_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(ml_dtypes.bfloat16): "bf16"}
+_SCALE_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(ml_dtypes.bfloat16): "bf16",
+                 np.dtype(ml_dtypes.float8_e8m0fnu): "ue8m0"}  # E8M0: transformers' scale_fmt ue8m0
 
 
 def _config_block(cfg: dict | None) -> tuple[int, int] | None:
@@ -98,8 +101,7 @@ def _read_weight(w: np.ndarray, scale: np.ndarray, config: tuple[int, int] | Non
                                    "float8_e4m3fn weights of 2 or more dims")
     sdt = _SCALE_DTYPES.get(scale.dtype)
     if sdt is None:
-        raise UnrepresentableError(f"{where}: scale dtype {scale.dtype} is not f32, f16 or bf16 (an E8M0 scale has "
-                                   "no reader here)")
+        raise UnrepresentableError(f"{where}: scale dtype {scale.dtype} is not f32, f16, bf16 or float8_e8m0fnu")
     sch = _scheme(_block(tuple(w.shape), tuple(scale.shape), config, where), sdt)
     s = scale.astype(np.float32).reshape(-1)
     if not np.all(np.isfinite(s)) or np.any(s < 0):

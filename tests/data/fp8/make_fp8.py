@@ -5,7 +5,8 @@
 
 Writes `model.safetensors` (float8_e4m3fn weights, each with its f32 `X_scale_inv` as transformers'
 `Fp8Quantize` makes them: 128 x 128 blocks, a weight smaller than one block, per-channel scales
-`[m, 1]` (and `[e, m, 1]` of a fused-expert weight), a per-tensor scale of shape `[]`, and
+`[m, 1]` (and `[e, m, 1]` of a fused-expert weight), a per-tensor scale of shape `[]`, float8_e8m0fnu scales (`scale_fmt: ue8m0`, 32 x 64
+blocks that the grid gives), and
 128 x 128 blocks of a `[136, 40]` weight whose grid `[2, 1]` ends in partial blocks, as
 DeepSeek-V3's checkpoints have them where a dim is not a multiple of 128; plus an activation scale and a bf16 norm), `config.json`
 (`quant_method: fp8`, `weight_block_size: [128, 128]`) and `expected.safetensors`: each weight
@@ -35,6 +36,7 @@ WEIGHTS = {
     "model.layers.0.mlp.experts.gate_up_proj": ((2, 16, 96), (1, 96), torch.bfloat16),  # fused experts, per channel
     "model.layers.0.self_attn.v_proj.weight": ((32, 64), "tensor", torch.float32),  # one scale of shape []
     "model.layers.0.mlp.down_proj.weight": ((136, 40), "partial", torch.bfloat16),  # DeepSeek's ceil grid [2, 1]
+    "model.layers.0.mlp.up_proj.weight": ((64, 128), "ue8m0", torch.bfloat16),  # E8M0 scales, 32 x 64 blocks
 }
 
 
@@ -51,7 +53,8 @@ def quantize(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
     if block == "tensor":
         q, s = quantize(w, tuple(w.shape))
         return q, s.reshape(())
-    cfg = SimpleNamespace(weight_block_size=list(block or BLOCK), scale_fmt=None)
+    fmt = "ue8m0" if block == "ue8m0" else None  # transformers' scale_fmt: power-of-two float8_e8m0fnu scales
+    cfg = SimpleNamespace(weight_block_size=[32, 64] if fmt else list(block or BLOCK), scale_fmt=fmt)
     out = Fp8Quantize(SimpleNamespace(quantization_config=cfg))._quantize_one("x.weight", w)
     return out["x.weight"], out["x.weight_scale_inv"]
 
