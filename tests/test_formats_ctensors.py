@@ -507,10 +507,21 @@ def test_int_quantized_class_and_regex_targets_give_the_activations(tmp_path):
     static = {"num_bits": 8, "type": "int", "strategy": "tensor", "symmetric": True, "dynamic": False}
     dynamic = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True}
     groups = {"group_0": {"targets": ["Linear"], "input_activations": dynamic},
-              "group_1": {"targets": ["re:.*experts.*", "re:(["], "input_activations": static}}
+              "group_1": {"targets": ["re:.*experts.*", "lm_head"], "input_activations": static}}
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"config_groups": groups}}))
     acts = json.loads(qf.read(tmp_path / "model.safetensors").metadata["compressed-tensors.activations"])
     assert acts["layers.1.experts.w1.weight"] == static and acts["layers.0.q_proj.weight"] == dynamic
+
+
+@pytest.mark.parametrize("target", ["re:(a+)+$", "re:(["], ids=["exponential", "invalid"])
+def test_a_target_regex_that_could_hang_or_is_invalid_is_named(tmp_path, target):
+    """A config group's `re:` target is matched only when it is valid and bounded in time (the rule
+    of qcore's regex recipe rules); otherwise reading names it."""
+    (tmp_path / "model.safetensors").write_bytes(open(W8A8, "rb").read())
+    groups = {"group_0": {"targets": [target], "input_activations": {"num_bits": 8}}}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"config_groups": groups}}))
+    with pytest.raises(qcore.InvalidDataError, match=r"config group target .* is not a regex that matches in bounded"):
+        qf.read(tmp_path / "model.safetensors")
 
 
 def test_int_quantized_with_activation_ordering_is_refused(tmp_path):

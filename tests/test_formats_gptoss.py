@@ -238,3 +238,13 @@ def test_should_convert_is_transformers_rule(module, pattern, converts):
     from qcore.formats.gptoss import should_convert
 
     assert should_convert(module, [pattern]) is converts
+
+
+def test_a_source_pattern_that_could_hang_is_named(tmp_path):
+    """A modules_to_not_convert pattern that is no regex bounded in time (nested repetition) is
+    named when the config is written, not matched."""
+    _transformers_checkpoint(tmp_path / "a.safetensors")
+    source = {"quant_method": "mxfp4", "modules_to_not_convert": ["(model.+)+x"]}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": source}))
+    with pytest.raises(qcore.InvalidDataError, match=r"modules_to_not_convert pattern '\(model.\+\)\+x' is not a regex"):
+        qf.write(tmp_path / "b.safetensors", qf.read(tmp_path / "a.safetensors"), "gpt-oss")

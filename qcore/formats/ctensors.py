@@ -70,7 +70,6 @@ and the `quantization_config` a loader reads into the `config.json` beside it (`
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -81,6 +80,7 @@ from ..errors import InvalidDataError
 from ..io import VERSION_KEY
 from ..payload import QuantizedData
 from ..protocol import Support
+from ..recipe import MAX_REGEX_CHOICES, bounded_regex
 from ..scheme import OffsetKind, QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
 from . import _mx, _nvfp4
 from ._st import array_support, carried, config_beside, pop_json, put_quantization_config, read_arrays, write_arrays
@@ -275,8 +275,9 @@ def _modules(names: list[str]) -> dict[str, str]:
 def _input_activations(cfg: dict, mod: str) -> dict | None:
     """The `input_activations` of the config group that targets module `mod`, or None.
 
-    Targets match as compressed-tensors' `match_name` has it: `re:PATTERN` by `re.match`, any other
-    target by the exact module name. A target that starts with a capital letter is a class name
+    Targets match as compressed-tensors' `match_name` has it: `re:PATTERN` by `re.match` (a pattern
+    that is not valid or not bounded in time, `recipe.bounded_regex`, is an `InvalidDataError`), any
+    other target by the exact module name. A target that starts with a capital letter is a class name
     (`Linear`, W8A8's target); a file has no module classes, so it is taken to match every
     quantized module, after every group that names the module."""
     groups = cfg.get("config_groups")
@@ -289,10 +290,13 @@ def _input_activations(cfg: dict, mod: str) -> dict | None:
             if not isinstance(t, str):
                 continue
             if t.startswith("re:"):
-                try:
-                    hit = re.match(t[3:], mod) is not None
-                except re.error:  # a pattern Python cannot compile matches nothing
-                    hit = False
+                rx = bounded_regex(t[3:])
+                if rx is None:
+                    raise InvalidDataError(
+                        f"config.json: config group target {short_repr(t)} is not a regex that matches in bounded "
+                        "time (the rule for qcore's regex recipe rules: valid, no repetition or | inside a "
+                        f"repetition, at most {MAX_REGEX_CHOICES} variable repetitions); fix it or drop it")
+                hit = rx.match(mod) is not None
             else:
                 hit = t == mod
             if hit and by_name is None:
@@ -536,6 +540,7 @@ class CompressedTensorsFormat(Format):
 
     def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
         self.require(checkpoint)
+        config = quantization_config(checkpoint)  # before any byte is written: its metadata may be refused
         meta = dict(checkpoint.metadata)
         spelled = pop_json(meta, NAMES_KEY)
         meta.pop(CONFIG_KEY, None)
@@ -575,4 +580,4 @@ class CompressedTensorsFormat(Format):
                 arrays[f"{mod}.{ZERO}"] = _write_zero(value, scale.shape)
             arrays[f"{mod}.{SCALE}"] = scale.astype(sdt)
         write_arrays(path, arrays, meta)
-        write_config(path, checkpoint)
+        put_quantization_config(path, config)

@@ -26,17 +26,17 @@ tensor; option `zero_scale=spec` accepts it (bytes unchanged, decoded per SPEC).
 from __future__ import annotations
 
 import json
-import re
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, InvalidDataError
 from ..io import VERSION_KEY
 from ..payload import QuantizedData
 from ..protocol import Support
+from ..recipe import bounded_regex
 from . import _mx
 from ._st import array_support, carried, config_beside, pop_json, put_quantization_config, read_arrays, write_arrays
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
+from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
 
 __all__ = ["GptOssFormat"]
 
@@ -65,14 +65,15 @@ def _key_pair(v: object) -> bool:
 def should_convert(module: str, patterns: list[str]) -> bool:
     """transformers' `should_convert_module` (5.25): False when a pattern matches `module` as a regex
     from the start up to a module boundary ("layer.1" matches "layer.1.attn", not "layer.11.attn"),
-    or is a suffix of it; a pattern Python's `re` cannot compile matches by suffix only."""
-    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    or is a suffix of it. A pattern that is not a valid regex matching in bounded time
+    (`recipe.bounded_regex`) is an `InvalidDataError`, as it is an error in transformers."""
     for key in patterns:
-        try:
-            hit = re.match(rf"(?:{key}){boundary}", module) is not None
-        except re.error:
-            hit = False
-        if hit or module.endswith(key):
+        rx = bounded_regex(rf"(?:{key})(?:(?<=\.)|(?=\.|$))")
+        if rx is None:
+            raise InvalidDataError(
+                f"modules_to_not_convert pattern {short_repr(key)} is not a regex that matches in bounded time (the "
+                "rule for qcore's regex recipe rules); fix it or drop it from the source's config.json")
+        if rx.match(module) is not None or module.endswith(key):
             return False
     return True
 
@@ -171,6 +172,7 @@ class GptOssFormat(Format):
 
     def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
         self.require(checkpoint)
+        config = quantization_config(checkpoint)  # before any byte is written: its patterns may be refused
         meta = dict(checkpoint.metadata)
         spelled = pop_json(meta, NAMES_KEY)
         meta.pop(CONFIG_KEY, None)
@@ -185,4 +187,4 @@ class GptOssFormat(Format):
             else:
                 arrays[name] = value
         write_arrays(path, arrays, meta)
-        put_quantization_config(path, quantization_config(checkpoint))
+        put_quantization_config(path, config)
