@@ -26,7 +26,8 @@ beside an outlier (the zero blocks' absmax, 0 less the mean, quantized by the 8-
 and the mean added back, lands below 0); bnb_nf4_negative.ref.safetensors: their `dequantize_4bit`
 (-0.0 for every element of such a block). bnb_nf4_flipped.safetensors: a layer whose small
 non-zero blocks get a negative absmax beside a far larger outlier, so bitsandbytes decodes them
-with flipped signs, which qcore refuses.
+with flipped signs, which qcore re-quantizes only when asked; bnb_nf4_flipped.ref.safetensors: its
+`dequantize_4bit`.
 
     python scripts/make_bnb_fixture.py --check FILE OUT
 
@@ -114,8 +115,7 @@ def negative_absmax() -> None:
             state.update({f"{name}.{k}": v.contiguous() for k, v in lin.state_dict().items()})
             ref[f"{name}.weight"] = F.dequantize_4bit(lin.weight.data, lin.weight.quant_state).contiguous()
         save_file(state, os.path.join(OUT, f"{file}.safetensors"), metadata={"format": "pt"})
-        if file == "bnb_nf4_negative":
-            save_file(ref, os.path.join(OUT, f"{file}.ref.safetensors"))
+        save_file(ref, os.path.join(OUT, f"{file}.ref.safetensors"))
     print(f"wrote the negative-absmax layers; bitsandbytes {bnb.__version__}, torch {torch.__version__}")
 
 

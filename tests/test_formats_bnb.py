@@ -293,9 +293,39 @@ def test_a_negative_absmax_written_back_decodes_the_same(tmp_path):
     assert all(a[n].payload == b[n].payload for n in a if isinstance(a[n], qcore.QuantizedData))
 
 
-def test_a_negative_absmax_with_non_zero_codes_is_refused_naming_the_tensor():
+FLIPPED = os.path.join(DATA, "bnb_nf4_flipped.safetensors")  # scripts/make_bnb_fixture.py --negative
+
+
+def test_a_negative_absmax_with_non_zero_codes_is_refused_naming_the_tensor(tmp_path):
     """Beside a far larger outlier row, small blocks get a negative absmax and keep their codes:
-    bitsandbytes decodes them with flipped signs, which no scale >= 0 holds."""
-    with pytest.raises(UnrepresentableError, match=r"bitsandbytes tensor 'flipped.weight': 21 block\(s\) have a "
-                                                   r"negative absmax after double quant and non-zero codes"):
-        qf.read(os.path.join(DATA, "bnb_nf4_flipped.safetensors"))
+    bitsandbytes decodes them with flipped signs, which no scale >= 0 holds: reading and converting
+    without a scheme to re-quantize it refuse the tensor, saying how to go on."""
+    why = (r"bitsandbytes tensor 'flipped.weight': 21 block\(s\) have a negative absmax after double quant and "
+           r"non-zero codes .* pass requantize=SCHEME \(--requantize\)")
+    with pytest.raises(UnrepresentableError, match=why):
+        qf.read(FLIPPED)
+    with pytest.raises(UnrepresentableError, match=why):
+        qcore.convert(FLIPPED, tmp_path / "o.safetensors", "qcore")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_a_tensor_with_flipped_signs_is_requantized_from_bitsandbytes_decode(tmp_path, capsys):
+    """The reader hands over bitsandbytes' own decode of that tensor (`Checkpoint.refused`), bit for
+    bit its dequantize_4bit; --requantize quantizes only that tensor from it and reports the error."""
+    from qcore.cli import main
+
+    ck = qf.get("bitsandbytes").read(FLIPPED)
+    want = qf.read(os.path.join(DATA, "bnb_nf4_flipped.ref.safetensors")).tensors["flipped.weight"]
+    assert set(ck.refused) == {"flipped.weight"}
+    assert ck.tensors["flipped.weight"].tobytes() == want.tobytes() and ck.tensors["flipped.weight"].dtype == want.dtype
+    report = qcore.convert(FLIPPED, tmp_path / "o.safetensors", "bitsandbytes", requantize="nf4/block64:f32")
+    (row,) = report.tensors
+    assert not report.lossless and row.action == "requantized" and row.source == "float32, decoded by bitsandbytes"
+    assert 20 < row.sqnr < np.inf
+    got = decode(qf.read(tmp_path / "o.safetensors").tensors["flipped.weight"], qcore.backend("reference"))
+    assert np.max(np.abs(got - want)) == pytest.approx(row.max_err)
+    assert main(["convert", FLIPPED, str(tmp_path / "c.safetensors"), "--to", "qcore", "--requantize", "nf4"]) == 0
+    assert "1 re-quantized" in capsys.readouterr().out
+    assert main(["inspect", FLIPPED]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "21 block(s) have a negative absmax" in err

@@ -62,6 +62,9 @@ class Checkpoint:
     tensors: dict[str, Tensor] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     format: str = ""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Quantized tensors no qcore scheme holds exactly, name -> the reason: `tensors[name]` then holds
+    the values the tool's own decode gives, which only a re-quantization may use (`read_checked`)."""
 
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -263,11 +266,17 @@ def refuse_unread_quantized(plain: Mapping[str, tuple[str, tuple[int, ...]]], pa
             f"(name the format that holds it with --from, if qcore has one)")
 
 
-def read_checked(fmt: Format, path: PathLike) -> Checkpoint:
+def read_checked(fmt: Format, path: PathLike, *, requantizing: bool = False) -> Checkpoint:
     """`fmt.read(path)`, and no quantized tensor passed on as a plain array: codes beside their
     scale that the reader left as arrays (`unread_quantized`) are an `InvalidDataError` naming them,
-    so a layout no reader knows never crosses a conversion as if it were plain tensors."""
+    so a layout no reader knows never crosses a conversion as if it were plain tensors; a tensor
+    the reader refused (`Checkpoint.refused`) is its `UnrepresentableError`, unless `requantizing`
+    (the caller re-quantizes those from the tool's decoded values)."""
     checkpoint = fmt.read(path)
-    plain = {n: (v.dtype.name, tuple(v.shape)) for n, v in checkpoint.tensors.items() if isinstance(v, np.ndarray)}
+    refused = getattr(checkpoint, "refused", None) or {}
+    if refused and not requantizing:
+        raise UnrepresentableError(next(iter(refused.values())))
+    plain = {n: (v.dtype.name, tuple(v.shape)) for n, v in checkpoint.tensors.items()
+             if isinstance(v, np.ndarray) and n not in refused}
     refuse_unread_quantized(plain, path, fmt.name)
     return checkpoint

@@ -26,7 +26,8 @@ other codes with their signs flipped. A block whose values that gives are all ze
 exactly as scale +0 with, per element, the code of a negative table entry where the value is -0.0
 (`-t * +0 = -0`) and of a non-negative one where it is +0.0 (NF4: codes 0 and 7); a block with a
 negative absmax and a non-zero value is refused (a LOOKUP table with scales >= 0 cannot flip its
-signs). Refused too, with the reason: quant_type fp4 (its table holds +0 and -0 and is not
+signs): the reader gives bitsandbytes' decode of that tensor (in the layer's dtype) as refused
+(`Checkpoint.refused`), which `convert` re-quantizes when asked and otherwise reports. Refused too, with the reason: quant_type fp4 (its table holds +0 and -0 and is not
 increasing, which LOOKUP excludes), and absmax values that are not finite. Every size in the quant_state
 (`shape`, `blocksize`, `nested_blocksize`) is checked for its type and against the tensors the
 file holds before anything is allocated: a bad one is an `InvalidDataError` naming the field.
@@ -44,6 +45,7 @@ from __future__ import annotations
 import json
 import math
 
+import ml_dtypes
 import numpy as np
 
 from ..errors import InputError, InvalidDataError, SchemeError
@@ -62,6 +64,8 @@ _NF4 = np.asarray(PRESETS["nf4"].table, np.float32)
 _NF4_ZERO = int(np.argmin(np.abs(_NF4)))  # index 7
 _F32_MAX = float(np.finfo(np.float32).max)
 _PARTS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
+_LAYER_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+                 "float16": np.dtype(np.float16)}  # quant_state 'dtype': what dequantize_4bit casts to
 BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 """bitsandbytes' 4-bit blocksizes that qcore writes."""
 
@@ -158,12 +162,21 @@ def _tensor(arrays: dict[str, np.ndarray], w: str, st: dict) -> QuantizedData:
     return QuantizedData.from_parts(shape, sch, codes.reshape(shape), absmax)
 
 
+class _SignsFlipped(UnrepresentableError):
+    """A tensor no LOOKUP scheme holds exactly; `values` is bitsandbytes' f32 decode of it (flat)."""
+
+    def __init__(self, message: str, values: np.ndarray):
+        super().__init__(message)
+        self.values = values
+
+
 def _zero_blocks(codes: np.ndarray, absmax: np.ndarray, table: np.ndarray,
                  block: int) -> tuple[np.ndarray, np.ndarray]:
     """The codes and absmax with every block of a negative (or -0) absmax put in SPEC's terms: the
     values bitsandbytes decodes there, `f32(table[code] * absmax)`, must all be zeros, which scale
     +0 holds with a negative table entry's code where the value is -0.0 and a non-negative one's
-    where it is +0.0; a non-zero value (its sign flipped by the absmax) is `UnrepresentableError`."""
+    where it is +0.0; a non-zero value (its sign flipped by the absmax) is `_SignsFlipped`, which
+    carries bitsandbytes' decode of the whole tensor."""
     negative = np.signbit(absmax) & np.isfinite(absmax)   # a non-finite absmax is refused as invalid data
     if not negative.any():
         return codes, absmax
@@ -173,10 +186,12 @@ def _zero_blocks(codes: np.ndarray, absmax: np.ndarray, table: np.ndarray,
     flipped = np.unique(block_of[sel][values != 0])
     if flipped.size:
         b = int(flipped[0])
-        raise UnrepresentableError(
+        raise _SignsFlipped(
             f"{flipped.size} block(s) have a negative absmax after double quant and non-zero codes (block {b}: "
-            f"absmax {float(absmax[b])!r}), which bitsandbytes decodes with their signs flipped; a LOOKUP table "
-            "with scales >= 0 holds only blocks of zeros so (dequantize with bitsandbytes and quantize again)")
+            f"absmax {float(absmax[b])!r}), which bitsandbytes decodes with their signs flipped and a LOOKUP "
+            "table with scales >= 0 holds only for blocks of zeros; pass requantize=SCHEME (--requantize) to "
+            "re-quantize this tensor from bitsandbytes' decoded values",
+            table[codes] * absmax[block_of])
     below = np.flatnonzero(table < 0)
     at_or_above = np.flatnonzero(~np.signbit(table))
     if not below.size or not at_or_above.size:
@@ -248,6 +263,7 @@ class BnbNF4Format(Format):
         owned = {w + s for w in weights for s in _PARTS} | set(weights.values())
         tensors: dict[str, Tensor] = {}
         dtypes = {}
+        refused: dict[str, str] = {}
         for key, arr in arrays.items():
             if key in owned:
                 continue
@@ -257,6 +273,10 @@ class BnbNF4Format(Format):
             st = _state(arrays[weights[key]], f"{path}: '{weights[key]}'")
             try:
                 tensors[key] = _tensor(arrays, key, st)
+            except _SignsFlipped as e:  # bitsandbytes' own decode, cast to the layer's dtype as it does
+                layer = _LAYER_DTYPES.get(str(st.get("dtype", "float32")), np.dtype(np.float32))
+                tensors[key] = e.values.reshape(_shape(st)).astype(layer)
+                refused[key] = f"{path}: bitsandbytes tensor '{key}': {e}"
             except (KeyError, InvalidDataError, UnrepresentableError) as e:
                 what = f"lacks {e}" if isinstance(e, KeyError) else str(e)
                 raise (InvalidDataError if isinstance(e, KeyError) else type(e))(
@@ -268,4 +288,4 @@ class BnbNF4Format(Format):
                 f"{path}: '{weights[missing[0]]}' describes tensor '{missing[0]}', which the file lacks")
         if dtypes:
             meta = {**meta, DTYPES_KEY: json.dumps(dtypes, sort_keys=True)}
-        return Checkpoint(tensors, meta, self.name)
+        return Checkpoint(tensors, meta, self.name, refused)
