@@ -10,6 +10,7 @@ from .. import io as qio
 from ..console import console, escape, fmt_db, fmt_shape
 from ..errors import InputError
 from ..payload import QuantizedData
+from ..stfile import ST_DTYPES
 from .base import INDEX_SUFFIX, FormatNotFoundError, read_checked, refuse_unread_quantized, shards
 from .convert import convert
 from .registry import detect, formats, get
@@ -23,7 +24,6 @@ _PRIVATE = ("gguf.kv", "gpt-oss.names", "bitsandbytes.dtypes")
 _ST_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int8": "I8", "uint8": "U8",
              "int16": "I16", "int32": "I32", "int64": "I64", "uint16": "U16", "uint32": "U32", "uint64": "U64",
              "bool": "BOOL"}
-_NP_DTYPE = {**{st: name for name, st in _ST_DTYPE.items()}, "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 def format_of(path: str) -> str:
@@ -38,7 +38,7 @@ def format_of(path: str) -> str:
     if name == "qcore":
         plain: dict[str, tuple[str, tuple[int, ...]]] = {}
         for p in shards(path):
-            plain.update((e.name, (_NP_DTYPE.get(e.dtype, e.dtype), tuple(e.shape)))
+            plain.update((e.name, (ST_DTYPES[e.dtype].name if e.dtype in ST_DTYPES else e.dtype, tuple(e.shape)))
                          for e in qio.read_info(p).entries if e.scheme is None)
         refuse_unread_quantized(plain, path, name)
     return name
