@@ -56,7 +56,8 @@ except ImportError:  # pragma: no cover - Python 3.10
     import sre_constants as _sre  # type: ignore[no-redef]
     import sre_parse as _sre_parse  # type: ignore[no-redef]
 
-__all__ = ["KEEP", "DEFAULT_KEEP", "MAX_REGEX_NAME", "MAX_REGEX_CHOICES", "Rule", "Recipe", "Decision", "as_recipe"]
+__all__ = ["KEEP", "DEFAULT_KEEP", "MAX_REGEX_NAME", "MAX_REGEX_CHOICES", "Rule", "Recipe", "Decision", "as_recipe",
+           "bounded_regex"]
 
 KEEP = "keep"
 REGEX_PREFIX = "re:"
@@ -132,6 +133,16 @@ def _compile(pattern: str) -> re.Pattern[str]:
                          f"regex rules may hold {MAX_REGEX_CHOICES}, so that they match in bounded time: use a "
                          "glob, or drop a leading or trailing .* (a regex is searched anywhere in the name)")
     return rx
+
+
+def bounded_regex(text: str) -> re.Pattern[str] | None:
+    """`text` compiled when it is a valid regex that matches in bounded time by the rules of regex
+    recipe rules (module docstring), else None: how a regex read from a file (a loader's config)
+    is vetted before qcore matches names with it."""
+    try:
+        return _compile(REGEX_PREFIX + text)
+    except InputError:
+        return None
 
 
 @dataclass(frozen=True)

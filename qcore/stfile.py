@@ -34,7 +34,8 @@ ST_DTYPES: dict[str, np.dtype] = {
     "I32": np.dtype(np.int32), "U64": np.dtype(np.uint64), "I64": np.dtype(np.int64),
     "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16), "F32": np.dtype(np.float32),
     "F64": np.dtype(np.float64), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "C64": np.dtype(np.complex64),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "C64": np.dtype(np.complex64),
 }
 _BY_NP = {v: k for k, v in ST_DTYPES.items()}
 _MAX_HEADER = 100_000_000  # safetensors' own limit

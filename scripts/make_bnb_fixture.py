@@ -18,6 +18,17 @@ makes of them (`w.K` packed codes, `absmax.K`), with each case's blocksize in th
 ties at every midpoint, zero and tiny blocks, a partial last block, an odd element count and
 an f16 input. qcore's `codes:midpoint` rule must write the same bytes.
 
+    python scripts/make_bnb_fixture.py --negative
+
+writes bnb_nf4_negative.safetensors: double-quant layers whose absmax comes back negative, as
+bitsandbytes' own `quantize_4bit` with `compress_statistics` makes it where a row of zeros sits
+beside an outlier (the zero blocks' absmax, 0 less the mean, quantized by the 8-bit dynamic map
+and the mean added back, lands below 0); bnb_nf4_negative.ref.safetensors: their `dequantize_4bit`
+(-0.0 for every element of such a block). bnb_nf4_flipped.safetensors: a layer whose small
+non-zero blocks get a negative absmax beside a far larger outlier, so bitsandbytes decodes them
+with flipped signs, which qcore re-quantizes only when asked; bnb_nf4_flipped.ref.safetensors: its
+`dequantize_4bit`.
+
     python scripts/make_bnb_fixture.py --check FILE OUT
 
 checks the other direction with bitsandbytes' own code: FILE is a state dict qcore wrote
@@ -75,6 +86,39 @@ def main() -> None:
     print(f"wrote {len(state)} tensors; bitsandbytes {bnb.__version__}, torch {torch.__version__}")
 
 
+def negative_absmax() -> None:
+    def outlier_layer(rows: int, dtype: torch.dtype, outlier: float, zero_row: bool) -> torch.nn.Module:
+        """[rows, 256] of N(0, 0.02) with an outlier in row 3 (its first block, or the whole row
+        when there is no zero row) and row 5 all zeros."""
+        torch.manual_seed(2)
+        w = torch.randn(rows, 256) * 0.02
+        if zero_row:
+            w[3, :64], w[5] = outlier, 0.0
+        else:
+            w[3] = outlier
+        lin = bnb.nn.Linear4bit(256, rows, bias=False, compute_dtype=dtype, compress_statistics=True,
+                                quant_type="nf4", quant_storage=torch.uint8)
+        lin.weight = bnb.nn.Params4bit(w.to(dtype), requires_grad=False, compress_statistics=True,
+                                       quant_type="nf4", blocksize=64)
+        return lin.to("cpu")
+
+    def absmax(lin: torch.nn.Module) -> torch.Tensor:
+        qs = lin.weight.quant_state
+        return F.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
+
+    for file, layers in (("bnb_nf4_negative", {"zero_row.f32": outlier_layer(16, torch.float32, 2.0, True),
+                                               "zero_row.bf16": outlier_layer(16, torch.bfloat16, 3.0, True)}),
+                         ("bnb_nf4_flipped", {"flipped": outlier_layer(8, torch.float32, 10.0, False)})):
+        state, ref = {}, {}
+        for name, lin in layers.items():
+            assert (absmax(lin) < 0).any(), f"{name}: no negative absmax"
+            state.update({f"{name}.{k}": v.contiguous() for k, v in lin.state_dict().items()})
+            ref[f"{name}.weight"] = F.dequantize_4bit(lin.weight.data, lin.weight.quant_state).contiguous()
+        save_file(state, os.path.join(OUT, f"{file}.safetensors"), metadata={"format": "pt"})
+        save_file(ref, os.path.join(OUT, f"{file}.ref.safetensors"))
+    print(f"wrote the negative-absmax layers; bitsandbytes {bnb.__version__}, torch {torch.__version__}")
+
+
 def check(path: str, out: str) -> None:
     from safetensors.torch import load_file
 
@@ -121,5 +165,7 @@ if __name__ == "__main__":
         check(sys.argv[2], sys.argv[3])
     elif sys.argv[1:2] == ["--quantize"]:
         quantize_cases()
+    elif sys.argv[1:2] == ["--negative"]:
+        negative_absmax()
     else:
         main()

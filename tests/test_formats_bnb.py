@@ -263,3 +263,69 @@ def test_codes_midpoint_writes_bitsandbytes_quantize_bytes(tmp_path, request, be
     for name in blocks:
         assert got[name].tobytes() == t[f"w.{name}"].tobytes(), name
         assert got[f"{name}.absmax"].tobytes() == t[f"absmax.{name}"].astype("<f4").tobytes(), name
+
+
+NEGATIVE = os.path.join(DATA, "bnb_nf4_negative.safetensors")  # scripts/make_bnb_fixture.py --negative
+
+
+@pytest.mark.parametrize("name", ["zero_row.f32.weight", "zero_row.bf16.weight"])
+@pytest.mark.parametrize("be_name", ["reference", "lutcpu"])
+def test_a_negative_absmax_on_a_block_of_zeros_decodes_as_bitsandbytes(request, name, be_name):
+    """Double quant left the zero row's blocks with a negative absmax (bitsandbytes 0.50.2's own
+    file: a row of zeros beside an outlier); bitsandbytes decodes them to -0.0, and so does qcore,
+    bit for bit, the rest of the tensor included."""
+    be = get_backend(be_name, request)
+    d = qf.read(NEGATIVE).tensors[name]
+    want = qf.read(os.path.join(DATA, "bnb_nf4_negative.ref.safetensors")).tensors[name]
+    got = decode(d, be).astype(want.dtype)
+    assert got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes(), name
+    zeros = want.reshape(-1, 64).astype(np.float32)
+    negative_zero_blocks = np.flatnonzero(np.all(np.signbit(zeros) & (zeros == 0), axis=1))
+    assert negative_zero_blocks.size == 4  # the zero row's four blocks: -0.0 everywhere
+    assert np.all(d.scales().reshape(-1)[negative_zero_blocks] == 0)
+
+
+def test_a_negative_absmax_written_back_decodes_the_same(tmp_path):
+    """Written as bitsandbytes (no double quant), those blocks carry absmax +0 and the code of -1.0,
+    whose product is -0.0 again: the file reads back to the same payload."""
+    qcore.convert(NEGATIVE, tmp_path / "b.safetensors", "bitsandbytes")
+    a, b = qf.read(NEGATIVE).tensors, qf.read(tmp_path / "b.safetensors").tensors
+    assert all(a[n].payload == b[n].payload for n in a if isinstance(a[n], qcore.QuantizedData))
+
+
+FLIPPED = os.path.join(DATA, "bnb_nf4_flipped.safetensors")  # scripts/make_bnb_fixture.py --negative
+
+
+def test_a_negative_absmax_with_non_zero_codes_is_refused_naming_the_tensor(tmp_path):
+    """Beside a far larger outlier row, small blocks get a negative absmax and keep their codes:
+    bitsandbytes decodes them with flipped signs, which no scale >= 0 holds: reading and converting
+    without a scheme to re-quantize it refuse the tensor, saying how to go on."""
+    why = (r"bitsandbytes tensor 'flipped.weight': 21 block\(s\) have a negative absmax after double quant and "
+           r"non-zero codes .* pass requantize=SCHEME \(--requantize\)")
+    with pytest.raises(UnrepresentableError, match=why):
+        qf.read(FLIPPED)
+    with pytest.raises(UnrepresentableError, match=why):
+        qcore.convert(FLIPPED, tmp_path / "o.safetensors", "qcore")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_a_tensor_with_flipped_signs_is_requantized_from_bitsandbytes_decode(tmp_path, capsys):
+    """The reader hands over bitsandbytes' own decode of that tensor (`Checkpoint.refused`), bit for
+    bit its dequantize_4bit; --requantize quantizes only that tensor from it and reports the error."""
+    from qcore.cli import main
+
+    ck = qf.get("bitsandbytes").read(FLIPPED)
+    want = qf.read(os.path.join(DATA, "bnb_nf4_flipped.ref.safetensors")).tensors["flipped.weight"]
+    assert set(ck.refused) == {"flipped.weight"}
+    assert ck.tensors["flipped.weight"].tobytes() == want.tobytes() and ck.tensors["flipped.weight"].dtype == want.dtype
+    report = qcore.convert(FLIPPED, tmp_path / "o.safetensors", "bitsandbytes", requantize="nf4/block64:f32")
+    (row,) = report.tensors
+    assert not report.lossless and row.action == "requantized" and row.source == "float32, decoded by bitsandbytes"
+    assert 20 < row.sqnr < np.inf
+    got = decode(qf.read(tmp_path / "o.safetensors").tensors["flipped.weight"], qcore.backend("reference"))
+    assert np.max(np.abs(got - want)) == pytest.approx(row.max_err)
+    assert main(["convert", FLIPPED, str(tmp_path / "c.safetensors"), "--to", "qcore", "--requantize", "nf4"]) == 0
+    assert "1 re-quantized" in capsys.readouterr().out
+    assert main(["inspect", FLIPPED]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "21 block(s) have a negative absmax" in err

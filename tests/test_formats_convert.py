@@ -153,7 +153,7 @@ def test_cli_convert_errors_are_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("qcore: error: tensor 'blk.0.attn_q.weight'")
     assert main(["convert", str(src), str(tmp_path / "o.safetensors"), "--to", "onnx"]) == 1
     err = capsys.readouterr().err
-    assert "no checkpoint format named 'onnx'; registered: bitsandbytes, compressed-tensors, gguf, gpt-oss, qcore" in err
+    assert "no checkpoint format named 'onnx'; registered: bitsandbytes, compressed-tensors, fp8, gguf, gpt-oss, qcore" in err
     assert main(["convert", str(src), str(tmp_path / "o.safetensors"), "--to", "qcore", "--to-option", "x"]) == 1
     assert "--to-option takes KEY=VALUE, got 'x'" in capsys.readouterr().err
 

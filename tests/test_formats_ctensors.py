@@ -380,7 +380,6 @@ def test_bad_nvfp4_parts_and_scale_byte_255_are_refused(tmp_path):
     ("u4/block32:bf16/zero", (4, 64), "q4f's q + 8 and z + 8"),  # the tool's codes and zero points are signed
     ("u8/block32:f16/packed_u32/zero", (4, 64), "q8f's q + 128"),
     ("u4/block32:f16/min:f16", (4, 64), "holds q4f/q8f"),  # a min offset (GGUF Q4_1) is no zero point
-    ("q8f/block32:bf16/zero", (4, 64), "holds q4f/q8f"),  # native 8-bit store: the tool packs int32
     ("q4f/block32:f16/signed", (4, 64), "not signed"),  # negative scales, which the reader refuses
     ("q4f/block2x32:bf16/zero", (2, 4, 64), "along the last axis"),
     ("q4f/block12:bf16/zero", (4, 36), "partly filled"),
@@ -431,3 +430,117 @@ def test_mxfp4_moves_between_gpt_oss_compressed_tensors_and_gguf(tmp_path):
         assert qcore.convert(tmp_path / src, tmp_path / dst, to).lossless, (src, to)
     first, back = _arrays(tmp_path / "g.safetensors"), _arrays(tmp_path / "back.safetensors")
     assert {n: a.tobytes() for n, a in first.items()} == {n: a.tobytes() for n, a in back.items()}
+
+
+# --- int-quantized (W8A8): tests/data/ctensors_w8a8, written by the tool's IntQuantizationCompressor ---
+
+W8A8 = os.path.join(os.path.dirname(__file__), "data", "ctensors_w8a8", "model.safetensors")
+W8A8_SCHEMES = {  # module weight -> the qcore scheme it reads as: int8 codes on the native store
+    "layers.0.q_proj.weight": "q8f/block64:bf16",  # the W8A8 preset: int8 per channel (a row of 64)
+    "layers.0.k_proj.weight": "q8f/block16:f16",  # group 16
+    "layers.0.v_proj.weight": "q8f",  # tensor: one f32 scale
+    "layers.0.o_proj.weight": "q8f/block64:bf16/zero",  # asymmetric channel: int8 zero points, not packed
+    "layers.0.up_proj.weight": "q8f/block8x16:bf16",  # 8 x 16 blocks
+    "layers.0.down_proj.weight": "q8f/block32:bf16",  # num_bits 4: int8 codes in [-8, 7], as the tool stores them
+    "layers.1.experts.w1.weight": "q8f/block64:bf16",  # fused experts [2, 8, 64]
+}
+
+
+def test_int_quantized_reads_as_q8f_with_the_activation_scheme_in_metadata():
+    """A W8A8 checkpoint is compressed-tensors (not plain arrays): int8 weights as q8f on the native
+    store, the static activation scale and the norm as arrays, each module's input_activations from
+    its config group in metadata."""
+    assert qf.detect(W8A8).name == "compressed-tensors"
+    ck = qf.read(W8A8)
+    got = {k: str(v.scheme) for k, v in ck.tensors.items() if isinstance(v, qcore.QuantizedData)}
+    assert got == {k: str(qcore.scheme(v)) for k, v in W8A8_SCHEMES.items()}
+    assert ck.tensors["layers.1.experts.w1.weight"].shape == (2, 8, 64)
+    assert ck.tensors["layers.0.down_proj.input_scale"].dtype == np.float32
+    acts = json.loads(ck.metadata["compressed-tensors.activations"])
+    assert set(acts) == set(W8A8_SCHEMES)
+    assert acts["layers.0.q_proj.weight"] == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                              "dynamic": True, "group_size": None}  # W8A8: dynamic per token
+    assert acts["layers.0.down_proj.weight"]["strategy"] == "tensor" and not acts["layers.0.down_proj.weight"]["dynamic"]
+    codes = ck.tensors["layers.0.down_proj.weight"].codes()
+    assert codes.min() >= -8 and codes.max() <= 7  # the 4-bit module's int8 codes
+    assert np.any(ck.tensors["layers.0.o_proj.weight"].offsets() != 0)
+
+
+@pytest.mark.parametrize("name", list(W8A8_SCHEMES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int_quantized_decode_is_the_tools_own(request, backend, name):
+    """`(q - z) * scale` in the scale's dtype (IntQuantizationCompressor.decompress) is qcore's decode
+    rounded to that dtype, bit for bit, on every backend with the scheme (others skip, saying why)."""
+    be = get_backend(backend, request)
+    want = _arrays(os.path.join(os.path.dirname(W8A8), "expected.safetensors"))[name]
+    got = decode(qf.read(W8A8).tensors[name], be).astype(want.dtype)
+    assert got.shape == want.shape and got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes(), name
+
+
+def test_int_quantized_writes_back_the_tools_bytes_and_activations(tmp_path):
+    """compressed-tensors -> qcore's file -> compressed-tensors gives the tool's tensors byte for byte
+    and config groups of format int-quantized with each module's input_activations (the tool decodes
+    them: make_w8a8.py --check)."""
+    qcore.convert(W8A8, tmp_path / "q.safetensors", "qcore")
+    (tmp_path / "ct").mkdir()
+    report = qcore.convert(tmp_path / "q.safetensors", tmp_path / "ct" / "model.safetensors", "compressed-tensors")
+    assert report.lossless
+    src, back = _arrays(W8A8), _arrays(tmp_path / "ct" / "model.safetensors")
+    assert {n: (a.dtype, a.shape, a.tobytes()) for n, a in src.items()} == \
+        {n: (a.dtype, a.shape, a.tobytes()) for n, a in back.items()}
+    cfg = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    want = json.loads(open(os.path.join(os.path.dirname(W8A8), "config.json")).read())["quantization_config"]
+    assert cfg["format"] == "int-quantized"
+    got = {t: g for g in cfg["config_groups"].values() for t in g["targets"]}
+    for group in want["config_groups"].values():
+        (mod,) = group["targets"]
+        assert got[mod]["input_activations"] == group["input_activations"], mod
+        bits = {**group["weights"], "num_bits": 8}  # a 4-bit module's int8 codes are written as num_bits 8
+        assert got[mod]["weights"] == {k: bits[k] for k in got[mod]["weights"]}, mod
+
+
+def test_int_quantized_class_and_regex_targets_give_the_activations(tmp_path):
+    """Config groups that target modules by regex (`re:`) or by class name (`Linear`, W8A8's target)
+    give those modules their input_activations: a name match first, a class name for the rest."""
+    for f in ("model.safetensors", "expected.safetensors"):
+        (tmp_path / f).write_bytes(open(os.path.join(os.path.dirname(W8A8), f), "rb").read())
+    static = {"num_bits": 8, "type": "int", "strategy": "tensor", "symmetric": True, "dynamic": False}
+    dynamic = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True}
+    groups = {"group_0": {"targets": ["Linear"], "input_activations": dynamic},
+              "group_1": {"targets": ["re:.*experts.*", "lm_head"], "input_activations": static}}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"config_groups": groups}}))
+    acts = json.loads(qf.read(tmp_path / "model.safetensors").metadata["compressed-tensors.activations"])
+    assert acts["layers.1.experts.w1.weight"] == static and acts["layers.0.q_proj.weight"] == dynamic
+
+
+@pytest.mark.parametrize("target", ["re:(a+)+$", "re:(["], ids=["exponential", "invalid"])
+def test_a_target_regex_that_could_hang_or_is_invalid_is_named(tmp_path, target):
+    """A config group's `re:` target is matched only when it is valid and bounded in time (the rule
+    of qcore's regex recipe rules); otherwise reading names it."""
+    (tmp_path / "model.safetensors").write_bytes(open(W8A8, "rb").read())
+    groups = {"group_0": {"targets": [target], "input_activations": {"num_bits": 8}}}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"config_groups": groups}}))
+    with pytest.raises(qcore.InvalidDataError, match=r"config group target .* is not a regex that matches in bounded"):
+        qf.read(tmp_path / "model.safetensors")
+
+
+def test_int_quantized_with_activation_ordering_is_refused(tmp_path):
+    """A `weight_g_idx` (activation ordering) maps columns to scales out of order: refused, not passed on."""
+    arrays = _arrays(W8A8)
+    arrays["layers.0.k_proj.weight_g_idx"] = (np.arange(64, dtype=np.int32) * 7) % 4
+    save_file(arrays, str(tmp_path / "g.safetensors"))
+    with pytest.raises(UnrepresentableError, match="weight_g_idx .activation ordering"):
+        qf.read(tmp_path / "g.safetensors")
+
+
+def test_q8f_on_the_native_store_writes_as_int_quantized(tmp_path):
+    ref = qcore.backend("reference")
+    x = np.random.default_rng(8).standard_normal((4, 64)).astype(np.float32)
+    d = ref.into_data(ref.quantize(x, "q8f/block32:bf16/zero"))
+    qf.write(tmp_path / "model.safetensors", {"l.weight": d}, "compressed-tensors")
+    arrays = _arrays(tmp_path / "model.safetensors")
+    assert arrays["l.weight"].dtype == np.int8 and arrays["l.weight_zero_point"].shape == (4, 2)
+    cfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "int-quantized"
+    back = qf.read(tmp_path / "model.safetensors").tensors["l.weight"]
+    assert back.scheme == d.scheme and back.payload == d.payload

@@ -1,5 +1,6 @@
 """gpt-oss MXFP4 (`W.blocks` uint8 [..., G, 16] + `W.scales` uint8 [..., G]) <-> qcore mxfp4."""
 
+import json
 import os
 
 import ml_dtypes
@@ -171,3 +172,79 @@ def test_transformers_decode_matches_bit_for_bit(request, be_name):
         assert got.shape == want.shape and want.dtype == ml_dtypes.bfloat16
         bad = got.view(np.uint16) != want.view(np.uint16)
         assert not bad.any(), f"{name}: {int(bad.sum())} of {bad.size} values differ"
+
+
+# gpt-oss-20b's config.json ships these modules_to_not_convert patterns
+GPT_OSS_PATTERNS = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def _transformers_checkpoint(path):
+    """gpt-oss as transformers names it: the experts' mxfp4 weights beside their plain bf16 biases."""
+    rng = np.random.default_rng(2)
+    bf = lambda *s: rng.standard_normal(s).astype(ml_dtypes.bfloat16)  # noqa: E731
+    exp = "model.layers.0.mlp.experts"
+    save_file({f"{exp}.gate_up_proj_blocks": rng.integers(0, 256, (2, 8, 1, 16), dtype=np.uint8),
+               f"{exp}.gate_up_proj_scales": rng.integers(118, 130, (2, 8, 1), dtype=np.uint8),
+               f"{exp}.gate_up_proj_bias": bf(2, 8), f"{exp}.down_proj_bias": bf(2, 4),
+               f"{exp}.down_proj_blocks": rng.integers(0, 256, (2, 4, 1, 16), dtype=np.uint8),
+               f"{exp}.down_proj_scales": rng.integers(118, 130, (2, 4, 1), dtype=np.uint8),
+               "model.layers.0.mlp.router.weight": bf(2, 32), "model.layers.0.self_attn.q_proj.weight": bf(32, 32),
+               "model.embed_tokens.weight": bf(10, 32), "lm_head.weight": bf(10, 32), "model.norm.weight": bf(32)},
+              str(path))
+
+
+def test_config_never_lists_a_module_holding_mxfp4_weights(tmp_path):
+    """The experts module holds mxfp4 weights and plain biases: it must match no pattern, or
+    transformers' `should_convert_module` would leave the experts unconverted."""
+    from qcore.formats.gptoss import should_convert
+
+    _transformers_checkpoint(tmp_path / "a.safetensors")
+    qf.write(tmp_path / "b.safetensors", qf.read(tmp_path / "a.safetensors"), "gpt-oss")
+    got = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert got == ["lm_head", "model.embed_tokens", "model.layers.0.mlp.router", "model.layers.0.self_attn.q_proj",
+                   "model.norm"]
+    assert should_convert("model.layers.0.mlp.experts", got)
+    assert not should_convert("model.layers.0.self_attn.q_proj", got)
+
+
+def test_config_keeps_the_sources_wildcard_patterns(tmp_path):
+    """gpt-oss's own patterns come back as they were (other keys of its quantization_config too);
+    a pattern that would match a module holding mxfp4 weights is dropped."""
+    from qcore.formats.gptoss import should_convert
+
+    _transformers_checkpoint(tmp_path / "a.safetensors")
+    source = {"quant_method": "mxfp4", "modules_to_not_convert": GPT_OSS_PATTERNS + ["model.layers.0.mlp"]}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "quantization_config": source}))
+    (tmp_path / "out").mkdir()
+    qcore.convert(tmp_path / "a.safetensors", tmp_path / "q.safetensors", "qcore")  # carried through qcore's file
+    qcore.convert(tmp_path / "q.safetensors", tmp_path / "out" / "b.safetensors", "gpt-oss")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert cfg == {"quant_method": "mxfp4", "modules_to_not_convert": GPT_OSS_PATTERNS}
+    assert should_convert("model.layers.0.mlp.experts", cfg["modules_to_not_convert"])
+    assert not should_convert("model.layers.7.self_attn", cfg["modules_to_not_convert"])
+
+
+@pytest.mark.parametrize("module,pattern,converts", [
+    ("model.layers.11.attn", "model.layers.1", True),  # a module boundary ends the match
+    ("model.layers.1.attn", "model.layers.1", False),
+    ("model.layers.11.self_attn", "model.layers.*.self_attn", False),  # a regex
+    ("model.layers.0.mlp.gate_proj", "mlp.gate", True),
+    ("model.decoder.layers.23.fc1", "fc1", False),  # a suffix
+    ("model.layers.0.mlp.experts", "model.layers.0.mlp", False),  # a parent skips its children
+])
+def test_should_convert_is_transformers_rule(module, pattern, converts):
+    """The examples of transformers 5.25's `should_convert_module` comments, and a parent module
+    (checked against the function itself: the same answer on 120 module x pattern pairs)."""
+    from qcore.formats.gptoss import should_convert
+
+    assert should_convert(module, [pattern]) is converts
+
+
+def test_a_source_pattern_that_could_hang_is_named(tmp_path):
+    """A modules_to_not_convert pattern that is no regex bounded in time (nested repetition) is
+    named when the config is written, not matched."""
+    _transformers_checkpoint(tmp_path / "a.safetensors")
+    source = {"quant_method": "mxfp4", "modules_to_not_convert": ["(model.+)+x"]}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": source}))
+    with pytest.raises(qcore.InvalidDataError, match=r"modules_to_not_convert pattern '\(model.\+\)\+x' is not a regex"):
+        qf.write(tmp_path / "b.safetensors", qf.read(tmp_path / "a.safetensors"), "gpt-oss")

@@ -40,10 +40,10 @@ def plugins(monkeypatch):
 
 
 def test_builtins_in_detection_order():
-    assert list(qf.formats()) == ["bitsandbytes", "torchao", "gguf", "compressed-tensors", "gpt-oss", "qcore"]
+    assert list(qf.formats()) == ["bitsandbytes", "torchao", "gguf", "compressed-tensors", "fp8", "gpt-oss", "qcore"]
     assert all(f.description for f in qf.formats().values())
     assert [n for n, f in qf.formats().items() if f.writable] == [
-        "bitsandbytes", "torchao", "gguf", "compressed-tensors", "gpt-oss", "qcore"]
+        "bitsandbytes", "torchao", "gguf", "compressed-tensors", "fp8", "gpt-oss", "qcore"]
 
 
 def test_detects_each_kind_of_file(tmp_path):
@@ -57,7 +57,7 @@ def test_detects_each_kind_of_file(tmp_path):
 
 
 def test_unknown_name():
-    with pytest.raises(FormatNotFoundError, match=r"no checkpoint format named 'nope'; registered: bitsandbytes, compressed-tensors, gguf"):
+    with pytest.raises(FormatNotFoundError, match=r"no checkpoint format named 'nope'; registered: bitsandbytes, compressed-tensors, fp8, gguf"):
         qf.get("nope")
 
 
@@ -74,7 +74,7 @@ def test_broken_plugins_are_recorded_not_fatal(plugins):
         name = "gguf"
 
     plugins.extend([_EP("bad", ImportError("no module named foo")), _EP("thief", Thief), _EP("empty", object())])
-    assert set(qf.formats()) == {"bitsandbytes", "compressed-tensors", "gguf", "gpt-oss", "qcore", "torchao"}
+    assert set(qf.formats()) == {"bitsandbytes", "compressed-tensors", "fp8", "gguf", "gpt-oss", "qcore", "torchao"}
     errors = qf.plugin_errors()
     assert errors["bad"] == "ImportError: no module named foo"
     assert errors["thief"] == "ValueError: format name 'gguf' is already taken"

@@ -1,20 +1,21 @@
 """Checkpoint formats of other tools: detect, read, write and convert, bit-exactly or not at all.
 
 Built in: `qcore` (qcore's own safetensors), `gpt-oss` (MXFP4 blocks/scales), `gguf` (Q8_0, MXFP4;
-needs `pip install qcore-quant[formats]`), `compressed-tensors` (int4/int8, FP8, mxfp4),
-`torchao` (NVFP4) and `bitsandbytes` (nf4). Other packages add formats
+needs `pip install qcore-quant[formats]`), `compressed-tensors` (int4/int8, W8A8 int8, FP8, mxfp4,
+nvfp4), `fp8` (DeepSeek/Qwen-style FP8 with `weight_scale_inv`), `torchao` (NVFP4) and
+`bitsandbytes` (nf4). Other packages add formats
 through the `qcore.formats` entry point group (see `registry`). What each format holds exactly, and
 what it refuses, is in docs/formats.md.
 
 >>> import qcore.formats as qf
 >>> sorted(qf.formats())
-['bitsandbytes', 'gguf', 'gpt-oss', 'qcore']
+['bitsandbytes', 'compressed-tensors', 'fp8', 'gguf', 'gpt-oss', 'qcore', 'torchao']
 """
 from __future__ import annotations
 
 from typing import Mapping
 
-from .base import Checkpoint, Format, FormatNotFoundError, PathLike, Probe, Tensor, UnrepresentableError
+from .base import Checkpoint, Format, FormatNotFoundError, PathLike, Probe, Tensor, UnrepresentableError, read_checked
 from .convert import ConvertReport, TensorReport, convert, describe
 from .registry import GROUP, detect, formats, get, plugin_errors, register, reset
 
@@ -26,9 +27,11 @@ __all__ = [
 
 
 def read(path: PathLike, format: str | None = None, **options: str) -> Checkpoint:
-    """Read a file in `format` (None: detected) into qcore terms; exact or `UnrepresentableError`."""
+    """Read a file in `format` (None: detected) into qcore terms; exact or `UnrepresentableError`.
+    A quantized tensor the reader leaves as a plain array (codes beside their scale) is an
+    `InvalidDataError` (`base.read_checked`)."""
     fmt = get(format) if format is not None else detect(path)
-    return fmt.with_options(**options).read(path)
+    return read_checked(fmt.with_options(**options), path)
 
 
 def write(path: PathLike, tensors: Mapping[str, Tensor] | Checkpoint, format: str,

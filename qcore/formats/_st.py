@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with numpy, so safetensors can read them)
@@ -16,10 +17,10 @@ from .base import PathLike, shards, short_repr
 if TYPE_CHECKING:
     from ..protocol import Support
 
-__all__ = ["array_support", "carried", "pop_json", "put_quantization_config", "read_arrays", "storable",
+__all__ = ["array_support", "carried", "config_beside", "pop_json", "put_quantization_config", "read_arrays", "storable",
            "write_arrays"]
 
-_FLOAT8 = ("F8_E4M3", "F8_E5M2")  # read by qcore's own reader (ml_dtypes' float8 types)
+_FLOAT8 = ("F8_E4M3", "F8_E5M2", "F8_E8M0")  # read by qcore's own reader (ml_dtypes' float8 types)
 
 
 def storable(dtype: np.dtype) -> bool:
@@ -103,8 +104,6 @@ def put_quantization_config(path: PathLike, config: dict) -> str:
     """Put `config` as `quantization_config` into the `config.json` beside `path`, which loaders
     (transformers, vLLM) dispatch on; other keys of an existing config.json are kept and the file
     is replaced atomically. Returns the config's path."""
-    import os
-
     cfg_path = os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), "config.json")
     cfg: dict = {}
     if os.path.exists(cfg_path):
@@ -124,3 +123,22 @@ def put_quantization_config(path: PathLike, config: dict) -> str:
 
     qio.atomic_write(cfg_path, put)
     return cfg_path
+
+
+def config_beside(path: PathLike) -> dict | None:
+    """The `quantization_config` of a `config.json` in the checkpoint's folder, if there is one
+    (None when the file is missing or not JSON); a file nested deeper than Python's JSON parser
+    goes is an `InvalidDataError` (a RecursionError otherwise)."""
+    p = os.fspath(path)
+    folder = p if os.path.isdir(p) else os.path.dirname(os.path.abspath(p))
+    cfg_path = os.path.join(folder, "config.json")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f).get("quantization_config")
+        json.dumps(cfg)  # what `read` does with it: nested as deep as the parser allowed, it may not encode
+    except (OSError, ValueError, AttributeError):
+        return None
+    except RecursionError:
+        raise InvalidDataError(f"{cfg_path} is nested too deeply for Python's JSON parser, so its "
+                               "'quantization_config' cannot be read; fix the file or move it away") from None
+    return cfg if isinstance(cfg, dict) else None

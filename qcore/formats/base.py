@@ -15,7 +15,7 @@ import os
 import reprlib
 import struct
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Mapping, Union
 
 import numpy as np
 
@@ -32,8 +32,11 @@ __all__ = [
     "UnrepresentableError",
     "model_folder",
     "parse_json",
+    "read_checked",
+    "refuse_unread_quantized",
     "shards",
     "short_repr",
+    "unread_quantized",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -64,6 +67,9 @@ class Checkpoint:
     """The model folder the checkpoint was read from (a transformers checkpoint directory with its
     `config.json` and tokenizer files), or None for a single file; a writer may read the model's
     hyper-parameters and tokenizer from it (GGUF does)."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Quantized tensors no qcore scheme holds exactly, name -> the reason: `tensors[name]` then holds
+    the values the tool's own decode gives, which only a re-quantization may use (`read_checked`)."""
 
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -235,3 +241,60 @@ class Format:
 
     def __repr__(self) -> str:
         return f"<format {self.name}>"
+
+
+# The dtypes quantized codes are stored in (int8 / uint8 / int32 words, float8, 4-bit ml_dtypes).
+_CODE_DTYPES = frozenset({"int8", "uint8", "int32", "uint32", "int4", "uint4", "float4_e2m1fn", "float8_e4m3fn",
+                          "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz"})
+# How a scale tensor is named beside the codes `X` it belongs to, as the tools spell it:
+# compressed-tensors / ModelOpt `M.weight_scale` (`_scale_2`), DeepSeek `M.weight_scale_inv`,
+# bitsandbytes `W.absmax` and LLM.int8 `M.weight.SCB`, and `X.scale(s)` / `X_scales`.
+_SCALE_SUFFIXES = ("_scale", "_scale_inv", "_scale_2", "_scales", ".scale", ".scales", ".absmax", ".SCB")
+# Codes whose scales are named by replacing the end of their name: gpt-oss `W.blocks` + `W.scales`,
+# GPTQ / AWQ `M.qweight` + `M.scales`.
+_SCALE_RENAMES = (("blocks", "scales"), ("qweight", "scales"))
+
+
+def unread_quantized(plain: Mapping[str, str]) -> tuple[str, str] | None:
+    """(codes, scale) names of the first plain tensor that holds quantized codes no reader decoded,
+    given the plain tensors' numpy dtype names: a tensor of a code dtype (int8, uint8, int32,
+    float8, 4-bit) beside a scale named as the tools name one (`X_scale`, `X_scale_inv`, `X.absmax`,
+    `W.blocks` + `W.scales`, ...); None if there is none."""
+    for name, dtype in plain.items():
+        if dtype not in _CODE_DTYPES:
+            continue
+        companions = [name + suffix for suffix in _SCALE_SUFFIXES]
+        companions += [name[: -len(end)] + new for end, new in _SCALE_RENAMES if name.endswith(end)]
+        for c in companions:
+            if c in plain and c != name:
+                return name, c
+    return None
+
+
+def refuse_unread_quantized(plain: Mapping[str, tuple[str, tuple[int, ...]]], path: PathLike, reader: str) -> None:
+    """Raise `InvalidDataError` when `unread_quantized` finds codes among the plain tensors
+    ({name: (numpy dtype name, shape)}) that the `reader` format left undecoded."""
+    found = unread_quantized({n: d for n, (d, _) in plain.items()})
+    if found is not None:
+        codes, scale = found
+        dtype, shape = plain[codes]
+        raise InvalidDataError(
+            f"{os.fspath(path)}: tensor '{codes}' ({dtype} {list(shape)}) beside '{scale}' is a quantized tensor "
+            f"in a layout the {reader} reader does not decode; qcore does not pass it on as a plain array "
+            f"(name the format that holds it with --from, if qcore has one)")
+
+
+def read_checked(fmt: Format, path: PathLike, *, requantizing: bool = False) -> Checkpoint:
+    """`fmt.read(path)`, and no quantized tensor passed on as a plain array: codes beside their
+    scale that the reader left as arrays (`unread_quantized`) are an `InvalidDataError` naming them,
+    so a layout no reader knows never crosses a conversion as if it were plain tensors; a tensor
+    the reader refused (`Checkpoint.refused`) is its `UnrepresentableError`, unless `requantizing`
+    (the caller re-quantizes those from the tool's decoded values)."""
+    checkpoint = fmt.read(path)
+    refused = getattr(checkpoint, "refused", None) or {}
+    if refused and not requantizing:
+        raise UnrepresentableError(next(iter(refused.values())))
+    plain = {n: (v.dtype.name, tuple(v.shape)) for n, v in checkpoint.tensors.items()
+             if isinstance(v, np.ndarray) and n not in refused}
+    refuse_unread_quantized(plain, path, fmt.name)
+    return checkpoint

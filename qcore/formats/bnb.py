@@ -19,8 +19,16 @@ nested_absmax[i // nested_blocksize]) + f32(nested_offset)`, which gives f32 abs
 Where the tensor is 1-D or its last dim is a multiple of the blocksize, the flattened blocks are
 qcore's per-axis blocks and the scheme is the v1 one; otherwise (blocks that cross rows) it is
 `q4s-lookup[nf4]/block<B>:f32:flat`, blocks over the flattened tensor (docs/spec.md E7).
-Refused, with the reason: quant_type fp4 (its table holds +0 and -0 and is not increasing, which
-LOOKUP excludes), and absmax values that are negative or not finite. Every size in the quant_state
+Double quant can give a block a negative absmax: a block of zeros beside an outlier, whose absmax
+(0 less the mean, quantized by the 8-bit dynamic map, the mean added back) lands below 0.
+bitsandbytes decodes it all the same, `quant_map[code] * absmax`: -0.0 for a code of 0.0, the
+other codes with their signs flipped. A block whose values that gives are all zeros is read
+exactly as scale +0 with, per element, the code of a negative table entry where the value is -0.0
+(`-t * +0 = -0`) and of a non-negative one where it is +0.0 (NF4: codes 0 and 7); a block with a
+negative absmax and a non-zero value is refused (a LOOKUP table with scales >= 0 cannot flip its
+signs): the reader gives bitsandbytes' decode of that tensor (in the layer's dtype) as refused
+(`Checkpoint.refused`), which `convert` re-quantizes when asked and otherwise reports. Refused too, with the reason: quant_type fp4 (its table holds +0 and -0 and is not
+increasing, which LOOKUP excludes), and absmax values that are not finite. Every size in the quant_state
 (`shape`, `blocksize`, `nested_blocksize`) is checked for its type and against the tensors the
 file holds before anything is allocated: a bad one is an `InvalidDataError` naming the field.
 
@@ -37,6 +45,7 @@ from __future__ import annotations
 import json
 import math
 
+import ml_dtypes
 import numpy as np
 
 from ..errors import InputError, InvalidDataError, SchemeError
@@ -55,6 +64,8 @@ _NF4 = np.asarray(PRESETS["nf4"].table, np.float32)
 _NF4_ZERO = int(np.argmin(np.abs(_NF4)))  # index 7
 _F32_MAX = float(np.finfo(np.float32).max)
 _PARTS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
+_LAYER_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+                 "float16": np.dtype(np.float16)}  # quant_state 'dtype': what dequantize_4bit casts to
 BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 """bitsandbytes' 4-bit blocksizes that qcore writes."""
 
@@ -147,7 +158,48 @@ def _tensor(arrays: dict[str, np.ndarray], w: str, st: dict) -> QuantizedData:
     absmax = _absmax(arrays, w, st)
     if absmax.size != -(-n // block):
         raise InvalidDataError(f"'{w}' has {absmax.size} absmax values; shape {list(shape)} needs {-(-n // block)}")
-    return QuantizedData.from_parts(shape, sch, codes[:n].reshape(shape), absmax)
+    codes, absmax = _zero_blocks(codes[:n], absmax, table, block)
+    return QuantizedData.from_parts(shape, sch, codes.reshape(shape), absmax)
+
+
+class _SignsFlipped(UnrepresentableError):
+    """A tensor no LOOKUP scheme holds exactly; `values` is bitsandbytes' f32 decode of it (flat)."""
+
+    def __init__(self, message: str, values: np.ndarray):
+        super().__init__(message)
+        self.values = values
+
+
+def _zero_blocks(codes: np.ndarray, absmax: np.ndarray, table: np.ndarray,
+                 block: int) -> tuple[np.ndarray, np.ndarray]:
+    """The codes and absmax with every block of a negative (or -0) absmax put in SPEC's terms: the
+    values bitsandbytes decodes there, `f32(table[code] * absmax)`, must all be zeros, which scale
+    +0 holds with a negative table entry's code where the value is -0.0 and a non-negative one's
+    where it is +0.0; a non-zero value (its sign flipped by the absmax) is `_SignsFlipped`, which
+    carries bitsandbytes' decode of the whole tensor."""
+    negative = np.signbit(absmax) & np.isfinite(absmax)   # a non-finite absmax is refused as invalid data
+    if not negative.any():
+        return codes, absmax
+    block_of = np.arange(codes.size) // block
+    sel = negative[block_of]
+    values = table[codes[sel]] * absmax[block_of[sel]]  # bitsandbytes' f32 product, element by element
+    flipped = np.unique(block_of[sel][values != 0])
+    if flipped.size:
+        b = int(flipped[0])
+        raise _SignsFlipped(
+            f"{flipped.size} block(s) have a negative absmax after double quant and non-zero codes (block {b}: "
+            f"absmax {float(absmax[b])!r}), which bitsandbytes decodes with their signs flipped and a LOOKUP "
+            "table with scales >= 0 holds only for blocks of zeros; pass requantize=SCHEME (--requantize) to "
+            "re-quantize this tensor from bitsandbytes' decoded values",
+            table[codes] * absmax[block_of])
+    below = np.flatnonzero(table < 0)
+    at_or_above = np.flatnonzero(~np.signbit(table))
+    if not below.size or not at_or_above.size:
+        raise UnrepresentableError("a block of zeros with a negative absmax needs a table with a negative and a "
+                                   "non-negative entry (for -0.0 and +0.0 at scale 0)")
+    codes = codes.copy()
+    codes[sel] = np.where(np.signbit(values), below[0], at_or_above[0]).astype(np.uint8)
+    return codes, np.where(negative, np.float32(0), absmax).astype(np.float32)
 
 
 def _write_check(value: QuantizedData) -> Support:
@@ -211,6 +263,7 @@ class BnbNF4Format(Format):
         owned = {w + s for w in weights for s in _PARTS} | set(weights.values())
         tensors: dict[str, Tensor] = {}
         dtypes = {}
+        refused: dict[str, str] = {}
         for key, arr in arrays.items():
             if key in owned:
                 continue
@@ -220,6 +273,10 @@ class BnbNF4Format(Format):
             st = _state(arrays[weights[key]], f"{path}: '{weights[key]}'")
             try:
                 tensors[key] = _tensor(arrays, key, st)
+            except _SignsFlipped as e:  # bitsandbytes' own decode, cast to the layer's dtype as it does
+                layer = _LAYER_DTYPES.get(str(st.get("dtype", "float32")), np.dtype(np.float32))
+                tensors[key] = e.values.reshape(_shape(st)).astype(layer)
+                refused[key] = f"{path}: bitsandbytes tensor '{key}': {e}"
             except (KeyError, InvalidDataError, UnrepresentableError) as e:
                 what = f"lacks {e}" if isinstance(e, KeyError) else str(e)
                 raise (InvalidDataError if isinstance(e, KeyError) else type(e))(
@@ -231,4 +288,4 @@ class BnbNF4Format(Format):
                 f"{path}: '{weights[missing[0]]}' describes tensor '{missing[0]}', which the file lacks")
         if dtypes:
             meta = {**meta, DTYPES_KEY: json.dumps(dtypes, sort_keys=True)}
-        return Checkpoint(tensors, meta, self.name)
+        return Checkpoint(tensors, meta, self.name, refused=refused)

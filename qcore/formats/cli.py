@@ -10,7 +10,8 @@ from .. import io as qio
 from ..console import console, escape, fmt_db, fmt_shape
 from ..errors import InputError
 from ..payload import QuantizedData
-from .base import INDEX_SUFFIX, FormatNotFoundError, shards
+from ..stfile import ST_DTYPES
+from .base import INDEX_SUFFIX, FormatNotFoundError, read_checked, refuse_unread_quantized, shards
 from .convert import convert
 from .registry import detect, formats, get
 
@@ -27,11 +28,20 @@ _ST_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": 
 
 def format_of(path: str) -> str:
     """The name of the format `path` is in; "qcore" for qcore files, plain safetensors, and paths no
-    format claims (qcore's own reader then says what is wrong with them)."""
+    format claims (qcore's own reader then says what is wrong with them). A qcore or plain
+    safetensors file whose plain tensors hold quantized codes beside their scale is an
+    `InvalidDataError` here (`base.refuse_unread_quantized`), before a command describes them."""
     try:
-        return detect(path).name
+        name = detect(path).name
     except (FormatNotFoundError, OSError):
         return "qcore"
+    if name == "qcore":
+        plain: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for p in shards(path):
+            plain.update((e.name, (ST_DTYPES[e.dtype].name if e.dtype in ST_DTYPES else e.dtype, tuple(e.shape)))
+                         for e in qio.read_info(p).entries if e.scheme is None)
+        refuse_unread_quantized(plain, path, name)
+    return name
 
 
 def read_info(path: str) -> tuple[qio.FileInfo, str]:
@@ -43,7 +53,7 @@ def read_info(path: str) -> tuple[qio.FileInfo, str]:
         fmt = get("qcore")
     if fmt.name == "qcore" and os.path.isfile(path) and not os.fspath(path).endswith(INDEX_SUFFIX):
         return qio.read_info(path), fmt.name
-    ck = fmt.read(path)
+    ck = read_checked(fmt, path)
     entries = []
     for name, v in ck.tensors.items():
         if isinstance(v, QuantizedData):

@@ -1,9 +1,11 @@
 """Moving a checkpoint between formats: bytes rearranged where the target holds the source exactly.
 
-`convert` never re-quantizes on its own. A quantized tensor the target cannot hold exactly is an
+`convert` never re-quantizes on its own. A quantized tensor the target cannot hold exactly, or
+one the reader could not hold exactly (`Checkpoint.refused`: the tool's decoded values), is an
 `UnrepresentableError`, unless the caller names a scheme to re-quantize it with; then the tensor is
-dequantized, quantized again, and the report gives its error (SQNR and max |err| against the
-source's decoded values). Float and integer tensors are copied as they are.
+dequantized (or taken as the tool decoded it), quantized again, and the report gives its error
+(SQNR and max |err| against the source's decoded values). Float and integer tensors are copied as
+they are.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import numpy as np
 from ..errors import InputError
 from ..payload import QuantizedData
 from ..scheme import QuantScheme, scheme as parse_scheme
-from .base import Checkpoint, Format, PathLike, Tensor, UnrepresentableError, model_folder
+from .base import Checkpoint, Format, PathLike, Tensor, UnrepresentableError, model_folder, read_checked
 from .registry import detect, get
 
 __all__ = ["ConvertReport", "TensorReport", "convert", "describe", "error_stats"]
@@ -81,10 +83,15 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
     """Read `src` (its format detected, or `src_format`) and write it to `dst` as format `to`.
 
     Every quantized tensor the target holds exactly moves byte for byte (rearranged, never
-    re-quantized). A model folder (`src` a directory or its index) is passed to the writer as
-    `Checkpoint.folder`, so GGUF can write the model's config.json and tokenizer. One it cannot hold raises `UnrepresentableError` before anything is written,
-    unless `requantize` names a scheme: then it is dequantized and quantized again on `backend`
-    (None: $QCORE_BACKEND, else auto), and its error is in the report.
+    re-quantized); codes the reader left as a plain array beside their scale are an
+    `InvalidDataError` (`base.read_checked`), so "copied" is only ever a float or integer tensor
+    and a report without re-quantized tensors is lossless. A tensor the target cannot hold, or one
+    the reader refused (no qcore scheme holds the tool's values exactly, `Checkpoint.refused`),
+    raises `UnrepresentableError` before anything is written, unless `requantize` names a scheme:
+    then it is quantized again on `backend` (None: $QCORE_BACKEND, else auto) from its decoded
+    values (the refused one from the tool's own decode), and its error is in the report. A model
+    folder (`src` a directory or its index) is passed to the writer as `Checkpoint.folder`, so GGUF
+    can write the model's config.json and tokenizer.
     """
     s, d = os.fspath(src), os.fspath(dst)
     if os.path.abspath(s) == os.path.abspath(d):
@@ -93,29 +100,34 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
     writer = _format(to, write_options)
     if not writer.writable:
         raise UnrepresentableError(f"format '{writer.name}' is read-only in this qcore; convert to another format")
-    checkpoint = reader.read(s)
     target = parse_scheme(requantize) if requantize is not None else None
+    # no quantized tensor passes as a plain array; those the reader refused only with a target
+    checkpoint = read_checked(reader, s, requantizing=target is not None)
     report = ConvertReport(s, d, reader.name, writer.name)
     out: dict[str, Tensor] = {}
     for name, value in checkpoint.tensors.items():
-        ok = writer.check(name, value)
-        if not ok and isinstance(value, QuantizedData) and value.scheme.low_order is not value.scheme:
-            low = value.in_low_order()  # a field order the target lacks (E6): the fields re-packed
-            if writer.check(name, low):
-                value, ok = low, writer.check(name, low)
-        if ok:
-            action = "rearranged" if isinstance(value, QuantizedData) else "copied"
-            out[name] = value
-            report.tensors.append(TensorReport(name, tuple(value.shape), describe(value), describe(value), action))
-            continue
-        if target is None or not isinstance(value, QuantizedData):
-            way = "; pass requantize=SCHEME (--requantize) to re-quantize it and report the error" \
-                if isinstance(value, QuantizedData) else ""   # a plain tensor's reason names its way out
-            raise UnrepresentableError(
-                f"tensor '{name}' ({describe(value)}, shape {list(value.shape)}) cannot be written as "
-                f"{writer.name} exactly: {ok.reason}{way}"
-            )
-        out[name], row = _requantize(name, value, target, backend)
+        source = None
+        if name in checkpoint.refused:  # the tool's decoded values of a tensor no scheme holds exactly
+            source = f"{describe(value)}, decoded by {reader.name}"
+        else:
+            ok = writer.check(name, value)
+            if not ok and isinstance(value, QuantizedData) and value.scheme.low_order is not value.scheme:
+                low = value.in_low_order()  # a field order the target lacks (E6): the fields re-packed
+                if writer.check(name, low):
+                    value, ok = low, writer.check(name, low)
+            if ok:
+                action = "rearranged" if isinstance(value, QuantizedData) else "copied"
+                out[name] = value
+                report.tensors.append(TensorReport(name, tuple(value.shape), describe(value), describe(value), action))
+                continue
+            if target is None or not isinstance(value, QuantizedData):
+                way = "; pass requantize=SCHEME (--requantize) to re-quantize it and report the error" \
+                    if isinstance(value, QuantizedData) else ""   # a plain tensor's reason names its way out
+                raise UnrepresentableError(
+                    f"tensor '{name}' ({describe(value)}, shape {list(value.shape)}) cannot be written as "
+                    f"{writer.name} exactly: {ok.reason}{way}"
+                )
+        out[name], row = _requantize(name, value, target, backend, source)
         again = writer.check(name, out[name])
         if not again:
             raise UnrepresentableError(
@@ -126,12 +138,14 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
     return report
 
 
-def _requantize(name: str, value: QuantizedData, target: QuantScheme,
-                backend: Any) -> tuple[QuantizedData, TensorReport]:
+def _requantize(name: str, value: Tensor, target: QuantScheme, backend: Any,
+                source: str | None = None) -> tuple[QuantizedData, TensorReport]:
+    """`value` (a payload, or the values a tool decoded) quantized as `target`, with its error."""
     from ..registry import backend as get_backend
 
     be = get_backend(backend)
-    x = be.from_data(value).numpy()
+    x = be.from_data(value).numpy() if isinstance(value, QuantizedData) else np.asarray(value)
     new = be.quantize(x, target).to_data()
     sqnr, max_err = error_stats(x, be.from_data(new).numpy())
-    return new, TensorReport(name, value.shape, str(value.scheme), str(target), "requantized", sqnr, max_err)
+    return new, TensorReport(name, tuple(value.shape), source or describe(value), str(target), "requantized", sqnr,
+                             max_err)

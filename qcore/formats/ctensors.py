@@ -1,6 +1,6 @@
 """compressed-tensors checkpoints (llm-compressor's output, which vLLM loads): `pack-quantized`
-integers (symmetric or asymmetric), `float-quantized` FP8, `mxfp4-pack-quantized` and
-`nvfp4-pack-quantized` weights.
+integers (symmetric or asymmetric), `int-quantized` int8 (W8A8), `float-quantized` FP8,
+`mxfp4-pack-quantized` and `nvfp4-pack-quantized` weights.
 
 Layout (compressed-tensors 0.20), per quantized module `M` of a safetensors file:
 
@@ -30,6 +30,14 @@ along the last axis: each shape below then gains the leading dims).
   packed one for tensor / block, bits set past the last row, an int8 one outside a 4-bit range)
   is refused, and so is one on a float weight (a float zero point, which qcore's integer zero
   points are not).
+* `int-quantized` (the naive compressor's int format, W8A8's): `M.weight` int8 `[..., m, n]`, one
+  code per byte whatever `num_bits` is (a 4-bit code is an int8 in [-8, 7]), `M.weight_scale` as
+  above (or 2-D blocks), and with `symmetric: false` an int8 `M.weight_zero_point` in the scale's
+  shape (never packed); dequantize `(q - z) * scale` in the scale's dtype. That is qcore's `q8f`
+  on its native store (the int8 bytes as they are) with the same blocks, `/zero` with zero points.
+  The activations' scheme (`input_activations` of the module's config group, W8A8's dynamic int8
+  per token) is no part of the weight: it is kept per module in metadata
+  `compressed-tensors.activations` and written back into the config group.
 * `float-quantized`: `M.weight` float8_e4m3fn `[m, n]`, `M.weight_scale` as above (or 2-D blocks,
   `[m / bm, n / bn]`); dequantize `weight * scale`. That is qcore's `e4m3` with the same blocks.
 * `mxfp4-pack-quantized`: `M.weight_packed` uint8 `[m, n / 2]` (element 2k in the low nibble),
@@ -62,7 +70,6 @@ and the `quantization_config` a loader reads into the `config.json` beside it (`
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -73,16 +80,18 @@ from ..errors import InvalidDataError
 from ..io import VERSION_KEY
 from ..payload import QuantizedData
 from ..protocol import Support
+from ..recipe import MAX_REGEX_CHOICES, bounded_regex
 from ..scheme import OffsetKind, QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
 from . import _mx, _nvfp4
-from ._st import array_support, carried, pop_json, put_quantization_config, read_arrays, write_arrays
+from ._st import array_support, carried, config_beside, pop_json, put_quantization_config, read_arrays, write_arrays
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
 
 __all__ = ["CompressedTensorsFormat", "quantization_config", "write_config"]
 
 NAMES_KEY = "compressed-tensors.names"  # JSON {qcore name: module prefix}: restores the file's spelling
+ACTIVATIONS_KEY = "compressed-tensors.activations"  # JSON {qcore name: the module's input_activations}
 CONFIG_KEY = "compressed-tensors.config"  # the source's quantization_config, JSON (kept through conversions)
-PACKED, SCALE, SHAPE, ZERO, FP8 = "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight"
+PACKED, SCALE, SHAPE, ZERO, WEIGHT = "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight"
 _SCALE_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(ml_dtypes.bfloat16): "bf16"}
 _DTYPE_OF_SCALE = {name: dtype for dtype, name in _SCALE_DTYPES.items()}
 _INT_VALUES = {4: QuantValue.Q4F, 8: QuantValue.Q8F}
@@ -93,7 +102,7 @@ _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 class _Kind:
     """What a qcore scheme is in compressed-tensors terms."""
 
-    format: str  # "pack-quantized" or "float-quantized"
+    format: str  # "pack-quantized", "int-quantized", "float-quantized", "mxfp4-..." or "nvfp4-pack-quantized"
     bits: int
     type: str  # "int" or "float"
 
@@ -104,6 +113,7 @@ NVFP4_ARGS = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 1
               "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}  # its NVFP4 preset (NVFP4A16)
 NVFP4 = parse_scheme("e2m1/block16:ue4m3/tensor:f32:recip/packed_native")
 GLOBAL = "weight_global_scale"
+G_IDX = "weight_g_idx"
 NV_BLOCK = _nvfp4.BLOCK
 
 
@@ -116,6 +126,9 @@ def _kind(s: QuantScheme) -> _Kind | None:
             s.store.dim == 0 and not s.two_level and not s.signed and \
             (s.offset is None or s.offset.kind is OffsetKind.ZERO):  # packed along the last axis
         return _Kind("pack-quantized", s.bits, "int")
+    if s.value is QuantValue.Q8F and s.store.kind is StoreKind.NATIVE and not s.two_level and not s.signed and \
+            (s.offset is None or s.offset.kind is OffsetKind.ZERO):  # int8 codes as they are
+        return _Kind("int-quantized", 8, "int")
     if s.value is QuantValue.E4M3 and s.store.kind is StoreKind.NATIVE and not s.two_level:
         return _Kind("float-quantized", 8, "float")
     return None
@@ -148,19 +161,23 @@ def _block_text(shape: tuple[int, ...], scale_shape: tuple[int, ...], where: str
 
 
 def _scheme_for(value: QuantValue, shape: tuple[int, ...], scale: np.ndarray, where: str,
-                zero: bool = False) -> QuantScheme:
+                zero: bool = False, packed: bool = True) -> QuantScheme:
+    """The qcore scheme of a weight of `value` codes whose scale is `scale`; integer codes are on
+    `packed_u32` when `packed` (pack-quantized), else on the native store (int-quantized's int8)."""
     sdt = _SCALE_DTYPES.get(scale.dtype)
     if sdt is None:
         raise UnrepresentableError(f"{where}: scale dtype {scale.dtype} is not f32, f16 or bf16")
     block = _block_text(shape, tuple(scale.shape), where)
-    store = "/packed_u32" if value in (QuantValue.Q4F, QuantValue.Q8F) else ""
+    store = "/packed_u32" if packed and value in (QuantValue.Q4F, QuantValue.Q8F) else ""
     return parse_scheme(f"{value.value}/{block}:{sdt}{store}{'/zero' if zero else ''}")
 
 
 def _zero_packed(s: QuantScheme) -> bool:
-    """Whether the tool packs this scheme's zero points into int32 (its `PACK_ZP_STRATS`: group
-    and channel, i.e. blocks along the last axis) rather than keeping them int8 (tensor, block)."""
-    return s.block is not None and not (len(s.block.dims) == 2 and s.block.dims[0] > 1)
+    """Whether the tool packs this scheme's zero points into int32 (pack-quantized's `PACK_ZP_STRATS`:
+    group and channel, i.e. blocks along the last axis) rather than keeping them int8 (tensor, block,
+    and every int-quantized weight)."""
+    return s.store.kind is StoreKind.PACKED_U32 and s.block is not None and \
+        not (len(s.block.dims) == 2 and s.block.dims[0] > 1)
 
 
 def _read_zero(zp: np.ndarray, s: QuantScheme, grid: tuple[int, ...], where: str) -> bytes:
@@ -189,8 +206,9 @@ def _read_zero(zp: np.ndarray, s: QuantScheme, grid: tuple[int, ...], where: str
     else:
         if zp.dtype != np.int8 or zp.size != int(np.prod(grid, dtype=np.int64)):
             raise UnrepresentableError(
-                f"{where}: {ZERO} is {zp.dtype} {list(zp.shape)}; for tensor / block scales compressed-tensors "
-                f"keeps one int8 zero point per scale ({int(np.prod(grid, dtype=np.int64))})")
+                f"{where}: {ZERO} is {zp.dtype} {list(zp.shape)}; for tensor / block scales and int-quantized "
+                f"weights compressed-tensors keeps one int8 zero point per scale "
+                f"({int(np.prod(grid, dtype=np.int64))})")
         z = zp.astype(np.int16)
         if z.size and (z.min() < qmin or z.max() > qmax):
             raise UnrepresentableError(f"{where}: a zero point outside the {bits}-bit range [{qmin}, {qmax}]")
@@ -243,19 +261,57 @@ def _flip(words: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _modules(names: list[str]) -> dict[str, str]:
-    """{module prefix: "pack" | "fp8"} for every quantized module whose tensors are in `names`."""
+    """{module prefix: "pack" | "naive"} for every quantized module whose tensors are in `names`
+    (`weight_packed`, or a `weight` of int8 / FP8 codes, beside a `weight_scale`)."""
     have = set(names)
     out = {}
     for n in names:
-        for suffix, kind in (("." + PACKED, "pack"), ("." + FP8, "fp8")):
+        for suffix, kind in (("." + PACKED, "pack"), ("." + WEIGHT, "naive")):
             if n.endswith(suffix) and n[: -len(suffix)] + "." + SCALE in have:
                 out[n[: -len(suffix)]] = kind
     return out
 
 
+def _input_activations(cfg: dict, mod: str) -> dict | None:
+    """The `input_activations` of the config group that targets module `mod`, or None.
+
+    Targets match as compressed-tensors' `match_name` has it: `re:PATTERN` by `re.match` (a pattern
+    that is not valid or not bounded in time, `recipe.bounded_regex`, is an `InvalidDataError`), any
+    other target by the exact module name. A target that starts with a capital letter is a class name
+    (`Linear`, W8A8's target); a file has no module classes, so it is taken to match every
+    quantized module, after every group that names the module."""
+    groups = cfg.get("config_groups")
+    if not isinstance(groups, dict) or not isinstance(mod, str):
+        return None
+    by_name = by_class = None
+    for group in groups.values():
+        targets = group.get("targets") if isinstance(group, dict) else None
+        for t in targets if isinstance(targets, list) else []:
+            if not isinstance(t, str):
+                continue
+            if t.startswith("re:"):
+                rx = bounded_regex(t[3:])
+                if rx is None:
+                    raise InvalidDataError(
+                        f"config.json: config group target {short_repr(t)} is not a regex that matches in bounded "
+                        "time (the rule for qcore's regex recipe rules: valid, no repetition or | inside a "
+                        f"repetition, at most {MAX_REGEX_CHOICES} variable repetitions); fix it or drop it")
+                hit = rx.match(mod) is not None
+            else:
+                hit = t == mod
+            if hit and by_name is None:
+                by_name = group
+            elif t[:1].isupper() and by_class is None:
+                by_class = group
+    acts = (by_name or by_class or {}).get("input_activations")
+    return acts if isinstance(acts, dict) else None
+
+
 def quantization_config(checkpoint: Checkpoint) -> dict:
     """The `quantization_config` of `config.json` for the quantized tensors of a checkpoint
-    (one config group per distinct weight argument set, targeting its modules by name)."""
+    (one config group per distinct weight argument set and activation scheme, targeting its modules
+    by name); a module's `input_activations` are the ones read (metadata `compressed-tensors.activations`)."""
+    acts_of = pop_json(dict(checkpoint.metadata), ACTIVATIONS_KEY)
     groups: dict[str, dict] = {}
     formats = set()
     for name, value in checkpoint.tensors.items():
@@ -281,8 +337,10 @@ def quantization_config(checkpoint: Checkpoint) -> dict:
                 args["strategy"] = "channel"
             else:
                 args.update(strategy="group", group_size=int(dims[-1]))
-        key = json.dumps(args, sort_keys=True)
-        group = groups.setdefault(key, {"targets": [], "weights": args, "input_activations": None,
+        acts = carried(acts_of, ACTIVATIONS_KEY, name, lambda v: isinstance(v, dict), "a JSON object (the "
+                       "module's input_activations)")
+        key = json.dumps([args, acts], sort_keys=True)
+        group = groups.setdefault(key, {"targets": [], "weights": args, "input_activations": acts,
                                         "output_activations": None, "format": kind.format})
         group["targets"].append(_module(name))
     fmt = formats.pop() if len(formats) == 1 else "mixed-precision"
@@ -337,7 +395,8 @@ def write_config(path: PathLike, checkpoint: Checkpoint) -> str:
 class CompressedTensorsFormat(Format):
     name = "compressed-tensors"
     description = ("compressed-tensors safetensors (llm-compressor, vLLM): pack-quantized int4/int8 "
-                   "(symmetric or with zero points), float-quantized FP8, mxfp4- and nvfp4-pack-quantized "
+                   "(symmetric or with zero points), int-quantized int8 (W8A8), float-quantized FP8, mxfp4- and "
+                   "nvfp4-pack-quantized "
                    "weights; config.json quantization_config")
     priority = 10
 
@@ -346,8 +405,8 @@ class CompressedTensorsFormat(Format):
             return False
         head = probe.safetensors_header or {}
         for mod, kind in _modules(probe.tensor_names).items():
-            dtype = head[f"{mod}.{PACKED if kind == 'pack' else FP8}"].get("dtype")
-            if (kind, dtype) in (("pack", "I32"), ("pack", "U8"), ("fp8", "F8_E4M3")):
+            dtype = head[f"{mod}.{PACKED if kind == 'pack' else WEIGHT}"].get("dtype")
+            if (kind, dtype) in (("pack", "I32"), ("pack", "U8"), ("naive", "F8_E4M3"), ("naive", "I8")):
                 return True
         return False
 
@@ -360,11 +419,16 @@ class CompressedTensorsFormat(Format):
         for mod, kind in modules.items():
             where = f"{path}: module '{mod}'"
             zp = arrays.get(f"{mod}.{ZERO}")
-            if zp is not None and (kind != "pack" or arrays[f"{mod}.{PACKED}"].dtype != np.int32):
+            codes = arrays[f"{mod}.{PACKED if kind == 'pack' else WEIGHT}"]
+            if zp is not None and codes.dtype != (np.int32 if kind == "pack" else np.int8):
                 raise UnrepresentableError(
-                    f"{where} is asymmetric ({mod}.{ZERO}) and not pack-quantized int: a float weight's zero point "
+                    f"{where} is asymmetric ({mod}.{ZERO}) and not an int weight: a float weight's zero point "
                     f"is a float, which qcore's zero points (integers of the value, docs/spec.md E5) are not; "
-                    "only int4 / int8 pack-quantized weights are read with zero points")
+                    "only pack-quantized int4 / int8 and int-quantized weights are read with zero points")
+            if f"{mod}.{G_IDX}" in arrays:
+                raise UnrepresentableError(
+                    f"{where} has {mod}.{G_IDX} (activation ordering: column k takes the scale of group g_idx[k]), "
+                    "which qcore's blocks of consecutive columns cannot hold")
             scale = arrays[f"{mod}.{SCALE}"]
             if kind == "pack" and arrays[f"{mod}.{PACKED}"].dtype == np.uint8:  # FP4: mxfp4 or nvfp4
                 name = f"{mod}.weight"
@@ -388,15 +452,16 @@ class CompressedTensorsFormat(Format):
                 sch = _scheme_for(_INT_VALUES[bits], shape, scale, where, zero=zp is not None)
                 values = _flip(packed, bits).tobytes()  # qcore's values section, word for word
                 used |= {f"{mod}.{PACKED}", f"{mod}.{SHAPE}", f"{mod}.{SCALE}", f"{mod}.{ZERO}"}
-            else:
-                w = arrays[f"{mod}.{FP8}"]
-                if w.dtype != _FP8 or w.ndim < 2:
-                    raise UnrepresentableError(f"{where}: {FP8} is {w.dtype} {list(w.shape)}, not float8_e4m3fn of "
-                                               "2 or more dims")
+            else:  # int-quantized int8 or float-quantized FP8: one code per byte, as qcore's native store
+                w = arrays[f"{mod}.{WEIGHT}"]
+                value = {_FP8: QuantValue.E4M3, np.dtype(np.int8): QuantValue.Q8F}.get(w.dtype)
+                if value is None or w.ndim < 2:
+                    raise UnrepresentableError(f"{where}: {WEIGHT} is {w.dtype} {list(w.shape)}, not float8_e4m3fn "
+                                               "(float-quantized) or int8 (int-quantized) of 2 or more dims")
                 shape = tuple(w.shape)
-                sch = _scheme_for(QuantValue.E4M3, shape, scale, where)
-                values = np.ascontiguousarray(w).view(np.uint8).tobytes()  # E4M3 codes are the bytes
-                used |= {f"{mod}.{FP8}", f"{mod}.{SCALE}"}
+                sch = _scheme_for(value, shape, scale, where, zero=zp is not None, packed=False)
+                values = np.ascontiguousarray(w).view(np.uint8).tobytes()  # E4M3 codes / int8 codes are the bytes
+                used |= {f"{mod}.{WEIGHT}", f"{mod}.{SCALE}", f"{mod}.{ZERO}"}
             name = f"{mod}.weight"
             words = sch.slot_dtype.traits.encode(_scales_f32(scale, where).reshape(-1))
             offsets = b"" if zp is None else _read_zero(zp, sch, tuple(layout.grid_shape(shape, sch)), where)
@@ -407,9 +472,12 @@ class CompressedTensorsFormat(Format):
                 if key in tensors:
                     raise UnrepresentableError(f"{path}: tensor '{key}' collides with a quantized module's name")
                 tensors[key] = arr
-        cfg = _config_beside(path)
+        cfg = config_beside(path)
         if cfg is not None:
             meta = {**meta, CONFIG_KEY: json.dumps(cfg, sort_keys=True)}
+            acts = {name: a for name, mod in names.items() if (a := _input_activations(cfg, mod)) is not None}
+            if acts:
+                meta = {**meta, ACTIVATIONS_KEY: json.dumps(acts, sort_keys=True)}
         if names:
             meta = {**meta, NAMES_KEY: json.dumps(names, sort_keys=True)}
         return Checkpoint(tensors, meta, self.name)
@@ -453,7 +521,8 @@ class CompressedTensorsFormat(Format):
                     hint = (f"; its int codes and zero points are signed: {s.value.value}'s q and z are "
                             f"q{s.bits}f's q + {half} and z + {half}, the same values")
                 return Support.no(f"compressed-tensors holds q4f/q8f (packed_u32 along the last axis; symmetric, or "
-                                  f"asymmetric with zero points: .../zero), e4m3 weights with f32/f16/bf16 scales (not "
+                                  f"asymmetric with zero points: .../zero), q8f on the native store (int-quantized), "
+                                  f"e4m3 weights with f32/f16/bf16 scales (not "
                                   f"signed), mxfp4 and nvfp4 with a reciprocal global ({NVFP4}), got {s}{hint}")
             if len(value.shape) < 2:
                 return Support.no(f"compressed-tensors weights are at least 2-D, got shape {list(value.shape)}")
@@ -464,16 +533,18 @@ class CompressedTensorsFormat(Format):
             dims = (1, 1) if s.block is None else (1, *s.block.dims)[-2:]
             if m % dims[0] or n % dims[1]:
                 return Support.no(f"blocks {list(dims)} do not tile shape {list(value.shape)} (partial edge blocks)")
-            if s.value in _INT_VALUES.values() and n % (32 // s.bits):
+            if _kind(s).format == "pack-quantized" and n % (32 // s.bits):
                 return Support.no(f"{n} columns leave a partly filled int32 word")
             return Support.yes()
         return array_support(value)
 
     def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
         self.require(checkpoint)
+        config = quantization_config(checkpoint)  # before any byte is written: its metadata may be refused
         meta = dict(checkpoint.metadata)
         spelled = pop_json(meta, NAMES_KEY)
         meta.pop(CONFIG_KEY, None)
+        meta.pop(ACTIVATIONS_KEY, None)
         arrays: dict[str, np.ndarray] = {}
         for name, value in checkpoint.tensors.items():
             if not isinstance(value, QuantizedData):
@@ -496,33 +567,17 @@ class CompressedTensorsFormat(Format):
             sdt = _DTYPE_OF_SCALE[s.slot_dtype.value]
             scales = value.scales()  # the block grid ([..., m, n / b] or [m / bm, n / bn]); per-tensor: shape ()
             scale = scales.reshape(1) if s.block is None else scales
-            if _kind(s).type == "int":
+            fmt = _kind(s).format
+            if fmt == "pack-quantized":
                 words = np.frombuffer(value.values_bytes(), np.uint32).reshape(*lead, n * s.bits // 32)
                 arrays[f"{mod}.{PACKED}"] = _flip(words, s.bits).view(np.int32)
                 arrays[f"{mod}.{SHAPE}"] = np.array(value.shape, dtype=np.int64)
-                if s.offset is not None:
-                    arrays[f"{mod}.{ZERO}"] = _write_zero(value, scale.shape)
+            elif fmt == "int-quantized":
+                arrays[f"{mod}.{WEIGHT}"] = value.codes().reshape(value.shape).astype(np.int8)
             else:
-                arrays[f"{mod}.{FP8}"] = value.codes().reshape(value.shape).view(_FP8)
+                arrays[f"{mod}.{WEIGHT}"] = value.codes().reshape(value.shape).view(_FP8)
+            if s.offset is not None:
+                arrays[f"{mod}.{ZERO}"] = _write_zero(value, scale.shape)
             arrays[f"{mod}.{SCALE}"] = scale.astype(sdt)
         write_arrays(path, arrays, meta)
-        write_config(path, checkpoint)
-
-
-def _config_beside(path: PathLike) -> dict | None:
-    """The `quantization_config` of a `config.json` in the checkpoint's folder, if there is one
-    (None when the file is missing or not JSON); a file nested deeper than Python's JSON parser
-    goes is an `InvalidDataError` (a RecursionError otherwise)."""
-    p = os.fspath(path)
-    folder = p if os.path.isdir(p) else os.path.dirname(os.path.abspath(p))
-    cfg_path = os.path.join(folder, "config.json")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f).get("quantization_config")
-        json.dumps(cfg)  # what `read` does with it: nested as deep as the parser allowed, it may not encode
-    except (OSError, ValueError, AttributeError):
-        return None
-    except RecursionError:
-        raise InvalidDataError(f"{cfg_path} is nested too deeply for Python's JSON parser, so its "
-                               "'quantization_config' cannot be read; fix the file or move it away") from None
-    return cfg if isinstance(cfg, dict) else None
+        put_quantization_config(path, config)

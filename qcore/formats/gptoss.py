@@ -8,6 +8,15 @@ only rename tensors. Other tensors (bf16 attention, norms, biases) pass through 
 also puts `quantization_config: {quant_method: mxfp4, modules_to_not_convert}` into the
 `config.json` beside the file (other keys kept), which transformers and vLLM dispatch on.
 
+`modules_to_not_convert` is matched by transformers' `should_convert_module`: a pattern skips a
+module when it matches the module's name as a regex from the start up to a module boundary, or
+is a suffix of it. A module that holds an mxfp4 weight must match no pattern, even where other
+tensors of it are plain (the experts' biases): listed, transformers would leave the experts
+unconverted. So the patterns written are the source's own (its config.json's, read into metadata
+`gpt-oss.config`, gpt-oss's wildcards such as `model.layers.*.self_attn` kept as they are), less any
+that would match a module holding an mxfp4 weight; without source patterns, the modules whose
+tensors are all plain and that are no prefix of such a module.
+
 Scale byte 0: SPEC §1 and the torch decode (`ldexp(lut, byte - 127)`) give 2^-127; the triton
 kernels gpt-oss runs on GPUs (`triton_kernels` `_upcast_from_mxfp`) shift the byte into the exponent
 field and get 0.0. A block with byte 0 and a non-zero code therefore decodes
@@ -20,17 +29,19 @@ import json
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, InvalidDataError
 from ..io import VERSION_KEY
 from ..payload import QuantizedData
 from ..protocol import Support
+from ..recipe import bounded_regex
 from . import _mx
-from ._st import array_support, carried, pop_json, put_quantization_config, read_arrays, write_arrays
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError
+from ._st import array_support, carried, config_beside, pop_json, put_quantization_config, read_arrays, write_arrays
+from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
 
 __all__ = ["GptOssFormat"]
 
 NAMES_KEY = "gpt-oss.names"   # JSON {qcore name: [blocks key, scales key]}: restores the file's spelling
+CONFIG_KEY = "gpt-oss.config"  # the source's quantization_config, JSON (its modules_to_not_convert patterns)
 _SUFFIXES = ((".blocks", ".scales"), ("_blocks", "_scales"))
 _ZERO_SCALE = ("refuse", "spec")
 
@@ -51,12 +62,40 @@ def _key_pair(v: object) -> bool:
     return isinstance(v, list) and len(v) == 2 and all(isinstance(k, str) and k for k in v) and v[0] != v[1]
 
 
+def should_convert(module: str, patterns: list[str]) -> bool:
+    """transformers' `should_convert_module` (5.25): False when a pattern matches `module` as a regex
+    from the start up to a module boundary ("layer.1" matches "layer.1.attn", not "layer.11.attn"),
+    or is a suffix of it. A pattern that is not a valid regex matching in bounded time
+    (`recipe.bounded_regex`) is an `InvalidDataError`, as it is an error in transformers."""
+    for key in patterns:
+        rx = bounded_regex(rf"(?:{key})(?:(?<=\.)|(?=\.|$))")
+        if rx is None:
+            raise InvalidDataError(
+                f"modules_to_not_convert pattern {short_repr(key)} is not a regex that matches in bounded time (the "
+                "rule for qcore's regex recipe rules); fix it or drop it from the source's config.json")
+        if rx.match(module) is not None or module.endswith(key):
+            return False
+    return True
+
+
+def _module(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
 def quantization_config(checkpoint: Checkpoint) -> dict:
-    """The `quantization_config` transformers' Mxfp4 loader reads: `quant_method` mxfp4 and, in
-    `modules_to_not_convert`, the modules whose tensors are not mxfp4 (its match is by name)."""
-    plain = sorted({n.rsplit(".", 1)[0] if "." in n else n
-                    for n, v in checkpoint.tensors.items() if not isinstance(v, QuantizedData)})
-    return {"quant_method": "mxfp4", "modules_to_not_convert": plain}
+    """The `quantization_config` transformers' Mxfp4 loader reads: `quant_method` mxfp4 and
+    `modules_to_not_convert` patterns that match no module holding an mxfp4 weight (the source's
+    own patterns from metadata `gpt-oss.config`, else the modules whose tensors are all plain);
+    other keys of the source's config kept."""
+    source = pop_json(dict(checkpoint.metadata), CONFIG_KEY)
+    quantized = {_module(n) for n, v in checkpoint.tensors.items() if isinstance(v, QuantizedData)}
+    patterns = source.get("modules_to_not_convert")
+    if isinstance(patterns, list) and all(isinstance(p, str) for p in patterns):
+        kept = [p for p in patterns if all(should_convert(q, [p]) for q in quantized)]
+    else:
+        plain = {_module(n) for n, v in checkpoint.tensors.items() if not isinstance(v, QuantizedData)}
+        kept = sorted(m for m in plain - quantized if all(should_convert(q, [m]) for q in quantized))
+    return {**source, "quant_method": "mxfp4", "modules_to_not_convert": kept}
 
 
 class GptOssFormat(Format):
@@ -121,6 +160,9 @@ class GptOssFormat(Format):
             tensors[weight] = _mx.join(blocks, scales)
             names[weight] = [bkey, skey]
         meta = {**meta, NAMES_KEY: json.dumps(names, sort_keys=True)} if names else meta
+        cfg = config_beside(path)
+        if cfg is not None and cfg.get("quant_method") == "mxfp4":
+            meta = {**meta, CONFIG_KEY: json.dumps(cfg, sort_keys=True)}
         return Checkpoint(tensors, meta, self.name)
 
     def check(self, name: str, value: Tensor) -> Support:
@@ -130,8 +172,10 @@ class GptOssFormat(Format):
 
     def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
         self.require(checkpoint)
+        config = quantization_config(checkpoint)  # before any byte is written: its patterns may be refused
         meta = dict(checkpoint.metadata)
         spelled = pop_json(meta, NAMES_KEY)
+        meta.pop(CONFIG_KEY, None)
         arrays: dict[str, np.ndarray] = {}
         for name, value in checkpoint.tensors.items():
             if isinstance(value, QuantizedData):
@@ -143,4 +187,4 @@ class GptOssFormat(Format):
             else:
                 arrays[name] = value
         write_arrays(path, arrays, meta)
-        put_quantization_config(path, quantization_config(checkpoint))
+        put_quantization_config(path, config)

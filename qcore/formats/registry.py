@@ -28,12 +28,14 @@ _errors: dict[str, str] = {}
 def _builtins() -> list[Format]:
     from .bnb import BnbNF4Format
     from .ctensors import CompressedTensorsFormat
+    from .fp8 import Fp8Format
     from .gguf_file import GGUFFormat
     from .gptoss import GptOssFormat
     from .native import QcoreFormat
     from .torchao import TorchaoFormat
 
-    return [QcoreFormat(), GptOssFormat(), GGUFFormat(), BnbNF4Format(), CompressedTensorsFormat(), TorchaoFormat()]
+    return [QcoreFormat(), GptOssFormat(), GGUFFormat(), BnbNF4Format(), CompressedTensorsFormat(), Fp8Format(),
+            TorchaoFormat()]
 
 
 def _instance(obj: Any, origin: str) -> Format:
