@@ -247,7 +247,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                       **extra)
         except (QCoreError, OSError):  # (an interruption is reported by main, with what was left)
             kept = progress.complete() if progress is not None else os.path.isdir(args.output)
-            if kept and os.path.isdir(args.output):  # shards written before the error are complete and kept
+            if kept and os.path.isdir(args.output) and not export:  # complete shards are kept (resumable)
                 print(f"qcore: complete shards in {args.output} are kept; the same command with --resume "
                       "continues from them", file=sys.stderr)
             raise

@@ -227,7 +227,11 @@ def export_model(src: Any, dst: Any, recipe: Any, backend: Any, *, format: str,
             r.close()
     planned = [(it.name, tuple(it.head.shape), it.scheme) for s in shards for it in s.items if it.scheme is not None]
     moved = check_plan(fmt, planned, moves)
-    stand_ins = {it.name: _stand_in(it) for s in shards for it in s.items}
+    carried = [(it.name, tuple(json.loads(it.carried[qio.shape_key(it.name)])),
+                parse_scheme(it.carried[qio.scheme_key(it.name)]))
+               for s in shards for it in s.items if it.scheme is None and qio.scheme_key(it.name) in it.carried]
+    check_plan(fmt, carried, ())  # quantized in the source already: no float values to quantize again
+    stand_ins = {it.name: _stand_in(it) for s in shards for it in s.items if not it.carried}
     plain = [(n, a) for n, a in stand_ins.items() if not isinstance(a, QuantizedData)]
     if gguf and not ck.single_file:  # the model's GGUF names, shapes and tokenizer, checked before any work
         from .formats import gguf_file, gguf_model
@@ -250,6 +254,8 @@ def export_model(src: Any, dst: Any, recipe: Any, backend: Any, *, format: str,
     staged = os.path.join(stage, os.path.basename(os.path.abspath(ck.root)))
     if ck.single_file and limit is None:
         staged = os.path.join(stage, os.path.basename(ck.shards[0]))
+    if not gguf and os.path.isfile(os.path.join(dst_s, CONFIG_NAME)):
+        os.remove(os.path.join(dst_s, CONFIG_NAME))  # an earlier export's: written again, last, when this one is done
     os.makedirs(stage, exist_ok=True)
     try:
         res = qm.quantize_model(src, staged, rc, be, max_shard_size=limit, stats=stats, on_plan=on_plan,

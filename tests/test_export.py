@@ -181,3 +181,22 @@ def test_gguf_in_one_step_equals_quantize_then_convert(tmp_path):
     assert main(["convert", str(tmp_path / "two" / "m"), str(tmp_path / "two.gguf"), "--to", "gguf"]) == 0
     assert (tmp_path / "one.gguf").read_bytes() == (tmp_path / "two.gguf").read_bytes()
     assert not any(p.name.endswith(STAGE) for p in tmp_path.iterdir())
+
+
+def test_a_source_tensor_already_quantized_is_checked_too(tmp_path):
+    src = float_folder(tmp_path / "m")
+    x = np.random.default_rng(2).standard_normal((64, 64)).astype(np.float32)
+    qcore.save(src / "extra.safetensors", {"extra.weight": qcore.quantize(x, "q4_1", backend="reference")})
+    with pytest.raises(UnrepresentableError, match=r"^tensor 'extra.weight' \(u4/block32:f16/min:f16"):
+        qcore.quantize_model(src, tmp_path / "ct", "q4s/block32:f16", backend="reference", format="compressed-tensors")
+    assert not (tmp_path / "ct").exists()
+
+
+def test_an_earlier_exports_config_goes_until_the_new_one_is_complete(tmp_path, monkeypatch):
+    src = float_folder(tmp_path / "m")
+    qcore.quantize_model(src, tmp_path / "ct", backend="reference", format="compressed-tensors", **MIXED)
+    assert (tmp_path / "ct" / "config.json").exists()
+    monkeypatch.setattr(type(qf.get("compressed-tensors")), "write", lambda *a: (_ for _ in ()).throw(OSError("full")))
+    with pytest.raises(OSError, match="full"):
+        qcore.quantize_model(src, tmp_path / "ct", backend="reference", format="compressed-tensors", **MIXED)
+    assert not (tmp_path / "ct" / "config.json").exists()

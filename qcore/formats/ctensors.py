@@ -532,8 +532,8 @@ class CompressedTensorsFormat(Format):
                     half = 1 << (s.bits - 1)
                     hint = (f"; its int codes and zero points are signed: {s.value.value}'s q and z are "
                             f"q{s.bits}f's q + {half} and z + {half}, the same values")
-                return Support.no(f"compressed-tensors holds q4f/q8f/q4s/q8s (packed_u32 along the last axis; symmetric, "
-                                  f"or asymmetric with zero points: .../zero), q8f/q8s on the native store "
+                return Support.no(f"compressed-tensors holds q4f/q8f/q4s/q8s (packed_u32 along the last axis; "
+                                  f"symmetric, or asymmetric with zero points: .../zero), q8f/q8s on the native store "
                                   f"(int-quantized), "
                                   f"e4m3 weights with f32/f16/bf16 scales (not "
                                   f"signed), mxfp4 and nvfp4 with a reciprocal global ({NVFP4}), got {s}{hint}")
