@@ -215,9 +215,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if os.path.abspath(args.input) == os.path.abspath(args.output):
         raise InputError("OUT must differ from IN; write elsewhere and move it if you want to replace IN")
     export = args.format != "qcore"
-    if export and (args.resume or args.cluster or args.scheduler or args.report):
+    if export and (args.resume or args.cluster or args.scheduler or args.report or "://" in args.input + args.output):
         raise _UsageError("--format writes another tool's checkpoint in one local run; --resume, --cluster, "
-                          "--scheduler and --report go with --format qcore")
+                          "--scheduler, --report and storage URLs go with --format qcore")
     if args.requantize and not export:
         raise _UsageError("--requantize FROM=TO goes with --format (the schemes a target format cannot hold)")
     if os.path.isfile(args.input) and "://" not in args.output and not export:

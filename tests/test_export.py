@@ -200,3 +200,11 @@ def test_an_earlier_exports_config_goes_until_the_new_one_is_complete(tmp_path, 
     with pytest.raises(OSError, match="full"):
         qcore.quantize_model(src, tmp_path / "ct", backend="reference", format="compressed-tensors", **MIXED)
     assert not (tmp_path / "ct" / "config.json").exists()
+
+
+@pytest.mark.parametrize("extra", [["--resume"], ["--cluster", "local"], ["--report", "r.html"]])
+def test_format_is_one_local_run(tmp_path, capsys, extra):
+    src = float_folder(tmp_path / "m")
+    rc = main(["quantize", str(src), str(tmp_path / "ct"), "--scheme", "q8s", "--format", "compressed-tensors", *extra])
+    assert rc != 0 and "go with --format qcore" in capsys.readouterr().err
+    assert not (tmp_path / "ct").exists()
