@@ -214,7 +214,13 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise _UsageError("--compare only adds schemes to a --report; give --report too")
     if os.path.abspath(args.input) == os.path.abspath(args.output):
         raise InputError("OUT must differ from IN; write elsewhere and move it if you want to replace IN")
-    if os.path.isfile(args.input) and "://" not in args.output:
+    export = args.format != "qcore"
+    if export and (args.resume or args.cluster or args.scheduler or args.report or "://" in args.input + args.output):
+        raise _UsageError("--format writes another tool's checkpoint in one local run; --resume, --cluster, "
+                          "--scheduler, --report and storage URLs go with --format qcore")
+    if args.requantize and not export:
+        raise _UsageError("--requantize FROM=TO goes with --format (the schemes a target format cannot hold)")
+    if os.path.isfile(args.input) and "://" not in args.output and not export:
         qio.check_output_path(args.output)  # one file in, one file out: refuse a bad OUT before any work
 
     err = console(stderr=True)
@@ -234,12 +240,14 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                 bar.update(task, advance=row.before, done=done[0])
 
         try:
+            extra = {"format": args.format, "requantize": args.requantize or []} if export else {}
             res = run(args.input, args.output, recipe, be, max_shard_size=args.max_shard_size,
                       resume=args.resume, stats=not args.no_stats, compare=compare,
-                      on_plan=on_plan, on_tensor=on_tensor, **({"progress": progress} if progress else spread))
+                      on_plan=on_plan, on_tensor=on_tensor, **({"progress": progress} if progress else spread),
+                      **extra)
         except (QCoreError, OSError):  # (an interruption is reported by main, with what was left)
             kept = progress.complete() if progress is not None else os.path.isdir(args.output)
-            if kept and os.path.isdir(args.output):  # shards written before the error are complete and kept
+            if kept and os.path.isdir(args.output) and not export:  # complete shards are kept (resumable)
                 print(f"qcore: complete shards in {args.output} are kept; the same command with --resume "
                       "continues from them", file=sys.stderr)
             raise
@@ -257,7 +265,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     out = console()
     what = str(recipe.scheme) if not recipe.rules else f"recipe: {recipe.describe()}"
-    out.print(f"[bold]{args.input} -> {args.output}[/]  ({what} on {be.name})", markup=True)
+    as_format = f", as {res.format}" if export else ""
+    out.print(f"[bold]{args.input} -> {args.output}[/]  ({what} on {be.name}{as_format})", markup=True)
     table = Table()
     for col, just in (("tensor", "left"), ("shape", "left"), ("scheme / note", "left"), ("before", "right"),
                       ("after", "right"), ("SQNR dB", "right"), ("max |err|", "right")):
@@ -278,6 +287,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     table.add_row(f"total ({len(q_rows)} of {len(res.tensors)} quantized)", "", "", fmt_bytes(res.before),
                   fmt_bytes(res.after), "", "")
     out.print(table)
+    for name, change in getattr(res, "requantized", {}).items():
+        out.print(f"requantized for {res.format}: {escape(name)}: {change}", markup=True)
     hidden = sum(1 for r in res.tensors if r.note.startswith("kept: 1-D"))
     if hidden and not args.verbose:
         out.print(f"{hidden} 1-D tensors kept as they are (not listed; --verbose lists them)")
@@ -518,6 +529,13 @@ def _parser() -> _Parser:
                    help="keep tensors with fewer than N elements as they are")
     s.add_argument("--include-1d", action="store_true", help="also quantize 1-D tensors (biases, norms)")
     s.add_argument("--max-shard-size", metavar="SIZE", help="write new shards of at most SIZE (e.g. 5GB, 500MiB)")
+    s.add_argument("--format", default="qcore", metavar="FORMAT",
+                   help="write OUT in this format in the same step: qcore (default), compressed-tensors, gpt-oss, "
+                        "bitsandbytes, torchao (a folder: shards, index, config.json, tokenizer) or gguf (one file); "
+                        "each tensor keeps its recipe scheme, one the format cannot hold exactly is an error")
+    s.add_argument("--requantize", action="append", metavar="FROM=TO",
+                   help="with --format: quantize tensors whose scheme (FROM a scheme) or name (FROM a glob or "
+                        "re:REGEX) the format cannot hold to scheme TO instead, from the float source (repeatable)")
     s.add_argument("--resume", action="store_true",
                    help="keep output shards an interrupted identical run completed (checked by their run marker)")
     s.add_argument("--no-stats", action="store_true", help="skip the per-tensor SQNR and max error")

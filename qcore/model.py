@@ -83,6 +83,11 @@ class ModelResult:
     files: list[str]
     resumed: list[str]
     seconds: float
+    format: str = "qcore"
+    """The output's format (`format=` of `quantize_model`)."""
+    requantized: dict[str, str] = field(default_factory=dict)
+    """Tensors quantized to another scheme than the recipe's, because the format cannot hold
+    that one (`requantize=`): {name: "FROM -> TO"}."""
 
     @property
     def before(self) -> int:
@@ -538,7 +543,8 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
                    max_shard_size: int | str | None = None, resume: bool = False, stats: bool = True,
                    compare: Sequence[Any] = (), on_plan: Callable[[int, int], None] | None = None,
                    on_tensor: Callable[[TensorResult], None] | None = None,
-                   progress: RunProgress | None = None) -> Any:
+                   progress: RunProgress | None = None, format: str = "qcore",
+                   requantize: Sequence[str] = ()) -> Any:
     """Quantize a whole model by `recipe` (a Recipe, scheme text, a .toml path or a dict).
 
     `src` is a .safetensors file, a sharded checkpoint directory, its index file, a hub id in the
@@ -551,7 +557,24 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
     is called once with the work to do, `on_tensor(row)` after each tensor. `progress` (a
     `RunProgress`) is filled with the output folder's files, to tell what a stopped run left. The
     temporary files a killed run left next to the files written are removed. Returns a ModelResult.
+
+    `format` other than "qcore" ("compressed-tensors", "gguf", "gpt-oss", "bitsandbytes", "torchao", or
+    a plugin's) writes that tool's checkpoint in the same step, each tensor in its recipe scheme
+    (`qcore.export`): a scheme the format cannot hold exactly is an error before any work, unless
+    a `requantize` rule "FROM=TO" (FROM a scheme or a tensor-name pattern) names it.
     """
+    if format != "qcore":
+        if isinstance(src, Mapping) or dst is None:
+            raise InputError(f"format={format!r} exports a checkpoint path to dst; give both as paths")
+        if resume or compare:
+            raise InputError(f"format={format!r} takes neither resume nor compare; drop them")
+        from .export import export_model
+
+        return export_model(src, dst, recipe, backend, format=format, requantize=requantize, rules=rules,
+                            max_shard_size=max_shard_size, stats=stats, on_plan=on_plan, on_tensor=on_tensor,
+                            progress=progress)
+    if requantize:
+        raise InputError("requantize (--requantize) applies to an export to another format (format=, --format)")
     if isinstance(src, Mapping):
         out = quantize_dict(src, recipe, backend, rules=rules)
         if dst is not None:

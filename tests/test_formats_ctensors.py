@@ -374,7 +374,6 @@ def test_bad_nvfp4_parts_and_scale_byte_255_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("text,shape,why", [
-    ("q4s/block32:bf16", (4, 64), "holds q4f/q8f"),  # q4s's -8 is not a value
     ("q4f/block8x4:bf16/packed_u32:1", (8, 64), "holds q4f/q8f"),  # packed down the columns
     ("nvfp4", (4, 64), "holds q4f/q8f"),  # two-level with SPEC's multiplied global, not the reciprocal
     ("u4/block32:bf16/zero", (4, 64), "q4f's q + 8 and z + 8"),  # the tool's codes and zero points are signed

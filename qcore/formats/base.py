@@ -220,6 +220,12 @@ class Format:
         """Write every tensor (all must pass `check`), atomically."""
         raise NotImplementedError(f"format '{self.name}' cannot write files")
 
+    def model_config(self, tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict | None:
+        """The `quantization_config` a loader reads from a model folder's config.json for a model
+        whose tensors are {name: (QuantScheme, shape)} (scheme None: a plain tensor), over every
+        shard at once; None when this format has none. `qcore.export` writes it."""
+        return None
+
     def with_options(self, **options: str) -> "Format":
         """A copy of this format with reader/writer options set (`qcore convert --option K=V`)."""
         if options:

@@ -14,6 +14,9 @@ along the last axis: each shape below then gains the leading dims).
   scale's dtype. That is qcore's `q4f` / `q8f` on a `packed_u32` store along the last axis with
   each field's top bit flipped (offset binary to two's complement), blocks `(m / a, n / b)` for a
   scale of shape `[a, b]`, and the scale's dtype as qcore's scale dtype.
+  qcore's symmetric `q4s` / `q8s` are written the same way: their codes (`[-7, 7]`,
+  `[-127, 127]`) are a part of the int range, in the same fields, so the tool's `q * scale` is
+  qcore's decode (read back they are `q4f` / `q8f`, the same values).
 * asymmetric `pack-quantized` (`symmetric: false`): the same plus `M.weight_zero_point`, one
   signed zero point `z` per scale in the value's range (`[-8, 7]`, `[-128, 127]`; the tool's
   `calculate_qparams` rounds it to `zp_dtype`, int8 for int weights); dequantize `(q - z) *
@@ -71,6 +74,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Mapping
 
 import ml_dtypes
 import numpy as np
@@ -95,6 +99,10 @@ PACKED, SCALE, SHAPE, ZERO, WEIGHT = "weight_packed", "weight_scale", "weight_sh
 _SCALE_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(ml_dtypes.bfloat16): "bf16"}
 _DTYPE_OF_SCALE = {name: dtype for dtype, name in _SCALE_DTYPES.items()}
 _INT_VALUES = {4: QuantValue.Q4F, 8: QuantValue.Q8F}
+# Integer values whose codes the tool's int weights hold as they are: q4f / q8f (the full range) and the
+# symmetric q4s / q8s, whose codes ([-7, 7], [-127, 127]) lie inside it and are stored the same way
+# (two's complement fields of packed_u32, int8 bytes of the native store), so `q * scale` is the same.
+_INT_WRITABLE = (QuantValue.Q4F, QuantValue.Q8F, QuantValue.Q4S, QuantValue.Q8S)
 _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
@@ -122,11 +130,12 @@ def _kind(s: QuantScheme) -> _Kind | None:
         return _Kind("mxfp4-pack-quantized", 4, "float")
     if s.payload_form == NVFP4:
         return _Kind("nvfp4-pack-quantized", 4, "float")
-    if s.value in (QuantValue.Q4F, QuantValue.Q8F) and s.store.kind is StoreKind.PACKED_U32 and \
+    if s.value in _INT_WRITABLE and not s.is_lookup and s.store.kind is StoreKind.PACKED_U32 and \
             s.store.dim == 0 and not s.two_level and not s.signed and \
             (s.offset is None or s.offset.kind is OffsetKind.ZERO):  # packed along the last axis
         return _Kind("pack-quantized", s.bits, "int")
-    if s.value is QuantValue.Q8F and s.store.kind is StoreKind.NATIVE and not s.two_level and not s.signed and \
+    if s.value in _INT_WRITABLE and s.bits == 8 and not s.is_lookup and s.store.kind is StoreKind.NATIVE and \
+            not s.two_level and not s.signed and \
             (s.offset is None or s.offset.kind is OffsetKind.ZERO):  # int8 codes as they are
         return _Kind("int-quantized", 8, "int")
     if s.value is QuantValue.E4M3 and s.store.kind is StoreKind.NATIVE and not s.two_level:
@@ -311,17 +320,20 @@ def quantization_config(checkpoint: Checkpoint) -> dict:
     """The `quantization_config` of `config.json` for the quantized tensors of a checkpoint
     (one config group per distinct weight argument set and activation scheme, targeting its modules
     by name); a module's `input_activations` are the ones read (metadata `compressed-tensors.activations`)."""
-    acts_of = pop_json(dict(checkpoint.metadata), ACTIVATIONS_KEY)
+    return config_of({n: (v.scheme, tuple(v.shape)) for n, v in checkpoint.tensors.items()
+                      if isinstance(v, QuantizedData)}, pop_json(dict(checkpoint.metadata), ACTIVATIONS_KEY))
+
+
+def config_of(quantized: Mapping[str, tuple[QuantScheme, tuple[int, ...]]], acts_of: dict) -> dict:
+    """`quantization_config` from the tensors' schemes and shapes alone ({name: (scheme, shape)}),
+    and each module's `input_activations` ({name: JSON object})."""
     groups: dict[str, dict] = {}
     formats = set()
-    for name, value in checkpoint.tensors.items():
-        if not isinstance(value, QuantizedData):
-            continue
-        kind = _kind(value.scheme)
+    for name, (s, shape) in quantized.items():
+        kind = _kind(s)
         if kind is None:
             continue
         formats.add(kind.format)
-        s = value.scheme
         args: dict = {"num_bits": kind.bits, "type": kind.type, "symmetric": s.offset is None, "dynamic": False}
         if kind.format == "mxfp4-pack-quantized":
             args = dict(MXFP4_ARGS)
@@ -333,7 +345,7 @@ def quantization_config(checkpoint: Checkpoint) -> dict:
             dims = s.block.dims
             if len(dims) == 2 and dims[0] > 1:
                 args.update(strategy="block", block_structure=[int(dims[0]), int(dims[1])])
-            elif int(dims[-1]) == value.shape[-1]:
+            elif int(dims[-1]) == shape[-1]:
                 args["strategy"] = "channel"
             else:
                 args.update(strategy="group", group_size=int(dims[-1]))
@@ -520,8 +532,9 @@ class CompressedTensorsFormat(Format):
                     half = 1 << (s.bits - 1)
                     hint = (f"; its int codes and zero points are signed: {s.value.value}'s q and z are "
                             f"q{s.bits}f's q + {half} and z + {half}, the same values")
-                return Support.no(f"compressed-tensors holds q4f/q8f (packed_u32 along the last axis; symmetric, or "
-                                  f"asymmetric with zero points: .../zero), q8f on the native store (int-quantized), "
+                return Support.no(f"compressed-tensors holds q4f/q8f/q4s/q8s (packed_u32 along the last axis; "
+                                  f"symmetric, or asymmetric with zero points: .../zero), q8f/q8s on the native store "
+                                  f"(int-quantized), "
                                   f"e4m3 weights with f32/f16/bf16 scales (not "
                                   f"signed), mxfp4 and nvfp4 with a reciprocal global ({NVFP4}), got {s}{hint}")
             if len(value.shape) < 2:
@@ -537,6 +550,9 @@ class CompressedTensorsFormat(Format):
                 return Support.no(f"{n} columns leave a partly filled int32 word")
             return Support.yes()
         return array_support(value)
+
+    def model_config(self, tensors: Mapping[str, tuple[QuantScheme | None, tuple[int, ...]]]) -> dict:
+        return config_of({n: (s, shape) for n, (s, shape) in tensors.items() if s is not None}, {})
 
     def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
         self.require(checkpoint)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import json
 
+from typing import Any, Mapping
+
 import numpy as np
 
 from ..errors import InputError, InvalidDataError
@@ -87,13 +89,19 @@ def quantization_config(checkpoint: Checkpoint) -> dict:
     `modules_to_not_convert` patterns that match no module holding an mxfp4 weight (the source's
     own patterns from metadata `gpt-oss.config`, else the modules whose tensors are all plain);
     other keys of the source's config kept."""
-    source = pop_json(dict(checkpoint.metadata), CONFIG_KEY)
-    quantized = {_module(n) for n, v in checkpoint.tensors.items() if isinstance(v, QuantizedData)}
+    return config_of({n: isinstance(v, QuantizedData) for n, v in checkpoint.tensors.items()},
+                     pop_json(dict(checkpoint.metadata), CONFIG_KEY))
+
+
+def config_of(quantized_or_not: Mapping[str, bool], source: dict) -> dict:
+    """`quantization_config` from which tensors are mxfp4 ({name: quantized?}) and the source's
+    config (metadata `gpt-oss.config`, or {})."""
+    quantized = {_module(n) for n, q in quantized_or_not.items() if q}
     patterns = source.get("modules_to_not_convert")
     if isinstance(patterns, list) and all(isinstance(p, str) for p in patterns):
         kept = [p for p in patterns if all(should_convert(q, [p]) for q in quantized)]
     else:
-        plain = {_module(n) for n, v in checkpoint.tensors.items() if not isinstance(v, QuantizedData)}
+        plain = {_module(n) for n, q in quantized_or_not.items() if not q}
         kept = sorted(m for m in plain - quantized if all(should_convert(q, [m]) for q in quantized))
     return {**source, "quant_method": "mxfp4", "modules_to_not_convert": kept}
 
@@ -164,6 +172,9 @@ class GptOssFormat(Format):
         if cfg is not None and cfg.get("quant_method") == "mxfp4":
             meta = {**meta, CONFIG_KEY: json.dumps(cfg, sort_keys=True)}
         return Checkpoint(tensors, meta, self.name)
+
+    def model_config(self, tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict:
+        return config_of({n: s is not None for n, (s, _) in tensors.items()}, {})
 
     def check(self, name: str, value: Tensor) -> Support:
         if isinstance(value, QuantizedData):
