@@ -25,7 +25,9 @@ citing the vLLM function it follows (vllm-project/vllm, read at the commits belo
 """
 import json
 import math
+import os
 import re
+import shutil
 import struct
 from dataclasses import dataclass
 
@@ -49,7 +51,7 @@ WNA16_BITS = (4, 8)  # wNa16 `WNA16_SUPPORTED_TYPES_MAP` (uint4b8, uint8b128; ui
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # safetensors dtype names of the torch dtypes `create_weights` registers
 I32, I64, I8, U8, FP8, F32, F16, BF16 = "I32", "I64", "I8", "U8", "F8_E4M3", "F32", "F16", "BF16"
-_FLOATS = {F32: 3, BF16: 2, F16: 1}
+_FLOATS = (F32, BF16, F16)
 
 
 class Refused(Exception):
@@ -141,12 +143,9 @@ def vllm_params(cls: str, w: dict, acts: dict | None, out: int, inp: int, model_
 
 
 def _exact_cast(src: str, dst: str) -> bool:
-    """Whether copying a `src` tensor into a `dst` parameter keeps every value."""
-    if src == dst:
-        return True
-    if src in _FLOATS and dst in _FLOATS:
-        return dst == F32 or (src, dst) == (F16, F16) or (src, dst) == (BF16, BF16)
-    return False
+    """Whether copying a `src` tensor into a `dst` parameter keeps every value (f16 and bf16 widen
+    to f32 exactly; any other change of dtype rounds or reinterprets)."""
+    return src == dst or (src in _FLOATS and dst == F32)
 
 
 def _matches(name: str, target: str) -> bool:
@@ -255,7 +254,9 @@ FP8_DYNAMIC = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "t
 def export(tmp_path, scheme: str, *, model_dtype="float16", acts=None, plain=(), per_module=None):
     """qcore-quantize a tiny llama's projections with `scheme` (`per_module` overrides some; `plain`
     leaves some float), write it as a qcore file, `qcore convert` it to compressed-tensors in a
-    folder holding the model's config.json, and return that folder."""
+    folder holding the model's config.json, and return that folder. With `acts` (the modules'
+    input_activations, which a qcore file does not carry) the checkpoint is written to
+    compressed-tensors directly, the activations in its metadata as a W8A8 file's reader leaves them."""
     rng = np.random.default_rng(7)
     ref = qcore.backend("reference")
     tensors, meta = {"model.embed_tokens.weight": rng.standard_normal((256, HIDDEN)).astype(np.float32),
@@ -281,7 +282,6 @@ def export(tmp_path, scheme: str, *, model_dtype="float16", acts=None, plain=(),
     return dst
 
 
-ALL = object()
 # qcore scheme -> (model dtype, activations, the vLLM scheme class every layer gets)
 LOADS = {
     "q4f/block32:f16": ("float16", None, "CompressedTensorsWNA16"),  # W4A16 group 32
@@ -374,8 +374,6 @@ def test_the_tools_w8a8_checkpoint_passes_through_qcore_to_vllms_schemes(tmp_pat
     """compressed-tensors' own W8A8 file (tests/data/ctensors_w8a8), read and written by qcore,
     keeps what vLLM dispatches on: per channel and per tensor int8 weights become W8A8Int8, the
     group / asymmetric / 2-D block ones are refused as they were before the round trip."""
-    import os
-    import shutil
     data = os.path.join(os.path.dirname(__file__), "data", "ctensors_w8a8")
     out = tmp_path / "out"
     out.mkdir()
