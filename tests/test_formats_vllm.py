@@ -337,6 +337,22 @@ def test_what_vllm_refuses_is_refused_by_its_rules(tmp_path, scheme):
     assert {v.split(" ")[1] for v in got.values()} == {REFUSED[scheme]}
 
 
+@pytest.mark.parametrize("scheme", sorted(set(LOADS) | set(REFUSED)))
+def test_config_groups_parse_as_compressed_tensors_quantization_args(tmp_path, scheme):
+    """vLLM parses each group's `weights` and `input_activations` with compressed-tensors'
+    `QuantizationArgs.model_validate` (CT `_quantization_scheme_map_from_config`; vLLM pins
+    compressed-tensors 0.13.0, whose QuantizationArgs forbids unknown keys)."""
+    ct = pytest.importorskip("compressed_tensors.quantization",
+                             reason="compressed-tensors is not installed (vLLM parses config groups with it)")
+    model_dtype, acts, _ = LOADS.get(scheme, ("float16", None, None))
+    qc = json.loads((export(tmp_path, scheme, model_dtype=model_dtype, acts=acts) / "config.json").read_text())
+    for group in qc["quantization_config"]["config_groups"].values():
+        weights = ct.QuantizationArgs.model_validate(group["weights"])
+        assert (weights.num_bits, weights.strategy) == (group["weights"]["num_bits"], group["weights"]["strategy"])
+        if group.get("input_activations"):
+            ct.QuantizationArgs.model_validate(group["input_activations"])
+
+
 def test_wna16_scales_are_the_models_dtype_or_vllm_rounds_them(tmp_path):
     """wNa16 registers `weight_scale` in the model's dtype: f32 scales (or bf16 ones in an f16
     model) are rounded on load, so the export loads but no longer decodes to qcore's values."""
