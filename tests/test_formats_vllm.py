@@ -172,8 +172,9 @@ def vllm_layer_group(layer: str, config: dict) -> str | None:
     hit = next((t for t in group_of if _matches(layer, t)), None)
     if hit is None and proj in FUSED and all(s in group_of for s in shards):
         hit = next(t for t in group_of if t in shards)
-    if hit is None and proj in FUSED:
-        hit = next((t for t in group_of if _matches(shards[0], t)), None)  # `_handle_fused_layers`
+    if hit is None and proj in FUSED:  # `_handle_fused_layers`: retried as q_proj / up_proj
+        unfused = f"{parent}.{'q_proj' if proj == 'qkv_proj' else 'up_proj'}"
+        hit = next((t for t in group_of if _matches(unfused, t)), None)
     if hit is None:
         raise Refused(f"ValueError in find_matched_target: Unable to find matching target for {layer} in the "
                       "compressed-tensors config")
