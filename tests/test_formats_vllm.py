@@ -416,33 +416,39 @@ def test_the_tools_w8a8_checkpoint_passes_through_qcore_to_vllms_schemes(tmp_pat
 
 # --- GGUF: vLLM's GGUF loader on a model folder qcore converted -----------------------------------
 
-gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'qcore-quant[formats]')")
-from tests.test_formats_gguf_model import CONFIG, model_folder  # noqa: E402
-
-T = gguf.GGMLQuantizationType
 # gguf.py `UNQUANTIZED_TYPES | DEQUANT_TYPES`: the types `_fuse_mul_mat` runs at 5a6541db9bfa
 # (later versions add MXFP4; docs/formats.md, vLLM)
-VLLM_GGUF_TYPES = {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q8_1, T.Q2_K, T.Q3_K, T.Q4_K,
-                   T.Q5_K, T.Q6_K, T.IQ1_M, T.IQ1_S, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_XS,
-                   T.IQ4_NL}
+VLLM_GGUF_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K", "Q3_K", "Q4_K",
+                   "Q5_K", "Q6_K", "IQ1_M", "IQ1_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS",
+                   "IQ4_NL"}
+
+
+@pytest.fixture
+def gguf_folder():
+    """gguf, and tests/test_formats_gguf_model.py's model folders (a tiny Llama by hand)."""
+    gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'qcore-quant[formats]')")
+    from tests.test_formats_gguf_model import CONFIG, model_folder
+    return gguf, CONFIG, model_folder
 
 
 @pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "q4_1", None, "mxfp4"],
                          ids=["q8_0", "q4_0", "q4_1", "f32", "mxfp4"])
-def test_gguf_tensor_types_are_ones_vllm_runs(tmp_path, scheme):
+def test_gguf_tensor_types_are_ones_vllm_runs(tmp_path, gguf_folder, scheme):
+    gguf, _, model_folder = gguf_folder
     qf.convert(model_folder(tmp_path / "tiny", scheme=scheme), tmp_path / "out.gguf", "gguf")
-    types = {t.tensor_type for t in gguf.GGUFReader(str(tmp_path / "out.gguf")).tensors}
-    assert (types <= VLLM_GGUF_TYPES) == (scheme != "mxfp4"), sorted(t.name for t in types - VLLM_GGUF_TYPES)
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "out.gguf")).tensors}
+    assert (types <= VLLM_GGUF_TYPES) == (scheme != "mxfp4"), sorted(types - VLLM_GGUF_TYPES)
 
 
 @pytest.mark.parametrize("model_type,permuted", [("llama", True), ("mistral", True), ("qwen2", False)])
-def test_gguf_config_names_and_rope_layout_are_what_vllm_reads(tmp_path, model_type, permuted):
+def test_gguf_config_names_and_rope_layout_are_what_vllm_reads(tmp_path, gguf_folder, model_type, permuted):
     """vLLM takes the HF config from the GGUF through transformers, builds the transformers model
     on the meta device and maps each of its parameter names through gguf's TensorNameMap for the
     config's `model_type` (GGUFModelLoader._get_gguf_weights_map); every parameter must find its
     GGUF tensor, or vLLM leaves it unloaded (lm_head may be absent: vLLM then ties it)."""
     transformers = pytest.importorskip("transformers", reason="transformers reads the GGUF's config for vLLM")
     torch = pytest.importorskip("torch", reason="transformers builds the meta model with torch")
+    gguf, CONFIG, model_folder = gguf_folder
     cfg = {**CONFIG, "model_type": model_type, "architectures": [f"{model_type.title()}ForCausalLM"]}
     folder = model_folder(tmp_path / "tiny", cfg, scheme="q8_0", bias=model_type == "qwen2")  # qwen2: q/k/v biases
     qf.convert(folder, tmp_path / "out.gguf", "gguf")
@@ -470,10 +476,11 @@ def test_gguf_config_names_and_rope_layout_are_what_vllm_reads(tmp_path, model_t
     assert have - set(wanted) <= {"rope_freqs.weight"}   # skipped by gguf_quant_weights_iterator
 
 
-def test_gguf_tokenizer_is_one_transformers_builds_for_vllm(tmp_path):
+def test_gguf_tokenizer_is_one_transformers_builds_for_vllm(tmp_path, gguf_folder):
     """vLLM's tokenizer for a GGUF file is transformers' conversion of `tokenizer.ggml.*`."""
     transformers = pytest.importorskip("transformers", reason="transformers converts the GGUF tokenizer for vLLM")
     pytest.importorskip("tokenizers", reason="transformers' GGUF tokenizer conversion needs tokenizers")
+    _, _, model_folder = gguf_folder
     qf.convert(model_folder(tmp_path / "tiny", scheme="q8_0"), tmp_path / "out.gguf", "gguf")
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="out.gguf")
     assert tok.bos_token == "<|bos|>" and tok("he t")["input_ids"] == [0, 258, 259]
