@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -320,13 +320,25 @@ def quantization_config(checkpoint: Checkpoint) -> dict:
     """The `quantization_config` of `config.json` for the quantized tensors of a checkpoint
     (one config group per distinct weight argument set and activation scheme, targeting its modules
     by name); a module's `input_activations` are the ones read (metadata `compressed-tensors.activations`)."""
+    plain = [n for n, v in checkpoint.tensors.items()
+             if not isinstance(v, QuantizedData) and v.ndim == 2 and v.dtype.kind == "f"]
     return config_of({n: (v.scheme, tuple(v.shape)) for n, v in checkpoint.tensors.items()
-                      if isinstance(v, QuantizedData)}, pop_json(dict(checkpoint.metadata), ACTIVATIONS_KEY))
+                      if isinstance(v, QuantizedData)}, pop_json(dict(checkpoint.metadata), ACTIVATIONS_KEY), plain)
 
 
-def config_of(quantized: Mapping[str, tuple[QuantScheme, tuple[int, ...]]], acts_of: dict) -> dict:
+def ignored_modules(quantized: Iterable[str], plain_2d: Iterable[str]) -> list[str]:
+    """The modules of `ignore`: each module with a 2-D float `M.weight` kept in float and no
+    quantized tensor (a loader that quantizes every Linear a group does not target, vLLM's
+    `find_matched_target`, needs them named; a kept embedding or head named too is harmless)."""
+    owners = {_module(n) for n in quantized}
+    return sorted({_module(n) for n in plain_2d if n.endswith(".weight")} - owners)
+
+
+def config_of(quantized: Mapping[str, tuple[QuantScheme, tuple[int, ...]]], acts_of: dict,
+              plain_2d: Iterable[str] = ()) -> dict:
     """`quantization_config` from the tensors' schemes and shapes alone ({name: (scheme, shape)}),
-    and each module's `input_activations` ({name: JSON object})."""
+    each module's `input_activations` ({name: JSON object}) and the names of the 2-D float
+    tensors kept as they are (`ignore`)."""
     groups: dict[str, dict] = {}
     formats = set()
     for name, (s, shape) in quantized.items():
@@ -361,7 +373,7 @@ def config_of(quantized: Mapping[str, tuple[QuantScheme, tuple[int, ...]]], acts
         for g in config_groups.values():
             g.pop("format")
     return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-            "config_groups": config_groups, "ignore": []}
+            "config_groups": config_groups, "ignore": ignored_modules(quantized, plain_2d)}
 
 
 def _fp4_shape(packed: np.ndarray, scale: np.ndarray, block: int) -> tuple[int, ...] | None:
@@ -552,7 +564,8 @@ class CompressedTensorsFormat(Format):
         return array_support(value)
 
     def model_config(self, tensors: Mapping[str, tuple[QuantScheme | None, tuple[int, ...]]]) -> dict:
-        return config_of({n: (s, shape) for n, (s, shape) in tensors.items() if s is not None}, {})
+        return config_of({n: (s, shape) for n, (s, shape) in tensors.items() if s is not None}, {},
+                         [n for n, (s, shape) in tensors.items() if s is None and len(shape) == 2])
 
     def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
         self.require(checkpoint)
