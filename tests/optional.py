@@ -5,7 +5,8 @@ import os
 import pytest
 
 # Which $QCORE_REQUIRE_* flag (set to 1 by scripts/test.sh) makes each package required.
-FLAGS = {"torch": "QCORE_REQUIRE_TORCH", "transformers": "QCORE_REQUIRE_TRANSFORMERS"}
+FLAGS = {"torch": "QCORE_REQUIRE_TORCH", "transformers": "QCORE_REQUIRE_TRANSFORMERS",
+         "compressed_tensors": "QCORE_REQUIRE_COMPRESSED_TENSORS"}
 
 
 def need(module: str, reason: str):

@@ -532,14 +532,19 @@ def test_int_quantized_with_activation_ordering_is_refused(tmp_path):
         qf.read(tmp_path / "g.safetensors")
 
 
-def test_q8f_on_the_native_store_writes_as_int_quantized(tmp_path):
+def test_a_weight_only_int8_weight_on_the_native_store_writes_as_pack_quantized(tmp_path):
+    """Without input_activations an int8 weight is weight-only: written pack-quantized (the same
+    codes in int32 words), the form transformers decompresses beside other groups and vLLM runs as
+    W8A16; a W8A8 module (with its activations) stays int-quantized (the tool's fixture tests)."""
     ref = qcore.backend("reference")
     x = np.random.default_rng(8).standard_normal((4, 64)).astype(np.float32)
     d = ref.into_data(ref.quantize(x, "q8f/block32:bf16/zero"))
     qf.write(tmp_path / "model.safetensors", {"l.weight": d}, "compressed-tensors")
     arrays = _arrays(tmp_path / "model.safetensors")
-    assert arrays["l.weight"].dtype == np.int8 and arrays["l.weight_zero_point"].shape == (4, 2)
+    assert arrays["l.weight_packed"].dtype == np.int32 and arrays["l.weight_zero_point"].shape == (1, 2)  # packed rows
     cfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
-    assert cfg["format"] == "int-quantized"
+    assert cfg["format"] == "pack-quantized" and cfg["config_groups"]["group_0"]["weights"]["num_bits"] == 8
     back = qf.read(tmp_path / "model.safetensors").tensors["l.weight"]
-    assert back.scheme == d.scheme and back.payload == d.payload
+    assert str(back.scheme) == "q8f/block32:bf16/packed_u32/zero"
+    assert np.array_equal(back.codes(), d.codes()) and np.array_equal(back.scales(), d.scales())
+    assert np.array_equal(ref.dequantize(ref.from_data(back)), ref.dequantize(ref.from_data(d)))

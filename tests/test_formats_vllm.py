@@ -288,6 +288,7 @@ LOADS = {
     "q4f/block32:f16": ("float16", None, "CompressedTensorsWNA16"),  # W4A16 group 32
     "q4f/block128:bf16": ("bfloat16", None, "CompressedTensorsWNA16"),  # W4A16 channel (a row of 128)
     "q8f/block32:f16/packed_u32": ("float16", None, "CompressedTensorsWNA16"),  # W8A16 group 32
+    "q8s/block32:f16": ("float16", None, "CompressedTensorsWNA16"),  # int8 weight only: written pack-quantized
     "q4f/block32:f16/zero": ("float16", None, "CompressedTensorsWNA16"),  # asymmetric W4A16, zero points
     "q8f/block128:f32": ("float16", W8A8, "CompressedTensorsW8A8Int8"),  # int-quantized, dynamic per token
     "e4m3/block128:f32": ("float16", None, "CompressedTensorsW8A16Fp8"),  # FP8 per channel, weight only
@@ -326,7 +327,6 @@ def test_the_check_names_a_tensor_vllm_would_not_load(tmp_path):
 # qcore scheme -> the exception vLLM raises (docs/formats.md, "vLLM": what it refuses)
 REFUSED = {
     "q4f": "NotImplementedError",  # pack-quantized per tensor: WNA16 takes group / channel only
-    "q8f/block128:f32": "AssertionError",  # int-quantized weight only: W8A8 needs input_activations
     "e4m3/block32:f32": "NotImplementedError",  # FP8 groups along the row: tensor, channel or block only
     "e4m3/block64x64:f32": "ValueError",  # FP8 2-D blocks weight only: W8A16Fp8 takes channel / tensor
 }

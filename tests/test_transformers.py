@@ -204,3 +204,27 @@ def test_a_malformed_quantization_config_is_one_line(folders, tmp_path, edit, ma
     _, out = folders
     with pytest.raises(qcore.InvalidDataError, match=match):
         transformers.AutoModelForCausalLM.from_pretrained(_edit_config(out, tmp_path, edit))
+
+
+def test_a_compressed_tensors_export_loads_through_transformers_own_loader(folders, tmp_path):
+    """`qcore quantize --format compressed-tensors` with the mixed recipe: transformers loads the
+    folder with compressed-tensors' own quantizer (not qcore's) and decompresses every Linear weight
+    to qcore's decoded values, so the logits are those of qcore's dequantized model."""
+    need("compressed_tensors", "compressed-tensors is not installed (pip install compressed-tensors)")
+    src, out = folders
+    ct = tmp_path / "ct"
+    argv = ["quantize", src, str(ct), "--format", "compressed-tensors", "--no-stats", "--max-shard-size", "1MB"]
+    for r in RULES:
+        argv += ["--rule", r]
+    assert main(argv) == 0
+    assert json.load(open(ct / "config.json"))["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert len([n for n in os.listdir(ct) if n.endswith(".safetensors")]) > 1
+    model = transformers.AutoModelForCausalLM.from_pretrained(ct)
+    assert not any(isinstance(m, qnn.Linear) for m in model.modules())
+    want = _with_dequantized_weights(src, out)
+    weights = dict(want.named_parameters())
+    for name, p in model.named_parameters():
+        if name.endswith("proj.weight"):
+            assert torch.equal(p.detach().float(), weights[name].detach()), name
+    ids = _ids(out)
+    assert torch.allclose(_logits(model, ids), _logits(want, ids), rtol=1e-5, atol=1e-5)

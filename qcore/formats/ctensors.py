@@ -85,7 +85,7 @@ from ..io import VERSION_KEY
 from ..payload import QuantizedData
 from ..protocol import Support
 from ..recipe import MAX_REGEX_CHOICES, bounded_regex
-from ..scheme import OffsetKind, QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
+from ..scheme import OffsetKind, PackedU32, QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
 from . import _mx, _nvfp4
 from ._st import array_support, carried, config_beside, pop_json, put_quantization_config, read_arrays, write_arrays
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
@@ -141,6 +141,26 @@ def _kind(s: QuantScheme) -> _Kind | None:
     if s.value is QuantValue.E4M3 and s.store.kind is StoreKind.NATIVE and not s.two_level:
         return _Kind("float-quantized", 8, "float")
     return None
+
+
+def written_scheme(s: QuantScheme, shape: tuple[int, ...], has_activations: bool) -> QuantScheme:
+    """The scheme a weight is written in: an int8 weight on the native store with no
+    `input_activations` (weight-only) goes as `pack-quantized` (the same codes, four to an int32
+    word along the last axis), the form transformers decompresses beside other groups and vLLM runs
+    as W8A16; `int-quantized` (int8 as it is) stays for W8A8 modules, which carry their activations."""
+    kind = _kind(s)
+    if kind is None or kind.format != "int-quantized" or has_activations or shape[-1] % 4:
+        return s
+    return s.with_store(PackedU32(0))
+
+
+def _written(value: QuantizedData, has_activations: bool) -> QuantizedData:
+    """`value` in `written_scheme`'s form (the same codes, scales and decode)."""
+    packed = written_scheme(value.scheme, tuple(value.shape), has_activations)
+    if packed is value.scheme:
+        return value
+    return QuantizedData.from_parts(value.shape, packed, value.codes(), value.scales(), value.global_scale(),
+                                   value.offsets())
 
 
 def _block_text(shape: tuple[int, ...], scale_shape: tuple[int, ...], where: str) -> str:
@@ -342,6 +362,7 @@ def config_of(quantized: Mapping[str, tuple[QuantScheme, tuple[int, ...]]], acts
     groups: dict[str, dict] = {}
     formats = set()
     for name, (s, shape) in quantized.items():
+        s = written_scheme(s, shape, acts_of.get(name) is not None)
         kind = _kind(s)
         if kind is None:
             continue
@@ -575,12 +596,14 @@ class CompressedTensorsFormat(Format):
         meta.pop(CONFIG_KEY, None)
         meta.pop(ACTIVATIONS_KEY, None)
         arrays: dict[str, np.ndarray] = {}
+        acts_of = pop_json(dict(checkpoint.metadata), ACTIVATIONS_KEY)
         for name, value in checkpoint.tensors.items():
             if not isinstance(value, QuantizedData):
                 arrays[name] = value
                 continue
             mod = carried(spelled, NAMES_KEY, name, lambda v: isinstance(v, str) and v != "",
                           "a module name (a non-empty string)") or _module(name)
+            value = _written(value, acts_of.get(name) is not None)
             s = value.scheme
             *lead, n = value.shape  # [m, n] or fused experts [..., m, n]
             if s.payload_form == _mx.MXFP4:
