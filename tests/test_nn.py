@@ -125,3 +125,25 @@ def test_host_layers_pick_a_host_backend():
     assert qnn.backend_for(qcore.scheme("q4s/block32:f16"), torch.device("cpu")).name != "cuda"
     with pytest.raises(qcore.UnsupportedSchemeError, match="no available backend on mars supports"):
         AutoBackend().pick("q8s", device="mars")
+
+
+def test_layers_on_a_named_backend_run_its_linear():
+    """`backend=` picks the backend the layers run on (here the cuda backend, under the simulator in
+    CI: torch CPU tensors in and out): the same results as its own `linear`, within E8's bound of
+    the host backend's."""
+    try:
+        be = qcore.backend("cuda")
+    except qcore.QCoreError:
+        pytest.skip("the cuda backend is not installed")
+    if not be.available():
+        pytest.skip("the cuda backend is not available here")
+    m = _model()
+    qnn.quantize_module(m, "q4s/block32:f16", backend="cuda")
+    assert m[0].qweight.backend.name == "cuda"
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        y = m[0](x)
+        host = qnn.Linear.from_qtensor(m[0].qweight.to("reference"), m[0].bias)(x)
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.float32
+    assert torch.equal(y, torch.as_tensor(qcore.backend("cuda").to_numpy(be.linear(x, m[0].qweight, m[0].bias))))
+    assert torch.allclose(y, host, rtol=1e-5, atol=1e-5)

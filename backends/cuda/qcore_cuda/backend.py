@@ -167,6 +167,12 @@ def _is_device_array(x: Any) -> bool:
     )
 
 
+def _torch_on_host(x: Any) -> bool:
+    """Whether `x` is a torch tensor in host memory (a device kernel cannot write next to it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor) and x.device.type == "cpu"
+
+
 class CudaBackend(BaseBackend):
     """Numba-CUDA kernels; every scheme except LOOKUP (SPEC §4)."""
 
@@ -803,6 +809,9 @@ class CudaBackend(BaseBackend):
         bfloat16 parts, the scales applied in f32 to each 32-k partial sum; results repeat bit
         for bit. Others are transposed once (kept with the weight) and go through `matmul`.
         """
+        if _torch_on_host(x):
+            return self._on_host_tensors("linear", lambda xh, bh: self.linear(xh, w, bh, dtype=dtype, stream=stream),
+                                         x, bias, out)
         from .paths import linear as _linear_path
 
         y = _linear_path.again(self, x, w, bias, out, dtype, stream)
@@ -811,6 +820,16 @@ class CudaBackend(BaseBackend):
         _k()  # the kernels, the memory pool and the disk cache, before the first allocation
         with quiet():
             return _linear_path.run(self, x, w, bias, out, dtype, stream)
+
+    def _on_host_tensors(self, what: str, call: Any, x: Any, bias: Any, out: Any) -> Any:
+        """A product of a torch CPU x (a model kept on the CPU whose layers run here): x and a torch
+        bias read as host arrays, the result copied back as a torch CPU tensor of its dtype."""
+        from qcore.activations import host_array, in_callers_kind
+
+        if out is not None:
+            raise InputError(f"{what} out= takes a device array; with a torch CPU x leave out= out")
+        y = call(host_array(x), host_array(bias) if bias is not None else None)
+        return in_callers_kind(self.to_numpy(y), True)
 
     # ------------------------------------------------------------------ fused matmul
     def matmul(self, x: Any, w: QTensor, *, out: Any = None, stream: Any = None, dtype: Any = np.float32) -> Any:
@@ -833,6 +852,9 @@ class CudaBackend(BaseBackend):
         `dtype=` other than float32 (None: x's dtype) rounds the f32 sums once to it, on the host
         for bfloat16 and float64 (a host array), on the device for float16.
         """
+        if _torch_on_host(x):
+            return self._on_host_tensors("matmul", lambda xh, _: self.matmul(xh, w, dtype=dtype, stream=stream),
+                                         x, None, out)
         if dtype is not np.float32 and (dtype is None or np.dtype(dtype) != np.float32):
             from qcore.activations import result_dtype
 
