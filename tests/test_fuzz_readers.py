@@ -357,7 +357,10 @@ def test_fuzz_gguf_reader(folder, capsys):
         assume(not gguf_array_past_end(raw))
         _reset(folder, {"m.gguf": raw})
         with stats.case():
-            _read_and_decode(path, "gguf", stats)
+            try:
+                _read_and_decode(path, "gguf", stats)
+            except UnicodeDecodeError:  # open defect: test_gguf_string_value_not_utf8_is_invalid_data
+                stats.errors["open: UnicodeDecodeError"] += 1
         if stats.cases % 25 == 0:
             _inspect_one_line(path, capsys)
 
@@ -423,6 +426,22 @@ def test_gguf_kv_array_count_is_checked_against_the_file(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.startswith("InvalidDataError: ") and "MemoryError" not in p.stdout, p.stdout
     assert "count" in p.stdout and len(p.stdout.splitlines()) == 1, p.stdout
+
+
+@pytest.mark.xfail(strict=True, reason="open: qcore/formats/gguf_file.py reads kv values (f.contents()) outside "
+                                       "the try that turns the gguf reader's errors into InvalidDataError")
+def test_gguf_string_value_not_utf8_is_invalid_data(tmp_path):
+    """One bit flipped in a string kv value (the fuzz case: 'llama' became b'\\xf1...'): a one-line
+    InvalidDataError naming the key, not gguf's UnicodeDecodeError."""
+    pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'qcore-quant[formats]')")
+    raw = bytearray(bases()["gguf-q8s/block32:f16-4x64"][1]["m.gguf"])
+    pos = next(p for p, size, what in gguf_fields(bytes(raw)) if what == "kv value length") + 8
+    raw[pos] ^= 0x80
+    path = tmp_path / "m.gguf"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(qcore.InvalidDataError, match=r"m.gguf.*UTF-8") as e:
+        qf.read(path)
+    assert "\n" not in str(e.value)
 
 
 def _gguf_source(folder: str) -> str:
