@@ -233,7 +233,8 @@ def test_fuzz_format_readers(folder, capsys):
         elif how == "metadata":
             files["m.safetensors"] = _metadata_json_mutation(data, raw)
         elif how == "config" and "config.json" in files:
-            files["config.json"] = mutate_json_text(data, files["config.json"].decode()).encode("utf-8", "surrogatepass")
+            text = mutate_json_text(data, files["config.json"].decode())
+            files["config.json"] = text.encode("utf-8", "surrogatepass")  # a lone surrogate as its bytes
         else:
             files["m.safetensors"] = mutate_bytes(data, raw)
         _reset(folder, files)
@@ -523,7 +524,8 @@ TOML_LINES = [b'min_size = 5', b'min_size = -1', b'min_size = 1e400', b'keep = 5
               b'include_1d = "yes"', b'scheme = 5', b'scheme = "q4s/block99999999999999999999"',
               b'[[rule]]\npattern = "re:^(a+)+$"\nscheme = "q8s"', b'[[rule]]\npattern = ""\nscheme = "q8s"',
               b'[[rule]]\npattern = "x"', b'[rule]\npattern = "x"\nscheme = "q8s"', b'x = [' * 40,
-              b'\xff\xfe', b'\x00', b'a = "\\ud800"', b'[[rule]]\npattern = "re:a{99999999999999999999}"\nscheme = "q8s"',
+              b'\xff\xfe', b'\x00', b'a = "\\ud800"',
+              b'[[rule]]\npattern = "re:a{99999999999999999999}"\nscheme = "q8s"',
               b'keep = ["[a-"]', b'unknown = 1', b'scheme = "keep"']
 REGEX_PIECES = ["a", ".", "\\w", "\\d", "[ab]", "[^a]", "(", ")", "(?:", "|", "*", "+", "?", "*?", "{2}", "{2,5}",
                 "{0,}", "{99999999999999999999}", "{4294967296}", "\\1", "(?=", "(?!", "(?<=a)", "(?P<n>", "(?P=n)",
