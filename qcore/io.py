@@ -87,9 +87,20 @@ def dtype_key(name: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------- save
+def _check_utf8(text: str, what: str) -> None:
+    """InputError unless `text` encodes as UTF-8, as a safetensors header (UTF-8 JSON) must: a
+    lone surrogate, which JSON's "\\ud800" reads as, does not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{what} is not UTF-8 text ({e.reason} at position {e.start}); a safetensors header is "
+                         "UTF-8 JSON: drop or replace that character") from None
+
+
 def _as_entry(name: Any, value: Any) -> QuantizedData | np.ndarray:
     if not isinstance(name, str) or not name:
         raise InputError(f"tensor names must be non-empty strings, got {name!r}")
+    _check_utf8(name, f"tensor name {name[:80]!r}")
     if name == _RESERVED_NAME:
         raise InputError(f"'{_RESERVED_NAME}' is reserved by safetensors; rename that tensor")
     if isinstance(value, QTensor):
@@ -117,6 +128,8 @@ def _check_user_metadata(metadata: Any) -> dict[str, str]:
             raise InputError(f"metadata must map str -> str, got {k!r}: {v!r}")
         if k.startswith(PREFIX):
             raise InputError(f"metadata key {k!r} uses the reserved prefix '{PREFIX}'; pick another name")
+        _check_utf8(k, "metadata key")
+        _check_utf8(v, f"metadata value of key {k[:80]!r}")
         out[k] = v
     return out
 

@@ -22,6 +22,7 @@ from .arithmetic import QParams
 from .checks import check_input_dtype, check_output_dtype
 from .codecs import F32_TINY
 from .errors import BackendUnavailableError, InputError, InvalidDataError, UnsupportedSchemeError
+from .features import declared_features, scheme_features
 from .payload import QuantizedData, sections
 from .scheme import OffsetKind, QuantScheme, scheme as parse_scheme
 
@@ -163,10 +164,20 @@ class BaseBackend(abc.ABC):
 
     name: str = "?"
     priority: int = 0
+    scheme_features: frozenset[str] = frozenset()
+    """The scheme features beyond SPEC v1 (`qcore.features`: `round:rne`, `codes:away`, `zero`,
+    `flat`, ...) that this backend implements; `supports()` refuses a scheme that uses any other
+    one before `_supports` is asked. None by default, so a backend written for SPEC v1 never
+    claims a later feature; a subclass lists its own (a set of names, checked when the class is
+    made)."""
     packs_field_orders: bool = False
     """Whether the hooks pack fields in every order of docs/spec.md E6. When False they see each
     scheme in SPEC §3's order (`scheme.low_order`, the same codes), and the portable bytes are
     moved into the scheme's order at `into_data` / `from_data` (`layout.reorder_values`)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.scheme_features = declared_features(cls.scheme_features, cls.__qualname__)
 
     # ------------------------------------------------------------------ capability
     def available(self) -> bool:
@@ -181,10 +192,19 @@ class BaseBackend(abc.ABC):
 
     def supports(self, scheme: QuantScheme | str) -> Support:
         """Whether this backend handles `scheme` (a `Support`: truthy, or falsy with `.reason`).
-        Blocks over the flattened tensor (docs/spec.md E7) are the core's: a backend is asked
-        about the same scheme with ordinary blocks; a field order (E6) likewise unless the
-        backend packs it itself (`packs_field_orders`)."""
-        scheme = parse_scheme(scheme).unflat
+        A scheme that uses a feature beyond SPEC v1 this backend does not declare in
+        `scheme_features` is refused here. Blocks over the flattened tensor (docs/spec.md E7) are
+        the core's: a backend is asked about the same scheme with ordinary blocks; a field order
+        (E6) likewise unless the backend packs it itself (`packs_field_orders`)."""
+        scheme = parse_scheme(scheme)
+        undeclared = [f for f in scheme_features(scheme) if f.name not in self.scheme_features]
+        if undeclared:
+            f = undeclared[0]
+            return Support.no(
+                f"backend '{self.name}' does not declare the scheme feature {f.name} ({f.concept}, "
+                f"docs/spec.md {f.section}) in its scheme_features; use a scheme without it or a backend "
+                "that declares it (qcore backends)")
+        scheme = scheme.unflat
         return self._supports(scheme if self.packs_field_orders else scheme.low_order)
 
     # ------------------------------------------------------------------ what the hooks see

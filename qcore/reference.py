@@ -12,6 +12,7 @@ import numpy as np
 from . import arithmetic
 from .checks import raise_nonfinite, to_f32
 from .payload import QuantizedData
+from .features import ALL_FEATURES
 from .protocol import BaseBackend, QParams, Support
 from .scheme import QuantScheme
 
@@ -23,6 +24,7 @@ class ReferenceBackend(BaseBackend):
 
     name = "reference"
     priority = 0
+    scheme_features = ALL_FEATURES  # every extension of docs/spec.md (qcore.arithmetic, qcore.layout)
     packs_field_orders = True  # qcore.layout packs every field order (docs/spec.md E6)
 
     def available(self) -> bool:

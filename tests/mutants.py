@@ -56,6 +56,7 @@ class Narrow(BaseBackend):
 
     name = "narrow"
     priority = 1
+    scheme_features = {"flat"}  # blocks over the flattened tensor: the core's, on its hooks (E7)
 
     def _supports(self, s: QuantScheme) -> Support:
         if s.value.value != "q8s" or s.is_lookup:

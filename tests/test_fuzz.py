@@ -6,25 +6,20 @@ few MB (tracemalloc; the inputs are at most a few KB, so a case that believed a 
 need gigabytes). Decoding also agrees with the reference, bit for bit, on every backend.
 
 Examples per target: CI defaults below (5,330 cases in all, about 20 s on an idle 2-core
-machine; cuda under its simulator gets tiny shapes and few examples).
-`QCORE_FUZZ_EXAMPLES=N` runs N per target instead (the long run of docs/robustness.md), and
-`QCORE_FUZZ_REPORT=path.jsonl` appends, per target, the cases run, the slowest case (wall clock
-and CPU time: the CPU time is what the case itself cost on a shared machine) and the largest peak
-allocation. Time is recorded, not asserted (CI is shared).
+machine; cuda under its simulator gets tiny shapes and few examples). `QCORE_FUZZ_EXAMPLES=N` and
+`QCORE_FUZZ_REPORT=path.jsonl` as in tests/fuzzing.py (the long run of docs/robustness.md). The
+foreign formats, the GGUF writer, the streaming reader and recipes are tests/test_fuzz_readers.py.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import struct
 import tempfile
-import time
-import tracemalloc
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import qcore
@@ -32,60 +27,10 @@ from qcore import InvalidDataError, QCoreError, QuantizedData, SchemeError
 from qcore import io as qio
 from qcore.payload import sections
 from qcore.reference import ReferenceBackend
+from tests.fuzzing import Stats, fuzz_settings, mutate_bytes, only_qcore_errors
 
 REF = ReferenceBackend()
-MB = 1 << 20
-PEAK_LIMIT = 8 * MB
-
-
-def _examples(ci_default: int) -> int:
-    return int(os.environ.get("QCORE_FUZZ_EXAMPLES", ci_default))
-
-
-def _settings(ci_default: int):
-    return settings(max_examples=_examples(ci_default), deadline=None, database=None, derandomize=False,
-                    suppress_health_check=list(HealthCheck))
-
-
-class Stats:
-    """Cases run, slowest case and largest peak allocation of one target."""
-
-    def __init__(self, target: str):
-        self.target, self.cases, self.slowest, self.slowest_cpu, self.peak = target, 0, 0.0, 0.0, 0
-
-    @contextlib.contextmanager
-    def case(self):
-        tracemalloc.start()
-        t0, c0 = time.perf_counter(), time.process_time()
-        try:
-            yield
-        finally:
-            dt, dc = time.perf_counter() - t0, time.process_time() - c0  # wall, and CPU (not others' load)
-            peak = tracemalloc.get_traced_memory()[1]
-            tracemalloc.stop()
-            self.cases += 1
-            self.slowest = max(self.slowest, dt)
-            self.slowest_cpu = max(self.slowest_cpu, dc)
-            self.peak = max(self.peak, peak)
-            if self.cases % 1000 == 0:  # a long run that is stopped still tells how far it got
-                self.report(final=False)
-        assert peak <= PEAK_LIMIT, f"{self.target}: a case allocated {peak / MB:.1f} MiB"
-
-    def report(self, final: bool = True) -> None:
-        path = os.environ.get("QCORE_FUZZ_REPORT")
-        if path:
-            with open(path, "a") as f:
-                f.write(json.dumps({"target": self.target, "cases": self.cases, "slowest_s": round(self.slowest, 4),
-                                    "slowest_cpu_s": round(self.slowest_cpu, 4), "peak_bytes": self.peak,
-                                    "final": final}) + "\n")
-
-
-def only_qcore_errors(fn, *args, **kwargs):
-    """fn(...) or None when it raised a QCoreError; anything else fails the case."""
-    try:
-        return fn(*args, **kwargs)
-    except QCoreError:
-        return None
+_settings = fuzz_settings
 
 
 # ------------------------------------------------------------------------------ strategies
@@ -315,23 +260,6 @@ def _mutate_header(data, raw: bytes) -> bytes:
     return struct.pack("<Q", len(text)) + text + body
 
 
-def _mutate_bytes(data, raw: bytes) -> bytes:
-    how = data.draw(st.sampled_from(["flip", "truncate", "insert", "length"]))
-    b = bytearray(raw)
-    if how == "flip":
-        for _ in range(data.draw(st.integers(1, 8))):
-            i = data.draw(st.integers(0, len(b) - 1))
-            b[i] ^= 1 << data.draw(st.integers(0, 7))
-    elif how == "truncate":
-        b = b[: data.draw(st.integers(0, len(b) - 1))]
-    elif how == "insert":
-        i = data.draw(st.integers(0, len(b)))
-        b[i:i] = data.draw(st.binary(min_size=1, max_size=16))
-    else:
-        b[:8] = struct.pack("<Q", data.draw(st.sampled_from([0, 1, 2**32, 2**63, 2**64 - 1, len(b)])))
-    return bytes(b)
-
-
 def _exercise_file(path: str) -> None:
     """Every reader on `path`: only QCoreError may escape; what loads must also decode."""
     only_qcore_errors(qio.read_info, path)
@@ -351,7 +279,7 @@ def test_fuzz_files_and_headers(capsys):
     @given(st.data())
     def run(data):
         raw = data.draw(st.sampled_from(BASE_FILES))
-        raw = _mutate_header(data, raw) if data.draw(st.booleans()) else _mutate_bytes(data, raw)
+        raw = _mutate_header(data, raw) if data.draw(st.booleans()) else mutate_bytes(data, raw)
         with open(path, "wb") as f:
             f.write(raw)
         with stats.case():

@@ -272,7 +272,13 @@ def test_missing_file(tmp_path):
     ({"w": np.array(["a"], dtype=object)}, None, r"tensor 'w' has dtype object"),
     ({"w": np.zeros(2)}, {"qcore.mine": "x"}, r"metadata key 'qcore.mine' uses the reserved prefix"),
     ({"w": np.zeros(2)}, {"k": 1}, r"metadata must map str -> str"),
-], ids=["not-a-dict", "empty-name", "reserved-name", "list", "object-dtype", "reserved-key", "non-str-value"])
+    # a lone surrogate (what JSON's "\ud800" reads as) has no UTF-8 form: UnicodeEncodeError escaped before
+    ({"w": np.zeros(2)}, {"k": "a\ud800"}, r"metadata value of key 'k' is not UTF-8 text \(surrogates not allowed "
+                                           r"at position 1\); a safetensors header is UTF-8 JSON"),
+    ({"w": np.zeros(2)}, {"\udcff": "v"}, r"metadata key is not UTF-8 text"),
+    ({"w\ud800": np.zeros(2)}, None, r"tensor name 'w\\ud800' is not UTF-8 text"),
+], ids=["not-a-dict", "empty-name", "reserved-name", "list", "object-dtype", "reserved-key", "non-str-value",
+        "surrogate-value", "surrogate-key", "surrogate-name"])
 def test_save_rejects_bad_input_and_writes_nothing(tmp_path, tensors, metadata, match):
     with pytest.raises(InputError, match=match):
         qcore.save(tmp_path / "out.safetensors", tensors, metadata)

@@ -9,7 +9,9 @@ support (`expect.py`):
 - **supported** schemes: `calibrate`, `quantize` (calibrated and explicit params), `dequantize`,
   `into_data`, `from_data` agree with the reference bit for bit, and runs are deterministic;
 - **unsupported** schemes: every entry point raises `UnsupportedSchemeError` and touches nothing;
-  "not supported" is its own outcome, not a failure (like ggml's test-backend-ops);
+  "not supported" is its own outcome, not a failure (like ggml's test-backend-ops); a scheme
+  that uses a feature beyond SPEC v1 the backend does not declare (`BaseBackend.scheme_features`)
+  is one of these;
 - **bad input / bad payloads** raise the SPEC §5 error types and nothing else;
 - **ops** (reshape, permute, slice, cat, matmul) match the reference within `Tolerances`;
 - **cross-backend**: a payload made by one backend loads on every other that supports it.

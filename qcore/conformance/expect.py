@@ -17,10 +17,11 @@ empty support (the backend is meant to refuse everything; the "tested nothing" f
 off). A support file (`@path`) holds one pattern per line; `#` starts a comment.
 
 The rules beyond SPEC v1 follow the store as more parts (`q8s/block32:f32/native/flat`,
-`q4s/block32:f16/packed_native/order:high`). Two of them come from the core for every backend
-whose hooks run the scheme without them: blocks over the flattened tensor (`/flat`, docs/spec.md
-E7), and field orders (`/order:...`, E6) for a backend that leaves them to the core; patterns
-that name a backend's schemes part by part should name these forms too.
+`q4s/block32:f16/packed_native/order:high`). A backend supports them only where it declares the
+feature (`BaseBackend.scheme_features`); two come from the core once declared: blocks over the
+flattened tensor (`flat`, docs/spec.md E7), and field orders (`order:high`, `order:split`, E6)
+for a backend that leaves them to the core, so patterns that name such a backend's schemes part
+by part should name these forms too.
 
     qcore conformance --backend mine --expect 'q8s/tensor:f32/native,q8s/block*:f32/native'
     qcore conformance --backend mine --expect @tests/support.txt

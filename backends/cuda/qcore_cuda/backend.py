@@ -178,6 +178,9 @@ class CudaBackend(BaseBackend):
 
     name = "cuda"
     priority = 30
+    # every extension of docs/spec.md but LOOKUP's midpoint code rule (cuda runs no LOOKUP scheme)
+    scheme_features = {"round:rne", "round:mx", "recip", "signed", "codes:away", "codes:offset", "unsigned",
+                       "min", "zero", "order:high", "order:split", "flat"}
     packs_field_orders = True  # k_order.k_reorder on the device (docs/spec.md E6)
     device = "cuda"  # where its tensors live (a torch device type; `qcore.registry.device_of`)
 

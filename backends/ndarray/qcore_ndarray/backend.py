@@ -83,6 +83,11 @@ class NdarrayBackend(BaseBackend):
 
     name = "ndarray"
     priority = 20
+    # docs/spec.md E1-E7 for its 8-bit values: the rounding rules and code rules in its kernels,
+    # signed scales and zero points through qcore.arithmetic, field orders and flat blocks through
+    # the core; not unsigned values, min offsets or LOOKUP's midpoint rule
+    scheme_features = {"round:rne", "round:mx", "recip", "signed", "codes:away", "codes:offset", "zero",
+                       "order:high", "order:split", "flat"}
 
     # ------------------------------------------------------------------ capability
     def available(self) -> bool:

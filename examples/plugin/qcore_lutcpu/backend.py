@@ -162,6 +162,10 @@ class LutCpuBackend(BaseBackend):
 
     name = "lutcpu"
     priority = 5  # below ndarray/cuda; the only accelerated choice for LOOKUP anyway
+    # the scheme features beyond SPEC v1 these hooks implement (docs/plugins.md, "Scheme features"):
+    # scales rounded by scheme.scale_rounding, the reciprocal global, bitsandbytes' midpoint codes;
+    # field orders and flat blocks come from the core
+    scheme_features = {"round:rne", "recip", "codes:midpoint", "order:high", "order:split", "flat"}
 
     def describe(self) -> str:
         return "LOOKUP (table) schemes on the CPU with numpy (example plugin qcore-lutcpu)"
