@@ -22,7 +22,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
@@ -355,16 +355,10 @@ def test_fuzz_gguf_reader(folder, capsys):
     def run(data):
         _, files = bases()[data.draw(st.sampled_from(_gguf_bases()))]
         raw = mutate_gguf(data, files["m.gguf"])
-        assume(not gguf_array_past_end(raw))
         _reset(folder, {"m.gguf": raw})
-        open_defect = False
         with stats.case():
-            try:
-                _read_and_decode(path, "gguf", stats)
-            except UnicodeDecodeError:  # open defect: test_gguf_string_value_not_utf8_is_invalid_data
-                stats.errors["open: UnicodeDecodeError"] += 1
-                open_defect = True
-        if stats.cases % 25 == 0 and not open_defect:
+            _read_and_decode(path, "gguf", stats)
+        if stats.cases % 25 == 0:
             _inspect_one_line(path, capsys)
 
     run()
@@ -408,8 +402,6 @@ def _string_kv_to_array(raw: bytes) -> bytes:
     return raw[:pos] + bytes([_GGUF_ARRAY]) + raw[pos + 1:]
 
 
-@pytest.mark.xfail(strict=True, reason="open: qcore/formats/gguf_file.py hands gguf's GGUFReader the file without "
-                                       "checking its kv array counts against the file size")
 def test_gguf_kv_array_count_is_checked_against_the_file(tmp_path):
     """A kv array count beyond the file (here about 2**62 items in a 600-byte file) is a one-line
     InvalidDataError naming the count, found before anything is allocated. In a child capped at
@@ -431,8 +423,6 @@ def test_gguf_kv_array_count_is_checked_against_the_file(tmp_path):
     assert "count" in p.stdout and len(p.stdout.splitlines()) == 1, p.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="open: qcore/formats/gguf_file.py reads kv values (f.contents()) outside "
-                                       "the try that turns the gguf reader's errors into InvalidDataError")
 def test_gguf_string_value_not_utf8_is_invalid_data(tmp_path):
     """One bit flipped in a string kv value (the fuzz case: 'llama' became b'\\xf1...'): a one-line
     InvalidDataError naming the key, not gguf's UnicodeDecodeError."""

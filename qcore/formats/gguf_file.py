@@ -40,6 +40,7 @@ cannot pack one; gguf's reader reads one with no item type).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from typing import Any, Mapping
@@ -286,6 +287,75 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
+# GGUF value types (gguf's GGUFValueType numbers) -> bytes of one scalar; STRING (8) is a u64 length
+# and its bytes, ARRAY (9) a u32 item type, a u64 count and the items.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_LEAST_BYTES = {**_SCALAR_BYTES, _STRING: 8, _ARRAY: 12}  # the fewest bytes one item of a type takes
+
+
+def check_kv_bounds(path: str) -> None:
+    """Walk a little-endian GGUF file's key/value section with every length and count checked
+    against the bytes left (an array's count times its items' fewest bytes included), before
+    gguf's reader, which builds a part per claimed item; `InvalidDataError` naming the key and
+    the count otherwise. Files of another byte order or a short header are left to the reader."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size < 24:
+            return
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            magic, version, _n_tensors, n_kv = struct.unpack_from("<4sIQQ", mm, 0)
+            if magic != b"GGUF" or not 1 <= version <= 0xFFFF:
+                return
+            pos = 24
+
+            def need(n: int, what: str) -> None:
+                if n < 0 or n > size - pos:
+                    raise InvalidDataError(f"{path}: {what} needs {n} bytes at offset {pos}, the file has "
+                                           f"{max(0, size - pos)} left (a count or length past the end)")
+
+            def u(fmt: str, what: str) -> int:
+                nonlocal pos
+                need(struct.calcsize(fmt), what)
+                (v,) = struct.unpack_from(fmt, mm, pos)
+                pos += struct.calcsize(fmt)
+                return v
+
+            def value(vtype: int, key: str, depth: int) -> None:
+                nonlocal pos
+                if vtype in _SCALAR_BYTES:
+                    need(_SCALAR_BYTES[vtype], f"key {key!r}")
+                    pos += _SCALAR_BYTES[vtype]
+                elif vtype == _STRING:
+                    n = u("<Q", f"key {key!r} string length")
+                    need(n, f"key {key!r} string of {n} bytes")
+                    pos += n
+                elif vtype == _ARRAY and depth < 2:
+                    item = u("<I", f"key {key!r} array type")
+                    count = u("<Q", f"key {key!r} array count")
+                    if item not in _LEAST_BYTES:
+                        raise InvalidDataError(f"{path}: key {key!r} is an array of unknown value type {item}")
+                    if count > (size - pos) // _LEAST_BYTES[item]:
+                        raise InvalidDataError(f"{path}: key {key!r} claims an array of {count} items, more than "
+                                               f"the {size - pos} bytes left can hold")
+                    if item in _SCALAR_BYTES:
+                        pos += count * _SCALAR_BYTES[item]
+                    else:
+                        for _ in range(count):
+                            value(item, key, depth + 1)
+                else:
+                    raise InvalidDataError(f"{path}: key {key!r} has value type {vtype}, which GGUF does not define")
+
+            if n_kv > (size - pos) // 13:  # a key/value takes at least 13 bytes
+                raise InvalidDataError(f"{path}: claims {n_kv} key/values, more than the file can hold")
+            for _ in range(n_kv):
+                n = u("<Q", "a key's length")
+                need(n, f"a key of {n} bytes")
+                key = bytes(mm[pos:pos + min(n, 200)]).decode("utf-8", "replace")
+                pos += n
+                value(u("<I", f"key {key!r} value type"), key, 0)
+
+
 class GGUFFormat(Format):
     name = "gguf"
     description = "GGUF (llama.cpp): Q8_0, Q4_0, Q4_1 and MXFP4 tensors exactly, F32/F16/BF16/ints as they are"
@@ -305,6 +375,7 @@ class GGUFFormat(Format):
     def read(self, path: PathLike) -> Checkpoint:
         gguf = _gguf()
         p = os.fspath(path)
+        check_kv_bounds(p)  # gguf's reader walks every claimed array item: counts checked first
         try:
             reader = gguf.GGUFReader(p)
         except Exception as e:  # the reader raises ValueError/struct errors on a bad file
@@ -317,14 +388,19 @@ class GGUFFormat(Format):
         for key, f in reader.fields.items():
             if key.startswith("GGUF."):
                 continue
+            try:
+                value = f.contents()
+            except UnicodeDecodeError:
+                raise InvalidDataError(f"{p}: key '{key}' holds a string that is not UTF-8 (GGUF strings are "
+                                       "UTF-8)") from None
             if key.startswith(META_PREFIX) and f.types and f.types[0].name == "STRING":
-                meta[key[len(META_PREFIX):]] = f.contents()
+                meta[key[len(META_PREFIX):]] = value
                 continue
             types = [t.name for t in f.types]
             sub = types[-1] if types[0] == "ARRAY" else None
             if types[0] == "ARRAY" and len(types) > 2:
                 raise UnrepresentableError(f"{p}: key '{key}' is a nested array, which qcore does not carry")
-            kv.append([key, types[0], sub, _jsonable(f.contents())])
+            kv.append([key, types[0], sub, _jsonable(value)])
         tensors: dict[str, Tensor] = {}
         for t in reader.tensors:
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
