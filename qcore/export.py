@@ -13,7 +13,8 @@
    moved to the target byte for byte (`qcore.formats`; a field order the target lacks re-packed)
    and written, atomically, under the same name into `dst`; then the index (the target's tensor
    names), the other files of the model folder, and `config.json` last, with the target's
-   `quantization_config` over every tensor of every shard (`Format.model_config`). GGUF: the
+   `quantization_config` over every tensor of every shard (`Format.model_config`, also asked of
+   the plan in step 2, so a model no one config describes is refused before any work). GGUF: the
    staged folder (with its config.json and tokenizer) is converted to one `.gguf` file
    (`qcore.formats.convert`), which holds the whole model in memory, as gguf's writer does.
 5. The staging folder is removed. An interrupted run leaves complete files only and no
@@ -242,6 +243,9 @@ def export_model(src: Any, dst: Any, recipe: Any, backend: Any, *, format: str,
         if not ok:
             raise fbase.UnrepresentableError(f"tensor '{name}' ({arr.dtype}, shape {list(arr.shape)}) is kept by the "
                                              f"recipe and cannot be written as {fmt.name}: {ok.reason}")
+    layout = {n: (None, tuple(a.shape)) for n, a in plain}
+    layout.update({n: (moved[n][1] if n in moved else sch, shape) for n, shape, sch in [*planned, *carried]})
+    fmt.model_config(layout)  # one config must describe the model: refused now, not after the work
     if moved:
         rc = Recipe(rc.scheme, tuple(Rule(_pin(n), to) for n, (_, to) in moved.items()) + rc.rules,
                     rc.include_1d, rc.min_size, rc.keep)

@@ -23,13 +23,19 @@ tensor), block sizes other than 16, and block scales that are negative or NaN (U
 Metadata that is not what torchao writes (`tensor_names` not a list of distinct names, an entry
 not a JSON object, `_data` not an object, `_tensor_data_names` not a list of names, a listed
 field missing) is an `InvalidDataError` naming the key and the field.
+`model_config` (what `qcore quantize --format torchao` puts in config.json) is the
+`quantization_config` transformers 5.25 writes for `TorchAoConfig(NVFP4WeightOnlyConfig(
+use_dynamic_per_tensor_scale=...), modules_to_not_convert=[the Linear layers kept in float])`, key
+for key (`TorchAoConfig.to_dict`, torchao's `config_to_dict`): the tensors `write` makes in qcore
+(no activation quantization) are what that config makes, with a per-tensor scale (`nvfp4`) or
+without (`e2m1/block16:ue4m3/packed_native`); a model with both is refused, since the config has one.
 torchao's quantizer multiplies by the reciprocal scale; qcore's `nvfp4` quantize divides, so only
 decoding is claimed bit-identical.
 """
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -37,9 +43,10 @@ from ..errors import InvalidDataError
 from ..io import VERSION_KEY
 from ..payload import QuantizedData
 from ..protocol import Support
-from ..scheme import PRESETS, scheme as parse_scheme
+from ..scheme import PRESETS, QuantScheme, scheme as parse_scheme
 from . import _nvfp4
 from ._st import array_support, carried, pop_json, read_arrays, write_arrays
+from ._hfconfig import one_setting, skip_modules
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
 
 __all__ = ["TorchaoFormat", "from_blocked", "to_blocked"]
@@ -167,6 +174,29 @@ def _listed(meta: dict[str, str], path: PathLike) -> dict[str, Any]:
     return {n: parse_json(meta.pop(n), f"{path}: metadata {short_repr(n)}") for n in names}
 
 
+def _per_tensor_scale(name: str, sch: Any) -> bool:
+    """Whether a tensor `write` gives has a per-tensor scale (NVFP4WeightOnlyConfig's
+    `use_dynamic_per_tensor_scale`); a tensor it does not write is an `UnrepresentableError`."""
+    s = sch.payload_form if isinstance(sch, QuantScheme) else None
+    if s not in (NVFP4, ONE_LEVEL):
+        raise UnrepresentableError(f"tensor '{name}' ({sch}) is not a torchao NVFP4 tensor ({NVFP4} or {ONE_LEVEL})")
+    return s == NVFP4
+
+
+def model_config(tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict | None:
+    """transformers' `TorchAoConfig(NVFP4WeightOnlyConfig(...)).to_dict()` for a model whose
+    tensors are {name: (scheme or None, shape)} as `write` writes them; None when none is quantized."""
+    settings = {n: _per_tensor_scale(n, s) for n, (s, _) in tensors.items() if s is not None}
+    if not settings:
+        return None
+    two_level = one_setting(settings, "torchao", lambda t: f"use_dynamic_per_tensor_scale {t} "
+                            f"({NVFP4 if t else ONE_LEVEL})")
+    weight_only = {"_type": "NVFP4WeightOnlyConfig", "_version": 1, "_data": {"use_dynamic_per_tensor_scale": two_level}}
+    return {"quant_method": "torchao", "quant_type": {"default": weight_only},
+            "modules_to_not_convert": skip_modules(tensors), "include_input_output_embeddings": False,
+            "untie_embedding_weights": False}
+
+
 class TorchaoFormat(Format):
     name = "torchao"
     description = "torchao NVFP4Tensor state dict (qdata + e4m3 scales + per-tensor scale, JSON metadata)"
@@ -223,6 +253,9 @@ class TorchaoFormat(Format):
                                   f"{list(value.shape)}")
             return Support.yes()
         return array_support(value)
+
+    def model_config(self, tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict | None:
+        return model_config(tensors)
 
     def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
         self.require(checkpoint)
