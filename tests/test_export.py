@@ -239,6 +239,27 @@ def test_bitsandbytes_and_torchao_exports_carry_the_config_transformers_writes(t
     assert cfg["quantization_config"] == want and cfg["model_type"] == "llama"
 
 
+def test_every_torchao_shard_lists_the_whole_model_as_transformers_save_pretrained_does(tmp_path):
+    # transformers merges the shards' metadata (the last shard's `tensor_names` wins) and loads only the
+    # tensors listed there; qcore reads the folder through its first shard's list
+    from safetensors import safe_open
+
+    src = float_folder(tmp_path / "m")
+    qcore.quantize_model(src, tmp_path / "ao", "nvfp4", backend="reference", format="torchao", max_shard_size="20KB")
+    qcore.quantize_model(src, tmp_path / "q", "nvfp4", backend="reference")
+    shards = sorted((tmp_path / "ao").glob("*.safetensors"))
+    metas = []
+    for shard in shards:
+        with safe_open(str(shard), "np") as f:
+            metas.append(f.metadata())
+    assert len(shards) > 2 and all(m == metas[0] for m in metas)
+    got, _ = decoded(tmp_path / "ao")
+    want, _ = decoded(tmp_path / "q")
+    assert sorted(json.loads(metas[0]["tensor_names"])) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
 def test_one_torchao_config_cannot_describe_tensors_with_and_without_a_per_tensor_scale(tmp_path):
     src = float_folder(tmp_path / "m")
     with pytest.raises(UnrepresentableError) as e:
@@ -293,7 +314,8 @@ def test_transformers_loads_a_one_step_export_as_the_quantized_model(tmp_path, f
     # lm_head kept: on a host with AVX-512 BF16, bitsandbytes' CPU Linear4bit repacks its weight at the first
     # forward and asserts out_features % 32 == 0 (`_convert_weight_packed_for_cpu`); this vocabulary has 87 words
     qcore.quantize_model(tmp_path / "src", tmp_path / "out", scheme, backend="reference", format=fmt,
-                         rules=["*o_proj*=keep", "lm_head.weight=keep"])
+                         rules=["*o_proj*=keep", "lm_head.weight=keep"], max_shard_size="400KB")
+    assert len(list((tmp_path / "out").glob("*.safetensors"))) > 2  # sharded
     ids = tok("hello world the model is fast", return_tensors="pt").input_ids
 
     want_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src")
