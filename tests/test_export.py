@@ -239,6 +239,21 @@ def test_bitsandbytes_and_torchao_exports_carry_the_config_transformers_writes(t
     assert cfg["quantization_config"] == want and cfg["model_type"] == "llama"
 
 
+def test_a_tied_output_embedding_is_left_in_float(tmp_path):
+    # no lm_head.weight in the checkpoint: transformers ties lm_head to the kept embedding, and a 4-bit lm_head
+    # would run on its float weight (bitsandbytes: "quantization state not initialized")
+    src = float_folder(tmp_path / "m")
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(src / "model.safetensors"))
+    qcore.quantize_model(src, tmp_path / "bnb", "q4s-lookup[nf4]/block64:f32:flat", backend="reference",
+                         format="bitsandbytes")
+    cfg = json.loads((tmp_path / "bnb" / "config.json").read_text())
+    assert cfg["quantization_config"]["llm_int8_skip_modules"] == ["lm_head", "model.embed_tokens"]
+
+
 def test_every_torchao_shard_lists_the_whole_model_as_transformers_save_pretrained_does(tmp_path):
     # transformers merges the shards' metadata (the last shard's `tensor_names` wins) and loads only the
     # tensors listed there; qcore reads the folder through its first shard's list
@@ -294,11 +309,13 @@ ENGINES = {  # format -> (scheme, the tool's package, its decode of a loaded wei
 }
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
 @pytest.mark.parametrize("fmt", sorted(ENGINES))
-def test_transformers_loads_a_one_step_export_as_the_quantized_model(tmp_path, fmt):
+def test_transformers_loads_a_one_step_export_as_the_quantized_model(tmp_path, fmt, tied):
     """`from_pretrained` of the export (transformers' own bitsandbytes / torchao path, on the CPU) holds the
     tool's tensors, which the tool decodes to qcore's values bit for bit, and gives the logits of the float
-    model with every quantized weight replaced by qcore's decode of it."""
+    model with every quantized weight replaced by qcore's decode of it. `tied`: the output embedding is the input
+    embedding's weight (no `lm_head.weight` in the checkpoint), which must stay a float Linear."""
     scheme, package, tool_decode, tol = ENGINES[fmt]
     torch = pytest.importorskip("torch", reason="torch is not installed")
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -308,7 +325,8 @@ def test_transformers_loads_a_one_step_export_as_the_quantized_model(tmp_path, f
     tok = transformers.AutoTokenizer.from_pretrained(TOKENIZER)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=tied)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "src")
     tok.save_pretrained(tmp_path / "src")
     # lm_head kept: on a host with AVX-512 BF16, bitsandbytes' CPU Linear4bit repacks its weight at the first
@@ -331,9 +349,22 @@ def test_transformers_loads_a_one_step_export_as_the_quantized_model(tmp_path, f
         assert type(w).__name__ in ("Params4bit", "NVFP4Tensor"), name  # loaded as the tool's tensor
         got = tool_decode(w).float().numpy()
         np.testing.assert_array_equal(got, qcore_values[name], err_msg=name)  # the tool's decode, bit for bit
-    for kept in ("model.layers.0.self_attn.o_proj.weight", "lm_head.weight"):
-        assert type(loaded[kept]).__name__ == "Parameter"  # left in float (the config's list)
+    for kept in ("model.layers.0.self_attn.o_proj", "lm_head"):
+        assert type(model.get_submodule(kept).weight).__name__ == "Parameter"  # left in float (the config's list)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     with torch.no_grad():
         got, want = model(ids).logits, want_model(ids).logits
     diff, scale = float((got - want).abs().max()), float(want.abs().max())
     assert diff <= tol * scale, f"{fmt}: max |logit difference| {diff} > {tol} * max |logit| {scale}"
+
+
+def test_a_kept_module_whose_name_would_catch_a_quantized_one_is_listed_escaped():
+    # transformers' should_convert_module also matches a pattern as a suffix and its dots as any character:
+    # the kept 'model.layers.0.mlp.up_proj' would leave the quantized 'vision_model.layers.0.mlp.up_proj' in float
+    from qcore.scheme import scheme as parse_scheme
+
+    nf4 = parse_scheme("q4s-lookup[nf4]/block64:f32")
+    layout = {"model.layers.0.mlp.up_proj.weight": (None, (8, 64)), "lm_head.weight": (nf4, (8, 64)),
+              "vision_model.layers.0.mlp.up_proj.weight": (nf4, (8, 64)), "model.layers.0.mlp.gate.weight": (None, (8, 64))}
+    got = qf.get("bitsandbytes").model_config(layout)["llm_int8_skip_modules"]
+    assert got == ["model.layers.0.mlp.gate", r"model\.layers\.0\.mlp\.up_proj"]

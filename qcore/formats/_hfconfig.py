@@ -18,6 +18,8 @@ from .gptoss import should_convert
 __all__ = ["one_setting", "skip_modules"]
 
 _NAMED = 3  # tensors named per setting in a refusal
+OUTPUT_EMBEDDING = "lm_head"
+"""The output embedding's module in transformers' *ForCausalLM classes (`get_output_embeddings`)."""
 
 
 def _module(name: str) -> str:
@@ -28,9 +30,14 @@ def skip_modules(tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> list[str
     """The modules a loader must leave in float: each `M.weight` kept 2-D and plain (a Linear kept
     in float; an embedding or norm named too is harmless), sorted. A name that as transformers'
     pattern would also catch a quantized module (`should_convert`: a suffix, or `.` as any
-    character) is written escaped (`re.escape`), which matches that module alone."""
+    character) is written escaped (`re.escape`), which matches that module alone. `lm_head` is named
+    too when the model has no tensor of it: its weight is tied to the input embedding (transformers'
+    own default list names it; with a list it adds none), and replaced by a 4-bit Linear it would
+    run on the embedding's float weight."""
     quantized = [_module(n) for n, (s, _) in tensors.items() if s is not None and n.endswith(".weight")]
     plain = {_module(n) for n, (s, shape) in tensors.items() if s is None and len(shape) == 2 and n.endswith(".weight")}
+    if not any(n.startswith(OUTPUT_EMBEDDING + ".") for n in tensors):
+        plain.add(OUTPUT_EMBEDDING)
     out = []
     for m in sorted(plain - set(quantized)):
         out.append(m if all(should_convert(q, [m]) for q in quantized) else re.escape(m))
