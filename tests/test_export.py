@@ -299,12 +299,18 @@ def test_bitsandbytes_refuses_a_quantized_tensor_transformers_cannot_load_as_a_l
     assert not (tmp_path / "bnb").exists()
 
 
-ENGINES = {  # format -> (scheme, the tool's package, its decode of a loaded weight, max |logit difference| / max |logit|)
+def _bnb_decode(weight):
+    from bitsandbytes.functional import dequantize_4bit
+
+    return dequantize_4bit(weight.data, weight.quant_state)
+
+
+# format -> (scheme, the tool's package, its decode of a loaded weight, max |logit difference| / max |logit|)
+ENGINES = {
     # torchao decodes to f32 (`e2m1 * (g * s)`) and multiplies in f32: only the order of the sums differs.
     # bitsandbytes' CPU Linear4bit on a host with AVX-512 BF16 runs a fused kernel that casts the activations
     # and absmax to bfloat16 (backends/cpu/ops.py, "cpu fused op only support bf16"): bf16 rounding, 2**-8
-    "bitsandbytes": ("q4s-lookup[nf4]/block64:f32", "bitsandbytes",
-                     lambda w: __import__("bitsandbytes").functional.dequantize_4bit(w.data, w.quant_state), 2e-2),
+    "bitsandbytes": ("q4s-lookup[nf4]/block64:f32", "bitsandbytes", _bnb_decode, 2e-2),
     "torchao": ("nvfp4", "torchao", lambda w: w.dequantize(), 1e-5),
 }
 
@@ -365,6 +371,7 @@ def test_a_kept_module_whose_name_would_catch_a_quantized_one_is_listed_escaped(
 
     nf4 = parse_scheme("q4s-lookup[nf4]/block64:f32")
     layout = {"model.layers.0.mlp.up_proj.weight": (None, (8, 64)), "lm_head.weight": (nf4, (8, 64)),
-              "vision_model.layers.0.mlp.up_proj.weight": (nf4, (8, 64)), "model.layers.0.mlp.gate.weight": (None, (8, 64))}
+              "vision_model.layers.0.mlp.up_proj.weight": (nf4, (8, 64)),
+              "model.layers.0.mlp.gate.weight": (None, (8, 64))}
     got = qf.get("bitsandbytes").model_config(layout)["llm_int8_skip_modules"]
     assert got == ["model.layers.0.mlp.gate", r"model\.layers\.0\.mlp\.up_proj"]

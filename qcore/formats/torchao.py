@@ -220,7 +220,8 @@ def model_config(tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict | N
         return None
     two_level = one_setting(settings, "torchao", lambda t: f"use_dynamic_per_tensor_scale {t} "
                             f"({NVFP4 if t else ONE_LEVEL})")
-    weight_only = {"_type": "NVFP4WeightOnlyConfig", "_version": 1, "_data": {"use_dynamic_per_tensor_scale": two_level}}
+    weight_only = {"_type": "NVFP4WeightOnlyConfig", "_version": 1,
+                   "_data": {"use_dynamic_per_tensor_scale": two_level}}
     return {"quant_method": "torchao", "quant_type": {"default": weight_only},
             "modules_to_not_convert": skip_modules(tensors), "include_input_output_embeddings": False,
             "untie_embedding_weights": False}
