@@ -11,9 +11,12 @@
    (`dst/.qcore-export`, the same shards).
 4. Safetensors targets: each staged shard is read (one shard's tensors in memory), its tensors
    moved to the target byte for byte (`qcore.formats`; a field order the target lacks re-packed)
-   and written, atomically, under the same name into `dst`; then the index (the target's tensor
+   and written, atomically, under the same name into `dst`, each with the metadata the target's
+   shards share (`Format.shard_metadata` of every staged tensor, from the headers: torchao's list
+   of the whole model); then the index (the target's tensor
    names), the other files of the model folder, and `config.json` last, with the target's
-   `quantization_config` over every tensor of every shard (`Format.model_config`). GGUF: the
+   `quantization_config` over every tensor of every shard (`Format.model_config`, also asked of
+   the plan in step 2, so a model no one config describes is refused before any work). GGUF: the
    staged folder (with its config.json and tokenizer) is converted to one `.gguf` file
    (`qcore.formats.convert`), which holds the whole model in memory, as gguf's writer does.
 5. The staging folder is removed. An interrupted run leaves complete files only and no
@@ -242,6 +245,9 @@ def export_model(src: Any, dst: Any, recipe: Any, backend: Any, *, format: str,
         if not ok:
             raise fbase.UnrepresentableError(f"tensor '{name}' ({arr.dtype}, shape {list(arr.shape)}) is kept by the "
                                              f"recipe and cannot be written as {fmt.name}: {ok.reason}")
+    layout = {n: (None, tuple(a.shape)) for n, a in plain}
+    layout.update({n: (moved[n][1] if n in moved else sch, shape) for n, shape, sch in [*planned, *carried]})
+    fmt.model_config(layout)  # one config must describe the model: refused now, not after the work
     if moved:
         rc = Recipe(rc.scheme, tuple(Rule(_pin(n), to) for n, (_, to) in moved.items()) + rc.rules,
                     rc.include_1d, rc.min_size, rc.keep)
@@ -292,6 +298,8 @@ def _write_folder(fmt: fbase.Format, ck: Any, res: Any, staged: str, dst: str, s
     qm._remove_stale_temporaries([*outs, *([index] if index else []), *extras.values(), config_dst])
     qm._copy_extras(extras)
     layout: dict[str, tuple[QuantScheme | None, tuple[int, ...]]] = {}
+    model = {e.name: (e.scheme, e.shape) for f in shard_files for e in qio.read_info(f).entries}  # headers only
+    shared = {"format": "pt", **fmt.shard_metadata(model)}  # transformers reads "format"
     scratch = os.path.join(stage, "out")
     reader = get_format("qcore")
     for staged_file, out in zip(shard_files, outs):
@@ -304,7 +312,7 @@ def _write_folder(fmt: fbase.Format, ck: Any, res: Any, staged: str, dst: str, s
             layout[name] = (value.scheme if isinstance(value, QuantizedData) else None, tuple(value.shape))
         os.makedirs(scratch, exist_ok=True)
         tmp = os.path.join(scratch, os.path.basename(out))
-        fmt.write(tmp, fbase.Checkpoint(tensors, {"format": "pt"}, fmt.name))  # transformers reads "format"
+        fmt.write(tmp, fbase.Checkpoint(tensors, dict(shared), fmt.name))
         del tensors, ck_in
         os.replace(tmp, out)
     if index is not None:

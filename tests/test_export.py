@@ -208,3 +208,170 @@ def test_format_is_one_local_run(tmp_path, capsys, extra):
     rc = main(["quantize", str(src), str(tmp_path / "ct"), "--scheme", "q8s", "--format", "compressed-tensors", *extra])
     assert rc != 0 and "go with --format qcore" in capsys.readouterr().err
     assert not (tmp_path / "ct").exists()
+
+
+# What transformers 5.25 writes for these configs (`BitsAndBytesConfig.to_dict`, `TorchAoConfig.to_dict`), key for
+# key; the kept Linear layers (here the attention output, by rule) and the kept embedding are left in float.
+KEPT = ["model.embed_tokens", "model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
+BNB_CONFIG = {"quant_method": "bitsandbytes", "_load_in_8bit": False, "_load_in_4bit": True, "llm_int8_threshold": 6.0,
+              "llm_int8_skip_modules": KEPT, "llm_int8_enable_fp32_cpu_offload": False,
+              "llm_int8_has_fp16_weight": False, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False,
+              "bnb_4bit_compute_dtype": "float32", "bnb_4bit_quant_storage": "uint8", "load_in_4bit": True,
+              "load_in_8bit": False}
+
+
+def torchao_config(per_tensor_scale):
+    return {"quant_method": "torchao", "quant_type": {"default": {
+        "_type": "NVFP4WeightOnlyConfig", "_version": 1, "_data": {"use_dynamic_per_tensor_scale": per_tensor_scale}}},
+        "modules_to_not_convert": KEPT, "include_input_output_embeddings": False, "untie_embedding_weights": False}
+
+
+@pytest.mark.parametrize("fmt,scheme,want", [
+    ("bitsandbytes", "q4s-lookup[nf4]/block64:f32:flat", BNB_CONFIG),
+    ("torchao", "nvfp4", torchao_config(True)),
+    ("torchao", "e2m1/block16:ue4m3/packed_native", torchao_config(False)),
+], ids=["bitsandbytes-nf4", "torchao-nvfp4", "torchao-one-level"])
+def test_bitsandbytes_and_torchao_exports_carry_the_config_transformers_writes(tmp_path, fmt, scheme, want):
+    src = float_folder(tmp_path / "m")
+    qcore.quantize_model(src, tmp_path / "out", scheme, backend="reference", format=fmt, rules=["*o_proj*=keep"],
+                         max_shard_size="20KB")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["quantization_config"] == want and cfg["model_type"] == "llama"
+
+
+def test_a_tied_output_embedding_is_left_in_float(tmp_path):
+    # no lm_head.weight in the checkpoint: transformers ties lm_head to the kept embedding, and a 4-bit lm_head
+    # would run on its float weight (bitsandbytes: "quantization state not initialized")
+    src = float_folder(tmp_path / "m")
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(src / "model.safetensors"))
+    qcore.quantize_model(src, tmp_path / "bnb", "q4s-lookup[nf4]/block64:f32:flat", backend="reference",
+                         format="bitsandbytes")
+    cfg = json.loads((tmp_path / "bnb" / "config.json").read_text())
+    assert cfg["quantization_config"]["llm_int8_skip_modules"] == ["lm_head", "model.embed_tokens"]
+
+
+def test_every_torchao_shard_lists_the_whole_model_as_transformers_save_pretrained_does(tmp_path):
+    # transformers merges the shards' metadata (the last shard's `tensor_names` wins) and loads only the
+    # tensors listed there; qcore reads the folder through its first shard's list
+    from safetensors import safe_open
+
+    src = float_folder(tmp_path / "m")
+    qcore.quantize_model(src, tmp_path / "ao", "nvfp4", backend="reference", format="torchao", max_shard_size="20KB")
+    qcore.quantize_model(src, tmp_path / "q", "nvfp4", backend="reference")
+    shards = sorted((tmp_path / "ao").glob("*.safetensors"))
+    metas = []
+    for shard in shards:
+        with safe_open(str(shard), "np") as f:
+            metas.append(f.metadata())
+    assert len(shards) > 2 and all(m == metas[0] for m in metas)
+    got, _ = decoded(tmp_path / "ao")
+    want, _ = decoded(tmp_path / "q")
+    assert sorted(json.loads(metas[0]["tensor_names"])) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_one_torchao_config_cannot_describe_tensors_with_and_without_a_per_tensor_scale(tmp_path):
+    src = float_folder(tmp_path / "m")
+    with pytest.raises(UnrepresentableError) as e:
+        qcore.quantize_model(src, tmp_path / "ao", "nvfp4", backend="reference", format="torchao",
+                             rules=["*up_proj*=e2m1/block16:ue4m3/packed_native"])
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("one torchao quantization_config describes the whole model")
+    assert "'model.layers.0.mlp.up_proj.weight', 'model.layers.1.mlp.up_proj.weight' need " \
+           "use_dynamic_per_tensor_scale False" in msg
+    assert not (tmp_path / "ao").exists()  # refused from the plan, before any work
+
+
+def test_bitsandbytes_refuses_a_quantized_tensor_transformers_cannot_load_as_a_linear_weight(tmp_path, capsys):
+    src = float_folder(tmp_path / "m")
+    rc = main(["quantize", str(src), str(tmp_path / "bnb"), "--scheme", "q4s-lookup[nf4]/block64:f32:flat",
+               "--rule", "*norm*=q4s-lookup[nf4]/block64:f32:flat", "--include-1d", "--format", "bitsandbytes",
+               "--backend", "reference"])
+    err = capsys.readouterr().err.strip()
+    assert rc != 0 and len(err.splitlines()) == 1
+    assert "tensor 'model.layers.0.input_layernorm.weight' (q4s-lookup[nf4]/block64:f32:flat, shape [64]): " \
+           "transformers loads bitsandbytes 4-bit data only into the 2-D weight of a Linear layer" in err
+    assert not (tmp_path / "bnb").exists()
+
+
+def _bnb_decode(weight):
+    from bitsandbytes.functional import dequantize_4bit
+
+    return dequantize_4bit(weight.data, weight.quant_state)
+
+
+# format -> (scheme, the tool's package, its decode of a loaded weight, max |logit difference| / max |logit|)
+ENGINES = {
+    # torchao decodes to f32 (`e2m1 * (g * s)`) and multiplies in f32: only the order of the sums differs.
+    # bitsandbytes' CPU Linear4bit on a host with AVX-512 BF16 runs a fused kernel that casts the activations
+    # and absmax to bfloat16 (backends/cpu/ops.py, "cpu fused op only support bf16"): bf16 rounding, 2**-8
+    "bitsandbytes": ("q4s-lookup[nf4]/block64:f32", "bitsandbytes", _bnb_decode, 2e-2),
+    "torchao": ("nvfp4", "torchao", lambda w: w.dequantize(), 1e-5),
+}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
+@pytest.mark.parametrize("fmt", sorted(ENGINES))
+def test_transformers_loads_a_one_step_export_as_the_quantized_model(tmp_path, fmt, tied):
+    """`from_pretrained` of the export (transformers' own bitsandbytes / torchao path, on the CPU) holds the
+    tool's tensors, which the tool decodes to qcore's values bit for bit, and gives the logits of the float
+    model with every quantized weight replaced by qcore's decode of it. `tied`: the output embedding is the input
+    embedding's weight (no `lm_head.weight` in the checkpoint), which must stay a float Linear."""
+    scheme, package, tool_decode, tol = ENGINES[fmt]
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    pytest.importorskip("accelerate", reason="transformers' bitsandbytes and torchao loaders need accelerate")
+    pytest.importorskip(package, reason=f"{package} is not installed (CI does not install it; docs/formats.md "
+                                        "records the live check)")
+    tok = transformers.AutoTokenizer.from_pretrained(TOKENIZER)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=tied)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "src")
+    tok.save_pretrained(tmp_path / "src")
+    # lm_head kept: on a host with AVX-512 BF16, bitsandbytes' CPU Linear4bit repacks its weight at the first
+    # forward and asserts out_features % 32 == 0 (`_convert_weight_packed_for_cpu`); this vocabulary has 87 words
+    qcore.quantize_model(tmp_path / "src", tmp_path / "out", scheme, backend="reference", format=fmt,
+                         rules=["*o_proj*=keep", "lm_head.weight=keep"], max_shard_size="400KB")
+    assert len(list((tmp_path / "out").glob("*.safetensors"))) > 2  # sharded
+    ids = tok("hello world the model is fast", return_tensors="pt").input_ids
+
+    want_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src")
+    params = dict(want_model.named_parameters())
+    qcore_values, ck = decoded(tmp_path / "out")
+    quantized = [n for n, v in ck.tensors.items() if isinstance(v, QuantizedData)]
+    assert len(quantized) == 12  # q, k, v, gate, up and down of each of the 2 layers
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", device_map="cpu")
+    loaded = dict(model.named_parameters())
+    for name in quantized:
+        params[name].data.copy_(torch.from_numpy(qcore_values[name]))
+        w = loaded[name]
+        assert type(w).__name__ in ("Params4bit", "NVFP4Tensor"), name  # loaded as the tool's tensor
+        got = tool_decode(w).float().numpy()
+        np.testing.assert_array_equal(got, qcore_values[name], err_msg=name)  # the tool's decode, bit for bit
+    for kept in ("model.layers.0.self_attn.o_proj", "lm_head"):
+        assert type(model.get_submodule(kept).weight).__name__ == "Parameter"  # left in float (the config's list)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    with torch.no_grad():
+        got, want = model(ids).logits, want_model(ids).logits
+    diff, scale = float((got - want).abs().max()), float(want.abs().max())
+    assert diff <= tol * scale, f"{fmt}: max |logit difference| {diff} > {tol} * max |logit| {scale}"
+
+
+def test_a_kept_module_whose_name_would_catch_a_quantized_one_is_listed_escaped():
+    # transformers' should_convert_module also matches a pattern as a suffix and its dots as any character:
+    # the kept 'model.layers.0.mlp.up_proj' would leave the quantized 'vision_model.layers.0.mlp.up_proj' in float
+    from qcore.scheme import scheme as parse_scheme
+
+    nf4 = parse_scheme("q4s-lookup[nf4]/block64:f32")
+    layout = {"model.layers.0.mlp.up_proj.weight": (None, (8, 64)), "lm_head.weight": (nf4, (8, 64)),
+              "vision_model.layers.0.mlp.up_proj.weight": (nf4, (8, 64)),
+              "model.layers.0.mlp.gate.weight": (None, (8, 64))}
+    got = qf.get("bitsandbytes").model_config(layout)["llm_int8_skip_modules"]
+    assert got == ["model.layers.0.mlp.gate", r"model\.layers\.0\.mlp\.up_proj"]

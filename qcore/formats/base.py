@@ -226,6 +226,12 @@ class Format:
         shard at once; None when this format has none. `qcore.export` writes it."""
         return None
 
+    def shard_metadata(self, tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict[str, str]:
+        """Metadata that every shard of a model folder carries, from the whole model's tensors
+        ({name: (QuantScheme or None, shape)}, as `model_config`); {} when this format has none.
+        `qcore.export` puts it into each shard's `Checkpoint.metadata` for `write`."""
+        return {}
+
     def with_options(self, **options: str) -> "Format":
         """A copy of this format with reader/writer options set (`qcore convert --option K=V`)."""
         if options:

@@ -36,6 +36,12 @@ Writing takes `q4s-lookup[nf4]/block<B>:f32` tensors (B a bitsandbytes blocksize
 blocks along the last axis whose extent B divides, or a 1-D tensor) and `.../block<B>:f32:flat`
 ones of any shape, in any store and field order, and writes the layout above without double
 quant: the same codes and f32 absmax, so bitsandbytes decodes the same values.
+`model_config` (what `qcore quantize --format bitsandbytes` puts in config.json) is the
+`quantization_config` transformers 5.25 writes for `BitsAndBytesConfig(load_in_4bit=True,
+bnb_4bit_quant_type="nf4", llm_int8_skip_modules=[the Linear layers kept in float])`, key for key
+(`BitsAndBytesConfig.to_dict`): no double quant, uint8 storage (the `[n/2, 1]` bytes written), f32
+compute (the decode's own precision). transformers loads 4-bit data only into `nn.Linear`
+weights, so a quantized tensor that is not a 2-D `M.weight` is refused there.
 A file bitsandbytes wrote without double quant comes back byte for byte. `dtype` in the state is
 the layer's dtype recorded on read (`bitsandbytes.dtypes`), else float32. Other tables are
 refused: bitsandbytes' CUDA kernels decode nf4 with their built-in table, not `quant_map`.
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -54,6 +61,7 @@ from ..payload import QuantizedData
 from ..protocol import Support
 from ..scheme import PRESETS, QuantMode, QuantScheme, QuantValue, ScaleDtype
 from ._st import array_support, pop_json, read_arrays, write_arrays
+from ._hfconfig import one_setting, skip_modules
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
 
 __all__ = ["BnbNF4Format"]
@@ -231,6 +239,37 @@ def _write_tensor(name: str, value: QuantizedData, dtype: str) -> dict[str, np.n
             name + STATE_SUFFIX + "nf4": np.frombuffer(json.dumps(state).encode("utf-8"), np.uint8).copy()}
 
 
+def _setting(name: str, sch: QuantScheme | None, shape: tuple[int, ...]) -> tuple[str, bool, str]:
+    """(bnb_4bit_quant_type, bnb_4bit_use_double_quant, bnb_4bit_quant_storage) of a tensor `write`
+    gives: nf4, no double quant, uint8 bytes; a tensor it does not write, or one transformers
+    cannot load as a Linear4bit weight, is an `UnrepresentableError`."""
+    s = sch.payload_form if isinstance(sch, QuantScheme) else None
+    if s is None or not (s.is_lookup and s.table_name == "nf4"):
+        raise UnrepresentableError(f"tensor '{name}' ({sch}) is not a bitsandbytes nf4 tensor")
+    if len(shape) != 2 or not name.endswith(".weight"):
+        raise UnrepresentableError(
+            f"tensor '{name}' ({sch}, shape {list(shape)}): transformers loads bitsandbytes 4-bit data only into "
+            "the 2-D weight of a Linear layer (M.weight); keep it in float (--keep) or write single files with "
+            "qcore convert")
+    return "nf4", False, "uint8"
+
+
+def model_config(tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict | None:
+    """transformers' `BitsAndBytesConfig(...).to_dict()` for a model whose tensors are
+    {name: (scheme or None, shape)} as `write` writes them; None when none is quantized."""
+    settings = {n: _setting(n, s, shape) for n, (s, shape) in tensors.items() if s is not None}
+    if not settings:
+        return None
+    quant_type, double_quant, storage = one_setting(
+        settings, "bitsandbytes", lambda st: f"bnb_4bit_quant_type {st[0]}, double quant {st[1]}, storage {st[2]}")
+    return {"quant_method": "bitsandbytes", "_load_in_8bit": False, "_load_in_4bit": True,
+            "llm_int8_threshold": 6.0, "llm_int8_skip_modules": skip_modules(tensors),
+            "llm_int8_enable_fp32_cpu_offload": False, "llm_int8_has_fp16_weight": False,
+            "bnb_4bit_quant_type": quant_type, "bnb_4bit_use_double_quant": double_quant,
+            "bnb_4bit_compute_dtype": "float32", "bnb_4bit_quant_storage": storage,
+            "load_in_4bit": True, "load_in_8bit": False}
+
+
 class BnbNF4Format(Format):
     name = "bitsandbytes"
     description = "bitsandbytes 4-bit state dict (nf4, optional double quant on read)"
@@ -240,6 +279,9 @@ class BnbNF4Format(Format):
         if isinstance(value, QuantizedData):
             return _write_check(value)
         return array_support(value)
+
+    def model_config(self, tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict | None:
+        return model_config(tensors)
 
     def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
         self.require(checkpoint)

@@ -23,13 +23,19 @@ tensor), block sizes other than 16, and block scales that are negative or NaN (U
 Metadata that is not what torchao writes (`tensor_names` not a list of distinct names, an entry
 not a JSON object, `_data` not an object, `_tensor_data_names` not a list of names, a listed
 field missing) is an `InvalidDataError` naming the key and the field.
+`model_config` (what `qcore quantize --format torchao` puts in config.json) is the
+`quantization_config` transformers 5.25 writes for `TorchAoConfig(NVFP4WeightOnlyConfig(
+use_dynamic_per_tensor_scale=...), modules_to_not_convert=[the Linear layers kept in float])`, key
+for key (`TorchAoConfig.to_dict`, torchao's `config_to_dict`): the tensors `write` makes in qcore
+(no activation quantization) are what that config makes, with a per-tensor scale (`nvfp4`) or
+without (`e2m1/block16:ue4m3/packed_native`); a model with both is refused, since the config has one.
 torchao's quantizer multiplies by the reciprocal scale; qcore's `nvfp4` quantize divides, so only
 decoding is claimed bit-identical.
 """
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -37,14 +43,16 @@ from ..errors import InvalidDataError
 from ..io import VERSION_KEY
 from ..payload import QuantizedData
 from ..protocol import Support
-from ..scheme import PRESETS, scheme as parse_scheme
+from ..scheme import PRESETS, QuantScheme, scheme as parse_scheme
 from . import _nvfp4
 from ._st import array_support, carried, pop_json, read_arrays, write_arrays
+from ._hfconfig import one_setting, skip_modules
 from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
 
 __all__ = ["TorchaoFormat", "from_blocked", "to_blocked"]
 
 TENSORS_KEY = "torchao.tensors"   # JSON {weight: its NVFP4Tensor attributes}: restores them on write
+MODEL_KEY = "torchao.model"       # JSON {tensor: its torchao entry} of every shard of a model folder (shard_metadata)
 NVFP4 = PRESETS["nvfp4"]
 ONE_LEVEL = parse_scheme("e2m1/block16:ue4m3/packed_native")
 BLOCK = _nvfp4.BLOCK
@@ -167,6 +175,58 @@ def _listed(meta: dict[str, str], path: PathLike) -> dict[str, Any]:
     return {n: parse_json(meta.pop(n), f"{path}: metadata {short_repr(n)}") for n in names}
 
 
+def _entry(attrs: dict | None, two_level: bool, act_scale: bool) -> dict:
+    """torchao's metadata entry of a weight (`flatten_tensor_state_dict`): NVFP4Tensor, its attributes
+    (torchao's defaults where `attrs` lacks them) and its data fields; a plain tensor's when `attrs` is None."""
+    if attrs is None:
+        return {"_type": "Tensor"}
+    attrs = {**_DEFAULTS, **attrs}
+    order = ("is_swizzled_scales", "use_triton_kernel", "act_quant_kwargs", "block_size", "orig_dtype")
+    fields = ["per_tensor_scale"] * two_level + ["act_per_tensor_scale"] * act_scale + ["qdata", "scale"]
+    return {"_type": "NVFP4Tensor", "_data": {k: attrs[k] for k in order if k in attrs}, "_tensor_data_names": fields}
+
+
+def shard_metadata(tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict[str, str]:
+    """`MODEL_KEY`: the entry of every tensor of the model ({name: (scheme or None, shape)}) as `write`
+    writes it for a tensor made in qcore, so that each shard lists the whole model as transformers'
+    `save_pretrained` does (transformers 5.25 merges the shards' metadata, `tensor_names` of the last
+    shard winning, and loads only the tensors that list names)."""
+    acts = {n for n in tensors if n.endswith("_act_per_tensor_scale")}
+    model = {}
+    for name, (sch, _) in tensors.items():
+        if name in acts:
+            continue
+        prefix, _ = _parts(name)
+        quantized = isinstance(sch, QuantScheme)
+        model[name] = _entry({} if quantized else None, quantized and sch.two_level,
+                             quantized and prefix + "act_per_tensor_scale" in tensors)
+    return {MODEL_KEY: json.dumps(model)}
+
+
+def _per_tensor_scale(name: str, sch: Any) -> bool:
+    """Whether a tensor `write` gives has a per-tensor scale (NVFP4WeightOnlyConfig's
+    `use_dynamic_per_tensor_scale`); a tensor it does not write is an `UnrepresentableError`."""
+    s = sch.payload_form if isinstance(sch, QuantScheme) else None
+    if s not in (NVFP4, ONE_LEVEL):
+        raise UnrepresentableError(f"tensor '{name}' ({sch}) is not a torchao NVFP4 tensor ({NVFP4} or {ONE_LEVEL})")
+    return s == NVFP4
+
+
+def model_config(tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict | None:
+    """transformers' `TorchAoConfig(NVFP4WeightOnlyConfig(...)).to_dict()` for a model whose
+    tensors are {name: (scheme or None, shape)} as `write` writes them; None when none is quantized."""
+    settings = {n: _per_tensor_scale(n, s) for n, (s, _) in tensors.items() if s is not None}
+    if not settings:
+        return None
+    two_level = one_setting(settings, "torchao", lambda t: f"use_dynamic_per_tensor_scale {t} "
+                            f"({NVFP4 if t else ONE_LEVEL})")
+    weight_only = {"_type": "NVFP4WeightOnlyConfig", "_version": 1,
+                   "_data": {"use_dynamic_per_tensor_scale": two_level}}
+    return {"quant_method": "torchao", "quant_type": {"default": weight_only},
+            "modules_to_not_convert": skip_modules(tensors), "include_input_output_embeddings": False,
+            "untie_embedding_weights": False}
+
+
 class TorchaoFormat(Format):
     name = "torchao"
     description = "torchao NVFP4Tensor state dict (qdata + e4m3 scales + per-tensor scale, JSON metadata)"
@@ -224,10 +284,17 @@ class TorchaoFormat(Format):
             return Support.yes()
         return array_support(value)
 
+    def model_config(self, tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict | None:
+        return model_config(tensors)
+
+    def shard_metadata(self, tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict[str, str]:
+        return shard_metadata(tensors)
+
     def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
         self.require(checkpoint)
         meta = dict(checkpoint.metadata)
         kept = pop_json(meta, TENSORS_KEY)
+        model = pop_json(meta, MODEL_KEY)
         arrays: dict[str, np.ndarray] = {}
         infos: dict[str, str] = {}
         act_keys: set[str] = set()
@@ -244,22 +311,21 @@ class TorchaoFormat(Format):
             scale = words.astype(_FP8).reshape(*lead, m, k // BLOCK)
             if attrs.get("is_swizzled_scales"):
                 scale = to_blocked(scale.reshape(-1, k // BLOCK))
-            fields = ["qdata", "scale"]
             if value.scheme.two_level:
                 arrays[prefix + "per_tensor_scale"] = np.asarray(value.global_scale(), np.float32)
-                fields.insert(0, "per_tensor_scale")
-            if prefix + "act_per_tensor_scale" in checkpoint.tensors:  # its data, not a listed tensor
-                fields.insert(1 if value.scheme.two_level else 0, "act_per_tensor_scale")
+            act_scale = prefix + "act_per_tensor_scale" in checkpoint.tensors  # its data, not a listed tensor
+            if act_scale:
                 act_keys.add(prefix + "act_per_tensor_scale")
             arrays[prefix + "qdata"] = np.frombuffer(value.values_bytes(), np.uint8).reshape(*lead, m, k // 2)
             arrays[prefix + "scale"] = scale
-            order = ("is_swizzled_scales", "use_triton_kernel", "act_quant_kwargs", "block_size", "orig_dtype")
-            data = {key: attrs[key] for key in order if key in attrs}
-            infos[name] = json.dumps({"_type": "NVFP4Tensor", "_data": data, "_tensor_data_names": fields})
+            infos[name] = json.dumps(_entry(attrs, value.scheme.two_level, act_scale))
         listed = [n for n in checkpoint.tensors if n not in act_keys]
         for name in listed:
             if name not in infos:
-                infos[name] = json.dumps({"_type": "Tensor"})
-        out_meta = {**meta, **infos, "tensor_names": json.dumps(listed)}
+                infos[name] = json.dumps(_entry(None, False, False))
+        # a shard of a model folder lists the whole model (`shard_metadata`), its own tensors as written here
+        others = {n: json.dumps(e) for n, e in model.items() if n not in infos and n not in act_keys}
+        names = [n for n in model if n not in act_keys] + [n for n in listed if n not in model]
+        out_meta = {**meta, **others, **infos, "tensor_names": json.dumps(names)}
         write_arrays(path, arrays, out_meta)
 
