@@ -110,11 +110,11 @@ def _holds(fmt: fbase.Format, name: str, value: QuantizedData) -> bool:
 
 
 def _candidates() -> dict[str, QuantScheme]:
-    """The schemes offered in a refusal: every preset and every value's base scheme, per tensor and
-    with blocks of 32 (f16 scales), as named texts."""
+    """The schemes offered in a refusal: every preset and every value's base scheme, per tensor,
+    with blocks of 32 (f16 scales) and of 64 (f32 scales), as named texts."""
     out: dict[str, QuantScheme] = dict(PRESETS)
     for v in QuantValue:
-        for suffix in ("", "/block32:f16"):
+        for suffix in ("", "/block32:f16", "/block64:f32"):  # the last: bitsandbytes' default blocks
             try:
                 s = parse_scheme(str(base_scheme(v)) + suffix)
             except (SchemeError, InputError):
