@@ -95,7 +95,8 @@ def dequantize(q: QTensor, dtype: Any = np.float32) -> Any:
 
 def matmul(x: Any, w: QTensor, **options: Any) -> Any:
     """`x @ dequantize(w)` for x [..., K] and a quantized w [K, N], on w's backend (options: the
-    backend's, e.g. `dtype=`, and on cuda `out=`, `stream=`)."""
+    backend's, e.g. `dtype=`, `act=` (x quantized per row first; x may also be a QTensor,
+    docs/spec.md E9), and on cuda `out=`, `stream=`)."""
     if not isinstance(w, QTensor):
         raise InputError(f"matmul takes a QTensor weight, got {type(w).__name__}")
     return w.backend.matmul(x, w, **options)
@@ -104,7 +105,9 @@ def matmul(x: Any, w: QTensor, **options: Any) -> Any:
 def linear(x: Any, w: QTensor, bias: Any = None, **options: Any) -> Any:
     """`x @ dequantize(w).T + bias` for x [..., K] and a linear layer's quantized weight w [N, K]
     as checkpoints store it, on w's backend; the result has x's dtype unless `dtype=` says
-    otherwise (and on cuda `out=`, `stream=`). docs/spec.md, "Products with a quantized weight"."""
+    otherwise (and on cuda `out=`, `stream=`). docs/spec.md, "Products with a quantized weight".
+    `act=SCHEME` (e.g. `e4m3/block{K}:f32`, W8A8) multiplies by `dequantize(quantize(x, act))`;
+    x may also be a QTensor of w's backend (docs/spec.md E9)."""
     if not isinstance(w, QTensor):
         raise InputError(f"linear takes a QTensor weight, got {type(w).__name__}")
     return w.backend.linear(x, w, bias, **options)

@@ -506,23 +506,47 @@ class BaseBackend(abc.ABC):
             return x
         return self.to_numpy(x)
 
-    def matmul(self, x: Any, w: QTensor, *, dtype: Any = np.float32) -> Any:
+    def _product_x(self, what: str, x: Any, w: QTensor, act: Any, dtype: Any) -> tuple[Any, Any]:
+        """(x as the core's products read it, the result dtype) (docs/spec.md E9): a QTensor x is
+        its decoded value (float32); with `act`, x is read as float32 (E8), quantized under `act`
+        by this backend, and decoded, and `dtype=None` keeps meaning x's own dtype; a torch x
+        stays torch, so the result comes back as x came."""
+        from . import act as _act
+        from .activations import host_activation, in_callers_kind, product_dims
+
+        if isinstance(x, QTensor):
+            return self.to_numpy(self.dequantize(_act.given_x(self, what, x, w.shape, act))), dtype
+        x = self._host_x(x)
+        if act is None:
+            return x, dtype
+        xa, as_torch = host_activation(x)
+        k_, _ = product_dims(what, xa.shape, w.shape)
+        scheme = _act.act_scheme(self, act, what, k_)
+        xd = self.to_numpy(self.dequantize(self.quantize(xa.astype(np.float32, copy=False), scheme)))
+        return in_callers_kind(xd, as_torch), (xa.dtype if dtype is None else dtype)
+
+    def matmul(self, x: Any, w: QTensor, *, dtype: Any = np.float32, act: Any = None) -> Any:
         """`x @ dequantize(w)` for float `x` [..., K] and quantized `w` [K, N], block by block, f32
-        sums rounded once to `dtype` (default float32; None: x's dtype)."""
+        sums rounded once to `dtype` (default float32; None: x's dtype). `act=SCHEME` quantizes x
+        per row first, and x may be a QTensor (docs/spec.md E9)."""
         from . import ops
 
         w = self._own(w)
-        return ops.matmul(self, self._host_x(x), w, dtype=dtype)
+        x, dtype = self._product_x("matmul", x, w, act, dtype)
+        return ops.matmul(self, x, w, dtype=dtype)
 
-    def linear(self, x: Any, w: QTensor, bias: Any = None, *, dtype: Any = None) -> Any:
+    def linear(self, x: Any, w: QTensor, bias: Any = None, *, dtype: Any = None, act: Any = None) -> Any:
         """`x @ dequantize(w).T + bias` for float `x` [..., K] (float16, bfloat16, float32,
         float64; numpy or torch) and a linear layer's weight `w` [N, K] as checkpoints store it;
         f32 sums, bias added in f32, one rounding to `dtype` (default: x's dtype), returned as x
-        came (numpy or torch) (docs/spec.md, "Products with a quantized weight")."""
+        came (numpy or torch) (docs/spec.md, "Products with a quantized weight"). `act=SCHEME`
+        (e.g. `e4m3/block{K}:f32`) multiplies by `dequantize(quantize(x, act))` instead of x, and
+        x may be a QTensor [..., K] of this backend (docs/spec.md E9)."""
         from . import ops
 
         w = self._own(w)
-        return ops.linear(self, self._host_x(x), w, bias, dtype=dtype)
+        x, dtype = self._product_x("linear", x, w, act, dtype)
+        return ops.linear(self, x, w, bias, dtype=dtype)
 
     # ------------------------------------------------------------------ hooks
     @abc.abstractmethod

@@ -16,7 +16,7 @@ Two models, as plugin authors write backends:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ml_dtypes
@@ -29,7 +29,7 @@ from qcore.payload import QuantizedData, sections
 from qcore.protocol import BaseBackend, QParams, Support
 from qcore.arithmetic import decode, effective_scale, encode, slot_statistic, store_reciprocal
 from qcore.reference import ReferenceBackend
-from qcore.scheme import QuantScheme, QuantStore, ScaleDtype, StoreKind
+from qcore.scheme import QuantScheme, QuantStore, ScaleDtype, StoreKind, TensorLevel
 
 NARROW_EXPECT = "q8s/tensor:f32/native,q8s/block*:f32/native,q8s/block*:f32/native/flat"
 """What the narrow plugin's author says it supports (`--expect` patterns): its own schemes, and
@@ -733,10 +733,10 @@ class FullLinearUntransposed(Full):
 
     name = "full-linear-untransposed"
 
-    def linear(self, x, w, bias=None, *, dtype=None):
+    def linear(self, x, w, bias=None, *, dtype=None, act=None):
         if w.shape[0] == w.shape[1]:
-            return self.matmul(x, w, dtype=None)
-        return super().linear(x, w, bias, dtype=dtype)
+            return self.matmul(x, w, dtype=None, act=act)
+        return super().linear(x, w, bias, dtype=dtype, act=act)
 
 
 class FullLinearDropsBias(Full):
@@ -744,8 +744,8 @@ class FullLinearDropsBias(Full):
 
     name = "full-linear-drops-bias"
 
-    def linear(self, x, w, bias=None, *, dtype=None):
-        return super().linear(x, w, None, dtype=dtype)
+    def linear(self, x, w, bias=None, *, dtype=None, act=None):
+        return super().linear(x, w, None, dtype=dtype, act=act)
 
 
 class FullLinearF32Result(Full):
@@ -753,8 +753,8 @@ class FullLinearF32Result(Full):
 
     name = "full-linear-f32-result"
 
-    def linear(self, x, w, bias=None, *, dtype=None):
-        return super().linear(x, w, bias, dtype=np.float32)
+    def linear(self, x, w, bias=None, *, dtype=None, act=None):
+        return super().linear(x, w, bias, dtype=np.float32, act=act)
 
 
 class FullLinearBf16Sums(Full):
@@ -768,6 +768,34 @@ class FullLinearBf16Sums(Full):
         wb = self.to_numpy(self.dequantize(w)).astype(ml_dtypes.bfloat16).astype(np.float32)
         y = xa.astype(np.float32) @ wb.T + (0 if bias is None else np.asarray(bias, np.float32))
         return y.astype(xa.dtype if dtype is None else dtype)
+
+
+class FullActIgnored(Full):
+    """`linear` and `matmul` ignore `act=`: x enters the product unquantized (docs/spec.md E9)."""
+
+    name = "full-act-ignored"
+
+    def linear(self, x, w, bias=None, *, dtype=None, act=None):
+        return super().linear(x, w, bias, dtype=dtype)
+
+    def matmul(self, x, w, *, dtype=np.float32, act=None):
+        return super().matmul(x, w, dtype=dtype)
+
+
+class FullActPerTensor(Full):
+    """`act=` quantizes x with one scale over the whole x (the act scheme's value and scale dtype
+    per tensor), not one per row: every row then depends on the batch's largest |x|."""
+
+    name = "full-act-per-tensor"
+
+    def linear(self, x, w, bias=None, *, dtype=None, act=None):
+        if act is None:
+            return super().linear(x, w, bias, dtype=dtype)
+        xa = np.asarray(x)
+        s = QuantScheme.parse(act) if isinstance(act, str) else act
+        per_tensor = replace(s, block=None, tensor=TensorLevel(s.block.dtype))
+        xq = self.dequantize(self.quantize(xa.astype(np.float32), per_tensor))
+        return super().linear(xq, w, bias, dtype=xa.dtype if dtype is None else dtype)
 
 
 MUTANTS: list[tuple[str, str, type, str]] = [
@@ -811,6 +839,8 @@ MUTANTS: list[tuple[str, str, type, str]] = [
     ("full", "linear-drops-bias", FullLinearDropsBias, "linear ignores its bias"),
     ("full", "linear-f32-result", FullLinearF32Result, "linear returns float32 for any x"),
     ("full", "linear-bf16-weights", FullLinearBf16Sums, "linear rounds the dequantized weight to bfloat16"),
+    ("full", "act-ignored", FullActIgnored, "linear and matmul ignore act="),
+    ("full", "act-per-tensor", FullActPerTensor, "linear's act= quantizes x per tensor, not per row"),
 ]
 """(model, bug id, class, the bug) of every mutant."""
 

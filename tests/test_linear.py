@@ -162,3 +162,109 @@ def test_a_bad_code_is_invalid_data_in_the_products(backend):
                  lambda: qcore.matmul(np.ones((1, 4), np.float32), q)):
         with pytest.raises(qcore.InvalidDataError, match=r"\(0, 5\)"):
             call()
+
+
+# --------------------------------------------------------------------------- W8A8: docs/spec.md E9
+
+ACT = {"reference": "e4m3/block96:f32", "ndarray": "q8s/block96:f32", "cuda": "e4m3/block96:f32"}
+"""Per-row activation schemes for K = 96, one each backend runs (ndarray: 8-bit integers only)."""
+
+
+def _be(name, request):
+    return request.getfixturevalue("cuda_backend") if name == "cuda" else qcore.backend(name)
+
+
+def _decoded(x, act):
+    """E9's xq: x read as float32, quantized under `act` and decoded, by the reference."""
+    ref = qcore.backend("reference")
+    return np.asarray(ref.dequantize(ref.quantize(np.asarray(x).astype(np.float32), act)))
+
+
+@pytest.mark.parametrize("backend", ["reference", "ndarray", "cuda"])
+@pytest.mark.parametrize("act_block", [96, 32, 40])  # per row; whole blocks along K; an edge block (96 = 2 * 40 + 16)
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_act_products_are_e8_of_the_decoded_x(backend, act_block, dtype, request):
+    be, ref = _be(backend, request), qcore.backend("reference")
+    act = ACT[backend].replace("block96", f"block{act_block}")
+    w = be.quantize(_weight((40, 96)), "q8s/block32:f32")
+    W = np.asarray(ref.dequantize(ref.quantize(_weight((40, 96)), "q8s/block32:f32")), np.float64)
+    x, bias = _x((2, 3, 96), dtype), _x((40,), np.float32, seed=5)
+    xq = _decoded(x, act)
+    y = be.to_numpy(be.linear(x, w, bias, act=act))
+    assert y.shape == (2, 3, 40) and y.dtype == np.dtype(dtype)  # x's dtype, as E8's linear
+    assert _within(y, xq, W, bias, dtype)
+    assert not _within(y, x, W, bias, dtype)  # (the act was applied: x itself is far outside)
+    ym = be.to_numpy(be.matmul(x, be.transpose(w), act=act))  # the same product as [K, N]
+    assert ym.dtype == np.float32 and _within(ym, xq, W, None, np.float32)
+
+
+@pytest.mark.parametrize("backend", ["reference", "ndarray", "cuda"])
+def test_a_quantized_x_is_its_decoded_value(backend, request):
+    be = _be(backend, request)
+    w = be.quantize(_weight((24, 96)), "q8s/block32:f32")
+    x = _x((5, 96), np.float32)
+    xt = be.quantize(x, ACT[backend])
+    y = be.to_numpy(qcore.linear(xt, w))
+    assert y.dtype == np.float32  # the decoded x is float32
+    assert np.array_equal(y, be.to_numpy(qcore.linear(be.to_numpy(be.dequantize(xt)), w)))
+    assert np.array_equal(y, be.to_numpy(qcore.linear(x, w, act=ACT[backend])))  # act= is exactly this
+    assert np.array_equal(be.to_numpy(be.linear(xt, w, act=ACT[backend])), y)  # x's own scheme: accepted
+    assert be.to_numpy(qcore.matmul(be.quantize(x[:, :24], "q8s/block24:f32"), w)).shape == (5, 96)  # w as [K, N]
+
+
+@pytest.mark.parametrize("backend", ["reference", "ndarray"])
+def test_act_keeps_torch_in_torch_out(backend):
+    torch = need("torch", "torch is not installed (pip install torch)")
+    be = qcore.backend(backend)
+    w = be.quantize(_weight((12, 96)), "q8s/block32:f32")
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    y = be.linear(x, w, act=ACT[backend])
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16
+    want = be.linear(x.float().numpy().astype(BF16), w, act=ACT[backend])
+    assert np.array_equal(y.view(torch.int16).numpy(), want.view(np.int16))
+
+
+def test_act_on_cuda_of_a_torch_cpu_x(cuda_backend):
+    torch = need("torch", "torch is not installed (pip install torch)")
+    w = cuda_backend.quantize(_weight((12, 96)), "q8s/block32:f32")
+    x = torch.randn(3, 96)
+    y = cuda_backend.linear(x, w, act=ACT["cuda"])
+    assert isinstance(y, torch.Tensor) and y.device.type == "cpu" and y.dtype == torch.float32
+    assert np.array_equal(y.numpy(), cuda_backend.to_numpy(cuda_backend.linear(x.numpy(), w, act=ACT["cuda"])))
+
+
+@pytest.mark.parametrize(("act", "error", "match"), [
+    ("e4m3", qcore.SchemeError, r"act=e4m3 quantizes x per tensor .* e\.g\. e4m3/block96:f32"),
+    ("nvfp4", qcore.SchemeError, "tensor-level global scale over every row"),
+    ("q8s/block16:f32:flat", qcore.SchemeError, "blocks over the flattened tensor"),
+    ("q8s/block2x32:f32", qcore.SchemeError, "2-D blocks"),
+    ("e4m3/block96:f32", qcore.UnsupportedSchemeError, "act=e4m3/block96:f32: backend 'ndarray' does not support "
+                                                       ".*backends that do: .*reference"),
+])
+def test_act_schemes_outside_rows_or_the_backend_are_refused(act, error, match):
+    w = qcore.quantize(_weight((8, 96)), "q8s", "ndarray")
+    with pytest.raises(error, match=match):
+        qcore.linear(_x((2, 96), np.float32), w, act=act)
+
+
+@pytest.mark.parametrize(("make_x", "act", "match"), [
+    (lambda: qcore.quantize(_x((2, 64), np.float32), "q8s/block64:f32", "reference"), None,
+     "x's last axis must be K = 96"),
+    (lambda: qcore.quantize(_x((2, 96), np.float32), "q8s/block96:f32", "ndarray"), None,
+     r"x lives on backend 'ndarray'; move it with x.to\('reference'\)"),
+    (lambda: qcore.quantize(_x((2, 96), np.float32), "q8s/block96:f32", "reference"), "q8s/block32:f32",
+     "already quantized as q8s/block96:f32, not act=q8s/block32:f32"),
+    (lambda: _x((2, 95), np.float32), "q8s/block95:f32", "x's last axis must be K = 96"),
+])
+def test_quantized_x_errors_are_one_line_input_errors(make_x, act, match):
+    w = qcore.quantize(_weight((8, 96)), "q8s", "reference")
+    with pytest.raises(qcore.InputError, match=match):
+        qcore.linear(make_x(), w, act=act)
+
+
+def test_act_through_auto_and_empty_rows():
+    w = qcore.quantize(_weight((8, 96)), "q8s/block32:f32", "reference")
+    x = _x((4, 96), np.float16)
+    auto = qcore.backend("auto")
+    assert np.array_equal(auto.linear(x, w, act="q8s/block96:f32"), qcore.linear(x, w, act="q8s/block96:f32"))
+    assert qcore.linear(np.zeros((0, 96), np.float16), w, act="e4m3/block96:f32").shape == (0, 8)

@@ -928,6 +928,18 @@ def _check_product(ctx: _Ctx, check: str, backend, got: Any, err: Any, x: np.nda
                               f"worst at {i}: got {y[i]!r}, want {exact[i]!r}, bound {bound[i]:.3g}")
 
 
+def _refused_alike(ctx: _Ctx, check: str, werr: Any, gerr: Any) -> bool:
+    """Whether the reference refused a product (then the backend must raise the same type)."""
+    if werr is None:
+        return False
+    if not isinstance(werr, QCoreError):
+        raise werr  # the reference itself broke: a core bug, not the backend's
+    if gerr is None or type(gerr) is not type(werr):
+        raise ctx.fail(check, f"reference raised {type(werr).__name__}; backend "
+                              + ("returned normally" if gerr is None else f"raised {type(gerr).__name__}: {gerr}"))
+    return True
+
+
 def check_products(ctx: _Ctx, backend, ref, case: Case, q: QTensor, rq: QTensor, tol: Tolerances) -> None:
     """`matmul` and `linear` with the case's 2-D tensor as the weight, in both orientations (as
     [K, N] for matmul, as [N, K] for linear), with float32, float16 and bfloat16 x and a bias,
@@ -957,15 +969,64 @@ def check_products(ctx: _Ctx, backend, ref, case: Case, q: QTensor, rq: QTensor,
             want, werr = _result(lambda: ref.linear(x, rw, bias))
             got, gerr = _result(lambda: backend.linear(x, qw, bias))
             Wt = W
-        if werr is not None:
-            if not isinstance(werr, QCoreError):
-                raise werr  # the reference itself broke: a core bug, not the backend's
-            if gerr is None or type(gerr) is not type(werr):
-                raise ctx.fail(check, f"reference raised {type(werr).__name__}; backend "
-                                      + ("returned normally" if gerr is None else f"raised {type(gerr).__name__}: {gerr}"))
+        if _refused_alike(ctx, check, werr, gerr):
             continue
         out_dtype = np.float32 if is_matmul else x.dtype
         _check_product(ctx, check, backend, got, gerr, x, Wt, bias, out_dtype, tol)
+    check_activation_products(ctx, backend, ref, case, q, rq, weights[""][2], tol)
+
+
+_ACT_SCHEMES = ("e4m3/block{k}:f32", "q8s/block{k}:f32")
+"""Activation schemes a product's `act=` check tries, first the backend runs: per-token FP8, else
+per-row int8 (docs/spec.md E9)."""
+
+
+def _act_for(backend, k: int, block: int | None = None) -> str | None:
+    for text in _ACT_SCHEMES:
+        act = text.format(k=max(1, block or k))
+        if backend.supports(act):
+            return act
+    return None
+
+
+def check_activation_products(ctx: _Ctx, backend, ref, case: Case, q: QTensor, rq: QTensor, W: np.ndarray,
+                              tol: Tolerances) -> None:
+    """`linear` / `matmul` with `act=` (x quantized per row, and per block of about a third of K)
+    and with a QTensor x (docs/spec.md E9): E8's product of the reference's decoded x
+    (`dequantize(quantize(x, act))`, bit-exact across backends) within E8's bound, in E8's result
+    dtype (x's for `linear`, float32 for `matmul`, float32 for a QTensor x). A backend that runs
+    neither activation scheme is not checked here."""
+    rows, cols = case.shape
+    bias = make_input((rows,), "normal", "f32", case.input_seed + 21)
+    plans = [("ops.linear[act]", "linear", "bf16", cols, None, False),
+             ("ops.linear[act, blocks]", "linear", "f32", cols, max(1, -(-cols // 3)), False),
+             ("ops.matmul[act]", "matmul", "f16", rows, None, False),
+             ("ops.linear[quantized x]", "linear", "f32", cols, None, True)]
+    for i, (check, what, dt, k, block, given) in enumerate(plans):
+        act = _act_for(backend, k, block)
+        if act is None:
+            continue
+        x = make_input((3, k), "normal", dt, case.input_seed + 40 + i)
+        x32 = x.astype(np.float32)
+        xq = np.asarray(ref.dequantize(ref.quantize(x32, act)), np.float32)
+        b = bias if what == "linear" else None
+        check = f"{check}({act})"
+        if given:
+            xt = ctx.call(check + " (quantize x)", backend.quantize, x32, act)
+            _, werr = _result(lambda: ref.linear(ref.quantize(x32, act), rq, b))
+            got, gerr = _result(lambda: backend.linear(xt, q, b))
+            out_dtype = np.float32
+        elif what == "linear":
+            _, werr = _result(lambda: ref.linear(x, rq, b, act=act))
+            got, gerr = _result(lambda: backend.linear(x, q, b, act=act))
+            out_dtype = x.dtype
+        else:
+            _, werr = _result(lambda: ref.matmul(x, rq, act=act))
+            got, gerr = _result(lambda: backend.matmul(x, q, act=act))
+            out_dtype = np.float32
+        if _refused_alike(ctx, check, werr, gerr):
+            continue
+        _check_product(ctx, check, backend, got, gerr, xq, W if what == "linear" else W.T, b, out_dtype, tol)
 
 
 # --------------------------------------------------------------------------- cross-backend

@@ -795,7 +795,7 @@ class CudaBackend(BaseBackend):
     @guard(lambda self, x, w, *_a, **_k: (f"apply a {w.shape} {w.scheme} linear weight",
                                           4 * (_numel(self, x) // max(1, w.shape[-1]) * w.shape[0] + _numel(self, x))))
     def linear(self, x: Any, w: QTensor, bias: Any = None, *, out: Any = None, dtype: Any = None,
-               stream: Any = None) -> Any:
+               stream: Any = None, act: Any = None) -> Any:
         """`x @ dequantize(w).T + bias` (docs/spec.md, "Products with a quantized weight") for a
         linear layer's weight `w` [N, K] as checkpoints store it and float `x` [..., K]: float16,
         bfloat16, float32 or float64, a torch, CuPy or numba device array or a host array.
@@ -811,10 +811,16 @@ class CudaBackend(BaseBackend):
         (`linear.py`): the codes and 16-bit x exact as mma inputs, float32 x as three exact
         bfloat16 parts, the scales applied in f32 to each 32-k partial sum; results repeat bit
         for bit. Others are transposed once (kept with the weight) and go through `matmul`.
+
+        `act=SCHEME` (e.g. `e4m3/block{K}:f32`) quantizes x per row on the device and multiplies
+        by its decoded value; x may also be a QTensor of this backend (docs/spec.md E9,
+        `_product_x`).
         """
         if _torch_on_host(x):
-            return self._on_host_tensors("linear", lambda xh, bh: self.linear(xh, w, bh, dtype=dtype, stream=stream),
-                                         x, bias, out)
+            return self._on_host_tensors(
+                "linear", lambda xh, bh: self.linear(xh, w, bh, dtype=dtype, stream=stream, act=act), x, bias, out)
+        if act is not None or isinstance(x, QTensor):
+            x, dtype = self._product_x("linear", x, w, act, dtype, stream)
         from .paths import linear as _linear_path
 
         y = _linear_path.again(self, x, w, bias, out, dtype, stream)
@@ -823,6 +829,31 @@ class CudaBackend(BaseBackend):
         _k()  # the kernels, the memory pool and the disk cache, before the first allocation
         with quiet():
             return _linear_path.run(self, x, w, bias, out, dtype, stream)
+
+    def _product_x(self, what: str, x: Any, w: QTensor, act: Any, dtype: Any, stream: Any = None) -> tuple[Any, Any]:
+        """(x as the products read it, the result dtype) (docs/spec.md E9), on the device: a
+        QTensor x dequantized here (float32); with `act`, x (read as float32, E8) quantized and
+        dequantized by this backend's own kernels, `dtype=None` still meaning x's dtype, and a
+        torch x handed on as a torch tensor over the decoded array, so the result is torch."""
+        from qcore import act as _act
+        from qcore.activations import as_torch, product_dims, torch_dtype_as_numpy
+
+        w = self._own(w)
+        if isinstance(x, QTensor):
+            return self.dequantize(_act.given_x(self, what, x, w.shape, act), stream=stream), dtype
+        torch = sys.modules.get("torch")
+        is_torch = torch is not None and isinstance(x, torch.Tensor)
+        shape, xdt = (tuple(x.shape), torch_dtype_as_numpy(x.dtype)) if is_torch else self._shape_dtype(x)
+        if xdt is None or np.dtype(xdt) not in ACTIVATION_DTYPES:
+            raise InputError(f"{what} needs a float x (float16, bfloat16, float32 or float64), got {xdt}")
+        k_, _ = product_dims(what, shape, w.shape)
+        scheme = _act.act_scheme(self, act, what, k_)
+        if is_torch and x.dtype == torch.bfloat16:
+            x = x.float()  # (read as float32: exact)
+        elif isinstance(x, np.ndarray) and x.dtype != np.float32:
+            x = x.astype(np.float32)  # (exact, or float64 rounded to nearest: E8's reading)
+        xd = self.dequantize(self.quantize(x, scheme, stream=stream), stream=stream)
+        return (as_torch(xd) if is_torch else xd), (xdt if dtype is None else dtype)
 
     def _on_host_tensors(self, what: str, call: Any, x: Any, bias: Any, out: Any) -> Any:
         """A product of a torch CPU x (a model kept on the CPU whose layers run here): x and a torch
@@ -835,7 +866,8 @@ class CudaBackend(BaseBackend):
         return in_callers_kind(self.to_numpy(y), True)
 
     # ------------------------------------------------------------------ fused matmul
-    def matmul(self, x: Any, w: QTensor, *, out: Any = None, stream: Any = None, dtype: Any = np.float32) -> Any:
+    def matmul(self, x: Any, w: QTensor, *, out: Any = None, stream: Any = None, dtype: Any = np.float32,
+               act: Any = None) -> Any:
         """`x @ dequantize(w)` with the weight dequantized inside the kernel.
 
         Orientation: `x` is float [..., K] (host or device), `w` a quantized [K, N] tensor on
@@ -854,10 +886,14 @@ class CudaBackend(BaseBackend):
 
         `dtype=` other than float32 (None: x's dtype) rounds the f32 sums once to it, on the host
         for bfloat16 and float64 (a host array), on the device for float16.
+
+        `act=` and a QTensor x: as for `linear` (docs/spec.md E9).
         """
         if _torch_on_host(x):
-            return self._on_host_tensors("matmul", lambda xh, _: self.matmul(xh, w, dtype=dtype, stream=stream),
-                                         x, None, out)
+            return self._on_host_tensors(
+                "matmul", lambda xh, _: self.matmul(xh, w, dtype=dtype, stream=stream, act=act), x, None, out)
+        if act is not None or isinstance(x, QTensor):
+            x, dtype = self._product_x("matmul", x, w, act, dtype, stream)
         if dtype is not np.float32 and (dtype is None or np.dtype(dtype) != np.float32):
             from qcore.activations import result_dtype
 

@@ -307,17 +307,20 @@ class NdarrayBackend(BaseBackend):
         return (not sch.affine and len(w.shape) == 2 and w.data.shape == w.shape
                 and (sch.store.kind is StoreKind.NATIVE or sch.store.dim == 0))
 
-    def matmul(self, x: Any, w: Any, *, dtype: Any = np.float32) -> Any:
+    def matmul(self, x: Any, w: Any, *, dtype: Any = np.float32, act: Any = None) -> Any:
         """`x @ dequantize(w)` for float x [..., K] and w [K, N], `MATMUL_ROWS` rows of w at a time
         (whole blocks) dequantized by the numba kernel (`_row_bands`), so the full float weight
         never exists; the core's `qcore.ops.matmul` does the rest (checks, activation and result
-        dtypes, its own decode for weights `_row_bands` does not read)."""
+        dtypes, its own decode for weights `_row_bands` does not read). `act=` and a QTensor x:
+        `BaseBackend._product_x` (docs/spec.md E9)."""
         w = self._own(w)
+        x, dtype = self._product_x("matmul", x, w, act, dtype)
         bands = self._row_bands if self._bands_apply(w) else None
-        return ops.matmul(self, self._host_x(x), w, self.MATMUL_ROWS, dtype=dtype, bands=bands)
+        return ops.matmul(self, x, w, self.MATMUL_ROWS, dtype=dtype, bands=bands)
 
-    def linear(self, x: Any, w: Any, bias: Any = None, *, dtype: Any = None) -> Any:
+    def linear(self, x: Any, w: Any, bias: Any = None, *, dtype: Any = None, act: Any = None) -> Any:
         """`x @ dequantize(w).T + bias` for a weight [N, K]: as `matmul`, bands of N rows."""
         w = self._own(w)
+        x, dtype = self._product_x("linear", x, w, act, dtype)
         bands = self._row_bands if self._bands_apply(w) else None
-        return ops.linear(self, self._host_x(x), w, bias, self.MATMUL_ROWS, dtype=dtype, bands=bands)
+        return ops.linear(self, x, w, bias, self.MATMUL_ROWS, dtype=dtype, bands=bands)

@@ -1,0 +1,63 @@
+"""Quantized activations of a product (docs/spec.md E9): `linear(x, w, act=SCHEME)` and
+`matmul(x, w, act=SCHEME)` multiply the weight by `dequantize(quantize(x, act))`, and a QTensor x
+by its decoded value. This module holds the rules (which schemes an `act` may be, what a QTensor x
+must be); `BaseBackend` and the device backends compose the backend's own quantize, dequantize
+and E8 product around them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import InputError, SchemeError, UnsupportedSchemeError
+from .protocol import QTensor
+from .scheme import QuantScheme
+
+__all__ = ["act_scheme", "given_x"]
+
+
+
+def _across_rows(scheme: QuantScheme) -> str | None:
+    """Why `scheme` would let one row of x change another row's quantized values, or None: its
+    every scale slot must lie in one row (a single block dim along the last axis, E9)."""
+    if scheme.block is None:
+        return "per tensor (one scale over every row of x)"
+    if scheme.tensor is not None:
+        return "with a tensor-level global scale over every row of x (two-level)"
+    if scheme.block.flat:
+        return "in blocks over the flattened tensor (:flat), which cross rows"
+    if len(scheme.block.dims) != 1:
+        return f"in {len(scheme.block.dims)}-D blocks {list(scheme.block.dims)}, which span rows"
+    return None
+
+
+def act_scheme(be: Any, act: Any, what: str, k: int) -> QuantScheme:
+    """`act` parsed and checked for a `what` product of reduction length `k` on backend `be`: its
+    scale slots lie in single rows of x (else `SchemeError`) and `be` runs it (else
+    `UnsupportedSchemeError` naming the backends that do)."""
+    from .registry import require_support
+    from .scheme import scheme as parse_scheme
+
+    scheme = parse_scheme(act)
+    why = _across_rows(scheme)
+    if why is not None:
+        raise SchemeError(f"{what} act={scheme} quantizes x {why}; a product's activations take "
+                          f"blocks along K inside each row, e.g. e4m3/block{k}:f32 (one scale per row)")
+    try:
+        return require_support(be, scheme)
+    except UnsupportedSchemeError as e:
+        raise UnsupportedSchemeError(f"{what} act={scheme}: {e}") from None
+
+
+def given_x(be: Any, what: str, x: QTensor, w_shape: tuple[int, ...], act: Any) -> QTensor:
+    """A QTensor x of a `what` product on backend `be`, checked: on `be` (else `q.to(...)`), its
+    last axis K of the weight `w_shape`, and `act`, if given, its own scheme."""
+    from .activations import product_dims
+    from .scheme import scheme as parse_scheme
+
+    if x.backend is not be and x.backend.name != be.name:
+        raise InputError(f"{what}'s quantized x lives on backend '{x.backend.name}'; move it with x.to('{be.name}')")
+    product_dims(what, x.shape, w_shape)
+    if act is not None and parse_scheme(act) != x.scheme:
+        raise InputError(f"{what} x is already quantized as {x.scheme}, not act={parse_scheme(act)}; "
+                         "leave act= out for a quantized x")
+    return be._own(x)
