@@ -1,4 +1,4 @@
-"""End-to-end `qcore quantize` of a checkpoint beside the I/O floor, in one run (issue 19).
+"""End-to-end `qcore quantize` of a checkpoint beside the I/O floor, in one run.
 
 Usage (from the repository root, with qcore and the backend installed)::
 

@@ -1,4 +1,4 @@
-"""Quantize a multi-shard checkpoint single-process and as one Dask unit per shard (issue 21).
+"""Quantize a multi-shard checkpoint single-process and as one Dask unit per shard.
 
 Usage (from the repository root, with qcore-quant[distributed] and the backend installed)::
 

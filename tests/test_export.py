@@ -16,6 +16,7 @@ from qcore.export import STAGE
 from qcore.formats import UnrepresentableError
 from qcore.payload import QuantizedData
 from qcore.registry import backend as get_backend
+from tests.optional import need
 
 TOKENIZER = os.path.join(os.path.dirname(__file__), "data", "tiny_llama")
 BE = get_backend("reference")
@@ -323,8 +324,8 @@ def test_transformers_loads_a_one_step_export_as_the_quantized_model(tmp_path, f
     model with every quantized weight replaced by qcore's decode of it. `tied`: the output embedding is the input
     embedding's weight (no `lm_head.weight` in the checkpoint), which must stay a float Linear."""
     scheme, package, tool_decode, tol = ENGINES[fmt]
-    torch = pytest.importorskip("torch", reason="torch is not installed")
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch = need("torch", "torch is not installed")
+    transformers = need("transformers", "transformers is not installed")
     pytest.importorskip("accelerate", reason="transformers' bitsandbytes and torchao loaders need accelerate")
     pytest.importorskip(package, reason=f"{package} is not installed (CI does not install it; docs/formats.md "
                                         "records the live check)")

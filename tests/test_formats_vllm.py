@@ -40,6 +40,7 @@ import qcore.formats as qf
 from qcore.cli import main
 from qcore.formats.base import Checkpoint
 from qcore.formats.ctensors import ACTIVATIONS_KEY
+from tests.optional import need
 
 # --- compressed-tensors: the rules --------------------------------------------------------------
 
@@ -343,8 +344,7 @@ def test_config_groups_parse_as_compressed_tensors_quantization_args(tmp_path, s
     """vLLM parses each group's `weights` and `input_activations` with compressed-tensors'
     `QuantizationArgs.model_validate` (CT `_quantization_scheme_map_from_config`; vLLM pins
     compressed-tensors 0.13.0, whose QuantizationArgs forbids unknown keys)."""
-    ct = pytest.importorskip("compressed_tensors.quantization",
-                             reason="compressed-tensors is not installed (vLLM parses config groups with it)")
+    ct = need("compressed_tensors.quantization", "compressed-tensors is not installed (vLLM parses config groups with it)")
     model_dtype, acts, _ = LOADS.get(scheme, ("float16", None, None))
     qc = json.loads((export(tmp_path, scheme, model_dtype=model_dtype, acts=acts) / "config.json").read_text())
     for group in qc["quantization_config"]["config_groups"].values():
@@ -445,8 +445,8 @@ def test_gguf_config_names_and_rope_layout_are_what_vllm_reads(tmp_path, gguf_fo
     on the meta device and maps each of its parameter names through gguf's TensorNameMap for the
     config's `model_type` (GGUFModelLoader._get_gguf_weights_map); every parameter must find its
     GGUF tensor, or vLLM leaves it unloaded (lm_head may be absent: vLLM then ties it)."""
-    transformers = pytest.importorskip("transformers", reason="transformers reads the GGUF's config for vLLM")
-    torch = pytest.importorskip("torch", reason="transformers builds the meta model with torch")
+    transformers = need("transformers", "transformers reads the GGUF's config for vLLM")
+    torch = need("torch", "transformers builds the meta model with torch")
     gguf, CONFIG, model_folder = gguf_folder
     cfg = {**CONFIG, "model_type": model_type, "architectures": [f"{model_type.title()}ForCausalLM"]}
     folder = model_folder(tmp_path / "tiny", cfg, scheme="q8_0", bias=model_type == "qwen2")  # qwen2: q/k/v biases
@@ -477,8 +477,7 @@ def test_gguf_config_names_and_rope_layout_are_what_vllm_reads(tmp_path, gguf_fo
 
 def test_gguf_tokenizer_is_one_transformers_builds_for_vllm(tmp_path, gguf_folder):
     """vLLM's tokenizer for a GGUF file is transformers' conversion of `tokenizer.ggml.*`."""
-    transformers = pytest.importorskip("transformers", reason="transformers converts the GGUF tokenizer for vLLM")
-    pytest.importorskip("tokenizers", reason="transformers' GGUF tokenizer conversion needs tokenizers")
+    transformers = need("transformers", "transformers converts the GGUF tokenizer for vLLM")
     _, _, model_folder = gguf_folder
     qf.convert(model_folder(tmp_path / "tiny", scheme="q8_0"), tmp_path / "out.gguf", "gguf")
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="out.gguf")

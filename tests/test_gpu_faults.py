@@ -1,5 +1,5 @@
 """GPU faults: device out-of-memory is one `DeviceMemoryError` naming the size asked for, and the
-cuda backend stays usable after it (issue 17).
+cuda backend stays usable after it.
 
 The first test injects numba's out-of-memory error (CudaAPIError code 2) at the allocation and
 runs everywhere (simulator in CI). The second fills a real GPU until a dequantize cannot fit, so

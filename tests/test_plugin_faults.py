@@ -1,4 +1,4 @@
-"""Broken plugins are reported and skipped; every other backend keeps working (issue 17).
+"""Broken plugins are reported and skipped; every other backend keeps working.
 
 Each fake plugin is a real distribution on `sys.path` (a `*.dist-info` with an entry point in the
 `qcore` group, and its module), found by `importlib.metadata` like an installed one.

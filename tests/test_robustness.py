@@ -1,4 +1,4 @@
-"""Hostile inputs and huge size claims (issue 17, SPEC v1.1 §3): each reproduction ends in a typed
+"""Hostile inputs and huge size claims (SPEC v1.1 §3): each reproduction ends in a typed
 one-line error or a correct result, within a second and a few MB, on every installed backend.
 
 Memory is measured with tracemalloc (numpy reports its buffers to it); a case that believed a

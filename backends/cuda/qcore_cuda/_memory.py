@@ -1,4 +1,4 @@
-"""Device out-of-memory as one clear `DeviceMemoryError` (issue 17).
+"""Device out-of-memory as one clear `DeviceMemoryError`.
 
 The backend's entry points run under `guard(...)`, which knows how many bytes the operation asks
 the device for (input, payload, output). numba raises `CudaAPIError` (code 2,
