@@ -195,14 +195,10 @@ def _decide(recipe: Recipe, head: TensorHead, info_entry: qio.Entry | None) -> t
     if info_entry is not None and info_entry.quantized:
         keys = qio.quantized_keys(head.name, info_entry.scheme, info_entry.shape, info_entry.source_dtype)
         return None, f"already quantized ({info_entry.scheme})", head.dtype, head.shape, keys
-    d: Decision = recipe.choose(head.name, head.shape, np_dtype(head.dtype))
+    d: Decision = recipe.decide(head.name, head.shape, np_dtype(head.dtype))
     if d.scheme is None:
         return None, d.reason, head.dtype, head.shape, {}
-    try:
-        size = sections(head.shape, d.scheme).total
-    except QCoreError as e:  # e.g. a block with more dims than the tensor
-        return None, f"kept: {e}", head.dtype, head.shape, {}
-    return d.scheme, "", "U8", (size,), {}
+    return d.scheme, "", "U8", (sections(head.shape, d.scheme).total,), {}
 
 
 def _plan(ck: Checkpoint, recipe: Recipe, max_shard_size: int | None,

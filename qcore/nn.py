@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 
-from .errors import InputError, QCoreError
+from .activations import torch_dtype_as_numpy
+from .errors import InputError
 from .payload import QuantizedData, sections
 from .protocol import Backend, QTensor
 from .recipe import RecipeLike, as_recipe
@@ -155,11 +155,6 @@ def quantized_linears(model: torch.nn.Module) -> Iterator[tuple[str, Linear]]:
             yield name, mod
 
 
-def _set_child(model: torch.nn.Module, name: str, child: torch.nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, child)
-
-
 def quantize_module(model: torch.nn.Module, recipe: RecipeLike = None, *, rules: Sequence[str] = (),
                     backend: str | Backend | None = None) -> dict[str, QuantScheme | str]:
     """Replace `model`'s `torch.nn.Linear` layers in place by qcore `Linear`s, each weight's scheme
@@ -174,22 +169,11 @@ def quantize_module(model: torch.nn.Module, recipe: RecipeLike = None, *, rules:
     for name, layer in layers:
         wname = f"{name}.weight"
         w = layer.weight
-        d = rc.choose(wname, tuple(w.shape), _numpy_dtype(w.dtype))
+        d = rc.decide(wname, tuple(w.shape), torch_dtype_as_numpy(w.dtype))
         if d.scheme is None:
             decided[wname] = d.reason
             continue
-        try:
-            sections(tuple(w.shape), d.scheme)
-        except QCoreError as e:
-            decided[wname] = f"kept: {e}"
-            continue
-        _set_child(model, name, Linear.from_linear(layer, d.scheme, backend=backend))
+        model.set_submodule(name, Linear.from_linear(layer, d.scheme, backend=backend))
         decided[wname] = d.scheme
     return decided
 
-
-def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    """The numpy dtype of a torch dtype (bfloat16 as `ml_dtypes.bfloat16`)."""
-    if dtype == torch.bfloat16:
-        return np.dtype(ml_dtypes.bfloat16)
-    return torch.empty(0, dtype=dtype).numpy().dtype

@@ -247,6 +247,20 @@ class Recipe:
             return Decision(None, "kept: no rule matches and the recipe has no default scheme")
         return Decision(self.scheme)
 
+    def decide(self, name: str, shape: Sequence[int], dtype: Any) -> Decision:
+        """`choose`, then kept (with the reason) where the chosen scheme's blocks do not fit the
+        shape (e.g. a block with more dims than the tensor): what a whole-model run quantizes."""
+        d = self.choose(name, shape, dtype)
+        if d.scheme is None:
+            return d
+        from .payload import sections
+
+        try:
+            sections(tuple(shape), d.scheme)
+        except QCoreError as e:
+            return Decision(None, f"kept: {e}")
+        return d
+
     def schemes(self) -> list[QuantScheme]:
         """Every scheme the recipe may use (to check a backend's support before any work)."""
         out = [r.scheme for r in self.rules if r.scheme is not None]

@@ -269,16 +269,21 @@ def _memory_order(x):
     return a if a.flags.c_contiguous else a.ravel(order="K").reshape(a.shape)
 
 
-class NarrowMemoryOrder(Narrow):
-    """Reads a non-contiguous input in memory order instead of through its strides."""
-
-    name = "narrow-memory-order"
+class _ReadsMemoryOrder:
+    """Mixin: calibrate and quantize read a non-contiguous input in memory order instead of through
+    its strides (the bug of the `*-memory-order` mutants, on either model)."""
 
     def _calibrate(self, x, s, method):
         return super()._calibrate(_memory_order(x), s, method)
 
     def _quantize(self, x, s, params, method):
         return super()._quantize(_memory_order(x), s, params, method)
+
+
+class NarrowMemoryOrder(_ReadsMemoryOrder, Narrow):
+    """Reads a non-contiguous input in memory order instead of through its strides."""
+
+    name = "narrow-memory-order"
 
 
 def _cast_truncating(y: np.ndarray, dtype) -> np.ndarray:
@@ -617,16 +622,10 @@ class FullChunkIndexWrap(Full):
         return QuantizedData.from_parts(x.shape, s, self._encode(y, s), params.scales, params.global_scale)
 
 
-class FullMemoryOrder(Full):
+class FullMemoryOrder(_ReadsMemoryOrder, Full):
     """Reads a non-contiguous input in memory order instead of through its strides."""
 
     name = "full-memory-order"
-
-    def _calibrate(self, x, s, method):
-        return super()._calibrate(_memory_order(x), s, method)
-
-    def _quantize(self, x, s, params, method):
-        return super()._quantize(_memory_order(x), s, params, method)
 
 
 class FullTruncatingCast(Full):

@@ -26,7 +26,6 @@ quantizes a float checkpoint while loading it, by the same recipe rules as `qcor
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -38,6 +37,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .. import io as qio
 from ..activations import torch_dtype_as_numpy
+from ..checkpoint import resolve
 from ..errors import InvalidDataError
 from ..nn import Linear, backend_for, quantize_module, quantized_linears
 from ..payload import QuantizedData, sections
@@ -125,7 +125,7 @@ class QcoreHfQuantizer(HfQuantizer):
                 layer = Linear(module.in_features, module.out_features, sch, module.bias is not None,
                                backend=self.quantization_config.backend, device="meta",
                                dtype=module.bias.dtype if module.bias is not None else None)
-                _set_submodule(model, owner, layer)
+                model.set_submodule(owner, layer)
             else:  # held as bytes while loading, decoded into the module's float tensor after
                 self._decoded[name] = (torch.empty(0), shape, current.dtype)
                 setattr(module, param, torch.nn.Parameter(torch.empty(size, dtype=torch.uint8, device="meta"),
@@ -166,8 +166,7 @@ class QcoreHfQuantizer(HfQuantizer):
             state[name] = payload
         meta = qio.qcore_header({}, as_recipe(self.quantization_config.recipe).to_json()
                                 if self.quantization_config.recipe is not None else None)
-        float_dtype = _st_dtype(next((p.dtype for p in model.parameters() if p.dtype.is_floating_point),
-                                     torch.float32))
+        float_dtype = _st_dtype(_float_dtype(model))
         for name, sch in self.quantization_config.schemes().items():
             if name in self._decoded:
                 _, shape, dtype = self._decoded[name]
@@ -183,27 +182,27 @@ class QcoreHfQuantizer(HfQuantizer):
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype.removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+            dtype = _float_dtype(model)
         for name, layer in list(quantized_linears(model)):
             plain = torch.nn.Linear(layer.in_features, layer.out_features, layer.bias is not None,
                                     device=layer.weight.device, dtype=dtype)
             plain.weight.data.copy_(layer.dequantized_weight(dtype))
             if layer.bias is not None:
                 plain.bias.data.copy_(layer.bias.detach())
-            _set_submodule(model, name, plain)
+            model.set_submodule(name, plain)
         self._decoded.clear()
         return model
+
+
+def _float_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (float32 when it has none)."""
+    return next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
 
 
 def _st_dtype(dtype: torch.dtype) -> str:
     """The safetensors name of a torch float dtype, recorded as the source dtype a later
     `qcore dequantize` restores."""
     return st_dtype(torch_dtype_as_numpy(dtype))
-
-
-def _set_submodule(model: torch.nn.Module, name: str, child: torch.nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, child)
 
 
 class _QcoreSave:
@@ -223,12 +222,7 @@ class _QcoreSave:
 
 
 def _written_shards(folder: str) -> list[str]:
-    """The safetensors files of the checkpoint in `folder`: its index's shards, else model.safetensors."""
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            names = sorted(set(json.load(f).get("weight_map", {}).values()))
-        return [os.path.join(folder, n) for n in names]
-    single = os.path.join(folder, "model.safetensors")
-    return [single] if os.path.isfile(single) else []
-
+    """The safetensors files of the checkpoint `save_pretrained` wrote in `folder` (its index's
+    shards, or its one file), as `qcore.checkpoint.resolve` finds them."""
+    ck = resolve(folder)
+    return [ck.path(s) for s in ck.shards]
