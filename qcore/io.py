@@ -302,31 +302,42 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _read_header(f) -> tuple[int, dict] | None:
+    """(header length, parsed header) of the safetensors file open at its start, or None when the
+    header does not parse as a JSON object."""
+    raw = f.read(8)
+    n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+    text = f.read(n) if 0 < n <= 100_000_000 else b""
+    try:
+        head = json.loads(text.decode("utf-8")) if len(text) == n else None
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return (n, head) if isinstance(head, dict) else None
+
+
+def _write_header(f, n: int, head: dict) -> bool:
+    """Write `head` in compact JSON over the header of `n` bytes, padded with spaces as safetensors
+    pads it, keeping every byte outside it; False (nothing written) when it would not fit."""
+    new = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    if len(new) > n:
+        return False
+    f.seek(8)
+    f.write(new + b" " * (n - len(new)))
+    return True
+
+
 def _canonical_header(f) -> None:
     """Sort the `__metadata__` keys in place, so equal inputs give equal files.
 
     safetensors writes its metadata map in hash order; the rewrite keeps every byte outside the
     header and keeps the header's length, or leaves the file as it is.
     """
-    raw = f.read(8)
-    if len(raw) != 8:
+    found = _read_header(f)
+    if found is None or not isinstance(found[1].get(_RESERVED_NAME), dict):
         return
-    n = int.from_bytes(raw, "little")
-    text = f.read(n)
-    try:
-        head = json.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return
-    meta = head.get(_RESERVED_NAME)
-    if not isinstance(meta, dict):
-        return
-    head[_RESERVED_NAME] = dict(sorted(meta.items()))
-    new = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    body = text.rstrip(b" ")
-    if len(new) != len(body):
-        return
-    f.seek(8)
-    f.write(new + b" " * (n - len(new)))
+    n, head = found
+    head[_RESERVED_NAME] = dict(sorted(head[_RESERVED_NAME].items()))
+    _write_header(f, n, head)
 
 
 def _tensor_of_key(key: str) -> str | None:
@@ -348,15 +359,10 @@ def settle_metadata(path: PathLike) -> None:
     safetensors header."""
     p = os.fspath(path)
     with open(p, "r+b") as f:
-        raw = f.read(8)
-        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-        text = f.read(n) if 0 < n <= 100_000_000 else b""
-        try:
-            head = json.loads(text.decode("utf-8")) if len(text) == n else None
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            head = None
-        if not isinstance(head, dict):
+        found = _read_header(f)
+        if found is None:
             raise InvalidDataError(f"{p}: not a safetensors file (its header does not parse)")
+        n, head = found
         held = set(head) - {_RESERVED_NAME}
         meta = head.get(_RESERVED_NAME) or {}
         kept = {k: v for k, v in sorted(meta.items()) if _tensor_of_key(k) in (None, *held)}
@@ -364,11 +370,8 @@ def settle_metadata(path: PathLike) -> None:
             head[_RESERVED_NAME] = kept
         else:
             head.pop(_RESERVED_NAME, None)
-        new = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        if len(new) > n:  # only keys were dropped: never longer than the compact original
+        if not _write_header(f, n, head):  # only keys were dropped: never longer than the compact original
             raise InvalidDataError(f"{p}: its header is not in safetensors' compact form; cannot rewrite it in place")
-        f.seek(8)
-        f.write(new + b" " * (n - len(new)))
 
 
 # ---------------------------------------------------------------------------------------- read
