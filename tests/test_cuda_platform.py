@@ -173,8 +173,9 @@ def test_ptx_covering_set_keeps_every_parameter_value():
     assert params(cut) == params(full)
     assert {n.split("[")[0] for n in cut} == {n.split("[")[0] for n in full}
     kinds = {n[:-1].split("[")[1].split(",")[0] for n in full if n.startswith("k_fast_quant[")}
-    assert {n for n in cut if n.startswith("k_fast_")} == {f"k_fast_{op}[{k}]" for op in ("quant", "dequant")
-                                                           for k in kinds}
+    fast = {n for n in cut if n.startswith("k_fast_")}
+    assert {n for n in fast if "," not in n} == {f"k_fast_{op}[{k}]" for op in ("quant", "dequant") for k in kinds}
+    assert any(n.endswith(",bf16]") for n in fast)  # the bfloat16 store once (its decode is the kind's, above)
 
 
 @pytest.mark.parametrize("part", range(PTX_PARTS))

@@ -373,6 +373,15 @@ def prefix(a: Any, nbytes: int, dtype: Any) -> Any:
     return a[:nbytes].view(dtype)
 
 
+def reinterpret(d: Any, dtype: Any) -> Any:
+    """`d` (a flat device array or DevView on a GPU, a flat simulator array) as elements of
+    `dtype`: the same bytes, no copy."""
+    dtype = np.dtype(dtype)
+    if type(d) is DevView:
+        return DevView(d.ptr, (d.size * d.dtype.itemsize // dtype.itemsize,), dtype, d.base)
+    return d.view(dtype)
+
+
 def check_out(out: Any, shape: tuple, dtypes: tuple, what: str) -> DevView:
     """`out=`: a C-contiguous device array of `shape` (or its element count) and one of `dtypes`."""
     v = view_of(out)

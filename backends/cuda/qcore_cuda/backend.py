@@ -14,6 +14,7 @@ import sys
 import threading
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from qcore import layout
@@ -132,6 +133,7 @@ def _payload_bytes(be: "CudaBackend", x: Any, scheme: QuantScheme) -> int:
 
 
 _NUMBA_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64))  # device outputs numba has
+_BF16 = np.dtype(ml_dtypes.bfloat16)
 FAST_MIN_CC = (8, 9)  # cvt.rn.satfinite.e4m3x2 / .e5m2x2 and cvt.rn.f16x2.e4m3x2 (PTX ISA: sm_89+)
 
 
@@ -653,7 +655,7 @@ class CudaBackend(BaseBackend):
         data = self._kernel_data(data, s)
         scales, gbuf = self._decoded_scales(data, s)
         call = DequantizeCall(self, _k(), data, self._prepared(data.shape, data.scheme, "minmax"), out, scales, gbuf,
-                              self._code_flag(data), s)
+                              self._code_flag(data), s, out.dtype == np.uint16)
         choose(DEQUANTIZE, call).launch(call)
 
     @staticmethod
@@ -713,14 +715,17 @@ class CudaBackend(BaseBackend):
         if out is not None:
             v = _array.check_out(out, data.shape, (dtype,), "dequantize")
             if n:
-                self._launch_dequantize(data, v.arg, s)
+                self._launch_dequantize(data, v.arg if dtype != _BF16 else _array.reinterpret(v.arg, np.uint16), s)
                 self._raise_if_bad_codes(data, s)
             return out
         if not n:  # nothing to launch, whatever the other extents claim (SPEC v1.1 §3)
             return self._empty_output(tuple(data.shape), dtype, s)
-        if dtype not in _NUMBA_DTYPES:
-            # bfloat16 has no numba device dtype: dequantize to f32 on the device, round on the host
-            return self.to_numpy(self._dequantize(data, np.dtype(np.float32), None, s)).astype(dtype)
+        if dtype == _BF16:
+            # numba has no bfloat16 device dtype: the bits made on the device, the array on the host
+            bits = _array.empty((n,), np.uint16, s)
+            self._launch_dequantize(data, bits, s)
+            self._raise_if_bad_codes(data, s)
+            return self.to_numpy(bits).view(_BF16).reshape(data.shape)
         res, v = _array.empty_view(tuple(data.shape), dtype, s)
         self._launch_dequantize(data, v.arg, s)
         self._raise_if_bad_codes(data, s)
@@ -729,8 +734,10 @@ class CudaBackend(BaseBackend):
     def dequantize(self, q: QTensor, dtype: Any = None, *, out: Any = None, stream: Any = None) -> Any:
         """`decode(q) * e` (SPEC §2.6) as a new device array (`QArray`: numba's array with DLPack;
         `.torch()` gives a torch tensor over it), or into `out=`, a C-contiguous torch, CuPy or
-        numba device array of q's shape (or size) whose dtype (float32, float16, float64) is the
-        result's; `out` is returned. `stream=` as for `quantize` (default: the stream of a torch
+        numba device array of q's shape (or size) whose dtype (float32, float16, float64, or a
+        torch bfloat16 tensor) is the result's; `out` is returned. A bfloat16 result without
+        `out=` is made on the device and comes back as a host `ml_dtypes.bfloat16` array (numba
+        has no bfloat16 device arrays). `stream=` as for `quantize` (default: the stream of a torch
         or CuPy `out`, else the default stream). `dtype` defaults to out's dtype, else float32.
         Where the scheme has invalid codes (SPEC v1.1 §3: Q8S/Q4S/Q2S, E4M3, E5M2), the tensor's
         first dequantize waits for that stream, after a 4-byte read of the invalid-code flag;
@@ -745,8 +752,6 @@ class CudaBackend(BaseBackend):
         if dtype is None:
             dtype = _array.view_of(out).dtype if out is not None and _array.view_of(out) is not None else np.float32
         dt = check_output_dtype(dtype)
-        if out is not None and dt.kind == "V":
-            raise InputError("dequantize out= takes float32, float16 or float64 arrays; leave it out for bfloat16")
         with quiet(), self._naming_elements(q):
             y = self._dequantize(q.data, dt, out, _streams.resolve(stream, out))
         if stream is None and dt == np.float32:
@@ -766,6 +771,27 @@ class CudaBackend(BaseBackend):
 
     # ------------------------------------------------------------------ portable bytes
     @guard(lambda self, data: (f"load a {data.shape} {data.scheme} payload", data.nbytes))
+    def adopt(self, data: QuantizedData, payload: Any) -> QTensor:
+        """A QTensor over device memory that already holds `data`'s payload: `payload` a flat
+        uint8 torch, CuPy or numba device array of `len(data.payload)` bytes, read in place (no
+        device copy; `qcore.nn.Linear` keeps its weight parameter as the payload this way).
+        `data` is checked as `from_data` checks it; a scheme whose bytes this backend holds in
+        another order (docs/spec.md's field orders, blocks over the flattened tensor) is copied
+        as `from_data` copies it. The caller keeps the memory alive, and its bytes as `data`'s,
+        for the tensor's life."""
+        if not isinstance(data, QuantizedData):
+            raise InputError(f"adopt takes a QuantizedData, got {type(data).__name__}")
+        self._require(data.scheme)
+        if self._inner_data(data) is not data:
+            return self.from_data(data)
+        v = _array.view_of(payload)
+        if v is None or v.dtype != np.uint8 or v.size != len(data.payload):
+            raise InputError(f"adopt takes the payload as a flat uint8 device array of {len(data.payload)} bytes, "
+                             f"got {type(payload).__name__}"
+                             + ("" if v is None else f" of {v.size} {v.dtype} elements"))
+        arr = v.base if v._sim is not None else _cuda().as_cuda_array(v)
+        return QTensor(self, data.scheme, data.shape, CudaData(data.shape, data.scheme, arr.reshape(v.size)))
+
     def _from_data(self, data: QuantizedData) -> CudaData:
         buf = np.frombuffer(data.payload, dtype=np.uint8).copy()
         return CudaData(data.shape, data.scheme, _cuda().to_device(buf))
@@ -811,6 +837,9 @@ class CudaBackend(BaseBackend):
         (`linear.py`): the codes and 16-bit x exact as mma inputs, float32 x as three exact
         bfloat16 parts, the scales applied in f32 to each 32-k partial sum; results repeat bit
         for bit. Others are transposed once (kept with the weight) and go through `matmul`.
+        bfloat16 x and result from `paths.linear.LIBRARY_FROM_M` rows of a torch CUDA x (bias
+        bfloat16 or none) dequantize the weight to bfloat16 for the call and take torch's GEMM
+        (docs/spec.md's bfloat16-weight rule), where that is faster than the kernels.
 
         `act=SCHEME` (e.g. `e4m3/block{K}:f32`) quantizes x per row on the device and multiplies
         by its decoded value; x may also be a QTensor of this backend (docs/spec.md E9,

@@ -49,8 +49,8 @@ import numpy as np
 from qcore.scheme import QuantScheme, QuantValue, StoreKind
 
 from . import kernels as K
-from .intrin import (and_xor, bitsel, e4m3x2, e4m3x2_f32, e5m2x2, e5m2x2_f32, f2u, fmax_nan, ld1, ld4, prmt, st2, st4,
-                     u2f)
+from .intrin import (and_xor, bf16x2_rn, bitsel, e4m3x2, e4m3x2_f32, e5m2x2, e5m2x2_f32, f2u, fmax_nan, ld1, ld4, prmt,
+                     st2, st4, u2f)
 from .scales import round_scale, scale_word
 from .devmath import two_level_e
 
@@ -436,13 +436,17 @@ def unit_view(values, kind: int):
     return values.view(unit_dtype(kind))
 
 
-def _dequant_kernel(kind: int, R: int | None = None, preload: bool = True):
+def _dequant_kernel(kind: int, R: int | None = None, preload: bool = True, bf16: bool = False):
     """Dequantize, coalesced by units of `unit_codes(kind)` codes (`unit_view`): lane l of a
     warp owns units `c*32R + 32j + l` (j < R) of chunk c, so each 16-byte store instruction
     writes 512 contiguous bytes; R units and their scales are loaded before any is used (the
     compiler cannot move a scale load above a store to `out`: they may alias, so a load in the
     store loop waits a memory latency per unit whose scale is in a new line; `preload=False`
-    is that order, kept for `benchmarks/gpu_tune.py`)."""
+    is that order, kept for `benchmarks/gpu_tune.py`).
+
+    `bf16`: `out` is the result's bfloat16 bits as u32 pairs (element 2i in the low half of
+    word i), each f32 value `decode(q) * e` rounded once to nearest even (`cvt.rn.bf16x2.f32`);
+    a unit of 4 codes is one 8-byte store."""
     upc = unit_codes(kind)
     R = R or dq_units(kind)
     lupc = _log2(upc)
@@ -498,8 +502,13 @@ def _dequant_kernel(kind: int, R: int | None = None, preload: bool = True):
                             if two:
                                 ek = two_level_e(g, ek)
                             val[i] = val[i] * ek
-                    for i in range(upc // 4):
-                        st4(out, base + int64(4 * i), val[4 * i], val[4 * i + 1], val[4 * i + 2], val[4 * i + 3])
+                    if bf16:
+                        for i in range(upc // 4):
+                            st2(out, (base >> int64(1)) + int64(2 * i), bf16x2_rn(val[4 * i + 1], val[4 * i]),
+                                bf16x2_rn(val[4 * i + 3], val[4 * i + 2]))
+                    else:
+                        for i in range(upc // 4):
+                            st4(out, base + int64(4 * i), val[4 * i], val[4 * i + 1], val[4 * i + 2], val[4 * i + 3])
         if bad:
             flag[0] = int32(1)
 
@@ -548,13 +557,14 @@ def quant_kernel(kind: int):
 
 
 @lru_cache(maxsize=None)
-def dequant_kernel(kind: int):
-    return _jit(_dequant_kernel(kind))
+def dequant_kernel(kind: int, bf16: bool = False):
+    """The dequantize kernel of value kind `kind`, writing float32 or (`bf16`) bfloat16 bits."""
+    return _jit(_dequant_kernel(kind, bf16=bf16))
 
 
 _A = "{}[::1]"
 QUANT_SIG = "void(float32[::1], uint32[::1], uint8[::1], float32[::1], float32[::1], int32[::1], int64[::1], float32[::1])"
-DEQUANT_SIG = "void({}[::1], float32[::1], float32[::1], float32[::1], float32[::1], int64[::1], int32[::1])"
+DEQUANT_SIG = "void({}[::1], float32[::1], float32[::1], float32[::1], {}[::1], int64[::1], int32[::1])"
 AMAX_SIG = "void(float32[::1], float32[::1], int32[::1], int64)"
 
 
@@ -564,5 +574,7 @@ def ptx_targets():
     for kind in range(len(KIND_BITS)):
         out.append((f"k_fast_quant[{kind}]", _quant_kernel(kind), QUANT_SIG, JIT_REGS))
         out.append((f"k_fast_dequant[{kind}]", _dequant_kernel(kind),
-                    DEQUANT_SIG.format(unit_dtype(kind).__name__), JIT_REGS))
+                    DEQUANT_SIG.format(unit_dtype(kind).__name__, "float32"), JIT_REGS))
+        out.append((f"k_fast_dequant[{kind},bf16]", _dequant_kernel(kind, bf16=True),
+                    DEQUANT_SIG.format(unit_dtype(kind).__name__, "uint32"), JIT_REGS))
     return out

@@ -1,4 +1,5 @@
-"""Dequantize paths: fast, rows, general."""
+"""Dequantize paths: fast, rows, general; bfloat16 results through the fast kernel's bf16 variant,
+or any other path's float32 rounded once by `linear.k_finish`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,15 +9,18 @@ import numpy as np
 
 from .._launch import Packed
 from .._streams import on
+from . import choose
 
-__all__ = ["DEQUANTIZE", "DequantizeCall", "FastDequantize", "RowsDequantize", "GeneralDequantize"]
+__all__ = ["DEQUANTIZE", "DequantizeCall", "FastDequantize", "RowsDequantize", "GeneralDequantize",
+           "RoundedDequantize"]
 
 
 @dataclass
 class DequantizeCall:
     """One dequantize launch: the tensor (`data`: CudaData), the flat C-order output, and what
     the backend prepared for its shape and scheme; the decoded scales and the invalid-code
-    flag are the tensor's own (its cache)."""
+    flag are the tensor's own (its cache). A bfloat16 result (`bf16`) is written as its bits:
+    `out` is then a flat uint16 array."""
 
     be: Any
     K: Any
@@ -27,6 +31,7 @@ class DequantizeCall:
     gbuf: Any  # the decoded global scale, gbuf[0]
     flag: Any  # int32 device flag (invalid code)
     s: Any
+    bf16: bool = False
 
     @property
     def plan(self) -> Any:
@@ -50,21 +55,23 @@ class FastDequantize:
     def applies(self, c: DequantizeCall) -> bool:
         from .. import fast
 
-        return c.prepared.get("fast") is not None and c.out.dtype == np.float32 and fast.aligned(c.out) and \
-            not c.data.scheme.affine  # E5: the general kernel only
+        return c.prepared.get("fast") is not None and c.out.dtype == (np.uint16 if c.bf16 else np.float32) and \
+            fast.aligned(c.out) and not c.data.scheme.affine  # E5: the general kernel only
 
     def launch(self, c: DequantizeCall) -> None:
-        from .. import fast
+        from .. import _array, fast
 
-        launch = c.data.cache.get("dequant")
+        key = "dequant bf16" if c.bf16 else "dequant"
+        out = _array.reinterpret(c.out, np.uint32) if c.bf16 else c.out  # (bf16 pairs as u32 words)
+        launch = c.data.cache.get(key)
         if launch is None:
             fp, pl = c.prepared["fast"], c.plan
             grid, block = fast.launch_dequant(fp["nruns"], fp["kind"])
             units = fast.unit_view(c.data.payload[: pl.values_nbytes], fp["kind"])
-            launch = c.data.cache["dequant"] = Packed(fast.dequant_kernel(fp["kind"]), grid, block,
-                                                      [units, c.scales, c.gbuf, c.prepared["lut"], c.out, fp["G"],
-                                                       c.flag], dynamic=(4,))
-        launch(c.out, stream=c.s)
+            launch = c.data.cache[key] = Packed(fast.dequant_kernel(fp["kind"], c.bf16), grid, block,
+                                                [units, c.scales, c.gbuf, c.prepared["lut"], out, fp["G"], c.flag],
+                                                dynamic=(4,))
+        launch(out, stream=c.s)
 
 
 class RowsDequantize:
@@ -73,7 +80,7 @@ class RowsDequantize:
     name = "rows"
 
     def applies(self, c: DequantizeCall) -> bool:
-        return c.plan.RP is not None and not c.data.scheme.affine
+        return c.plan.RP is not None and not c.data.scheme.affine and not c.bf16
 
     def launch(self, c: DequantizeCall) -> None:
         K, pp, pl = c.K, c.prepared, c.plan
@@ -82,13 +89,37 @@ class RowsDequantize:
             words, pp[("RP", K.ROW_GIVEN)], pp["lut"], c.scales, c.gbuf, c.out_numba(), c.flag)
 
 
+class RoundedDequantize:
+    """A bfloat16 result no bf16 kernel writes: the float32 result of the path that serves the
+    tensor, into pool memory, then `linear.k_finish` rounds it once to nearest even."""
+
+    name = "rounded"
+
+    def applies(self, c: DequantizeCall) -> bool:
+        return c.bf16
+
+    def launch(self, c: DequantizeCall) -> None:
+        from dataclasses import replace
+
+        from .. import _array, linear
+        from ..fast import K
+        from .linear import placeholders
+
+        n = int(c.out.size)
+        y32 = _array.empty((n,), np.float32, c.s)
+        inner = replace(c, out=y32, bf16=False)
+        choose(DEQUANTIZE, inner).launch(inner)
+        p32, _ = placeholders(c.s)
+        on(linear.k_finish, K.launch(n), c.s)(y32, p32, p32, c.out, n, 1, linear.OT_BF16, 0)
+
+
 class GeneralDequantize:
     """kernels.k_dequant: any layout, runs of elements per thread."""
 
     name = "general"
 
     def applies(self, c: DequantizeCall) -> bool:
-        return True
+        return True  # (a bfloat16 result stops at RoundedDequantize, before this)
 
     def launch(self, c: DequantizeCall) -> None:
         K, pp = c.K, c.prepared
@@ -96,5 +127,5 @@ class GeneralDequantize:
             c.data.payload, pp["P"], pp["lut"], c.scales, c.gbuf, c.out_numba(), c.flag)
 
 
-DEQUANTIZE = (FastDequantize(), RowsDequantize(), GeneralDequantize())
+DEQUANTIZE = (FastDequantize(), RowsDequantize(), RoundedDequantize(), GeneralDequantize())
 """The dequantize paths in the order the backend tries them."""
