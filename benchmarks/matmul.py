@@ -301,11 +301,15 @@ def plan(args):
     return shapes, ms, schemes, peers
 
 
-def case_names(schemes, peers) -> list:
-    """Every timed case of a cell as (case, scheme, peer, label)."""
+def case_names(schemes, peers, paths: bool = False) -> list:
+    """Every timed case of a cell as (case, scheme, peer, label); with `paths`, each scheme's two
+    bfloat16 paths forced as well ("[kernel]": the tensor-core kernel, "[dequantize-gemm]": the
+    weight dequantized to bfloat16, then torch's GEMM), whatever the plan would pick at that M."""
     out = []
     for s in schemes:
         out += [("linear", s, None, s), ("linear_out", s, None, s + " out=")]
+        if paths:
+            out += [("linear_kernel", s, None, s + " [kernel]"), ("linear_gemm", s, None, s + " [dequantize-gemm]")]
     out += [("peer", None, p, p) for p in peers]
     return out
 
@@ -438,11 +442,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-call-ms", type=float, default=200.0,
                     help="a case whose check call (and a second one) takes longer is not timed (a host path), nor at "
                          "larger M (default 200)")
+    ap.add_argument("--paths", action="store_true",
+                    help="also time each scheme's two bfloat16 paths forced (tensor-core kernel, dequantize + GEMM)")
     ap.add_argument("--dry-run", action="store_true", help="list the cells and targets and exit (no GPU needed)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     shapes, ms, schemes, peers = plan(args)
-    cases = case_names(schemes, peers)
+    cases = case_names(schemes, peers, args.paths)
     command = "NUMBA_ENABLE_CUDASIM=0 python benchmarks/matmul.py " + " ".join(sys.argv[1:] if argv is None else argv)
 
     if args.dry_run:
@@ -665,6 +671,18 @@ def make_fn(torch, be, S, case, scheme, peer, x, y, m, cell):
     if case == "linear_out":
         qw = S.qw[scheme]
         return lambda: be.linear(x["bf16"], qw, out=y)
+    if case in ("linear_kernel", "linear_gemm"):
+        from qcore_cuda.paths import linear as linear_paths
+
+        qw, at = S.qw[scheme], (1 if case == "linear_gemm" else 1 << 62)
+
+        def forced():  # (stream= given: a repeat call's kept plan is neither used nor made)
+            keep, linear_paths.LIBRARY_FROM_M = linear_paths.LIBRARY_FROM_M, at
+            try:
+                return be.linear(x["bf16"], qw, stream=torch.cuda.current_stream())
+            finally:
+                linear_paths.LIBRARY_FROM_M = keep
+        return forced
     if peer == "torch_bf16":
         wb = S.wb
         return lambda: x["bf16"] @ wb.T

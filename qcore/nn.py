@@ -68,7 +68,8 @@ class Linear(torch.nn.Module):
     `weight` is the portable payload as a uint8 parameter (no gradient); `scheme` its scheme.
     The QTensor the backend computes with (`qweight`) is made from those bytes on first use and
     again whenever they change or move (`module.to("cuda")` moves the bytes; the next call reads
-    them on the cuda backend).
+    them on the cuda backend). On a GPU the QTensor reads the parameter's memory in place (the
+    cuda backend's `adopt`), so the payload is held once on the device.
     """
 
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme | str, bias: bool = True, *,
@@ -128,7 +129,9 @@ class Linear(torch.nn.Module):
             raw = self.weight.detach()
             payload = (raw if raw.device.type == "cpu" else raw.cpu()).numpy().tobytes()
             data = QuantizedData((self.out_features, self.in_features), self.scheme, payload)
-            self._bound = (key, be.from_data(data))
+            adopt = getattr(be, "adopt", None)  # a device backend reading the parameter in place: one copy on the GPU
+            self._bound = (key, adopt(data, raw) if adopt is not None and raw.device.type != "cpu"
+                           else be.from_data(data))
         return self._bound[1]
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -53,9 +53,17 @@ def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="K/N",
                      help="run the K-th of N interleaved parts of the collected tests (K = 1..N): splits a "
                           "GPU run of the cuda tests over device calls with a time limit")
+    parser.addoption("--shuffle", default=None, type=int, metavar="SEED",
+                     help="run the collected tests in an order shuffled by SEED (the same in every xdist "
+                          "worker): shows the tests do not depend on their order")
 
 
 def pytest_collection_modifyitems(config, items):
+    seed = config.getoption("--shuffle")
+    if seed is not None:
+        import random
+
+        random.Random(seed).shuffle(items)
     spec = config.getoption("--shard")
     if not spec:
         return

@@ -757,8 +757,9 @@ class FullLinearF32Result(Full):
 
 
 class FullLinearBf16Sums(Full):
-    """`linear` rounds each dequantized weight to bfloat16 before the product (a common
-    shortcut: dequantize to x's dtype, then a library GEMM)."""
+    """`linear` rounds each dequantized weight to bfloat16 before the product for every x dtype
+    (docs/spec.md allows that shortcut, a library GEMM over a bfloat16 weight, only where x and
+    the result are bfloat16)."""
 
     name = "full-linear-bf16-sums"
 

@@ -192,3 +192,74 @@ def test_torch_x_on_the_transposed_matmul(cuda_backend, text, dt):
     xh = x.float().cpu().numpy().reshape(6, 96).astype(XDT[{"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[dt]])
     exact, bound = product_bound(xh, W, None, xh.dtype)
     assert (np.abs(y.float().cpu().numpy().reshape(6, 64) - exact) <= bound).all()
+
+
+@pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
+@pytest.mark.parametrize("text", ["q4s/block32:f16", "q8s/block32:f16", "e4m3/block32:f32", "nvfp4", "q4_1",
+                                  "q2s/block32:f16"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prefill_dequantizes_to_bfloat16_then_takes_torchs_gemm(cuda_backend, text, bias):
+    """bfloat16 x of at least LIBRARY_FROM_M rows: the weight rounded once to bfloat16, then
+    torch's GEMM: the same bits as torch's own `linear` over the reference's dequantized weight
+    rounded to bfloat16, within docs/spec.md's bound with the bfloat16-weight term, the same bits
+    again on a repeat; fewer rows, float16 x, a float32 result or a float32 bias take the kernels
+    that keep f32 weights."""
+    torch = pytest.importorskip("torch")
+    from qcore_cuda.paths import linear as paths_linear
+
+    be = cuda_backend
+    m = paths_linear.LIBRARY_FROM_M + 3
+    w = _weight(96, 256)
+    q = be.quantize(w, text)
+    W = np.asarray(REF.dequantize(REF.quantize(w, text)), np.float64)
+    x = torch.randn(m, 256, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(96, dtype=torch.bfloat16, device="cuda") if bias else None
+    before = _paths().get("DequantizedGemmLinear", 0)
+    y = be.linear(x, q, b)
+    assert _paths().get("DequantizedGemmLinear", 0) == before + 1
+    wb = torch.from_numpy(W.astype(np.float32)).to("cuda").to(torch.bfloat16)
+    assert torch.equal(y, torch.nn.functional.linear(x, wb, b))
+    assert torch.equal(be.linear(x, q, b), y)
+    xh = x.float().cpu().numpy().astype(BF16)
+    bh = None if b is None else b.float().cpu().numpy().astype(BF16)
+    exact, bound = product_bound(xh, W, bh, BF16)
+    assert (np.abs(y.float().cpu().numpy() - exact) <= bound).all()
+    for other in (lambda: be.linear(x[: m - 4], q, b), lambda: be.linear(x.half(), q),
+                  lambda: be.linear(x, q, None if b is None else b.float()) if bias else be.linear(x, q, dtype=np.float32)):
+        other()
+        assert _paths().get("DequantizedGemmLinear", 0) == before + 2
+
+
+@pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
+@pytest.mark.parametrize("text", ["q4s/block32:f16", "mxfp4", "q8s/block48:f32", "q4s/block16:f16:flat"])
+def test_dequantize_into_a_torch_bfloat16_tensor(cuda_backend, text):
+    """`dequantize(q, out=bfloat16 tensor)`: the reference's float32 values rounded to nearest even."""
+    torch = pytest.importorskip("torch")
+    be = cuda_backend
+    w = _weight(64, 192)
+    q = be.quantize(w, text)
+    want = np.asarray(REF.dequantize(REF.quantize(w, text)), np.float32).astype(BF16)
+    out = torch.empty(64, 192, dtype=torch.bfloat16, device="cuda")
+    assert be.dequantize(q, out=out) is out
+    assert np.array_equal(out.view(torch.int16).cpu().numpy(), want.view(np.int16))
+    assert np.array_equal(be.dequantize(q, BF16).view(np.int16), want.view(np.int16))
+
+
+@pytest.mark.parametrize("text", ["q4s/block32:f16", "q4s/block32:f16/packed_native/order:high"])
+def test_adopt_reads_a_device_payload_in_place(cuda_backend, text):
+    """`adopt(data, payload)`: a QTensor over the device bytes themselves (bytes written there
+    before its first use are what it reads), equal to `from_data`'s; a scheme held in another
+    byte order is copied; a payload of another length is an InputError."""
+    be = cuda_backend
+    rq, rq2 = REF.quantize(_weight(32, 64), text), REF.quantize(_weight(32, 64, seed=5), text)
+    data = rq.to_data()
+    dev = cuda.to_device(np.frombuffer(data.payload, np.uint8).copy())
+    q = be.adopt(data, dev)
+    in_place = "order" not in text
+    if in_place:
+        dev.copy_to_device(np.frombuffer(rq2.to_data().payload, np.uint8).copy())
+    want = rq2 if in_place else rq
+    assert np.array_equal(be.to_numpy(be.dequantize(q)), np.asarray(REF.dequantize(want)))
+    assert q.to_data().payload == want.to_data().payload
+    with pytest.raises(InputError, match="flat uint8 device array"):
+        be.adopt(data, cuda.to_device(np.zeros(len(data.payload) - 1, np.uint8)))

@@ -1,4 +1,5 @@
-"""`--shard K/N` (tests/conftest.py): the N parts are disjoint and together are the whole run."""
+"""`--shard K/N` (tests/conftest.py): the N parts are disjoint and together are the whole run;
+`--shuffle SEED`: the same tests in another order, the same order for the same seed."""
 import os
 import subprocess
 import sys
@@ -27,3 +28,10 @@ def test_shards_partition_the_run():
 def test_bad_shard_is_a_usage_error():
     rc, _, text = _ids("--shard", "4/3")
     assert rc != 0 and "--shard wants K/N" in text
+
+
+def test_shuffle_reorders_the_same_tests():
+    _, whole, _ = _ids()
+    _, one, _ = _ids("--shuffle", "7")
+    _, again, _ = _ids("--shuffle", "7")
+    assert sorted(one) == sorted(whole) and one != whole and again == one

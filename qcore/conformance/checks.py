@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+import ml_dtypes
 import numpy as np
 
 from .. import layout
@@ -890,6 +891,7 @@ def check_ops(backend, case: Case, reference=None, tolerances: Tolerances | None
         check_products(ctx, backend, ref, case, q, rq, tol)
 
 
+_BF16 = np.dtype(ml_dtypes.bfloat16)
 _UNIT_ROUNDOFF = {"float32": (2.0 ** -24, 2.0 ** -150), "float16": (2.0 ** -11, 2.0 ** -25),
                   "bfloat16": (2.0 ** -8, 2.0 ** -134), "float64": (0.0, 0.0)}
 """Result dtype -> (unit roundoff u, half the smallest subnormal d) of the products' bound."""
@@ -898,14 +900,19 @@ _UNIT_ROUNDOFF = {"float32": (2.0 ** -24, 2.0 ** -150), "float16": (2.0 ** -11, 
 def product_bound(x: np.ndarray, W: np.ndarray, bias: np.ndarray | None, out_dtype: Any,
                   rel: float = 2.0) -> tuple[np.ndarray, np.ndarray]:
     """(exact y* = x @ W^T + bias in float64, the bound on |y - y*|) of docs/spec.md's products
-    for x [M, K], the dequantized weight W [N, K] (float64) and the result dtype."""
+    for x [M, K], the dequantized weight W [N, K] (float64) and the result dtype; for bfloat16 x,
+    result and bias (or none), with the bfloat16-weight rule's term."""
     x64 = x.astype(np.float32).astype(np.float64)
     K = W.shape[1]
     b = np.zeros(W.shape[0]) if bias is None else bias.astype(np.float32).astype(np.float64)
     exact = x64 @ W.T + b
-    a = rel * max(K, 1) * 2.0 ** -24 * (np.abs(x64) @ np.abs(W).T) + 2.0 ** -24 * np.abs(b)
+    T = np.abs(x64) @ np.abs(W).T
+    a = rel * max(K, 1) * 2.0 ** -24 * T + 2.0 ** -24 * np.abs(b)
     u, d = _UNIT_ROUNDOFF[np.dtype(out_dtype).name]
-    return exact, a + u * (np.abs(exact) + a) + d
+    bound = a + u * (np.abs(exact) + a) + d
+    if x.dtype == _BF16 and np.dtype(out_dtype) == _BF16 and (bias is None or bias.dtype == _BF16):
+        bound = bound + 2.0 ** -6 * T + 2.0 ** -133 * np.abs(x64).sum(axis=-1, keepdims=True)
+    return exact, bound
 
 
 def _check_product(ctx: _Ctx, check: str, backend, got: Any, err: Any, x: np.ndarray, W: np.ndarray,

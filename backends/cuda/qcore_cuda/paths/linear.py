@@ -7,6 +7,11 @@ caller gave x: a torch tensor for a torch x, else a device array (`QArray`), or 
 dtype, as for `dequantize`). A float64 result is the f32 sums widened.
 
 Paths:
+- `DequantizedGemmLinear`: bfloat16 x and result, a torch CUDA x of at least `LIBRARY_FROM_M`
+  rows (prefill, batched serving): the weight dequantized to bfloat16 into a torch tensor (the
+  fast dequantize kernel's bf16 variant, or float32 rounded once), then torch's GEMM (cuBLAS).
+  docs/spec.md's bfloat16-weight rule allows the one rounding of each weight value; cuBLAS
+  repeats its results bit for bit for the same shapes on the same GPU and library version.
 - `TensorCoreLinear` (`linear.py`): the weight's payload read as it is; bit-repeatable.
 - `TransposedLinear`: any other weight. Its transpose ([K, N], `permute`: exact) is made once and
   kept with the weight, multiplied by the matmul paths in f32 (`CudaBackend._launch_matmul`), and
@@ -22,6 +27,7 @@ to check them, as a first dequantize does, so a bad code is an `InvalidDataError
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +43,8 @@ from .. import _array, _streams
 from .._launch import Packed
 from . import choose
 
-__all__ = ["LINEAR", "LinearCall", "TensorCoreLinear", "TransposedLinear", "run", "again", "rounded"]
+__all__ = ["LINEAR", "LIBRARY_FROM_M", "LinearCall", "DequantizedGemmLinear", "TensorCoreLinear", "TransposedLinear",
+           "run", "again", "rounded", "placeholders"]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
@@ -48,7 +55,8 @@ class LinearCall:
     """One `linear`: the weight `w` (its `data` in SPEC §3's field order), x as given and as the
     kernels read it (`xd`: u32 pairs of 16-bit values for `xt` XT_BF16/XT_F16, float32 for
     XT_F32; None: no tensor-core form), m rows, the result type `ot` and arrays (`out32`,
-    `out16`: one is a placeholder), the bias (f32 [N], or a placeholder), the stream."""
+    `out16`: one is a placeholder), the bias (f32 [N], or a placeholder), the stream; x's
+    dtype, the result as `linear` returns it and the bias as the caller gave it."""
 
     be: Any
     w: Any
@@ -63,6 +71,44 @@ class LinearCall:
     bias: Any
     has_bias: bool
     s: Any
+    xdt: np.dtype
+    result: Any
+    bias_given: Any
+
+
+LIBRARY_FROM_M = int(os.environ.get("QCORE_CUDA_LINEAR_LIBRARY_M", "64"))
+"""The fewest rows of x `DequantizedGemmLinear` takes (below it the tensor-core kernel, which
+reads the payload as it is, is faster: benchmarks/matmul.py, docs/performance.md); the
+environment variable of that name replaces it at import (benchmarks compare both paths)."""
+
+
+class DequantizedGemmLinear:
+    """The weight dequantized to bfloat16 per call, then torch's GEMM (module text)."""
+
+    name = "dequantize-gemm"
+
+    def applies(self, c: LinearCall) -> bool:
+        from .. import linear
+
+        if c.m < LIBRARY_FROM_M or c.ot != linear.OT_BF16 or c.xdt != _BF16 or c.data.shape != c.w.shape:
+            return False
+        if not (_is_torch(c.x) and c.x.is_cuda and _is_torch(c.result) and c.w.shape[1] > 0):
+            return False
+        b = c.bias_given
+        if b is not None and not (_is_torch(b) and b.dtype == c.x.dtype and b.device == c.x.device):
+            return False  # (a bias of another dtype would be rounded to bfloat16 first: the kernels add it in f32)
+        return c.s.handle == _streams.torch_handle(c.x.device.index)  # (torch's GEMM runs on its current stream)
+
+    def launch(self, c: LinearCall) -> None:
+        torch = _torch()
+        n_, k_ = c.w.shape
+        wb = torch.empty((n_, k_), dtype=torch.bfloat16, device=c.x.device)
+        c.be._launch_dequantize(c.data, _array.DevView(wb.data_ptr(), (n_ * k_,), np.dtype(np.uint16), wb), c.s)
+        x2, y2 = c.x.reshape(c.m, k_), c.result.view(c.m, n_)
+        if c.bias_given is None:
+            torch.mm(x2, wb.t(), out=y2)
+        else:
+            torch.addmm(c.bias_given, x2, wb.t(), out=y2)
 
 
 class TensorCoreLinear:
@@ -148,7 +194,7 @@ class TransposedLinear:
                                                                    int(c.has_bias))
 
 
-LINEAR = (TensorCoreLinear(), TransposedLinear())
+LINEAR = (DequantizedGemmLinear(), TensorCoreLinear(), TransposedLinear())
 """The linear paths in the order the backend tries them."""
 
 
@@ -202,13 +248,6 @@ def _device_bits(x: Any, dt: np.dtype, s: Any) -> Any:
     return cuda.to_device(host.view(dt), stream=s.numba)
 
 
-def _as_words(d: Any, dt: np.dtype) -> Any:
-    """`d` (flat device array or DevView) reinterpreted as elements of `dt` (same bytes)."""
-    if type(d) is _array.DevView:
-        return _array.DevView(d.ptr, (d.size * d.dtype.itemsize // dt.itemsize,), dt, d.base)
-    return d.view(dt)
-
-
 def _kernel_x(be: Any, x: Any, xdt: np.dtype, n: int, s: Any) -> tuple[Any, int | None]:
     """(x as the tensor-core kernel reads it, its XT) or (None, None) where it cannot: 16-bit x as
     u32 pairs on a 16-byte boundary, float32 (and float64, rounded) as float32."""
@@ -217,7 +256,7 @@ def _kernel_x(be: Any, x: Any, xdt: np.dtype, n: int, s: Any) -> tuple[Any, int 
     if xdt in (_BF16, _F16):
         if n % 2:
             return None, None
-        d = _as_words(_device_bits(x, np.dtype(np.uint16), s), np.dtype(np.uint32))
+        d = _array.reinterpret(_device_bits(x, np.dtype(np.uint16), s), np.dtype(np.uint32))
         if type(d) is _array.DevView and d.ptr % 16:
             return None, None
         return d, (linear.XT_BF16 if xdt == _BF16 else linear.XT_F16)
@@ -234,7 +273,7 @@ def _f32_source(x: Any) -> Any:
     return x
 
 
-def _placeholders(s: Any) -> tuple[Any, Any]:
+def placeholders(s: Any) -> tuple[Any, Any]:
     """One-element float32 and uint16 device arrays for the kernel's unused arguments."""
     from numba import cuda
 
@@ -284,7 +323,7 @@ def _outputs(x: Any, out: Any, shape: tuple[int, ...], dt: np.dtype, s: Any) -> 
             odt = v.dtype
         if odt != dt:
             raise InputError(f"linear out= has dtype {odt}, the result's is {dt}; pass dtype={odt} or an out= of {dt}")
-        words = v.arg if odt == _F32 else _as_words(v.arg if v._sim is not None else v, np.dtype(np.uint16))
+        words = v.arg if odt == _F32 else _array.reinterpret(v.arg if v._sim is not None else v, np.dtype(np.uint16))
         return out, (words if odt == _F32 else None), (None if odt == _F32 else words), lambda r: r
     wide = dt == _F64
     kdt = _F32 if wide else dt
@@ -298,7 +337,7 @@ def _outputs(x: Any, out: Any, shape: tuple[int, ...], dt: np.dtype, s: Any) -> 
         buf = _array.empty((n,), np.uint16, s)
         return buf, None, buf, lambda r: r.copy_to_host().view(_BF16).reshape(shape)
     res, v = _array.empty_view(shape, kdt, s)
-    words = v.arg if kdt == _F32 else _as_words(v.arg if v._sim is not None else v, np.dtype(np.uint16))
+    words = v.arg if kdt == _F32 else _array.reinterpret(v.arg if v._sim is not None else v, np.dtype(np.uint16))
 
     def widen(r: Any) -> Any:
         from numba import cuda
@@ -335,7 +374,7 @@ def run(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -
     res, out32, out16, finish = _outputs(x, out, tuple(xshape[:-1]) + (n_,), dt, s)
     if m * n_ == 0:
         return finish(res)
-    p32, p16 = _placeholders(s)
+    p32, p16 = placeholders(s)
     bias_d = p32 if bias is None else _device_bias(be, bias, n_, s)
     ot = {_F32: linear.OT_F32, _F16: linear.OT_F16, _BF16: linear.OT_BF16}[_F32 if dt == _F64 else dt]
     _check_codes_once(be, w, s)
@@ -343,7 +382,7 @@ def run(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -
     # x in the kernel's form only where the kernel takes the weight (the fallback reads x itself)
     xd, xt = _kernel_x(be, x, xdt, m * k_, s) if k_ and TensorCoreLinear.geometry(data) else (None, None)
     call = LinearCall(be, w, data, x, xd, xt, m, ot, p32 if out32 is None else out32,
-                      p16 if out16 is None else out16, bias_d, bias is not None, s)
+                      p16 if out16 is None else out16, bias_d, bias is not None, s, xdt, res, bias)
     path = choose(LINEAR, call)
     path.launch(call)
     if type(path) is TensorCoreLinear and out is None and dtype is None and stream is None:
@@ -386,7 +425,7 @@ def _remember(c: LinearCall, x: Any, out_shape: tuple, bias: Any) -> None:
     again_ = c.w.data.cache.setdefault("linear again", {})
     again_[(x.dtype, x.shape, bias is not None)] = _Again(
         st, out_shape, x.dtype, _F32 if wide else np.dtype(np.uint16), n_out, x_words,
-        x.numel() if c.xt == linear.XT_F32 else x.numel() // 2, *_placeholders(c.s))
+        x.numel() if c.xt == linear.XT_F32 else x.numel() // 2, *placeholders(c.s))
 
 
 def again(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -> Any:
@@ -425,8 +464,8 @@ def rounded(y: Any, dt: np.dtype, s: Any) -> Any:
     if dt != _F16 or not y.size:
         return y.copy_to_host().astype(dt)
     res, v = _array.empty_view(tuple(y.shape), _F16, s)
-    p32, _ = _placeholders(s)
-    words = _as_words(v.arg if v._sim is not None else v, np.dtype(np.uint16))
+    p32, _ = placeholders(s)
+    words = _array.reinterpret(v.arg if v._sim is not None else v, np.dtype(np.uint16))
     _streams.on(linear.k_finish, K.launch(y.size), s)(y.reshape(y.size), p32, p32, words, y.size, y.size,
                                                        linear.OT_F16, 0)
     return res
