@@ -13,8 +13,9 @@ norms kept) and loaded through `qcore.integrations.transformers`. Both models th
 `generate()` of `--new-tokens` tokens (exactly: `min_new_tokens` too) after a prompt of
 `--prompt` random token ids, at each `--batch` size, `--repeats` times in turn; a row is the
 median. tokens/s counts generated tokens (batch x new tokens) over the call's wall time. The
-weights' bytes are the parameters' and buffers' on the device; on a GPU the peak is
-`torch.cuda.max_memory_allocated` during the calls. Both models generate the same way (a check
+weights' bytes are the parameters' and buffers' on the device; on a GPU a model's peak is its
+weights' bytes plus the most `torch.cuda.max_memory_allocated` rose above what was allocated
+before its call (the two models share the GPU; the other's weights are not counted). Both models generate the same way (a check
 that the quantized one runs, not a quality measure: a random model's tokens are noise).
 """
 from __future__ import annotations
@@ -95,11 +96,14 @@ def run(args: argparse.Namespace) -> dict:
         peaks: dict[str, int] = {}
         for _ in range(args.repeats):
             for name, m in models.items():
-                if device == "cuda":
+                if device == "cuda":  # (both models are on the GPU: a model's peak is its own weights and what its call adds)
+                    torch.cuda.synchronize()
+                    held = torch.cuda.memory_allocated()
                     torch.cuda.reset_peak_memory_stats()
                 times[name].append(_generate_s(torch, m, ids, args.new_tokens, device))
                 if device == "cuda":
-                    peaks[name] = max(peaks.get(name, 0), torch.cuda.max_memory_allocated())
+                    peak = torch.cuda.max_memory_allocated() - held + _weights_bytes(m)
+                    peaks[name] = max(peaks.get(name, 0), peak)
         base = None
         for name, m in models.items():
             tps = batch * args.new_tokens / statistics.median(times[name])

@@ -460,7 +460,8 @@ def render_inference(runs: list[dict]) -> str:
                   f"{res['device']}; a prompt of {res['prompt']} tokens, then {res['new_tokens']} greedy new tokens, "
                   f"median of {res['repeats']}. The qcore model is the `qcore quantize` output (rules "
                   + ", ".join(f"`{r}`" for r in res["recipe_rules"]) + ") loaded by `from_pretrained` through "
-                  "`qcore.integrations.transformers`; weights are the parameters and buffers on the device.", "",
+                  "`qcore.integrations.transformers`; weights are the parameters and buffers on the device; a "
+                  "GPU's peak memory is the model's weights plus the most its calls allocated on top.", "",
                   "| model | batch | tokens/s | vs float | weights | peak memory |", "|---|---|---|---|---|---|"]
         for r in res["rows"]:
             peak = f"{r['peak_bytes'] / 2**20:.0f} MiB" if r.get("peak_bytes") else "-"
