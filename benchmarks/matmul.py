@@ -2,7 +2,7 @@
 
     NUMBA_ENABLE_CUDASIM=0 python benchmarks/matmul.py [--out DIR] [--quick] [--m 1,16,256] [--shapes 8192x8192]
         [--schemes q4s/block32:f16,nvfp4] [--peers torch_bf16,torch_fp16] [--budget-s 420] [--reps 15]
-        [--no-evict] [--hide-launch] [--max-call-ms 200] [--dry-run]
+        [--no-evict] [--hide-launch] [--max-call-ms 200] [--paths] [--w8a8] [--dry-run]
 
 For a linear layer's weight W [N, K] (out features, in features) and bfloat16 activations x [M, K]
 (torch CUDA tensors) it times y = x @ W^T, y bfloat16 [M, N], for M in `MS` and (N, K) in `SHAPES`:
@@ -17,7 +17,11 @@ For a linear layer's weight W [N, K] (out features, in features) and bfloat16 ac
   weight-only int4 kernel `torch._weight_int4pack_mm` (group 128, tinygemm layout) and
   `torch._weight_int8pack_mm` where torch has them for CUDA; torchao's int4 / int8 weight-only
   linear where torchao is installed; a peer that cannot run says why (`peer_setup`, the cells);
-* per shape, a device copy of a bf16 [N, K] tensor (`dst.copy_(src)`): the bandwidth reference.
+* per shape, a device copy of a bf16 [N, K] tensor (`dst.copy_(src)`): the bandwidth reference;
+* `--paths`: each scheme's two bfloat16 paths forced (the tensor-core kernel, and the weight
+  dequantized to bfloat16 then torch's GEMM), whatever the plan picks at that M;
+* `--w8a8`: W8A8, the weight and x in `W8A8` (e4m3, one f32 scale per row), x quantized per
+  row inside the timed call (`be.linear(x, qw, act=W8A8)`).
 
 Timing: CUDA events around each whole call (the GPU idle before it, so host time counts as a
 user sees it; `--hide-launch` queues a GPU sleep first and times the GPU's span alone), the cases
@@ -79,7 +83,12 @@ TARGETS = [
      "description": "8-bit weight-only schemes (q8s*, e4m3*, mxfp8) at 8192x8192, M = 1..16: >= 1.7x torch bf16"},
     {"name": "weight_only_large_m", "bits": None, "shapes": None, "m": [256, 512, 1024, 2048, 4096, 8192], "min": 0.9,
      "description": "every weight-only scheme, M = 256..8192, every shape: >= 0.9x torch bf16"},
+    {"name": "w8a8_large_m", "case": "w8a8", "bits": None, "shapes": None, "m": [1024, 2048, 4096, 8192], "min": 1.3,
+     "description": "FP8 weights with FP8 activations (W8A8, x quantized per row in the call), M = 1024..8192, "
+                    "every shape: >= 1.3x torch bf16"},
 ]
+W8A8 = "e4m3/block32768:f32"
+"""The W8A8 case's weight and activation scheme: e4m3 with one f32 scale per row (a block at least K)."""
 
 
 def shape_text(shape) -> str:
@@ -301,7 +310,7 @@ def plan(args):
     return shapes, ms, schemes, peers
 
 
-def case_names(schemes, peers, paths: bool = False) -> list:
+def case_names(schemes, peers, paths: bool = False, w8a8: bool = False) -> list:
     """Every timed case of a cell as (case, scheme, peer, label); with `paths`, each scheme's two
     bfloat16 paths forced as well ("[kernel]": the tensor-core kernel, "[dequantize-gemm]": the
     weight dequantized to bfloat16, then torch's GEMM), whatever the plan would pick at that M."""
@@ -310,6 +319,8 @@ def case_names(schemes, peers, paths: bool = False) -> list:
         out += [("linear", s, None, s), ("linear_out", s, None, s + " out=")]
         if paths:
             out += [("linear_kernel", s, None, s + " [kernel]"), ("linear_gemm", s, None, s + " [dequantize-gemm]")]
+    if w8a8:
+        out.append(("w8a8", W8A8, None, "w8a8 (e4m3 per row, x quantized in the call)"))
     out += [("peer", None, p, p) for p in peers]
     return out
 
@@ -318,15 +329,18 @@ def evaluate_targets(cells, schemes) -> list:
     """Each target of TARGETS with status met / missed / not measured: missed where a measured
     cell is below its ratio, not measured where none is below and some are missing (no time);
     `status_out` the same for the `out=` calls."""
-    by = {(c["case"], c["scheme"], c["shape"], c["m"]): c for c in cells if c["case"] in ("linear", "linear_out")}
+    by = {(c["case"], c["scheme"], c["shape"], c["m"]): c for c in cells
+          if c["case"] in ("linear", "linear_out", "w8a8")}
     all_schemes = list(dict.fromkeys(list(SCHEMES) + list(schemes)))
     res = []
     for t in TARGETS:
         tshapes = t["shapes"] or [shape_text(s) for s in SHAPES]
-        tschemes = [s for s in all_schemes if scheme_bits(s) is not None and t["bits"] in (None, scheme_bits(s))]
+        own = t.get("case")
+        tschemes = [W8A8] if own == "w8a8" else \
+            [s for s in all_schemes if s != W8A8 and scheme_bits(s) is not None and t["bits"] in (None, scheme_bits(s))]
         entry = {k: t[k] for k in ("name", "description", "m", "min")}
         entry["shapes"], entry["schemes"] = tshapes, tschemes
-        for case, key in (("linear", "status"), ("linear_out", "status_out")):
+        for case, key in ((own, "status"),) if own else (("linear", "status"), ("linear_out", "status_out")):
             figures, missing = [], []
             for s in tschemes:
                 for sh in tshapes:
@@ -341,7 +355,7 @@ def evaluate_targets(cells, schemes) -> list:
                                             "ok": r >= t["min"]})
             status = "missed" if any(not f["ok"] for f in figures) else ("not measured" if missing else "met")
             entry[key] = status
-            if case == "linear":
+            if case != "linear_out":
                 entry["figures"], entry["missing"] = figures, missing
                 entry["worst"] = min(figures, key=lambda f: f["ratio"]) if figures else None
             else:
@@ -442,13 +456,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-call-ms", type=float, default=200.0,
                     help="a case whose check call (and a second one) takes longer is not timed (a host path), nor at "
                          "larger M (default 200)")
+    ap.add_argument("--w8a8", action="store_true",
+                    help=f"also time W8A8: weight and x in {W8A8}, x quantized per row in the call (act=)")
     ap.add_argument("--paths", action="store_true",
                     help="also time each scheme's two bfloat16 paths forced (tensor-core kernel, dequantize + GEMM)")
     ap.add_argument("--dry-run", action="store_true", help="list the cells and targets and exit (no GPU needed)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     shapes, ms, schemes, peers = plan(args)
-    cases = case_names(schemes, peers, args.paths)
+    cases = case_names(schemes, peers, args.paths, args.w8a8)
     command = "NUMBA_ENABLE_CUDASIM=0 python benchmarks/matmul.py " + " ".join(sys.argv[1:] if argv is None else argv)
 
     if args.dry_run:
@@ -518,7 +534,7 @@ def main(argv=None) -> int:
                 continue
             t0 = time.perf_counter()
             probe_x = torch.randn(16, k, device="cuda").to(torch.bfloat16)
-            S = Shape(torch, be, n, k, schemes, peers, probe_x)
+            S = Shape(torch, be, n, k, schemes + ([W8A8] if args.w8a8 else []), peers, probe_x)
             del probe_x
             res["peer_setup"][sh] = {"errors": dict(S.setup_errors), "notes": dict(S.notes),
                                      "quantize_s": S.first_quantize_s, "weight_bytes": dict(S.weight_bytes),
@@ -671,6 +687,9 @@ def make_fn(torch, be, S, case, scheme, peer, x, y, m, cell):
     if case == "linear_out":
         qw = S.qw[scheme]
         return lambda: be.linear(x["bf16"], qw, out=y)
+    if case == "w8a8":
+        qw = S.qw[scheme]
+        return lambda: be.linear(x["bf16"], qw, act=W8A8)
     if case in ("linear_kernel", "linear_gemm"):
         from qcore_cuda.paths import linear as linear_paths
 

@@ -263,3 +263,42 @@ def test_adopt_reads_a_device_payload_in_place(cuda_backend, text):
     assert q.to_data().payload == want.to_data().payload
     with pytest.raises(InputError, match="flat uint8 device array"):
         be.adopt(data, cuda.to_device(np.zeros(len(data.payload) - 1, np.uint8)))
+
+
+@pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
+@pytest.mark.parametrize("wtext", ["e4m3/block256:f32", "e4m3"])
+@pytest.mark.parametrize("given", [False, True])
+def test_w8a8_runs_code_by_code_on_torchs_fp8_gemm(cuda_backend, wtext, given):
+    """An e4m3 weight (per-row or per-tensor f32 scales) and per-row e4m3 activations, a bfloat16
+    result from LIBRARY_FROM_M rows: torch's `_scaled_mm` over both payloads, within docs/spec.md
+    E9's bound with the FP8 accumulator term against the reference's decoded x; the same bits
+    again; a float32 result or fewer rows take the decoded path."""
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, "_scaled_mm"):
+        pytest.skip("this torch has no _scaled_mm")
+    from qcore_cuda.paths import linear as paths_linear
+
+    be = cuda_backend
+    m, n, k, act = paths_linear.LIBRARY_FROM_M + 5, 48, 256, "e4m3/block256:f32"
+    w = _weight(n, k)
+    q = be.quantize(w, wtext)
+    W = np.asarray(REF.dequantize(REF.quantize(w, wtext)), np.float64)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    xh = x.float().cpu().numpy()
+    xq = np.asarray(REF.dequantize(REF.quantize(xh, act)), np.float32)
+    calls = []
+    real = torch._scaled_mm
+    try:
+        torch._scaled_mm = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]
+        y = be.linear(be.quantize(x.float(), act), q, dtype=BF16) if given else be.linear(x, q, act=act)
+        again = be.linear(be.quantize(x.float(), act), q, dtype=BF16) if given else be.linear(x, q, act=act)
+        assert len(calls) == 2
+        assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16 and tuple(y.shape) == (m, n)
+        assert torch.equal(y, again)
+        exact, bound = product_bound(xq, W, None, BF16, fp8_codes=True)
+        assert (np.abs(y.float().cpu().numpy() - exact) <= bound).all()
+        be.linear(x, q, act=act, dtype=np.float32)
+        be.linear(x[: m - 6], q, act=act)
+        assert len(calls) == 2
+    finally:
+        torch._scaled_mm = real

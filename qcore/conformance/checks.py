@@ -33,7 +33,7 @@ from ..errors import InputError, InvalidDataError, QCoreError, UnsupportedScheme
 from ..arithmetic import round_offsets
 from ..payload import QuantizedData, offset_bytes, sections
 from ..protocol import QParams, QTensor
-from ..scheme import OffsetKind, QuantScheme, scheme as parse_scheme
+from ..scheme import OffsetKind, QuantScheme, QuantValue, scheme as parse_scheme
 from .cases import Case, make_input, np_dtype
 from .inputs import grid_exponents
 from .invalid import with_code, with_valid_codes
@@ -898,10 +898,11 @@ _UNIT_ROUNDOFF = {"float32": (2.0 ** -24, 2.0 ** -150), "float16": (2.0 ** -11, 
 
 
 def product_bound(x: np.ndarray, W: np.ndarray, bias: np.ndarray | None, out_dtype: Any,
-                  rel: float = 2.0) -> tuple[np.ndarray, np.ndarray]:
+                  rel: float = 2.0, fp8_codes: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(exact y* = x @ W^T + bias in float64, the bound on |y - y*|) of docs/spec.md's products
     for x [M, K], the dequantized weight W [N, K] (float64) and the result dtype; for bfloat16 x,
-    result and bias (or none), with the bfloat16-weight rule's term."""
+    result and bias (or none), with the bfloat16-weight rule's term; with `fp8_codes` (x and W
+    decoded e4m3, a bfloat16 result), with E9's FP8 accumulator term."""
     x64 = x.astype(np.float32).astype(np.float64)
     K = W.shape[1]
     b = np.zeros(W.shape[0]) if bias is None else bias.astype(np.float32).astype(np.float64)
@@ -912,11 +913,13 @@ def product_bound(x: np.ndarray, W: np.ndarray, bias: np.ndarray | None, out_dty
     bound = a + u * (np.abs(exact) + a) + d
     if x.dtype == _BF16 and np.dtype(out_dtype) == _BF16 and (bias is None or bias.dtype == _BF16):
         bound = bound + 2.0 ** -6 * T + 2.0 ** -133 * np.abs(x64).sum(axis=-1, keepdims=True)
+    if fp8_codes and np.dtype(out_dtype) == _BF16:
+        bound = bound + (2.0 ** -8 + K * 2.0 ** -18) * T
     return exact, bound
 
 
 def _check_product(ctx: _Ctx, check: str, backend, got: Any, err: Any, x: np.ndarray, W: np.ndarray,
-                   bias: np.ndarray | None, out_dtype: Any, tol: Tolerances) -> None:
+                   bias: np.ndarray | None, out_dtype: Any, tol: Tolerances, fp8_codes: bool = False) -> None:
     if err is not None:
         raise ctx.fail(check, f"raised {type(err).__name__}: {err}")
     y = _host(ctx, check, backend, got)
@@ -925,7 +928,7 @@ def _check_product(ctx: _Ctx, check: str, backend, got: Any, err: Any, x: np.nda
         raise ctx.fail(check, f"shape {y.shape}, want {want_shape}")
     if y.dtype != np.dtype(out_dtype):
         raise ctx.fail(check, f"result dtype {y.dtype}, want {np.dtype(out_dtype)} (docs/spec.md: the result dtype)")
-    exact, bound = product_bound(x, W, bias, out_dtype, tol.matmul_rel)
+    exact, bound = product_bound(x, W, bias, out_dtype, tol.matmul_rel, fp8_codes)
     e = np.abs(y.astype(np.float64) - exact)
     over = ~(e <= bound)
     if over.any():
@@ -1033,7 +1036,8 @@ def check_activation_products(ctx: _Ctx, backend, ref, case: Case, q: QTensor, r
             out_dtype = np.float32
         if _refused_alike(ctx, check, werr, gerr):
             continue
-        _check_product(ctx, check, backend, got, gerr, xq, W if what == "linear" else W.T, b, out_dtype, tol)
+        fp8 = parse_scheme(act).value is QuantValue.E4M3 and case.qscheme.value is QuantValue.E4M3
+        _check_product(ctx, check, backend, got, gerr, xq, W if what == "linear" else W.T, b, out_dtype, tol, fp8)
 
 
 # --------------------------------------------------------------------------- cross-backend

@@ -843,12 +843,19 @@ class CudaBackend(BaseBackend):
 
         `act=SCHEME` (e.g. `e4m3/block{K}:f32`) quantizes x per row on the device and multiplies
         by its decoded value; x may also be a QTensor of this backend (docs/spec.md E9,
-        `_product_x`).
+        `_product_x`). An e4m3 weight with per-row (or per-tensor) f32 scales and per-row e4m3
+        activations with a bfloat16 result, from `LIBRARY_FROM_M` rows of a torch x, multiply
+        code by code on torch's FP8 GEMM instead (`paths/fp8.py`, E9's FP8 accumulator rule).
         """
         if _torch_on_host(x):
             return self._on_host_tensors(
                 "linear", lambda xh, bh: self.linear(xh, w, bh, dtype=dtype, stream=stream, act=act), x, bias, out)
         if act is not None or isinstance(x, QTensor):
+            from .paths import fp8
+
+            y = fp8.run(self, x, w, bias, act, out, dtype, stream)  # W8A8 on torch's FP8 GEMM, where it applies
+            if y is not None:
+                return y
             x, dtype = self._product_x("linear", x, w, act, dtype, stream)
         from .paths import linear as _linear_path
 

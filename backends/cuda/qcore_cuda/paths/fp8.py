@@ -1,0 +1,123 @@
+"""W8A8 `linear` on the cuda backend: an e4m3 weight times e4m3 activations, code by code, on
+torch's FP8 GEMM (`torch._scaled_mm`, cuBLASLt), the two per-row scales applied to the f32 sums
+in its epilogue (docs/spec.md E9, the FP8 accumulator rule).
+
+`run` serves `linear(x, w, act=e4m3/block{B}:f32)` (B >= K: one f32 scale per row of x), or x a
+QTensor of such a scheme on this backend, and returns None (the caller takes E9's decoded path)
+unless all of these hold:
+
+* w is e4m3 `[N, K]`, codes one per byte, with one f32 scale per row (blocks along K of at
+  least K) or one for the tensor;
+* x is a torch CUDA tensor (float16, bfloat16 or float32) on torch's current stream, or such a
+  QTensor, with at least `linear_paths.LIBRARY_FROM_M` rows;
+* the result is bfloat16 (x's dtype, or `dtype=`), there is no bias and no `out=`;
+* K and N are multiples of 16 (the FP8 GEMM's alignment) and torch has `_scaled_mm` and
+  `float8_e4m3fn`.
+
+x is quantized by the backend's own kernel (SPEC §2: the same codes and scales every backend
+gives), and both payloads are read in place as torch tensors: the codes as `float8_e4m3fn`
+[M, K] and [N, K] (the weight's transpose is the column-major operand cuBLASLt wants), the
+scales as f32 [M, 1] and [1, N]. `use_fast_accum=False`: cuBLAS promotes the tensor core's
+partial sums to f32 from time to time; the spec's bound holds without that.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import numpy as np
+
+from qcore.payload import sections
+from qcore.protocol import QTensor
+from qcore.scheme import QuantScheme, QuantValue, ScaleDtype, StoreKind, scheme as parse_scheme
+
+from .. import _streams
+
+__all__ = ["per_row_e4m3", "run"]
+
+
+def per_row_e4m3(scheme: QuantScheme, k: int, per_tensor: bool) -> bool:
+    """Whether `scheme` holds e4m3 codes one per byte with one f32 scale per row of K elements
+    (or, where `per_tensor`, one scale for the tensor)."""
+    if scheme.value is not QuantValue.E4M3 or scheme.affine or scheme.two_level or scheme.is_lookup:
+        return False
+    if scheme.store.kind is not StoreKind.NATIVE or scheme.slot_dtype is not ScaleDtype.F32:
+        return False
+    b = scheme.block
+    if b is None:
+        return per_tensor
+    return not b.flat and all(d == 1 for d in b.dims[:-1]) and b.dims[-1] >= k
+
+
+def _torch_bytes(torch: Any, payload: Any, start: int, nbytes: int) -> Any:
+    """Bytes [start, start + nbytes) of a device payload as a torch uint8 tensor (no copy)."""
+    return torch.as_tensor(payload, device="cuda")[start:start + nbytes]
+
+
+def _operands(torch: Any, q: QTensor, rows: int, k: int) -> tuple[Any, Any]:
+    """(codes as float8_e4m3fn [rows, k], scales as f32 [rows]) of a per-row (or per-tensor) e4m3
+    QTensor on the cuda backend, over its payload."""
+    sec = sections(q.shape, q.scheme)
+    payload = q.data.payload
+    codes = _torch_bytes(torch, payload, 0, rows * k).view(torch.float8_e4m3fn).view(rows, k)
+    scales = _torch_bytes(torch, payload, sec.values, sec.scales).view(torch.float32)
+    return codes, (scales.expand(rows).contiguous() if scales.numel() == 1 else scales)
+
+
+def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, stream: Any) -> Any:
+    """The W8A8 product (module text), or None where it does not apply."""
+    from qcore import act as _act
+
+    from .linear import LIBRARY_FROM_M
+
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        return None
+    if bias is not None or out is not None or not isinstance(w, QTensor) or w.backend is not be:
+        return None
+    if len(w.shape) != 2 or w.data.shape != w.shape:
+        return None
+    n_, k_ = w.shape
+    if k_ % 16 or n_ % 16 or not per_row_e4m3(w.scheme, k_, per_tensor=True):
+        return None
+    given = isinstance(x, QTensor)
+    if given:
+        if x.backend is not be or x.ndim < 1 or x.shape[-1] != k_ or not per_row_e4m3(x.scheme, k_, False):
+            return None
+        if act is not None and parse_scheme(act) != x.scheme:
+            return None  # (the decoded path names the mismatch)
+        want = np.dtype(dtype) if dtype is not None else None
+        lead = x.shape[:-1]
+    else:
+        if not (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32)):
+            return None
+        if act is None or x.ndim < 1 or x.shape[-1] != k_:
+            return None
+        scheme = _act.act_scheme(be, act, "linear", k_)
+        if not per_row_e4m3(scheme, k_, False):
+            return None
+        want = None if dtype is None else np.dtype(dtype)
+        if want is None and x.dtype != torch.bfloat16:
+            return None
+        lead = tuple(x.shape[:-1])
+    if want is not None and want.name != "bfloat16":
+        return None
+    m = math.prod(lead)
+    if m < LIBRARY_FROM_M:
+        return None
+    device = torch.device("cuda", torch.cuda.current_device()) if given else x.device
+    s = _streams.resolve(stream, None if given else x)
+    if s.handle != _streams.torch_handle(device.index):
+        return None
+    be._own(w)
+    if given:
+        xq = be._own(x)
+    else:
+        x2 = x.reshape(m, k_)
+        xq = be.quantize(x2.float() if x2.dtype == torch.bfloat16 else x2, scheme, stream=stream)
+    a, sa = _operands(torch, xq, m, k_)
+    b, sb = _operands(torch, w, n_, k_)
+    y = torch._scaled_mm(a, b.t(), scale_a=sa.view(m, 1), scale_b=sb.view(1, n_), out_dtype=torch.bfloat16,
+                         use_fast_accum=False)
+    return y.view(*lead, n_)
