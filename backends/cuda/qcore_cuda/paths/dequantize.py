@@ -68,7 +68,8 @@ class FastDequantize:
             fp, pl = c.prepared["fast"], c.plan
             grid, block = fast.launch_dequant(fp["nruns"], fp["kind"])
             units = fast.unit_view(c.data.payload[: pl.values_nbytes], fp["kind"])
-            launch = c.data.cache[key] = Packed(fast.dequant_kernel(fp["kind"], c.bf16), grid, block,
+            kernel = fast.dequant_kernel(fp["kind"], True) if c.bf16 else fast.dequant_kernel(fp["kind"])
+            launch = c.data.cache[key] = Packed(kernel, grid, block,
                                                 [units, c.scales, c.gbuf, c.prepared["lut"], out, fp["G"], c.flag],
                                                 dynamic=(4,))
         launch(out, stream=c.s)
