@@ -751,7 +751,8 @@ def print_targets(targets) -> None:
     for t in targets:
         w = t.get("worst")
         fig = f"; worst {w['ratio']:.2f}x ({w['scheme']}, {w['shape']}, M={w['m']})" if w else ""
-        print(f"target {t['name']}: {t['status'].upper()} (out=: {t['status_out']}) -- {t['description']}{fig}; "
+        out = f" (out=: {t['status_out']})" if "status_out" in t else ""
+        print(f"target {t['name']}: {t['status'].upper()}{out} -- {t['description']}{fig}; "
               f"{len(t['figures'])} measured, {len(t['missing'])} missing")
         per = {}
         for f in t["figures"]:
