@@ -23,8 +23,8 @@ lane (A/B register halves) is codes (8t + p, 8t + p + 4), p = 0..3, which is one
 word of 4-bit codes (`code4_bf16x2` and friends read bits 0-3 and 16-19) and one byte permute of
 two words of 8-bit codes; step 0 of the chunk takes pairs 0 and 1, step 1 pairs 2 and 3. B is
 x's rows m0 + 8j + g (j < NB), whose 8 values at the same k are one 16-byte load, permuted into
-the same pairs. `U` chunks' code words (and, with `PREFETCH`, their scales) are loaded before any
-of them is used, so a warp keeps U * 16 bytes per row in flight; the loop over whole groups of U chunks has no bounds checks (a
+the same pairs. `U` chunks' code words are loaded before any of them is used, so a warp keeps
+U * 16 bytes per row in flight; the loop over whole groups of U chunks has no bounds checks (a
 warp's last chunks run one by one), and the lane's offsets into its rows of w, of the scales and
 of x are computed once.
 
@@ -61,12 +61,9 @@ OT_F32, OT_F16, OT_BF16 = range(3)
 KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_E4M3, fast.KIND_E5M2, fast.KIND_E2M1)
 """Value kinds (`fast.KINDS`) the kernel decodes."""
 TUNE_ENV = "QCORE_CUDA_LINEAR_TUNE"
-"""'WARPS,U[,PREFETCH]' in the environment replaces the defaults below on a GPU (benchmarks/gpu_tune.py-style
+"""'WARPS,U' in the environment replaces the defaults below on a GPU (benchmarks/gpu_tune.py-style
 comparisons); read at import."""
-WARPS, U, PREFETCH = (4, 2, 1) if config.ENABLE_CUDASIM else \
-    (tuple(int(v) for v in os.environ.get(TUNE_ENV, "8,4").split(",")) + (1,))[:3]
-"""Warps per block; chunks whose code words a warp loads before using any; whether their scales
-are loaded with them (1) or as each chunk is used (0)."""
+WARPS, U = (4, 2) if config.ENABLE_CUDASIM else tuple(int(v) for v in os.environ.get(TUNE_ENV, "8,4").split(","))
 NBS = (1, 2, 4)
 """Variants: x rows per pass, in n8 tiles (8, 16 or 32 rows)."""
 SCR = 384  # simulator: f32 scratch per warp for the mma twin
@@ -234,9 +231,12 @@ def _linear_kernel(kind: int, xt: int, nb: int):
             bx[o + 3] = prmt(x1, x3, 0x7632)
 
     @cuda.jit(device=True, inline="always")
-    def chunk(x, ea, eb, cc, wa0, wa1, wb0, wb1, xo, bx, tmp, acc, scr, lane, base):
-        """One 32-k chunk: the rows' codes (scales `ea`, `eb` given) and x, two mma steps into
-        zeroed sums, then `acc += e * sums` (f32)."""
+    def chunk(x, es, cc, wa0, wa1, wb0, wb1, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base):
+        """One 32-k chunk: the rows' scales, codes and x, two mma steps into zeroed sums, then
+        `acc += e * sums` (f32)."""
+        slot = cc >> lb
+        ea = es[sra + slot]
+        eb = es[srb + slot]
         pa0, pa1, pa2, pa3 = pairs(wa0, wa1)
         pb0, pb1, pb2, pb3 = pairs(wb0, wb1)
         for j in range(nb):
@@ -261,8 +261,6 @@ def _linear_kernel(kind: int, xt: int, nb: int):
     def k_linear(x, w32, es, bias, out32, out16, P):
         red = cuda.shared.array(red_n, float32)
         scr = cuda.shared.array(scr_n, float32)
-        sa = cuda.local.array(U, float32)
-        sb = cuda.local.array(U, float32)
         acc = cuda.local.array(acc_n, float32)
         tmp = cuda.local.array(acc_n, float32)
         bx = cuda.local.array(bx_n, uint32)
@@ -313,8 +311,7 @@ def _linear_kernel(kind: int, xt: int, nb: int):
                 if not ok:
                     for j in range(nb):
                         xo[j] = int64(-1)
-                chunk(x, es[sra + (cc >> lb)], es[srb + (cc >> lb)], cc, wa[0], wa[1], wb[0], wb[1], xo, bx, tmp,
-                      acc, scr, lane, base)
+                chunk(x, es, cc, wa[0], wa[1], wb[0], wb[1], sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
         else:
             c = c0
             while c + int64(U) <= c1:  # U chunks' code words in flight, then their sums
@@ -326,16 +323,9 @@ def _linear_kernel(kind: int, xt: int, nb: int):
                     else:
                         wa[2 * u], wa[2 * u + 1] = ld2(w32, wra + o)
                         wb[2 * u], wb[2 * u + 1] = ld2(w32, wrb + o)
-                    if PREFETCH:
-                        sa[u] = ld1(es, sra + ((c + int64(u)) >> lb))
-                        sb[u] = ld1(es, srb + ((c + int64(u)) >> lb))
                 for u in range(U):
-                    cu = c + int64(u)
-                    if not PREFETCH:
-                        sa[u] = ld1(es, sra + (cu >> lb))
-                        sb[u] = ld1(es, srb + (cu >> lb))
-                    chunk(x, sa[u], sb[u], cu, wa[2 * u], wa[2 * u + 1], wb[2 * u], wb[2 * u + 1], xo, bx, tmp, acc,
-                          scr, lane, base)
+                    chunk(x, es, c + int64(u), wa[2 * u], wa[2 * u + 1], wb[2 * u], wb[2 * u + 1], sra, srb, lb, xo,
+                          bx, tmp, acc, scr, lane, base)
                 c += int64(U)
             while c < c1:
                 o = c * int64(cw)
@@ -345,8 +335,7 @@ def _linear_kernel(kind: int, xt: int, nb: int):
                 else:
                     wa[0], wa[1] = ld2(w32, wra + o)
                     wb[0], wb[1] = ld2(w32, wrb + o)
-                chunk(x, ld1(es, sra + (c >> lb)), ld1(es, srb + (c >> lb)), c, wa[0], wa[1], wb[0], wb[1], xo, bx,
-                      tmp, acc, scr, lane, base)
+                chunk(x, es, c, wa[0], wa[1], wb[0], wb[1], sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
                 c += int64(1)
         # C of tile j: lane (g, t) holds rows g, g + 8 and columns 8j + 2t, 8j + 2t + 1
         wo = warp * int64(16 * mt)
