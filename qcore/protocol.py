@@ -90,11 +90,17 @@ class QTensor:
         backend, a device array on cuda), a torch dtype a torch tensor (on the CPU from a host
         backend, on the GPU from cuda)."""
         from .activations import as_torch, torch_dtype_as_numpy
+        from .registry import device_of
 
         as_numpy = torch_dtype_as_numpy(dtype)
         if as_numpy is None:
             return self.backend.dequantize(self, dtype=dtype)
-        return as_torch(self.backend.dequantize(self, dtype=as_numpy))
+        y = self.backend.dequantize(self, dtype=as_numpy)
+        t = as_torch(y)
+        where = device_of(self.backend)
+        if isinstance(y, np.ndarray) and where != "cpu":  # (a dtype the device's arrays lack, bfloat16 on numba: on the host)
+            t = t.to(where)
+        return t
 
     def numpy(self, dtype: Any = np.float32) -> np.ndarray:
         """Dequantize and copy to a host numpy array."""

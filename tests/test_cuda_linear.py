@@ -302,3 +302,14 @@ def test_w8a8_runs_code_by_code_on_torchs_fp8_gemm(cuda_backend, wtext, given):
         assert len(calls) == 2
     finally:
         torch._scaled_mm = real
+
+
+@pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
+@pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
+def test_qtensor_dequantize_to_a_torch_dtype_stays_on_the_gpu(cuda_backend, dt):
+    torch = pytest.importorskip("torch")
+    q = cuda_backend.quantize(_weight(32, 64), "q4s/block32:f16")
+    t = q.dequantize(getattr(torch, dt))
+    assert isinstance(t, torch.Tensor) and t.is_cuda and t.dtype == getattr(torch, dt)
+    want = np.asarray(REF.dequantize(REF.quantize(_weight(32, 64), "q4s/block32:f16")), np.float32)
+    assert torch.equal(t.cpu(), torch.from_numpy(want).to(getattr(torch, dt)))
