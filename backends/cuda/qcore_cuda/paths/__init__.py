@@ -9,7 +9,11 @@ first path in the operation's list that applies. The lists, most specialised fir
   one kernel), `FusedQuantize` (one pass per block, any layout), `StagedQuantize` (statistics,
   then scales, then codes, each stage on the fast, row, tile or general kernels that fit:
   given scales, two-level schemes, per-tensor scales);
-* dequantize (`dequantize.py`): `FastDequantize`, `RowsDequantize`, `GeneralDequantize`;
+* dequantize (`dequantize.py`): `FastDequantize`, `RowsDequantize`, `RoundedDequantize`
+  (bfloat16 results no bf16 kernel writes), `GeneralDequantize`;
+* linear (`linear.py`): `DequantizedGemmLinear` (bfloat16 from `LIBRARY_FROM_M` rows: the weight
+  dequantized to bfloat16, then torch's GEMM), `TensorCoreLinear` (linear.py), `TransposedLinear`;
+  W8A8 (`fp8.py`: e4m3 x e4m3 on torch's `_scaled_mm`) is tried first for `act=` and quantized x;
 * matmul (`matmul.py`): `TensorCoreMatmul` (tc.py, M >= 4), `GemvMatmul` (gemv.py),
   `GeneralMatmul` (kernels.k_matmul, any layout).
 
