@@ -57,6 +57,19 @@ def test_out_of_memory_is_named_and_the_backend_recovers(cuda_backend, monkeypat
     assert np.array_equal(cuda_backend.quantize(x, "q8s").numpy(), REF.quantize(x, "q8s").numpy())
 
 
+def test_out_of_memory_while_loading_a_payload_is_named(cuda_backend, monkeypatch):
+    from numba import cuda
+
+    data = REF.quantize(np.ones((4, 32), np.float32), "q4s/block16:f16").to_data()
+
+    def to_device(*a, **k):
+        raise FakeOutOfMemory()
+
+    monkeypatch.setattr(cuda, "to_device", to_device)
+    with pytest.raises(DeviceMemoryError, match=r"out of device memory to load a \(4, 32\) q4s/block16:f16 payload"):
+        cuda_backend.from_data(data)
+
+
 def test_other_errors_pass_through(cuda_backend, monkeypatch):
     from numba import cuda
 

@@ -770,7 +770,6 @@ class CudaBackend(BaseBackend):
         return y.reshape(shape)
 
     # ------------------------------------------------------------------ portable bytes
-    @guard(lambda self, data: (f"load a {data.shape} {data.scheme} payload", data.nbytes))
     def adopt(self, data: QuantizedData, payload: Any) -> QTensor:
         """A QTensor over device memory that already holds `data`'s payload: `payload` a flat
         uint8 torch, CuPy or numba device array of `len(data.payload)` bytes, read in place (no
@@ -792,6 +791,7 @@ class CudaBackend(BaseBackend):
         arr = v.base if v._sim is not None else _cuda().as_cuda_array(v)
         return QTensor(self, data.scheme, data.shape, CudaData(data.shape, data.scheme, arr.reshape(v.size)))
 
+    @guard(lambda self, data: (f"load a {data.shape} {data.scheme} payload", data.nbytes))
     def _from_data(self, data: QuantizedData) -> CudaData:
         buf = np.frombuffer(data.payload, dtype=np.uint8).copy()
         return CudaData(data.shape, data.scheme, _cuda().to_device(buf))
