@@ -69,11 +69,14 @@ class LinearCall:
     out32: Any
     out16: Any
     bias: Any
-    has_bias: bool
     s: Any
     xdt: np.dtype
     result: Any
     bias_given: Any
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias_given is not None
 
 
 LIBRARY_FROM_M = int(os.environ.get("QCORE_CUDA_LINEAR_LIBRARY_M", "64"))
@@ -102,8 +105,7 @@ class DequantizedGemmLinear:
     def launch(self, c: LinearCall) -> None:
         torch = _torch()
         n_, k_ = c.w.shape
-        wb = torch.empty((n_, k_), dtype=torch.bfloat16, device=c.x.device)
-        c.be._launch_dequantize(c.data, _array.DevView(wb.data_ptr(), (n_ * k_,), np.dtype(np.uint16), wb), c.s)
+        wb = c.be._dequantize(c.w.data, _BF16, torch.empty((n_, k_), dtype=torch.bfloat16, device=c.x.device), c.s)
         x2, y2 = c.x.reshape(c.m, k_), c.result.view(c.m, n_)
         if c.bias_given is None:
             torch.mm(x2, wb.t(), out=y2)
@@ -382,7 +384,7 @@ def run(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -
     # x in the kernel's form only where the kernel takes the weight (the fallback reads x itself)
     xd, xt = _kernel_x(be, x, xdt, m * k_, s) if k_ and TensorCoreLinear.geometry(data) else (None, None)
     call = LinearCall(be, w, data, x, xd, xt, m, ot, p32 if out32 is None else out32,
-                      p16 if out16 is None else out16, bias_d, bias is not None, s, xdt, res, bias)
+                      p16 if out16 is None else out16, bias_d, s, xdt, res, bias)
     path = choose(LINEAR, call)
     path.launch(call)
     if type(path) is TensorCoreLinear and out is None and dtype is None and stream is None:
