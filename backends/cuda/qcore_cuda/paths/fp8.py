@@ -82,12 +82,12 @@ def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, 
     if k_ % 16 or n_ % 16 or not per_row_e4m3(w.scheme, k_, per_tensor=True):
         return None
     given = isinstance(x, QTensor)
+    want = None if dtype is None else np.dtype(dtype)
     if given:
         if x.backend is not be or x.ndim < 1 or x.shape[-1] != k_ or not per_row_e4m3(x.scheme, k_, False):
             return None
         if act is not None and parse_scheme(act) != x.scheme:
             return None  # (the decoded path names the mismatch)
-        want = np.dtype(dtype) if dtype is not None else None
         lead = x.shape[:-1]
     else:
         if not (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32)):
@@ -97,7 +97,6 @@ def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, 
         scheme = _act.act_scheme(be, act, "linear", k_)
         if not per_row_e4m3(scheme, k_, False):
             return None
-        want = None if dtype is None else np.dtype(dtype)
         if want is None and x.dtype != torch.bfloat16:
             return None
         lead = tuple(x.shape[:-1])
@@ -110,7 +109,7 @@ def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, 
     s = _streams.resolve(stream, None if given else x)
     if s.handle != _streams.torch_handle(device.index):
         return None
-    be._own(w)
+    w = be._own(w)
     if given:
         xq = be._own(x)
     else:
