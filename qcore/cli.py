@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import __version__
+from . import __version__, _signals
 from . import io as qio
 from .console import console, escape, fmt_bytes, fmt_db, fmt_shape
 from .errors import InputError, QCoreError
@@ -671,9 +671,8 @@ def _check_source(path: str) -> None:
         resolve(path)
 
 
-_RUN: dict[str, Any] = {"output": None, "before": None, "restore": None, "reported": False, "rc": None,
-                        "progress": None}
-"""The running command's OUT, what was at OUT before, the SIGTERM handler to restore, whether
+_RUN: dict[str, Any] = {"output": None, "before": None, "reported": False, "rc": None, "progress": None}
+"""The running command's OUT, what was at OUT before, whether
 its outcome was reported (with which exit status), and the files of a folder OUT
 (`qcore.model.RunProgress`): a module value, so that the `qcore` entry point (`_qcore_launch`)
 can report truthfully on a signal that lands on the first or last lines of `main`."""
@@ -682,14 +681,17 @@ can report truthfully on a signal that lands on the first or last lines of `main
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted, 143 terminated).
 
-    SIGTERM is handled like Ctrl-C: the temporary file goes, OUT is the old one or the new one.
+    SIGTERM is handled like Ctrl-C (in the main thread): the temporary file goes, OUT is the old
+    one or the new one. The process's SIGTERM handler is put back when the command ends.
     """
+    with _signals.handling({signal.SIGTERM: _on_sigterm}):
+        return _run(argv)
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    """`main` inside its SIGTERM handler."""
     try:  # the first statement: a signal at any later point ends in one line and exit 130/143
-        _RUN.update(output=None, before=None, restore=None, reported=False, rc=None, progress=None)
-        try:
-            _RUN["restore"] = signal.signal(signal.SIGTERM, _on_sigterm) or signal.SIG_DFL
-        except ValueError:  # not the main thread: leave SIGTERM alone
-            pass
+        _RUN.update(output=None, before=None, reported=False, rc=None, progress=None)
         argv = list(sys.argv[1:] if argv is None else argv)
         args, extra = _parser().parse_known_args(argv)
         out = getattr(args, "output", None)
@@ -724,10 +726,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"qcore: error: out of {'memory' if isinstance(e, MemoryError) else 'stack'} "
               f"({_one_line(e)}); try a smaller input or a backend with less memory use", file=sys.stderr)
         return EXIT_ERROR
-    finally:
-        if _RUN["restore"] is not None:
-            signal.signal(signal.SIGTERM, _RUN["restore"])
-            _RUN["restore"] = None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -69,8 +69,20 @@ def _count_events(argv) -> int:
     return n
 
 
-def _run_with_signal_at(argv, k: int, sig: int) -> tuple[int, bool]:
-    """Run main(argv), sending `sig` to this process at qcore's k-th line event."""
+class _Terminated(Exception):
+    """What the test's own SIGTERM handler raises."""
+
+
+def _raise_terminated(sig, frame):
+    raise _Terminated()
+
+
+def _run_with_signal_at(argv, k: int, sig: int) -> tuple[int | None, bool]:
+    """Run main(argv), sending `sig` to this process at qcore's k-th line event: (exit status, sent).
+
+    SIGTERM is answered outside the command by this test's own handler (the process's default
+    action would end the test run); the status is None where that handler answered it: the signal
+    landed as the command was putting the process's handlers back, its work done."""
     n = 0
     sent = False
 
@@ -79,20 +91,24 @@ def _run_with_signal_at(argv, k: int, sig: int) -> tuple[int, bool]:
         if frame.f_code.co_filename.startswith(QCORE_DIR):
             if event == "line":
                 n += 1
-                # SIGTERM before the CLI installs its handler would simply end this process by
-                # default, writing nothing (the out-of-process test sees that): send it at the
-                # first line the handler is in place instead.
-                if n >= k and not sent and (sig != signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_DFL):
+                # SIGTERM before the CLI installs its handler would end the command by this
+                # process's handler (the out-of-process test sees the default action): send it at
+                # the first line the command's handler is in place instead.
+                if n >= k and not sent and (sig != signal.SIGTERM or signal.getsignal(sig) is not _raise_terminated):
                     sent = True
                     os.kill(os.getpid(), sig)
             return tracer
         return None
 
+    old_term = signal.signal(signal.SIGTERM, _raise_terminated)
     sys.settrace(tracer)
     try:
         rc = main(argv)
+    except _Terminated:
+        rc = None
     finally:
         sys.settrace(None)
+        signal.signal(signal.SIGTERM, old_term)
     return rc, sent
 
 
@@ -136,8 +152,8 @@ def test_signals_at_many_points(tmp_path, model, capsys, command, old_output):
             left = _file_bytes(out)
             assert sorted(os.listdir(work)) == (["o.safetensors"] if left is not None else []), (k, os.listdir(work))
             assert left in (None, old, fresh), k
-            if rc == 0:  # the signal came after the last line qcore runs under the tracer
-                assert left == fresh
+            if rc in (0, None):  # the signal came after the command's work: after its last line
+                assert left == fresh  # under the tracer, or as it put the process's handlers back
                 seen["done"] += 1
                 continue
             assert "Traceback" not in err
@@ -234,6 +250,58 @@ def _drop_python_startup_noise(err: str) -> str:
     err = _IGNORED_IN_IMPORTLIB.sub("", err)
     return _IGNORED_IN_SITE.sub(lambda m: "" if "KeyboardInterrupt" in m.group(0) else m.group(0), err)
 
+
+
+def _signal_lines(argv) -> list[int]:
+    """The ordinals (among all qcore line events) of the line events a run spends in the code
+    that installs or restores signal handlers (`qcore._signals`, the head and tail of `cli.main`)."""
+    watched = (os.path.join(QCORE_DIR, "_signals.py"), os.path.join(QCORE_DIR, "cli.py"))
+    n, picked = 0, []
+
+    def tracer(frame, event, arg):
+        nonlocal n
+        if frame.f_code.co_filename.startswith(QCORE_DIR):
+            if event == "line":
+                n += 1
+                if frame.f_code.co_filename in watched and (frame.f_code.co_filename == watched[0]
+                                                            or frame.f_code.co_name == "main"):
+                    picked.append(n)
+            return tracer
+        return None
+
+    sys.settrace(tracer)
+    try:
+        assert main(argv) == 0
+    finally:
+        sys.settrace(None)
+    return picked
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_at_any_handler_change_leaves_the_handlers_as_they_were(tmp_path, model, capsys, sig):
+    """A signal that lands while the command puts in its handlers, or puts the old ones back:
+    afterwards a Ctrl-C and a SIGTERM are answered by the process's own handlers, which are then
+    in place (a hold left behind would swallow every later Ctrl-C of a program that called `main`)."""
+    out = tmp_path / "o.safetensors"
+    argv = ["quantize", str(model), str(out), "--scheme", "q8s", "--backend", "reference"]
+    old_term = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        points = _signal_lines(argv)
+        assert len(points) > 20
+        for k in points:
+            rc, _ = _run_with_signal_at(argv, k, sig)
+            capsys.readouterr()
+            assert rc in (0, None, 130, 143), k
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(10)
+            with pytest.raises(_Terminated):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(10)
+            assert {s: signal.getsignal(s) for s in before} == before, k
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
 
 @pytest.mark.skipif(shutil.which("qcore") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable),
                                                                                     "qcore")),
