@@ -85,3 +85,30 @@ def test_every_list_ends_in_a_path_that_always_applies():
         assert len(set(names)) == len(names), names
     assert choose(QUANTIZE[-1:], None) is QUANTIZE[-1]
     assert qcore.scheme(NVFP4).two_level
+
+
+# Blocks wider than a warp along rows: the block maxima come from one thread block per slot
+# (k_wide_stats); the bytes are the reference's, edge blocks and two-level schemes included.
+WIDE = [
+    ("e4m3/block256:f32", (5, 300)),  # an edge block of 44 in every row
+    ("e4m3/block1024:f32", (3, 1024)),  # one slot per row, as W8A8 quantizes x
+    ("q8s/block100:f16", (4, 250)),  # not a power of two
+    ("q4s/block64:bf16", (6, 128)),
+    ("e2m1/block64:ue4m3/tensor:f32/packed_native", (4, 192)),  # two-level: the max over slots too
+]
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "no-fast"])
+@pytest.mark.parametrize("text,shape", WIDE)
+def test_wide_row_blocks_equal_the_reference(monkeypatch, text, shape, fast):
+    be = _backend(fast, monkeypatch)
+    x = sample_x(shape, seed=7)
+    x[1] = 0.0  # an all-zero row
+    x[-1, -3] = -50.0  # the edge block's maximum, negative, near its end
+    q = be.quantize(x, text)
+    want = REF.quantize(x, text)
+    assert be.into_data(q).payload == REF.into_data(want).payload
+    bad = x.copy()
+    bad[-1, 7] = np.nan
+    with pytest.raises(qcore.InputError):
+        be.quantize(bad, text)

@@ -97,6 +97,59 @@ def k_rows_quant(x, RP, F, stored, gbuf, words, payload, flag, stat):
         cuda.atomic.max(gbuf, 1, gm)
 
 
+
+def launch_wide(nslots: int) -> tuple[int, int]:
+    """(blocks, threads) for k_wide_stats: a block per slot, up to 16 per SM (grid-stride past)."""
+    if config.ENABLE_CUDASIM:
+        return max(1, min(nslots, 2)), 32
+    return max(1, min(nslots, sm_count() * 16)), ROW_TPB
+
+
+@cuda.jit
+def k_wide_stats(x, RP, stat, gstat, flag):
+    """Row geometry, blocks wider than the row kernel's lane groups: max |x| per slot, one thread
+    block per slot, its threads striding over the slot's elements (coalesced), then a tree in
+    shared memory. A maximum is exact in any order: the statistic k_slot_stats gives (its thread
+    per slot walks a block of thousands of elements alone). Two-level: gstat[0] = max over slots.
+    Non-finite x sets flag[0] and counts as 0."""
+    sh = cuda.shared.array(ROW_TPB, float32)
+    R = RP[R_R]
+    L = RP[R_L]
+    B = RP[R_B]
+    GL = RP[R_GL]
+    two = RP[R_TWO] != 0
+    t = int64(cuda.threadIdx.x)
+    tpb = int64(cuda.blockDim.x)
+    bad = False
+    gm = float32(0.0)
+    for sl in range(int64(cuda.blockIdx.x), R * GL, int64(cuda.gridDim.x)):
+        i0 = (sl % GL) * B
+        base = (sl // GL) * L + i0
+        cnt = min(B, L - i0)
+        m = float32(0.0)
+        for i in range(t, cnt, tpb):
+            v = x[base + i]
+            if not math.isfinite(v):
+                bad = True
+                v = float32(0.0)
+            m = max(m, abs(v))
+        sh[t] = m
+        cuda.syncthreads()
+        half = tpb // int64(2)
+        while half > int64(0):
+            if t < half:
+                sh[t] = max(sh[t], sh[t + half])
+            cuda.syncthreads()
+            half //= int64(2)
+        if t == int64(0):
+            stat[sl] = sh[0]
+            gm = max(gm, sh[0])
+        cuda.syncthreads()  # sh[0] is read before the next slot overwrites it
+    if bad:
+        flag[0] = int32(1)
+    if two and t == int64(0):
+        cuda.atomic.max(gstat, 0, gm)
+
 @jit_regs(40)
 def k_rows_dequant(words, RP, lut, scales, gbuf, out, flag):
     """Row kernel: out[line, c] = decode(field c of its word) * e, coalesced (SPEC §2.6). Four

@@ -61,6 +61,14 @@ class QuantizeCall:
         return self.plan.RP is not None and not self.fast and not self.general_only
 
     @property
+    def wide_stats(self) -> bool:
+        """k_wide_stats computes the block maxima: a row geometry whose blocks are wider than the
+        row kernel's lane groups, calibrated by max |x| (no sign, no offset: not `general_only`)."""
+        pl = self.plan
+        return self.params is None and pl.RP is not None and self.scheme.block is not None and \
+            not pl.rows_stats and not self.general_only and int(pl.RP[self.K.R_METHOD]) == 0
+
+    @property
     def tiles(self) -> bool:
         """The tile kernel computes the block statistics (calibrating, a tile geometry)."""
         return self.params is None and self.plan.TP is not None and not self.general_only
@@ -175,7 +183,8 @@ class StagedQuantize:
     """Everything else, in three stages on the call's stream: the statistics (or the given
     scales copied up), `k_scales` (raw -> stored scales and their words), the codes. Each stage
     runs on the kernels that fit the layout: statistics on the tile, row or general kernels
-    (`k_tensor_stats` for one per-tensor scale), codes on the fast, row or general kernels."""
+    (`k_tensor_stats` for one per-tensor scale; `k_wide_stats` for blocks wider than a warp along
+    rows), codes on the fast, row or general kernels."""
 
     name = "staged"
 
@@ -232,6 +241,8 @@ class StagedQuantize:
             on(K.k_rows_quant, K.launch_rows(*pl.rows_shape), s)(
                 c.xd, pp[("RP", K.ROW_STATS)], pp["F"], pp["stored"], fs, c.be._words(c.payload, pl), c.payload,
                 flag, raw)
+        elif c.wide_stats:
+            on(K.k_wide_stats, K.launch_wide(pl.nslots), s)(c.xd, pp[("RP", K.ROW_GIVEN)], raw, fs[1:2], flag)
         else:
             on(K.k_slot_stats, K.launch(pl.nslots), s)(c.xd, pp["P"], raw, fs[1:2], flag)
         return raw, fs, pp["P"]
