@@ -305,6 +305,29 @@ def test_w8a8_runs_code_by_code_on_torchs_fp8_gemm(cuda_backend, wtext, given):
 
 
 @pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
+def test_w8a8_reads_a_bfloat16_x_as_it_is(cuda_backend):
+    """W8A8 quantizes a bfloat16 x per row from its own bits: the product is, bit for bit, the one
+    of x.float() quantized by `quantize` (the reference's bytes), exact ties included; a
+    non-finite x is refused as `quantize` refuses it."""
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, "_scaled_mm"):
+        pytest.skip("this torch has no _scaled_mm")
+    from qcore_cuda.paths import linear as paths_linear
+
+    be = cuda_backend
+    m, n, k, act = paths_linear.LIBRARY_FROM_M + 3, 32, 1024, "e4m3/block1024:f32"
+    q = be.quantize(_weight(n, k), "e4m3/block1024:f32")
+    x = (torch.randn(m, k, device="cuda") * 3).to(torch.bfloat16)
+    x[0, :4] = torch.tensor([448.0, 1.0625, -1.1875, 0.0])  # a scale of 1: exact e4m3 ties
+    xq = be.quantize(x.float(), act)
+    assert xq.to_data().payload == REF.quantize(x.float().cpu().numpy(), act).to_data().payload
+    assert torch.equal(be.linear(x, q, act=act), be.linear(xq, q, dtype=BF16))
+    x[5, 7] = float("nan")
+    with pytest.raises(InputError, match="finite values"):
+        be.linear(x, q, act=act)
+
+
+@pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
 @pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
 def test_qtensor_dequantize_to_a_torch_dtype_stays_on_the_gpu(cuda_backend, dt):
     torch = pytest.importorskip("torch")

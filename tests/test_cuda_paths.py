@@ -26,6 +26,8 @@ CASES = [
     ("q8s/block32:f16", (4, 64), False, False, "TileQuantize", "RowsDequantize"),  # QCORE_CUDA_FAST=0
     ("q8s", (4, 64), False, False, "StagedQuantize", "RowsDequantize"),  # one per-tensor scale
     (NVFP4, (4, 64), False, False, "StagedQuantize", "RowsDequantize"),  # two-level
+    ("e4m3/block1024:f32", (3, 1024), False, True, "WideQuantize", "RowsDequantize"),  # a slot per row: one kernel
+    ("q4s/block128:f16", (3, 1024), False, False, "StagedQuantize", "RowsDequantize"),  # wide 4-bit: staged
 ]
 
 
@@ -104,6 +106,10 @@ def test_wide_row_blocks_equal_the_reference(monkeypatch, text, shape, fast):
     be = _backend(fast, monkeypatch)
     x = sample_x(shape, seed=7)
     x[1] = 0.0  # an all-zero row
+    # exact ties under a scale of 1: e4m3 (max 448; 1.0625 lies halfway between 1 and 1.125) and
+    # int8 (max 127; 2.5 and -3.5): round half to even, decided by the last bit of y = x / e
+    x[0, :4] = [448.0, 1.0625, -1.1875, 0.0]
+    x[2, :4] = [127.0, 2.5, -3.5, 0.5]
     x[-1, -3] = -50.0  # the edge block's maximum, negative, near its end
     q = be.quantize(x, text)
     want = REF.quantize(x, text)

@@ -34,7 +34,7 @@ from ._quiet import quiet
 from .paths import choose
 from .paths.dequantize import DEQUANTIZE, DequantizeCall
 from .paths.matmul import MATMUL, MatmulCall, packed_takes, run_packed
-from .paths.quantize import QUANTIZE, QuantizeCall
+from .paths.quantize import QUANTIZE, QuantizeCall, WideQuantize, run_wide_quantize
 
 __all__ = ["CudaBackend", "CudaData", "cuda_status"]
 
@@ -448,6 +448,28 @@ class CudaBackend(BaseBackend):
         is final when that comes before its last kernel (`_early_marks`), else None."""
         call = QuantizeCall(self, _k(), xd, shape, scheme, params, self._prepared(shape, scheme, method), payload, s)
         return choose(QUANTIZE, call).launch(call)
+
+    def _quantize_bf16_rows(self, x: Any, scheme: QuantScheme, s: Any) -> QTensor | None:
+        """`quantize(x.float(), scheme)` for a C-contiguous torch bfloat16 CUDA tensor x [rows, L]
+        (L even) on stream `s`, with x read as it is: bfloat16 values are exact in float32, so
+        `WideQuantize`'s kernel reading x's bits writes the same bytes, without the float32 copy.
+        None where that path does not take the scheme (it says which: `WideQuantize.applies`)."""
+        shape = tuple(int(d) for d in x.shape)
+        if len(shape) != 2 or shape[1] % 2 or 0 in shape or scheme.low_order is not scheme:
+            return None
+        K = _k()
+        words = _array.reinterpret(_array.view_of(x.view(sys.modules["torch"].int32)), np.uint32)
+        call = QuantizeCall(self, K, words, shape, scheme, None, self._prepared(shape, scheme, "minmax"), None, s)
+        if not WideQuantize().applies(call):
+            return None
+        payload, target = _array.empty_view((call.plan.total_nbytes,), np.dtype(np.uint8), s)
+        flag = self._scratch(s)[2]
+        with quiet():
+            run_wide_quantize(K, call.prepared, words.arg, True, target.arg, flag, s)
+        if self._read_flag(flag, s):
+            self._drop_scratch(s)
+            raise_nonfinite(x.float().cpu().numpy())
+        return QTensor(self, scheme, shape, CudaData(shape, scheme, payload))
 
     def _run_quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str,
                       s: Any = _streams.DEFAULT, payload: Any = None):

@@ -7,6 +7,7 @@ import math
 from .devmath import *  # noqa: F401,F403
 from .grids import jit_regs, launch, sm_count  # noqa: F401
 from .layouts import *  # noqa: F401,F403
+from .intrin import u2f
 from .scales import SCALE_IDS, round_scale, scale_word, word_scale  # noqa: F401
 
 from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: E402,F401
@@ -98,57 +99,124 @@ def k_rows_quant(x, RP, F, stored, gbuf, words, payload, flag, stat):
 
 
 
+
 def launch_wide(nslots: int) -> tuple[int, int]:
-    """(blocks, threads) for k_wide_stats: a block per slot, up to 16 per SM (grid-stride past)."""
+    """(blocks, threads) for the wide kernels: a block per slot, up to 16 per SM (grid-stride past)."""
     if config.ENABLE_CUDASIM:
         return max(1, min(nslots, 2)), 32
     return max(1, min(nslots, sm_count() * 16)), ROW_TPB
 
 
-@cuda.jit
-def k_wide_stats(x, RP, stat, gstat, flag):
-    """Row geometry, blocks wider than the row kernel's lane groups: max |x| per slot, one thread
-    block per slot, its threads striding over the slot's elements (coalesced), then a tree in
-    shared memory. A maximum is exact in any order: the statistic k_slot_stats gives (its thread
-    per slot walks a block of thousands of elements alone). Two-level: gstat[0] = max over slots.
-    Non-finite x sets flag[0] and counts as 0."""
-    sh = cuda.shared.array(ROW_TPB, float32)
-    R = RP[R_R]
-    L = RP[R_L]
-    B = RP[R_B]
-    GL = RP[R_GL]
-    two = RP[R_TWO] != 0
+@cuda.jit(device=True, inline="always")
+def wide_value(x, xbf, i):
+    """Element i of x as the wide kernels read it: float32 bits one per u32 word, or (xbf)
+    bfloat16 bits two per word, low half first (their f32 values are exact)."""
+    if xbf:
+        return u2f((x[i >> int64(1)] >> (uint32(i & int64(1)) * uint32(16))) << uint32(16))
+    return u2f(x[i])
+
+
+@cuda.jit(device=True, inline="always")
+def wide_slot_max(x, xbf, base, cnt, sh):
+    """(max |x| over elements [base, base + cnt), whether this thread met a non-finite value,
+    counted as 0) for the whole thread block: its threads stride over the elements (coalesced),
+    then a tree in shared memory. A maximum is exact in any order: the statistic k_slot_stats
+    gives, whose thread per slot walks a block of thousands of elements alone."""
     t = int64(cuda.threadIdx.x)
     tpb = int64(cuda.blockDim.x)
     bad = False
-    gm = float32(0.0)
-    for sl in range(int64(cuda.blockIdx.x), R * GL, int64(cuda.gridDim.x)):
-        i0 = (sl % GL) * B
-        base = (sl // GL) * L + i0
-        cnt = min(B, L - i0)
-        m = float32(0.0)
-        for i in range(t, cnt, tpb):
-            v = x[base + i]
-            if not math.isfinite(v):
-                bad = True
-                v = float32(0.0)
-            m = max(m, abs(v))
-        sh[t] = m
+    m = float32(0.0)
+    for i in range(t, cnt, tpb):
+        v = wide_value(x, xbf, base + i)
+        if not math.isfinite(v):
+            bad = True
+            v = float32(0.0)
+        m = max(m, abs(v))
+    sh[t] = m
+    cuda.syncthreads()
+    half = tpb // int64(2)
+    while half > int64(0):
+        if t < half:
+            sh[t] = max(sh[t], sh[t + half])
         cuda.syncthreads()
-        half = tpb // int64(2)
-        while half > int64(0):
-            if t < half:
-                sh[t] = max(sh[t], sh[t + half])
-            cuda.syncthreads()
-            half //= int64(2)
-        if t == int64(0):
-            stat[sl] = sh[0]
-            gm = max(gm, sh[0])
-        cuda.syncthreads()  # sh[0] is read before the next slot overwrites it
+        half //= int64(2)
+    m = sh[0]
+    cuda.syncthreads()  # every thread has read sh[0] before the next slot writes it
+    return m, bad
+
+
+@cuda.jit
+def k_wide_stats(x, xbf, RP, stat, gstat, flag):
+    """Row geometry, blocks wider than the row kernel's lane groups: max |x| per slot into
+    stat[], a thread block per slot (`wide_slot_max`). Two-level: gstat[0] = max over slots.
+    Non-finite x sets flag[0]."""
+    sh = cuda.shared.array(ROW_TPB, float32)
+    L = RP[R_L]
+    B = RP[R_B]
+    GL = RP[R_GL]
+    bad = False
+    gm = float32(0.0)
+    for sl in range(int64(cuda.blockIdx.x), RP[R_R] * GL, int64(cuda.gridDim.x)):
+        i0 = (sl % GL) * B
+        m, b = wide_slot_max(x, xbf, (sl // GL) * L + i0, min(B, L - i0), sh)
+        bad = bad or b
+        if cuda.threadIdx.x == 0:
+            stat[sl] = m
+        gm = max(gm, m)
     if bad:
         flag[0] = int32(1)
-    if two and t == int64(0):
+    if RP[R_TWO] != 0 and cuda.threadIdx.x == 0:
         cuda.atomic.max(gstat, 0, gm)
+
+
+@cuda.jit
+def k_wide_quant(x, xbf, RP, F, stored, payload, flag):
+    """One-level row blocks wider than a warp, 8-bit codes one per byte, calibrated by max |x|:
+    statistic, scale and codes of a slot by one thread block, x read twice (the second time
+    mostly from L2). The same arithmetic as the staged kernels: the maximum (`wide_slot_max`),
+    then as k_scales s = max / h rounded by the slot's rule into stored[] and the scale bytes,
+    then as k_rows_quant y = x / e (0 where e is 0) and its code (SPEC §2.3-2.5)."""
+    sh = cuda.shared.array(ROW_TPB, float32)
+    L = RP[R_L]
+    B = RP[R_B]
+    GL = RP[R_GL]
+    W = RP[R_W]
+    sdt = RP[R_SDT]
+    snb = RP[R_SNB]
+    soff = RP[R_SOFF]
+    isf = RP[R_ISF] != 0
+    mb = RP[R_MB]
+    bias = RP[R_BIAS]
+    bits = RP[R_BITS]
+    h = F[F_H]
+    qmin = F[F_QMIN]
+    qmax = F[F_QMAX]
+    fmax = F[F_FMAX]
+    t = int64(cuda.threadIdx.x)
+    tpb = int64(cuda.blockDim.x)
+    bad = False
+    for sl in range(int64(cuda.blockIdx.x), RP[R_R] * GL, int64(cuda.gridDim.x)):
+        line = sl // GL
+        i0 = (sl % GL) * B
+        base = line * L + i0
+        cnt = min(B, L - i0)
+        m, b = wide_slot_max(x, xbf, base, cnt, sh)
+        bad = bad or b
+        e = round_scale(float32(m / h), sdt)
+        if t == int64(0):
+            stored[sl] = e
+            put_le(payload, soff + sl * snb, int64(scale_word(e, sdt)), snb)
+        out = line * W + i0
+        for i in range(t, cnt, tpb):
+            v = wide_value(x, xbf, base + i)
+            if not math.isfinite(v):
+                v = float32(0.0)
+            y = float32(0.0)
+            if e != float32(0.0):
+                y = v / e
+            payload[out + i] = encode(y, isf, qmin, qmax, fmax, mb, bias, bits) & int64(0xFF)
+    if bad:
+        flag[0] = int32(1)
 
 @jit_regs(40)
 def k_rows_dequant(words, RP, lut, scales, gbuf, out, flag):

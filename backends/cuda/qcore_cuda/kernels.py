@@ -28,7 +28,7 @@ from .k_general import (  # noqa: E402,F401
 from .k_order import k_reorder  # noqa: E402,F401
 from .k_matmul import MM_BDX, MM_BDY, MM_COLS, MM_SH, k_matmul, k_zero, launch_matmul  # noqa: E402,F401
 from .k_rows import (  # noqa: E402,F401
-    ROW_TPB, k_rows_dequant, k_rows_quant, k_wide_stats, launch_rows, launch_wide,
+    ROW_TPB, k_rows_dequant, k_rows_quant, k_wide_quant, k_wide_stats, launch_rows, launch_wide,
 )
 from .k_tile import TILE_SH, TILE_SHW, TILE_WARPS, k_tile_quant, launch_tiles  # noqa: E402,F401
 from .layouts import *  # noqa: E402,F401,F403
@@ -42,7 +42,8 @@ SIGNATURES: dict[str, list[str]] = {
     "k_tensor_stats": ["void(float32[::1], float32[::1], float64[::1], int32[::1])"],
     "k_error_partials": ["void(float32[::1], float32[::1], float64[::1], float64[::1], float32[::1])"],
     "k_slot_stats": ["void(float32[::1], int64[::1], float32[::1], float32[::1], int32[::1])"],
-    "k_wide_stats": ["void(float32[::1], int64[::1], float32[::1], float32[::1], int32[::1])"],
+    "k_wide_stats": ["void(uint32[::1], boolean, int64[::1], float32[::1], float32[::1], int32[::1])"],
+    "k_wide_quant": ["void(uint32[::1], boolean, int64[::1], float32[::1], float32[::1], uint8[::1], int32[::1])"],
     "k_fill2": ["void(float32[::1], float32, float32)", "void(int64[::1], int64, int64)"],
     "k_tensor_range": ["void(float32[::1], float32[::1], int32[::1])"],
     "k_first_extreme": ["void(float32[::1], float32[::1], int64[::1])"],

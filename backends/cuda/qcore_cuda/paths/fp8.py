@@ -15,9 +15,9 @@ unless all of these hold:
   `float8_e4m3fn`.
 
 x is quantized by the backend's own kernel (SPEC §2: the same codes and scales every backend
-gives), and both payloads are read in place as torch tensors: the codes as `float8_e4m3fn`
-[M, K] and [N, K] (the weight's transpose is the column-major operand cuBLASLt wants), the
-scales as f32 [M, 1] and [1, N]. `use_fast_accum=False`: cuBLAS promotes the tensor core's
+gives; a bfloat16 x read as it is, `CudaBackend._quantize_bf16_rows`), and both payloads are
+read in place as torch tensors: the codes as `float8_e4m3fn` [M, K] and [N, K] (the weight's
+transpose is the column-major operand cuBLASLt wants), the scales as f32 [M, 1] and [1, N]. `use_fast_accum=False`: cuBLAS promotes the tensor core's
 partial sums to f32 from time to time; the spec's bound holds without that.
 """
 from __future__ import annotations
@@ -114,7 +114,9 @@ def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, 
         xq = be._own(x)
     else:
         x2 = x.reshape(m, k_)
-        xq = be.quantize(x2.float() if x2.dtype == torch.bfloat16 else x2, scheme, stream=stream)
+        xq = be._quantize_bf16_rows(x2, scheme, s) if x2.dtype == torch.bfloat16 and x2.is_contiguous() else None
+        if xq is None:
+            xq = be.quantize(x2.float() if x2.dtype == torch.bfloat16 else x2, scheme, stream=stream)
     a, sa = _operands(torch, xq, m, k_)
     b, sb = _operands(torch, w, n_, k_)
     y = torch._scaled_mm(a, b.t(), scale_a=sa.view(m, 1), scale_b=sb.view(1, n_), out_dtype=torch.bfloat16,

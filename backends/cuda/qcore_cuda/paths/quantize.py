@@ -15,7 +15,7 @@ from .. import _array
 from .._streams import on
 
 __all__ = ["QUANTIZE", "QuantizeCall", "FastQuantize", "run_fast_quantize", "TileQuantize", "FusedQuantize",
-           "StagedQuantize"]
+           "WideQuantize", "run_wide_quantize", "wide_bytes", "StagedQuantize"]
 
 
 @dataclass
@@ -179,6 +179,35 @@ class FusedQuantize:
         on(K.k_quant_fused, K.launch(c.plan.nruns), c.s)(c.xd, pp["P"], pp["F"], c.payload, c.be._scratch(c.s)[2])
 
 
+class WideQuantize:
+    """k_rows.k_wide_quant: one-level blocks wider than a warp along rows (`wide_stats`), 8-bit
+    codes one per byte (e4m3 or int8 per row: what W8A8 quantizes x with): maximum, scale and
+    codes of a slot by one thread block, in one launch."""
+
+    name = "wide"
+
+    def applies(self, c: QuantizeCall) -> bool:
+        return c.wide_stats and wide_bytes(c.K, c.plan, c.scheme)
+
+    def launch(self, c: QuantizeCall) -> None:
+        c.to_numba()
+        run_wide_quantize(c.K, c.prepared, _array.reinterpret(c.xd, np.uint32), False, c.payload,
+                          c.be._scratch(c.s)[2], c.s)
+
+
+def wide_bytes(K: Any, plan: Any, scheme: QuantScheme) -> bool:
+    """Whether k_wide_quant writes this plan's codes: one level, 8-bit codes one per byte."""
+    RP = plan.RP
+    return not scheme.two_level and int(RP[K.R_BITS]) == 8 and int(RP[K.R_NF]) == 1 and int(plan.P[K.M_WB]) != 4
+
+
+def run_wide_quantize(K: Any, prepared: dict, x_words: Any, bf16: bool, payload: Any, flag: Any, s: Any) -> None:
+    """Enqueue k_wide_quant over `x_words` (float32 bits, or bfloat16 pairs where `bf16`) into `payload`."""
+    pl = prepared["plan"]
+    on(K.k_wide_quant, K.launch_wide(pl.nslots), s)(x_words, bf16, prepared[("RP", K.ROW_GIVEN)], prepared["F"],
+                                                   prepared["stored"], payload, flag)
+
+
 class StagedQuantize:
     """Everything else, in three stages on the call's stream: the statistics (or the given
     scales copied up), `k_scales` (raw -> stored scales and their words), the codes. Each stage
@@ -242,7 +271,8 @@ class StagedQuantize:
                 c.xd, pp[("RP", K.ROW_STATS)], pp["F"], pp["stored"], fs, c.be._words(c.payload, pl), c.payload,
                 flag, raw)
         elif c.wide_stats:
-            on(K.k_wide_stats, K.launch_wide(pl.nslots), s)(c.xd, pp[("RP", K.ROW_GIVEN)], raw, fs[1:2], flag)
+            on(K.k_wide_stats, K.launch_wide(pl.nslots), s)(_array.reinterpret(c.xd, np.uint32), False,
+                                                             pp[("RP", K.ROW_GIVEN)], raw, fs[1:2], flag)
         else:
             on(K.k_slot_stats, K.launch(pl.nslots), s)(c.xd, pp["P"], raw, fs[1:2], flag)
         return raw, fs, pp["P"]
@@ -280,5 +310,5 @@ def _tile_kernel(c: QuantizeCall) -> None:
                                                                 pp["raw"], fs)
 
 
-QUANTIZE = (FastQuantize(), TileQuantize(), FusedQuantize(), StagedQuantize())
+QUANTIZE = (FastQuantize(), TileQuantize(), FusedQuantize(), WideQuantize(), StagedQuantize())
 """The quantize paths in the order the backend tries them."""
