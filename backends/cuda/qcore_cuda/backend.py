@@ -12,7 +12,7 @@ import math
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
@@ -449,11 +449,13 @@ class CudaBackend(BaseBackend):
         call = QuantizeCall(self, _k(), xd, shape, scheme, params, self._prepared(shape, scheme, method), payload, s)
         return choose(QUANTIZE, call).launch(call)
 
-    def _quantize_bf16_rows(self, x: Any, scheme: QuantScheme, s: Any) -> QTensor | None:
+    def _quantize_bf16_rows(self, x: Any, scheme: QuantScheme, s: Any) -> tuple[QTensor, Callable[[], None]] | None:
         """`quantize(x.float(), scheme)` for a C-contiguous torch bfloat16 CUDA tensor x [rows, L]
         (L even) on stream `s`, with x read as it is: bfloat16 values are exact in float32, so
         `WideQuantize`'s kernel reading x's bits writes the same bytes, without the float32 copy.
-        None where that path does not take the scheme (it says which: `WideQuantize.applies`)."""
+        Returns (the QTensor, `check`), or None where that path does not take the scheme
+        (`WideQuantize.applies`). Nothing waits: `check()` waits for the stream and raises
+        InputError naming x's first non-finite element, so a caller queues its next kernels first."""
         shape = tuple(int(d) for d in x.shape)
         if len(shape) != 2 or shape[1] % 2 or 0 in shape or scheme.low_order is not scheme:
             return None
@@ -466,10 +468,13 @@ class CudaBackend(BaseBackend):
         flag = self._scratch(s)[2]
         with quiet():
             run_wide_quantize(K, call.prepared, words.arg, True, target.arg, flag, s)
-        if self._read_flag(flag, s):
-            self._drop_scratch(s)
-            raise_nonfinite(x.float().cpu().numpy())
-        return QTensor(self, scheme, shape, CudaData(shape, scheme, payload))
+
+        def check() -> None:
+            if self._read_flag(flag, s):
+                self._drop_scratch(s)
+                raise_nonfinite(x.float().cpu().numpy())
+
+        return QTensor(self, scheme, shape, CudaData(shape, scheme, payload)), check
 
     def _run_quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str,
                       s: Any = _streams.DEFAULT, payload: Any = None):

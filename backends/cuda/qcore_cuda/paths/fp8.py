@@ -65,6 +65,10 @@ def _operands(torch: Any, q: QTensor, rows: int, k: int) -> tuple[Any, Any]:
     return codes, (scales.expand(rows).contiguous() if scales.numel() == 1 else scales)
 
 
+def _nothing() -> None:
+    """No check left: x was quantized (and checked) before the call."""
+
+
 def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, stream: Any) -> Any:
     """The W8A8 product (module text), or None where it does not apply."""
     from qcore import act as _act
@@ -110,15 +114,19 @@ def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, 
     if s.handle != _streams.torch_handle(device.index):
         return None
     w = be._own(w)
+    check = _nothing
     if given:
         xq = be._own(x)
     else:
         x2 = x.reshape(m, k_)
-        xq = be._quantize_bf16_rows(x2, scheme, s) if x2.dtype == torch.bfloat16 and x2.is_contiguous() else None
-        if xq is None:
+        got = be._quantize_bf16_rows(x2, scheme, s) if x2.dtype == torch.bfloat16 and x2.is_contiguous() else None
+        if got is not None:
+            xq, check = got
+        else:
             xq = be.quantize(x2.float() if x2.dtype == torch.bfloat16 else x2, scheme, stream=stream)
     a, sa = _operands(torch, xq, m, k_)
     b, sb = _operands(torch, w, n_, k_)
     y = torch._scaled_mm(a, b.t(), scale_a=sa.view(m, 1), scale_b=sb.view(1, n_), out_dtype=torch.bfloat16,
                          use_fast_accum=False)
+    check()  # x's non-finite flag: one wait, after the product is queued
     return y.view(*lead, n_)

@@ -202,10 +202,18 @@ def wide_bytes(K: Any, plan: Any, scheme: QuantScheme) -> bool:
 
 
 def run_wide_quantize(K: Any, prepared: dict, x_words: Any, bf16: bool, payload: Any, flag: Any, s: Any) -> None:
-    """Enqueue k_wide_quant over `x_words` (float32 bits, or bfloat16 pairs where `bf16`) into `payload`."""
-    pl = prepared["plan"]
-    on(K.k_wide_quant, K.launch_wide(pl.nslots), s)(x_words, bf16, prepared[("RP", K.ROW_GIVEN)], prepared["F"],
-                                                   prepared["stored"], payload, flag)
+    """Enqueue k_wide_quant over `x_words` (float32 bits, or bfloat16 pairs where `bf16`) into
+    `payload`: a launch packed once per plan, kind of x and flag (`_launch.Packed`)."""
+    from .._launch import Packed
+
+    key = ("wide_quant", bf16)
+    got = prepared.get(key)
+    if got is None or got[0] is not flag:  # a new scratch after a non-finite input: pack again
+        grid, tpb = K.launch_wide(prepared["plan"].nslots)
+        got = prepared[key] = (flag, Packed(K.k_wide_quant, grid, tpb, [x_words, bf16, prepared[("RP", K.ROW_GIVEN)],
+                                                                       prepared["F"], prepared["stored"], payload, flag],
+                                            dynamic=(0, 5)))
+    got[1](x_words, payload, stream=s)
 
 
 class StagedQuantize:
