@@ -49,6 +49,7 @@ import argparse
 import gc
 import json
 import os
+import shlex
 import signal
 import statistics
 import sys
@@ -465,7 +466,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     shapes, ms, schemes, peers = plan(args)
     cases = case_names(schemes, peers, args.paths, args.w8a8)
-    command = "NUMBA_ENABLE_CUDASIM=0 python benchmarks/matmul.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "NUMBA_ENABLE_CUDASIM=0 python benchmarks/matmul.py " + shlex.join(sys.argv[1:] if argv is None else argv)
 
     if args.dry_run:
         print(f"shapes (N x K, in this order): {', '.join(shape_text(s) for s in shapes)}")

@@ -408,12 +408,16 @@ def render_rules(res: dict) -> str:
     return "\n".join(lines)
 
 
-def render_linear(res: dict) -> str:
-    """`linear` with a quantized [N, K] weight against torch, from `benchmarks/matmul.py`."""
+def render_linear(res: dict, later: bool = False) -> str:
+    """`linear` with a quantized [N, K] weight against torch, from `benchmarks/matmul.py`; `later`:
+    a later run of some of the cases (`matmul_*.json`), as a subsection."""
     timing = res.get("timing", {})
     how = ("GPU time of each call, its host launch hidden behind a GPU sleep" if timing.get("hide_launch")
            else "whole calls between CUDA events")
-    lines = ["## GPU: `linear` with a quantized weight [N, K] against torch", "", _run_line(res["run"]), "",
+    head = ["## GPU: `linear` with a quantized weight [N, K] against torch", ""] if not later else \
+        [f"### A later run: {res['run']['date']}, {res['run']['hardware']}", "",
+         "Newer figures for the cases it holds (where a case is in the run above too, this one is current).", ""]
+    lines = head + [_run_line(res["run"]), "",
              f"y = x @ W^T for bfloat16 x [M, K] (torch CUDA tensors) and a weight [N, K] (out x in features), "
              f"the result bfloat16; {how}, median of {timing.get('reps', '?')}"
              + (", the weight evicted from L2 before each call" if timing.get("evict_bytes") else "")
@@ -480,6 +484,8 @@ def render(results: Path = RESULTS) -> str:
         path = results / name
         if path.exists():
             parts.append(fn(json.loads(path.read_text())))
+        if name == "matmul.json":
+            parts += [render_linear(json.loads(p.read_text()), later=True) for p in sorted(results.glob("matmul_*.json"))]
     whole = sorted(results.glob("cli*.json"))
     if whole:
         parts.append(render_whole_models([json.loads(p.read_text()) for p in whole]))
