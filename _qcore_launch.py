@@ -41,17 +41,22 @@ def _import_cli() -> "tuple[ModuleType, int | None]":
     signal is taken after the import instead.
     """
     caught: list[int] = []
-    previous = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            previous[sig] = signal.signal(sig, lambda s, _f: caught.append(s))
-        except (ValueError, OSError):  # not the main thread, or not settable here
-            pass
+    # every old handler read before any changes, and a signal listed as held before its hold goes
+    # in: a signal that lands between two steps cannot leave a hold behind for the process
+    # (`qcore._signals.handling` does the same for the library; it cannot be imported yet)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    held: list[int] = []
     try:
+        for sig in previous:
+            held.append(sig)
+            try:
+                signal.signal(sig, lambda s, _f: caught.append(s))
+            except (ValueError, OSError):  # not the main thread, or not settable here
+                held.remove(sig)
         from qcore import cli
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for sig in held:
+            signal.signal(sig, signal.SIG_DFL if previous[sig] is None else previous[sig])
     return cli, (caught[0] if caught else None)
 
 
