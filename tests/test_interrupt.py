@@ -397,3 +397,19 @@ def test_startup_noise_filter_drops_only_swallowed_interrupts():
     interrupted, broken = site_block("KeyboardInterrupt"), site_block("ImportError: no module named x")
     assert _drop_python_startup_noise("a\n" + interrupted + "b\n") == "a\nb\n"
     assert _drop_python_startup_noise("a\n" + broken + "b\n") == "a\n" + broken + "b\n"
+
+
+def test_the_command_in_another_thread_leaves_the_handlers_alone(tmp_path, model, capsys):
+    """`main` off the main thread (a server's worker) runs, and sets no signal handler: Python
+    allows that only in the main thread, and the process's handlers are the caller's."""
+    import threading
+
+    out = tmp_path / "o.safetensors"
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    got = []
+    t = threading.Thread(target=lambda: got.append(
+        main(["quantize", str(model), str(out), "--scheme", "q8s", "--backend", "reference"])))
+    t.start()
+    t.join(120)
+    assert got == [0] and out.exists()
+    assert {s: signal.getsignal(s) for s in before} == before
