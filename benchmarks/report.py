@@ -408,24 +408,27 @@ def render_rules(res: dict) -> str:
     return "\n".join(lines)
 
 
-def render_linear(res: dict, later: bool = False) -> str:
-    """`linear` with a quantized [N, K] weight against torch, from `benchmarks/matmul.py`; `later`:
-    a later run of some of the cases (`matmul_*.json`), as a subsection."""
+def render_linear(res: dict, separate: bool = False, moved: tuple[set, set] = (set(), set())) -> str:
+    """`linear` with a quantized [N, K] weight against torch, from `benchmarks/matmul.py`;
+    `separate`: a run of some cases on their own (`matmul_*.json`), as a subsection; `moved`: the
+    case labels and target names such runs hold, which this table leaves to them."""
     timing = res.get("timing", {})
     how = ("GPU time of each call, its host launch hidden behind a GPU sleep" if timing.get("hide_launch")
            else "whole calls between CUDA events")
-    head = ["## GPU: `linear` with a quantized weight [N, K] against torch", ""] if not later else \
-        [f"### A later run: {res['run']['date']}, {res['run']['hardware']}", "",
-         "Newer figures for the cases it holds (where a case is in the run above too, this one is current).", ""]
+    labels, targets = moved
+    head = ["## GPU: `linear` with a quantized weight [N, K] against torch", ""] if not separate else \
+        [f"### {', '.join(sorted(_own_labels(res)))}: {res['run']['date']}, {res['run']['hardware']}", ""]
     lines = head + [_run_line(res["run"]), "",
              f"y = x @ W^T for bfloat16 x [M, K] (torch CUDA tensors) and a weight [N, K] (out x in features), "
              f"the result bfloat16; {how}, median of {timing.get('reps', '?')}"
              + (", the weight evicted from L2 before each call" if timing.get("evict_bytes") else "")
              + ". A cell is microseconds / speed-up over torch bf16 dense `x @ W.T` in the same run (above 1: "
-               "faster). qcore rows are `be.linear(x, qw)` on the cuda backend (docs/gpu.md, `linear`).", ""]
+               "faster). qcore rows are `be.linear(x, qw)` on the cuda backend (docs/gpu.md, `linear`)."
+             + (" Cases timed in a run of their own are in the subsections below." if labels else ""), ""]
     cells = [c for c in res["cells"] if c.get("m") is not None]
     for shape in res.get("shapes", sorted({c["shape"] for c in cells})):
-        rows = [c for c in cells if c["shape"] == shape and not c.get("label", "").endswith("out=")]
+        rows = [c for c in cells if c["shape"] == shape and not c.get("label", "").endswith("out=")
+                and c.get("label") not in labels]
         ms = sorted({c["m"] for c in rows})
         if not ms:
             continue
@@ -445,11 +448,19 @@ def render_linear(res: dict, later: bool = False) -> str:
         lines.append("")
     lines += ["Targets (the plain call's ratio to torch bf16):", ""]
     for t in res.get("targets", []):
+        if t["name"] in targets or separate and t["status"] == "not measured":
+            continue
         worst = t.get("worst") or {}
         fig = f"; worst {worst['ratio']:.2f}x ({worst['scheme']}, M = {worst['m']})" if worst.get("ratio") else ""
         lines.append(f"- {t['description']}: **{t['status']}**{fig}")
     lines.append("")
     return "\n".join(lines)
+
+
+def _own_labels(res: dict) -> set:
+    """The qcore case labels of a `benchmarks/matmul.py` run (its peers' rows left out)."""
+    peers = set(res.get("peers", [])) | {"torch_bf16"}
+    return {c["label"] for c in res["cells"] if c.get("m") is not None and c.get("label") not in peers}
 
 
 def render_inference(runs: list[dict]) -> str:
@@ -479,13 +490,17 @@ def render(results: Path = RESULTS) -> str:
     """The whole document: the intro, then a section per results file present."""
     parts = [INTRO]
     for name, fn in (("cpu.json", render_cpu), ("gpu.json", render_gpu), ("gpu_pool.json", render_pool),
-                     ("gpu_calls.json", render_calls), ("gpu_rules.json", render_rules),
-                     ("matmul.json", render_linear)):
+                     ("gpu_calls.json", render_calls), ("gpu_rules.json", render_rules)):
         path = results / name
         if path.exists():
             parts.append(fn(json.loads(path.read_text())))
-        if name == "matmul.json":
-            parts += [render_linear(json.loads(p.read_text()), later=True) for p in sorted(results.glob("matmul_*.json"))]
+    path = results / "matmul.json"
+    if path.exists():  # with the runs of some cases on their own (`matmul_*.json`) as its subsections
+        runs = [json.loads(p.read_text()) for p in sorted(results.glob("matmul_*.json"))]
+        labels = set().union(*(_own_labels(r) for r in runs))
+        names = {t["name"] for r in runs for t in r.get("targets", []) if t["status"] != "not measured"}
+        parts.append(render_linear(json.loads(path.read_text()), moved=(labels, names)))
+        parts += [render_linear(r, separate=True) for r in runs]
     whole = sorted(results.glob("cli*.json"))
     if whole:
         parts.append(render_whole_models([json.loads(p.read_text()) for p in whole]))
