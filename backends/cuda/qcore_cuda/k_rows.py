@@ -218,6 +218,7 @@ def k_wide_quant(x, xbf, RP, F, stored, payload, flag):
     if bad:
         flag[0] = int32(1)
 
+
 @jit_regs(40)
 def k_rows_dequant(words, RP, lut, scales, gbuf, out, flag):
     """Row kernel: out[line, c] = decode(field c of its word) * e, coalesced (SPEC §2.6). Four
