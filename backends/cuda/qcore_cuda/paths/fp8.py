@@ -17,8 +17,9 @@ unless all of these hold:
 x is quantized by the backend's own kernel (SPEC §2: the same codes and scales every backend
 gives; a bfloat16 x read as it is, `CudaBackend._quantize_bf16_rows`), and both payloads are
 read in place as torch tensors: the codes as `float8_e4m3fn` [M, K] and [N, K] (the weight's
-transpose is the column-major operand cuBLASLt wants), the scales as f32 [M, 1] and [1, N]. `use_fast_accum=False`: cuBLAS promotes the tensor core's
-partial sums to f32 from time to time; the spec's bound holds without that.
+transpose is the column-major operand cuBLASLt wants), the scales as f32 [M, 1] and [1, N].
+`use_fast_accum=False`: cuBLAS promotes the tensor core's partial sums to f32 from time to time;
+the spec's bound holds without that.
 """
 from __future__ import annotations
 
