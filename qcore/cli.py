@@ -672,10 +672,10 @@ def _check_source(path: str) -> None:
 
 
 _RUN: dict[str, Any] = {"output": None, "before": None, "reported": False, "rc": None, "progress": None}
-"""The running command's OUT, what was at OUT before, whether
-its outcome was reported (with which exit status), and the files of a folder OUT
-(`qcore.model.RunProgress`): a module value, so that the `qcore` entry point (`_qcore_launch`)
-can report truthfully on a signal that lands on the first or last lines of `main`."""
+"""The running command's OUT, what was at OUT before, whether its outcome was reported (with
+which exit status), and the files of a folder OUT (`qcore.model.RunProgress`): a module value,
+so that the `qcore` entry point (`_qcore_launch`) can report truthfully on a signal that lands
+on the first or last lines of `main`."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
