@@ -52,25 +52,15 @@ from . import kernels as K
 from .intrin import (and_xor, bf16x2_rn, bitsel, e4m3x2, e4m3x2_f32, e5m2x2, e5m2x2_f32, f2u, fmax_nan, ld1, ld4, prmt,
                      st2, st4, u2f)
 from .scales import round_scale, scale_word
-from .devmath import two_level_e
+from .devmath import MAGIC, fast_div_ok, qdiv, two_level_e
 
 from numba import config, cuda, float32, int32, int64, uint32  # noqa: E402
 
 if config.ENABLE_CUDASIM:  # shared-memory stand-in, bound to this module's (swapped) `cuda`
     def group_max(v, width, sh):
         return K.sim_group(cuda, v, width, sh, max)
-
-    def qdiv(x, e, r):
-        """x / e, correctly rounded (the simulator divides; the GPU's Markstein form agrees)."""
-        return float32(x / e)
 else:
     from .kernels import group_max
-
-    @cuda.jit(device=True, inline="always")
-    def qdiv(x, e, r):
-        """RN(x / e) from r = RN(1 / e): Markstein's correction step (see module docstring)."""
-        q = x * r
-        return cuda.fma(cuda.fma(-q, e, x), r, q)
 
 # ----------------------------------------------------------------------------- kinds
 KIND_I8, KIND_I4, KIND_I2, KIND_E4M3, KIND_E5M2, KIND_E2M1 = range(6)
@@ -92,10 +82,7 @@ C_H, C_M, C_QMIN, C_QMAX = range(4)
 C_LEN = 4
 
 MAGIC_HI = np.uint32(0x4B000000)  # the f32 bits of 2**23: a byte below it is an exact integer
-MAGIC = 12582912.0  # 1.5 * 2**23: y + MAGIC rounds y half-to-even into the low mantissa bits
 FLT_MAX = 3.4028234663852886e38
-P2_M60 = 8.673617379884035e-19
-P2_120 = 1.329227995784916e36
 
 
 def _log2(v: int) -> int:
@@ -198,12 +185,6 @@ def put_word(payload, off, w, nb):
     if nb > 2:
         payload[off + int64(2)] = (w >> uint32(16)) & uint32(0xFF)
         payload[off + int64(3)] = (w >> uint32(24)) & uint32(0xFF)
-
-
-@cuda.jit(device=True, inline="always")
-def fast_div_ok(e):
-    """Whether qdiv(x, e, 1 / e) is RN(x / e) for every |x / e| the calibrated modes produce."""
-    return e >= float32(P2_M60) and e <= float32(P2_120) and (f2u(e) & uint32(0x7FFFFF)) != uint32(0x7FFFFF)
 
 
 @cuda.jit(device=True, inline="always")

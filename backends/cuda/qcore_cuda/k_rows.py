@@ -7,7 +7,7 @@ import math
 from .devmath import *  # noqa: F401,F403
 from .grids import jit_regs, launch, sm_count  # noqa: F401
 from .layouts import *  # noqa: F401,F403
-from .intrin import u2f
+from .intrin import f2u, u2f
 from .scales import SCALE_IDS, round_scale, scale_word, word_scale  # noqa: F401
 
 from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: E402,F401
@@ -171,11 +171,14 @@ def k_wide_stats(x, xbf, RP, stat, gstat, flag):
 
 @cuda.jit
 def k_wide_quant(x, xbf, RP, F, stored, payload, flag):
-    """One-level row blocks wider than a warp, 8-bit codes one per byte, calibrated by max |x|:
-    statistic, scale and codes of a slot by one thread block, x read twice (the second time
-    mostly from L2). The same arithmetic as the staged kernels: the maximum (`wide_slot_max`),
-    then as k_scales s = max / h rounded by the slot's rule into stored[] and the scale bytes,
-    then as k_rows_quant y = x / e (0 where e is 0) and its code (SPEC §2.3-2.5)."""
+    """One-level row blocks wider than a warp of int8, E4M3 or E5M2 codes one per byte,
+    calibrated by max |x|: statistic, scale and codes of a slot by one thread block, x read twice
+    (the second time mostly from L2). SPEC §2.3-2.5 as the staged kernels compute it: the maximum
+    (`wide_slot_max`), then as k_scales s = max / h rounded by the slot's rule into stored[] and
+    the scale bytes, then y = x / e (0 where e is 0) and its code: the division from the slot's
+    reciprocal as the fast kernels divide (`qdiv` where `fast_div_ok`, else `div.rn`), integers
+    by the 1.5 * 2**23 rounding, FP8 by `encode` (no sm_89 conversion: this kernel is also the
+    path of older GPUs)."""
     sh = cuda.shared.array(ROW_TPB, float32)
     L = RP[R_L]
     B = RP[R_B]
@@ -207,14 +210,26 @@ def k_wide_quant(x, xbf, RP, F, stored, payload, flag):
             stored[sl] = e
             put_le(payload, soff + sl * snb, int64(scale_word(e, sdt)), snb)
         out = line * W + i0
+        quick = e != float32(0.0) and fast_div_ok(e)
+        r = float32(1.0)
+        if quick:
+            r = float32(float32(1.0) / e)
         for i in range(t, cnt, tpb):
             v = wide_value(x, xbf, base + i)
             if not math.isfinite(v):
                 v = float32(0.0)
             y = float32(0.0)
-            if e != float32(0.0):
+            if quick:  # RN(v / e) from the slot's reciprocal; a minifloat's zero keeps x's sign
+                y = qdiv(v, e, r)
+                if isf:
+                    y = float32(math.copysign(y, v))
+            elif e != float32(0.0):
                 y = v / e
-            payload[out + i] = encode(y, isf, qmin, qmax, fmax, mb, bias, bits) & int64(0xFF)
+            if isf:
+                c = encode(y, isf, qmin, qmax, fmax, mb, bias, bits)
+            else:  # clamp, then round half to even into the low mantissa bits
+                c = int64(f2u(min(max(y, qmin), qmax) + float32(MAGIC)))
+            payload[out + i] = c & int64(0xFF)
     if bad:
         flag[0] = int32(1)
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from qcore.protocol import QParams
-from qcore.scheme import QuantScheme
+from qcore.scheme import QuantScheme, QuantValue
 
 from .. import _array
 from .._streams import on
@@ -195,10 +195,15 @@ class WideQuantize:
                           c.be._scratch(c.s)[2], c.s)
 
 
+WIDE_VALUES = frozenset({QuantValue.Q8S, QuantValue.Q8F, QuantValue.E4M3, QuantValue.E5M2})
+"""The value kinds k_wide_quant encodes (int8 by rounding, FP8 by `encode`)."""
+
+
 def wide_bytes(K: Any, plan: Any, scheme: QuantScheme) -> bool:
-    """Whether k_wide_quant writes this plan's codes: one level, 8-bit codes one per byte."""
+    """Whether k_wide_quant writes this plan's codes: one level, int8 or FP8 codes one per byte."""
     RP = plan.RP
-    return not scheme.two_level and int(RP[K.R_BITS]) == 8 and int(RP[K.R_NF]) == 1 and int(plan.P[K.M_WB]) != 4
+    return not scheme.two_level and scheme.value in WIDE_VALUES and int(RP[K.R_BITS]) == 8 and \
+        int(RP[K.R_NF]) == 1 and int(plan.P[K.M_WB]) != 4
 
 
 def run_wide_quantize(K: Any, prepared: dict, x_words: Any, bf16: bool, payload: Any, flag: Any, s: Any) -> None:
