@@ -112,7 +112,7 @@ def test_wide_row_blocks_equal_the_reference(monkeypatch, text, shape, fast):
     # int8 (max 127; 2.5 and -3.5): round half to even, decided by the last bit of y = x / e
     x[0, :4] = [448.0, 1.0625, -1.1875, 0.0]
     x[2, :4] = [127.0, 2.5, -3.5, 0.5]
-    x[0, 5] = -0.0  # a minifloat code keeps the sign of a zero
+    x[0, 5] = -0.0  # a minifloat's code of -0 is its own (a division by a reciprocal gives +0)
     x[-1, -3] = -50.0  # the edge block's maximum, negative, near its end
     q = be.quantize(x, text)
     want = REF.quantize(x, text)

@@ -467,7 +467,7 @@ class CudaBackend(BaseBackend):
         payload, target = _array.empty_view((call.plan.total_nbytes,), np.dtype(np.uint8), s)
         flag = self._scratch(s)[2]
         with quiet():
-            run_wide_quantize(K, call.prepared, words.arg, True, target.arg, flag, s)
+            run_wide_quantize(self, K, call.prepared, words.arg, True, target.arg, flag, s)
 
         def check() -> None:
             if self._read_flag(flag, s):

@@ -1,5 +1,6 @@
-"""Device maths of the general, row, tile and matmul kernels: minifloat codes by frexp/ldexp
-(exact, so the simulator and a GPU agree), code encoding, little-endian words, the two-level
+"""Device maths of the general, row, tile, fast and matmul kernels: minifloat codes by
+frexp/ldexp (exact, so the simulator and a GPU agree), code encoding, the correctly rounded
+division from a reciprocal (`qdiv`, `fast_div_ok`), little-endian words, the two-level
 global scale, a run's origin in the `P` geometry, and reductions over aligned lane groups (warp
 shuffles on a GPU, shared memory under the simulator)."""
 from __future__ import annotations
@@ -9,7 +10,7 @@ import math
 import numpy as np
 
 from .layouts import *  # noqa: F401,F403  (the P layout's fields)
-from .intrin import mul_rn
+from .intrin import f2u, mul_rn
 from .scales import round_scale, scale_word, word_scale  # noqa: F401
 from qcore.codecs import code_rule_kernel
 
@@ -17,6 +18,28 @@ from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: 
 
 rule_code = code_rule_kernel(cuda.jit(device=True, inline="always"))
 """The int64 code of `y` under a code rule (docs/spec.md E4): `qcore.codecs`' one source."""
+
+MAGIC = 12582912.0  # 1.5 * 2**23: y + MAGIC rounds y half-to-even into the low mantissa bits
+P2_M60 = 8.673617379884035e-19
+P2_120 = 1.329227995784916e36
+
+if config.ENABLE_CUDASIM:
+    def qdiv(x, e, r):
+        """x / e, correctly rounded (the simulator divides; the GPU's Markstein form agrees)."""
+        return float32(x / e)
+else:
+    @cuda.jit(device=True, inline="always")
+    def qdiv(x, e, r):
+        """RN(x / e) from r = RN(1 / e): Markstein's correction step, the correctly rounded
+        quotient whenever `fast_div_ok(e)` (fast.py's module text)."""
+        q = x * r
+        return cuda.fma(cuda.fma(-q, e, x), r, q)
+
+
+@cuda.jit(device=True, inline="always")
+def fast_div_ok(e):
+    """Whether qdiv(x, e, 1 / e) is RN(x / e) for every |x / e| the calibrated modes produce."""
+    return e >= float32(P2_M60) and e <= float32(P2_120) and (f2u(e) & uint32(0x7FFFFF)) != uint32(0x7FFFFF)
 
 
 @cuda.jit(device=True, inline="always")

@@ -52,25 +52,16 @@ from . import kernels as K
 from .intrin import (and_xor, bf16x2_rn, bitsel, e4m3x2, e4m3x2_f32, e5m2x2, e5m2x2_f32, f2u, fmax_nan, ld1, ld4, prmt,
                      st2, st4, u2f)
 from .scales import round_scale, scale_word
-from .devmath import two_level_e
+from .devmath import MAGIC, fast_div_ok, qdiv, two_level_e
+from .kernels import wide_quotient, wide_slot_scale, wide_value
 
 from numba import config, cuda, float32, int32, int64, uint32  # noqa: E402
 
 if config.ENABLE_CUDASIM:  # shared-memory stand-in, bound to this module's (swapped) `cuda`
     def group_max(v, width, sh):
         return K.sim_group(cuda, v, width, sh, max)
-
-    def qdiv(x, e, r):
-        """x / e, correctly rounded (the simulator divides; the GPU's Markstein form agrees)."""
-        return float32(x / e)
 else:
     from .kernels import group_max
-
-    @cuda.jit(device=True, inline="always")
-    def qdiv(x, e, r):
-        """RN(x / e) from r = RN(1 / e): Markstein's correction step (see module docstring)."""
-        q = x * r
-        return cuda.fma(cuda.fma(-q, e, x), r, q)
 
 # ----------------------------------------------------------------------------- kinds
 KIND_I8, KIND_I4, KIND_I2, KIND_E4M3, KIND_E5M2, KIND_E2M1 = range(6)
@@ -92,10 +83,7 @@ C_H, C_M, C_QMIN, C_QMAX = range(4)
 C_LEN = 4
 
 MAGIC_HI = np.uint32(0x4B000000)  # the f32 bits of 2**23: a byte below it is an exact integer
-MAGIC = 12582912.0  # 1.5 * 2**23: y + MAGIC rounds y half-to-even into the low mantissa bits
 FLT_MAX = 3.4028234663852886e38
-P2_M60 = 8.673617379884035e-19
-P2_120 = 1.329227995784916e36
 
 
 def _log2(v: int) -> int:
@@ -198,12 +186,6 @@ def put_word(payload, off, w, nb):
     if nb > 2:
         payload[off + int64(2)] = (w >> uint32(16)) & uint32(0xFF)
         payload[off + int64(3)] = (w >> uint32(24)) & uint32(0xFF)
-
-
-@cuda.jit(device=True, inline="always")
-def fast_div_ok(e):
-    """Whether qdiv(x, e, 1 / e) is RN(x / e) for every |x / e| the calibrated modes produce."""
-    return e >= float32(P2_M60) and e <= float32(P2_120) and (f2u(e) & uint32(0x7FFFFF)) != uint32(0x7FFFFF)
 
 
 @cuda.jit(device=True, inline="always")
@@ -546,9 +528,44 @@ def k_amax_py(x, gs, flag, nruns):
         cuda.atomic.max(gs, 1, shm[0])
 
 
+WIDE_TPB = K.ROW_TPB  # (a module constant: numba sizes shared arrays only from those)
+
+
+def k_wide_quant_py(x, xbf, RP, F, stored, payload, flag):
+    """`kernels.k_wide_quant` with the sm_89 conversions: int8 codes by the 1.5 * 2**23 rounding,
+    E4M3 / E5M2 by `cvt.rn.satfinite` (saturating at the largest value, as SPEC §2.5 wants, the
+    sign of a zero kept), each y from the slot's reciprocal (`wide_quotient`)."""
+    sh = cuda.shared.array(WIDE_TPB, float32)
+    isf = RP[K.R_ISF] != 0
+    e4 = RP[K.R_MB] == 3
+    qmin = F[K.F_QMIN]
+    qmax = F[K.F_QMAX]
+    t = int64(cuda.threadIdx.x)
+    tpb = int64(cuda.blockDim.x)
+    bad = False
+    for sl in range(int64(cuda.blockIdx.x), RP[K.R_R] * RP[K.R_GL], int64(cuda.gridDim.x)):
+        base, cnt, out, e, r, b = wide_slot_scale(x, xbf, RP, F, stored, payload, sl, sh)
+        bad = bad or b
+        for i in range(t, cnt, tpb):
+            v = wide_value(x, xbf, base + i)
+            if not math.isfinite(v):
+                v = float32(0.0)
+            y = wide_quotient(v, e, r, isf)
+            if not isf:
+                c = f2u(min(max(y, qmin), qmax) + float32(MAGIC))
+            elif e4:
+                c = e4m3x2(float32(0.0), y)
+            else:
+                c = e5m2x2(float32(0.0), y)
+            payload[out + i] = c & uint32(0xFF)
+    if bad:
+        flag[0] = int32(1)
+
+
 JIT_REGS = 64  # register cap of the fast kernels
 _jit = K.jit_regs(JIT_REGS)
 k_amax = _jit(k_amax_py)
+k_wide_quant = _jit(k_wide_quant_py)
 
 
 @lru_cache(maxsize=None)
@@ -566,11 +583,12 @@ _A = "{}[::1]"
 QUANT_SIG = "void(float32[::1], uint32[::1], uint8[::1], float32[::1], float32[::1], int32[::1], int64[::1], float32[::1])"
 DEQUANT_SIG = "void({}[::1], float32[::1], float32[::1], float32[::1], {}[::1], int64[::1], int32[::1])"
 AMAX_SIG = "void(float32[::1], float32[::1], int32[::1], int64)"
+WIDE_SIG = "void(uint32[::1], boolean, int64[::1], float32[::1], float32[::1], uint8[::1], int32[::1])"
 
 
 def ptx_targets():
     """(name, python function, signature, register cap) of every fast kernel (`ptx.targets`)."""
-    out = [("k_amax", k_amax_py, AMAX_SIG, JIT_REGS)]
+    out = [("k_amax", k_amax_py, AMAX_SIG, JIT_REGS), ("k_wide_quant_fast", k_wide_quant_py, WIDE_SIG, JIT_REGS)]
     for kind in range(len(KIND_BITS)):
         out.append((f"k_fast_quant[{kind}]", _quant_kernel(kind), QUANT_SIG, JIT_REGS))
         out.append((f"k_fast_dequant[{kind}]", _dequant_kernel(kind),

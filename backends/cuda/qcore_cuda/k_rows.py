@@ -7,7 +7,7 @@ import math
 from .devmath import *  # noqa: F401,F403
 from .grids import jit_regs, launch, sm_count  # noqa: F401
 from .layouts import *  # noqa: F401,F403
-from .intrin import u2f
+from .intrin import f2u, u2f
 from .scales import SCALE_IDS, round_scale, scale_word, word_scale  # noqa: F401
 
 from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: E402,F401
@@ -169,52 +169,75 @@ def k_wide_stats(x, xbf, RP, stat, gstat, flag):
         cuda.atomic.max(gstat, 0, gm)
 
 
+@cuda.jit(device=True, inline="always")
+def wide_slot_scale(x, xbf, RP, F, stored, payload, sl, sh):
+    """The first half of a wide quantize slot, by the whole thread block: (x's offset of the slot,
+    its element count, its offset in the values section, e, the slot's reciprocal r where
+    `fast_div_ok(e)` else 0, whether this thread met a non-finite x). The maximum
+    (`wide_slot_max`), then as k_scales s = max / h rounded by the slot's rule into stored[sl]
+    and the scale bytes (SPEC §2.3)."""
+    GL = RP[R_GL]
+    line = sl // GL
+    i0 = (sl % GL) * RP[R_B]
+    base = line * RP[R_L] + i0
+    cnt = min(RP[R_B], RP[R_L] - i0)
+    m, bad = wide_slot_max(x, xbf, base, cnt, sh)
+    sdt = RP[R_SDT]
+    e = round_scale(float32(m / F[F_H]), sdt)
+    if cuda.threadIdx.x == 0:
+        stored[sl] = e
+        put_le(payload, RP[R_SOFF] + sl * RP[R_SNB], int64(scale_word(e, sdt)), RP[R_SNB])
+    r = float32(0.0)
+    if e != float32(0.0) and fast_div_ok(e):
+        r = float32(float32(1.0) / e)
+    return base, cnt, line * RP[R_W] + i0, e, r, bad
+
+
+@cuda.jit(device=True, inline="always")
+def wide_quotient(v, e, r, isf):
+    """y = RN(v / e) of SPEC §2.4 (0 where e is 0): from the slot's reciprocal `r` as the fast
+    kernels divide (`qdiv`; a minifloat's zero keeps v's sign), by `div.rn` where r is 0."""
+    if r != float32(0.0):
+        y = qdiv(v, e, r)
+        if isf:
+            y = float32(math.copysign(y, v))
+        return y
+    if e != float32(0.0):
+        return float32(v / e)
+    return float32(0.0)
+
+
 @cuda.jit
 def k_wide_quant(x, xbf, RP, F, stored, payload, flag):
-    """One-level row blocks wider than a warp, 8-bit codes one per byte, calibrated by max |x|:
-    statistic, scale and codes of a slot by one thread block, x read twice (the second time
-    mostly from L2). The same arithmetic as the staged kernels: the maximum (`wide_slot_max`),
-    then as k_scales s = max / h rounded by the slot's rule into stored[] and the scale bytes,
-    then as k_rows_quant y = x / e (0 where e is 0) and its code (SPEC §2.3-2.5)."""
+    """One-level row blocks wider than a warp of int8, E4M3 or E5M2 codes one per byte,
+    calibrated by max |x|: statistic, scale and codes of a slot by one thread block, x read twice
+    (the second time mostly from L2): `wide_slot_scale`, then each code from `wide_quotient`,
+    integers by the 1.5 * 2**23 rounding, FP8 by `encode` (no sm_89 conversion: this kernel is
+    also the path of older GPUs; `fast.k_wide_quant` converts in hardware)."""
     sh = cuda.shared.array(ROW_TPB, float32)
-    L = RP[R_L]
-    B = RP[R_B]
-    GL = RP[R_GL]
-    W = RP[R_W]
-    sdt = RP[R_SDT]
-    snb = RP[R_SNB]
-    soff = RP[R_SOFF]
     isf = RP[R_ISF] != 0
     mb = RP[R_MB]
     bias = RP[R_BIAS]
     bits = RP[R_BITS]
-    h = F[F_H]
     qmin = F[F_QMIN]
     qmax = F[F_QMAX]
     fmax = F[F_FMAX]
     t = int64(cuda.threadIdx.x)
     tpb = int64(cuda.blockDim.x)
     bad = False
-    for sl in range(int64(cuda.blockIdx.x), RP[R_R] * GL, int64(cuda.gridDim.x)):
-        line = sl // GL
-        i0 = (sl % GL) * B
-        base = line * L + i0
-        cnt = min(B, L - i0)
-        m, b = wide_slot_max(x, xbf, base, cnt, sh)
+    for sl in range(int64(cuda.blockIdx.x), RP[R_R] * RP[R_GL], int64(cuda.gridDim.x)):
+        base, cnt, out, e, r, b = wide_slot_scale(x, xbf, RP, F, stored, payload, sl, sh)
         bad = bad or b
-        e = round_scale(float32(m / h), sdt)
-        if t == int64(0):
-            stored[sl] = e
-            put_le(payload, soff + sl * snb, int64(scale_word(e, sdt)), snb)
-        out = line * W + i0
         for i in range(t, cnt, tpb):
             v = wide_value(x, xbf, base + i)
             if not math.isfinite(v):
                 v = float32(0.0)
-            y = float32(0.0)
-            if e != float32(0.0):
-                y = v / e
-            payload[out + i] = encode(y, isf, qmin, qmax, fmax, mb, bias, bits) & int64(0xFF)
+            y = wide_quotient(v, e, r, isf)
+            if isf:
+                c = encode(y, isf, qmin, qmax, fmax, mb, bias, bits)
+            else:  # clamp, then round half to even into the low mantissa bits
+                c = int64(f2u(min(max(y, qmin), qmax) + float32(MAGIC)))
+            payload[out + i] = c & int64(0xFF)
     if bad:
         flag[0] = int32(1)
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from qcore.protocol import QParams
-from qcore.scheme import QuantScheme
+from qcore.scheme import QuantScheme, QuantValue
 
 from .. import _array
 from .._streams import on
@@ -191,27 +191,37 @@ class WideQuantize:
 
     def launch(self, c: QuantizeCall) -> None:
         c.to_numba()
-        run_wide_quantize(c.K, c.prepared, _array.reinterpret(c.xd, np.uint32), False, c.payload,
+        run_wide_quantize(c.be, c.K, c.prepared, _array.reinterpret(c.xd, np.uint32), False, c.payload,
                           c.be._scratch(c.s)[2], c.s)
 
 
+WIDE_VALUES = frozenset({QuantValue.Q8S, QuantValue.Q8F, QuantValue.E4M3, QuantValue.E5M2})
+"""The value kinds k_wide_quant encodes (int8 by rounding, FP8 by `encode`)."""
+
+
 def wide_bytes(K: Any, plan: Any, scheme: QuantScheme) -> bool:
-    """Whether k_wide_quant writes this plan's codes: one level, 8-bit codes one per byte."""
+    """Whether k_wide_quant writes this plan's codes: one level, int8 or FP8 codes one per byte."""
     RP = plan.RP
-    return not scheme.two_level and int(RP[K.R_BITS]) == 8 and int(RP[K.R_NF]) == 1 and int(plan.P[K.M_WB]) != 4
+    return not scheme.two_level and scheme.value in WIDE_VALUES and int(RP[K.R_BITS]) == 8 and \
+        int(RP[K.R_NF]) == 1 and int(plan.P[K.M_WB]) != 4
 
 
-def run_wide_quantize(K: Any, prepared: dict, x_words: Any, bf16: bool, payload: Any, flag: Any, s: Any) -> None:
-    """Enqueue k_wide_quant over `x_words` (float32 bits, or bfloat16 pairs where `bf16`) into
-    `payload`: a launch packed once per plan, kind of x and flag (`_launch.Packed`)."""
+def run_wide_quantize(be: Any, K: Any, prepared: dict, x_words: Any, bf16: bool, payload: Any, flag: Any,
+                      s: Any) -> None:
+    """Enqueue the wide quantize kernel over `x_words` (float32 bits, or bfloat16 pairs where
+    `bf16`) into `payload`: `fast.k_wide_quant` (the sm_89 conversions) where the backend runs
+    the fast kernels, else `kernels.k_wide_quant`; a launch packed once per plan, kind of x and
+    flag (`_launch.Packed`)."""
+    from .. import fast
     from .._launch import Packed
 
-    key = ("wide_quant", bf16)
+    kernel = fast.k_wide_quant if be._fast[0] else K.k_wide_quant
+    key = ("wide_quant", bf16, kernel)
     got = prepared.get(key)
     if got is None or got[0] is not flag:  # a new scratch after a non-finite input: pack again
         grid, tpb = K.launch_wide(prepared["plan"].nslots)
-        got = prepared[key] = (flag, Packed(K.k_wide_quant, grid, tpb, [x_words, bf16, prepared[("RP", K.ROW_GIVEN)],
-                                                                       prepared["F"], prepared["stored"], payload, flag],
+        got = prepared[key] = (flag, Packed(kernel, grid, tpb, [x_words, bf16, prepared[("RP", K.ROW_GIVEN)],
+                                                                prepared["F"], prepared["stored"], payload, flag],
                                             dynamic=(0, 5)))
     got[1](x_words, payload, stream=s)
 
