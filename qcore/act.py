@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .errors import InputError, SchemeError, UnsupportedSchemeError
 from .protocol import QTensor
 from .scheme import QuantScheme
 
-__all__ = ["act_scheme", "given_x"]
-
+__all__ = ["act_scheme", "finite_rows", "given_x", "nan_rows"]
 
 
 def _across_rows(scheme: QuantScheme) -> str | None:
@@ -46,6 +47,27 @@ def act_scheme(be: Any, act: Any, what: str, k: int) -> QuantScheme:
         return require_support(be, scheme)
     except UnsupportedSchemeError as e:
         raise UnsupportedSchemeError(f"{what} act={scheme}: {e}") from None
+
+
+def finite_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(x with every row holding a NaN or an infinity set to zeros, a boolean mask over x's rows
+    marking them, or None where every value is finite): what `act` quantizes of a non-finite x,
+    whose rows then give NaN (docs/spec.md E9, `nan_rows`)."""
+    finite = np.isfinite(x)
+    if finite.all():
+        return x, None
+    bad = ~finite.all(axis=-1)
+    return np.where(bad[..., None], np.zeros((), x.dtype), x), bad
+
+
+def nan_rows(xd: np.ndarray, bad: np.ndarray | None) -> np.ndarray:
+    """The decoded x `xd` with the rows `finite_rows` marked set to NaN (a copy), so that each of
+    their results is NaN; `xd` itself where none is marked."""
+    if bad is None:
+        return xd
+    out = np.array(xd, copy=True)
+    out[bad] = np.nan
+    return out
 
 
 def given_x(be: Any, what: str, x: QTensor, w_shape: tuple[int, ...], act: Any) -> QTensor:

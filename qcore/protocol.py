@@ -515,8 +515,9 @@ class BaseBackend(abc.ABC):
     def _product_x(self, what: str, x: Any, w: QTensor, act: Any, dtype: Any) -> tuple[Any, Any]:
         """(x as the core's products read it, the result dtype) (docs/spec.md E9): a QTensor x is
         its decoded value (float32); with `act`, x is read as float32 (E8), quantized under `act`
-        by this backend, and decoded, and `dtype=None` keeps meaning x's own dtype; a torch x
-        stays torch, so the result comes back as x came."""
+        by this backend, and decoded (a row holding a non-finite value decoded as NaN), and
+        `dtype=None` keeps meaning x's own dtype; a torch x stays torch, so the result comes back
+        as x came."""
         from . import act as _act
         from .activations import host_activation, in_callers_kind, product_dims
 
@@ -528,7 +529,8 @@ class BaseBackend(abc.ABC):
         xa, as_torch = host_activation(x)
         k_, _ = product_dims(what, xa.shape, w.shape)
         scheme = _act.act_scheme(self, act, what, k_)
-        xd = self.to_numpy(self.dequantize(self.quantize(xa.astype(np.float32, copy=False), scheme)))
+        x32, bad = _act.finite_rows(xa.astype(np.float32, copy=False))
+        xd = _act.nan_rows(self.to_numpy(self.dequantize(self.quantize(x32, scheme))), bad)
         return in_callers_kind(xd, as_torch), (xa.dtype if dtype is None else dtype)
 
     def matmul(self, x: Any, w: QTensor, *, dtype: Any = np.float32, act: Any = None) -> Any:

@@ -26,7 +26,8 @@ from qcore import arithmetic, layout
 from qcore.checks import raise_nonfinite, to_f32
 from qcore.codecs import F32_TINY, bits_f32, f32_bits
 from qcore.payload import QuantizedData, sections
-from qcore.protocol import BaseBackend, QParams, Support
+from qcore.errors import InputError
+from qcore.protocol import BaseBackend, QParams, QTensor, Support
 from qcore.arithmetic import decode, effective_scale, encode, slot_statistic, store_reciprocal
 from qcore.reference import ReferenceBackend
 from qcore.scheme import QuantScheme, QuantStore, ScaleDtype, StoreKind, TensorLevel
@@ -798,6 +799,18 @@ class FullActPerTensor(Full):
         return super().linear(xq, w, bias, dtype=xa.dtype if dtype is None else dtype)
 
 
+class FullActRefusesNonfinite(Full):
+    """`act=` refuses an x holding a NaN or an infinity, as `quantize` does, where docs/spec.md E9
+    gives that row NaN results."""
+
+    name = "full-act-refuses-nonfinite"
+
+    def linear(self, x, w, bias=None, *, dtype=None, act=None):
+        if act is not None and not isinstance(x, QTensor) and not np.isfinite(np.asarray(x, np.float32)).all():
+            raise InputError("input has a non-finite value; quantization needs finite values")
+        return super().linear(x, w, bias, dtype=dtype, act=act)
+
+
 MUTANTS: list[tuple[str, str, type, str]] = [
     ("narrow", "half-away", NarrowHalfAway, "rounds half away from zero"),
     ("narrow", "half-up", NarrowHalfUp, "rounds half up"),
@@ -840,6 +853,7 @@ MUTANTS: list[tuple[str, str, type, str]] = [
     ("full", "linear-f32-result", FullLinearF32Result, "linear returns float32 for any x"),
     ("full", "linear-bf16-weights", FullLinearBf16Sums, "linear rounds the dequantized weight to bfloat16"),
     ("full", "act-ignored", FullActIgnored, "linear and matmul ignore act="),
+    ("full", "act-refuses-nonfinite", FullActRefusesNonfinite, "act= refuses a non-finite x"),
     ("full", "act-per-tensor", FullActPerTensor, "linear's act= quantizes x per tensor, not per row"),
 ]
 """(model, bug id, class, the bug) of every mutant."""

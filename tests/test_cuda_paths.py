@@ -121,3 +121,39 @@ def test_wide_row_blocks_equal_the_reference(monkeypatch, text, shape, fast):
     bad[-1, 7] = np.nan
     with pytest.raises(qcore.InputError):
         be.quantize(bad, text)
+
+
+# bfloat16 x read two elements to a word (W8A8's read of a torch bfloat16 x): slots that start on
+# a word and slots that do not, an odd count with one last element, the rows read four words a
+# thread at a time; the bytes those of quantizing x.astype(float32).
+BF16_WIDE = [
+    ("e4m3/block1024:f32", (3, 1024)),  # one slot per row, as W8A8 quantizes x
+    ("e4m3/block256:f32", (5, 300)),  # an edge slot of 44, starting on a word
+    ("q8s/block33:f32", (3, 130)),  # odd slots: a last element alone, then slots starting mid-word
+    ("e5m2/block512:f32", (3, 602)),
+    ("e4m3/block2048:f32", (2, 2100)),  # a slot longer than the words a thread block holds: read twice
+]
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "no-fast"])
+@pytest.mark.parametrize("text,shape", BF16_WIDE)
+def test_wide_rows_read_bfloat16_bits_as_their_float32_values(monkeypatch, text, shape, fast):
+    import ml_dtypes
+    from numba import cuda
+
+    from qcore.scheme import scheme as parse_scheme
+    from qcore_cuda import _streams
+
+    be = _backend(fast, monkeypatch)
+    x = sample_x(shape, seed=11).astype(ml_dtypes.bfloat16)
+    x[0, :4] = [448.0, 1.0625, -1.1875, 0.0]  # ties of e4m3 under a scale of 1
+    x[0, 5] = -0.0
+    x[-1, -1] = -50.0  # the last element of the last row: a slot's maximum read alone
+    s = _streams.resolve(None, None)
+    q, check = be._quantize_bf16_rows(cuda.to_device(x.view(np.uint16)), parse_scheme(text), s)
+    check()
+    assert be.into_data(q).payload == REF.into_data(REF.quantize(x.astype(np.float32), text)).payload
+    x[1, 7] = np.nan
+    q, check = be._quantize_bf16_rows(cuda.to_device(x.view(np.uint16)), parse_scheme(text), s)
+    with pytest.raises(qcore.InputError, match=r"\(1, 7\)"):
+        check()

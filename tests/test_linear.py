@@ -199,6 +199,27 @@ def test_act_products_are_e8_of_the_decoded_x(backend, act_block, dtype, request
 
 
 @pytest.mark.parametrize("backend", ["reference", "ndarray", "cuda"])
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_act_rows_holding_a_non_finite_x_give_nan(backend, dtype, request):
+    """act= does not refuse a non-finite x: its rows give NaN (bias included), every other row
+    the bits it has with those rows all zeros (docs/spec.md E9)."""
+    be = _be(backend, request)
+    w = be.quantize(_weight((40, 96)), "q8s/block32:f32")
+    x, bias = _x((2, 4, 96), dtype), _x((40,), np.float32, seed=5)
+    x[0, 1, 7], x[1, 3, 95], x[1, 0, 0] = np.nan, np.inf, -np.inf
+    bad = np.zeros((2, 4), bool)
+    bad[0, 1] = bad[1, 3] = bad[1, 0] = True
+    zeroed = np.where(bad[..., None], np.zeros((), dtype), x)
+    for call in (lambda v: be.linear(v, w, bias, act=ACT[backend]),
+                 lambda v: be.matmul(v, be.transpose(w), act=ACT[backend])):
+        y, want = be.to_numpy(call(x)), be.to_numpy(call(zeroed))
+        assert np.isnan(y[bad].astype(np.float32)).all()
+        assert np.array_equal(y[~bad], want[~bad])
+    with pytest.raises(qcore.InputError, match="finite values"):
+        be.quantize(x.astype(np.float32), ACT[backend])  # quantize itself still refuses it
+
+
+@pytest.mark.parametrize("backend", ["reference", "ndarray", "cuda"])
 def test_a_quantized_x_is_its_decoded_value(backend, request):
     be = _be(backend, request)
     w = be.quantize(_weight((24, 96)), "q8s/block32:f32")

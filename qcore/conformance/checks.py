@@ -1038,6 +1038,30 @@ def check_activation_products(ctx: _Ctx, backend, ref, case: Case, q: QTensor, r
             continue
         fp8 = parse_scheme(act).value is QuantValue.E4M3 and case.qscheme.value is QuantValue.E4M3
         _check_product(ctx, check, backend, got, gerr, xq, W if what == "linear" else W.T, b, out_dtype, tol, fp8)
+    act = _act_for(backend, cols)
+    if act is not None:
+        check_nonfinite_activations(ctx, backend, q, bias, act, make_input((3, cols), "normal", "bf16",
+                                                                           case.input_seed + 47))
+
+
+def check_nonfinite_activations(ctx: _Ctx, backend, q: QTensor, bias: np.ndarray, act: str, x: np.ndarray) -> None:
+    """`linear(x, q, bias, act=)` of an x whose middle row holds a NaN and an infinity (docs/spec.md
+    E9, a non-finite x): no error, that row's results all NaN, the other rows the same bits as
+    with that row all zeros."""
+    check = f"ops.linear[act, non-finite x]({act})"
+    bad = x.copy()
+    bad[1, 0], bad[1, -1] = np.nan, np.inf
+    zeroed = x.copy()
+    zeroed[1] = 0
+    y = _host(ctx, check, backend, ctx.call(check, backend.linear, bad, q, bias, act=act)).astype(np.float32)
+    want = _host(ctx, check, backend, ctx.call(check, backend.linear, zeroed, q, bias, act=act)).astype(np.float32)
+    if not np.isnan(y[1]).all():
+        raise ctx.fail(check, f"{int((~np.isnan(y[1])).sum())} of row 1's {y.shape[1]} results are not NaN; "
+                              "a row of x holding a non-finite value gives NaN")
+    same = np.array_equal(y[[0, 2]].view(np.uint32), want[[0, 2]].view(np.uint32))
+    if not same:
+        raise ctx.fail(check, "rows 0 and 2 differ from the call with row 1 zeroed; a non-finite row of x "
+                              "changes no other row")
 
 
 # --------------------------------------------------------------------------- cross-backend

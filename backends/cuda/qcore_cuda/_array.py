@@ -377,6 +377,9 @@ def reinterpret(d: Any, dtype: Any) -> Any:
     """`d` (a flat device array or DevView on a GPU, a flat simulator array) as elements of
     `dtype`: the same bytes, no copy."""
     dtype = np.dtype(dtype)
+    if type(d) is DevView and d._sim is not None:
+        sim = d._sim.view(dtype)
+        return DevView(0, tuple(sim.shape), dtype, d.base, sim=sim)
     if type(d) is DevView:
         return DevView(d.ptr, (d.size * d.dtype.itemsize // dtype.itemsize,), dtype, d.base)
     return d.view(dtype)

@@ -449,30 +449,44 @@ class CudaBackend(BaseBackend):
         call = QuantizeCall(self, _k(), xd, shape, scheme, params, self._prepared(shape, scheme, method), payload, s)
         return choose(QUANTIZE, call).launch(call)
 
-    def _quantize_bf16_rows(self, x: Any, scheme: QuantScheme, s: Any) -> tuple[QTensor, Callable[[], None]] | None:
-        """`quantize(x.float(), scheme)` for a C-contiguous torch bfloat16 CUDA tensor x [rows, L]
-        (L even) on stream `s`, with x read as it is: bfloat16 values are exact in float32, so
-        `WideQuantize`'s kernel reading x's bits writes the same bytes, without the float32 copy.
-        Returns (the QTensor, `check`), or None where that path does not take the scheme
-        (`WideQuantize.applies`). Nothing waits: `check()` waits for the stream and raises
-        InputError naming x's first non-finite element, so a caller queues its next kernels first."""
+    @functools.cached_property
+    def _act_sink(self) -> Any:
+        """A device int32 flag the kernels may set and nothing reads: the non-finite flag of a
+        quantize that does not wait to check x (`act`'s rows of NaN instead, docs/spec.md E9)."""
+        return _cuda().to_device(np.zeros(1, np.int32))
+
+    def _quantize_bf16_rows(self, x: Any, scheme: QuantScheme, s: Any,
+                            wait: bool = True) -> tuple[QTensor, Callable[[], None]] | None:
+        """`quantize(x.float(), scheme)` for x [rows, L] (L even) on stream `s`, a C-contiguous torch
+        bfloat16 CUDA tensor or a device array of bfloat16 bits (uint16), read as it is: bfloat16
+        values are exact in float32, so `WideQuantize`'s kernel reading x's bits writes the same
+        bytes, without the float32 copy. Returns (the QTensor, `check`), or None where that path
+        does not take the scheme (`WideQuantize.applies`). Nothing waits: `check()` waits for the
+        stream and raises InputError naming x's first non-finite element, so a caller queues its
+        next kernels first. With `wait=False` nothing is checked (`check()` does nothing): a slot
+        holding a non-finite x gets a NaN scale, as `act` wants (docs/spec.md E9)."""
         shape = tuple(int(d) for d in x.shape)
         if len(shape) != 2 or shape[1] % 2 or 0 in shape or scheme.low_order is not scheme:
             return None
         K = _k()
-        words = _array.reinterpret(_array.view_of(x.view(sys.modules["torch"].int32)), np.uint32)
+        torch = sys.modules.get("torch")
+        is_torch = torch is not None and isinstance(x, torch.Tensor)
+        words = _array.reinterpret(_array.view_of(x.view(torch.int32) if is_torch else x), np.uint32)
         call = QuantizeCall(self, K, words, shape, scheme, None, self._prepared(shape, scheme, "minmax"), None, s)
         if not WideQuantize().applies(call):
             return None
         payload, target = _array.empty_view((call.plan.total_nbytes,), np.dtype(np.uint8), s)
-        flag = self._scratch(s)[2]
+        flag = self._scratch(s)[2] if wait else self._act_sink
         with quiet():
             run_wide_quantize(self, K, call.prepared, words.arg, True, target.arg, flag, s)
 
         def check() -> None:
+            if not wait:
+                return
             if self._read_flag(flag, s):
                 self._drop_scratch(s)
-                raise_nonfinite(x.float().cpu().numpy())
+                host = x.float().cpu().numpy() if is_torch else _array.view_of(x).numba().copy_to_host()
+                raise_nonfinite(host if is_torch else (host.astype(np.uint32) << 16).view(np.float32).reshape(shape))
 
         return QTensor(self, scheme, shape, CudaData(shape, scheme, payload)), check
 
@@ -915,8 +929,27 @@ class CudaBackend(BaseBackend):
             x = x.float()  # (read as float32: exact)
         elif isinstance(x, np.ndarray) and x.dtype != np.float32:
             x = x.astype(np.float32)  # (exact, or float64 rounded to nearest: E8's reading)
-        xd = self.dequantize(self.quantize(x, scheme, stream=stream), stream=stream)
+        try:
+            xd = self.dequantize(self.quantize(x, scheme, stream=stream), stream=stream)
+        except InputError:
+            xd = self._act_of_nonfinite(x, scheme, stream)
+            if xd is None:  # refused for another reason
+                raise
         return (as_torch(xd) if is_torch else xd), (xdt if dtype is None else dtype)
+
+    def _act_of_nonfinite(self, x: Any, scheme: QuantScheme, stream: Any) -> Any | None:
+        """`act`'s decoded x where `quantize` refused x (docs/spec.md E9, a non-finite x): read
+        on the host, each row holding a non-finite value quantized as zeros and decoded as NaN,
+        the decoded array back on the device; None where every value is finite."""
+        from qcore import act as _act
+
+        torch = sys.modules.get("torch")
+        host = x.float().cpu().numpy() if torch is not None and isinstance(x, torch.Tensor) else self.to_numpy(x)
+        x32, bad = _act.finite_rows(np.asarray(host, np.float32))
+        if bad is None:
+            return None
+        xd = _act.nan_rows(self.to_numpy(self.dequantize(self.quantize(x32, scheme, stream=stream), stream=stream)), bad)
+        return _cuda().to_device(np.ascontiguousarray(xd, np.float32))
 
     def _on_host_tensors(self, what: str, call: Any, x: Any, bias: Any, out: Any) -> Any:
         """A product of a torch CPU x (a model kept on the CPU whose layers run here): x and a torch

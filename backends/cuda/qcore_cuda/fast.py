@@ -53,7 +53,6 @@ from .intrin import (and_xor, bf16x2_rn, bitsel, e4m3x2, e4m3x2_f32, e5m2x2, e5m
                      st2, st4, u2f)
 from .scales import round_scale, scale_word
 from .devmath import MAGIC, fast_div_ok, qdiv, two_level_e
-from .kernels import wide_quotient, wide_slot_scale, wide_value
 
 from numba import config, cuda, float32, int32, int64, uint32  # noqa: E402
 
@@ -528,38 +527,18 @@ def k_amax_py(x, gs, flag, nruns):
         cuda.atomic.max(gs, 1, shm[0])
 
 
-WIDE_TPB = K.ROW_TPB  # (a module constant: numba sizes shared arrays only from those)
+@cuda.jit(device=True, inline="always")
+def code_in_hardware(y, P):
+    """`kernels.code_by_encode` with the sm_89 conversions: E4M3 / E5M2 by `cvt.rn.satfinite`
+    (saturating at the largest value, as SPEC §2.5 wants, the sign of a zero kept)."""
+    if not P[0]:
+        return f2u(min(max(y, P[2]), P[3]) + float32(MAGIC)) & uint32(0xFF)
+    if P[1]:
+        return e4m3x2(float32(0.0), y) & uint32(0xFF)
+    return e5m2x2(float32(0.0), y) & uint32(0xFF)
 
 
-def k_wide_quant_py(x, xbf, RP, F, stored, payload, flag):
-    """`kernels.k_wide_quant` with the sm_89 conversions: int8 codes by the 1.5 * 2**23 rounding,
-    E4M3 / E5M2 by `cvt.rn.satfinite` (saturating at the largest value, as SPEC §2.5 wants, the
-    sign of a zero kept), each y from the slot's reciprocal (`wide_quotient`)."""
-    sh = cuda.shared.array(WIDE_TPB, float32)
-    isf = RP[K.R_ISF] != 0
-    e4 = RP[K.R_MB] == 3
-    qmin = F[K.F_QMIN]
-    qmax = F[K.F_QMAX]
-    t = int64(cuda.threadIdx.x)
-    tpb = int64(cuda.blockDim.x)
-    bad = False
-    for sl in range(int64(cuda.blockIdx.x), RP[K.R_R] * RP[K.R_GL], int64(cuda.gridDim.x)):
-        base, cnt, out, e, r, b = wide_slot_scale(x, xbf, RP, F, stored, payload, sl, sh)
-        bad = bad or b
-        for i in range(t, cnt, tpb):
-            v = wide_value(x, xbf, base + i)
-            if not math.isfinite(v):
-                v = float32(0.0)
-            y = wide_quotient(v, e, r, isf)
-            if not isf:
-                c = f2u(min(max(y, qmin), qmax) + float32(MAGIC))
-            elif e4:
-                c = e4m3x2(float32(0.0), y)
-            else:
-                c = e5m2x2(float32(0.0), y)
-            payload[out + i] = c & uint32(0xFF)
-    if bad:
-        flag[0] = int32(1)
+k_wide_quant_py = K.make_wide_quant(code_in_hardware)
 
 
 JIT_REGS = 64  # register cap of the fast kernels

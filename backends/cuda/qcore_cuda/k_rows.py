@@ -117,32 +117,94 @@ def wide_value(x, xbf, i):
 
 
 @cuda.jit(device=True, inline="always")
+def wide_pairs(xbf, base, cnt):
+    """Whether a wide slot's elements are read a u32 word at a time, two bfloat16 per word: x is
+    bfloat16 and the slot starts on a word (an odd count leaves one last element)."""
+    return xbf and (base & int64(1)) == int64(0)
+
+
+@cuda.jit(device=True, inline="always")
+def finite_max_bits(bits, mb, bad):
+    """(the larger of `mb` and |v|'s f32 bits, bad) for f32 bits `bits`: bits of non-negative
+    floats order as the floats do; a non-finite v sets bad and counts as 0."""
+    ab = bits & uint32(0x7FFFFFFF)
+    if ab >= uint32(0x7F800000):
+        return mb, True
+    return max(mb, ab), bad
+
+
+@cuda.jit(device=True, inline="always")
+def pair_max_bits(word, mb, bad):
+    """`finite_max_bits` over the two bfloat16 of one word (as f32 bits)."""
+    mb, bad = finite_max_bits(word << uint32(16), mb, bad)
+    return finite_max_bits(word & uint32(0xFFFF0000), mb, bad)
+
+
+@cuda.jit(device=True, inline="always")
+def block_max(m, sh):
+    """max of every thread's m over the thread block: a warp shuffle, then the warps' maxima
+    through shared memory (read by every thread; free again on return)."""
+    t = int64(cuda.threadIdx.x)
+    m = group_max(m, int64(32), sh)
+    if t & int64(31) == int64(0):
+        sh[t >> int64(5)] = m
+    cuda.syncthreads()
+    m = sh[0]
+    for w in range(int64(1), (int64(cuda.blockDim.x) + int64(31)) >> int64(5)):
+        m = max(m, sh[w])
+    cuda.syncthreads()  # every thread has read the maxima before the next slot writes them
+    return m
+
+
+@cuda.jit(device=True, inline="always")
 def wide_slot_max(x, xbf, base, cnt, sh):
-    """(max |x| over elements [base, base + cnt), whether this thread met a non-finite value,
-    counted as 0) for the whole thread block: its threads stride over the elements (coalesced),
-    then a tree in shared memory. A maximum is exact in any order: the statistic k_slot_stats
-    gives, whose thread per slot walks a block of thousands of elements alone."""
+    """(max |x| over elements [base, base + cnt), infinite where any element is not finite;
+    whether this thread met a non-finite value) for the whole thread block: its threads stride
+    over the slot (coalesced), four loads in flight each, bfloat16 a word (two elements) at a time
+    (`wide_pairs`), the maximum kept as f32 bits; then `block_max`. A maximum is exact in any
+    order."""
     t = int64(cuda.threadIdx.x)
     tpb = int64(cuda.blockDim.x)
     bad = False
-    m = float32(0.0)
-    for i in range(t, cnt, tpb):
-        v = wide_value(x, xbf, base + i)
-        if not math.isfinite(v):
-            bad = True
-            v = float32(0.0)
-        m = max(m, abs(v))
-    sh[t] = m
-    cuda.syncthreads()
-    half = tpb // int64(2)
-    while half > int64(0):
-        if t < half:
-            sh[t] = max(sh[t], sh[t + half])
-        cuda.syncthreads()
-        half //= int64(2)
-    m = sh[0]
-    cuda.syncthreads()  # every thread has read sh[0] before the next slot writes it
-    return m, bad
+    mb = uint32(0)
+    if wide_pairs(xbf, base, cnt):
+        w0 = base >> int64(1)
+        nw = cnt >> int64(1)
+        j = t
+        while j + int64(3) * tpb < nw:
+            a = x[w0 + j]
+            b = x[w0 + j + tpb]
+            c = x[w0 + j + int64(2) * tpb]
+            d = x[w0 + j + int64(3) * tpb]
+            mb, bad = pair_max_bits(a, mb, bad)
+            mb, bad = pair_max_bits(b, mb, bad)
+            mb, bad = pair_max_bits(c, mb, bad)
+            mb, bad = pair_max_bits(d, mb, bad)
+            j += int64(4) * tpb
+        while j < nw:
+            mb, bad = pair_max_bits(x[w0 + j], mb, bad)
+            j += tpb
+        if cnt & int64(1) and t == int64(0):
+            mb, bad = finite_max_bits(f2u(wide_value(x, xbf, base + cnt - int64(1))), mb, bad)
+    else:
+        i = t
+        while i + int64(3) * tpb < cnt:
+            a = f2u(wide_value(x, xbf, base + i))
+            b = f2u(wide_value(x, xbf, base + i + tpb))
+            c = f2u(wide_value(x, xbf, base + i + int64(2) * tpb))
+            d = f2u(wide_value(x, xbf, base + i + int64(3) * tpb))
+            mb, bad = finite_max_bits(a, mb, bad)
+            mb, bad = finite_max_bits(b, mb, bad)
+            mb, bad = finite_max_bits(c, mb, bad)
+            mb, bad = finite_max_bits(d, mb, bad)
+            i += int64(4) * tpb
+        while i < cnt:
+            mb, bad = finite_max_bits(f2u(wide_value(x, xbf, base + i)), mb, bad)
+            i += tpb
+    m = u2f(mb)
+    if bad:
+        m = float32(math.inf)
+    return block_max(m, sh), bad
 
 
 @cuda.jit
@@ -160,6 +222,8 @@ def k_wide_stats(x, xbf, RP, stat, gstat, flag):
         i0 = (sl % GL) * B
         m, b = wide_slot_max(x, xbf, (sl // GL) * L + i0, min(B, L - i0), sh)
         bad = bad or b
+        if math.isinf(m):  # a non-finite x (flagged): 0 keeps the next kernels finite
+            m = float32(0.0)
         if cuda.threadIdx.x == 0:
             stat[sl] = m
         gm = max(gm, m)
@@ -170,27 +234,32 @@ def k_wide_stats(x, xbf, RP, stat, gstat, flag):
 
 
 @cuda.jit(device=True, inline="always")
-def wide_slot_scale(x, xbf, RP, F, stored, payload, sl, sh):
-    """The first half of a wide quantize slot, by the whole thread block: (x's offset of the slot,
-    its element count, its offset in the values section, e, the slot's reciprocal r where
-    `fast_div_ok(e)` else 0, whether this thread met a non-finite x). The maximum
-    (`wide_slot_max`), then as k_scales s = max / h rounded by the slot's rule into stored[sl]
-    and the scale bytes (SPEC §2.3)."""
+def wide_slot_where(RP, sl):
+    """(x's offset of wide slot `sl`, its element count, its offset in the values section)."""
     GL = RP[R_GL]
     line = sl // GL
     i0 = (sl % GL) * RP[R_B]
-    base = line * RP[R_L] + i0
-    cnt = min(RP[R_B], RP[R_L] - i0)
-    m, bad = wide_slot_max(x, xbf, base, cnt, sh)
+    return line * RP[R_L] + i0, min(RP[R_B], RP[R_L] - i0), line * RP[R_W] + i0
+
+
+@cuda.jit(device=True, inline="always")
+def wide_slot_scale_of(m, RP, F, stored, payload, sl):
+    """(e, the reciprocal r where `fast_div_ok(e)` else 0) of slot `sl` from its maximum m (the
+    block's): as k_scales s = max / h rounded by the slot's rule into stored[sl] and the scale
+    bytes (SPEC §2.3). An infinite m (a non-finite x, `wide_slot_max`) gives codes 0 (e = 0 here)
+    and a NaN scale, so that a product that does not wait for the flag (W8A8's `act`) gives NaN
+    for its row (docs/spec.md E9)."""
     sdt = RP[R_SDT]
-    e = round_scale(float32(m / F[F_H]), sdt)
+    nonfinite = math.isinf(m)
+    e = float32(0.0) if nonfinite else round_scale(float32(m / F[F_H]), sdt)
     if cuda.threadIdx.x == 0:
-        stored[sl] = e
-        put_le(payload, RP[R_SOFF] + sl * RP[R_SNB], int64(scale_word(e, sdt)), RP[R_SNB])
+        se = float32(math.nan) if nonfinite else e
+        stored[sl] = se
+        put_le(payload, RP[R_SOFF] + sl * RP[R_SNB], int64(scale_word(se, sdt)), RP[R_SNB])
     r = float32(0.0)
     if e != float32(0.0) and fast_div_ok(e):
         r = float32(float32(1.0) / e)
-    return base, cnt, line * RP[R_W] + i0, e, r, bad
+    return e, r
 
 
 @cuda.jit(device=True, inline="always")
@@ -207,39 +276,94 @@ def wide_quotient(v, e, r, isf):
     return float32(0.0)
 
 
-@cuda.jit
-def k_wide_quant(x, xbf, RP, F, stored, payload, flag):
-    """One-level row blocks wider than a warp of int8, E4M3 or E5M2 codes one per byte,
-    calibrated by max |x|: statistic, scale and codes of a slot by one thread block, x read twice
-    (the second time mostly from L2): `wide_slot_scale`, then each code from `wide_quotient`,
-    integers by the 1.5 * 2**23 rounding, FP8 by `encode` (no sm_89 conversion: this kernel is
-    also the path of older GPUs; `fast.k_wide_quant` converts in hardware)."""
-    sh = cuda.shared.array(ROW_TPB, float32)
-    isf = RP[R_ISF] != 0
-    mb = RP[R_MB]
-    bias = RP[R_BIAS]
-    bits = RP[R_BITS]
-    qmin = F[F_QMIN]
-    qmax = F[F_QMAX]
-    fmax = F[F_FMAX]
-    t = int64(cuda.threadIdx.x)
-    tpb = int64(cuda.blockDim.x)
-    bad = False
-    for sl in range(int64(cuda.blockIdx.x), RP[R_R] * RP[R_GL], int64(cuda.gridDim.x)):
-        base, cnt, out, e, r, b = wide_slot_scale(x, xbf, RP, F, stored, payload, sl, sh)
-        bad = bad or b
-        for i in range(t, cnt, tpb):
-            v = wide_value(x, xbf, base + i)
-            if not math.isfinite(v):
-                v = float32(0.0)
-            y = wide_quotient(v, e, r, isf)
-            if isf:
-                c = encode(y, isf, qmin, qmax, fmax, mb, bias, bits)
-            else:  # clamp, then round half to even into the low mantissa bits
-                c = int64(f2u(min(max(y, qmin), qmax) + float32(MAGIC)))
-            payload[out + i] = c & int64(0xFF)
-    if bad:
-        flag[0] = int32(1)
+@cuda.jit(device=True, inline="always")
+def wide_y(bits, e, r, isf):
+    """y = v / e (`wide_quotient`) of the element with f32 bits `bits`; a non-finite v (flagged
+    by the slot's maximum) counts as 0."""
+    v = u2f(bits)
+    if not math.isfinite(v):
+        v = float32(0.0)
+    return wide_quotient(v, e, r, isf)
+
+
+@cuda.jit(device=True, inline="always")
+def code_by_encode(y, P):
+    """The 8-bit code of y (P = (isf, e4, qmin, qmax, fmax, mb, bias, bits)): integers clamped,
+    then rounded half to even into the low mantissa bits (1.5 * 2**23); FP8 by `encode`."""
+    if P[0]:
+        return uint32(encode(y, P[0], P[2], P[3], P[4], P[5], P[6], P[7]) & int64(0xFF))
+    return f2u(min(max(y, P[2]), P[3]) + float32(MAGIC)) & uint32(0xFF)
+
+
+def make_wide_quant(code):
+    """The wide quantize kernel (a Python function for `cuda.jit`) writing each 8-bit code as
+    `code(y, P)` gives it: one-level row blocks wider than a warp of int8, E4M3 or E5M2 codes
+    one per byte, calibrated by max |x|. Statistic (`wide_slot_max`), scale (`wide_slot_scale_of`)
+    and codes of a slot by one thread block, x read twice (the second time mostly from L2), four
+    loads in flight per thread, bfloat16 a word at a time (`wide_pairs`). `code_by_encode` gives `k_wide_quant`, the path of every GPU; `fast.k_wide_quant` converts
+    in hardware."""
+
+    @cuda.jit(device=True, inline="always")
+    def put_pair(payload, o, a, e, r, isf, P):
+        """The codes of the two bfloat16 of word `a` into payload[o], payload[o + 1]."""
+        payload[o] = code(wide_y(a << uint32(16), e, r, isf), P)
+        payload[o + int64(1)] = code(wide_y(a & uint32(0xFFFF0000), e, r, isf), P)
+
+    def k_wide_quant(x, xbf, RP, F, stored, payload, flag):
+        sh = cuda.shared.array(ROW_TPB, float32)
+        isf = RP[R_ISF] != 0
+        P = (isf, RP[R_MB] == 3, F[F_QMIN], F[F_QMAX], F[F_FMAX], RP[R_MB], RP[R_BIAS], RP[R_BITS])
+        t = int64(cuda.threadIdx.x)
+        tpb = int64(cuda.blockDim.x)
+        bad = False
+        for sl in range(int64(cuda.blockIdx.x), RP[R_R] * RP[R_GL], int64(cuda.gridDim.x)):
+            base, cnt, out = wide_slot_where(RP, sl)
+            m, b = wide_slot_max(x, xbf, base, cnt, sh)
+            bad = bad or b
+            e, r = wide_slot_scale_of(m, RP, F, stored, payload, sl)
+            if wide_pairs(xbf, base, cnt):
+                w0 = base >> int64(1)
+                nw = cnt >> int64(1)
+                j = t
+                while j + int64(3) * tpb < nw:
+                    a0 = x[w0 + j]
+                    a1 = x[w0 + j + tpb]
+                    a2 = x[w0 + j + int64(2) * tpb]
+                    a3 = x[w0 + j + int64(3) * tpb]
+                    o = out + int64(2) * j
+                    put_pair(payload, o, a0, e, r, isf, P)
+                    put_pair(payload, o + int64(2) * tpb, a1, e, r, isf, P)
+                    put_pair(payload, o + int64(4) * tpb, a2, e, r, isf, P)
+                    put_pair(payload, o + int64(6) * tpb, a3, e, r, isf, P)
+                    j += int64(4) * tpb
+                while j < nw:
+                    put_pair(payload, out + int64(2) * j, x[w0 + j], e, r, isf, P)
+                    j += tpb
+                if cnt & int64(1) and t == int64(0):
+                    last = cnt - int64(1)
+                    payload[out + last] = code(wide_y(f2u(wide_value(x, xbf, base + last)), e, r, isf), P)
+            else:
+                i = t
+                while i + int64(3) * tpb < cnt:
+                    v0 = f2u(wide_value(x, xbf, base + i))
+                    v1 = f2u(wide_value(x, xbf, base + i + tpb))
+                    v2 = f2u(wide_value(x, xbf, base + i + int64(2) * tpb))
+                    v3 = f2u(wide_value(x, xbf, base + i + int64(3) * tpb))
+                    payload[out + i] = code(wide_y(v0, e, r, isf), P)
+                    payload[out + i + tpb] = code(wide_y(v1, e, r, isf), P)
+                    payload[out + i + int64(2) * tpb] = code(wide_y(v2, e, r, isf), P)
+                    payload[out + i + int64(3) * tpb] = code(wide_y(v3, e, r, isf), P)
+                    i += int64(4) * tpb
+                while i < cnt:
+                    payload[out + i] = code(wide_y(f2u(wide_value(x, xbf, base + i)), e, r, isf), P)
+                    i += tpb
+        if bad:
+            flag[0] = int32(1)
+
+    return k_wide_quant
+
+
+k_wide_quant = cuda.jit(make_wide_quant(code_by_encode))
 
 
 @jit_regs(40)

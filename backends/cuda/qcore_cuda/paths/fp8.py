@@ -15,7 +15,10 @@ unless all of these hold:
   `float8_e4m3fn`.
 
 x is quantized by the backend's own kernel (SPEC §2: the same codes and scales every backend
-gives; a bfloat16 x read as it is, `CudaBackend._quantize_bf16_rows`), and both payloads are
+gives; a bfloat16 x read as it is, `CudaBackend._quantize_bf16_rows`). Nothing waits for x's
+non-finite flag: a row of x holding a NaN or an infinity gets a NaN scale, so its results are
+NaN, as docs/spec.md E9 wants (a float16 or float32 x quantized by `quantize`, which refuses it,
+goes to the decoded path, which does the same). Both payloads are
 read in place as torch tensors: the codes as `float8_e4m3fn` [M, K] and [N, K] (the weight's
 transpose is the column-major operand cuBLASLt wants), the scales as f32 [M, 1] and [1, N].
 `use_fast_accum=False`: cuBLAS promotes the tensor core's partial sums to f32 from time to time;
@@ -29,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from qcore.errors import InputError
 from qcore.payload import sections
 from qcore.protocol import QTensor
 from qcore.scheme import QuantScheme, QuantValue, ScaleDtype, StoreKind, scheme as parse_scheme
@@ -64,10 +68,6 @@ def _operands(torch: Any, q: QTensor, rows: int, k: int) -> tuple[Any, Any]:
     codes = _torch_bytes(torch, payload, 0, rows * k).view(torch.float8_e4m3fn).view(rows, k)
     scales = _torch_bytes(torch, payload, sec.values, sec.scales).view(torch.float32)
     return codes, (scales.expand(rows).contiguous() if scales.numel() == 1 else scales)
-
-
-def _nothing() -> None:
-    """No check left: x was quantized (and checked) before the call."""
 
 
 def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, stream: Any) -> Any:
@@ -115,19 +115,21 @@ def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, 
     if s.handle != _streams.torch_handle(device.index):
         return None
     w = be._own(w)
-    check = _nothing
     if given:
         xq = be._own(x)
     else:
         x2 = x.reshape(m, k_)
-        got = be._quantize_bf16_rows(x2, scheme, s) if x2.dtype == torch.bfloat16 and x2.is_contiguous() else None
+        got = be._quantize_bf16_rows(x2, scheme, s, wait=False) \
+            if x2.dtype == torch.bfloat16 and x2.is_contiguous() else None
         if got is not None:
-            xq, check = got
+            xq = got[0]  # nothing waits: a row holding a non-finite x has a NaN scale
         else:
-            xq = be.quantize(x2.float() if x2.dtype == torch.bfloat16 else x2, scheme, stream=stream)
+            try:
+                xq = be.quantize(x2.float() if x2.dtype == torch.bfloat16 else x2, scheme, stream=stream)
+            except InputError:
+                return None  # a non-finite x: the decoded path gives its rows NaN
     a, sa = _operands(torch, xq, m, k_)
     b, sb = _operands(torch, w, n_, k_)
     y = torch._scaled_mm(a, b.t(), scale_a=sa.view(m, 1), scale_b=sb.view(1, n_), out_dtype=torch.bfloat16,
                          use_fast_accum=False)
-    check()  # x's non-finite flag: one wait, after the product is queued
     return y.view(*lead, n_)

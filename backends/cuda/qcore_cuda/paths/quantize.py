@@ -216,7 +216,7 @@ def run_wide_quantize(be: Any, K: Any, prepared: dict, x_words: Any, bf16: bool,
     from .._launch import Packed
 
     kernel = fast.k_wide_quant if be._fast[0] else K.k_wide_quant
-    key = ("wide_quant", bf16, kernel)
+    key = ("wide_quant", bf16, kernel, flag is be.__dict__.get("_act_sink"))
     got = prepared.get(key)
     if got is None or got[0] is not flag:  # a new scratch after a non-finite input: pack again
         grid, tpb = K.launch_wide(prepared["plan"].nslots)
