@@ -309,7 +309,7 @@ WHOLE_MODEL_NOTES = """\
 The floor is safetensors alone reading every tensor and writing (with fsync) U8 tensors of the
 output's sizes, measured in the same run; the files are in the page cache for both, so it is the
 machine's copy-through-the-kernel speed. qcore's time is the best of the repeats of
-`qcore.cli.main(["quantize", ...])` in one process after a warm-up run (compilation excluded);
+`qcore.cli.main.main(["quantize", ...])` in one process after a warm-up run (compilation excluded);
 the peak resident memory is that of the command in a fresh process, against the bound of
 3x the largest tensor + 300 MB; "set-up alone" is the peak of a process that only sets the
 backend up and quantizes one tiny tensor (for cuda: the CUDA context, numba's and the driver's

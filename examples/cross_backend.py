@@ -14,7 +14,7 @@ import tempfile
 import numpy as np
 
 import qcore
-from qcore import registry
+from qcore.backend import registry
 
 SCHEMES = ["q8s", "q8f/block32:f16", "q4s/block32:bf16", "nvfp4", "mxfp8", "nf4"]
 
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     mismatches = 0
     with tempfile.TemporaryDirectory() as tmp:
         for text in args.scheme or SCHEMES:
-            s = qcore.scheme(text)
+            s = qcore.spec.scheme(text)
             want = qcore.quantize(x, s, backend="reference").to_data()
             able = [n for n in names if qcore.backend(n).supports(s)]
             print(f"\n{s}  ({want.nbytes} bytes; backends: {', '.join(able)})")

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import (
+from qcore.errors import (
     BackendNotFoundError,
     BackendUnavailableError,
     DeviceMemoryError,
@@ -22,12 +22,12 @@ from .errors import (
     StorageError,
     UnsupportedSchemeError,
 )
-from .hookspecs import hookimpl
-from .payload import QuantizedData
-from .protocol import Backend, BaseBackend, QParams, QTensor, Support
-from .recipe import Recipe
-from .registry import backend, backends
-from .scheme import (
+from qcore.backend.hookspecs import hookimpl
+from qcore.spec.payload import QuantizedData
+from qcore.backend.protocol import Backend, BaseBackend, QParams, QTensor, Support
+from qcore.model.recipe import Recipe
+from qcore.backend.registry import backend, backends
+from qcore.spec.scheme import (
     PRESETS,
     BlockLevel,
     Native,
@@ -67,7 +67,7 @@ def quantize(x: Any, scheme: QuantScheme | str, backend: str | Backend | None = 
     """Quantize `x` on `backend` (None -> $QCORE_BACKEND, else auto)."""
     from collections.abc import Mapping
 
-    from .registry import backend as get
+    from qcore.backend.registry import backend as get
 
     if isinstance(x, Mapping):
         raise InputError("qcore.quantize takes one tensor, got a dict; for a state dict use "
@@ -80,7 +80,7 @@ def quantize(x: Any, scheme: QuantScheme | str, backend: str | Backend | None = 
 def calibrate(x: Any, scheme: QuantScheme | str, backend: str | Backend | None = None, *,
               method: str = "minmax") -> QParams:
     """Scales for `x` under `scheme` on `backend`."""
-    from .registry import backend as get
+    from qcore.backend.registry import backend as get
 
     be = get(backend) if not isinstance(backend, Backend) else backend
     return be.calibrate(x, scheme, method)
@@ -114,36 +114,36 @@ def linear(x: Any, w: QTensor, bias: Any = None, **options: Any) -> Any:
 
 
 def save(path, tensors, metadata=None) -> None:
-    """Write quantized and float tensors to a safetensors file (see `qcore.io`)."""
-    from .io import save as _save
+    """Write quantized and float tensors to a safetensors file (see `qcore.files.io`)."""
+    from qcore.files.io import save as _save
 
     _save(path, tensors, metadata)
 
 
 def load(path, backend: str | Backend | None = None):
     """Read a file written by `save`; quantized tensors land on `backend`."""
-    from .io import load as _load
+    from qcore.files.io import load as _load
 
     return _load(path, backend)
 
 
 def quantize_model(src, dst=None, recipe=None, backend: str | Backend | None = None, **options):
-    """Quantize a whole model (file, sharded directory, index, cached hub id, or a dict); see `qcore.model`."""
-    from .model import quantize_model as _quantize_model
+    """Quantize a whole model (file, sharded directory, index, cached hub id, or a dict); see `qcore.model.run`."""
+    from qcore.model.run import quantize_model as _quantize_model
 
     return _quantize_model(src, dst, recipe, backend, **options)
 
 
 def quantize_dict(tensors, recipe=None, backend: str | Backend | None = None, **options):
-    """Quantize an in-memory dict of arrays by a recipe: name -> QTensor or the array kept; see `qcore.model`."""
-    from .model import quantize_dict as _quantize_dict
+    """Quantize an in-memory dict of arrays by a recipe: name -> QTensor or the array kept; see `qcore.model.run`."""
+    from qcore.model.run import quantize_dict as _quantize_dict
 
     return _quantize_dict(tensors, recipe, backend, **options)
 
 
 def dequantize_model(src, dst, dtype: Any = None, backend: str | Backend | None = None):
-    """Dequantize a quantized file or checkpoint, to each tensor's source dtype by default; see `qcore.model`."""
-    from .model import dequantize_model as _dequantize_model
+    """Dequantize a quantized file or checkpoint, to each tensor's source dtype by default; see `qcore.model.run`."""
+    from qcore.model.run import dequantize_model as _dequantize_model
 
     return _dequantize_model(src, dst, dtype, backend)
 
@@ -151,6 +151,6 @@ def dequantize_model(src, dst, dtype: Any = None, backend: str | Backend | None 
 def convert(src, dst, to: str, **options):
     """Convert a checkpoint between formats (see `qcore.formats.convert`): bytes rearranged where
     `to` holds a tensor exactly, re-quantized only with `requantize=SCHEME`, refused otherwise."""
-    from .formats import convert as _convert
+    from qcore.formats import convert as _convert
 
     return _convert(src, dst, to, **options)

@@ -21,13 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .activations import torch_dtype_as_numpy
-from .errors import InputError
-from .payload import QuantizedData, sections
-from .protocol import Backend, QTensor
-from .recipe import RecipeLike, as_recipe
-from .registry import AutoBackend, backend as get_backend
-from .scheme import QuantScheme, scheme as parse_scheme
+from qcore.backend.activations import torch_dtype_as_numpy
+from qcore.errors import InputError
+from qcore.spec.payload import QuantizedData, sections
+from qcore.backend.protocol import Backend, QTensor
+from qcore.model.recipe import RecipeLike, as_recipe
+from qcore.backend.registry import AutoBackend, backend as get_backend
+from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
 
 __all__ = ["Linear", "quantize_module", "quantized_linears", "backend_for"]
 

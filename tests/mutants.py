@@ -22,15 +22,16 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from qcore import arithmetic, layout
-from qcore.checks import raise_nonfinite, to_f32
-from qcore.codecs import F32_TINY, bits_f32, f32_bits
-from qcore.payload import QuantizedData, sections
+from qcore.spec import arithmetic
+from qcore.spec import layout
+from qcore.spec.checks import raise_nonfinite, to_f32
+from qcore.spec.codecs import F32_TINY, bits_f32, f32_bits
+from qcore.spec.payload import QuantizedData, sections
 from qcore.errors import InputError
-from qcore.protocol import BaseBackend, QParams, QTensor, Support
-from qcore.arithmetic import decode, effective_scale, encode, slot_statistic, store_reciprocal
-from qcore.reference import ReferenceBackend
-from qcore.scheme import QuantScheme, QuantStore, ScaleDtype, StoreKind, TensorLevel
+from qcore.backend.protocol import BaseBackend, QParams, QTensor, Support
+from qcore.spec.arithmetic import decode, effective_scale, encode, slot_statistic, store_reciprocal
+from qcore.backend.reference import ReferenceBackend
+from qcore.spec.scheme import QuantScheme, QuantStore, ScaleDtype, StoreKind, TensorLevel
 
 NARROW_EXPECT = "q8s/tensor:f32/native,q8s/block*:f32/native,q8s/block*:f32/native/flat"
 """What the narrow plugin's author says it supports (`--expect` patterns): its own schemes, and

@@ -8,10 +8,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import qcore
-from qcore import io as qio
-from qcore.cli import main
-from qcore.model import dequantize_model, quantize_model
-from qcore.reference import ReferenceBackend
+from qcore.files import io as qio
+from qcore.cli.main import main
+from qcore.model.run import dequantize_model, quantize_model
+from qcore.backend.reference import ReferenceBackend
 
 RULES = ["*.mlp.*=q4s/block32:f16"]  # mlp weights 4-bit, the rest q8s; norms, biases, embeddings kept
 

@@ -13,10 +13,10 @@ import pytest
 from safetensors.numpy import save_file
 
 import qcore
-from qcore import registry
-from qcore import io as qio
-from qcore.cli import error_stats, main
-from qcore.reference import ReferenceBackend
+from qcore.backend import registry
+from qcore.files import io as qio
+from qcore.cli.main import error_stats, main
+from qcore.backend.reference import ReferenceBackend
 from tests.doubles import Offline, Q8Only
 
 
@@ -210,7 +210,7 @@ def test_ctrl_c_during_quantize_leaves_no_file(capsys, model, tmp_path, monkeypa
 @pytest.mark.parametrize("exc,rc", [(OSError(28, "No space left on device"), 1), (KeyboardInterrupt(), 130)],
                          ids=["disk-full", "ctrl-c"])
 def test_failure_mid_write_leaves_no_file(capsys, model, tmp_path, monkeypatch, exc, rc):
-    from qcore.stfile import StreamWriter
+    from qcore.files.stfile import StreamWriter
 
     def fail_at_the_header(self, metadata):  # every tensor written, the header not yet
         raise exc
@@ -362,7 +362,7 @@ def test_conformance_runs_the_real_runner(capsys):
 def test_subprocess_no_tty(model, tmp_path):
     """The installed entry point, output piped (no TTY): progress must not crash, errors stay one line."""
     env = {**os.environ, "QCORE_BACKEND": "reference"}
-    cmd = [sys.executable, "-c", "import sys; from qcore.cli import main; sys.exit(main())"]
+    cmd = [sys.executable, "-c", "import sys; from qcore.cli.main import main; sys.exit(main())"]
     p = subprocess.run(cmd + ["quantize", str(model), str(tmp_path / "q.safetensors"), "--scheme", "q8s"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -379,7 +379,7 @@ def test_progress_bar_on_a_terminal(capsys, model, tmp_path, monkeypatch):
 
     from rich.console import Console
 
-    from qcore import cli
+    from qcore.cli import main as cli
 
     term = _io.StringIO()
     real = cli.console

@@ -20,15 +20,16 @@ import pytest
 from safetensors.numpy import save_file
 
 import qcore
-from qcore import InputError, InvalidDataError, StorageError, registry
-from qcore import io as qio
-from qcore import model as qmodel
-from qcore.cli import main
-from qcore.recipe import Recipe, Rule
-from qcore.reference import ReferenceBackend
-from qcore.stfile import Reader
+from qcore import InputError, InvalidDataError, StorageError
+from qcore.backend import registry
+from qcore.files import io as qio
+from qcore.model import run as qmodel
+from qcore.cli.main import main
+from qcore.model.recipe import Recipe, Rule
+from qcore.backend.reference import ReferenceBackend
+from qcore.files.stfile import Reader
 
-CLI = [sys.executable, "-c", "import sys; from qcore.cli import main; sys.exit(main())"]
+CLI = [sys.executable, "-c", "import sys; from qcore.cli.main import main; sys.exit(main())"]
 SHARDS = [f"model-{k:05d}-of-00004.safetensors" for k in range(1, 5)]
 INDEX = "model.safetensors.index.json"
 

@@ -3,7 +3,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qcore.codecs import SCALES, VALUES
+from qcore.spec.codecs import SCALES, VALUES
 
 S = np.array([0.5, 0.3, 1 / 3, 500, 1e-3, 7.7e-4], dtype=np.float32)
 

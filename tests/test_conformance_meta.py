@@ -17,9 +17,9 @@ from qcore.conformance import checks as K
 from qcore.conformance import runner
 from qcore.conformance.base import installed_backend, required_backends
 from qcore.errors import UnsupportedSchemeError
-from qcore.payload import QuantizedData, sections
-from qcore.protocol import QParams, Support
-from qcore.reference import ReferenceBackend
+from qcore.spec.payload import QuantizedData, sections
+from qcore.backend.protocol import QParams, Support
+from qcore.backend.reference import ReferenceBackend
 
 CASE = C.Case("q4s/block32:f16", (6, 40), "normal", "f32", seed=0)
 PACKED = C.Case("q2s/packed_u32", (3, 5, 37), "normal", "f32", seed=0)  # 37 % 16 -> padding bits
@@ -115,7 +115,7 @@ class ValueErrorOnUnsupported(Only8Bit):
     name = "valueerror"
 
     def _require(self, scheme):
-        s = qcore.scheme(scheme)
+        s = qcore.spec.scheme(scheme)
         if s.bits != 8:
             raise ValueError(f"cannot do {s}")
         return super()._require(s)
@@ -127,7 +127,7 @@ class AnonymousRefusal(Only8Bit):
     name = "anonymous"
 
     def _require(self, scheme):
-        s = qcore.scheme(scheme)
+        s = qcore.spec.scheme(scheme)
         if s.bits != 8:
             raise UnsupportedSchemeError("not supported")
         return super()._require(s)
@@ -232,7 +232,7 @@ def test_type_error_on_nan_input_fails_bad_input():
 
 
 def test_sloppy_matmul_fails_ops():
-    case = next(C.scheme_cases("ops", schemes=[qcore.scheme("q8s/block32:f32")]))
+    case = next(C.scheme_cases("ops", schemes=[qcore.spec.scheme("q8s/block32:f32")]))
     f = _failure(K.check_ops, SloppyMatmul(), case)
     assert f.check == "ops.matmul" and "accumulation bound" in str(f), str(f)
 
@@ -291,7 +291,7 @@ def test_runner_main_exit_status(capsys):
 
 
 def test_runner_main_fails_on_a_broken_registered_backend(monkeypatch, capsys):
-    from qcore import registry
+    from qcore.backend import registry
 
     broken = FlipOneCodeBit()
     real_backend, real_registered = registry.backend, registry.registered
@@ -371,8 +371,8 @@ ADOPTER = '''
 import numpy as np
 import pytest
 from qcore.conformance import ConformanceFixtures, ConformanceTests
-from qcore.payload import QuantizedData
-from qcore.reference import ReferenceBackend
+from qcore.spec.payload import QuantizedData
+from qcore.backend.reference import ReferenceBackend
 
 
 class Broken(ReferenceBackend):
@@ -419,8 +419,8 @@ def test_pytest_adoption_fails_loudly(tmp_path):
 
 CONFTEST_STYLE = '''
 import pytest
-from qcore.protocol import Support
-from qcore.reference import ReferenceBackend
+from qcore.backend.protocol import Support
+from qcore.backend.reference import ReferenceBackend
 
 
 class Only8Bit(ReferenceBackend):

@@ -20,7 +20,7 @@ import pytest
 import qcore
 from qcore.conformance.invalid import with_code
 from qcore.errors import InputError, InvalidDataError
-from qcore.reference import ReferenceBackend
+from qcore.backend.reference import ReferenceBackend
 
 from tests.cuda_cases import SIM, assert_same_floats, sample_x
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from qcore.errors import InputError
-from qcore.reference import ReferenceBackend
+from qcore.backend.reference import ReferenceBackend
 
 from tests.cuda_cases import SIM, sample_x, assert_same_bytes
 

@@ -11,7 +11,7 @@ import pytest
 
 from qcore.conformance.checks import product_bound
 from qcore.errors import InputError
-from qcore.reference import ReferenceBackend
+from qcore.backend.reference import ReferenceBackend
 
 from tests.cuda_cases import SIM
 
@@ -127,7 +127,7 @@ def test_errors(cuda_backend, call, match):
 
 def test_a_bad_code_is_invalid_data_not_a_value(cuda_backend):
     from qcore.errors import InvalidDataError
-    from qcore.payload import QuantizedData
+    from qcore.spec.payload import QuantizedData
 
     d = REF.into_data(REF.quantize(_weight(4, 32), "q8s"))
     bad = bytearray(d.payload)

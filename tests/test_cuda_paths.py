@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import qcore
-from qcore.reference import ReferenceBackend
+from qcore.backend.reference import ReferenceBackend
 
 from tests.cuda_cases import sample_x
 
@@ -86,7 +86,7 @@ def test_every_list_ends_in_a_path_that_always_applies():
         names = [p.name for p in paths]
         assert len(set(names)) == len(names), names
     assert choose(QUANTIZE[-1:], None) is QUANTIZE[-1]
-    assert qcore.scheme(NVFP4).two_level
+    assert qcore.spec.scheme(NVFP4).two_level
 
 
 # Blocks wider than a warp along rows: the block maxima come from one thread block per slot
@@ -141,7 +141,7 @@ def test_wide_rows_read_bfloat16_bits_as_their_float32_values(monkeypatch, text,
     import ml_dtypes
     from numba import cuda
 
-    from qcore.scheme import scheme as parse_scheme
+    from qcore.spec.scheme import scheme as parse_scheme
     from qcore_cuda import _streams
 
     be = _backend(fast, monkeypatch)

@@ -13,8 +13,8 @@ import pytest
 
 from qcore.conformance.invalid import with_code
 from qcore.errors import InputError, InvalidDataError
-from qcore.reference import ReferenceBackend
-from qcore.scheme import scheme as parse_scheme
+from qcore.backend.reference import ReferenceBackend
+from qcore.spec.scheme import scheme as parse_scheme
 
 from tests.cuda_cases import SIM, assert_same_floats, sample_x
 
@@ -253,7 +253,7 @@ def test_tensors_holding_other_data_take_the_whole_way(be):
     refusal check does this with a LOOKUP scheme): dequantize and matmul, with x on the device,
     refuse on the scheme as the whole way does, not on the data's type."""
     from qcore.errors import UnsupportedSchemeError
-    from qcore.protocol import QTensor
+    from qcore.backend.protocol import QTensor
 
     d = REF.into_data(REF.quantize(sample_x((8, 64), seed=42), "nf4"))
     own = QTensor(be, d.scheme, d.shape, d)

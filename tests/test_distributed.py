@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from qcore.cli import main
-from qcore.model import quantize_model
+from qcore.cli.main import main
+from qcore.model.run import quantize_model
 from tests.test_checkpoints import RULES, make_checkpoint
 
 
@@ -26,7 +26,7 @@ def need(module, reason):
 
 
 distributed = need("distributed", "Dask distributed is not installed (pip install 'qcore-quant[distributed]')")
-from qcore.distributed import quantize_model_distributed  # noqa: E402  (needs the optional extra)
+from qcore.model.distributed import quantize_model_distributed  # noqa: E402  (needs the optional extra)
 
 SHARDS = [f"model-{k:05d}-of-00004.safetensors" for k in range(1, 5)]
 GROUP = 3000  # source bytes per group: each shard of the test model (2.3-14.6 KB) splits into 3 or 4 groups
@@ -76,7 +76,7 @@ def _kill_once_plugin(flag, victim, out):
 
     class KillOnce(distributed.WorkerPlugin):
         def setup(self, worker):
-            import qcore.stfile as st
+            import qcore.files.stfile as st
 
             add = st.StreamWriter.add
 
@@ -179,11 +179,11 @@ def test_s3_in_and_out_byte_identical(model, client, s3, tmp_path):
 
 def planned_units(src):
     """The units of a q8s run of the checkpoint at `src`, each naming its source shards."""
-    from qcore.checkpoint import resolve
-    from qcore.distributed import Unit
-    from qcore.model import plan_shards
-    from qcore.recipe import as_recipe
-    from qcore.stfile import Reader
+    from qcore.files.checkpoint import resolve
+    from qcore.model.distributed import Unit
+    from qcore.model.run import plan_shards
+    from qcore.model.recipe import as_recipe
+    from qcore.files.stfile import Reader
 
     ck = resolve(src)
     readers = {s: Reader(ck.path(s)) for s in ck.shards}
@@ -197,7 +197,7 @@ def planned_units(src):
 
 def test_tensor_over_worker_memory_limit_is_refused(model):
     """The plan is checked against the workers' memory limit before any unit starts."""
-    from qcore.distributed import _check_memory
+    from qcore.model.distributed import _check_memory
     from qcore.errors import InputError
 
     root, _ = model
@@ -266,7 +266,7 @@ def test_cuda_local_cluster_needs_dask_cuda(model, tmp_path, cuda_backend):
 
 # ------------------------------------------------------------------------ shards split into groups
 def test_tensor_groups_keep_order_limit_and_every_tensor_once():
-    from qcore.distributed import tensor_groups
+    from qcore.model.distributed import tensor_groups
 
     def groups_of(sizes, limit):
         items = [SimpleNamespace(name=f"t{k}", head=SimpleNamespace(nbytes=n)) for k, n in enumerate(sizes)]
@@ -286,7 +286,7 @@ def test_tensor_groups_keep_order_limit_and_every_tensor_once():
 
 
 def test_split_unit_keeps_the_shard_and_narrows_its_sources(model):
-    from qcore.distributed import split_unit
+    from qcore.model.distributed import split_unit
 
     root, _ = model
     unit = planned_units(root / "src")[0]
@@ -303,7 +303,7 @@ def test_assembly_run_again_keeps_the_shard(model, tmp_path):
     shard is complete (and whose parts are gone) leaves the shard as it is."""
     import dataclasses
 
-    from qcore.distributed import assemble_unit, run_group, run_unit, split_unit
+    from qcore.model.distributed import assemble_unit, run_group, run_unit, split_unit
 
     root, _ = model
     whole, out = tmp_path / "whole", tmp_path / "out"
@@ -342,7 +342,7 @@ def _fail_once_plugin(flag, victim):
 
     class FailOnce(distributed.WorkerPlugin):
         def setup(self, worker):
-            import qcore.stfile as st
+            import qcore.files.stfile as st
 
             add = st.StreamWriter.add
 
@@ -395,8 +395,8 @@ def test_s3_split_shards_byte_identical(model, client, s3, tmp_path):
     """Groups read only their tensors' bytes from S3, and their parts are assembled into the shards."""
     import s3fs
 
-    from qcore.stfile import Reader
-    from qcore.storage import location
+    from qcore.files.stfile import Reader
+    from qcore.files.storage import location
 
     root, want = model
     fs = s3fs.S3FileSystem(**s3)

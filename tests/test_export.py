@@ -1,5 +1,5 @@
 """One step from a float checkpoint to another tool's format: `qcore quantize --format` and
-`quantize_model(format=...)` (qcore/export.py). Every tensor keeps its recipe scheme, bit for bit:
+`quantize_model(format=...)` (qcore/model/export.py). Every tensor keeps its recipe scheme, bit for bit:
 the export read back by qcore decodes to what qcore's own output of the same recipe decodes to."""
 import json
 import os
@@ -11,11 +11,11 @@ from safetensors.numpy import save_file
 
 import qcore
 import qcore.formats as qf
-from qcore.cli import main
-from qcore.export import STAGE
+from qcore.cli.main import main
+from qcore.model.export import STAGE
 from qcore.formats import UnrepresentableError
-from qcore.payload import QuantizedData
-from qcore.registry import backend as get_backend
+from qcore.spec.payload import QuantizedData
+from qcore.backend.registry import backend as get_backend
 from tests.optional import need
 
 TOKENIZER = os.path.join(os.path.dirname(__file__), "data", "tiny_llama")
@@ -368,7 +368,7 @@ def test_transformers_loads_a_one_step_export_as_the_quantized_model(tmp_path, f
 def test_a_kept_module_whose_name_would_catch_a_quantized_one_is_listed_escaped():
     # transformers' should_convert_module also matches a pattern as a suffix and its dots as any character:
     # the kept 'model.layers.0.mlp.up_proj' would leave the quantized 'vision_model.layers.0.mlp.up_proj' in float
-    from qcore.scheme import scheme as parse_scheme
+    from qcore.spec.scheme import scheme as parse_scheme
 
     nf4 = parse_scheme("q4s-lookup[nf4]/block64:f32")
     layout = {"model.layers.0.mlp.up_proj.weight": (None, (8, 64)), "lm_head.weight": (nf4, (8, 64)),

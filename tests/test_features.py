@@ -1,4 +1,4 @@
-"""Scheme features beyond SPEC v1 are opt-in (qcore/features.py, docs/plugins.md "Scheme
+"""Scheme features beyond SPEC v1 are opt-in (qcore/spec/features.py, docs/plugins.md "Scheme
 features"): a backend that does not declare one is refused the schemes that use it, by
 `supports()`, `auto` and the conformance suite, and certified on the rest."""
 from __future__ import annotations
@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 
 import qcore
-from qcore import UnsupportedSchemeError, registry
+from qcore import UnsupportedSchemeError
+from qcore.backend import registry
 from qcore.conformance import checks as K
 from qcore.conformance import runner, sampling
 from qcore.conformance.expect import parse_expect
-from qcore.features import ALL_FEATURES, FEATURES, declared_features, scheme_features
-from qcore.protocol import BaseBackend, Support
-from qcore.scheme import ScaleDtype, StoreKind, scheme
+from qcore.spec.features import ALL_FEATURES, FEATURES, declared_features, scheme_features
+from qcore.backend.protocol import BaseBackend, Support
+from qcore.spec.scheme import ScaleDtype, StoreKind, scheme
 from tests.mutants import Narrow
 
 V1_EXPECT = "q8s/tensor:f32/native,q8s/block*:f32/native"

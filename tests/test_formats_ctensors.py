@@ -17,7 +17,7 @@ import qcore
 import qcore.formats as qf
 from qcore.formats import UnrepresentableError
 from qcore.formats.ctensors import CompressedTensorsFormat
-from qcore.stfile import Reader
+from qcore.files.stfile import Reader
 from tests.formats_util import BACKENDS, decode, get_backend
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "ctensors")
@@ -61,7 +61,7 @@ def test_reads_as_qcore_schemes():
     ck = qf.read(MODEL)
     assert ck.format == "compressed-tensors" and qf.detect(MODEL).name == "compressed-tensors"
     got = {k: str(v.scheme) for k, v in ck.tensors.items() if isinstance(v, qcore.QuantizedData)}
-    assert got == {k: str(qcore.scheme(v)) for k, v in SCHEMES.items()}
+    assert got == {k: str(qcore.spec.scheme(v)) for k, v in SCHEMES.items()}
     for name, shape in SHAPES.items():
         assert ck.tensors[name].shape == shape, name
     assert ck.tensors["norm.weight"].dtype == ml_dtypes.bfloat16  # unquantized tensors pass through
@@ -127,7 +127,7 @@ def test_asymmetric_zero_points_are_the_tools():
         else:
             assert zp.dtype == np.int8, name
             want = zp.astype(np.int64)
-        assert d.offsets().shape == tuple(qcore.layout.grid_shape(d.shape, d.scheme)), name
+        assert d.offsets().shape == tuple(qcore.spec.layout.grid_shape(d.shape, d.scheme)), name
         assert d.offsets().reshape(-1).tolist() == want.reshape(-1).tolist(), name
         lo, hi = d.scheme.traits.qmin, d.scheme.traits.qmax
         if d.scheme.bits == 4 and d.offsets().size > 8:  # the fixture's zero points reach both ends
@@ -317,7 +317,7 @@ def test_asymmetric_quantized_by_qcore_writes_as_the_tools_layout(tmp_path, text
     u = arrays["e.weight_packed"].view(np.uint32)
     q = np.stack([(u >> np.uint32(bits * k)) & np.uint32((1 << bits) - 1) for k in range(32 // bits)], -1)
     q = q.reshape(shape).astype(np.int64) - (1 << (bits - 1))
-    grid = tuple(qcore.layout.grid_shape(shape, d.scheme))
+    grid = tuple(qcore.spec.layout.grid_shape(shape, d.scheme))
     zz, ss = z.reshape(grid).astype(np.float32), scale.astype(np.float32).reshape(grid)
     if strategy == "block":
         zz, ss = (np.repeat(np.repeat(a, 8, 0), 16, 1) for a in (zz, ss))
@@ -406,7 +406,7 @@ def test_a_qcore_file_is_not_taken_for_compressed_tensors(tmp_path):
 
 
 def test_inspect_and_convert_on_the_command_line(tmp_path, capsys):
-    from qcore.cli import main
+    from qcore.cli.main import main
 
     assert main(["inspect", MODEL]) == 0
     out = capsys.readouterr().out
@@ -452,7 +452,7 @@ def test_int_quantized_reads_as_q8f_with_the_activation_scheme_in_metadata():
     assert qf.detect(W8A8).name == "compressed-tensors"
     ck = qf.read(W8A8)
     got = {k: str(v.scheme) for k, v in ck.tensors.items() if isinstance(v, qcore.QuantizedData)}
-    assert got == {k: str(qcore.scheme(v)) for k, v in W8A8_SCHEMES.items()}
+    assert got == {k: str(qcore.spec.scheme(v)) for k, v in W8A8_SCHEMES.items()}
     assert ck.tensors["layers.1.experts.w1.weight"].shape == (2, 8, 64)
     assert ck.tensors["layers.0.down_proj.input_scale"].dtype == np.float32
     acts = json.loads(ck.metadata["compressed-tensors.activations"])

@@ -15,9 +15,9 @@ from safetensors.numpy import save_file
 import qcore
 import qcore.formats as qf
 from qcore import InvalidDataError
-from qcore.cli import main
+from qcore.cli.main import main
 from qcore.formats import UnrepresentableError
-from qcore.stfile import Reader
+from qcore.files.stfile import Reader
 from tests.formats_util import BACKENDS, decode, get_backend
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "fp8")
@@ -54,7 +54,7 @@ def test_reads_as_qcore_e4m3():
     assert qf.detect(MODEL).name == "fp8"
     ck = qf.read(MODEL)
     got = {k: str(v.scheme) for k, v in ck.tensors.items() if isinstance(v, qcore.QuantizedData)}
-    assert got == {k: str(qcore.scheme(v)) for k, v in SCHEMES.items()}
+    assert got == {k: str(qcore.spec.scheme(v)) for k, v in SCHEMES.items()}
     assert ck.tensors["model.layers.0.mlp.down_proj.weight"].scales().shape == (2, 1)
     assert ck.tensors["model.layers.0.mlp.experts.gate_up_proj"].shape == (2, 16, 96)
     assert ck.tensors["model.layers.0.self_attn.q_proj.activation_scale"].dtype == np.float32  # passes through

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 import qcore  # noqa: E402
 import qcore.formats as qf  # noqa: E402
-from qcore.cli import main  # noqa: E402
+from qcore.cli.main import main  # noqa: E402
 from qcore.formats import UnrepresentableError  # noqa: E402
 from tests.formats_util import assert_bits_equal  # noqa: E402
 

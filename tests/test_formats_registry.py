@@ -6,7 +6,7 @@ from safetensors.numpy import save_file
 import qcore.formats as qf
 from qcore.formats import Format, FormatNotFoundError, registry
 from qcore import InputError
-from qcore.protocol import Support
+from qcore.backend.protocol import Support
 
 
 class Toy(Format):

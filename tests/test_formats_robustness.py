@@ -23,11 +23,11 @@ from safetensors.numpy import save_file
 import qcore
 import qcore.formats as qf
 from qcore import InvalidDataError, QCoreError
-from qcore.cli import main
-from qcore.stfile import Reader
+from qcore.cli.main import main
+from qcore.files.stfile import Reader
 
 MB = 1 << 20
-NF4 = np.asarray(qcore.scheme("nf4").table, np.float32)
+NF4 = np.asarray(qcore.spec.scheme("nf4").table, np.float32)
 DEEP = "[" * 100_000 + "]" * 100_000  # 200 KB of JSON nested deeper than Python's parser goes
 
 
@@ -103,7 +103,7 @@ def test_cli_gguf_huge_alignment_is_one_line_error_fast(tmp_path, gguf, alignmen
     src = _with_kv(tmp_path, [["general.architecture", "STRING", None, "llama"],
                               ["general.alignment", "UINT32", None, alignment]])
     assert os.path.getsize(src) < 512
-    p = _capped("import sys; from qcore.cli import main; sys.exit(main())",
+    p = _capped("import sys; from qcore.cli.main import main; sys.exit(main())",
                 "convert", src, str(tmp_path / "out.gguf"), "--to", "gguf")
     assert p.returncode == 1, p.stdout + p.stderr
     assert p.stderr.strip().splitlines() == [

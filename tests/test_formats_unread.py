@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 import qcore
 import qcore.formats as qf
 from qcore import InvalidDataError
-from qcore.cli import main
+from qcore.cli.main import main
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 F8 = ml_dtypes.float8_e4m3fn

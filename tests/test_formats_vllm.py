@@ -37,7 +37,7 @@ import pytest
 
 import qcore
 import qcore.formats as qf
-from qcore.cli import main
+from qcore.cli.main import main
 from qcore.formats.base import Checkpoint
 from qcore.formats.ctensors import ACTIVATIONS_KEY
 from tests.optional import need

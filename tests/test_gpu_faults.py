@@ -16,7 +16,7 @@ import pytest
 
 import qcore
 from qcore import DeviceMemoryError, QCoreError
-from qcore.reference import ReferenceBackend
+from qcore.backend.reference import ReferenceBackend
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 REF = ReferenceBackend()

@@ -27,7 +27,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import qcore
-from _qcore_launch import main  # the `qcore` command's entry point (it wraps qcore.cli.main)
+from _qcore_launch import main  # the `qcore` command's entry point (it wraps qcore.cli.main.main)
 
 POINTS = int(os.environ.get("QCORE_INTERRUPT_POINTS", "24"))
 QCORE_DIR = os.path.dirname(qcore.__file__)
@@ -170,9 +170,9 @@ def test_signals_at_many_points(tmp_path, model, capsys, command, old_output):
 
 def test_second_signal_during_cleanup_leaves_no_temp(tmp_path, capsys, monkeypatch):
     """A signal inside the deferred cleanup (temp file removal) waits until the file is gone."""
-    from qcore import io as qio
-    from qcore import model as qmodel
-    from qcore import stfile
+    from qcore.files import io as qio
+    from qcore.model import run as qmodel
+    from qcore.files import stfile
 
     model = tmp_path / "m.safetensors"  # more tensors than the pipeline holds between its stages
     rng = np.random.default_rng(1)

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import qcore
-from qcore import InvalidDataError, QuantizedData, layout
-from qcore.reference import ReferenceBackend
+from qcore import InvalidDataError, QuantizedData
+from qcore.spec import layout
+from qcore.backend.reference import ReferenceBackend
 
 REF = ReferenceBackend()
 
@@ -38,13 +39,13 @@ def _data(text: str, shape: tuple[int, ...]) -> QuantizedData:
 def test_valid_field_tables():
     """The value rows state exactly the codes quantize can write."""
     for name, bad in BAD_FIELD.items():
-        s = qcore.scheme(name)
+        s = qcore.spec.scheme(name)
         assert not s.valid_fields[bad]
         assert s.valid_fields[0]
-    assert qcore.scheme("e4m3").valid_fields.sum() == 254  # 256 minus +-NaN
-    assert qcore.scheme("e5m2").valid_fields.sum() == 256 - 8  # exponent 31: +-Inf, 3 NaNs each
+    assert qcore.spec.scheme("e4m3").valid_fields.sum() == 254  # 256 minus +-NaN
+    assert qcore.spec.scheme("e5m2").valid_fields.sum() == 256 - 8  # exponent 31: +-Inf, 3 NaNs each
     for name in ("q8f", "q4f", "q2f", "e2m1", "nf4", "q4s-lookup[nf4]"):
-        assert qcore.scheme(name).valid_fields.all(), name
+        assert qcore.spec.scheme(name).valid_fields.all(), name
 
 
 def test_quantize_never_writes_invalid_codes():
@@ -175,8 +176,8 @@ class DecodesAnything(ReferenceBackend):
 
     def _dequantize(self, data, dtype):
         with np.errstate(invalid="ignore"):
-            x = qcore.arithmetic.decode(data.codes(), data.scheme)
-            e = qcore.arithmetic.effective_scale(qcore.QParams(data.scales(), data.global_scale()), data.shape,
+            x = qcore.spec.arithmetic.decode(data.codes(), data.scheme)
+            e = qcore.spec.arithmetic.effective_scale(qcore.QParams(data.scales(), data.global_scale()), data.shape,
                                                 data.scheme)
             return (x * e).astype(dtype)
 

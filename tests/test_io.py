@@ -1,4 +1,4 @@
-"""qcore.io: quantized tensors in safetensors files (docs/format.md)."""
+"""qcore.files.io: quantized tensors in safetensors files (docs/format.md)."""
 import hashlib
 import json
 import os
@@ -13,8 +13,8 @@ from safetensors.numpy import save_file
 
 import qcore
 from qcore import BackendNotFoundError, InputError, InvalidDataError, QuantizedData, UnsupportedSchemeError
-from qcore import io as qio
-from qcore import registry
+from qcore.files import io as qio
+from qcore.backend import registry
 from tests.doubles import Q8Only
 
 # Odd shapes on purpose: partial edge blocks, a packing run that does not fill its last word.

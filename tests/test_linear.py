@@ -151,7 +151,7 @@ def test_load_takes_a_shard_folder_and_its_index(tmp_path):
 def test_a_bad_code_is_invalid_data_in_the_products(backend):
     """A payload holding a code outside the value's set raises InvalidDataError naming the element
     from matmul and linear, as from a first dequantize (SPEC v1.1 §3)."""
-    from qcore.payload import QuantizedData
+    from qcore.spec.payload import QuantizedData
 
     ref = qcore.backend("reference")
     d = ref.into_data(ref.quantize(_weight((4, 32)), "q8s"))

@@ -12,9 +12,9 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 import qcore
-from qcore import io as qio
-from qcore.stats import error_stats
-from qcore.stfile import Reader, StreamWriter, header_room
+from qcore.files import io as qio
+from qcore.backend.stats import error_stats
+from qcore.files.stfile import Reader, StreamWriter, header_room
 
 
 def _x(shape, seed=0, dtype=np.float32):
@@ -50,7 +50,7 @@ def test_stream_writer_reads_back_bit_identically_with_safetensors(tmp_path):
                "i64": np.arange(6, dtype=np.int64).reshape(2, 3), "empty": np.zeros((0, 4), np.float32),
                "scalar": np.array(2.5, np.float32), "u8": np.arange(9, dtype=np.uint8)}
     meta = {"qcore.format_version": "1", "format": "pt"}
-    room = header_room([(k, qcore.stfile.st_dtype(v.dtype), v.shape) for k, v in tensors.items()], meta)
+    room = header_room([(k, qcore.files.stfile.st_dtype(v.dtype), v.shape) for k, v in tensors.items()], meta)
     path = tmp_path / "s.safetensors"
     with open(path, "wb") as f:
         w = StreamWriter(f, room)
@@ -125,7 +125,7 @@ def test_cuda_error_stats_on_the_device_match_the_host(cuda_backend, scheme):
     sqnr, mx = cuda_backend.error_stats(x, q)
     want = error_stats(x, q.numpy())
     assert sqnr == pytest.approx(want[0], abs=1e-4) and mx == pytest.approx(want[1], rel=1e-6)
-    assert qcore.stats.tensor_stats(cuda_backend, x, q) == (sqnr, mx)  # the core entry point uses it
+    assert qcore.backend.stats.tensor_stats(cuda_backend, x, q) == (sqnr, mx)  # the core entry point uses it
 
 
 def test_quantize_of_a_dict_points_at_quantize_dict():
@@ -139,9 +139,9 @@ def test_a_shard_assembled_from_parts_is_the_whole_shard(tmp_path):
     already quantized in the source) and the metadata merged from the parts."""
     from dataclasses import replace
 
-    from qcore.checkpoint import resolve
-    from qcore.model import assemble_shard, consecutive_groups, plan_shards, quantize_shard
-    from qcore.recipe import as_recipe
+    from qcore.files.checkpoint import resolve
+    from qcore.model.run import assemble_shard, consecutive_groups, plan_shards, quantize_shard
+    from qcore.model.recipe import as_recipe
 
     nan = _x((8, 64), 4)
     nan[0, 0] = np.nan
@@ -179,6 +179,6 @@ def test_ndarray_error_stats_match_the_host(scheme):
     sqnr, mx = be.error_stats(x, q)
     want = error_stats(x, q.numpy())
     assert sqnr == pytest.approx(want[0], abs=1e-4) and mx == want[1]
-    assert qcore.stats.tensor_stats(be, x, q) == (sqnr, mx)
+    assert qcore.backend.stats.tensor_stats(be, x, q) == (sqnr, mx)
     assert be.error_stats(np.zeros((0, 32), np.float32), be.quantize(np.zeros((0, 32), np.float32), scheme)) \
-        == (qcore.stats.sqnr_db(0.0, 0.0), 0.0)
+        == (qcore.backend.stats.sqnr_db(0.0, 0.0), 0.0)

@@ -18,8 +18,8 @@ import pytest
 
 from qcore.conformance import runner
 from qcore.conformance.expect import parse_expect
-from qcore.protocol import Support
-from qcore.reference import ReferenceBackend
+from qcore.backend.protocol import Support
+from qcore.backend.reference import ReferenceBackend
 from tests.mutants import CLEAN, EXPECT, MUTANTS
 
 IDS = [f"{model}-{bug}" for model, bug, _, _ in MUTANTS]

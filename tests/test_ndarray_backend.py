@@ -16,7 +16,7 @@ import pytest
 
 import qcore
 from qcore import InputError, QParams, QTensor, UnsupportedSchemeError
-from qcore.codecs import SCALE_SLOTS, SCALES, VALUES
+from qcore.spec.codecs import SCALE_SLOTS, SCALES, VALUES
 
 if "ndarray" not in os.environ.get("QCORE_REQUIRE_BACKENDS", "").split(","):  # CI requires it: fail, not skip
     pytest.importorskip("qcore_ndarray", reason="the ndarray plugin is not installed: pip install -e backends/ndarray")
@@ -73,16 +73,16 @@ def test_registered_through_the_qcore_entry_point_group():
     eps = {ep.name: ep.value for ep in entry_points(group="qcore")}
     assert eps.get("ndarray") == "qcore_ndarray"
     assert "ndarray" in qcore.backends()
-    assert "ndarray" not in qcore.registry.plugin_errors()
+    assert "ndarray" not in qcore.backend.registry.plugin_errors()
     assert nd.priority == 20 and nd.available()
     assert "numba" in nd.describe()
 
 
 def test_auto_ranks_ndarray_above_reference_for_q8_only():
-    q8 = qcore.registry.supporting_backends("q8s/block32:f16")
+    q8 = qcore.backend.registry.supporting_backends("q8s/block32:f16")
     assert "ndarray" in q8 and q8.index("ndarray") < q8.index("reference")
     assert qcore.backend("auto").pick("q8s/block32:f16").priority >= nd.priority
-    assert "ndarray" not in qcore.registry.supporting_backends("q4s/block32:f16")
+    assert "ndarray" not in qcore.backend.registry.supporting_backends("q4s/block32:f16")
 
 
 # --------------------------------------------------------------------------- capability table
@@ -166,7 +166,7 @@ DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
 
 def _cases():
     for text, shape in itertools.product(SCHEMES, SHAPES):
-        sch = qcore.scheme(text)
+        sch = qcore.spec.scheme(text)
         rank_needed = max(len(sch.block.dims) if sch.block else 1, sch.store.dim + 1)
         if len(shape) >= rank_needed:
             yield text, shape
@@ -230,7 +230,7 @@ def test_true_division_not_reciprocal_multiply(text):
     recip = np.clip(np.rint(x * (np.float32(1) / e)), -127, 127)
     true = np.clip(np.rint(x / e), -127, 127)
     assert (recip != true).sum() > 0  # the data does tell the two apart
-    grid = qcore.layout.grid_shape(x.shape, qcore.scheme(text))
+    grid = qcore.spec.layout.grid_shape(x.shape, qcore.spec.scheme(text))
     q = nd.quantize(x, text, params=QParams(np.full(grid, e, np.float32)))
     assert_same_bits(q.to_data().codes(), true.astype(np.int8), "codes")
 
@@ -238,7 +238,7 @@ def test_true_division_not_reciprocal_multiply(text):
 @pytest.mark.parametrize("slot", range(len(SCALE_SLOTS)),
                          ids=[f"{t.traits.name}-{t.rule}{t.emax if t.rule == 'mx' else ''}" for t in SCALE_SLOTS])
 def test_round_scale_kernel_matches_codecs(slot):
-    """kernels.round_scale_scalar (fused path) equals qcore.codecs' numpy rule on every exponent,
+    """kernels.round_scale_scalar (fused path) equals qcore.spec.codecs' numpy rule on every exponent,
     for every scale dtype under every rounding rule (`SCALE_SLOTS`)."""
     exps = np.arange(0, 255, dtype=np.uint32) << np.uint32(23)
     mants = np.array([0, 1, 0x1FFF, 0x2000, 0xFFFF, 0x10000, 0xFFFFF, 0x100000, 0x400000, 0x7FFFFF], np.uint32)
@@ -250,14 +250,14 @@ def test_round_scale_kernel_matches_codecs(slot):
 
 
 def test_cached_kernels_are_keyed_on_the_codecs_tables():
-    """The kernels freeze qcore.codecs' tables in; numba's disk cache keys on kernels.py only, so
-    each cached kernel's key also carries a hash of qcore/codecs.py (an edit there, or an upgrade,
+    """The kernels freeze qcore.spec.codecs' tables in; numba's disk cache keys on kernels.py only, so
+    each cached kernel's key also carries a hash of qcore/spec/codecs.py (an edit there, or an upgrade,
     compiles again instead of loading stale tables)."""
     import hashlib
 
-    from qcore import codecs
+    from qcore.spec import codecs
 
-    want = ("qcore.codecs", hashlib.sha256(open(codecs.__file__, "rb").read()).hexdigest())
+    want = ("qcore.spec.codecs", hashlib.sha256(open(codecs.__file__, "rb").read()).hexdigest())
     disp = kernels.round_scale_array
     sig = disp.signatures[0] if disp.signatures else None
     if sig is None:
@@ -274,8 +274,8 @@ def test_cached_kernels_are_keyed_on_the_codecs_tables():
                                   "q8s/block4:ue4m3/tensor:f32", "q8f/tensor:bf16"])
 def test_params_path_is_bit_exact(text):
     x = _x((5, 12), seed=5)
-    grid = qcore.layout.grid_shape(x.shape, qcore.scheme(text))
-    sch = qcore.scheme(text)
+    grid = qcore.spec.layout.grid_shape(x.shape, qcore.spec.scheme(text))
+    sch = qcore.spec.scheme(text)
     calibrated = ref.calibrate(x, text)
     chosen = QParams(RNG.uniform(0, 0.05, grid).astype(np.float32), 0.75 if sch.two_level else None)
     zeros = QParams(np.zeros(grid, np.float32), 0.0 if sch.two_level else None)
@@ -407,9 +407,9 @@ def test_matmul_errors_come_from_the_core():
 
 
 def test_plan_folds_to_eight_axes():
-    p = make_plan((2, 3, 4, 5), qcore.scheme("q8s/block5"))
+    p = make_plan((2, 3, 4, 5), qcore.spec.scheme("q8s/block5"))
     assert list(p.shp) == [1] * 7 + [120] and list(p.blk[-1:]) == [5]
-    p = make_plan((2, 3, 4, 5), qcore.scheme("q8s/block2x5/packed_u32:2"))
+    p = make_plan((2, 3, 4, 5), qcore.spec.scheme("q8s/block2x5/packed_u32:2"))
     assert list(p.shp[-3:]) == [2, 3, 20] and p.pa == 6  # the packing axis is never merged
 
 

@@ -1,4 +1,4 @@
-"""Tensor ops on quantized tensors (qcore.ops), on the reference backend."""
+"""Tensor ops on quantized tensors (qcore.backend.ops), on the reference backend."""
 import numpy as np
 import pytest
 
@@ -97,7 +97,7 @@ def test_matmul_matches_dequantized_product(text):
 
 
 def test_matmul_in_small_steps_matches():
-    from qcore import ops
+    from qcore.backend import ops
 
     w = ref.quantize(RNG.standard_normal((96, 8)).astype(np.float32), "q4s/block32:f16")
     x = RNG.standard_normal((2, 96)).astype(np.float32)

@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 
 import qcore
-from qcore import BackendNotFoundError, BackendUnavailableError, registry
+from qcore import BackendNotFoundError, BackendUnavailableError
+from qcore.backend import registry
 
 GOOD_BACKEND = """
 import qcore
-from qcore.reference import ReferenceBackend
+from qcore.backend.reference import ReferenceBackend
 
 class Good(ReferenceBackend):
     name = "{name}"
@@ -45,7 +46,7 @@ PLUGINS = {
     """),
     "malformed": textwrap.dedent("""
         import qcore
-        from qcore.reference import ReferenceBackend
+        from qcore.backend.reference import ReferenceBackend
         class NumName(ReferenceBackend):
             name = 42
         class StrPrio(ReferenceBackend):
@@ -149,7 +150,7 @@ def test_qcore_backends_command_reports_them(plugins):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugins), os.environ.get("PYTHONPATH", "")]),
            registry.TIMEOUT_VAR: "0.5", registry.DISABLE_VAR: "exitatimport", "NUMBA_ENABLE_CUDASIM": "1"}
     exe = os.path.join(os.path.dirname(sys.executable), "qcore")
-    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "qcore.cli"]
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "qcore.cli.main"]
     p = subprocess.run(cmd + ["backends"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
     out = p.stdout

@@ -4,7 +4,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import qcore
 from qcore import Native, PackedNative, PackedU32, QuantScheme, QuantValue, ScaleDtype
-from qcore.scheme import base_scheme
+from qcore.spec.scheme import base_scheme
 
 ref = qcore.backend("reference")
 DTYPES = list(ScaleDtype)
@@ -53,7 +53,7 @@ def test_round_trip_codes_range_and_error_bound(case):
     elif not t.is_float:
         assert codes.min(initial=0) >= t.qmin and codes.max(initial=0) <= t.qmax
     if not t.is_float and not s.is_lookup and x.size:
-        from qcore.arithmetic import effective_scale
+        from qcore.spec.arithmetic import effective_scale
 
         e = effective_scale(qcore.QParams(d.scales(), d.global_scale()), x.shape, s)
         err = np.abs(q.numpy() - x)

@@ -7,9 +7,9 @@ import pytest
 from safetensors.numpy import save_file
 
 from qcore import InputError, SchemeError
-from qcore import io as qio
-from qcore.cli import main
-from qcore.recipe import Recipe, Rule, as_recipe
+from qcore.files import io as qio
+from qcore.cli.main import main
+from qcore.model.recipe import Recipe, Rule, as_recipe
 
 F32 = np.float32
 

@@ -8,8 +8,8 @@ import qcore
 from qcore import (
     BackendNotFoundError, BackendUnavailableError, BaseBackend, InputError, UnsupportedSchemeError,
 )
-from qcore import registry
-from qcore.reference import ReferenceBackend
+from qcore.backend import registry
+from qcore.backend.reference import ReferenceBackend
 from tests.doubles import Offline, Q8Only
 
 

@@ -22,8 +22,8 @@ from safetensors.numpy import save_file
 
 import qcore
 from qcore import InputError, InvalidDataError, QuantizedData, SchemeError, StorageError
-from qcore import io as qio
-from qcore.cli import main
+from qcore.files import io as qio
+from qcore.cli.main import main
 
 MB = 1 << 20
 
@@ -77,10 +77,10 @@ def _quantized_file(path, shape, scheme: str, payload: bytes, name: str = "w") -
 @pytest.mark.parametrize("shape", [(1 << 40, 0), (0, 1 << 40), (1 << 50, 0), (0, 3, 1 << 48)])
 @pytest.mark.parametrize("scheme", ["q8s", "q8s/block32:f16", "q4s/block4x8:bf16/packed_u32:1", "nf4"])
 def test_empty_but_huge_decodes_in_constant_time(shape, scheme):
-    s = qcore.scheme(scheme)
+    s = qcore.spec.scheme(scheme)
     if len(s.block.dims if s.block else ()) > len(shape):
         return
-    sec = qcore.payload.sections(shape, s)
+    sec = qcore.spec.payload.sections(shape, s)
     table = np.asarray(s.table or (), "<f4").tobytes()
     d = QuantizedData(shape, s, bytes(sec.total - len(table)) + table)
     for be in _backends(scheme):
@@ -167,11 +167,11 @@ def test_block_dims_and_rank_rules_unchanged():
 def test_huge_numbers_in_scheme_text(text):
     with bounded(max_bytes=MB):
         with pytest.raises(SchemeError, match="exceeds int64"):
-            qcore.scheme(text)
+            qcore.spec.scheme(text)
 
 
 def test_int64_edge_in_scheme_text_is_accepted():
-    assert qcore.scheme(f"q8s/block{(1 << 63) - 1}:f32").block.dims == ((1 << 63) - 1,)
+    assert qcore.spec.scheme(f"q8s/block{(1 << 63) - 1}:f32").block.dims == ((1 << 63) - 1,)
     with pytest.raises(SchemeError, match="exceeds int64"):
         qcore.QuantScheme(qcore.QuantValue.Q8S).per_block([1 << 63])
 

@@ -1,11 +1,11 @@
 """One home for the scale rules (SPEC §2.3, §3, and the rounding rules of docs/spec.md
-"Extensions"): the numbers in `qcore.codecs.SCALE_ARRAYS` give the same rounding and the same
+"Extensions"): the numbers in `qcore.spec.codecs.SCALE_ARRAYS` give the same rounding and the same
 stored words as the slot rows (`SCALE_SLOTS`: every scale dtype under every rule), and the cuda
 device functions built on them (`qcore_cuda.scales`) agree with both, bit for bit."""
 import numpy as np
 import pytest
 
-from qcore.codecs import SCALE_ARRAYS, SCALE_IDS, SCALE_SLOTS, SCALES, bits_f32, f32_bits
+from qcore.spec.codecs import SCALE_ARRAYS, SCALE_IDS, SCALE_SLOTS, SCALES, bits_f32, f32_bits
 
 SLOTS = range(len(SCALE_SLOTS))
 SLOT_IDS = [f"{t.traits.name}-{t.rule}{t.emax if t.rule == 'mx' else ''}" for t in SCALE_SLOTS]
@@ -43,7 +43,7 @@ def test_word_formula_matches_the_trait_row(slot):
 
 
 def test_arrays_follow_the_rows():
-    from qcore.codecs import SCALE_ROUNDS
+    from qcore.spec.codecs import SCALE_ROUNDS
 
     for i, row in enumerate(SCALE_SLOTS):
         tr = row.traits
@@ -82,7 +82,7 @@ def _kernel():
 @pytest.mark.parametrize("slot", SLOTS, ids=SLOT_IDS)
 def test_cuda_scale_functions_match_codecs(cuda_backend, slot):
     """The device rounding, word and its inverse (used by every cuda kernel) on a few hundred
-    raw scales, against `qcore.codecs`, for every scale dtype under every rule."""
+    raw scales, against `qcore.spec.codecs`, for every scale dtype under every rule."""
     s = _raw_scales(200)[::5].copy()
     row = SCALE_SLOTS[slot]
     tr = row.traits

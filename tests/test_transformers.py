@@ -18,8 +18,8 @@ transformers = need("transformers", "transformers is not installed (pip install 
 import qcore  # noqa: E402
 import qcore.integrations.transformers as qt  # noqa: E402
 import qcore.nn as qnn  # noqa: E402
-from qcore import io as qio  # noqa: E402
-from qcore.cli import main  # noqa: E402
+from qcore.files import io as qio
+from qcore.cli.main import main  # noqa: E402
 
 TOKENIZER = os.path.join(os.path.dirname(__file__), "data", "tiny_llama")
 RULES = ["*.self_attn.*=q8s/block32:f16", "*.mlp.*=q4s/block32:f16"]

@@ -21,9 +21,9 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
-from ..errors import QCoreError
-from .inputs import SCHEME_DISTRIBUTIONS, scheme_input
-from ..scheme import PRESETS, QuantScheme, QuantStore, StoreKind, scheme as parse_scheme
+from qcore.errors import QCoreError
+from qcore.conformance.inputs import SCHEME_DISTRIBUTIONS, scheme_input
+from qcore.spec.scheme import PRESETS, QuantScheme, QuantStore, StoreKind, scheme as parse_scheme
 
 __all__ = [
     "VALUE_MODES",
@@ -312,7 +312,7 @@ class Case:
     @classmethod
     def from_id(cls, text: str, seed: int = 0) -> "Case":
         """The case whose `id` is `text` (with the run's `seed`): reruns one failing case."""
-        from ..errors import InputError
+        from qcore.errors import InputError
 
         try:
             scheme, shape, dist, dtype, out, index = text.strip().rsplit("-", 5)

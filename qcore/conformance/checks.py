@@ -28,15 +28,15 @@ from typing import Any, Callable, Iterable, Sequence
 import ml_dtypes
 import numpy as np
 
-from .. import layout
-from ..errors import InputError, InvalidDataError, QCoreError, UnsupportedSchemeError
-from ..arithmetic import round_offsets
-from ..payload import QuantizedData, offset_bytes, sections
-from ..protocol import QParams, QTensor
-from ..scheme import OffsetKind, QuantScheme, QuantValue, scheme as parse_scheme
-from .cases import Case, make_input, np_dtype
-from .inputs import grid_exponents
-from .invalid import with_code, with_valid_codes
+from qcore.spec import layout
+from qcore.errors import InputError, InvalidDataError, QCoreError, UnsupportedSchemeError
+from qcore.spec.arithmetic import round_offsets
+from qcore.spec.payload import QuantizedData, offset_bytes, sections
+from qcore.backend.protocol import QParams, QTensor
+from qcore.spec.scheme import OffsetKind, QuantScheme, QuantValue, scheme as parse_scheme
+from qcore.conformance.cases import Case, make_input, np_dtype
+from qcore.conformance.inputs import grid_exponents
+from qcore.conformance.invalid import with_code, with_valid_codes
 
 __all__ = [
     "PASSED",
@@ -119,7 +119,7 @@ def reference_backend():
     """The `reference` backend (instantiated directly, so a broken registry cannot hide it)."""
     global _REFERENCE
     if _REFERENCE is None:
-        from ..reference import ReferenceBackend
+        from qcore.backend.reference import ReferenceBackend
 
         _REFERENCE = ReferenceBackend()
     return _REFERENCE

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from ..errors import InputError
-from ..scheme import QuantScheme
-from .cases import level_label, rules_label, store_label, value_label
+from qcore.errors import InputError
+from qcore.spec.scheme import QuantScheme
+from qcore.conformance.cases import level_label, rules_label, store_label, value_label
 
 __all__ = ["Expectation", "as_expectation", "parse_expect", "per_backend", "scheme_label"]
 

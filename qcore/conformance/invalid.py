@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import layout
-from ..payload import QuantizedData
-from ..scheme import QuantScheme
+from qcore.spec import layout
+from qcore.spec.payload import QuantizedData
+from qcore.spec.scheme import QuantScheme
 
 __all__ = ["with_valid_codes", "with_code"]
 

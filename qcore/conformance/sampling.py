@@ -42,11 +42,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import SchemeError
-from ..scheme import (PRESETS, SIGNED_SCALE_DTYPES, BlockLevel, CodeRule, FieldOrder, Offset, OffsetKind, QuantScheme,
+from qcore.errors import SchemeError
+from qcore.spec.scheme import (PRESETS, SIGNED_SCALE_DTYPES, BlockLevel, CodeRule, FieldOrder, Offset, OffsetKind, QuantScheme,
                       QuantValue, ScaleDtype, ScaleRound, StoreKind)
-from . import cases as C
-from . import checks as K
+from qcore.conformance import cases as C
+from qcore.conformance import checks as K
 
 __all__ = ["Settings", "Stratum", "level_kind", "is_v1_stratum", "strata", "groups", "group_of", "subset", "strata_subset", "stratum_cases",
            "check_stratum", "check_group", "tested_nothing", "supports_nothing"]

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .base import Checkpoint, Format, FormatNotFoundError, PathLike, Probe, Tensor, UnrepresentableError, read_checked
-from .convert import ConvertReport, TensorReport, convert, describe
-from .registry import GROUP, detect, formats, get, plugin_errors, register, reset
+from qcore.formats.base import Checkpoint, Format, FormatNotFoundError, PathLike, Probe, Tensor, UnrepresentableError, read_checked
+from qcore.formats.convert import ConvertReport, TensorReport, convert, describe
+from qcore.formats.registry import GROUP, detect, formats, get, plugin_errors, register, reset
 
 __all__ = [
     "GROUP", "Checkpoint", "ConvertReport", "Format", "FormatNotFoundError", "Probe", "Tensor",

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..payload import QuantizedData
-from ..protocol import Support
-from ..scheme import PRESETS
+from qcore.spec.payload import QuantizedData
+from qcore.backend.protocol import Support
+from qcore.spec.scheme import PRESETS
 
 __all__ = ["MXFP4", "BLOCK", "check", "split", "join", "zero_scale_blocks"]
 

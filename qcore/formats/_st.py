@@ -9,13 +9,13 @@ import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with numpy, so safete
 import numpy as np
 from safetensors.numpy import save_file
 
-from .. import io as qio
-from ..errors import InputError, InvalidDataError, QCoreError
-from ..stfile import Reader
-from .base import PathLike, shards, short_repr
+from qcore.files import io as qio
+from qcore.errors import InputError, InvalidDataError, QCoreError
+from qcore.files.stfile import Reader
+from qcore.formats.base import PathLike, shards, short_repr
 
 if TYPE_CHECKING:
-    from ..protocol import Support
+    from qcore.backend.protocol import Support
 
 __all__ = ["array_support", "carried", "config_beside", "pop_json", "put_quantization_config", "read_arrays", "storable",
            "write_arrays"]
@@ -30,7 +30,7 @@ def storable(dtype: np.dtype) -> bool:
 
 def array_support(value: np.ndarray) -> "Support":
     """Whether a safetensors-based format holds a plain array (its dtype is storable)."""
-    from ..protocol import Support
+    from qcore.backend.protocol import Support
 
     if not storable(value.dtype):
         return Support.no(f"safetensors cannot store dtype {value.dtype}")

@@ -19,9 +19,9 @@ from typing import Any, ClassVar, Mapping, Union
 
 import numpy as np
 
-from ..errors import InputError, InvalidDataError, QCoreError, StorageError
-from ..payload import QuantizedData
-from ..protocol import Support
+from qcore.errors import InputError, InvalidDataError, QCoreError, StorageError
+from qcore.spec.payload import QuantizedData
+from qcore.backend.protocol import Support
 
 __all__ = [
     "Checkpoint",
@@ -105,7 +105,7 @@ def model_folder(path: PathLike) -> str | None:
 
 
 def _missing(p: str) -> StorageError:
-    """The error for a path that does not exist (an OSError with ENOENT, as `qcore.io` raises)."""
+    """The error for a path that does not exist (an OSError with ENOENT, as `qcore.files.io` raises)."""
     return StorageError(errno.ENOENT, f"{p}: No such file or directory (cannot read it)", p)
 
 
@@ -223,13 +223,13 @@ class Format:
     def model_config(self, tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict | None:
         """The `quantization_config` a loader reads from a model folder's config.json for a model
         whose tensors are {name: (QuantScheme, shape)} (scheme None: a plain tensor), over every
-        shard at once; None when this format has none. `qcore.export` writes it."""
+        shard at once; None when this format has none. `qcore.model.export` writes it."""
         return None
 
     def shard_metadata(self, tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict[str, str]:
         """Metadata that every shard of a model folder carries, from the whole model's tensors
         ({name: (QuantScheme or None, shape)}, as `model_config`); {} when this format has none.
-        `qcore.export` puts it into each shard's `Checkpoint.metadata` for `write`."""
+        `qcore.model.export` puts it into each shard's `Checkpoint.metadata` for `write`."""
         return {}
 
     def with_options(self, **options: str) -> "Format":

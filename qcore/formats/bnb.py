@@ -55,14 +55,14 @@ from typing import Any, Mapping
 import ml_dtypes
 import numpy as np
 
-from ..errors import InputError, InvalidDataError, SchemeError
-from ..layout import check_shape
-from ..payload import QuantizedData
-from ..protocol import Support
-from ..scheme import PRESETS, QuantMode, QuantScheme, QuantValue, ScaleDtype
-from ._st import array_support, pop_json, read_arrays, write_arrays
-from ._hfconfig import one_setting, skip_modules
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
+from qcore.errors import InputError, InvalidDataError, SchemeError
+from qcore.spec.layout import check_shape
+from qcore.spec.payload import QuantizedData
+from qcore.backend.protocol import Support
+from qcore.spec.scheme import PRESETS, QuantMode, QuantScheme, QuantValue, ScaleDtype
+from qcore.formats._st import array_support, pop_json, read_arrays, write_arrays
+from qcore.formats._hfconfig import one_setting, skip_modules
+from qcore.formats.base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
 
 __all__ = ["BnbNF4Format"]
 

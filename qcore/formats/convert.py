@@ -16,11 +16,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import InputError
-from ..payload import QuantizedData
-from ..scheme import QuantScheme, scheme as parse_scheme
-from .base import Checkpoint, Format, PathLike, Tensor, UnrepresentableError, model_folder, read_checked
-from .registry import detect, get
+from qcore.errors import InputError
+from qcore.spec.payload import QuantizedData
+from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
+from qcore.formats.base import Checkpoint, Format, PathLike, Tensor, UnrepresentableError, model_folder, read_checked
+from qcore.formats.registry import detect, get
 
 __all__ = ["ConvertReport", "TensorReport", "convert", "describe", "error_stats"]
 
@@ -141,7 +141,7 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
 def _requantize(name: str, value: Tensor, target: QuantScheme, backend: Any,
                 source: str | None = None) -> tuple[QuantizedData, TensorReport]:
     """`value` (a payload, or the values a tool decoded) quantized as `target`, with its error."""
-    from ..registry import backend as get_backend
+    from qcore.backend.registry import backend as get_backend
 
     be = get_backend(backend)
     x = be.from_data(value).numpy() if isinstance(value, QuantizedData) else np.asarray(value)

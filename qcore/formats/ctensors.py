@@ -79,16 +79,16 @@ from typing import Iterable, Mapping
 import ml_dtypes
 import numpy as np
 
-from .. import layout
-from ..errors import InvalidDataError
-from ..io import VERSION_KEY
-from ..payload import QuantizedData
-from ..protocol import Support
-from ..recipe import MAX_REGEX_CHOICES, bounded_regex
-from ..scheme import OffsetKind, PackedU32, QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
-from . import _mx, _nvfp4
-from ._st import array_support, carried, config_beside, pop_json, put_quantization_config, read_arrays, write_arrays
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
+from qcore.spec import layout
+from qcore.errors import InvalidDataError
+from qcore.files.io import VERSION_KEY
+from qcore.spec.payload import QuantizedData
+from qcore.backend.protocol import Support
+from qcore.model.recipe import MAX_REGEX_CHOICES, bounded_regex
+from qcore.spec.scheme import OffsetKind, PackedU32, QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
+from qcore.formats import _mx, _nvfp4
+from qcore.formats._st import array_support, carried, config_beside, pop_json, put_quantization_config, read_arrays, write_arrays
+from qcore.formats.base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
 
 __all__ = ["CompressedTensorsFormat", "quantization_config", "write_config"]
 

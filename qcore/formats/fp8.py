@@ -38,12 +38,12 @@ import math
 import ml_dtypes
 import numpy as np
 
-from ..io import VERSION_KEY
-from ..payload import QuantizedData
-from ..protocol import Support
-from ..scheme import QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
-from ._st import array_support, config_beside, pop_json, put_quantization_config, read_arrays, write_arrays
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
+from qcore.files.io import VERSION_KEY
+from qcore.spec.payload import QuantizedData
+from qcore.backend.protocol import Support
+from qcore.spec.scheme import QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
+from qcore.formats._st import array_support, config_beside, pop_json, put_quantization_config, read_arrays, write_arrays
+from qcore.formats.base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
 
 __all__ = ["Fp8Format", "SCALE_SUFFIX"]
 

@@ -48,13 +48,13 @@ from typing import Any, Mapping
 import ml_dtypes
 import numpy as np
 
-from .. import io as qio
-from ..errors import InvalidDataError
-from ..payload import QuantizedData
-from ..protocol import Support
-from ..scheme import QuantScheme, ScaleDtype, scheme as parse_scheme
-from . import _mx, gguf_model
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
+from qcore.files import io as qio
+from qcore.errors import InvalidDataError
+from qcore.spec.payload import QuantizedData
+from qcore.backend.protocol import Support
+from qcore.spec.scheme import QuantScheme, ScaleDtype, scheme as parse_scheme
+from qcore.formats import _mx, gguf_model
+from qcore.formats.base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
 
 __all__ = ["GGUFFormat"]
 

@@ -39,9 +39,9 @@ from typing import Any, Callable, Mapping
 import ml_dtypes
 import numpy as np
 
-from ..errors import InvalidDataError
-from ..payload import QuantizedData
-from .base import Tensor, UnrepresentableError, parse_json, short_repr
+from qcore.errors import InvalidDataError
+from qcore.spec.payload import QuantizedData
+from qcore.formats.base import Tensor, UnrepresentableError, parse_json, short_repr
 
 __all__ = ["ARCHITECTURES", "Architecture", "HParams", "ModelPlan", "PRE_TOKENIZERS", "Vocabulary", "plan"]
 

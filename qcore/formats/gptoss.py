@@ -31,14 +31,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import InputError, InvalidDataError
-from ..io import VERSION_KEY
-from ..payload import QuantizedData
-from ..protocol import Support
-from ..recipe import bounded_regex
-from . import _mx
-from ._st import array_support, carried, config_beside, pop_json, put_quantization_config, read_arrays, write_arrays
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
+from qcore.errors import InputError, InvalidDataError
+from qcore.files.io import VERSION_KEY
+from qcore.spec.payload import QuantizedData
+from qcore.backend.protocol import Support
+from qcore.model.recipe import bounded_regex
+from qcore.formats import _mx
+from qcore.formats._st import array_support, carried, config_beside, pop_json, put_quantization_config, read_arrays, write_arrays
+from qcore.formats.base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
 
 __all__ = ["GptOssFormat"]
 

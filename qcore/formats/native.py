@@ -6,12 +6,12 @@ one holds only float tensors), so it runs last.
 """
 from __future__ import annotations
 
-from .. import io as qio
-from ..errors import InvalidDataError
-from ..payload import QuantizedData
-from ..protocol import Support
-from ._st import array_support
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, shards
+from qcore.files import io as qio
+from qcore.errors import InvalidDataError
+from qcore.spec.payload import QuantizedData
+from qcore.backend.protocol import Support
+from qcore.formats._st import array_support
+from qcore.formats.base import Checkpoint, Format, PathLike, Probe, Tensor, shards
 
 __all__ = ["QcoreFormat"]
 

@@ -15,7 +15,7 @@ import threading
 from importlib.metadata import entry_points
 from typing import Any
 
-from .base import Format, FormatNotFoundError, PathLike, Probe
+from qcore.formats.base import Format, FormatNotFoundError, PathLike, Probe
 
 __all__ = ["GROUP", "detect", "formats", "get", "plugin_errors", "register", "reset"]
 
@@ -26,13 +26,13 @@ _errors: dict[str, str] = {}
 
 
 def _builtins() -> list[Format]:
-    from .bnb import BnbNF4Format
-    from .ctensors import CompressedTensorsFormat
-    from .fp8 import Fp8Format
-    from .gguf_file import GGUFFormat
-    from .gptoss import GptOssFormat
-    from .native import QcoreFormat
-    from .torchao import TorchaoFormat
+    from qcore.formats.bnb import BnbNF4Format
+    from qcore.formats.ctensors import CompressedTensorsFormat
+    from qcore.formats.fp8 import Fp8Format
+    from qcore.formats.gguf_file import GGUFFormat
+    from qcore.formats.gptoss import GptOssFormat
+    from qcore.formats.native import QcoreFormat
+    from qcore.formats.torchao import TorchaoFormat
 
     return [QcoreFormat(), GptOssFormat(), GGUFFormat(), BnbNF4Format(), CompressedTensorsFormat(), Fp8Format(),
             TorchaoFormat()]

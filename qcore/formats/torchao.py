@@ -39,15 +39,15 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import InvalidDataError
-from ..io import VERSION_KEY
-from ..payload import QuantizedData
-from ..protocol import Support
-from ..scheme import PRESETS, QuantScheme, scheme as parse_scheme
-from . import _nvfp4
-from ._st import array_support, carried, pop_json, read_arrays, write_arrays
-from ._hfconfig import one_setting, skip_modules
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
+from qcore.errors import InvalidDataError
+from qcore.files.io import VERSION_KEY
+from qcore.spec.payload import QuantizedData
+from qcore.backend.protocol import Support
+from qcore.spec.scheme import PRESETS, QuantScheme, scheme as parse_scheme
+from qcore.formats import _nvfp4
+from qcore.formats._st import array_support, carried, pop_json, read_arrays, write_arrays
+from qcore.formats._hfconfig import one_setting, skip_modules
+from qcore.formats.base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
 
 __all__ = ["TorchaoFormat", "from_blocked", "to_blocked"]
 

@@ -21,9 +21,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .. import io as qio
-from ..errors import InvalidDataError, QCoreError
-from ..scheme import QuantScheme, scheme as parse_scheme
+from qcore.files import io as qio
+from qcore.errors import InvalidDataError, QCoreError
+from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
 
 __all__ = ["QUANT_METHOD", "CONFIG_NAME", "quantization_config", "tensor_schemes", "is_qcore",
            "write_config"]

@@ -35,16 +35,16 @@ from transformers.quantizers.auto import register_quantization_config, register_
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .. import io as qio
-from ..activations import torch_dtype_as_numpy
-from ..checkpoint import resolve
-from ..errors import InvalidDataError
-from ..nn import Linear, backend_for, quantize_module, quantized_linears
-from ..payload import QuantizedData, sections
-from ..recipe import RecipeLike, as_recipe
-from ..scheme import QuantScheme
-from ..stfile import st_dtype
-from .config import QUANT_METHOD, quantization_config, tensor_schemes
+from qcore.files import io as qio
+from qcore.backend.activations import torch_dtype_as_numpy
+from qcore.files.checkpoint import resolve
+from qcore.errors import InvalidDataError
+from qcore.nn import Linear, backend_for, quantize_module, quantized_linears
+from qcore.spec.payload import QuantizedData, sections
+from qcore.model.recipe import RecipeLike, as_recipe
+from qcore.spec.scheme import QuantScheme
+from qcore.files.stfile import st_dtype
+from qcore.integrations.config import QUANT_METHOD, quantization_config, tensor_schemes
 
 __all__ = ["QcoreConfig", "QcoreHfQuantizer", "QUANT_METHOD"]
 
@@ -208,7 +208,7 @@ def _st_dtype(dtype: torch.dtype) -> str:
 class _QcoreSave:
     """`model.save_pretrained` for a qcore model: transformers writes the files, then each
     safetensors shard keeps only its own tensors' qcore keys, in sorted order
-    (`qcore.io.settle_metadata`), so every shard is a valid qcore file and equal models give
+    (`qcore.files.io.settle_metadata`), so every shard is a valid qcore file and equal models give
     equal bytes."""
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -223,6 +223,6 @@ class _QcoreSave:
 
 def _written_shards(folder: str) -> list[str]:
     """The safetensors files of the checkpoint `save_pretrained` wrote in `folder` (its index's
-    shards, or its one file), as `qcore.checkpoint.resolve` finds them."""
+    shards, or its one file), as `qcore.files.checkpoint.resolve` finds them."""
     ck = resolve(folder)
     return [ck.path(s) for s in ck.shards]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from qcore.scheme import QuantScheme
+from qcore.spec.scheme import QuantScheme
 
 __all__ = ["CudaData"]
 

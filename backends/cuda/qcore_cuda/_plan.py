@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qcore import layout
-from qcore.codecs import CODE_RULES, scale_slot_id
-from qcore.payload import offset_nbytes
-from qcore.scheme import OffsetKind, QuantScheme, StoreKind
+from qcore.spec import layout
+from qcore.spec.codecs import CODE_RULES, scale_slot_id
+from qcore.spec.payload import offset_nbytes
+from qcore.spec.scheme import OffsetKind, QuantScheme, StoreKind
 
 from . import kernels as K
 

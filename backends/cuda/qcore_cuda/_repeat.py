@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from qcore.protocol import QTensor
-from qcore.scheme import QuantScheme
+from qcore.backend.protocol import QTensor
+from qcore.spec.scheme import QuantScheme
 
 from . import _array, _streams
 from ._data import CudaData

@@ -17,13 +17,13 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
-from qcore import layout
-from qcore.activations import ACTIVATION_DTYPES, host_array
-from qcore.checks import check_input_dtype, check_output_dtype, raise_nonfinite, to_f32
+from qcore.spec import layout
+from qcore.backend.activations import ACTIVATION_DTYPES, host_array
+from qcore.spec.checks import check_input_dtype, check_output_dtype, raise_nonfinite, to_f32
 from qcore.errors import InputError
-from qcore.payload import QuantizedData, sections
-from qcore.protocol import BaseBackend, QParams, QTensor, Support
-from qcore.scheme import QuantScheme
+from qcore.spec.payload import QuantizedData, sections
+from qcore.backend.protocol import BaseBackend, QParams, QTensor, Support
+from qcore.spec.scheme import QuantScheme
 
 from . import _array, _flags, _repeat, _streams
 from ._compat import numba_cuda
@@ -184,7 +184,7 @@ class CudaBackend(BaseBackend):
     scheme_features = {"round:rne", "round:mx", "recip", "signed", "codes:away", "codes:offset", "unsigned",
                        "min", "zero", "order:high", "order:split", "flat"}
     packs_field_orders = True  # k_order.k_reorder on the device (docs/spec.md E6)
-    device = "cuda"  # where its tensors live (a torch device type; `qcore.registry.device_of`)
+    device = "cuda"  # where its tensors live (a torch device type; `qcore.backend.registry.device_of`)
 
     @functools.cached_property
     def _status(self) -> tuple[bool, str]:
@@ -495,8 +495,8 @@ class CudaBackend(BaseBackend):
         cuda = _cuda()
         shape = tuple(int(d) for d in self._shape_dtype(x)[0])
         xd = self._device_f32(x, s)
-        if math.prod(shape) == 0:  # nothing to launch: qcore.arithmetic builds the (scale-only) payload
-            from qcore import arithmetic
+        if math.prod(shape) == 0:  # nothing to launch: qcore.spec.arithmetic builds the (scale-only) payload
+            from qcore.spec import arithmetic
 
             data = arithmetic.quantize(np.zeros(shape, np.float32), scheme, params, method)
             got = np.frombuffer(data.payload, np.uint8).copy()
@@ -725,9 +725,9 @@ class CudaBackend(BaseBackend):
 
     @guard(lambda self, x, q: (f"measure the error of a {q.shape} {q.scheme} tensor", 8 * math.prod(q.shape)))
     def error_stats(self, x: Any, q: QTensor) -> tuple[float, float]:
-        """(SQNR dB, max |err|) of `q` against `x` on the device (qcore.stats.tensor_stats calls it):
+        """(SQNR dB, max |err|) of `q` against `x` on the device (qcore.backend.stats.tensor_stats calls it):
         dequantize into pool memory and reduce there; only the grid's partial sums come back."""
-        from qcore.stats import sqnr_db
+        from qcore.backend.stats import sqnr_db
 
         K = _k()
         q = self._own(q)
@@ -912,8 +912,8 @@ class CudaBackend(BaseBackend):
         QTensor x dequantized here (float32); with `act`, x (read as float32, E8) quantized and
         dequantized by this backend's own kernels, `dtype=None` still meaning x's dtype, and a
         torch x handed on as a torch tensor over the decoded array, so the result is torch."""
-        from qcore import act as _act
-        from qcore.activations import as_torch, product_dims, torch_dtype_as_numpy
+        from qcore.backend import act as _act
+        from qcore.backend.activations import as_torch, product_dims, torch_dtype_as_numpy
 
         w = self._own(w)
         if isinstance(x, QTensor):
@@ -941,7 +941,7 @@ class CudaBackend(BaseBackend):
         """`act`'s decoded x where `quantize` refused x (docs/spec.md E9, a non-finite x): read
         on the host, each row holding a non-finite value quantized as zeros and decoded as NaN,
         the decoded array back on the device; None where every value is finite."""
-        from qcore import act as _act
+        from qcore.backend import act as _act
 
         torch = sys.modules.get("torch")
         host = x.float().cpu().numpy() if torch is not None and isinstance(x, torch.Tensor) else self.to_numpy(x)
@@ -954,7 +954,7 @@ class CudaBackend(BaseBackend):
     def _on_host_tensors(self, what: str, call: Any, x: Any, bias: Any, out: Any) -> Any:
         """A product of a torch CPU x (a model kept on the CPU whose layers run here): x and a torch
         bias read as host arrays, the result copied back as a torch CPU tensor of its dtype."""
-        from qcore.activations import host_array, in_callers_kind
+        from qcore.backend.activations import host_array, in_callers_kind
 
         if out is not None:
             raise InputError(f"{what} out= takes a device array; with a torch CPU x leave out= out")
@@ -991,7 +991,7 @@ class CudaBackend(BaseBackend):
         if act is not None or isinstance(x, QTensor):
             x, dtype = self._product_x("matmul", x, w, act, dtype, stream)
         if dtype is not np.float32 and (dtype is None or np.dtype(dtype) != np.float32):
-            from qcore.activations import result_dtype
+            from qcore.backend.activations import result_dtype
 
             if out is not None:
                 raise InputError("matmul out= is float32; leave dtype= out, or take linear(x, w_transposed, out=)")
@@ -1052,10 +1052,10 @@ class CudaBackend(BaseBackend):
         return res
 
     def _host_matmul(self, x: Any, w: QTensor, out: Any, stream: Any) -> Any:
-        """`qcore.ops.matmul` (the weight dequantized here, the product on the host), the result
+        """`qcore.backend.ops.matmul` (the weight dequantized here, the product on the host), the result
         put on the device as `matmul` returns it: for weights no kernel reads in [K, N] form
         (blocks over the flattened tensor that cross rows, docs/spec.md E7)."""
-        from qcore import ops
+        from qcore.backend import ops
 
         with quiet():
             y = np.ascontiguousarray(ops.matmul(self, self.to_numpy(x) if not isinstance(x, np.ndarray) else x, w),

@@ -12,12 +12,12 @@ import numpy as np
 from .layouts import *  # noqa: F401,F403  (the P layout's fields)
 from .intrin import f2u, mul_rn
 from .scales import round_scale, scale_word, word_scale  # noqa: F401
-from qcore.codecs import code_rule_kernel
+from qcore.spec.codecs import code_rule_kernel
 
 from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: E402
 
 rule_code = code_rule_kernel(cuda.jit(device=True, inline="always"))
-"""The int64 code of `y` under a code rule (docs/spec.md E4): `qcore.codecs`' one source."""
+"""The int64 code of `y` under a code rule (docs/spec.md E4): `qcore.spec.codecs`' one source."""
 
 MAGIC = 12582912.0  # 1.5 * 2**23: y + MAGIC rounds y half-to-even into the low mantissa bits
 P2_M60 = 8.673617379884035e-19
@@ -96,7 +96,7 @@ def affine_slot(raw, sl, n, P, F, explicit, payload):
         if kind == AFFINE_ZERO:
             lo = min(lo, float32(0.0))
             hi = max(hi, float32(0.0))
-        lo = float32(lo + float32(0.0))  # a zero is +0 (E5), as in qcore.arithmetic.affine_params
+        lo = float32(lo + float32(0.0))  # a zero is +0 (E5), as in qcore.spec.arithmetic.affine_params
         hi = float32(hi + float32(0.0))
         s = float32(float32(hi - lo) / F[F_H])
         st = round_scale(s, P[M_SDT])
@@ -199,7 +199,7 @@ FLT_MAX = float(np.finfo(np.float32).max)
 @cuda.jit(device=True, inline="always")
 def reciprocal_g(gstat, h, mx):
     """docs/spec.md E2: the reciprocal global G = f32(M * h) / max(max_b stat_b, tiny), or 1 where
-    that overflows (qcore.arithmetic.reciprocal_global)."""
+    that overflows (qcore.spec.arithmetic.reciprocal_global)."""
     big = float32(float32(mx * h) / max(gstat, float32(TINY)))
     if not big <= float32(FLT_MAX):
         return float32(1.0)

@@ -46,7 +46,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from qcore.scheme import QuantScheme, QuantValue, StoreKind
+from qcore.spec.scheme import QuantScheme, QuantValue, StoreKind
 
 from . import kernels as K
 from .intrin import (and_xor, bf16x2_rn, bitsel, e4m3x2, e4m3x2_f32, e5m2x2, e5m2x2_f32, f2u, fmax_nan, ld1, ld4, prmt,

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from qcore.scheme import QuantScheme
+from qcore.spec.scheme import QuantScheme
 
 from . import fast
 from .devmath import two_level_e

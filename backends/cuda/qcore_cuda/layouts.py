@@ -7,7 +7,7 @@ kernels.)
 """
 from __future__ import annotations
 
-from qcore.codecs import F32_TINY, SCALE_IDS
+from qcore.spec.codecs import F32_TINY, SCALE_IDS
 
 # P: the general kernels' geometry
 MAXR = 12  # canonical rank limit (after merging axes; see _plan.py)

@@ -45,7 +45,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from qcore.scheme import QuantScheme, StoreKind
+from qcore.spec.scheme import QuantScheme, StoreKind
 
 from . import fast
 from .devmath import two_level_e

@@ -14,9 +14,9 @@ Results are bit-identical to the `reference` backend. The paths, by scheme:
 | two-level, calibrated         | two: block statistics (MODE_STATS), then quantize           |
 | explicit params               | one: quantize with the non-finite check fused in            |
 
-The two-level normalisation and the round-up of whole scale grids use `qcore.codecs` (numpy,
+The two-level normalisation and the round-up of whole scale grids use `qcore.spec.codecs` (numpy,
 small arrays) in the order SPEC §2.2-2.3 fixes; the fused path rounds up inside the kernel with
-`kernels.round_scale_scalar`, which the tests pin against `qcore.codecs` bit for bit.
+`kernels.round_scale_scalar`, which the tests pin against `qcore.spec.codecs` bit for bit.
 """
 from __future__ import annotations
 
@@ -25,14 +25,16 @@ from typing import Any
 
 import numpy as np
 
-from qcore import arithmetic, layout, ops
-from qcore.arithmetic import slot_effective, store_reciprocal, store_scales
-from qcore.checks import raise_nonfinite, to_f32
-from qcore.codecs import CODE_RULES
+from qcore.spec import arithmetic
+from qcore.spec import layout
+from qcore.backend import ops
+from qcore.spec.arithmetic import slot_effective, store_reciprocal, store_scales
+from qcore.spec.checks import raise_nonfinite, to_f32
+from qcore.spec.codecs import CODE_RULES
 from qcore.errors import InvalidDataError
-from qcore.payload import QuantizedData, offset_bytes
-from qcore.protocol import BaseBackend, QParams, QTensor, Support
-from qcore.scheme import QuantScheme, StoreKind
+from qcore.spec.payload import QuantizedData, offset_bytes
+from qcore.backend.protocol import BaseBackend, QParams, QTensor, Support
+from qcore.spec.scheme import QuantScheme, StoreKind
 
 from .plan import TASK_ELEMENTS, Plan, make_plan
 
@@ -84,7 +86,7 @@ class NdarrayBackend(BaseBackend):
     name = "ndarray"
     priority = 20
     # docs/spec.md E1-E7 for its 8-bit values: the rounding rules and code rules in its kernels,
-    # signed scales and zero points through qcore.arithmetic, field orders and flat blocks through
+    # signed scales and zero points through qcore.spec.arithmetic, field orders and flat blocks through
     # the core; not unsigned values, min offsets or LOOKUP's midpoint rule
     scheme_features = {"round:rne", "round:mx", "recip", "signed", "codes:away", "codes:offset", "zero",
                        "order:high", "order:split", "flat"}
@@ -119,13 +121,13 @@ class NdarrayBackend(BaseBackend):
     @staticmethod
     def _effective(scales: np.ndarray, g: float | None, scheme: QuantScheme) -> np.ndarray:
         """Per slot `e = s`, `e = f32(g * s_b)` (SPEC §2.4) or `e = f32(s_b / G)` (a reciprocal
-        global, docs/spec.md E2): `qcore.arithmetic.slot_effective`, flat, at least one entry."""
+        global, docs/spec.md E2): `qcore.spec.arithmetic.slot_effective`, flat, at least one entry."""
         e = slot_effective(scales, g, scheme).reshape(-1)
         return e if e.size else np.zeros(1, np.float32)
 
     @staticmethod
     def _store(stat: np.ndarray, scheme: QuantScheme):
-        """Stored scales from the slots' statistics (the core's rules: `qcore.arithmetic`)."""
+        """Stored scales from the slots' statistics (the core's rules: `qcore.spec.arithmetic`)."""
         if scheme.reciprocal_global:
             return store_reciprocal(stat, scheme)
         return store_scales((stat / np.float32(scheme.scale_divisor)).astype(np.float32), scheme)
@@ -221,9 +223,9 @@ class NdarrayBackend(BaseBackend):
         return NdQuantized(shape, scheme, values, np.asarray(stored, np.float32).reshape(plan.grid), None)
 
     def error_stats(self, x: Any, q: QTensor) -> tuple[float, float]:
-        """(SQNR dB, max |err|) of `q` against `x` (`qcore.stats.tensor_stats` calls it): the
+        """(SQNR dB, max |err|) of `q` against `x` (`qcore.backend.stats.tensor_stats` calls it): the
         dequantize kernel, then one parallel pass over x and the result."""
-        from qcore.stats import sqnr_db
+        from qcore.backend.stats import sqnr_db
 
         q = self._own(q)
         xf = _flat_f32(x)
@@ -274,13 +276,13 @@ class NdarrayBackend(BaseBackend):
 
     # ------------------------------------------------------------------ ops
     MATMUL_ROWS = 1024
-    """Rows of w dequantized per step: the same steps as `qcore.ops.matmul`, so the f32 sums
+    """Rows of w dequantized per step: the same steps as `qcore.backend.ops.matmul`, so the f32 sums
     (and so the results) are identical to every other backend's."""
 
     def _row_bands(self, w: Any, rows_per_step: int) -> Any:
         """(r0, r1, rows r0..r1 of the 2-D weight dequantized to float32) for bands of
         `rows_per_step` rows (whole blocks) by the numba kernel straight from the stored bytes: the
-        values of `qcore.ops`' own bands, faster. A band holding an invalid code raises the core's
+        values of `qcore.backend.ops`' own bands, faster. A band holding an invalid code raises the core's
         `InvalidDataError`, naming the weight's first invalid code."""
         data: NdQuantized = w.data
         sch = data.scheme
@@ -310,7 +312,7 @@ class NdarrayBackend(BaseBackend):
     def matmul(self, x: Any, w: Any, *, dtype: Any = np.float32, act: Any = None) -> Any:
         """`x @ dequantize(w)` for float x [..., K] and w [K, N], `MATMUL_ROWS` rows of w at a time
         (whole blocks) dequantized by the numba kernel (`_row_bands`), so the full float weight
-        never exists; the core's `qcore.ops.matmul` does the rest (checks, activation and result
+        never exists; the core's `qcore.backend.ops.matmul` does the rest (checks, activation and result
         dtypes, its own decode for weights `_row_bands` does not read). `act=` and a QTensor x:
         `BaseBackend._product_x` (docs/spec.md E9)."""
         w = self._own(w)

@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from qcore.codecs import SCALE_IDS, code_rule_kernel, scale_round_kernel
+from qcore.spec.codecs import SCALE_IDS, code_rule_kernel, scale_round_kernel
 
 __all__ = [
     "SCALE_CODES",
@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 SCALE_CODES = {name: i for i, name in enumerate(SCALE_IDS)}
-"""Scale dtype (ScaleDtype value) -> its round-up slot id (`qcore.codecs.SCALE_SLOTS`); a
+"""Scale dtype (ScaleDtype value) -> its round-up slot id (`qcore.spec.codecs.SCALE_SLOTS`); a
 scheme's own slot, with its rounding rule, is `QuantScheme.scale_slot`."""
 METHOD_CODES = {"minmax": 0, "absmean": 1}
 
@@ -80,19 +80,19 @@ def _bits_f32(typingctx, b):
     return sig, codegen
 
 
-# numba freezes the rule's numbers (qcore.codecs.SCALE_ARRAYS) into the compiled kernels; its
-# on-disk cache keys on this file, so after editing qcore.codecs' table clear __pycache__ (the
-# tests pin the result against qcore.codecs).
+# numba freezes the rule's numbers (qcore.spec.codecs.SCALE_ARRAYS) into the compiled kernels; its
+# on-disk cache keys on this file, so after editing qcore.spec.codecs' table clear __pycache__ (the
+# tests pin the result against qcore.spec.codecs).
 round_scale_scalar = scale_round_kernel(njit(inline="always"), _f32_bits, _bits_f32)
 rule_code = code_rule_kernel(njit(inline="always"))
-"""The int64 code of `y` under a code rule (docs/spec.md E4): `qcore.codecs`' one source."""
-"""Round a raw scale `s >= 0` (f32) into scale slot `sdt` (`qcore.codecs.SCALE_SLOTS`: the dtype
-and its rounding rule, SPEC §2.3), as f32: `qcore.codecs`' one kernel source, compiled for the CPU."""
+"""The int64 code of `y` under a code rule (docs/spec.md E4): `qcore.spec.codecs`' one source."""
+"""Round a raw scale `s >= 0` (f32) into scale slot `sdt` (`qcore.spec.codecs.SCALE_SLOTS`: the dtype
+and its rounding rule, SPEC §2.3), as f32: `qcore.spec.codecs`' one kernel source, compiled for the CPU."""
 
 
 @njit(cache=True)
 def round_scale_array(s, sdt):
-    """`round_scale_scalar` over a float32 array (used by tests to pin it against qcore.codecs)."""
+    """`round_scale_scalar` over a float32 array (used by tests to pin it against qcore.spec.codecs)."""
     out = np.empty_like(s)
     for i in range(s.size):
         out[i] = round_scale_scalar(s[i], sdt)
@@ -535,8 +535,8 @@ def dequantize_blocks(codes, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows,
 
 # --------------------------------------------------------------------------- numba's disk cache
 # numba keys a cached kernel on its own file and bytecode; the scale and value tables it freezes
-# in come from qcore.codecs, so an edit or upgrade there alone would load stale kernels. Each
-# cached kernel's key also holds a hash of qcore/codecs.py's bytes.
+# in come from qcore.spec.codecs, so an edit or upgrade there alone would load stale kernels. Each
+# cached kernel's key also holds a hash of qcore/spec/codecs.py's bytes.
 
 
 def _key_on_codecs() -> None:
@@ -544,7 +544,7 @@ def _key_on_codecs() -> None:
 
     from numba.core.dispatcher import Dispatcher
 
-    from qcore import codecs
+    from qcore.spec import codecs
 
     with open(codecs.__file__, "rb") as f:
         stamp = hashlib.sha256(f.read()).hexdigest()
@@ -555,7 +555,7 @@ def _key_on_codecs() -> None:
             continue
 
         def index_key(sig, codegen, cache=cache, base=base):
-            return base(cache, sig, codegen) + (("qcore.codecs", stamp),)
+            return base(cache, sig, codegen) + (("qcore.spec.codecs", stamp),)
 
         cache._index_key = index_key
         cache._qcore_keyed = True

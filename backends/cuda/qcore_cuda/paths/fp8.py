@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 
 from qcore.errors import InputError
-from qcore.payload import sections
-from qcore.protocol import QTensor
-from qcore.scheme import QuantScheme, QuantValue, ScaleDtype, StoreKind, scheme as parse_scheme
+from qcore.spec.payload import sections
+from qcore.backend.protocol import QTensor
+from qcore.spec.scheme import QuantScheme, QuantValue, ScaleDtype, StoreKind, scheme as parse_scheme
 
 from .. import _streams
 
@@ -72,7 +72,7 @@ def _operands(torch: Any, q: QTensor, rows: int, k: int) -> tuple[Any, Any]:
 
 def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, stream: Any) -> Any:
     """The W8A8 product (module text), or None where it does not apply."""
-    from qcore import act as _act
+    from qcore.backend import act as _act
 
     from .linear import LIBRARY_FROM_M
 

@@ -35,9 +35,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from qcore.activations import ACTIVATION_DTYPES, product_dims, result_dtype
+from qcore.backend.activations import ACTIVATION_DTYPES, product_dims, result_dtype
 from qcore.errors import InputError
-from qcore.protocol import QTensor
+from qcore.backend.protocol import QTensor
 
 from .. import _array, _streams
 from .._launch import Packed
@@ -180,7 +180,7 @@ class TransposedLinear:
         if k_ == 0:
             _streams.on(K.k_zero, K.launch(c.m * n_), c.s)(y32)
         elif c.data.shape != c.w.shape:  # blocks over the flattened tensor that cross rows (E7): the core's sums
-            from qcore import ops
+            from qcore.backend import ops
 
             host = ops.linear(c.be, c.be.to_numpy(_f32_source(c.x)) if not isinstance(c.x, np.ndarray) else c.x, c.w,
                               dtype=np.float32)

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from qcore.protocol import QParams
-from qcore.scheme import QuantScheme, QuantValue
+from qcore.backend.protocol import QParams
+from qcore.spec.scheme import QuantScheme, QuantValue
 
 from .. import _array
 from .._streams import on

@@ -14,8 +14,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .checks import INPUT_DTYPES
-from .errors import InputError
+from qcore.spec.checks import INPUT_DTYPES
+from qcore.errors import InputError
 
 __all__ = ["ACTIVATION_DTYPES", "product_dims", "host_array", "host_activation", "host_bias", "result_dtype",
            "in_callers_kind", "torch_dtype_as_numpy", "as_torch"]

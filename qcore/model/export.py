@@ -35,16 +35,16 @@ from typing import Any
 
 import numpy as np
 
-from . import io as qio
-from .checkpoint import resolve
-from .errors import InputError, SchemeError
-from .formats import base as fbase
-from .formats.registry import get as get_format
-from .integrations.config import CONFIG_NAME
-from .payload import QuantizedData, sections
-from .recipe import Recipe, Rule
-from .scheme import PRESETS, QuantScheme, QuantValue, base_scheme, scheme as parse_scheme
-from .stfile import Reader, np_dtype
+from qcore.files import io as qio
+from qcore.files.checkpoint import resolve
+from qcore.errors import InputError, SchemeError
+from qcore.formats import base as fbase
+from qcore.formats.registry import get as get_format
+from qcore.integrations.config import CONFIG_NAME
+from qcore.spec.payload import QuantizedData, sections
+from qcore.model.recipe import Recipe, Rule
+from qcore.spec.scheme import PRESETS, QuantScheme, QuantValue, base_scheme, scheme as parse_scheme
+from qcore.files.stfile import Reader, np_dtype
 
 __all__ = ["RequantizeRule", "export_model", "parse_requantize"]
 
@@ -206,7 +206,7 @@ def export_model(src: Any, dst: Any, recipe: Any, backend: Any, *, format: str,
                  on_tensor: Callable[[Any], None] | None = None, progress: Any = None) -> Any:
     """`quantize_model(..., format=FMT)`: see the module docstring. Returns the ModelResult of the
     quantization with `format`, `requantized` ({name: "FROM -> TO"}) and the target's files."""
-    from . import model as qm
+    from qcore.model import run as qm
 
     fmt = _target(format)
     moves = parse_requantize(requantize)
@@ -237,7 +237,7 @@ def export_model(src: Any, dst: Any, recipe: Any, backend: Any, *, format: str,
     stand_ins = {it.name: _stand_in(it) for s in shards for it in s.items if not it.carried}
     plain = [(n, a) for n, a in stand_ins.items() if not isinstance(a, QuantizedData)]
     if gguf and not ck.single_file:  # the model's GGUF names, shapes and tokenizer, checked before any work
-        from .formats import gguf_file, gguf_model
+        from qcore.formats import gguf_file, gguf_model
 
         gguf_model.plan(ck.root, stand_ins, gguf_file._gguf())
     for name, arr in plain:  # kept tensors: their dtype and shape must be storable too
@@ -267,7 +267,7 @@ def export_model(src: Any, dst: Any, recipe: Any, backend: Any, *, format: str,
         res = qm.quantize_model(src, staged, rc, be, max_shard_size=limit, stats=stats, on_plan=on_plan,
                                 on_tensor=on_tensor)
         if gguf:
-            from .formats.convert import convert
+            from qcore.formats.convert import convert
 
             convert(staged, dst_s, fmt)
             files = [dst_s]
@@ -283,7 +283,7 @@ def export_model(src: Any, dst: Any, recipe: Any, backend: Any, *, format: str,
 
 def _write_folder(fmt: fbase.Format, ck: Any, res: Any, staged: str, dst: str, stage: str, progress: Any) -> list[str]:
     """The staged qcore shards as `fmt` shards in `dst`, then the index, other files and config.json."""
-    from . import model as qm
+    from qcore.model import run as qm
 
     shard_files = [f for f in res.files if not f.endswith(fbase.INDEX_SUFFIX)]
     index_src = next((f for f in res.files if f.endswith(fbase.INDEX_SUFFIX)), None)

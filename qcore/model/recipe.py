@@ -45,9 +45,9 @@ from typing import Any, Union
 
 import numpy as np
 
-from .checks import INPUT_DTYPES
-from .errors import InputError, InvalidDataError, QCoreError, StorageError
-from .scheme import QuantScheme, scheme as parse_scheme
+from qcore.spec.checks import INPUT_DTYPES
+from qcore.errors import InputError, InvalidDataError, QCoreError, StorageError
+from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
 
 try:  # the parser of the `re` module, to check a regex's shape (sre_parse before Python 3.11)
     from re import _constants as _sre
@@ -253,7 +253,7 @@ class Recipe:
         d = self.choose(name, shape, dtype)
         if d.scheme is None:
             return d
-        from .payload import sections
+        from qcore.spec.payload import sections
 
         try:
             sections(tuple(shape), d.scheme)
@@ -339,7 +339,7 @@ class Recipe:
             import tomllib
         else:  # pragma: no cover - Python 3.10
             import tomli as tomllib
-        from .io import check_input_path
+        from qcore.files.io import check_input_path
 
         p = check_input_path(path)  # a readable regular file (a FIFO would block), else StorageError
         try:

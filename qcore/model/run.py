@@ -3,11 +3,11 @@
 `quantize_model(src, dst, recipe, backend=...)` plans every output shard from the source headers
 (which tensor gets which scheme, its stored size), then streams: a reader thread reads one tensor
 at a time, the calling thread quantizes it and measures its error, a writer thread appends it to
-the current output shard (`qcore.stfile.StreamWriter`). At most two source tensors are in flight
+the current output shard (`qcore.files.stfile.StreamWriter`). At most two source tensors are in flight
 (a semaphore), so peak memory is about three times the largest tensor (two sources and one
 dequantized copy for the statistics) plus the interpreter, whatever the model's size.
 
-Each output shard is written atomically (`qcore.io.atomic_write`) and carries a run marker
+Each output shard is written atomically (`qcore.files.io.atomic_write`) and carries a run marker
 (`qcore.run`: a hash of the recipe, the shard's tensor list and the source headers); with
 `resume=True` an existing shard with the same marker is kept and its tensors are not read again.
 The index file (`model.safetensors.index.json`) is written last, with the new sizes.
@@ -29,16 +29,17 @@ from typing import Any, TypeVar, Union
 
 import numpy as np
 
-from . import _signals, io as qio
-from .checkpoint import INDEX_NAME, Checkpoint, parse_size, resolve, shard_name
-from .errors import InputError, InvalidDataError, QCoreError, UnsupportedSchemeError
-from .integrations.config import CONFIG_NAME, quantization_config, write_config
-from .payload import QuantizedData, sections
-from .protocol import Backend, QTensor
-from .recipe import Decision, Recipe, RecipeLike, Rule, as_recipe
-from .scheme import QuantScheme, scheme as parse_scheme
-from .stats import tensor_stats
-from .stfile import Reader, StreamWriter, TensorHead, header_room, np_dtype, st_dtype
+from qcore import _signals
+from qcore.files import io as qio
+from qcore.files.checkpoint import INDEX_NAME, Checkpoint, parse_size, resolve, shard_name
+from qcore.errors import InputError, InvalidDataError, QCoreError, UnsupportedSchemeError
+from qcore.integrations.config import CONFIG_NAME, quantization_config, write_config
+from qcore.spec.payload import QuantizedData, sections
+from qcore.backend.protocol import Backend, QTensor
+from qcore.model.recipe import Decision, Recipe, RecipeLike, Rule, as_recipe
+from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
+from qcore.backend.stats import tensor_stats
+from qcore.files.stfile import Reader, StreamWriter, TensorHead, header_room, np_dtype, st_dtype
 
 __all__ = ["TensorResult", "ModelResult", "RunProgress", "quantize_model", "quantize_dict", "dequantize_model",
            "plan_shards", "quantize_shard", "assemble_shard", "consecutive_groups", "resumed_rows",
@@ -174,13 +175,13 @@ class _OutShard:
 
 
 def _backend(backend: str | Backend | None) -> Backend:
-    from .registry import backend as get
+    from qcore.backend.registry import backend as get
 
     return backend if isinstance(backend, Backend) else get(backend)
 
 
 def _check_supports(be: Backend, recipe: Recipe) -> None:
-    from .registry import supporting_backends
+    from qcore.backend.registry import supporting_backends
 
     for sch in recipe.schemes():
         sup = be.supports(sch)
@@ -485,7 +486,7 @@ def _copy_extras(targets: Mapping[str, str]) -> None:
 
 
 _TEMP_TOKEN = r"\.(?:[a-z0-9_]{8}|[0-9a-f]{32})\.tmp"
-"""The tail of a temporary file's name: `qcore.io`'s (tempfile's 8 characters) or a storage
+"""The tail of a temporary file's name: `qcore.files.io`'s (tempfile's 8 characters) or a storage
 upload's (a uuid): `.NAME.<token>.tmp` next to the file NAME it becomes."""
 
 
@@ -520,7 +521,7 @@ def _write_index(path: str, ck: Checkpoint, weight_map: dict[str, str], total: i
 
 def prepare_run(recipe: RecipeLike, rules: Any, backend: str | Backend | None, compare: Sequence[Any],
                 max_shard_size: str | int | None) -> tuple[Recipe, Backend, list[QuantScheme], int | None]:
-    """What a whole-model run checks before any work, for this module and `qcore.distributed`:
+    """What a whole-model run checks before any work, for this module and `qcore.model.distributed`:
     the recipe (it must quantize something), the backend supporting every scheme it and `compare`
     name, and the shard size limit. Returns (recipe, backend, compare schemes, limit in bytes)."""
     rc = as_recipe(recipe, rules=rules)
@@ -556,7 +557,7 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
 
     `format` other than "qcore" ("compressed-tensors", "gguf", "gpt-oss", "bitsandbytes", "torchao", or
     a plugin's) writes that tool's checkpoint in the same step, each tensor in its recipe scheme
-    (`qcore.export`): a scheme the format cannot hold exactly is an error before any work, unless
+    (`qcore.model.export`): a scheme the format cannot hold exactly is an error before any work, unless
     a `requantize` rule "FROM=TO" (FROM a scheme or a tensor-name pattern) names it.
     """
     if format != "qcore":
@@ -564,7 +565,7 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
             raise InputError(f"format={format!r} exports a checkpoint path to dst; give both as paths")
         if resume or compare:
             raise InputError(f"format={format!r} takes neither resume nor compare; drop them")
-        from .export import export_model
+        from qcore.model.export import export_model
 
         return export_model(src, dst, recipe, backend, format=format, requantize=requantize, rules=rules,
                             max_shard_size=max_shard_size, stats=stats, on_plan=on_plan, on_tensor=on_tensor,
@@ -650,7 +651,7 @@ def _completed(path: str, marker: str) -> qio.FileInfo | None:
 
 
 # ------------------------------------------------------------------------- per-shard entry points
-# The units a runner spreads over processes or hosts (qcore.distributed): plan every output shard
+# The units a runner spreads over processes or hosts (qcore.model.distributed): plan every output shard
 # once, then quantize each one on its own from the planned description (picklable).
 def planned_schemes(shards: Sequence[_OutShard]) -> dict[str, QuantScheme]:
     """{name: scheme} of every tensor the planned output holds quantized: quantized by the run,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Union
 
-from .errors import InputError, InvalidDataError, StorageError
+from qcore.errors import InputError, InvalidDataError, StorageError
 
 __all__ = ["INDEX_NAME", "Checkpoint", "resolve", "hub_cache_dir", "parse_size", "shard_name", "link_root",
            "other_files", "MAX_SIZE"]
@@ -112,7 +112,7 @@ def _check_shard(index: str, root: str, shard: str) -> None:
     if shard in ("", ".", "..") or os.path.basename(shard) != shard or (os.altsep and os.altsep in shard):
         raise InvalidDataError(f"{index} names shard {shard!r}, which is not a file name in the index's folder; "
                                "an index names its shards by file name (e.g. model-00001-of-00004.safetensors)")
-    from .io import check_input_path
+    from qcore.files.io import check_input_path
 
     try:
         check_input_path(os.path.join(root, shard))
@@ -121,7 +121,7 @@ def _check_shard(index: str, root: str, shard: str) -> None:
 
 
 def _from_index(path: str) -> Checkpoint:
-    from .io import check_input_path
+    from qcore.files.io import check_input_path
 
     check_input_path(path)  # a regular file (a FIFO would block the read), else StorageError
     root, name = os.path.split(os.path.abspath(path))
@@ -193,7 +193,7 @@ def resolve(src: PathLike) -> Checkpoint:
         if _HUB_ID.match(p):
             p = _hub_snapshot(p)
         else:
-            from .io import check_input_path
+            from qcore.files.io import check_input_path
 
             check_input_path(p)  # missing: StorageError naming the path
     if os.path.isdir(p):
@@ -208,7 +208,7 @@ def resolve(src: PathLike) -> Checkpoint:
             raise InputError(
                 f"directory {p} holds no .safetensors file and no {INDEX_NAME}; pass a checkpoint directory")
         return Checkpoint(os.path.abspath(p), shards, False, None, {}, {}, _extras(p, set(shards)))
-    from .io import check_input_path
+    from qcore.files.io import check_input_path
 
     check_input_path(p)  # a readable regular file (not /dev/null), else StorageError naming it
     if p.endswith(".json"):

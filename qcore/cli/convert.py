@@ -6,14 +6,14 @@ import math
 import os
 from typing import Any
 
-from .. import io as qio
-from ..console import console, escape, fmt_db, fmt_shape
-from ..errors import InputError
-from ..payload import QuantizedData
-from ..stfile import ST_DTYPES
-from .base import INDEX_SUFFIX, FormatNotFoundError, read_checked, refuse_unread_quantized, shards
-from .convert import convert
-from .registry import detect, formats, get
+from qcore.files import io as qio
+from qcore.cli.console import console, escape, fmt_db, fmt_shape
+from qcore.errors import InputError
+from qcore.spec.payload import QuantizedData
+from qcore.files.stfile import ST_DTYPES
+from qcore.formats.base import INDEX_SUFFIX, FormatNotFoundError, read_checked, refuse_unread_quantized, shards
+from qcore.formats.convert import convert
+from qcore.formats.registry import detect, formats, get
 
 __all__ = ["add_convert", "cmd_convert", "format_of", "read_info"]
 

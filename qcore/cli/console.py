@@ -1,5 +1,5 @@
 """How the command line writes to a terminal or a pipe: a rich console and the formats of the
-numbers in its tables. `qcore/cli.py` and the format commands (`qcore/formats/cli.py`) both
+numbers in its tables. `qcore/cli/main.py` and the format commands (`qcore/cli/convert.py`) both
 print through it."""
 from __future__ import annotations
 

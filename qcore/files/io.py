@@ -7,8 +7,8 @@ name; the header's `__metadata__` (a flat str->str map) carries what is needed t
     qcore.<name>.scheme    canonical scheme text, e.g. "q4s/block32:f16"
     qcore.<name>.shape     the logical shape as a JSON list, e.g. "[384, 1536]"
     qcore.<name>.dtype     optional: the source dtype it was quantized from, e.g. "BF16"
-    qcore.recipe           optional: the recipe that chose the schemes (JSON, see qcore.recipe)
-    qcore.run              optional: the whole-model run marker `--resume` checks (qcore.model)
+    qcore.model.recipe           optional: the recipe that chose the schemes (JSON, see qcore.model.recipe)
+    qcore.run              optional: the whole-model run marker `--resume` checks (qcore.model.run)
 
 Any other tensor (floats that were not quantized, integer buffers) is stored as it is. The
 `qcore.` prefix of the metadata is reserved; other keys are the caller's own metadata.
@@ -35,11 +35,11 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from . import _signals
-from .errors import InputError, InvalidDataError, QCoreError, StorageError
-from .payload import QuantizedData, sections
-from .protocol import Backend, QTensor
-from .scheme import INT64_MAX, QuantScheme, scheme as parse_scheme
+from qcore import _signals
+from qcore.errors import InputError, InvalidDataError, QCoreError, StorageError
+from qcore.spec.payload import QuantizedData, sections
+from qcore.backend.protocol import Backend, QTensor
+from qcore.spec.scheme import INT64_MAX, QuantScheme, scheme as parse_scheme
 
 __all__ = [
     "FORMAT_VERSION",
@@ -163,7 +163,7 @@ def quantized_keys(name: str, sch: QuantScheme, shape: Any, source_dtype: Any = 
     """The metadata keys of one quantized tensor (scheme, shape, and its source dtype if known)."""
     keys = {scheme_key(name): str(sch), shape_key(name): json.dumps([int(d) for d in shape])}
     if source_dtype is not None:
-        from .stfile import st_dtype
+        from qcore.files.stfile import st_dtype
 
         keys[dtype_key(name)] = source_dtype if isinstance(source_dtype, str) else st_dtype(source_dtype)
     return keys
@@ -411,7 +411,7 @@ class FileInfo:
     entries: list[Entry] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)   # the caller's own keys
     file_size: int = 0
-    recipe: str | None = None        # the recipe JSON (qcore.recipe), if recorded
+    recipe: str | None = None        # the recipe JSON (qcore.model.recipe), if recorded
     run: str | None = None           # the whole-model run marker (qcore.run), if recorded
 
 
@@ -618,8 +618,8 @@ def load(path: PathLike, backend: str | Backend | None = None) -> dict[str, QTen
     so `q.to_data()` gives the same bytes on every backend. Shards are checked against each other
     and their index as `qcore quantize` checks them (a tensor in two shards, a missing one).
     """
-    from .checkpoint import resolve
-    from .registry import backend as get_backend
+    from qcore.files.checkpoint import resolve
+    from qcore.backend.registry import backend as get_backend
 
     try:
         ck = resolve(path)

@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from . import layout
-from .activations import host_activation, host_bias, in_callers_kind, product_dims, result_dtype
-from .arithmetic import QParams, decode, scaled_values
-from .errors import InputError
-from .payload import QuantizedData
-from .scheme import BlockLevel
+from qcore.spec import layout
+from qcore.backend.activations import host_activation, host_bias, in_callers_kind, product_dims, result_dtype
+from qcore.spec.arithmetic import QParams, decode, scaled_values
+from qcore.errors import InputError
+from qcore.spec.payload import QuantizedData
+from qcore.spec.scheme import BlockLevel
 
 if TYPE_CHECKING:
-    from .protocol import BaseBackend, QTensor
+    from qcore.backend.protocol import BaseBackend, QTensor
 
 __all__ = ["reshape", "permute", "slice_", "cat", "matmul", "linear"]
 

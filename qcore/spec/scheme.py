@@ -8,8 +8,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .codecs import MX_DTYPES, SCALE_SLOTS, SCALES, VALUES, ScaleSlot, ScaleTraits, ValueTraits, scale_slot_id
-from .errors import SchemeError
+from qcore.spec.codecs import MX_DTYPES, SCALE_SLOTS, SCALES, VALUES, ScaleSlot, ScaleTraits, ValueTraits, scale_slot_id
+from qcore.errors import SchemeError
 
 __all__ = [
     "QuantValue",
@@ -332,7 +332,7 @@ _PACKED_U32_0 = QuantStore(StoreKind.PACKED_U32, 0)
 class QuantScheme:
     """An immutable, hashable quantization scheme (SPEC §1).
 
-    Build with the builder methods, or parse text with `qcore.scheme(...)`:
+    Build with the builder methods, or parse text with `qcore.spec.scheme(...)`:
 
     >>> QuantScheme().with_value(QuantValue.Q4S).per_block([32], ScaleDtype.F16)
     QuantScheme('q4s/block32:f16')

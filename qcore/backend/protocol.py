@@ -16,15 +16,16 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from . import arithmetic, layout
-from .activations import host_array
-from .arithmetic import QParams
-from .checks import check_input_dtype, check_output_dtype
-from .codecs import F32_TINY
-from .errors import BackendUnavailableError, InputError, InvalidDataError, UnsupportedSchemeError
-from .features import declared_features, scheme_features
-from .payload import QuantizedData, sections
-from .scheme import OffsetKind, QuantScheme, scheme as parse_scheme
+from qcore.spec import arithmetic
+from qcore.spec import layout
+from qcore.backend.activations import host_array
+from qcore.spec.arithmetic import QParams
+from qcore.spec.checks import check_input_dtype, check_output_dtype
+from qcore.spec.codecs import F32_TINY
+from qcore.errors import BackendUnavailableError, InputError, InvalidDataError, UnsupportedSchemeError
+from qcore.spec.features import declared_features, scheme_features
+from qcore.spec.payload import QuantizedData, sections
+from qcore.spec.scheme import OffsetKind, QuantScheme, scheme as parse_scheme
 
 __all__ = ["Support", "QParams", "QTensor", "Backend", "BaseBackend", "CALIBRATION_METHODS"]
 
@@ -89,8 +90,8 @@ class QTensor:
         """Decode (SPEC §2.6) to `dtype`: a numpy dtype gives the backend's array (numpy on a host
         backend, a device array on cuda), a torch dtype a torch tensor (on the CPU from a host
         backend, on the GPU from cuda)."""
-        from .activations import as_torch, torch_dtype_as_numpy
-        from .registry import device_of
+        from qcore.backend.activations import as_torch, torch_dtype_as_numpy
+        from qcore.backend.registry import device_of
 
         as_numpy = torch_dtype_as_numpy(dtype)
         if as_numpy is None:
@@ -112,7 +113,7 @@ class QTensor:
     def to(self, backend: "str | Backend") -> "QTensor":
         """Move to another backend through the portable bytes."""
         if isinstance(backend, str):
-            from .registry import backend as get_backend
+            from qcore.backend.registry import backend as get_backend
 
             backend = get_backend(backend)
         return backend.from_data(self.to_data())
@@ -165,13 +166,13 @@ class BaseBackend(abc.ABC):
     `_calibrate`, `_quantize`, `_dequantize`, `_from_data`, `_into_data`, `to_numpy`, and may
     override `_shape_dtype` (for device arrays) and the tensor ops. Hooks receive a parsed,
     supported scheme, checked shapes and rounded explicit parameters; `_calibrate` and
-    `_quantize` must raise `InputError` for non-finite inputs (see `qcore.checks`).
+    `_quantize` must raise `InputError` for non-finite inputs (see `qcore.spec.checks`).
     """
 
     name: str = "?"
     priority: int = 0
     scheme_features: frozenset[str] = frozenset()
-    """The scheme features beyond SPEC v1 (`qcore.features`: `round:rne`, `codes:away`, `zero`,
+    """The scheme features beyond SPEC v1 (`qcore.spec.features`: `round:rne`, `codes:away`, `zero`,
     `flat`, ...) that this backend implements; `supports()` refuses a scheme that uses any other
     one before `_supports` is asked. None by default, so a backend written for SPEC v1 never
     claims a later feature; a subclass lists its own (a set of names, checked when the class is
@@ -275,7 +276,7 @@ class BaseBackend(abc.ABC):
                 f"backend '{self.name}' is not available: {self.describe()}; "
                 "pick another with qcore.backend(name) or leave it to 'auto'"
             )
-        from .registry import require_support
+        from qcore.backend.registry import require_support
 
         return require_support(self, scheme)
 
@@ -477,13 +478,13 @@ class BaseBackend(abc.ABC):
 
     # ------------------------------------------------------------------ tensor ops
     def reshape(self, q: QTensor, shape: Sequence[int]) -> QTensor:
-        from . import ops
+        from qcore.backend import ops
 
         q = self._own(q)
         return ops.reshape(self, q, shape)
 
     def permute(self, q: QTensor, axes: Sequence[int]) -> QTensor:
-        from . import ops
+        from qcore.backend import ops
 
         q = self._own(q)
         return ops.permute(self, q, axes)
@@ -493,13 +494,13 @@ class BaseBackend(abc.ABC):
         return self.permute(q, tuple(range(len(q.shape)))[::-1])
 
     def slice(self, q: QTensor, index: Sequence[slice] | slice) -> QTensor:
-        from . import ops
+        from qcore.backend import ops
 
         q = self._own(q)
         return ops.slice_(self, q, index)
 
     def cat(self, qs: Sequence[QTensor], axis: int = 0) -> QTensor:
-        from . import ops
+        from qcore.backend import ops
 
         qs = [self._own(q) for q in qs]
         return ops.cat(self, qs, axis)
@@ -518,8 +519,8 @@ class BaseBackend(abc.ABC):
         by this backend, and decoded (a row holding a non-finite value decoded as NaN), and
         `dtype=None` keeps meaning x's own dtype; a torch x stays torch, so the result comes back
         as x came."""
-        from . import act as _act
-        from .activations import host_activation, in_callers_kind, product_dims
+        from qcore.backend import act as _act
+        from qcore.backend.activations import host_activation, in_callers_kind, product_dims
 
         if isinstance(x, QTensor):
             return self.to_numpy(self.dequantize(_act.given_x(self, what, x, w.shape, act))), dtype
@@ -537,7 +538,7 @@ class BaseBackend(abc.ABC):
         """`x @ dequantize(w)` for float `x` [..., K] and quantized `w` [K, N], block by block, f32
         sums rounded once to `dtype` (default float32; None: x's dtype). `act=SCHEME` quantizes x
         per row first, and x may be a QTensor (docs/spec.md E9)."""
-        from . import ops
+        from qcore.backend import ops
 
         w = self._own(w)
         x, dtype = self._product_x("matmul", x, w, act, dtype)
@@ -550,7 +551,7 @@ class BaseBackend(abc.ABC):
         came (numpy or torch) (docs/spec.md, "Products with a quantized weight"). `act=SCHEME`
         (e.g. `e4m3/block{K}:f32`) multiplies by `dequantize(quantize(x, act))` instead of x, and
         x may be a QTensor [..., K] of this backend (docs/spec.md E9)."""
-        from . import ops
+        from qcore.backend import ops
 
         w = self._own(w)
         x, dtype = self._product_x("linear", x, w, act, dtype)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Iterable
 
-from .scheme import CodeRule, FieldOrder, OffsetKind, QuantScheme, ScaleRound
+from qcore.spec.scheme import CodeRule, FieldOrder, OffsetKind, QuantScheme, ScaleRound
 
 __all__ = ["SchemeFeature", "FEATURES", "ALL_FEATURES", "scheme_features", "declared_features"]
 
@@ -76,5 +76,5 @@ def declared_features(names: Iterable[str], owner: str) -> frozenset[str]:
     unknown = sorted(map(repr, got - ALL_FEATURES))
     if unknown:
         raise TypeError(f"{owner}.scheme_features names unknown feature(s) {', '.join(unknown)}; "
-                        f"the features are {', '.join(FEATURES)} (qcore.features)")
+                        f"the features are {', '.join(FEATURES)} (qcore.spec.features)")
     return got

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError, SchemeError, UnsupportedSchemeError
-from .protocol import QTensor
-from .scheme import QuantScheme
+from qcore.errors import InputError, SchemeError, UnsupportedSchemeError
+from qcore.backend.protocol import QTensor
+from qcore.spec.scheme import QuantScheme
 
 __all__ = ["act_scheme", "finite_rows", "given_x", "nan_rows"]
 
@@ -35,8 +35,8 @@ def act_scheme(be: Any, act: Any, what: str, k: int) -> QuantScheme:
     """`act` parsed and checked for a `what` product of reduction length `k` on backend `be`: its
     scale slots lie in single rows of x (else `SchemeError`) and `be` runs it (else
     `UnsupportedSchemeError` naming the backends that do)."""
-    from .registry import require_support
-    from .scheme import scheme as parse_scheme
+    from qcore.backend.registry import require_support
+    from qcore.spec.scheme import scheme as parse_scheme
 
     scheme = parse_scheme(act)
     why = _across_rows(scheme)
@@ -73,8 +73,8 @@ def nan_rows(xd: np.ndarray, bad: np.ndarray | None) -> np.ndarray:
 def given_x(be: Any, what: str, x: QTensor, w_shape: tuple[int, ...], act: Any) -> QTensor:
     """A QTensor x of a `what` product on backend `be`, checked: on `be` (else `q.to(...)`), its
     last axis K of the weight `w_shape`, and `act`, if given, its own scheme."""
-    from .activations import product_dims
-    from .scheme import scheme as parse_scheme
+    from qcore.backend.activations import product_dims
+    from qcore.spec.scheme import scheme as parse_scheme
 
     if x.backend is not be and x.backend.name != be.name:
         raise InputError(f"{what}'s quantized x lives on backend '{x.backend.name}'; move it with x.to('{be.name}')")

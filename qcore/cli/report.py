@@ -12,7 +12,7 @@ import math
 import os
 from typing import Mapping, Sequence
 
-from .errors import InputError, QCoreError
+from qcore.errors import InputError, QCoreError
 
 __all__ = ["FORMATS", "require", "write", "png_bytes"]
 
@@ -87,7 +87,7 @@ td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}td:first-child{{t
 def write(path: str | os.PathLike, tensors: Sequence[str], sqnr: Mapping[str, Sequence[float]],
           title: str = "qcore quantization error") -> None:
     """Write the report to `path` (.png or .html), atomically."""
-    from .io import atomic_write
+    from qcore.files.io import atomic_write
 
     suffix = require(path)
     for name, values in sqnr.items():

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .protocol import QTensor
+from qcore.backend.protocol import QTensor
 
 __all__ = ["error_stats", "tensor_stats", "sqnr_db"]
 

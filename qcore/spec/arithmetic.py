@@ -1,8 +1,8 @@
 """SPEC §2 (Arithmetic) as plain numpy functions over whole arrays: the one home of each rule.
 
 The statistic per slot, the raw scale and its round-up to the scale dtype (through the trait
-tables of `qcore.codecs`), the two-level normalisation, the effective scale, encode and decode.
-The `reference` backend is these functions in a row (`quantize`); the tensor ops (`qcore.ops`)
+tables of `qcore.spec.codecs`), the two-level normalisation, the effective scale, encode and decode.
+The `reference` backend is these functions in a row (`quantize`); the tensor ops (`qcore.backend.ops`)
 and other backends call them for the steps they do not run in kernels. Clarity over speed:
 full-size temporaries, one readable step per rule.
 """
@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import layout
-from .checks import raise_nonfinite, to_f32
-from .codecs import F32_TINY, SCALE_SLOTS, ScaleSlot, rule_codes, scale_slot_id
-from .errors import InputError
-from .payload import QuantizedData
-from .scheme import CodeRule, OffsetKind, QuantScheme
+from qcore.spec import layout
+from qcore.spec.checks import raise_nonfinite, to_f32
+from qcore.spec.codecs import F32_TINY, SCALE_SLOTS, ScaleSlot, rule_codes, scale_slot_id
+from qcore.errors import InputError
+from qcore.spec.payload import QuantizedData
+from qcore.spec.scheme import CodeRule, OffsetKind, QuantScheme
 
 __all__ = [
     "QParams",

@@ -19,11 +19,11 @@ from typing import Any, Sequence
 import numpy as np
 import pluggy
 
-from . import hookspecs
-from .errors import BackendNotFoundError, BackendUnavailableError, UnsupportedSchemeError
-from .payload import QuantizedData
-from .protocol import Backend, QParams, QTensor, Support
-from .scheme import QuantScheme, scheme as parse_scheme
+from qcore.backend import hookspecs
+from qcore.errors import BackendNotFoundError, BackendUnavailableError, UnsupportedSchemeError
+from qcore.spec.payload import QuantizedData
+from qcore.backend.protocol import Backend, QParams, QTensor, Support
+from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
 
 __all__ = [
     "ENV_VAR",
@@ -98,7 +98,7 @@ def _load() -> dict[str, Backend]:
         _disabled[:] = disabled
         eps = [ep for ep in entry_points(group=hookspecs.PROJECT) if ep.name not in disabled]
         if "reference" not in disabled and not any(ep.name == "reference" for ep in eps):
-            from . import _builtin  # a source tree that was never installed
+            from qcore.backend import _builtin
 
             pm.register(_builtin, name="reference")
         for ep in eps:

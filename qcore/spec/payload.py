@@ -14,9 +14,9 @@ from typing import Sequence
 
 import numpy as np
 
-from . import layout
-from .errors import InputError, InvalidDataError, SchemeError
-from .scheme import OffsetKind, QuantScheme, scheme as parse_scheme, _check_table
+from qcore.spec import layout
+from qcore.errors import InputError, InvalidDataError, SchemeError
+from qcore.spec.scheme import OffsetKind, QuantScheme, scheme as parse_scheme, _check_table
 
 __all__ = ["QuantizedData", "Sections", "sections", "offset_nbytes", "offset_bytes"]
 

@@ -1,4 +1,4 @@
-"""The `reference` backend: SPEC §2 step by step in plain numpy (`qcore.arithmetic`).
+"""The `reference` backend: SPEC §2 step by step in plain numpy (`qcore.spec.arithmetic`).
 
 This backend is the executable form of the spec; every other backend is compared with it bit for
 bit. It runs every valid scheme, slowly, on the CPU.
@@ -9,12 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from . import arithmetic
-from .checks import raise_nonfinite, to_f32
-from .payload import QuantizedData
-from .features import ALL_FEATURES
-from .protocol import BaseBackend, QParams, Support
-from .scheme import QuantScheme
+from qcore.spec import arithmetic
+from qcore.spec.checks import raise_nonfinite, to_f32
+from qcore.spec.payload import QuantizedData
+from qcore.spec.features import ALL_FEATURES
+from qcore.backend.protocol import BaseBackend, QParams, Support
+from qcore.spec.scheme import QuantScheme
 
 __all__ = ["ReferenceBackend"]
 
@@ -24,8 +24,8 @@ class ReferenceBackend(BaseBackend):
 
     name = "reference"
     priority = 0
-    scheme_features = ALL_FEATURES  # every extension of docs/spec.md (qcore.arithmetic, qcore.layout)
-    packs_field_orders = True  # qcore.layout packs every field order (docs/spec.md E6)
+    scheme_features = ALL_FEATURES  # every extension of docs/spec.md (qcore.spec.arithmetic, qcore.spec.layout)
+    packs_field_orders = True  # qcore.spec.layout packs every field order (docs/spec.md E6)
 
     def available(self) -> bool:
         return True

@@ -17,14 +17,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import __version__, _signals
-from . import io as qio
-from .console import console, escape, fmt_bytes, fmt_db, fmt_shape
-from .errors import InputError, QCoreError
-from .recipe import KEEP, Recipe, as_recipe
-from .scheme import PRESETS, Native, PackedNative, PackedU32, QuantMode, QuantScheme, QuantValue, ScaleDtype, base_scheme
-from .scheme import scheme as parse_scheme
-from .stats import error_stats
+from qcore import __version__, _signals
+from qcore.files import io as qio
+from qcore.cli.console import console, escape, fmt_bytes, fmt_db, fmt_shape
+from qcore.errors import InputError, QCoreError
+from qcore.model.recipe import KEEP, Recipe, as_recipe
+from qcore.spec.scheme import PRESETS, Native, PackedNative, PackedU32, QuantMode, QuantScheme, QuantValue, ScaleDtype, base_scheme
+from qcore.spec.scheme import scheme as parse_scheme
+from qcore.backend.stats import error_stats
 
 
 __all__ = ["main", "error_stats"]
@@ -45,7 +45,7 @@ class _Parser(argparse.ArgumentParser):
 
 # ------------------------------------------------------------------------------------ backends
 def _registry():
-    from . import registry
+    from qcore.backend import registry
 
     return registry
 
@@ -175,15 +175,15 @@ def _recipe(args: argparse.Namespace) -> Recipe:
 
 def _runner(args: argparse.Namespace, err, on_shard) -> tuple[Any, dict[str, Any]]:
     """quantize_model, or the shard-per-unit runner for --cluster/--scheduler and storage URLs."""
-    from .model import quantize_model
-    from .storage import is_url
+    from qcore.model.run import quantize_model
+    from qcore.files.storage import is_url
 
     if not (args.cluster or args.scheduler or is_url(args.input) or is_url(args.output)):
         if args.group_size:
             raise _UsageError("--group-size splits shards into tasks of a --cluster or --scheduler run "
                               "(or of a run on storage URLs); give one of them")
         return quantize_model, {}
-    from .distributed import quantize_model_distributed
+    from qcore.model.distributed import quantize_model_distributed
 
     return quantize_model_distributed, {"cluster": args.cluster, "scheduler": args.scheduler, "on_shard": on_shard,
                                         "group_bytes": args.group_size,
@@ -193,7 +193,7 @@ def _runner(args: argparse.Namespace, err, on_shard) -> tuple[Any, dict[str, Any
 def cmd_quantize(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from .registry import backend as get_backend
+    from qcore.backend.registry import backend as get_backend
 
     if args.min_size < 0:
         raise _UsageError("--min-size must be >= 0")
@@ -205,7 +205,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     for s in compare:
         _registry().require_support(be, s)
     if args.report:
-        from . import report
+        from qcore.cli import report
 
         report.require(args.report)
         if args.no_stats:
@@ -254,7 +254,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     q_rows = [r for r in res.tensors if r.quantized]
     if args.report:
-        from . import report
+        from qcore.cli import report
 
         names = [r.name for r in q_rows if not r.note]
         label = args.scheme if args.scheme and not recipe.rules else "recipe"
@@ -311,7 +311,7 @@ _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": "bfloat16",
 def cmd_dequantize(args: argparse.Namespace) -> int:
     import ml_dtypes
 
-    from .model import dequantize_model
+    from qcore.model.run import dequantize_model
 
     dtype = None
     if args.dtype is not None:
@@ -329,8 +329,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from rich.markup import escape  # scheme text such as q4s-lookup[nf4] is not rich markup
     from rich.table import Table
 
-    from .checkpoint import resolve
-    from .formats.cli import format_of, read_info as read_foreign_info
+    from qcore.files.checkpoint import resolve
+    from qcore.cli.convert import format_of, read_info as read_foreign_info
 
     fmt = format_of(args.file)
     if fmt == "qcore":
@@ -405,7 +405,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _stored_recipe(text: str) -> tuple[Any, str]:
-    """A file's stored recipe (`qcore.recipe` metadata) as inspect shows it: (its value in --json,
+    """A file's stored recipe (`qcore.model.recipe` metadata) as inspect shows it: (its value in --json,
     its line in the table). Text that is not a valid recipe is shown as it is, with a note."""
     try:
         line = Recipe.from_json(text).describe()
@@ -418,7 +418,7 @@ def _stored_recipe(text: str) -> tuple[Any, str]:
 # --------------------------------------------------------------------------------- conformance
 def cmd_conformance(args: argparse.Namespace, extra: list[str]) -> int:
     try:
-        from .conformance import runner
+        from qcore.conformance import runner
     except ImportError as e:
         raise QCoreError(
             f"the conformance runner (qcore.conformance.runner) is not available in this install: {e}"
@@ -436,7 +436,7 @@ class _RunnerHelp(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from .conformance import runner
+        from qcore.conformance import runner
 
         rp = runner._parser()
         rp.prog = "qcore conformance"
@@ -565,7 +565,7 @@ def _parser() -> _Parser:
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=cmd_inspect)
 
-    from .formats.cli import add_convert
+    from qcore.cli.convert import add_convert
 
     add_convert(sub)
 
@@ -626,7 +626,7 @@ def _interrupted_message(output: str | None, before: tuple[int, int, int] | None
 
 
 def _folder_message(output: str, progress: Any) -> str:
-    """What an interrupted run left in its output folder (a `qcore.model.RunProgress`): complete
+    """What an interrupted run left in its output folder (a `qcore.model.run.RunProgress`): complete
     only when every shard and the index are; else how many shards are, and the way on."""
     done = set(progress.complete())
     shards = sum(p in done for p in progress.shards)
@@ -642,8 +642,8 @@ def _folder_message(output: str, progress: Any) -> str:
 
 
 def _track_progress() -> Any:
-    """A `qcore.model.RunProgress` for this run, where `_interrupted_message` finds it."""
-    from .model import RunProgress
+    """A `qcore.model.run.RunProgress` for this run, where `_interrupted_message` finds it."""
+    from qcore.model.run import RunProgress
 
     progress = RunProgress()
     _RUN["progress"] = progress
@@ -658,8 +658,8 @@ def _check_source(path: str) -> None:
     device or a socket (reading waits for a writer, or goes on forever), and a checkpoint whose
     index is unreadable or names shards that are not files in its folder (an index naming `.`
     would be read again and again). Missing paths, hub ids and URLs are left to the command."""
-    from .checkpoint import resolve
-    from .storage import is_url
+    from qcore.files.checkpoint import resolve
+    from qcore.files.storage import is_url
 
     if is_url(path) or not os.path.exists(path):
         return
@@ -673,7 +673,7 @@ def _check_source(path: str) -> None:
 
 _RUN: dict[str, Any] = {"output": None, "before": None, "reported": False, "rc": None, "progress": None}
 """The running command's OUT, what was at OUT before, whether its outcome was reported (with
-which exit status), and the files of a folder OUT (`qcore.model.RunProgress`): a module value,
+which exit status), and the files of a folder OUT (`qcore.model.run.RunProgress`): a module value,
 so that the `qcore` entry point (`_qcore_launch`) can report truthfully on a signal that lands
 on the first or last lines of `main`."""
 

@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, Union
 import ml_dtypes
 import numpy as np
 
-from .errors import InputError, InvalidDataError
+from qcore.errors import InputError, InvalidDataError
 
 __all__ = ["ST_DTYPES", "st_dtype", "np_dtype", "TensorHead", "Reader", "StreamWriter", "header_room"]
 
@@ -207,7 +207,7 @@ class StreamWriter:
 
     `room` is the header's reserved size (`header_room`); tensors follow in the order they are
     added. `finish()` writes the header into its room. The caller owns atomicity (the file is a
-    temporary one, see `qcore.io.atomic_write`).
+    temporary one, see `qcore.files.io.atomic_write`).
     """
 
     def __init__(self, f: BinaryIO, room: int):

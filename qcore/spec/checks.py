@@ -6,7 +6,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .errors import InputError
+from qcore.errors import InputError
 
 __all__ = [
     "INPUT_DTYPES",

@@ -4,7 +4,7 @@ qcore's readers and writers work on local files (`os.preadv`, memory maps, `os.r
 remote storage is reached through three local stand-ins:
 
 - a *header stub*: the first 8 + N bytes of a safetensors file (its header), extended to the
-  remote file's size as a sparse file. Planning (`qcore.checkpoint.resolve`, `qcore.io.read_info`,
+  remote file's size as a sparse file. Planning (`qcore.files.checkpoint.resolve`, `qcore.files.io.read_info`,
   the run markers, which hash the header and the size) reads only that, so a remote checkpoint is
   planned exactly as a local one, without downloading tensors;
 - a *staged shard*: a whole input shard downloaded to a worker's scratch directory, or, for a
@@ -28,7 +28,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InputError, InvalidDataError
+from qcore.errors import InputError, InvalidDataError
 
 __all__ = ["Location", "is_url", "location", "HEADER_PREFIX_LEN", "TMP_SUFFIX"]
 
@@ -141,7 +141,7 @@ class Location:
             return path
         if not self.header_stub(path, local):
             raise FileNotFoundError(2, "No such file", self.fs.unstrip_protocol(path))
-        from .stfile import Reader
+        from qcore.files.stfile import Reader
 
         with Reader(local) as r:
             start = HEADER_PREFIX_LEN + len(r.header_bytes)
@@ -175,9 +175,9 @@ class Location:
 
     def upload_tree(self, local: str, path: str) -> None:
         """Copy a local file or directory tree (an entry of a model folder) to `path`, each file
-        through `upload`: the files `qcore.checkpoint.other_files` names, so no link out of the
+        through `upload`: the files `qcore.files.checkpoint.other_files` names, so no link out of the
         model folder, to a device or FIFO, or to a folder (a loop) is followed."""
-        from .checkpoint import other_files
+        from qcore.files.checkpoint import other_files
 
         root, name = os.path.split(os.path.abspath(local))
         for rel in other_files(root, [name]):
@@ -189,7 +189,7 @@ class Location:
         if self.local:
             import shutil
 
-            from .io import atomic_write
+            from qcore.files.io import atomic_write
 
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             atomic_write(path, lambda tmp: shutil.copyfile(src, tmp))

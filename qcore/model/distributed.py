@@ -2,11 +2,11 @@
 
 Every scale qcore computes is per tensor, so the work splits without any collective: one planned
 output shard is one unit (for an unchanged layout, one input shard in, one output shard out).
-The client plans every shard from the source headers alone (`qcore.model.plan_shards`, through
-header stubs for remote sources, see `qcore.storage`), sends each unit to a Dask worker, and
+The client plans every shard from the source headers alone (`qcore.model.run.plan_shards`, through
+header stubs for remote sources, see `qcore.files.storage`), sends each unit to a Dask worker, and
 writes the index and copies the other files once all shards are in. A worker stages the unit's
 source shards (remote ones are downloaded to its scratch directory), runs
-`qcore.model.quantize_shard` (the single-process code: tensors stream through, so a unit's memory
+`qcore.model.run.quantize_shard` (the single-process code: tensors stream through, so a unit's memory
 is about three times its largest tensor whatever the shard's size) and puts the result at the
 destination under a temporary name, then moves it onto the shard's name. The output bytes are
 those of `qcore.quantize_model`.
@@ -16,7 +16,7 @@ its tensors, in plan order, are cut into consecutive groups of at most that many
 (`tensor_groups`), each group is a task of its own (`run_group`: it stages just its tensors'
 bytes and writes a part file next to the shard under a temporary name,
 `.NAME.part-K-of-N.<token>.tmp`), and an assembly task (`assemble_unit`, through
-`qcore.model.assemble_shard`) streams the parts in order into the shard, with the header and
+`qcore.model.run.assemble_shard`) streams the parts in order into the shard, with the header and
 metadata `quantize_shard` writes, moves it into place and deletes the parts. The groups' rows
 come back from their tasks, so progress advances per group.
 
@@ -42,15 +42,15 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .checkpoint import INDEX_NAME, Checkpoint, parse_size, resolve
-from .errors import InputError
-from .integrations.config import CONFIG_NAME, quantization_config, write_config
-from .model import (IN_FLIGHT, ModelResult, PathLike, TensorResult, _write_index, assemble_shard,
+from qcore.files.checkpoint import INDEX_NAME, Checkpoint, parse_size, resolve
+from qcore.errors import InputError
+from qcore.integrations.config import CONFIG_NAME, quantization_config, write_config
+from qcore.model.run import (IN_FLIGHT, ModelResult, PathLike, TensorResult, _write_index, assemble_shard,
                     completed_shard, consecutive_groups, plan_shards, planned_schemes, prepare_run, quantize_shard,
                     resumed_rows)
-from .recipe import RecipeLike
-from .stfile import Reader
-from .storage import Location, location
+from qcore.model.recipe import RecipeLike
+from qcore.files.stfile import Reader
+from qcore.files.storage import Location, location
 
 __all__ = ["Unit", "Part", "run_unit", "run_group", "assemble_unit", "split_unit", "tensor_groups",
            "quantize_model_distributed", "open_client"]
@@ -67,7 +67,7 @@ class Unit:
     """One output shard to write, or one group of a split shard's tensors: what a worker needs,
     picklable."""
 
-    shard: Any                        # qcore.model planned shard (its tensors, schemes, run marker)
+    shard: Any                        # qcore.model.run planned shard (its tensors, schemes, run marker)
     sources: dict[str, str]           # source shard name -> its path on the source filesystem
     source_url: str                   # the source location (filesystem and options come from it)
     out: str                          # the shard's path on the destination filesystem
@@ -128,7 +128,7 @@ def run_group(unit: Unit, k: int, n: int, scratch: str | None = None) -> Part:
 
 
 def assemble_unit(unit: Unit, parts: Sequence[Part], scratch: str | None = None) -> None:
-    """Write a split shard from its groups' parts, in order (`qcore.model.assemble_shard`), move it
+    """Write a split shard from its groups' parts, in order (`qcore.model.run.assemble_shard`), move it
     onto the shard's name whole, then delete the parts.
 
     Idempotent: Dask runs a task again when the worker holding its result dies, and by then the

@@ -1,0 +1,1 @@
+"""Files: qcore safetensors files, streaming safetensors, checkpoints (files, folders, indexes), storage."""
