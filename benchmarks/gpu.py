@@ -299,7 +299,7 @@ def main(argv=None) -> int:
 
     api_fns: dict = {}  # scheme -> its API calls (label -> fn), timed after the loop
     for text in SCHEMES:
-        s = qcore.spec.scheme(text)
+        s = qcore.scheme(text)
         fc = fresh[text]
         t0 = time.time()
         q = be.quantize(x, s)  # compiles the kernels once (or loads them from the disk cache)

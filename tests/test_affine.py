@@ -51,7 +51,7 @@ def test_zero_point_calibration_against_an_oracle(text, qmin, qmax, dt):
     x[0, :16] = np.abs(x[0, :16]) + 1   # all positive: the range still holds 0, z = qmin
     x[1, :16] = -np.abs(x[1, :16]) - 1  # all negative: z = qmax
     x[2, :16] = 0
-    q = A.quantize(x, qcore.spec.scheme(text))
+    q = A.quantize(x, qcore.scheme(text))
     s, z, codes = _zero_point_oracle(x, 16, qmin, qmax, dt)
     assert np.array_equal(q.scales().reshape(-1), s)
     assert np.array_equal(q.offsets().reshape(-1), z)
@@ -62,7 +62,7 @@ def test_zero_point_calibration_against_an_oracle(text, qmin, qmax, dt):
 def test_min_offset_decode_is_two_roundings_never_a_fused_multiply_add(request):
     """f32(255 * (1 + 2^-23)) - 255 = 2^-15 (the product rounds first); an fma would give
     255 * 2^-23. Both backends, the GPU included, where `mul_rn` keeps the product apart."""
-    s = qcore.spec.scheme("u8/min:f32")
+    s = qcore.scheme("u8/min:f32")
     payload = bytes([255]) + np.float32(1 + 2**-23).tobytes() + np.float32(-255).tobytes()
     d = QuantizedData((1,), s, payload)
     want = np.float32(np.float32(255 * np.float32(1 + 2**-23)) - np.float32(255))
@@ -74,12 +74,12 @@ def test_min_offset_decode_is_two_roundings_never_a_fused_multiply_add(request):
 
 
 def test_offsets_in_the_payload_are_validated():
-    s = qcore.spec.scheme("q4f/block32:f16/zero")
+    s = qcore.scheme("q4f/block32:f16/zero")
     base = bytes(16) + np.float16(0.5).tobytes()
     assert QuantizedData((32,), s, base + np.int8(-8).tobytes()).offsets().tolist() == [-8.0]
     with pytest.raises(InvalidDataError, match=r"zero points must lie in the value's range \[-8, 7\]"):
         QuantizedData((32,), s, base + np.int8(8).tobytes())
-    m = qcore.spec.scheme("u4/block32:f16/min:bf16")
+    m = qcore.scheme("u4/block32:f16/min:bf16")
     with pytest.raises(InvalidDataError, match="min offsets must be finite"):
         QuantizedData((32,), m, base + np.array([0x7FC0], "<u2").tobytes())
     with pytest.raises(InvalidDataError, match="must be 19 bytes"):
@@ -90,13 +90,13 @@ def test_offsets_in_the_payload_are_validated():
 def test_explicit_offsets(request, be_name):
     be = get_backend(be_name, request)
     x = _x((2, 32), 2)
-    s = qcore.spec.scheme("u4/block16:f32/min:f16")
+    s = qcore.scheme("u4/block16:f32/min:f16")
     p = QParams(np.full((2, 2), 0.25, np.float32), None, np.array([[-1.0001, 0.0], [2.5, -3.0]], np.float32))
     got = be.into_data(be.quantize(x, s, params=p))
     ref = qcore.backend("reference").into_data(qcore.backend("reference").quantize(x, s, params=p))
     assert got.payload == ref.payload
     assert got.offsets().tolist() == [[np.float16(-1.0001), 0.0], [2.5, -3.0]]  # rounded into f16
-    z = qcore.spec.scheme("q4f/block16:f32/zero")
+    z = qcore.scheme("q4f/block16:f32/zero")
     for bad, why in ((None, "must give one offset per slot"), (np.zeros((2, 3)), "has shape"),
                      (np.full((2, 2), 0.5), "integers in \\[-8, 7\\]"), (np.full((2, 2), 8.0), "integers in"),
                      (np.full((2, 2), np.nan), "finite")):
@@ -136,13 +136,13 @@ def test_ops_carry_the_offsets(request, be_name, text):
 
 def test_unsigned_values_need_an_offset_and_min_needs_unsigned():
     with pytest.raises(SchemeError, match="need an affine offset"):
-        qcore.spec.scheme("u4/block32:f16")
+        qcore.scheme("u4/block32:f16")
     with pytest.raises(SchemeError, match="needs an unsigned value"):
-        qcore.spec.scheme("q4f/block32:f16/min:f16")
+        qcore.scheme("q4f/block32:f16/min:f16")
     with pytest.raises(SchemeError, match="one scale level"):
-        qcore.spec.scheme("u4/block16:ue4m3/tensor:f32/zero")
-    assert qcore.spec.scheme("u4/block32:f16/min:f16").code_dtype == np.uint8
-    assert str(qcore.spec.scheme("q4_1")) == "u4/block32:f16/min:f16/round:rne/codes:offset"
+        qcore.scheme("u4/block16:ue4m3/tensor:f32/zero")
+    assert qcore.scheme("u4/block32:f16/min:f16").code_dtype == np.uint8
+    assert str(qcore.scheme("q4_1")) == "u4/block32:f16/min:f16/round:rne/codes:offset"
 
 
 def test_ndarray_runs_its_8_bit_values_with_zero_points_and_refuses_unsigned_ones():

@@ -95,7 +95,7 @@ def test_bounds_inputs_aim_at_each_rules_boundaries():
     """`bounds` slots under rne aim the raw scale at a midpoint between storable values (and an ulp
     either side); under mx, whose raw scale is amax itself, at a power of two."""
     for text, check in (("q8s/block32:f16/round:rne", "tie"), ("q8s/block32:ue8m0/round:mx", "pow2")):
-        s = qcore.spec.scheme(text)
+        s = qcore.scheme(text)
         hits = 0
         for seed in range(6):
             x = scheme_input((4, 192), "bounds", s, seed)
@@ -120,10 +120,10 @@ def test_supported_strata_get_two_separating_cases_and_refused_ones_one():
 
 
 def test_decision_points_are_every_tie_and_midpoint():
-    q8s = decision_points(qcore.spec.scheme("q8s"))
+    q8s = decision_points(qcore.scheme("q8s"))
     ties = np.arange(-126.5, 127, 1.0)
     assert set(ties) <= set(q8s.tolist()) and 127.5 not in q8s and -127.5 not in q8s
-    e2m1 = decision_points(qcore.spec.scheme("e2m1"))
+    e2m1 = decision_points(qcore.scheme("e2m1"))
     assert {0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0, 6.0}.issubset(set(e2m1.tolist()))
     assert np.signbit(e2m1[-1]) and e2m1[-1] == 0  # -0.0
 
@@ -166,17 +166,17 @@ def test_input_kinds_views_hold_the_same_values_in_other_memory_orders():
     assert set(views) == {"fortran", "transposed", "step-axis0", "step-last-axis", "negative-strides"}
     for v in views.values():
         assert not v.flags.c_contiguous and np.array_equal(v, x)
-    cases = list(C.scheme_cases("inputs", schemes=[qcore.spec.scheme("q8s/block3x5:f32")]))
+    cases = list(C.scheme_cases("inputs", schemes=[qcore.scheme("q8s/block3x5:f32")]))
     assert [c.dist for c in cases] == ["maxlast", "maxfirst", "normal", "normal"]
     assert cases[-1].shape == C.LARGE_SHAPE and np.prod(C.LARGE_SHAPE) > 2 ** 20
-    assert [c.dist for c in C.scheme_cases("inputs", max_elements=1000, schemes=[qcore.spec.scheme("q8s")])] == \
+    assert [c.dist for c in C.scheme_cases("inputs", max_elements=1000, schemes=[qcore.scheme("q8s")])] == \
         ["maxlast", "maxfirst", "normal"]
 
 
 def test_bounds_input_puts_raw_scales_on_and_around_storable_values():
-    s = qcore.spec.scheme("q8s/block4x8:f16")
+    s = qcore.scheme("q8s/block4x8:f16")
     x = scheme_input((24, 64), "bounds", s, 3)
-    raw = (calibrate(x, qcore.spec.scheme("q8s/block4x8:f32")).scales).reshape(-1)  # max / h, unrounded
+    raw = (calibrate(x, qcore.scheme("q8s/block4x8:f32")).scales).reshape(-1)  # max / h, unrounded
     tr = s.slot_dtype.traits
     stored = tr.store(raw)
     at = raw == stored
@@ -192,12 +192,12 @@ def test_expect_patterns():
     yes = ["q8s", "q8s/block32:f32", "q8s/block4x8:f32"]
     no = ["q8s/block32:f16", "q8s/block32:f16/tensor:f32", "q8f", "q8s/packed_u32", "q8s-lookup"]
     assert all(e(C.conformance_scheme(t)) for t in yes) and not any(e(C.conformance_scheme(t)) for t in no)
-    assert scheme_label(qcore.spec.scheme("nvfp4")) == "e2m1/block16:ue4m3/tensor:f32/packed_native"
+    assert scheme_label(qcore.scheme("nvfp4")) == "e2m1/block16:ue4m3/tensor:f32/packed_native"
     lookup = parse_expect(["*-lookup*", "!q2*"])
-    assert lookup(qcore.spec.scheme("nf4")) and not lookup(C.conformance_scheme("q2s-lookup"))
-    assert not lookup(qcore.spec.scheme("q4s"))
+    assert lookup(qcore.scheme("nf4")) and not lookup(C.conformance_scheme("q2s-lookup"))
+    assert not lookup(qcore.scheme("q4s"))
     assert parse_expect(["none"]).empty and parse_expect([]) is None
-    assert as_expectation([]).empty and as_expectation("q8s")(qcore.spec.scheme("q8s/block32:bf16"))
+    assert as_expectation([]).empty and as_expectation("q8s")(qcore.scheme("q8s/block32:bf16"))
     with pytest.raises(InputError, match="cannot be read"):
         parse_expect(["@/no/such/file"])
     with pytest.raises(InputError, match="'none' and also"):
@@ -260,8 +260,8 @@ def test_expect_per_backend_on_the_command_line():
     from qcore.conformance.expect import per_backend as _expectations
 
     e = _expectations(["ndarray=q8f,q8s", "lutcpu=*-lookup*"], ["ndarray", "lutcpu"])
-    assert e["ndarray"](qcore.spec.scheme("q8s/block32:bf16")) and not e["ndarray"](qcore.spec.scheme("nf4"))
-    assert e["lutcpu"](qcore.spec.scheme("nf4")) and not e["lutcpu"](qcore.spec.scheme("q8s"))
+    assert e["ndarray"](qcore.scheme("q8s/block32:bf16")) and not e["ndarray"](qcore.scheme("nf4"))
+    assert e["lutcpu"](qcore.scheme("nf4")) and not e["lutcpu"](qcore.scheme("q8s"))
     with pytest.raises(InputError, match="does not check"):
         _expectations(["cuda=q8s"], ["ndarray"])
 

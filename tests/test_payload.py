@@ -12,13 +12,13 @@ NF4ISH = [-100, -10, -4, -2, -1, -.5, -.25, 0, .125, .25, .5, .75, 1, 2, 8, 42]
 
 
 def test_q8s_native_known_payload():
-    d = QuantizedData.from_parts((2, 3), qcore.spec.scheme("q8s"), np.int8([0, 25, 51, 76, 102, 127]), np.float32(0.03937008))
+    d = QuantizedData.from_parts((2, 3), qcore.scheme("q8s"), np.int8([0, 25, 51, 76, 102, 127]), np.float32(0.03937008))
     assert d.payload.hex(" ") == "00 19 33 4c 66 7f 85 42 21 3d"
     assert d.scales().shape == () and d.scales() == np.float32(0.03937008)
 
 
 def test_two_level_known_payload():
-    s = qcore.spec.scheme("q8s/block4:ue4m3/tensor:f32")
+    s = qcore.scheme("q8s/block4:ue4m3/tensor:f32")
     codes = np.int8([0, 25, 51, 76, 102, 127, -128, -1])
     d = QuantizedData.from_parts((8,), s, codes, np.float32([0.5, 0.125]), 3.0)
     assert len(d.payload) == 14
@@ -70,7 +70,7 @@ PAIRS = [f"{v.value}{'-lookup' if lk else ''}/{st}" + ("/zero" if v.traits.unsig
 @pytest.mark.parametrize("text", PAIRS)
 @pytest.mark.parametrize("shape", [(3, 5, 33), (1, 1, 1), (2, 0, 7), (4, 9, 8)], ids=str)
 def test_every_value_store_pair_round_trips_codes(text, shape):
-    s = qcore.spec.scheme(text)
+    s = qcore.scheme(text)
     if s.is_lookup:
         s = s.with_mode("lookup", [float(i) for i in range(1 << s.bits)])
     rng = np.random.default_rng(abs(hash((text, shape))) % 2**32)
@@ -85,7 +85,7 @@ def test_every_value_store_pair_round_trips_codes(text, shape):
 
 def test_packed_native_axis1_layout():
     """q4s/packed_native:1 on (3, 2): runs go down axis 0; element k of a run in bits [4k, 4k+4)."""
-    s = qcore.spec.scheme("q4s/packed_native:1")
+    s = qcore.scheme("q4s/packed_native:1")
     codes = np.int8([[1, 2], [3, 4], [5, -1]])
     d = QuantizedData.from_parts((3, 2), s, codes, np.float32(1))
     # words shape (ceil(3/2), 2) = (2, 2): [[1|3<<4, 2|4<<4], [5, 0xF]]
@@ -109,7 +109,7 @@ def test_packed_native_axis1_layout():
     ],
 )
 def test_invalid_payloads(text, shape, mutate, match):
-    s = qcore.spec.scheme(text)
+    s = qcore.scheme(text)
     if s.is_lookup:
         s = s.with_mode("lookup", [0, 1, 2, 3])
     d = QuantizedData.from_parts(shape, s, np.zeros(shape, s.code_dtype),
@@ -120,7 +120,7 @@ def test_invalid_payloads(text, shape, mutate, match):
 
 
 def test_named_table_must_match_payload_table():
-    s = qcore.spec.scheme("nf4")
+    s = qcore.scheme("nf4")
     d = QuantizedData.from_parts((64,), s, np.zeros(64, np.uint8), np.float32([1]))
     bad = d.payload[:-4] + np.float32(1.5).tobytes()
     with pytest.raises(InvalidDataError, match="differs from the named table"):
@@ -141,7 +141,7 @@ def test_random_bytes_decode_without_crashing():
     code is outside the value's set (SPEC v1.1 §3), raises InvalidDataError naming it."""
     rng = np.random.default_rng(3)
     for text, shape in itertools.product(["e4m3/packed_u32", "e5m2", "q4f/packed_native:1", "q2s"], [(5, 7)]):
-        s = qcore.spec.scheme(text)
+        s = qcore.scheme(text)
         sec = sections(shape, s)
         vals = rng.integers(0, 256, sec.values, dtype=np.uint8).tobytes()
         d = QuantizedData(shape, text, vals + np.float32(0.5).tobytes())

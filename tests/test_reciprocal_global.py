@@ -18,19 +18,19 @@ def _x(shape=(8, 64), seed=0):
 
 
 def test_text_and_validation():
-    s = qcore.spec.scheme(NVFP4R)
-    assert s.reciprocal_global and str(s) == NVFP4R and qcore.spec.scheme(str(s)) == s
-    assert s != qcore.spec.scheme("nvfp4") and s.payload_form == s  # a different decode: not a rule
-    assert qcore.spec.scheme("nvfp4").per_tensor("f32", reciprocal=True) == s
+    s = qcore.scheme(NVFP4R)
+    assert s.reciprocal_global and str(s) == NVFP4R and qcore.scheme(str(s)) == s
+    assert s != qcore.scheme("nvfp4") and s.payload_form == s  # a different decode: not a rule
+    assert qcore.scheme("nvfp4").per_tensor("f32", reciprocal=True) == s
     with pytest.raises(SchemeError, match="needs a block level under it"):
-        qcore.spec.scheme("q8s/tensor:f32:recip")
+        qcore.scheme("q8s/tensor:f32:recip")
 
 
 def test_calibration_follows_compressed_tensors_arithmetic():
     """G = f32(448 * 6) / amax; block scale f32(G * f32(amax_b / 6)) rounded into UE4M3; effective
     scale f32(s_b / G): written out here in numpy, step by step."""
     x = _x()
-    s = qcore.spec.scheme(NVFP4R + "/round:rne")
+    s = qcore.scheme(NVFP4R + "/round:rne")
     p = REF.calibrate(x, s)
     amax = np.float32(np.abs(x).max())
     G = np.float32(np.float32(448.0 * 6.0) / amax)
@@ -84,7 +84,7 @@ def test_cuda_matches_the_reference(cuda_backend, text, shape):
     """Calibrated and explicit quantize, dequantize, from_data and matmul on the cuda paths: the
     reference's bytes and values (the conformance suite covers every layout on a GPU)."""
     be = cuda_backend
-    s = qcore.spec.scheme(text)
+    s = qcore.scheme(text)
     x = _x(shape, seed=len(text))
     d = REF.into_data(REF.quantize(x, text))
     assert be.into_data(be.quantize(x, text)).payload == d.payload

@@ -77,7 +77,7 @@ def _quantized_file(path, shape, scheme: str, payload: bytes, name: str = "w") -
 @pytest.mark.parametrize("shape", [(1 << 40, 0), (0, 1 << 40), (1 << 50, 0), (0, 3, 1 << 48)])
 @pytest.mark.parametrize("scheme", ["q8s", "q8s/block32:f16", "q4s/block4x8:bf16/packed_u32:1", "nf4"])
 def test_empty_but_huge_decodes_in_constant_time(shape, scheme):
-    s = qcore.spec.scheme(scheme)
+    s = qcore.scheme(scheme)
     if len(s.block.dims if s.block else ()) > len(shape):
         return
     sec = qcore.spec.payload.sections(shape, s)
@@ -167,11 +167,11 @@ def test_block_dims_and_rank_rules_unchanged():
 def test_huge_numbers_in_scheme_text(text):
     with bounded(max_bytes=MB):
         with pytest.raises(SchemeError, match="exceeds int64"):
-            qcore.spec.scheme(text)
+            qcore.scheme(text)
 
 
 def test_int64_edge_in_scheme_text_is_accepted():
-    assert qcore.spec.scheme(f"q8s/block{(1 << 63) - 1}:f32").block.dims == ((1 << 63) - 1,)
+    assert qcore.scheme(f"q8s/block{(1 << 63) - 1}:f32").block.dims == ((1 << 63) - 1,)
     with pytest.raises(SchemeError, match="exceeds int64"):
         qcore.QuantScheme(qcore.QuantValue.Q8S).per_block([1 << 63])
 

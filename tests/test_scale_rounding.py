@@ -105,15 +105,15 @@ def test_emax_of_every_value():
                                   "e4m3/block32:ue8m0/round:mx", "q8s/tensor:bf16/round:rne",
                                   "q4s-lookup[nf4]/block64:f16/round:rne"])
 def test_text_round_trips(text):
-    s = qcore.spec.scheme(text)
-    assert qcore.spec.scheme(str(s)) == s and "round:" in str(s)
-    assert s != qcore.spec.scheme(str(s).replace("/round:rne", "").replace("/round:mx", ""))
+    s = qcore.scheme(text)
+    assert qcore.scheme(str(s)) == s and "round:" in str(s)
+    assert s != qcore.scheme(str(s).replace("/round:rne", "").replace("/round:mx", ""))
 
 
 def test_up_is_the_default_and_is_not_written():
-    s = qcore.spec.scheme("q4s/block32:f16")
+    s = qcore.scheme("q4s/block32:f16")
     assert s.scale_round is ScaleRound.UP and str(s) == "q4s/block32:f16"
-    assert qcore.spec.scheme("q4s/block32:f16/round:up") == s
+    assert qcore.scheme("q4s/block32:f16/round:up") == s
     assert s.with_scale_round("rne").with_scale_round("up") == s
 
 
@@ -121,14 +121,14 @@ def test_up_is_the_default_and_is_not_written():
                                   "q4s-lookup[nf4]/block64:ue8m0/round:mx", "e2m1/tensor:ue8m0/round:mx"])
 def test_mx_needs_one_ue8m0_block_level_and_a_symmetric_value(text):
     with pytest.raises(SchemeError, match="needs one block level of ue8m0"):
-        qcore.spec.scheme(text)
+        qcore.scheme(text)
 
 
 def test_unknown_rule_and_repeated_part():
     with pytest.raises(SchemeError, match="unknown scale rounding rule 'half'"):
-        qcore.spec.scheme("q4s/block32:f16/round:half")
+        qcore.scheme("q4s/block32:f16/round:half")
     with pytest.raises(SchemeError, match="given twice"):
-        qcore.spec.scheme("q4s/block32:f16/round:rne/round:up")
+        qcore.scheme("q4s/block32:f16/round:rne/round:up")
 
 
 # --------------------------------------------------------------------------- through the reference
@@ -189,13 +189,13 @@ def test_rules_change_scales_not_the_layout(tmp_path):
         base = text.split("/round:")[0]
         d, d_up = REF.into_data(REF.quantize(x, text)), REF.into_data(REF.quantize(x, base))
         assert len(d.payload) == len(d_up.payload) and d.payload != d_up.payload
-        assert d.scheme == qcore.spec.scheme(text)  # the payload keeps the rule
+        assert d.scheme == qcore.scheme(text)  # the payload keeps the rule
         back = qcore.QuantizedData(d.shape, str(d.scheme), d.payload)
         assert back.scheme == d.scheme
         path = tmp_path / "m.safetensors"
         qcore.save(path, {"w": REF.quantize(x, text)})
         loaded = load_data(path)["w"]
-        assert loaded.scheme == qcore.spec.scheme(text) and loaded.payload == d.payload
+        assert loaded.scheme == qcore.scheme(text) and loaded.payload == d.payload
 
 
 def test_empty_tensor_under_each_rule():
@@ -226,7 +226,7 @@ def test_backends_match_the_reference(name, request):
         if not be.supports(text):
             continue
         for shape in shapes:
-            s = qcore.spec.scheme(text)
+            s = qcore.scheme(text)
             if s.block is not None and len(s.block.dims) > len(shape):
                 continue
             x = _x(shape, seed=len(text) + len(shape))

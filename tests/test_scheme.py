@@ -34,7 +34,7 @@ def all_valid_schemes():
             out.append(level(base).with_store(store))
     for text in ("u4/block32:f16/min:f16", "u8/tensor:bf16/min:f32/round:rne/codes:away", "q4f/block32:bf16/zero",
                  "u2/block4x8:f32/packed_native/zero", "q8s/block3:f16/zero/round:rne", "q4_1"):
-        out.append(qcore.spec.scheme(text))
+        out.append(qcore.scheme(text))
     return out
 
 
@@ -43,7 +43,7 @@ VALID = all_valid_schemes()
 
 @pytest.mark.parametrize("s", VALID, ids=str)
 def test_text_round_trip(s):
-    parsed = qcore.spec.scheme(str(s))
+    parsed = qcore.scheme(str(s))
     assert str(parsed) == str(s)
     if s.is_lookup and s.table_name is None:
         # A custom table is not in the text: it travels in the payload (SPEC §1, §3).
@@ -58,7 +58,7 @@ def test_text_round_trip(s):
      "e2m1/block16:ue4m3/tensor:f32/packed_native", "q4s-lookup[nf4]/block64:f32"],
 )
 def test_spec_examples_print_canonically(text):
-    assert str(qcore.spec.scheme(text)) == text
+    assert str(qcore.scheme(text)) == text
 
 
 def test_defaults():
@@ -70,20 +70,20 @@ def test_defaults():
 
 
 def test_default_store_omitted_and_explicit_other_store_printed():
-    assert str(qcore.spec.scheme("q4s/packed_u32:0")) == "q4s"
-    assert str(qcore.spec.scheme("q8s/native")) == "q8s"
-    assert str(qcore.spec.scheme("q8s/packed_u32")) == "q8s/packed_u32"
+    assert str(qcore.scheme("q4s/packed_u32:0")) == "q4s"
+    assert str(qcore.scheme("q8s/native")) == "q8s"
+    assert str(qcore.scheme("q8s/packed_u32")) == "q8s/packed_u32"
 
 
 def test_leading_ones_dropped():
-    assert qcore.spec.scheme("q8s/block1x1x32:f16") == qcore.spec.scheme("q8s/block32:f16")
+    assert qcore.scheme("q8s/block1x1x32:f16") == qcore.scheme("q8s/block32:f16")
     assert QuantScheme().per_block([1, 32]) == QuantScheme().per_block([32])
 
 
 def test_per_tensor_f32_alone_is_the_default():
     assert QuantScheme().per_tensor(ScaleDtype.F32) == QuantScheme()
-    assert str(qcore.spec.scheme("q8s/tensor:f32")) == "q8s"
-    assert str(qcore.spec.scheme("q8s/tensor:ue8m0")) == "q8s/tensor:ue8m0"
+    assert str(qcore.scheme("q8s/tensor:f32")) == "q8s"
+    assert str(qcore.scheme("q8s/tensor:ue8m0")) == "q8s/tensor:ue8m0"
 
 
 def test_presets():
@@ -91,15 +91,15 @@ def test_presets():
     assert str(PRESETS["mxfp4"]) == "e2m1/block32:ue8m0/packed_native"
     assert str(PRESETS["mxfp8"]) == "e4m3/block32:ue8m0"
     assert str(PRESETS["nf4"]) == "q4s-lookup[nf4]/block64:f32"
-    assert qcore.spec.scheme("NVFP4") == PRESETS["nvfp4"]
+    assert qcore.scheme("NVFP4") == PRESETS["nvfp4"]
     assert len(TABLES["nf4"]) == 16 and TABLES["nf4"][7] == 0.0
 
 
 def test_immutable_and_hashable():
-    s = qcore.spec.scheme("q4s/block32:f16")
+    s = qcore.scheme("q4s/block32:f16")
     with pytest.raises(Exception):
         s.value = QuantValue.Q8S  # type: ignore[misc]
-    assert len({s, qcore.spec.scheme("q4s/block32:f16")}) == 1
+    assert len({s, qcore.scheme("q4s/block32:f16")}) == 1
 
 
 def test_with_value_keeps_default_store_adaptive():
@@ -125,11 +125,11 @@ def test_with_value_keeps_default_store_adaptive():
         (lambda: QuantScheme().per_block([0]), r"positive ints"),
         (lambda: QuantScheme().per_block([32], "f64"), r"unknown scale dtype 'f64'"),
         (lambda: PackedU32(-1), r"packing axis must be an int >= 0"),
-        (lambda: qcore.spec.scheme("q9s"), r"unknown value 'q9s'"),
-        (lambda: qcore.spec.scheme("q8s/block32/block16"), r"block given twice"),
-        (lambda: qcore.spec.scheme("q8s/blockx"), r"unknown part 'blockx'"),
-        (lambda: qcore.spec.scheme("q4s-lookup[nope]"), r"unknown lookup table 'nope'"),
-        (lambda: qcore.spec.scheme(42), r"a scheme is text or a QuantScheme"),
+        (lambda: qcore.scheme("q9s"), r"unknown value 'q9s'"),
+        (lambda: qcore.scheme("q8s/block32/block16"), r"block given twice"),
+        (lambda: qcore.scheme("q8s/blockx"), r"unknown part 'blockx'"),
+        (lambda: qcore.scheme("q4s-lookup[nope]"), r"unknown lookup table 'nope'"),
+        (lambda: qcore.scheme(42), r"a scheme is text or a QuantScheme"),
     ],
 )
 def test_validity_errors_say_what_to_use(build, match):
@@ -150,7 +150,7 @@ def test_lookup_table_all_zero_rejected():
 
 
 def test_custom_lookup_text_has_no_table_and_cannot_quantize():
-    s = qcore.spec.scheme("q4s-lookup/block32:f32")
+    s = qcore.scheme("q4s-lookup/block32:f32")
     assert s.table is None and s.is_lookup
     with pytest.raises(SchemeError, match="custom table"):
         s.require_table()

@@ -25,17 +25,17 @@ from qcore.spec.scheme import CodeRule, QuantScheme, QuantValue, ScaleRound
     "q4s/codes:offset", "e2m1/block16:ue4m3/tensor:f32/packed_native",
 ])
 def test_text_form_round_trips(text):
-    s = qcore.spec.scheme(text)
-    assert str(s) == text and qcore.spec.scheme(str(s)) == s
+    s = qcore.scheme(text)
+    assert str(s) == text and qcore.scheme(str(s)) == s
 
 
 def test_presets_are_llama_cpp_quantizers_and_builders_agree():
     q4 = QuantScheme(QuantValue.Q4F).per_block([32], "f16").with_signed_scales().with_scale_round("rne") \
         .with_code_rule("offset")
-    assert qcore.spec.scheme("q4_0") == q4 and str(q4) == "q4f/block32:f16/signed/round:rne/codes:offset"
-    assert str(qcore.spec.scheme("q8_0")) == "q8s/block32:f16/round:rne/codes:away"
-    assert q4.payload_form == qcore.spec.scheme("q4f/block32:f16/signed")  # the rules go, the sign stays
-    assert q4.scale_divisor == -8.0 and q4.reciprocal_codes and not qcore.spec.scheme("q4f").reciprocal_codes
+    assert qcore.scheme("q4_0") == q4 and str(q4) == "q4f/block32:f16/signed/round:rne/codes:offset"
+    assert str(qcore.scheme("q8_0")) == "q8s/block32:f16/round:rne/codes:away"
+    assert q4.payload_form == qcore.scheme("q4f/block32:f16/signed")  # the rules go, the sign stays
+    assert q4.scale_divisor == -8.0 and q4.reciprocal_codes and not qcore.scheme("q4f").reciprocal_codes
 
 
 @pytest.mark.parametrize("text,why", [
@@ -49,7 +49,7 @@ def test_presets_are_llama_cpp_quantizers_and_builders_agree():
 ])
 def test_where_the_rules_do_not_apply_the_scheme_is_refused(text, why):
     with pytest.raises(SchemeError, match=why):
-        qcore.spec.scheme(text)
+        qcore.scheme(text)
 
 
 def _oracle_signed_extreme(x: np.ndarray, block: tuple[int, ...]) -> np.ndarray:
@@ -71,16 +71,16 @@ def test_signed_extreme_is_the_first_largest_magnitude_in_row_major_order():
     rng = np.random.default_rng(0)
     x = rng.integers(-3, 4, size=(7, 11)).astype(np.float32)  # many ties of magnitude, both signs
     for text, block in (("q4f/block3x5:f32/signed", (3, 5)), ("q4f/block4:f32/signed", (1, 4))):
-        got = A.slot_statistic(x, qcore.spec.scheme(text))
+        got = A.slot_statistic(x, qcore.scheme(text))
         assert np.array_equal(got, _oracle_signed_extreme(x, block)), text
-    assert A.slot_statistic(np.array([2.0, -3.0, 3.0], np.float32), qcore.spec.scheme("q4f/signed")) == -3.0
-    assert A.slot_statistic(np.array([2.0, 3.0, -3.0], np.float32), qcore.spec.scheme("q4f/signed")) == 3.0
+    assert A.slot_statistic(np.array([2.0, -3.0, 3.0], np.float32), qcore.scheme("q4f/signed")) == -3.0
+    assert A.slot_statistic(np.array([2.0, 3.0, -3.0], np.float32), qcore.scheme("q4f/signed")) == 3.0
 
 
 def test_signed_scale_makes_the_extreme_qmin_and_saturates_the_other_side():
     x = np.array([[1.0, -0.25, 0.5, 0.0, -1.0, 0.125, 0.0, 0.0]], np.float32)
     for text, qmin, qmax in (("q4f/block8:f32/signed", -8, 7), ("q8f/block8:f16/signed", -128, 127)):
-        q = A.quantize(x, qcore.spec.scheme(text))
+        q = A.quantize(x, qcore.scheme(text))
         assert q.scales()[0, 0] == np.float32(1.0 / qmin)        # the first extreme (+1) is positive
         codes = q.codes()[0]
         assert codes[0] == qmin and codes[4] == qmax             # -1 would be -qmin: saturates
@@ -89,15 +89,15 @@ def test_signed_scale_makes_the_extreme_qmin_and_saturates_the_other_side():
 
 
 def test_signed_zero_block_stores_minus_zero_as_llama_cpp_does():
-    q = A.quantize(np.zeros((1, 32), np.float32), qcore.spec.scheme("q4_0"))
+    q = A.quantize(np.zeros((1, 32), np.float32), qcore.scheme("q4_0"))
     assert np.signbit(q.scales()[0, 0]) and q.scales()[0, 0] == 0   # 0 / -8 = -0
-    assert not np.signbit(A.quantize(np.zeros((1, 32), np.float32), qcore.spec.scheme("q8_0")).scales()[0, 0])
+    assert not np.signbit(A.quantize(np.zeros((1, 32), np.float32), qcore.scheme("q8_0")).scales()[0, 0])
 
 
 @pytest.mark.parametrize("rule", ["away", "offset"])
 @pytest.mark.parametrize("value", ["q8f", "q8s", "q4f", "q4s", "q2f", "q2s"])
 def test_rule_codes_against_an_independent_oracle(rule, value):
-    t = qcore.spec.scheme(value).traits
+    t = qcore.scheme(value).traits
     halves = np.arange(2 * t.qmin - 4, 2 * t.qmax + 5) / 2
     rng = np.random.default_rng(1)
     y = np.concatenate([halves, np.nextafter(halves, np.inf), np.nextafter(halves, -np.inf),
@@ -120,7 +120,7 @@ def test_the_kernels_one_source_is_the_numpy_rule():
     y = np.concatenate([np.arange(-300, 301) / 2, rng.uniform(-200, 200, 2000), [1e30, -1e30, np.nan]])
     y = y.astype(np.float32)
     for value in ("q8f", "q8s", "q4f", "q2s"):
-        t = qcore.spec.scheme(value).traits
+        t = qcore.scheme(value).traits
         for rule in ("away", "offset"):
             want = rule_codes(y, rule, t.qmin, t.qmax).astype(np.int64)
             got = np.array([rule_code(v, CODE_RULES.index(rule), t.qmin, t.qmax) for v in y], np.int64)
@@ -130,7 +130,7 @@ def test_the_kernels_one_source_is_the_numpy_rule():
 def test_codes_come_from_the_raw_scale_not_the_stored_one():
     """f16 rounding moves the stored scale; the rule's codes use 1 / raw (llama.cpp's `id`)."""
     x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(1, 32) * np.float32(1.2345)
-    s = qcore.spec.scheme("q8s/block32:f16/round:rne/codes:away")
+    s = qcore.scheme("q8s/block32:f16/round:rne/codes:away")
     raw = np.float32(np.abs(x).max() / np.float32(127))
     assert np.float16(raw).astype(np.float32) != raw
     codes = A.quantize(x, s).codes()
@@ -146,14 +146,14 @@ def test_codes_come_from_the_raw_scale_not_the_stored_one():
 def test_payload_sign_is_valid_only_for_signed_scales():
     codes = np.zeros(32, np.uint8).tobytes()[:16]
     neg = np.array([-0.5], "<f2").tobytes()
-    d = QuantizedData((32,), qcore.spec.scheme("q4f/block32:f16/signed"), codes + neg)
+    d = QuantizedData((32,), qcore.scheme("q4f/block32:f16/signed"), codes + neg)
     assert d.scales()[0] == -0.5
-    assert QuantizedData((32,), qcore.spec.scheme("q4f/block32:f16/signed"),
+    assert QuantizedData((32,), qcore.scheme("q4f/block32:f16/signed"),
                          codes + np.array([-0.0], "<f2").tobytes()).scales()[0] == 0
     with pytest.raises(InvalidDataError, match="scales must be finite and >= 0"):
-        QuantizedData((32,), qcore.spec.scheme("q4f/block32:f16"), codes + neg)
+        QuantizedData((32,), qcore.scheme("q4f/block32:f16"), codes + neg)
     with pytest.raises(InvalidDataError, match="signed scales must be finite"):
-        QuantizedData((32,), qcore.spec.scheme("q4f/block32:f16/signed"), codes + np.array([-np.inf], "<f2").tobytes())
+        QuantizedData((32,), qcore.scheme("q4f/block32:f16/signed"), codes + np.array([-np.inf], "<f2").tobytes())
 
 
 @pytest.mark.parametrize("be_name", ["reference", "ndarray", "cuda"])
@@ -162,7 +162,7 @@ def test_explicit_signed_params_and_absmean(request, be_name):
 
     be = get_backend(be_name, request)
     text = "q8f/block4:bf16/signed" if be_name == "ndarray" else "q4f/block4:bf16/signed"
-    s = qcore.spec.scheme(text)
+    s = qcore.scheme(text)
     x = np.array([[0.5, -1.0, 0.25, 2.0, 1.0, 1.0, -3.0, 0.0]], np.float32)
     p = QParams(np.array([[-0.25, 0.5]], np.float32))
     got = be.into_data(be.quantize(x, s, params=p))
@@ -179,7 +179,7 @@ def test_explicit_signed_params_and_absmean(request, be_name):
 
 def test_rules_are_enum_members_with_their_text():
     assert [r.value for r in CodeRule] == list(CODE_RULES)
-    assert qcore.spec.scheme("q8s/block32:f16/round:rne").scale_round is ScaleRound.RNE
+    assert qcore.scheme("q8s/block32:f16/round:rne").scale_round is ScaleRound.RNE
 
 
 @pytest.mark.parametrize("be_name", ["reference", "cuda"])

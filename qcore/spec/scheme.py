@@ -332,7 +332,7 @@ _PACKED_U32_0 = QuantStore(StoreKind.PACKED_U32, 0)
 class QuantScheme:
     """An immutable, hashable quantization scheme (SPEC §1).
 
-    Build with the builder methods, or parse text with `qcore.spec.scheme(...)`:
+    Build with the builder methods, or parse text with `qcore.scheme(...)`:
 
     >>> QuantScheme().with_value(QuantValue.Q4S).per_block([32], ScaleDtype.F16)
     QuantScheme('q4s/block32:f16')
