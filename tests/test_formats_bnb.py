@@ -16,7 +16,7 @@ from tests.formats_util import assert_bits_equal, decode, get_backend
 DATA = os.path.join(os.path.dirname(__file__), "data")
 FIXTURE = os.path.join(DATA, "bnb_nf4.safetensors")          # made by scripts/make_bnb_fixture.py
 REFERENCE = os.path.join(DATA, "bnb_nf4.ref.safetensors")    # bitsandbytes' dequantize_4bit of each weight
-NF4 = np.asarray(qcore.spec.scheme("nf4").table, np.float32)
+NF4 = np.asarray(qcore.scheme("nf4").table, np.float32)
 WEIGHTS = ["layers.0.proj.weight", "layers.1.proj.weight", "layers.2.proj.weight", "layers.3.proj.weight"]
 
 
@@ -46,7 +46,7 @@ def test_bitsandbytes_file_decodes_like_dequantize_4bit(request, checkpoint, ref
 
 def test_bitsandbytes_file_is_detected_and_described(checkpoint):
     assert qf.detect(FIXTURE).name == "bitsandbytes"
-    assert [checkpoint.tensors[n].scheme for n in WEIGHTS] == [qcore.spec.scheme(s) for s in (
+    assert [checkpoint.tensors[n].scheme for n in WEIGHTS] == [qcore.scheme(s) for s in (
         "nf4", "nf4", "q4s-lookup[nf4]/block128:f32", "nf4")]
     assert json.loads(checkpoint.metadata["bitsandbytes.dtypes"])["layers.2.proj.weight"] == "bfloat16"
     assert checkpoint.tensors["layers.0.proj.bias"].dtype == np.float32      # other tensors pass through
@@ -66,7 +66,7 @@ def test_blocks_that_cross_rows_decode_like_dequantize_4bit(request, be_name):
     ck, want = qf.read(ROWS), qf.read(ROWS_REF).tensors
     for name, shape in (("rows.weight", (4, 96)), ("odd.weight", (3, 37))):
         d = ck.tensors[name]
-        assert d.scheme == qcore.spec.scheme("q4s-lookup[nf4]/block64:f32:flat") and d.shape == shape
+        assert d.scheme == qcore.scheme("q4s-lookup[nf4]/block64:f32:flat") and d.shape == shape
         assert_bits_equal(be.to_numpy(be.dequantize(be.from_data(d))), want[name])
 
 
@@ -216,11 +216,11 @@ def test_flat_nf4_of_any_shape_is_written_as_bitsandbytes_lays_it_out(tmp_path, 
     qcore.save(tmp_path / "a.safetensors", {"w": q})
     qf.convert(tmp_path / "a.safetensors", tmp_path / "o.safetensors", "bitsandbytes")
     t, _ = _tensors(tmp_path / "o.safetensors")
-    block = qcore.spec.scheme(text).block.dims[0]
+    block = qcore.scheme(text).block.dims[0]
     assert json.loads(t["w.quant_state.bitsandbytes__nf4"].tobytes())["blocksize"] == block
     assert_bits_equal(bnb_dequantize(t["w"], t["w.absmax"], (5, 39), block), np.asarray(qcore.dequantize(q)))
     back = qf.read(tmp_path / "o.safetensors").tensors["w"]
-    assert back.scheme == qcore.spec.scheme(f"q4s-lookup[nf4]/block{block}:f32:flat")
+    assert back.scheme == qcore.scheme(f"q4s-lookup[nf4]/block{block}:f32:flat")
     assert np.array_equal(back.codes(), q.to_data().codes()) and np.array_equal(back.scales(), q.to_data().scales())
 
 
@@ -255,7 +255,7 @@ def test_codes_midpoint_writes_bitsandbytes_quantize_bytes(tmp_path, request, be
         t = {k: f.get_tensor(k) for k in f.keys()}
     tensors = {}
     for name, block in blocks.items():
-        s = qcore.spec.scheme(f"nf4/block{block}:f32:flat/packed_native/order:high/codes:midpoint")
+        s = qcore.scheme(f"nf4/block{block}:f32:flat/packed_native/order:high/codes:midpoint")
         tensors[name] = be.quantize(t[f"x.{name}"], s)
     qcore.save(tmp_path / "q.safetensors", tensors)
     qf.convert(tmp_path / "q.safetensors", tmp_path / "b.safetensors", "bitsandbytes")

@@ -61,7 +61,7 @@ def test_reads_as_qcore_schemes():
     ck = qf.read(MODEL)
     assert ck.format == "compressed-tensors" and qf.detect(MODEL).name == "compressed-tensors"
     got = {k: str(v.scheme) for k, v in ck.tensors.items() if isinstance(v, qcore.QuantizedData)}
-    assert got == {k: str(qcore.spec.scheme(v)) for k, v in SCHEMES.items()}
+    assert got == {k: str(qcore.scheme(v)) for k, v in SCHEMES.items()}
     for name, shape in SHAPES.items():
         assert ck.tensors[name].shape == shape, name
     assert ck.tensors["norm.weight"].dtype == ml_dtypes.bfloat16  # unquantized tensors pass through
@@ -452,7 +452,7 @@ def test_int_quantized_reads_as_q8f_with_the_activation_scheme_in_metadata():
     assert qf.detect(W8A8).name == "compressed-tensors"
     ck = qf.read(W8A8)
     got = {k: str(v.scheme) for k, v in ck.tensors.items() if isinstance(v, qcore.QuantizedData)}
-    assert got == {k: str(qcore.spec.scheme(v)) for k, v in W8A8_SCHEMES.items()}
+    assert got == {k: str(qcore.scheme(v)) for k, v in W8A8_SCHEMES.items()}
     assert ck.tensors["layers.1.experts.w1.weight"].shape == (2, 8, 64)
     assert ck.tensors["layers.0.down_proj.input_scale"].dtype == np.float32
     acts = json.loads(ck.metadata["compressed-tensors.activations"])

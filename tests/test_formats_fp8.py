@@ -54,7 +54,7 @@ def test_reads_as_qcore_e4m3():
     assert qf.detect(MODEL).name == "fp8"
     ck = qf.read(MODEL)
     got = {k: str(v.scheme) for k, v in ck.tensors.items() if isinstance(v, qcore.QuantizedData)}
-    assert got == {k: str(qcore.spec.scheme(v)) for k, v in SCHEMES.items()}
+    assert got == {k: str(qcore.scheme(v)) for k, v in SCHEMES.items()}
     assert ck.tensors["model.layers.0.mlp.down_proj.weight"].scales().shape == (2, 1)
     assert ck.tensors["model.layers.0.mlp.experts.gate_up_proj"].shape == (2, 16, 96)
     assert ck.tensors["model.layers.0.self_attn.q_proj.activation_scale"].dtype == np.float32  # passes through

@@ -64,7 +64,7 @@ def test_gguf_quantized_decodes_like_gguf_dequantize(tmp_path, request, kind, sc
     raw = gguf.quants.quantize(_x(shape), kind)
     path = _gguf_file(tmp_path / "m.gguf", {"w": (raw, kind)})
     d = qf.read(path).tensors["w"]
-    assert d.shape == shape and d.scheme == qcore.spec.scheme(scheme)
+    assert d.shape == shape and d.scheme == qcore.scheme(scheme)
     # MXFP4 code 8 (E2M1 -0): ggml's doubled table gives +0, SPEC -0 (docs/formats.md)
     assert_bits_equal(decode(d, be), gguf.quants.dequantize(raw, kind), signed_zero=kind != T.MXFP4)
 

@@ -47,7 +47,7 @@ def test_reads_exactly_as_gpt_oss_decodes(tmp_path, request, sep, be_name):
     assert qf.detect(tmp_path / "m.safetensors").name == "gpt-oss"
     ck = qf.read(tmp_path / "m.safetensors")
     d = ck.tensors["block.0.mlp.mlp1_weight"]
-    assert d.scheme == qcore.spec.scheme("mxfp4") and d.shape == (2, 3, 4 * 32)
+    assert d.scheme == qcore.scheme("mxfp4") and d.shape == (2, 3, 4 * 32)
     assert_bits_equal(decode(d, be), gptoss_decode(blocks, scales))
     assert np.array_equal(ck.tensors["block.0.norm.scale"].view(np.uint16), norm.view(np.uint16))
     assert ck.metadata["format"] == "pt"

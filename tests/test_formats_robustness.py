@@ -27,7 +27,7 @@ from qcore.cli.main import main
 from qcore.files.stfile import Reader
 
 MB = 1 << 20
-NF4 = np.asarray(qcore.spec.scheme("nf4").table, np.float32)
+NF4 = np.asarray(qcore.scheme("nf4").table, np.float32)
 DEEP = "[" * 100_000 + "]" * 100_000  # 200 KB of JSON nested deeper than Python's parser goes
 
 

@@ -34,7 +34,7 @@ def test_torchao_file_decodes_like_nvfp4tensor_dequantize(request, checkpoint, n
     """qcore's decode, cast to the weight's orig_dtype, equals torchao's `dequantize()` bit for bit."""
     be = get_backend(be_name, request)
     d = checkpoint.tensors[name]
-    assert d.scheme == qcore.spec.scheme(WEIGHTS[name])
+    assert d.scheme == qcore.scheme(WEIGHTS[name])
     with safe_open(REFERENCE, "np") as f:
         want = f.get_tensor(name)
     got = decode(d, be).astype(want.dtype)  # torchao casts its f32 decode to orig_dtype (nearest even)
@@ -82,7 +82,7 @@ def test_qcore_nvfp4_is_written_with_torchaos_defaults(tmp_path):
         assert json.loads(meta["m.b"]) == {"_type": "Tensor"}
         assert f.get_tensor("m._w_per_tensor_scale").shape == ()
     back = qf.read(tmp_path / "o.safetensors").tensors["m.w"]
-    assert back.payload == q.payload and back.scheme == qcore.spec.scheme("nvfp4")
+    assert back.payload == q.payload and back.scheme == qcore.scheme("nvfp4")
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 1), (130, 3), (128, 4), (300, 9)])

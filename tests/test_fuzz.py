@@ -73,12 +73,12 @@ def test_fuzz_scheme_text():
     @given(SCHEME_TEXT)
     def run(text):
         with stats.case():
-            s = only_qcore_errors(qcore.spec.scheme, text)
+            s = only_qcore_errors(qcore.scheme, text)
             if s is None:
                 with pytest.raises(SchemeError):
-                    qcore.spec.scheme(text)
+                    qcore.scheme(text)
                 return
-            again = qcore.spec.scheme(str(s))  # the canonical text parses back to the same scheme
+            again = qcore.scheme(str(s))  # the canonical text parses back to the same scheme
             assert again == s and str(again) == str(s)
 
     run()
@@ -89,7 +89,7 @@ def test_fuzz_scheme_text():
 def _payload_for(data, shape, text) -> bytes:
     """Random bytes of the right length when shape and scheme allow one, else any short bytes."""
     try:
-        n = sections(qcore.spec.layout.check_shape(shape), qcore.spec.scheme(text)).total
+        n = sections(qcore.spec.layout.check_shape(shape), qcore.scheme(text)).total
     except QCoreError:
         n = None
     if n is None or n > 4096:
@@ -153,7 +153,7 @@ def _decode_agrees(be, d: QuantizedData) -> None:
 def _random_data(data, shapes, schemes) -> QuantizedData:
     shape = data.draw(shapes)
     text = data.draw(st.sampled_from(schemes))
-    s = qcore.spec.scheme(text)
+    s = qcore.scheme(text)
     assume(len(s.block.dims) <= len(shape) if s.block else True)
     assume(s.store.kind.value == "native" or s.store.dim < len(shape))
     sec = sections(shape, s)

@@ -95,7 +95,7 @@ def _bnb_double_quant() -> dict[str, bytes]:
     state = {"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [2, 64], "nested_blocksize": 256,
              "nested_dtype": "float32", "nested_offset": 0.5}
     tensors = {"w": np.arange(64, dtype=np.uint8).reshape(-1, 1),
-               "w.quant_map": np.asarray(qcore.spec.scheme("nf4").table, np.float32),
+               "w.quant_map": np.asarray(qcore.scheme("nf4").table, np.float32),
                "w.absmax": np.asarray([10, 200], np.uint8), "w.nested_absmax": np.full(1, 0.25, np.float32),
                "w.nested_quant_map": np.linspace(-1, 1, 256, dtype=np.float32),
                "w.quant_state.bitsandbytes__nf4": np.frombuffer(json.dumps(state).encode(), np.uint8)}
