@@ -18,11 +18,12 @@ import tracemalloc
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 import qcore
 from qcore import InputError, InvalidDataError, QuantizedData, SchemeError, StorageError
-from qcore.files import io as qio
+from qcore.files import io as qio, paths, stfile
 from qcore.cli.main import main
 
 MB = 1 << 20
@@ -77,7 +78,7 @@ def _quantized_file(path, shape, scheme: str, payload: bytes, name: str = "w") -
 @pytest.mark.parametrize("shape", [(1 << 40, 0), (0, 1 << 40), (1 << 50, 0), (0, 3, 1 << 48)])
 @pytest.mark.parametrize("scheme", ["q8s", "q8s/block32:f16", "q4s/block4x8:bf16/packed_u32:1", "nf4"])
 def test_empty_but_huge_decodes_in_constant_time(shape, scheme):
-    s = qcore.spec.scheme(scheme)
+    s = qcore.scheme(scheme)
     if len(s.block.dims if s.block else ()) > len(shape):
         return
     sec = qcore.spec.payload.sections(shape, s)
@@ -167,11 +168,11 @@ def test_block_dims_and_rank_rules_unchanged():
 def test_huge_numbers_in_scheme_text(text):
     with bounded(max_bytes=MB):
         with pytest.raises(SchemeError, match="exceeds int64"):
-            qcore.spec.scheme(text)
+            qcore.scheme(text)
 
 
 def test_int64_edge_in_scheme_text_is_accepted():
-    assert qcore.spec.scheme(f"q8s/block{(1 << 63) - 1}:f32").block.dims == ((1 << 63) - 1,)
+    assert qcore.scheme(f"q8s/block{(1 << 63) - 1}:f32").block.dims == ((1 << 63) - 1,)
     with pytest.raises(SchemeError, match="exceeds int64"):
         qcore.QuantScheme(qcore.QuantValue.Q8S).per_block([1 << 63])
 
@@ -268,12 +269,12 @@ def _save_raises(monkeypatch, exc):
         with open(tmp, "wb") as f:
             f.write(b"x" * 1000)
         raise exc
-    monkeypatch.setattr(qio, "save_file", fail)
+    monkeypatch.setattr(stfile, "save_file", fail)  # the safetensors writer qcore.save calls
 
 
 @pytest.mark.parametrize("exc,pattern", [
-    (qio.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
-                         'message: "No space left on device" })'), "No space left on device"),
+    (SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                     'message: "No space left on device" })'), "No space left on device"),
     (OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
     (OSError(errno.EROFS, "Read-only file system"), "Read-only file system"),
 ], ids=["safetensors-enospc", "oserror-enospc", "erofs"])
@@ -291,7 +292,7 @@ def test_read_only_destination_before_any_temp_file(tmp_path, monkeypatch, capsy
 
     def erofs(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
-    monkeypatch.setattr(qio.tempfile, "mkstemp", erofs)
+    monkeypatch.setattr(paths.tempfile, "mkstemp", erofs)
     rc, _, err = _run(capsys, "quantize", model, tmp_path / "o.safetensors", "--scheme", "q8s",
                       "--backend", "reference")
     assert rc == 1
