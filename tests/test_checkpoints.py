@@ -287,3 +287,94 @@ def test_already_quantized_tensors_travel_with_their_keys(tmp_path):
     assert second["w"] == first["w"]  # the same QuantizedData, scheme and source dtype kept
     assert {e.name: e.source_dtype for e in qio.read_info(tmp_path / "q2.safetensors").entries} == {"w": "F32",
                                                                                                       "v": "F32"}
+
+
+# ------------------------------------------------------------- the one index parser, and OUT != IN
+# Every reader of an index (the whole-model runs, inspect, the format readers and convert) goes
+# through `qcore.files.checkpoint.read_index`, so each refusal below is the same for all of them.
+def _readers_of(path, tmp_path):
+    """Each way a checkpoint's index is read, as a call."""
+    import qcore.formats as qf
+
+    return {
+        "quantize_model": lambda: quantize_model(path, tmp_path / "q", "q8s", "reference"),
+        "dequantize_model": lambda: dequantize_model(path, tmp_path / "d", backend="reference"),
+        "load": lambda: qcore.load(path, backend="reference"),
+        "formats.read": lambda: qf.read(path),
+        "convert": lambda: qcore.convert(path, tmp_path / "c.safetensors", "qcore"),
+    }
+
+
+@pytest.mark.parametrize("text,match", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ("{not json", "is not JSON"),
+    ('{"weight_map": {}}', "names none"),
+    ('{"weight_map": {"a.weight": 3}}', "not a safetensors index"),
+], ids=["deeply-nested", "not-json", "empty-weight-map", "not-a-weight-map"])
+def test_a_bad_index_is_one_line_for_every_reader(tmp_path, capsys, text, match):
+    """A deeply nested index gives the library's one-line error (it leaked a RecursionError from
+    the format readers), and an empty weight map is refused everywhere (quantize took it)."""
+    make_checkpoint(tmp_path / "ck", n_shards=2)
+    (tmp_path / "ck" / "model.safetensors.index.json").write_text(text)
+    for via, call in _readers_of(tmp_path / "ck", tmp_path).items():
+        with pytest.raises(qcore.InvalidDataError, match=match) as e:
+            call()
+        assert "model.safetensors.index.json" in str(e.value) and "\n" not in str(e.value), via
+    assert main(["inspect", str(tmp_path / "ck")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("qcore: error: ") and "\n" not in err and match in err, err
+
+
+def test_an_index_naming_a_missing_shard_is_a_storage_error_for_every_reader(tmp_path):
+    make_checkpoint(tmp_path / "ck", n_shards=2)
+    (tmp_path / "ck" / "model-00002-of-00002.safetensors").unlink()
+    for via, call in _readers_of(tmp_path / "ck", tmp_path).items():
+        with pytest.raises(qcore.StorageError, match="names shard model-00002-of-00002.safetensors") as e:
+            call()
+        assert "model.safetensors.index.json" in str(e.value), via
+
+
+def test_dequantize_rewrites_the_source_index_as_it_is(tmp_path):
+    """The index of a dequantized folder is the source's (its other keys, its map's order) with
+    the new total size: the bytes of the shards' tensors."""
+    make_checkpoint(tmp_path / "ck", n_shards=2)
+    quantize_model(tmp_path / "ck", tmp_path / "q", "q8s", "reference", stats=False)
+    index = tmp_path / "q" / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc = {"note": "kept", "weight_map": dict(reversed(doc["weight_map"].items())), "metadata": {"format": "pt"}}
+    index.write_text(json.dumps(doc))
+    dequantize_model(tmp_path / "q", tmp_path / "d", backend="reference")
+    got = json.loads((tmp_path / "d" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(doc["weight_map"].values()))
+    total = sum(os.path.getsize(tmp_path / "d" / s) - 8 - _header_len(tmp_path / "d" / s) for s in shards)
+    assert got == {**doc, "metadata": {"format": "pt", "total_size": total}}
+    assert list(got) == list(doc) and list(got["weight_map"]) == list(doc["weight_map"])
+
+
+def test_an_output_that_is_the_input_through_a_link_is_refused(tmp_path, capsys):
+    """OUT must differ from IN through symlinks too: a link to the input file, a link to the input
+    folder, and (convert) one of an index's shards; nothing is written."""
+    save_file({"w": _x((8, 64), 1)}, str(tmp_path / "m.safetensors"))
+    quantize_model(tmp_path / "m.safetensors", tmp_path / "q.safetensors", "q8s", "reference")
+    (tmp_path / "link.safetensors").symlink_to(tmp_path / "m.safetensors")
+    (tmp_path / "qlink.safetensors").symlink_to(tmp_path / "q.safetensors")
+    make_checkpoint(tmp_path / "ck", n_shards=2)
+    (tmp_path / "cklink").symlink_to(tmp_path / "ck")
+    before = {p: p.read_bytes() for p in [tmp_path / "m.safetensors", tmp_path / "q.safetensors",
+                                          *sorted((tmp_path / "ck").glob("*.safetensors"))]}
+    shard = tmp_path / "cklink" / "model-00001-of-00002.safetensors"
+    calls = [
+        lambda: quantize_model(tmp_path / "m.safetensors", tmp_path / "link.safetensors", "q8s", "reference"),
+        lambda: quantize_model(tmp_path / "ck", tmp_path / "cklink", "q8s", "reference"),
+        lambda: quantize_model(tmp_path / "ck", shard, "q8s", "reference", format="compressed-tensors"),
+        lambda: dequantize_model(tmp_path / "q.safetensors", tmp_path / "qlink.safetensors", backend="reference"),
+    ]
+    for call in calls:
+        with pytest.raises(qcore.InputError, match="^OUT must differ from IN;"):
+            call()
+    with pytest.raises(qcore.InputError, match="^DST must differ from SRC;"):
+        qcore.convert(tmp_path / "ck" / "model.safetensors.index.json", shard, "qcore")
+    assert main(["quantize", str(tmp_path / "ck"), str(shard), "--scheme", "q8s"]) == 1
+    assert capsys.readouterr().err.strip() == \
+        "qcore: error: OUT must differ from IN; write elsewhere and move it if you want to replace IN"
+    assert {p: p.read_bytes() for p in before} == before

@@ -310,7 +310,7 @@ def test_a_negative_absmax_with_non_zero_codes_is_refused_naming_the_tensor(tmp_
 
 
 def test_a_tensor_with_flipped_signs_is_requantized_from_bitsandbytes_decode(tmp_path, capsys):
-    """The reader hands over bitsandbytes' own decode of that tensor (`Checkpoint.refused`), bit for
+    """The reader hands over bitsandbytes' own decode of that tensor (`Contents.refused`), bit for
     bit its dequantize_4bit; --requantize quantizes only that tensor from it and reports the error."""
     from qcore.cli.main import main
 

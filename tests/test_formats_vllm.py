@@ -38,7 +38,7 @@ import pytest
 import qcore
 import qcore.formats as qf
 from qcore.cli.main import main
-from qcore.formats.base import Checkpoint
+from qcore.formats import Contents
 from qcore.formats.ctensors import ACTIVATIONS_KEY
 from tests.optional import need
 
@@ -275,7 +275,7 @@ def export(tmp_path, scheme: str, *, model_dtype="float16", acts=None, plain=(),
     dst.mkdir()
     (dst / "config.json").write_text(json.dumps({**LLAMA, "torch_dtype": model_dtype}))
     if meta:  # the activation scheme travels as metadata (what reading a W8A8 checkpoint gives)
-        qf.write(dst / "model.safetensors", Checkpoint(tensors, {ACTIVATIONS_KEY: json.dumps(meta)}),
+        qf.write(dst / "model.safetensors", Contents(tensors, {ACTIVATIONS_KEY: json.dumps(meta)}),
                  "compressed-tensors")
     else:
         qcore.save(src / "model.safetensors", tensors)

@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 
 import qcore
 from qcore import BackendNotFoundError, InputError, InvalidDataError, QuantizedData, UnsupportedSchemeError
-from qcore.files import io as qio
+from qcore.files import io as qio, stfile
 from qcore.backend import registry
 from tests.doubles import Q8Only
 
@@ -287,7 +287,7 @@ def test_save_rejects_bad_input_and_writes_nothing(tmp_path, tensors, metadata, 
 
 @pytest.mark.parametrize("exc", [RuntimeError("disk on fire"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
 def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch, exc):
-    real = qio.save_file
+    real = stfile.save_file
 
     def half_then_fail(arrays, tmp, metadata=None):
         real(arrays, tmp, metadata=metadata)
@@ -295,7 +295,7 @@ def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch, exc):
             f.truncate(os.path.getsize(tmp) // 2)
         raise exc
 
-    monkeypatch.setattr(qio, "save_file", half_then_fail)
+    monkeypatch.setattr(stfile, "save_file", half_then_fail)  # the safetensors writer qcore.save calls
     with pytest.raises(type(exc)):
         qcore.save(tmp_path / "out.safetensors", {"w": _x((8, 8))})
     assert os.listdir(tmp_path) == []
@@ -310,7 +310,7 @@ def test_interrupted_overwrite_keeps_the_old_file(tmp_path, monkeypatch):
         open(tmp, "wb").write(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(qio, "save_file", fail)
+    monkeypatch.setattr(stfile, "save_file", fail)
     with pytest.raises(KeyboardInterrupt):
         qcore.save(path, {"w": _x((8, 8), seed=1)})
     assert os.listdir(tmp_path) == ["out.safetensors"]

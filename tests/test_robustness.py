@@ -18,11 +18,12 @@ import tracemalloc
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 import qcore
 from qcore import InputError, InvalidDataError, QuantizedData, SchemeError, StorageError
-from qcore.files import io as qio
+from qcore.files import io as qio, paths, stfile
 from qcore.cli.main import main
 
 MB = 1 << 20
@@ -268,12 +269,12 @@ def _save_raises(monkeypatch, exc):
         with open(tmp, "wb") as f:
             f.write(b"x" * 1000)
         raise exc
-    monkeypatch.setattr(qio, "save_file", fail)
+    monkeypatch.setattr(stfile, "save_file", fail)  # the safetensors writer qcore.save calls
 
 
 @pytest.mark.parametrize("exc,pattern", [
-    (qio.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
-                         'message: "No space left on device" })'), "No space left on device"),
+    (SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                     'message: "No space left on device" })'), "No space left on device"),
     (OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
     (OSError(errno.EROFS, "Read-only file system"), "Read-only file system"),
 ], ids=["safetensors-enospc", "oserror-enospc", "erofs"])
@@ -291,7 +292,7 @@ def test_read_only_destination_before_any_temp_file(tmp_path, monkeypatch, capsy
 
     def erofs(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
-    monkeypatch.setattr(qio.tempfile, "mkstemp", erofs)
+    monkeypatch.setattr(paths.tempfile, "mkstemp", erofs)
     rc, _, err = _run(capsys, "quantize", model, tmp_path / "o.safetensors", "--scheme", "q8s",
                       "--backend", "reference")
     assert rc == 1

@@ -6,24 +6,20 @@ import math
 import os
 from typing import Any
 
-from qcore.files import io as qio
 from qcore.cli.console import console, escape, fmt_db, fmt_shape
 from qcore.errors import InputError
-from qcore.spec.payload import QuantizedData
-from qcore.files.stfile import ST_DTYPES
-from qcore.formats.base import INDEX_SUFFIX, FormatNotFoundError, read_checked, refuse_unread_quantized, shards
+from qcore.files import io as qio
+from qcore.files.checkpoint import INDEX_SUFFIX, shard_files
+from qcore.files.stfile import ST_DTYPES, st_dtype
+from qcore.formats.base import FormatNotFoundError, read_checked, refuse_unread_quantized
 from qcore.formats.convert import convert
 from qcore.formats.registry import detect, formats, get
+from qcore.spec.payload import QuantizedData
 
-__all__ = ["add_convert", "cmd_convert", "format_of", "read_info"]
+__all__ = ["add_convert", "cmd_convert", "format_of", "describe_checkpoint"]
 
 # Metadata keys a format keeps for itself (restoring its file); inspect does not print them.
 _PRIVATE = ("gguf.kv", "gpt-oss.names", "bitsandbytes.dtypes")
-
-
-_ST_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int8": "I8", "uint8": "U8",
-             "int16": "I16", "int32": "I32", "int64": "I64", "uint16": "U16", "uint32": "U32", "uint64": "U64",
-             "bool": "BOOL"}
 
 
 def format_of(path: str) -> str:
@@ -37,31 +33,33 @@ def format_of(path: str) -> str:
         return "qcore"
     if name == "qcore":
         plain: dict[str, tuple[str, tuple[int, ...]]] = {}
-        for p in shards(path):
+        for p in shard_files(path):
             plain.update((e.name, (ST_DTYPES[e.dtype].name if e.dtype in ST_DTYPES else e.dtype, tuple(e.shape)))
                          for e in qio.read_info(p).entries if e.scheme is None)
         refuse_unread_quantized(plain, path, name)
     return name
 
 
-def read_info(path: str) -> tuple[qio.FileInfo, str]:
-    """`qio.read_info` for qcore files; for another tool's file, the same description of what qcore
-    reads from it (schemes, logical shapes, payload sizes), and the format's name."""
+def describe_checkpoint(path: str) -> tuple[qio.FileInfo, str]:
+    """`qio.read_info` for a qcore file; for another tool's checkpoint, the same description of what
+    qcore reads from it (schemes, logical shapes, payload sizes; every tensor read), and the
+    format's name."""
     try:
         fmt = detect(path)
     except FormatNotFoundError:  # qcore's own reader says what is wrong with the file
         fmt = get("qcore")
     if fmt.name == "qcore" and os.path.isfile(path) and not os.fspath(path).endswith(INDEX_SUFFIX):
         return qio.read_info(path), fmt.name
-    ck = read_checked(fmt, path)
+    contents = read_checked(fmt, path)
     entries = []
-    for name, v in ck.tensors.items():
+    for name, v in contents.tensors.items():
         if isinstance(v, QuantizedData):
             entries.append(qio.Entry(name, "U8", v.shape, v.nbytes, v.scheme))
         else:
-            entries.append(qio.Entry(name, _ST_DTYPE.get(v.dtype.name, v.dtype.name), tuple(v.shape), v.nbytes))
-    meta = {k: v for k, v in ck.metadata.items() if k not in _PRIVATE}
-    size = sum(os.path.getsize(f) for f in shards(path))
+            dtype = st_dtype(v.dtype) if v.dtype in ST_DTYPES.values() else v.dtype.name
+            entries.append(qio.Entry(name, dtype, tuple(v.shape), v.nbytes))
+    meta = {k: v for k, v in contents.metadata.items() if k not in _PRIVATE}
+    size = sum(os.path.getsize(f) for f in shard_files(path))
     return qio.FileInfo(os.fspath(path), None, entries, meta, size), fmt.name
 
 

@@ -20,7 +20,9 @@ import numpy as np
 from qcore import __version__, _signals
 from qcore.files import io as qio
 from qcore.cli.console import console, escape, fmt_bytes, fmt_db, fmt_shape
-from qcore.errors import InputError, QCoreError
+from qcore.errors import QCoreError
+from qcore.files.checkpoint import check_apart
+from qcore.files.paths import check_input_path, check_output_path, is_url
 from qcore.model.recipe import KEEP, Recipe, as_recipe
 from qcore.spec.scheme import PRESETS, Native, PackedNative, PackedU32, QuantMode, QuantScheme, QuantValue, ScaleDtype, base_scheme
 from qcore.spec.scheme import scheme as parse_scheme
@@ -176,7 +178,6 @@ def _recipe(args: argparse.Namespace) -> Recipe:
 def _runner(args: argparse.Namespace, err, on_shard) -> tuple[Any, dict[str, Any]]:
     """quantize_model, or the shard-per-unit runner for --cluster/--scheduler and storage URLs."""
     from qcore.model.run import quantize_model
-    from qcore.files.storage import is_url
 
     if not (args.cluster or args.scheduler or is_url(args.input) or is_url(args.output)):
         if args.group_size:
@@ -212,8 +213,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             raise _UsageError("--report draws the statistics that --no-stats skips; drop one of them")
     elif compare:
         raise _UsageError("--compare only adds schemes to a --report; give --report too")
-    if os.path.abspath(args.input) == os.path.abspath(args.output):
-        raise InputError("OUT must differ from IN; write elsewhere and move it if you want to replace IN")
+    check_apart(args.input, args.output)  # before any work (the library checks it again, knowing the output's form)
     export = args.format != "qcore"
     if export and (args.resume or args.cluster or args.scheduler or args.report or "://" in args.input + args.output):
         raise _UsageError("--format writes another tool's checkpoint in one local run; --resume, --cluster, "
@@ -221,7 +221,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.requantize and not export:
         raise _UsageError("--requantize FROM=TO goes with --format (the schemes a target format cannot hold)")
     if os.path.isfile(args.input) and "://" not in args.output and not export:
-        qio.check_output_path(args.output)  # one file in, one file out: refuse a bad OUT before any work
+        check_output_path(args.output)  # one file in, one file out: refuse a bad OUT before any work
 
     err = console(stderr=True)
     with _progress(err) as bar:
@@ -317,7 +317,7 @@ def cmd_dequantize(args: argparse.Namespace) -> int:
     if args.dtype is not None:
         dtype = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(_DTYPES[args.dtype])
     if os.path.isfile(args.input):
-        qio.check_output_path(args.output)  # before any work
+        check_output_path(args.output)  # before any work
     n, total = dequantize_model(args.input, args.output, dtype, backend=args.backend, progress=_track_progress())
     to = dtype if dtype is not None else "their source dtypes"
     console().print(f"wrote {args.output}: {n} of {total} tensors dequantized to {to}")
@@ -329,8 +329,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from rich.markup import escape  # scheme text such as q4s-lookup[nf4] is not rich markup
     from rich.table import Table
 
+    from qcore.cli.convert import describe_checkpoint, format_of
     from qcore.files.checkpoint import resolve
-    from qcore.cli.convert import format_of, read_info as read_foreign_info
 
     fmt = format_of(args.file)
     if fmt == "qcore":
@@ -339,7 +339,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ck.check_tensors({s: [e.name for e in info.entries] for s, info in zip(ck.shards, infos)})
         where = f"{len(infos)} shards in {ck.root}" if len(infos) > 1 else infos[0].path
     else:  # another tool's checkpoint, described as the qcore schemes it reads as
-        infos = [read_foreign_info(args.file)[0]]
+        infos = [describe_checkpoint(args.file)[0]]
         where = infos[0].path
     rows = []
     for info in infos:
@@ -650,24 +650,20 @@ def _track_progress() -> Any:
     return progress
 
 
-_INDEX_SUFFIX = ".safetensors.index.json"
-
-
 def _check_source(path: str) -> None:
     """Refuse, before any format is probed, a source that would block or never end: a FIFO, a
     device or a socket (reading waits for a writer, or goes on forever), and a checkpoint whose
     index is unreadable or names shards that are not files in its folder (an index naming `.`
     would be read again and again). Missing paths, hub ids and URLs are left to the command."""
-    from qcore.files.checkpoint import resolve
-    from qcore.files.storage import is_url
+    from qcore.files.checkpoint import INDEX_SUFFIX, resolve
 
     if is_url(path) or not os.path.exists(path):
         return
     if not os.path.isdir(path):
-        qio.check_input_path(path)  # a regular file, else StorageError naming it
-        if path.endswith(_INDEX_SUFFIX):
+        check_input_path(path)  # a regular file, else StorageError naming it
+        if path.endswith(INDEX_SUFFIX):
             resolve(path)
-    elif any(name.endswith(_INDEX_SUFFIX) for name in os.listdir(path)):
+    elif any(name.endswith(INDEX_SUFFIX) for name in os.listdir(path)):
         resolve(path)
 
 

@@ -87,7 +87,7 @@ td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}td:first-child{{t
 def write(path: str | os.PathLike, tensors: Sequence[str], sqnr: Mapping[str, Sequence[float]],
           title: str = "qcore quantization error") -> None:
     """Write the report to `path` (.png or .html), atomically."""
-    from qcore.files.io import atomic_write
+    from qcore.files.paths import atomic_write
 
     suffix = require(path)
     for name, values in sqnr.items():

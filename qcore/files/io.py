@@ -7,38 +7,36 @@ name; the header's `__metadata__` (a flat str->str map) carries what is needed t
     qcore.<name>.scheme    canonical scheme text, e.g. "q4s/block32:f16"
     qcore.<name>.shape     the logical shape as a JSON list, e.g. "[384, 1536]"
     qcore.<name>.dtype     optional: the source dtype it was quantized from, e.g. "BF16"
-    qcore.model.recipe           optional: the recipe that chose the schemes (JSON, see qcore.model.recipe)
+    qcore.recipe           optional: the recipe that chose the schemes (JSON, see qcore.model.recipe)
     qcore.run              optional: the whole-model run marker `--resume` checks (qcore.model.run)
 
 Any other tensor (floats that were not quantized, integer buffers) is stored as it is. The
 `qcore.` prefix of the metadata is reserved; other keys are the caller's own metadata.
 
-Writes are atomic: the file is built under a temporary name in the target's directory, flushed
-to disk and moved over the target with `os.replace`, so an interrupted write leaves nothing.
+Writes are atomic (`qcore.files.paths.atomic_write`): the file is built under a temporary name in
+the target's directory, flushed to disk and moved over the target with `os.replace`, so an
+interrupted write leaves nothing.
 Files are deterministic: the same tensors and metadata give the same bytes, whichever backend
 quantized them.
 """
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import stat
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
-import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with numpy, so safetensors can read them)
 import numpy as np
-from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
-from qcore import _signals
-from qcore.errors import InputError, InvalidDataError, QCoreError, StorageError
-from qcore.spec.payload import QuantizedData, sections
 from qcore.backend.protocol import Backend, QTensor
+from qcore.errors import InputError, InvalidDataError, QCoreError
+from qcore.files.checkpoint import resolve
+from qcore.files.paths import PathLike
+from qcore.files.stfile import (ST_DTYPES, open_checked, read_arrays, read_header, rewrite_header, st_dtype, storable,
+                                 write_arrays)
+from qcore.spec.payload import QuantizedData, sections
 from qcore.spec.scheme import INT64_MAX, QuantScheme, scheme as parse_scheme
 
 __all__ = [
@@ -46,8 +44,6 @@ __all__ = [
     "VERSION_KEY",
     "Entry",
     "FileInfo",
-    "atomic_write",
-    "check_output_path",
     "save",
     "load",
     "load_data",
@@ -67,8 +63,6 @@ RECIPE_KEY = "qcore.recipe"
 RUN_KEY = "qcore.run"
 _GLOBAL_KEYS = (VERSION_KEY, RECIPE_KEY, RUN_KEY)
 _RESERVED_NAME = "__metadata__"
-
-PathLike = Union[str, "os.PathLike[str]"]
 
 
 def scheme_key(name: str) -> str:
@@ -108,7 +102,7 @@ def _as_entry(name: Any, value: Any) -> QuantizedData | np.ndarray:
     if isinstance(value, QuantizedData):
         return value
     if isinstance(value, np.ndarray):
-        if value.dtype.kind not in "biufcV" or value.dtype.fields is not None:
+        if not storable(value.dtype):
             raise InputError(f"tensor '{name}' has dtype {value.dtype}, which safetensors cannot store")
         return value if value.flags.c_contiguous else value.copy(order="C")  # keeps 0-d arrays 0-d
     raise InputError(
@@ -156,15 +150,13 @@ def save(path: PathLike, tensors: Mapping[str, Any], metadata: Mapping[str, str]
             header.update(quantized_keys(name, entry.scheme, entry.shape, (source_dtypes or {}).get(name)))
         else:
             arrays[name] = entry
-    _atomic_write(os.fspath(path), lambda tmp: save_file(arrays, tmp, metadata=header), _canonical_header)
+    write_arrays(path, arrays, header)
 
 
 def quantized_keys(name: str, sch: QuantScheme, shape: Any, source_dtype: Any = None) -> dict[str, str]:
     """The metadata keys of one quantized tensor (scheme, shape, and its source dtype if known)."""
     keys = {scheme_key(name): str(sch), shape_key(name): json.dumps([int(d) for d in shape])}
     if source_dtype is not None:
-        from qcore.files.stfile import st_dtype
-
         keys[dtype_key(name)] = source_dtype if isinstance(source_dtype, str) else st_dtype(source_dtype)
     return keys
 
@@ -178,166 +170,6 @@ def qcore_header(user: Mapping[str, str] | None, recipe: str | None = None, run:
         header[RUN_KEY] = run
     header.update(_check_user_metadata(user))
     return header
-
-
-def atomic_write(path: PathLike, write) -> None:
-    """Run `write(tmp_path)`, then move the finished file over `path` (see `save`); for reports."""
-    _atomic_write(os.fspath(path), write, None)
-
-
-def check_output_path(path: PathLike) -> str:
-    """Refuse, before any work, an output path that cannot be written: its directory missing or
-    not a directory, not writable, or the path itself a directory. Returns the path as text."""
-    p = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(p))
-    if not os.path.isdir(directory):
-        raise StorageError(errno.ENOENT, f"cannot write {p}: directory {directory} does not exist "
-                                         "(No such file or directory); create it first", p)
-    if os.path.isdir(p):
-        raise StorageError(errno.EISDIR, f"cannot write {p}: it is a directory; name a file inside it", p)
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise StorageError(errno.EACCES, f"cannot write {p}: directory {directory} is not writable "
-                                         "(read-only or no permission); write elsewhere", p)
-    return p
-
-
-def _storage_error(path: str, e: BaseException) -> StorageError:
-    """One-line `StorageError` for a failed write of `path` (OSError or safetensors' own error)."""
-    code = getattr(e, "errno", None)
-    text = getattr(e, "strerror", None) or " ".join(str(e).split())
-    if code is None:  # safetensors wraps the OS error in its message: find the errno it names
-        for name, num in (("StorageFull", errno.ENOSPC), ("No space left", errno.ENOSPC),
-                          ("ReadOnlyFilesystem", errno.EROFS), ("PermissionDenied", errno.EACCES)):
-            if name in text:
-                code, text = num, os.strerror(num)
-                break
-    return StorageError(code or errno.EIO, f"cannot write {path}: {text}; nothing was written", path)
-
-
-def _atomic_write(path: str, write, finish) -> None:
-    """Run `write(tmp)` on a temp file next to `path`, fsync it, then `os.replace` it into place.
-
-    Any exception (KeyboardInterrupt included) removes the temp file and leaves `path` untouched;
-    creating, moving and removing the temp file are not split by SIGINT/SIGTERM (`_signals`).
-    Write failures (disk full, read-only) become one `StorageError`.
-    """
-    check_output_path(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp: str | None = None
-    try:  # (no `try` statement inside: see _make_temp)
-        with _signals.deferred():
-            tmp = _make_temp(path, directory)
-        _fill_temp(path, tmp, write, finish)
-        with _signals.deferred():
-            _move_into_place(tmp, path)
-            tmp = None
-    except BaseException:
-        if tmp is not None:
-            with _signals.deferred():
-                _remove_quietly(tmp)
-        raise
-    _fsync_dir(directory)
-
-
-# The steps of `_atomic_write`, each a function of its own so that no `try` statement sits
-# inside its try/except: on CPython 3.11 an exception raised at such a statement's line (by a
-# trace function, as the interrupt tests send signals) skips the enclosing handler, which
-# removes the temporary file.
-def _make_temp(path: str, directory: str) -> str:
-    """A new empty temporary file next to `path` (`.NAME.<8 characters>.tmp`)."""
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    except OSError as e:
-        raise _storage_error(path, e) from None
-    os.close(fd)
-    return tmp
-
-
-def _fill_temp(path: str, tmp: str, write, finish) -> None:
-    """Run `write(tmp)` and `finish(f)`, flush the file to disk and give it the default mode."""
-    try:
-        write(tmp)
-        with open(tmp, "r+b") as f:
-            if finish is not None:
-                finish(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _default_mode())
-    except (OSError, SafetensorError) as e:
-        if isinstance(e, QCoreError):
-            raise
-        raise _storage_error(path, e) from None
-
-
-def _move_into_place(tmp: str, path: str) -> None:
-    try:
-        os.replace(tmp, path)
-    except OSError as e:
-        raise _storage_error(path, e) from None
-
-
-def _remove_quietly(tmp: str) -> None:
-    try:
-        os.unlink(tmp)
-    except OSError:
-        pass
-
-
-def _default_mode() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # some platforms cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _read_header(f) -> tuple[int, dict] | None:
-    """(header length, parsed header) of the safetensors file open at its start, or None when the
-    header does not parse as a JSON object."""
-    raw = f.read(8)
-    n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-    text = f.read(n) if 0 < n <= 100_000_000 else b""
-    try:
-        head = json.loads(text.decode("utf-8")) if len(text) == n else None
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    return (n, head) if isinstance(head, dict) else None
-
-
-def _write_header(f, n: int, head: dict) -> bool:
-    """Write `head` in compact JSON over the header of `n` bytes, padded with spaces as safetensors
-    pads it, keeping every byte outside it; False (nothing written) when it would not fit."""
-    new = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    if len(new) > n:
-        return False
-    f.seek(8)
-    f.write(new + b" " * (n - len(new)))
-    return True
-
-
-def _canonical_header(f) -> None:
-    """Sort the `__metadata__` keys in place, so equal inputs give equal files.
-
-    safetensors writes its metadata map in hash order; the rewrite keeps every byte outside the
-    header and keeps the header's length, or leaves the file as it is.
-    """
-    found = _read_header(f)
-    if found is None or not isinstance(found[1].get(_RESERVED_NAME), dict):
-        return
-    n, head = found
-    head[_RESERVED_NAME] = dict(sorted(head[_RESERVED_NAME].items()))
-    _write_header(f, n, head)
 
 
 def _tensor_of_key(key: str) -> str | None:
@@ -359,7 +191,7 @@ def settle_metadata(path: PathLike) -> None:
     safetensors header."""
     p = os.fspath(path)
     with open(p, "r+b") as f:
-        found = _read_header(f)
+        found = read_header(f)
         if found is None:
             raise InvalidDataError(f"{p}: not a safetensors file (its header does not parse)")
         n, head = found
@@ -370,7 +202,7 @@ def settle_metadata(path: PathLike) -> None:
             head[_RESERVED_NAME] = kept
         else:
             head.pop(_RESERVED_NAME, None)
-        if not _write_header(f, n, head):  # only keys were dropped: never longer than the compact original
+        if not rewrite_header(f, n, head):  # only keys were dropped: never longer than the compact original
             raise InvalidDataError(f"{p}: its header is not in safetensors' compact form; cannot rewrite it in place")
 
 
@@ -399,7 +231,7 @@ class Entry:
         """Bytes of the tensor in its source dtype (quantized without a recorded dtype: float32)."""
         if not self.quantized:
             return self.nbytes
-        return self.numel * _ITEMSIZE.get(self.source_dtype or "F32", 4)
+        return self.numel * _itemsize(self.source_dtype or "F32", 4)
 
 
 @dataclass(frozen=True)
@@ -415,43 +247,9 @@ class FileInfo:
     run: str | None = None           # the whole-model run marker (qcore.run), if recorded
 
 
-_ITEMSIZE = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
-    "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8,
-}
-
-
-def check_input_path(path: PathLike) -> str:
-    """A readable regular file, else `StorageError` naming the path (missing, a directory, a
-    device such as /dev/null, no permission). Returns the path as text."""
-    try:
-        p = os.fspath(path)
-    except TypeError:
-        raise InputError(f"a file path is a str or os.PathLike, got {type(path).__name__}") from None
-    try:
-        st = os.stat(p)
-    except OSError as e:
-        raise StorageError(e.errno, f"{p}: {e.strerror} (cannot read it)", p) from None
-    if stat.S_ISDIR(st.st_mode):
-        raise StorageError(errno.EISDIR, f"cannot read {p}: it is a directory; name a .safetensors file", p)
-    if not stat.S_ISREG(st.st_mode):
-        raise StorageError(errno.ENODEV, f"cannot read {p}: not a regular file; name a .safetensors file", p)
-    if not os.access(p, os.R_OK):
-        raise StorageError(errno.EACCES, f"cannot read {p}: permission denied", p)
-    return p
-
-
-def _open(path: PathLike):
-    p = check_input_path(path)
-    try:
-        return safe_open(p, framework="np")
-    except SafetensorError as e:
-        raise InvalidDataError(f"{p} is not a valid safetensors file: {' '.join(str(e).split())}") from None
-    except OSError as e:
-        raise StorageError(e.errno, f"cannot read {p}: {e.strerror or e}", p) from None
-    except Exception as e:  # the Rust layer raises a few other types on bad headers
-        raise InvalidDataError(f"{p} is not a valid safetensors file: {e}") from None
+def _itemsize(dtype: str, default: int) -> int:
+    """Bytes per element of a safetensors dtype, `default` for a name qcore does not know."""
+    return ST_DTYPES[dtype].itemsize if dtype in ST_DTYPES else default
 
 
 def _parse_shape(text: str, name: str, where: str) -> tuple[int, ...]:
@@ -509,7 +307,7 @@ def _quantized_index(meta: dict[str, str], names: set[str], where: str) -> tuple
     for name, dt in dtypes.items():
         if name not in index:
             raise InvalidDataError(f"{where}: key '{dtype_key(name)}' names no quantized tensor")
-        if dt not in _ITEMSIZE:
+        if dt not in ST_DTYPES:
             raise InvalidDataError(f"{where}: key '{dtype_key(name)}' must be a safetensors dtype, got {dt!r}")
     return version, index, user, dtypes
 
@@ -520,7 +318,7 @@ def read_info(path: PathLike) -> FileInfo:
     Checks every quantized entry's stored size against its scheme and shape (SPEC §3).
     """
     p = os.fspath(path)
-    with _open(p) as f:
+    with open_checked(p) as f:
         meta = f.metadata() or {}
         names = list(f.keys())
         version, index, user, dtypes = _quantized_index(meta, set(names), p)
@@ -528,7 +326,7 @@ def read_info(path: PathLike) -> FileInfo:
         for name in names:
             sl = f.get_slice(name)
             dtype, stored_shape = str(sl.get_dtype()), tuple(int(d) for d in sl.get_shape())
-            nbytes = math.prod(stored_shape) * _ITEMSIZE.get(dtype, 1)
+            nbytes = math.prod(stored_shape) * _itemsize(dtype, 1)
             if name in index:
                 sch, shape = index[name]
                 _check_stored(p, name, dtype, stored_shape, sch, shape)
@@ -555,56 +353,29 @@ def _check_stored(where: str, name: str, dtype: str, stored_shape: tuple[int, ..
         )
 
 
-_NUMPY_LACKS = {
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
-}
-"""safetensors dtypes whose numpy type lives in ml_dtypes: safetensors' numpy reader cannot build
-them, so `load_data` reads their bytes itself (the header was already checked by safe_open)."""
-
-
-def _read_raw(path: str, name: str, dtype: str) -> np.ndarray:
-    """One tensor's bytes read from the file by its header offsets, viewed as `dtype`."""
-    with open(path, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        head = json.loads(fh.read(n))
-        entry = head[name]
-        start, end = (int(v) for v in entry["data_offsets"])
-        fh.seek(8 + n + start)
-        raw = fh.read(end - start)
-    shape = tuple(int(d) for d in entry["shape"])
-    return np.frombuffer(raw, dtype=_NUMPY_LACKS[dtype]).reshape(shape).copy()
-
-
 def load_data(path: PathLike) -> dict[str, QuantizedData | np.ndarray]:
     """Read a file into portable values: `QuantizedData` for quantized tensors, numpy otherwise.
 
     Needs no backend. A plain safetensors file (no qcore metadata) loads as numpy arrays.
     """
     p = os.fspath(path)
+    index: dict[str, tuple[QuantScheme, tuple[int, ...]]] = {}
+
+    def check(meta: dict[str, str], names: list[str]) -> None:  # the metadata, before any tensor is read
+        index.update(_quantized_index(meta, set(names), p)[1])
+
+    arrays, _ = read_arrays(p, check)
     out: dict[str, QuantizedData | np.ndarray] = {}
-    with _open(p) as f:
-        meta = f.metadata() or {}
-        names = list(f.keys())
-        _, index, _, _ = _quantized_index(meta, set(names), p)
-        for name in names:
+    for name, arr in arrays.items():
+        if name in index:
+            sch, shape = index[name]
+            _check_stored(p, name, st_dtype(arr.dtype), arr.shape, sch, shape)
             try:
-                dtype = str(f.get_slice(name).get_dtype())
-                arr = _read_raw(p, name, dtype) if dtype in _NUMPY_LACKS else f.get_tensor(name)
-            except QCoreError:
-                raise
-            except Exception as e:
-                raise InvalidDataError(f"{p}: cannot read tensor '{name}': {e}") from None
-            if name in index:
-                sch, shape = index[name]
-                _check_stored(p, name, str(f.get_slice(name).get_dtype()), arr.shape, sch, shape)
-                try:
-                    out[name] = QuantizedData(shape, sch, arr.tobytes())
-                except InvalidDataError as e:
-                    raise InvalidDataError(f"{p}: tensor '{name}': {e}") from None
-            else:
-                out[name] = arr
+                out[name] = QuantizedData(shape, sch, arr.tobytes())
+            except InvalidDataError as e:
+                raise InvalidDataError(f"{p}: tensor '{name}': {e}") from None
+        else:
+            out[name] = arr
     return out
 
 
@@ -618,7 +389,6 @@ def load(path: PathLike, backend: str | Backend | None = None) -> dict[str, QTen
     so `q.to_data()` gives the same bytes on every backend. Shards are checked against each other
     and their index as `qcore quantize` checks them (a tensor in two shards, a missing one).
     """
-    from qcore.files.checkpoint import resolve
     from qcore.backend.registry import backend as get_backend
 
     try:

@@ -1,12 +1,21 @@
-"""safetensors files read and written one tensor at a time, for bounded memory on whole models.
+"""safetensors files: the one dtype table, header checks, readers and writers.
 
 The format is an 8-byte little-endian header length N, N bytes of JSON header
 (`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`, offsets
-relative to the end of the header, tensors back to back), then the tensor bytes. `Reader` parses
-the header and reads each tensor straight into a fresh numpy array (`readinto`, one copy out of
-the page cache); `StreamWriter` reserves the header's room up front, writes tensors as they come
-and fills in the header (padded with spaces, which JSON ignores) when the last one is written.
-safetensors' own reader loads these files (tests/test_shards.py checks it bit for bit).
+relative to the end of the header, tensors back to back), then the tensor bytes.
+
+- `ST_DTYPES`: safetensors dtype name <-> numpy dtype (`st_dtype`, `np_dtype`), for every reader
+  and writer of qcore;
+- `read_arrays`: a small file's tensors as numpy, its header checked by safetensors' own parser
+  (`open_checked`); `write_arrays`: numpy arrays to a file, atomically, its `__metadata__` in
+  sorted order, so equal inputs give equal files;
+- `Reader`: a header parsed and checked here, and each tensor read straight into a fresh numpy
+  array (`readinto`, one copy out of the page cache), for bounded memory on whole models;
+- `StreamWriter`: the header's room reserved up front (`header_room`), tensors written as they
+  come, the header filled in (padded with spaces, which JSON ignores) when the last one is written;
+- `read_header` / `rewrite_header`: a header read as it is and rewritten in place at its length.
+
+safetensors' own reader loads what `StreamWriter` writes (tests/test_model.py checks it bit for bit).
 """
 from __future__ import annotations
 
@@ -14,18 +23,21 @@ import json
 import math
 import os
 import reprlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Union
+from typing import Any, BinaryIO
 
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
-from qcore.errors import InputError, InvalidDataError
+from qcore.errors import InputError, InvalidDataError, QCoreError, StorageError
+from qcore.files.paths import PathLike, atomic_write, check_input_path
 
-__all__ = ["ST_DTYPES", "st_dtype", "np_dtype", "TensorHead", "Reader", "StreamWriter", "header_room"]
-
-PathLike = Union[str, "os.PathLike[str]"]
+__all__ = ["ST_DTYPES", "MAX_HEADER", "st_dtype", "np_dtype", "storable", "header_length", "read_header",
+           "rewrite_header", "open_checked", "read_arrays", "write_arrays", "TensorHead", "Reader", "StreamWriter",
+           "header_room"]
 
 # safetensors dtype name -> numpy dtype (ml_dtypes for bfloat16 and the float8 types)
 ST_DTYPES: dict[str, np.dtype] = {
@@ -38,9 +50,14 @@ ST_DTYPES: dict[str, np.dtype] = {
     "C64": np.dtype(np.complex64),
 }
 _BY_NP = {v: k for k, v in ST_DTYPES.items()}
-_MAX_HEADER = 100_000_000  # safetensors' own limit
+_NUMPY_LACKS = frozenset({"F8_E4M3", "F8_E5M2", "F8_E8M0"})
+"""dtypes whose numpy type lives in ml_dtypes and that safetensors' numpy loader cannot build:
+`read_arrays` reads their bytes with `Reader`."""
+MAX_HEADER = 100_000_000
+"""The longest header safetensors reads, in bytes."""
 _INT64_MAX = 2 ** 63 - 1
 _CHUNK = 64 << 20
+_METADATA = "__metadata__"
 
 
 def _is_count(v: Any) -> bool:
@@ -73,6 +90,121 @@ def np_dtype(name: str) -> np.dtype:
             f"safetensors dtype {name!r} is not one qcore reads; known: {', '.join(ST_DTYPES)}") from None
 
 
+def storable(dtype: np.dtype) -> bool:
+    """Whether safetensors stores arrays of `dtype` (numpy numbers and ml_dtypes' bfloat16/float8)."""
+    return dtype.kind in "biufcV" and dtype.fields is None
+
+
+# ------------------------------------------------------------------------------------------ header
+def header_length(prefix: bytes, size: int, where: str) -> int:
+    """N, the header length a file of `size` bytes starts with (`prefix`, its first 8 bytes),
+    checked: the file holds it and safetensors reads it (`MAX_HEADER`); else InvalidDataError
+    naming `where`."""
+    if len(prefix) != 8:
+        raise InvalidDataError(f"{where} is not a valid safetensors file: {size} bytes is too short for a header")
+    n = int.from_bytes(prefix, "little")
+    if n > min(MAX_HEADER, size - 8):
+        raise InvalidDataError(f"{where} is not a valid safetensors file: header length {n} does not fit in a "
+                               f"{size}-byte file")
+    return n
+
+
+def read_header(f: BinaryIO) -> tuple[int, dict] | None:
+    """(header length, parsed header) of the safetensors file open at its start, or None when the
+    header does not parse as a JSON object (nothing checked beyond that: see `Reader`)."""
+    raw = f.read(8)
+    n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+    text = f.read(n) if 0 < n <= min(MAX_HEADER, os.fstat(f.fileno()).st_size - 8) else b""
+    try:
+        head = json.loads(text.decode("utf-8")) if len(text) == n else None
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return (n, head) if isinstance(head, dict) else None
+
+
+def rewrite_header(f: BinaryIO, n: int, head: dict) -> bool:
+    """Write `head` in compact JSON over the header of `n` bytes, padded with spaces as safetensors
+    pads it, keeping every byte outside it; False (nothing written) when it would not fit."""
+    new = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    if len(new) > n:
+        return False
+    f.seek(8)
+    f.write(new + b" " * (n - len(new)))
+    return True
+
+
+def _sort_metadata(f: BinaryIO) -> None:
+    """Sort the `__metadata__` keys in place, so equal inputs give equal files.
+
+    safetensors writes its metadata map in hash order; the rewrite keeps every byte outside the
+    header and keeps the header's length, or leaves the file as it is.
+    """
+    found = read_header(f)
+    if found is None or not isinstance(found[1].get(_METADATA), dict):
+        return
+    n, head = found
+    head[_METADATA] = dict(sorted(head[_METADATA].items()))
+    rewrite_header(f, n, head)
+
+
+# ------------------------------------------------------------------------------- small files
+def open_checked(path: PathLike) -> Any:
+    """safetensors' own reader (`safe_open`, numpy) on `path`, its header checked by it; a bad
+    file is one InvalidDataError, an unreadable one a StorageError, each naming the path."""
+    p = check_input_path(path)
+    try:
+        return safe_open(p, framework="np")
+    except SafetensorError as e:
+        raise InvalidDataError(f"{p} is not a valid safetensors file: {' '.join(str(e).split())}") from None
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot read {p}: {e.strerror or e}", p) from None
+    except Exception as e:  # the Rust layer raises a few other types on bad headers
+        raise InvalidDataError(f"{p} is not a valid safetensors file: {e}") from None
+
+
+def read_arrays(path: PathLike, check: Callable[[dict[str, str], list[str]], Any] | None = None
+                ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Every tensor of one safetensors file as numpy, in file order, and its `__metadata__`
+    (`open_checked`). `check(metadata, names)` runs on the header before any tensor is read."""
+    p = os.fspath(path)
+    out: dict[str, np.ndarray] = {}
+    raw: Reader | None = None  # for the float8 tensors safetensors' numpy loader cannot make
+    try:
+        with open_checked(p) as f:
+            meta = dict(f.metadata() or {})
+            names = list(f.keys())
+            if check is not None:
+                check(meta, names)
+            for name in names:
+                try:
+                    if str(f.get_slice(name).get_dtype()) in _NUMPY_LACKS:
+                        raw = raw or Reader(p)
+                        out[name] = raw.read(name)
+                    else:
+                        out[name] = f.get_tensor(name)
+                except QCoreError:
+                    raise
+                except Exception as e:
+                    raise InvalidDataError(f"{p}: cannot read tensor '{name}': {e}") from None
+    finally:
+        if raw is not None:
+            raw.close()
+    return out, meta
+
+
+def write_arrays(path: PathLike, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
+                 ) -> None:
+    """Write numpy arrays to a safetensors file atomically (`qcore.files.paths.atomic_write`), with
+    str -> str metadata in sorted order (equal inputs, equal bytes)."""
+    for name, a in arrays.items():
+        if not storable(a.dtype):
+            raise InputError(f"tensor '{name}' has dtype {a.dtype}, which safetensors cannot store")
+    data = {k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in arrays.items()}  # 0-d stays 0-d
+    meta = dict(metadata or {}) or None
+    atomic_write(path, lambda tmp: save_file(data, tmp, metadata=meta), _sort_metadata)
+
+
+# ----------------------------------------------------------------------------------- streaming
 @dataclass(frozen=True)
 class TensorHead:
     """One tensor as a header describes it."""
@@ -105,12 +237,7 @@ class Reader:
 
     def _parse(self) -> tuple[bytes, dict[str, TensorHead], dict[str, str]]:
         size = os.fstat(self._f.fileno()).st_size
-        raw = self._f.read(8)
-        if len(raw) != 8:
-            raise self._bad(f"{size} bytes is too short for a header")
-        n = int.from_bytes(raw, "little")
-        if n > min(_MAX_HEADER, size - 8):
-            raise self._bad(f"header length {n} does not fit in a {size}-byte file")
+        n = header_length(self._f.read(8), size, self.path)
         text = self._f.read(n)
         try:
             head = json.loads(text.decode("utf-8"))
@@ -118,7 +245,7 @@ class Reader:
             raise self._bad(f"header is not JSON ({e})") from None
         if not isinstance(head, dict):
             raise self._bad("header is not a JSON object")
-        meta = head.pop("__metadata__", None) or {}
+        meta = head.pop(_METADATA, None) or {}
         if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
             raise self._bad("__metadata__ must map str -> str")
         self._start = 8 + n
@@ -185,7 +312,7 @@ def _entry(dtype: str, shape: Sequence[int], begin: int, end: int) -> dict[str, 
 
 
 def _header_json(entries: Mapping[str, dict[str, Any]], metadata: Mapping[str, str]) -> bytes:
-    head: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    head: dict[str, Any] = {_METADATA: dict(sorted(metadata.items()))} if metadata else {}
     head.update(entries)
     return json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
@@ -207,7 +334,7 @@ class StreamWriter:
 
     `room` is the header's reserved size (`header_room`); tensors follow in the order they are
     added. `finish()` writes the header into its room. The caller owns atomicity (the file is a
-    temporary one, see `qcore.files.io.atomic_write`).
+    temporary one, see `qcore.files.paths.atomic_write`).
     """
 
     def __init__(self, f: BinaryIO, room: int):
@@ -220,7 +347,7 @@ class StreamWriter:
     def add(self, name: str, array: np.ndarray | Sequence[np.ndarray]) -> None:
         """Append `array` (numpy, C order) under `name`; a list of arrays is written back to back
         as one U8 tensor of their bytes (a payload in its parts, `Backend.payload_parts`)."""
-        if name in self._entries or name == "__metadata__":
+        if name in self._entries or name == _METADATA:
             raise InputError(f"tensor name '{name}' is used twice or reserved in one safetensors file")
         if isinstance(array, np.ndarray):
             a = array if array.flags.c_contiguous else array.copy(order="C")  # (keeps 0-d arrays 0-d)
@@ -235,10 +362,6 @@ class StreamWriter:
             n += a.nbytes
         self._entries[name] = _entry(dtype, shape, self._pos, self._pos + n)
         self._pos += n
-
-    @property
-    def data_bytes(self) -> int:
-        return self._pos
 
     def finish(self, metadata: Mapping[str, str]) -> None:
         """Write the header (entries in the order added, metadata sorted) into the reserved room."""

@@ -28,20 +28,16 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from qcore.errors import InputError, InvalidDataError
+from qcore.errors import InputError
+from qcore.files.checkpoint import other_files
+from qcore.files.paths import atomic_write, is_url
+from qcore.files.stfile import Reader, header_length
 
 __all__ = ["Location", "is_url", "location", "HEADER_PREFIX_LEN", "TMP_SUFFIX"]
 
 HEADER_PREFIX_LEN = 8
 TMP_SUFFIX = ".tmp"
-_MAX_HEADER = 100_000_000  # safetensors' own limit
 _CHUNK = 64 << 20           # bytes a ranged read fetches at a time
-
-
-def is_url(path: str | os.PathLike[str]) -> bool:
-    """True for `proto://...` other than `file://` (those need fsspec)."""
-    p = os.fspath(path)
-    return "://" in p and not p.startswith("file://")
 
 
 def _fsspec() -> Any:
@@ -100,11 +96,7 @@ class Location:
             return False
         with self.fs.open(path, "rb", block_size=1 << 20) as f:
             raw = f.read(HEADER_PREFIX_LEN)
-            n = int.from_bytes(raw, "little") if len(raw) == HEADER_PREFIX_LEN else -1
-            if not 0 <= n <= min(_MAX_HEADER, size - HEADER_PREFIX_LEN):
-                raise InvalidDataError(f"{self.fs.unstrip_protocol(path)} is not a valid safetensors file: "
-                                       f"header length {n} does not fit in a {size}-byte file")
-            head = f.read(n)
+            head = f.read(header_length(raw, size, self.fs.unstrip_protocol(path)))
         os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
         with open(local, "wb") as out:
             out.write(raw + head)
@@ -141,8 +133,6 @@ class Location:
             return path
         if not self.header_stub(path, local):
             raise FileNotFoundError(2, "No such file", self.fs.unstrip_protocol(path))
-        from qcore.files.stfile import Reader
-
         with Reader(local) as r:
             start = HEADER_PREFIX_LEN + len(r.header_bytes)
             ranges = [(start + r.tensors[n].begin, start + r.tensors[n].end) for n in names]
@@ -177,8 +167,6 @@ class Location:
         """Copy a local file or directory tree (an entry of a model folder) to `path`, each file
         through `upload`: the files `qcore.files.checkpoint.other_files` names, so no link out of the
         model folder, to a device or FIFO, or to a folder (a loop) is followed."""
-        from qcore.files.checkpoint import other_files
-
         root, name = os.path.split(os.path.abspath(local))
         for rel in other_files(root, [name]):
             parts = rel.split(os.sep)[1:]
@@ -188,8 +176,6 @@ class Location:
     def _copy(self, src: str, path: str) -> None:
         if self.local:
             import shutil
-
-            from qcore.files.io import atomic_write
 
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             atomic_write(path, lambda tmp: shutil.copyfile(src, tmp))

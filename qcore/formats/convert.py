@@ -1,7 +1,7 @@
 """Moving a checkpoint between formats: bytes rearranged where the target holds the source exactly.
 
 `convert` never re-quantizes on its own. A quantized tensor the target cannot hold exactly, or
-one the reader could not hold exactly (`Checkpoint.refused`: the tool's decoded values), is an
+one the reader could not hold exactly (`Contents.refused`: the tool's decoded values), is an
 `UnrepresentableError`, unless the caller names a scheme to re-quantize it with; then the tensor is
 dequantized (or taken as the tool decoded it), quantized again, and the report gives its error
 (SQNR and max |err| against the source's decoded values). Float and integer tensors are copied as
@@ -16,10 +16,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from qcore.errors import InputError
+from qcore.files.checkpoint import check_apart
 from qcore.spec.payload import QuantizedData
 from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
-from qcore.formats.base import Checkpoint, Format, PathLike, Tensor, UnrepresentableError, model_folder, read_checked
+from qcore.formats.base import Contents, Format, PathLike, Tensor, UnrepresentableError, model_folder, read_checked
 from qcore.formats.registry import detect, get
 
 __all__ = ["ConvertReport", "TensorReport", "convert", "describe", "error_stats"]
@@ -86,28 +86,27 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
     re-quantized); codes the reader left as a plain array beside their scale are an
     `InvalidDataError` (`base.read_checked`), so "copied" is only ever a float or integer tensor
     and a report without re-quantized tensors is lossless. A tensor the target cannot hold, or one
-    the reader refused (no qcore scheme holds the tool's values exactly, `Checkpoint.refused`),
+    the reader refused (no qcore scheme holds the tool's values exactly, `Contents.refused`),
     raises `UnrepresentableError` before anything is written, unless `requantize` names a scheme:
     then it is quantized again on `backend` (None: $QCORE_BACKEND, else auto) from its decoded
     values (the refused one from the tool's own decode), and its error is in the report. A model
-    folder (`src` a directory or its index) is passed to the writer as `Checkpoint.folder`, so GGUF
+    folder (`src` a directory or its index) is passed to the writer as `Contents.folder`, so GGUF
     can write the model's config.json and tokenizer.
     """
     s, d = os.fspath(src), os.fspath(dst)
-    if os.path.abspath(s) == os.path.abspath(d):
-        raise InputError("DST must differ from SRC; write elsewhere and move it if you want to replace SRC")
+    check_apart(s, d, names=("SRC", "DST"))  # DST is not SRC, nor one of its shards
     reader = _format(src_format if src_format is not None else detect(s), read_options)
     writer = _format(to, write_options)
     if not writer.writable:
         raise UnrepresentableError(f"format '{writer.name}' is read-only in this qcore; convert to another format")
     target = parse_scheme(requantize) if requantize is not None else None
     # no quantized tensor passes as a plain array; those the reader refused only with a target
-    checkpoint = read_checked(reader, s, requantizing=target is not None)
+    contents = read_checked(reader, s, requantizing=target is not None)
     report = ConvertReport(s, d, reader.name, writer.name)
     out: dict[str, Tensor] = {}
-    for name, value in checkpoint.tensors.items():
+    for name, value in contents.tensors.items():
         source = None
-        if name in checkpoint.refused:  # the tool's decoded values of a tensor no scheme holds exactly
+        if name in contents.refused:  # the tool's decoded values of a tensor no scheme holds exactly
             source = f"{describe(value)}, decoded by {reader.name}"
         else:
             ok = writer.check(name, value)
@@ -134,7 +133,7 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
                 f"tensor '{name}' requantized to {target} still cannot be written as {writer.name}: {again.reason}"
             )
         report.tensors.append(row)
-    writer.write(d, Checkpoint(out, dict(checkpoint.metadata), writer.name, checkpoint.folder or model_folder(s)))
+    writer.write(d, Contents(out, dict(contents.metadata), writer.name, contents.folder or model_folder(s)))
     return report
 
 

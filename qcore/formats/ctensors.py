@@ -87,8 +87,10 @@ from qcore.backend.protocol import Support
 from qcore.model.recipe import MAX_REGEX_CHOICES, bounded_regex
 from qcore.spec.scheme import OffsetKind, PackedU32, QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
 from qcore.formats import _mx, _nvfp4
-from qcore.formats._st import array_support, carried, config_beside, pop_json, put_quantization_config, read_arrays, write_arrays
-from qcore.formats.base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
+from qcore.files.hfconfig import config_beside, put_quantization_config
+from qcore.files.stfile import write_arrays
+from qcore.formats._st import array_support, carried, pop_json, read_arrays
+from qcore.formats.base import Contents, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
 
 __all__ = ["CompressedTensorsFormat", "quantization_config", "write_config"]
 
@@ -336,14 +338,14 @@ def _input_activations(cfg: dict, mod: str) -> dict | None:
     return acts if isinstance(acts, dict) else None
 
 
-def quantization_config(checkpoint: Checkpoint) -> dict:
+def quantization_config(contents: Contents) -> dict:
     """The `quantization_config` of `config.json` for the quantized tensors of a checkpoint
     (one config group per distinct weight argument set and activation scheme, targeting its modules
     by name); a module's `input_activations` are the ones read (metadata `compressed-tensors.activations`)."""
-    plain = [n for n, v in checkpoint.tensors.items()
+    plain = [n for n, v in contents.tensors.items()
              if not isinstance(v, QuantizedData) and v.ndim == 2 and v.dtype.kind == "f"]
-    return config_of({n: (v.scheme, tuple(v.shape)) for n, v in checkpoint.tensors.items()
-                      if isinstance(v, QuantizedData)}, pop_json(dict(checkpoint.metadata), ACTIVATIONS_KEY), plain)
+    return config_of({n: (v.scheme, tuple(v.shape)) for n, v in contents.tensors.items()
+                      if isinstance(v, QuantizedData)}, pop_json(dict(contents.metadata), ACTIVATIONS_KEY), plain)
 
 
 def ignored_modules(quantized: Iterable[str], plain_2d: Iterable[str]) -> list[str]:
@@ -432,9 +434,9 @@ def _module(name: str) -> str:
     return name[: -len(".weight")] if name.endswith(".weight") else name
 
 
-def write_config(path: PathLike, checkpoint: Checkpoint) -> str:
-    """Put `quantization_config` into the `config.json` beside `path` (`_st.put_quantization_config`)."""
-    return put_quantization_config(path, quantization_config(checkpoint))
+def write_config(path: PathLike, contents: Contents) -> str:
+    """Put `quantization_config` into the `config.json` beside `path` (`qcore.files.hfconfig.put_quantization_config`)."""
+    return put_quantization_config(path, quantization_config(contents))
 
 
 class CompressedTensorsFormat(Format):
@@ -455,7 +457,7 @@ class CompressedTensorsFormat(Format):
                 return True
         return False
 
-    def read(self, path: PathLike) -> Checkpoint:
+    def read(self, path: PathLike) -> Contents:
         arrays, meta = read_arrays(path)
         modules = _modules(list(arrays))
         used: set[str] = set()
@@ -525,7 +527,7 @@ class CompressedTensorsFormat(Format):
                 meta = {**meta, ACTIVATIONS_KEY: json.dumps(acts, sort_keys=True)}
         if names:
             meta = {**meta, NAMES_KEY: json.dumps(names, sort_keys=True)}
-        return Checkpoint(tensors, meta, self.name)
+        return Contents(tensors, meta, self.name)
 
     @staticmethod
     def _read_fp4(mod: str, arrays: dict[str, np.ndarray], where: str) -> QuantizedData:
@@ -588,16 +590,16 @@ class CompressedTensorsFormat(Format):
         return config_of({n: (s, shape) for n, (s, shape) in tensors.items() if s is not None}, {},
                          [n for n, (s, shape) in tensors.items() if s is None and len(shape) == 2])
 
-    def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
-        self.require(checkpoint)
-        config = quantization_config(checkpoint)  # before any byte is written: its metadata may be refused
-        meta = dict(checkpoint.metadata)
+    def write(self, path: PathLike, contents: Contents) -> None:
+        self.require(contents)
+        config = quantization_config(contents)  # before any byte is written: its metadata may be refused
+        meta = dict(contents.metadata)
         spelled = pop_json(meta, NAMES_KEY)
         meta.pop(CONFIG_KEY, None)
         meta.pop(ACTIVATIONS_KEY, None)
         arrays: dict[str, np.ndarray] = {}
-        acts_of = pop_json(dict(checkpoint.metadata), ACTIVATIONS_KEY)
-        for name, value in checkpoint.tensors.items():
+        acts_of = pop_json(dict(contents.metadata), ACTIVATIONS_KEY)
+        for name, value in contents.tensors.items():
             if not isinstance(value, QuantizedData):
                 arrays[name] = value
                 continue

@@ -48,13 +48,13 @@ from typing import Any, Mapping
 import ml_dtypes
 import numpy as np
 
-from qcore.files import io as qio
+from qcore.files.paths import atomic_write
 from qcore.errors import InvalidDataError
 from qcore.spec.payload import QuantizedData
 from qcore.backend.protocol import Support
 from qcore.spec.scheme import QuantScheme, ScaleDtype, scheme as parse_scheme
 from qcore.formats import _mx, gguf_model
-from qcore.formats.base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
+from qcore.formats.base import Contents, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
 
 __all__ = ["GGUFFormat"]
 
@@ -372,7 +372,7 @@ class GGUFFormat(Format):
         return probe.magic[:4] == b"GGUF"
 
     # ------------------------------------------------------------------------------ read
-    def read(self, path: PathLike) -> Checkpoint:
+    def read(self, path: PathLike) -> Contents:
         gguf = _gguf()
         p = os.fspath(path)
         check_kv_bounds(p)  # gguf's reader walks every claimed array item: counts checked first
@@ -424,7 +424,7 @@ class GGUFFormat(Format):
                     )
             except (InvalidDataError, UnrepresentableError) as e:
                 raise type(e)(f"{p}: tensor '{t.name}': {e}") from None
-        return Checkpoint(tensors, {**meta, KV_KEY: json.dumps(kv)}, self.name)
+        return Contents(tensors, {**meta, KV_KEY: json.dumps(kv)}, self.name)
 
     # ----------------------------------------------------------------------------- write
     def check(self, name: str, value: Tensor) -> Support:
@@ -453,14 +453,14 @@ class GGUFFormat(Format):
             return Support.no(f"GGUF has no type for dtype {value.dtype}; cast it to float32")
         return Support.yes()
 
-    def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
-        """Write every tensor; with `checkpoint.folder` holding a config.json, as a model llama.cpp
+    def write(self, path: PathLike, contents: Contents) -> None:
+        """Write every tensor; with `contents.folder` holding a config.json, as a model llama.cpp
         loads (`gguf_model`: its architecture's key/values, tokenizer and tensor names)."""
         gguf = _gguf()
-        self.require(checkpoint)
+        self.require(contents)
         T, V = gguf.GGMLQuantizationType, gguf.GGUFValueType
-        model = gguf_model.plan(checkpoint.folder, checkpoint.tensors, gguf) if checkpoint.folder else None
-        kv = _kv_entries(checkpoint.metadata)
+        model = gguf_model.plan(contents.folder, contents.tensors, gguf) if contents.folder else None
+        kv = _kv_entries(contents.metadata)
         if model is not None:  # the model's own key/values replace those carried from another GGUF file
             kv = [e for e in kv if e[0] == "general.alignment"]
         arch = model.arch_name if model is not None else next((v for k, _, _, v in kv if k == "general.architecture"),
@@ -477,11 +477,11 @@ class GGUFFormat(Format):
                 if key == "general.architecture":
                     continue
                 w.add_key_value(key, value, V[vtype], V[sub] if sub else None)
-            for key, value in sorted(checkpoint.metadata.items()):
+            for key, value in sorted(contents.metadata.items()):
                 if key != KV_KEY:
                     w.add_string(META_PREFIX + key, value)
             quantized = False
-            for name, value in checkpoint.tensors.items():
+            for name, value in contents.tensors.items():
                 if model is not None:
                     value = model.store(name, value)
                 data, kind = _encode(value, T)
@@ -503,4 +503,4 @@ class GGUFFormat(Format):
             w.write_tensors_to_file()
             w.close()
 
-        qio.atomic_write(path, write)
+        atomic_write(path, write)

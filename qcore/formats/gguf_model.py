@@ -2,7 +2,7 @@
 key/values, and its tensors under llama.cpp's names.
 
 `GGUFFormat.write` uses this when the checkpoint came from a model folder with a `config.json`
-(`Checkpoint.folder`); a single file, or a folder without `config.json`, is written as before
+(`Contents.folder`); a single file, or a folder without `config.json`, is written as before
 (`general.architecture = qcore`, the checkpoint's own names, no tokenizer).
 
 The facts are llama.cpp's (`convert_hf_to_gguf.py`, `LlamaModel` and `TextModel`, and the gguf

@@ -37,8 +37,10 @@ from qcore.spec.payload import QuantizedData
 from qcore.backend.protocol import Support
 from qcore.model.recipe import bounded_regex
 from qcore.formats import _mx
-from qcore.formats._st import array_support, carried, config_beside, pop_json, put_quantization_config, read_arrays, write_arrays
-from qcore.formats.base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
+from qcore.files.hfconfig import config_beside, put_quantization_config
+from qcore.files.stfile import write_arrays
+from qcore.formats._st import array_support, carried, pop_json, read_arrays
+from qcore.formats.base import Contents, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
 
 __all__ = ["GptOssFormat"]
 
@@ -84,13 +86,13 @@ def _module(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else name
 
 
-def quantization_config(checkpoint: Checkpoint) -> dict:
+def quantization_config(contents: Contents) -> dict:
     """The `quantization_config` transformers' Mxfp4 loader reads: `quant_method` mxfp4 and
     `modules_to_not_convert` patterns that match no module holding an mxfp4 weight (the source's
     own patterns from metadata `gpt-oss.config`, else the modules whose tensors are all plain);
     other keys of the source's config kept."""
-    return config_of({n: isinstance(v, QuantizedData) for n, v in checkpoint.tensors.items()},
-                     pop_json(dict(checkpoint.metadata), CONFIG_KEY))
+    return config_of({n: isinstance(v, QuantizedData) for n, v in contents.tensors.items()},
+                     pop_json(dict(contents.metadata), CONFIG_KEY))
 
 
 def config_of(quantized_or_not: Mapping[str, bool], source: dict) -> dict:
@@ -143,7 +145,7 @@ class GptOssFormat(Format):
                 "and decode them per SPEC"
             )
 
-    def read(self, path: PathLike) -> Checkpoint:
+    def read(self, path: PathLike) -> Contents:
         arrays, meta = read_arrays(path)
         pairs = _pairs(list(arrays))
         used = {k for pair in pairs.values() for k in pair}
@@ -171,7 +173,7 @@ class GptOssFormat(Format):
         cfg = config_beside(path)
         if cfg is not None and cfg.get("quant_method") == "mxfp4":
             meta = {**meta, CONFIG_KEY: json.dumps(cfg, sort_keys=True)}
-        return Checkpoint(tensors, meta, self.name)
+        return Contents(tensors, meta, self.name)
 
     def model_config(self, tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict:
         return config_of({n: s is not None for n, (s, _) in tensors.items()}, {})
@@ -181,14 +183,14 @@ class GptOssFormat(Format):
             return _mx.check(value, "gpt-oss")
         return array_support(value)
 
-    def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
-        self.require(checkpoint)
-        config = quantization_config(checkpoint)  # before any byte is written: its patterns may be refused
-        meta = dict(checkpoint.metadata)
+    def write(self, path: PathLike, contents: Contents) -> None:
+        self.require(contents)
+        config = quantization_config(contents)  # before any byte is written: its patterns may be refused
+        meta = dict(contents.metadata)
         spelled = pop_json(meta, NAMES_KEY)
         meta.pop(CONFIG_KEY, None)
         arrays: dict[str, np.ndarray] = {}
-        for name, value in checkpoint.tensors.items():
+        for name, value in contents.tensors.items():
             if isinstance(value, QuantizedData):
                 blocks, scales = _mx.split(value)
                 self._zero_scale_ok(name, blocks, scales)

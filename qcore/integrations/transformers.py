@@ -12,7 +12,7 @@ torchao, quanto and HQQ integrate:
     model.save_pretrained("llama-q4-again")                    # the same qcore files
 
 A folder is a qcore checkpoint when its config.json has a `quantization_config` with
-`quant_method: "qcore"` (`qcore.integrations.config`; `qcore quantize` writes it). Loading
+`quant_method: "qcore"` (`qcore.files.hfconfig`; `qcore quantize` writes it). Loading
 replaces each quantized `torch.nn.Linear` by `qcore.nn.Linear` before the weights are read, so
 transformers moves the payload bytes into it as they are; its forward calls the backend's
 `linear` on the weight's device (the cuda backend on a GPU; on the CPU the highest-priority host
@@ -44,14 +44,14 @@ from qcore.spec.payload import QuantizedData, sections
 from qcore.model.recipe import RecipeLike, as_recipe
 from qcore.spec.scheme import QuantScheme
 from qcore.files.stfile import st_dtype
-from qcore.integrations.config import QUANT_METHOD, quantization_config, tensor_schemes
+from qcore.files.hfconfig import QUANT_METHOD, quantization_config, tensor_schemes
 
 __all__ = ["QcoreConfig", "QcoreHfQuantizer", "QUANT_METHOD"]
 
 
 @register_quantization_config(QUANT_METHOD)
 class QcoreConfig(QuantizationConfigMixin):
-    """transformers' view of a qcore `quantization_config` (`qcore.integrations.config`).
+    """transformers' view of a qcore `quantization_config` (`qcore.files.hfconfig`).
 
     `tensors` maps each quantized tensor's name to its scheme (a qcore checkpoint's); `recipe`
     (scheme text, a recipe dict or a .toml path) quantizes a float checkpoint while loading it;

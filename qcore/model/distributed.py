@@ -42,12 +42,13 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from qcore.files.checkpoint import INDEX_NAME, Checkpoint, parse_size, resolve
+from qcore.files.checkpoint import INDEX_NAME, Checkpoint, check_apart, index_doc, parse_size, resolve, write_index
 from qcore.errors import InputError
-from qcore.integrations.config import CONFIG_NAME, quantization_config, write_config
-from qcore.model.run import (IN_FLIGHT, ModelResult, PathLike, TensorResult, _write_index, assemble_shard,
-                    completed_shard, consecutive_groups, plan_shards, planned_schemes, prepare_run, quantize_shard,
-                    resumed_rows)
+from qcore.files.hfconfig import CONFIG_NAME, quantization_config, write_config
+from qcore.files.paths import PathLike
+from qcore.model.run import (IN_FLIGHT, ModelResult, TensorResult, assemble_shard, completed_shard,
+                             consecutive_groups, plan_shards, planned_schemes, prepare_run, quantize_shard,
+                             resumed_rows)
 from qcore.model.recipe import RecipeLike
 from qcore.files.stfile import Reader
 from qcore.files.storage import Location, location
@@ -368,7 +369,8 @@ def quantize_model_distributed(src: PathLike, dst: PathLike, recipe: RecipeLike 
         if not one_file and (ck.index_name or limit is not None):
             name = ck.index_name or INDEX_NAME
             local_index = dloc.join(name) if dloc.local else os.path.join(stubs, name)
-            _write_index(local_index, ck, {r.name: r.file for r in ordered}, sum(r.after for r in ordered))
+            write_index(local_index, index_doc(ck.index_metadata, {r.name: r.file for r in ordered},
+                                               sum(r.after for r in ordered)))
             if not dloc.local:
                 dloc.upload(local_index, dloc.join(name))
             files.append(dloc.join(name))
@@ -378,11 +380,8 @@ def quantize_model_distributed(src: PathLike, dst: PathLike, recipe: RecipeLike 
 
 
 def _check_apart(ck: Checkpoint, sloc: Location, dloc: Location, one_file: bool) -> None:
-    if not (sloc.local and dloc.local):
-        return
-    d = os.path.abspath(dloc.path)
-    if d in {os.path.abspath(ck.path(s)) for s in ck.shards} or (not one_file and d == os.path.abspath(ck.root)):
-        raise InputError("OUT must differ from IN; write elsewhere and move it if you want to replace IN")
+    if sloc.local and dloc.local:  # (a remote source is planned from header stubs in a scratch folder)
+        check_apart(ck, dloc.path, folder=not one_file)
 
 
 def _prior(dloc: Location, out: str, marker: str, stub: str) -> Any:

@@ -29,18 +29,19 @@ import os
 import re
 import shutil
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from qcore.files import io as qio
-from qcore.files.checkpoint import resolve
+from qcore.files.checkpoint import INDEX_SUFFIX, Contents, check_apart, index_doc, resolve, write_index
 from qcore.errors import InputError, SchemeError
+from qcore.files.hfconfig import CONFIG_NAME, export_config
+from qcore.files.paths import check_output_path
 from qcore.formats import base as fbase
 from qcore.formats.registry import get as get_format
-from qcore.integrations.config import CONFIG_NAME
 from qcore.spec.payload import QuantizedData, sections
 from qcore.model.recipe import Recipe, Rule
 from qcore.spec.scheme import PRESETS, QuantScheme, QuantValue, base_scheme, scheme as parse_scheme
@@ -184,12 +185,6 @@ def _stand_in(it: Any) -> fbase.Tensor:
     return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), tuple(it.head.shape), (0,) * len(it.head.shape))
 
 
-def _header(path: str) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        return fbase.parse_json(f.read(n), f"{path}: safetensors header")
-
-
 def _target(fmt_name: str) -> fbase.Format:
     fmt = get_format(fmt_name)
     ok = fmt.available()
@@ -214,11 +209,9 @@ def export_model(src: Any, dst: Any, recipe: Any, backend: Any, *, format: str,
     ck = resolve(src)
     dst_s = os.fspath(dst)
     gguf = fmt.name == "gguf"
-    if os.path.abspath(dst_s) == os.path.abspath(ck.root) or \
-            os.path.abspath(dst_s) in {os.path.abspath(ck.path(s)) for s in ck.shards}:
-        raise InputError("OUT must differ from IN; write elsewhere and move it if you want to replace IN")
+    check_apart(ck, dst_s, folder=True)  # (a single file's folder too: the staged shard has its name)
     if gguf:
-        qio.check_output_path(dst_s)
+        check_output_path(dst_s)
     elif os.path.isfile(dst_s):
         raise InputError(f"{dst_s} is a file; a {fmt.name} export is a folder (shards, index, config.json)")
 
@@ -285,8 +278,8 @@ def _write_folder(fmt: fbase.Format, ck: Any, res: Any, staged: str, dst: str, s
     """The staged qcore shards as `fmt` shards in `dst`, then the index, other files and config.json."""
     from qcore.model import run as qm
 
-    shard_files = [f for f in res.files if not f.endswith(fbase.INDEX_SUFFIX)]
-    index_src = next((f for f in res.files if f.endswith(fbase.INDEX_SUFFIX)), None)
+    shard_files = [f for f in res.files if not f.endswith(INDEX_SUFFIX)]
+    index_src = next((f for f in res.files if f.endswith(INDEX_SUFFIX)), None)
     outs = [os.path.join(dst, os.path.basename(f)) for f in shard_files]
     index = os.path.join(dst, os.path.basename(index_src)) if index_src else None
     extras = qm._extras_targets(ck, dst) if not ck.single_file else {}
@@ -312,34 +305,16 @@ def _write_folder(fmt: fbase.Format, ck: Any, res: Any, staged: str, dst: str, s
             layout[name] = (value.scheme if isinstance(value, QuantizedData) else None, tuple(value.shape))
         os.makedirs(scratch, exist_ok=True)
         tmp = os.path.join(scratch, os.path.basename(out))
-        fmt.write(tmp, fbase.Checkpoint(tensors, dict(shared), fmt.name))
+        fmt.write(tmp, Contents(tensors, dict(shared), fmt.name))
         del tensors, ck_in
         os.replace(tmp, out)
-    if index is not None:
-        doc = fbase.parse_json(open(index_src, encoding="utf-8").read(), index_src)
+    if index is not None:  # the target's tensor names, and the sizes of the target's shards
         weight_map, total = {}, 0
         for out in outs:
-            for key, entry in _header(out).items():
-                if key != "__metadata__":
-                    weight_map[key] = os.path.basename(out)
-                    total += int(entry["data_offsets"][1]) - int(entry["data_offsets"][0])
-        meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
-        text = json.dumps({"metadata": {**meta, "total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
-                          indent=2) + "\n"
-        qio.atomic_write(index, lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
-    _write_config(config_src, config_dst, fmt.model_config(layout))
+            with Reader(out) as r:
+                for name, head in r.tensors.items():
+                    weight_map[name] = os.path.basename(out)
+                    total += head.nbytes
+        write_index(index, index_doc(ck.index_metadata, weight_map, total))
+    export_config(config_src, config_dst, fmt.model_config(layout))
     return [*outs, *([index] if index else []), config_dst]
-
-
-def _write_config(src: str | None, dst: str, entry: Mapping[str, Any] | None) -> None:
-    """config.json of the export: the source's keys, with the target's `quantization_config` (none
-    when the target has none: then the source's is dropped, qcore's or another method's)."""
-    cfg: dict[str, Any] = {}
-    if src is not None and os.path.isfile(src):
-        got = fbase.parse_json(open(src, encoding="utf-8").read(), src)
-        cfg = got if isinstance(got, dict) else {}
-    cfg.pop("quantization_config", None)
-    if entry is not None:
-        cfg["quantization_config"] = dict(entry)
-    text = json.dumps(cfg, indent=2, sort_keys=True) + "\n"
-    qio.atomic_write(dst, lambda tmp: open(tmp, "w", encoding="utf-8").write(text))

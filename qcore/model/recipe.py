@@ -339,7 +339,7 @@ class Recipe:
             import tomllib
         else:  # pragma: no cover - Python 3.10
             import tomli as tomllib
-        from qcore.files.io import check_input_path
+        from qcore.files.paths import check_input_path
 
         p = check_input_path(path)  # a readable regular file (a FIFO would block), else StorageError
         try:

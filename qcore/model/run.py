@@ -25,15 +25,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import numpy as np
 
 from qcore import _signals
 from qcore.files import io as qio
-from qcore.files.checkpoint import INDEX_NAME, Checkpoint, parse_size, resolve, shard_name
+from qcore.files.checkpoint import (INDEX_NAME, INDEX_SUFFIX, Checkpoint, check_apart, index_doc, parse_size,
+                                    resolve, shard_name, write_index)
+from qcore.files.hfconfig import CONFIG_NAME, quantization_config, write_config
+from qcore.files.paths import PathLike, atomic_write
 from qcore.errors import InputError, InvalidDataError, QCoreError, UnsupportedSchemeError
-from qcore.integrations.config import CONFIG_NAME, quantization_config, write_config
 from qcore.spec.payload import QuantizedData, sections
 from qcore.backend.protocol import Backend, QTensor
 from qcore.model.recipe import Decision, Recipe, RecipeLike, Rule, as_recipe
@@ -45,7 +47,6 @@ __all__ = ["TensorResult", "ModelResult", "RunProgress", "quantize_model", "quan
            "plan_shards", "quantize_shard", "assemble_shard", "consecutive_groups", "resumed_rows",
            "completed_shard"]
 
-PathLike = Union[str, "os.PathLike[str]"]
 T = TypeVar("T")
 IN_FLIGHT = 2   # source tensors read ahead of the writer (the memory bound's factor)
 _POLL = 0.1
@@ -215,7 +216,7 @@ def _plan(ck: Checkpoint, recipe: Recipe, max_shard_size: int | None,
         for name, head in r.tensors.items():
             sch, note, dt, shape, carried = _decide(recipe, head, entries.get(name))
             items.append(_Item(name, shard, head, sch, note, dt, shape, carried))
-    prefix = (ck.index_name or INDEX_NAME)[: -len(".safetensors.index.json")] if not ck.single_file \
+    prefix = (ck.index_name or INDEX_NAME)[: -len(INDEX_SUFFIX)] if not ck.single_file \
         else os.path.splitext(ck.shards[0])[0]
     if max_shard_size is None:
         out = [_OutShard(s, [i for i in items if i.source == s], metas[s]) for s in ck.shards]
@@ -339,7 +340,7 @@ def _payload_parts(be: Backend, q: QTensor) -> list[np.ndarray]:
 
 
 def _in_place(path: str, write: Callable[[str], None]) -> None:
-    """Write `path` directly (a temporary name its caller owns), where `qio.atomic_write` renames."""
+    """Write `path` directly (a temporary name its caller owns), where `atomic_write` renames."""
     write(path)
 
 
@@ -372,7 +373,7 @@ def _quantize_row(be: Backend, x: np.ndarray, it: _Item, row: TensorResult, stat
 def _stream(todo: list[_OutShard], paths: dict[str, str], readers: dict[str, Reader], be: Backend,
             recipe_json: str, stats: bool, compare: Sequence[Any],
             on_tensor: Callable[[TensorResult], None] | None,
-            write_file: Callable[[str, Callable[[str], None]], None] = qio.atomic_write) -> list[TensorResult]:
+            write_file: Callable[[str, Callable[[str], None]], None] = atomic_write) -> list[TensorResult]:
     p = _Pipeline()
     rows: list[TensorResult] = []
 
@@ -482,7 +483,7 @@ def _copy_extras(targets: Mapping[str, str]) -> None:
     """Copy the other files (`_extras_targets`), each atomically."""
     for src, target in targets.items():
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        qio.atomic_write(target, lambda tmp, src=src: shutil.copyfile(src, tmp))
+        atomic_write(target, lambda tmp, src=src: shutil.copyfile(src, tmp))
 
 
 _TEMP_TOKEN = r"\.(?:[a-z0-9_]{8}|[0-9a-f]{32})\.tmp"
@@ -511,12 +512,6 @@ def _remove_stale_temporaries(paths: Iterable[str]) -> None:
                         os.unlink(os.path.join(folder, entry))
                     except FileNotFoundError:
                         pass
-
-
-def _write_index(path: str, ck: Checkpoint, weight_map: dict[str, str], total: int) -> None:
-    doc = {"metadata": {**ck.index_metadata, "total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    text = json.dumps(doc, indent=2) + "\n"
-    qio.atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
 
 
 def prepare_run(recipe: RecipeLike, rules: Any, backend: str | Backend | None, compare: Sequence[Any],
@@ -585,9 +580,7 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
     ck = resolve(src)
     dst_s = os.fspath(dst)
     one_file = ck.single_file and limit is None
-    if os.path.abspath(dst_s) in {os.path.abspath(ck.path(s)) for s in ck.shards} or \
-            (not one_file and os.path.abspath(dst_s) == os.path.abspath(ck.root)):
-        raise InputError("OUT must differ from IN; write elsewhere and move it if you want to replace IN")
+    check_apart(ck, dst_s, folder=not one_file)
     readers = {s: Reader(ck.path(s)) for s in ck.shards}
     try:
         shards, recipe_json = plan_shards(ck, rc, limit, readers)
@@ -629,14 +622,9 @@ def quantize_model(src: PathLike | Mapping[str, Any], dst: PathLike | None = Non
     ordered = [by_name[i.name] for s in shards for i in s.items]
     files = [paths[s.name] for s in shards]
     if index is not None:
-        _write_index(index, ck, {r.name: r.file for r in ordered}, sum(r.after for r in ordered))
+        write_index(index, index_doc(ck.index_metadata, {r.name: r.file for r in ordered}, sum(r.after for r in ordered)))
         files.append(index)
     return ModelResult(os.fspath(src), dst_s, rc, be.name, ordered, files, resumed, time.perf_counter() - t0)
-
-
-def _header_len(path: str) -> int:
-    with open(path, "rb") as f:
-        return int.from_bytes(f.read(8), "little")
 
 
 def _completed(path: str, marker: str) -> qio.FileInfo | None:
@@ -699,7 +687,7 @@ def quantize_shard(shard: _OutShard, sources: Mapping[str, PathLike], out_path: 
     readers = {n: Reader(sources[n]) for n in needed}
     try:
         return _stream([shard], {shard.name: os.fspath(out_path)}, readers, _backend(backend), recipe_json, stats,
-                       [parse_scheme(s) for s in compare], on_tensor, qio.atomic_write if atomic else _in_place)
+                       [parse_scheme(s) for s in compare], on_tensor, atomic_write if atomic else _in_place)
     finally:
         for r in readers.values():
             r.close()
@@ -731,7 +719,7 @@ def assemble_shard(shard: _OutShard, parts: Iterable[PathLike], out_path: PathLi
                 raise InvalidDataError(f"the parts of {shard.name} hold tensors {names}, not the planned {planned}")
             w.finish(meta)
 
-    qio.atomic_write(os.fspath(out_path), write)
+    atomic_write(os.fspath(out_path), write)
 
 
 def resumed_rows(shard: _OutShard, prior: qio.FileInfo) -> list[TensorResult]:
@@ -769,8 +757,7 @@ def dequantize_model(src: PathLike, dst: PathLike, dtype: Any = None,
     infos = {shard: qio.read_info(ck.path(shard)) for shard in ck.shards}
     ck.check_tensors({shard: [e.name for e in info.entries] for shard, info in infos.items()})
     outs = {shard: dst_s if ck.single_file else os.path.join(dst_s, shard) for shard in ck.shards}
-    if any(os.path.abspath(outs[s]) == os.path.abspath(ck.path(s)) for s in ck.shards):
-        raise InputError("OUT must differ from IN; write elsewhere and move it if you want to replace IN")
+    check_apart(ck, dst_s, folder=not ck.single_file)
     index = os.path.join(dst_s, ck.index_name) if ck.index_name else None
     extras = {} if ck.single_file else _extras_targets(ck, dst_s)
     config = extras.pop(ck.path(CONFIG_NAME), None)  # written without qcore's quantization_config
@@ -784,7 +771,7 @@ def dequantize_model(src: PathLike, dst: PathLike, dtype: Any = None,
     if config is not None:
         write_config(ck.path(CONFIG_NAME), config, None)
     be = None
-    n = total = 0
+    n = total = data_bytes = 0
     for shard in ck.shards:
         info = infos[shard]
         out_path = outs[shard]
@@ -797,7 +784,7 @@ def dequantize_model(src: PathLike, dst: PathLike, dtype: Any = None,
             room = header_room([(e.name, st_dtype(w) if e.quantized else e.dtype, e.shape) for e, w in plan], meta)
 
             def write(tmp: str, r: Reader = r, plan: list = plan, meta: dict = meta, room: int = room) -> None:
-                nonlocal be, n
+                nonlocal be, n, data_bytes
                 with open(tmp, "wb") as f:
                     w = StreamWriter(f, room)
                     for e, want in plan:
@@ -808,18 +795,11 @@ def dequantize_model(src: PathLike, dst: PathLike, dtype: Any = None,
                             a = be.to_numpy(q.dequantize(want))
                             n += 1
                         w.add(e.name, a)
+                        data_bytes += a.nbytes
                     w.finish(meta)
 
-            qio.atomic_write(out_path, write)
+            atomic_write(out_path, write)
         total += len(plan)
-    if index is not None:
-        with open(os.path.join(ck.root, ck.index_name), encoding="utf-8") as f:
-            doc = json.load(f)
-        size = sum(os.path.getsize(os.path.join(dst_s, s)) - 8 - _header_len(os.path.join(dst_s, s))
-                   for s in ck.shards)
-        if not isinstance(doc.get("metadata"), dict):
-            doc["metadata"] = {}
-        doc["metadata"]["total_size"] = size
-        text = json.dumps(doc, indent=2) + "\n"
-        qio.atomic_write(index, lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
+    if index is not None and ck.index is not None:  # the source's index, as it is, with the new total size
+        write_index(index, ck.index.with_total_size(data_bytes))
     return n, total
