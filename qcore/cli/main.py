@@ -17,7 +17,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from qcore import __version__, _signals
+from qcore import _signals
+from qcore._version import __version__
 from qcore.files import io as qio
 from qcore.cli.console import console, escape, fmt_bytes, fmt_db, fmt_shape
 from qcore.errors import InputError, QCoreError
