@@ -46,6 +46,7 @@ import numpy as np
 
 from qcore._regex import MAX_REGEX_CHOICES, MAX_REGEX_NAME, REGEX_PREFIX, bounded_regex, compile_rule, shown
 from qcore.errors import InputError, InvalidDataError, QCoreError, StorageError
+from qcore.model.reasons import Reason
 from qcore.spec.checks import INPUT_DTYPES
 from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
 
@@ -106,10 +107,12 @@ class Rule:
 
 @dataclass(frozen=True)
 class Decision:
-    """What a recipe decided for one tensor: a scheme (quantize) or None with the reason it is kept."""
+    """What a recipe decided for one tensor: a scheme (quantize) or None with the reason it is kept,
+    as text and as a code (`qcore.model.reasons.Reason`)."""
 
     scheme: QuantScheme | None
     reason: str = ""
+    reason_code: Reason | None = None
 
 
 def _scheme_or_keep(text: Any, where: str) -> QuantScheme | None:
@@ -147,22 +150,23 @@ class Recipe:
         """The scheme for tensor `name` (shape, numpy dtype), or None and why it is kept."""
         dt = np.dtype(dtype)
         if dt not in INPUT_DTYPES:
-            return Decision(None, f"kept: {dt} is not a float dtype")
+            return Decision(None, f"kept: {dt} is not a float dtype", Reason.NOT_FLOAT)
         if len(shape) < 2 and not self.include_1d:
-            return Decision(None, "kept: 1-D (biases, norms; --include-1d quantizes them)")
+            return Decision(None, "kept: 1-D (biases, norms; --include-1d quantizes them)", Reason.ONE_D)
         numel = int(np.prod(shape, dtype=np.int64))
         if numel < self.min_size:
-            return Decision(None, f"kept: {numel} elements < --min-size {self.min_size}")
+            return Decision(None, f"kept: {numel} elements < --min-size {self.min_size}", Reason.MIN_SIZE)
         for rule in self.rules:
             if rule.matches(name):
                 if rule.scheme is None:
-                    return Decision(None, f"kept: matches rule {rule.pattern!r}={KEEP}")
+                    return Decision(None, f"kept: matches rule {rule.pattern!r}={KEEP}", Reason.RULE_KEEP)
                 return Decision(rule.scheme)
         for pat in self.keep:
             if fnmatch.fnmatchcase(name, pat):
-                return Decision(None, f"kept: matches default keep {pat!r} (a --rule naming it quantizes it)")
+                return Decision(None, f"kept: matches default keep {pat!r} (a --rule naming it quantizes it)",
+                                Reason.DEFAULT_KEEP)
         if self.scheme is None:
-            return Decision(None, "kept: no rule matches and the recipe has no default scheme")
+            return Decision(None, "kept: no rule matches and the recipe has no default scheme", Reason.NO_RULE)
         return Decision(self.scheme)
 
     def decide(self, name: str, shape: Sequence[int], dtype: Any) -> Decision:
@@ -176,7 +180,7 @@ class Recipe:
         try:
             sections(tuple(shape), d.scheme)
         except QCoreError as e:
-            return Decision(None, f"kept: {e}")
+            return Decision(None, f"kept: {e}", Reason.BLOCKS_DO_NOT_FIT)
         return d
 
     def schemes(self) -> list[QuantScheme]:
