@@ -146,22 +146,22 @@ def load(path, backend: str | Backend | None = None):
 
 
 def quantize_model(src, dst=None, recipe=None, backend: str | Backend | None = None, **options):
-    """Quantize a whole model (file, sharded directory, index, cached hub id, or a dict); see `qcore.model.run`."""
-    from qcore.model.run import quantize_model as _quantize_model
+    """Quantize a whole model (file, sharded directory, index, cached hub id, or a dict); see `qcore.model.api`."""
+    from qcore.model.api import quantize_model as _quantize_model
 
     return _quantize_model(src, dst, recipe, backend, **options)
 
 
 def quantize_dict(tensors, recipe=None, backend: str | Backend | None = None, **options):
-    """Quantize an in-memory dict of arrays by a recipe: name -> QTensor or the array kept; see `qcore.model.run`."""
-    from qcore.model.run import quantize_dict as _quantize_dict
+    """Quantize an in-memory dict of arrays by a recipe: name -> QTensor or the array kept; see `qcore.model.api`."""
+    from qcore.model.api import quantize_dict as _quantize_dict
 
     return _quantize_dict(tensors, recipe, backend, **options)
 
 
 def dequantize_model(src, dst, dtype: Any = None, backend: str | Backend | None = None):
-    """Dequantize a quantized file or checkpoint, to each tensor's source dtype by default; see `qcore.model.run`."""
-    from qcore.model.run import dequantize_model as _dequantize_model
+    """Dequantize a quantized file or checkpoint, to each tensor's source dtype by default; see `qcore.model.api`."""
+    from qcore.model.api import dequantize_model as _dequantize_model
 
     return _dequantize_model(src, dst, dtype, backend)
 

@@ -171,17 +171,17 @@ def test_signals_at_many_points(tmp_path, model, capsys, command, old_output):
 def test_second_signal_during_cleanup_leaves_no_temp(tmp_path, capsys, monkeypatch):
     """A signal inside the deferred cleanup (temp file removal) waits until the file is gone."""
     from qcore.files import io as qio
-    from qcore.model import run as qmodel
+    from qcore.model import pipeline as qpipeline
     from qcore.files import stfile
 
     model = tmp_path / "m.safetensors"  # more tensors than the pipeline holds between its stages
     rng = np.random.default_rng(1)
-    save_file({f"l{i}.weight": rng.standard_normal((16, 64)).astype(np.float32) for i in range(4 * qmodel.IN_FLIGHT)},
+    save_file({f"l{i}.weight": rng.standard_normal((16, 64)).astype(np.float32) for i in range(4 * qpipeline.IN_FLIGHT)},
               str(model))
     out = tmp_path / "o.safetensors"
     real = stfile.StreamWriter.add
     pipelines = []
-    real_init = qmodel._Pipeline.__init__
+    real_init = qpipeline._Pipeline.__init__
 
     def init(self):
         real_init(self)
@@ -206,7 +206,7 @@ def test_second_signal_during_cleanup_leaves_no_temp(tmp_path, capsys, monkeypat
             time.sleep(0.2)  # (the removal runs on the writer thread: the run must wait for it)
         return real_unlink(p, *a, **k)
 
-    monkeypatch.setattr(qmodel._Pipeline, "__init__", init)
+    monkeypatch.setattr(qpipeline._Pipeline, "__init__", init)
     monkeypatch.setattr(stfile.StreamWriter, "add", write_then_interrupt)
     monkeypatch.setattr(qio.os, "unlink", unlink_with_signal)
     rc = main(["quantize", str(model), str(out), "--scheme", "q8s", "--backend", "reference"])

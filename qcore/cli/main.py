@@ -23,6 +23,7 @@ from qcore.files import io as qio
 from qcore.cli.console import console, escape, fmt_bytes, fmt_db, fmt_shape
 from qcore.errors import InputError, QCoreError
 from qcore.model.recipe import KEEP, Recipe, as_recipe
+from qcore.model.results import file_id
 from qcore.spec.scheme import PRESETS, Native, PackedNative, PackedU32, QuantMode, QuantScheme, QuantValue, ScaleDtype, base_scheme
 from qcore.spec.scheme import scheme as parse_scheme
 from qcore.backend.stats import error_stats
@@ -176,7 +177,7 @@ def _recipe(args: argparse.Namespace) -> Recipe:
 
 def _runner(args: argparse.Namespace, err, on_shard) -> tuple[Any, dict[str, Any]]:
     """quantize_model, or the shard-per-unit runner for --cluster/--scheduler and storage URLs."""
-    from qcore.model.run import quantize_model
+    from qcore.model.api import quantize_model
     from qcore.files.storage import is_url
 
     if not (args.cluster or args.scheduler or is_url(args.input) or is_url(args.output)):
@@ -312,7 +313,7 @@ _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": "bfloat16",
 def cmd_dequantize(args: argparse.Namespace) -> int:
     import ml_dtypes
 
-    from qcore.model.run import dequantize_model
+    from qcore.model.api import dequantize_model
 
     dtype = None
     if args.dtype is not None:
@@ -598,24 +599,13 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise _Terminated()
 
 
-def _file_id(path: str | None) -> tuple[int, int, int] | None:
-    """What identifies the file at `path` now (inode, size, mtime), or None when there is none."""
-    if not path:
-        return None
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
 def _interrupted_message(output: str | None, before: tuple[int, int, int] | None) -> str:
     """Say what the interruption left: OUT written, OUT as it was, or nothing; for a folder, how
     many of its shards are complete and whether its index is written."""
     progress = _RUN.get("progress")
     if output and progress is not None and progress.planned:
         return _folder_message(output, progress)
-    after = _file_id(output)
+    after = file_id(output)
     if after is not None and after != before:
         if os.path.isdir(output):  # a folder whose files were not tracked (a distributed run)
             return (f"qcore: interrupted; {output} may be incomplete: the same command with --resume keeps the "
@@ -627,7 +617,7 @@ def _interrupted_message(output: str | None, before: tuple[int, int, int] | None
 
 
 def _folder_message(output: str, progress: Any) -> str:
-    """What an interrupted run left in its output folder (a `qcore.model.run.RunProgress`): complete
+    """What an interrupted run left in its output folder (a `qcore.model.results.RunProgress`): complete
     only when every shard and the index are; else how many shards are, and the way on."""
     done = set(progress.complete())
     shards = sum(p in done for p in progress.shards)
@@ -643,8 +633,8 @@ def _folder_message(output: str, progress: Any) -> str:
 
 
 def _track_progress() -> Any:
-    """A `qcore.model.run.RunProgress` for this run, where `_interrupted_message` finds it."""
-    from qcore.model.run import RunProgress
+    """A `qcore.model.results.RunProgress` for this run, where `_interrupted_message` finds it."""
+    from qcore.model.results import RunProgress
 
     progress = RunProgress()
     _RUN["progress"] = progress
@@ -674,7 +664,7 @@ def _check_source(path: str) -> None:
 
 _RUN: dict[str, Any] = {"output": None, "before": None, "reported": False, "rc": None, "progress": None}
 """The running command's OUT, what was at OUT before, whether its outcome was reported (with
-which exit status), and the files of a folder OUT (`qcore.model.run.RunProgress`): a module value,
+which exit status), and the files of a folder OUT (`qcore.model.results.RunProgress`): a module value,
 so that the `qcore` entry point (`_qcore_launch`) can report truthfully on a signal that lands
 on the first or last lines of `main`."""
 
@@ -696,7 +686,7 @@ def _run(argv: Sequence[str] | None) -> int:
         argv = list(sys.argv[1:] if argv is None else argv)
         args, extra = _parser().parse_known_args(argv)
         out = getattr(args, "output", None)
-        _RUN.update(output=out, before=_file_id(out))  # one step: a signal sees both or neither
+        _RUN.update(output=out, before=file_id(out))  # one step: a signal sees both or neither
         if args.command == "conformance":
             return cmd_conformance(args, extra)
         if extra:
