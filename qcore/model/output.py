@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from qcore import _signals
+from qcore.spec.scheme import QuantScheme
 from qcore.files import io as qio
 from qcore.files.checkpoint import Checkpoint
-from qcore.integrations.config import CONFIG_NAME, write_config
+from qcore.integrations.config import CONFIG_NAME, quantization_config, write_config
 from qcore.model.results import RunProgress, TensorResult
 
 __all__ = ["RunOutput", "run_output", "extras_targets", "copy_extras", "remove_stale_temporaries", "index_doc",
@@ -45,17 +46,20 @@ class RunOutput:
             progress.plan(list(self.paths.values()), self.index, kept=[self.paths[n] for n in kept],
                           resumable=resumable)
 
-    def prepare(self, ck: Checkpoint, quantization_config: Mapping[str, Any] | None) -> None:
+    def prepare(self, ck: Checkpoint, schemes: Mapping[str, QuantScheme] | None,
+                recipe_json: str | None = None) -> None:
         """Make the folder, remove the temporary files a killed run left next to this run's files,
-        copy the other files and write config.json with `quantization_config` (None: the source's
-        is dropped)."""
+        copy the other files and write config.json with qcore's `quantization_config` for the
+        quantized tensors `schemes` ({name: scheme}) chosen by `recipe_json` (`schemes` None:
+        without one; another method's entry is kept)."""
         if not self.one_file:
             os.makedirs(self.dst, exist_ok=True)
         remove_stale_temporaries([*self.paths.values(), *([self.index] if self.index else []),
                                   *self.extras.values(), *([self.config] if self.config else [])])
         copy_extras(self.extras)
         if self.config is not None:
-            write_config(ck.path(CONFIG_NAME), self.config, quantization_config)
+            entry = quantization_config(schemes, recipe_json) if schemes is not None else None
+            write_config(ck.path(CONFIG_NAME), self.config, entry)
 
 
 def run_output(ck: Checkpoint, dst: str, shards: Sequence[str], *, one_file: bool,

@@ -28,7 +28,6 @@ from qcore.backend.protocol import Backend
 from qcore.files import io as qio
 from qcore.files.checkpoint import INDEX_NAME, PathLike, resolve
 from qcore.files.stfile import Reader, StreamWriter, header_room, np_dtype, st_dtype
-from qcore.integrations.config import quantization_config
 from qcore.model.output import rows_index, run_output, write_index
 from qcore.model.pipeline import stream_shards
 from qcore.model.plan import PlannedShard, in_plan_order, plan_shards, planned_schemes, planned_work, prepare_run, \
@@ -73,7 +72,7 @@ def quantize_checkpoint(src: PathLike, dst: PathLike, recipe: RecipeLike = None,
         out.plan_progress(progress, kept=resumed, resumable=True)
         if on_plan is not None:
             on_plan(*planned_work(todo))
-        out.prepare(ck, quantization_config(planned_schemes(shards), recipe_json) if out.config else None)
+        out.prepare(ck, planned_schemes(shards), recipe_json)
         rows = stream_shards(todo, out.paths, readers, be, recipe_json, stats, cmp, on_tensor)
     finally:
         for r in readers.values():
