@@ -10,7 +10,7 @@ from safetensors.numpy import load_file, save_file
 import qcore
 from qcore.files import io as qio
 from qcore.cli.main import main
-from qcore.model.run import dequantize_model, quantize_model
+from qcore.model.api import dequantize_model, quantize_model
 from qcore.backend.reference import ReferenceBackend
 
 RULES = ["*.mlp.*=q4s/block32:f16"]  # mlp weights 4-bit, the rest q8s; norms, biases, embeddings kept

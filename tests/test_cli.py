@@ -379,11 +379,12 @@ def test_progress_bar_on_a_terminal(capsys, model, tmp_path, monkeypatch):
 
     from rich.console import Console
 
-    from qcore.cli import main as cli
+    from qcore.cli import quantize as cli_quantize
 
     term = _io.StringIO()
-    real = cli.console
-    monkeypatch.setattr(cli, "console", lambda stderr=False: Console(file=term, force_terminal=True, width=120)
+    real = cli_quantize.console
+    monkeypatch.setattr(cli_quantize, "console",
+                        lambda stderr=False: Console(file=term, force_terminal=True, width=120)
                         if stderr else real(stderr))
     rc, out, err = run(capsys, "quantize", model, tmp_path / "q.safetensors", "--scheme", "q8s", "--backend",
                        "reference")

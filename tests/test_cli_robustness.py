@@ -22,6 +22,8 @@ from safetensors.numpy import save_file
 import qcore
 from qcore import InputError, InvalidDataError, StorageError
 from qcore.backend import registry
+from qcore.files import checkpoint as qck
+from qcore.model import api as qapi
 from qcore.model import run as qmodel
 from qcore.cli.main import main
 from qcore.model.recipe import Recipe, Rule
@@ -191,11 +193,14 @@ def test_signals_at_many_points_of_a_folder_run_tell_the_truth(tmp_path, capsys,
 
 def test_folder_interrupted_before_its_index_is_not_complete(tmp_path, capsys, monkeypatch):
     ck = make_checkpoint(tmp_path / "ck")
+    real = qck.atomic_write
 
-    def stop(*a, **k):
-        raise KeyboardInterrupt
+    def stop_at_the_index(path, write):
+        if path.endswith(".safetensors.index.json"):
+            raise KeyboardInterrupt
+        return real(path, write)
 
-    monkeypatch.setattr(qmodel, "write_index", stop)
+    monkeypatch.setattr(qck, "atomic_write", stop_at_the_index)
     rc, _, err = run(capsys, "quantize", ck, tmp_path / "out", "--scheme", "q8s", "--backend", "reference")
     assert rc == 130
     last = err.strip().splitlines()[-1]
@@ -204,13 +209,13 @@ def test_folder_interrupted_before_its_index_is_not_complete(tmp_path, capsys, m
 
 def test_folder_interrupted_after_the_run_is_complete(tmp_path, capsys, monkeypatch):
     ck = make_checkpoint(tmp_path / "ck")
-    real = qmodel.quantize_model
+    real = qapi.quantize_model
 
     def finish_then_stop(*a, **k):
         real(*a, **k)
         raise KeyboardInterrupt  # as if Ctrl-C came while the table was printed
 
-    monkeypatch.setattr(qmodel, "quantize_model", finish_then_stop)
+    monkeypatch.setattr(qapi, "quantize_model", finish_then_stop)
     rc, _, err = run(capsys, "quantize", ck, tmp_path / "out", "--scheme", "q8s", "--backend", "reference")
     assert rc == 130
     assert err.strip().splitlines()[-1] == f"qcore: interrupted after {tmp_path / 'out'} was written (it is complete)"

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from qcore.cli.main import main
-from qcore.model.run import quantize_model
+from qcore.model.api import quantize_model
 from tests.test_checkpoints import RULES, make_checkpoint
 
 
@@ -181,7 +181,7 @@ def planned_units(src):
     """The units of a q8s run of the checkpoint at `src`, each naming its source shards."""
     from qcore.files.checkpoint import resolve
     from qcore.model.distributed import Unit
-    from qcore.model.run import plan_shards
+    from qcore.model.plan import plan_shards
     from qcore.model.recipe import as_recipe
     from qcore.files.stfile import Reader
 
@@ -270,7 +270,7 @@ def test_tensor_groups_keep_order_limit_and_every_tensor_once():
 
     def groups_of(sizes, limit):
         items = [SimpleNamespace(name=f"t{k}", head=SimpleNamespace(nbytes=n)) for k, n in enumerate(sizes)]
-        groups = tensor_groups(SimpleNamespace(items=items), limit)
+        groups = tensor_groups(SimpleNamespace(tensors=items), limit)
         assert [it for g in groups for it in g] == items  # every tensor exactly once, in plan order
         for g, after in zip(groups, groups[1:] + [None]):
             size = sum(it.head.nbytes for it in g)
@@ -293,7 +293,7 @@ def test_split_unit_keeps_the_shard_and_narrows_its_sources(model):
     assert split_unit(unit, None) == [unit] and split_unit(unit, unit.source_bytes) == [unit]
     groups = split_unit(unit, GROUP)
     assert len(groups) > 2
-    assert [it.name for g in groups for it in g.shard.items] == [it.name for it in unit.shard.items]
+    assert [it.name for g in groups for it in g.shard.tensors] == [it.name for it in unit.shard.tensors]
     assert {(g.shard.name, g.shard.marker, g.out) for g in groups} == {(unit.shard.name, unit.shard.marker, unit.out)}
     assert all(list(g.sources) == [SHARDS[0]] for g in groups)
 

@@ -4,6 +4,8 @@ numbers mean), `backend` (the contract, registry, reference), `files`, `formats`
 the integrations, `conformance`, `cli`, and last the `qcore` facade. Nothing but the registry's
 built-in plugin and the conformance suite imports the reference backend."""
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ PKG = ROOT / "qcore"
 
 ROOMS = ["base", "spec", "backend", "files", "formats", "model", "integrations", "conformance", "cli", "facade"]
 """Lowest first: a module may import its own room and the rooms before it."""
-BASE = {"qcore.errors", "qcore._signals"}
+BASE = {"qcore.errors", "qcore._signals", "qcore._regex", "qcore._version"}
 TOP_LEVEL_ROOMS = {"qcore.nn": "integrations"}
 
 
@@ -130,3 +132,24 @@ def test_ops_and_backends_do_not_borrow_from_the_reference_backend(path):
     text = path.read_text()
     assert "qcore.backend.reference" not in text and "from .reference" not in text, \
         f"{path.name} imports qcore.backend.reference; use qcore.spec.arithmetic"
+
+
+def test_a_low_module_loads_no_higher_room():
+    """Python runs the facade (qcore/__init__.py) before any submodule; it imports its re-exported
+    names on first use, so importing a spec module loads no backend, recipe or file module (the
+    empty `qcore.backend` package aside: the facade's `backend` function shares its name)."""
+    code = "import sys, qcore.spec.scheme; print(*sorted(m for m in sys.modules if m.startswith('qcore')))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=ROOT).stdout.split()
+    higher = [m for m in loaded if m in MODULES and m not in ("qcore", "qcore.backend")
+              and ROOMS.index(_room(m)) > ROOMS.index("spec")]
+    assert "qcore.spec.scheme" in loaded and not higher, f"importing qcore.spec.scheme loads {higher}"
+
+
+def test_every_facade_name_resolves():
+    import qcore
+    import qcore.backend.registry  # (a first import of a subpackage must not replace the function)
+
+    assert [n for n in qcore.__all__ if not hasattr(qcore, n)] == []
+    assert callable(qcore.backend) and qcore.backend("reference").name == "reference"
+    assert set(qcore.__all__) <= set(dir(qcore))

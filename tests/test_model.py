@@ -13,6 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 import qcore
 from qcore.files import io as qio
+from qcore.backend import stats
 from qcore.backend.stats import error_stats
 from qcore.files.stfile import Reader, StreamWriter, header_room
 
@@ -125,7 +126,7 @@ def test_cuda_error_stats_on_the_device_match_the_host(cuda_backend, scheme):
     sqnr, mx = cuda_backend.error_stats(x, q)
     want = error_stats(x, q.numpy())
     assert sqnr == pytest.approx(want[0], abs=1e-4) and mx == pytest.approx(want[1], rel=1e-6)
-    assert qcore.backend.stats.tensor_stats(cuda_backend, x, q) == (sqnr, mx)  # the core entry point uses it
+    assert stats.tensor_stats(cuda_backend, x, q) == (sqnr, mx)  # the core entry point uses it
 
 
 def test_quantize_of_a_dict_points_at_quantize_dict():
@@ -137,10 +138,9 @@ def test_a_shard_assembled_from_parts_is_the_whole_shard(tmp_path):
     """quantize_shard of consecutive groups, then assemble_shard: the bytes of quantize_shard of the
     whole shard, with every kind of tensor (quantized, kept by the plan, kept at run time for a NaN,
     already quantized in the source) and the metadata merged from the parts."""
-    from dataclasses import replace
-
     from qcore.files.checkpoint import resolve
-    from qcore.model.run import assemble_shard, consecutive_groups, plan_shards, quantize_shard
+    from qcore.model.plan import consecutive_groups, plan_shards
+    from qcore.model.shards import assemble_shard, quantize_shard
     from qcore.model.recipe import as_recipe
 
     nan = _x((8, 64), 4)
@@ -155,9 +155,9 @@ def test_a_shard_assembled_from_parts_is_the_whole_shard(tmp_path):
     whole = quantize_shard(shard, {"src.safetensors": src}, tmp_path / "whole", recipe_json, "reference")
     assert {r.name: bool(r.scheme) for r in whole} == {"a": False, "nan": False, "b": True, "norm": False, "c": True}
     rows, parts = [], []
-    for k, group in enumerate(consecutive_groups(shard.items, lambda it: it.head.nbytes, 2100)):
+    for k, group in enumerate(consecutive_groups(shard.tensors, lambda it: it.head.nbytes, 2100)):
         parts.append(tmp_path / f"part{k}")
-        rows += quantize_shard(replace(shard, items=group), {"src.safetensors": src}, parts[-1], recipe_json,
+        rows += quantize_shard(shard.with_tensors(group), {"src.safetensors": src}, parts[-1], recipe_json,
                                "reference", atomic=False)
     assert len(parts) >= 3
     assemble_shard(shard, parts, tmp_path / "assembled", recipe_json)
@@ -179,6 +179,6 @@ def test_ndarray_error_stats_match_the_host(scheme):
     sqnr, mx = be.error_stats(x, q)
     want = error_stats(x, q.numpy())
     assert sqnr == pytest.approx(want[0], abs=1e-4) and mx == want[1]
-    assert qcore.backend.stats.tensor_stats(be, x, q) == (sqnr, mx)
+    assert stats.tensor_stats(be, x, q) == (sqnr, mx)
     assert be.error_stats(np.zeros((0, 32), np.float32), be.quantize(np.zeros((0, 32), np.float32), scheme)) \
-        == (qcore.backend.stats.sqnr_db(0.0, 0.0), 0.0)
+        == (stats.sqnr_db(0.0, 0.0), 0.0)

@@ -8,7 +8,7 @@ name; the header's `__metadata__` (a flat str->str map) carries what is needed t
     qcore.<name>.shape     the logical shape as a JSON list, e.g. "[384, 1536]"
     qcore.<name>.dtype     optional: the source dtype it was quantized from, e.g. "BF16"
     qcore.recipe           optional: the recipe that chose the schemes (JSON, see qcore.model.recipe)
-    qcore.run              optional: the whole-model run marker `--resume` checks (qcore.model.run)
+    qcore.run              optional: the whole-model run marker `--resume` checks (qcore.model.plan)
 
 Any other tensor (floats that were not quantized, integer buffers) is stored as it is. The
 `qcore.` prefix of the metadata is reserved; other keys are the caller's own metadata.

@@ -84,7 +84,7 @@ from qcore.errors import InvalidDataError
 from qcore.files.io import VERSION_KEY
 from qcore.spec.payload import QuantizedData
 from qcore.backend.protocol import Support
-from qcore.model.recipe import MAX_REGEX_CHOICES, bounded_regex
+from qcore._regex import MAX_REGEX_CHOICES, bounded_regex
 from qcore.spec.scheme import OffsetKind, PackedU32, QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
 from qcore.formats import _mx, _nvfp4
 from qcore.files.hfconfig import config_beside, put_quantization_config
@@ -307,7 +307,7 @@ def _input_activations(cfg: dict, mod: str) -> dict | None:
     """The `input_activations` of the config group that targets module `mod`, or None.
 
     Targets match as compressed-tensors' `match_name` has it: `re:PATTERN` by `re.match` (a pattern
-    that is not valid or not bounded in time, `recipe.bounded_regex`, is an `InvalidDataError`), any
+    that is not valid or not bounded in time, `qcore._regex.bounded_regex`, is an `InvalidDataError`), any
     other target by the exact module name. A target that starts with a capital letter is a class name
     (`Linear`, W8A8's target); a file has no module classes, so it is taken to match every
     quantized module, after every group that names the module."""

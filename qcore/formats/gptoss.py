@@ -35,7 +35,7 @@ from qcore.errors import InputError, InvalidDataError
 from qcore.files.io import VERSION_KEY
 from qcore.spec.payload import QuantizedData
 from qcore.backend.protocol import Support
-from qcore.model.recipe import bounded_regex
+from qcore._regex import bounded_regex
 from qcore.formats import _mx
 from qcore.files.hfconfig import config_beside, put_quantization_config
 from qcore.files.stfile import write_arrays
@@ -70,7 +70,7 @@ def should_convert(module: str, patterns: list[str]) -> bool:
     """transformers' `should_convert_module` (5.25): False when a pattern matches `module` as a regex
     from the start up to a module boundary ("layer.1" matches "layer.1.attn", not "layer.11.attn"),
     or is a suffix of it. A pattern that is not a valid regex matching in bounded time
-    (`recipe.bounded_regex`) is an `InvalidDataError`, as it is an error in transformers."""
+    (`qcore._regex.bounded_regex`) is an `InvalidDataError`, as it is an error in transformers."""
     for key in patterns:
         rx = bounded_regex(rf"(?:{key})(?:(?<=\.)|(?=\.|$))")
         if rx is None:

@@ -2,11 +2,11 @@
 
 Every scale qcore computes is per tensor, so the work splits without any collective: one planned
 output shard is one unit (for an unchanged layout, one input shard in, one output shard out).
-The client plans every shard from the source headers alone (`qcore.model.run.plan_shards`, through
+The client plans every shard from the source headers alone (`qcore.model.plan.plan_shards`, through
 header stubs for remote sources, see `qcore.files.storage`), sends each unit to a Dask worker, and
 writes the index and copies the other files once all shards are in. A worker stages the unit's
 source shards (remote ones are downloaded to its scratch directory), runs
-`qcore.model.run.quantize_shard` (the single-process code: tensors stream through, so a unit's memory
+`qcore.model.shards.quantize_shard` (the single-process code: tensors stream through, so a unit's memory
 is about three times its largest tensor whatever the shard's size) and puts the result at the
 destination under a temporary name, then moves it onto the shard's name. The output bytes are
 those of `qcore.quantize_model`.
@@ -16,7 +16,7 @@ its tensors, in plan order, are cut into consecutive groups of at most that many
 (`tensor_groups`), each group is a task of its own (`run_group`: it stages just its tensors'
 bytes and writes a part file next to the shard under a temporary name,
 `.NAME.part-K-of-N.<token>.tmp`), and an assembly task (`assemble_unit`, through
-`qcore.model.run.assemble_shard`) streams the parts in order into the shard, with the header and
+`qcore.model.shards.assemble_shard`) streams the parts in order into the shard, with the header and
 metadata `quantize_shard` writes, moves it into place and deletes the parts. The groups' rows
 come back from their tasks, so progress advances per group.
 
@@ -42,16 +42,19 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from qcore.files.checkpoint import INDEX_NAME, Checkpoint, check_apart, index_doc, parse_size, resolve, write_index
 from qcore.errors import InputError
-from qcore.files.hfconfig import CONFIG_NAME, quantization_config, write_config
+from qcore.files.checkpoint import INDEX_NAME, Checkpoint, check_apart, parse_size, resolve, write_index
 from qcore.files.paths import PathLike
-from qcore.model.run import (IN_FLIGHT, ModelResult, TensorResult, assemble_shard, completed_shard,
-                             consecutive_groups, plan_shards, planned_schemes, prepare_run, quantize_shard,
-                             resumed_rows)
-from qcore.model.recipe import RecipeLike
 from qcore.files.stfile import Reader
 from qcore.files.storage import Location, location
+from qcore.files.hfconfig import CONFIG_NAME, quantization_config, write_config
+from qcore.model.output import rows_index
+from qcore.model.pipeline import IN_FLIGHT
+from qcore.model.plan import (PlannedShard, PlannedTensor, consecutive_groups, in_plan_order, plan_shards,
+                              planned_schemes, planned_work, prepare_run)
+from qcore.model.recipe import RecipeLike
+from qcore.model.results import ModelResult, TensorResult
+from qcore.model.shards import assemble_shard, completed_shard, quantize_shard, resumed_rows
 
 __all__ = ["Unit", "Part", "run_unit", "run_group", "assemble_unit", "split_unit", "tensor_groups",
            "quantize_model_distributed", "open_client"]
@@ -68,7 +71,7 @@ class Unit:
     """One output shard to write, or one group of a split shard's tensors: what a worker needs,
     picklable."""
 
-    shard: Any                        # qcore.model.run planned shard (its tensors, schemes, run marker)
+    shard: PlannedShard               # the planned shard (its tensors, schemes, run marker)
     sources: dict[str, str]           # source shard name -> its path on the source filesystem
     source_url: str                   # the source location (filesystem and options come from it)
     out: str                          # the shard's path on the destination filesystem
@@ -81,7 +84,7 @@ class Unit:
 
     @property
     def source_bytes(self) -> int:
-        return sum(it.head.nbytes for it in self.shard.items)
+        return sum(it.head.nbytes for it in self.shard.tensors)
 
 
 @dataclass
@@ -92,10 +95,10 @@ class Part:
     rows: list[TensorResult]
 
 
-def tensor_groups(shard: Any, limit: int) -> list[list[Any]]:
+def tensor_groups(shard: PlannedShard, limit: int) -> list[list[PlannedTensor]]:
     """A planned shard's tensors in plan order, cut into consecutive groups of at most `limit`
     source bytes (a tensor larger than `limit` is a group of its own)."""
-    return consecutive_groups(shard.items, lambda it: it.head.nbytes, limit)
+    return consecutive_groups(shard.tensors, lambda it: it.head.nbytes, limit)
 
 
 def split_unit(unit: Unit, limit: int | None) -> list[Unit]:
@@ -106,7 +109,7 @@ def split_unit(unit: Unit, limit: int | None) -> list[Unit]:
     """
     if not limit or unit.source_bytes <= limit:
         return [unit]
-    return [replace(unit, shard=replace(unit.shard, items=group),
+    return [replace(unit, shard=unit.shard.with_tensors(group),
                     sources={n: p for n, p in unit.sources.items() if any(it.source == n for it in group)})
             for group in tensor_groups(unit.shard, limit)]
 
@@ -129,7 +132,7 @@ def run_group(unit: Unit, k: int, n: int, scratch: str | None = None) -> Part:
 
 
 def assemble_unit(unit: Unit, parts: Sequence[Part], scratch: str | None = None) -> None:
-    """Write a split shard from its groups' parts, in order (`qcore.model.run.assemble_shard`), move it
+    """Write a split shard from its groups' parts, in order (`qcore.model.shards.assemble_shard`), move it
     onto the shard's name whole, then delete the parts.
 
     Idempotent: Dask runs a task again when the worker holding its result dies, and by then the
@@ -171,7 +174,7 @@ def _staged_sources(unit: Unit, directory: str, whole: bool) -> dict[str, str]:
     local = {}
     for name, path in unit.sources.items():
         staged = os.path.join(directory, name)
-        needed = [it.name for it in unit.shard.items if it.source == name]
+        needed = [it.name for it in unit.shard.tensors if it.source == name]
         local[name] = src.stage(path, staged) if whole else src.stage_tensors(path, staged, needed)
     return local
 
@@ -263,7 +266,7 @@ def _check_memory(client: Any, units: Sequence[Unit]) -> None:
     limit = _memory_limit(client)
     if not limit or not units:
         return
-    big = max((it for u in units for it in u.shard.items), key=lambda it: it.head.nbytes)
+    big = max((it for u in units for it in u.shard.tensors), key=lambda it: it.head.nbytes)
     need = (IN_FLIGHT + 1) * big.head.nbytes + INTERPRETER_BYTES
     if need > limit:
         raise InputError(f"tensor '{big.name}' ({big.head.nbytes} bytes) needs about {need} bytes on a worker "
@@ -341,13 +344,11 @@ def quantize_model_distributed(src: PathLike, dst: PathLike, recipe: RecipeLike 
                 resumed.append(s.name)
                 done_rows += resumed_rows(s, prior)
                 continue
-            needed = sorted({it.source for it in s.items})
-            units.append(Unit(s, {n: ck.path(n) if sloc.local else posixpath.join(sroot, n) for n in needed},
+            units.append(Unit(s, {n: ck.path(n) if sloc.local else posixpath.join(sroot, n) for n in s.sources},
                               sloc.url if not sloc.local else ck.root, outs[s.name], dloc.url, recipe_json,
                               be.name, stats, [str(c) for c in cmp], opts))
         if on_plan is not None:
-            work = [i for u in units for i in u.shard.items if i.scheme is not None]
-            on_plan(len(work), sum(i.head.nbytes for i in work))
+            on_plan(*planned_work(u.shard for u in units))
 
         if not one_file:
             for name in ck.extras:
@@ -363,14 +364,12 @@ def quantize_model_distributed(src: PathLike, dst: PathLike, recipe: RecipeLike 
         finally:
             dloc.remove(dloc.leftovers(list(outs.values())))
 
-        by_name = {r.name: r for r in done_rows + rows}
-        ordered = [by_name[i.name] for s in shards for i in s.items]
+        ordered = in_plan_order(shards, done_rows + rows)
         files = [outs[s.name] for s in shards]
         if not one_file and (ck.index_name or limit is not None):
             name = ck.index_name or INDEX_NAME
             local_index = dloc.join(name) if dloc.local else os.path.join(stubs, name)
-            write_index(local_index, index_doc(ck.index_metadata, {r.name: r.file for r in ordered},
-                                               sum(r.after for r in ordered)))
+            write_index(local_index, rows_index(ck.index_metadata, ordered))
             if not dloc.local:
                 dloc.upload(local_index, dloc.join(name))
             files.append(dloc.join(name))
@@ -380,8 +379,9 @@ def quantize_model_distributed(src: PathLike, dst: PathLike, recipe: RecipeLike 
 
 
 def _check_apart(ck: Checkpoint, sloc: Location, dloc: Location, one_file: bool) -> None:
-    if sloc.local and dloc.local:  # (a remote source is planned from header stubs in a scratch folder)
-        check_apart(ck, dloc.path, folder=not one_file)
+    if not (sloc.local and dloc.local):
+        return
+    check_apart(ck, dloc.path, folder=not one_file)
 
 
 def _prior(dloc: Location, out: str, marker: str, stub: str) -> Any:

@@ -1,6 +1,6 @@
 """One step from a float checkpoint to another tool's format: `quantize_model(src, dst, recipe, format=FMT)`.
 
-1. Plan: every tensor's scheme from the recipe, from the source headers alone (`model.plan_shards`).
+1. Plan: every tensor's scheme from the recipe, from the source headers alone (`qcore.model.plan`).
 2. Check, before any quantization: the target writer must hold each planned tensor exactly
    (`Format.check` on a stand-in payload of the planned shape and scheme). A scheme it cannot hold
    is an `UnrepresentableError` naming the tensor and the schemes that writer holds on that shape
@@ -8,7 +8,7 @@
    `FROM=TO` names it (FROM: scheme text, or a tensor-name glob / `re:` pattern as recipe rules
    have them): then the tensor is quantized straight to TO from the float source.
 3. Quantize with the ordinary streaming pipeline into a hidden staging folder in qcore's format
-   (`dst/.qcore-export`, the same shards).
+   (`dst/.qcore-export`, the same shards; `qcore.model.run`).
 4. Safetensors targets: each staged shard is read (one shard's tensors in memory), its tensors
    moved to the target byte for byte (`qcore.formats`; a field order the target lacks re-packed)
    and written, atomically, under the same name into `dst`, each with the metadata the target's
@@ -29,23 +29,27 @@ import os
 import re
 import shutil
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from qcore.files import io as qio
-from qcore.files.checkpoint import INDEX_SUFFIX, Contents, check_apart, index_doc, resolve, write_index
 from qcore.errors import InputError, SchemeError
-from qcore.files.hfconfig import CONFIG_NAME, export_config
-from qcore.files.paths import check_output_path
+from qcore.spec.payload import QuantizedData, sections
+from qcore.spec.scheme import PRESETS, QuantScheme, QuantValue, base_scheme, scheme as parse_scheme
+from qcore.files import io as qio
+from qcore.files.paths import atomic_write, check_output_path
+from qcore.files.checkpoint import INDEX_SUFFIX, Checkpoint, Contents, check_apart, index_doc, resolve, write_index
+from qcore.files.stfile import Reader, np_dtype
 from qcore.formats import base as fbase
 from qcore.formats.registry import get as get_format
-from qcore.spec.payload import QuantizedData, sections
+from qcore.files.hfconfig import CONFIG_NAME, export_config
+from qcore.model.output import copy_extras, extras_targets, remove_stale_temporaries
+from qcore.model.plan import PlannedTensor, plan_shards, prepare_run
 from qcore.model.recipe import Recipe, Rule
-from qcore.spec.scheme import PRESETS, QuantScheme, QuantValue, base_scheme, scheme as parse_scheme
-from qcore.files.stfile import Reader, np_dtype
+from qcore.model.results import ModelResult, RunProgress, TensorResult
+from qcore.model.run import quantize_checkpoint
 
 __all__ = ["RequantizeRule", "export_model", "parse_requantize"]
 
@@ -176,7 +180,7 @@ def check_plan(fmt: fbase.Format, planned: Sequence[tuple[str, tuple[int, ...], 
     return moved
 
 
-def _stand_in(it: Any) -> fbase.Tensor:
+def _stand_in(it: PlannedTensor) -> fbase.Tensor:
     """What a planned tensor looks like to a writer's checks, without its data: a payload probe of
     a 1-D quantized tensor (small), else an array of the source dtype and shape that takes no memory."""
     if it.scheme is not None and len(it.head.shape) <= 1:
@@ -198,14 +202,13 @@ def _target(fmt_name: str) -> fbase.Format:
 def export_model(src: Any, dst: Any, recipe: Any, backend: Any, *, format: str,
                  requantize: Sequence[str] = (), rules: Sequence[str] = (), max_shard_size: Any = None,
                  stats: bool = True, on_plan: Callable[[int, int], None] | None = None,
-                 on_tensor: Callable[[Any], None] | None = None, progress: Any = None) -> Any:
+                 on_tensor: Callable[[TensorResult], None] | None = None,
+                 progress: RunProgress | None = None) -> ModelResult:
     """`quantize_model(..., format=FMT)`: see the module docstring. Returns the ModelResult of the
     quantization with `format`, `requantized` ({name: "FROM -> TO"}) and the target's files."""
-    from qcore.model import run as qm
-
     fmt = _target(format)
     moves = parse_requantize(requantize)
-    rc, be, _, limit = qm.prepare_run(recipe, rules, backend, (), max_shard_size)
+    rc, be, _, limit = prepare_run(recipe, rules, backend, (), max_shard_size)
     ck = resolve(src)
     dst_s = os.fspath(dst)
     gguf = fmt.name == "gguf"
@@ -217,17 +220,17 @@ def export_model(src: Any, dst: Any, recipe: Any, backend: Any, *, format: str,
 
     readers = {s: Reader(ck.path(s)) for s in ck.shards}
     try:
-        shards, _ = qm.plan_shards(ck, rc, limit, readers)
+        shards, _ = plan_shards(ck, rc, limit, readers)
     finally:
         for r in readers.values():
             r.close()
-    planned = [(it.name, tuple(it.head.shape), it.scheme) for s in shards for it in s.items if it.scheme is not None]
+    planned = [(it.name, tuple(it.head.shape), it.scheme) for s in shards for it in s.tensors if it.scheme is not None]
     moved = check_plan(fmt, planned, moves)
     carried = [(it.name, tuple(json.loads(it.carried[qio.shape_key(it.name)])),
                 parse_scheme(it.carried[qio.scheme_key(it.name)]))
-               for s in shards for it in s.items if it.scheme is None and qio.scheme_key(it.name) in it.carried]
+               for s in shards for it in s.tensors if it.scheme is None and qio.scheme_key(it.name) in it.carried]
     check_plan(fmt, carried, ())  # quantized in the source already: no float values to quantize again
-    stand_ins = {it.name: _stand_in(it) for s in shards for it in s.items if not it.carried}
+    stand_ins = {it.name: _stand_in(it) for s in shards for it in s.tensors if not it.carried}
     plain = [(n, a) for n, a in stand_ins.items() if not isinstance(a, QuantizedData)]
     if gguf and not ck.single_file:  # the model's GGUF names, shapes and tokenizer, checked before any work
         from qcore.formats import gguf_file, gguf_model
@@ -257,8 +260,8 @@ def export_model(src: Any, dst: Any, recipe: Any, backend: Any, *, format: str,
         os.remove(os.path.join(dst_s, CONFIG_NAME))  # an earlier export's: written again, last, when this one is done
     os.makedirs(stage, exist_ok=True)
     try:
-        res = qm.quantize_model(src, staged, rc, be, max_shard_size=limit, stats=stats, on_plan=on_plan,
-                                on_tensor=on_tensor)
+        res = quantize_checkpoint(src, staged, rc, be, max_shard_size=limit, stats=stats, on_plan=on_plan,
+                                  on_tensor=on_tensor)
         if gguf:
             from qcore.formats.convert import convert
 
@@ -274,22 +277,21 @@ def export_model(src: Any, dst: Any, recipe: Any, backend: Any, *, format: str,
     return res
 
 
-def _write_folder(fmt: fbase.Format, ck: Any, res: Any, staged: str, dst: str, stage: str, progress: Any) -> list[str]:
+def _write_folder(fmt: fbase.Format, ck: Checkpoint, res: ModelResult, staged: str, dst: str, stage: str,
+                  progress: RunProgress | None) -> list[str]:
     """The staged qcore shards as `fmt` shards in `dst`, then the index, other files and config.json."""
-    from qcore.model import run as qm
-
     shard_files = [f for f in res.files if not f.endswith(INDEX_SUFFIX)]
     index_src = next((f for f in res.files if f.endswith(INDEX_SUFFIX)), None)
     outs = [os.path.join(dst, os.path.basename(f)) for f in shard_files]
     index = os.path.join(dst, os.path.basename(index_src)) if index_src else None
-    extras = qm._extras_targets(ck, dst) if not ck.single_file else {}
+    extras = extras_targets(ck, dst) if not ck.single_file else {}
     config_src = ck.path(CONFIG_NAME) if not ck.single_file else None
     extras.pop(config_src, None)
     config_dst = os.path.join(dst, CONFIG_NAME)
     if progress is not None:
         progress.plan([*outs, config_dst], index)
-    qm._remove_stale_temporaries([*outs, *([index] if index else []), *extras.values(), config_dst])
-    qm._copy_extras(extras)
+    remove_stale_temporaries([*outs, *([index] if index else []), *extras.values(), config_dst])
+    copy_extras(extras)
     layout: dict[str, tuple[QuantScheme | None, tuple[int, ...]]] = {}
     model = {e.name: (e.scheme, e.shape) for f in shard_files for e in qio.read_info(f).entries}  # headers only
     shared = {"format": "pt", **fmt.shard_metadata(model)}  # transformers reads "format"
@@ -308,7 +310,7 @@ def _write_folder(fmt: fbase.Format, ck: Any, res: Any, staged: str, dst: str, s
         fmt.write(tmp, Contents(tensors, dict(shared), fmt.name))
         del tensors, ck_in
         os.replace(tmp, out)
-    if index is not None:  # the target's tensor names, and the sizes of the target's shards
+    if index is not None:  # the target's tensor names and sizes, the source index's metadata
         weight_map, total = {}, 0
         for out in outs:
             with Reader(out) as r:
@@ -318,3 +320,4 @@ def _write_folder(fmt: fbase.Format, ck: Any, res: Any, staged: str, dst: str, s
         write_index(index, index_doc(ck.index_metadata, weight_map, total))
     export_config(config_src, config_dst, fmt.model_config(layout))
     return [*outs, *([index] if index else []), config_dst]
+

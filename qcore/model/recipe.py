@@ -36,7 +36,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import re
 import reprlib
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -45,104 +44,24 @@ from typing import Any, Union
 
 import numpy as np
 
-from qcore.spec.checks import INPUT_DTYPES
+from qcore._regex import MAX_REGEX_CHOICES, MAX_REGEX_NAME, REGEX_PREFIX, bounded_regex, compile_rule, shown
 from qcore.errors import InputError, InvalidDataError, QCoreError, StorageError
+from qcore.model.reasons import Reason
+from qcore.spec.checks import INPUT_DTYPES
 from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
-
-try:  # the parser of the `re` module, to check a regex's shape (sre_parse before Python 3.11)
-    from re import _constants as _sre
-    from re import _parser as _sre_parse
-except ImportError:  # pragma: no cover - Python 3.10
-    import sre_constants as _sre  # type: ignore[no-redef]
-    import sre_parse as _sre_parse  # type: ignore[no-redef]
 
 __all__ = ["KEEP", "DEFAULT_KEEP", "MAX_REGEX_NAME", "MAX_REGEX_CHOICES", "Rule", "Recipe", "Decision", "as_recipe",
            "bounded_regex"]
 
 KEEP = "keep"
-REGEX_PREFIX = "re:"
 # Globs of tensor names kept by default: embeddings and normalisation weights are small and
 # sensitive; a rule naming them explicitly still quantizes them.
 DEFAULT_KEEP: tuple[str, ...] = ("*embed*", "*norm*", "*.ln_*", "*layernorm*")
-MAX_REGEX_NAME = 256
-"""The longest tensor name a regex rule is matched against (real names have about 100 characters)."""
-MAX_REGEX_CHOICES = 3
-"""The most repetitions of variable length (`*`, `+`, `?`, `{m,n}`) a regex rule may hold."""
-_REPEATS = {_sre.MAX_REPEAT, _sre.MIN_REPEAT} | {getattr(_sre, "POSSESSIVE_REPEAT", _sre.MAX_REPEAT)}
-
-
-def _shown(pattern: str) -> str:
-    """A pattern quoted for a message, cut after 80 characters."""
-    return repr(pattern) if len(pattern) <= 100 else f"{pattern[:80]!r}... ({len(pattern)} characters)"
 
 
 def _short(value: Any) -> str:
     """`repr(value)` for a one-line message: text cut after 80 characters, other values shortened."""
-    return _shown(value) if isinstance(value, str) else reprlib.repr(value)
-
-
-def _nested(pattern: str) -> InputError:
-    return InputError(f"recipe pattern {_shown(pattern)} nests a repetition or an alternative (|) inside a repetition "
-                      "(as (a+)+ or (a|ab)* do), which can take exponential time on a long name; regex rules must "
-                      "match in bounded time: write it without the nesting (a character class such as [ab]+ "
-                      "often does)")
-
-
-def _choices(parsed: Any, pattern: str, repeated: bool = False) -> int:
-    """The repetitions of variable length in a parsed regex; `_nested` when one, or an alternative,
-    sits inside a repetition (`repeated`): the shapes that backtrack exponentially."""
-    count = 0
-    for op, av in parsed:
-        if op in _REPEATS:
-            lo, hi, sub = av
-            if repeated and hi > lo:
-                raise _nested(pattern)
-            count += (hi > lo) + _choices(sub, pattern, repeated or hi > 1)
-        elif op == _sre.BRANCH:
-            if repeated:
-                raise _nested(pattern)
-            count += sum(_choices(alt, pattern, repeated) for alt in av[1])
-        elif op == _sre.SUBPATTERN:
-            count += _choices(av[-1], pattern, repeated)
-        elif op in (_sre.ASSERT, _sre.ASSERT_NOT):
-            count += _choices(av[1], pattern, repeated)
-        elif op == getattr(_sre, "ATOMIC_GROUP", None):
-            count += _choices(av, pattern, repeated)
-        elif op == _sre.GROUPREF_EXISTS:
-            count += sum(_choices(alt, pattern, repeated) for alt in av[1:] if alt is not None)
-    return count
-
-
-def _compile(pattern: str) -> re.Pattern[str]:
-    """The regex of a `re:` rule, refused (InputError) unless it is valid and matches in bounded
-    time (see the module docstring)."""
-    text = pattern[len(REGEX_PREFIX):]
-    try:
-        rx = re.compile(text)
-        parsed = _sre_parse.parse(text)
-    except (re.error, OverflowError, ValueError, RecursionError) as e:
-        why = "nested too deep" if isinstance(e, RecursionError) else " ".join(str(e).split())
-        raise InputError(f"recipe pattern {_shown(pattern)} is not a valid regular expression: {why}") from None
-    try:
-        n = _choices(parsed, pattern)
-    except RecursionError:
-        raise InputError(f"recipe pattern {_shown(pattern)} nests groups too deep to check that it matches in bounded "
-                         "time; write it with fewer nested groups") from None
-    if n > MAX_REGEX_CHOICES:
-        raise InputError(f"recipe pattern {_shown(pattern)} has {n} repetitions of variable length (*, +, ?, {{m,n}}); "
-                         f"regex rules may hold {MAX_REGEX_CHOICES}, so that they match in bounded time: use a "
-                         "glob, or drop a leading or trailing .* (a regex is searched anywhere in the name)")
-    return rx
-
-
-def bounded_regex(text: str) -> re.Pattern[str] | None:
-    """`text` compiled when it is a valid regex that matches in bounded time by the rules of regex
-    recipe rules (module docstring), else None: how a regex read from a file (a loader's config)
-    is vetted before qcore matches names with it."""
-    try:
-        return _compile(REGEX_PREFIX + text)
-    except InputError:
-        return None
+    return shown(value) if isinstance(value, str) else reprlib.repr(value)
 
 
 @dataclass(frozen=True)
@@ -156,7 +75,7 @@ class Rule:
         if not isinstance(self.pattern, str) or not self.pattern:
             raise InputError(f"a recipe rule needs a non-empty pattern, got {_short(self.pattern)}")
         if self.pattern.startswith(REGEX_PREFIX):
-            object.__setattr__(self, "_regex", _compile(self.pattern))
+            object.__setattr__(self, "_regex", compile_rule(self.pattern))
         else:
             object.__setattr__(self, "_regex", None)
 
@@ -188,10 +107,12 @@ class Rule:
 
 @dataclass(frozen=True)
 class Decision:
-    """What a recipe decided for one tensor: a scheme (quantize) or None with the reason it is kept."""
+    """What a recipe decided for one tensor: a scheme (quantize) or None with the reason it is kept,
+    as text and as a code (`qcore.model.reasons.Reason`)."""
 
     scheme: QuantScheme | None
     reason: str = ""
+    reason_code: Reason | None = None
 
 
 def _scheme_or_keep(text: Any, where: str) -> QuantScheme | None:
@@ -229,22 +150,23 @@ class Recipe:
         """The scheme for tensor `name` (shape, numpy dtype), or None and why it is kept."""
         dt = np.dtype(dtype)
         if dt not in INPUT_DTYPES:
-            return Decision(None, f"kept: {dt} is not a float dtype")
+            return Decision(None, f"kept: {dt} is not a float dtype", Reason.NOT_FLOAT)
         if len(shape) < 2 and not self.include_1d:
-            return Decision(None, "kept: 1-D (biases, norms; --include-1d quantizes them)")
+            return Decision(None, "kept: 1-D (biases, norms; --include-1d quantizes them)", Reason.ONE_D)
         numel = int(np.prod(shape, dtype=np.int64))
         if numel < self.min_size:
-            return Decision(None, f"kept: {numel} elements < --min-size {self.min_size}")
+            return Decision(None, f"kept: {numel} elements < --min-size {self.min_size}", Reason.MIN_SIZE)
         for rule in self.rules:
             if rule.matches(name):
                 if rule.scheme is None:
-                    return Decision(None, f"kept: matches rule {rule.pattern!r}={KEEP}")
+                    return Decision(None, f"kept: matches rule {rule.pattern!r}={KEEP}", Reason.RULE_KEEP)
                 return Decision(rule.scheme)
         for pat in self.keep:
             if fnmatch.fnmatchcase(name, pat):
-                return Decision(None, f"kept: matches default keep {pat!r} (a --rule naming it quantizes it)")
+                return Decision(None, f"kept: matches default keep {pat!r} (a --rule naming it quantizes it)",
+                                Reason.DEFAULT_KEEP)
         if self.scheme is None:
-            return Decision(None, "kept: no rule matches and the recipe has no default scheme")
+            return Decision(None, "kept: no rule matches and the recipe has no default scheme", Reason.NO_RULE)
         return Decision(self.scheme)
 
     def decide(self, name: str, shape: Sequence[int], dtype: Any) -> Decision:
@@ -258,7 +180,7 @@ class Recipe:
         try:
             sections(tuple(shape), d.scheme)
         except QCoreError as e:
-            return Decision(None, f"kept: {e}")
+            return Decision(None, f"kept: {e}", Reason.BLOCKS_DO_NOT_FIT)
         return d
 
     def schemes(self) -> list[QuantScheme]:
