@@ -24,7 +24,8 @@ from qcore.errors import (
 )
 from qcore.backend.hookspecs import hookimpl
 from qcore.spec.payload import QuantizedData
-from qcore.backend.protocol import Backend, BaseBackend, QParams, QTensor, Support
+from qcore.backend.base import BaseBackend
+from qcore.backend.protocol import Backend, QParams, QTensor, Support
 from qcore.model.recipe import Recipe
 from qcore.backend.registry import backend, backends
 from qcore.spec.scheme import (

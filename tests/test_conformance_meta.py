@@ -115,7 +115,7 @@ class ValueErrorOnUnsupported(Only8Bit):
     name = "valueerror"
 
     def _require(self, scheme):
-        s = qcore.spec.scheme(scheme)
+        s = qcore.scheme(scheme)
         if s.bits != 8:
             raise ValueError(f"cannot do {s}")
         return super()._require(s)
@@ -127,7 +127,7 @@ class AnonymousRefusal(Only8Bit):
     name = "anonymous"
 
     def _require(self, scheme):
-        s = qcore.spec.scheme(scheme)
+        s = qcore.scheme(scheme)
         if s.bits != 8:
             raise UnsupportedSchemeError("not supported")
         return super()._require(s)
@@ -232,7 +232,7 @@ def test_type_error_on_nan_input_fails_bad_input():
 
 
 def test_sloppy_matmul_fails_ops():
-    case = next(C.scheme_cases("ops", schemes=[qcore.spec.scheme("q8s/block32:f32")]))
+    case = next(C.scheme_cases("ops", schemes=[qcore.scheme("q8s/block32:f32")]))
     f = _failure(K.check_ops, SloppyMatmul(), case)
     assert f.check == "ops.matmul" and "accumulation bound" in str(f), str(f)
 

@@ -123,9 +123,9 @@ def test_what_the_target_cannot_hold_is_refused_unless_requantize(tmp_path):
     report = qcore.convert(src, tmp_path / "o.safetensors", "gpt-oss", requantize="mxfp4", backend="reference")
     rows = {t.name: t for t in report.tensors}
     q = rows["blk.0.attn_q.weight"]
-    assert q.action == "requantized" and q.target == str(qcore.spec.scheme("mxfp4")) and 5 < q.sqnr < 40
+    assert q.action == "requantized" and q.target == str(qcore.scheme("mxfp4")) and 5 < q.sqnr < 40
     assert rows["blk.0.ffn_up_exps.weight"].action == "rearranged" and not report.lossless
-    assert qf.read(tmp_path / "o.safetensors").tensors["blk.0.attn_q.weight"].scheme == qcore.spec.scheme("mxfp4")
+    assert qf.read(tmp_path / "o.safetensors").tensors["blk.0.attn_q.weight"].scheme == qcore.scheme("mxfp4")
 
 
 def test_same_path_is_refused(tmp_path):
@@ -141,7 +141,7 @@ def test_cli_convert_and_inspect(tmp_path, capsys):
     assert "(gguf) ->" in out and "lossless (bytes rearranged, nothing re-quantized)" in out
     assert main(["inspect", str(src), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["format"] == "gguf" and info["schemes"] == sorted([str(qcore.spec.scheme("mxfp4")), "q8s/block32:f16"])
+    assert info["format"] == "gguf" and info["schemes"] == sorted([str(qcore.scheme("mxfp4")), "q8s/block32:f16"])
     assert main(["inspect", str(src)]) == 0
     assert "gguf checkpoint, read as qcore schemes" in capsys.readouterr().out
 

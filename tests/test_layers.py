@@ -13,7 +13,7 @@ PKG = ROOT / "qcore"
 
 ROOMS = ["base", "spec", "backend", "files", "formats", "model", "integrations", "conformance", "cli", "facade"]
 """Lowest first: a module may import its own room and the rooms before it."""
-BASE = {"qcore.errors", "qcore._signals"}
+BASE = {"qcore.errors", "qcore._signals", "qcore.plugins"}
 TOP_LEVEL_ROOMS = {"qcore.nn": "integrations"}
 
 

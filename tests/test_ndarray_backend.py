@@ -16,6 +16,7 @@ import pytest
 
 import qcore
 from qcore import InputError, QParams, QTensor, UnsupportedSchemeError
+from qcore.backend import registry
 from qcore.spec.codecs import SCALE_SLOTS, SCALES, VALUES
 
 if "ndarray" not in os.environ.get("QCORE_REQUIRE_BACKENDS", "").split(","):  # CI requires it: fail, not skip
@@ -73,16 +74,16 @@ def test_registered_through_the_qcore_entry_point_group():
     eps = {ep.name: ep.value for ep in entry_points(group="qcore")}
     assert eps.get("ndarray") == "qcore_ndarray"
     assert "ndarray" in qcore.backends()
-    assert "ndarray" not in qcore.backend.registry.plugin_errors()
+    assert "ndarray" not in registry.plugin_errors()
     assert nd.priority == 20 and nd.available()
     assert "numba" in nd.describe()
 
 
 def test_auto_ranks_ndarray_above_reference_for_q8_only():
-    q8 = qcore.backend.registry.supporting_backends("q8s/block32:f16")
+    q8 = registry.supporting_backends("q8s/block32:f16")
     assert "ndarray" in q8 and q8.index("ndarray") < q8.index("reference")
     assert qcore.backend("auto").pick("q8s/block32:f16").priority >= nd.priority
-    assert "ndarray" not in qcore.backend.registry.supporting_backends("q4s/block32:f16")
+    assert "ndarray" not in registry.supporting_backends("q4s/block32:f16")
 
 
 # --------------------------------------------------------------------------- capability table
@@ -166,7 +167,7 @@ DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
 
 def _cases():
     for text, shape in itertools.product(SCHEMES, SHAPES):
-        sch = qcore.spec.scheme(text)
+        sch = qcore.scheme(text)
         rank_needed = max(len(sch.block.dims) if sch.block else 1, sch.store.dim + 1)
         if len(shape) >= rank_needed:
             yield text, shape
@@ -230,7 +231,7 @@ def test_true_division_not_reciprocal_multiply(text):
     recip = np.clip(np.rint(x * (np.float32(1) / e)), -127, 127)
     true = np.clip(np.rint(x / e), -127, 127)
     assert (recip != true).sum() > 0  # the data does tell the two apart
-    grid = qcore.spec.layout.grid_shape(x.shape, qcore.spec.scheme(text))
+    grid = qcore.spec.layout.grid_shape(x.shape, qcore.scheme(text))
     q = nd.quantize(x, text, params=QParams(np.full(grid, e, np.float32)))
     assert_same_bits(q.to_data().codes(), true.astype(np.int8), "codes")
 
@@ -274,8 +275,8 @@ def test_cached_kernels_are_keyed_on_the_codecs_tables():
                                   "q8s/block4:ue4m3/tensor:f32", "q8f/tensor:bf16"])
 def test_params_path_is_bit_exact(text):
     x = _x((5, 12), seed=5)
-    grid = qcore.spec.layout.grid_shape(x.shape, qcore.spec.scheme(text))
-    sch = qcore.spec.scheme(text)
+    grid = qcore.spec.layout.grid_shape(x.shape, qcore.scheme(text))
+    sch = qcore.scheme(text)
     calibrated = ref.calibrate(x, text)
     chosen = QParams(RNG.uniform(0, 0.05, grid).astype(np.float32), 0.75 if sch.two_level else None)
     zeros = QParams(np.zeros(grid, np.float32), 0.0 if sch.two_level else None)
@@ -407,9 +408,9 @@ def test_matmul_errors_come_from_the_core():
 
 
 def test_plan_folds_to_eight_axes():
-    p = make_plan((2, 3, 4, 5), qcore.spec.scheme("q8s/block5"))
+    p = make_plan((2, 3, 4, 5), qcore.scheme("q8s/block5"))
     assert list(p.shp) == [1] * 7 + [120] and list(p.blk[-1:]) == [5]
-    p = make_plan((2, 3, 4, 5), qcore.spec.scheme("q8s/block2x5/packed_u32:2"))
+    p = make_plan((2, 3, 4, 5), qcore.scheme("q8s/block2x5/packed_u32:2"))
     assert list(p.shp[-3:]) == [2, 3, 20] and p.pa == 6  # the packing axis is never merged
 
 

@@ -22,7 +22,7 @@ def _model(seed=0):
 def test_quantize_module_swaps_by_the_recipe_rules_and_keeps_the_rest():
     m = _model()
     decided = qnn.quantize_module(m, "q8s", rules=["2.*=q4s/block32:f16", "3.*=keep"])
-    assert decided["0.weight"] == qcore.spec.scheme("q8s") and decided["2.weight"] == qcore.spec.scheme("q4s/block32:f16")
+    assert decided["0.weight"] == qcore.scheme("q8s") and decided["2.weight"] == qcore.scheme("q4s/block32:f16")
     assert decided["3.weight"].startswith("kept: matches rule")
     assert isinstance(m[0], qnn.Linear) and isinstance(m[2], qnn.Linear) and type(m[3]) is torch.nn.Linear
     assert m[0].weight.dtype == torch.uint8 and not m[0].weight.requires_grad
@@ -122,7 +122,7 @@ def test_qtensor_dequantize_to_a_torch_dtype_gives_a_torch_tensor():
 def test_host_layers_pick_a_host_backend():
     be = AutoBackend().pick("q8s", device="cpu")
     assert device_of(be) == "cpu"
-    assert qnn.backend_for(qcore.spec.scheme("q4s/block32:f16"), torch.device("cpu")).name != "cuda"
+    assert qnn.backend_for(qcore.scheme("q4s/block32:f16"), torch.device("cpu")).name != "cuda"
     with pytest.raises(qcore.UnsupportedSchemeError, match="no available backend on mars supports"):
         AutoBackend().pick("q8s", device="mars")
 

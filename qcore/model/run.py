@@ -32,13 +32,12 @@ import numpy as np
 from qcore import _signals
 from qcore.files import io as qio
 from qcore.files.checkpoint import INDEX_NAME, Checkpoint, parse_size, resolve, shard_name
-from qcore.errors import InputError, InvalidDataError, QCoreError, UnsupportedSchemeError
+from qcore.errors import InputError, InvalidDataError, QCoreError
 from qcore.integrations.config import CONFIG_NAME, quantization_config, write_config
 from qcore.spec.payload import QuantizedData, sections
-from qcore.backend.protocol import Backend, QTensor
+from qcore.backend.protocol import Backend, QTensor, require_support
 from qcore.model.recipe import Decision, Recipe, RecipeLike, Rule, as_recipe
 from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
-from qcore.backend.stats import tensor_stats
 from qcore.files.stfile import Reader, StreamWriter, TensorHead, header_room, np_dtype, st_dtype
 
 __all__ = ["TensorResult", "ModelResult", "RunProgress", "quantize_model", "quantize_dict", "dequantize_model",
@@ -181,14 +180,8 @@ def _backend(backend: str | Backend | None) -> Backend:
 
 
 def _check_supports(be: Backend, recipe: Recipe) -> None:
-    from qcore.backend.registry import supporting_backends
-
     for sch in recipe.schemes():
-        sup = be.supports(sch)
-        if not sup:
-            others = supporting_backends(sch)
-            where = f"backends that do: {', '.join(others)}" if others else "no installed backend does"
-            raise UnsupportedSchemeError(f"backend '{be.name}' does not support {sch}: {sup.reason}; {where}")
+        require_support(be, sch)
 
 
 def _decide(recipe: Recipe, head: TensorHead, info_entry: qio.Entry | None) -> tuple[Any, str, str, tuple, dict]:
@@ -332,12 +325,6 @@ class _Pipeline:
 _END = object()
 
 
-def _payload_parts(be: Backend, q: QTensor) -> list[np.ndarray]:
-    """q's payload as uint8 arrays in order, unjoined where the backend offers it."""
-    parts = getattr(be, "payload_parts", None)
-    return parts(q) if parts is not None else [np.frombuffer(q.to_data().payload, dtype=np.uint8)]
-
-
 def _in_place(path: str, write: Callable[[str], None]) -> None:
     """Write `path` directly (a temporary name its caller owns), where `qio.atomic_write` renames."""
     write(path)
@@ -357,13 +344,13 @@ def _quantize_row(be: Backend, x: np.ndarray, it: _Item, row: TensorResult, stat
     except InputError as e:  # NaN/Inf and other data the scheme cannot take
         row.note = f"kept: {e}"
         return None
-    payload = _payload_parts(be, q)
+    payload = be.payload_parts(q)  # unjoined: streamed to the file without a joined copy
     row.scheme, row.after = str(it.scheme), sum(part.nbytes for part in payload)
     if stats:
-        row.sqnr, row.max_err = tensor_stats(be, x, q)
+        row.sqnr, row.max_err = be.error_stats(x, q)
     for s in compare:
         try:
-            row.compare[str(s)] = tensor_stats(be, x, be.quantize(x, s))[0]
+            row.compare[str(s)] = be.error_stats(x, be.quantize(x, s))[0]
         except InputError:
             row.compare[str(s)] = math.nan
     return payload
