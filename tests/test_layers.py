@@ -119,7 +119,7 @@ def test_no_module_imports_itself_back():
 
 
 def _reference_free():
-    for name in ("qcore.backend.ops", "qcore.backend.protocol", "qcore.backend.registry"):
+    for name in ("qcore.backend.ops", "qcore.backend.protocol", "qcore.backend.base", "qcore.backend.registry"):
         yield MODULES[name]
     for pkg in ("backends/ndarray/qcore_ndarray", "backends/cuda/qcore_cuda", "examples/plugin/qcore_lutcpu"):
         yield from sorted((ROOT / pkg).rglob("*.py"))
@@ -130,3 +130,18 @@ def test_ops_and_backends_do_not_borrow_from_the_reference_backend(path):
     text = path.read_text()
     assert "qcore.backend.reference" not in text and "from .reference" not in text, \
         f"{path.name} imports qcore.backend.reference; use qcore.spec.arithmetic"
+
+
+BACKEND_ORDER = ["qcore.backend.hookspecs", "qcore.backend.activations", "qcore.backend.protocol",
+                 "qcore.backend.stats", "qcore.backend.ops", "qcore.backend.act", "qcore.backend.base",
+                 "qcore.backend.reference", "qcore.backend._builtin", "qcore.backend.registry", "qcore.backend"]
+"""The backend room, lowest first: the contract's types below everything that uses them, the
+registry (which hands `protocol` its lookups) on top, then the room's package, which imports it."""
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if _room(n) == "backend"])
+def test_the_backend_room_imports_downwards(name):
+    assert name in BACKEND_ORDER, f"{name} has no place in BACKEND_ORDER; add it where its imports allow"
+    mine = BACKEND_ORDER.index(name)
+    up = sorted(m for m in GRAPH[name] if _room(m) == "backend" and BACKEND_ORDER.index(m) > mine)
+    assert not up, f"{name} imports modules above it in the backend room: {', '.join(up)}"

@@ -49,10 +49,8 @@ def error_stats(x: Any, y: Any) -> tuple[float, float]:
         xs = xf[i:i + _CHUNK].astype(np.float32, copy=False)
         m = xs.size
         np.subtract(yf[i:i + _CHUNK], xs, out=e[:m], casting="unsafe")
-        np.copyto(wide[:m], xs)
-        signal += float(np.dot(wide[:m], wide[:m]))
-        np.copyto(wide[:m], e[:m])
-        noise += float(np.dot(wide[:m], wide[:m]))
+        signal += float(np.multiply(xs, xs, out=wide[:m], dtype=np.float64).sum())  # squares in float64
+        noise += float(np.multiply(e[:m], e[:m], out=wide[:m], dtype=np.float64).sum())
         max_err = np.maximum(max_err, np.max(np.abs(e[:m], out=e[:m])))  # np.maximum keeps a NaN
     return sqnr_db(signal, noise), float(max_err)
 

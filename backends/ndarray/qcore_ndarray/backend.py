@@ -234,8 +234,8 @@ class NdarrayBackend(BaseBackend):
         if xf.size == 0:
             return sqnr_db(0.0, 0.0), 0.0
         y = self._dequantize(q.data, np.dtype(np.float32)).reshape(-1)
-        signal, noise, max_err = _kernels().error_partials(xf, y, TASK_ELEMENTS)
-        return sqnr_db(float(signal), float(noise)), float(max_err)
+        signal, noise, maxima = _kernels().error_partials(xf, y, TASK_ELEMENTS)
+        return sqnr_db(float(signal), float(noise)), float(np.max(maxima))
 
     def _dequantize(self, data: NdQuantized, dtype: np.dtype) -> np.ndarray:
         if data.scheme.affine:  # docs/spec.md E5: the core's decode
