@@ -95,9 +95,9 @@ def dequantize(q: QTensor, dtype: Any = np.float32) -> Any:
 
 
 def matmul(x: Any, w: QTensor, **options: Any) -> Any:
-    """`x @ dequantize(w)` for x [..., K] and a quantized w [K, N], on w's backend (options: the
-    backend's, e.g. `dtype=`, `act=` (x quantized per row first; x may also be a QTensor,
-    docs/spec.md E9), and on cuda `out=`, `stream=`)."""
+    """`x @ dequantize(w)` for x [..., K] and a quantized w [K, N], on w's backend (options:
+    `Backend.matmul`'s: `dtype=`, `act=` (x quantized per row first; x may also be a QTensor,
+    docs/spec.md E9), `out=` (an array to write the result into), `stream=` (a device's))."""
     if not isinstance(w, QTensor):
         raise InputError(f"matmul takes a QTensor weight, got {type(w).__name__}")
     return w.backend.matmul(x, w, **options)
@@ -106,7 +106,7 @@ def matmul(x: Any, w: QTensor, **options: Any) -> Any:
 def linear(x: Any, w: QTensor, bias: Any = None, **options: Any) -> Any:
     """`x @ dequantize(w).T + bias` for x [..., K] and a linear layer's quantized weight w [N, K]
     as checkpoints store it, on w's backend; the result has x's dtype unless `dtype=` says
-    otherwise (and on cuda `out=`, `stream=`). docs/spec.md, "Products with a quantized weight".
+    otherwise (`out=`, `stream=`: as for `matmul`). docs/spec.md, "Products with a quantized weight".
     `act=SCHEME` (e.g. `e4m3/block{K}:f32`, W8A8) multiplies by `dequantize(quantize(x, act))`;
     x may also be a QTensor of w's backend (docs/spec.md E9)."""
     if not isinstance(w, QTensor):
