@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     mismatches = 0
     with tempfile.TemporaryDirectory() as tmp:
         for text in args.scheme or SCHEMES:
-            s = qcore.spec.scheme(text)
+            s = qcore.scheme(text)
             want = qcore.quantize(x, s, backend="reference").to_data()
             able = [n for n in names if qcore.backend(n).supports(s)]
             print(f"\n{s}  ({want.nbytes} bytes; backends: {', '.join(able)})")

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scheme", action="append", help="schemes to place (default: q8s, q4s/block32:f16, nf4)")
     ap.add_argument("--rows", type=int, default=64, help="rows of the (rows, 128) test tensor")
     args = ap.parse_args(argv)
-    schemes = [qcore.spec.scheme(s) for s in (args.scheme or ["q8s", "q4s/block32:f16", "nf4"])]
+    schemes = [qcore.scheme(s) for s in (args.scheme or ["q8s", "q4s/block32:f16", "nf4"])]
     prefer = [n for n in args.prefer.split(",") if n]
 
     print("installed backends (highest priority first):")

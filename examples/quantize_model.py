@@ -160,7 +160,7 @@ def main(argv=None) -> int:
           + (f" {'min cos emb':>11}" if forward else "") + f" {'time s':>7}")
     failed = False
     for text in [s for s in args.schemes.split(",") if s]:
-        s = qcore.spec.scheme(text)
+        s = qcore.scheme(text)
         t0 = time.perf_counter()
         out, deq, cos, used = {}, dict(floats), [], set()
         for name, v in weights.items():

@@ -19,7 +19,7 @@ def main(argv=None) -> int:
 
     # 1. Some float32 weights, and a scheme: 4-bit symmetric ints, one F16 scale per block of 32.
     x = np.random.default_rng(0).standard_normal((args.rows, 384)).astype(np.float32)
-    scheme = qcore.spec.scheme(args.scheme)
+    scheme = qcore.scheme(args.scheme)
     print(f"scheme {scheme}; backends installed: {', '.join(qcore.backends())}")
 
     # 2. Quantize. No backend named: $QCORE_BACKEND, else 'auto' (best available one for the scheme).
