@@ -296,8 +296,10 @@ class BaseBackend(abc.ABC):
         tensor (read in place where torch allows, bfloat16 included), or the backend's own arrays.
         `out=`: a QTensor of this backend with x's shape and this scheme, given the new data and
         returned. `stream=` is a device backend's; this one runs on the calling thread."""
-        if out is not None:
-            return self._quantize_into(out, self.quantize(x, scheme, params=params, method=method))
+        if out is not None:  # checked before any work
+            self._check_quantize_out(out, x, scheme)
+            out.data = self.quantize(x, scheme, params=params, method=method).data
+            return out
         x = host_array(x)
         scheme = self._require(scheme)
         self._check_method(method, scheme)
@@ -320,20 +322,21 @@ class BaseBackend(abc.ABC):
         dtype = check_output_dtype(out_dtype(out, "dequantize") if dtype is None and out is not None else
                                    np.float32 if dtype is None else dtype)
         if math.prod(q.shape) == 0:
-            return write_out(self._empty_output(q.shape, dtype), out, "dequantize")
-        with self._naming_elements(q):
-            y = self._dequantize(q.data, dtype)
-        y = y if tuple(y.shape) == q.shape else self._reshape_output(y, q.shape)
+            y = self._empty_output(q.shape, dtype)
+        else:
+            with self._naming_elements(q):
+                y = self._dequantize(q.data, dtype)
+            y = y if tuple(y.shape) == q.shape else self._reshape_output(y, q.shape)
         return y if out is None else write_out(self.to_numpy(y), out, "dequantize")
 
-    def _quantize_into(self, out: Any, q: QTensor) -> QTensor:
-        """`out` (a QTensor of this backend with q's shape and scheme) holding q's data."""
-        if not isinstance(out, QTensor) or out.backend is not self or out.shape != q.shape or out.scheme != q.scheme:
+    def _check_quantize_out(self, out: Any, x: Any, scheme: QuantScheme | str) -> None:
+        """`quantize`'s `out=` must be a QTensor of this backend with x's shape and the scheme."""
+        scheme = parse_scheme(scheme)
+        shape = tuple(self._shape_dtype(host_array(x))[0])
+        if not isinstance(out, QTensor) or out.backend is not self or out.shape != shape or out.scheme != scheme:
             got = repr(out) if isinstance(out, QTensor) else type(out).__name__
-            raise InputError(f"quantize out= takes a QTensor of backend '{self.name}' with shape {q.shape} and "
-                             f"scheme {q.scheme}, got {got}; leave out= out for a new one")
-        out.data = q.data
-        return out
+            raise InputError(f"quantize out= takes a QTensor of backend '{self.name}' with shape {shape} and "
+                             f"scheme {scheme}, got {got}; leave out= out for a new one")
 
     @contextlib.contextmanager
     def _naming_elements(self, q: QTensor):
