@@ -39,13 +39,13 @@ def _data(text: str, shape: tuple[int, ...]) -> QuantizedData:
 def test_valid_field_tables():
     """The value rows state exactly the codes quantize can write."""
     for name, bad in BAD_FIELD.items():
-        s = qcore.spec.scheme(name)
+        s = qcore.scheme(name)
         assert not s.valid_fields[bad]
         assert s.valid_fields[0]
-    assert qcore.spec.scheme("e4m3").valid_fields.sum() == 254  # 256 minus +-NaN
-    assert qcore.spec.scheme("e5m2").valid_fields.sum() == 256 - 8  # exponent 31: +-Inf, 3 NaNs each
+    assert qcore.scheme("e4m3").valid_fields.sum() == 254  # 256 minus +-NaN
+    assert qcore.scheme("e5m2").valid_fields.sum() == 256 - 8  # exponent 31: +-Inf, 3 NaNs each
     for name in ("q8f", "q4f", "q2f", "e2m1", "nf4", "q4s-lookup[nf4]"):
-        assert qcore.spec.scheme(name).valid_fields.all(), name
+        assert qcore.scheme(name).valid_fields.all(), name
 
 
 def test_quantize_never_writes_invalid_codes():

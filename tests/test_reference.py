@@ -162,7 +162,7 @@ def test_qtensor_surface():
 
 
 def test_lookup_far_outside_table_saturates_to_the_nearest_end():
-    s = qcore.spec.scheme("nf4")
+    s = qcore.scheme("nf4")
     x = np.float32([1.0, 3.0, -2.0] + [0.0] * 61)
     q = ref.quantize(x, s, params=QParams(np.float32([1e-8])))
     assert list(q.to_data().codes()[:3]) == [15, 15, 0]
