@@ -34,7 +34,8 @@ _HOMES = {
                      "QuantStore", "QuantValue", "ScaleDtype", "ScaleRound", "StoreKind", "TensorLevel", "scheme"],
                     "qcore.spec.scheme"),
     "QuantizedData": "qcore.spec.payload",
-    **dict.fromkeys(["Backend", "BaseBackend", "QParams", "QTensor", "Support"], "qcore.backend.protocol"),
+    **dict.fromkeys(["Backend", "QParams", "QTensor", "Support"], "qcore.backend.protocol"),
+    "BaseBackend": "qcore.backend.base",
     "hookimpl": "qcore.backend.hookspecs",
     "backends": "qcore.backend.registry",
     "Recipe": "qcore.model.recipe",
@@ -108,9 +109,9 @@ def dequantize(q: QTensor, dtype: Any = np.float32) -> Any:
 
 
 def matmul(x: Any, w: QTensor, **options: Any) -> Any:
-    """`x @ dequantize(w)` for x [..., K] and a quantized w [K, N], on w's backend (options: the
-    backend's, e.g. `dtype=`, `act=` (x quantized per row first; x may also be a QTensor,
-    docs/spec.md E9), and on cuda `out=`, `stream=`)."""
+    """`x @ dequantize(w)` for x [..., K] and a quantized w [K, N], on w's backend (options:
+    `Backend.matmul`'s: `dtype=`, `act=` (x quantized per row first; x may also be a QTensor,
+    docs/spec.md E9), `out=` (an array to write the result into), `stream=` (a device's))."""
     from qcore.backend.protocol import QTensor
 
     if not isinstance(w, QTensor):
@@ -121,7 +122,7 @@ def matmul(x: Any, w: QTensor, **options: Any) -> Any:
 def linear(x: Any, w: QTensor, bias: Any = None, **options: Any) -> Any:
     """`x @ dequantize(w).T + bias` for x [..., K] and a linear layer's quantized weight w [N, K]
     as checkpoints store it, on w's backend; the result has x's dtype unless `dtype=` says
-    otherwise (and on cuda `out=`, `stream=`). docs/spec.md, "Products with a quantized weight".
+    otherwise (`out=`, `stream=`: as for `matmul`). docs/spec.md, "Products with a quantized weight".
     `act=SCHEME` (e.g. `e4m3/block{K}:f32`, W8A8) multiplies by `dequantize(quantize(x, act))`;
     x may also be a QTensor of w's backend (docs/spec.md E9)."""
     from qcore.backend.protocol import QTensor

@@ -129,9 +129,8 @@ class Linear(torch.nn.Module):
             raw = self.weight.detach()
             payload = (raw if raw.device.type == "cpu" else raw.cpu()).numpy().tobytes()
             data = QuantizedData((self.out_features, self.in_features), self.scheme, payload)
-            adopt = getattr(be, "adopt", None)  # a device backend reading the parameter in place: one copy on the GPU
-            self._bound = (key, adopt(data, raw) if adopt is not None and raw.device.type != "cpu"
-                           else be.from_data(data))
+            # a device backend reads the parameter in place (`Backend.adopt`): one copy on the GPU
+            self._bound = (key, be.adopt(data, raw) if raw.device.type != "cpu" else be.from_data(data))
         return self._bound[1]
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

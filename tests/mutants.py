@@ -28,7 +28,8 @@ from qcore.spec.checks import raise_nonfinite, to_f32
 from qcore.spec.codecs import F32_TINY, bits_f32, f32_bits
 from qcore.spec.payload import QuantizedData, sections
 from qcore.errors import InputError
-from qcore.backend.protocol import BaseBackend, QParams, QTensor, Support
+from qcore.backend.base import BaseBackend
+from qcore.backend.protocol import QParams, QTensor, Support
 from qcore.spec.arithmetic import decode, effective_scale, encode, slot_statistic, store_reciprocal
 from qcore.backend.reference import ReferenceBackend
 from qcore.spec.scheme import QuantScheme, QuantStore, ScaleDtype, StoreKind, TensorLevel

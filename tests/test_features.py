@@ -12,7 +12,8 @@ from qcore.conformance import checks as K
 from qcore.conformance import runner, sampling
 from qcore.conformance.expect import parse_expect
 from qcore.spec.features import ALL_FEATURES, FEATURES, declared_features, scheme_features
-from qcore.backend.protocol import BaseBackend, Support
+from qcore.backend.base import BaseBackend
+from qcore.backend.protocol import Support
 from qcore.spec.scheme import ScaleDtype, StoreKind, scheme
 from tests.mutants import Narrow
 

@@ -9,6 +9,7 @@ from safetensors.numpy import save_file
 import qcore
 import qcore.formats as qf
 from qcore import InputError
+from qcore.backend.stats import error_stats
 from qcore.cli.main import main
 from qcore.formats import UnrepresentableError
 
@@ -126,6 +127,11 @@ def test_what_the_target_cannot_hold_is_refused_unless_requantize(tmp_path):
     assert q.action == "requantized" and q.target == str(qcore.scheme("mxfp4")) and 5 < q.sqnr < 40
     assert rows["blk.0.ffn_up_exps.weight"].action == "rearranged" and not report.lossless
     assert qf.read(tmp_path / "o.safetensors").tensors["blk.0.attn_q.weight"].scheme == qcore.scheme("mxfp4")
+    # the statistic qcore.quantize_model reports (qcore.backend.stats), of the source's decoded values
+    ref = qcore.backend("reference")
+    x = ref.from_data(qf.read(src).tensors["blk.0.attn_q.weight"]).numpy()
+    y = ref.from_data(qf.read(tmp_path / "o.safetensors").tensors["blk.0.attn_q.weight"]).numpy()
+    assert (q.sqnr, q.max_err) == error_stats(x, y)
 
 
 def test_same_path_is_refused(tmp_path):

@@ -15,7 +15,7 @@ PKG = ROOT / "qcore"
 
 ROOMS = ["base", "spec", "backend", "files", "formats", "model", "integrations", "conformance", "cli", "facade"]
 """Lowest first: a module may import its own room and the rooms before it."""
-BASE = {"qcore.errors", "qcore._signals", "qcore._regex", "qcore._version"}
+BASE = {"qcore.errors", "qcore._signals", "qcore._regex", "qcore._version", "qcore.plugins"}
 TOP_LEVEL_ROOMS = {"qcore.nn": "integrations"}
 
 
@@ -121,7 +121,7 @@ def test_no_module_imports_itself_back():
 
 
 def _reference_free():
-    for name in ("qcore.backend.ops", "qcore.backend.protocol", "qcore.backend.registry"):
+    for name in ("qcore.backend.ops", "qcore.backend.protocol", "qcore.backend.base", "qcore.backend.registry"):
         yield MODULES[name]
     for pkg in ("backends/ndarray/qcore_ndarray", "backends/cuda/qcore_cuda", "examples/plugin/qcore_lutcpu"):
         yield from sorted((ROOT / pkg).rglob("*.py"))
@@ -136,13 +136,13 @@ def test_ops_and_backends_do_not_borrow_from_the_reference_backend(path):
 
 def test_a_low_module_loads_no_higher_room():
     """Python runs the facade (qcore/__init__.py) before any submodule; it imports its re-exported
-    names on first use, so importing a spec module loads no backend, recipe or file module (the
-    empty `qcore.backend` package aside: the facade's `backend` function shares its name)."""
+    names on first use, so importing a spec module loads no recipe, file, format or model module.
+    The backend room's package is loaded (the facade's `backend` function shares its name), and
+    with it the registry, which hands the contract's types their lookups (`use_registry`)."""
     code = "import sys, qcore.spec.scheme; print(*sorted(m for m in sys.modules if m.startswith('qcore')))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=ROOT).stdout.split()
-    higher = [m for m in loaded if m in MODULES and m not in ("qcore", "qcore.backend")
-              and ROOMS.index(_room(m)) > ROOMS.index("spec")]
+    higher = [m for m in loaded if m in MODULES and m != "qcore" and ROOMS.index(_room(m)) > ROOMS.index("backend")]
     assert "qcore.spec.scheme" in loaded and not higher, f"importing qcore.spec.scheme loads {higher}"
 
 
@@ -153,3 +153,18 @@ def test_every_facade_name_resolves():
     assert [n for n in qcore.__all__ if not hasattr(qcore, n)] == []
     assert callable(qcore.backend) and qcore.backend("reference").name == "reference"
     assert set(qcore.__all__) <= set(dir(qcore))
+
+
+BACKEND_ORDER = ["qcore.backend.hookspecs", "qcore.backend.activations", "qcore.backend.protocol",
+                 "qcore.backend.stats", "qcore.backend.ops", "qcore.backend.act", "qcore.backend.base",
+                 "qcore.backend.reference", "qcore.backend._builtin", "qcore.backend.registry", "qcore.backend"]
+"""The backend room, lowest first: the contract's types below everything that uses them, the
+registry (which hands `protocol` its lookups) on top, then the room's package, which imports it."""
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if _room(n) == "backend"])
+def test_the_backend_room_imports_downwards(name):
+    assert name in BACKEND_ORDER, f"{name} has no place in BACKEND_ORDER; add it where its imports allow"
+    mine = BACKEND_ORDER.index(name)
+    up = sorted(m for m in GRAPH[name] if _room(m) == "backend" and BACKEND_ORDER.index(m) > mine)
+    assert not up, f"{name} imports modules above it in the backend room: {', '.join(up)}"

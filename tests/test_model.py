@@ -13,8 +13,8 @@ from safetensors.numpy import load_file, save_file
 
 import qcore
 from qcore.files import io as qio
-from qcore.backend import stats
-from qcore.backend.stats import error_stats
+from qcore.backend.registry import AutoBackend
+from qcore.backend.stats import error_stats, sqnr_db
 from qcore.files.stfile import Reader, StreamWriter, header_room
 
 
@@ -126,7 +126,7 @@ def test_cuda_error_stats_on_the_device_match_the_host(cuda_backend, scheme):
     sqnr, mx = cuda_backend.error_stats(x, q)
     want = error_stats(x, q.numpy())
     assert sqnr == pytest.approx(want[0], abs=1e-4) and mx == pytest.approx(want[1], rel=1e-6)
-    assert stats.tensor_stats(cuda_backend, x, q) == (sqnr, mx)  # the core entry point uses it
+    assert AutoBackend().error_stats(x, q) == (sqnr, mx)  # whole-model runs under auto use it
 
 
 def test_quantize_of_a_dict_points_at_quantize_dict():
@@ -172,13 +172,13 @@ def test_a_shard_assembled_from_parts_is_the_whole_shard(tmp_path):
 @pytest.mark.parametrize("scheme", ["q8s", "q8s/block32:f16", "q8f/block4x8:ue8m0"])
 def test_ndarray_error_stats_match_the_host(scheme):
     """The ndarray backend's own statistics pass (parallel, one read of x and of the dequantized
-    values) gives the host's figures; the core entry point uses it."""
+    values) gives the host's figures; `auto` forwards to it."""
     be = qcore.backend("ndarray")
     x = _x((37, 300), 11)
     q = be.quantize(x, scheme)
     sqnr, mx = be.error_stats(x, q)
     want = error_stats(x, q.numpy())
     assert sqnr == pytest.approx(want[0], abs=1e-4) and mx == want[1]
-    assert stats.tensor_stats(be, x, q) == (sqnr, mx)
+    assert AutoBackend().error_stats(x, q) == (sqnr, mx)
     assert be.error_stats(np.zeros((0, 32), np.float32), be.quantize(np.zeros((0, 32), np.float32), scheme)) \
-        == (stats.sqnr_db(0.0, 0.0), 0.0)
+        == (sqnr_db(0.0, 0.0), 0.0)

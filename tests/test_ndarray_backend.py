@@ -16,6 +16,7 @@ import pytest
 
 import qcore
 from qcore import InputError, QParams, QTensor, UnsupportedSchemeError
+from qcore.backend import registry
 from qcore.spec.codecs import SCALE_SLOTS, SCALES, VALUES
 
 if "ndarray" not in os.environ.get("QCORE_REQUIRE_BACKENDS", "").split(","):  # CI requires it: fail, not skip
@@ -73,16 +74,16 @@ def test_registered_through_the_qcore_entry_point_group():
     eps = {ep.name: ep.value for ep in entry_points(group="qcore")}
     assert eps.get("ndarray") == "qcore_ndarray"
     assert "ndarray" in qcore.backends()
-    assert "ndarray" not in qcore.backend.registry.plugin_errors()
+    assert "ndarray" not in registry.plugin_errors()
     assert nd.priority == 20 and nd.available()
     assert "numba" in nd.describe()
 
 
 def test_auto_ranks_ndarray_above_reference_for_q8_only():
-    q8 = qcore.backend.registry.supporting_backends("q8s/block32:f16")
+    q8 = registry.supporting_backends("q8s/block32:f16")
     assert "ndarray" in q8 and q8.index("ndarray") < q8.index("reference")
     assert qcore.backend("auto").pick("q8s/block32:f16").priority >= nd.priority
-    assert "ndarray" not in qcore.backend.registry.supporting_backends("q4s/block32:f16")
+    assert "ndarray" not in registry.supporting_backends("q4s/block32:f16")
 
 
 # --------------------------------------------------------------------------- capability table

@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 
 from qcore.errors import InputError, SchemeError, UnsupportedSchemeError
-from qcore.backend.protocol import QTensor
-from qcore.spec.scheme import QuantScheme
+from qcore.backend.activations import product_dims
+from qcore.backend.protocol import QTensor, require_support
+from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
 
 __all__ = ["act_scheme", "finite_rows", "given_x", "nan_rows"]
 
@@ -35,9 +36,6 @@ def act_scheme(be: Any, act: Any, what: str, k: int) -> QuantScheme:
     """`act` parsed and checked for a `what` product of reduction length `k` on backend `be`: its
     scale slots lie in single rows of x (else `SchemeError`) and `be` runs it (else
     `UnsupportedSchemeError` naming the backends that do)."""
-    from qcore.backend.registry import require_support
-    from qcore.spec.scheme import scheme as parse_scheme
-
     scheme = parse_scheme(act)
     why = _across_rows(scheme)
     if why is not None:
@@ -73,9 +71,6 @@ def nan_rows(xd: np.ndarray, bad: np.ndarray | None) -> np.ndarray:
 def given_x(be: Any, what: str, x: QTensor, w_shape: tuple[int, ...], act: Any) -> QTensor:
     """A QTensor x of a `what` product on backend `be`, checked: on `be` (else `q.to(...)`), its
     last axis K of the weight `w_shape`, and `act`, if given, its own scheme."""
-    from qcore.backend.activations import product_dims
-    from qcore.spec.scheme import scheme as parse_scheme
-
     if x.backend is not be and x.backend.name != be.name:
         raise InputError(f"{what}'s quantized x lives on backend '{x.backend.name}'; move it with x.to('{be.name}')")
     product_dims(what, x.shape, w_shape)

@@ -18,7 +18,7 @@ from qcore.spec.checks import INPUT_DTYPES
 from qcore.errors import InputError
 
 __all__ = ["ACTIVATION_DTYPES", "product_dims", "host_array", "host_activation", "host_bias", "result_dtype",
-           "in_callers_kind", "torch_dtype_as_numpy", "as_torch"]
+           "in_callers_kind", "torch_dtype_as_numpy", "as_torch", "out_dtype", "write_out"]
 
 ACTIVATION_DTYPES = INPUT_DTYPES
 """x, bias and result dtypes of `matmul` and `linear`: float16, bfloat16, float32, float64."""
@@ -144,3 +144,42 @@ def as_torch(y: Any) -> Any:
         return in_callers_kind(y, True)
     torch = _torch()
     return torch.as_tensor(y, device="cuda")
+
+
+def _host_out(out: Any, what: str) -> np.ndarray:
+    """The caller's `out=` as a numpy array over its memory: a C-contiguous numpy array or torch
+    CPU tensor, else an `InputError`."""
+    torch = _torch()
+    if torch is not None and isinstance(out, torch.Tensor):
+        if out.device.type != "cpu":
+            raise InputError(f"{what} out= is a torch tensor on {out.device}; this backend writes host arrays: "
+                             "pass a CPU tensor or a numpy array, or use a backend on that device")
+        if not out.is_contiguous():
+            raise InputError(f"{what} out= must be C-contiguous")
+        return _torch_cpu(out, f"{what} out=")
+    if not isinstance(out, np.ndarray):
+        raise InputError(f"{what} out= takes a numpy array or a torch CPU tensor on this backend, "
+                         f"got {type(out).__name__}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise InputError(f"{what} out= must be a writeable C-contiguous array")
+    return out
+
+
+def out_dtype(out: Any, what: str) -> np.dtype:
+    """The numpy dtype of a host `out=` array (a torch bfloat16 tensor's as `ml_dtypes.bfloat16`)."""
+    return _host_out(out, what).dtype
+
+
+def write_out(y: Any, out: Any, what: str) -> Any:
+    """A host result `y` (numpy, or torch on the CPU) written into the caller's `out=` (a
+    C-contiguous numpy array or torch CPU tensor of y's size and dtype), which is returned; `y`
+    itself when `out` is None. This is how a host backend takes `out=` (`qcore.BaseBackend`)."""
+    if out is None:
+        return y
+    dst = _host_out(out, what)
+    src = host_array(y)
+    if dst.size != src.size or dst.dtype != src.dtype:
+        raise InputError(f"{what} out= must hold the result's {src.size} {src.dtype} values (shape {src.shape}), "
+                         f"got {dst.size} {dst.dtype} values (shape {dst.shape})")
+    np.copyto(dst.reshape(src.shape), src)
+    return out

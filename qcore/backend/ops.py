@@ -21,24 +21,22 @@ from __future__ import annotations
 
 import operator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from qcore.spec import layout
 from qcore.backend.activations import host_activation, host_bias, in_callers_kind, product_dims, result_dtype
+from qcore.backend.protocol import Backend, QTensor
 from qcore.spec.arithmetic import QParams, decode, scaled_values
 from qcore.errors import InputError
 from qcore.spec.payload import QuantizedData
 from qcore.spec.scheme import BlockLevel
 
-if TYPE_CHECKING:
-    from qcore.backend.protocol import BaseBackend, QTensor
-
 __all__ = ["reshape", "permute", "slice_", "cat", "matmul", "linear"]
 
 
-def _requantize(be: "BaseBackend", q: "QTensor", fn) -> "QTensor":
+def _requantize(be: "Backend", q: "QTensor", fn) -> "QTensor":
     x = be.to_numpy(be.dequantize(q))
     return be.quantize(fn(x), q.scheme)
 
@@ -53,7 +51,7 @@ def _on_grid(d: QuantizedData, fn) -> tuple[np.ndarray, np.ndarray | None]:
     return fn(d.scales()), (None if o is None else fn(o))
 
 
-def reshape(be: "BaseBackend", q: "QTensor", shape: Sequence[int]) -> "QTensor":
+def reshape(be: "Backend", q: "QTensor", shape: Sequence[int]) -> "QTensor":
     try:
         shape = tuple(operator.index(d) for d in shape)
     except TypeError:
@@ -80,7 +78,7 @@ def reshape(be: "BaseBackend", q: "QTensor", shape: Sequence[int]) -> "QTensor":
     return _rebuild(be, q.scheme, new, d.codes().reshape(new), scales, d.global_scale(), offsets)
 
 
-def permute(be: "BaseBackend", q: "QTensor", axes: Sequence[int]) -> "QTensor":
+def permute(be: "Backend", q: "QTensor", axes: Sequence[int]) -> "QTensor":
     rank = len(q.shape)
     try:
         axes = tuple(operator.index(a) % rank if -rank <= operator.index(a) < rank else rank for a in axes)
@@ -127,7 +125,7 @@ def _norm_index(index, shape) -> list[tuple[int, int]]:
     return out
 
 
-def slice_(be: "BaseBackend", q: "QTensor", index) -> "QTensor":
+def slice_(be: "Backend", q: "QTensor", index) -> "QTensor":
     bounds = _norm_index(index, q.shape)
     sl = tuple(slice(a, b) for a, b in bounds)
     new_shape = tuple(b - a for a, b in bounds)
@@ -144,7 +142,7 @@ def slice_(be: "BaseBackend", q: "QTensor", index) -> "QTensor":
     return _rebuild(be, q.scheme, new_shape, d.codes()[sl], scales, d.global_scale(), offsets)
 
 
-def cat(be: "BaseBackend", qs: Sequence["QTensor"], axis: int = 0) -> "QTensor":
+def cat(be: "Backend", qs: Sequence["QTensor"], axis: int = 0) -> "QTensor":
     if not qs:
         raise InputError("cat needs at least one tensor")
     scheme, rank = qs[0].scheme, len(qs[0].shape)
@@ -178,7 +176,7 @@ def cat(be: "BaseBackend", qs: Sequence["QTensor"], axis: int = 0) -> "QTensor":
     return _rebuild(be, scheme, codes.shape, codes, scales, datas[0].global_scale(), offsets)
 
 
-def _row_bands(be: "BaseBackend", w: "QTensor", rows_per_step: int):
+def _row_bands(be: "Backend", w: "QTensor", rows_per_step: int):
     """(r0, r1, rows r0..r1 of the 2-D weight `w` dequantized to float32) for bands of about
     `rows_per_step` rows (whole blocks along axis 0), so the full float weight never exists; one
     band of the whole weight where blocks over the flattened tensor cross rows (E7). A payload
@@ -205,7 +203,7 @@ def _row_bands(be: "BaseBackend", w: "QTensor", rows_per_step: int):
         yield r0, r1, scaled_values(decode(codes[r0:r1], scheme), sub, (r1 - r0, cols), scheme)
 
 
-def _product(be: "BaseBackend", what: str, x: Any, w: "QTensor", dtype: Any, rows_per_step: int,
+def _product(be: "Backend", what: str, x: Any, w: "QTensor", dtype: Any, rows_per_step: int,
              bias: Any = None, bands: Any = None) -> Any:
     """The f32 sums of `matmul` (bands of K rows of w [K, N], added) or `linear` (bands of N rows
     of w [N, K], side by side), the bias, one rounding to the result dtype, in x's array kind.
@@ -227,7 +225,7 @@ def _product(be: "BaseBackend", what: str, x: Any, w: "QTensor", dtype: Any, row
     return in_callers_kind(out.astype(out_dt, copy=False), as_torch)
 
 
-def matmul(be: "BaseBackend", x: Any, w: "QTensor", rows_per_step: int = 1024, *,
+def matmul(be: "Backend", x: Any, w: "QTensor", rows_per_step: int = 1024, *,
            dtype: Any = np.float32, bands: Any = None) -> Any:
     """`x @ dequantize(w)` for float x [..., K] and w [K, N] with f32 accumulation, dequantizing
     `rows_per_step` rows of w at a time (rounded to whole blocks), so the full float weight never
@@ -236,7 +234,7 @@ def matmul(be: "BaseBackend", x: Any, w: "QTensor", rows_per_step: int = 1024, *
     return _product(be, "matmul", x, w, dtype, rows_per_step, bands=bands)
 
 
-def linear(be: "BaseBackend", x: Any, w: "QTensor", bias: Any = None, rows_per_step: int = 1024, *,
+def linear(be: "Backend", x: Any, w: "QTensor", bias: Any = None, rows_per_step: int = 1024, *,
            dtype: Any = None, bands: Any = None) -> Any:
     """`x @ dequantize(w).T + bias` for float x [..., K] and a linear layer's weight w [N, K] (as
     checkpoints store it): f32 accumulation, bias added in f32, one rounding to `dtype` (default:

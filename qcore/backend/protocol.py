@@ -1,33 +1,30 @@
-"""The `Backend` protocol, its shared base class, and the values it trades in (SPEC §4, §6).
+"""The `Backend` protocol and the values it trades in (SPEC §4, §6): `Support`, `QParams`,
+`QTensor`.
 
-A backend supplies kernels and a `supports()` declaration; `BaseBackend` does everything else
-once for all of them: scheme parsing, the capability check at every entry point, shape and
-parameter validation, and the error text. Plugins subclass `BaseBackend` and fill in the
-`_underscore` hooks.
+`Backend` is the whole contract: every member a caller may use, the optional capabilities
+(`device`, `simulated`, `out=`, `stream=`, `transpose`, `payload_parts`, `error_stats`, `adopt`)
+included, so callers call them and never probe. `qcore.backend.base.BaseBackend` implements it
+over a few hooks and gives each optional capability a default; a plugin that does not subclass it
+implements every member (the registry refuses one that lacks any).
+
+This module sits below the registry and never imports it: `qcore.backend.registry` hands over its
+lookups (a backend by name, the backends that support a scheme) when it is imported
+(`use_registry`), for `QTensor.to(name)` and `require_support`'s message.
 """
 from __future__ import annotations
 
-import abc
-import contextlib
-import math
-import sys
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from qcore.spec import arithmetic
-from qcore.spec import layout
-from qcore.backend.activations import host_array
+from qcore.errors import BackendNotFoundError, UnsupportedSchemeError
 from qcore.spec.arithmetic import QParams
-from qcore.spec.checks import check_input_dtype, check_output_dtype
-from qcore.spec.codecs import F32_TINY
-from qcore.errors import BackendUnavailableError, InputError, InvalidDataError, UnsupportedSchemeError
-from qcore.spec.features import declared_features, scheme_features
 from qcore.spec.payload import QuantizedData, sections
-from qcore.spec.scheme import OffsetKind, QuantScheme, scheme as parse_scheme
+from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
 
-__all__ = ["Support", "QParams", "QTensor", "Backend", "BaseBackend", "CALIBRATION_METHODS"]
+__all__ = ["Support", "QParams", "QTensor", "Backend", "CALIBRATION_METHODS", "BACKEND_ATTRIBUTES",
+           "BACKEND_METHODS", "BACKEND_MEMBERS", "require_support", "use_registry"]
 
 CALIBRATION_METHODS = ("minmax", "absmean")
 
@@ -54,18 +51,36 @@ class Support:
         return "Support(yes)" if self.ok else f"Support(no: {self.reason})"
 
 
-def empty_params(shape: tuple[int, ...], scheme: QuantScheme) -> QParams:
-    """The calibration of an empty tensor (docs/spec-choices.md): every slot's statistic is 0,
-    so zero scales stored in the slot dtype; two-level `g` is its floor 1.17549435e-38."""
-    zeros = np.zeros(layout.grid_shape(shape, scheme), dtype=np.float32)
-    stored = scheme.scale_rounding.store(zeros).reshape(zeros.shape)
-    if scheme.reciprocal_global:  # G for an all-zero tensor (docs/spec.md E2)
-        return QParams(stored, 1.0)
-    if scheme.affine:  # every slot's offset 0 (docs/spec.md E5)
-        return QParams(stored, None, zeros.copy())
-    return QParams(stored, float(F32_TINY) if scheme.two_level else None)
+# ---------------------------------------------------------------------- the registry's lookups
+def _no_registry(name: str) -> "Backend":
+    raise BackendNotFoundError(f"no backend registry is loaded to find '{name}'; import qcore first")
 
 
+_by_name: Callable[[str], "Backend"] = _no_registry
+_supporting: Callable[[QuantScheme], list[str]] = lambda scheme: []
+
+
+def use_registry(by_name: Callable[[str], "Backend"], supporting: Callable[[QuantScheme], list[str]]) -> None:
+    """Hand this module the registry's lookups: `by_name(name)` (what `QTensor.to(name)` moves to)
+    and `supporting(scheme)` (the available backends that run a scheme, which `require_support`
+    names). `qcore.backend.registry` calls it once, when it is imported."""
+    global _by_name, _supporting
+    _by_name, _supporting = by_name, supporting
+
+
+def require_support(be: "Backend", scheme: QuantScheme | str) -> QuantScheme:
+    """`scheme` parsed; UnsupportedSchemeError unless `be` supports it, naming the backends that
+    do. The library and the CLI raise this one message."""
+    scheme = parse_scheme(scheme)
+    sup = be.supports(scheme)
+    if not sup:
+        others = [n for n in _supporting(scheme) if n != be.name]
+        where = f"backends that do: {', '.join(others)}" if others else "no installed backend does"
+        raise UnsupportedSchemeError(f"backend '{be.name}' does not support {scheme}: {sup.reason}; {where}")
+    return scheme
+
+
+# ---------------------------------------------------------------------- a quantized tensor
 class QTensor:
     """A quantized tensor held by one backend; `data` is that backend's own representation."""
 
@@ -89,16 +104,15 @@ class QTensor:
     def dequantize(self, dtype: Any = np.float32) -> Any:
         """Decode (SPEC §2.6) to `dtype`: a numpy dtype gives the backend's array (numpy on a host
         backend, a device array on cuda), a torch dtype a torch tensor (on the CPU from a host
-        backend, on the GPU from cuda)."""
+        backend, on the GPU from cuda: the backend's `device`)."""
         from qcore.backend.activations import as_torch, torch_dtype_as_numpy
-        from qcore.backend.registry import device_of
 
         as_numpy = torch_dtype_as_numpy(dtype)
         if as_numpy is None:
             return self.backend.dequantize(self, dtype=dtype)
         y = self.backend.dequantize(self, dtype=as_numpy)
         t = as_torch(y)
-        where = device_of(self.backend)
+        where = self.backend.device
         if isinstance(y, np.ndarray) and where != "cpu":  # (a dtype the device's arrays lack, bfloat16 on numba: on the host)
             t = t.to(where)
         return t
@@ -111,11 +125,9 @@ class QTensor:
         return self.backend.into_data(self)
 
     def to(self, backend: "str | Backend") -> "QTensor":
-        """Move to another backend through the portable bytes."""
+        """Move to another backend (a `Backend`, or its registered name) through the portable bytes."""
         if isinstance(backend, str):
-            from qcore.backend.registry import backend as get_backend
-
-            backend = get_backend(backend)
+            backend = _by_name(backend)
         return backend.from_data(self.to_data())
 
     @property
@@ -134,456 +146,117 @@ class QTensor:
         return f"QTensor(shape={self.shape}, scheme='{self.scheme}', backend='{self.backend.name}')"
 
 
+# ---------------------------------------------------------------------- the contract
 @runtime_checkable
 class Backend(Protocol):
-    """What every backend offers (SPEC §4, §6). `BaseBackend` implements it over a few hooks."""
+    """What every backend offers (SPEC §4, §6). `qcore.BaseBackend` implements all of it over a
+    few hooks, with a default for each optional capability (the members from `device` on)."""
 
     name: str
+    """Unique registered name (not 'auto')."""
     priority: int
+    """Higher wins in `auto` selection (cuda 30, ndarray 20, reference 0)."""
+    device: str
+    """Where this backend keeps its tensors, as a torch device type: "cpu" for a host backend
+    (the default), "cuda" for the cuda backend. `QTensor.dequantize(torch dtype)` returns a torch
+    tensor there, and `qcore.nn` picks among the backends on a weight's device."""
+    simulated: bool
+    """Whether the device is a simulator (cuda under numba's CUDA simulator): correct but slower
+    than any host backend, so `auto` tries it after every real one (default False)."""
 
-    def available(self) -> bool: ...
-    def describe(self) -> str: ...
-    def supports(self, scheme: QuantScheme | str) -> Support: ...
-    def calibrate(self, x: Any, scheme: QuantScheme | str, method: str = "minmax") -> QParams: ...
-    def quantize(self, x: Any, scheme: QuantScheme | str, *, params: QParams | None = None,
-                 method: str = "minmax") -> QTensor: ...
-    def dequantize(self, q: QTensor, dtype: Any = np.float32) -> Any: ...
-    def from_data(self, data: QuantizedData) -> QTensor: ...
-    def into_data(self, q: QTensor) -> QuantizedData: ...
-    def to_numpy(self, array: Any) -> np.ndarray: ...
-    def reshape(self, q: QTensor, shape: Sequence[int]) -> QTensor: ...
-    def permute(self, q: QTensor, axes: Sequence[int]) -> QTensor: ...
-    def slice(self, q: QTensor, index: Sequence[slice]) -> QTensor: ...
-    def cat(self, qs: Sequence[QTensor], axis: int = 0) -> QTensor: ...
-    def matmul(self, x: Any, w: QTensor, *, dtype: Any = np.float32, act: Any = None) -> Any: ...
-    def linear(self, x: Any, w: QTensor, bias: Any = None, *, dtype: Any = None, act: Any = None) -> Any: ...
-
-
-class BaseBackend(abc.ABC):
-    """Shared logic of every backend: checks first, then the backend's `_hooks`.
-
-    Subclasses set `name` and `priority` and implement `available`, `describe`, `_supports`,
-    `_calibrate`, `_quantize`, `_dequantize`, `_from_data`, `_into_data`, `to_numpy`, and may
-    override `_shape_dtype` (for device arrays) and the tensor ops. Hooks receive a parsed,
-    supported scheme, checked shapes and rounded explicit parameters; `_calibrate` and
-    `_quantize` must raise `InputError` for non-finite inputs (see `qcore.spec.checks`).
-    """
-
-    name: str = "?"
-    priority: int = 0
-    scheme_features: frozenset[str] = frozenset()
-    """The scheme features beyond SPEC v1 (`qcore.spec.features`: `round:rne`, `codes:away`, `zero`,
-    `flat`, ...) that this backend implements; `supports()` refuses a scheme that uses any other
-    one before `_supports` is asked. None by default, so a backend written for SPEC v1 never
-    claims a later feature; a subclass lists its own (a set of names, checked when the class is
-    made)."""
-    packs_field_orders: bool = False
-    """Whether the hooks pack fields in every order of docs/spec.md E6. When False they see each
-    scheme in SPEC §3's order (`scheme.low_order`, the same codes), and the portable bytes are
-    moved into the scheme's order at `into_data` / `from_data` (`layout.reorder_values`)."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.scheme_features = declared_features(cls.scheme_features, cls.__qualname__)
-
-    # ------------------------------------------------------------------ capability
     def available(self) -> bool:
-        return True
+        """Whether the backend can run here (device present, libraries loaded); never raises."""
+        ...
 
     def describe(self) -> str:
-        return self.name
-
-    @abc.abstractmethod
-    def _supports(self, scheme: QuantScheme) -> Support:
-        """Declare capability as data: `Support.yes()` or `Support.no(reason)`."""
+        """One line: what it runs on, or why it is not available."""
+        ...
 
     def supports(self, scheme: QuantScheme | str) -> Support:
-        """Whether this backend handles `scheme` (a `Support`: truthy, or falsy with `.reason`).
-        A scheme that uses a feature beyond SPEC v1 this backend does not declare in
-        `scheme_features` is refused here. Blocks over the flattened tensor (docs/spec.md E7) are
-        the core's: a backend is asked about the same scheme with ordinary blocks; a field order
-        (E6) likewise unless the backend packs it itself (`packs_field_orders`)."""
-        scheme = parse_scheme(scheme)
-        undeclared = [f for f in scheme_features(scheme) if f.name not in self.scheme_features]
-        if undeclared:
-            f = undeclared[0]
-            return Support.no(
-                f"backend '{self.name}' does not declare the scheme feature {f.name} ({f.concept}, "
-                f"docs/spec.md {f.section}) in its scheme_features; use a scheme without it or a backend "
-                "that declares it (qcore backends)")
-        scheme = scheme.unflat
-        return self._supports(scheme if self.packs_field_orders else scheme.low_order)
+        """Whether it runs `scheme`: a `Support`, falsy with a reason when not."""
+        ...
 
-    # ------------------------------------------------------------------ what the hooks see
-    def _inner(self, shape: tuple[int, ...], scheme: QuantScheme) -> tuple[tuple[int, ...], QuantScheme]:
-        """The shape and scheme the hooks see for a tensor: `layout.flat_form` (E7), in SPEC §3's
-        field order unless this backend packs the others (E6). Identity for most schemes."""
-        if scheme.flat_blocks:
-            shape, scheme = layout.flat_form(shape, scheme)
-        return shape, (scheme if self.packs_field_orders else scheme.low_order)
-
-    def _inner_call(self, x: Any, shape: tuple[int, ...], scheme: QuantScheme,
-                    params: QParams | None = None) -> tuple[Any, QuantScheme, QParams | None]:
-        """`x`, the scheme and explicit params as the hooks take them (`_inner`: E6, E7)."""
-        ishape, inner = self._inner(shape, scheme)
-        if ishape != shape:
-            x = self._reshape_input(x, ishape)
-        if params is not None and inner.block != scheme.block:
-            params = self._regrid(params, layout.grid_shape(ishape, inner))
-        return x, inner, params
-
-    def _reshape_input(self, x: Any, shape: tuple[int, ...]) -> Any:
-        """`x` (already checked) viewed in `shape`, for blocks over the flattened tensor (E7);
-        override for arrays without `.reshape`."""
-        return x.reshape(shape) if hasattr(x, "reshape") else np.asarray(x).reshape(shape)
-
-    def _reshape_output(self, y: Any, shape: tuple[int, ...]) -> Any:
-        """A dequantized result viewed in the tensor's shape (E7)."""
-        return y.reshape(shape)
-
-    @staticmethod
-    def _regrid(p: QParams, grid: tuple[int, ...]) -> QParams:
-        """The same parameters with their slots in `grid`'s shape (the same row-major order)."""
-        return QParams(np.asarray(p.scales).reshape(grid), p.global_scale,
-                       None if p.offsets is None else np.asarray(p.offsets).reshape(grid))
-
-    def _outer_data(self, d: QuantizedData, shape: tuple[int, ...], scheme: QuantScheme) -> QuantizedData:
-        """The hooks' portable bytes `d` as the tensor's own: its shape and scheme, the values'
-        fields moved into the scheme's order (E6); `d` itself for most schemes."""
-        if d.shape == shape and d.scheme == scheme:
-            return d
-        payload = d.payload
-        if d.scheme.store != scheme.unflat.store:
-            payload = layout.reorder_values(payload, d.shape, d.scheme, scheme.unflat)
-        return QuantizedData(shape, scheme, payload)
-
-    def _inner_data(self, data: QuantizedData) -> QuantizedData:
-        """Portable bytes as the hooks take them (the inverse of `_outer_data`)."""
-        shape, inner = self._inner(data.shape, data.scheme)
-        if shape == data.shape and inner == data.scheme:
-            return data
-        flat_shape, flat_scheme = layout.flat_form(data.shape, data.scheme)
-        payload = data.payload
-        if inner.store != flat_scheme.store:
-            payload = layout.reorder_values(payload, flat_shape, flat_scheme, inner)
-        return QuantizedData(shape, inner, payload)
-
-    def _require(self, scheme: QuantScheme | str) -> QuantScheme:
-        """Parse, then refuse before touching data: unavailable device or unsupported scheme."""
-        scheme = parse_scheme(scheme)
-        if not self.available():
-            raise BackendUnavailableError(
-                f"backend '{self.name}' is not available: {self.describe()}; "
-                "pick another with qcore.backend(name) or leave it to 'auto'"
-            )
-        from qcore.backend.registry import require_support
-
-        return require_support(self, scheme)
-
-    # ------------------------------------------------------------------ input checks
-    def _shape_dtype(self, x: Any) -> tuple[tuple[int, ...], np.dtype]:
-        """Shape and dtype of an input without copying it (override for device arrays)."""
-        if isinstance(x, (np.ndarray, np.generic)):
-            return np.shape(x), x.dtype
-        if isinstance(x, (list, tuple, int, float)):
-            try:
-                a = np.asarray(x)
-            except (ValueError, TypeError, RecursionError) as e:  # ragged or mixed nested lists
-                raise InputError(
-                    f"input list is not a rectangular array of numbers ({e}); pass a numpy array"
-                ) from None
-            if a.dtype == object or a.dtype.kind in "USV":
-                raise InputError(f"input list holds {a.dtype} items, not numbers; pass a float numpy array")
-            if a.dtype.kind in "iub":
-                raise InputError(f"input holds {a.dtype} values; quantize float arrays")
-            return a.shape, np.dtype(np.float64)
-        raise InputError(f"backend '{self.name}' cannot read a {type(x).__name__}; pass a numpy array")
-
-    def _check_input(self, x: Any, scheme: QuantScheme) -> tuple[int, ...]:
-        shape, dtype = self._shape_dtype(x)
-        check_input_dtype(dtype)
-        shape = layout.check_shape(shape)
-        layout.grid_shape(shape, scheme)  # block rank <= tensor rank
-        layout.packing_axis(shape, scheme)  # packing axis < rank
-        if scheme.is_lookup:
-            scheme.require_table()
-        return shape
-
-    def _check_params(self, params: Any, shape: tuple[int, ...], scheme: QuantScheme) -> QParams:
-        """Explicit user parameters: finite, >= 0, grid-shaped; rounded up like calibrated ones."""
-        if not isinstance(params, QParams):
-            raise InputError(f"params must be a QParams, got {type(params).__name__}")
-        grid = layout.grid_shape(shape, scheme)
-        try:
-            s = np.asarray(params.scales, dtype=np.float64)
-        except (TypeError, ValueError):
-            raise InputError(f"params.scales must be numbers, got {params.scales!r}") from None
-        if grid == () and s.size == 1:
-            s = s.reshape(())
-        if s.shape != grid:
-            raise InputError(
-                f"params.scales has shape {s.shape} but {scheme} on shape {shape} has block grid {grid}"
-            )
-        if not np.all(np.isfinite(s)) or (not scheme.signed and (np.any(s < 0) or np.any(np.signbit(s)))):
-            raise InputError("params.scales must be finite and >= 0 (any sign for signed scales); "
-                             "calibrate() gives valid ones")
-        if np.any(s > np.finfo(np.float32).max):
-            raise InputError("params.scales overflow float32; give scales <= 3.4e38")
-        g = params.global_scale
-        if scheme.two_level:
-            if g is None or not isinstance(g, (int, float, np.floating, np.integer)) or not math.isfinite(g) \
-                    or g < 0 or abs(g) > np.finfo(np.float32).max or math.copysign(1.0, g) < 0:
-                raise InputError(f"{scheme} is two-level: params.global_scale must be a finite float >= 0, got {g!r}")
-            g = float(np.float32(g))
-            if scheme.reciprocal_global and not g > 0:
-                raise InputError(f"{scheme} stores a reciprocal global: params.global_scale must be > 0, got {g!r}")
-        elif g is not None:
-            raise InputError(f"{scheme} has one scale level: params.global_scale must be None, got {g!r}")
-        stored = arithmetic.round_scales(s.astype(np.float32), scheme, scheme.given_scale_rounding).reshape(grid)
-        return QParams(stored, g, self._check_offsets(params.offsets, grid, scheme))
-
-    @staticmethod
-    def _check_offsets(offsets: Any, grid: tuple[int, ...], scheme: QuantScheme) -> np.ndarray | None:
-        """An affine scheme's explicit offsets (docs/spec.md E5): grid-shaped; MIN finite (rounded to
-        nearest into its dtype), ZERO integers in the value's range."""
-        if not scheme.affine:
-            if offsets is not None:
-                raise InputError(f"{scheme} has no offsets: params.offsets must be None")
-            return None
-        if offsets is None:
-            raise InputError(f"{scheme} is affine: params.offsets must give one offset per slot (grid {grid})")
-        try:
-            o = np.asarray(offsets, dtype=np.float64)
-        except (TypeError, ValueError):
-            raise InputError(f"params.offsets must be numbers, got {offsets!r}") from None
-        if grid == () and o.size == 1:
-            o = o.reshape(())
-        if o.shape != grid:
-            raise InputError(f"params.offsets has shape {o.shape} but {scheme} has block grid {grid}")
-        if not np.all(np.isfinite(o)) or np.any(np.abs(o) > np.finfo(np.float32).max):
-            raise InputError("params.offsets must be finite float32 values")
-        if scheme.offset.kind is OffsetKind.MIN:
-            return arithmetic.round_offsets(o.astype(np.float32), scheme)
-        t = scheme.traits
-        if np.any(o != np.rint(o)) or np.any(o < t.qmin) or np.any(o > t.qmax):
-            raise InputError(f"zero points must be integers in [{int(t.qmin)}, {int(t.qmax)}] for {scheme}")
-        return o.astype(np.float32)
-
-    @staticmethod
-    def _check_method(method: str, scheme: QuantScheme | None = None) -> str:
-        if method not in CALIBRATION_METHODS:
-            raise InputError(f"unknown calibration method {method!r}; use one of {CALIBRATION_METHODS}")
-        if scheme is not None:
-            arithmetic.require_method(scheme, method)
-        return method
-
-    def _own(self, q: Any) -> QTensor:
-        if not isinstance(q, QTensor):
-            raise InputError(f"expected a QTensor, got {type(q).__name__}")
-        if q.backend is not self and q.backend.name != self.name:
-            raise InputError(f"QTensor lives on backend '{q.backend.name}'; move it with q.to('{self.name}')")
-        self._require(q.scheme)
-        return q
-
-    # ------------------------------------------------------------------ entry points
     def calibrate(self, x: Any, scheme: QuantScheme | str, method: str = "minmax") -> QParams:
-        """Scales for `x` under `scheme` (SPEC §2.1-2.3): stored, rounded-up, grid-shaped."""
-        x = host_array(x)
-        scheme = self._require(scheme)
-        self._check_method(method, scheme)
-        shape = self._check_input(x, scheme)
-        if math.prod(shape) == 0:
-            return empty_params(shape, scheme)
-        x, inner, _ = self._inner_call(x, shape, scheme)
-        p = self._calibrate(x, inner, method)
-        return p if inner.block == scheme.block else self._regrid(p, layout.grid_shape(shape, scheme))
+        """The stored scales of `x` under `scheme` (SPEC §2.1-2.3)."""
+        ...
 
     def quantize(self, x: Any, scheme: QuantScheme | str, *, params: QParams | None = None,
-                 method: str = "minmax") -> QTensor:
-        """Quantize `x` (calibrated, or with explicit `params`) (SPEC §2): a numpy array, a torch CPU
-        tensor (read in place where torch allows, bfloat16 included), or the backend's own arrays."""
-        x = host_array(x)
-        scheme = self._require(scheme)
-        self._check_method(method, scheme)
-        shape = self._check_input(x, scheme)
-        if params is not None:
-            params = self._check_params(params, shape, scheme)
-        if math.prod(shape) == 0:  # nothing to read: O(1) whatever the other extents claim (SPEC v1.1 §3)
-            p = params or empty_params(shape, scheme)
-            codes = np.zeros(shape, dtype=scheme.code_dtype)
-            return self.from_data(QuantizedData.from_parts(shape, scheme, codes, p.scales, p.global_scale, p.offsets))
-        x, inner, params = self._inner_call(x, shape, scheme, params)
-        return QTensor(self, scheme, shape, self._quantize(x, inner, params, method))
+                 method: str = "minmax", out: Any = None, stream: Any = None) -> QTensor:
+        """Quantize `x` (SPEC §2), calibrated or with explicit `params`. `out=`: a QTensor of
+        this backend with the same shape and scheme, overwritten and returned (a device backend
+        also takes its own payload memory); `stream=`: a device backend's stream to run on (a host
+        backend runs on the calling thread and ignores it)."""
+        ...
 
-    def dequantize(self, q: QTensor, dtype: Any = np.float32) -> Any:
-        """`decode(q) * e` in f32, cast to `dtype` (SPEC §2.6). An empty tensor gives an empty
-        array at once, whatever its other extents claim (SPEC v1.1 §3)."""
-        q = self._own(q)
-        dtype = check_output_dtype(dtype)
-        if math.prod(q.shape) == 0:
-            return self._empty_output(q.shape, dtype)
-        with self._naming_elements(q):
-            y = self._dequantize(q.data, dtype)
-        return y if tuple(y.shape) == q.shape else self._reshape_output(y, q.shape)
-
-    @contextlib.contextmanager
-    def _naming_elements(self, q: QTensor):
-        """An invalid code that the hooks found in their form of `q` (E6, E7) is named as an
-        element of `q` itself: its index in q's shape, q's scheme."""
-        try:
-            yield
-        except InvalidDataError:
-            if self._inner(q.shape, q.scheme) != (q.shape, q.scheme):
-                self.into_data(q).check_codes()
-            raise
-
-    def _empty_output(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-        """This backend's empty array of `shape` (override for device arrays)."""
-        return np.zeros(shape, dtype=dtype)
+    def dequantize(self, q: QTensor, dtype: Any = None, *, out: Any = None, stream: Any = None) -> Any:
+        """`decode(q) * e` in f32, cast to `dtype` (SPEC §2.6; None: out's dtype, else float32), as
+        this backend's array, or written into `out=` (an array of this backend's kind with q's size
+        and the result's dtype), which is returned. `stream=` as for `quantize`."""
+        ...
 
     def from_data(self, data: QuantizedData) -> QTensor:
-        """Load portable bytes onto this backend."""
-        if not isinstance(data, QuantizedData):
-            raise InputError(f"from_data takes a QuantizedData, got {type(data).__name__}")
-        self._require(data.scheme)
-        inner = self._inner_data(data)
-        try:
-            held = self._from_data(inner)
-        except InvalidDataError:
-            if inner is not data:  # name the element in the tensor's own shape (E6, E7)
-                data.check_codes()
-            raise
-        return QTensor(self, data.scheme, data.shape, held)
+        """Load validated portable bytes (SPEC §3) onto this backend."""
+        ...
 
     def into_data(self, q: QTensor) -> QuantizedData:
         """The portable bytes of `q`."""
-        q = self._own(q)
-        return self._outer_data(self._into_data(q.data), q.shape, q.scheme)
-
-    def payload_parts(self, q: QTensor) -> list[np.ndarray]:
-        """The portable bytes of `q` as host uint8 arrays in payload order, not joined: their
-        concatenation is `into_data(q).payload`. For writers that stream a payload to a file
-        (`qcore.quantize_model`) without the copies a `bytes` object costs."""
-        q = self._own(q)
-        if q.scheme.store.order is not self._inner(q.shape, q.scheme)[1].store.order:
-            parts = [np.frombuffer(self.into_data(q).payload, np.uint8)]  # fields moved (E6)
-        else:
-            parts = self._payload_parts(q.data)
-        want = sections(q.shape, q.scheme).total
-        got = sum(int(p.nbytes) for p in parts)
-        if got != want:
-            raise RuntimeError(f"backend '{self.name}' gave {got} payload bytes for {q.scheme} {q.shape}, "
-                               f"not {want}")
-        return parts
-
-    # ------------------------------------------------------------------ tensor ops
-    def reshape(self, q: QTensor, shape: Sequence[int]) -> QTensor:
-        from qcore.backend import ops
-
-        q = self._own(q)
-        return ops.reshape(self, q, shape)
-
-    def permute(self, q: QTensor, axes: Sequence[int]) -> QTensor:
-        from qcore.backend import ops
-
-        q = self._own(q)
-        return ops.permute(self, q, axes)
-
-    def transpose(self, q: QTensor) -> QTensor:
-        """Reverse the axes (`permute` with the axes reversed)."""
-        return self.permute(q, tuple(range(len(q.shape)))[::-1])
-
-    def slice(self, q: QTensor, index: Sequence[slice] | slice) -> QTensor:
-        from qcore.backend import ops
-
-        q = self._own(q)
-        return ops.slice_(self, q, index)
-
-    def cat(self, qs: Sequence[QTensor], axis: int = 0) -> QTensor:
-        from qcore.backend import ops
-
-        qs = [self._own(q) for q in qs]
-        return ops.cat(self, qs, axis)
-
-    def _host_x(self, x: Any) -> Any:
-        """x as the core's products read it: numpy arrays and torch tensors as they are, anything
-        else through `to_numpy` (a device backend's own arrays)."""
-        torch = sys.modules.get("torch")
-        if isinstance(x, np.ndarray) or (torch is not None and isinstance(x, torch.Tensor)):
-            return x
-        return self.to_numpy(x)
-
-    def _product_x(self, what: str, x: Any, w: QTensor, act: Any, dtype: Any) -> tuple[Any, Any]:
-        """(x as the core's products read it, the result dtype) (docs/spec.md E9): a QTensor x is
-        its decoded value (float32); with `act`, x is read as float32 (E8), quantized under `act`
-        by this backend, and decoded (a row holding a non-finite value decoded as NaN), and
-        `dtype=None` keeps meaning x's own dtype; a torch x stays torch, so the result comes back
-        as x came."""
-        from qcore.backend import act as _act
-        from qcore.backend.activations import host_activation, in_callers_kind, product_dims
-
-        if isinstance(x, QTensor):
-            return self.to_numpy(self.dequantize(_act.given_x(self, what, x, w.shape, act))), dtype
-        x = self._host_x(x)
-        if act is None:
-            return x, dtype
-        xa, as_torch = host_activation(x)
-        k_, _ = product_dims(what, xa.shape, w.shape)
-        scheme = _act.act_scheme(self, act, what, k_)
-        x32, bad = _act.finite_rows(xa.astype(np.float32, copy=False))
-        xd = _act.nan_rows(self.to_numpy(self.dequantize(self.quantize(x32, scheme))), bad)
-        return in_callers_kind(xd, as_torch), (xa.dtype if dtype is None else dtype)
-
-    def matmul(self, x: Any, w: QTensor, *, dtype: Any = np.float32, act: Any = None) -> Any:
-        """`x @ dequantize(w)` for float `x` [..., K] and quantized `w` [K, N], block by block, f32
-        sums rounded once to `dtype` (default float32; None: x's dtype). `act=SCHEME` quantizes x
-        per row first, and x may be a QTensor (docs/spec.md E9)."""
-        from qcore.backend import ops
-
-        w = self._own(w)
-        x, dtype = self._product_x("matmul", x, w, act, dtype)
-        return ops.matmul(self, x, w, dtype=dtype)
-
-    def linear(self, x: Any, w: QTensor, bias: Any = None, *, dtype: Any = None, act: Any = None) -> Any:
-        """`x @ dequantize(w).T + bias` for float `x` [..., K] (float16, bfloat16, float32,
-        float64; numpy or torch) and a linear layer's weight `w` [N, K] as checkpoints store it;
-        f32 sums, bias added in f32, one rounding to `dtype` (default: x's dtype), returned as x
-        came (numpy or torch) (docs/spec.md, "Products with a quantized weight"). `act=SCHEME`
-        (e.g. `e4m3/block{K}:f32`) multiplies by `dequantize(quantize(x, act))` instead of x, and
-        x may be a QTensor [..., K] of this backend (docs/spec.md E9)."""
-        from qcore.backend import ops
-
-        w = self._own(w)
-        x, dtype = self._product_x("linear", x, w, act, dtype)
-        return ops.linear(self, x, w, bias, dtype=dtype)
-
-    # ------------------------------------------------------------------ hooks
-    @abc.abstractmethod
-    def _calibrate(self, x: Any, scheme: QuantScheme, method: str) -> QParams:
-        """Stored scales for input `x` (SPEC §2.1-2.3)."""
-
-    @abc.abstractmethod
-    def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> Any:
-        """This backend's representation of quantized `x`; `params` are rounded, or None."""
-
-    @abc.abstractmethod
-    def _dequantize(self, data: Any, dtype: np.dtype) -> Any:
-        """`decode * e` in f32, cast to `dtype`, as this backend's array."""
-
-    @abc.abstractmethod
-    def _from_data(self, data: QuantizedData) -> Any:
-        """This backend's representation of validated portable bytes."""
-
-    @abc.abstractmethod
-    def _into_data(self, data: Any) -> QuantizedData:
-        """The portable bytes of this backend's representation."""
-
-    def _payload_parts(self, data: Any) -> list[np.ndarray]:
-        """`_into_data`'s payload as host uint8 arrays in order; override to skip the join."""
-        return [np.frombuffer(self._into_data(data).payload, dtype=np.uint8)]
+        ...
 
     def to_numpy(self, array: Any) -> np.ndarray:
-        return np.asarray(array)
+        """One of this backend's arrays as a host numpy array."""
+        ...
 
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} '{self.name}'>"
+    def reshape(self, q: QTensor, shape: Sequence[int]) -> QTensor:
+        """`q` in another shape (exact where the blocks allow, `qcore.backend.ops`)."""
+        ...
+
+    def permute(self, q: QTensor, axes: Sequence[int]) -> QTensor:
+        """`q` with its axes permuted."""
+        ...
+
+    def transpose(self, q: QTensor) -> QTensor:
+        """`q` with its axes reversed (`QTensor.T`)."""
+        ...
+
+    def slice(self, q: QTensor, index: Sequence[slice]) -> QTensor:
+        """A slice of `q`, one `slice` per leading axis."""
+        ...
+
+    def cat(self, qs: Sequence[QTensor], axis: int = 0) -> QTensor:
+        """`qs` joined along `axis`."""
+        ...
+
+    def matmul(self, x: Any, w: QTensor, *, dtype: Any = np.float32, act: Any = None, out: Any = None,
+               stream: Any = None) -> Any:
+        """`x @ dequantize(w)` for float x [..., K] and w [K, N] (docs/spec.md E8, E9 for `act=`);
+        `out=` and `stream=` as for `dequantize`."""
+        ...
+
+    def linear(self, x: Any, w: QTensor, bias: Any = None, *, dtype: Any = None, act: Any = None,
+               out: Any = None, stream: Any = None) -> Any:
+        """`x @ dequantize(w).T + bias` for a linear layer's weight w [N, K] (docs/spec.md E8, E9);
+        `out=` and `stream=` as for `dequantize`."""
+        ...
+
+    def payload_parts(self, q: QTensor) -> list[np.ndarray]:
+        """The portable bytes of `q` as host uint8 arrays in payload order, not joined (their
+        concatenation is `into_data(q).payload`), for writers that stream a payload to a file."""
+        ...
+
+    def error_stats(self, x: Any, q: QTensor) -> tuple[float, float]:
+        """(SQNR dB, max |x - dequantize(q)|) of `q` against its source `x`
+        (`qcore.backend.stats.error_stats`'s figures, computed where the backend likes)."""
+        ...
+
+    def adopt(self, data: QuantizedData, payload: Any) -> QTensor:
+        """A QTensor of `data` over `payload`, memory of this backend's device that already holds
+        data's payload bytes (read in place where the backend can, else copied as `from_data`)."""
+        ...
+
+
+BACKEND_ATTRIBUTES: tuple[str, ...] = tuple(Backend.__annotations__)
+"""The contract's attributes: name, priority, device, simulated."""
+BACKEND_METHODS: tuple[str, ...] = tuple(n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_"))
+"""The contract's methods, in the order above."""
+BACKEND_MEMBERS: tuple[str, ...] = BACKEND_ATTRIBUTES + BACKEND_METHODS
+"""Every member of the contract (what the registry requires of a plugin's backend)."""

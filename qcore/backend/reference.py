@@ -13,7 +13,8 @@ from qcore.spec import arithmetic
 from qcore.spec.checks import raise_nonfinite, to_f32
 from qcore.spec.payload import QuantizedData
 from qcore.spec.features import ALL_FEATURES
-from qcore.backend.protocol import BaseBackend, QParams, Support
+from qcore.backend.base import BaseBackend
+from qcore.backend.protocol import QParams, Support
 from qcore.spec.scheme import QuantScheme
 
 __all__ = ["ReferenceBackend"]

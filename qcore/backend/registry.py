@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import sys
 import threading
 from importlib.metadata import entry_points
 from typing import Any, Sequence
@@ -19,10 +18,13 @@ from typing import Any, Sequence
 import numpy as np
 import pluggy
 
-from qcore.backend import hookspecs
+from qcore import plugins
+from qcore.backend import _builtin, hookspecs
+from qcore.backend.protocol import (
+    BACKEND_MEMBERS, BACKEND_METHODS, Backend, QParams, QTensor, Support, require_support, use_registry,
+)
 from qcore.errors import BackendNotFoundError, BackendUnavailableError, UnsupportedSchemeError
 from qcore.spec.payload import QuantizedData
-from qcore.backend.protocol import Backend, QParams, QTensor, Support
 from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
 
 __all__ = [
@@ -47,29 +49,26 @@ DISABLE_VAR = "QCORE_DISABLE_PLUGINS"
 """Comma-separated entry point names of plugins not to load, e.g. `QCORE_DISABLE_PLUGINS=cuda,lutcpu`."""
 TIMEOUT_VAR = "QCORE_AVAILABLE_TIMEOUT"
 """Seconds a backend's first `available()` may take before it is reported and skipped (default 30)."""
-_lock = threading.RLock()
-_registry: dict[str, Backend] | None = None
-_errors: dict[str, str] = {}
 _disabled: list[str] = []
 _answered: set[str] = set()  # backends whose available() answered once in time: trusted after that
 _hung: set[str] = set()      # backends whose available() did not answer in time: skipped
 
-_METHODS = ("available", "describe", "supports", "quantize", "dequantize", "from_data", "into_data", "to_numpy",
-            "calibrate")
 
 
 def _check_backend(obj: Any, origin: str) -> Backend:
-    """A registrable backend: a non-empty str `name` (not 'auto'), an int `priority` and the
-    callable methods of qcore.Backend; else `TypeError` naming what is wrong."""
-    missing = [m for m in ("name", "priority") + _METHODS if not hasattr(obj, m)]
-    if missing:
-        raise TypeError(f"plugin {origin} returned {obj!r}, which lacks {', '.join(missing)} of qcore.Backend")
+    """A registrable backend: every member of qcore.Backend (`BACKEND_MEMBERS`), a non-empty str
+    `name` (not 'auto'), an int `priority` and callable methods; else `TypeError` naming what is
+    wrong."""
+    lacks = plugins.missing(obj, BACKEND_MEMBERS)
+    if lacks:
+        raise TypeError(f"plugin {origin} returned {obj!r}, which lacks {', '.join(lacks)} of qcore.Backend "
+                        "(qcore.BaseBackend has them all)")
     name, prio = obj.name, obj.priority
     if not isinstance(name, str) or not name or name == "auto" or name != name.strip():
         raise TypeError(f"plugin {origin} returned a backend named {name!r}; a name is a non-empty str, not 'auto'")
     if isinstance(prio, bool) or not isinstance(prio, (int, np.integer)):
         raise TypeError(f"plugin {origin}: backend '{name}' has priority {prio!r}; it must be an int")
-    not_callable = [m for m in _METHODS if not callable(getattr(obj, m))]
+    not_callable = [m for m in BACKEND_METHODS if not callable(getattr(obj, m))]
     if not_callable:
         raise TypeError(f"plugin {origin}: backend '{name}' has non-callable {', '.join(not_callable)}")
     return obj
@@ -79,74 +78,44 @@ def _disabled_names() -> list[str]:
     return [n.strip() for n in os.environ.get(DISABLE_VAR, "").split(",") if n.strip()]
 
 
-def _note(origin: str, message: str) -> None:
-    _errors[origin] = f"{_errors[origin]}; {message}" if origin in _errors else message
+def _discover(table: plugins.PluginTable[Backend]) -> dict[str, Backend]:
+    """Every backend of the `qcore` entry point group's plugins (qcore's own `reference` from
+    `_builtin` where no entry point gives it, as in a source tree), each checked on its own."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    found: dict[str, Backend] = {}
+    _answered.clear()
+    _hung.clear()
+    disabled = _disabled_names()
+    _disabled[:] = disabled
+    eps = [ep for ep in entry_points(group=hookspecs.PROJECT) if ep.name not in disabled]
+    if "reference" not in disabled and not any(ep.name == "reference" for ep in eps):
+        pm.register(_builtin, name="reference")
+    for ep, module in plugins.load_each(eps, table):
+        pm.register(module, name=ep.name)
+    impls = sorted(pm.hook.qcore_register_backends.get_hookimpls(),  # qcore's own first, then by name:
+                   key=lambda i: (i.plugin_name != "reference", i.plugin_name))  # a duplicate loses
+    for impl, result in plugins.isolated(impls, lambda i: i.plugin_name, lambda i: list(i.function() or []), table):
+        for be in result:  # each backend on its own: a bad one does not take its siblings
+            table.add(found, be, impl.plugin_name, "; this one was skipped")
+    return found
+
+
+_PLUGINS: plugins.PluginTable[Backend] = plugins.PluginTable("backend", _discover, _check_backend)
 
 
 def _load() -> dict[str, Backend]:
-    global _registry
-    with _lock:
-        if _registry is not None:
-            return _registry
-        pm = pluggy.PluginManager(hookspecs.PROJECT)
-        pm.add_hookspecs(hookspecs)
-        found: dict[str, Backend] = {}
-        _errors.clear()
-        _answered.clear()
-        _hung.clear()
-        disabled = _disabled_names()
-        _disabled[:] = disabled
-        eps = [ep for ep in entry_points(group=hookspecs.PROJECT) if ep.name not in disabled]
-        if "reference" not in disabled and not any(ep.name == "reference" for ep in eps):
-            from qcore.backend import _builtin
-
-            pm.register(_builtin, name="reference")
-        for ep in eps:
-            try:
-                pm.register(ep.load(), name=ep.name)
-            except BaseException as e:  # one broken plugin must not hide the others (SystemExit too)
-                if isinstance(e, KeyboardInterrupt):
-                    raise
-                _note(ep.name, f"{type(e).__name__}: {e}")
-        impls = sorted(pm.hook.qcore_register_backends.get_hookimpls(),  # qcore's own first, then by name:
-                       key=lambda i: (i.plugin_name != "reference", i.plugin_name))  # a duplicate loses
-        for impl in impls:
-            origin = impl.plugin_name
-            try:
-                result = list(impl.function() or [])
-            except BaseException as e:
-                if isinstance(e, KeyboardInterrupt):
-                    raise
-                _note(origin, f"{type(e).__name__}: {e}")
-                continue
-            for be in result:  # each backend on its own: a bad one does not take its siblings
-                try:
-                    be = _check_backend(be, origin)
-                    if be.name in found:
-                        raise ValueError(f"backend name '{be.name}' is already taken; this one was skipped")
-                except Exception as e:
-                    _note(origin, f"{type(e).__name__}: {e}")
-                    continue
-                found[be.name] = be
-        _registry = found
-        return found
+    return _PLUGINS.table()
 
 
 def register(be: Backend) -> None:
     """Add a backend by hand (tests, notebooks); entry points are the normal way."""
-    with _lock:
-        reg = _load()
-        _check_backend(be, "register()")
-        if be.name in reg:
-            raise ValueError(f"backend name '{be.name}' is already taken")
-        reg[be.name] = be
+    _PLUGINS.register(be)
 
 
 def reset() -> None:
     """Forget the registry so the next call rediscovers plugins."""
-    global _registry
-    with _lock:
-        _registry = None
+    _PLUGINS.reset()
 
 
 def registered() -> dict[str, Backend]:
@@ -158,7 +127,7 @@ def plugin_errors() -> dict[str, str]:
     """Plugins whose entry point or hook failed, and backends skipped (malformed, duplicate name,
     `available()` hanging), with the error."""
     _load()
-    return dict(_errors)
+    return _PLUGINS.errors()
 
 
 def disabled_plugins() -> list[str]:
@@ -173,24 +142,23 @@ def backends() -> list[str]:
 
 
 def _by_priority() -> list[Backend]:
-    return sorted(_load().values(), key=lambda b: (-int(b.priority), b.name))
+    return plugins.by_priority(_load().values())
 
 
 def _simulated(be: Backend) -> bool:
-    """Whether `be` says it runs on a simulated device (a bool `simulated` attribute; the cuda
+    """Whether `be` says it runs on a simulated device (`Backend.simulated` is True; the cuda
     backend's is numba's CUDA simulator setting); a broken property counts as a real device."""
     try:
-        flag = getattr(be, "simulated", False)
+        return be.simulated is True
     except Exception:  # noqa: BLE001 - a broken plugin's property
         return False
-    return flag is True
 
 
 def device_of(be: Backend) -> str:
-    """Where `be` keeps its tensors: its `device` attribute (a torch device type such as "cuda"),
-    "cpu" when it has none (host backends)."""
+    """Where `be` keeps its tensors: `Backend.device` (a torch device type such as "cuda"; "cpu"
+    for host backends), "cpu" where a broken plugin's is not a str."""
     try:
-        where = getattr(be, "device", "cpu")
+        where = be.device
     except Exception:  # noqa: BLE001 - a broken plugin's property
         return "cpu"
     return where if isinstance(where, str) else "cpu"
@@ -232,9 +200,9 @@ def _safe_available(be: Backend) -> bool:
     t.start()
     t.join(_timeout_s())
     if not box:
-        with _lock:
+        with _PLUGINS.lock:
             _hung.add(name)
-            _note(name, f"available() did not answer within {_timeout_s():g} s; backend skipped "
+            _PLUGINS.note(name, f"available() did not answer within {_timeout_s():g} s; backend skipped "
                         f"(raise {TIMEOUT_VAR} if its device is slow to start)")
         return False
     _answered.add(name)
@@ -268,26 +236,15 @@ def _not_found(name: str, installed: list[str]) -> str:
     else the plugin that provides it (for this project's own backends) or where plugins come
     from. Never a guessed package name: that could install someone else's project."""
     listed = f"installed: {', '.join(installed) or 'none'}, or 'auto'"
-    if name in _errors:
-        return f"no backend named '{name}' (its plugin failed to load: {_errors[name]}); {listed}"
+    errors = _PLUGINS.errors()
+    if name in errors:
+        return f"no backend named '{name}' (its plugin failed to load: {errors[name]}); {listed}"
     close = difflib.get_close_matches(name, [*installed, "auto", *KNOWN_PLUGINS], n=1, cutoff=0.6)
     if close and close[0] != name:
         return f"no backend named '{name}'; did you mean '{close[0]}'? ({listed})"
     if name in KNOWN_PLUGINS:
         return f"no backend named '{name}': pip install {KNOWN_PLUGINS[name]} provides it ({listed})"
     return f"no backend named '{name}'; {listed}; other backends come from plugins (docs/plugins.md)"
-
-
-def require_support(be: Backend, scheme: QuantScheme | str) -> QuantScheme:
-    """`scheme` parsed; UnsupportedSchemeError unless `be` supports it, naming the backends that
-    do. The library and the CLI raise this one message."""
-    scheme = parse_scheme(scheme)
-    sup = be.supports(scheme)
-    if not sup:
-        others = [n for n in supporting_backends(scheme) if n != be.name]
-        where = f"backends that do: {', '.join(others)}" if others else "no installed backend does"
-        raise UnsupportedSchemeError(f"backend '{be.name}' does not support {scheme}: {sup.reason}; {where}")
-    return scheme
 
 
 def backend(name: str | None = None) -> Backend:
@@ -306,7 +263,7 @@ def backend(name: str | None = None) -> Backend:
     be = reg[name]
     if not _safe_available(be):
         try:
-            why = _errors[name] if name in _hung else be.describe()
+            why = _PLUGINS.errors()[name] if name in _hung else be.describe()
         except Exception as e:  # noqa: BLE001
             why = f"describe() failed: {type(e).__name__}: {e}"
         raise BackendUnavailableError(
@@ -317,10 +274,16 @@ def backend(name: str | None = None) -> Backend:
 
 
 class AutoBackend:
-    """Per scheme, the highest-priority available backend that supports it."""
+    """Per scheme, the highest-priority available backend that supports it. Whatever it makes
+    lives on the backend it picked, so every call on a QTensor (dequantize, the ops, the products,
+    `payload_parts`, `error_stats`) goes to `q.backend`, and whole-model runs under `auto` take
+    that backend's fast paths."""
 
     name = "auto"
     priority = -1
+    device = "cpu"
+    """`auto` holds no tensors of its own: each QTensor's `q.backend.device` says where it lives."""
+    simulated = False
 
     def pick(self, scheme: QuantScheme | str, device: str | None = None) -> Backend:
         """The first available backend of `_auto_order` that supports `scheme`; with `device`
@@ -354,11 +317,12 @@ class AutoBackend:
         return self.pick(scheme).calibrate(x, scheme, method)
 
     def quantize(self, x: Any, scheme: QuantScheme | str, *, params: QParams | None = None,
-                 method: str = "minmax") -> QTensor:
-        return self.pick(scheme).quantize(x, scheme, params=params, method=method)
+                 method: str = "minmax", out: Any = None, stream: Any = None) -> QTensor:
+        be = out.backend if isinstance(out, QTensor) else self.pick(scheme)
+        return be.quantize(x, scheme, params=params, method=method, out=out, stream=stream)
 
-    def dequantize(self, q: QTensor, dtype: Any = np.float32) -> Any:
-        return q.backend.dequantize(q, dtype=dtype)
+    def dequantize(self, q: QTensor, dtype: Any = None, *, out: Any = None, stream: Any = None) -> Any:
+        return q.backend.dequantize(q, dtype, out=out, stream=stream)
 
     def from_data(self, data: QuantizedData) -> QTensor:
         return self.pick(data.scheme).from_data(data)
@@ -380,17 +344,34 @@ class AutoBackend:
     def permute(self, q: QTensor, axes: Sequence[int]) -> QTensor:
         return q.backend.permute(q, axes)
 
+    def transpose(self, q: QTensor) -> QTensor:
+        return q.backend.transpose(q)
+
     def slice(self, q: QTensor, index) -> QTensor:
         return q.backend.slice(q, index)
 
     def cat(self, qs: Sequence[QTensor], axis: int = 0) -> QTensor:
         return qs[0].backend.cat(qs, axis)
 
-    def matmul(self, x: Any, w: QTensor, **options: Any) -> Any:
-        return w.backend.matmul(x, w, **options)
+    def matmul(self, x: Any, w: QTensor, *, dtype: Any = np.float32, act: Any = None, out: Any = None,
+               stream: Any = None) -> Any:
+        return w.backend.matmul(x, w, dtype=dtype, act=act, out=out, stream=stream)
 
-    def linear(self, x: Any, w: QTensor, bias: Any = None, **options: Any) -> Any:
-        return w.backend.linear(x, w, bias, **options)
+    def linear(self, x: Any, w: QTensor, bias: Any = None, *, dtype: Any = None, act: Any = None,
+               out: Any = None, stream: Any = None) -> Any:
+        return w.backend.linear(x, w, bias, dtype=dtype, act=act, out=out, stream=stream)
+
+    def payload_parts(self, q: QTensor) -> list[np.ndarray]:
+        return q.backend.payload_parts(q)
+
+    def error_stats(self, x: Any, q: QTensor) -> tuple[float, float]:
+        return q.backend.error_stats(x, q)
+
+    def adopt(self, data: QuantizedData, payload: Any) -> QTensor:
+        return self.pick(data.scheme).adopt(data, payload)
 
     def __repr__(self) -> str:
         return "<AutoBackend>"
+
+
+use_registry(backend, supporting_backends)  # QTensor.to(name) and require_support's message (qcore.backend.protocol)

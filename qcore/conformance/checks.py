@@ -387,12 +387,11 @@ def check_supported(backend, case: Case, reference=None) -> None:
         raise ctx.fail("quantize", f"QTensor has shape {q.shape} and scheme {q.scheme}")
     d = ctx.call("into_data", backend.into_data, q)
     compare_data(ctx, "quantize", d, r_data)
-    if hasattr(backend, "payload_parts"):  # the unjoined payload that whole-model writes stream
-        parts = ctx.call("payload_parts", backend.payload_parts, q)
-        joined = b"".join(np.ascontiguousarray(p).reshape(-1).view(np.uint8).tobytes() for p in parts)
-        if joined != d.payload:
-            raise ctx.fail("payload_parts", f"the parts joined ({len(joined)} bytes) are not into_data's payload "
-                                            f"({len(d.payload)} bytes)")
+    parts = ctx.call("payload_parts", backend.payload_parts, q)  # the unjoined payload whole-model writes stream
+    joined = b"".join(np.ascontiguousarray(p).reshape(-1).view(np.uint8).tobytes() for p in parts)
+    if joined != d.payload:
+        raise ctx.fail("payload_parts", f"the parts joined ({len(joined)} bytes) are not into_data's payload "
+                                        f"({len(d.payload)} bytes)")
 
     y = _host(ctx, "dequantize", backend, ctx.call("dequantize", backend.dequantize, q, dtype=out_dt))
     compare_arrays(ctx, f"dequantize({case.out_dtype})", y, r_y, "dequantized values")
@@ -591,13 +590,11 @@ def check_rejected(backend, case: Case, reference=None) -> None:
     ]
     if s.table is None or s.table_name is not None:
         entries.append(("quantize(text scheme)", lambda: backend.quantize(x, str(s))))
-    for op, fn in (("reshape", lambda: backend.reshape(own, (-1,) + case.shape[1:])),
-                   ("permute", lambda: backend.permute(own, tuple(range(len(case.shape)))[::-1])),
-                   ("slice", lambda: backend.slice(own, (slice(0, 1),))),
-                   ("cat", lambda: backend.cat([own, own], 0)),
-                   ("matmul", lambda: backend.matmul(np.ones((1, case.shape[0]), np.float32), own))):
-        if hasattr(backend, op):
-            entries.append((op, fn))
+    entries += [("reshape", lambda: backend.reshape(own, (-1,) + case.shape[1:])),
+                ("permute", lambda: backend.permute(own, tuple(range(len(case.shape)))[::-1])),
+                ("slice", lambda: backend.slice(own, (slice(0, 1),))),
+                ("cat", lambda: backend.cat([own, own], 0)),
+                ("matmul", lambda: backend.matmul(np.ones((1, case.shape[0]), np.float32), own))]
     for name, fn in entries:
         _expect(ctx, f"rejects.{name}", U, fn, x, bad, r_params.scales, must_name=names)
     if r_data.payload != r_before:

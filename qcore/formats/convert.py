@@ -22,23 +22,12 @@ from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
 from qcore.formats.base import Contents, Format, PathLike, Tensor, UnrepresentableError, model_folder, read_checked
 from qcore.formats.registry import detect, get
 
-__all__ = ["ConvertReport", "TensorReport", "convert", "describe", "error_stats"]
+__all__ = ["ConvertReport", "TensorReport", "convert", "describe"]
 
 
 def describe(value: Tensor) -> str:
     """Scheme text of a quantized tensor, dtype of a plain one."""
     return str(value.scheme) if isinstance(value, QuantizedData) else str(value.dtype)
-
-
-def error_stats(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """(SQNR in dB, max |x - y|) in float64; SQNR is inf when the error is zero."""
-    x64 = np.asarray(x, dtype=np.float64).reshape(-1)
-    err = np.asarray(y, dtype=np.float64).reshape(-1) - x64
-    noise, signal = float(np.dot(err, err)), float(np.dot(x64, x64))
-    max_err = float(np.max(np.abs(err))) if err.size else 0.0
-    if noise == 0.0:
-        return math.inf, max_err
-    return (10.0 * math.log10(signal / noise) if signal else -math.inf), max_err
 
 
 @dataclass(frozen=True)
@@ -139,12 +128,13 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
 
 def _requantize(name: str, value: Tensor, target: QuantScheme, backend: Any,
                 source: str | None = None) -> tuple[QuantizedData, TensorReport]:
-    """`value` (a payload, or the values a tool decoded) quantized as `target`, with its error."""
+    """`value` (a payload, or the values a tool decoded) quantized as `target`, with its error
+    (`Backend.error_stats`: the statistic `qcore.quantize_model` reports)."""
     from qcore.backend.registry import backend as get_backend
 
     be = get_backend(backend)
     x = be.from_data(value).numpy() if isinstance(value, QuantizedData) else np.asarray(value)
-    new = be.quantize(x, target).to_data()
-    sqnr, max_err = error_stats(x, be.from_data(new).numpy())
-    return new, TensorReport(name, tuple(value.shape), source or describe(value), str(target), "requantized", sqnr,
+    q = be.quantize(x, target)
+    sqnr, max_err = be.error_stats(x, q)
+    return q.to_data(), TensorReport(name, tuple(value.shape), source or describe(value), str(target), "requantized", sqnr,
                              max_err)

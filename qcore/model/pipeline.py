@@ -20,7 +20,6 @@ import numpy as np
 from qcore import _signals
 from qcore.errors import InputError
 from qcore.backend.protocol import Backend, QTensor
-from qcore.backend.stats import tensor_stats
 from qcore.files import io as qio
 from qcore.files.paths import atomic_write
 from qcore.files.stfile import Reader, StreamWriter
@@ -91,12 +90,6 @@ class _Pipeline:
 _END = object()
 
 
-def _payload_parts(be: Backend, q: QTensor) -> list[np.ndarray]:
-    """q's payload as uint8 arrays in order, unjoined where the backend offers it."""
-    parts = getattr(be, "payload_parts", None)
-    return parts(q) if parts is not None else [np.frombuffer(q.to_data().payload, dtype=np.uint8)]
-
-
 def write_in_place(path: str, write: Callable[[str], None]) -> None:
     """Write `path` directly (a temporary name its caller owns), where `atomic_write` renames."""
     write(path)
@@ -116,13 +109,13 @@ def _quantize_row(be: Backend, x: np.ndarray, it: PlannedTensor, row: TensorResu
     except InputError as e:  # NaN/Inf and other data the scheme cannot take
         row.note, row.reason_code = f"kept: {e}", Reason.DATA_REFUSED
         return None
-    payload = _payload_parts(be, q)
+    payload = be.payload_parts(q)  # unjoined: streamed to the file without a joined copy
     row.scheme, row.after = str(it.scheme), sum(part.nbytes for part in payload)
     if stats:
-        row.sqnr, row.max_err = tensor_stats(be, x, q)
+        row.sqnr, row.max_err = be.error_stats(x, q)
     for s in compare:
         try:
-            row.compare[str(s)] = tensor_stats(be, x, be.quantize(x, s))[0]
+            row.compare[str(s)] = be.error_stats(x, be.quantize(x, s))[0]
         except InputError:
             row.compare[str(s)] = math.nan
     return payload

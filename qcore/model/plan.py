@@ -17,10 +17,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from qcore.errors import InputError, UnsupportedSchemeError
+from qcore.errors import InputError
 from qcore.spec.payload import sections
 from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
-from qcore.backend.protocol import Backend
+from qcore.backend.protocol import Backend, require_support
 from qcore.files import io as qio
 from qcore.files.checkpoint import INDEX_NAME, INDEX_SUFFIX, Checkpoint, parse_size, shard_name
 from qcore.files.stfile import Reader, TensorHead, header_room, np_dtype
@@ -85,14 +85,8 @@ def resolve_backend(backend: str | Backend | None) -> Backend:
 
 def check_supports(be: Backend, recipe: Recipe) -> None:
     """UnsupportedSchemeError, naming the backends that do, unless `be` supports every scheme of `recipe`."""
-    from qcore.backend.registry import supporting_backends
-
     for sch in recipe.schemes():
-        sup = be.supports(sch)
-        if not sup:
-            others = supporting_backends(sch)
-            where = f"backends that do: {', '.join(others)}" if others else "no installed backend does"
-            raise UnsupportedSchemeError(f"backend '{be.name}' does not support {sch}: {sup.reason}; {where}")
+        require_support(be, sch)
 
 
 def prepare_run(recipe: RecipeLike, rules: Any, backend: str | Backend | None, compare: Sequence[Any],

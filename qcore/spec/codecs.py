@@ -93,14 +93,6 @@ class ValueTraits:
         return int(np.floor(np.log2(self.qmax)))
 
     @property
-    def codes_per_u32(self) -> int:
-        return 32 // self.bits
-
-    @property
-    def codes_per_u8(self) -> int:
-        return 8 // self.bits
-
-    @property
     def sign_bit(self) -> int:
         return 1 << (self.bits - 1)
 
@@ -165,14 +157,6 @@ class ValueTraits:
             return np.ones(fields.shape, dtype=bool)
         signed = np.where(fields >= self.sign_bit, fields - (1 << self.bits), fields)
         return signed >= self.qmin
-
-    def zero_code(self) -> int:
-        """The encoding of +0."""
-        return 0
-
-    @property
-    def field_mask(self) -> int:
-        return (1 << self.bits) - 1
 
 
 def _int_row(name: str, bits: int, full: bool) -> ValueTraits:

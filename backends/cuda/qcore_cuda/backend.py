@@ -22,7 +22,8 @@ from qcore.backend.activations import ACTIVATION_DTYPES, host_array
 from qcore.spec.checks import check_input_dtype, check_output_dtype, raise_nonfinite, to_f32
 from qcore.errors import InputError
 from qcore.spec.payload import QuantizedData, sections
-from qcore.backend.protocol import BaseBackend, QParams, QTensor, Support
+from qcore.backend.base import BaseBackend
+from qcore.backend.protocol import QParams, QTensor, Support
 from qcore.spec.scheme import QuantScheme
 
 from . import _array, _flags, _repeat, _streams
@@ -184,7 +185,7 @@ class CudaBackend(BaseBackend):
     scheme_features = {"round:rne", "round:mx", "recip", "signed", "codes:away", "codes:offset", "unsigned",
                        "min", "zero", "order:high", "order:split", "flat"}
     packs_field_orders = True  # k_order.k_reorder on the device (docs/spec.md E6)
-    device = "cuda"  # where its tensors live (a torch device type; `qcore.backend.registry.device_of`)
+    device = "cuda"  # where its tensors live (a torch device type: `qcore.Backend.device`)
 
     @functools.cached_property
     def _status(self) -> tuple[bool, str]:
@@ -725,8 +726,8 @@ class CudaBackend(BaseBackend):
 
     @guard(lambda self, x, q: (f"measure the error of a {q.shape} {q.scheme} tensor", 8 * math.prod(q.shape)))
     def error_stats(self, x: Any, q: QTensor) -> tuple[float, float]:
-        """(SQNR dB, max |err|) of `q` against `x` on the device (qcore.backend.stats.tensor_stats calls it):
-        dequantize into pool memory and reduce there; only the grid's partial sums come back."""
+        """(SQNR dB, max |err|) of `q` against `x` on the device (`Backend.error_stats`): dequantize
+        into pool memory and reduce there (`k_error_partials`); only the grid's partial sums come back."""
         from qcore.backend.stats import sqnr_db
 
         K = _k()

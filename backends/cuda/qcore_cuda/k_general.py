@@ -32,7 +32,8 @@ def k_convert_f64(src, dst):
 @cuda.jit
 def k_error_partials(x, y, sig, noise, mx):
     """Per-thread partial error statistics of `y` approximating `x` (grid-stride): sig[t] = sum x^2,
-    noise[t] = sum (y - x)^2 (f64), mx[t] = max |y - x|; the host adds up the grid's partials."""
+    noise[t] = sum (y - x)^2 (f64), mx[t] = max |y - x| (a NaN kept); the host adds up the grid's
+    partials (the figures of `qcore.backend.stats.error_stats`)."""
     t = cuda.grid(1)
     step = cuda.gridsize(1)
     s = float64(0.0)
@@ -43,7 +44,9 @@ def k_error_partials(x, y, sig, noise, mx):
         d = y[i] - xv
         s += float64(xv) * float64(xv)
         e2 += float64(d) * float64(d)
-        m = max(m, abs(d))
+        a = abs(d)
+        if a > m or a != a:  # a NaN stays the max
+            m = a
     sig[t] = s
     noise[t] = e2
     mx[t] = m

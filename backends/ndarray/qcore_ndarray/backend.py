@@ -28,12 +28,14 @@ import numpy as np
 from qcore.spec import arithmetic
 from qcore.spec import layout
 from qcore.backend import ops
+from qcore.backend.activations import write_out
 from qcore.spec.arithmetic import slot_effective, store_reciprocal, store_scales
 from qcore.spec.checks import raise_nonfinite, to_f32
 from qcore.spec.codecs import CODE_RULES
 from qcore.errors import InvalidDataError
 from qcore.spec.payload import QuantizedData, offset_bytes
-from qcore.backend.protocol import BaseBackend, QParams, QTensor, Support
+from qcore.backend.base import BaseBackend
+from qcore.backend.protocol import QParams, QTensor, Support
 from qcore.spec.scheme import QuantScheme, StoreKind
 
 from .plan import TASK_ELEMENTS, Plan, make_plan
@@ -223,8 +225,8 @@ class NdarrayBackend(BaseBackend):
         return NdQuantized(shape, scheme, values, np.asarray(stored, np.float32).reshape(plan.grid), None)
 
     def error_stats(self, x: Any, q: QTensor) -> tuple[float, float]:
-        """(SQNR dB, max |err|) of `q` against `x` (`qcore.backend.stats.tensor_stats` calls it): the
-        dequantize kernel, then one parallel pass over x and the result."""
+        """(SQNR dB, max |err|) of `q` against `x` (`Backend.error_stats`): the dequantize kernel,
+        then one parallel pass over x and the result (`kernels.error_partials`)."""
         from qcore.backend.stats import sqnr_db
 
         q = self._own(q)
@@ -232,8 +234,8 @@ class NdarrayBackend(BaseBackend):
         if xf.size == 0:
             return sqnr_db(0.0, 0.0), 0.0
         y = self._dequantize(q.data, np.dtype(np.float32)).reshape(-1)
-        signal, noise, max_err = _kernels().error_partials(xf, y, TASK_ELEMENTS)
-        return sqnr_db(float(signal), float(noise)), float(max_err)
+        signal, noise, maxima = _kernels().error_partials(xf, y, TASK_ELEMENTS)
+        return sqnr_db(float(signal), float(noise)), float(np.max(maxima))
 
     def _dequantize(self, data: NdQuantized, dtype: np.dtype) -> np.ndarray:
         if data.scheme.affine:  # docs/spec.md E5: the core's decode
@@ -309,20 +311,23 @@ class NdarrayBackend(BaseBackend):
         return (not sch.affine and len(w.shape) == 2 and w.data.shape == w.shape
                 and (sch.store.kind is StoreKind.NATIVE or sch.store.dim == 0))
 
-    def matmul(self, x: Any, w: Any, *, dtype: Any = np.float32, act: Any = None) -> Any:
+    def matmul(self, x: Any, w: Any, *, dtype: Any = np.float32, act: Any = None, out: Any = None,
+               stream: Any = None) -> Any:
         """`x @ dequantize(w)` for float x [..., K] and w [K, N], `MATMUL_ROWS` rows of w at a time
         (whole blocks) dequantized by the numba kernel (`_row_bands`), so the full float weight
         never exists; the core's `qcore.backend.ops.matmul` does the rest (checks, activation and result
         dtypes, its own decode for weights `_row_bands` does not read). `act=` and a QTensor x:
-        `BaseBackend._product_x` (docs/spec.md E9)."""
+        `BaseBackend._product_x` (docs/spec.md E9); `out=` as `BaseBackend` writes it (`stream=`
+        ignored: this backend runs on the calling thread)."""
         w = self._own(w)
         x, dtype = self._product_x("matmul", x, w, act, dtype)
         bands = self._row_bands if self._bands_apply(w) else None
-        return ops.matmul(self, x, w, self.MATMUL_ROWS, dtype=dtype, bands=bands)
+        return write_out(ops.matmul(self, x, w, self.MATMUL_ROWS, dtype=dtype, bands=bands), out, "matmul")
 
-    def linear(self, x: Any, w: Any, bias: Any = None, *, dtype: Any = None, act: Any = None) -> Any:
+    def linear(self, x: Any, w: Any, bias: Any = None, *, dtype: Any = None, act: Any = None, out: Any = None,
+               stream: Any = None) -> Any:
         """`x @ dequantize(w).T + bias` for a weight [N, K]: as `matmul`, bands of N rows."""
         w = self._own(w)
         x, dtype = self._product_x("linear", x, w, act, dtype)
         bands = self._row_bands if self._bands_apply(w) else None
-        return ops.linear(self, x, w, bias, self.MATMUL_ROWS, dtype=dtype, bands=bands)
+        return write_out(ops.linear(self, x, w, bias, self.MATMUL_ROWS, dtype=dtype, bands=bands), out, "linear")

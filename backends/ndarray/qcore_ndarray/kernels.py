@@ -206,7 +206,9 @@ def tensor_stats(x, xb, method, chunk):
 @njit(parallel=True, cache=True)
 def error_partials(x, y, chunk):
     """One pass over flat f32 `x` and its dequantized `y`: per chunk, the f64 sums of x**2 and of
-    e**2 with e = y - x in f32 (as numpy subtracts), and max |e|; returned summed / maxed."""
+    e**2 with e = y - x in f32 (as numpy subtracts), and max |e| (a NaN kept: the figures of
+    `qcore.backend.stats.error_stats`); the sums added, the per-chunk maxima as an array (numba's
+    own `max()` of an array passes over a NaN: the caller takes numpy's)."""
     n = x.size
     nch = (n + chunk - 1) // chunk
     sig = np.zeros(max(nch, 1), np.float64)
@@ -223,11 +225,13 @@ def error_partials(x, y, chunk):
             e = np.float32(y[i] - xi)
             s += np.float64(xi) * np.float64(xi)
             z += np.float64(e) * np.float64(e)
-            m = max(m, abs(e))
+            a = abs(e)
+            if a > m or a != a:  # a NaN stays the max
+                m = a
         sig[c] = s
         noise[c] = z
         mx[c] = m
-    return sig.sum(), noise.sum(), mx.max()
+    return sig.sum(), noise.sum(), mx
 
 
 # --------------------------------------------------------------------------- block kernels
