@@ -30,7 +30,7 @@ def _levels():
 
 
 def _stores(value):
-    if qcore.spec.scheme(value).bits == 8:
+    if qcore.scheme(value).bits == 8:
         return [""]
     return ["", "packed_native", "packed_u32:1", "packed_native:1"]
 
@@ -54,7 +54,7 @@ SHAPES_GPU = [(257, 1031), (4, 33, 130)]
 
 
 def _fits(shape, text):
-    s = qcore.spec.scheme(text)
+    s = qcore.scheme(text)
     rank = len(shape)
     if s.block is not None and len(s.block.dims) > rank:
         return False

@@ -26,7 +26,7 @@ QUAD_LEVELS = ["", "tensor:bf16", "block16:f16", "block32:ue8m0", "block128:f32"
 # Sub-byte values with both stores (on the simulator: the stores alternate over the levels).
 QUAD_SCHEMES = ["/".join(p for p in (v, lv, st) if p)
                 for v in INT_VALUES + FLOAT_VALUES for i, lv in enumerate(QUAD_LEVELS)
-                for st in ([""] if qcore.spec.scheme(v).bits == 8 else ["", "packed_native"][i % 2:i % 2 + 1] if SIM
+                for st in ([""] if qcore.scheme(v).bits == 8 else ["", "packed_native"][i % 2:i % 2 + 1] if SIM
                            else ["", "packed_native"])]
 
 
@@ -35,7 +35,7 @@ def test_fast_path_bit_exact(cuda_backend, text):
     from qcore_cuda import fast
 
     shape = (2, 512)
-    assert fast.geometry(shape, qcore.spec.scheme(text)) is not None
+    assert fast.geometry(shape, qcore.scheme(text)) is not None
     x = sample_x(shape, seed=len(text))
     x[1, 256:384] *= 1e-30  # tiny blocks: scale round-up near the bottom of each scale dtype
     for params, method in ((None, "minmax"), (REF.calibrate(x, text), "minmax"), (None, "absmean")):
@@ -79,7 +79,7 @@ def test_general_kernels_on_the_fast_layout(cuda_backend, general_backend, text)
     from qcore_cuda.paths import TAKEN
 
     shape = (4, 64)
-    s = qcore.spec.scheme(text)
+    s = qcore.scheme(text)
     assert fast.geometry(shape, s) is not None
     x = sample_x(shape, seed=len(text))
     before = TAKEN.copy()
@@ -126,7 +126,7 @@ def test_fast_path_unaligned_device_input(cuda_backend, text, offset):
 def test_fast_path_not_taken_when_layout_differs(shape, text):
     from qcore_cuda import fast
 
-    assert fast.geometry(shape, qcore.spec.scheme(text)) is None
+    assert fast.geometry(shape, qcore.scheme(text)) is None
 
 
 @pytest.mark.parametrize("text", ["q4s/block32:f16", "q8s", "nvfp4", "e4m3/block32:f32", "q8s/block8:f16"])
@@ -153,7 +153,7 @@ def test_fast_quantize_over_several_grid_strides(cuda_backend, text):
     runs = 2 * grid * tpb + 32 * 3 + 11  # two whole strides of each, then three warps and 11 runs
     cols = 32 * 3 if SIM else 32 * 35  # lines of whole 32-blocks, not of whole warps of runs
     rows = -(-runs * 16 // cols)
-    assert fast.geometry((rows, cols), qcore.spec.scheme(text)) is not None and (rows * cols // 16) % 32
+    assert fast.geometry((rows, cols), qcore.scheme(text)) is not None and (rows * cols // 16) % 32
     x = sample_x((rows, cols), seed=7)
     got = cuda_backend.into_data(cuda_backend.quantize(cuda.to_device(x), text))
     assert_same_bytes(got.payload, REF.into_data(REF.quantize(x, text)).payload, f"{text} over {rows * cols // 16} runs")

@@ -55,7 +55,7 @@ def test_fragment_gemv(cuda_backend, text):
     repeats it bit for bit."""
     from qcore_cuda import frag
 
-    sch = qcore.spec.scheme(text)
+    sch = qcore.scheme(text)
     assert frag.geometry((K_, N_), sch) is not None
     w = sample_x((K_, N_), seed=41)
     x = _x(42)
@@ -116,7 +116,7 @@ def test_fragment_copy_layout(cuda_backend):
     k_, n_ = 64, 256  # (below MIN_K, which only the kernel needs: the GEMV geometry packs the same)
     text = "q4s/block32:f16"
     qw = cuda_backend.from_data(REF.into_data(REF.quantize(sample_x((k_, n_), seed=43), text)))
-    kind, Q = gemv.geometry((k_, n_), qcore.spec.scheme(text))
+    kind, Q = gemv.geometry((k_, n_), qcore.scheme(text))
     got = _pack_now(cuda_backend, qw, Q).copy_to_host()
     want, S = _expected_copy(cuda_backend, qw, k_, n_)
     assert got.size == want.size + 2 * frag.RANGE_BLOCKS
@@ -158,7 +158,7 @@ def test_fragment_gemv_range_fallback(cuda_backend, case, text):
         want = (x.astype(np.float64) @ W).astype(np.float32).astype(np.float64)
         bound = _bound(x, W)
     assert_f32_sums(got, want, bound, case)
-    assert frag.half_scales(qcore.spec.scheme(text)) is text.endswith("f16")
+    assert frag.half_scales(qcore.scheme(text)) is text.endswith("f16")
 
 
 def test_fragment_copy_follows_quantize_out(cuda_backend):
@@ -174,7 +174,7 @@ def test_fragment_copy_follows_quantize_out(cuda_backend):
     w1, w2 = sample_x((k_, n_), seed=47), sample_x((k_, n_), seed=48, scale=0.5)
     qw = cuda_backend.quantize(w1, text)
     if SIM:
-        qw.data.cache["gemv"] = gemv.geometry((k_, n_), qcore.spec.scheme(text))  # (as `MatmulCall` keeps it)
+        qw.data.cache["gemv"] = gemv.geometry((k_, n_), qcore.scheme(text))  # (as `MatmulCall` keeps it)
         qw.data.cache["frag"] = _pack_now(cuda_backend, qw, qw.data.cache["gemv"][1])
     else:
         _, n = _taken(cuda_backend, x, qw)
@@ -199,7 +199,7 @@ def test_fragment_gemv_not_taken(cuda_backend, monkeypatch):
     for shape, text in [((K_, N_), "q8s/block32:f16"), ((256, N_), "q4s/block32:f16"),
                         ((K_ + 16, N_), "q4s/block32:f16"), ((K_, N_ + 64), "q4s/block32:f16"),
                         ((K_, N_), "q4s/block16:f16")]:
-        assert frag.geometry(shape, qcore.spec.scheme(text)) is None, (shape, text)
+        assert frag.geometry(shape, qcore.scheme(text)) is None, (shape, text)
     w = sample_x((K_, N_), seed=49)
     qw = cuda_backend.quantize(w, "q4s/block32:f16")
     x2 = sample_x((2, K_), seed=50, scale=1.0)

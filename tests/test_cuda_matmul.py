@@ -47,7 +47,7 @@ def test_fused_matmul(cuda_backend, text, m, n_):
     assert got3.shape == (1, m, n_)
     from qcore_cuda import gemv
 
-    takes_gemv = gemv.geometry((k_, n_), qcore.spec.scheme(text)) is not None
+    takes_gemv = gemv.geometry((k_, n_), qcore.scheme(text)) is not None
     if n_ in (64, 512):
         assert takes_gemv == (not any(t in text for t in ("x4", ":1")))
     if takes_gemv:
@@ -80,7 +80,7 @@ def test_gemv_paths(cuda_backend, text, n_, wpt, one, m):
     k_ = 300 if SIM else 1000 * 8 + 23
     w = sample_x((k_, n_), seed=11)
     x = sample_x((m, k_), seed=12, scale=1.0)
-    kind, Q = gemv.geometry((k_, n_), qcore.spec.scheme(text))
+    kind, Q = gemv.geometry((k_, n_), qcore.scheme(text))
     if m == 1:
         assert gemv.config_for(kind, m, Q)[1:] == (wpt, one)
     qw = cuda_backend.from_data(REF.into_data(REF.quantize(w, text)))
@@ -158,7 +158,7 @@ def test_tensor_core_gemv(cuda_backend, text, m):
 
     k_ = 68 if SIM else 8000 + 12
     n_ = 64 if SIM else 1024
-    sch = qcore.spec.scheme(text)
+    sch = qcore.scheme(text)
     assert tc.geometry((k_, n_), sch) is not None and tc.use_for(m)
     w = sample_x((k_, n_), seed=21)
     x = sample_x((m, k_), seed=22, scale=1.0)
@@ -207,8 +207,8 @@ def test_tensor_core_needs_k_multiple_of_4(cuda_backend):
 
     k_, n_, m = (66, 64, 5) if SIM else (4001, 256, 5)
     text = "q4s/block32:f16"
-    kind, Q = gemv.geometry((k_, n_), qcore.spec.scheme(text))
-    assert not tc.applies(Q) and tc.applies(gemv.geometry((-(-k_ // 4) * 4, n_), qcore.spec.scheme(text))[1])
+    kind, Q = gemv.geometry((k_, n_), qcore.scheme(text))
+    assert not tc.applies(Q) and tc.applies(gemv.geometry((-(-k_ // 4) * 4, n_), qcore.scheme(text))[1])
     x = sample_x((m, k_), seed=29, scale=1.0)
     qw = cuda_backend.from_data(REF.into_data(REF.quantize(sample_x((k_, n_), seed=30), text)))
     got = cuda_backend.to_numpy(cuda_backend.matmul(x, qw))

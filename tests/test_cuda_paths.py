@@ -86,7 +86,7 @@ def test_every_list_ends_in_a_path_that_always_applies():
         names = [p.name for p in paths]
         assert len(set(names)) == len(names), names
     assert choose(QUANTIZE[-1:], None) is QUANTIZE[-1]
-    assert qcore.spec.scheme(NVFP4).two_level
+    assert qcore.scheme(NVFP4).two_level
 
 
 # Blocks wider than a warp along rows: the block maxima come from one thread block per slot

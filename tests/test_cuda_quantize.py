@@ -58,7 +58,7 @@ def test_scale_round_up_across_magnitudes(cuda_backend, sdt, exp):
 
 def _magnitudes_and_midpoints(value: str) -> tuple:
     """(traits, every representable magnitude, the midpoints between neighbours) of a value."""
-    t = qcore.spec.scheme(value).traits
+    t = qcore.scheme(value).traits
     if t.is_float:
         mags = t.magnitudes.astype(np.float64)
     else:
@@ -98,7 +98,7 @@ def test_every_code_and_midpoint_on_the_fast_layout(cuda_backend, value):
     packed = "/packed_native" if t.bits < 8 else ""
     for text, p in ((f"{value}{packed}", QParams(np.float32(1.0))), (f"{value}/tensor:f32{packed}", None),
                     (f"{value}/block16:ue8m0{packed}", None)):
-        assert fast.geometry(x.shape, qcore.spec.scheme(text)) is not None, text
+        assert fast.geometry(x.shape, qcore.scheme(text)) is not None, text
         xs = x[1:] if p is None else x  # calibrated: the line whose max is qmax (scale 1)
         got = cuda_backend.into_data(cuda_backend.quantize(xs, text, params=p))
         want = REF.into_data(REF.quantize(xs, text, params=p))

@@ -36,8 +36,8 @@ def _x(shape, seed=0):
     "e2m1/block16:ue4m3:flat/tensor:f32:recip/packed_native",
 ])
 def test_text_round_trips(text):
-    s = qcore.spec.scheme(text)
-    assert str(s) == text and qcore.spec.scheme(str(s)) == s
+    s = qcore.scheme(text)
+    assert str(s) == text and qcore.scheme(str(s)) == s
 
 
 @pytest.mark.parametrize("text,want", [
@@ -47,22 +47,22 @@ def test_text_round_trips(text):
     ("mxfp4/round:mx", "e2m1/block32:ue8m0/packed_native/round:mx"),
 ])
 def test_a_preset_takes_more_parts(text, want):
-    assert str(qcore.spec.scheme(text)) == want
+    assert str(qcore.scheme(text)) == want
 
 
 def test_a_preset_part_given_twice_is_refused():
     with pytest.raises(SchemeError, match="given twice"):
-        qcore.spec.scheme("nf4/round:rne/round:up")
+        qcore.scheme("nf4/round:rne/round:up")
 
 
 def test_builders_and_defaults():
     s = QuantScheme(QuantValue.Q4S).per_block([64], ScaleDtype.F32, flat=True).with_store(PackedNative(0, "high"))
     assert str(s) == "q4s/block64:f32:flat/packed_native/order:high"
-    assert s.unflat == qcore.spec.scheme("q4s/block64:f32/packed_native/order:high")
-    assert s.low_order == qcore.spec.scheme("q4s/block64:f32:flat/packed_native")
-    assert qcore.spec.scheme("q4s/order:low") == qcore.spec.scheme("q4s")  # SPEC §3's order is the default
-    assert qcore.spec.scheme("q4s/block32:flat") == qcore.spec.scheme("q4s/block32:f32:flat")
-    assert qcore.spec.scheme("q4s").with_field_order("split", 16) == QuantScheme(QuantValue.Q4S).with_store(
+    assert s.unflat == qcore.scheme("q4s/block64:f32/packed_native/order:high")
+    assert s.low_order == qcore.scheme("q4s/block64:f32:flat/packed_native")
+    assert qcore.scheme("q4s/order:low") == qcore.scheme("q4s")  # SPEC §3's order is the default
+    assert qcore.scheme("q4s/block32:flat") == qcore.scheme("q4s/block32:f32:flat")
+    assert qcore.scheme("q4s").with_field_order("split", 16) == QuantScheme(QuantValue.Q4S).with_store(
         PackedU32(0, FieldOrder.SPLIT, 16))
 
 
@@ -79,7 +79,7 @@ def test_builders_and_defaults():
 ])
 def test_invalid_text_is_refused(text, needle):
     with pytest.raises(SchemeError, match=needle):
-        qcore.spec.scheme(text)
+        qcore.scheme(text)
 
 
 # ----------------------------------------------------------------------------- the field rule
@@ -99,7 +99,7 @@ def test_split32_is_ggufs_block_layout():
     """GGUF Q4_0 / Q4_1 / MXFP4: in each block of 32, byte j holds element j (low nibble) and
     element j + 16 (high nibble)."""
     codes = np.random.default_rng(0).integers(-8, 8, (3, 96)).astype(np.int8)
-    got = layout.pack(codes, qcore.spec.scheme("q4s/packed_native/order:split32"))
+    got = layout.pack(codes, qcore.scheme("q4s/packed_native/order:split32"))
     u = (codes.astype(np.uint8) & 0xF).reshape(3, 3, 2, 16)
     want = (u[:, :, 0, :] | (u[:, :, 1, :] << 4)).reshape(-1)
     assert np.array_equal(got, want)
@@ -108,7 +108,7 @@ def test_split32_is_ggufs_block_layout():
 def test_high_is_bitsandbytes_nibbles():
     """bitsandbytes: element 2k in the high nibble of byte k (and a last half byte zero)."""
     codes = np.random.default_rng(1).integers(0, 16, 9).astype(np.uint8)
-    s = qcore.spec.scheme("q4s-lookup[nf4]/packed_native/order:high")
+    s = qcore.scheme("q4s-lookup[nf4]/packed_native/order:high")
     padded = np.append(codes, 0)
     assert np.array_equal(layout.pack(codes, s), (padded[0::2] << 4) | padded[1::2])
     assert np.array_equal(layout.unpack(layout.pack(codes, s), (9,), s), codes)
@@ -129,7 +129,7 @@ REORDER_SCHEMES = [
     "q8s/packed_u32:1/order:high", "e2m1/block16:ue4m3/tensor:f32/packed_native/order:split16",
 ]
 REORDER_CASES = [(t, sh) for t in REORDER_SCHEMES for sh in [(3, 37), (5, 3, 20), (3, 64), (1,)]
-                 if qcore.spec.scheme(t).store.dim < len(sh)]  # the packing axis within the shape
+                 if qcore.scheme(t).store.dim < len(sh)]  # the packing axis within the shape
 
 
 @pytest.mark.parametrize("text,shape", REORDER_CASES, ids=[f"{t}-{'x'.join(map(str, sh))}" for t, sh in REORDER_CASES])
@@ -140,7 +140,7 @@ def test_cuda_reorder_kernel_moves_fields_as_the_reference_does(text, shape, req
     be = get_backend("cuda", request)
     from numba import cuda
 
-    s = qcore.spec.scheme(text)
+    s = qcore.scheme(text)
     d = REF.quantize(_x(shape, 2), s).to_data()
     low = d.in_low_order()
     for src, dst in ((low, d), (d, low)):
@@ -156,7 +156,7 @@ def test_cuda_reorder_kernel_moves_fields_as_the_reference_does(text, shape, req
                                   "e2m1/block16:ue4m3:flat/tensor:f32/packed_native", "q4s/block8:f16:flat"])
 @pytest.mark.parametrize("shape", [(3, 37), (5, 64), (2, 3, 8), (70,)])
 def test_flat_bytes_are_the_flattened_tensors(text, shape):
-    s = qcore.spec.scheme(text)
+    s = qcore.scheme(text)
     x = _x(shape, 3)
     d = REF.quantize(x, s).to_data()
     flat = REF.quantize(x.reshape(-1), s.unflat).to_data()
@@ -170,7 +170,7 @@ def test_flat_bytes_are_the_flattened_tensors(text, shape):
 
 
 def test_flat_explicit_params_take_the_flat_grid():
-    s = qcore.spec.scheme("q4s/block16:f32:flat")
+    s = qcore.scheme("q4s/block16:f32:flat")
     x = _x((4, 32), 4)
     p = REF.calibrate(x, s)
     assert p.scales.shape == (8,)
@@ -202,7 +202,7 @@ BACKEND_CASES = [(text, name) for text, backends in CASES for name in backends]
 @pytest.mark.parametrize("text,name", BACKEND_CASES, ids=[f"{n}-{t}" for t, n in BACKEND_CASES])
 def test_backends_write_and_read_the_references_bytes(text, name, request):
     be = get_backend(name, request)
-    s = qcore.spec.scheme(text)
+    s = qcore.scheme(text)
     assert be.supports(s)
     for shape in [(3, 37), (4, 64)] + ([(70,)] if s.store.dim == 0 and name != "cuda" else []):
         x = _x(shape, 5)
@@ -223,7 +223,7 @@ def test_backends_write_and_read_the_references_bytes(text, name, request):
 @pytest.mark.parametrize("name", ["reference", "cuda"])
 def test_ops_on_flat_blocks(name, request):
     be = get_backend(name, request)
-    s = qcore.spec.scheme("q4s/block16:f16:flat/packed_native/order:high")
+    s = qcore.scheme("q4s/block16:f16:flat/packed_native/order:high")
     x = _x((6, 20), 7)
     q = be.quantize(x, s)
     r = be.reshape(q, (4, 30))  # exact: the bytes do not change
@@ -239,7 +239,7 @@ def test_ops_on_flat_blocks(name, request):
 @pytest.mark.parametrize("name", ["reference", "cuda", "ndarray"])
 def test_invalid_codes_are_named_in_the_tensors_shape(name, request):
     be = get_backend(name, request)
-    s = qcore.spec.scheme("q8s/block32:f32:flat" if name == "ndarray" else "q4s/block32:f32:flat/packed_native/order:high")
+    s = qcore.scheme("q8s/block32:f32:flat" if name == "ndarray" else "q4s/block32:f32:flat/packed_native/order:high")
     d = REF.quantize(_x((3, 37), 8), s).to_data()
     raw = bytearray(d.payload)
     if s.bits == 8:
@@ -257,10 +257,10 @@ def test_convert_repacks_an_order_the_target_lacks(tmp_path):
     pytest.importorskip("gguf")
     import qcore.formats as qf
 
-    s = qcore.spec.scheme("q4_0").with_store(PackedNative(0, "split", 32))
+    s = qcore.scheme("q4_0").with_store(PackedNative(0, "split", 32))
     d = REF.quantize(_x((4, 64), 9), s).to_data()
     low = d.in_low_order()
-    assert low.scheme == qcore.spec.scheme("q4_0").with_store(PackedNative(0)) and low.payload != d.payload
+    assert low.scheme == qcore.scheme("q4_0").with_store(PackedNative(0)) and low.payload != d.payload
     assert np.array_equal(low.codes(), d.codes()) and np.array_equal(low.scales(), d.scales())
     qcore.save(tmp_path / "a.safetensors", {"w": REF.from_data(d)})
     report = qf.convert(tmp_path / "a.safetensors", tmp_path / "a.gguf", "gguf")
@@ -276,7 +276,7 @@ def test_ops_keep_a_field_order(text, name, request):
     """reshape, permute, slice and cat move codes and scales (exact where the layout allows) and
     keep the scheme's field order; cuda's results are the reference's bytes."""
     be = get_backend(name, request)
-    s = qcore.spec.scheme(text)
+    s = qcore.scheme(text)
     x = _x((8, 48), 10)
     q, r = be.quantize(x, s), REF.quantize(x, s)
     y = REF.dequantize(r)
@@ -300,17 +300,17 @@ def test_ops_keep_a_field_order(text, name, request):
 ])
 def test_the_midpoint_rule_is_for_lookup_schemes_with_one_level(text, ok):
     if ok:
-        assert qcore.spec.scheme(text).code_rule.value == "midpoint"
+        assert qcore.scheme(text).code_rule.value == "midpoint"
     else:
         with pytest.raises(SchemeError):
-            qcore.spec.scheme(text)
+            qcore.scheme(text)
 
 
 def test_the_midpoint_rule_divides_in_partial_blocks_and_takes_the_lower_entry_at_a_tie():
     """docs/spec.md E4 `midpoint`, against a statement written out here: whole blocks multiply by
     f32(1 / s), a partial block divides by s, y is clamped to the table, and the code counts the
     f32 midpoints below y."""
-    s = qcore.spec.scheme("nf4/block8:f32:flat/codes:midpoint")
+    s = qcore.scheme("nf4/block8:f32:flat/codes:midpoint")
     t = np.asarray(s.table, np.float32)
     mids = ((t[:-1] + t[1:]) / np.float32(2)).astype(np.float32)
     x = np.concatenate([mids[:7], [np.float32(1)],                    # a whole block on its midpoints (s = 1)
