@@ -82,7 +82,7 @@ def _expected_copy(be, qw, k_, n_):
     16i + g (pairs r = 0, 2) and 16i + g + 8 (r = 1, 3) at rows 4t + h (r < 2) and 4t + 2 + h
     (r >= 2), offset by 8, in bits 4r + 16h; after the codes the chunk's effective scales in
     f16, row-minor per 32-column group. Also the decoded scales [k_, n_ / 32]."""
-    scales, _ = be._decoded_scales(qw.data)
+    scales, _ = be.decoded_scales(qw.data)
     S = scales.copy_to_host().reshape(k_, n_ // 32)
     W = be.to_numpy(be.dequantize(qw))
     codes = np.rint(W / np.repeat(S, 32, axis=1)).astype(np.int64) + 8
@@ -105,7 +105,7 @@ def _expected_copy(be, qw, k_, n_):
 def _pack_now(be, qw, Q):
     from qcore_cuda.paths.matmul import fragment_copy
 
-    return fragment_copy(be, qw.data, *be._decoded_scales(qw.data), Q)
+    return fragment_copy(be, qw.data, *be.decoded_scales(qw.data), Q)
 
 
 def test_fragment_copy_layout(cuda_backend):

@@ -87,7 +87,7 @@ def geometry(shape: tuple[int, ...], scheme: QuantScheme) -> tuple[int, np.ndarr
     store = scheme.store
     if store.kind is not StoreKind.NATIVE and store.dim != 0:
         return None
-    if store.order.value != "low":  # (the backend hands kernels SPEC §3's order: `_kernel_data`)
+    if store.order.value != "low":  # (the backend hands kernels SPEC §3's order: `kernel_data`)
         return None
     P = np.zeros(P_LEN, dtype=np.int64)
     P[P_N], P[P_K] = n_, k_

@@ -105,7 +105,8 @@ class DequantizedGemmLinear:
     def launch(self, c: LinearCall) -> None:
         torch = _torch()
         n_, k_ = c.w.shape
-        wb = c.be._dequantize(c.w.data, _BF16, torch.empty((n_, k_), dtype=torch.bfloat16, device=c.x.device), c.s)
+        wb = torch.empty((n_, k_), dtype=torch.bfloat16, device=c.x.device)
+        c.be.dequantize(c.w, _BF16, out=wb, stream=c.s)
         x2, y2 = c.x.reshape(c.m, k_), c.result.view(c.m, n_)
         if c.bias_given is None:
             torch.mm(x2, wb.t(), out=y2)
@@ -141,7 +142,7 @@ class TensorCoreLinear:
             kind, P = c.data.cache["linear geometry"]
             nb = linear.nb_for(c.m)
             q, grid, block = linear.plan(P, c.m, nb, c.ot, c.has_bias)
-            args = [c.xd, c.be._code_words(c.data), _effective_scales(c), c.bias, c.out32, c.out16,
+            args = [c.xd, c.be.state.plans.code_words(c.data), _effective_scales(c), c.bias, c.out32, c.out16,
                     cuda.to_device(np.asarray(q, np.int64))]
             st = c.data.cache[key] = Packed(linear.kernel(kind, c.xt, nb), grid, block, args, dynamic=(0, 4, 5, 3))
         st(c.xd, c.out32, c.out16, c.bias, stream=c.s)
@@ -153,7 +154,7 @@ def _effective_scales(c: LinearCall) -> Any:
     from .. import linear
     from ..fast import K
 
-    scales, gbuf = c.be._decoded_scales(c.data, c.s)
+    scales, gbuf = c.be.decoded_scales(c.data, c.s)
     if not c.data.scheme.two_level:
         return scales
     es = c.data.cache.get("linear scales")
@@ -262,14 +263,14 @@ def _kernel_x(be: Any, x: Any, xdt: np.dtype, n: int, s: Any) -> tuple[Any, int 
         if type(d) is _array.DevView and d.ptr % 16:
             return None, None
         return d, (linear.XT_BF16 if xdt == _BF16 else linear.XT_F16)
-    d = be._device_f32(_f32_source(x), s)
+    d = be.device_f32(_f32_source(x), s)
     if type(d) is _array.DevView and d.ptr % 16:
         return None, None
     return d, linear.XT_F32
 
 
 def _f32_source(x: Any) -> Any:
-    """x in a form `_device_f32` reads (a torch bfloat16 tensor widened by torch)."""
+    """x in a form `CudaBackend.device_f32` reads (a torch bfloat16 tensor widened by torch)."""
     if _is_torch(x) and x.dtype == _torch().bfloat16:
         return x.float()
     return x
@@ -296,13 +297,13 @@ def _device_bias(be: Any, bias: Any, n: int, s: Any) -> Any:
                              f"bias of shape ({n},)")
         if bias.dtype not in (_torch().float16, _torch().bfloat16, _torch().float32, _torch().float64):
             raise InputError(f"bias has dtype {bias.dtype}; pass float16, bfloat16, float32 or float64")
-        return be._device_f32(bias.float().contiguous() if bias.is_cuda else bias.float().numpy(), s)
+        return be.device_f32(bias.float().contiguous() if bias.is_cuda else bias.float().numpy(), s)
     shape, dt = _shape(bias), _np_dtype(bias)
     if shape != (n,):
         raise InputError(f"bias has shape {shape}; linear with a weight of {n} output rows takes a bias of shape ({n},)")
     if dt not in ACTIVATION_DTYPES:
         raise InputError(f"bias has dtype {dt}; pass float16, bfloat16, float32 or float64")
-    return be._device_f32(bias, s)
+    return be.device_f32(bias, s)
 
 
 def _outputs(x: Any, out: Any, shape: tuple[int, ...], dt: np.dtype, s: Any) -> tuple:
@@ -354,8 +355,7 @@ def _check_codes_once(be: Any, w: Any, s: Any) -> None:
     a bad code raises `InvalidDataError` (SPEC v1.1 §3) as at a first dequantize."""
     if w.scheme.valid_fields.all() or w.data.codes_checked() or w.data.cache.get("linear codes checked"):
         return
-    with be._naming_elements(w):
-        be._dequantize(w.data, _F16, None, s)
+    be.dequantize(w, _F16, stream=s)
     w.data.cache["linear codes checked"] = not w.data.cache.get("caller memory", False)
 
 
@@ -363,7 +363,7 @@ def run(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -
     """`CudaBackend.linear` (module text)."""
     from .. import linear
 
-    w = be._own(w)
+    w = be.own(w)
     xshape, xdt = _shape(x), _np_dtype(x)
     if xdt not in ACTIVATION_DTYPES:
         raise InputError(f"x has dtype {xdt}; products take float16, bfloat16, float32 or float64 activations")
@@ -380,7 +380,7 @@ def run(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -
     bias_d = p32 if bias is None else _device_bias(be, bias, n_, s)
     ot = {_F32: linear.OT_F32, _F16: linear.OT_F16, _BF16: linear.OT_BF16}[_F32 if dt == _F64 else dt]
     _check_codes_once(be, w, s)
-    data = be._kernel_data(w.data, s)
+    data = be.kernel_data(w.data, s)
     # x in the kernel's form only where the kernel takes the weight (the fallback reads x itself)
     xd, xt = _kernel_x(be, x, xdt, m * k_, s) if k_ and TensorCoreLinear.geometry(data) else (None, None)
     call = LinearCall(be, w, data, x, xd, xt, m, ot, p32 if out32 is None else out32,

@@ -34,7 +34,7 @@ class MatmulCall:
     def gemv_geometry(self) -> tuple | None:
         """(kind, Q) of the GEMV kernels for this weight (cached on it), None when its layout has
         none or the device lacks the fast kernels."""
-        if not self.be._fast[0] or self.data.scheme.affine:  # E5: the general kernel only
+        if not self.be.state.fast.usable or self.data.scheme.affine:  # E5: the general kernel only
             return None
         from .. import gemv
 
@@ -90,8 +90,9 @@ def _packed(c: MatmulCall, kern: Any, mb: int, q: Any, grid: Any, block: Any, pa
     """Pack a GEMV-family launch once per (weight, m): x, out, m0 and the row count change from
     call to call (`dynamic`); the backend runs it directly on later calls (in thread-block
     clusters of shape `cluster`, if given: `_launch.Packed`)."""
-    pp = c.be._prepared(c.data.shape, c.data.scheme, "minmax")
-    args = [c.xd, c.be._code_words(c.data), c.scales, c.gbuf, pp["lut"], part, cnt, c.out, q, 0, mb] + extra
+    plans = c.be.state.plans
+    pp = plans.get(c.data.shape, c.data.scheme, "minmax")
+    args = [c.xd, plans.code_words(c.data), c.scales, c.gbuf, pp.lut, part, cnt, c.out, q, 0, mb] + extra
     st = c.data.cache[("gemv", c.m)] = (mb, Packed(kern, grid, block, args, dynamic=(0, 7, 9, 10), cluster=cluster))
     return st
 
@@ -101,8 +102,9 @@ def fragment_copy(be: Any, data: Any, scales: Any, gbuf: Any, Q: Any) -> Any:
     and GEMV geometry `Q`."""
     from .. import frag
 
-    nslots = be._prepared(data.shape, data.scheme, "minmax")["plan"].nslots
-    return frag.pack(be._code_words(data), scales, gbuf, Q, frag.half_scales(data.scheme), nslots)
+    plans = be.state.plans
+    nslots = plans.get(data.shape, data.scheme, "minmax").plan.nslots
+    return frag.pack(plans.code_words(data), scales, gbuf, Q, frag.half_scales(data.scheme), nslots)
 
 
 class FragmentGemvMatmul:
@@ -196,14 +198,14 @@ class GeneralMatmul:
         key = ("matmul", c.m)
         mm = data.cache.get(key)
         if mm is None:
-            pp = be._prepared(data.shape, data.scheme, "minmax")
+            pp = be.state.plans.get(data.shape, data.scheme, "minmax")
             Q = _plan.matmul_geometry(data.shape, data.scheme, c.m, sim=bool(config.ENABLE_CUDASIM))
-            nb4 = pp["plan"].values_nbytes // 4
+            nb4 = pp.plan.values_nbytes // 4
             p32 = data.payload[: nb4 * 4].view(np.uint32) if Q[K.MM_W32] and nb4 else \
                 cuda.device_array(1, dtype=np.uint32)
             mm = data.cache[key] = dict(Q=cuda.to_device(Q),
                                         launch=K.launch_matmul(int(Q[K.MM_NG]), int(Q[K.MM_KC]), c.m),
-                                        lut=pp["lut"], p32=p32)
+                                        lut=pp.lut, p32=p32)
         out = c.out if hasattr(c.out, "copy_to_host") else cuda.as_cuda_array(c.out)
         xd = c.xd if hasattr(c.xd, "copy_to_host") else cuda.as_cuda_array(c.xd)
         on(K.k_zero, K.launch(out.size), c.s)(out)
