@@ -150,7 +150,7 @@ def test_repeat_dequantize_raises_for_invalid_codes_then_recovers(be, text):
     q = be.quantize(cuda.to_device(x), text, out=buf)
     be.dequantize(q)
     be.dequantize(q)
-    assert "repeat" in q.data.cache and not q.data.codes_checked()
+    assert q.data.cache.dequantize_repeat is not None and not q.data.codes_checked()
     field = int(np.flatnonzero(~d.scheme.valid_fields)[-1])
     bad = with_code(d, (2, 9), field)
     buf.copy_to_device(np.frombuffer(bad.payload, np.uint8))

@@ -7,7 +7,8 @@ several hundred Python operations, all of them before the first kernel starts. T
 depends only on the scheme as given, the method and x's shape (the dtype and alignment are
 checked again), so after a call that took the fast kernels the backend keeps what it decided in
 a `QuantizeRepeat` (`CudaState.repeats`, keyed by `(scheme as given, method, shape)`), a
-tensor keeps its `DequantizeRepeat` in its cache and a weight its `MatmulRepeat` per shape of x.
+tensor keeps its `DequantizeRepeat` in its cache (`TensorCache.dequantize_repeat`) and a weight its
+`MatmulRepeat` per shape of x (`TensorCache.matmul_repeats`).
 A later call that matches allocates its result (or takes `out=`: a float32 array, or for
 quantize a tensor of the same shape and scheme or a uint8 array of the payload's length),
 launches the same packed kernels and reads the flag (a dequantize only until one read has
@@ -190,9 +191,9 @@ def _payload_target(be: Any, out: Any, rep: QuantizeRepeat, s: Any) -> Any:
                     data.shape != rep.shape or (out.scheme is not rep.scheme and out.scheme != rep.scheme) or \
                     data.scheme != rep.scheme:
                 return None
-            pv = data.cache.get("payload view")
+            pv = data.cache.payload_view
             if pv is None:
-                pv = data.cache["payload view"] = _array.view_of(data.payload)
+                pv = data.cache.payload_view = _array.view_of(data.payload)
             return pv if pv is not None and pv.size == rep.nbytes else None
         return _array.check_out(out, (rep.nbytes,), (_U8,), "quantize")
     except Exception:  # noqa: BLE001 - out of memory, a bad out=: the whole way trims the pool or explains
@@ -236,7 +237,7 @@ def dequantize_again(be: Any, q: Any, out: Any = None) -> Any:
     whose fast dequantize launch is packed, or None."""
     if type(q) is not QTensor or q.backend is not be or type(q.data) is not CudaData:
         return None
-    rep = q.data.cache.get("repeat")
+    rep = q.data.cache.dequantize_repeat
     if rep is None or q.shape != rep.shape:
         return None
     try:
@@ -267,11 +268,11 @@ def remember_dequantize(be: Any, q: QTensor) -> None:
     data = q.data
     if type(data) is not CudaData:
         return
-    launch = data.cache.get("dequant")
-    if launch is None or "repeat" in data.cache or q.shape != data.shape or q.scheme != data.scheme or \
+    launch = data.cache.dequant
+    if launch is None or data.cache.dequantize_repeat is not None or q.shape != data.shape or q.scheme != data.scheme or \
             be.kernel_data(data) is not data:
         return
-    data.cache["repeat"] = DequantizeRepeat(launch, q.shape, not data.scheme.valid_fields.all())
+    data.cache.dequantize_repeat = DequantizeRepeat(launch, q.shape, not data.scheme.valid_fields.all())
 
 
 def matmul_again(be: Any, x: Any, w: Any, out: Any) -> Any:
@@ -282,7 +283,7 @@ def matmul_again(be: Any, x: Any, w: Any, out: Any) -> Any:
         return None
     t = _array.torch_f32(x)
     if t is not None:
-        rep = w.data.cache.get(("matmul", t[1]))
+        rep = w.data.cache.matmul_repeats.get(t[1])
         if rep is None:
             return None
         y = _matmul_torch(rep, t, out)
@@ -294,7 +295,7 @@ def matmul_again(be: Any, x: Any, w: Any, out: Any) -> Any:
         return None
     if v is None or v.dtype != _F32 or not packed_takes(v):
         return None
-    rep = w.data.cache.get(("matmul", v.nd_shape))
+    rep = w.data.cache.matmul_repeats.get(v.nd_shape)
     if rep is None:
         return None
     s = _streams.resolve(None, x)
@@ -361,13 +362,14 @@ def remember_matmul(be: Any, x: Any, w: QTensor) -> None:
         return
     if v is None or v.dtype != _F32 or type(w.data) is not CudaData or len(v.nd_shape) < 1:
         return
-    key = ("matmul", v.nd_shape)
-    if key in w.data.cache:
+    key = v.nd_shape
+    repeats = w.data.cache.matmul_repeats
+    if key in repeats:
         return
-    w.data.cache[key] = None  # a product the packed launches do not serve: no repeat, no second look
+    repeats[key] = None  # a product the packed launches do not serve: no repeat, no second look
     if w.data.shape != w.shape:
         return
     m = math.prod(v.nd_shape[:-1])
-    packed = be.kernel_data(w.data).cache.get(("gemv", m))
+    packed = be.kernel_data(w.data).cache.gemv.get(m)
     if packed is not None:
-        w.data.cache[key] = MatmulRepeat(packed, m, tuple(v.nd_shape[:-1]) + (w.shape[1],))
+        repeats[key] = MatmulRepeat(packed, m, tuple(v.nd_shape[:-1]) + (w.shape[1],))

@@ -279,12 +279,12 @@ class CudaBackend(BaseBackend):
         (and again when quantize `out=` rewrites the tensor)."""
         if data.scheme.store.order.value == "low":
             return data
-        twin = data.cache.get("low")
+        twin = data.cache.low
         if twin is None:
             low = data.scheme.low_order
             buf = _array.empty((int(data.payload.shape[0]),), np.uint8, s)
             self.launch_reorder(data.payload, buf, data.shape, data.scheme, low, s)
-            twin = data.cache["low"] = CudaData(data.shape, low, buf)
+            twin = data.cache.low = CudaData(data.shape, low, buf)
         return twin
 
     @guard(lambda self, x, scheme, method: (f"calibrate a {_shape_of(self, x)} tensor",
@@ -371,16 +371,17 @@ class CudaBackend(BaseBackend):
         its cached launches point at (so those stay valid), through launches packed once per
         tensor and set of cached arrays (a loop that quantizes into one tensor pays a
         `cuLaunchKernel` each)."""
-        twin = data.cache.get("low")
+        twin = data.cache.low
         if twin is not None:  # E6: the kernels' copy, re-packed from the new bytes
             self.launch_reorder(data.payload, twin.payload, data.shape, data.scheme, twin.scheme, s)
             data = twin
-        if "scales" not in data.cache:
+        cache = data.cache
+        if cache.scales is None:
             return
-        key = ("refresh", "tc_scales" in data.cache, "frag" in data.cache)
-        launches = data.cache.get(key)
+        key = (cache.tc_scales is not None, cache.frag is not None)
+        launches = cache.refresh.get(key)
         if launches is None:
-            launches = data.cache[key] = self._refresh_launches(data)
+            launches = cache.refresh[key] = self._refresh_launches(data)
         for launch in launches:
             launch(stream=s)
 
@@ -390,21 +391,22 @@ class CudaBackend(BaseBackend):
         GEMV's copy where it has them."""
         K, plans = _k(), self.state.plans
         pp = plans.get(data.shape, data.scheme, "minmax")
-        scales, gbuf = data.cache["scales"]
+        cache = data.cache
+        scales, gbuf = cache.scales
         grid, block = K.launch(max(pp.plan.nslots, 1))
         launches = [Packed(K.k_decode_scales, grid, block, [data.payload, pp.P, scales, gbuf], dynamic=())]
-        et = data.cache.get("tc_scales")
+        et = cache.tc_scales
         if et is not None:
             from . import tc
 
-            (grid, block), args = tc.slot_scale_args(scales, gbuf, data.cache["gemv"][1], et)
+            (grid, block), args = tc.slot_scale_args(scales, gbuf, cache.gemv_geometry[1], et)
             launches.append(Packed(tc.k_slot_scales, grid, block, args, dynamic=()))
-        fc = data.cache.get("frag")
+        fc = cache.frag
         if fc is not None:  # the fragment GEMV's copy of the codes and scales, packed again
             from . import frag
 
             for (grid, block), kern, args in frag.pack_launches(plans.code_words(data), scales, gbuf,
-                                                                data.cache["gemv"][1], frag.half_scales(data.scheme),
+                                                                cache.gemv_geometry[1], frag.half_scales(data.scheme),
                                                                 pp.plan.nslots, fc):
                 launches.append(Packed(kern, grid, block, args, dynamic=()))
         return tuple(launches)
@@ -412,7 +414,7 @@ class CudaBackend(BaseBackend):
     # ------------------------------------------------------------------ dequantize
     def decoded_scales(self, data: CudaData, s: Any = _streams.DEFAULT):
         """Device float32 scales (and the global in gbuf[0]) of a payload, decoded once."""
-        got = data.cache.get("scales")
+        got = data.cache.scales
         if got is None:
             cuda, K = _cuda(), _k()
             pp = self.state.plans.get(data.shape, data.scheme, "minmax")
@@ -420,7 +422,7 @@ class CudaBackend(BaseBackend):
             scales = cuda.device_array(max(nslots, 1) * (2 if data.scheme.affine else 1), dtype=np.float32)  # E5
             gbuf = cuda.device_array(1, dtype=np.float32)
             _streams.on(K.k_decode_scales, K.launch(nslots), s)(data.payload, pp.P, scales, gbuf)
-            got = data.cache["scales"] = (scales, gbuf)
+            got = data.cache.scales = (scales, gbuf)
         return got
 
     def _launch_dequantize(self, data: CudaData, out, s: Any = _streams.DEFAULT) -> None:
@@ -436,9 +438,9 @@ class CudaBackend(BaseBackend):
     def _code_flag(data: CudaData):
         """The tensor's int32 flag (`_flags.new`), set by the dequantize kernels on a code outside
         the value's set (SPEC v1.1 §3); zero except between such a launch and `raise_if_bad_codes`."""
-        flag = data.cache.get("code_flag")
+        flag = data.cache.code_flag
         if flag is None:
-            flag = data.cache["code_flag"] = _flags.new()
+            flag = data.cache.code_flag = _flags.new()
         return flag
 
     def raise_if_bad_codes(self, data: CudaData, s: Any = _streams.DEFAULT) -> None:
@@ -810,7 +812,7 @@ class CudaBackend(BaseBackend):
         already packed for this weight and m at once (the host time of a decode step), else the
         first of `paths.MATMUL` that applies."""
         data = self.kernel_data(data, s)
-        st = data.cache.get(("gemv", m))
+        st = data.cache.gemv.get(m)
         if st is not None and packed_takes(xd):
             run_packed(st, xd, out, m, s)
             return

@@ -62,17 +62,20 @@ class FastDequantize:
     def launch(self, c: DequantizeCall) -> None:
         from .. import _array, fast
 
-        key = "dequant bf16" if c.bf16 else "dequant"
+        cache = c.data.cache
         out = _array.reinterpret(c.out, np.uint32) if c.bf16 else c.out  # (bf16 pairs as u32 words)
-        launch = c.data.cache.get(key)
+        launch = cache.dequant_bf16 if c.bf16 else cache.dequant
         if launch is None:
             fp, pl = c.prepared.fast, c.plan
             grid, block = fast.launch_dequant(fp.nruns, fp.kind)
             units = fast.unit_view(c.data.payload[: pl.values_nbytes], fp.kind)
             kernel = fast.dequant_kernel(fp.kind, True) if c.bf16 else fast.dequant_kernel(fp.kind)
-            launch = c.data.cache[key] = Packed(kernel, grid, block,
-                                                [units, c.scales, c.gbuf, c.prepared.lut, out, fp.G, c.flag],
-                                                dynamic=(4,))
+            launch = Packed(kernel, grid, block, [units, c.scales, c.gbuf, c.prepared.lut, out, fp.G, c.flag],
+                            dynamic=(4,))
+            if c.bf16:
+                cache.dequant_bf16 = launch
+            else:
+                cache.dequant = launch
         launch(out, stream=c.s)
 
 

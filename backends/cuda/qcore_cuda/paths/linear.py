@@ -40,11 +40,12 @@ from qcore.errors import InputError
 from qcore.backend.protocol import QTensor
 
 from .. import _array, _streams
+from .._data import NOT_YET
 from .._launch import Packed
 from . import choose
 
 __all__ = ["LINEAR", "LIBRARY_FROM_M", "LinearCall", "DequantizedGemmLinear", "TensorCoreLinear", "TransposedLinear",
-           "run", "again", "rounded", "placeholders"]
+           "LinearRepeat", "run", "again", "rounded", "placeholders"]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
@@ -124,9 +125,9 @@ class TensorCoreLinear:
         """`linear.geometry` of the weight's kernel data, kept with it."""
         from .. import linear
 
-        if "linear geometry" not in data.cache:
-            data.cache["linear geometry"] = linear.geometry(data.shape, data.scheme)
-        return data.cache["linear geometry"]
+        if data.cache.linear_geometry is NOT_YET:
+            data.cache.linear_geometry = linear.geometry(data.shape, data.scheme)
+        return data.cache.linear_geometry
 
     def applies(self, c: LinearCall) -> bool:
         return c.xt is not None and self.geometry(c.data) is not None
@@ -134,17 +135,17 @@ class TensorCoreLinear:
     def launch(self, c: LinearCall) -> None:
         from .. import linear
 
-        key = ("linear", c.m, c.xt, c.ot, c.has_bias)
-        st = c.data.cache.get(key)
+        key = (c.m, c.xt, c.ot, c.has_bias)
+        st = c.data.cache.linear.get(key)
         if st is None:
             from numba import cuda
 
-            kind, P = c.data.cache["linear geometry"]
+            kind, P = c.data.cache.linear_geometry
             nb = linear.nb_for(c.m)
             q, grid, block = linear.plan(P, c.m, nb, c.ot, c.has_bias)
             args = [c.xd, c.be.state.plans.code_words(c.data), _effective_scales(c), c.bias, c.out32, c.out16,
                     cuda.to_device(np.asarray(q, np.int64))]
-            st = c.data.cache[key] = Packed(linear.kernel(kind, c.xt, nb), grid, block, args, dynamic=(0, 4, 5, 3))
+            st = c.data.cache.linear[key] = Packed(linear.kernel(kind, c.xt, nb), grid, block, args, dynamic=(0, 4, 5, 3))
         st(c.xd, c.out32, c.out16, c.bias, stream=c.s)
 
 
@@ -157,9 +158,9 @@ def _effective_scales(c: LinearCall) -> Any:
     scales, gbuf = c.be.decoded_scales(c.data, c.s)
     if not c.data.scheme.two_level:
         return scales
-    es = c.data.cache.get("linear scales")
+    es = c.data.cache.linear_scales
     if es is None:
-        es = c.data.cache["linear scales"] = _array.empty((int(scales.size),), np.float32, c.s)
+        es = c.data.cache.linear_scales = _array.empty((int(scales.size),), np.float32, c.s)
         _streams.on(linear.k_effective, K.launch(int(scales.size)), c.s)(scales, gbuf, es, int(scales.size))
     return es
 
@@ -187,9 +188,9 @@ class TransposedLinear:
                               dtype=np.float32)
             _array.view_of(y32).numba().copy_to_device(np.ascontiguousarray(host).reshape(-1), stream=c.s.numba)
         else:
-            wt = c.data.cache.get("transposed")
+            wt = c.data.cache.transposed
             if wt is None:  # (the payload's own form: a flat-block tensor's transpose would requantize)
-                wt = c.data.cache["transposed"] = c.be.transpose(QTensor(c.be, c.data.scheme, c.data.shape, c.data))
+                wt = c.data.cache.transposed = c.be.transpose(QTensor(c.be, c.data.scheme, c.data.shape, c.data))
             xf = _f32_source(c.x)  # (matmul reads every x kind; a torch bfloat16 one widened here)
             c.be.matmul(xf.reshape(c.m, k_), wt, out=y32, stream=c.s.handle)
         if y32 is not c.out32:
@@ -353,10 +354,10 @@ def _outputs(x: Any, out: Any, shape: tuple[int, ...], dt: np.dtype, s: Any) -> 
 def _check_codes_once(be: Any, w: Any, s: Any) -> None:
     """A tensor whose scheme has invalid codes is dequantized once before its first product, so
     a bad code raises `InvalidDataError` (SPEC v1.1 §3) as at a first dequantize."""
-    if w.scheme.valid_fields.all() or w.data.codes_checked() or w.data.cache.get("linear codes checked"):
+    if w.scheme.valid_fields.all() or w.data.codes_checked() or w.data.cache.linear_codes_checked:
         return
     be.dequantize(w, _F16, stream=s)
-    w.data.cache["linear codes checked"] = not w.data.cache.get("caller memory", False)
+    w.data.cache.linear_codes_checked = not w.data.cache.caller_memory
 
 
 def run(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -> Any:
@@ -393,8 +394,8 @@ def run(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -
 
 
 @dataclass(frozen=True)
-class _Again:
-    """What a repeat call needs: the packed launch, the result's shape and torch dtype, the
+class LinearRepeat:
+    """What a repeat call (`again`) needs: the packed launch, the result's shape and torch dtype, the
     element types and counts of the views of x and of the result, the placeholders."""
 
     launch: Any
@@ -414,18 +415,17 @@ def _remember(c: LinearCall, x: Any, out_shape: tuple, bias: Any) -> None:
     from .. import linear
 
     torch = _torch()
-    if (torch is None or type(x) is not torch.Tensor or not x.is_cuda or c.data.cache.get("caller memory", False)
+    if (torch is None or type(x) is not torch.Tensor or not x.is_cuda or c.data.cache.caller_memory
             or x.dtype not in (torch.bfloat16, torch.float16, torch.float32)
             or (bias is not None and not (type(bias) is torch.Tensor and bias.dtype == torch.float32 and bias.is_cuda))):
         return
-    st = c.data.cache.get(("linear", c.m, c.xt, c.ot, c.has_bias))
+    st = c.data.cache.linear.get((c.m, c.xt, c.ot, c.has_bias))
     if st is None:
         return
     wide = c.ot == linear.OT_F32
     x_words = _F32 if c.xt == linear.XT_F32 else np.dtype(np.uint32)
     n_out = math.prod(out_shape)
-    again_ = c.w.data.cache.setdefault("linear again", {})
-    again_[(x.dtype, x.shape, bias is not None)] = _Again(
+    c.w.data.cache.linear_repeats[(x.dtype, x.shape, bias is not None)] = LinearRepeat(
         st, out_shape, x.dtype, _F32 if wide else np.dtype(np.uint16), n_out, x_words,
         x.numel() if c.xt == linear.XT_F32 else x.numel() // 2, *placeholders(c.s))
 
@@ -434,7 +434,7 @@ def again(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any)
     """A repeat call's result (module text), or None when the call needs the whole way."""
     if out is not None or dtype is not None or stream is not None or type(w) is not QTensor or w.backend is not be:
         return None
-    plans = w.data.cache.get("linear again")
+    plans = w.data.cache.linear_repeats
     torch = _torch()
     if not plans or torch is None or type(x) is not torch.Tensor:
         return None
