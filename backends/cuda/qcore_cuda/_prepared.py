@@ -24,7 +24,7 @@ from .layouts import M_WB
 __all__ = ["FastGeometry", "Prepared", "Plans", "value_words"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class FastGeometry:
     """The fast path's geometry of a prepared plan (`fast.geometry`), on the device."""
 
@@ -37,7 +37,7 @@ class FastGeometry:
     two_pass: bool  # the tensor's max |x| first (every mode but MODE_BLOCK)
 
 
-@dataclass
+@dataclass(eq=False)
 class Prepared:
     """One shape + scheme + method as the kernels read it (module text)."""
 
@@ -69,13 +69,6 @@ def value_words(payload: Any, plan: Any) -> Any:
     return payload[: plan.values_nbytes]
 
 
-def _set(params: np.ndarray, index: int, value: int) -> np.ndarray:
-    """A copy of a parameter array with one field set (another mode of the same geometry)."""
-    out = params.copy()
-    out[index] = value
-    return out
-
-
 class Plans:
     """A backend's prepared plans (module text); `fast` is whether its fast kernels run."""
 
@@ -90,7 +83,8 @@ class Plans:
         cuda, K = numba_cuda(), kernels()
         pl = _plan.plan(shape, scheme, method)
         pp = Prepared(
-            plan=pl, P=cuda.to_device(pl.P), F=cuda.to_device(pl.F), P_explicit=cuda.to_device(_set(pl.P, K.M_MODE, 1)),
+            plan=pl, P=cuda.to_device(pl.P), F=cuda.to_device(pl.F),
+            P_explicit=cuda.to_device(K.P_LAYOUT.replace(pl.P, M_MODE=1)),
             stored=cuda.device_array(pl.nslots, dtype=np.float32),
             raw=cuda.device_array(max(pl.nslots * (2 if scheme.affine else 1), 2), dtype=np.float32),  # E5: + offsets
             first=cuda.device_array(2, dtype=np.int64),  # a per-tensor signed extreme's index (E3)
@@ -99,7 +93,7 @@ class Plans:
         fg = fast.geometry(shape, scheme, method) if self.fast else None
         if fg is not None:  # the fast path (fast.py): calibrated mode and given-scales mode
             kind, G, C = fg
-            Gg = _set(G, fast.G_MODE, fast.MODE_GIVEN)
+            Gg = fast.G_LAYOUT.replace(G, G_MODE=fast.MODE_GIVEN)
             pp.fast = FastGeometry(kind=kind, G=cuda.to_device(G), G_given=cuda.to_device(Gg), C=cuda.to_device(C),
                                    mode=int(G[fast.G_MODE]), nruns=int(G[fast.G_NRUNS]),
                                    two_pass=int(G[fast.G_MODE]) != fast.MODE_BLOCK)  # the tensor's max |x| first
@@ -107,7 +101,8 @@ class Plans:
             pp.TP = cuda.to_device(pl.TP)
             pp.dummy32 = cuda.device_array(1, dtype=np.uint32)
         if pl.RP is not None:
-            pp.RP_given, pp.RP_stats = (cuda.to_device(_set(pl.RP, K.R_MODE, m)) for m in (K.ROW_GIVEN, K.ROW_STATS))
+            pp.RP_given, pp.RP_stats = (cuda.to_device(K.RP_LAYOUT.replace(pl.RP, R_MODE=m))
+                                        for m in (K.ROW_GIVEN, K.ROW_STATS))
         return pp
 
     def code_words(self, data: Any) -> Any:
