@@ -14,7 +14,7 @@ Paths:
   repeats its results bit for bit for the same shapes on the same GPU and library version.
 - `TensorCoreLinear` (`linear.py`): the weight's payload read as it is; bit-repeatable.
 - `TransposedLinear`: any other weight. Its transpose ([K, N], `permute`: exact) is made once and
-  kept with the weight, multiplied by the matmul paths in f32 (`CudaBackend._launch_matmul`), and
+  kept with the weight, multiplied by the matmul paths in f32 (`CudaBackend.matmul`), and
   `k_finish` adds the bias and rounds once to the result dtype.
 
 A repeat call (`again`) with a torch CUDA x of a shape, dtype and bias kind the weight has seen on
