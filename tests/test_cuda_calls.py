@@ -132,8 +132,9 @@ def test_invalid_codes_raise_with_out_and_stream(be, text, monkeypatch):
     st.synchronize()
     assert_same_floats(y.copy_to_host(), REF.dequantize(REF.from_data(d)), f"{text} after an invalid code")
     clean = be.quantize(x, "q4f/block32:f16")
-    seen, real = [], be._read_flag
-    monkeypatch.setattr(be, "_read_flag", lambda flag, s, ready=None: seen.append(flag) or real(flag, s, ready))
+    scratch = be.state.scratch
+    seen, real = [], scratch.read_flag
+    monkeypatch.setattr(scratch, "read_flag", lambda flag, s, ready=None: seen.append(flag) or real(flag, s, ready))
     be.dequantize(clean, out=out)
     assert seen == [], "a scheme without invalid codes read its flag back"
 
@@ -141,22 +142,22 @@ def test_invalid_codes_raise_with_out_and_stream(be, text, monkeypatch):
 # ----------------------------------------------------------------------------- early flag reads
 def _count_waits(monkeypatch, be) -> dict:
     """Count the stream synchronisations and the waits on each `_flags.Mark` (by role)."""
-    from qcore_cuda import _flags, backend
+    from qcore_cuda import _flags, _scratch
 
     seen = {"stream": 0, "flag": 0, "tail": 0}
-    sync, wait = backend._sync_stream, _flags.Mark.wait
+    sync, wait = _scratch.sync_stream, _flags.Mark.wait
 
     def counted_sync(handle):
         seen["stream"] += 1
         return sync(handle)
 
     def counted_wait(mark):
-        seen["tail" if mark is be.__dict__.get("_tail_mark") else "flag"] += 1
+        seen["tail" if mark is be.state.scratch.tail_mark else "flag"] += 1
         return wait(mark)
 
-    backend._sync_stream(0)  # (looks the driver call up before it is wrapped)
-    be._wait_tail(None)  # an earlier test's early call: done before the counting starts
-    monkeypatch.setattr(backend, "_sync_stream", counted_sync)
+    _scratch.sync_stream(0)  # (looks the driver call up before it is wrapped)
+    be.state.scratch.wait_tail(None)  # an earlier test's early call: done before the counting starts
+    monkeypatch.setattr(_scratch, "sync_stream", counted_sync)
     monkeypatch.setattr(_flags.Mark, "wait", counted_wait)
     return seen
 

@@ -67,8 +67,8 @@ def test_fragment_gemv(cuda_backend, text):
     bound = _bound(x, W)
     assert np.all(err <= bound), f"{int((err > bound).sum())} outputs past the bound, worst {np.max(err / bound):.3g}x"
     kind, Q = frag.geometry((K_, N_), sch)
-    assert qw.data.cache["frag"].size == frag.copy_words(Q, frag.half_scales(sch))
-    st = qw.data.cache[("gemv", 1)]
+    assert qw.data.cache.frag.size == frag.copy_words(Q, frag.half_scales(sch))
+    st = qw.data.cache.gemv[1]
     assert st[1]._disp is frag.frag_kernel(frag.half_scales(sch))
     assert st[1]._args[6].copy_to_host()[-1] == 0, "fallback flag"
     if not SIM:
@@ -82,7 +82,7 @@ def _expected_copy(be, qw, k_, n_):
     16i + g (pairs r = 0, 2) and 16i + g + 8 (r = 1, 3) at rows 4t + h (r < 2) and 4t + 2 + h
     (r >= 2), offset by 8, in bits 4r + 16h; after the codes the chunk's effective scales in
     f16, row-minor per 32-column group. Also the decoded scales [k_, n_ / 32]."""
-    scales, _ = be._decoded_scales(qw.data)
+    scales, _ = be.decoded_scales(qw.data)
     S = scales.copy_to_host().reshape(k_, n_ // 32)
     W = be.to_numpy(be.dequantize(qw))
     codes = np.rint(W / np.repeat(S, 32, axis=1)).astype(np.int64) + 8
@@ -105,7 +105,7 @@ def _expected_copy(be, qw, k_, n_):
 def _pack_now(be, qw, Q):
     from qcore_cuda.paths.matmul import fragment_copy
 
-    return fragment_copy(be, qw.data, *be._decoded_scales(qw.data), Q)
+    return fragment_copy(be, qw.data, *be.decoded_scales(qw.data), Q)
 
 
 def test_fragment_copy_layout(cuda_backend):
@@ -149,7 +149,7 @@ def test_fragment_gemv_range_fallback(cuda_backend, case, text):
     qw = cuda_backend.from_data(REF.into_data(REF.quantize(w, text)))
     got, n = _taken(cuda_backend, x, qw)
     assert n == 1
-    st = qw.data.cache[("gemv", 1)]
+    st = qw.data.cache.gemv[1]
     cnt = st[1]._args[6]
     assert cnt.copy_to_host()[-1] == 1, "fallback flag"
     got = got.astype(np.float64)
@@ -174,15 +174,15 @@ def test_fragment_copy_follows_quantize_out(cuda_backend):
     w1, w2 = sample_x((k_, n_), seed=47), sample_x((k_, n_), seed=48, scale=0.5)
     qw = cuda_backend.quantize(w1, text)
     if SIM:
-        qw.data.cache["gemv"] = gemv.geometry((k_, n_), qcore.scheme(text))  # (as `MatmulCall` keeps it)
-        qw.data.cache["frag"] = _pack_now(cuda_backend, qw, qw.data.cache["gemv"][1])
+        qw.data.cache.gemv_geometry = gemv.geometry((k_, n_), qcore.scheme(text))  # (as `MatmulCall` keeps it)
+        qw.data.cache.frag = _pack_now(cuda_backend, qw, qw.data.cache.gemv_geometry[1])
     else:
         _, n = _taken(cuda_backend, x, qw)
         assert n == 1
-    before = qw.data.cache["frag"].copy_to_host()
+    before = qw.data.cache.frag.copy_to_host()
     cuda_backend.quantize(w2, text, out=qw)
     want, _ = _expected_copy(cuda_backend, qw, k_, n_)
-    got = qw.data.cache["frag"].copy_to_host()
+    got = qw.data.cache.frag.copy_to_host()
     assert not np.array_equal(before[:want.size], want)
     np.testing.assert_array_equal(got[:want.size], want)
     if not SIM:
@@ -208,7 +208,7 @@ def test_fragment_gemv_not_taken(cuda_backend, monkeypatch):
     monkeypatch.setenv(frag.ENV, "0")
     qw2 = cuda_backend.quantize(w, "q4s/block32:f16")
     got, n = _taken(cuda_backend, _x(51), qw2)
-    assert n == 0 and "frag" not in qw2.data.cache
+    assert n == 0 and qw2.data.cache.frag is None
 
 
 def test_fragment_gemv_cluster_dims(monkeypatch):
@@ -248,7 +248,7 @@ def test_fragment_gemv_clusters_give_the_counter_sums(cuda_backend, monkeypatch)
         qw = cuda_backend.from_data(REF.into_data(REF.quantize(w, "q4s/block32:f16")))
         first, n = _taken(cuda_backend, x, qw)  # the dispatcher: no clusters
         assert n == 1
-        st = qw.data.cache[("gemv", 1)][1]
+        st = qw.data.cache.gemv[1][1]
         ks = st._grid[1]
         raw_before = _launch.COUNTS["raw"]
         again = cuda_backend.to_numpy(cuda_backend.matmul(x, qw))

@@ -95,16 +95,16 @@ def _launch_gemv_kernel(backend, qw, kern, grid, block, part, cnt, q, x, m, n_, 
     """One launch of a GEMV kernel (gemv.py, or tc.py's with `tc`: the scales by slot last) on
     qw's device buffers, as the backend launches it; returns out [m, n_] on the host."""
     data = qw.data
-    scales, gbuf = backend._decoded_scales(data)
-    pp = backend._prepared(data.shape, data.scheme, "minmax")
-    w32 = backend._code_words(data)
+    scales, gbuf = backend.decoded_scales(data)
+    pp = backend.state.plans.get(data.shape, data.scheme, "minmax")
+    w32 = backend.state.plans.code_words(data)
     out = cuda.device_array(m * n_, dtype=np.float32)
     extra = []
     if tc:
         from qcore_cuda import tc as tc_
 
         extra = [tc_.slot_scales(scales, gbuf, np.asarray(q, dtype=np.int64))]
-    kern[grid, block](cuda.to_device(x.reshape(-1)), w32, scales, gbuf, pp["lut"], part, cnt, out,
+    kern[grid, block](cuda.to_device(x.reshape(-1)), w32, scales, gbuf, pp.lut, part, cnt, out,
                       tuple(int(v) for v in q), 0, m, *extra)
     return out.copy_to_host().reshape(m, n_)
 

@@ -143,6 +143,7 @@ def test_wide_rows_read_bfloat16_bits_as_their_float32_values(monkeypatch, text,
 
     from qcore.spec.scheme import scheme as parse_scheme
     from qcore_cuda import _streams
+    from qcore_cuda.paths.quantize import quantize_bf16_rows
 
     be = _backend(fast, monkeypatch)
     x = sample_x(shape, seed=11).astype(ml_dtypes.bfloat16)
@@ -150,10 +151,10 @@ def test_wide_rows_read_bfloat16_bits_as_their_float32_values(monkeypatch, text,
     x[0, 5] = -0.0
     x[-1, -1] = -50.0  # the last element of the last row: a slot's maximum read alone
     s = _streams.resolve(None, None)
-    q, check = be._quantize_bf16_rows(cuda.to_device(x.view(np.uint16)), parse_scheme(text), s)
+    q, check = quantize_bf16_rows(be, cuda.to_device(x.view(np.uint16)), parse_scheme(text), s)
     check()
     assert be.into_data(q).payload == REF.into_data(REF.quantize(x.astype(np.float32), text)).payload
     x[1, 7] = np.nan
-    q, check = be._quantize_bf16_rows(cuda.to_device(x.view(np.uint16)), parse_scheme(text), s)
+    q, check = quantize_bf16_rows(be, cuda.to_device(x.view(np.uint16)), parse_scheme(text), s)
     with pytest.raises(qcore.InputError, match=r"\(1, 7\)"):
         check()

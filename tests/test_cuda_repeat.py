@@ -30,8 +30,8 @@ FAST = ["q4s/block32:f16", "q8s/block32:f16", "e4m3/block32:f32", "q8s", "nvfp4"
 
 @pytest.fixture
 def be(cuda_backend):
-    if not cuda_backend._fast[0]:
-        pytest.skip(f"the fast kernels are off here ({cuda_backend._fast[1]}): no call repeats")
+    if not cuda_backend.state.fast.usable:
+        pytest.skip(f"the fast kernels are off here ({cuda_backend.state.fast.why}): no call repeats")
     return cuda_backend
 
 
@@ -150,7 +150,7 @@ def test_repeat_dequantize_raises_for_invalid_codes_then_recovers(be, text):
     q = be.quantize(cuda.to_device(x), text, out=buf)
     be.dequantize(q)
     be.dequantize(q)
-    assert "repeat" in q.data.cache and not q.data.codes_checked()
+    assert q.data.cache.dequantize_repeat is not None and not q.data.codes_checked()
     field = int(np.flatnonzero(~d.scheme.valid_fields)[-1])
     bad = with_code(d, (2, 9), field)
     buf.copy_to_device(np.frombuffer(bad.payload, np.uint8))
@@ -168,11 +168,11 @@ def test_codes_are_checked_once_per_tensor_of_the_backends_memory(be, text, monk
     the backend's own memory is read once: its first dequantize reads the flag, later ones (the
     whole way and repeats, quantize out= into it between them) read none, so they do not wait;
     a tensor made from bad bytes raises at every dequantize."""
-    from qcore_cuda.backend import CudaBackend
+    from qcore_cuda._scratch import Scratch
 
     reads = []
-    real = CudaBackend._read_flag
-    monkeypatch.setattr(CudaBackend, "_read_flag",
+    real = Scratch.read_flag
+    monkeypatch.setattr(Scratch, "read_flag",
                         lambda self, flag, s, ready=None: reads.append(1) or real(self, flag, s, ready))
     x = sample_x((4, 64), seed=40)
     d = REF.quantize(x, text).to_data()
@@ -245,7 +245,7 @@ def test_schemes_beyond_the_fast_kernels_always_go_the_whole_way(be, text):
     for _ in range(3):
         assert be.quantize(cuda.to_device(x), text).to_data().payload == want, text
     assert _hits("quantize") == before
-    assert be._repeats[(text, "minmax", (4, 64))] is None
+    assert be.state.repeats[(text, "minmax", (4, 64))] is None
 
 
 def test_tensors_holding_other_data_take_the_whole_way(be):

@@ -145,7 +145,7 @@ def test_cuda_reorder_kernel_moves_fields_as_the_reference_does(text, shape, req
     low = d.in_low_order()
     for src, dst in ((low, d), (d, low)):
         out = cuda.to_device(np.full(len(src.payload), 0xAB, np.uint8))
-        be._launch_reorder(cuda.to_device(np.frombuffer(src.payload, np.uint8).copy()), out, shape, src.scheme,
+        be.launch_reorder(cuda.to_device(np.frombuffer(src.payload, np.uint8).copy()), out, shape, src.scheme,
                            dst.scheme)
         assert out.copy_to_host().tobytes() == dst.payload
 

@@ -49,6 +49,7 @@ import numpy as np
 from qcore.spec.scheme import QuantScheme, QuantValue, StoreKind
 
 from . import kernels as K
+from ._params import Field, ParamLayout
 from .intrin import (and_xor, bf16x2_rn, bitsel, e4m3x2, e4m3x2_f32, e5m2x2, e5m2x2_f32, f2u, fmax_nan, ld1, ld4, prmt,
                      st2, st4, u2f)
 from .scales import round_scale, scale_word
@@ -74,12 +75,25 @@ MODE_BLOCK, MODE_TWO, MODE_TENSOR, MODE_GIVEN = range(4)
 TPB = 256
 DQ_UNITS = 8  # load units (`unit_codes`) of 4 codes in flight per thread (dequantize); 4 of 16 codes
 
-# G (int64 geometry) layout
-G_NRUNS, G_LB, G_LGW, G_MODE, G_SDT, G_SNB, G_SOFF, G_GOFF, G_TWO, G_QMIN = range(10)
-G_LEN = 10
-# C (float32 constants) layout
-C_H, C_M, C_QMIN, C_QMAX = range(4)
-C_LEN = 4
+G_LAYOUT = ParamLayout("G", "int64", [
+    ("G_NRUNS", "runs of 16 elements"),
+    ("G_LB", "log2 of the block (62 for one scale: every run's slot is 0)"),
+    ("G_LGW", "log2 of the runs per block (B / 16, at least 1)"),
+    ("G_MODE", "MODE_BLOCK, MODE_TWO, MODE_TENSOR or MODE_GIVEN"),
+    ("G_SDT", "the slot dtype's id under the scheme's rounding rule (`scale_slot`)"),
+    ("G_SNB", "bytes per stored scale"),
+    ("G_SOFF", "byte offset of the scales section"),
+    ("G_GOFF", "byte offset of the global scale"),
+    ("G_TWO", "1: two-level"),
+    ("G_QMIN", "the smallest valid integer code (dequantize flags codes below it); -2**62 for minifloats"),
+], length_name="G_LEN")
+"""G: the fast kernels' int64 geometry (`geometry`)."""
+G_LAYOUT.define(globals())
+C_LAYOUT = ParamLayout("C", "float32", [Field("C" + f.name[1:], f.doc) for f in K.F_LAYOUT.fields
+                                         if f.name in ("F_H", "F_M", "F_QMIN", "F_QMAX")], length_name="C_LEN")
+"""C: the fast kernels' float32 constants (`geometry`): C_H, C_M, C_QMIN, C_QMAX, as the general
+kernels' F_H, F_M, F_QMIN, F_QMAX (layouts.py)."""
+C_LAYOUT.define(globals())
 
 MAGIC_HI = np.uint32(0x4B000000)  # the f32 bits of 2**23: a byte below it is an exact integer
 FLT_MAX = 3.4028234663852886e38
@@ -103,34 +117,31 @@ def geometry(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax"
     if L % 16:
         return None
     t = scheme.traits
-    G = np.zeros(G_LEN, dtype=np.int64)
-    C = np.zeros(C_LEN, dtype=np.float32)
     if scheme.block is not None:
         if len(scheme.block.dims) != 1:
             return None
         B = scheme.block.dims[0]
         if B < 4 or B > 512 or B & (B - 1) or L % B:
             return None
-        G[G_LB] = _log2(B)
-        G[G_LGW] = _log2(max(B // 16, 1))
-        G[G_MODE] = MODE_TWO if scheme.two_level else MODE_BLOCK
+        lb, lgw = _log2(B), _log2(max(B // 16, 1))
+        mode = MODE_TWO if scheme.two_level else MODE_BLOCK
         if B < 16 or method != "minmax":
-            G[G_MODE] = MODE_GIVEN  # the calibrated modes take block maxima over whole runs
+            mode = MODE_GIVEN  # the calibrated modes take block maxima over whole runs
     else:
-        G[G_LB] = 62  # every run's slot is 0
-        G[G_MODE] = MODE_TENSOR if method == "minmax" else MODE_GIVEN
-    G[G_NRUNS] = n // 16
-    G[G_TWO] = scheme.two_level
-    G[G_QMIN] = int(t.qmin) if not t.is_float else -(1 << 62)  # dequantize flags codes below it (v1.1)
-    G[G_SDT] = scheme.scale_slot  # the slot dtype under the scheme's rounding rule
-    G[G_SNB] = scheme.slot_dtype.traits.nbytes
-    G[G_SOFF] = n * t.bits // 8
-    nslots = 1 if scheme.block is None else n >> int(G[G_LB])
-    G[G_GOFF] = G[G_SOFF] + nslots * G[G_SNB]
-    C[C_H] = scheme.scale_divisor  # h, or 1 under the MX rule
-    C[C_M] = scheme.block.dtype.traits.max_value if scheme.two_level else 1.0  # M of SPEC §2.2
-    C[C_QMIN] = t.qmin
-    C[C_QMAX] = t.qmax
+        lb, lgw = 62, 0  # every run's slot is 0
+        mode = MODE_TENSOR if method == "minmax" else MODE_GIVEN
+    snb = scheme.slot_dtype.traits.nbytes
+    soff = n * t.bits // 8
+    nslots = 1 if scheme.block is None else n >> lb
+    G = G_LAYOUT.pack(
+        G_NRUNS=n // 16, G_LB=lb, G_LGW=lgw, G_MODE=mode, G_TWO=scheme.two_level,
+        G_QMIN=int(t.qmin) if not t.is_float else -(1 << 62),  # dequantize flags codes below it (v1.1)
+        G_SDT=scheme.scale_slot,  # the slot dtype under the scheme's rounding rule
+        G_SNB=snb, G_SOFF=soff, G_GOFF=soff + nslots * snb)
+    C = C_LAYOUT.pack(
+        C_H=scheme.scale_divisor,  # h, or 1 under the MX rule
+        C_M=scheme.block.dtype.traits.max_value if scheme.two_level else 1.0,  # M of SPEC §2.2
+        C_QMIN=t.qmin, C_QMAX=t.qmax)
     return kind, G, C
 
 
@@ -558,11 +569,11 @@ def dequant_kernel(kind: int, bf16: bool = False):
     return _jit(_dequant_kernel(kind, bf16=bf16))
 
 
-_A = "{}[::1]"
-QUANT_SIG = "void(float32[::1], uint32[::1], uint8[::1], float32[::1], float32[::1], int32[::1], int64[::1], float32[::1])"
-DEQUANT_SIG = "void({}[::1], float32[::1], float32[::1], float32[::1], {}[::1], int64[::1], int32[::1])"
+QUANT_SIG = (f"void(float32[::1], uint32[::1], uint8[::1], float32[::1], float32[::1], int32[::1], {G_LAYOUT.arg}, "
+             f"{C_LAYOUT.arg})")
+DEQUANT_SIG = f"void({{}}[::1], float32[::1], float32[::1], float32[::1], {{}}[::1], {G_LAYOUT.arg}, int32[::1])"
 AMAX_SIG = "void(float32[::1], float32[::1], int32[::1], int64)"
-WIDE_SIG = "void(uint32[::1], boolean, int64[::1], float32[::1], float32[::1], uint8[::1], int32[::1])"
+WIDE_SIG = K.SIGNATURES["k_wide_quant"][0]  # (kernels.k_wide_quant's arguments)
 
 
 def ptx_targets():

@@ -15,7 +15,7 @@ unless all of these hold:
   `float8_e4m3fn`.
 
 x is quantized by the backend's own kernel (SPEC §2: the same codes and scales every backend
-gives; a bfloat16 x read as it is, `CudaBackend._quantize_bf16_rows`). Nothing waits for x's
+gives; a bfloat16 x read as it is, `paths.quantize.quantize_bf16_rows`). Nothing waits for x's
 non-finite flag: a row of x holding a NaN or an infinity gets a NaN scale, so its results are
 NaN, as docs/spec.md E9 wants (a float16 or float32 x quantized by `quantize`, which refuses it,
 goes to the decoded path, which does the same). Both payloads are
@@ -38,6 +38,7 @@ from qcore.backend.protocol import QTensor
 from qcore.spec.scheme import QuantScheme, QuantValue, ScaleDtype, StoreKind, scheme as parse_scheme
 
 from .. import _streams
+from .quantize import quantize_bf16_rows
 
 __all__ = ["per_row_e4m3", "run"]
 
@@ -114,12 +115,12 @@ def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, 
     s = _streams.resolve(stream, None if given else x)
     if s.handle != _streams.torch_handle(device.index):
         return None
-    w = be._own(w)
+    w = be.own(w)
     if given:
-        xq = be._own(x)
+        xq = be.own(x)
     else:
         x2 = x.reshape(m, k_)
-        got = be._quantize_bf16_rows(x2, scheme, s, wait=False) \
+        got = quantize_bf16_rows(be, x2, scheme, s, wait=False) \
             if x2.dtype == torch.bfloat16 and x2.is_contiguous() else None
         if got is not None:
             xq = got[0]  # nothing waits: a row holding a non-finite x has a NaN scale
