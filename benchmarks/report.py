@@ -93,7 +93,7 @@ CALL_NOTES = """\
 - **API call, out=**: the whole call writing into existing memory (`be.quantize(x, s, out=q)`,
   `be.dequantize(q, out=y)`; x a torch tensor). The four API calls of a scheme take turns call
   by call, so each quantize into `q` follows a dequantize of it and also decodes `q`'s cached
-  scales again for its packed dequantize launch (`CudaBackend._refresh_decoded`), one more
+  scales again for its packed dequantize launch (`CudaBackend.refresh_decoded`), one more
   kernel than the plain call. **first call, new process**: the first quantize
   and dequantize of the scheme in a child process, after CUDA is set up; two children run in
   turn: the first compiles unless numba's disk cache holds the kernels, the second loads them.
