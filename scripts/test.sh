@@ -19,7 +19,7 @@ fi
 # transformers extra below.
 "$VENV/bin/python" -m pip --disable-pip-version-check -q install "torch==2.13.0"
 # The project with its test extras and backends; Dask, fsspec and s3fs, with moto's S3 server, for
-# tests/test_distributed.py; transformers and compressed-tensors for tests/test_transformers.py
+# tests/model/test_distributed.py; transformers and compressed-tensors for tests/integrations/test_transformers.py
 # (a compressed-tensors export loaded by transformers' own loader).
 "${INSTALL[@]}" -e ".[test,plot,formats,distributed-test,transformers]" -e backends/ndarray -e "backends/cuda[ptx]" \
     -e examples/plugin compressed-tensors

@@ -1,5 +1,5 @@
 """Deliberately broken backends: each carries one bug a real kernel has had, and the conformance
-suite's default run must catch every one of them (tests/test_mutants.py), while the clean twins
+suite's default run must catch every one of them (tests/conformance/test_mutants.py), while the clean twins
 pass.
 
 Two models, as plugin authors write backends:

@@ -15,7 +15,7 @@ relative to the end of the header, tensors back to back), then the tensor bytes.
   come, the header filled in (padded with spaces, which JSON ignores) when the last one is written;
 - `read_header` / `rewrite_header`: a header read as it is and rewritten in place at its length.
 
-safetensors' own reader loads what `StreamWriter` writes (tests/test_model.py checks it bit for bit).
+safetensors' own reader loads what `StreamWriter` writes (tests/model/test_model.py checks it bit for bit).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ order (LOW); a scheme in HIGH or SPLIT order runs them on a LOW copy of its valu
 moves the fields, on the device, in the stream's order.
 
 The rule is `qcore.spec.layout.field_positions` (the reference's statement), written here per field;
-tests/test_field_order_and_flat_blocks.py checks the kernel against `qcore.spec.layout.reorder_values`
+tests/spec/test_field_order_and_flat_blocks.py checks the kernel against `qcore.spec.layout.reorder_values`
 in both directions over stores, widths, packing axes, groups and partial groups.
 """
 from __future__ import annotations

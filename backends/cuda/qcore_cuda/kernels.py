@@ -34,7 +34,7 @@ from .k_tile import TILE_SH, TILE_SHW, TILE_WARPS, k_tile_quant, launch_tiles  #
 from .layouts import *  # noqa: E402,F401,F403
 
 # Every kernel with every signature the backend launches it with (compiled for sm_90 by
-# tests/test_cuda_platform.py::test_kernels_compile_for_sm90). The parameter arrays' types come
+# tests/cuda/test_cuda_platform.py::test_kernels_compile_for_sm90). The parameter arrays' types come
 # from their layouts (layouts.py).
 _P, _F, _RP, _TP, _MQ, _OR = (lay.arg for lay in (P_LAYOUT, F_LAYOUT, RP_LAYOUT, TP_LAYOUT, MQ_LAYOUT, OR_LAYOUT))
 SIGNATURES: dict[str, list[str]] = {

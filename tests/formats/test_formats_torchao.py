@@ -14,8 +14,8 @@ from qcore.formats import UnrepresentableError
 from qcore.formats.torchao import from_blocked, to_blocked
 from qcore.files.stfile import Reader
 from tests.formats_util import decode, get_backend
+from tests.paths import DATA
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
 FIXTURE = os.path.join(DATA, "torchao_nvfp4.safetensors")        # torchao's flatten_tensor_state_dict + save_file
 REFERENCE = os.path.join(DATA, "torchao_nvfp4.ref.safetensors")  # NVFP4Tensor.dequantize() of each weight
 EXPERTS = os.path.join(DATA, "torchao_nvfp4_experts.safetensors")

@@ -3,7 +3,7 @@
 Each rule is checked against an independent oracle (numpy's and ml_dtypes' casts, which round to
 nearest even; `np.frexp` for the MX exponent; an OCP MX quantizer written here), then through
 the schemes, the payload, files and every backend. The kernels' scalar rule is pinned against
-`qcore.spec.codecs` slot by slot in tests/test_scale_rules.py and tests/test_ndarray_backend.py."""
+`qcore.spec.codecs` slot by slot in tests/spec/test_scale_rules.py and tests/backend/test_ndarray_backend.py."""
 from __future__ import annotations
 
 import ml_dtypes

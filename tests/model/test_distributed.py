@@ -14,7 +14,7 @@ import pytest
 
 from qcore.cli.main import main
 from qcore.model.api import quantize_model
-from tests.test_checkpoints import RULES, make_checkpoint
+from tests.files.test_checkpoints import RULES, make_checkpoint
 
 
 

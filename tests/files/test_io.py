@@ -16,6 +16,7 @@ from qcore import BackendNotFoundError, InputError, InvalidDataError, QuantizedD
 from qcore.files import io as qio, stfile
 from qcore.backend import registry
 from tests.doubles import Q8Only
+from tests.paths import ROOT
 
 # Odd shapes on purpose: partial edge blocks, a packing run that does not fill its last word.
 CASES = [
@@ -318,7 +319,7 @@ def test_interrupted_overwrite_keeps_the_old_file(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------ docs/format.md
-DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "format.md")
+DOC = os.path.join(ROOT, "docs", "format.md")
 
 
 def test_doc_snippet_decodes_a_file_without_qcore(tmp_path, monkeypatch):

@@ -41,6 +41,7 @@ from qcore.cli.main import main
 from qcore.formats import Contents
 from qcore.formats.ctensors import ACTIVATIONS_KEY
 from tests.optional import need
+from tests.paths import DATA
 
 # --- compressed-tensors: the rules --------------------------------------------------------------
 
@@ -390,7 +391,7 @@ def test_the_tools_w8a8_checkpoint_passes_through_qcore_to_vllms_schemes(tmp_pat
     """compressed-tensors' own W8A8 file (tests/data/ctensors_w8a8), read and written by qcore,
     keeps what vLLM dispatches on: per channel and per tensor int8 weights become W8A8Int8, the
     group / asymmetric / 2-D block ones are refused as they were before the round trip."""
-    data = os.path.join(os.path.dirname(__file__), "data", "ctensors_w8a8")
+    data = os.path.join(DATA, "ctensors_w8a8")
     out = tmp_path / "out"
     out.mkdir()
     shutil.copy(os.path.join(data, "config.json"), out / "config.json")
@@ -424,9 +425,9 @@ VLLM_GGUF_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
 
 @pytest.fixture
 def gguf_folder():
-    """gguf, and tests/test_formats_gguf_model.py's model folders (a tiny Llama by hand)."""
+    """gguf, and tests/formats/test_formats_gguf_model.py's model folders (a tiny Llama by hand)."""
     gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'qcore-quant[formats]')")
-    from tests.test_formats_gguf_model import CONFIG, model_folder
+    from tests.formats.test_formats_gguf_model import CONFIG, model_folder
     return gguf, CONFIG, model_folder
 
 

@@ -12,8 +12,8 @@ import qcore.formats as qf
 from qcore import InvalidDataError
 from qcore.formats import UnrepresentableError
 from tests.formats_util import assert_bits_equal, decode, get_backend
+from tests.paths import DATA
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
 FIXTURE = os.path.join(DATA, "bnb_nf4.safetensors")          # made by scripts/make_bnb_fixture.py
 REFERENCE = os.path.join(DATA, "bnb_nf4.ref.safetensors")    # bitsandbytes' dequantize_4bit of each weight
 NF4 = np.asarray(qcore.scheme("nf4").table, np.float32)

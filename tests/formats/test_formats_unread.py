@@ -12,8 +12,8 @@ import qcore
 import qcore.formats as qf
 from qcore import InvalidDataError
 from qcore.cli.main import main
+from tests.paths import DATA
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
 F8 = ml_dtypes.float8_e4m3fn
 
 # layout -> (the file's tensors, the codes and the scale the error names); each is a layout qcore has

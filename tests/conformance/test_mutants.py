@@ -126,7 +126,7 @@ def test_narrow_plugin_gets_every_supported_combination_tested():
 REFUSES_ALL = '''
 import pytest
 from qcore.conformance import ConformanceTests
-from tests.test_mutants import RefusesAll
+from tests.conformance.test_mutants import RefusesAll
 
 
 class TestRefusesAll(ConformanceTests):

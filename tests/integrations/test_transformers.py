@@ -20,8 +20,9 @@ import qcore.integrations.transformers as qt  # noqa: E402
 import qcore.nn as qnn  # noqa: E402
 from qcore.files import io as qio
 from qcore.cli.main import main  # noqa: E402
+from tests.paths import DATA
 
-TOKENIZER = os.path.join(os.path.dirname(__file__), "data", "tiny_llama")
+TOKENIZER = os.path.join(DATA, "tiny_llama")
 RULES = ["*.self_attn.*=q8s/block32:f16", "*.mlp.*=q4s/block32:f16"]
 PROMPT = "hello world the model is fast"
 

@@ -13,6 +13,7 @@ import qcore
 import qcore.formats as qf
 from qcore.formats import UnrepresentableError
 from tests.formats_util import assert_bits_equal, decode, get_backend
+from tests.paths import DATA
 
 # gpt-oss's FP4_VALUES (gpt_oss/torch/weights.py), indexed by the nibble
 FP4_VALUES = np.array([+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
@@ -152,7 +153,6 @@ def test_mismatched_pair_is_not_gpt_oss(tmp_path):
 
 
 # ------------------------------------------------- against transformers' own decode (torch, CPU)
-DATA = os.path.join(os.path.dirname(__file__), "data")
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")   # scale byte 254 with code 6: inf on both sides

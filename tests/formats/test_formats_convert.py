@@ -15,6 +15,7 @@ from qcore.formats import UnrepresentableError
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'qcore-quant[formats]')")
 from gguf import GGMLQuantizationType as T  # noqa: E402
+from tests.paths import ROOT
 
 
 def _x(shape, seed=0):
@@ -186,7 +187,7 @@ def test_docs_formats_commands_run_as_written(tmp_path):
     import subprocess
     import sys
 
-    doc = os.path.join(os.path.dirname(__file__), "..", "docs", "formats.md")
+    doc = os.path.join(ROOT, "docs", "formats.md")
     block = re.search(r"```bash\n(.*?)```", open(doc, encoding="utf-8").read(), re.S).group(1)
     script = "\n".join(line for line in block.splitlines() if not line.startswith("pip install"))
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),

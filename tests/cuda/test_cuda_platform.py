@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 import qcore
+from tests.paths import ROOT
 
 
 def test_registered_through_entry_point(cuda_backend):
@@ -221,7 +222,7 @@ def test_kernel_stats_sizes_kernels_without_a_gpu(tmp_path):
 
     if ptx.find_ptxas() is None:
         pytest.skip("no ptxas on this machine (CUDA's toolkit): kernel_stats needs it")
-    script = Path(__file__).resolve().parent.parent / "scripts" / "kernel_stats.py"
+    script = ROOT / "scripts" / "kernel_stats.py"
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     out = subprocess.run([sys.executable, str(script), "^k_amax$", r"^k_fast_quant\[5\]$", "--json",
                           str(tmp_path / "s.json")], env=env, capture_output=True, text=True, timeout=600)
@@ -250,7 +251,7 @@ def test_kernel_stats_lists_loops_and_sass(tmp_path):
         if os.environ.get("QCORE_REQUIRE_PTX", "") not in ("", "0"):
             pytest.fail("nvdisasm missing (QCORE_REQUIRE_PTX=1; qcore-cuda[ptx] installs nvidia-cuda-nvdisasm)")
         pytest.skip("no nvdisasm (pip install nvidia-cuda-nvdisasm)")
-    script = Path(__file__).resolve().parent.parent / "scripts" / "kernel_stats.py"
+    script = ROOT / "scripts" / "kernel_stats.py"
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     out = subprocess.run([sys.executable, str(script), "^k_amax$", "--loops", "--sass", str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=600)

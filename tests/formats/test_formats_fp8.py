@@ -19,8 +19,9 @@ from qcore.cli.main import main
 from qcore.formats import UnrepresentableError
 from qcore.files.stfile import Reader
 from tests.formats_util import BACKENDS, decode, get_backend
+from tests.paths import DATA
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "fp8")
+DATA = os.path.join(DATA, "fp8")
 MODEL = os.path.join(DATA, "model.safetensors")
 SCHEMES = {  # weight -> the qcore scheme it reads as
     "model.layers.0.self_attn.q_proj.weight": "e4m3/block128x128:f32",  # [128, 256]: two blocks

@@ -159,7 +159,7 @@ def test_cuda_flags_invalid_codes_in_its_kernels(cuda_backend, monkeypatch, text
 
 def test_cuda_kernels_keep_their_ptx_signatures():
     """The dequantize kernels gained the flag argument in their compiled signatures too (the
-    sm_90 compile of every signature is tests/test_cuda_platform.py::test_kernels_compile_for_sm90)."""
+    sm_90 compile of every signature is tests/cuda/test_cuda_platform.py::test_kernels_compile_for_sm90)."""
     pytest.importorskip("qcore_cuda")
     from qcore_cuda import fast
     from qcore_cuda import kernels as K

@@ -19,8 +19,9 @@ from qcore.formats import UnrepresentableError
 from qcore.formats.ctensors import CompressedTensorsFormat
 from qcore.files.stfile import Reader
 from tests.formats_util import BACKENDS, decode, get_backend
+from tests.paths import DATA as TEST_DATA
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "ctensors")
+DATA = os.path.join(TEST_DATA, "ctensors")
 MODEL = os.path.join(DATA, "model.safetensors")
 SCHEMES = {  # module weight -> the qcore scheme it reads as
     "layers.0.q_proj.weight": "q4f/block32:bf16",  # int4, group 32, bf16 scales
@@ -433,7 +434,7 @@ def test_mxfp4_moves_between_gpt_oss_compressed_tensors_and_gguf(tmp_path):
 
 # --- int-quantized (W8A8): tests/data/ctensors_w8a8, written by the tool's IntQuantizationCompressor ---
 
-W8A8 = os.path.join(os.path.dirname(__file__), "data", "ctensors_w8a8", "model.safetensors")
+W8A8 = os.path.join(TEST_DATA, "ctensors_w8a8", "model.safetensors")
 W8A8_SCHEMES = {  # module weight -> the qcore scheme it reads as: int8 codes on the native store
     "layers.0.q_proj.weight": "q8f/block64:bf16",  # the W8A8 preset: int8 per channel (a row of 64)
     "layers.0.k_proj.weight": "q8f/block16:f16",  # group 16

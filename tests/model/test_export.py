@@ -17,8 +17,9 @@ from qcore.formats import UnrepresentableError
 from qcore.spec.payload import QuantizedData
 from qcore.backend.registry import backend as get_backend
 from tests.optional import need
+from tests.paths import DATA
 
-TOKENIZER = os.path.join(os.path.dirname(__file__), "data", "tiny_llama")
+TOKENIZER = os.path.join(DATA, "tiny_llama")
 BE = get_backend("reference")
 MIXED = dict(recipe="q4s/block32:f16", rules=["*self_attn*=q8s/block32:f16"])
 
@@ -172,7 +173,7 @@ def test_an_interrupted_export_claims_nothing(tmp_path, monkeypatch):
 
 def test_gguf_in_one_step_equals_quantize_then_convert(tmp_path):
     pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'qcore-quant[formats]')")
-    from tests.test_formats_gguf_model import model_folder
+    from tests.formats.test_formats_gguf_model import model_folder
 
     src = model_folder(tmp_path / "m", scheme=None)
     assert main(["quantize", str(src), str(tmp_path / "one.gguf"), "--scheme", "q8_0", "--format", "gguf",
