@@ -485,8 +485,9 @@ class CudaBackend(BaseBackend):
                 return
             if self._read_flag(flag, s):
                 self._drop_scratch(s)
-                host = x.float().cpu().numpy() if is_torch else _array.view_of(x).numba().copy_to_host()
-                raise_nonfinite(host if is_torch else (host.astype(np.uint32) << 16).view(np.float32).reshape(shape))
+                host = x.float().cpu().numpy() if is_torch else \
+                    _array.view_of(x).numba().copy_to_host().view(_BF16).astype(np.float32).reshape(shape)
+                raise_nonfinite(host)
 
         return QTensor(self, scheme, shape, CudaData(shape, scheme, payload)), check
 
