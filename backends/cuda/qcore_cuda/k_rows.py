@@ -213,14 +213,11 @@ def k_wide_stats(x, xbf, RP, stat, gstat, flag):
     stat[], a thread block per slot (`wide_slot_max`). Two-level: gstat[0] = max over slots.
     Non-finite x sets flag[0]."""
     sh = cuda.shared.array(ROW_TPB, float32)
-    L = RP[R_L]
-    B = RP[R_B]
-    GL = RP[R_GL]
     bad = False
     gm = float32(0.0)
-    for sl in range(int64(cuda.blockIdx.x), RP[R_R] * GL, int64(cuda.gridDim.x)):
-        i0 = (sl % GL) * B
-        m, b = wide_slot_max(x, xbf, (sl // GL) * L + i0, min(B, L - i0), sh)
+    for sl in range(int64(cuda.blockIdx.x), RP[R_R] * RP[R_GL], int64(cuda.gridDim.x)):
+        base, cnt, _ = wide_slot_where(RP, sl)
+        m, b = wide_slot_max(x, xbf, base, cnt, sh)
         bad = bad or b
         if math.isinf(m):  # a non-finite x (flagged): 0 keeps the next kernels finite
             m = float32(0.0)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable
 
+import ml_dtypes
 import numpy as np
 
 from qcore.backend.protocol import QParams, QTensor
@@ -312,8 +313,9 @@ def quantize_bf16_rows(be: Any, x: Any, scheme: QuantScheme, s: Any,
             return
         if scratch.read_flag(flag, s):
             scratch.drop(s)
-            host = x.float().cpu().numpy() if is_torch else _array.view_of(x).numba().copy_to_host()
-            raise_nonfinite(host if is_torch else (host.astype(np.uint32) << 16).view(np.float32).reshape(shape))
+            host = x.float().cpu().numpy() if is_torch else \
+                _array.view_of(x).numba().copy_to_host().view(ml_dtypes.bfloat16).astype(np.float32).reshape(shape)
+            raise_nonfinite(host)
 
     return QTensor(be, scheme, shape, CudaData(shape, scheme, payload)), check
 
