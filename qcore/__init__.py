@@ -27,12 +27,12 @@ from qcore.errors import (
 
 if TYPE_CHECKING:  # the names of the annotations below
     from qcore.backend.protocol import Backend, QParams, QTensor
-    from qcore.spec.scheme import QuantScheme
+    from qcore.spec.schemes import QuantScheme
 
 _HOMES = {
     **dict.fromkeys(["PRESETS", "BlockLevel", "Native", "PackedNative", "PackedU32", "QuantMode", "QuantScheme",
                      "QuantStore", "QuantValue", "ScaleDtype", "ScaleRound", "StoreKind", "TensorLevel", "scheme"],
-                    "qcore.spec.scheme"),
+                    "qcore.spec.schemes"),
     "QuantizedData": "qcore.spec.payload",
     **dict.fromkeys(["Backend", "QParams", "QTensor", "Support"], "qcore.backend.protocol"),
     "BaseBackend": "qcore.backend.base",
@@ -41,7 +41,7 @@ _HOMES = {
     "Recipe": "qcore.model.recipe",
 }
 """Where each re-exported name lives. They are imported when first used (`__getattr__`), so that
-importing one low module (`qcore.spec.scheme`, which runs this file first) does not import the
+importing one low module (`qcore.spec.schemes`, which runs this file first) does not import the
 registry, the recipes or the files they need."""
 
 __all__ = [

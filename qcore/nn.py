@@ -27,7 +27,7 @@ from qcore.spec.payload import QuantizedData, sections
 from qcore.backend.protocol import Backend, QTensor
 from qcore.model.recipe import RecipeLike, as_recipe
 from qcore.backend.registry import AutoBackend, backend as get_backend
-from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
+from qcore.spec.schemes import QuantScheme, scheme as parse_scheme
 
 __all__ = ["Linear", "quantize_module", "quantized_linears", "backend_for"]
 

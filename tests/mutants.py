@@ -32,7 +32,7 @@ from qcore.backend.base import BaseBackend
 from qcore.backend.protocol import QParams, QTensor, Support
 from qcore.spec.arithmetic import decode, effective_scale, encode, slot_statistic, store_reciprocal
 from qcore.backend.reference import ReferenceBackend
-from qcore.spec.scheme import QuantScheme, QuantStore, ScaleDtype, StoreKind, TensorLevel
+from qcore.spec.schemes import QuantScheme, QuantStore, ScaleDtype, StoreKind, TensorLevel
 
 NARROW_EXPECT = "q8s/tensor:f32/native,q8s/block*:f32/native,q8s/block*:f32/native/flat"
 """What the narrow plugin's author says it supports (`--expect` patterns): its own schemes, and

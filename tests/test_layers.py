@@ -139,11 +139,11 @@ def test_a_low_module_loads_no_higher_room():
     names on first use, so importing a spec module loads no recipe, file, format or model module.
     The backend room's package is loaded (the facade's `backend` function shares its name), and
     with it the registry, which hands the contract's types their lookups (`use_registry`)."""
-    code = "import sys, qcore.spec.scheme; print(*sorted(m for m in sys.modules if m.startswith('qcore')))"
+    code = "import sys, qcore.spec.schemes; print(*sorted(m for m in sys.modules if m.startswith('qcore')))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=ROOT).stdout.split()
     higher = [m for m in loaded if m in MODULES and m != "qcore" and ROOMS.index(_room(m)) > ROOMS.index("backend")]
-    assert "qcore.spec.scheme" in loaded and not higher, f"importing qcore.spec.scheme loads {higher}"
+    assert "qcore.spec.schemes" in loaded and not higher, f"importing qcore.spec.schemes loads {higher}"
 
 
 def test_every_facade_name_resolves():

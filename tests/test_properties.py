@@ -4,7 +4,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import qcore
 from qcore import Native, PackedNative, PackedU32, QuantScheme, QuantValue, ScaleDtype
-from qcore.spec.scheme import base_scheme
+from qcore.spec.schemes import base_scheme
 
 ref = qcore.backend("reference")
 DTYPES = list(ScaleDtype)

@@ -13,7 +13,7 @@ import numpy as np
 from qcore.errors import InputError, SchemeError, UnsupportedSchemeError
 from qcore.backend.activations import product_dims
 from qcore.backend.protocol import QTensor, require_support
-from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
+from qcore.spec.schemes import QuantScheme, scheme as parse_scheme
 
 __all__ = ["act_scheme", "finite_rows", "given_x", "nan_rows"]
 

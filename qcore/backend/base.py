@@ -27,7 +27,7 @@ from qcore.spec.checks import check_input_dtype, check_output_dtype
 from qcore.spec.codecs import F32_TINY
 from qcore.spec.features import declared_features, scheme_features
 from qcore.spec.payload import QuantizedData, sections
-from qcore.spec.scheme import OffsetKind, QuantScheme, scheme as parse_scheme
+from qcore.spec.schemes import OffsetKind, QuantScheme, scheme as parse_scheme
 
 __all__ = ["BaseBackend", "empty_params"]
 

@@ -31,7 +31,7 @@ from qcore.backend.protocol import Backend, QTensor
 from qcore.spec.arithmetic import QParams, decode, scaled_values
 from qcore.errors import InputError
 from qcore.spec.payload import QuantizedData
-from qcore.spec.scheme import BlockLevel
+from qcore.spec.schemes import BlockLevel
 
 __all__ = ["reshape", "permute", "slice_", "cat", "matmul", "linear"]
 

@@ -21,7 +21,7 @@ import numpy as np
 from qcore.errors import BackendNotFoundError, UnsupportedSchemeError
 from qcore.spec.arithmetic import QParams
 from qcore.spec.payload import QuantizedData, sections
-from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
+from qcore.spec.schemes import QuantScheme, scheme as parse_scheme
 
 __all__ = ["Support", "QParams", "QTensor", "Backend", "CALIBRATION_METHODS", "BACKEND_ATTRIBUTES",
            "BACKEND_METHODS", "BACKEND_MEMBERS", "require_support", "use_registry"]

@@ -15,7 +15,7 @@ from qcore.spec.payload import QuantizedData
 from qcore.spec.features import ALL_FEATURES
 from qcore.backend.base import BaseBackend
 from qcore.backend.protocol import QParams, Support
-from qcore.spec.scheme import QuantScheme
+from qcore.spec.schemes import QuantScheme
 
 __all__ = ["ReferenceBackend"]
 

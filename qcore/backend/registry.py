@@ -25,7 +25,7 @@ from qcore.backend.protocol import (
 )
 from qcore.errors import BackendNotFoundError, BackendUnavailableError, UnsupportedSchemeError
 from qcore.spec.payload import QuantizedData
-from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
+from qcore.spec.schemes import QuantScheme, scheme as parse_scheme
 
 __all__ = [
     "ENV_VAR",

@@ -6,8 +6,8 @@ import os
 from typing import Any
 
 from qcore.errors import QCoreError
-from qcore.spec.scheme import PRESETS, Native, PackedNative, PackedU32, QuantMode, QuantScheme, QuantValue, ScaleDtype
-from qcore.spec.scheme import base_scheme
+from qcore.spec.schemes import PRESETS, Native, PackedNative, PackedU32, QuantMode, QuantScheme, QuantValue, ScaleDtype
+from qcore.spec.schemes import base_scheme
 from qcore.cli.args import EXIT_OK
 from qcore.cli.console import console
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from qcore.spec.scheme import scheme as parse_scheme
+from qcore.spec.schemes import scheme as parse_scheme
 from qcore.cli.args import EXIT_OK, UsageError
 from qcore.cli.console import console
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from qcore.errors import InputError, QCoreError
-from qcore.spec.scheme import scheme as parse_scheme
+from qcore.spec.schemes import scheme as parse_scheme
 from qcore.files import io as qio
 from qcore.files.checkpoint import check_apart
 from qcore.files.paths import check_output_path, is_url

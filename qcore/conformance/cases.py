@@ -23,7 +23,7 @@ import numpy as np
 
 from qcore.errors import QCoreError
 from qcore.conformance.inputs import SCHEME_DISTRIBUTIONS, scheme_input
-from qcore.spec.scheme import PRESETS, QuantScheme, QuantStore, StoreKind, scheme as parse_scheme
+from qcore.spec.schemes import PRESETS, QuantScheme, QuantStore, StoreKind, scheme as parse_scheme
 
 __all__ = [
     "VALUE_MODES",

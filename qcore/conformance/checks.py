@@ -33,7 +33,7 @@ from qcore.errors import InputError, InvalidDataError, QCoreError, UnsupportedSc
 from qcore.spec.arithmetic import round_offsets
 from qcore.spec.payload import QuantizedData, offset_bytes, sections
 from qcore.backend.protocol import QParams, QTensor
-from qcore.spec.scheme import OffsetKind, QuantScheme, QuantValue, scheme as parse_scheme
+from qcore.spec.schemes import OffsetKind, QuantScheme, QuantValue, scheme as parse_scheme
 from qcore.conformance.cases import Case, make_input, np_dtype
 from qcore.conformance.inputs import grid_exponents
 from qcore.conformance.invalid import with_code, with_valid_codes

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from qcore.errors import InputError
-from qcore.spec.scheme import QuantScheme
+from qcore.spec.schemes import QuantScheme
 from qcore.conformance.cases import level_label, rules_label, store_label, value_label
 
 __all__ = ["Expectation", "as_expectation", "parse_expect", "per_backend", "scheme_label"]

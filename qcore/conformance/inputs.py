@@ -35,7 +35,7 @@ import zlib
 import numpy as np
 
 from qcore.spec import layout
-from qcore.spec.scheme import QuantScheme
+from qcore.spec.schemes import QuantScheme
 
 __all__ = ["SCHEME_DISTRIBUTIONS", "decision_points", "grid_exponents", "scheme_input", "slot_ids"]
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from qcore.spec import layout
 from qcore.spec.payload import QuantizedData
-from qcore.spec.scheme import QuantScheme
+from qcore.spec.schemes import QuantScheme
 
 __all__ = ["with_valid_codes", "with_code"]
 

@@ -43,7 +43,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from qcore.errors import SchemeError
-from qcore.spec.scheme import (PRESETS, SIGNED_SCALE_DTYPES, BlockLevel, CodeRule, FieldOrder, Offset, OffsetKind, QuantScheme,
+from qcore.spec.parts import SIGNED_SCALE_DTYPES
+from qcore.spec.schemes import (PRESETS, BlockLevel, CodeRule, FieldOrder, Offset, OffsetKind, QuantScheme,
                       QuantValue, ScaleDtype, ScaleRound, StoreKind)
 from qcore.conformance import cases as C
 from qcore.conformance import checks as K

@@ -26,7 +26,7 @@ from typing import Any
 from qcore.errors import InputError, InvalidDataError, QCoreError
 from qcore.files.io import FORMAT_VERSION
 from qcore.files.paths import PathLike, atomic_write, parse_json
-from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
+from qcore.spec.schemes import QuantScheme, scheme as parse_scheme
 
 __all__ = ["QUANT_METHOD", "CONFIG_NAME", "quantization_config", "tensor_schemes", "is_qcore",
            "write_config", "put_quantization_config", "export_config", "config_beside"]

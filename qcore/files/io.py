@@ -37,7 +37,8 @@ from qcore.files.paths import PathLike
 from qcore.files.stfile import (ST_DTYPES, open_checked, read_arrays, read_header, rewrite_header, st_dtype, storable,
                                  write_arrays)
 from qcore.spec.payload import QuantizedData, sections
-from qcore.spec.scheme import INT64_MAX, QuantScheme, scheme as parse_scheme
+from qcore.spec.parts import INT64_MAX
+from qcore.spec.schemes import QuantScheme, scheme as parse_scheme
 
 __all__ = [
     "FORMAT_VERSION",

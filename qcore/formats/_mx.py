@@ -12,7 +12,7 @@ import numpy as np
 
 from qcore.spec.payload import QuantizedData
 from qcore.backend.protocol import Support
-from qcore.spec.scheme import PRESETS
+from qcore.spec.schemes import PRESETS
 
 __all__ = ["MXFP4", "BLOCK", "check", "split", "join", "zero_scale_blocks"]
 

@@ -59,7 +59,7 @@ from qcore.errors import InputError, InvalidDataError, SchemeError
 from qcore.spec.layout import check_shape
 from qcore.spec.payload import QuantizedData
 from qcore.backend.protocol import Support
-from qcore.spec.scheme import PRESETS, QuantMode, QuantScheme, QuantValue, ScaleDtype
+from qcore.spec.schemes import PRESETS, QuantMode, QuantScheme, QuantValue, ScaleDtype
 from qcore.files.stfile import write_arrays
 from qcore.formats._st import array_support, pop_json, read_arrays
 from qcore.formats._hfconfig import one_setting, skip_modules

@@ -18,7 +18,7 @@ import numpy as np
 
 from qcore.files.checkpoint import check_apart
 from qcore.spec.payload import QuantizedData
-from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
+from qcore.spec.schemes import QuantScheme, scheme as parse_scheme
 from qcore.formats.base import Contents, Format, PathLike, Tensor, UnrepresentableError, model_folder, read_checked
 from qcore.formats.registry import detect, get
 

@@ -85,7 +85,7 @@ from qcore.files.io import VERSION_KEY
 from qcore.spec.payload import QuantizedData
 from qcore.backend.protocol import Support
 from qcore._regex import MAX_REGEX_CHOICES, bounded_regex
-from qcore.spec.scheme import OffsetKind, PackedU32, QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
+from qcore.spec.schemes import OffsetKind, PackedU32, QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
 from qcore.formats import _mx, _nvfp4
 from qcore.files.hfconfig import config_beside, put_quantization_config
 from qcore.files.stfile import write_arrays

@@ -41,7 +41,7 @@ import numpy as np
 from qcore.files.io import VERSION_KEY
 from qcore.spec.payload import QuantizedData
 from qcore.backend.protocol import Support
-from qcore.spec.scheme import QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
+from qcore.spec.schemes import QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
 from qcore.files.hfconfig import config_beside, put_quantization_config
 from qcore.files.stfile import write_arrays
 from qcore.formats._st import array_support, pop_json, read_arrays

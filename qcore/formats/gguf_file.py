@@ -52,7 +52,7 @@ from qcore.files.paths import atomic_write
 from qcore.errors import InvalidDataError
 from qcore.spec.payload import QuantizedData
 from qcore.backend.protocol import Support
-from qcore.spec.scheme import QuantScheme, ScaleDtype, scheme as parse_scheme
+from qcore.spec.schemes import QuantScheme, ScaleDtype, scheme as parse_scheme
 from qcore.formats import _mx, gguf_model
 from qcore.formats.base import Contents, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
 

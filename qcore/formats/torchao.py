@@ -43,7 +43,7 @@ from qcore.errors import InvalidDataError
 from qcore.files.io import VERSION_KEY
 from qcore.spec.payload import QuantizedData
 from qcore.backend.protocol import Support
-from qcore.spec.scheme import PRESETS, QuantScheme, scheme as parse_scheme
+from qcore.spec.schemes import PRESETS, QuantScheme, scheme as parse_scheme
 from qcore.formats import _nvfp4
 from qcore.files.stfile import write_arrays
 from qcore.formats._st import array_support, carried, pop_json, read_arrays

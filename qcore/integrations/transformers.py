@@ -42,7 +42,7 @@ from qcore.errors import InvalidDataError
 from qcore.nn import Linear, backend_for, quantize_module, quantized_linears
 from qcore.spec.payload import QuantizedData, sections
 from qcore.model.recipe import RecipeLike, as_recipe
-from qcore.spec.scheme import QuantScheme
+from qcore.spec.schemes import QuantScheme
 from qcore.files.stfile import st_dtype
 from qcore.files.hfconfig import QUANT_METHOD, quantization_config, tensor_schemes
 

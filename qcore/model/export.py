@@ -37,7 +37,7 @@ import numpy as np
 
 from qcore.errors import InputError, SchemeError
 from qcore.spec.payload import QuantizedData, sections
-from qcore.spec.scheme import PRESETS, QuantScheme, QuantValue, base_scheme, scheme as parse_scheme
+from qcore.spec.schemes import PRESETS, QuantScheme, QuantValue, base_scheme, scheme as parse_scheme
 from qcore.files import io as qio
 from qcore.files.paths import atomic_write, check_output_path
 from qcore.files.checkpoint import INDEX_SUFFIX, Checkpoint, Contents, check_apart, index_doc, resolve, write_index

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qcore import _signals
-from qcore.spec.scheme import QuantScheme
+from qcore.spec.schemes import QuantScheme
 from qcore.files import io as qio
 from qcore.files.paths import atomic_write
 from qcore.files.checkpoint import Checkpoint, index_doc, write_index

@@ -19,7 +19,7 @@ import numpy as np
 
 from qcore.errors import InputError
 from qcore.spec.payload import sections
-from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
+from qcore.spec.schemes import QuantScheme, scheme as parse_scheme
 from qcore.backend.protocol import Backend, require_support
 from qcore.files import io as qio
 from qcore.files.checkpoint import INDEX_NAME, INDEX_SUFFIX, Checkpoint, parse_size, shard_name

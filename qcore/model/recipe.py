@@ -48,7 +48,7 @@ from qcore._regex import MAX_REGEX_CHOICES, MAX_REGEX_NAME, REGEX_PREFIX, bounde
 from qcore.errors import InputError, InvalidDataError, QCoreError, StorageError
 from qcore.model.reasons import Reason
 from qcore.spec.checks import INPUT_DTYPES
-from qcore.spec.scheme import QuantScheme, scheme as parse_scheme
+from qcore.spec.schemes import QuantScheme, scheme as parse_scheme
 
 __all__ = ["KEEP", "DEFAULT_KEEP", "MAX_REGEX_NAME", "MAX_REGEX_CHOICES", "Rule", "Recipe", "Decision", "as_recipe",
            "bounded_regex"]

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from qcore.errors import InputError, InvalidDataError, QCoreError
-from qcore.spec.scheme import scheme as parse_scheme
+from qcore.spec.schemes import scheme as parse_scheme
 from qcore.backend.protocol import Backend
 from qcore.files import io as qio
 from qcore.files.paths import atomic_write

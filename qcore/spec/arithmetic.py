@@ -18,7 +18,7 @@ from qcore.spec.checks import raise_nonfinite, to_f32
 from qcore.spec.codecs import F32_TINY, SCALE_SLOTS, ScaleSlot, rule_codes, scale_slot_id
 from qcore.errors import InputError
 from qcore.spec.payload import QuantizedData
-from qcore.spec.scheme import CodeRule, OffsetKind, QuantScheme
+from qcore.spec.schemes import CodeRule, OffsetKind, QuantScheme
 
 __all__ = [
     "QParams",

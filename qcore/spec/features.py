@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Iterable
 
-from qcore.spec.scheme import CodeRule, FieldOrder, OffsetKind, QuantScheme, ScaleRound
+from qcore.spec.schemes import CodeRule, FieldOrder, OffsetKind, QuantScheme, ScaleRound
 
 __all__ = ["SchemeFeature", "FEATURES", "ALL_FEATURES", "scheme_features", "declared_features"]
 

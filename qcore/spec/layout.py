@@ -12,7 +12,8 @@ from typing import Sequence
 import numpy as np
 
 from qcore.errors import InputError
-from qcore.spec.scheme import INT64_MAX, FieldOrder, QuantScheme, StoreKind
+from qcore.spec.parts import INT64_MAX
+from qcore.spec.schemes import FieldOrder, QuantScheme, StoreKind
 
 MAX_EXTENT_PRODUCT = 1 << 50
 """Largest product of a shape's non-zero extents (a thousand times the largest tensors in use):

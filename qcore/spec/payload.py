@@ -16,7 +16,7 @@ import numpy as np
 
 from qcore.spec import layout
 from qcore.errors import InputError, InvalidDataError, SchemeError
-from qcore.spec.scheme import OffsetKind, QuantScheme, scheme as parse_scheme, _check_table
+from qcore.spec.schemes import OffsetKind, QuantScheme, scheme as parse_scheme, _check_table
 
 __all__ = ["QuantizedData", "Sections", "sections", "offset_nbytes", "offset_bytes"]
 

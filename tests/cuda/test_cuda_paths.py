@@ -141,7 +141,7 @@ def test_wide_rows_read_bfloat16_bits_as_their_float32_values(monkeypatch, text,
     import ml_dtypes
     from numba import cuda
 
-    from qcore.spec.scheme import scheme as parse_scheme
+    from qcore.spec.schemes import scheme as parse_scheme
     from qcore_cuda import _streams
     from qcore_cuda.paths.quantize import quantize_bf16_rows
 

@@ -14,7 +14,7 @@ import pytest
 from qcore.conformance.invalid import with_code
 from qcore.errors import InputError, InvalidDataError
 from qcore.backend.reference import ReferenceBackend
-from qcore.spec.scheme import scheme as parse_scheme
+from qcore.spec.schemes import scheme as parse_scheme
 
 from tests.cuda_cases import SIM, assert_same_floats, sample_x
 

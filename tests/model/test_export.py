@@ -369,7 +369,7 @@ def test_transformers_loads_a_one_step_export_as_the_quantized_model(tmp_path, f
 def test_a_kept_module_whose_name_would_catch_a_quantized_one_is_listed_escaped():
     # transformers' should_convert_module also matches a pattern as a suffix and its dots as any character:
     # the kept 'model.layers.0.mlp.up_proj' would leave the quantized 'vision_model.layers.0.mlp.up_proj' in float
-    from qcore.spec.scheme import scheme as parse_scheme
+    from qcore.spec.schemes import scheme as parse_scheme
 
     nf4 = parse_scheme("q4s-lookup[nf4]/block64:f32")
     layout = {"model.layers.0.mlp.up_proj.weight": (None, (8, 64)), "lm_head.weight": (nf4, (8, 64)),

@@ -14,7 +14,7 @@ from qcore.conformance.expect import parse_expect
 from qcore.spec.features import ALL_FEATURES, FEATURES, declared_features, scheme_features
 from qcore.backend.base import BaseBackend
 from qcore.backend.protocol import Support
-from qcore.spec.scheme import ScaleDtype, StoreKind, scheme
+from qcore.spec.schemes import ScaleDtype, StoreKind, scheme
 from tests.mutants import Narrow
 
 V1_EXPECT = "q8s/tensor:f32/native,q8s/block*:f32/native"

@@ -16,7 +16,7 @@ from qcore.spec import layout
 from qcore.errors import InputError, InvalidDataError, SchemeError
 from qcore.spec.payload import QuantizedData
 from qcore.backend.protocol import QParams
-from qcore.spec.scheme import FieldOrder, PackedNative, PackedU32, QuantScheme, QuantValue, ScaleDtype
+from qcore.spec.schemes import FieldOrder, PackedNative, PackedU32, QuantScheme, QuantValue, ScaleDtype
 from tests.formats_util import get_backend
 
 REF = qcore.backend("reference")

@@ -14,7 +14,7 @@ import qcore
 from qcore import QParams, SchemeError
 from qcore.spec.codecs import SCALES, VALUES, bits_f32, f32_bits
 from qcore.files.io import load_data
-from qcore.spec.scheme import ScaleRound
+from qcore.spec.schemes import ScaleRound
 
 REF = qcore.backend("reference")
 

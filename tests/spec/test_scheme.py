@@ -7,7 +7,9 @@ import qcore
 from qcore import (
     Native, PackedNative, PackedU32, QuantMode, QuantScheme, QuantValue, ScaleDtype, SchemeError,
 )
-from qcore.spec.scheme import PRESETS, TABLES, base_scheme
+from qcore.spec.schemes import PRESETS, TABLES, base_scheme
+from qcore.spec.validity import RULES
+from tests.paths import ROOT
 
 
 def all_valid_schemes():
@@ -135,6 +137,48 @@ def test_with_value_keeps_default_store_adaptive():
 def test_validity_errors_say_what_to_use(build, match):
     with pytest.raises(SchemeError, match=match):
         build()
+
+
+BREAKS = {  # per rule of qcore.spec.validity.RULES: a scheme that breaks it, and its message's start
+    "native store": ("q4s/native", "Native store needs an 8-bit value"),
+    "packed native store": ("q8s/packed_native", "PackedNative store needs a sub-byte value"),
+    "split group": ("q4f/block32:f16/packed_native/order:split5", "a split group holds whole words of 2 fields"),
+    "flat blocks: one dim": ("q8s/block4x8:f32:flat", "blocks over the flattened tensor take one dim"),
+    "flat blocks: axis 0": ("q4s/block64:f32:flat/packed_u32:1", "blocks over the flattened tensor store it as one"),
+    "two-level block dtype": ("q8s/block32:bf16/tensor:f32", "two-level scales need block dtype f16 or ue4m3"),
+    "two-level tensor dtype": ("q8s/block32:f16/tensor:f16", "two-level scales need tensor dtype f32"),
+    "reciprocal global": ("q8s/tensor:f32:recip", "a reciprocal global scale (tensor:f32:recip) needs a block"),
+    "lookup value": ("e2m1-lookup[nf4]", "LOOKUP needs an integer value"),
+    "mx rounding": ("e2m1/block32:f16/packed_native/round:mx", "scale rounding mx"),
+    "signed scales": ("q4s/block32:f16/signed", "signed scales need a full-range integer value"),
+    "affine offset": ("q4f/block32:f16/tensor:f32/zero", "an affine offset (zero) needs an integer value"),
+    "min offset": ("q4f/block32:f16/min:f16", "a min offset is the value of code 0"),
+    "unsigned value": ("u4/block32:f16", "unsigned values (u4) need an affine offset"),
+    "code rule and zero point": ("q4f/block32:f16/zero/codes:away", "the code rules apply to min offsets"),
+    "midpoint codes": ("q4s/block32:f16/codes:midpoint", "code rule midpoint needs a LOOKUP scheme"),
+    "integer code rules": ("e4m3/block32:f16/codes:away", "code rule away needs an integer value"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BREAKS))
+def test_each_validity_rule_refuses_a_scheme_that_breaks_it(name):
+    text, message = BREAKS[name]
+    with pytest.raises(SchemeError) as e:
+        qcore.scheme(text)
+    assert str(e.value).startswith(message), f"{text!r}: {e.value}"
+
+
+def test_table_only_in_lookup_mode():
+    with pytest.raises(SchemeError, match="a table is only meaningful with mode LOOKUP"):
+        QuantScheme(QuantValue.Q4S, table=tuple(range(16)))
+
+
+def test_every_validity_rule_has_a_breaking_example_and_a_docs_row():
+    assert set(BREAKS) | {"table only in lookup"} == {r.name for r in RULES}
+    text = (ROOT / "docs" / "spec.md").read_text(encoding="utf-8")
+    rows = [line.split("|")[1:3] for line in text.splitlines() if line.startswith("| ")]
+    table = [(a.strip(), b.strip()) for a, b in rows]
+    assert [(r.name, r.requires) for r in RULES] == [t for t in table if t[0] in {r.name for r in RULES}]
 
 
 def test_lookup_table_strictly_increasing_as_float32():

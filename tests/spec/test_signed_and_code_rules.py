@@ -16,7 +16,7 @@ from qcore.spec.codecs import CODE_RULES, code_rule_kernel, rule_codes
 from qcore.errors import InputError, InvalidDataError, SchemeError
 from qcore.spec.payload import QuantizedData
 from qcore.backend.protocol import QParams
-from qcore.spec.scheme import CodeRule, QuantScheme, QuantValue, ScaleRound
+from qcore.spec.schemes import CodeRule, QuantScheme, QuantValue, ScaleRound
 
 
 @pytest.mark.parametrize("text", [

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from qcore.spec.scheme import QuantScheme
+from qcore.spec.schemes import QuantScheme
 
 if TYPE_CHECKING:
     from qcore.backend.protocol import QTensor

@@ -20,7 +20,7 @@ import numpy as np
 from qcore.spec import layout
 from qcore.spec.codecs import CODE_RULES, scale_slot_id
 from qcore.spec.payload import offset_nbytes
-from qcore.spec.scheme import OffsetKind, QuantScheme, StoreKind
+from qcore.spec.schemes import OffsetKind, QuantScheme, StoreKind
 
 from . import kernels as K
 

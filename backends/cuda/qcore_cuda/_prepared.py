@@ -15,7 +15,7 @@ import numpy as np
 
 from qcore.spec import layout
 from qcore.spec.payload import sections
-from qcore.spec.scheme import QuantScheme
+from qcore.spec.schemes import QuantScheme
 
 from ._compat import numba_cuda
 from ._loader import kernels

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from qcore.backend.protocol import QTensor
-from qcore.spec.scheme import QuantScheme
+from qcore.spec.schemes import QuantScheme
 
 from . import _array, _streams
 from ._data import CudaData

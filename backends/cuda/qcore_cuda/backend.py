@@ -23,7 +23,7 @@ from qcore.errors import InputError
 from qcore.spec.payload import QuantizedData, sections
 from qcore.backend.base import BaseBackend
 from qcore.backend.protocol import QParams, QTensor, Support
-from qcore.spec.scheme import QuantScheme
+from qcore.spec.schemes import QuantScheme
 
 from . import _array, _flags, _repeat, _streams
 from ._compat import numba_cuda

@@ -46,7 +46,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from qcore.spec.scheme import QuantScheme, QuantValue, StoreKind
+from qcore.spec.schemes import QuantScheme, QuantValue, StoreKind
 
 from . import kernels as K
 from ._params import Field, ParamLayout

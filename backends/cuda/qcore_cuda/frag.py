@@ -57,7 +57,7 @@ import numpy as np
 
 from numba import config, cuda, float32, int32, int64, uint32
 
-from qcore.spec.scheme import QuantScheme, ScaleDtype
+from qcore.spec.schemes import QuantScheme, ScaleDtype
 
 from . import fast, gemv
 from .devmath import two_level_e

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from qcore.spec.scheme import QuantScheme
+from qcore.spec.schemes import QuantScheme
 
 from . import fast
 from ._params import ParamLayout

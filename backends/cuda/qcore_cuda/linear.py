@@ -45,7 +45,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from qcore.spec.scheme import QuantScheme, StoreKind
+from qcore.spec.schemes import QuantScheme, StoreKind
 
 from . import fast
 from ._params import ParamLayout

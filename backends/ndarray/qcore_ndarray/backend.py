@@ -36,7 +36,7 @@ from qcore.errors import InvalidDataError
 from qcore.spec.payload import QuantizedData, offset_bytes
 from qcore.backend.base import BaseBackend
 from qcore.backend.protocol import QParams, QTensor, Support
-from qcore.spec.scheme import QuantScheme, StoreKind
+from qcore.spec.schemes import QuantScheme, StoreKind
 
 from .plan import TASK_ELEMENTS, Plan, make_plan
 

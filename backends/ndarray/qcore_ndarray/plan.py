@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qcore.spec import layout
-from qcore.spec.scheme import QuantScheme
+from qcore.spec.schemes import QuantScheme
 
 __all__ = ["Plan", "make_plan", "NAXES", "TASK_ELEMENTS"]
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from qcore import BaseBackend, QParams, QuantizedData, QuantScheme, StoreKind, Support
 from qcore.spec.arithmetic import midpoint_codes, slot_effective, store_reciprocal
-from qcore.spec.scheme import CodeRule
+from qcore.spec.schemes import CodeRule
 from qcore.spec.checks import raise_nonfinite, to_f32
 
 __all__ = ["LutCpuBackend", "LutTensor"]

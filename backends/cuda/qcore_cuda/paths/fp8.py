@@ -35,7 +35,7 @@ import numpy as np
 from qcore.errors import InputError
 from qcore.spec.payload import sections
 from qcore.backend.protocol import QTensor
-from qcore.spec.scheme import QuantScheme, QuantValue, ScaleDtype, StoreKind, scheme as parse_scheme
+from qcore.spec.schemes import QuantScheme, QuantValue, ScaleDtype, StoreKind, scheme as parse_scheme
 
 from .. import _streams
 from .quantize import quantize_bf16_rows

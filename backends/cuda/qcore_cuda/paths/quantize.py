@@ -12,7 +12,7 @@ import numpy as np
 
 from qcore.backend.protocol import QParams, QTensor
 from qcore.spec.checks import raise_nonfinite
-from qcore.spec.scheme import QuantScheme, QuantValue
+from qcore.spec.schemes import QuantScheme, QuantValue
 
 from .. import _array
 from .._data import CudaData

@@ -1,15 +1,19 @@
 """Quantization schemes as immutable values, their validity rules and text form (SPEC §1)."""
 from __future__ import annotations
 
-import enum
 import re
 from dataclasses import dataclass, fields, replace
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from qcore.spec.codecs import MX_DTYPES, SCALE_SLOTS, SCALES, VALUES, ScaleSlot, ScaleTraits, ValueTraits, scale_slot_id
 from qcore.errors import SchemeError
+from qcore.spec.codecs import SCALE_SLOTS, ScaleSlot, ValueTraits, scale_slot_id
+from qcore.spec.parts import (TABLES, BlockLevel, CodeRule, FieldOrder, Native,
+                              Offset, OffsetKind, PackedNative, PackedU32, QuantMode, QuantStore, QuantValue,
+                              ScaleDtype, ScaleRound, StoreKind, TensorLevel, _check_table, _coerce,
+                              _NATIVE, _PACKED_U32_0, _normalize_dims, _parse_int)
+from qcore.spec.validity import check_rules
 
 __all__ = [
     "QuantValue",
@@ -33,299 +37,6 @@ __all__ = [
     "scheme",
     "base_scheme",
 ]
-
-
-class QuantValue(enum.Enum):
-    """What one quantized element is; `.traits` is its row in `codecs.VALUES`."""
-
-    Q8F = "q8f"
-    Q8S = "q8s"
-    Q4F = "q4f"
-    Q4S = "q4s"
-    Q2F = "q2f"
-    Q2S = "q2s"
-    E4M3 = "e4m3"
-    E5M2 = "e5m2"
-    E2M1 = "e2m1"
-    U8 = "u8"
-    U4 = "u4"
-    U2 = "u2"
-
-    @property
-    def traits(self) -> ValueTraits:
-        return VALUES[self.value]
-
-    @property
-    def bits(self) -> int:
-        return self.traits.bits
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class QuantMode(enum.Enum):
-    """SYMMETRIC: codes are the value format itself. LOOKUP: codes index a table."""
-
-    SYMMETRIC = "symmetric"
-    LOOKUP = "lookup"
-
-
-class ScaleDtype(enum.Enum):
-    """How a scale is stored; `.traits` is its row in `codecs.SCALES`."""
-
-    F32 = "f32"
-    F16 = "f16"
-    BF16 = "bf16"
-    UE8M0 = "ue8m0"
-    UE4M3 = "ue4m3"
-
-    @property
-    def traits(self) -> ScaleTraits:
-        return SCALES[self.value]
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class ScaleRound(enum.Enum):
-    """How a raw scale becomes a stored one (docs/spec.md "Extensions"): UP is SPEC v1's
-    round-up; RNE rounds to the nearest value of the scale dtype, ties to even; MX is OCP MX's
-    `2^(floor(log2 amax) - emax(value))` (one UE8M0 block level, symmetric values)."""
-
-    UP = "up"
-    RNE = "rne"
-    MX = "mx"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class CodeRule(enum.Enum):
-    """How quantize turns `x` into codes (docs/spec.md E4). DIV is SPEC v1 §2.5: `y = x / e`,
-    round half to even (LOOKUP: the nearest entry). AWAY and OFFSET (integer values) multiply by
-    the reciprocal of the slot's raw scale and round as llama.cpp's quantizers do: half away
-    from zero (Q8_0), or `trunc(y + c0 + 0.5) - c0` on offset codes (Q4_0, `c0 = -qmin`).
-    MIDPOINT (LOOKUP) multiplies likewise and counts the table's f32 midpoints below `y`
-    (bitsandbytes' quantize_4bit)."""
-
-    DIV = "div"
-    AWAY = "away"
-    OFFSET = "offset"
-    MIDPOINT = "midpoint"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-SIGNED_SCALE_DTYPES = tuple(name for name, row in SCALES.items() if row.signed)
-"""Scale dtypes with a sign bit (f32, f16, bf16), which signed scales (docs/spec.md E3) may use."""
-
-
-class OffsetKind(enum.Enum):
-    """An affine scheme's per-slot offset (docs/spec.md E5). MIN: a float `m` added after the
-    scale, `x = f32(f32(q * e) + m)` (GGUF Q4_1). ZERO: an integer zero point `z` in the value's
-    range, `x = f32((q - z) * e)` (compressed-tensors / AWQ / GPTQ asymmetric)."""
-
-    MIN = "min"
-    ZERO = "zero"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclass(frozen=True)
-class Offset:
-    """The offset part of an affine scheme: its kind and, for MIN, the float dtype it is stored in
-    (F32, F16, BF16); a ZERO point is stored as one byte per slot."""
-
-    kind: OffsetKind
-    dtype: "ScaleDtype | None" = None
-
-    def __post_init__(self) -> None:
-        kind = _coerce(OffsetKind, self.kind, "offset kind")
-        object.__setattr__(self, "kind", kind)
-        if kind is OffsetKind.MIN:
-            dtype = _coerce(ScaleDtype, self.dtype if self.dtype is not None else "f32", "offset dtype")
-            if dtype.value not in SIGNED_SCALE_DTYPES:
-                raise SchemeError(f"a min offset is stored as {'/'.join(SIGNED_SCALE_DTYPES)}, got {dtype}; "
-                                  "e.g. u4/block32:f16/min:f16")
-            object.__setattr__(self, "dtype", dtype)
-        elif self.dtype is not None:
-            raise SchemeError(f"a zero point is an integer of the value, stored in one byte; it takes no dtype, "
-                              f"got {self.dtype}; write /zero")
-
-    def __str__(self) -> str:
-        return f"min:{self.dtype}" if self.kind is OffsetKind.MIN else "zero"
-
-
-class StoreKind(enum.Enum):
-    NATIVE = "native"
-    PACKED_U32 = "packed_u32"
-    PACKED_NATIVE = "packed_native"
-
-
-class FieldOrder(enum.Enum):
-    """Which element of a line each field of a packed word holds (docs/spec.md E6)."""
-
-    LOW = "low"  # SPEC §3: element k of a run of n in field k (element 0 in the lowest bits)
-    HIGH = "high"  # element k of a run in field n - 1 - k (bitsandbytes: element 2k in the high nibble)
-    SPLIT = "split"  # groups of G elements: word j of a group holds elements j, j + G/n, ... (GGUF)
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclass(frozen=True)
-class QuantStore:
-    """Where codes live in the payload (SPEC §3). `dim` is the packing axis counted from the end.
-
-    PackedU32(d): 32/bits fields per little-endian u32 word along axis `rank - 1 - d`;
-    PackedNative(d): 8/bits fields per byte. Element k of a run sits in bits [k*bits, (k+1)*bits):
-
-        u32 word of Q4S, elements e0..e7:   | e7 | e6 | e5 | e4 | e3 | e2 | e1 | e0 |
-                                            bit 31                          bit 0
-
-    `order` (docs/spec.md E6) moves elements between the fields of a line: HIGH puts element 0 of
-    a run in the highest field; SPLIT cuts the line into groups of `group` elements (the last may
-    be shorter) and word j of a group holds its elements j, j + W, j + 2W, ... (W words per group).
-    """
-
-    kind: StoreKind
-    dim: int = 0
-    order: FieldOrder = FieldOrder.LOW
-    group: int = 0  # SPLIT only: elements per group along the packing axis
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.dim, (int, np.integer)) or isinstance(self.dim, bool) or self.dim < 0:
-            raise SchemeError(f"packing axis must be an int >= 0, got {self.dim!r}; use e.g. PackedU32(0)")
-        if self.dim > INT64_MAX:
-            raise SchemeError(f"packing axis {self.dim} exceeds int64; use e.g. PackedU32(0)")
-        if self.kind is StoreKind.NATIVE and self.dim != 0:
-            raise SchemeError(f"Native store has no packing axis, got dim={self.dim}; use Native()")
-        object.__setattr__(self, "dim", int(self.dim))
-        order = _coerce(FieldOrder, self.order, "field order")
-        object.__setattr__(self, "order", order)
-        if order is not FieldOrder.LOW and self.kind is StoreKind.NATIVE:
-            raise SchemeError(f"a field order ({order}) needs a packed store; Native holds one code per byte")
-        g = self.group
-        if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 0 or g > INT64_MAX:
-            raise SchemeError(f"a split group is an int of elements, got {g!r}; e.g. order:split32")
-        if (order is FieldOrder.SPLIT) != (g > 0):
-            raise SchemeError(f"a split order takes a group size > 0 and the other orders none, got {order} "
-                              f"with group {g}; e.g. order:split32")
-        object.__setattr__(self, "group", int(g))
-
-    @property
-    def word_bits(self) -> int:
-        return 32 if self.kind is StoreKind.PACKED_U32 else 8
-
-    @property
-    def order_text(self) -> str:
-        """The order's text part: '' for LOW, 'order:high', 'order:split32'."""
-        if self.order is FieldOrder.LOW:
-            return ""
-        return f"order:{self.order}" + (str(self.group) if self.order is FieldOrder.SPLIT else "")
-
-    def __str__(self) -> str:
-        if self.kind is StoreKind.NATIVE:
-            return "native"
-        return self.kind.value + (f":{self.dim}" if self.dim else "")
-
-
-def Native() -> QuantStore:
-    """One byte per element, row-major."""
-    return QuantStore(StoreKind.NATIVE)
-
-
-def PackedU32(dim: int = 0, order: FieldOrder | str = FieldOrder.LOW, group: int = 0) -> QuantStore:
-    """32/bits fields per u32 word along axis `rank - 1 - dim` (fields in `order`, E6)."""
-    return QuantStore(StoreKind.PACKED_U32, dim, order, group)
-
-
-def PackedNative(dim: int = 0, order: FieldOrder | str = FieldOrder.LOW, group: int = 0) -> QuantStore:
-    """8/bits fields per byte along axis `rank - 1 - dim` (sub-byte values only; fields in
-    `order`, E6)."""
-    return QuantStore(StoreKind.PACKED_NATIVE, dim, order, group)
-
-
-@dataclass(frozen=True)
-class BlockLevel:
-    """One scale per block of `dims`, aligned to the trailing tensor axes. `flat` (docs/spec.md
-    E7, one dim only): blocks of `dims[0]` consecutive elements of the row-major flattened
-    tensor, which is then stored as the 1-D tensor of that length (bitsandbytes)."""
-
-    dims: tuple[int, ...]
-    dtype: ScaleDtype = ScaleDtype.F32
-    flat: bool = False
-
-
-@dataclass(frozen=True)
-class TensorLevel:
-    """One scale for the whole tensor. `reciprocal` (two-level only, docs/spec.md E2): the
-    stored global is `G = 1 / g`, and the effective scale `s_b / G` (compressed-tensors' NVFP4)."""
-
-    dtype: ScaleDtype = ScaleDtype.F32
-    reciprocal: bool = False
-
-
-INT64_MAX = (1 << 63) - 1
-"""Largest number a scheme or a file's metadata may hold (SPEC v1.1 §3: size claims)."""
-
-
-def _parse_int(digits: str, what: str, text: str) -> int:
-    """A decimal number of scheme text, refused beyond int64 before Python converts it (a number
-    of thousands of digits would otherwise hit int()'s digit limit or cost quadratic time)."""
-    digits = digits.lstrip("0") or "0"
-    if len(digits) > 19 or int(digits) > INT64_MAX:
-        shown = digits if len(digits) <= 24 else f"{digits[:12]}...({len(digits)} digits)"
-        raise SchemeError(f"cannot parse scheme {text[:80]!r}: {what} {shown} exceeds int64; use a smaller {what}")
-    return int(digits)
-
-
-def _normalize_dims(dims: int | Iterable[int]) -> tuple[int, ...]:
-    if isinstance(dims, (int, np.integer)):
-        dims = (dims,)
-    try:
-        dims = tuple(dims)
-    except TypeError:
-        raise SchemeError(f"block dims must be ints, got {dims!r}; use e.g. per_block([32])") from None
-    if not 1 <= len(dims) <= 5:
-        raise SchemeError(f"block dims need 1 to 5 entries, got {list(dims)}; use e.g. per_block([32])")
-    for d in dims:
-        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1:
-            raise SchemeError(f"block dims must be positive ints, got {list(dims)}; use e.g. per_block([32])")
-        if d > INT64_MAX:
-            raise SchemeError(f"block dim {d} exceeds int64; use a block no larger than the tensor")
-    dims = tuple(int(d) for d in dims)
-    while len(dims) > 1 and dims[0] == 1:  # [1, 32] == [32]
-        dims = dims[1:]
-    return dims
-
-
-NF4 = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
-)
-TABLES: dict[str, tuple[float, ...]] = {"nf4": tuple(float(np.float32(v)) for v in NF4)}
-"""Named lookup tables that travel by name in the text form (`q4s-lookup[nf4]`)."""
-
-
-def _coerce(enum_cls, v, what: str):
-    if isinstance(v, enum_cls):
-        return v
-    if isinstance(v, str):
-        try:
-            return enum_cls(v.lower())
-        except ValueError:
-            pass
-    choices = ", ".join(m.value for m in enum_cls)
-    raise SchemeError(f"unknown {what} {v!r}; use one of {choices}")
-
-
-_NATIVE = QuantStore(StoreKind.NATIVE)
-_PACKED_U32_0 = QuantStore(StoreKind.PACKED_U32, 0)
 
 
 @dataclass(frozen=True)
@@ -357,104 +68,20 @@ class QuantScheme:
         object.__setattr__(self, "scale_round", _coerce(ScaleRound, self.scale_round, "scale rounding rule"))
         object.__setattr__(self, "code_rule", _coerce(CodeRule, self.code_rule, "code rule"))
         object.__setattr__(self, "signed", bool(self.signed))
-        t = value.traits
         # A per-tensor F32 level alone is the same as no level: normalise so both compare equal.
         if self.block is None and self.tensor == TensorLevel(ScaleDtype.F32):
             object.__setattr__(self, "tensor", None)
         if self._store is not None and self._store == self.default_store(value):
             object.__setattr__(self, "_store", None)
-        store = self.store
-        if store.kind is StoreKind.NATIVE and t.bits != 8:
-            raise SchemeError(
-                f"Native store needs an 8-bit value, got {value}; use PackedU32(0) or PackedNative(0)"
-            )
-        if store.kind is StoreKind.PACKED_NATIVE and t.bits == 8:
-            raise SchemeError(
-                f"PackedNative store needs a sub-byte value (4 or 2 bits), got {value}; use Native()"
-            )
-        if store.order is FieldOrder.SPLIT:
-            n = store.word_bits // t.bits
-            if store.group % n or store.group < 2 * n:
-                raise SchemeError(
-                    f"a split group holds whole words of {n} fields and at least two: a multiple of {n} from "
-                    f"{2 * n} up, got order:split{store.group} for {value} in {store.kind.value}; e.g. "
-                    f"order:split{16 * n}")
         if self.block is not None and not isinstance(self.block, BlockLevel):
             raise SchemeError(f"block must be a BlockLevel, got {self.block!r}; use per_block(dims, dtype)")
         if self.block is not None and self.block.flat:
             object.__setattr__(self, "block", replace(self.block, flat=True))
-            if len(self.block.dims) != 1:
-                raise SchemeError(f"blocks over the flattened tensor take one dim, got "
-                                  f"{'x'.join(map(str, self.block.dims))}; e.g. block64:f32:flat")
-            if store.dim != 0:
-                raise SchemeError(f"blocks over the flattened tensor store it as one line: the packing axis is 0, "
-                                  f"got {store}; drop ':{store.dim}'")
-        if self.two_level:
-            if self.block.dtype not in (ScaleDtype.F16, ScaleDtype.UE4M3):
-                raise SchemeError(
-                    f"two-level scales need block dtype f16 or ue4m3, got {self.block.dtype}; "
-                    "use per_block(dims, UE4M3) + per_tensor(F32)"
-                )
-            if self.tensor.dtype is not ScaleDtype.F32:
-                raise SchemeError(
-                    f"two-level scales need tensor dtype f32, got {self.tensor.dtype}; use per_tensor(F32)"
-                )
-        elif self.tensor is not None and self.tensor.reciprocal:
-            raise SchemeError(
-                f"a reciprocal global scale (tensor:f32:recip) needs a block level under it, got {self}; "
-                "e.g. e2m1/block16:ue4m3/tensor:f32:recip/packed_native"
-            )
-        if mode is QuantMode.LOOKUP:
-            if t.is_float:
-                raise SchemeError(
-                    f"LOOKUP needs an integer value (its bit width sizes the table), got {value}; "
-                    "use q4s or q8s"
-                )
-            if self.table is not None:
-                object.__setattr__(self, "table", _check_table(self.table, t.bits))
-        elif self.table is not None:
-            raise SchemeError("a table is only meaningful with mode LOOKUP; use with_mode(LOOKUP, table)")
-        if self.scale_round is ScaleRound.MX and (
-                self.block is None or self.tensor is not None or self.block.dtype.value not in MX_DTYPES
-                or mode is not QuantMode.SYMMETRIC):
-            raise SchemeError(
-                f"scale rounding mx (OCP MX: 2^(floor(log2 amax) - emax)) needs one block level of "
-                f"{'/'.join(MX_DTYPES)} scales and a symmetric value, got {self}; e.g. e2m1/block32:ue8m0/round:mx"
-            )
-        if self.signed and (t.is_float or mode is not QuantMode.SYMMETRIC or t.qmin != -t.qmax - 1
-                            or self.two_level or self.slot_dtype.value not in SIGNED_SCALE_DTYPES
-                            or self.scale_round is ScaleRound.MX):
-            raise SchemeError(
-                f"signed scales need a full-range integer value (q8f, q4f, q2f), symmetric mode, one scale level "
-                f"of {'/'.join(SIGNED_SCALE_DTYPES)} and rounding up or rne, got {self}; e.g. q4f/block32:f16/signed"
-            )
         if self.offset is not None and not isinstance(self.offset, Offset):
             raise SchemeError(f"offset must be an Offset, got {self.offset!r}; e.g. Offset('min', 'f16')")
-        if self.offset is not None and (t.is_float or mode is not QuantMode.SYMMETRIC or self.two_level
-                                        or self.signed or self.scale_round is ScaleRound.MX):
-            raise SchemeError(
-                f"an affine offset ({self.offset}) needs an integer value in symmetric mode, one scale level, "
-                f"unsigned scales and rounding up or rne, got {self}; e.g. u4/block32:f16/min:f16"
-            )
-        if self.offset is not None and self.offset.kind is OffsetKind.MIN and not t.unsigned:
-            raise SchemeError(f"a min offset is the value of code 0: it needs an unsigned value (u8, u4, u2), "
-                              f"got {self}; e.g. u4/block32:f16/min:f16, or a zero point: {value}/.../zero")
-        if t.unsigned and self.offset is None:
-            raise SchemeError(f"unsigned values ({value}) need an affine offset (/min:DTYPE or /zero), got {self}; "
-                              "e.g. u4/block32:f16/min:f16")
-        if self.code_rule is not CodeRule.DIV and self.offset is not None and self.offset.kind is OffsetKind.ZERO:
-            raise SchemeError(f"the code rules apply to min offsets, not to zero points, got {self}")
-        if self.code_rule is CodeRule.MIDPOINT:
-            if mode is not QuantMode.LOOKUP or self.two_level or self.scale_round is ScaleRound.MX:
-                raise SchemeError(
-                    f"code rule midpoint needs a LOOKUP scheme with one scale level and rounding up or rne, got "
-                    f"{self}; e.g. nf4/block64:f32:flat/packed_native/order:high/codes:midpoint")
-        elif self.code_rule is not CodeRule.DIV and (
-                t.is_float or mode is not QuantMode.SYMMETRIC or self.two_level or self.scale_round is ScaleRound.MX):
-            raise SchemeError(
-                f"code rule {self.code_rule} needs an integer value, symmetric mode, one scale level and rounding "
-                f"up or rne, got {self}; e.g. q8s/block32:f16/round:rne/codes:away"
-            )
+        check_rules(self)
+        if mode is QuantMode.LOOKUP and self.table is not None:
+            object.__setattr__(self, "table", _check_table(self.table, self.value.bits))
 
     def __hash__(self) -> int:
         """The fields' hash, computed once (schemes key the backends' plan caches on every call)."""
@@ -719,26 +346,6 @@ def base_scheme(value: QuantValue | str) -> QuantScheme:
     u4, u2), which needs an affine offset, that with a zero point (docs/spec.md E5)."""
     value = _coerce(QuantValue, value, "value")
     return QuantScheme(value, offset=Offset(OffsetKind.ZERO) if value.traits.unsigned else None)
-
-
-def _check_table(table, bits: int) -> tuple[float, ...]:
-    try:
-        with np.errstate(invalid="ignore"):  # NaN entries (from a payload) are refused just below
-            arr = np.asarray(table, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise SchemeError(f"LOOKUP table must be a list of floats, got {table!r}") from None
-    n = 1 << bits
-    if arr.ndim != 1 or arr.size != n:
-        raise SchemeError(f"LOOKUP table for a {bits}-bit value needs exactly {n} entries, got {arr.size}")
-    with np.errstate(over="ignore"):
-        f = arr.astype(np.float32)
-    if not np.all(np.isfinite(f)):
-        raise SchemeError("LOOKUP table entries must be finite float32 values")
-    if not np.all(np.diff(f) > 0):
-        raise SchemeError("LOOKUP table must be strictly increasing (as float32)")
-    if not np.any(f != 0):
-        raise SchemeError("LOOKUP table must not be all zero")
-    return tuple(float(v) for v in f)
 
 
 PRESETS: dict[str, QuantScheme] = {
