@@ -2,7 +2,7 @@
 
 It holds Ctrl-C and SIGTERM while the library is imported (numpy, safetensors, rich: tens of
 milliseconds) and answers one that came then with one line and exit 130/143, then hands over to
-`qcore.cli.main`, which handles interruption from there on. It lives outside the `qcore` package
+`qcore.cli.main.main`, which handles interruption from there on. It lives outside the `qcore` package
 because importing anything inside the package first imports the whole library.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from types import ModuleType
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`qcore.cli.main(argv)`, with a signal that lands outside its reach (while importing, or on
+    """`qcore.cli.main.main(argv)`, with a signal that lands outside its reach (while importing, or on
     its first or last lines) still ending in one true line and exit 130 (SIGINT) / 143 (SIGTERM)."""
     try:
         cli, held = _import_cli()
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         cli._RUN.update(output=None, before=None, reported=False, rc=None)  # this run's, from here on
         return cli.main(argv)
     except KeyboardInterrupt as e:
-        cli = sys.modules.get("qcore.cli")
+        cli = sys.modules.get("qcore.cli.main")
         if cli is None:
             sys.stderr.write("qcore: interrupted; no output file was written\n")
             return 130
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _import_cli() -> "tuple[ModuleType, int | None]":
-    """(`qcore.cli`, the first signal that came during its import, or None).
+    """(`qcore.cli.main`, the first signal that came during its import, or None).
 
     SIGINT/SIGTERM are held while the library is imported: a KeyboardInterrupt raised inside an
     extension module's initialisation can surface as an ImportError (numpy's C core does this), so a
@@ -53,7 +53,7 @@ def _import_cli() -> "tuple[ModuleType, int | None]":
                 signal.signal(sig, lambda s, _f: caught.append(s))
             except (ValueError, OSError):  # not the main thread, or not settable here
                 held.remove(sig)
-        from qcore import cli
+        from qcore.cli import main as cli
     finally:
         for sig in held:
             signal.signal(sig, signal.SIG_DFL if previous[sig] is None else previous[sig])

@@ -8,14 +8,14 @@ Usage (from the repository root, with qcore and the backend installed)::
 It writes a float32 checkpoint of `--tensors` equal matrices (`--shards` files; 1 = one file) into
 `--dir` (default a temporary directory), then, best of `--repeats`, measures
 
-* qcore: `qcore.cli.main(["quantize", IN, OUT, "--scheme", S, "--backend", B])` in this process,
+* qcore: `qcore.cli.main.main(["quantize", IN, OUT, "--scheme", S, "--backend", B])` in this process,
   after one warm-up run (JIT compilation, caches), with the per-tensor statistics unless
   `--no-stats`;
 * the floor: safetensors alone reading every tensor of the same checkpoint (`safe_open`,
   `get_tensor`) and writing (`save_file`, then fsync, as qcore's atomic writes do) U8 tensors of
   the same sizes as qcore's output;
 
-and, once, the peak resident memory of the command in a fresh process (`qcore.cli.main` in a
+and, once, the peak resident memory of the command in a fresh process (`qcore.cli.main.main` in a
 subprocess; its `VmHWM`, Linux) against the bound 3 x the largest tensor + 300 MB, and that
 process's wall time (`cli_process_s`: interpreter start, imports and numba's cache load included). The files are in
 the page cache for both timings (the checkpoint was just written and read), so the floor is the
@@ -84,8 +84,8 @@ def _floor(inputs: list[str], out_sizes: list[int], out: str) -> tuple[float, fl
 
 
 def _out_sizes(out: str) -> list[int]:
-    from qcore.checkpoint import resolve
-    from qcore.io import read_info
+    from qcore.files.checkpoint import resolve
+    from qcore.files.io import read_info
 
     ck = resolve(out)
     return [e.nbytes for s in ck.shards for e in read_info(ck.path(s)).entries]
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the JSON document here")
     args = ap.parse_args(argv)
 
-    from qcore.cli import main as qcore_main
+    from qcore.cli.main import main as qcore_main
 
     work = args.dir or tempfile.mkdtemp(prefix="qcore-bench-cli-")
     os.makedirs(work, exist_ok=True)
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         best_floor = min(floors, key=sum)
         # peak memory of the command as a user runs it (a fresh process)
         # (the child's own high-water mark: ru_maxrss of children would count the forked parent)
-        probe = ("import sys; from qcore.cli import main; rc = main(sys.argv[1:]); "
+        probe = ("import sys; from qcore.cli.main import main; rc = main(sys.argv[1:]); "
                  "print(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1], "
                  "file=sys.stderr); sys.exit(rc)")
         env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM" or v == "1"}

@@ -11,8 +11,8 @@ into `--dir` (default a temporary directory), then measures, best of `--repeats`
 run (JIT compilation, page cache):
 
 * single: `qcore.quantize_model(IN, OUT, scheme, backend)` in this process;
-* cluster, for each `--workers N`: `qcore.distributed.quantize_model_distributed` on the
-  cluster `--cluster local` starts (`qcore.distributed.open_client`: N single-threaded worker
+* cluster, for each `--workers N`: `qcore.model.distributed.quantize_model_distributed` on the
+  cluster `--cluster local` starts (`qcore.model.distributed.open_client`: N single-threaded worker
   processes, one Numba thread each; for `--backend cuda` dask-cuda's LocalCUDACluster, by
   default one worker per visible GPU), started beforehand (its start-up time is reported apart).
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     import qcore
-    from qcore.distributed import open_client, quantize_model_distributed
+    from qcore.model.distributed import open_client, quantize_model_distributed
 
     work = args.dir or tempfile.mkdtemp(prefix="qcore-bench-dist-")
     try:

@@ -101,7 +101,7 @@ def main() -> None:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     import qcore
-    from qcore.distributed import open_client, quantize_model_distributed
+    from qcore.model.distributed import open_client, quantize_model_distributed
 
     one_src, one_bytes = subset(1)
     t = time.perf_counter()

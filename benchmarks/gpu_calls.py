@@ -44,11 +44,11 @@ class Probe:
     and, when `events` is on, records CUDA events next to the first and last launch."""
 
     def __init__(self, torch):
-        from qcore_cuda import _launch, backend
+        from qcore_cuda import _launch, _scratch
 
         self.torch, self.marks, self.events = torch, {}, False
         self.first, self.last = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        launch, read_flag = _launch._RawLaunch.__call__, backend.CudaBackend._read_flag
+        launch, read_flag = _launch._RawLaunch.__call__, _scratch.Scratch.read_flag
         probe = self
 
         def noted_launch(raw, stream):
@@ -69,7 +69,7 @@ class Probe:
                 probe.marks["wait1"] = time.perf_counter()
 
         _launch._RawLaunch.__call__ = noted_launch
-        backend.CudaBackend._read_flag = noted_read_flag
+        _scratch.Scratch.read_flag = noted_read_flag
 
     def split(self, fn, iters: int) -> dict:
         """The phases of fn() (module docstring), medians in µs."""

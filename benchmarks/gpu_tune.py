@@ -80,9 +80,9 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
     w = torch.randn(k_, n_, device="cuda")
     qw = be.quantize(cuda.as_cuda_array(w), text)
     data = qw.data
-    scales, gbuf = be._decoded_scales(data)
-    pp = be._prepared(data.shape, data.scheme, "minmax")
-    pl = pp["plan"]
+    scales, gbuf = be.decoded_scales(data)
+    pp = be.state.plans.get(data.shape, data.scheme, "minmax")
+    pl = pp.plan
     w32 = data.payload[: pl.values_nbytes].view(np.uint32)
     kind, Q = gemv.geometry(data.shape, data.scheme)
     wd = torch.as_tensor(be.to_numpy(be.dequantize(qw)), device="cuda").double()
@@ -119,7 +119,7 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
 
             def run(kern=kern, grid=grid, block=block, qd=qd, part=part, cnt=cnt, out=out, mb=mb):
                 for m0 in range(0, m, mb):
-                    kern[grid, block](xd, w32, scales, gbuf, pp["lut"], part, cnt, out, qd, m0, min(mb, m - m0))
+                    kern[grid, block](xd, w32, scales, gbuf, pp.lut, part, cnt, out, qd, m0, min(mb, m - m0))
 
             runs.append((f"mb{mb} wpt{wpt} rows{rows} {'prefetch' if prefetch else 'plain'} r{regs} x{per_sm} "
                           f"{shape[0]}x{shape[1]}",
@@ -144,7 +144,7 @@ def tune_gemv(torch, cuda, be, res, flush, k_=8192, n_=8192, variants=None, quic
 
                 def run(kern=kern, grid=grid, block=block, qd=qd, part=part, cnt=cnt, out=out, mb=mb):
                     for m0 in range(0, m, mb):
-                        kern[grid, block](xd, w32, scales, gbuf, pp["lut"], part, cnt, out, qd, m0, min(mb, m - m0), et)
+                        kern[grid, block](xd, w32, scales, gbuf, pp.lut, part, cnt, out, qd, m0, min(mb, m - m0), et)
 
                 runs.append((f"tensor cores: mg{mg} gw{gw} u{u} r{regs} x{per_sm}", run, out,
                              dict(meta, grid=list(grid))))
@@ -194,20 +194,20 @@ def tune_dequant(torch, cuda, be, res):
     for text in ("q8s/block32:f16", "q4s/block32:f16", "e4m3/block32:f32", "nvfp4", "q8s"):
         q = be.quantize(xd, text)
         d = q.data
-        pp = be._prepared(d.shape, d.scheme, "minmax")
-        fp = pp["fast"]
-        sc, gb = be._decoded_scales(d)
-        wv = fast.unit_view(d.payload[: pp["plan"].values_nbytes], fp["kind"])
+        pp = be.state.plans.get(d.shape, d.scheme, "minmax")
+        fp = pp.fast
+        sc, gb = be.decoded_scales(d)
+        wv = fast.unit_view(d.payload[: pp.plan.values_nbytes], fp.kind)
         want = be.to_numpy(be.dequantize(q)).reshape(n)
         nb = d.payload.size + 4 * n
-        grid = fast.launch_dequant(fp["nruns"], fp["kind"])
+        grid = fast.launch_dequant(fp.nruns, fp.kind)
         for name, kern in [
-            (f"units{fast.dq_units(fp['kind'])} (default)", fast.dequant_kernel(fp["kind"])),
-            ("units4", jit_regs(64)(fast._dequant_kernel(fp["kind"], 4))),
-            ("scales loaded in the store loop", jit_regs(64)(fast._dequant_kernel(fp["kind"], None, False))),
+            (f"units{fast.dq_units(fp.kind)} (default)", fast.dequant_kernel(fp.kind)),
+            ("units4", jit_regs(64)(fast._dequant_kernel(fp.kind, 4))),
+            ("scales loaded in the store loop", jit_regs(64)(fast._dequant_kernel(fp.kind, None, False))),
         ]:
             def run():
-                kern[grid](wv, sc, gb, pp["lut"], out, fp["G"])
+                kern[grid](wv, sc, gb, pp.lut, out, fp.G)
 
             run()
             ok = bool(np.array_equal(out.copy_to_host().view(np.uint32), want.view(np.uint32)))
@@ -225,6 +225,7 @@ QUANT_PER_SM = (2, 3, 4, 6, 8, 12)
 def tune_quant(torch, cuda, be, res, iters=15):
     from qcore_cuda import _streams, fast
     from qcore_cuda._launch import Packed
+    from qcore_cuda.paths.quantize import fast_quant_launches
 
     rows, cols = 65536, 4096
     n = rows * cols
@@ -232,23 +233,23 @@ def tune_quant(torch, cuda, be, res, iters=15):
     y = torch.empty_like(x)
     xf = cuda.as_cuda_array(x).reshape(n)
     amax_grid = fast.launch(n // 16, fast.AMAX_PER_SM)
-    fs = be._scratch(_streams.DEFAULT)[1]  # the statistics scratch: the max pass writes gs[1], never zeroed here
+    fs = be.state.scratch.buffers(_streams.DEFAULT).stats  # the statistics scratch: the max pass writes gs[1], never zeroed here
     fns, nbytes, meta = {"copy": lambda: y.copy_(x)}, {"copy": 2 * 4 * n}, {}
     for text in QUANT_SCHEMES:
         s = be._require(text)
         q = be.quantize(x, s)
-        pp = be._prepared((rows, cols), s, "minmax")
-        fp = pp["fast"]
-        packed = be._fast_quant_launches(pp, fp, xf, None, None, fp["G"], s=_streams.DEFAULT)[1]
+        pp = be.state.plans.get((rows, cols), s, "minmax")
+        fp = pp.fast
+        packed = fast_quant_launches(be.state.scratch, pp, xf, None, None, fp.G, s=_streams.DEFAULT)[1]
         stored, flag, g_dev, c_dev = (packed._args[i] for i in (3, 5, 6, 7))  # device arrays, as the call passes them
-        kern = fast.quant_kernel(fp["kind"])
+        kern = fast.quant_kernel(fp.kind)
         want = None
-        for per_sm in sorted(set(QUANT_PER_SM) | {fast.QUANT_PER_SM[fp["kind"]]}):
+        for per_sm in sorted(set(QUANT_PER_SM) | {fast.QUANT_PER_SM[fp.kind]}):
             pay = cuda.device_array(q.nbytes, dtype=np.uint8)
-            args = (xf, pay[: int(pp["plan"].values_nbytes)].view(np.uint32), pay, stored, fs, flag, g_dev, c_dev)
+            args = (xf, pay[: int(pp.plan.values_nbytes)].view(np.uint32), pay, stored, fs, flag, g_dev, c_dev)
             # packed launches, as a call makes them (a few µs of host time each, hidden by the sleep)
             quant = Packed(kern, *fast.launch(n // 16, per_sm), list(args), dynamic=())
-            amax = Packed(fast.k_amax, *amax_grid, [xf, fs, flag, n // 16], dynamic=()) if fp["two_pass"] else None
+            amax = Packed(fast.k_amax, *amax_grid, [xf, fs, flag, n // 16], dynamic=()) if fp.two_pass else None
 
             def run(quant=quant, amax=amax):
                 if amax is not None:
@@ -259,8 +260,8 @@ def tune_quant(torch, cuda, be, res, iters=15):
             got = pay.copy_to_host()
             want = got if want is None else want
             label = f"{text} x{per_sm}"
-            fns[label], nbytes[label] = run, (2 if fp["two_pass"] else 1) * 4 * n + q.nbytes
-            meta[label] = {"scheme": text, "per_sm": per_sm, "default": per_sm == fast.QUANT_PER_SM[fp["kind"]],
+            fns[label], nbytes[label] = run, (2 if fp.two_pass else 1) * 4 * n + q.nbytes
+            meta[label] = {"scheme": text, "per_sm": per_sm, "default": per_sm == fast.QUANT_PER_SM[fp.kind],
                            "same_bytes": bool(np.array_equal(got, want))}
     for rnd in range(3):
         t = _timers_in_turn(torch, fns, iters, hide_launch=True)

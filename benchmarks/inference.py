@@ -32,7 +32,7 @@ from pathlib import Path
 import runinfo  # benchmarks/runinfo.py (this folder is on sys.path when the script runs)
 
 PRESETS = {
-    # the tests' shape (tests/test_transformers.py)
+    # the tests' shape (tests/integrations/test_transformers.py)
     "tiny": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2),
     # a 0.1B model: minutes on a small CPU

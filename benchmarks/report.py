@@ -93,7 +93,7 @@ CALL_NOTES = """\
 - **API call, out=**: the whole call writing into existing memory (`be.quantize(x, s, out=q)`,
   `be.dequantize(q, out=y)`; x a torch tensor). The four API calls of a scheme take turns call
   by call, so each quantize into `q` follows a dequantize of it and also decodes `q`'s cached
-  scales again for its packed dequantize launch (`CudaBackend._refresh_decoded`), one more
+  scales again for its packed dequantize launch (`CudaBackend.refresh_decoded`), one more
   kernel than the plain call. **first call, new process**: the first quantize
   and dequantize of the scheme in a child process, after CUDA is set up; two children run in
   turn: the first compiles unless numba's disk cache holds the kernels, the second loads them.
@@ -309,7 +309,7 @@ WHOLE_MODEL_NOTES = """\
 The floor is safetensors alone reading every tensor and writing (with fsync) U8 tensors of the
 output's sizes, measured in the same run; the files are in the page cache for both, so it is the
 machine's copy-through-the-kernel speed. qcore's time is the best of the repeats of
-`qcore.cli.main(["quantize", ...])` in one process after a warm-up run (compilation excluded);
+`qcore.cli.main.main(["quantize", ...])` in one process after a warm-up run (compilation excluded);
 the peak resident memory is that of the command in a fresh process, against the bound of
 3x the largest tensor + 300 MB; "set-up alone" is the peak of a process that only sets the
 backend up and quantizes one tiny tensor (for cuda: the CUDA context, numba's and the driver's
@@ -392,15 +392,15 @@ dequantize, so they have no such pass.
 
 def render_rules(res: dict) -> str:
     """Schemes under the extension rules on the general kernels, from `benchmarks/gpu_rules.py`."""
-    lines = ["## GPU: schemes under the extension rules (docs/spec.md E3-E7)", "",
+    lines = ["## GPU: schemes under the extension rules (docs/spec.md)", "",
              _run_line(res["run"]), "",
              f"The whole call on a float32 [8192, 8192] torch tensor (256 MiB), median of 10, synchronised; "
              f"ratio to torch's device copy of x in the same run ({res['copy_ms']:.3f} ms). The first row is a v1 "
-             "scheme on the fast kernels; the E3-E5 ones quantize on the general kernels, and the affine ones "
-             "(`q4_1`, `/zero`) decode there too (the others' decode is v1's, on the fast kernels). The "
-             "`packed_native` rows compare a field order (E6: the v1 kernels, then `k_reorder`; decode from a "
-             "re-packed copy made once per tensor) with SPEC §3's order, and the `:flat` row (E7) is a tensor "
-             "whose rows hold whole blocks: the v1 scheme's bytes.", "",
+             "scheme on the fast kernels; those with signed scales, code rules or affine offsets quantize on "
+             "the general kernels, and the affine ones (`q4_1`, `/zero`) decode there too (the others' decode "
+             "is v1's, on the fast kernels). The `packed_native` rows compare a field order (the v1 kernels, "
+             "then `k_reorder`; decode from a re-packed copy made once per tensor) with the `low` order, and "
+             "the `:flat` row (flat blocks) is a tensor whose rows hold whole blocks: the v1 scheme's bytes.", "",
              "| scheme | quantize ms | quantize / copy | dequantize ms | dequantize / copy |", "|---|---|---|---|---|"]
     lines += [f"| `{r['scheme']}` | {r['quantize_ms']:.3f} | {r['quantize_vs_copy']:.2f}x | {r['dequantize_ms']:.3f} | "
               f"{r['dequantize_vs_copy']:.2f}x |" for r in res["rows"]]

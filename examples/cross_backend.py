@@ -14,7 +14,7 @@ import tempfile
 import numpy as np
 
 import qcore
-from qcore import registry
+from qcore.backend import registry
 
 SCHEMES = ["q8s", "q8f/block32:f16", "q4s/block32:bf16", "nvfp4", "mxfp8", "nf4"]
 

@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 import qcore
-from qcore import registry
+from qcore.backend import registry
 
 
 def pick(scheme, prefer):

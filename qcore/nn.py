@@ -1,11 +1,11 @@
 """torch modules over quantized weights.
 
 `Linear` is a linear layer whose weight is a qcore QTensor: its `weight` parameter holds the
-portable payload (SPEC §3) as a 1-D uint8 tensor, exactly what a qcore file stores under the
-weight's name, so `state_dict()` and transformers' loader move the bytes as they are; `forward`
-calls the backend's `linear` (docs/spec.md E8) with the caller's torch tensors. `quantize_module`
-swaps a model's `torch.nn.Linear` layers in place by a recipe, choosing each weight's scheme as
-`qcore quantize` does for the same tensor name.
+portable payload (docs/spec.md, portable bytes) as a 1-D uint8 tensor, exactly what a qcore file
+stores under the weight's name, so `state_dict()` and transformers' loader move the bytes as they
+are; `forward` calls the backend's `linear` (docs/spec.md, products with a quantized weight) with
+the caller's torch tensors. `quantize_module` swaps a model's `torch.nn.Linear` layers in place by
+a recipe, choosing each weight's scheme as `qcore quantize` does for the same tensor name.
 
     import qcore.nn
     qcore.nn.quantize_module(model, "q4s/block32:f16")   # every Linear but the kept ones
@@ -21,13 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .activations import torch_dtype_as_numpy
-from .errors import InputError
-from .payload import QuantizedData, sections
-from .protocol import Backend, QTensor
-from .recipe import RecipeLike, as_recipe
-from .registry import AutoBackend, backend as get_backend
-from .scheme import QuantScheme, scheme as parse_scheme
+from qcore.backend.activations import torch_dtype_as_numpy
+from qcore.errors import InputError
+from qcore.spec.payload import QuantizedData, sections
+from qcore.backend.protocol import Backend, QTensor
+from qcore.model.recipe import RecipeLike, as_recipe
+from qcore.backend.registry import AutoBackend, backend as get_backend
+from qcore.spec.schemes import QuantScheme, scheme as parse_scheme
 
 __all__ = ["Linear", "quantize_module", "quantized_linears", "backend_for"]
 
@@ -129,13 +129,13 @@ class Linear(torch.nn.Module):
             raw = self.weight.detach()
             payload = (raw if raw.device.type == "cpu" else raw.cpu()).numpy().tobytes()
             data = QuantizedData((self.out_features, self.in_features), self.scheme, payload)
-            adopt = getattr(be, "adopt", None)  # a device backend reading the parameter in place: one copy on the GPU
-            self._bound = (key, adopt(data, raw) if adopt is not None and raw.device.type != "cpu"
-                           else be.from_data(data))
+            # a device backend reads the parameter in place (`Backend.adopt`): one copy on the GPU
+            self._bound = (key, be.adopt(data, raw) if raw.device.type != "cpu" else be.from_data(data))
         return self._bound[1]
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """W [out, in] decoded (SPEC §2.6) as a torch tensor of `dtype`, on the weight's device."""
+        """W [out, in] decoded (docs/spec.md, dequantize) as a torch tensor of `dtype`, on the
+        weight's device."""
         return self.qweight.dequantize(dtype).to(self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

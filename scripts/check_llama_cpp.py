@@ -112,7 +112,7 @@ def make_model(arch: str, folder: str, seed: int = 0) -> None:
 
 
 def _cli(*args: str) -> None:
-    from qcore.cli import main
+    from qcore.cli.main import main
 
     rc = main(list(args))
     if rc not in (0, None):

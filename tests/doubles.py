@@ -1,6 +1,6 @@
 """Test doubles shared by the test modules: small backends built on the reference maths."""
 from qcore import Support
-from qcore.reference import ReferenceBackend
+from qcore.backend.reference import ReferenceBackend
 
 
 class Q8Only(ReferenceBackend):

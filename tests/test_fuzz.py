@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 
 import qcore
 from qcore import InvalidDataError, QCoreError, QuantizedData, SchemeError
-from qcore import io as qio
-from qcore.payload import sections
-from qcore.reference import ReferenceBackend
+from qcore.files import io as qio
+from qcore.spec.payload import sections
+from qcore.backend.reference import ReferenceBackend
 from tests.fuzzing import Stats, fuzz_settings, mutate_bytes, only_qcore_errors
 
 REF = ReferenceBackend()
@@ -89,7 +89,7 @@ def test_fuzz_scheme_text():
 def _payload_for(data, shape, text) -> bytes:
     """Random bytes of the right length when shape and scheme allow one, else any short bytes."""
     try:
-        n = sections(qcore.layout.check_shape(shape), qcore.scheme(text)).total
+        n = sections(qcore.spec.layout.check_shape(shape), qcore.scheme(text)).total
     except QCoreError:
         n = None
     if n is None or n > 4096:
@@ -144,7 +144,7 @@ def _decode_agrees(be, d: QuantizedData) -> None:
     except InvalidDataError:
         assert want is None, f"{be.name} refused what the reference decodes: {d}"
         return
-    assert want is not None, f"{be.name} decoded what the reference refuses (SPEC v1.1 §3): {d}"
+    assert want is not None, f"{be.name} decoded what the reference refuses (docs/spec.md, invalid codes): {d}"
     assert got.shape == want.shape
     assert np.array_equal(got, want, equal_nan=True), f"{be.name} differs from the reference on {d}"
     assert be.into_data(be.from_data(d)).codes().tobytes() == d.codes().tobytes()
@@ -159,7 +159,7 @@ def _random_data(data, shapes, schemes) -> QuantizedData:
     sec = sections(shape, s)
     body = data.draw(st.binary(min_size=sec.values, max_size=sec.values))
     # scales: random storable values (zeros, tiny, huge) so most payloads are valid
-    grid = qcore.layout.grid_shape(shape, s)
+    grid = qcore.spec.layout.grid_shape(shape, s)
     raw = np.asarray(data.draw(st.lists(st.sampled_from([0.0, 1e-30, 2**-20, 0.37, 1.0, 3.5, 1e4, 3e38]),
                                         min_size=int(np.prod(grid)), max_size=int(np.prod(grid)))), np.float32)
     tr = s.slot_dtype.traits
@@ -285,7 +285,7 @@ def test_fuzz_files_and_headers(capsys):
         with stats.case():
             _exercise_file(path)
         if stats.cases % 25 == 0:  # the CLI too, on some of them: one line, exit 0 or 1
-            from qcore.cli import main
+            from qcore.cli.main import main
 
             rc = main(["inspect", path])
             _, err = capsys.readouterr()

@@ -1,6 +1,6 @@
 """Fuzzing the readers of files from strangers (hypothesis): the foreign formats
 (`qcore.formats.read` of bitsandbytes, torchao, compressed-tensors, gpt-oss and GGUF files), the
-GGUF writer's carried metadata, the streaming safetensors reader (`qcore/stfile.py`) with the
+GGUF writer's carried metadata, the streaming safetensors reader (`qcore/files/stfile.py`) with the
 model pipeline on top of it, and recipes (dicts, TOML files, rule text).
 
 The property everywhere: only `QCoreError` subclasses escape, each with a one-line message; no
@@ -29,9 +29,9 @@ from safetensors.numpy import save_file
 import qcore
 import qcore.formats as qf
 from qcore import QuantizedData
-from qcore.recipe import Recipe, Rule, as_recipe
-from qcore.reference import ReferenceBackend
-from qcore.stfile import Reader
+from qcore.model.recipe import Recipe, Rule, as_recipe
+from qcore.backend.reference import ReferenceBackend
+from qcore.files.stfile import Reader
 from tests.fuzzing import (
     DEEP, HOSTILE, Stats, fuzz_settings, join_safetensors, mutate_bytes, mutate_json, mutate_json_text,
     mutate_st_header, only_qcore_errors, split_safetensors,
@@ -74,7 +74,7 @@ def _read_and_decode(path: str, fmt: str, stats: Stats) -> None:
 
 
 def _inspect_one_line(path: str, capsys) -> None:
-    from qcore.cli import main
+    from qcore.cli.main import main
 
     rc = main(["inspect", path])
     _, err = capsys.readouterr()
@@ -465,7 +465,7 @@ STREAM_BASES = [_plain_model(), _qcore_file()]
 
 
 def test_fuzz_streaming_reader(folder):
-    """`qcore.stfile.Reader` (the reader of `qcore quantize`) on safetensors files with a header field
+    """`qcore.files.stfile.Reader` (the reader of `qcore quantize`) on safetensors files with a header field
     of any JSON type or the bytes mutated: every tensor read; then the model pipeline on the same file
     (`qcore.quantize_model` to q8s, reference backend)."""
     stats = Stats("stream-reader")

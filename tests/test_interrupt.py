@@ -27,7 +27,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import qcore
-from _qcore_launch import main  # the `qcore` command's entry point (it wraps qcore.cli.main)
+from _qcore_launch import main  # the `qcore` command's entry point (it wraps qcore.cli.main.main)
 
 POINTS = int(os.environ.get("QCORE_INTERRUPT_POINTS", "24"))
 QCORE_DIR = os.path.dirname(qcore.__file__)
@@ -170,18 +170,18 @@ def test_signals_at_many_points(tmp_path, model, capsys, command, old_output):
 
 def test_second_signal_during_cleanup_leaves_no_temp(tmp_path, capsys, monkeypatch):
     """A signal inside the deferred cleanup (temp file removal) waits until the file is gone."""
-    from qcore import io as qio
-    from qcore import model as qmodel
-    from qcore import stfile
+    from qcore.files import io as qio
+    from qcore.model import pipeline as qpipeline
+    from qcore.files import stfile
 
     model = tmp_path / "m.safetensors"  # more tensors than the pipeline holds between its stages
     rng = np.random.default_rng(1)
-    save_file({f"l{i}.weight": rng.standard_normal((16, 64)).astype(np.float32) for i in range(4 * qmodel.IN_FLIGHT)},
-              str(model))
+    n = 4 * qpipeline.IN_FLIGHT
+    save_file({f"l{i}.weight": rng.standard_normal((16, 64)).astype(np.float32) for i in range(n)}, str(model))
     out = tmp_path / "o.safetensors"
     real = stfile.StreamWriter.add
     pipelines = []
-    real_init = qmodel._Pipeline.__init__
+    real_init = qpipeline._Pipeline.__init__
 
     def init(self):
         real_init(self)
@@ -206,7 +206,7 @@ def test_second_signal_during_cleanup_leaves_no_temp(tmp_path, capsys, monkeypat
             time.sleep(0.2)  # (the removal runs on the writer thread: the run must wait for it)
         return real_unlink(p, *a, **k)
 
-    monkeypatch.setattr(qmodel._Pipeline, "__init__", init)
+    monkeypatch.setattr(qpipeline._Pipeline, "__init__", init)
     monkeypatch.setattr(stfile.StreamWriter, "add", write_then_interrupt)
     monkeypatch.setattr(qio.os, "unlink", unlink_with_signal)
     rc = main(["quantize", str(model), str(out), "--scheme", "q8s", "--backend", "reference"])
@@ -255,7 +255,7 @@ def _drop_python_startup_noise(err: str) -> str:
 def _signal_lines(argv) -> list[int]:
     """The ordinals (among all qcore line events) of the line events a run spends in the code
     that installs or restores signal handlers (`qcore._signals`, the head and tail of `cli.main`)."""
-    watched = (os.path.join(QCORE_DIR, "_signals.py"), os.path.join(QCORE_DIR, "cli.py"))
+    watched = (os.path.join(QCORE_DIR, "_signals.py"), os.path.join(QCORE_DIR, "cli", "main.py"))
     n, picked = 0, []
 
     def tracer(frame, event, arg):
@@ -381,8 +381,8 @@ def test_a_signal_before_any_qcore_code_is_told_apart():
     assert _before_any_qcore_code(first_line)
     ours = script.replace("KeyboardInterrupt\n", '  File "/src/_qcore_launch.py", line 20, in main\nKeyboardInterrupt\n')
     assert not _before_any_qcore_code(ours)
-    lib = script.replace("KeyboardInterrupt\n", f'  File "/src{os.sep}qcore{os.sep}cli.py", line 9, in <module>\n'
-                         'KeyboardInterrupt\n')
+    lib = script.replace("KeyboardInterrupt\n", f'  File "/src{os.sep}qcore{os.sep}cli{os.sep}main.py", line 9, '
+                         'in <module>\nKeyboardInterrupt\n')
     assert not _before_any_qcore_code(lib)
 
 

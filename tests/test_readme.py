@@ -64,7 +64,7 @@ def test_readme_whole_model_python(tmp_path):
 
 
 def test_readme_recipe_toml_parses(tmp_path):
-    from qcore.recipe import Recipe
+    from qcore.model.recipe import Recipe
 
     (toml,) = blocks("Whole models", "toml")
     (tmp_path / "r.toml").write_text(toml)

@@ -1,4 +1,4 @@
-"""Hostile inputs and huge size claims (SPEC v1.1 §3): each reproduction ends in a typed
+"""Hostile inputs and huge size claims (docs/spec.md, size claims): each reproduction ends in a typed
 one-line error or a correct result, within a second and a few MB, on every installed backend.
 
 Memory is measured with tracemalloc (numpy reports its buffers to it); a case that believed a
@@ -18,12 +18,13 @@ import tracemalloc
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 import qcore
 from qcore import InputError, InvalidDataError, QuantizedData, SchemeError, StorageError
-from qcore import io as qio
-from qcore.cli import main
+from qcore.files import io as qio, paths, stfile
+from qcore.cli.main import main
 
 MB = 1 << 20
 
@@ -80,7 +81,7 @@ def test_empty_but_huge_decodes_in_constant_time(shape, scheme):
     s = qcore.scheme(scheme)
     if len(s.block.dims if s.block else ()) > len(shape):
         return
-    sec = qcore.payload.sections(shape, s)
+    sec = qcore.spec.payload.sections(shape, s)
     table = np.asarray(s.table or (), "<f4").tobytes()
     d = QuantizedData(shape, s, bytes(sec.total - len(table)) + table)
     for be in _backends(scheme):
@@ -149,7 +150,7 @@ def test_tiny_file_with_a_gigantic_block_dequantizes_cheaply(tmp_path):
 
 def test_block_dims_and_rank_rules_unchanged():
     """Clamping is only for the work: the scheme keeps its block, a block with more dims than the
-    tensor is still an InputError (SPEC §2)."""
+    tensor is still an InputError (docs/spec.md, arithmetic)."""
     q = qcore.backend("reference").quantize(np.ones((3, 5), np.float32), "q8s/block64x64:f32")
     assert str(q.scheme) == "q8s/block64x64:f32" and q.to_data().scales().shape == (1, 1)
     with pytest.raises(InputError, match="has 2 dims but the tensor has rank 1"):
@@ -268,12 +269,12 @@ def _save_raises(monkeypatch, exc):
         with open(tmp, "wb") as f:
             f.write(b"x" * 1000)
         raise exc
-    monkeypatch.setattr(qio, "save_file", fail)
+    monkeypatch.setattr(stfile, "save_file", fail)  # the safetensors writer qcore.save calls
 
 
 @pytest.mark.parametrize("exc,pattern", [
-    (qio.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
-                         'message: "No space left on device" })'), "No space left on device"),
+    (SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                     'message: "No space left on device" })'), "No space left on device"),
     (OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
     (OSError(errno.EROFS, "Read-only file system"), "Read-only file system"),
 ], ids=["safetensors-enospc", "oserror-enospc", "erofs"])
@@ -291,7 +292,7 @@ def test_read_only_destination_before_any_temp_file(tmp_path, monkeypatch, capsy
 
     def erofs(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
-    monkeypatch.setattr(qio.tempfile, "mkstemp", erofs)
+    monkeypatch.setattr(paths.tempfile, "mkstemp", erofs)
     rc, _, err = _run(capsys, "quantize", model, tmp_path / "o.safetensors", "--scheme", "q8s",
                       "--backend", "reference")
     assert rc == 1

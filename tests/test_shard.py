@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _ids(*args):
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                          "tests/test_ops.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          "tests/backend/test_ops.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "NUMBA_ENABLE_CUDASIM": "1"})
     return out.returncode, [line for line in out.stdout.splitlines() if "::" in line], out.stdout + out.stderr
 

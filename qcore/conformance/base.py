@@ -41,11 +41,11 @@ from typing import Any
 
 import pytest
 
-from . import cases as C
-from . import checks as K
-from . import sampling as S
-from .expect import as_expectation, per_backend
-from .plugin import OUTCOMES
+from qcore.conformance import cases as C
+from qcore.conformance import checks as K
+from qcore.conformance import sampling as S
+from qcore.conformance.expect import as_expectation, per_backend
+from qcore.conformance.plugin import OUTCOMES
 
 __all__ = [
     "ConformanceFixtures",
@@ -79,7 +79,7 @@ def installed_backend(name: str):
     """The registered backend `name`, ready to use. When it is not installed, failed to load, or is
     installed but unavailable (no device), skip with that reason, or fail if `name` is required
     (see `required_backends`)."""
-    from .. import registry
+    from qcore.backend import registry
 
     required = name in required_backends() or "all" in required_backends()
     stop = pytest.fail if required else pytest.skip
@@ -169,7 +169,7 @@ class ConformanceFixtures:
     def peer_backends(self, backend) -> list:
         """Other installed, available backends to exchange payloads with (default: every
         registered one but `reference` and the backend itself)."""
-        from .. import registry
+        from qcore.backend import registry
 
         out = []
         for name, be in sorted(registry.registered().items()):
@@ -263,7 +263,8 @@ class BaseSchemeTests(ConformanceFixtures):
 
 
 class BaseBadInputTests(ConformanceFixtures):
-    """Bad input and bad payloads raise the SPEC §5 error types, never another exception."""
+    """Bad input and bad payloads raise the spec's error types (docs/spec.md, errors), never
+    another exception."""
 
     def test_bad_input(self, backend, reference, qcore_group, request):
         _settle(request, S.check_group(backend, "bad-input", qcore_group, self._settings(request.config),

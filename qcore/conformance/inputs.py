@@ -34,8 +34,8 @@ import zlib
 
 import numpy as np
 
-from .. import layout
-from ..scheme import QuantScheme
+from qcore.spec import layout
+from qcore.spec.schemes import QuantScheme
 
 __all__ = ["SCHEME_DISTRIBUTIONS", "decision_points", "grid_exponents", "scheme_input", "slot_ids"]
 

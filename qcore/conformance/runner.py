@@ -31,10 +31,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from . import cases as C
-from . import checks as K
-from . import sampling as S
-from .expect import parse_expect, per_backend
+from qcore.conformance import cases as C
+from qcore.conformance import checks as K
+from qcore.conformance import sampling as S
+from qcore.conformance.expect import parse_expect, per_backend
 
 __all__ = ["main", "run", "run_cases", "plan", "Report", "CHECK_KINDS"]
 
@@ -269,8 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .. import registry
-    from ..errors import QCoreError
+    from qcore.backend import registry
+    from qcore.errors import QCoreError
 
     console = Console()
     err = Console(stderr=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .base import ConformanceFixtures, ConformanceTests, installed_backend
+from qcore.conformance.base import ConformanceFixtures, ConformanceTests, installed_backend
 
 
 class CommandLineFixtures(ConformanceFixtures):

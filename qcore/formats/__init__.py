@@ -15,18 +15,18 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .base import Checkpoint, Format, FormatNotFoundError, PathLike, Probe, Tensor, UnrepresentableError, read_checked
-from .convert import ConvertReport, TensorReport, convert, describe
-from .registry import GROUP, detect, formats, get, plugin_errors, register, reset
+from qcore.formats.base import Contents, Format, FormatNotFoundError, PathLike, Probe, Tensor, UnrepresentableError, read_checked
+from qcore.formats.convert import ConvertReport, TensorReport, convert, describe
+from qcore.formats.registry import GROUP, detect, formats, get, plugin_errors, register, reset
 
 __all__ = [
-    "GROUP", "Checkpoint", "ConvertReport", "Format", "FormatNotFoundError", "Probe", "Tensor",
+    "GROUP", "Contents", "ConvertReport", "Format", "FormatNotFoundError", "Probe", "Tensor",
     "TensorReport", "UnrepresentableError", "convert", "describe", "detect", "formats", "get",
     "plugin_errors", "read", "register", "reset", "write",
 ]
 
 
-def read(path: PathLike, format: str | None = None, **options: str) -> Checkpoint:
+def read(path: PathLike, format: str | None = None, **options: str) -> Contents:
     """Read a file in `format` (None: detected) into qcore terms; exact or `UnrepresentableError`.
     A quantized tensor the reader leaves as a plain array (codes beside their scale) is an
     `InvalidDataError` (`base.read_checked`)."""
@@ -34,8 +34,8 @@ def read(path: PathLike, format: str | None = None, **options: str) -> Checkpoin
     return read_checked(fmt.with_options(**options), path)
 
 
-def write(path: PathLike, tensors: Mapping[str, Tensor] | Checkpoint, format: str,
+def write(path: PathLike, tensors: Mapping[str, Tensor] | Contents, format: str,
           metadata: Mapping[str, str] | None = None, **options: str) -> None:
     """Write tensors (`QuantizedData` or numpy) in `format`; refuses any it cannot hold exactly."""
-    ck = tensors if isinstance(tensors, Checkpoint) else Checkpoint(dict(tensors), dict(metadata or {}), format)
-    get(format).with_options(**options).write(path, ck)
+    contents = tensors if isinstance(tensors, Contents) else Contents(dict(tensors), dict(metadata or {}), format)
+    get(format).with_options(**options).write(path, contents)

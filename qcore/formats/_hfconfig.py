@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Hashable, Mapping
 
-from .base import UnrepresentableError
-from .gptoss import should_convert
+from qcore.formats.base import UnrepresentableError
+from qcore.formats.gptoss import should_convert
 
 __all__ = ["one_setting", "skip_modules"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .base import UnrepresentableError
+from qcore.formats.base import UnrepresentableError
 
 __all__ = ["BLOCK", "FP8", "scale_words"]
 

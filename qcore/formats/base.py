@@ -1,30 +1,31 @@
 """What a checkpoint format is to qcore: a small class that detects, reads and writes one kind of file.
 
-A format turns a file into a `Checkpoint` (tensor name -> `QuantizedData` or numpy array, plus
-str -> str metadata) and back. Reading is exact or refused: a quantized tensor becomes
-`QuantizedData` only when qcore's decode (SPEC §2.6) gives bit-identical values to the tool's own
-dequantize; anything else raises `UnrepresentableError` naming the tensor, the rule and the way out.
-Writing is the same promise in the other direction: `check(name, value)` says, before any byte is
-written, whether the format holds a tensor exactly, and `write` refuses what `check` rejects.
+A format turns a file into `Contents` (`qcore.files.checkpoint`: tensor name -> `QuantizedData` or
+numpy array, plus str -> str metadata) and back. Reading is exact or refused: a quantized tensor
+becomes `QuantizedData` only when qcore's decode (docs/spec.md, dequantize) gives bit-identical values
+to the tool's own dequantize; anything else raises `UnrepresentableError` naming the tensor, the rule
+and the way out. Writing is the same promise in the other direction: `check(name, value)` says, before
+any byte is written, whether the format holds a tensor exactly, and `write` refuses what `check`
+rejects.
 """
 from __future__ import annotations
 
 import errno
-import json
 import os
 import reprlib
-import struct
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, Union
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from ..errors import InputError, InvalidDataError, QCoreError, StorageError
-from ..payload import QuantizedData
-from ..protocol import Support
+from qcore.backend.protocol import Support
+from qcore.errors import InputError, InvalidDataError, QCoreError, StorageError
+from qcore.files.checkpoint import INDEX_SUFFIX, Contents, Tensor, shard_files
+from qcore.files.paths import PathLike, parse_json
+from qcore.files.stfile import read_header
 
 __all__ = [
-    "Checkpoint",
+    "Contents",
     "Format",
     "FormatNotFoundError",
     "Probe",
@@ -34,13 +35,9 @@ __all__ = [
     "parse_json",
     "read_checked",
     "refuse_unread_quantized",
-    "shards",
     "short_repr",
     "unread_quantized",
 ]
-
-PathLike = Union[str, "os.PathLike[str]"]
-Tensor = Union[QuantizedData, np.ndarray]
 
 
 class UnrepresentableError(QCoreError, ValueError):
@@ -51,29 +48,6 @@ class FormatNotFoundError(QCoreError, LookupError):
     """No checkpoint format is registered under a name, or none recognises a file."""
 
 
-@dataclass
-class Checkpoint:
-    """The tensors of one file in qcore's terms, and the metadata a writer needs to restore it.
-
-    `metadata` is a flat str -> str map (what a qcore safetensors file can carry); a format keeps
-    its own facts under keys starting with its name and a dot (e.g. `gguf.kv`), so a conversion
-    through qcore's format and back loses nothing.
-    """
-
-    tensors: dict[str, Tensor] = field(default_factory=dict)
-    metadata: dict[str, str] = field(default_factory=dict)
-    format: str = ""
-    folder: str | None = None
-    """The model folder the checkpoint was read from (a transformers checkpoint directory with its
-    `config.json` and tokenizer files), or None for a single file; a writer may read the model's
-    hyper-parameters and tokenizer from it (GGUF does)."""
-    refused: dict[str, str] = field(default_factory=dict)
-    """Quantized tensors no qcore scheme holds exactly, name -> the reason: `tensors[name]` then holds
-    the values the tool's own decode gives, which only a re-quantization may use (`read_checked`)."""
-
-
-INDEX_SUFFIX = ".safetensors.index.json"
-
 _REPR = reprlib.Repr()
 _REPR.maxstring, _REPR.maxother = 200, 40
 
@@ -82,17 +56,6 @@ def short_repr(value: Any) -> str:
     """`repr(value)` cut to a few dozen characters and levels (`reprlib`): a value from a file, shown
     in a one-line message, whatever its size or nesting."""
     return _REPR.repr(value)
-
-
-def parse_json(text: str | bytes, what: str) -> Any:
-    """`json.loads(text)`, or a one-line `InvalidDataError` saying `what` is not JSON; text nested
-    deeper than Python's parser goes (its RecursionError, a few KB of brackets) included."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise InvalidDataError(f"{what} is not JSON (nested too deeply for Python's JSON parser)") from None
-    except ValueError as e:  # UnicodeDecodeError included
-        raise InvalidDataError(f"{what} is not JSON ({' '.join(str(e).split())})") from None
 
 
 def model_folder(path: PathLike) -> str | None:
@@ -105,34 +68,8 @@ def model_folder(path: PathLike) -> str | None:
 
 
 def _missing(p: str) -> StorageError:
-    """The error for a path that does not exist (an OSError with ENOENT, as `qcore.io` raises)."""
+    """The error for a path that does not exist (an OSError with ENOENT, as `qcore.files.paths` raises)."""
     return StorageError(errno.ENOENT, f"{p}: No such file or directory (cannot read it)", p)
-
-
-def shards(path: PathLike) -> list[str]:
-    """The files of a checkpoint: the shards an index names (`*.safetensors.index.json`, or a folder
-    holding `model.safetensors.index.json`, as transformers writes them), a folder's one
-    `model.safetensors` when it has no index, else the path itself."""
-    p = os.fspath(path)
-    index = os.path.join(p, "model" + INDEX_SUFFIX) if os.path.isdir(p) else p
-    single = os.path.join(p, "model.safetensors")
-    if os.path.isdir(p) and not os.path.exists(index) and os.path.isfile(single):
-        return [single]
-    if not index.endswith(INDEX_SUFFIX):
-        return [p]
-    if not os.path.exists(index):
-        raise _missing(index)
-    try:
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-        names = list(dict.fromkeys(weight_map.values()))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise InvalidDataError(
-            f"{index}: not a safetensors index (JSON with a 'weight_map' of tensor -> file)") from None
-    if not names or not all(isinstance(n, str) and n not in ("", ".", "..") and os.path.basename(n) == n
-                            for n in names):
-        raise InvalidDataError(f"{index}: 'weight_map' must name shard files in the index's folder")
-    return [os.path.join(os.path.dirname(index), n) for n in names]
 
 
 @dataclass(frozen=True)
@@ -150,7 +87,7 @@ class Probe:
         p = os.fspath(path)
         if not os.path.exists(p):
             raise _missing(p)
-        files = shards(p)
+        files = shard_files(p)
         if files != [p]:
             probes = [cls.of(f) for f in files]
             header: dict[str, Any] = {"__metadata__": probes[0].metadata}
@@ -163,19 +100,9 @@ class Probe:
     def _of_file(cls, p: str) -> "Probe":
         with open(p, "rb") as f:
             magic = f.read(8)
-            header = None
-            if len(magic) == 8:
-                n = struct.unpack("<Q", magic)[0]
-                size = os.fstat(f.fileno()).st_size
-                if 2 <= n <= min(size - 8, 100 << 20):
-                    text = f.read(n)
-                    if text[:1] == b"{":
-                        try:
-                            parsed = json.loads(text.decode("utf-8"))
-                        except (ValueError, RecursionError):  # not JSON, or nested too deeply to parse
-                            parsed = None
-                        header = parsed if isinstance(parsed, dict) else None
-        return cls(p, magic, header)
+            f.seek(0)
+            found = read_header(f)  # None: not a safetensors header (or not JSON, or nested too deeply)
+        return cls(p, magic, found[1] if found is not None else None)
 
     @property
     def tensor_names(self) -> list[str]:
@@ -208,7 +135,7 @@ class Format:
         """True when the file looks like this format (header only, no tensor data read)."""
         raise NotImplementedError
 
-    def read(self, path: PathLike) -> Checkpoint:
+    def read(self, path: PathLike) -> Contents:
         """Every tensor of the file, quantized ones as `QuantizedData` (exact or refused)."""
         raise NotImplementedError(f"format '{self.name}' cannot read files")
 
@@ -216,20 +143,20 @@ class Format:
         """Whether `write` can store `value` exactly (no value changes); a reason when not."""
         return Support.no(f"format '{self.name}' cannot write files")
 
-    def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
+    def write(self, path: PathLike, contents: Contents) -> None:
         """Write every tensor (all must pass `check`), atomically."""
         raise NotImplementedError(f"format '{self.name}' cannot write files")
 
     def model_config(self, tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict | None:
         """The `quantization_config` a loader reads from a model folder's config.json for a model
         whose tensors are {name: (QuantScheme, shape)} (scheme None: a plain tensor), over every
-        shard at once; None when this format has none. `qcore.export` writes it."""
+        shard at once; None when this format has none. `qcore.model.export` writes it."""
         return None
 
     def shard_metadata(self, tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict[str, str]:
         """Metadata that every shard of a model folder carries, from the whole model's tensors
         ({name: (QuantScheme or None, shape)}, as `model_config`); {} when this format has none.
-        `qcore.export` puts it into each shard's `Checkpoint.metadata` for `write`."""
+        `qcore.model.export` puts it into each shard's `Contents.metadata` for `write`."""
         return {}
 
     def with_options(self, **options: str) -> "Format":
@@ -244,9 +171,9 @@ class Format:
     def writable(self) -> bool:
         return type(self).write is not Format.write
 
-    def require(self, checkpoint: Checkpoint) -> None:
+    def require(self, contents: Contents) -> None:
         """Raise `UnrepresentableError` for the first tensor `check` rejects."""
-        for name, value in checkpoint.tensors.items():
+        for name, value in contents.tensors.items():
             ok = self.check(name, value)
             if not ok:
                 raise UnrepresentableError(f"tensor '{name}' cannot be written as {self.name}: {ok.reason}")
@@ -296,17 +223,17 @@ def refuse_unread_quantized(plain: Mapping[str, tuple[str, tuple[int, ...]]], pa
             f"(name the format that holds it with --from, if qcore has one)")
 
 
-def read_checked(fmt: Format, path: PathLike, *, requantizing: bool = False) -> Checkpoint:
+def read_checked(fmt: Format, path: PathLike, *, requantizing: bool = False) -> Contents:
     """`fmt.read(path)`, and no quantized tensor passed on as a plain array: codes beside their
     scale that the reader left as arrays (`unread_quantized`) are an `InvalidDataError` naming them,
     so a layout no reader knows never crosses a conversion as if it were plain tensors; a tensor
-    the reader refused (`Checkpoint.refused`) is its `UnrepresentableError`, unless `requantizing`
+    the reader refused (`Contents.refused`) is its `UnrepresentableError`, unless `requantizing`
     (the caller re-quantizes those from the tool's decoded values)."""
-    checkpoint = fmt.read(path)
-    refused = getattr(checkpoint, "refused", None) or {}
+    contents = fmt.read(path)
+    refused = getattr(contents, "refused", None) or {}
     if refused and not requantizing:
         raise UnrepresentableError(next(iter(refused.values())))
-    plain = {n: (v.dtype.name, tuple(v.shape)) for n, v in checkpoint.tensors.items()
+    plain = {n: (v.dtype.name, tuple(v.shape)) for n, v in contents.tensors.items()
              if isinstance(v, np.ndarray) and n not in refused}
     refuse_unread_quantized(plain, path, fmt.name)
-    return checkpoint
+    return contents

@@ -18,7 +18,7 @@ nested_absmax[i // nested_blocksize]) + f32(nested_offset)`, which gives f32 abs
 
 Where the tensor is 1-D or its last dim is a multiple of the blocksize, the flattened blocks are
 qcore's per-axis blocks and the scheme is the v1 one; otherwise (blocks that cross rows) it is
-`q4s-lookup[nf4]/block<B>:f32:flat`, blocks over the flattened tensor (docs/spec.md E7).
+`q4s-lookup[nf4]/block<B>:f32:flat`, blocks over the flattened tensor (docs/spec.md, flat blocks).
 Double quant can give a block a negative absmax: a block of zeros beside an outlier, whose absmax
 (0 less the mean, quantized by the 8-bit dynamic map, the mean added back) lands below 0.
 bitsandbytes decodes it all the same, `quant_map[code] * absmax`: -0.0 for a code of 0.0, the
@@ -27,7 +27,7 @@ exactly as scale +0 with, per element, the code of a negative table entry where 
 (`-t * +0 = -0`) and of a non-negative one where it is +0.0 (NF4: codes 0 and 7); a block with a
 negative absmax and a non-zero value is refused (a LOOKUP table with scales >= 0 cannot flip its
 signs): the reader gives bitsandbytes' decode of that tensor (in the layer's dtype) as refused
-(`Checkpoint.refused`), which `convert` re-quantizes when asked and otherwise reports. Refused too, with the reason: quant_type fp4 (its table holds +0 and -0 and is not
+(`Contents.refused`), which `convert` re-quantizes when asked and otherwise reports. Refused too, with the reason: quant_type fp4 (its table holds +0 and -0 and is not
 increasing, which LOOKUP excludes), and absmax values that are not finite. Every size in the quant_state
 (`shape`, `blocksize`, `nested_blocksize`) is checked for its type and against the tensors the
 file holds before anything is allocated: a bad one is an `InvalidDataError` naming the field.
@@ -55,14 +55,15 @@ from typing import Any, Mapping
 import ml_dtypes
 import numpy as np
 
-from ..errors import InputError, InvalidDataError, SchemeError
-from ..layout import check_shape
-from ..payload import QuantizedData
-from ..protocol import Support
-from ..scheme import PRESETS, QuantMode, QuantScheme, QuantValue, ScaleDtype
-from ._st import array_support, pop_json, read_arrays, write_arrays
-from ._hfconfig import one_setting, skip_modules
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
+from qcore.errors import InputError, InvalidDataError, SchemeError
+from qcore.spec.layout import check_shape
+from qcore.spec.payload import QuantizedData
+from qcore.backend.protocol import Support
+from qcore.spec.schemes import PRESETS, QuantMode, QuantScheme, QuantValue, ScaleDtype
+from qcore.files.stfile import write_arrays
+from qcore.formats._st import array_support, pop_json, read_arrays
+from qcore.formats._hfconfig import one_setting, skip_modules
+from qcore.formats.base import Contents, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
 
 __all__ = ["BnbNF4Format"]
 
@@ -147,7 +148,7 @@ def _tensor(arrays: dict[str, np.ndarray], w: str, st: dict) -> QuantizedData:
         )
     shape = _shape(st)
     block = _positive(st, "blocksize")
-    crosses_rows = len(shape) > 1 and shape[-1] % block != 0  # then blocks over the flattened tensor (E7)
+    crosses_rows = len(shape) > 1 and shape[-1] % block != 0  # then blocks over the flattened tensor
     table = arrays[w + ".quant_map"].astype(np.float32).reshape(-1)
     try:
         sch = QuantScheme(QuantValue.Q4S).per_block([block], ScaleDtype.F32, flat=crosses_rows)
@@ -283,13 +284,13 @@ class BnbNF4Format(Format):
     def model_config(self, tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict | None:
         return model_config(tensors)
 
-    def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
-        self.require(checkpoint)
-        meta = dict(checkpoint.metadata)
+    def write(self, path: PathLike, contents: Contents) -> None:
+        self.require(contents)
+        meta = dict(contents.metadata)
         dtypes = pop_json(meta, DTYPES_KEY)
         meta.setdefault("format", "pt")
         arrays: dict[str, np.ndarray] = {}
-        for name, value in checkpoint.tensors.items():
+        for name, value in contents.tensors.items():
             if isinstance(value, QuantizedData):
                 arrays.update(_write_tensor(name, value, str(dtypes.get(name, "float32"))))
             else:
@@ -299,7 +300,7 @@ class BnbNF4Format(Format):
     def detect(self, probe: Probe) -> bool:
         return any(STATE_SUFFIX in n for n in probe.tensor_names)
 
-    def read(self, path: PathLike) -> Checkpoint:
+    def read(self, path: PathLike) -> Contents:
         arrays, meta = read_arrays(path)
         weights = {k.split(STATE_SUFFIX)[0]: k for k in arrays if STATE_SUFFIX in k}
         owned = {w + s for w in weights for s in _PARTS} | set(weights.values())
@@ -330,4 +331,4 @@ class BnbNF4Format(Format):
                 f"{path}: '{weights[missing[0]]}' describes tensor '{missing[0]}', which the file lacks")
         if dtypes:
             meta = {**meta, DTYPES_KEY: json.dumps(dtypes, sort_keys=True)}
-        return Checkpoint(tensors, meta, self.name, refused=refused)
+        return Contents(tensors, meta, self.name, refused=refused)

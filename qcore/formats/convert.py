@@ -1,7 +1,7 @@
 """Moving a checkpoint between formats: bytes rearranged where the target holds the source exactly.
 
 `convert` never re-quantizes on its own. A quantized tensor the target cannot hold exactly, or
-one the reader could not hold exactly (`Checkpoint.refused`: the tool's decoded values), is an
+one the reader could not hold exactly (`Contents.refused`: the tool's decoded values), is an
 `UnrepresentableError`, unless the caller names a scheme to re-quantize it with; then the tensor is
 dequantized (or taken as the tool decoded it), quantized again, and the report gives its error
 (SQNR and max |err| against the source's decoded values). Float and integer tensors are copied as
@@ -16,29 +16,18 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import InputError
-from ..payload import QuantizedData
-from ..scheme import QuantScheme, scheme as parse_scheme
-from .base import Checkpoint, Format, PathLike, Tensor, UnrepresentableError, model_folder, read_checked
-from .registry import detect, get
+from qcore.files.checkpoint import check_apart
+from qcore.spec.payload import QuantizedData
+from qcore.spec.schemes import QuantScheme, scheme as parse_scheme
+from qcore.formats.base import Contents, Format, PathLike, Tensor, UnrepresentableError, model_folder, read_checked
+from qcore.formats.registry import detect, get
 
-__all__ = ["ConvertReport", "TensorReport", "convert", "describe", "error_stats"]
+__all__ = ["ConvertReport", "TensorReport", "convert", "describe"]
 
 
 def describe(value: Tensor) -> str:
     """Scheme text of a quantized tensor, dtype of a plain one."""
     return str(value.scheme) if isinstance(value, QuantizedData) else str(value.dtype)
-
-
-def error_stats(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """(SQNR in dB, max |x - y|) in float64; SQNR is inf when the error is zero."""
-    x64 = np.asarray(x, dtype=np.float64).reshape(-1)
-    err = np.asarray(y, dtype=np.float64).reshape(-1) - x64
-    noise, signal = float(np.dot(err, err)), float(np.dot(x64, x64))
-    max_err = float(np.max(np.abs(err))) if err.size else 0.0
-    if noise == 0.0:
-        return math.inf, max_err
-    return (10.0 * math.log10(signal / noise) if signal else -math.inf), max_err
 
 
 @dataclass(frozen=True)
@@ -86,33 +75,32 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
     re-quantized); codes the reader left as a plain array beside their scale are an
     `InvalidDataError` (`base.read_checked`), so "copied" is only ever a float or integer tensor
     and a report without re-quantized tensors is lossless. A tensor the target cannot hold, or one
-    the reader refused (no qcore scheme holds the tool's values exactly, `Checkpoint.refused`),
+    the reader refused (no qcore scheme holds the tool's values exactly, `Contents.refused`),
     raises `UnrepresentableError` before anything is written, unless `requantize` names a scheme:
     then it is quantized again on `backend` (None: $QCORE_BACKEND, else auto) from its decoded
     values (the refused one from the tool's own decode), and its error is in the report. A model
-    folder (`src` a directory or its index) is passed to the writer as `Checkpoint.folder`, so GGUF
+    folder (`src` a directory or its index) is passed to the writer as `Contents.folder`, so GGUF
     can write the model's config.json and tokenizer.
     """
     s, d = os.fspath(src), os.fspath(dst)
-    if os.path.abspath(s) == os.path.abspath(d):
-        raise InputError("DST must differ from SRC; write elsewhere and move it if you want to replace SRC")
+    check_apart(s, d, names=("SRC", "DST"))  # DST is not SRC, nor one of its shards
     reader = _format(src_format if src_format is not None else detect(s), read_options)
     writer = _format(to, write_options)
     if not writer.writable:
         raise UnrepresentableError(f"format '{writer.name}' is read-only in this qcore; convert to another format")
     target = parse_scheme(requantize) if requantize is not None else None
     # no quantized tensor passes as a plain array; those the reader refused only with a target
-    checkpoint = read_checked(reader, s, requantizing=target is not None)
+    contents = read_checked(reader, s, requantizing=target is not None)
     report = ConvertReport(s, d, reader.name, writer.name)
     out: dict[str, Tensor] = {}
-    for name, value in checkpoint.tensors.items():
+    for name, value in contents.tensors.items():
         source = None
-        if name in checkpoint.refused:  # the tool's decoded values of a tensor no scheme holds exactly
+        if name in contents.refused:  # the tool's decoded values of a tensor no scheme holds exactly
             source = f"{describe(value)}, decoded by {reader.name}"
         else:
             ok = writer.check(name, value)
             if not ok and isinstance(value, QuantizedData) and value.scheme.low_order is not value.scheme:
-                low = value.in_low_order()  # a field order the target lacks (E6): the fields re-packed
+                low = value.in_low_order()  # a field order the target lacks: the fields re-packed
                 if writer.check(name, low):
                     value, ok = low, writer.check(name, low)
             if ok:
@@ -134,18 +122,19 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
                 f"tensor '{name}' requantized to {target} still cannot be written as {writer.name}: {again.reason}"
             )
         report.tensors.append(row)
-    writer.write(d, Checkpoint(out, dict(checkpoint.metadata), writer.name, checkpoint.folder or model_folder(s)))
+    writer.write(d, Contents(out, dict(contents.metadata), writer.name, contents.folder or model_folder(s)))
     return report
 
 
 def _requantize(name: str, value: Tensor, target: QuantScheme, backend: Any,
                 source: str | None = None) -> tuple[QuantizedData, TensorReport]:
-    """`value` (a payload, or the values a tool decoded) quantized as `target`, with its error."""
-    from ..registry import backend as get_backend
+    """`value` (a payload, or the values a tool decoded) quantized as `target`, with its error
+    (`Backend.error_stats`: the statistic `qcore.quantize_model` reports)."""
+    from qcore.backend.registry import backend as get_backend
 
     be = get_backend(backend)
     x = be.from_data(value).numpy() if isinstance(value, QuantizedData) else np.asarray(value)
-    new = be.quantize(x, target).to_data()
-    sqnr, max_err = error_stats(x, be.from_data(new).numpy())
-    return new, TensorReport(name, tuple(value.shape), source or describe(value), str(target), "requantized", sqnr,
+    q = be.quantize(x, target)
+    sqnr, max_err = be.error_stats(x, q)
+    return q.to_data(), TensorReport(name, tuple(value.shape), source or describe(value), str(target), "requantized", sqnr,
                              max_err)

@@ -22,8 +22,8 @@ the config's `weight_block_size` when the scale's grid is `ceil` of the weight b
 kernel and vLLM use the config); otherwise from the grid itself when it divides the weight
 (`Fp8Dequantize`'s rule: block = weight / grid); a grid that is neither is refused. Activation
 scales (`M.activation_scale`, `M.input_scale`) and other tensors pass through as arrays. Refused,
-with the reason: scales that are negative, NaN or infinite (SPEC §2; an E8M0 byte of 255 is NaN),
-other scale dtypes, and weights of fewer than 2 dims.
+with the reason: scales that are negative, NaN or infinite (docs/spec.md, arithmetic; an E8M0 byte
+of 255 is NaN), other scale dtypes, and weights of fewer than 2 dims.
 
 Writing takes `e4m3` tensors with f32 scales on the native store, all with the same 2-D blocks
 (`weight_block_size`) or all per tensor (`weight_block_size: null`), and puts the config beside
@@ -38,12 +38,14 @@ import math
 import ml_dtypes
 import numpy as np
 
-from ..io import VERSION_KEY
-from ..payload import QuantizedData
-from ..protocol import Support
-from ..scheme import QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
-from ._st import array_support, config_beside, pop_json, put_quantization_config, read_arrays, write_arrays
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
+from qcore.files.io import VERSION_KEY
+from qcore.spec.payload import QuantizedData
+from qcore.backend.protocol import Support
+from qcore.spec.schemes import QuantScheme, QuantValue, StoreKind, scheme as parse_scheme
+from qcore.files.hfconfig import config_beside, put_quantization_config
+from qcore.files.stfile import write_arrays
+from qcore.formats._st import array_support, pop_json, read_arrays
+from qcore.formats.base import Contents, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
 
 __all__ = ["Fp8Format", "SCALE_SUFFIX"]
 
@@ -131,7 +133,7 @@ class Fp8Format(Format):
         return any(n + SCALE_SUFFIX in head and isinstance(head[n], dict) and head[n].get("dtype") == "F8_E4M3"
                    for n in probe.tensor_names)
 
-    def read(self, path: PathLike) -> Checkpoint:
+    def read(self, path: PathLike) -> Contents:
         arrays, meta = read_arrays(path)
         cfg = config_beside(path)
         config = _config_block(cfg)
@@ -150,7 +152,7 @@ class Fp8Format(Format):
                 tensors[name] = arr
         if cfg is not None:
             meta = {**meta, CONFIG_KEY: json.dumps(cfg, sort_keys=True)}
-        return Checkpoint(tensors, meta, self.name)
+        return Contents(tensors, meta, self.name)
 
     def check(self, name: str, value: Tensor) -> Support:
         if not isinstance(value, QuantizedData):
@@ -166,17 +168,17 @@ class Fp8Format(Format):
                               f"scales have no weight_block_size form")
         return Support.yes()
 
-    def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
-        self.require(checkpoint)
-        meta = dict(checkpoint.metadata)
+    def write(self, path: PathLike, contents: Contents) -> None:
+        self.require(contents)
+        meta = dict(contents.metadata)
         cfg = pop_json(meta, CONFIG_KEY)
-        blocks = {_write_block(v) for v in checkpoint.tensors.values() if isinstance(v, QuantizedData)}
+        blocks = {_write_block(v) for v in contents.tensors.values() if isinstance(v, QuantizedData)}
         if len(blocks) > 1:
             raise UnrepresentableError(
                 f"the fp8 format's config has one weight_block_size for every weight, got "
                 f"{', '.join(sorted(str(list(b)) if b else 'per tensor' for b in blocks))}; re-quantize to one")
         arrays: dict[str, np.ndarray] = {}
-        for name, value in checkpoint.tensors.items():
+        for name, value in contents.tensors.items():
             if not isinstance(value, QuantizedData):
                 arrays[name] = value
                 continue

@@ -2,7 +2,7 @@
 key/values, and its tensors under llama.cpp's names.
 
 `GGUFFormat.write` uses this when the checkpoint came from a model folder with a `config.json`
-(`Checkpoint.folder`); a single file, or a folder without `config.json`, is written as before
+(`Contents.folder`); a single file, or a folder without `config.json`, is written as before
 (`general.architecture = qcore`, the checkpoint's own names, no tokenizer).
 
 The facts are llama.cpp's (`convert_hf_to_gguf.py`, `LlamaModel` and `TextModel`, and the gguf
@@ -39,9 +39,9 @@ from typing import Any, Callable, Mapping
 import ml_dtypes
 import numpy as np
 
-from ..errors import InvalidDataError
-from ..payload import QuantizedData
-from .base import Tensor, UnrepresentableError, parse_json, short_repr
+from qcore.errors import InvalidDataError
+from qcore.spec.payload import QuantizedData
+from qcore.formats.base import Tensor, UnrepresentableError, parse_json, short_repr
 
 __all__ = ["ARCHITECTURES", "Architecture", "HParams", "ModelPlan", "PRE_TOKENIZERS", "Vocabulary", "plan"]
 

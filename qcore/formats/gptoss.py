@@ -17,11 +17,12 @@ unconverted. So the patterns written are the source's own (its config.json's, re
 that would match a module holding an mxfp4 weight; without source patterns, the modules whose
 tensors are all plain and that are no prefix of such a module.
 
-Scale byte 0: SPEC §1 and the torch decode (`ldexp(lut, byte - 127)`) give 2^-127; the triton
-kernels gpt-oss runs on GPUs (`triton_kernels` `_upcast_from_mxfp`) shift the byte into the exponent
-field and get 0.0. A block with byte 0 and a non-zero code therefore decodes
-differently (by less than 6 * 2^-127 per element), so by default both directions refuse such a
-tensor; option `zero_scale=spec` accepts it (bytes unchanged, decoded per SPEC).
+Scale byte 0: the spec's UE8M0 (docs/spec.md, schemes) and the torch decode
+(`ldexp(lut, byte - 127)`) give 2^-127; the triton kernels gpt-oss runs on GPUs (`triton_kernels`
+`_upcast_from_mxfp`) shift the byte into the exponent field and get 0.0. A block with byte 0 and a
+non-zero code therefore decodes differently (by less than 6 * 2^-127 per element), so by default
+both directions refuse such a tensor; option `zero_scale=spec` accepts it (bytes unchanged, decoded
+per SPEC).
 """
 from __future__ import annotations
 
@@ -31,14 +32,16 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import InputError, InvalidDataError
-from ..io import VERSION_KEY
-from ..payload import QuantizedData
-from ..protocol import Support
-from ..recipe import bounded_regex
-from . import _mx
-from ._st import array_support, carried, config_beside, pop_json, put_quantization_config, read_arrays, write_arrays
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
+from qcore.errors import InputError, InvalidDataError
+from qcore.files.io import VERSION_KEY
+from qcore.spec.payload import QuantizedData
+from qcore.backend.protocol import Support
+from qcore._regex import bounded_regex
+from qcore.formats import _mx
+from qcore.files.hfconfig import config_beside, put_quantization_config
+from qcore.files.stfile import write_arrays
+from qcore.formats._st import array_support, carried, pop_json, read_arrays
+from qcore.formats.base import Contents, Format, PathLike, Probe, Tensor, UnrepresentableError, short_repr
 
 __all__ = ["GptOssFormat"]
 
@@ -68,7 +71,7 @@ def should_convert(module: str, patterns: list[str]) -> bool:
     """transformers' `should_convert_module` (5.25): False when a pattern matches `module` as a regex
     from the start up to a module boundary ("layer.1" matches "layer.1.attn", not "layer.11.attn"),
     or is a suffix of it. A pattern that is not a valid regex matching in bounded time
-    (`recipe.bounded_regex`) is an `InvalidDataError`, as it is an error in transformers."""
+    (`qcore._regex.bounded_regex`) is an `InvalidDataError`, as it is an error in transformers."""
     for key in patterns:
         rx = bounded_regex(rf"(?:{key})(?:(?<=\.)|(?=\.|$))")
         if rx is None:
@@ -84,13 +87,13 @@ def _module(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else name
 
 
-def quantization_config(checkpoint: Checkpoint) -> dict:
+def quantization_config(contents: Contents) -> dict:
     """The `quantization_config` transformers' Mxfp4 loader reads: `quant_method` mxfp4 and
     `modules_to_not_convert` patterns that match no module holding an mxfp4 weight (the source's
     own patterns from metadata `gpt-oss.config`, else the modules whose tensors are all plain);
     other keys of the source's config kept."""
-    return config_of({n: isinstance(v, QuantizedData) for n, v in checkpoint.tensors.items()},
-                     pop_json(dict(checkpoint.metadata), CONFIG_KEY))
+    return config_of({n: isinstance(v, QuantizedData) for n, v in contents.tensors.items()},
+                     pop_json(dict(contents.metadata), CONFIG_KEY))
 
 
 def config_of(quantized_or_not: Mapping[str, bool], source: dict) -> dict:
@@ -143,7 +146,7 @@ class GptOssFormat(Format):
                 "and decode them per SPEC"
             )
 
-    def read(self, path: PathLike) -> Checkpoint:
+    def read(self, path: PathLike) -> Contents:
         arrays, meta = read_arrays(path)
         pairs = _pairs(list(arrays))
         used = {k for pair in pairs.values() for k in pair}
@@ -171,7 +174,7 @@ class GptOssFormat(Format):
         cfg = config_beside(path)
         if cfg is not None and cfg.get("quant_method") == "mxfp4":
             meta = {**meta, CONFIG_KEY: json.dumps(cfg, sort_keys=True)}
-        return Checkpoint(tensors, meta, self.name)
+        return Contents(tensors, meta, self.name)
 
     def model_config(self, tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict:
         return config_of({n: s is not None for n, (s, _) in tensors.items()}, {})
@@ -181,14 +184,14 @@ class GptOssFormat(Format):
             return _mx.check(value, "gpt-oss")
         return array_support(value)
 
-    def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
-        self.require(checkpoint)
-        config = quantization_config(checkpoint)  # before any byte is written: its patterns may be refused
-        meta = dict(checkpoint.metadata)
+    def write(self, path: PathLike, contents: Contents) -> None:
+        self.require(contents)
+        config = quantization_config(contents)  # before any byte is written: its patterns may be refused
+        meta = dict(contents.metadata)
         spelled = pop_json(meta, NAMES_KEY)
         meta.pop(CONFIG_KEY, None)
         arrays: dict[str, np.ndarray] = {}
-        for name, value in checkpoint.tensors.items():
+        for name, value in contents.tensors.items():
             if isinstance(value, QuantizedData):
                 blocks, scales = _mx.split(value)
                 self._zero_scale_ok(name, blocks, scales)

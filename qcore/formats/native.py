@@ -6,12 +6,13 @@ one holds only float tensors), so it runs last.
 """
 from __future__ import annotations
 
-from .. import io as qio
-from ..errors import InvalidDataError
-from ..payload import QuantizedData
-from ..protocol import Support
-from ._st import array_support
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, shards
+from qcore.files import io as qio
+from qcore.errors import InvalidDataError
+from qcore.spec.payload import QuantizedData
+from qcore.backend.protocol import Support
+from qcore.formats._st import array_support
+from qcore.files.checkpoint import shard_files
+from qcore.formats.base import Contents, Format, PathLike, Probe, Tensor
 
 __all__ = ["QcoreFormat"]
 
@@ -24,22 +25,22 @@ class QcoreFormat(Format):
     def detect(self, probe: Probe) -> bool:
         return probe.safetensors_header is not None
 
-    def read(self, path: PathLike) -> Checkpoint:
+    def read(self, path: PathLike) -> Contents:
         tensors: dict[str, Tensor] = {}
         meta: dict[str, str] | None = None
-        for p in shards(path):
+        for p in shard_files(path):
             meta = dict(qio.read_info(p).metadata) if meta is None else meta
             for name, value in qio.load_data(p).items():
                 if name in tensors:
                     raise InvalidDataError(f"{p}: tensor '{name}' is also in another shard")
                 tensors[name] = value
-        return Checkpoint(tensors, meta or {}, self.name)
+        return Contents(tensors, meta or {}, self.name)
 
     def check(self, name: str, value: Tensor) -> Support:
         if isinstance(value, QuantizedData):
             return Support.yes()
         return array_support(value)
 
-    def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
-        self.require(checkpoint)
-        qio.save(path, checkpoint.tensors, checkpoint.metadata)
+    def write(self, path: PathLike, contents: Contents) -> None:
+        self.require(contents)
+        qio.save(path, contents.tensors, contents.metadata)

@@ -11,94 +11,84 @@ of hiding the others; a plugin may not take a built-in format's name.
 """
 from __future__ import annotations
 
-import threading
 from importlib.metadata import entry_points
 from typing import Any
 
-from .base import Format, FormatNotFoundError, PathLike, Probe
+from qcore import plugins
+from qcore.formats.base import Format, FormatNotFoundError, PathLike, Probe
 
 __all__ = ["GROUP", "detect", "formats", "get", "plugin_errors", "register", "reset"]
 
 GROUP = "qcore.formats"
-_lock = threading.RLock()
-_registry: dict[str, Format] | None = None
-_errors: dict[str, str] = {}
+_MEMBERS = ("name", "priority", "detect", "read", "check", "write", "available")
+"""What a format plugin must have (`qcore.formats.Format`)."""
 
 
 def _builtins() -> list[Format]:
-    from .bnb import BnbNF4Format
-    from .ctensors import CompressedTensorsFormat
-    from .fp8 import Fp8Format
-    from .gguf_file import GGUFFormat
-    from .gptoss import GptOssFormat
-    from .native import QcoreFormat
-    from .torchao import TorchaoFormat
+    from qcore.formats.bnb import BnbNF4Format
+    from qcore.formats.ctensors import CompressedTensorsFormat
+    from qcore.formats.fp8 import Fp8Format
+    from qcore.formats.gguf_file import GGUFFormat
+    from qcore.formats.gptoss import GptOssFormat
+    from qcore.formats.native import QcoreFormat
+    from qcore.formats.torchao import TorchaoFormat
 
     return [QcoreFormat(), GptOssFormat(), GGUFFormat(), BnbNF4Format(), CompressedTensorsFormat(), Fp8Format(),
             TorchaoFormat()]
 
 
 def _instance(obj: Any, origin: str) -> Format:
+    """The format an entry point names: a `Format` instance, or a class / callable making one."""
     fmt = obj() if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "detect")) else obj
-    missing = [m for m in ("name", "priority", "detect", "read", "check", "write", "available") if not hasattr(fmt, m)]
-    if missing or not isinstance(getattr(fmt, "name", None), str) or not fmt.name:
-        lacks = ", ".join(missing) or "a name"
-        raise TypeError(f"entry point {origin} gave {fmt!r}, which lacks {lacks} of qcore.formats.Format")
+    lacks = plugins.missing(fmt, _MEMBERS)
+    if lacks or not isinstance(fmt.name, str) or not fmt.name:
+        raise TypeError(f"entry point {origin} gave {fmt!r}, which lacks {', '.join(lacks) or 'a name'} "
+                        "of qcore.formats.Format")
     return fmt
 
 
+def _discover(table: plugins.PluginTable[Format]) -> dict[str, Format]:
+    """The built-in formats, then each entry point of the group (none may take a taken name)."""
+    found = {f.name: f for f in _builtins()}
+    for ep, obj in plugins.load_each(entry_points(group=GROUP), table):
+        table.add(found, obj, ep.name, label=f"'{ep.name}' ({ep.value})")
+    return found
+
+
+_PLUGINS: plugins.PluginTable[Format] = plugins.PluginTable("format", _discover, _instance)
+
+
 def _load() -> dict[str, Format]:
-    global _registry
-    with _lock:
-        if _registry is not None:
-            return _registry
-        found = {f.name: f for f in _builtins()}
-        _errors.clear()
-        for ep in entry_points(group=GROUP):
-            try:
-                fmt = _instance(ep.load(), f"'{ep.name}' ({ep.value})")
-                if fmt.name in found:
-                    raise ValueError(f"format name '{fmt.name}' is already taken")
-                found[fmt.name] = fmt
-            except Exception as e:  # one broken plugin must not hide the others
-                _errors[ep.name] = f"{type(e).__name__}: {e}"
-        _registry = found
-        return found
+    return _PLUGINS.table()
 
 
 def register(fmt: Format) -> None:
     """Add a format by hand (tests, notebooks); entry points are the normal way."""
-    with _lock:
-        reg = _load()
-        fmt = _instance(fmt, "register()")
-        if fmt.name in reg:
-            raise ValueError(f"format name '{fmt.name}' is already taken")
-        reg[fmt.name] = fmt
+    _PLUGINS.register(fmt)
 
 
 def reset() -> None:
     """Forget the registry so the next call rediscovers plugins."""
-    global _registry
-    with _lock:
-        _registry = None
+    _PLUGINS.reset()
 
 
 def plugin_errors() -> dict[str, str]:
     """Entry points of the `qcore.formats` group that failed to load, with the error."""
     _load()
-    return dict(_errors)
+    return _PLUGINS.errors()
 
 
 def formats() -> dict[str, Format]:
     """Every registered format by name, in detection order (highest priority first)."""
-    return dict(sorted(_load().items(), key=lambda kv: (-int(kv[1].priority), kv[0])))
+    return {f.name: f for f in plugins.by_priority(_load().values())}
 
 
 def get(name: str) -> Format:
     """The format called `name`."""
     reg = _load()
+    errors = _PLUGINS.errors()
     if name not in reg:
-        hint = f" (its plugin failed to load: {_errors[name]})" if name in _errors else ""
+        hint = f" (its plugin failed to load: {errors[name]})" if name in errors else ""
         raise FormatNotFoundError(
             f"no checkpoint format named '{name}'{hint}; registered: {', '.join(sorted(reg))}"
         )

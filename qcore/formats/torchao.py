@@ -39,15 +39,16 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import InvalidDataError
-from ..io import VERSION_KEY
-from ..payload import QuantizedData
-from ..protocol import Support
-from ..scheme import PRESETS, QuantScheme, scheme as parse_scheme
-from . import _nvfp4
-from ._st import array_support, carried, pop_json, read_arrays, write_arrays
-from ._hfconfig import one_setting, skip_modules
-from .base import Checkpoint, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
+from qcore.errors import InvalidDataError
+from qcore.files.io import VERSION_KEY
+from qcore.spec.payload import QuantizedData
+from qcore.backend.protocol import Support
+from qcore.spec.schemes import PRESETS, QuantScheme, scheme as parse_scheme
+from qcore.formats import _nvfp4
+from qcore.files.stfile import write_arrays
+from qcore.formats._st import array_support, carried, pop_json, read_arrays
+from qcore.formats._hfconfig import one_setting, skip_modules
+from qcore.formats.base import Contents, Format, PathLike, Probe, Tensor, UnrepresentableError, parse_json, short_repr
 
 __all__ = ["TorchaoFormat", "from_blocked", "to_blocked"]
 
@@ -243,7 +244,7 @@ class TorchaoFormat(Format):
         except (ValueError, AttributeError, TypeError, RecursionError):
             return False
 
-    def read(self, path: PathLike) -> Checkpoint:
+    def read(self, path: PathLike) -> Contents:
         arrays, meta = read_arrays(path)
         infos = _listed(meta, path)
         tensors: dict[str, Tensor] = {}
@@ -271,7 +272,7 @@ class TorchaoFormat(Format):
                 tensors[key] = arr
         if kept:
             meta[TENSORS_KEY] = json.dumps(kept)  # key order kept: torchao's JSON comes back as it was
-        return Checkpoint(tensors, meta, self.name)
+        return Contents(tensors, meta, self.name)
 
     def check(self, name: str, value: Tensor) -> Support:
         if isinstance(value, QuantizedData):
@@ -290,15 +291,15 @@ class TorchaoFormat(Format):
     def shard_metadata(self, tensors: Mapping[str, tuple[Any, tuple[int, ...]]]) -> dict[str, str]:
         return shard_metadata(tensors)
 
-    def write(self, path: PathLike, checkpoint: Checkpoint) -> None:
-        self.require(checkpoint)
-        meta = dict(checkpoint.metadata)
+    def write(self, path: PathLike, contents: Contents) -> None:
+        self.require(contents)
+        meta = dict(contents.metadata)
         kept = pop_json(meta, TENSORS_KEY)
         model = pop_json(meta, MODEL_KEY)
         arrays: dict[str, np.ndarray] = {}
         infos: dict[str, str] = {}
         act_keys: set[str] = set()
-        for name, value in checkpoint.tensors.items():
+        for name, value in contents.tensors.items():
             if not isinstance(value, QuantizedData):
                 arrays[name] = value
                 continue
@@ -313,13 +314,13 @@ class TorchaoFormat(Format):
                 scale = to_blocked(scale.reshape(-1, k // BLOCK))
             if value.scheme.two_level:
                 arrays[prefix + "per_tensor_scale"] = np.asarray(value.global_scale(), np.float32)
-            act_scale = prefix + "act_per_tensor_scale" in checkpoint.tensors  # its data, not a listed tensor
+            act_scale = prefix + "act_per_tensor_scale" in contents.tensors  # its data, not a listed tensor
             if act_scale:
                 act_keys.add(prefix + "act_per_tensor_scale")
             arrays[prefix + "qdata"] = np.frombuffer(value.values_bytes(), np.uint8).reshape(*lead, m, k // 2)
             arrays[prefix + "scale"] = scale
             infos[name] = json.dumps(_entry(attrs, value.scheme.two_level, act_scale))
-        listed = [n for n in checkpoint.tensors if n not in act_keys]
+        listed = [n for n in contents.tensors if n not in act_keys]
         for name in listed:
             if name not in infos:
                 infos[name] = json.dumps(_entry(None, False, False))

@@ -12,7 +12,7 @@ torchao, quanto and HQQ integrate:
     model.save_pretrained("llama-q4-again")                    # the same qcore files
 
 A folder is a qcore checkpoint when its config.json has a `quantization_config` with
-`quant_method: "qcore"` (`qcore.integrations.config`; `qcore quantize` writes it). Loading
+`quant_method: "qcore"` (`qcore.files.hfconfig`; `qcore quantize` writes it). Loading
 replaces each quantized `torch.nn.Linear` by `qcore.nn.Linear` before the weights are read, so
 transformers moves the payload bytes into it as they are; its forward calls the backend's
 `linear` on the weight's device (the cuda backend on a GPU; on the CPU the highest-priority host
@@ -35,23 +35,23 @@ from transformers.quantizers.auto import register_quantization_config, register_
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .. import io as qio
-from ..activations import torch_dtype_as_numpy
-from ..checkpoint import resolve
-from ..errors import InvalidDataError
-from ..nn import Linear, backend_for, quantize_module, quantized_linears
-from ..payload import QuantizedData, sections
-from ..recipe import RecipeLike, as_recipe
-from ..scheme import QuantScheme
-from ..stfile import st_dtype
-from .config import QUANT_METHOD, quantization_config, tensor_schemes
+from qcore.files import io as qio
+from qcore.backend.activations import torch_dtype_as_numpy
+from qcore.files.checkpoint import resolve
+from qcore.errors import InvalidDataError
+from qcore.nn import Linear, backend_for, quantize_module, quantized_linears
+from qcore.spec.payload import QuantizedData, sections
+from qcore.model.recipe import RecipeLike, as_recipe
+from qcore.spec.schemes import QuantScheme
+from qcore.files.stfile import st_dtype
+from qcore.files.hfconfig import QUANT_METHOD, quantization_config, tensor_schemes
 
 __all__ = ["QcoreConfig", "QcoreHfQuantizer", "QUANT_METHOD"]
 
 
 @register_quantization_config(QUANT_METHOD)
 class QcoreConfig(QuantizationConfigMixin):
-    """transformers' view of a qcore `quantization_config` (`qcore.integrations.config`).
+    """transformers' view of a qcore `quantization_config` (`qcore.files.hfconfig`).
 
     `tensors` maps each quantized tensor's name to its scheme (a qcore checkpoint's); `recipe`
     (scheme text, a recipe dict or a .toml path) quantizes a float checkpoint while loading it;
@@ -208,7 +208,7 @@ def _st_dtype(dtype: torch.dtype) -> str:
 class _QcoreSave:
     """`model.save_pretrained` for a qcore model: transformers writes the files, then each
     safetensors shard keeps only its own tensors' qcore keys, in sorted order
-    (`qcore.io.settle_metadata`), so every shard is a valid qcore file and equal models give
+    (`qcore.files.io.settle_metadata`), so every shard is a valid qcore file and equal models give
     equal bytes."""
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -223,6 +223,6 @@ class _QcoreSave:
 
 def _written_shards(folder: str) -> list[str]:
     """The safetensors files of the checkpoint `save_pretrained` wrote in `folder` (its index's
-    shards, or its one file), as `qcore.checkpoint.resolve` finds them."""
+    shards, or its one file), as `qcore.files.checkpoint.resolve` finds them."""
     ck = resolve(folder)
     return [ck.path(s) for s in ck.shards]

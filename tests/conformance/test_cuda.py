@@ -1,8 +1,8 @@
-"""The conformance suite against the `cuda` backend (backends/cuda). SPEC §4: it supports
-everything except LOOKUP.
+"""The conformance suite against the `cuda` backend (backends/cuda). By docs/spec.md, backends,
+it supports everything except LOOKUP.
 
 CI runs it under Numba's CUDA simulator, which pays per launched thread: small tensors, one case
-per stratum, 12 strata and 12 groups keep it within minutes (tests/test_cuda_quantize.py runs
+per stratum, 12 strata and 12 groups keep it within minutes (tests/cuda/test_cuda_quantize.py runs
 every value x level x store bit for bit there). On a GPU (`NUMBA_ENABLE_CUDASIM=0`) it runs
 every stratum with the default cases; `--qcore-full` takes the whole space."""
 import pytest

@@ -10,7 +10,7 @@ compiled for another GPU is compiled again rather than loaded. numba hashes a fa
 closure by pickling it, which for these closures (device functions over intrinsics) gives other
 bytes in every process, so nothing would ever be found: here the closure's part of the key is
 the factory and its arguments (`fast.dequant_kernel(3)`) plus the size and modification time of
-every qcore_cuda source file and of `qcore/codecs.py`, whose numbers (`SCALE_ARRAYS`,
+every qcore_cuda source file and of `qcore/spec/codecs.py`, whose numbers (`SCALE_ARRAYS`,
 `F32_TINY`) the kernels compile in, so an edit anywhere in the package (intrin.py, say) or in
 the core's trait table recompiles.
 
@@ -33,8 +33,8 @@ _done: set[str] = set()
 
 @functools.lru_cache(maxsize=1)
 def _package_stamp() -> str:
-    """Size and modification time of every source file of qcore_cuda and of qcore.codecs."""
-    from qcore import codecs
+    """Size and modification time of every source file of qcore_cuda and of qcore.spec.codecs."""
+    from qcore.spec import codecs
 
     here = os.path.dirname(os.path.abspath(__file__))
     paths = [os.path.join(here, name) for name in sorted(os.listdir(here)) if name.endswith(".py")]

@@ -131,7 +131,7 @@ def is_host_flag(flag: Any) -> bool:
 class Mark:
     """A CUDA event (timing off) recorded on a call's stream and waited for by the host: the
     point of that stream after which a flag can no longer change, or after which a call's last
-    kernels are done (`CudaBackend._early_marks`). Recorded again by each call that uses it."""
+    kernels are done (`Scratch.early_marks`). Recorded again by each call that uses it."""
 
     __slots__ = ("handle", "_cu")
 

@@ -1,9 +1,10 @@
 """Host-side geometry of the cuda kernels: a tensor shape + scheme -> the `P` / `F` arrays.
 
 The kernels see a *canonical* shape: the tensor's axes after dropping extent-1 axes and merging
-neighbours that the block grid and the payload layout treat alike (SPEC §2.1, §3), so a
-[B, T, D] tensor with block [32] is a 2-D (B*T, D) problem and a per-tensor scheme on a Native
-store is 1-D. Merging keeps the row-major order of elements, scale slots and words:
+neighbours that the block grid and the payload layout treat alike (docs/spec.md, calibration
+and portable bytes), so a [B, T, D] tensor with block [32] is a 2-D (B*T, D) problem and a
+per-tensor scheme on a Native store is 1-D. Merging keeps the row-major order of elements,
+scale slots and words:
 
 * two block-1 axes merge into a block-1 axis;
 * any axis merges with a right neighbour that one block spans whole (extent e, block e):
@@ -17,10 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qcore import layout
-from qcore.codecs import CODE_RULES, scale_slot_id
-from qcore.payload import offset_nbytes
-from qcore.scheme import OffsetKind, QuantScheme, StoreKind
+from qcore.spec import layout
+from qcore.spec.codecs import CODE_RULES, scale_slot_id
+from qcore.spec.payload import offset_nbytes
+from qcore.spec.schemes import OffsetKind, QuantScheme, StoreKind
 
 from . import kernels as K
 
@@ -75,13 +76,14 @@ def _row_major(ext):
 
 def lut(scheme: QuantScheme) -> np.ndarray:
     """float32 value of every `bits`-wide field: two's-complement ints or minifloat codes; NaN
-    for a field outside the value's set (SPEC v1.1 §3), which the dequantize kernels flag."""
+    for a field outside the value's set (docs/spec.md, invalid codes), which the dequantize
+    kernels flag."""
     t = scheme.traits
     f = np.arange(1 << t.bits, dtype=np.int64)
     if t.is_float:
         values = np.asarray(t.decode_table, dtype=np.float32)
     else:
-        half = 0 if t.unsigned else 1 << (t.bits - 1)  # unsigned values (E5): the field itself
+        half = 0 if t.unsigned else 1 << (t.bits - 1)  # unsigned values (affine offsets): the field itself
         values = ((f ^ half) - half).astype(np.float32)
     return np.ascontiguousarray(np.where(scheme.valid_fields, values, np.float32(np.nan)), dtype=np.float32)
 
@@ -125,87 +127,58 @@ def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") ->
     values_nbytes = layout.values_nbytes(shape, scheme)
     soff = values_nbytes
     goff = soff + nslots * snb
-    total = goff + (4 if scheme.two_level else 0) + nslots * offset_nbytes(scheme)  # E5: offsets last
-    P = np.zeros(K.P_LEN, dtype=np.int64)
-    P[K.M_CR] = cr
-    P[K.M_RAX] = r
-    P[K.M_RL] = rl
-    P[K.M_NF] = nf
-    P[K.M_BITS] = t.bits
-    P[K.M_WB] = wb
-    P[K.M_NRL] = nrl
-    P[K.M_NRUNS] = nrl * lines
-    P[K.M_NSLOTS] = nslots
-    P[K.M_N] = math.prod(shape)
-    P[K.M_PERT] = scheme.block is None
-    P[K.M_TWO] = 2 if scheme.reciprocal_global else int(scheme.two_level)  # 2: the global is 1/g (E2)
-    P[K.M_SDT] = scheme.scale_slot  # the slot dtype under the scheme's rounding rule
-    P[K.M_SOFF] = soff
-    P[K.M_GOFF] = goff
-    P[K.M_METHOD] = 1 if method == "absmean" else 0
-    P[K.M_ISF] = t.is_float
-    P[K.M_MB] = t.man_bits
-    P[K.M_BIAS] = t.bias
-    P[K.M_SNB] = snb
-    P[K.M_KFIRST] = next((k for k in range(cr) if k != r), 0)
-    P[K.M_SIGNED] = scheme.signed
-    P[K.M_CODES] = CODE_RULES.index(scheme.code_rule.value)
-    if scheme.offset is not None:  # E5: the offsets section follows the scales (no global, no table)
-        P[K.M_AFFINE] = K.AFFINE_MIN if scheme.offset.kind is OffsetKind.MIN else K.AFFINE_ZERO
-        P[K.M_OOFF] = goff
-        P[K.M_ONB] = offset_nbytes(scheme)
-        if scheme.offset.kind is OffsetKind.MIN:
-            P[K.M_ODT] = scale_slot_id(scheme.offset.dtype.value, "rne", 0)
-        else:  # a zero point's byte: int8 for a signed value, uint8 for an unsigned one
-            P[K.M_ODT] = not t.unsigned
-    for name, vals in ((K.O_S, S), (K.O_B, B), (K.O_G, G), (K.O_XS, _row_major(S)),
-                       (K.O_WS, _row_major(W)), (K.O_GS, _row_major(G))):
-        P[name:name + cr] = vals
-    F = np.zeros(K.F_LEN, dtype=np.float32)
-    F[K.F_H] = scheme.scale_divisor  # h, or 1 under the MX rule
-    F[K.F_M] = scheme.block.dtype.traits.max_value if scheme.two_level else 1.0  # M of SPEC §2.2
-    F[K.F_QMIN] = t.qmin
-    F[K.F_QMAX] = t.qmax
-    F[K.F_FMAX] = t.qmax
-    RP, tile_one_level, rows_stats = None, False, False
+    total = goff + (4 if scheme.two_level else 0) + nslots * offset_nbytes(scheme)  # affine offsets last
+    sdt = scheme.scale_slot  # the slot dtype under the scheme's rounding rule
+    absmean = 1 if method == "absmean" else 0
+    affine = {}
+    if scheme.offset is not None:  # affine offsets: their section follows the scales (no global, no table)
+        is_min = scheme.offset.kind is OffsetKind.MIN
+        affine = dict(M_AFFINE=K.AFFINE_MIN if is_min else K.AFFINE_ZERO, M_OOFF=goff, M_ONB=offset_nbytes(scheme),
+                      # a MIN offset's dtype; a zero point's byte: int8 for a signed value, uint8 for an unsigned one
+                      M_ODT=scale_slot_id(scheme.offset.dtype.value, "rne", 0) if is_min else not t.unsigned)
+    n = math.prod(shape)
+    P = K.P_LAYOUT.pack(
+        M_CR=cr, M_RAX=r, M_RL=rl, M_NF=nf, M_BITS=t.bits, M_WB=wb, M_NRL=nrl, M_NRUNS=nrl * lines,
+        M_NSLOTS=nslots, M_N=n, M_PERT=scheme.block is None,
+        M_TWO=2 if scheme.reciprocal_global else int(scheme.two_level),  # 2: a reciprocal global scale (1/g)
+        M_SDT=sdt, M_SOFF=soff, M_GOFF=goff, M_METHOD=absmean, M_ISF=t.is_float, M_MB=t.man_bits,
+        M_BIAS=t.bias, M_SNB=snb, M_KFIRST=next((k for k in range(cr) if k != r), 0), M_SIGNED=scheme.signed,
+        M_CODES=CODE_RULES.index(scheme.code_rule.value), **affine,
+        O_S=S, O_B=B, O_G=G, O_XS=_row_major(S), O_WS=_row_major(W), O_GS=_row_major(G))
+    F = K.F_LAYOUT.pack(
+        F_H=scheme.scale_divisor,  # h, or 1 under the MX rule
+        F_M=scheme.block.dtype.traits.max_value if scheme.two_level else 1.0,  # M of the spec's two-level scales
+        F_QMIN=t.qmin, F_QMAX=t.qmax, F_FMAX=t.qmax)
+    RP, TP, tile_one_level, rows_stats, rows_shape = None, None, False, False, (0, 0)
     last_packs = not packed or axes[-1][2]
     if r == cr - 1 and last_packs and (scheme.block is None or all(B[k] == 1 for k in range(cr - 1))):
-        L = S[-1]
+        R, L, Wl = math.prod(S[:-1]), S[-1], W[-1]
         Bl = L if scheme.block is None else B[-1]
-        RP = np.zeros(K.R_LEN, dtype=np.int64)
-        RP[K.R_R], RP[K.R_L], RP[K.R_W], RP[K.R_B] = math.prod(S[:-1]), L, W[-1], Bl
-        RP[K.R_GL] = 0 if scheme.block is None else G[-1]
-        RP[K.R_NF], RP[K.R_BITS], RP[K.R_SDT], RP[K.R_SNB], RP[K.R_SOFF] = nf, t.bits, P[K.M_SDT], snb, soff
-        RP[K.R_TWO], RP[K.R_ISF], RP[K.R_MB], RP[K.R_BIAS] = scheme.two_level, t.is_float, t.man_bits, t.bias
-        RP[K.R_METHOD] = P[K.M_METHOD]
         rows_stats = scheme.block is not None and Bl <= 32 and 32 % Bl == 0  # lane groups: powers of two
         tile_one_level = rows_stats and not scheme.two_level and Bl % nf == 0
-    if RP is not None and scheme.block is None and not packed and RP[K.R_R] == 1:
-        # per-tensor Native: every element shares slot 0, so any row split is the same tensor;
-        # lines of a few thousand give each thread many elements
-        n_ = int(RP[K.R_L])
-        for cols in (4096, 2048, 1024, 512, 256):
-            if n_ % cols == 0 and n_ > cols:
-                RP[K.R_R], RP[K.R_L], RP[K.R_W], RP[K.R_B] = n_ // cols, cols, cols, cols
-                break
-    TP = None
-    if RP is not None and rows_stats and (Bl * t.bits) % 8 == 0:
-        L, R = int(RP[K.R_L]), int(RP[K.R_R])
-        line_bytes = int(W[-1]) * wb
-        u32 = (Bl * t.bits) % 32 == 0 and line_bytes % 4 == 0
-        TP = np.zeros(K.T_LEN, dtype=np.int64)
-        TP[K.T_R], TP[K.T_L], TP[K.T_B] = R, L, Bl
-        TP[K.T_TL] = -(-L // (32 * Bl))
-        TP[K.T_NT] = R * int(TP[K.T_TL])
-        TP[K.T_BITS], TP[K.T_SDT], TP[K.T_SNB], TP[K.T_SOFF], TP[K.T_GL] = t.bits, P[K.M_SDT], snb, soff, G[-1]
-        TP[K.T_ISF], TP[K.T_MB], TP[K.T_BIAS], TP[K.T_METHOD] = t.is_float, t.man_bits, t.bias, P[K.M_METHOD]
-        TP[K.T_WL] = line_bytes // 4 if u32 else line_bytes
-        TP[K.T_U32] = u32
-        TP[K.T_MODE] = 2 if scheme.two_level else 1
-        if not scheme.two_level and not tile_one_level:
-            TP = None
-    return Plan(P, F, fused, int(P[K.M_N]), nslots, int(P[K.M_NRUNS]), values_nbytes, total,
-                RP, tile_one_level, rows_stats, (int(RP[K.R_L]), int(RP[K.R_R])) if RP is not None else (0, 0), TP)
+        Rb, Lb = R, Bl  # the row kernels' lines and block
+        if scheme.block is None and not packed and R == 1:
+            # per-tensor Native: every element shares slot 0, so any row split is the same tensor;
+            # lines of a few thousand give each thread many elements
+            for cols in (4096, 2048, 1024, 512, 256):
+                if L % cols == 0 and L > cols:
+                    Rb, L, Wl, Lb = L // cols, cols, cols, cols
+                    break
+        RP = K.RP_LAYOUT.pack(
+            R_R=Rb, R_L=L, R_W=Wl, R_B=Lb, R_GL=0 if scheme.block is None else G[-1], R_NF=nf, R_BITS=t.bits,
+            R_SDT=sdt, R_SNB=snb, R_SOFF=soff, R_TWO=scheme.two_level, R_ISF=t.is_float, R_MB=t.man_bits,
+            R_BIAS=t.bias, R_METHOD=absmean)
+        rows_shape = (L, Rb)
+        if rows_stats and (Bl * t.bits) % 8 == 0 and (scheme.two_level or tile_one_level):
+            line_bytes = int(W[-1]) * wb
+            u32 = (Bl * t.bits) % 32 == 0 and line_bytes % 4 == 0
+            tl = -(-L // (32 * Bl))
+            TP = K.TP_LAYOUT.pack(
+                T_R=Rb, T_L=L, T_B=Bl, T_TL=tl, T_NT=Rb * tl, T_BITS=t.bits, T_SDT=sdt, T_SNB=snb, T_SOFF=soff,
+                T_GL=G[-1], T_ISF=t.is_float, T_MB=t.man_bits, T_BIAS=t.bias, T_METHOD=absmean,
+                T_WL=line_bytes // 4 if u32 else line_bytes, T_U32=u32, T_MODE=2 if scheme.two_level else 1)
+    return Plan(P, F, fused, n, nslots, nrl * lines, values_nbytes, total, RP, tile_one_level, rows_stats, rows_shape,
+                TP)
 
 
 def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, sim: bool = False) -> np.ndarray:
@@ -214,7 +187,6 @@ def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, sim: bo
     full = layout.full_block(shape, scheme) or (k_, n_)
     bk, bn = min(full[0], k_), min(full[1], n_)
     store = scheme.store
-    Q = np.zeros(K.MM_LEN, dtype=np.int64)
     if store.kind is StoreKind.NATIVE:
         pa, nf, wb, bits = 1, 1, 1, 8
     else:
@@ -230,44 +202,30 @@ def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, sim: bo
             chunk = c
             break
     kc = -(-k_ // chunk)
-    fast = pa == 1 and rowb * 8 // bits >= ng * K.MM_COLS and not scheme.affine  # E5: the per-code path
-    Q[K.MM_M], Q[K.MM_K], Q[K.MM_N] = m, k_, n_
-    Q[K.MM_PA], Q[K.MM_NF], Q[K.MM_BITS], Q[K.MM_WB] = pa, nf, bits, wb
-    Q[K.MM_ROWB] = rowb
-    Q[K.MM_BK], Q[K.MM_BN], Q[K.MM_G1] = bk, bn, -(-n_ // bn)
-    Q[K.MM_KC], Q[K.MM_CHUNK], Q[K.MM_NG] = kc, chunk, ng
-    Q[K.MM_TWO] = scheme.two_level
-    Q[K.MM_FAST] = fast
-    Q[K.MM_W32] = fast and bits >= 4 and rowb % 4 == 0
-    Q[K.MM_SAME] = bn % K.MM_COLS == 0 or -(-n_ // bn) == 1
-    Q[K.MM_ISF] = scheme.traits.is_float
+    fast = pa == 1 and rowb * 8 // bits >= ng * K.MM_COLS and not scheme.affine  # affine offsets: the per-code path
+    affine = {}
     if scheme.offset is not None:
-        Q[K.MM_AFF] = K.AFFINE_MIN if scheme.offset.kind is OffsetKind.MIN else K.AFFINE_ZERO
-        Q[K.MM_NS] = math.prod(layout.grid_shape(shape, scheme))
-    return Q
+        affine = dict(MM_AFF=K.AFFINE_MIN if scheme.offset.kind is OffsetKind.MIN else K.AFFINE_ZERO,
+                      MM_NS=math.prod(layout.grid_shape(shape, scheme)))
+    return K.MQ_LAYOUT.pack(
+        MM_M=m, MM_K=k_, MM_N=n_, MM_PA=pa, MM_NF=nf, MM_BITS=bits, MM_WB=wb, MM_ROWB=rowb, MM_BK=bk, MM_BN=bn,
+        MM_G1=-(-n_ // bn), MM_KC=kc, MM_CHUNK=chunk, MM_NG=ng, MM_TWO=scheme.two_level, MM_FAST=fast,
+        MM_W32=fast and bits >= 4 and rowb % 4 == 0, MM_SAME=bn % K.MM_COLS == 0 or -(-n_ // bn) == 1,
+        MM_ISF=scheme.traits.is_float, **affine)
 
 
 def order_geometry(shape: tuple[int, ...], src: QuantScheme, dst: QuantScheme, tail: int = 0) -> np.ndarray:
     """The `R` array of k_reorder: the values section of `shape` packed by `src`, re-packed in
-    `dst`'s field order (docs/spec.md E6; the two differ only in their store's order), and the
-    `tail` bytes after it copied."""
+    `dst`'s field order (docs/spec.md, field orders; the two differ only in their store's order),
+    and the `tail` bytes after it copied."""
     axis = layout.packing_axis(shape, src)
     words = layout.words_shape(shape, src)
     nf = layout.fields_per_word(src)
     group = src.store.group or dst.store.group
-    R = np.zeros(K.OR_LEN, dtype=np.int64)
-    R[K.OR_VB] = layout.values_nbytes(shape, src)
-    R[K.OR_TAIL] = tail
-    R[K.OR_LOGN] = nf.bit_length() - 1
-    R[K.OR_NL] = math.prod(words) // words[axis]
-    R[K.OR_NG] = -(-shape[axis] // group) if group else 0
-    R[K.OR_NW] = math.prod(words)
-    R[K.OR_WL] = words[axis]
-    R[K.OR_IN] = math.prod(words[axis + 1:])
-    R[K.OR_EXT] = shape[axis]
-    R[K.OR_NF] = layout.fields_per_word(src)
-    R[K.OR_BITS] = src.bits
-    R[K.OR_WB] = src.store.word_bits // 8
-    R[K.OR_SRC], R[K.OR_SRCG] = K.ORDER_IDS.index(src.store.order.value), src.store.group
-    R[K.OR_DST], R[K.OR_DSTG] = K.ORDER_IDS.index(dst.store.order.value), dst.store.group
-    return R
+    return K.OR_LAYOUT.pack(
+        OR_VB=layout.values_nbytes(shape, src), OR_TAIL=tail, OR_LOGN=nf.bit_length() - 1,
+        OR_NL=math.prod(words) // words[axis], OR_NG=-(-shape[axis] // group) if group else 0,
+        OR_NW=math.prod(words), OR_WL=words[axis], OR_IN=math.prod(words[axis + 1:]), OR_EXT=shape[axis],
+        OR_NF=layout.fields_per_word(src), OR_BITS=src.bits, OR_WB=src.store.word_bits // 8,
+        OR_SRC=K.ORDER_IDS.index(src.store.order.value), OR_SRCG=src.store.group,
+        OR_DST=K.ORDER_IDS.index(dst.store.order.value), OR_DSTG=dst.store.group)

@@ -1,19 +1,19 @@
 """Repeat calls: quantize and dequantize of a shape and scheme already served, without the
 checks and the path choice that the first such call made.
 
-A call through `BaseBackend` parses the scheme, asks whether this backend supports it, checks
-x's dtype, shape and layout, works out the hooks' form (E6, E7) and the plan, and picks a path:
-several hundred Python operations, all of them before the first kernel starts. Their outcome
-depends only on the scheme as given, the method and x's shape (the dtype and alignment are
-checked again), so after a call that took the fast kernels the backend keeps what it decided in
-a `QuantizeRepeat` (`CudaBackend._repeats`, keyed by `(scheme as given, method, shape)`), a
-tensor keeps its `DequantizeRepeat` in its cache and a weight its `MatmulRepeat` per shape of x.
-A later call that matches allocates its result (or takes `out=`: a float32 array, or for
-quantize a tensor of the same shape and scheme or a uint8 array of the payload's length),
-launches the same packed kernels and reads the flag (a dequantize only until one read has
-found the tensor's codes valid: `CudaData.codes_checked`); anything else (another dtype, a misaligned
-x, `params=`, `stream=`, an `out=` of another kind, a failed allocation) takes the whole way,
-which raises what it should.
+A call through `BaseBackend` parses the scheme, asks whether this backend supports it, checks x's
+dtype, shape and layout, works out the hooks' form (field orders, flat blocks) and the plan, and
+picks a path: several hundred Python operations, all of them before the first kernel starts. Their
+outcome depends only on the scheme as given, the method and x's shape (the dtype and alignment are
+checked again), so after a call that took the fast kernels the backend keeps what it decided in a
+`QuantizeRepeat` (`CudaState.repeats`, keyed by `(scheme as given, method, shape)`), a tensor keeps
+its `DequantizeRepeat` in its cache (`TensorCache.dequantize_repeat`) and a weight its
+`MatmulRepeat` per shape of x (`TensorCache.matmul_repeats`). A later call that matches allocates
+its result (or takes `out=`: a float32 array, or for quantize a tensor of the same shape and scheme
+or a uint8 array of the payload's length), launches the same packed kernels and reads the flag (a
+dequantize only until one read has found the tensor's codes valid: `CudaData.codes_checked`);
+anything else (another dtype, a misaligned x, `params=`, `stream=`, an `out=` of another kind, a
+failed allocation) takes the whole way, which raises what it should.
 
 A float32 torch CUDA tensor, as x or as a float32 out=, is read through `_array.torch_f32` (its
 pointer, shape and device, a few of torch's C attributes) rather than the generic `view_of`, and
@@ -29,14 +29,16 @@ from typing import Any
 
 import numpy as np
 
-from qcore.protocol import QTensor
-from qcore.scheme import QuantScheme
+from qcore.backend.protocol import QTensor
+from qcore.spec.schemes import QuantScheme
 
 from . import _array, _streams
 from ._data import CudaData
 from .paths import TAKEN
 from .paths.matmul import packed_aligned, packed_takes, run_packed, run_packed_values
-from .paths.quantize import QUANTIZE, FastQuantize, QuantizeCall, run_fast_quantize
+from ._prepared import Prepared
+from .paths.quantize import (QUANTIZE, FastQuantize, QuantizeCall, fast_quant_held, fast_quant_launches,
+                              run_fast_quantize)
 
 __all__ = ["HITS", "QuantizeRepeat", "DequantizeRepeat", "MatmulRepeat", "quantize_again", "remember_quantize",
            "dequantize_again", "remember_dequantize", "matmul_again", "remember_matmul"]
@@ -50,11 +52,11 @@ MAX_REPEATS = 256  # distinct (scheme, method, shape) keys kept per backend; the
 class QuantizeRepeat:
     """What a quantize call of one (scheme as given, method, shape) decided: the scheme, the
     plan's byte counts and its fast geometry (`prepared`), whose packed launches
-    `CudaBackend._fast_quant_launches` keeps."""
+    `paths.quantize.fast_quant_launches` keeps."""
 
     scheme: QuantScheme
     shape: tuple[int, ...]
-    prepared: dict
+    prepared: Prepared
     nbytes: int  # the payload
     values_nbytes: int  # its values section (the fast kernels' u32 words)
     aligned: Any  # fast.aligned: x suits the fast kernels' vector loads (fast.py imports numba, so not here)
@@ -63,7 +65,7 @@ class QuantizeRepeat:
 @dataclass(frozen=True)
 class DequantizeRepeat:
     """A tensor's packed fast dequantize launch (only the output changes), the shape of its
-    result and whether its scheme has invalid codes to look for (SPEC v1.1 §3)."""
+    result and whether its scheme has invalid codes to look for (docs/spec.md, invalid codes)."""
 
     launch: Any
     shape: tuple[int, ...]
@@ -89,7 +91,7 @@ def quantize_again(be: Any, x: Any, scheme: Any, method: str, out: Any = None) -
     if t is not None:
         if out is None:
             try:
-                rep = be._repeats.get((scheme, method, t[1]))
+                rep = be.state.repeats.get((scheme, method, t[1]))
             except TypeError:  # an unhashable scheme or method: the whole way names the mistake
                 return None
             q = None if rep is None else _quantize_torch(be, rep, x, t)
@@ -104,7 +106,7 @@ def quantize_again(be: Any, x: Any, scheme: Any, method: str, out: Any = None) -
         if v is None or v.dtype != _F32:
             return None
     try:
-        rep = be._repeats.get((scheme, method, v.nd_shape))
+        rep = be.state.repeats.get((scheme, method, v.nd_shape))
     except TypeError:  # an unhashable scheme or method: the whole way names the mistake
         return None
     if rep is None or not rep.aligned(v):
@@ -115,14 +117,14 @@ def quantize_again(be: Any, x: Any, scheme: Any, method: str, out: Any = None) -
         return None
     xd, pd = v.arg, pv.arg  # (the simulator's arrays under the simulator)
     qw32 = _array.prefix(pd, rep.values_nbytes, _U32)
-    fp = rep.prepared["fast"]
+    fp, scratch = rep.prepared.fast, be.state.scratch
     try:
-        ready = run_fast_quantize(be._fast_quant_launches(rep.prepared, fp, xd, qw32, pd, fp["G"], s=s), fp, xd, qw32,
-                                  pd, s, be)
+        ready = run_fast_quantize(fast_quant_launches(scratch, rep.prepared, xd, qw32, pd, fp.G, s=s), fp, xd, qw32,
+                                  pd, s, scratch)
         if type(out) is QTensor:  # its decoded scales follow the new bytes
-            be._refresh_decoded(out.data, s)
+            be.refresh_decoded(out.data, s)
     except BaseException:
-        be._drop_scratch(s)  # the statistics may not have been consumed
+        scratch.drop(s)  # the statistics may not have been consumed
         if out is None:
             _array.result(pv, s)  # (dropped: the memory goes back to the pool)
         raise
@@ -138,21 +140,21 @@ def quantize_again(be: Any, x: Any, scheme: Any, method: str, out: Any = None) -
         data = CudaData(rep.shape, rep.scheme, pv.numba())
         data.mark_caller_memory()
         q = QTensor(be, rep.scheme, rep.shape, data)
-    be._raise_if_flagged(be._scratch(s)[2], xd, rep.shape, s, ready)
+    scratch.raise_if_flagged(scratch.buffers(s).flag, xd, rep.shape, s, ready)
     return q
 
 
 def _quantize_torch(be: Any, rep: QuantizeRepeat, x: Any, t: tuple) -> QTensor | None:
     """The repeat quantize of torch x (read by `_array.torch_f32`: `t`) into a new payload, the
-    launches packed already taking plain pointers (`CudaBackend._fast_quant_held`), on x's
+    launches packed already taking plain pointers (`paths.quantize.fast_quant_held`), on x's
     torch stream; None where the views' way must look (a misaligned x, launches not packed yet
     or not held as C argument arrays, a failed allocation, a driver that refused the launch)."""
     xptr, _, dev = t
     if xptr % 16:  # (fast.aligned; torch_f32 reads no simulated array)
         return None
     s = _streams.torch_stream(dev)
-    fp = rep.prepared["fast"]
-    launches = be._fast_quant_held(rep.prepared, fp, s)
+    fp, scratch = rep.prepared.fast, be.state.scratch
+    launches = fast_quant_held(scratch, rep.prepared, s)
     if launches is None:
         return None
     try:
@@ -160,9 +162,9 @@ def _quantize_torch(be: Any, rep: QuantizeRepeat, x: Any, t: tuple) -> QTensor |
     except Exception:  # noqa: BLE001 - out of memory: the whole way trims the pool
         return None
     try:
-        ready = run_fast_quantize(launches, fp, None, None, None, s, be, (xptr, pv.ptr))
+        ready = run_fast_quantize(launches, fp, None, None, None, s, scratch, (xptr, pv.ptr))
     except BaseException:
-        be._drop_scratch(s)  # the statistics may not have been consumed
+        scratch.drop(s)  # the statistics may not have been consumed
         _array.result(pv, s)  # (dropped: the memory goes back to the pool)
         raise
     if ready is False:  # nothing ran
@@ -171,7 +173,7 @@ def _quantize_torch(be: Any, rep: QuantizeRepeat, x: Any, t: tuple) -> QTensor |
     TAKEN["FastQuantize"] += 1
     HITS["quantize"] += 1
     q = QTensor(be, rep.scheme, rep.shape, CudaData(rep.shape, rep.scheme, _array.result(pv, s)))
-    be._raise_if_flagged(be._scratch(s)[2], x, rep.shape, s, ready)
+    scratch.raise_if_flagged(scratch.buffers(s).flag, x, rep.shape, s, ready)
     return q
 
 
@@ -188,9 +190,9 @@ def _payload_target(be: Any, out: Any, rep: QuantizeRepeat, s: Any) -> Any:
                     data.shape != rep.shape or (out.scheme is not rep.scheme and out.scheme != rep.scheme) or \
                     data.scheme != rep.scheme:
                 return None
-            pv = data.cache.get("payload view")
+            pv = data.cache.payload_view
             if pv is None:
-                pv = data.cache["payload view"] = _array.view_of(data.payload)
+                pv = data.cache.payload_view = _array.view_of(data.payload)
             return pv if pv is not None and pv.size == rep.nbytes else None
         return _array.check_out(out, (rep.nbytes,), (_U8,), "quantize")
     except Exception:  # noqa: BLE001 - out of memory, a bad out=: the whole way trims the pool or explains
@@ -201,7 +203,8 @@ def remember_quantize(be: Any, x: Any, scheme_arg: Any, method: str, q: QTensor)
     """After a whole-way quantize that returned `q`: keep its decisions for the key when the
     fast kernels served it with nothing the key leaves out (x float32 on the device, the
     scheme in its own form)."""
-    if not be._fast[0]:
+    state = be.state
+    if not state.fast.usable:
         return
     try:
         v = _array.view_of(x)
@@ -210,20 +213,21 @@ def remember_quantize(be: Any, x: Any, scheme_arg: Any, method: str, q: QTensor)
     from . import fast
 
     key = (scheme_arg, method, q.shape)
-    if v is None or v.dtype != _F32 or key in be._repeats or not fast.aligned(v):  # (an aligned x may come)
+    repeats = state.repeats
+    if v is None or v.dtype != _F32 or key in repeats or not fast.aligned(v):  # (an aligned x may come)
         return
-    if len(be._repeats) >= MAX_REPEATS:
-        be._repeats.clear()
-    be._repeats[key] = None  # not served by the fast kernels alone: no repeat (and no second look)
-    if be._inner(q.shape, q.scheme) != (q.shape, q.scheme) or q.scheme.low_order is not q.scheme or \
+    if len(repeats) >= MAX_REPEATS:
+        repeats.clear()
+    repeats[key] = None  # not served by the fast kernels alone: no repeat (and no second look)
+    if q.scheme.flat_blocks or q.scheme.low_order is not q.scheme or \
             math.prod(q.shape) == 0:
-        return  # E7's other form; E6's field orders (k_reorder moves them after the kernels); no elements
-    pp = be._prepared(q.shape, q.scheme, method)
+        return  # flat blocks' other form; field orders (k_reorder moves them after the kernels); no elements
+    pp = state.plans.get(q.shape, q.scheme, method)
     call = QuantizeCall(be, None, v, q.shape, q.scheme, None, pp, None, _streams.DEFAULT)
     if not isinstance(QUANTIZE[0], FastQuantize) or not QUANTIZE[0].applies(call):
         return
-    pl = pp["plan"]
-    be._repeats[key] = QuantizeRepeat(q.scheme, q.shape, pp, int(pl.total_nbytes), int(pl.values_nbytes),
+    pl = pp.plan
+    repeats[key] = QuantizeRepeat(q.scheme, q.shape, pp, int(pl.total_nbytes), int(pl.values_nbytes),
                                       fast.aligned)
 
 
@@ -232,7 +236,7 @@ def dequantize_again(be: Any, q: Any, out: Any = None) -> Any:
     whose fast dequantize launch is packed, or None."""
     if type(q) is not QTensor or q.backend is not be or type(q.data) is not CudaData:
         return None
-    rep = q.data.cache.get("repeat")
+    rep = q.data.cache.dequantize_repeat
     if rep is None or q.shape != rep.shape:
         return None
     try:
@@ -253,21 +257,21 @@ def dequantize_again(be: Any, q: Any, out: Any = None) -> Any:
     TAKEN["FastDequantize"] += 1
     HITS["dequantize" if out is None else "dequantize out="] += 1
     if rep.has_invalid_codes and not q.data.codes_checked():
-        be._raise_if_bad_codes(q.data, s)  # reads the flag; re-zeroes it and names the element, or notes the check
+        be.raise_if_bad_codes(q.data, s)  # reads the flag; re-zeroes it and names the element, or notes the check
     return res
 
 
 def remember_dequantize(be: Any, q: QTensor) -> None:
     """After a whole-way float32 dequantize of `q` (into a new array or `out=`): keep its packed fast
-    launch (FastDequantize made it) when q needs no other form (E6, E7)."""
+    launch (FastDequantize made it) when q needs no other form (field orders, flat blocks)."""
     data = q.data
     if type(data) is not CudaData:
         return
-    launch = data.cache.get("dequant")
-    if launch is None or "repeat" in data.cache or q.shape != data.shape or q.scheme != data.scheme or \
-            be._kernel_data(data) is not data:
+    launch = data.cache.dequant
+    if launch is None or data.cache.dequantize_repeat is not None or q.shape != data.shape or q.scheme != data.scheme or \
+            be.kernel_data(data) is not data:
         return
-    data.cache["repeat"] = DequantizeRepeat(launch, q.shape, not data.scheme.valid_fields.all())
+    data.cache.dequantize_repeat = DequantizeRepeat(launch, q.shape, not data.scheme.valid_fields.all())
 
 
 def matmul_again(be: Any, x: Any, w: Any, out: Any) -> Any:
@@ -278,7 +282,7 @@ def matmul_again(be: Any, x: Any, w: Any, out: Any) -> Any:
         return None
     t = _array.torch_f32(x)
     if t is not None:
-        rep = w.data.cache.get(("matmul", t[1]))
+        rep = w.data.cache.matmul_repeats.get(t[1])
         if rep is None:
             return None
         y = _matmul_torch(rep, t, out)
@@ -290,7 +294,7 @@ def matmul_again(be: Any, x: Any, w: Any, out: Any) -> Any:
         return None
     if v is None or v.dtype != _F32 or not packed_takes(v):
         return None
-    rep = w.data.cache.get(("matmul", v.nd_shape))
+    rep = w.data.cache.matmul_repeats.get(v.nd_shape)
     if rep is None:
         return None
     s = _streams.resolve(None, x)
@@ -357,13 +361,14 @@ def remember_matmul(be: Any, x: Any, w: QTensor) -> None:
         return
     if v is None or v.dtype != _F32 or type(w.data) is not CudaData or len(v.nd_shape) < 1:
         return
-    key = ("matmul", v.nd_shape)
-    if key in w.data.cache:
+    key = v.nd_shape
+    repeats = w.data.cache.matmul_repeats
+    if key in repeats:
         return
-    w.data.cache[key] = None  # a product the packed launches do not serve: no repeat, no second look
+    repeats[key] = None  # a product the packed launches do not serve: no repeat, no second look
     if w.data.shape != w.shape:
         return
     m = math.prod(v.nd_shape[:-1])
-    packed = be._kernel_data(w.data).cache.get(("gemv", m))
+    packed = be.kernel_data(w.data).cache.gemv.get(m)
     if packed is not None:
-        w.data.cache[key] = MatmulRepeat(packed, m, tuple(v.nd_shape[:-1]) + (w.shape[1],))
+        repeats[key] = MatmulRepeat(packed, m, tuple(v.nd_shape[:-1]) + (w.shape[1],))

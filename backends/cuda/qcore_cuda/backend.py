@@ -1,9 +1,9 @@
-"""The `cuda` backend: Numba-CUDA kernels for every non-LOOKUP scheme (SPEC §4).
+"""The `cuda` backend: Numba-CUDA kernels for every non-LOOKUP scheme (docs/spec.md, backends).
 
-A quantized tensor lives on the device as its portable payload (SPEC §3): one uint8 device
-array `[values][scales][global]` that the kernels write directly, so `into_data` is one copy to
-the host and `from_data` one copy to the device. numba is imported lazily: importing this module
-(and registering the backend) never touches a driver.
+A quantized tensor lives on the device as its portable payload (docs/spec.md, portable bytes):
+one uint8 device array `[values][scales][global]` that the kernels write directly, so `into_data`
+is one copy to the host and `from_data` one copy to the device. numba is imported lazily:
+importing this module (and registering the backend) never touches a driver.
 """
 from __future__ import annotations
 
@@ -11,30 +11,32 @@ import functools
 import math
 import os
 import sys
-import threading
-from typing import Any, Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from qcore import layout
-from qcore.activations import ACTIVATION_DTYPES, host_array
-from qcore.checks import check_input_dtype, check_output_dtype, raise_nonfinite, to_f32
+from qcore.spec import layout
+from qcore.backend.activations import ACTIVATION_DTYPES, host_array
+from qcore.spec.checks import check_input_dtype, check_output_dtype, to_f32
 from qcore.errors import InputError
-from qcore.payload import QuantizedData, sections
-from qcore.protocol import BaseBackend, QParams, QTensor, Support
-from qcore.scheme import QuantScheme
+from qcore.spec.payload import QuantizedData, sections
+from qcore.backend.base import BaseBackend
+from qcore.backend.protocol import QParams, QTensor, Support
+from qcore.spec.schemes import QuantScheme
 
 from . import _array, _flags, _repeat, _streams
 from ._compat import numba_cuda
 from ._data import CudaData
 from ._launch import Packed
+from ._loader import kernels as _k
 from ._memory import guard
 from ._quiet import quiet
+from ._state import CudaState, FastVerdict
 from .paths import choose
 from .paths.dequantize import DEQUANTIZE, DequantizeCall
 from .paths.matmul import MATMUL, MatmulCall, packed_takes, run_packed
-from .paths.quantize import QUANTIZE, QuantizeCall, WideQuantize, run_wide_quantize
+from .paths.quantize import QUANTIZE, QuantizeCall
 
 __all__ = ["CudaBackend", "CudaData", "cuda_status"]
 
@@ -71,50 +73,6 @@ def cuda_status() -> tuple[bool, str]:
         return True, f"Numba-CUDA on {name} (compute capability {cc})"
     except Exception as e:
         return False, f"CUDA check failed: {type(e).__name__}: {' '.join(str(e).split())}"
-
-
-def _sync_stream(handle: int) -> tuple:
-    """`cuStreamSynchronize` (looked up on the first call)."""
-    global _sync_stream
-    from cuda.bindings import driver as cu
-
-    _sync_stream = cu.cuStreamSynchronize
-    return _sync_stream(handle)
-
-
-def _check_cu(err: Any, what: str) -> None:
-    """Raise numba's CudaAPIError for a failed driver call (`err` from cuda-bindings)."""
-    if err:  # not CUDA_SUCCESS
-        from numba.cuda.cudadrv.driver import CudaAPIError
-
-        raise CudaAPIError(err, f"{what} failed: {err.name}")
-
-
-@functools.lru_cache(maxsize=None)
-def _k():
-    numba_cuda()  # numba.cuda's first import, quiet under numpy 2.5 (_compat)
-    from numba import config
-
-    from . import kernels
-
-    if config.ENABLE_CUDASIM:
-        # The simulator runs one OS thread per CUDA thread and its barriers busy-wait under the
-        # GIL; a shorter switch interval makes them 2-4x faster (docs/numba-cuda.md).
-        # Only ever under the simulator, a testing mode.
-        import sys
-        import warnings
-
-        sys.setswitchinterval(min(sys.getswitchinterval(), 5e-4))
-        # The simulator evaluates masked-off lanes with NumPy scalars (0/0 of an empty group,
-        # x / e overflowing to inf before the clamp), which NumPy reports as RuntimeWarnings;
-        # a GPU computes the same values silently.
-        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"qcore_cuda\.")
-    else:
-        from . import _diskcache, _pool, fast, gemv, tc
-
-        _diskcache.enable({"kernels": kernels, "fast": fast, "gemv": gemv, "tc": tc})
-        _pool.install()
-    return kernels
 
 
 _cuda = numba_cuda  # numba.cuda, first imported without numpy 2.5's warning (_compat)
@@ -176,24 +134,24 @@ def _torch_on_host(x: Any) -> bool:
 
 
 class CudaBackend(BaseBackend):
-    """Numba-CUDA kernels; every scheme except LOOKUP (SPEC §4)."""
+    """Numba-CUDA kernels; every scheme except LOOKUP (docs/spec.md, backends).
+
+    Besides the Backend API, the paths (`paths/`) and the repeat calls (`_repeat.py`) use the
+    device-level methods on this backend's tensors (`CudaData`) and arrays: `own`,
+    `device_f32`, `kernel_data`, `decoded_scales`, `refresh_decoded`, `raise_if_bad_codes` and
+    `launch_reorder`; and what it keeps between calls, `state` (`_state.CudaState`)."""
 
     name = "cuda"
     priority = 30
     # every extension of docs/spec.md but LOOKUP's midpoint code rule (cuda runs no LOOKUP scheme)
     scheme_features = {"round:rne", "round:mx", "recip", "signed", "codes:away", "codes:offset", "unsigned",
                        "min", "zero", "order:high", "order:split", "flat"}
-    packs_field_orders = True  # k_order.k_reorder on the device (docs/spec.md E6)
-    device = "cuda"  # where its tensors live (a torch device type; `qcore.registry.device_of`)
+    packs_field_orders = True  # k_order.k_reorder on the device (docs/spec.md, field orders)
+    device = "cuda"  # where its tensors live (a torch device type: `qcore.Backend.device`)
 
     @functools.cached_property
     def _status(self) -> tuple[bool, str]:
         return cuda_status()
-
-    @functools.cached_property
-    def _repeats(self) -> dict:
-        """Quantize calls' decisions by (scheme as given, method, shape): `_repeat.QuantizeRepeat`."""
-        return {}
 
     @functools.cached_property
     def _checked_schemes(self) -> set:
@@ -201,9 +159,11 @@ class CudaBackend(BaseBackend):
         return set()
 
     @functools.cached_property
-    def _fast(self) -> tuple[bool, str]:
-        """`fast_kernels_usable()`, read once per backend instance."""
-        return fast_kernels_usable()
+    def state(self) -> CudaState:
+        """What this backend keeps between calls (`_state.CudaState`): the fast-kernel verdict
+        (`fast_kernels_usable()`, read once), the device scratch and flags, the prepared plans
+        and the repeat calls' decisions. The paths and the repeat calls read it."""
+        return CudaState(FastVerdict(*fast_kernels_usable()))
 
     def available(self) -> bool:
         return self._status[0]
@@ -218,12 +178,17 @@ class CudaBackend(BaseBackend):
 
     def describe(self) -> str:
         ok, why = self._status
-        return f"{why}; {self._fast[1]}" if ok else why
+        return f"{why}; {self.state.fast.why}" if ok else why
 
     def _supports(self, scheme: QuantScheme) -> Support:
         if scheme.is_lookup:
             return Support.no("LOOKUP (table) values have no cuda kernels; use the reference backend")
         return Support.yes()
+
+    def own(self, q: Any) -> QTensor:
+        """`q` checked as a tensor this backend runs: a QTensor of this backend (InputError
+        otherwise, naming the way out) in a scheme it supports."""
+        return self._own(q)
 
     # ------------------------------------------------------------------ inputs
     def _shape_dtype(self, x: Any) -> tuple[tuple[int, ...], np.dtype]:
@@ -237,7 +202,7 @@ class CudaBackend(BaseBackend):
             return tuple(x.shape), np.dtype(x.dtype)
         return super()._shape_dtype(x)
 
-    def _device_f32(self, x: Any, s: Any = _streams.DEFAULT):
+    def device_f32(self, x: Any, s: Any = _streams.DEFAULT):
         """A flat, contiguous float32 device array of `x`: zero-copy for contiguous float32 device
         arrays; float16/float64 device arrays are converted on the device (on stream `s`); host
         arrays copied."""
@@ -262,242 +227,22 @@ class CudaBackend(BaseBackend):
             return out
         return cuda.to_device(np.ascontiguousarray(to_f32(x)).reshape(-1), stream=s.numba)
 
-    @functools.cached_property
-    def _local(self) -> threading.local:
-        """Per-thread state: the pinned word a flag is read into, and the last flag's address."""
-        return threading.local()
-
-    def _read_flag(self, flag, s: Any, ready: Any = None) -> int:
-        """An int32 flag (non-finite input, invalid code) after a wait for the call's stream
-        alone (not the device), or only up to `ready` (a `_flags.Mark` after which the flag is
-        final: `_early_marks`): a mapped host word (`_flags.HostFlag`) is read in place; a device
-        flag takes one 4-byte asynchronous copy into this thread's pinned word first."""
-        if type(flag) is _flags.HostFlag:  # mapped memory: the kernels' store is already here
-            if ready is not None:
-                ready.wait()
-            else:
-                _check_cu(_sync_stream(s.handle)[0], "waiting for a call's stream")
-            return flag.value
-        if _array._simulated():
-            return int(flag.copy_to_host()[0])
-        loc = self._local
-        host = getattr(loc, "host", None)
-        if host is None:
-            from cuda.bindings import driver as cu
-
-            host = loc.host = _cuda().pinned_array(1, dtype=np.int32)
-            loc.word, loc.copy = host.ctypes.data, cu.cuMemcpyDtoHAsync
-        last = getattr(loc, "last", None)
-        if last is None or last[0] is not flag:  # the flag's address, read again only for another flag
-            last = loc.last = (flag, flag.__cuda_array_interface__["data"][0])
-        _check_cu(loc.copy(loc.word, last[1], 4, s.handle)[0], "reading a device flag")
-        _check_cu(_sync_stream(s.handle)[0], "waiting for a call's stream")
-        return int(host[0])
-
-    def _raise_if_flagged(self, flag, xd, shape, s: Any = _streams.DEFAULT, ready: Any = None) -> None:
-        """InputError naming x's first non-finite element when the call's flag is set (read after
-        the stream, or after `ready`: `_read_flag`)."""
-        if self._read_flag(flag, s, ready):
-            self._drop_scratch(s)  # fresh scratch (and flag) for the next call
-            host = xd.copy_to_host() if hasattr(xd, "copy_to_host") else _cuda().as_cuda_array(xd).copy_to_host()
-            raise_nonfinite(host.reshape(shape))
-
-    # ------------------------------------------------------------------ quantize
-    def _early_marks(self, caller_x: bool, s: Any) -> tuple | None:
-        """(flag mark, tail mark) for a two-pass fast quantize that may return before its last
-        kernels finish, or None. The max pass (`fast.k_amax`) sees every x and flags any NaN or
-        infinity, and the quantize pass flags only what it flagged, so the non-finite flag is
-        final after the max pass: the call records the flag mark there and waits for it alone,
-        while the quantize pass and the statistics reset run on (the scratch stays busy until
-        the tail mark, which `_scratch` makes a call on another stream wait for). Only on the
-        default stream, which the backend's own reads of a result (`into_data`, `to_numpy`)
-        follow, so a result is never read half written; for x in the caller's memory (`caller_x`:
-        no temporary to free under the running kernels); and with a mapped flag (the simulator's
-        and copied flags wait for the stream)."""
-        if s.handle != 0 or not caller_x or type(self._scratch(s)[2]) is not _flags.HostFlag:
-            return None
-        loc = self._local
-        flag_mark = getattr(loc, "flag_mark", None)
-        if flag_mark is None:
-            flag_mark = loc.flag_mark = _flags.Mark()
-        tail_mark = self.__dict__.get("_tail_mark")
-        if tail_mark is None:
-            tail_mark = self.__dict__["_tail_mark"] = _flags.Mark()
-        self.__dict__["_scr_tail"] = s.handle
-        return flag_mark, tail_mark
-
-    def _wait_tail(self, s: Any = None) -> None:
-        """Wait for the last kernels of a call that returned before them (`_early_marks`) unless
-        they ran on stream `s` (None: any stream), whose order covers them."""
-        tail = self.__dict__.get("_scr_tail")
-        if tail is not None and (s is None or s.handle != tail):
-            self.__dict__["_tail_mark"].wait()
-            self.__dict__["_scr_tail"] = None
-
-    def _drop_scratch(self, s: Any = None) -> None:
-        """Forget the scratch (after a flagged input or an interrupted call), once no kernel can
-        still be using it: the call's stream `s` (None: the last early call's tail) is waited for."""
-        if s is not None and not _array._simulated():
-            _check_cu(_sync_stream(s.handle)[0], "waiting for a call's stream")
-        self._wait_tail(None)
-        self.__dict__.pop("_scr", None)
-
-    def _scratch(self, s: Any = None):
-        """Persistent zeroed scratch on the device: f64 sum, f32 [g, max statistic, amax, -], and
-        the int32 non-finite flag (`_flags.new`: mapped host memory on a GPU). k_quant re-zeroes
-        the statistics after use; the flag is only ever set on an error, after which the scratch
-        is rebuilt. A call on stream `s` (None: unknown) first waits for the kernels of an earlier
-        call that returned before them on another stream (`_early_marks`)."""
-        if self.__dict__.get("_scr_tail") is not None:
-            self._wait_tail(s)
-        scr = self.__dict__.get("_scr")
-        if scr is None:
-            z = _cuda().to_device(np.zeros(3, dtype=np.float64))
-            scr = self.__dict__["_scr"] = (z[0:1], z[1:3].view(np.float32), _flags.new())
-        return scr
-
-    @functools.lru_cache(maxsize=16)
-    def _prepared(self, shape: tuple[int, ...], scheme: QuantScheme, method: str):
-        """Plan and its device arrays for one shape + scheme + method, built once."""
-        from . import _plan
-
-        cuda, K = _cuda(), _k()
-        pl = _plan.plan(shape, scheme, method)
-        P_explicit = pl.P.copy()
-        P_explicit[K.M_MODE] = 1
-        pp = dict(
-            plan=pl, P=cuda.to_device(pl.P), F=cuda.to_device(pl.F), P_explicit=cuda.to_device(P_explicit),
-            stored=cuda.device_array(pl.nslots, dtype=np.float32),
-            raw=cuda.device_array(max(pl.nslots * (2 if scheme.affine else 1), 2), dtype=np.float32),  # E5: + offsets
-            first=cuda.device_array(2, dtype=np.int64),  # a per-tensor signed extreme's index (E3)
-            lut=cuda.to_device(_plan.lut(scheme)),
-        )
-        from . import fast
-
-        fg = fast.geometry(shape, scheme, method) if self._fast[0] else None
-        if fg is not None:  # the fast path (fast.py): calibrated mode and given-scales mode
-            kind, G, C = fg
-            Gg = G.copy()
-            Gg[fast.G_MODE] = fast.MODE_GIVEN
-            pp["fast"] = dict(kind=kind, G=cuda.to_device(G), G_given=cuda.to_device(Gg), C=cuda.to_device(C),
-                              mode=int(G[fast.G_MODE]), nruns=int(G[fast.G_NRUNS]),
-                              two_pass=int(G[fast.G_MODE]) != fast.MODE_BLOCK)  # the tensor's max |x| first
-        if pl.TP is not None:
-            pp["TP"] = cuda.to_device(pl.TP)
-            pp["dummy32"] = cuda.device_array(1, dtype=np.uint32)
-        if pl.RP is not None:
-            for mode in (K.ROW_GIVEN, K.ROW_STATS):
-                rp = pl.RP.copy()
-                rp[K.R_MODE] = mode
-                pp[("RP", mode)] = cuda.to_device(rp)
-        return pp
-
-    def _code_words(self, data: CudaData):
-        """A tensor's values section as u32 words: the codes the GEMV-family kernels read."""
-        plan = self._prepared(data.shape, data.scheme, "minmax")["plan"]
-        return data.payload[: plan.values_nbytes].view(np.uint32)
-
-    @staticmethod
-    def _words(payload, pl):
-        """The values section as the kernels' word array: uint32 for PackedU32, else bytes."""
-        if int(pl.P[_k().M_WB]) == 4:
-            return payload[: pl.values_nbytes].view(np.uint32)
-        return payload[: pl.values_nbytes]
-
-    def _fast_quant_launches(self, pp: dict, fp: dict, xd, qw32, payload, G, gbuf=None, s: Any = None) -> tuple:
-        """The fast path's (max pass, quantize, statistics reset) launches for this plan, scratch and
-        `G` (calibrated or given mode), packed once (`_launch.Packed`): x and the payload change
-        from call to call. Given explicit scales, `gbuf` is their device copy (new each call)."""
-        asum, fs, flag = self._scratch(s)
-        key = ("fast_quant", id(G), gbuf is None)  # (`_fast_quant_held` reads the calibrated one)
-        got = pp.get(key)
-        if got is None or got[0] is not flag:  # a new scratch after a non-finite input: pack again
-            from . import fast
-
-            qgrid, qtpb = fast.launch(fp["nruns"], fast.QUANT_PER_SM[fp["kind"]])
-            agrid, atpb = fast.launch(fp["nruns"], fast.AMAX_PER_SM)
-            gb = fs if gbuf is None else gbuf
-            got = pp[key] = (flag, (
-                Packed(fast.k_amax, agrid, atpb, [xd, fs, flag, fp["nruns"]], dynamic=(0,)),
-                Packed(fast.quant_kernel(fp["kind"]), qgrid, qtpb, [xd, qw32, payload, pp["stored"], gb, flag, G,
-                                                                    fp["C"]], dynamic=(0, 1, 2, 4)),
-                Packed(_k().k_zero_stats, 1, 1, [asum, fs], dynamic=()),
-            ))
-        amax, quant, zero = got[1]
-        if gbuf is None:
-            return amax, quant, zero
-        return amax, lambda x, w, p, stream=None: quant(x, w, p, gbuf, stream=stream), zero
-
-    def _fast_quant_held(self, pp: dict, fp: dict, s: Any) -> tuple | None:
-        """The calibrated fast path's launches for this plan as `_fast_quant_launches` packed them,
-        each one the call takes held as a C argument array (`Packed.raw_packed`: launched with
-        plain pointers), for the current scratch; else None (`_fast_quant_launches` then packs
-        them, with views)."""
-        got = pp.get(("fast_quant", id(fp["G"]), True))
-        if got is None or got[0] is not self._scratch(s)[2]:
-            return None
-        amax, quant, zero = got[1]
-        if not quant.raw_packed or fp["two_pass"] and not (amax.raw_packed and zero.raw_packed):
-            return None
-        return got[1]
-
     def _launch_quantize(self, xd, shape, scheme: QuantScheme, params: QParams | None, method: str, payload,
                          s: Any = _streams.DEFAULT):
         """Enqueue the quantize kernels writing `payload` on stream `s` (no host synchronisation):
         the first of `paths.QUANTIZE` that applies. Returns the mark after which the call's flag
-        is final when that comes before its last kernel (`_early_marks`), else None."""
-        call = QuantizeCall(self, _k(), xd, shape, scheme, params, self._prepared(shape, scheme, method), payload, s)
+        is final when that comes before its last kernel (`Scratch.early_marks`), else None."""
+        pp = self.state.plans.get(shape, scheme, method)
+        call = QuantizeCall(self, _k(), xd, shape, scheme, params, pp, payload, s)
         return choose(QUANTIZE, call).launch(call)
-
-    @functools.cached_property
-    def _act_sink(self) -> Any:
-        """A device int32 flag the kernels may set and nothing reads: the non-finite flag of a
-        quantize that does not wait to check x (`act`'s rows of NaN instead, docs/spec.md E9)."""
-        return _cuda().to_device(np.zeros(1, np.int32))
-
-    def _quantize_bf16_rows(self, x: Any, scheme: QuantScheme, s: Any,
-                            wait: bool = True) -> tuple[QTensor, Callable[[], None]] | None:
-        """`quantize(x.float(), scheme)` for x [rows, L] (L even) on stream `s`, a C-contiguous torch
-        bfloat16 CUDA tensor or a device array of bfloat16 bits (uint16), read as it is: bfloat16
-        values are exact in float32, so `WideQuantize`'s kernel reading x's bits writes the same
-        bytes, without the float32 copy. Returns (the QTensor, `check`), or None where that path
-        does not take the scheme (`WideQuantize.applies`). Nothing waits: `check()` waits for the
-        stream and raises InputError naming x's first non-finite element, so a caller queues its
-        next kernels first. With `wait=False` nothing is checked (`check()` does nothing): a slot
-        holding a non-finite x gets a NaN scale, as `act` wants (docs/spec.md E9)."""
-        shape = tuple(int(d) for d in x.shape)
-        if len(shape) != 2 or shape[1] % 2 or 0 in shape or scheme.low_order is not scheme:
-            return None
-        K = _k()
-        torch = sys.modules.get("torch")
-        is_torch = torch is not None and isinstance(x, torch.Tensor)
-        words = _array.reinterpret(_array.view_of(x.view(torch.int32) if is_torch else x), np.uint32)
-        call = QuantizeCall(self, K, words, shape, scheme, None, self._prepared(shape, scheme, "minmax"), None, s)
-        if not WideQuantize().applies(call):
-            return None
-        payload, target = _array.empty_view((call.plan.total_nbytes,), np.dtype(np.uint8), s)
-        flag = self._scratch(s)[2] if wait else self._act_sink
-        with quiet():
-            run_wide_quantize(self, K, call.prepared, words.arg, True, target.arg, flag, s)
-
-        def check() -> None:
-            if not wait:
-                return
-            if self._read_flag(flag, s):
-                self._drop_scratch(s)
-                host = x.float().cpu().numpy() if is_torch else \
-                    _array.view_of(x).numba().copy_to_host().view(_BF16).astype(np.float32).reshape(shape)
-                raise_nonfinite(host)
-
-        return QTensor(self, scheme, shape, CudaData(shape, scheme, payload)), check
 
     def _run_quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str,
                       s: Any = _streams.DEFAULT, payload: Any = None):
         cuda = _cuda()
         shape = tuple(int(d) for d in self._shape_dtype(x)[0])
-        xd = self._device_f32(x, s)
-        if math.prod(shape) == 0:  # nothing to launch: qcore.arithmetic builds the (scale-only) payload
-            from qcore import arithmetic
+        xd = self.device_f32(x, s)
+        if math.prod(shape) == 0:  # nothing to launch: qcore.spec.arithmetic builds the (scale-only) payload
+            from qcore.spec import arithmetic
 
             data = arithmetic.quantize(np.zeros(shape, np.float32), scheme, params, method)
             got = np.frombuffer(data.payload, np.uint8).copy()
@@ -505,8 +250,8 @@ class CudaBackend(BaseBackend):
                 return None, CudaData(shape, scheme, cuda.to_device(got, stream=s.numba))
             payload.copy_to_device(got, stream=s.numba)
             return None, CudaData(shape, scheme, payload)
-        low = scheme.low_order  # the kernels pack SPEC §3's order; k_reorder moves the fields (E6)
-        pl = self._prepared(shape, low, method)["plan"]
+        low = scheme.low_order  # the kernels pack the `low` order; k_reorder moves the fields (field orders)
+        pl = self.state.plans.get(shape, low, method).plan
         if payload is None:
             payload, target = _array.empty_view((pl.total_nbytes,), np.dtype(np.uint8), s)
             target = target.arg
@@ -516,44 +261,31 @@ class CudaBackend(BaseBackend):
         try:
             ready = self._launch_quantize(xd, shape, low, params, method, low_target, s)
         except BaseException:
-            self._drop_scratch(s)  # the statistics may not have been consumed
+            self.state.scratch.drop(s)  # the statistics may not have been consumed
             raise
-        if low is not scheme:  # E6: the fields moved into the scheme's order, the rest copied
-            self._launch_reorder(low_target, target, shape, low, scheme, s)
-        return (self._scratch(s)[2], xd, ready), CudaData(shape, scheme, payload)
+        if low is not scheme:  # field orders: the fields moved into the scheme's order, the rest copied
+            self.launch_reorder(low_target, target, shape, low, scheme, s)
+        return (self.state.scratch.buffers(s).flag, xd, ready), CudaData(shape, scheme, payload)
 
-    @functools.lru_cache(maxsize=64)
-    def _order_plan(self, shape: tuple[int, ...], src: QuantScheme, dst: QuantScheme) -> tuple:
-        """(device R array, threads' work items) of k_reorder for this shape and pair of field
-        orders, the payload's bytes after the values copied with them."""
-        from . import _plan
-
-        K = _k()
-        total = sections(shape, src).total
-        R = _plan.order_geometry(shape, src, dst, total - layout.values_nbytes(shape, src))
-        split = "split" in (src.store.order.value, dst.store.order.value) and src.store.order != dst.store.order
-        items = int(R[K.OR_NL] * R[K.OR_NG]) if split else int(R[K.OR_NW])
-        return _cuda().to_device(R), max(items, int(R[K.OR_TAIL]))
-
-    def _launch_reorder(self, src, dst, shape: tuple[int, ...], src_scheme: QuantScheme, dst_scheme: QuantScheme,
-                        s: Any = _streams.DEFAULT) -> None:
-        """Enqueue k_reorder: dst = src's payload with the values' fields in dst_scheme's order (E6)."""
-        R, items = self._order_plan(shape, src_scheme, dst_scheme)
+    def launch_reorder(self, src, dst, shape: tuple[int, ...], src_scheme: QuantScheme, dst_scheme: QuantScheme,
+                       s: Any = _streams.DEFAULT) -> None:
+        """Enqueue k_reorder: dst = src's payload with the values' fields in dst_scheme's field order."""
+        R, items = self.state.plans.order(shape, src_scheme, dst_scheme)
         if items:
             _streams.on(_k().k_reorder, _k().launch(items), s)(src, dst, R)
 
-    def _kernel_data(self, data: CudaData, s: Any = _streams.DEFAULT) -> CudaData:
-        """`data` as the dequantize and matmul kernels read it: in SPEC §3's field order. A tensor
-        in another order (E6) keeps a copy of its payload with the values re-packed, made once
+    def kernel_data(self, data: CudaData, s: Any = _streams.DEFAULT) -> CudaData:
+        """`data` as the dequantize and matmul kernels read it: in the `low` field order. A tensor
+        in another field order keeps a copy of its payload with the values re-packed, made once
         (and again when quantize `out=` rewrites the tensor)."""
         if data.scheme.store.order.value == "low":
             return data
-        twin = data.cache.get("low")
+        twin = data.cache.low
         if twin is None:
             low = data.scheme.low_order
             buf = _array.empty((int(data.payload.shape[0]),), np.uint8, s)
-            self._launch_reorder(data.payload, buf, data.shape, data.scheme, low, s)
-            twin = data.cache["low"] = CudaData(data.shape, low, buf)
+            self.launch_reorder(data.payload, buf, data.shape, data.scheme, low, s)
+            twin = data.cache.low = CudaData(data.shape, low, buf)
         return twin
 
     @guard(lambda self, x, scheme, method: (f"calibrate a {_shape_of(self, x)} tensor",
@@ -571,7 +303,7 @@ class CudaBackend(BaseBackend):
             s = _streams.resolve(None, x)
         check, data = self._run_quantize(x, scheme, params, method, s, payload)
         if check is not None:
-            self._raise_if_flagged(check[0], check[1], data.shape, s, check[2])
+            self.state.scratch.raise_if_flagged(check[0], check[1], data.shape, s, check[2])
         return data
 
     def calibrate(self, x: Any, scheme: QuantScheme | str, method: str = "minmax") -> QParams:
@@ -580,7 +312,7 @@ class CudaBackend(BaseBackend):
 
     def quantize(self, x: Any, scheme: QuantScheme | str, *, params: QParams | None = None,
                  method: str = "minmax", out: Any = None, stream: Any = None) -> QTensor:
-        """Quantize `x` (SPEC §2), as every backend does, plus:
+        """Quantize `x` (the spec's arithmetic), as every backend does, plus:
 
         * `out=`: write the payload into existing device memory, for loops that reuse it: a
           QTensor of this backend with the same shape and scheme (it is overwritten and returned;
@@ -609,7 +341,7 @@ class CudaBackend(BaseBackend):
         if params is not None:
             params = self._check_params(params, shape, scheme)
         s = _streams.resolve(stream, x)
-        x, inner, params = self._inner_call(x, shape, scheme, params)  # E6, E7: the hooks' form
+        x, inner, params = self._inner_call(x, shape, scheme, params)  # field orders, flat blocks: the hooks' form
         with quiet():
             target, payload = self._quantize_target(out, shape, scheme)
             data = self._quantize(x, inner, params, method, s, payload)
@@ -617,7 +349,7 @@ class CudaBackend(BaseBackend):
                 data.mark_caller_memory()
             q = QTensor(self, scheme, shape, data) if target is None else target
             if target is not None:
-                self._refresh_decoded(target.data, s)
+                self.refresh_decoded(target.data, s)
         if stream is None and params is None:
             _repeat.remember_quantize(self, x_arg, scheme_arg, method, q)
         return q
@@ -635,21 +367,22 @@ class CudaBackend(BaseBackend):
         v = _array.check_out(out, (sections(shape, scheme).total,), (np.dtype(np.uint8),), "quantize")
         return None, v.numba()
 
-    def _refresh_decoded(self, data: CudaData, s: Any) -> None:
+    def refresh_decoded(self, data: CudaData, s: Any) -> None:
         """After new bytes went into a tensor's payload: decode its scales again into the arrays
         its cached launches point at (so those stay valid), through launches packed once per
         tensor and set of cached arrays (a loop that quantizes into one tensor pays a
         `cuLaunchKernel` each)."""
-        twin = data.cache.get("low")
-        if twin is not None:  # E6: the kernels' copy, re-packed from the new bytes
-            self._launch_reorder(data.payload, twin.payload, data.shape, data.scheme, twin.scheme, s)
+        twin = data.cache.low
+        if twin is not None:  # field orders: the kernels' copy, re-packed from the new bytes
+            self.launch_reorder(data.payload, twin.payload, data.shape, data.scheme, twin.scheme, s)
             data = twin
-        if "scales" not in data.cache:
+        cache = data.cache
+        if cache.scales is None:
             return
-        key = ("refresh", "tc_scales" in data.cache, "frag" in data.cache)
-        launches = data.cache.get(key)
+        key = (cache.tc_scales is not None, cache.frag is not None)
+        launches = cache.refresh.get(key)
         if launches is None:
-            launches = data.cache[key] = self._refresh_launches(data)
+            launches = cache.refresh[key] = self._refresh_launches(data)
         for launch in launches:
             launch(stream=s)
 
@@ -657,68 +390,71 @@ class CudaBackend(BaseBackend):
         """The packed launches that decode `data`'s scales into its cached arrays: the decoded
         scales (and global), then the tensor-core kernels' per-slot scales and the fragment
         GEMV's copy where it has them."""
-        K = _k()
-        pp = self._prepared(data.shape, data.scheme, "minmax")
-        scales, gbuf = data.cache["scales"]
-        grid, block = K.launch(max(pp["plan"].nslots, 1))
-        launches = [Packed(K.k_decode_scales, grid, block, [data.payload, pp["P"], scales, gbuf], dynamic=())]
-        et = data.cache.get("tc_scales")
+        K, plans = _k(), self.state.plans
+        pp = plans.get(data.shape, data.scheme, "minmax")
+        cache = data.cache
+        scales, gbuf = cache.scales
+        grid, block = K.launch(max(pp.plan.nslots, 1))
+        launches = [Packed(K.k_decode_scales, grid, block, [data.payload, pp.P, scales, gbuf], dynamic=())]
+        et = cache.tc_scales
         if et is not None:
             from . import tc
 
-            (grid, block), args = tc.slot_scale_args(scales, gbuf, data.cache["gemv"][1], et)
+            (grid, block), args = tc.slot_scale_args(scales, gbuf, cache.gemv_geometry[1], et)
             launches.append(Packed(tc.k_slot_scales, grid, block, args, dynamic=()))
-        fc = data.cache.get("frag")
+        fc = cache.frag
         if fc is not None:  # the fragment GEMV's copy of the codes and scales, packed again
             from . import frag
 
-            for (grid, block), kern, args in frag.pack_launches(self._code_words(data), scales, gbuf, data.cache["gemv"][1],
-                                                                frag.half_scales(data.scheme), pp["plan"].nslots, fc):
+            for (grid, block), kern, args in frag.pack_launches(plans.code_words(data), scales, gbuf,
+                                                                cache.gemv_geometry[1], frag.half_scales(data.scheme),
+                                                                pp.plan.nslots, fc):
                 launches.append(Packed(kern, grid, block, args, dynamic=()))
         return tuple(launches)
 
     # ------------------------------------------------------------------ dequantize
-    def _decoded_scales(self, data: CudaData, s: Any = _streams.DEFAULT):
+    def decoded_scales(self, data: CudaData, s: Any = _streams.DEFAULT):
         """Device float32 scales (and the global in gbuf[0]) of a payload, decoded once."""
-        got = data.cache.get("scales")
+        got = data.cache.scales
         if got is None:
             cuda, K = _cuda(), _k()
-            pp = self._prepared(data.shape, data.scheme, "minmax")
-            nslots = pp["plan"].nslots
-            scales = cuda.device_array(max(nslots, 1) * (2 if data.scheme.affine else 1), dtype=np.float32)  # E5
+            pp = self.state.plans.get(data.shape, data.scheme, "minmax")
+            nslots = pp.plan.nslots
+            # the affine offsets follow the scales
+            scales = cuda.device_array(max(nslots, 1) * (2 if data.scheme.affine else 1), dtype=np.float32)
             gbuf = cuda.device_array(1, dtype=np.float32)
-            _streams.on(K.k_decode_scales, K.launch(nslots), s)(data.payload, pp["P"], scales, gbuf)
-            got = data.cache["scales"] = (scales, gbuf)
+            _streams.on(K.k_decode_scales, K.launch(nslots), s)(data.payload, pp.P, scales, gbuf)
+            got = data.cache.scales = (scales, gbuf)
         return got
 
     def _launch_dequantize(self, data: CudaData, out, s: Any = _streams.DEFAULT) -> None:
         """Enqueue the dequantize kernels writing `out` (flat, C order) on stream `s`: the first
         of `paths.DEQUANTIZE` that applies."""
-        data = self._kernel_data(data, s)
-        scales, gbuf = self._decoded_scales(data, s)
-        call = DequantizeCall(self, _k(), data, self._prepared(data.shape, data.scheme, "minmax"), out, scales, gbuf,
-                              self._code_flag(data), s, out.dtype == np.uint16)
+        data = self.kernel_data(data, s)
+        scales, gbuf = self.decoded_scales(data, s)
+        pp = self.state.plans.get(data.shape, data.scheme, "minmax")
+        call = DequantizeCall(self, _k(), data, pp, out, scales, gbuf, self._code_flag(data), s, out.dtype == np.uint16)
         choose(DEQUANTIZE, call).launch(call)
 
     @staticmethod
     def _code_flag(data: CudaData):
         """The tensor's int32 flag (`_flags.new`), set by the dequantize kernels on a code outside
-        the value's set (SPEC v1.1 §3); zero except between such a launch and `_raise_if_bad_codes`."""
-        flag = data.cache.get("code_flag")
+        the value's set (the spec's invalid codes); zero except between such a launch and `raise_if_bad_codes`."""
+        flag = data.cache.code_flag
         if flag is None:
-            flag = data.cache["code_flag"] = _flags.new()
+            flag = data.cache.code_flag = _flags.new()
         return flag
 
-    def _raise_if_bad_codes(self, data: CudaData, s: Any = _streams.DEFAULT) -> None:
-        """Read the flag (`_read_flag`: 4 bytes, a wait for stream `s`); when set, re-zero it and
+    def raise_if_bad_codes(self, data: CudaData, s: Any = _streams.DEFAULT) -> None:
+        """Read the flag (`Scratch.read_flag`: 4 bytes, a wait for stream `s`); when set, re-zero it and
         let the core name the first bad element. A scheme whose every field is a value (q8f, q4f,
         q2f, e2m1) never sets it, and a tensor whose codes a dequantize has checked
         (`CudaData.codes_checked`) keeps them: no read, no wait."""
         if data.scheme.valid_fields.all() or data.codes_checked():
             return
-        kd = self._kernel_data(data, s)
+        kd = self.kernel_data(data, s)
         flag = self._code_flag(kd)
-        if self._read_flag(flag, s):
+        if self.state.scratch.read_flag(flag, s):
             _flags.clear(flag, s)
             self._into_data(kd).check_codes()
         else:
@@ -726,9 +462,9 @@ class CudaBackend(BaseBackend):
 
     @guard(lambda self, x, q: (f"measure the error of a {q.shape} {q.scheme} tensor", 8 * math.prod(q.shape)))
     def error_stats(self, x: Any, q: QTensor) -> tuple[float, float]:
-        """(SQNR dB, max |err|) of `q` against `x` on the device (qcore.stats.tensor_stats calls it):
-        dequantize into pool memory and reduce there; only the grid's partial sums come back."""
-        from qcore.stats import sqnr_db
+        """(SQNR dB, max |err|) of `q` against `x` on the device (`Backend.error_stats`): dequantize
+        into pool memory and reduce there (`k_error_partials`); only the grid's partial sums come back."""
+        from qcore.backend.stats import sqnr_db
 
         K = _k()
         q = self._own(q)
@@ -737,10 +473,10 @@ class CudaBackend(BaseBackend):
             return sqnr_db(0.0, 0.0), 0.0
         with quiet():
             s = _streams.resolve(None, x)
-            xd = self._device_f32(x, s)
+            xd = self.device_f32(x, s)
             _, y = _array.empty_view((n,), np.dtype(np.float32), s)
             self._launch_dequantize(q.data, y.arg, s)
-            self._raise_if_bad_codes(q.data, s)
+            self.raise_if_bad_codes(q.data, s)
             cfg = K.launch(n)
             parts = cfg[0] * cfg[1]
             sig, noise = (_array.empty((parts,), np.float64, s) for _ in range(2))
@@ -758,33 +494,33 @@ class CudaBackend(BaseBackend):
             v = _array.check_out(out, data.shape, (dtype,), "dequantize")
             if n:
                 self._launch_dequantize(data, v.arg if dtype != _BF16 else _array.reinterpret(v.arg, np.uint16), s)
-                self._raise_if_bad_codes(data, s)
+                self.raise_if_bad_codes(data, s)
             return out
-        if not n:  # nothing to launch, whatever the other extents claim (SPEC v1.1 §3)
+        if not n:  # nothing to launch, whatever the other extents claim (the spec's size claims)
             return self._empty_output(tuple(data.shape), dtype, s)
         if dtype == _BF16:
             # numba has no bfloat16 device dtype: the bits made on the device, the array on the host
             bits = _array.empty((n,), np.uint16, s)
             self._launch_dequantize(data, bits, s)
-            self._raise_if_bad_codes(data, s)
+            self.raise_if_bad_codes(data, s)
             return self.to_numpy(bits).view(_BF16).reshape(data.shape)
         res, v = _array.empty_view(tuple(data.shape), dtype, s)
         self._launch_dequantize(data, v.arg, s)
-        self._raise_if_bad_codes(data, s)
+        self.raise_if_bad_codes(data, s)
         return res
 
     def dequantize(self, q: QTensor, dtype: Any = None, *, out: Any = None, stream: Any = None) -> Any:
-        """`decode(q) * e` (SPEC §2.6) as a new device array (`QArray`: numba's array with DLPack;
-        `.torch()` gives a torch tensor over it), or into `out=`, a C-contiguous torch, CuPy or
-        numba device array of q's shape (or size) whose dtype (float32, float16, float64, or a
-        torch bfloat16 tensor) is the result's; `out` is returned. A bfloat16 result without
-        `out=` is made on the device and comes back as a host `ml_dtypes.bfloat16` array (numba
-        has no bfloat16 device arrays). `stream=` as for `quantize` (default: the stream of a torch
-        or CuPy `out`, else the default stream). `dtype` defaults to out's dtype, else float32.
-        Where the scheme has invalid codes (SPEC v1.1 §3: Q8S/Q4S/Q2S, E4M3, E5M2), the tensor's
-        first dequantize waits for that stream, after a 4-byte read of the invalid-code flag;
-        later ones, other schemes, and tensors over a caller's out= array aside, return without
-        waiting (`CudaData.codes_checked`)."""
+        """`decode(q) * e` (the spec's dequantize) as a new device array (`QArray`: numba's array
+        with DLPack; `.torch()` gives a torch tensor over it), or into `out=`, a C-contiguous torch,
+        CuPy or numba device array of q's shape (or size) whose dtype (float32, float16, float64, or
+        a torch bfloat16 tensor) is the result's; `out` is returned. A bfloat16 result without
+        `out=` is made on the device and comes back as a host `ml_dtypes.bfloat16` array (numba has
+        no bfloat16 device arrays). `stream=` as for `quantize` (default: the stream of a torch or
+        CuPy `out`, else the default stream). `dtype` defaults to out's dtype, else float32. Where
+        the scheme has invalid codes (docs/spec.md, invalid codes: Q8S/Q4S/Q2S, E4M3, E5M2), the
+        tensor's first dequantize waits for that stream, after a 4-byte read of the invalid-code
+        flag; later ones, other schemes, and tensors over a caller's out= array aside, return
+        without waiting (`CudaData.codes_checked`)."""
         if stream is None and (dtype is None or dtype is np.float32):
             y = _repeat.dequantize_again(self, q, out)
             if y is not None:
@@ -801,7 +537,7 @@ class CudaBackend(BaseBackend):
         return y if out is not None or tuple(y.shape) == q.shape else self._reshape_output(y, q.shape)
 
     def _reshape_output(self, y: Any, shape: tuple[int, ...]) -> Any:
-        """A dequantized result in the tensor's shape (E7): a QArray over the same memory."""
+        """A dequantized result in the tensor's shape (flat blocks): a QArray over the same memory."""
         from numba import config
 
         if config.ENABLE_CUDASIM or isinstance(y, np.ndarray):
@@ -883,11 +619,12 @@ class CudaBackend(BaseBackend):
         bfloat16 or none) dequantize the weight to bfloat16 for the call and take torch's GEMM
         (docs/spec.md's bfloat16-weight rule), where that is faster than the kernels.
 
-        `act=SCHEME` (e.g. `e4m3/block{K}:f32`) quantizes x per row on the device and multiplies
-        by its decoded value; x may also be a QTensor of this backend (docs/spec.md E9,
-        `_product_x`). An e4m3 weight with per-row (or per-tensor) f32 scales and per-row e4m3
-        activations with a bfloat16 result, from `LIBRARY_FROM_M` rows of a torch x, multiply
-        code by code on torch's FP8 GEMM instead (`paths/fp8.py`, E9's FP8 accumulator rule).
+        `act=SCHEME` (e.g. `e4m3/block{K}:f32`) quantizes x per row on the device and multiplies by
+        its decoded value; x may also be a QTensor of this backend (docs/spec.md, quantized
+        activations; `_product_x`). An e4m3 weight with per-row (or per-tensor) f32 scales and
+        per-row e4m3 activations with a bfloat16 result, from `LIBRARY_FROM_M` rows of a torch x,
+        multiply code by code on torch's FP8 GEMM instead (`paths/fp8.py`, the FP8 accumulator rule
+        of quantized activations).
         """
         if _torch_on_host(x):
             return self._on_host_tensors(
@@ -909,12 +646,13 @@ class CudaBackend(BaseBackend):
             return _linear_path.run(self, x, w, bias, out, dtype, stream)
 
     def _product_x(self, what: str, x: Any, w: QTensor, act: Any, dtype: Any, stream: Any = None) -> tuple[Any, Any]:
-        """(x as the products read it, the result dtype) (docs/spec.md E9), on the device: a
-        QTensor x dequantized here (float32); with `act`, x (read as float32, E8) quantized and
-        dequantized by this backend's own kernels, `dtype=None` still meaning x's dtype, and a
-        torch x handed on as a torch tensor over the decoded array, so the result is torch."""
-        from qcore import act as _act
-        from qcore.activations import as_torch, product_dims, torch_dtype_as_numpy
+        """(x as the products read it, the result dtype) (docs/spec.md, quantized activations), on
+        the device: a QTensor x dequantized here (float32); with `act`, x (read as float32, as
+        `linear` reads it) quantized and dequantized by this backend's own kernels, `dtype=None`
+        still meaning x's dtype, and a torch x handed on as a torch tensor over the decoded array,
+        so the result is torch."""
+        from qcore.backend import act as _act
+        from qcore.backend.activations import as_torch, product_dims, torch_dtype_as_numpy
 
         w = self._own(w)
         if isinstance(x, QTensor):
@@ -929,7 +667,7 @@ class CudaBackend(BaseBackend):
         if is_torch and x.dtype == torch.bfloat16:
             x = x.float()  # (read as float32: exact)
         elif isinstance(x, np.ndarray) and x.dtype != np.float32:
-            x = x.astype(np.float32)  # (exact, or float64 rounded to nearest: E8's reading)
+            x = x.astype(np.float32)  # (exact, or float64 rounded to nearest: as `linear` reads x)
         try:
             xd = self.dequantize(self.quantize(x, scheme, stream=stream), stream=stream)
         except InputError:
@@ -939,10 +677,10 @@ class CudaBackend(BaseBackend):
         return (as_torch(xd) if is_torch else xd), (xdt if dtype is None else dtype)
 
     def _act_of_nonfinite(self, x: Any, scheme: QuantScheme, stream: Any) -> Any | None:
-        """`act`'s decoded x where `quantize` refused x (docs/spec.md E9, a non-finite x): read
-        on the host, each row holding a non-finite value quantized as zeros and decoded as NaN,
-        the decoded array back on the device; None where every value is finite."""
-        from qcore import act as _act
+        """`act`'s decoded x where `quantize` refused x (docs/spec.md, quantized activations: a
+        non-finite x): read on the host, each row holding a non-finite value quantized as zeros and
+        decoded as NaN, the decoded array back on the device; None where every value is finite."""
+        from qcore.backend import act as _act
 
         torch = sys.modules.get("torch")
         host = x.float().cpu().numpy() if torch is not None and isinstance(x, torch.Tensor) else self.to_numpy(x)
@@ -955,7 +693,7 @@ class CudaBackend(BaseBackend):
     def _on_host_tensors(self, what: str, call: Any, x: Any, bias: Any, out: Any) -> Any:
         """A product of a torch CPU x (a model kept on the CPU whose layers run here): x and a torch
         bias read as host arrays, the result copied back as a torch CPU tensor of its dtype."""
-        from qcore.activations import host_array, in_callers_kind
+        from qcore.backend.activations import host_array, in_callers_kind
 
         if out is not None:
             raise InputError(f"{what} out= takes a device array; with a torch CPU x leave out= out")
@@ -984,7 +722,7 @@ class CudaBackend(BaseBackend):
         `dtype=` other than float32 (None: x's dtype) rounds the f32 sums once to it, on the host
         for bfloat16 and float64 (a host array), on the device for float16.
 
-        `act=` and a QTensor x: as for `linear` (docs/spec.md E9).
+        `act=` and a QTensor x: as for `linear` (docs/spec.md, quantized activations).
         """
         if _torch_on_host(x):
             return self._on_host_tensors(
@@ -992,7 +730,7 @@ class CudaBackend(BaseBackend):
         if act is not None or isinstance(x, QTensor):
             x, dtype = self._product_x("matmul", x, w, act, dtype, stream)
         if dtype is not np.float32 and (dtype is None or np.dtype(dtype) != np.float32):
-            from qcore.activations import result_dtype
+            from qcore.backend.activations import result_dtype
 
             if out is not None:
                 raise InputError("matmul out= is float32; leave dtype= out, or take linear(x, w_transposed, out=)")
@@ -1020,7 +758,7 @@ class CudaBackend(BaseBackend):
         _k()  # the kernels, the memory pool and the disk cache, before the first allocation
         if len(w.shape) != 2:
             raise InputError(f"matmul needs a 2-D weight [K, N], got shape {w.shape}")
-        if w.data.shape != w.shape:  # E7: flattened blocks that cross rows: the core's matmul
+        if w.data.shape != w.shape:  # flat blocks that cross rows: the core's matmul
             return self._host_matmul(x, w, out, stream)
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16:
@@ -1048,15 +786,15 @@ class CudaBackend(BaseBackend):
             if k_ == 0:
                 ov.numba().copy_to_device(np.zeros(m * n_, np.float32), stream=s.numba)
                 return res
-            xd = xv.arg if xv is not None and xdt == np.float32 else self._device_f32(x, s)
+            xd = xv.arg if xv is not None and xdt == np.float32 else self.device_f32(x, s)
             self._launch_matmul(xd, w.data, m, ov.arg, s)
         return res
 
     def _host_matmul(self, x: Any, w: QTensor, out: Any, stream: Any) -> Any:
-        """`qcore.ops.matmul` (the weight dequantized here, the product on the host), the result
+        """`qcore.backend.ops.matmul` (the weight dequantized here, the product on the host), the result
         put on the device as `matmul` returns it: for weights no kernel reads in [K, N] form
-        (blocks over the flattened tensor that cross rows, docs/spec.md E7)."""
-        from qcore import ops
+        (blocks over the flattened tensor that cross rows, docs/spec.md)."""
+        from qcore.backend import ops
 
         with quiet():
             y = np.ascontiguousarray(ops.matmul(self, self.to_numpy(x) if not isinstance(x, np.ndarray) else x, w),
@@ -1077,11 +815,11 @@ class CudaBackend(BaseBackend):
         """Enqueue `out[m, N] = x[m, K] @ w` (x, out flat and C order) on stream `s`: a launch
         already packed for this weight and m at once (the host time of a decode step), else the
         first of `paths.MATMUL` that applies."""
-        data = self._kernel_data(data, s)
-        st = data.cache.get(("gemv", m))
+        data = self.kernel_data(data, s)
+        st = data.cache.gemv.get(m)
         if st is not None and packed_takes(xd):
             run_packed(st, xd, out, m, s)
             return
-        scales, gbuf = self._decoded_scales(data, s)
+        scales, gbuf = self.decoded_scales(data, s)
         call = MatmulCall(self, _k(), xd, data, m, out, scales, gbuf, s)
         choose(MATMUL, call).launch(call)

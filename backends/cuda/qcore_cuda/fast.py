@@ -1,4 +1,5 @@
-"""Fast kernels for the commonest layout: one code stream along the last axis (SPEC §2, §3).
+"""Fast kernels for the commonest layout: one code stream along the last axis (docs/spec.md,
+arithmetic and portable bytes).
 
 Eligible (`geometry()`): Native, or packing along the last axis; lines a multiple of 16
 elements; one scale for the tensor, or one per block of `B` elements along the last axis only
@@ -17,7 +18,7 @@ and one 16- or 8-byte store of whole u32 words. The kernels are specialised per 
 * integers: clamp, add 1.5 * 2**23 (round half to even, the code in the low mantissa bits);
 * E4M3 / E5M2: the sm_89+ `cvt.rn.satfinite.e4m3x2.f32` conversion (two codes per
   instruction); E2M1: the least of three roundings of |y| (`e2m1_code`);
-* the division `y = x / e` of SPEC §2.4 as `q = x * r`, `q + fma(-q, e, x) * r` with
+* the division `y = x / e` of the spec's quantize as `q = x * r`, `q + fma(-q, e, x) * r` with
   `r = 1 / e` rounded once per block: Markstein's correction, the correctly rounded quotient
   whenever e's significand is not all ones and nothing overflows or underflows; the kernels
   check that per block (`fast_div_ok`) and divide with `div.rn` otherwise;
@@ -46,9 +47,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from qcore.scheme import QuantScheme, QuantValue, StoreKind
+from qcore.spec.schemes import QuantScheme, QuantValue, StoreKind
 
 from . import kernels as K
+from ._params import Field, ParamLayout
 from .intrin import (and_xor, bf16x2_rn, bitsel, e4m3x2, e4m3x2_f32, e5m2x2, e5m2x2_f32, f2u, fmax_nan, ld1, ld4, prmt,
                      st2, st4, u2f)
 from .scales import round_scale, scale_word
@@ -74,12 +76,25 @@ MODE_BLOCK, MODE_TWO, MODE_TENSOR, MODE_GIVEN = range(4)
 TPB = 256
 DQ_UNITS = 8  # load units (`unit_codes`) of 4 codes in flight per thread (dequantize); 4 of 16 codes
 
-# G (int64 geometry) layout
-G_NRUNS, G_LB, G_LGW, G_MODE, G_SDT, G_SNB, G_SOFF, G_GOFF, G_TWO, G_QMIN = range(10)
-G_LEN = 10
-# C (float32 constants) layout
-C_H, C_M, C_QMIN, C_QMAX = range(4)
-C_LEN = 4
+G_LAYOUT = ParamLayout("G", "int64", [
+    ("G_NRUNS", "runs of 16 elements"),
+    ("G_LB", "log2 of the block (62 for one scale: every run's slot is 0)"),
+    ("G_LGW", "log2 of the runs per block (B / 16, at least 1)"),
+    ("G_MODE", "MODE_BLOCK, MODE_TWO, MODE_TENSOR or MODE_GIVEN"),
+    ("G_SDT", "the slot dtype's id under the scheme's rounding rule (`scale_slot`)"),
+    ("G_SNB", "bytes per stored scale"),
+    ("G_SOFF", "byte offset of the scales section"),
+    ("G_GOFF", "byte offset of the global scale"),
+    ("G_TWO", "1: two-level"),
+    ("G_QMIN", "the smallest valid integer code (dequantize flags codes below it); -2**62 for minifloats"),
+], length_name="G_LEN")
+"""G: the fast kernels' int64 geometry (`geometry`)."""
+G_LAYOUT.define(globals())
+C_LAYOUT = ParamLayout("C", "float32", [Field("C" + f.name[1:], f.doc) for f in K.F_LAYOUT.fields
+                                         if f.name in ("F_H", "F_M", "F_QMIN", "F_QMAX")], length_name="C_LEN")
+"""C: the fast kernels' float32 constants (`geometry`): C_H, C_M, C_QMIN, C_QMAX, as the general
+kernels' F_H, F_M, F_QMIN, F_QMAX (layouts.py)."""
+C_LAYOUT.define(globals())
 
 MAGIC_HI = np.uint32(0x4B000000)  # the f32 bits of 2**23: a byte below it is an exact integer
 FLT_MAX = 3.4028234663852886e38
@@ -103,34 +118,31 @@ def geometry(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax"
     if L % 16:
         return None
     t = scheme.traits
-    G = np.zeros(G_LEN, dtype=np.int64)
-    C = np.zeros(C_LEN, dtype=np.float32)
     if scheme.block is not None:
         if len(scheme.block.dims) != 1:
             return None
         B = scheme.block.dims[0]
         if B < 4 or B > 512 or B & (B - 1) or L % B:
             return None
-        G[G_LB] = _log2(B)
-        G[G_LGW] = _log2(max(B // 16, 1))
-        G[G_MODE] = MODE_TWO if scheme.two_level else MODE_BLOCK
+        lb, lgw = _log2(B), _log2(max(B // 16, 1))
+        mode = MODE_TWO if scheme.two_level else MODE_BLOCK
         if B < 16 or method != "minmax":
-            G[G_MODE] = MODE_GIVEN  # the calibrated modes take block maxima over whole runs
+            mode = MODE_GIVEN  # the calibrated modes take block maxima over whole runs
     else:
-        G[G_LB] = 62  # every run's slot is 0
-        G[G_MODE] = MODE_TENSOR if method == "minmax" else MODE_GIVEN
-    G[G_NRUNS] = n // 16
-    G[G_TWO] = scheme.two_level
-    G[G_QMIN] = int(t.qmin) if not t.is_float else -(1 << 62)  # dequantize flags codes below it (v1.1)
-    G[G_SDT] = scheme.scale_slot  # the slot dtype under the scheme's rounding rule
-    G[G_SNB] = scheme.slot_dtype.traits.nbytes
-    G[G_SOFF] = n * t.bits // 8
-    nslots = 1 if scheme.block is None else n >> int(G[G_LB])
-    G[G_GOFF] = G[G_SOFF] + nslots * G[G_SNB]
-    C[C_H] = scheme.scale_divisor  # h, or 1 under the MX rule
-    C[C_M] = scheme.block.dtype.traits.max_value if scheme.two_level else 1.0  # M of SPEC §2.2
-    C[C_QMIN] = t.qmin
-    C[C_QMAX] = t.qmax
+        lb, lgw = 62, 0  # every run's slot is 0
+        mode = MODE_TENSOR if method == "minmax" else MODE_GIVEN
+    snb = scheme.slot_dtype.traits.nbytes
+    soff = n * t.bits // 8
+    nslots = 1 if scheme.block is None else n >> lb
+    G = G_LAYOUT.pack(
+        G_NRUNS=n // 16, G_LB=lb, G_LGW=lgw, G_MODE=mode, G_TWO=scheme.two_level,
+        G_QMIN=int(t.qmin) if not t.is_float else -(1 << 62),  # dequantize flags codes below it (invalid codes)
+        G_SDT=scheme.scale_slot,  # the slot dtype under the scheme's rounding rule
+        G_SNB=snb, G_SOFF=soff, G_GOFF=soff + nslots * snb)
+    C = C_LAYOUT.pack(
+        C_H=scheme.scale_divisor,  # h, or 1 under the MX rule
+        C_M=scheme.block.dtype.traits.max_value if scheme.two_level else 1.0,  # M of the spec's two-level scales
+        C_QMIN=t.qmin, C_QMAX=t.qmax)
     return kind, G, C
 
 
@@ -189,7 +201,7 @@ def put_word(payload, off, w, nb):
 
 @cuda.jit(device=True, inline="always")
 def e2m1_code(y):
-    """E2M1 code of y (SPEC §2.5): saturate at 6, nearest, ties to the even code, sign of y.
+    """E2M1 code of y (the spec's quantize): saturate at 6, nearest, ties to the even code, sign of y.
 
     The E2M1 values of a = min(|y|, 6) are q / 2 (code q) on [0, 2], q (code q + 2) on [2, 4]
     and 2q (code q + 4) on [4, 6]. Adding 1.5 * 2**23 (plus 0, 2 or 4) rounds each
@@ -467,7 +479,7 @@ def _dequant_kernel(kind: int, R: int | None = None, preload: bool = True, bf16:
                 u = u0 + int64(32 * j)
                 if u < nut:
                     decode(wv[j], tab, val, 0)
-                    for i in range(upc):  # SPEC v1.1 §3: below qmin, or a NaN/Inf minifloat code
+                    for i in range(upc):  # invalid codes: below qmin, or a NaN/Inf minifloat code
                         if val[i] < qlo or not math.isfinite(val[i]):
                             bad = True
                     base = u << int64(lupc)
@@ -530,7 +542,7 @@ def k_amax_py(x, gs, flag, nruns):
 @cuda.jit(device=True, inline="always")
 def code_in_hardware(y, P):
     """`kernels.code_by_encode` with the sm_89 conversions: E4M3 / E5M2 by `cvt.rn.satfinite`
-    (saturating at the largest value, as SPEC §2.5 wants, the sign of a zero kept)."""
+    (saturating at the largest value, as the spec's quantize wants, the sign of a zero kept)."""
     if not P[0]:
         return f2u(min(max(y, P[2]), P[3]) + float32(MAGIC)) & uint32(0xFF)
     if P[1]:
@@ -558,11 +570,11 @@ def dequant_kernel(kind: int, bf16: bool = False):
     return _jit(_dequant_kernel(kind, bf16=bf16))
 
 
-_A = "{}[::1]"
-QUANT_SIG = "void(float32[::1], uint32[::1], uint8[::1], float32[::1], float32[::1], int32[::1], int64[::1], float32[::1])"
-DEQUANT_SIG = "void({}[::1], float32[::1], float32[::1], float32[::1], {}[::1], int64[::1], int32[::1])"
+QUANT_SIG = (f"void(float32[::1], uint32[::1], uint8[::1], float32[::1], float32[::1], int32[::1], {G_LAYOUT.arg}, "
+             f"{C_LAYOUT.arg})")
+DEQUANT_SIG = f"void({{}}[::1], float32[::1], float32[::1], float32[::1], {{}}[::1], {G_LAYOUT.arg}, int32[::1])"
 AMAX_SIG = "void(float32[::1], float32[::1], int32[::1], int64)"
-WIDE_SIG = "void(uint32[::1], boolean, int64[::1], float32[::1], float32[::1], uint8[::1], int32[::1])"
+WIDE_SIG = K.SIGNATURES["k_wide_quant"][0]  # (kernels.k_wide_quant's arguments)
 
 
 def ptx_targets():

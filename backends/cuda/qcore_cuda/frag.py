@@ -57,7 +57,7 @@ import numpy as np
 
 from numba import config, cuda, float32, int32, int64, uint32
 
-from qcore.scheme import QuantScheme, ScaleDtype
+from qcore.spec.schemes import QuantScheme, ScaleDtype
 
 from . import fast, gemv
 from .devmath import two_level_e
@@ -235,15 +235,14 @@ def plan(Q: np.ndarray, per_sm: int = PER_SM) -> tuple[np.ndarray, tuple[int, in
     """(Q with KS (k-splits) and RPB (k-tile pairs per block), grid, block): strips x KS, about one
     wave of `per_sm` blocks per SM, at least one pair per warp (under the simulator at most 2
     splits: its cost is per launched thread)."""
-    q = Q.copy()
-    strips = int(q[Q_N]) // STRIP
-    pairs = int(q[Q_K]) // 32
+    strips = int(Q[Q_N]) // STRIP
+    pairs = int(Q[Q_K]) // 32
     if config.ENABLE_CUDASIM:
         ks = max(1, min(2, pairs // WARPS))
     else:
         ks = max(1, min(pairs // WARPS, (fast.K.sm_count() * per_sm) // strips))
     ppb = -(-pairs // ks)
-    q[Q_KS], q[Q_RPB] = -(-pairs // ppb), ppb
+    q = gemv.Q_LAYOUT.replace(Q, Q_KS=-(-pairs // ppb), Q_RPB=ppb)
     return q, (strips, int(q[Q_KS])), (32 * WARPS, 1)
 
 

@@ -43,9 +43,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from qcore.scheme import QuantScheme
+from qcore.spec.schemes import QuantScheme
 
 from . import fast
+from ._params import ParamLayout
 from .devmath import two_level_e
 from .intrin import ld1, ld2, ld4, ldcg_f32
 
@@ -93,9 +94,18 @@ def tuning(mb: int, kind: int | None = None, one_scale: bool = True) -> Tuning:
 
 RED_LOADS = 32  # partial sums in flight per thread in the final reduction
 RED_CH = 32  # accumulators per pass of the k-lane sum (shared memory: 256 x 33 f32 at most)
-# Q (int64) layout
-Q_K, Q_N, Q_NWR, Q_LB, Q_TWO, Q_KS, Q_RPB, Q_BLOCK = range(8)
-Q_LEN = 8
+Q_LAYOUT = ParamLayout("Q", "int64", [
+    ("Q_K", "rows of the weight (the reduction extent)"),
+    ("Q_N", "columns of the weight"),
+    ("Q_NWR", "u32 words of codes per row"),
+    ("Q_LB", "log2 of the columns per scale slot (fast.py's G_LB)"),
+    ("Q_TWO", "1: two-level"),
+    ("Q_KS", "k-splits (set per launch: `k_split`)"),
+    ("Q_RPB", "rows per k-split (tc.py: the same; frag.py: k-tile pairs per block)"),
+    ("Q_BLOCK", "columns under one scale"),
+], length_name="Q_LEN", by_value=True)
+"""Q: the GEMV-family kernels' geometry (gemv.py, tc.py, frag.py), taken by value (a tuple)."""
+Q_LAYOUT.define(globals())
 
 
 def geometry(shape: tuple[int, ...], scheme: QuantScheme) -> tuple[int, np.ndarray] | None:
@@ -110,10 +120,8 @@ def geometry(shape: tuple[int, ...], scheme: QuantScheme) -> tuple[int, np.ndarr
     if scheme.block is not None and scheme.block.dims[0] < 32 // bits:
         return None
     k_, n_ = shape
-    Q = np.zeros(Q_LEN, dtype=np.int64)
-    Q[Q_K], Q[Q_N], Q[Q_NWR] = k_, n_, n_ * bits // 32
-    Q[Q_LB], Q[Q_TWO] = G[fast.G_LB], G[fast.G_TWO]
-    Q[Q_BLOCK] = n_ if scheme.block is None else scheme.block.dims[0]  # columns under one scale
+    Q = Q_LAYOUT.pack(Q_K=k_, Q_N=n_, Q_NWR=n_ * bits // 32, Q_LB=G[fast.G_LB], Q_TWO=G[fast.G_TWO],
+                      Q_BLOCK=n_ if scheme.block is None else scheme.block.dims[0])  # (columns under one scale)
     return kind, Q
 
 
@@ -156,15 +164,13 @@ def k_split(Q: np.ndarray, gx: int, per_sm: int, min_rows: int, sim_rows: int, a
     """Q with KS/RPB for `gx` column-blocks: KS k-splits of RPB rows (a multiple of `align`), as
     many as fill one wave of `per_sm` blocks per SM with at least `min_rows` rows each (under the
     simulator at most 2, of at least `sim_rows`: the cost there is per launched thread)."""
-    q = Q.copy()
-    k_ = int(q[Q_K])
+    k_ = int(Q[Q_K])
     if config.ENABLE_CUDASIM:
         ks = max(1, min(2, -(-k_ // sim_rows)))
     else:
         ks = max(1, min(-(-k_ // min_rows), (fast.K.sm_count() * per_sm) // gx))
     rpb = -(-(-(-k_ // ks)) // align) * align
-    q[Q_KS], q[Q_RPB] = -(-k_ // rpb), rpb
-    return q
+    return Q_LAYOUT.replace(Q, Q_KS=-(-k_ // rpb), Q_RPB=rpb)
 
 
 def _gemv_kernel(kind: int, mb: int, wpt: int = WPT, one_scale: bool = True, rows: int | None = None,
@@ -393,7 +399,7 @@ def gemv_kernel(kind: int, mb: int, wpt: int, one_scale: bool):
 
 
 SIG = ("void(float32[::1], uint32[::1], float32[::1], float32[::1], float32[::1], float32[::1], int32[::1], "
-       f"float32[::1], UniTuple(int64, {Q_LEN}), int64, int64)")
+       f"float32[::1], {Q_LAYOUT.arg}, int64, int64)")
 
 
 def ptx_targets():
@@ -404,8 +410,7 @@ def ptx_targets():
         cfgs = set()
         for nwr in (1, 2, 4):
             for block in (32 // fast.KIND_BITS[kind], 1 << 20):
-                Q = np.zeros(Q_LEN, dtype=np.int64)
-                Q[Q_NWR], Q[Q_BLOCK] = nwr, block
+                Q = Q_LAYOUT.pack(Q_NWR=nwr, Q_BLOCK=block)
                 cfgs |= {config_for(kind, m, Q) for m in (1, 2, 3, 4, 5, 16)}
         for mb, wpt, one in sorted(cfgs):
             out.append((f"k_gemv[{kind},{mb},{wpt},{int(one)}]", _gemv_kernel(kind, mb, wpt, one), SIG,

@@ -34,7 +34,7 @@ K into contiguous ranges (`plan`). Under the simulator every warp runs the same 
 chunk 0 with B zero.
 
 Eligible (`applies`): a 2-D weight of 4- or 8-bit integer or minifloat codes (Q8*, Q4*, E4M3,
-E5M2, E2M1; no offsets, no lookup table) in SPEC §3's field order, packed along K (Native, or
+E5M2, E2M1; no offsets, no lookup table) in the `low` field order, packed along K (Native, or
 packed along the last axis), K a multiple of 32, one scale for the tensor, or blocks that span
 one row each along K: 32 * 2**j elements, or at least K.
 """
@@ -45,9 +45,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from qcore.scheme import QuantScheme, StoreKind
+from qcore.spec.schemes import QuantScheme, StoreKind
 
 from . import fast
+from ._params import ParamLayout
 from .devmath import two_level_e
 from .intrin import (code4_bf16x2, code4_f16x2, e2m1x2_f16x2, e4m3x2_f16x2, e5m2x2_f16x2, f16_bits, f16x2_bf16x2,
                      f2u, i8x2_f16x2, ld1, ld2, ld4, mma_bf16, mma_f16, prmt, u2f)
@@ -68,9 +69,20 @@ NBS = (1, 2, 4)
 """Variants: x rows per pass, in n8 tiles (8, 16 or 32 rows)."""
 SCR = 384  # simulator: f32 scratch per warp for the mma twin
 REGS = 128
-P_N, P_K, P_M, P_NSB, P_LB, P_TWO, P_WPR, P_CPW, P_OT, P_BIAS, P_LEN = range(11)
-"""The kernel's int64 parameters: shape, scale slots per row (0: one for the tensor), chunk ->
-slot shift, two-level flag, u32 words per row of codes, chunks per warp, result type, bias flag."""
+LP_LAYOUT = ParamLayout("LP", "int64", [
+    ("LP_N", "rows of the weight (output columns)"),
+    ("LP_K", "columns of the weight (the reduction extent)"),
+    ("LP_M", "rows of x (set per launch: `plan`)"),
+    ("LP_NSB", "scale slots per row of the weight (0: one for the tensor)"),
+    ("LP_LB", "chunk (32 columns) -> slot shift (62: one slot per row or tensor)"),
+    ("LP_TWO", "1: two-level"),
+    ("LP_WPR", "u32 words of codes per row"),
+    ("LP_CPW", "chunks per warp (set per launch)"),
+    ("LP_OT", "the result's type: OT_F32, OT_F16 or OT_BF16 (set per launch)"),
+    ("LP_BIAS", "1: add the bias (set per launch)"),
+], length_name="LP_LEN")
+"""LP: the linear kernel's int64 parameters (`geometry`, completed per launch by `plan`)."""
+LP_LAYOUT.define(globals())
 
 
 def geometry(shape: tuple[int, ...], scheme: QuantScheme) -> tuple[int, np.ndarray] | None:
@@ -87,14 +99,10 @@ def geometry(shape: tuple[int, ...], scheme: QuantScheme) -> tuple[int, np.ndarr
     store = scheme.store
     if store.kind is not StoreKind.NATIVE and store.dim != 0:
         return None
-    if store.order.value != "low":  # (the backend hands kernels SPEC §3's order: `_kernel_data`)
+    if store.order.value != "low":  # (the backend hands kernels the `low` order: `kernel_data`)
         return None
-    P = np.zeros(P_LEN, dtype=np.int64)
-    P[P_N], P[P_K] = n_, k_
-    P[P_WPR] = k_ * fast.KIND_BITS[kind] // 32
-    P[P_TWO] = 1 if scheme.two_level else 0
     if scheme.block is None:
-        P[P_NSB], P[P_LB] = 0, 62
+        nsb, lb = 0, 62
     else:
         if scheme.block.flat:
             return None
@@ -103,21 +111,20 @@ def geometry(shape: tuple[int, ...], scheme: QuantScheme) -> tuple[int, np.ndarr
             return None
         b = dims[-1]
         if b >= k_:
-            P[P_NSB], P[P_LB] = 1, 62
+            nsb, lb = 1, 62
         elif b % 32 == 0 and (b // 32) & (b // 32 - 1) == 0:
-            P[P_NSB], P[P_LB] = k_ // b, (b // 32).bit_length() - 1
+            nsb, lb = k_ // b, (b // 32).bit_length() - 1
         else:
             return None
-    return kind, P
+    return kind, LP_LAYOUT.pack(LP_N=n_, LP_K=k_, LP_WPR=k_ * fast.KIND_BITS[kind] // 32,
+                                LP_TWO=1 if scheme.two_level else 0, LP_NSB=nsb, LP_LB=lb)
 
 
 def plan(P: np.ndarray, m: int, nb: int, out_type: int, has_bias: bool) -> tuple[tuple, tuple[int, int], tuple[int]]:
     """(P as the kernel's tuple, grid, block) for m rows of x with `nb` n8 tiles per pass."""
-    q = P.copy()
-    nch = int(q[P_K]) // 32
-    q[P_M], q[P_CPW] = m, -(-nch // WARPS)
-    q[P_OT], q[P_BIAS] = out_type, int(has_bias)
-    grid = (-(-int(q[P_N]) // 16), -(-m // (8 * nb)))
+    nch = int(P[LP_K]) // 32
+    q = LP_LAYOUT.replace(P, LP_M=m, LP_CPW=-(-nch // WARPS), LP_OT=out_type, LP_BIAS=int(has_bias))
+    grid = (-(-int(q[LP_N]) // 16), -(-m // (8 * nb)))
     return tuple(int(v) for v in q), grid, (32 * WARPS,)
 
 
@@ -272,19 +279,19 @@ def _linear_kernel(kind: int, xt: int, nb: int):
         lane = tid & int64(31)
         g = lane >> int64(2)
         t = lane & int64(3)
-        N = P[P_N]
-        K = P[P_K]
-        M = P[P_M]
-        lb = P[P_LB]
-        cpw = P[P_CPW]
+        N = P[LP_N]
+        K = P[LP_K]
+        M = P[LP_M]
+        lb = P[LP_LB]
+        cpw = P[LP_CPW]
         n0 = int64(cuda.blockIdx.x) * int64(16)
         m0 = int64(cuda.blockIdx.y) * int64(mt)
         ra = min(n0 + g, N - int64(1))
         rb = min(n0 + g + int64(8), N - int64(1))
-        wra = ra * P[P_WPR] + t * int64(ws)  # the lane's code words at chunk 0
-        wrb = rb * P[P_WPR] + t * int64(ws)
-        sra = ra * P[P_NSB]  # the rows' first scale slots
-        srb = rb * P[P_NSB]
+        wra = ra * P[LP_WPR] + t * int64(ws)  # the lane's code words at chunk 0
+        wrb = rb * P[LP_WPR] + t * int64(ws)
+        sra = ra * P[LP_NSB]  # the rows' first scale slots
+        srb = rb * P[LP_NSB]
         for j in range(nb):  # the lane's offset into its row of x at chunk 0 (-1: past M)
             m = m0 + int64(8 * j) + g
             if m >= M:
@@ -356,12 +363,12 @@ def _linear_kernel(kind: int, xt: int, nb: int):
                 v = red[idx]
                 for w in range(1, WARPS):
                     v += red[int64(w * 16 * mt) + idx]
-                if P[P_BIAS] != int64(0):
+                if P[LP_BIAS] != int64(0):
                     v += bias[n]
                 o = m * N + n
-                if P[P_OT] == int64(OT_F32):
+                if P[LP_OT] == int64(OT_F32):
                     out32[o] = v
-                elif P[P_OT] == int64(OT_F16):
+                elif P[LP_OT] == int64(OT_F16):
                     out16[o] = uint16(f16_bits(v))
                 else:
                     out16[o] = uint16(_bf16_rn_bits(v))
@@ -387,7 +394,7 @@ def kernel(kind: int, xt: int, nb: int):
 
 def signature(xt: int) -> str:
     xs = "float32" if xt == XT_F32 else "uint32"
-    return f"void({xs}[::1], uint32[::1], float32[::1], float32[::1], float32[::1], uint16[::1], int64[::1])"
+    return f"void({xs}[::1], uint32[::1], float32[::1], float32[::1], float32[::1], uint16[::1], {LP_LAYOUT.arg})"
 
 
 def _variants():

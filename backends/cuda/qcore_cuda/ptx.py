@@ -3,7 +3,7 @@
 
 `targets()` is the one list of kernels with the signatures they are launched with: the general
 kernels of kernels.py (each of its `SIGNATURES`), and the generated variants of fast.py, gemv.py,
-tc.py, frag.py and linear.py (their `ptx_targets()`). The CI test (`tests/test_cuda_platform.py`) compiles it for
+tc.py, frag.py and linear.py (their `ptx_targets()`). The CI test (`tests/cuda/test_cuda_platform.py`) compiles it for
 sm_90 and sm_75; `scripts/kernel_stats.py` `assemble`s any of it once and prints its
 `sass_stats`, which is how a kernel change can be sized before it reaches a GPU: every sm_90
 instruction is 16 bytes, so the size of a kernel's `.text` section in the cubin is its

@@ -1,15 +1,16 @@
-"""Scale rounding and scale words on the device (SPEC §1, §2.3, §3), for every cuda kernel.
+"""Scale rounding and scale words on the device (docs/spec.md: schemes, scale storage,
+portable bytes), for every cuda kernel.
 
-The rules and their numbers live in `qcore.codecs` (`ScaleSlot`: a scale dtype with its
+The rules and their numbers live in `qcore.spec.codecs` (`ScaleSlot`: a scale dtype with its
 rounding rule; one row of `SCALE_SLOTS` each); these device functions index
-`qcore.codecs.SCALE_ARRAYS` by slot id (a dtype's round-up slot is its `SCALE_IDS` position; the
+`qcore.spec.codecs.SCALE_ARRAYS` by slot id (a dtype's round-up slot is its `SCALE_IDS` position; the
 other rules' rows repeat the dtype's numbers, so `scale_word` and `word_scale` read the same
 for them) and work on the f32 bits (`intrin.f2u` / `u2f`, which have simulator twins), so the
 fast, tile, row and general kernels round and store scales with one piece of code.
 """
 from __future__ import annotations
 
-from qcore.codecs import SCALE_ARRAYS, SCALE_IDS, scale_round_kernel
+from qcore.spec.codecs import SCALE_ARRAYS, SCALE_IDS, scale_round_kernel
 
 from .intrin import f2u, u2f
 
@@ -27,15 +28,15 @@ _SIGN = SCALE_ARRAYS.word_sign
 
 
 round_scale = scale_round_kernel(cuda.jit(device=True, inline="always"), f2u, u2f)
-"""Round a raw scale `s >= 0` into scale slot `slot` (a `qcore.codecs.SCALE_SLOTS` id: the
-dtype and its rounding rule, SPEC §2.3): `qcore.codecs`' one kernel source, compiled for the
-device. A dtype's v1 (round-up) slot id is its `SCALE_IDS` position."""
+"""Round a raw scale `s >= 0` into scale slot `slot` (a `qcore.spec.codecs.SCALE_SLOTS` id: the
+dtype and its rounding rule: scale storage): `qcore.spec.codecs`' one kernel source, compiled for
+the device. A dtype's v1 (round-up) slot id is its `SCALE_IDS` position."""
 
 
 @cuda.jit(device=True, inline="always")
 def scale_word(e, sdt):
     """The stored word (uint32) of a scale `e` already representable in dtype `sdt`; a negative
-    `e` (signed scales, docs/spec.md E3; -0 included) sets the word's sign bit."""
+    `e` (docs/spec.md, signed scales; -0 included) sets the word's sign bit."""
     b = f2u(e)
     a = u2f(b & uint32(0x7FFFFFFF))
     if a < _SUB_BELOW[sdt]:

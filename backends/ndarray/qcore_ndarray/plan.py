@@ -1,4 +1,5 @@
-"""The canonical 8-axis view the kernels work on (SPEC §2.1 block grid, §3 value layout).
+"""The canonical 8-axis view the kernels work on (the block grid and the value layout of
+docs/spec.md).
 
 `make_plan(shape, scheme)` folds a tensor of any rank into eight axes, so one compiled kernel
 serves every rank, block shape and store:
@@ -6,8 +7,8 @@ serves every rank, block shape and store:
 * adjacent axes merge when neither is the packing axis and either the second lies inside one
   block (`block >= extent`) or both have block 1; merging keeps the row-major order of
   elements, of stored bytes and of scale slots, so slot and byte offsets are unchanged;
-* the block grid and edge blocks come from `qcore.layout` (`full_block`, `grid_shape`);
-* the value bytes follow `qcore.layout.words_shape`: Native is row-major bytes; PackedU32(d)
+* the block grid and edge blocks come from `qcore.spec.layout` (`full_block`, `grid_shape`);
+* the value bytes follow `qcore.spec.layout.words_shape`: Native is row-major bytes; PackedU32(d)
   is row-major u32 words over the shape with the packing axis `rank - 1 - d` replaced by
   `ceil(extent / 4)`, element i of that axis in byte `i % 4` of word `i // 4`.
 
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qcore import layout
-from qcore.scheme import QuantScheme
+from qcore.spec import layout
+from qcore.spec.schemes import QuantScheme
 
 __all__ = ["Plan", "make_plan", "NAXES", "TASK_ELEMENTS"]
 

@@ -6,7 +6,7 @@
 Writes `model.safetensors` (the modules as the tool's compressors store them, plus an
 unquantized norm), `config.json` (the tool's quantization_config, one config group per module)
 and `expected.safetensors` (each module's weight as the tool's decompressor gives it back).
-tests/test_formats_ctensors.py reads them with qcore and compares bit for bit.
+tests/formats/test_formats_ctensors.py reads them with qcore and compares bit for bit.
 
 Fused-expert weights `[e, m, n]`: the pack- and float-quantized compressors take them whole. The
 MXFP4 and NVFP4 compressors of 0.20.0 take `[m, n]` only (`quantize_and_pack_fp4` raises "Expected

@@ -8,7 +8,7 @@ for the asymmetric one, as the tool's `IntQuantizationCompressor` stores them; a
 scale and an unquantized norm), `config.json` (format `int-quantized`, one config group per
 module, each with its `input_activations`: W8A8's dynamic int8 per token from the tool's preset,
 a static per-tensor one) and `expected.safetensors` (each module's weight as the tool's
-decompressor gives it back). tests/test_formats_ctensors.py reads them with qcore and compares bit
+decompressor gives it back). tests/formats/test_formats_ctensors.py reads them with qcore and compares bit
 for bit. A 4-bit int-quantized weight is stored one int8 per code, in [-8, 7].
 """
 from __future__ import annotations

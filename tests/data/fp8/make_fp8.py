@@ -14,7 +14,7 @@ as transformers' `Fp8Dequantize` gives it back (f32, and bf16 for the k_proj as 
 `Fp8Dequantize` takes grids that divide the weight only, so the `[136, 40]` weight's expected
 values are DeepSeek-V3's `weight_dequant` (`inference/kernel.py`: per 128 x 128 tile,
 `x.to(float32) * s`, masked at the edges), spelled in torch here because its triton kernel needs
-a GPU. tests/test_formats_fp8.py reads them with qcore and compares bit for bit.
+a GPU. tests/formats/test_formats_fp8.py reads them with qcore and compares bit for bit.
 """
 from __future__ import annotations
 

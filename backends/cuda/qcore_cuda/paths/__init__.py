@@ -18,7 +18,8 @@ first path in the operation's list that applies. The lists, most specialised fir
   `GeneralMatmul` (kernels.k_matmul, any layout).
 
 A path holds no state: what a tensor or a plan keeps between calls (decoded scales, packed
-launches) lives in the backend's caches, which the paths read through the call. `TAKEN` counts
+launches) lives in the tensor's `CudaData.cache` (`_data.TensorCache`) and the plan's
+`_prepared.Prepared`, which the paths read through the call. `TAKEN` counts
 the paths chosen, by class name (tests and benchmarks read it).
 """
 from __future__ import annotations

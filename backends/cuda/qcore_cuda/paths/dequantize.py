@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from .._launch import Packed
+from .._prepared import Prepared, value_words
 from .._streams import on
 from . import choose
 
@@ -25,7 +26,7 @@ class DequantizeCall:
     be: Any
     K: Any
     data: Any
-    prepared: dict
+    prepared: Prepared
     out: Any  # DevView or numba device array, flat
     scales: Any  # decoded float32 scales on the device
     gbuf: Any  # the decoded global scale, gbuf[0]
@@ -35,7 +36,7 @@ class DequantizeCall:
 
     @property
     def plan(self) -> Any:
-        return self.prepared["plan"]
+        return self.prepared.plan
 
     def out_numba(self) -> Any:
         """The output as a numba array (a view of a torch/CuPy out= becomes numba's array of it)."""
@@ -55,23 +56,26 @@ class FastDequantize:
     def applies(self, c: DequantizeCall) -> bool:
         from .. import fast
 
-        return c.prepared.get("fast") is not None and c.out.dtype == (np.uint16 if c.bf16 else np.float32) and \
-            fast.aligned(c.out) and not c.data.scheme.affine  # E5: the general kernel only
+        return c.prepared.fast is not None and c.out.dtype == (np.uint16 if c.bf16 else np.float32) and \
+            fast.aligned(c.out) and not c.data.scheme.affine  # affine offsets: the general kernel only
 
     def launch(self, c: DequantizeCall) -> None:
         from .. import _array, fast
 
-        key = "dequant bf16" if c.bf16 else "dequant"
+        cache = c.data.cache
         out = _array.reinterpret(c.out, np.uint32) if c.bf16 else c.out  # (bf16 pairs as u32 words)
-        launch = c.data.cache.get(key)
+        launch = cache.dequant_bf16 if c.bf16 else cache.dequant
         if launch is None:
-            fp, pl = c.prepared["fast"], c.plan
-            grid, block = fast.launch_dequant(fp["nruns"], fp["kind"])
-            units = fast.unit_view(c.data.payload[: pl.values_nbytes], fp["kind"])
-            kernel = fast.dequant_kernel(fp["kind"], True) if c.bf16 else fast.dequant_kernel(fp["kind"])
-            launch = c.data.cache[key] = Packed(kernel, grid, block,
-                                                [units, c.scales, c.gbuf, c.prepared["lut"], out, fp["G"], c.flag],
-                                                dynamic=(4,))
+            fp, pl = c.prepared.fast, c.plan
+            grid, block = fast.launch_dequant(fp.nruns, fp.kind)
+            units = fast.unit_view(c.data.payload[: pl.values_nbytes], fp.kind)
+            kernel = fast.dequant_kernel(fp.kind, True) if c.bf16 else fast.dequant_kernel(fp.kind)
+            launch = Packed(kernel, grid, block, [units, c.scales, c.gbuf, c.prepared.lut, out, fp.G, c.flag],
+                            dynamic=(4,))
+            if c.bf16:
+                cache.dequant_bf16 = launch
+            else:
+                cache.dequant = launch
         launch(out, stream=c.s)
 
 
@@ -85,9 +89,9 @@ class RowsDequantize:
 
     def launch(self, c: DequantizeCall) -> None:
         K, pp, pl = c.K, c.prepared, c.plan
-        words = c.be._words(c.data.payload, pl)
+        words = value_words(c.data.payload, pl)
         on(K.k_rows_dequant, K.launch_rows(*pl.rows_shape), c.s)(
-            words, pp[("RP", K.ROW_GIVEN)], pp["lut"], c.scales, c.gbuf, c.out_numba(), c.flag)
+            words, pp.RP_given, pp.lut, c.scales, c.gbuf, c.out_numba(), c.flag)
 
 
 class RoundedDequantize:
@@ -125,7 +129,7 @@ class GeneralDequantize:
     def launch(self, c: DequantizeCall) -> None:
         K, pp = c.K, c.prepared
         on(K.k_dequant, K.launch(c.plan.nruns), c.s)(
-            c.data.payload, pp["P"], pp["lut"], c.scales, c.gbuf, c.out_numba(), c.flag)
+            c.data.payload, pp.P, pp.lut, c.scales, c.gbuf, c.out_numba(), c.flag)
 
 
 DEQUANTIZE = (FastDequantize(), RowsDequantize(), RoundedDequantize(), GeneralDequantize())

@@ -1,10 +1,10 @@
 """W8A8 `linear` on the cuda backend: an e4m3 weight times e4m3 activations, code by code, on
 torch's FP8 GEMM (`torch._scaled_mm`, cuBLASLt), the two per-row scales applied to the f32 sums
-in its epilogue (docs/spec.md E9, the FP8 accumulator rule).
+in its epilogue (docs/spec.md, quantized activations: the FP8 accumulator rule).
 
 `run` serves `linear(x, w, act=e4m3/block{B}:f32)` (B >= K: one f32 scale per row of x), or x a
-QTensor of such a scheme on this backend, and returns None (the caller takes E9's decoded path)
-unless all of these hold:
+QTensor of such a scheme on this backend, and returns None (the caller takes the decoded path of
+quantized activations) unless all of these hold:
 
 * w is e4m3 `[N, K]`, codes one per byte, with one f32 scale per row (blocks along K of at
   least K) or one for the tensor;
@@ -14,15 +14,15 @@ unless all of these hold:
 * K and N are multiples of 16 (the FP8 GEMM's alignment) and torch has `_scaled_mm` and
   `float8_e4m3fn`.
 
-x is quantized by the backend's own kernel (SPEC §2: the same codes and scales every backend
-gives; a bfloat16 x read as it is, `CudaBackend._quantize_bf16_rows`). Nothing waits for x's
-non-finite flag: a row of x holding a NaN or an infinity gets a NaN scale, so its results are
-NaN, as docs/spec.md E9 wants (a float16 or float32 x quantized by `quantize`, which refuses it,
-goes to the decoded path, which does the same). Both payloads are
-read in place as torch tensors: the codes as `float8_e4m3fn` [M, K] and [N, K] (the weight's
-transpose is the column-major operand cuBLASLt wants), the scales as f32 [M, 1] and [1, N].
-`use_fast_accum=False`: cuBLAS promotes the tensor core's partial sums to f32 from time to time;
-the spec's bound holds without that.
+x is quantized by the backend's own kernel (the spec's arithmetic: the same codes and scales every
+backend gives; a bfloat16 x read as it is, `paths.quantize.quantize_bf16_rows`). Nothing waits for
+x's non-finite flag: a row of x holding a NaN or an infinity gets a NaN scale, so its results are
+NaN, as the spec's quantized activations want (a float16 or float32 x quantized by `quantize`, which
+refuses it, goes to the decoded path, which does the same). Both payloads are read in place as torch
+tensors: the codes as `float8_e4m3fn` [M, K] and [N, K] (the weight's transpose is the column-major
+operand cuBLASLt wants), the scales as f32 [M, 1] and [1, N]. `use_fast_accum=False`: cuBLAS
+promotes the tensor core's partial sums to f32 from time to time; the spec's bound holds without
+that.
 """
 from __future__ import annotations
 
@@ -33,11 +33,12 @@ from typing import Any
 import numpy as np
 
 from qcore.errors import InputError
-from qcore.payload import sections
-from qcore.protocol import QTensor
-from qcore.scheme import QuantScheme, QuantValue, ScaleDtype, StoreKind, scheme as parse_scheme
+from qcore.spec.payload import sections
+from qcore.backend.protocol import QTensor
+from qcore.spec.schemes import QuantScheme, QuantValue, ScaleDtype, StoreKind, scheme as parse_scheme
 
 from .. import _streams
+from .quantize import quantize_bf16_rows
 
 __all__ = ["per_row_e4m3", "run"]
 
@@ -72,7 +73,7 @@ def _operands(torch: Any, q: QTensor, rows: int, k: int) -> tuple[Any, Any]:
 
 def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, stream: Any) -> Any:
     """The W8A8 product (module text), or None where it does not apply."""
-    from qcore import act as _act
+    from qcore.backend import act as _act
 
     from .linear import LIBRARY_FROM_M
 
@@ -114,12 +115,12 @@ def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, 
     s = _streams.resolve(stream, None if given else x)
     if s.handle != _streams.torch_handle(device.index):
         return None
-    w = be._own(w)
+    w = be.own(w)
     if given:
-        xq = be._own(x)
+        xq = be.own(x)
     else:
         x2 = x.reshape(m, k_)
-        got = be._quantize_bf16_rows(x2, scheme, s, wait=False) \
+        got = quantize_bf16_rows(be, x2, scheme, s, wait=False) \
             if x2.dtype == torch.bfloat16 and x2.is_contiguous() else None
         if got is not None:
             xq = got[0]  # nothing waits: a row holding a non-finite x has a NaN scale

@@ -14,14 +14,14 @@ Paths:
   repeats its results bit for bit for the same shapes on the same GPU and library version.
 - `TensorCoreLinear` (`linear.py`): the weight's payload read as it is; bit-repeatable.
 - `TransposedLinear`: any other weight. Its transpose ([K, N], `permute`: exact) is made once and
-  kept with the weight, multiplied by the matmul paths in f32 (`CudaBackend._launch_matmul`), and
+  kept with the weight, multiplied by the matmul paths in f32 (`CudaBackend.matmul`), and
   `k_finish` adds the bias and rounds once to the result dtype.
 
 A repeat call (`again`) with a torch CUDA x of a shape, dtype and bias kind the weight has seen on
 the tensor-core path, no `out=`, `dtype=` or `stream=`, skips the checks and the path choice: a
 result tensor, two views and the packed launch.
 
-The first `linear` of a tensor whose scheme has invalid codes (SPEC v1.1 §3) dequantizes it once
+The first `linear` of a tensor whose scheme has invalid codes (docs/spec.md) dequantizes it once
 to check them, as a first dequantize does, so a bad code is an `InvalidDataError`, never a value.
 """
 from __future__ import annotations
@@ -35,16 +35,17 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from qcore.activations import ACTIVATION_DTYPES, product_dims, result_dtype
+from qcore.backend.activations import ACTIVATION_DTYPES, product_dims, result_dtype
 from qcore.errors import InputError
-from qcore.protocol import QTensor
+from qcore.backend.protocol import QTensor
 
 from .. import _array, _streams
+from .._data import NOT_YET
 from .._launch import Packed
 from . import choose
 
 __all__ = ["LINEAR", "LIBRARY_FROM_M", "LinearCall", "DequantizedGemmLinear", "TensorCoreLinear", "TransposedLinear",
-           "run", "again", "rounded", "placeholders"]
+           "LinearRepeat", "run", "again", "rounded", "placeholders"]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
@@ -52,11 +53,11 @@ _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float
 
 @dataclass
 class LinearCall:
-    """One `linear`: the weight `w` (its `data` in SPEC §3's field order), x as given and as the
-    kernels read it (`xd`: u32 pairs of 16-bit values for `xt` XT_BF16/XT_F16, float32 for
-    XT_F32; None: no tensor-core form), m rows, the result type `ot` and arrays (`out32`,
-    `out16`: one is a placeholder), the bias (f32 [N], or a placeholder), the stream; x's
-    dtype, the result as `linear` returns it and the bias as the caller gave it."""
+    """One `linear`: the weight `w` (its `data` in the `low` field order), x as given and as the
+    kernels read it (`xd`: u32 pairs of 16-bit values for `xt` XT_BF16/XT_F16, float32 for XT_F32;
+    None: no tensor-core form), m rows, the result type `ot` and arrays (`out32`, `out16`: one is a
+    placeholder), the bias (f32 [N], or a placeholder), the stream; x's dtype, the result as
+    `linear` returns it and the bias as the caller gave it."""
 
     be: Any
     w: Any
@@ -105,7 +106,8 @@ class DequantizedGemmLinear:
     def launch(self, c: LinearCall) -> None:
         torch = _torch()
         n_, k_ = c.w.shape
-        wb = c.be._dequantize(c.w.data, _BF16, torch.empty((n_, k_), dtype=torch.bfloat16, device=c.x.device), c.s)
+        wb = torch.empty((n_, k_), dtype=torch.bfloat16, device=c.x.device)
+        c.be.dequantize(c.w, _BF16, out=wb, stream=c.s)
         x2, y2 = c.x.reshape(c.m, k_), c.result.view(c.m, n_)
         if c.bias_given is None:
             torch.mm(x2, wb.t(), out=y2)
@@ -123,9 +125,9 @@ class TensorCoreLinear:
         """`linear.geometry` of the weight's kernel data, kept with it."""
         from .. import linear
 
-        if "linear geometry" not in data.cache:
-            data.cache["linear geometry"] = linear.geometry(data.shape, data.scheme)
-        return data.cache["linear geometry"]
+        if data.cache.linear_geometry is NOT_YET:
+            data.cache.linear_geometry = linear.geometry(data.shape, data.scheme)
+        return data.cache.linear_geometry
 
     def applies(self, c: LinearCall) -> bool:
         return c.xt is not None and self.geometry(c.data) is not None
@@ -133,17 +135,17 @@ class TensorCoreLinear:
     def launch(self, c: LinearCall) -> None:
         from .. import linear
 
-        key = ("linear", c.m, c.xt, c.ot, c.has_bias)
-        st = c.data.cache.get(key)
+        key = (c.m, c.xt, c.ot, c.has_bias)
+        st = c.data.cache.linear.get(key)
         if st is None:
             from numba import cuda
 
-            kind, P = c.data.cache["linear geometry"]
+            kind, P = c.data.cache.linear_geometry
             nb = linear.nb_for(c.m)
             q, grid, block = linear.plan(P, c.m, nb, c.ot, c.has_bias)
-            args = [c.xd, c.be._code_words(c.data), _effective_scales(c), c.bias, c.out32, c.out16,
+            args = [c.xd, c.be.state.plans.code_words(c.data), _effective_scales(c), c.bias, c.out32, c.out16,
                     cuda.to_device(np.asarray(q, np.int64))]
-            st = c.data.cache[key] = Packed(linear.kernel(kind, c.xt, nb), grid, block, args, dynamic=(0, 4, 5, 3))
+            st = c.data.cache.linear[key] = Packed(linear.kernel(kind, c.xt, nb), grid, block, args, dynamic=(0, 4, 5, 3))
         st(c.xd, c.out32, c.out16, c.bias, stream=c.s)
 
 
@@ -153,12 +155,12 @@ def _effective_scales(c: LinearCall) -> Any:
     from .. import linear
     from ..fast import K
 
-    scales, gbuf = c.be._decoded_scales(c.data, c.s)
+    scales, gbuf = c.be.decoded_scales(c.data, c.s)
     if not c.data.scheme.two_level:
         return scales
-    es = c.data.cache.get("linear scales")
+    es = c.data.cache.linear_scales
     if es is None:
-        es = c.data.cache["linear scales"] = _array.empty((int(scales.size),), np.float32, c.s)
+        es = c.data.cache.linear_scales = _array.empty((int(scales.size),), np.float32, c.s)
         _streams.on(linear.k_effective, K.launch(int(scales.size)), c.s)(scales, gbuf, es, int(scales.size))
     return es
 
@@ -179,16 +181,16 @@ class TransposedLinear:
         y32 = c.out32 if c.ot == linear.OT_F32 and not c.has_bias else _array.empty((c.m * n_,), np.float32, c.s)
         if k_ == 0:
             _streams.on(K.k_zero, K.launch(c.m * n_), c.s)(y32)
-        elif c.data.shape != c.w.shape:  # blocks over the flattened tensor that cross rows (E7): the core's sums
-            from qcore import ops
+        elif c.data.shape != c.w.shape:  # blocks over the flattened tensor that cross rows: the core's sums
+            from qcore.backend import ops
 
             host = ops.linear(c.be, c.be.to_numpy(_f32_source(c.x)) if not isinstance(c.x, np.ndarray) else c.x, c.w,
                               dtype=np.float32)
             _array.view_of(y32).numba().copy_to_device(np.ascontiguousarray(host).reshape(-1), stream=c.s.numba)
         else:
-            wt = c.data.cache.get("transposed")
+            wt = c.data.cache.transposed
             if wt is None:  # (the payload's own form: a flat-block tensor's transpose would requantize)
-                wt = c.data.cache["transposed"] = c.be.transpose(QTensor(c.be, c.data.scheme, c.data.shape, c.data))
+                wt = c.data.cache.transposed = c.be.transpose(QTensor(c.be, c.data.scheme, c.data.shape, c.data))
             xf = _f32_source(c.x)  # (matmul reads every x kind; a torch bfloat16 one widened here)
             c.be.matmul(xf.reshape(c.m, k_), wt, out=y32, stream=c.s.handle)
         if y32 is not c.out32:
@@ -262,14 +264,14 @@ def _kernel_x(be: Any, x: Any, xdt: np.dtype, n: int, s: Any) -> tuple[Any, int 
         if type(d) is _array.DevView and d.ptr % 16:
             return None, None
         return d, (linear.XT_BF16 if xdt == _BF16 else linear.XT_F16)
-    d = be._device_f32(_f32_source(x), s)
+    d = be.device_f32(_f32_source(x), s)
     if type(d) is _array.DevView and d.ptr % 16:
         return None, None
     return d, linear.XT_F32
 
 
 def _f32_source(x: Any) -> Any:
-    """x in a form `_device_f32` reads (a torch bfloat16 tensor widened by torch)."""
+    """x in a form `CudaBackend.device_f32` reads (a torch bfloat16 tensor widened by torch)."""
     if _is_torch(x) and x.dtype == _torch().bfloat16:
         return x.float()
     return x
@@ -296,13 +298,13 @@ def _device_bias(be: Any, bias: Any, n: int, s: Any) -> Any:
                              f"bias of shape ({n},)")
         if bias.dtype not in (_torch().float16, _torch().bfloat16, _torch().float32, _torch().float64):
             raise InputError(f"bias has dtype {bias.dtype}; pass float16, bfloat16, float32 or float64")
-        return be._device_f32(bias.float().contiguous() if bias.is_cuda else bias.float().numpy(), s)
+        return be.device_f32(bias.float().contiguous() if bias.is_cuda else bias.float().numpy(), s)
     shape, dt = _shape(bias), _np_dtype(bias)
     if shape != (n,):
         raise InputError(f"bias has shape {shape}; linear with a weight of {n} output rows takes a bias of shape ({n},)")
     if dt not in ACTIVATION_DTYPES:
         raise InputError(f"bias has dtype {dt}; pass float16, bfloat16, float32 or float64")
-    return be._device_f32(bias, s)
+    return be.device_f32(bias, s)
 
 
 def _outputs(x: Any, out: Any, shape: tuple[int, ...], dt: np.dtype, s: Any) -> tuple:
@@ -350,20 +352,19 @@ def _outputs(x: Any, out: Any, shape: tuple[int, ...], dt: np.dtype, s: Any) -> 
 
 
 def _check_codes_once(be: Any, w: Any, s: Any) -> None:
-    """A tensor whose scheme has invalid codes is dequantized once before its first product, so
-    a bad code raises `InvalidDataError` (SPEC v1.1 §3) as at a first dequantize."""
-    if w.scheme.valid_fields.all() or w.data.codes_checked() or w.data.cache.get("linear codes checked"):
+    """A tensor whose scheme has invalid codes is dequantized once before its first product, so a
+    bad code raises `InvalidDataError` (docs/spec.md, invalid codes) as at a first dequantize."""
+    if w.scheme.valid_fields.all() or w.data.codes_checked() or w.data.cache.linear_codes_checked:
         return
-    with be._naming_elements(w):
-        be._dequantize(w.data, _F16, None, s)
-    w.data.cache["linear codes checked"] = not w.data.cache.get("caller memory", False)
+    be.dequantize(w, _F16, stream=s)
+    w.data.cache.linear_codes_checked = not w.data.cache.caller_memory
 
 
 def run(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -> Any:
     """`CudaBackend.linear` (module text)."""
     from .. import linear
 
-    w = be._own(w)
+    w = be.own(w)
     xshape, xdt = _shape(x), _np_dtype(x)
     if xdt not in ACTIVATION_DTYPES:
         raise InputError(f"x has dtype {xdt}; products take float16, bfloat16, float32 or float64 activations")
@@ -380,7 +381,7 @@ def run(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -
     bias_d = p32 if bias is None else _device_bias(be, bias, n_, s)
     ot = {_F32: linear.OT_F32, _F16: linear.OT_F16, _BF16: linear.OT_BF16}[_F32 if dt == _F64 else dt]
     _check_codes_once(be, w, s)
-    data = be._kernel_data(w.data, s)
+    data = be.kernel_data(w.data, s)
     # x in the kernel's form only where the kernel takes the weight (the fallback reads x itself)
     xd, xt = _kernel_x(be, x, xdt, m * k_, s) if k_ and TensorCoreLinear.geometry(data) else (None, None)
     call = LinearCall(be, w, data, x, xd, xt, m, ot, p32 if out32 is None else out32,
@@ -393,8 +394,8 @@ def run(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -
 
 
 @dataclass(frozen=True)
-class _Again:
-    """What a repeat call needs: the packed launch, the result's shape and torch dtype, the
+class LinearRepeat:
+    """What a repeat call (`again`) needs: the packed launch, the result's shape and torch dtype, the
     element types and counts of the views of x and of the result, the placeholders."""
 
     launch: Any
@@ -414,18 +415,17 @@ def _remember(c: LinearCall, x: Any, out_shape: tuple, bias: Any) -> None:
     from .. import linear
 
     torch = _torch()
-    if (torch is None or type(x) is not torch.Tensor or not x.is_cuda or c.data.cache.get("caller memory", False)
+    if (torch is None or type(x) is not torch.Tensor or not x.is_cuda or c.data.cache.caller_memory
             or x.dtype not in (torch.bfloat16, torch.float16, torch.float32)
             or (bias is not None and not (type(bias) is torch.Tensor and bias.dtype == torch.float32 and bias.is_cuda))):
         return
-    st = c.data.cache.get(("linear", c.m, c.xt, c.ot, c.has_bias))
+    st = c.data.cache.linear.get((c.m, c.xt, c.ot, c.has_bias))
     if st is None:
         return
     wide = c.ot == linear.OT_F32
     x_words = _F32 if c.xt == linear.XT_F32 else np.dtype(np.uint32)
     n_out = math.prod(out_shape)
-    again_ = c.w.data.cache.setdefault("linear again", {})
-    again_[(x.dtype, x.shape, bias is not None)] = _Again(
+    c.w.data.cache.linear_repeats[(x.dtype, x.shape, bias is not None)] = LinearRepeat(
         st, out_shape, x.dtype, _F32 if wide else np.dtype(np.uint16), n_out, x_words,
         x.numel() if c.xt == linear.XT_F32 else x.numel() // 2, *placeholders(c.s))
 
@@ -434,7 +434,7 @@ def again(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any)
     """A repeat call's result (module text), or None when the call needs the whole way."""
     if out is not None or dtype is not None or stream is not None or type(w) is not QTensor or w.backend is not be:
         return None
-    plans = w.data.cache.get("linear again")
+    plans = w.data.cache.linear_repeats
     torch = _torch()
     if not plans or torch is None or type(x) is not torch.Tensor:
         return None

@@ -8,11 +8,12 @@ from typing import Any
 import numpy as np
 
 from .._array import DevView
+from .._data import NOT_YET
 from .._launch import Packed
 from .._streams import on
 
-__all__ = ["MATMUL", "MatmulCall", "FragmentGemvMatmul", "TensorCoreMatmul", "GemvMatmul", "GeneralMatmul", "run_packed", "run_packed_values",
-           "packed_aligned", "packed_takes"]
+__all__ = ["MATMUL", "MatmulCall", "FragmentGemvMatmul", "TensorCoreMatmul", "GemvMatmul", "GeneralMatmul",
+           "GeneralMatmulPlan", "run_packed", "run_packed_values", "packed_aligned", "packed_takes"]
 
 
 @dataclass
@@ -34,13 +35,14 @@ class MatmulCall:
     def gemv_geometry(self) -> tuple | None:
         """(kind, Q) of the GEMV kernels for this weight (cached on it), None when its layout has
         none or the device lacks the fast kernels."""
-        if not self.be._fast[0] or self.data.scheme.affine:  # E5: the general kernel only
+        if not self.be.state.fast.usable or self.data.scheme.affine:  # affine offsets: the general kernel only
             return None
         from .. import gemv
 
-        if "gemv" not in self.data.cache:
-            self.data.cache["gemv"] = gemv.geometry(self.data.shape, self.data.scheme)
-        return self.data.cache["gemv"]
+        cache = self.data.cache
+        if cache.gemv_geometry is NOT_YET:
+            cache.gemv_geometry = gemv.geometry(self.data.shape, self.data.scheme)
+        return cache.gemv_geometry
 
     @cached_property
     def gemv_ready(self) -> bool:
@@ -90,9 +92,10 @@ def _packed(c: MatmulCall, kern: Any, mb: int, q: Any, grid: Any, block: Any, pa
     """Pack a GEMV-family launch once per (weight, m): x, out, m0 and the row count change from
     call to call (`dynamic`); the backend runs it directly on later calls (in thread-block
     clusters of shape `cluster`, if given: `_launch.Packed`)."""
-    pp = c.be._prepared(c.data.shape, c.data.scheme, "minmax")
-    args = [c.xd, c.be._code_words(c.data), c.scales, c.gbuf, pp["lut"], part, cnt, c.out, q, 0, mb] + extra
-    st = c.data.cache[("gemv", c.m)] = (mb, Packed(kern, grid, block, args, dynamic=(0, 7, 9, 10), cluster=cluster))
+    plans = c.be.state.plans
+    pp = plans.get(c.data.shape, c.data.scheme, "minmax")
+    args = [c.xd, plans.code_words(c.data), c.scales, c.gbuf, pp.lut, part, cnt, c.out, q, 0, mb] + extra
+    st = c.data.cache.gemv[c.m] = (mb, Packed(kern, grid, block, args, dynamic=(0, 7, 9, 10), cluster=cluster))
     return st
 
 
@@ -101,8 +104,9 @@ def fragment_copy(be: Any, data: Any, scales: Any, gbuf: Any, Q: Any) -> Any:
     and GEMV geometry `Q`."""
     from .. import frag
 
-    nslots = be._prepared(data.shape, data.scheme, "minmax")["plan"].nslots
-    return frag.pack(be._code_words(data), scales, gbuf, Q, frag.half_scales(data.scheme), nslots)
+    plans = be.state.plans
+    nslots = plans.get(data.shape, data.scheme, "minmax").plan.nslots
+    return frag.pack(plans.code_words(data), scales, gbuf, Q, frag.half_scales(data.scheme), nslots)
 
 
 class FragmentGemvMatmul:
@@ -117,18 +121,19 @@ class FragmentGemvMatmul:
         from .. import frag
 
         return (c.m == 1 and c.gemv_ready and frag.enabled() and frag.applies(*c.gemv_geometry)
-                and not c.data.cache.get("caller memory", False))
+                and not c.data.cache.caller_memory)
 
     def launch(self, c: MatmulCall) -> None:
         from .. import frag
 
-        st = c.data.cache.get(("gemv", c.m))
+        cache = c.data.cache
+        st = cache.gemv.get(c.m)
         if st is None:
             half = frag.half_scales(c.data.scheme)
-            if "frag" not in c.data.cache:
-                c.data.cache["frag"] = fragment_copy(c.be, c.data, c.scales, c.gbuf, c.gemv_geometry[1])
+            if cache.frag is None:
+                cache.frag = fragment_copy(c.be, c.data, c.scales, c.gbuf, c.gemv_geometry[1])
             kern, mb, q, grid, block, part, cnt = frag.buffers(c.gemv_geometry[1], half)
-            st = _packed(c, kern, mb, q, grid, block, part, cnt, [c.data.cache["frag"]], frag.cluster_dims(grid))
+            st = _packed(c, kern, mb, q, grid, block, part, cnt, [cache.frag], frag.cluster_dims(grid))
         run_packed(st, c.xd, c.out, c.m, c.s)
 
 
@@ -147,13 +152,14 @@ class TensorCoreMatmul:
     def launch(self, c: MatmulCall) -> None:
         from .. import tc
 
-        st = c.data.cache.get(("gemv", c.m))
+        cache = c.data.cache
+        st = cache.gemv.get(c.m)
         if st is None:
             kind, Q = c.gemv_geometry
             kern, mb, q, grid, block, part, cnt = tc.buffers(Q, kind, c.m)
-            if "tc_scales" not in c.data.cache:
-                c.data.cache["tc_scales"] = tc.slot_scales(c.scales, c.gbuf, Q)
-            st = _packed(c, kern, mb, q, grid, block, part, cnt, [c.data.cache["tc_scales"]])
+            if cache.tc_scales is None:
+                cache.tc_scales = tc.slot_scales(c.scales, c.gbuf, Q)
+            st = _packed(c, kern, mb, q, grid, block, part, cnt, [cache.tc_scales])
         run_packed(st, c.xd, c.out, c.m, c.s)
 
 
@@ -170,11 +176,22 @@ class GemvMatmul:
     def launch(self, c: MatmulCall) -> None:
         from .. import gemv
 
-        st = c.data.cache.get(("gemv", c.m))
+        st = c.data.cache.gemv.get(c.m)
         if st is None:
             kind, Q = c.gemv_geometry
             st = _packed(c, *gemv.buffers(Q, kind, c.m), [])
         run_packed(st, c.xd, c.out, c.m, c.s)
+
+
+@dataclass(frozen=True)
+class GeneralMatmulPlan:
+    """`kernels.k_matmul`'s arguments for one weight and m rows of x, made once (kept in the
+    weight's `TensorCache.general_matmul`)."""
+
+    Q: Any  # int64[MM_LEN] on the device (`_plan.matmul_geometry`)
+    launch: tuple  # (grid, block) (`K.launch_matmul`)
+    lut: Any  # the value table (`Prepared.lut`)
+    p32: Any  # the values section as u32 words, or a 1-word placeholder where the kernel reads bytes
 
 
 class GeneralMatmul:
@@ -193,21 +210,20 @@ class GeneralMatmul:
         from .. import _plan
 
         K, data, be = c.K, c.data, c.be
-        key = ("matmul", c.m)
-        mm = data.cache.get(key)
+        mm = data.cache.general_matmul.get(c.m)
         if mm is None:
-            pp = be._prepared(data.shape, data.scheme, "minmax")
+            pp = be.state.plans.get(data.shape, data.scheme, "minmax")
             Q = _plan.matmul_geometry(data.shape, data.scheme, c.m, sim=bool(config.ENABLE_CUDASIM))
-            nb4 = pp["plan"].values_nbytes // 4
+            nb4 = pp.plan.values_nbytes // 4
             p32 = data.payload[: nb4 * 4].view(np.uint32) if Q[K.MM_W32] and nb4 else \
                 cuda.device_array(1, dtype=np.uint32)
-            mm = data.cache[key] = dict(Q=cuda.to_device(Q),
-                                        launch=K.launch_matmul(int(Q[K.MM_NG]), int(Q[K.MM_KC]), c.m),
-                                        lut=pp["lut"], p32=p32)
+            mm = data.cache.general_matmul[c.m] = GeneralMatmulPlan(
+                Q=cuda.to_device(Q), launch=K.launch_matmul(int(Q[K.MM_NG]), int(Q[K.MM_KC]), c.m), lut=pp.lut,
+                p32=p32)
         out = c.out if hasattr(c.out, "copy_to_host") else cuda.as_cuda_array(c.out)
         xd = c.xd if hasattr(c.xd, "copy_to_host") else cuda.as_cuda_array(c.xd)
         on(K.k_zero, K.launch(out.size), c.s)(out)
-        on(K.k_matmul, mm["launch"], c.s)(xd, data.payload, mm["p32"], mm["Q"], mm["lut"], c.scales, c.gbuf, out)
+        on(K.k_matmul, mm.launch, c.s)(xd, data.payload, mm.p32, mm.Q, mm.lut, c.scales, c.gbuf, out)
 
 
 MATMUL = (FragmentGemvMatmul(), TensorCoreMatmul(), GemvMatmul(), GeneralMatmul())

@@ -1,0 +1,1 @@
+"""The `qcore` command."""

@@ -1,0 +1,1 @@
+"""Whole-model runs: recipes, the quantize/dequantize pipeline, exports, distributed runs."""
