@@ -21,8 +21,8 @@ Paths:
   `k_finish` adds the bias and rounds once to the result dtype.
 
 A repeat call (`again`) with a torch CUDA x of a shape, dtype and bias kind the weight has seen on
-the tensor-core path, no `out=`, `dtype=` or `stream=`, skips the checks and the path choice: a
-result tensor, two views and the packed launch.
+the decode or tensor-core path, no `out=`, `dtype=` or `stream=`, skips the checks and the path
+choice: a result tensor, two views and the packed launch.
 
 The first `linear` of a tensor whose scheme has invalid codes (SPEC v1.1 §3) dequantizes it once
 to check them, as a first dequantize does, so a bad code is an `InvalidDataError`, never a value.
