@@ -29,6 +29,15 @@ SCHEMES = ["q4s/block32:f16", "q4f/block64:bf16", "q8s", "q8f/block128:f32", "e4
            "mxfp8", "mxfp4", "e2m1/block32:ue4m3/tensor:f32", "q4s/block4096:f16", "q8s/block32:ue8m0", "q4_0"]
 
 
+@pytest.fixture(autouse=True)
+def every_variant(monkeypatch):
+    """The decode path at every M it has a variant for (1..4), whatever the default."""
+    from qcore_cuda import k_decode
+    from qcore_cuda.paths import linear as paths_linear
+
+    monkeypatch.setattr(paths_linear, "DECODE_MAX_M", k_decode.MBS[-1])
+
+
 def _taken(name):
     from qcore_cuda.paths import TAKEN
 

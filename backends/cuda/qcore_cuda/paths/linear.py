@@ -118,11 +118,12 @@ class DequantizedGemmLinear:
             torch.addmm(c.bias_given, x2, wb.t(), out=y2)
 
 
-DECODE_MAX_M = int(os.environ.get("QCORE_CUDA_LINEAR_DECODE_M", "4"))
-"""The most rows of x `DecodeLinear` takes (at most `k_decode.MBS[-1]`; 0: never); the environment
-variable of that name replaces it at import (benchmarks compare the paths). Up to 4 rows the
-kernel reads the weight once at full width and does at most 4 FMAs per code, against the
-tensor-core kernel's reads of 16 rows x 16 bytes per warp instruction."""
+DECODE_MAX_M = int(os.environ.get("QCORE_CUDA_LINEAR_DECODE_M", "1"))
+"""The most rows of x `DecodeLinear` takes (at most `k_decode.MBS[-1]`, 4; 0: never); the environment
+variable of that name replaces it at import (benchmarks compare the paths). One row by
+measurement (docs/gpu.md): the kernel reads the weight once whatever M, but its FMAs per code grow
+with M, and from M = 2 the tensor-core kernel is faster (H200, 8192 x 8192 q8s/block32:f16: 43.5
+against 31.7 us at M = 2; 23.6 against ~31 us at M = 1 for q4s/block32:f16)."""
 
 
 class DecodeLinear:
