@@ -1,4 +1,4 @@
-"""CPU throughput of the `ndarray` backend (SPEC §2 arithmetic, §3 bytes).
+"""CPU throughput of the `ndarray` backend (docs/spec.md: arithmetic, portable bytes).
 
 Usage (from the repository root, with qcore and backends/ndarray installed)::
 

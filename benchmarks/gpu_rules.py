@@ -1,15 +1,15 @@
-"""Schemes under the extension rules (docs/spec.md E3-E7) on the cuda backend, beside a device
-copy of the same bytes (needs torch).
+"""Schemes under the extension rules of docs/spec.md on the cuda backend, beside a device copy
+of the same bytes (needs torch).
 
     NUMBA_ENABLE_CUDASIM=0 python benchmarks/gpu_rules.py [--out DIR]
 
-The E3-E5 schemes run on the general kernels only (docs/gpu.md "How it works"); a field order
-(E6) runs the v1 kernels and moves the fields in one more pass (`k_reorder`), beside the same
-scheme in SPEC §3's order; flat blocks (E7) whose rows hold whole blocks are the v1 scheme's
-bytes. This measures what that costs: the whole `be.quantize(x, s)` and `be.dequantize(q)` calls on a float32 [8192, 8192]
-torch tensor (256 MiB), median of 10 after a warm-up, synchronised, against `torch`'s device
-copy of x in the same run, and a v1 scheme on the fast kernels for comparison. Writes
-`gpu_rules.json` to --out.
+Schemes with signed scales, code rules or affine offsets run on the general kernels only
+(docs/gpu.md "How it works"); a field order runs the v1 kernels and moves the fields in one more
+pass (`k_reorder`), beside the same scheme in the `low` order; flat blocks whose rows hold whole
+blocks are the v1 scheme's bytes. This measures what that costs: the whole `be.quantize(x, s)` and
+`be.dequantize(q)` calls on a float32 [8192, 8192] torch tensor (256 MiB), median of 10 after a
+warm-up, synchronised, against `torch`'s device copy of x in the same run, and a v1 scheme on the
+fast kernels for comparison. Writes `gpu_rules.json` to --out.
 """
 from __future__ import annotations
 

@@ -392,15 +392,15 @@ dequantize, so they have no such pass.
 
 def render_rules(res: dict) -> str:
     """Schemes under the extension rules on the general kernels, from `benchmarks/gpu_rules.py`."""
-    lines = ["## GPU: schemes under the extension rules (docs/spec.md E3-E7)", "",
+    lines = ["## GPU: schemes under the extension rules (docs/spec.md)", "",
              _run_line(res["run"]), "",
              f"The whole call on a float32 [8192, 8192] torch tensor (256 MiB), median of 10, synchronised; "
              f"ratio to torch's device copy of x in the same run ({res['copy_ms']:.3f} ms). The first row is a v1 "
-             "scheme on the fast kernels; the E3-E5 ones quantize on the general kernels, and the affine ones "
-             "(`q4_1`, `/zero`) decode there too (the others' decode is v1's, on the fast kernels). The "
-             "`packed_native` rows compare a field order (E6: the v1 kernels, then `k_reorder`; decode from a "
-             "re-packed copy made once per tensor) with SPEC §3's order, and the `:flat` row (E7) is a tensor "
-             "whose rows hold whole blocks: the v1 scheme's bytes.", "",
+             "scheme on the fast kernels; those with signed scales, code rules or affine offsets quantize on "
+             "the general kernels, and the affine ones (`q4_1`, `/zero`) decode there too (the others' decode "
+             "is v1's, on the fast kernels). The `packed_native` rows compare a field order (the v1 kernels, "
+             "then `k_reorder`; decode from a re-packed copy made once per tensor) with the `low` order, and "
+             "the `:flat` row (flat blocks) is a tensor whose rows hold whole blocks: the v1 scheme's bytes.", "",
              "| scheme | quantize ms | quantize / copy | dequantize ms | dequantize / copy |", "|---|---|---|---|---|"]
     lines += [f"| `{r['scheme']}` | {r['quantize_ms']:.3f} | {r['quantize_vs_copy']:.2f}x | {r['dequantize_ms']:.3f} | "
               f"{r['dequantize_vs_copy']:.2f}x |" for r in res["rows"]]

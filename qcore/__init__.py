@@ -110,8 +110,9 @@ def dequantize(q: QTensor, dtype: Any = np.float32) -> Any:
 
 def matmul(x: Any, w: QTensor, **options: Any) -> Any:
     """`x @ dequantize(w)` for x [..., K] and a quantized w [K, N], on w's backend (options:
-    `Backend.matmul`'s: `dtype=`, `act=` (x quantized per row first; x may also be a QTensor,
-    docs/spec.md E9), `out=` (an array to write the result into), `stream=` (a device's))."""
+    `Backend.matmul`'s: `dtype=`, `act=` (x quantized per row first; x may also be a QTensor;
+    docs/spec.md, quantized activations), `out=` (an array to write the result into), `stream=` (a
+    device's))."""
     from qcore.backend.protocol import QTensor
 
     if not isinstance(w, QTensor):
@@ -122,9 +123,9 @@ def matmul(x: Any, w: QTensor, **options: Any) -> Any:
 def linear(x: Any, w: QTensor, bias: Any = None, **options: Any) -> Any:
     """`x @ dequantize(w).T + bias` for x [..., K] and a linear layer's quantized weight w [N, K]
     as checkpoints store it, on w's backend; the result has x's dtype unless `dtype=` says
-    otherwise (`out=`, `stream=`: as for `matmul`). docs/spec.md, "Products with a quantized weight".
+    otherwise (`out=`, `stream=`: as for `matmul`). docs/spec.md, products with a quantized weight.
     `act=SCHEME` (e.g. `e4m3/block{K}:f32`, W8A8) multiplies by `dequantize(quantize(x, act))`;
-    x may also be a QTensor of w's backend (docs/spec.md E9)."""
+    x may also be a QTensor of w's backend (docs/spec.md, quantized activations)."""
     from qcore.backend.protocol import QTensor
 
     if not isinstance(w, QTensor):

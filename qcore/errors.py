@@ -1,4 +1,4 @@
-"""The qcore error tree (SPEC §5).
+"""The qcore error tree (docs/spec.md, errors).
 
 Every error names the offending thing, the rule it broke and a way out.
 """
@@ -22,19 +22,21 @@ class QCoreError(Exception):
 
 
 class SchemeError(QCoreError, ValueError):
-    """A `QuantScheme` breaks a validity rule (SPEC §1), or its text does not parse."""
+    """A `QuantScheme` breaks a validity rule (docs/spec.md, validity rules), or its text does not
+    parse."""
 
 
 class UnsupportedSchemeError(QCoreError, NotImplementedError):
-    """A backend was asked to handle a scheme its `supports()` rejects (SPEC §4)."""
+    """A backend was asked to handle a scheme its `supports()` rejects (docs/spec.md, backends)."""
 
 
 class InvalidDataError(QCoreError, ValueError):
-    """Portable bytes do not match what their shape and scheme require (SPEC §3)."""
+    """Portable bytes do not match what their shape and scheme require (docs/spec.md, portable
+    bytes)."""
 
 
 class InputError(QCoreError, ValueError):
-    """An input tensor or explicit parameter is unusable (SPEC §2)."""
+    """An input tensor or explicit parameter is unusable (docs/spec.md, arithmetic)."""
 
 
 class BackendNotFoundError(QCoreError, LookupError):

@@ -1,11 +1,11 @@
 """torch modules over quantized weights.
 
 `Linear` is a linear layer whose weight is a qcore QTensor: its `weight` parameter holds the
-portable payload (SPEC §3) as a 1-D uint8 tensor, exactly what a qcore file stores under the
-weight's name, so `state_dict()` and transformers' loader move the bytes as they are; `forward`
-calls the backend's `linear` (docs/spec.md E8) with the caller's torch tensors. `quantize_module`
-swaps a model's `torch.nn.Linear` layers in place by a recipe, choosing each weight's scheme as
-`qcore quantize` does for the same tensor name.
+portable payload (docs/spec.md, portable bytes) as a 1-D uint8 tensor, exactly what a qcore file
+stores under the weight's name, so `state_dict()` and transformers' loader move the bytes as they
+are; `forward` calls the backend's `linear` (docs/spec.md, products with a quantized weight) with
+the caller's torch tensors. `quantize_module` swaps a model's `torch.nn.Linear` layers in place by
+a recipe, choosing each weight's scheme as `qcore quantize` does for the same tensor name.
 
     import qcore.nn
     qcore.nn.quantize_module(model, "q4s/block32:f16")   # every Linear but the kept ones
@@ -134,7 +134,8 @@ class Linear(torch.nn.Module):
         return self._bound[1]
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """W [out, in] decoded (SPEC §2.6) as a torch tensor of `dtype`, on the weight's device."""
+        """W [out, in] decoded (docs/spec.md, dequantize) as a torch tensor of `dtype`, on the
+        weight's device."""
         return self.qweight.dequantize(dtype).to(self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

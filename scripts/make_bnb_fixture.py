@@ -9,7 +9,7 @@ bnb_nf4.safetensors: the state dict of a model of `bnb.nn.Linear4bit` layers, as
 `bitsandbytes.functional.dequantize_4bit` returns for it (in the layer's dtype), the values qcore's
 reader must reproduce bit for bit. bnb_nf4_rows.safetensors: layers whose 64-blocks cross rows
 (in_features 96, and 37 with an odd element count), which qcore reads as blocks over the flattened
-tensor (docs/spec.md E7); bnb_nf4_rows.ref.safetensors: their `dequantize_4bit`.
+tensor (docs/spec.md); bnb_nf4_rows.ref.safetensors: their `dequantize_4bit`.
 
     python scripts/make_bnb_fixture.py --quantize
 

@@ -31,10 +31,11 @@ export NUMBA_ENABLE_CUDASIM=1
 export QCORE_REQUIRE_BACKENDS="reference,ndarray,cuda,lutcpu" QCORE_REQUIRE_CUDA=1 QCORE_REQUIRE_PTX=1
 export QCORE_REQUIRE_DISTRIBUTED=1   # Dask, s3fs and moto were installed above: a missing one fails
 export QCORE_REQUIRE_TORCH=1 QCORE_REQUIRE_TRANSFORMERS=1 QCORE_REQUIRE_COMPRESSED_TENSORS=1  # likewise (tests/optional.py)
-# The conformance suite as a plugin author runs it, on the two narrow backends: the CLI report,
-# exit status non-zero on failure; --expect: SPEC §4's support of each, so a wrong refusal fails
-# too. --max-schemes 24: 24 strata spread over the groups (sampling.strata_subset), as pytest runs the
-# whole suite for reference, ndarray and cuda (tests/conformance/) and lutcpu (examples/plugin/tests/).
+# The conformance suite as a plugin author runs it, on the two narrow backends: the CLI report, exit
+# status non-zero on failure; --expect: each one's support in the spec's backends table, so a wrong
+# refusal fails too. --max-schemes 24: 24 strata spread over the groups (sampling.strata_subset), as
+# pytest runs the whole suite for reference, ndarray and cuda (tests/conformance/) and lutcpu
+# (examples/plugin/tests/).
 "$VENV/bin/qcore" conformance --backend ndarray --backend lutcpu --no-progress --max-schemes 24 \
     --expect 'ndarray=q8f,q8s' --expect 'lutcpu=*-lookup*'
 # Then every test, on QCORE_TEST_WORKERS parallel workers (pytest-xdist; default: two per CPU, as

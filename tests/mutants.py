@@ -36,7 +36,7 @@ from qcore.spec.schemes import QuantScheme, QuantStore, ScaleDtype, StoreKind, T
 
 NARROW_EXPECT = "q8s/tensor:f32/native,q8s/block*:f32/native,q8s/block*:f32/native/flat"
 """What the narrow plugin's author says it supports (`--expect` patterns): its own schemes, and
-their blocks over the flattened tensor, which the core runs on its hooks (docs/spec.md E7)."""
+their blocks over the flattened tensor, which the core runs on its hooks (docs/spec.md)."""
 FULL_EXPECT = "*"
 """The full model supports every scheme."""
 
@@ -59,7 +59,7 @@ class Narrow(BaseBackend):
 
     name = "narrow"
     priority = 1
-    scheme_features = {"flat"}  # blocks over the flattened tensor: the core's, on its hooks (E7)
+    scheme_features = {"flat"}  # blocks over the flattened tensor: the core's, on its hooks
 
     def _supports(self, s: QuantScheme) -> Support:
         if s.value.value != "q8s" or s.is_lookup:
@@ -154,7 +154,7 @@ class Narrow(BaseBackend):
         return QuantizedData(q.shape, q.scheme, q.codes.tobytes() + sc)
 
     def _from_data(self, d: QuantizedData) -> _Q:
-        d.check_codes()  # SPEC v1.1 §3: a code outside the value's set is invalid data
+        d.check_codes()  # invalid codes (docs/spec.md): a code outside the value's set is invalid data
         n = math.prod(d.shape)
         raw = d.payload
         codes = np.frombuffer(raw, np.int8, count=n).reshape(d.shape).copy()
@@ -369,9 +369,9 @@ class Full(ReferenceBackend):
 
     # ---------------------------------------------------------------- hooks
     def _params(self, x: np.ndarray, s: QuantScheme, method: str) -> QParams:
-        if s.reciprocal_global:  # docs/spec.md E2: the core's rule (no mutation point of its own)
+        if s.reciprocal_global:  # reciprocal global scale: the core's rule (no mutation point of its own)
             return store_reciprocal(slot_statistic(self._statistic_input(x), s, method), s)
-        if s.signed or s.affine:  # docs/spec.md E3, E5: likewise
+        if s.signed or s.affine:  # signed scales, affine offsets: likewise
             return arithmetic.calibrate(self._statistic_input(x), s, method)
         raw = self._raw_scale(slot_statistic(self._statistic_input(x), s, method), s)
         g = None
@@ -391,7 +391,7 @@ class Full(ReferenceBackend):
         x = to_f32(x)
         self._check(x)
         self._kernel(s)
-        if s.reciprocal_codes or s.affine:  # docs/spec.md E4, E5: the core's rules (no mutation point of their own)
+        if s.reciprocal_codes or s.affine:  # code rules, affine offsets: the core's (no mutation point of their own)
             return arithmetic.quantize(x, s, params, method)
         if params is None:
             params = self._params(x, s, method)
@@ -402,8 +402,8 @@ class Full(ReferenceBackend):
         return QuantizedData.from_parts(x.shape, s, codes, params.scales, params.global_scale)
 
     def _dequantize(self, d, dtype):
-        d.check_codes()  # SPEC v1.1 §3
-        if d.scheme.affine:  # docs/spec.md E5: the core's decode (no mutation point of its own)
+        d.check_codes()  # invalid codes (docs/spec.md)
+        if d.scheme.affine:  # affine offsets: the core's decode (no mutation point of its own)
             return arithmetic.dequantize(d).astype(dtype)
         e = self._effective(QParams(d.scales(), d.global_scale()), d.shape, d.scheme)
         with np.errstate(over="ignore", invalid="ignore"):
@@ -774,7 +774,7 @@ class FullLinearBf16Sums(Full):
 
 
 class FullActIgnored(Full):
-    """`linear` and `matmul` ignore `act=`: x enters the product unquantized (docs/spec.md E9)."""
+    """`linear` and `matmul` ignore `act=`: x enters the product unquantized (docs/spec.md, quantized activations)."""
 
     name = "full-act-ignored"
 
@@ -802,8 +802,8 @@ class FullActPerTensor(Full):
 
 
 class FullActRefusesNonfinite(Full):
-    """`act=` refuses an x holding a NaN or an infinity, as `quantize` does, where docs/spec.md E9
-    gives that row NaN results."""
+    """`act=` refuses an x holding a NaN or an infinity, as `quantize` does, where docs/spec.md
+    (quantized activations) gives that row NaN results."""
 
     name = "full-act-refuses-nonfinite"
 

@@ -47,7 +47,7 @@ def test_pick_backend_falls_back_when_preferred_rejects_the_scheme():
     """The default preference (cuda, ndarray) either takes the scheme or falls back with a reason."""
     p = run_example("pick_backend.py", "--rows", "2", "--scheme", "nf4")
     assert p.returncode == 0, p.stdout + p.stderr
-    # neither cuda nor ndarray does LOOKUP (SPEC §4), so preferring them must fall back to auto
+    # neither cuda nor ndarray does LOOKUP (docs/spec.md, backends), so preferring them must fall back to auto
     assert "ndarray: skipped" in p.stdout or "ndarray: skipped, it does not support" in p.stdout
     assert re.search(r"falling back to auto -> '[\w-]+'\n  -> quantized on", p.stdout)
 

@@ -144,7 +144,7 @@ def _decode_agrees(be, d: QuantizedData) -> None:
     except InvalidDataError:
         assert want is None, f"{be.name} refused what the reference decodes: {d}"
         return
-    assert want is not None, f"{be.name} decoded what the reference refuses (SPEC v1.1 §3): {d}"
+    assert want is not None, f"{be.name} decoded what the reference refuses (docs/spec.md, invalid codes): {d}"
     assert got.shape == want.shape
     assert np.array_equal(got, want, equal_nan=True), f"{be.name} differs from the reference on {d}"
     assert be.into_data(be.from_data(d)).codes().tobytes() == d.codes().tobytes()

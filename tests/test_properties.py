@@ -15,7 +15,7 @@ def cases(draw):
     rank = draw(st.integers(1, 4))
     shape = tuple(draw(st.lists(st.integers(0, 9), min_size=rank, max_size=rank)))
     value = draw(st.sampled_from(list(QuantValue)))
-    s = base_scheme(value)  # unsigned values with a zero point (docs/spec.md E5)
+    s = base_scheme(value)  # unsigned values with a zero point (docs/spec.md, affine offsets)
     if not value.traits.is_float and not value.traits.unsigned and draw(st.booleans()):
         n = 1 << value.bits
         steps = draw(st.lists(st.floats(0.125, 4.0, width=32), min_size=n, max_size=n))
@@ -58,11 +58,11 @@ def test_round_trip_codes_range_and_error_bound(case):
         e = effective_scale(qcore.QParams(d.scales(), d.global_scale()), x.shape, s)
         err = np.abs(q.numpy() - x)
         # e/2, plus a few f32 ulps of x for the rounding of x / e (full-range y may reach 127.5000x);
-        # a zero point (docs/spec.md E5) rounds z too: one step
+        # a zero point (docs/spec.md, affine offsets) rounds z too: one step
         bound = e * np.float32(1.0 if s.affine else 0.5) + 4 * np.finfo(np.float32).eps * np.abs(x) + 1e-30
         over = err > bound
-        if over.any():  # SPEC §2 step 3: a raw scale past its dtype's largest value stores as that
-            # value (one level; a two-level global keeps the block scales in range), so codes clip
+        if over.any():  # docs/spec.md, scale storage: a raw scale past its dtype's largest value
+            # stores as that value (one level; a two-level global keeps the block scales in range), so codes clip
             level = s.block if s.block is not None else s.tensor
             assert s.block is None or s.tensor is None, "a two-level scheme clipped codes"
             assert np.all(e[over] >= np.float32(level.dtype.traits.max_value)), "codes clipped under a scale in range"
@@ -82,8 +82,8 @@ def test_saturated_scale_clips_codes():
 
 @st.composite
 def layout_cases(draw):
-    """A random case under docs/spec.md E6 / E7: a packed store in a random field order, or a
-    one-dim block level over the flattened tensor (or both)."""
+    """A random case of field orders or flat blocks (docs/spec.md): a packed store in a random field
+    order, or a one-dim block level over the flattened tensor (or both)."""
     s, x = draw(cases())
     st_ = s.store
     if st_.kind.value != "native" and draw(st.booleans()):
@@ -100,8 +100,8 @@ def layout_cases(draw):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layout_cases())
 def test_field_orders_and_flat_blocks_keep_the_codes_and_values(case):
-    """A field order changes only where fields sit: the same codes and values as SPEC §3's order,
-    re-packed both ways losslessly. Flat blocks are the flattened tensor's bytes."""
+    """A field order changes only where fields sit: the same codes and values as the byte layout's
+    order, re-packed both ways losslessly. Flat blocks are the flattened tensor's bytes."""
     s, x = case
     try:
         d = ref.quantize(x, s).to_data()

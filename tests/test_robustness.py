@@ -1,4 +1,4 @@
-"""Hostile inputs and huge size claims (SPEC v1.1 §3): each reproduction ends in a typed
+"""Hostile inputs and huge size claims (docs/spec.md, size claims): each reproduction ends in a typed
 one-line error or a correct result, within a second and a few MB, on every installed backend.
 
 Memory is measured with tracemalloc (numpy reports its buffers to it); a case that believed a
@@ -150,7 +150,7 @@ def test_tiny_file_with_a_gigantic_block_dequantizes_cheaply(tmp_path):
 
 def test_block_dims_and_rank_rules_unchanged():
     """Clamping is only for the work: the scheme keeps its block, a block with more dims than the
-    tensor is still an InputError (SPEC §2)."""
+    tensor is still an InputError (docs/spec.md, arithmetic)."""
     q = qcore.backend("reference").quantize(np.ones((3, 5), np.float32), "q8s/block64x64:f32")
     assert str(q.scheme) == "q8s/block64x64:f32" and q.to_data().scales().shape == (1, 1)
     with pytest.raises(InputError, match="has 2 dims but the tensor has rank 1"):

@@ -1,8 +1,8 @@
-"""Quantized activations of a product (docs/spec.md E9): `linear(x, w, act=SCHEME)` and
-`matmul(x, w, act=SCHEME)` multiply the weight by `dequantize(quantize(x, act))`, and a QTensor x
-by its decoded value. This module holds the rules (which schemes an `act` may be, what a QTensor x
-must be); `BaseBackend` and the device backends compose the backend's own quantize, dequantize
-and E8 product around them.
+"""Quantized activations of a product (docs/spec.md, quantized activations):
+`linear(x, w, act=SCHEME)` and `matmul(x, w, act=SCHEME)` multiply the weight by
+`dequantize(quantize(x, act))`, and a QTensor x by its decoded value. This module holds the rules
+(which schemes an `act` may be, what a QTensor x must be); `BaseBackend` and the device backends
+compose the backend's own quantize, dequantize and product (`matmul`, `linear`) around them.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ __all__ = ["act_scheme", "finite_rows", "given_x", "nan_rows"]
 
 def _across_rows(scheme: QuantScheme) -> str | None:
     """Why `scheme` would let one row of x change another row's quantized values, or None: its
-    every scale slot must lie in one row (a single block dim along the last axis, E9)."""
+    every scale slot must lie in one row (a single block dim along the last axis)."""
     if scheme.block is None:
         return "per tensor (one scale over every row of x)"
     if scheme.tensor is not None:
@@ -50,7 +50,7 @@ def act_scheme(be: Any, act: Any, what: str, k: int) -> QuantScheme:
 def finite_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """(x with every row holding a NaN or an infinity set to zeros, a boolean mask over x's rows
     marking them, or None where every value is finite): what `act` quantizes of a non-finite x,
-    whose rows then give NaN (docs/spec.md E9, `nan_rows`)."""
+    whose rows then give NaN (docs/spec.md, quantized activations; `nan_rows`)."""
     finite = np.isfinite(x)
     if finite.all():
         return x, None

@@ -1,4 +1,4 @@
-"""`BaseBackend`: the shared half of every backend (SPEC §4, §6).
+"""`BaseBackend`: the shared half of every backend (docs/spec.md, backends and public API).
 
 A backend supplies kernels and a `supports()` declaration; `BaseBackend` does everything else
 once for all of them: scheme parsing, the capability check at every entry point, shape and
@@ -37,9 +37,9 @@ def empty_params(shape: tuple[int, ...], scheme: QuantScheme) -> QParams:
     so zero scales stored in the slot dtype; two-level `g` is its floor 1.17549435e-38."""
     zeros = np.zeros(layout.grid_shape(shape, scheme), dtype=np.float32)
     stored = scheme.scale_rounding.store(zeros).reshape(zeros.shape)
-    if scheme.reciprocal_global:  # G for an all-zero tensor (docs/spec.md E2)
+    if scheme.reciprocal_global:  # G for an all-zero tensor (reciprocal global scale)
         return QParams(stored, 1.0)
-    if scheme.affine:  # every slot's offset 0 (docs/spec.md E5)
+    if scheme.affine:  # every slot's offset 0 (affine offsets)
         return QParams(stored, None, zeros.copy())
     return QParams(stored, float(F32_TINY) if scheme.two_level else None)
 
@@ -72,9 +72,10 @@ class BaseBackend(abc.ABC):
     claims a later feature; a subclass lists its own (a set of names, checked when the class is
     made)."""
     packs_field_orders: bool = False
-    """Whether the hooks pack fields in every order of docs/spec.md E6. When False they see each
-    scheme in SPEC §3's order (`scheme.low_order`, the same codes), and the portable bytes are
-    moved into the scheme's order at `into_data` / `from_data` (`layout.reorder_values`)."""
+    """Whether the hooks pack fields in every order (docs/spec.md, field orders). When False they
+    see each scheme in the byte layout's order (`scheme.low_order`, the same codes), and the
+    portable bytes are moved into the scheme's order at `into_data` / `from_data`
+    (`layout.reorder_values`)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -94,31 +95,33 @@ class BaseBackend(abc.ABC):
     def supports(self, scheme: QuantScheme | str) -> Support:
         """Whether this backend handles `scheme` (a `Support`: truthy, or falsy with `.reason`).
         A scheme that uses a feature beyond SPEC v1 this backend does not declare in
-        `scheme_features` is refused here. Blocks over the flattened tensor (docs/spec.md E7) are
-        the core's: a backend is asked about the same scheme with ordinary blocks; a field order
-        (E6) likewise unless the backend packs it itself (`packs_field_orders`)."""
+        `scheme_features` is refused here. Blocks over the flattened tensor (docs/spec.md) are the
+        core's: a backend is asked about the same scheme with ordinary blocks; a field order
+        (field orders) likewise unless the backend packs it itself (`packs_field_orders`)."""
         scheme = parse_scheme(scheme)
         undeclared = [f for f in scheme_features(scheme) if f.name not in self.scheme_features]
         if undeclared:
             f = undeclared[0]
+            where = f"docs/spec.md, {f.section}" if f.concept == f.section else \
+                f"{f.concept}; docs/spec.md, {f.section}"
             return Support.no(
-                f"backend '{self.name}' does not declare the scheme feature {f.name} ({f.concept}, "
-                f"docs/spec.md {f.section}) in its scheme_features; use a scheme without it or a backend "
-                "that declares it (qcore backends)")
+                f"backend '{self.name}' does not declare the scheme feature {f.name} ({where}) in its "
+                "scheme_features; use a scheme without it or a backend that declares it (qcore backends)")
         scheme = scheme.unflat
         return self._supports(scheme if self.packs_field_orders else scheme.low_order)
 
     # ------------------------------------------------------------------ what the hooks see
     def _inner(self, shape: tuple[int, ...], scheme: QuantScheme) -> tuple[tuple[int, ...], QuantScheme]:
-        """The shape and scheme the hooks see for a tensor: `layout.flat_form` (E7), in SPEC §3's
-        field order unless this backend packs the others (E6). Identity for most schemes."""
+        """The shape and scheme the hooks see for a tensor: `layout.flat_form` (flat blocks), in
+        the byte layout's field order unless this backend packs the others (field orders).
+        Identity for most schemes."""
         if scheme.flat_blocks:
             shape, scheme = layout.flat_form(shape, scheme)
         return shape, (scheme if self.packs_field_orders else scheme.low_order)
 
     def _inner_call(self, x: Any, shape: tuple[int, ...], scheme: QuantScheme,
                     params: QParams | None = None) -> tuple[Any, QuantScheme, QParams | None]:
-        """`x`, the scheme and explicit params as the hooks take them (`_inner`: E6, E7)."""
+        """`x`, the scheme and explicit params as the hooks take them (`_inner`)."""
         ishape, inner = self._inner(shape, scheme)
         if ishape != shape:
             x = self._reshape_input(x, ishape)
@@ -127,12 +130,12 @@ class BaseBackend(abc.ABC):
         return x, inner, params
 
     def _reshape_input(self, x: Any, shape: tuple[int, ...]) -> Any:
-        """`x` (already checked) viewed in `shape`, for blocks over the flattened tensor (E7);
+        """`x` (already checked) viewed in `shape`, for blocks over the flattened tensor;
         override for arrays without `.reshape`."""
         return x.reshape(shape) if hasattr(x, "reshape") else np.asarray(x).reshape(shape)
 
     def _reshape_output(self, y: Any, shape: tuple[int, ...]) -> Any:
-        """A dequantized result viewed in the tensor's shape (E7)."""
+        """A dequantized result viewed in the tensor's shape (flat blocks)."""
         return y.reshape(shape)
 
     @staticmethod
@@ -143,7 +146,7 @@ class BaseBackend(abc.ABC):
 
     def _outer_data(self, d: QuantizedData, shape: tuple[int, ...], scheme: QuantScheme) -> QuantizedData:
         """The hooks' portable bytes `d` as the tensor's own: its shape and scheme, the values'
-        fields moved into the scheme's order (E6); `d` itself for most schemes."""
+        fields moved into the scheme's order (field orders); `d` itself for most schemes."""
         if d.shape == shape and d.scheme == scheme:
             return d
         payload = d.payload
@@ -236,8 +239,8 @@ class BaseBackend(abc.ABC):
 
     @staticmethod
     def _check_offsets(offsets: Any, grid: tuple[int, ...], scheme: QuantScheme) -> np.ndarray | None:
-        """An affine scheme's explicit offsets (docs/spec.md E5): grid-shaped; MIN finite (rounded to
-        nearest into its dtype), ZERO integers in the value's range."""
+        """An affine scheme's explicit offsets (docs/spec.md, affine offsets): grid-shaped; MIN
+        finite (rounded to nearest into its dtype), ZERO integers in the value's range."""
         if not scheme.affine:
             if offsets is not None:
                 raise InputError(f"{scheme} has no offsets: params.offsets must be None")
@@ -279,7 +282,7 @@ class BaseBackend(abc.ABC):
 
     # ------------------------------------------------------------------ entry points
     def calibrate(self, x: Any, scheme: QuantScheme | str, method: str = "minmax") -> QParams:
-        """Scales for `x` under `scheme` (SPEC §2.1-2.3): stored, rounded-up, grid-shaped."""
+        """Scales for `x` under `scheme` (calibration, scale storage): stored, rounded up, grid-shaped."""
         x = host_array(x)
         scheme = self._require(scheme)
         self._check_method(method, scheme)
@@ -292,10 +295,11 @@ class BaseBackend(abc.ABC):
 
     def quantize(self, x: Any, scheme: QuantScheme | str, *, params: QParams | None = None,
                  method: str = "minmax", out: Any = None, stream: Any = None) -> QTensor:
-        """Quantize `x` (calibrated, or with explicit `params`) (SPEC §2): a numpy array, a torch CPU
-        tensor (read in place where torch allows, bfloat16 included), or the backend's own arrays.
-        `out=`: a QTensor of this backend with x's shape and this scheme, given the new data and
-        returned. `stream=` is a device backend's; this one runs on the calling thread."""
+        """Quantize `x` (calibrated, or with explicit `params`; docs/spec.md, arithmetic): a numpy
+        array, a torch CPU tensor (read in place where torch allows, bfloat16 included), or the
+        backend's own arrays. `out=`: a QTensor of this backend with x's shape and this scheme,
+        given the new data and returned. `stream=` is a device backend's; this one runs on the
+        calling thread."""
         if out is not None:  # checked before any work
             self._check_quantize_out(out, x, scheme)
             out.data = self.quantize(x, scheme, params=params, method=method).data
@@ -306,7 +310,7 @@ class BaseBackend(abc.ABC):
         shape = self._check_input(x, scheme)
         if params is not None:
             params = self._check_params(params, shape, scheme)
-        if math.prod(shape) == 0:  # nothing to read: O(1) whatever the other extents claim (SPEC v1.1 §3)
+        if math.prod(shape) == 0:  # nothing to read: O(1) whatever the other extents claim (size claims)
             p = params or empty_params(shape, scheme)
             codes = np.zeros(shape, dtype=scheme.code_dtype)
             return self.from_data(QuantizedData.from_parts(shape, scheme, codes, p.scales, p.global_scale, p.offsets))
@@ -314,10 +318,10 @@ class BaseBackend(abc.ABC):
         return QTensor(self, scheme, shape, self._quantize(x, inner, params, method))
 
     def dequantize(self, q: QTensor, dtype: Any = None, *, out: Any = None, stream: Any = None) -> Any:
-        """`decode(q) * e` in f32, cast to `dtype` (SPEC §2.6; None: out's dtype, else float32).
-        An empty tensor gives an empty array at once, whatever its other extents claim (SPEC v1.1
-        §3). `out=`: a C-contiguous numpy array or torch CPU tensor of q's size and the result's
-        dtype, written and returned. `stream=` as for `quantize`."""
+        """`decode(q) * e` in f32, cast to `dtype` (docs/spec.md, dequantize; None: out's dtype,
+        else float32). An empty tensor gives an empty array at once, whatever its other extents
+        claim (size claims). `out=`: a C-contiguous numpy array or torch CPU tensor of q's size and
+        the result's dtype, written and returned. `stream=` as for `quantize`."""
         q = self._own(q)
         dtype = check_output_dtype(out_dtype(out, "dequantize") if dtype is None and out is not None else
                                    np.float32 if dtype is None else dtype)
@@ -340,8 +344,8 @@ class BaseBackend(abc.ABC):
 
     @contextlib.contextmanager
     def _naming_elements(self, q: QTensor):
-        """An invalid code that the hooks found in their form of `q` (E6, E7) is named as an
-        element of `q` itself: its index in q's shape, q's scheme."""
+        """An invalid code that the hooks found in their form of `q` (field orders, flat blocks) is
+        named as an element of `q` itself: its index in q's shape, q's scheme."""
         try:
             yield
         except InvalidDataError:
@@ -362,7 +366,7 @@ class BaseBackend(abc.ABC):
         try:
             held = self._from_data(inner)
         except InvalidDataError:
-            if inner is not data:  # name the element in the tensor's own shape (E6, E7)
+            if inner is not data:  # name the element in the tensor's own shape (field orders, flat blocks)
                 data.check_codes()
             raise
         return QTensor(self, data.scheme, data.shape, held)
@@ -378,7 +382,7 @@ class BaseBackend(abc.ABC):
         (`qcore.quantize_model`) without the copies a `bytes` object costs."""
         q = self._own(q)
         if q.scheme.store.order is not self._inner(q.shape, q.scheme)[1].store.order:
-            parts = [np.frombuffer(self.into_data(q).payload, np.uint8)]  # fields moved (E6)
+            parts = [np.frombuffer(self.into_data(q).payload, np.uint8)]  # fields moved (field orders)
         else:
             parts = self._payload_parts(q.data)
         want = sections(q.shape, q.scheme).total
@@ -431,11 +435,11 @@ class BaseBackend(abc.ABC):
         return self.to_numpy(x)
 
     def _product_x(self, what: str, x: Any, w: QTensor, act: Any, dtype: Any) -> tuple[Any, Any]:
-        """(x as the core's products read it, the result dtype) (docs/spec.md E9): a QTensor x is
-        its decoded value (float32); with `act`, x is read as float32 (E8), quantized under `act`
-        by this backend, and decoded (a row holding a non-finite value decoded as NaN), and
-        `dtype=None` keeps meaning x's own dtype; a torch x stays torch, so the result comes back
-        as x came."""
+        """(x as the core's products read it, the result dtype) (docs/spec.md, quantized
+        activations): a QTensor x is its decoded value (float32); with `act`, x is read as float32
+        (as `matmul` and `linear` read it), quantized under `act` by this backend, and decoded (a
+        row holding a non-finite value decoded as NaN), and `dtype=None` keeps meaning x's own
+        dtype; a torch x stays torch, so the result comes back as x came."""
         if isinstance(x, QTensor):
             return self.to_numpy(self.dequantize(_act.given_x(self, what, x, w.shape, act))), dtype
         x = self._host_x(x)
@@ -452,8 +456,8 @@ class BaseBackend(abc.ABC):
                stream: Any = None) -> Any:
         """`x @ dequantize(w)` for float `x` [..., K] and quantized `w` [K, N], block by block, f32
         sums rounded once to `dtype` (default float32; None: x's dtype). `act=SCHEME` quantizes x
-        per row first, and x may be a QTensor (docs/spec.md E9). `out=` and `stream=` as for
-        `dequantize`."""
+        per row first, and x may be a QTensor (docs/spec.md, quantized activations). `out=` and
+        `stream=` as for `dequantize`."""
         w = self._own(w)
         x, dtype = self._product_x("matmul", x, w, act, dtype)
         return write_out(ops.matmul(self, x, w, dtype=dtype), out, "matmul")
@@ -463,10 +467,10 @@ class BaseBackend(abc.ABC):
         """`x @ dequantize(w).T + bias` for float `x` [..., K] (float16, bfloat16, float32,
         float64; numpy or torch) and a linear layer's weight `w` [N, K] as checkpoints store it;
         f32 sums, bias added in f32, one rounding to `dtype` (default: x's dtype), returned as x
-        came (numpy or torch) (docs/spec.md, "Products with a quantized weight"). `act=SCHEME`
+        came (numpy or torch) (docs/spec.md, products with a quantized weight). `act=SCHEME`
         (e.g. `e4m3/block{K}:f32`) multiplies by `dequantize(quantize(x, act))` instead of x, and
-        x may be a QTensor [..., K] of this backend (docs/spec.md E9). `out=` and `stream=` as for
-        `dequantize`."""
+        x may be a QTensor [..., K] of this backend (docs/spec.md, quantized activations). `out=`
+        and `stream=` as for `dequantize`."""
         w = self._own(w)
         x, dtype = self._product_x("linear", x, w, act, dtype)
         return write_out(ops.linear(self, x, w, bias, dtype=dtype), out, "linear")
@@ -474,7 +478,7 @@ class BaseBackend(abc.ABC):
     # ------------------------------------------------------------------ hooks
     @abc.abstractmethod
     def _calibrate(self, x: Any, scheme: QuantScheme, method: str) -> QParams:
-        """Stored scales for input `x` (SPEC §2.1-2.3)."""
+        """Stored scales for input `x` (calibration, two-level scales, scale storage)."""
 
     @abc.abstractmethod
     def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> Any:

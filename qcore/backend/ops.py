@@ -11,8 +11,8 @@ Where the layout allows, an op moves codes and scales and stays exact:
 | cat     | equal per-tensor scales / globals, and every part but the last fills     |
 |         | whole blocks along the axis                                              |
 
-Blocks over the flattened tensor (docs/spec.md E7) reshape exactly (the bytes do not change) and
-requantize under the other ops unless the op leaves the tensor as it is.
+Blocks over the flattened tensor (docs/spec.md, flat blocks) reshape exactly (the bytes do not
+change) and requantize under the other ops unless the op leaves the tensor as it is.
 
 Otherwise the op dequantizes, applies itself to the floats and requantizes with the same scheme
 (calibrated afresh). `matmul` and `linear` never materialise the whole float weight.
@@ -61,7 +61,7 @@ def reshape(be: "Backend", q: "QTensor", shape: Sequence[int]) -> "QTensor":
     except ValueError as e:
         raise InputError(f"cannot reshape {q.shape} to {shape}: {e}") from None
     layout.check_shape(new)
-    if q.scheme.flat_blocks:  # E7: the bytes are those of the flattened tensor, whatever its shape
+    if q.scheme.flat_blocks:  # flat blocks: the bytes are those of the flattened tensor, whatever its shape
         return be.from_data(QuantizedData(new, q.scheme, be.into_data(q).payload))
     block = q.scheme.block
     k = len(block.dims) if block else 0
@@ -86,7 +86,7 @@ def permute(be: "Backend", q: "QTensor", axes: Sequence[int]) -> "QTensor":
         raise InputError(f"permute needs int axes, got {axes!r}") from None
     if sorted(axes) != list(range(rank)):
         raise InputError(f"axes {axes} are not a permutation of range({rank})")
-    if q.scheme.flat_blocks:  # E7: blocks follow the flattened order, which a permutation changes
+    if q.scheme.flat_blocks:  # flat blocks follow the flattened order, which a permutation changes
         return q if axes == tuple(range(rank)) else _requantize(be, q, lambda x: np.transpose(x, axes))
     d = be.into_data(q)
     new_shape = tuple(q.shape[a] for a in axes)
@@ -129,7 +129,7 @@ def slice_(be: "Backend", q: "QTensor", index) -> "QTensor":
     bounds = _norm_index(index, q.shape)
     sl = tuple(slice(a, b) for a, b in bounds)
     new_shape = tuple(b - a for a, b in bounds)
-    if q.scheme.flat_blocks:  # E7: a slice of the flattened blocks is no tensor's flattening
+    if q.scheme.flat_blocks:  # a slice of the flattened blocks is no tensor's flattening
         return q if new_shape == q.shape else _requantize(be, q, lambda x: x[sl])
     block = layout.full_block(q.shape, q.scheme)
     if block is not None:
@@ -154,7 +154,7 @@ def cat(be: "Backend", qs: Sequence["QTensor"], axis: int = 0) -> "QTensor":
     for q in qs:
         if len(q.shape) != rank or any(q.shape[i] != qs[0].shape[i] for i in range(rank) if i != axis):
             raise InputError(f"cat shapes differ off axis {axis}: {[q.shape for q in qs]}")
-    if scheme.flat_blocks:  # E7: requantized (the parts' flattened blocks do not join up in general)
+    if scheme.flat_blocks:  # flat blocks: requantized (the parts' flattened blocks do not join up in general)
         x = np.concatenate([be.to_numpy(be.dequantize(q)) for q in qs], axis=axis)
         return be.quantize(x, scheme)
     datas = [be.into_data(q) for q in qs]
@@ -179,14 +179,14 @@ def cat(be: "Backend", qs: Sequence["QTensor"], axis: int = 0) -> "QTensor":
 def _row_bands(be: "Backend", w: "QTensor", rows_per_step: int):
     """(r0, r1, rows r0..r1 of the 2-D weight `w` dequantized to float32) for bands of about
     `rows_per_step` rows (whole blocks along axis 0), so the full float weight never exists; one
-    band of the whole weight where blocks over the flattened tensor cross rows (E7). A payload
+    band of the whole weight where blocks over the flattened tensor cross rows. A payload
     holding an invalid code raises `InvalidDataError` first."""
     d = be.into_data(w)
-    d.check_codes()  # a code outside the value's set is InvalidDataError, never a value (SPEC v1.1 §3)
+    d.check_codes()  # a code outside the value's set is InvalidDataError, never a value (invalid codes)
     codes, scales, g, offsets = d.codes(), d.scales(), d.global_scale(), d.offsets()
     scheme = w.scheme
     rows, cols = w.shape
-    if scheme.flat_blocks:  # E7
+    if scheme.flat_blocks:  # blocks over the flattened tensor
         shape_i, scheme = layout.flat_form(w.shape, scheme)
         if shape_i != w.shape:  # blocks cross rows: the weight is dequantized whole
             yield 0, rows, be.to_numpy(be.dequantize(w)).astype(np.float32, copy=False)

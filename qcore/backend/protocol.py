@@ -1,5 +1,5 @@
-"""The `Backend` protocol and the values it trades in (SPEC §4, §6): `Support`, `QParams`,
-`QTensor`.
+"""The `Backend` protocol and the values it trades in (docs/spec.md, backends and public API):
+`Support`, `QParams`, `QTensor`.
 
 `Backend` is the whole contract: every member a caller may use, the optional capabilities
 (`device`, `simulated`, `out=`, `stream=`, `transpose`, `payload_parts`, `error_stats`, `adopt`)
@@ -94,7 +94,7 @@ class QTensor:
 
     @property
     def nbytes(self) -> int:
-        """Size of the portable payload (SPEC §3)."""
+        """Size of the portable payload (docs/spec.md, portable bytes)."""
         return sections(self.shape, self.scheme).total
 
     @property
@@ -102,9 +102,9 @@ class QTensor:
         return len(self.shape)
 
     def dequantize(self, dtype: Any = np.float32) -> Any:
-        """Decode (SPEC §2.6) to `dtype`: a numpy dtype gives the backend's array (numpy on a host
-        backend, a device array on cuda), a torch dtype a torch tensor (on the CPU from a host
-        backend, on the GPU from cuda: the backend's `device`)."""
+        """Decode (docs/spec.md, dequantize) to `dtype`: a numpy dtype gives the backend's array
+        (numpy on a host backend, a device array on cuda), a torch dtype a torch tensor (on the CPU
+        from a host backend, on the GPU from cuda: the backend's `device`)."""
         from qcore.backend.activations import as_torch, torch_dtype_as_numpy
 
         as_numpy = torch_dtype_as_numpy(dtype)
@@ -149,8 +149,9 @@ class QTensor:
 # ---------------------------------------------------------------------- the contract
 @runtime_checkable
 class Backend(Protocol):
-    """What every backend offers (SPEC §4, §6). `qcore.BaseBackend` implements all of it over a
-    few hooks, with a default for each optional capability (the members from `device` on)."""
+    """What every backend offers (docs/spec.md, backends and public API). `qcore.BaseBackend`
+    implements all of it over a few hooks, with a default for each optional capability (the
+    members from `device` on)."""
 
     name: str
     """Unique registered name (not 'auto')."""
@@ -177,25 +178,26 @@ class Backend(Protocol):
         ...
 
     def calibrate(self, x: Any, scheme: QuantScheme | str, method: str = "minmax") -> QParams:
-        """The stored scales of `x` under `scheme` (SPEC §2.1-2.3)."""
+        """The stored scales of `x` under `scheme` (docs/spec.md: calibration to scale storage)."""
         ...
 
     def quantize(self, x: Any, scheme: QuantScheme | str, *, params: QParams | None = None,
                  method: str = "minmax", out: Any = None, stream: Any = None) -> QTensor:
-        """Quantize `x` (SPEC §2), calibrated or with explicit `params`. `out=`: a QTensor of
-        this backend with the same shape and scheme, overwritten and returned (a device backend
-        also takes its own payload memory); `stream=`: a device backend's stream to run on (a host
-        backend runs on the calling thread and ignores it)."""
+        """Quantize `x` (docs/spec.md, arithmetic), calibrated or with explicit `params`. `out=`: a
+        QTensor of this backend with the same shape and scheme, overwritten and returned (a device
+        backend also takes its own payload memory); `stream=`: a device backend's stream to run on
+        (a host backend runs on the calling thread and ignores it)."""
         ...
 
     def dequantize(self, q: QTensor, dtype: Any = None, *, out: Any = None, stream: Any = None) -> Any:
-        """`decode(q) * e` in f32, cast to `dtype` (SPEC §2.6; None: out's dtype, else float32), as
-        this backend's array, or written into `out=` (an array of this backend's kind with q's size
-        and the result's dtype), which is returned. `stream=` as for `quantize`."""
+        """`decode(q) * e` in f32, cast to `dtype` (docs/spec.md, dequantize; None: out's dtype,
+        else float32), as this backend's array, or written into `out=` (an array of this backend's
+        kind with q's size and the result's dtype), which is returned. `stream=` as for
+        `quantize`."""
         ...
 
     def from_data(self, data: QuantizedData) -> QTensor:
-        """Load validated portable bytes (SPEC §3) onto this backend."""
+        """Load validated portable bytes (docs/spec.md, portable bytes) onto this backend."""
         ...
 
     def into_data(self, q: QTensor) -> QuantizedData:
@@ -228,14 +230,16 @@ class Backend(Protocol):
 
     def matmul(self, x: Any, w: QTensor, *, dtype: Any = np.float32, act: Any = None, out: Any = None,
                stream: Any = None) -> Any:
-        """`x @ dequantize(w)` for float x [..., K] and w [K, N] (docs/spec.md E8, E9 for `act=`);
-        `out=` and `stream=` as for `dequantize`."""
+        """`x @ dequantize(w)` for float x [..., K] and w [K, N] (docs/spec.md, products with a
+        quantized weight; quantized activations for `act=`); `out=` and `stream=` as for
+        `dequantize`."""
         ...
 
     def linear(self, x: Any, w: QTensor, bias: Any = None, *, dtype: Any = None, act: Any = None,
                out: Any = None, stream: Any = None) -> Any:
-        """`x @ dequantize(w).T + bias` for a linear layer's weight w [N, K] (docs/spec.md E8, E9);
-        `out=` and `stream=` as for `dequantize`."""
+        """`x @ dequantize(w).T + bias` for a linear layer's weight w [N, K] (docs/spec.md,
+        products with a quantized weight and quantized activations); `out=` and `stream=` as for
+        `dequantize`."""
         ...
 
     def payload_parts(self, q: QTensor) -> list[np.ndarray]:

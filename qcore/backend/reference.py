@@ -1,4 +1,4 @@
-"""The `reference` backend: SPEC §2 step by step in plain numpy (`qcore.spec.arithmetic`).
+"""The `reference` backend: the spec's arithmetic step by step in plain numpy (`qcore.spec.arithmetic`).
 
 This backend is the executable form of the spec; every other backend is compared with it bit for
 bit. It runs every valid scheme, slowly, on the CPU.
@@ -26,13 +26,13 @@ class ReferenceBackend(BaseBackend):
     name = "reference"
     priority = 0
     scheme_features = ALL_FEATURES  # every extension of docs/spec.md (qcore.spec.arithmetic, qcore.spec.layout)
-    packs_field_orders = True  # qcore.spec.layout packs every field order (docs/spec.md E6)
+    packs_field_orders = True  # qcore.spec.layout packs every field order (docs/spec.md, field orders)
 
     def available(self) -> bool:
         return True
 
     def describe(self) -> str:
-        return "plain numpy on the CPU, the executable form of SPEC §2 (slow, for checking)"
+        return "plain numpy on the CPU, the executable form of the spec's arithmetic (slow, for checking)"
 
     def _supports(self, scheme: QuantScheme) -> Support:
         return Support.yes()

@@ -1,4 +1,4 @@
-"""Backend discovery and selection (SPEC §4).
+"""Backend discovery and selection (docs/spec.md, backends).
 
 Plugins are found through the `qcore` entry point group and loaded one by one, so a broken
 plugin is recorded (see `plugin_errors()`) instead of taking the others down.

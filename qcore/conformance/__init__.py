@@ -12,7 +12,7 @@ support (`expect.py`):
   "not supported" is its own outcome, not a failure (like ggml's test-backend-ops); a scheme
   that uses a feature beyond SPEC v1 the backend does not declare (`BaseBackend.scheme_features`)
   is one of these;
-- **bad input / bad payloads** raise the SPEC §5 error types and nothing else;
+- **bad input / bad payloads** raise the spec's error types (docs/spec.md, errors) and nothing else;
 - **ops** (reshape, permute, slice, cat, matmul) match the reference within `Tolerances`;
 - **cross-backend**: a payload made by one backend loads on every other that supports it.
 

@@ -263,7 +263,8 @@ class BaseSchemeTests(ConformanceFixtures):
 
 
 class BaseBadInputTests(ConformanceFixtures):
-    """Bad input and bad payloads raise the SPEC §5 error types, never another exception."""
+    """Bad input and bad payloads raise the spec's error types (docs/spec.md, errors), never
+    another exception."""
 
     def test_bad_input(self, backend, reference, qcore_group, request):
         _settle(request, S.check_group(backend, "bad-input", qcore_group, self._settings(request.config),

@@ -5,11 +5,11 @@ A `Case` is fully defined by its fields and prints as a readable id that can be 
 
     q4s/block32:f16/packed_native:1-6x40-grid-f32-f32-0
 
-The space (SPEC §1) is every value x both modes (LOOKUP for integer values only) x every level
-(per-tensor in each scale dtype; blocks [32], [4, 8] and [3, 5] in each scale dtype; two-level
-with F16 and UE4M3 block scales) x every valid store (packing axis 0 and 1), plus the presets.
-`sampling.py` cuts it into strata and draws each run's cases from what the backend supports;
-`inputs.py` adds the scheme-aware `grid` and `bounds` inputs to the distributions here.
+The space (docs/spec.md, schemes) is every value x both modes (LOOKUP for integer values only) x
+every level (per-tensor in each scale dtype; blocks [32], [4, 8] and [3, 5] in each scale dtype;
+two-level with F16 and UE4M3 block scales) x every valid store (packing axis 0 and 1), plus the
+presets. `sampling.py` cuts it into strata and draws each run's cases from what the backend
+supports; `inputs.py` adds the scheme-aware `grid` and `bounds` inputs to the distributions here.
 """
 from __future__ import annotations
 
@@ -93,8 +93,9 @@ RECIP_LEVELS: tuple[str, ...] = (
     "block16:ue4m3/tensor:f32:recip", "block4x8:ue4m3/tensor:f32:recip",
     "block32:f16/tensor:f32:recip", "block3x5:f16/tensor:f32:recip",
 )
-"""Two-level scales whose global is stored as its reciprocal (docs/spec.md E2; compressed-tensors'
-NVFP4). They come after the SPEC v1 space, so its strata keep their order and indices."""
+"""Two-level scales whose global is stored as its reciprocal (docs/spec.md, reciprocal global
+scale; compressed-tensors' NVFP4). They come after the SPEC v1 space, so its strata keep their
+order and indices."""
 
 STORES_8BIT = ("native", "packed_u32", "packed_u32:1")
 STORES_SUBBYTE = ("packed_u32", "packed_u32:1", "packed_native", "packed_native:1")
@@ -144,8 +145,9 @@ def store_label(s: QuantScheme) -> str:
 
 
 def rules_label(s: QuantScheme) -> str:
-    """The rules beyond SPEC v1's that a scheme uses (docs/spec.md E1, E3-E7), as its text parts
-    joined by '/': '' for none, e.g. 'signed/round:rne/codes:offset', 'min:f16/round:rne',
+    """The rules beyond SPEC v1's that a scheme uses (docs/spec.md: scale rounding rules, signed
+    scales, code rules, affine offsets, field orders, flat blocks), as its text parts joined by
+    '/': '' for none, e.g. 'signed/round:rne/codes:offset', 'min:f16/round:rne',
     'flat/order:high'."""
     return "/".join((["flat"] if s.flat_blocks else []) + s.rule_parts)
 

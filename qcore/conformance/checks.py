@@ -15,10 +15,10 @@ the reference bit for bit (`check_supported`); an unsupported one must be refuse
 `Outcome` whose status is PASSED, REJECTED (not supported, refused correctly: not a failure) or
 FAILED.
 
-What "agree" means (SPEC §2, §3): codes, stored scales, global scale, payload bytes and
-dequantized floats are compared bit for bit (NaN = NaN only with the same bits). Tensor ops are not
-fixed by the spec; they are compared with `Tolerances` (layout ops exact by default, matmul within
-the f32 accumulation bound).
+What "agree" means (docs/spec.md, arithmetic and portable bytes): codes, stored scales, global
+scale, payload bytes and dequantized floats are compared bit for bit (NaN = NaN only with the same
+bits). Tensor ops are not fixed by the spec; they are compared with `Tolerances` (layout ops exact
+by default, matmul within the f32 accumulation bound).
 """
 from __future__ import annotations
 
@@ -328,8 +328,9 @@ def explicit_params(case: Case, calibrated: QParams) -> QParams:
 
 
 def _explicit_offsets(case: Case, calibrated: QParams, rng) -> np.ndarray | None:
-    """An affine scheme's explicit offsets (docs/spec.md E5): the calibrated MIN offsets nudged off
-    their dtype's grid (so they must be rounded), or random zero points over the value's range."""
+    """An affine scheme's explicit offsets (docs/spec.md, affine offsets): the calibrated MIN
+    offsets nudged off their dtype's grid (so they must be rounded), or random zero points over the
+    value's range."""
     s = case.qscheme
     if not s.affine:
         return None
@@ -400,7 +401,7 @@ def check_supported(backend, case: Case, reference=None) -> None:
         compare_arrays(ctx, "dequantize(f32 default)", y32, np.asarray(ref.dequantize(r_q)), "dequantized values")
 
     # explicit params: the reference's own calibration, then off-grid values that need rounding
-    # (under a code rule, docs/spec.md E4, given scales are their own raw scales: other codes)
+    # (under a code rule, given scales are their own raw scales: other codes)
     r_pc = ref.into_data(ref.quantize(x, s, params=r_params)) if s.reciprocal_codes else r_data
     qp = ctx.call("quantize(params)", backend.quantize, x, s, params=r_params)
     compare_data(ctx, "quantize(params=calibrated)", ctx.call("into_data", backend.into_data, qp), r_pc)
@@ -428,8 +429,8 @@ def check_supported(backend, case: Case, reference=None) -> None:
                ctx.call("from_data->dequantize", backend.dequantize, q2, dtype=out_dt))
     compare_arrays(ctx, "from_data->dequantize", y2, r_y, "dequantized values")
 
-    # the other built-in calibration method (SPEC §2.1: absmean, f64 sum, one f32 rounding);
-    # signed scales and affine offsets take minmax only and refuse it (docs/spec.md E3, E5)
+    # the other built-in calibration method (docs/spec.md, calibration: absmean, f64 sum, one f32
+    # rounding); signed scales and affine offsets take minmax only and refuse it (docs/spec.md)
     if s.signed or s.affine:
         _expect(ctx, "bad-input.absmean.calibrate", InputError,
                 lambda: backend.calibrate(x, s, method="absmean"), x)
@@ -482,14 +483,14 @@ def check_invalid_codes(backend, case, reference=None) -> None:
     except Exception as e:  # noqa: BLE001 - any other exception is a finding
         raise ctx.fail("invalid-codes", f"raised {type(e).__name__} ({e}), want InvalidDataError") from e
     raise ctx.fail("invalid-codes", f"code 0x{int(invalid[-1]):x} at element {index} decoded without "
-                                    "InvalidDataError (SPEC v1.1 §3)")
+                                    "InvalidDataError (docs/spec.md, invalid codes)")
 
 
 def random_payload(case: Case) -> QuantizedData:
     """A valid payload with random contents (as gguf-py's decode fuzz): every valid code pattern,
-    including negative zero and set padding bits (SPEC v1.1 §3: no code outside the value's set,
-    see `invalid.with_valid_codes`); random storable scales (zeros included; either sign for
-    signed scales) and global; the scheme's table."""
+    including negative zero and set padding bits (invalid codes: no code outside the value's set,
+    see `invalid.with_valid_codes`); random storable scales (zeros included; either sign for signed
+    scales) and global; the scheme's table."""
     s = case.qscheme
     sec = sections(case.shape, s)
     rng = np.random.default_rng(case.input_seed ^ 0xF022)
@@ -499,7 +500,7 @@ def random_payload(case: Case) -> QuantizedData:
     raw = np.exp2(rng.uniform(-20, 8, size=grid)) * (rng.random(size=grid) > 0.1)
     tr = s.slot_dtype.traits
     stored = tr.store(raw.astype(np.float32)).reshape(-1)
-    if s.signed:  # either sign, -0 included (docs/spec.md E3)
+    if s.signed:  # either sign, -0 included (docs/spec.md, signed scales)
         stored = np.copysign(stored, rng.random(stored.shape) - 0.5).astype(np.float32)
     scales = np.ascontiguousarray(tr.encode(stored)).tobytes()
     parts = [values, scales]
@@ -541,8 +542,8 @@ def check_decode_random(backend, case: Case, reference=None) -> None:
 
 def _expect(ctx: _Ctx, check: str, exc: type, fn: Callable[[], Any], *watch: np.ndarray,
             must_name: Sequence[str] = ()) -> None:
-    """`fn()` must raise `exc` (a qcore error type, SPEC §5) and no other exception, and leave the
-    arrays in `watch` untouched."""
+    """`fn()` must raise `exc` (a qcore error type; docs/spec.md, errors) and no other exception,
+    and leave the arrays in `watch` untouched."""
     snaps = [w.tobytes() for w in watch]
     try:
         fn()
@@ -619,7 +620,7 @@ def check_case(backend, case: Case, reference=None) -> Outcome:
 
 
 def _nan_pattern(dtype_name: str, what: str) -> bytes:
-    """Bytes of one stored scale that payload validation must refuse (SPEC §3)."""
+    """Bytes of one stored scale that payload validation must refuse (docs/spec.md, portable bytes)."""
     table = {
         ("f32", "nan"): np.array([0x7FC00000], "<u4"), ("f32", "inf"): np.array([0x7F800000], "<u4"),
         ("f32", "negative"): np.array([0xBF800000], "<u4"),
@@ -669,9 +670,9 @@ def corrupt_payloads(d: QuantizedData) -> list[tuple[str, bytes]]:
 
 
 def check_payload_validation(backend, case: Case, reference=None) -> None:
-    """Loading corrupted portable bytes raises `InvalidDataError` (SPEC §3), never another error.
-    (The payload is corrupted from the backend's own output; loading = building the
-    `QuantizedData` and calling `from_data`.)"""
+    """Loading corrupted portable bytes raises `InvalidDataError` (docs/spec.md, portable bytes),
+    never another error. (The payload is corrupted from the backend's own output; loading =
+    building the `QuantizedData` and calling `from_data`.)"""
     ctx = _ctx(backend, case)
     s = case.qscheme
     x = case.input()
@@ -683,10 +684,10 @@ def check_payload_validation(backend, case: Case, reference=None) -> None:
 
 
 def check_bad_inputs(backend, case: Case, reference=None) -> None:
-    """Bad input raises the SPEC §5 error type and nothing else, leaving inputs untouched:
-    NaN/±Inf (and f64 values that overflow f32), wrong dtypes, scalars, packing axis >= rank,
-    block rank > tensor rank, bad explicit params, bad output dtype / method; and bad payloads
-    (`check_payload_validation`)."""
+    """Bad input raises the spec's error type (docs/spec.md, errors) and nothing else, leaving
+    inputs untouched: NaN/±Inf (and f64 values that overflow f32), wrong dtypes, scalars, packing
+    axis >= rank, block rank > tensor rank, bad explicit params, bad output dtype / method; and bad
+    payloads (`check_payload_validation`)."""
     ref = reference or reference_backend()
     ctx = _ctx(backend, case)
     s = case.qscheme
@@ -899,7 +900,7 @@ def product_bound(x: np.ndarray, W: np.ndarray, bias: np.ndarray | None, out_dty
     """(exact y* = x @ W^T + bias in float64, the bound on |y - y*|) of docs/spec.md's products
     for x [M, K], the dequantized weight W [N, K] (float64) and the result dtype; for bfloat16 x,
     result and bias (or none), with the bfloat16-weight rule's term; with `fp8_codes` (x and W
-    decoded e4m3, a bfloat16 result), with E9's FP8 accumulator term."""
+    decoded e4m3, a bfloat16 result), with the quantized activations' FP8 accumulator term."""
     x64 = x.astype(np.float32).astype(np.float64)
     K = W.shape[1]
     b = np.zeros(W.shape[0]) if bias is None else bias.astype(np.float32).astype(np.float64)
@@ -985,7 +986,7 @@ def check_products(ctx: _Ctx, backend, ref, case: Case, q: QTensor, rq: QTensor,
 
 _ACT_SCHEMES = ("e4m3/block{k}:f32", "q8s/block{k}:f32")
 """Activation schemes a product's `act=` check tries, first the backend runs: per-token FP8, else
-per-row int8 (docs/spec.md E9)."""
+per-row int8 (docs/spec.md, quantized activations)."""
 
 
 def _act_for(backend, k: int, block: int | None = None) -> str | None:
@@ -999,10 +1000,10 @@ def _act_for(backend, k: int, block: int | None = None) -> str | None:
 def check_activation_products(ctx: _Ctx, backend, ref, case: Case, q: QTensor, rq: QTensor, W: np.ndarray,
                               tol: Tolerances) -> None:
     """`linear` / `matmul` with `act=` (x quantized per row, and per block of about a third of K)
-    and with a QTensor x (docs/spec.md E9): E8's product of the reference's decoded x
-    (`dequantize(quantize(x, act))`, bit-exact across backends) within E8's bound, in E8's result
-    dtype (x's for `linear`, float32 for `matmul`, float32 for a QTensor x). A backend that runs
-    neither activation scheme is not checked here."""
+    and with a QTensor x (docs/spec.md, quantized activations): the product of the reference's
+    decoded x (`dequantize(quantize(x, act))`, bit-exact across backends) within the products'
+    bound, in their result dtype (x's for `linear`, float32 for `matmul`, float32 for a QTensor x).
+    A backend that runs neither activation scheme is not checked here."""
     rows, cols = case.shape
     bias = make_input((rows,), "normal", "f32", case.input_seed + 21)
     plans = [("ops.linear[act]", "linear", "bf16", cols, None, False),
@@ -1042,9 +1043,9 @@ def check_activation_products(ctx: _Ctx, backend, ref, case: Case, q: QTensor, r
 
 
 def check_nonfinite_activations(ctx: _Ctx, backend, q: QTensor, bias: np.ndarray, act: str, x: np.ndarray) -> None:
-    """`linear(x, q, bias, act=)` of an x whose middle row holds a NaN and an infinity (docs/spec.md
-    E9, a non-finite x): no error, that row's results all NaN, the other rows the same bits as
-    with that row all zeros."""
+    """`linear(x, q, bias, act=)` of an x whose middle row holds a NaN and an infinity
+    (docs/spec.md, quantized activations: a non-finite x): no error, that row's results all NaN,
+    the other rows the same bits as with that row all zeros."""
     check = f"ops.linear[act, non-finite x]({act})"
     bad = x.copy()
     bad[1, 0], bad[1, -1] = np.nan, np.inf

@@ -19,7 +19,7 @@ off). A support file (`@path`) holds one pattern per line; `#` starts a comment.
 The rules beyond SPEC v1 follow the store as more parts (`q8s/block32:f32/native/flat`,
 `q4s/block32:f16/packed_native/order:high`). A backend supports them only where it declares the
 feature (`BaseBackend.scheme_features`); two come from the core once declared: blocks over the
-flattened tensor (`flat`, docs/spec.md E7), and field orders (`order:high`, `order:split`, E6)
+flattened tensor (`flat`), and field orders (`order:high`, `order:split`; docs/spec.md)
 for a backend that leaves them to the core, so patterns that name such a backend's schemes part
 by part should name these forms too.
 

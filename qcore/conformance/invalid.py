@@ -1,4 +1,4 @@
-"""Conformance for SPEC v1.1 §3 invalid value codes.
+"""Conformance for invalid value codes (docs/spec.md, invalid codes).
 
 Integer codes below `qmin` (Q8S -128, Q4S -8, Q2S -2) and E4M3/E5M2 NaN/Inf codes are not
 values: quantize never writes them, and a payload that holds one must raise `InvalidDataError`

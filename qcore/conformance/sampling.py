@@ -15,17 +15,16 @@ under test says it supports:
 - a stratum with refused candidates gets one rejection case (every entry point must raise
   `UnsupportedSchemeError`).
 
-The scale rounding rules other than SPEC v1's round-up (`rne`, `mx`) add strata of their own,
-one per (rule, level kind, scale dtype) whatever the value and store: every scheme of the
-space under each rule that applies to it (not `rne` on F32 slots, where it is the identity).
-Signed scales and the code rules (docs/spec.md E3, E4) add strata per (rule, level kind): a code
-rule's (`codes:away`, `codes:offset`; `codes:midpoint` on LOOKUP schemes) hold it with and
-without `rne` (and the integer rules with signed scales), the `signed` ones signed scales under
-`up` and `rne`; the `q8_0` / `q4_0` presets among them. Affine
-offsets (E5) add strata per (offset kind, level kind): `affine:zero/*` (zero points on signed and
-unsigned values), `affine:min/*` (min offsets on unsigned values, with llama.cpp's Q4_1 rules too).
-Field orders (E6) add `order:high/*` and `order:split/*` per packed store kind, and blocks over the
-flattened tensor (E7) `flat/*` per level kind.
+The scale rounding rules other than SPEC v1's round-up (`rne`, `mx`) add strata of their own, one
+per (rule, level kind, scale dtype) whatever the value and store: every scheme of the space under
+each rule that applies to it (not `rne` on F32 slots, where it is the identity). Signed scales and
+the code rules (docs/spec.md) add strata per (rule, level kind): a code rule's (`codes:away`,
+`codes:offset`; `codes:midpoint` on LOOKUP schemes) hold it with and without `rne` (and the integer
+rules with signed scales), the `signed` ones signed scales under `up` and `rne`; the `q8_0` /
+`q4_0` presets among them. Affine offsets add strata per (offset kind, level kind): `affine:zero/*`
+(zero points on signed and unsigned values), `affine:min/*` (min offsets on unsigned values, with
+llama.cpp's Q4_1 rules too). Field orders add `order:high/*` and `order:split/*` per packed store
+kind, and blocks over the flattened tensor `flat/*` per level kind.
 
 The per-scheme checks (bad input, ops, cross-backend, input kinds) run on coarser **groups**,
 one per (value x mode, level kind), on one supported candidate each; the input kinds are the
@@ -96,8 +95,8 @@ RULE_VARIANTS: tuple[tuple[bool, ScaleRound, CodeRule], ...] = (
     (True, ScaleRound.RNE, CodeRule.OFFSET),
     (False, ScaleRound.UP, CodeRule.MIDPOINT), (False, ScaleRound.RNE, CodeRule.MIDPOINT),
 )
-"""(signed, scale rounding, code rule) of docs/spec.md E3 and E4 that the space is taken under
-(the integer rules on integer values, `midpoint` on LOOKUP ones)."""
+"""(signed, scale rounding, code rule) of docs/spec.md's signed scales and code rules that the
+space is taken under (the integer rules on integer values, `midpoint` on LOOKUP ones)."""
 
 
 def _variant(s: QuantScheme, signed: bool, rule: ScaleRound, codes: CodeRule) -> QuantScheme | None:
@@ -113,9 +112,9 @@ _UNSIGNED = {8: QuantValue.U8, 4: QuantValue.U4, 2: QuantValue.U2}
 
 
 def _affine_variants(s: QuantScheme) -> list[QuantScheme]:
-    """docs/spec.md E5 on a v1 scheme's level and store: a zero point on its value and on the
-    unsigned value of its width, a min offset (in the slot dtype, or f32) on the unsigned value,
-    and llama.cpp's Q4_1 rules on that; [] where an offset does not apply."""
+    """docs/spec.md's affine offsets on a v1 scheme's level and store: a zero point on its value
+    and on the unsigned value of its width, a min offset (in the slot dtype, or f32) on the
+    unsigned value, and llama.cpp's Q4_1 rules on that; [] where an offset does not apply."""
     if s.traits.is_float or s.is_lookup or s.two_level or s.scale_round is not ScaleRound.UP:
         return []
     u = _UNSIGNED[s.bits]
@@ -144,24 +143,24 @@ def _space() -> tuple[QuantScheme, ...]:
                 pass
     for p in PRESETS.values():  # q8_0, q4_0: after the v1 space and the rounding rules
         seen.setdefault(p)
-    for s in v1:  # signed scales and the code rules (E3, E4), where they apply
+    for s in v1:  # signed scales and the code rules, where they apply
         for variant in RULE_VARIANTS:
             v = _variant(s, *variant)
             if v is not None:
                 seen.setdefault(v)
-    for s in v1:  # affine offsets (E5)
+    for s in v1:  # affine offsets
         for v in _affine_variants(s):
             seen.setdefault(v)
-    for s in v1:  # field orders and blocks over the flattened tensor (E6, E7)
+    for s in v1:  # field orders and blocks over the flattened tensor
         for v in _layout_variants(s):
             seen.setdefault(v)
     return tuple(seen)
 
 
 def _layout_variants(s: QuantScheme) -> list[QuantScheme]:
-    """docs/spec.md E6 and E7 on a v1 scheme: a packed store's fields HIGH and SPLIT (groups of
-    max(16, 2n) elements, so lines end in a partial group), and a one-dim block level over the
-    flattened tensor (packing axis 0); [] where neither applies."""
+    """docs/spec.md's field orders and flat blocks on a v1 scheme: a packed store's fields HIGH and
+    SPLIT (groups of max(16, 2n) elements, so lines end in a partial group), and a one-dim block
+    level over the flattened tensor (packing axis 0); [] where neither applies."""
     out = []
     st = s.store
     if st.kind is not StoreKind.NATIVE:

@@ -1,7 +1,8 @@
 """Quantized tensors in standard safetensors files (format described in `docs/format.md`).
 
-A quantized tensor is stored as its portable payload (SPEC §3) in a 1-D U8 tensor under its own
-name; the header's `__metadata__` (a flat str->str map) carries what is needed to read it back:
+A quantized tensor is stored as its portable payload (docs/spec.md, portable bytes) in a 1-D U8
+tensor under its own name; the header's `__metadata__` (a flat str->str map) carries what is needed
+to read it back:
 
     qcore.format_version   "1"
     qcore.<name>.scheme    canonical scheme text, e.g. "q4s/block32:f16"
@@ -316,7 +317,8 @@ def _quantized_index(meta: dict[str, str], names: set[str], where: str) -> tuple
 def read_info(path: PathLike) -> FileInfo:
     """Describe a file from its header alone: tensors, schemes, logical shapes, stored sizes.
 
-    Checks every quantized entry's stored size against its scheme and shape (SPEC §3).
+    Checks every quantized entry's stored size against its scheme and shape (docs/spec.md, portable
+    bytes).
     """
     p = os.fspath(path)
     with open_checked(p) as f:

@@ -1,10 +1,10 @@
 """qcore `mxfp4` payloads as OCP MX blocks: the byte facts gpt-oss and GGUF share.
 
 A qcore `mxfp4` tensor of shape `[..., N]` with `N % 32 == 0` stores its values as
-`[..., N/32, 16]` bytes (element 2k in the low nibble of byte k, SPEC §3 PackedNative(0)) followed
-by `[..., N/32]` UE8M0 scale bytes (SPEC §1): both are plain MX blocks, so formats move bytes and
-never re-quantize. A last dim that is not a multiple of 32 makes qcore's edge block partial, which
-no fixed-block format holds.
+`[..., N/32, 16]` bytes (element 2k in the low nibble of byte k: PackedNative(0) in the byte
+layout) followed by `[..., N/32]` UE8M0 scale bytes (docs/spec.md, schemes): both are plain MX
+blocks, so formats move bytes and never re-quantize. A last dim that is not a multiple of 32 makes
+qcore's edge block partial, which no fixed-block format holds.
 """
 from __future__ import annotations
 
@@ -51,9 +51,10 @@ def join(blocks: np.ndarray, scales: np.ndarray) -> QuantizedData:
 def zero_scale_blocks(blocks: np.ndarray, scales: np.ndarray) -> int:
     """Blocks whose scale byte is 0 and that hold a non-zero code.
 
-    SPEC §1 decodes UE8M0 byte 0 as 2^-127, so such a block decodes to `v * 2^-127` in qcore, while
-    a reader that shifts the byte into a float's exponent field (triton_kernels' MX upcast) gets 0.0. A block of only
-    zero codes (E2M1 codes 0 and 8, i.e. +-0) decodes the same either way.
+    The spec's schemes decode UE8M0 byte 0 as 2^-127, so such a block decodes to `v * 2^-127` in
+    qcore, while a reader that shifts the byte into a float's exponent field (triton_kernels' MX
+    upcast) gets 0.0. A block of only zero codes (E2M1 codes 0 and 8, i.e. +-0) decodes the same
+    either way.
     """
     nonzero = (np.asarray(blocks) & np.uint8(0x77)).any(axis=-1)
     return int(np.count_nonzero(nonzero & (np.asarray(scales) == 0)))

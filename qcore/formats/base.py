@@ -1,11 +1,12 @@
 """What a checkpoint format is to qcore: a small class that detects, reads and writes one kind of file.
 
 A format turns a file into `Contents` (`qcore.files.checkpoint`: tensor name -> `QuantizedData` or
-numpy array, plus str -> str metadata) and back. Reading is exact or refused: a quantized tensor becomes
-`QuantizedData` only when qcore's decode (SPEC §2.6) gives bit-identical values to the tool's own
-dequantize; anything else raises `UnrepresentableError` naming the tensor, the rule and the way out.
-Writing is the same promise in the other direction: `check(name, value)` says, before any byte is
-written, whether the format holds a tensor exactly, and `write` refuses what `check` rejects.
+numpy array, plus str -> str metadata) and back. Reading is exact or refused: a quantized tensor
+becomes `QuantizedData` only when qcore's decode (docs/spec.md, dequantize) gives bit-identical values
+to the tool's own dequantize; anything else raises `UnrepresentableError` naming the tensor, the rule
+and the way out. Writing is the same promise in the other direction: `check(name, value)` says, before
+any byte is written, whether the format holds a tensor exactly, and `write` refuses what `check`
+rejects.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ nested_absmax[i // nested_blocksize]) + f32(nested_offset)`, which gives f32 abs
 
 Where the tensor is 1-D or its last dim is a multiple of the blocksize, the flattened blocks are
 qcore's per-axis blocks and the scheme is the v1 one; otherwise (blocks that cross rows) it is
-`q4s-lookup[nf4]/block<B>:f32:flat`, blocks over the flattened tensor (docs/spec.md E7).
+`q4s-lookup[nf4]/block<B>:f32:flat`, blocks over the flattened tensor (docs/spec.md, flat blocks).
 Double quant can give a block a negative absmax: a block of zeros beside an outlier, whose absmax
 (0 less the mean, quantized by the 8-bit dynamic map, the mean added back) lands below 0.
 bitsandbytes decodes it all the same, `quant_map[code] * absmax`: -0.0 for a code of 0.0, the
@@ -148,7 +148,7 @@ def _tensor(arrays: dict[str, np.ndarray], w: str, st: dict) -> QuantizedData:
         )
     shape = _shape(st)
     block = _positive(st, "blocksize")
-    crosses_rows = len(shape) > 1 and shape[-1] % block != 0  # then blocks over the flattened tensor (E7)
+    crosses_rows = len(shape) > 1 and shape[-1] % block != 0  # then blocks over the flattened tensor
     table = arrays[w + ".quant_map"].astype(np.float32).reshape(-1)
     try:
         sch = QuantScheme(QuantValue.Q4S).per_block([block], ScaleDtype.F32, flat=crosses_rows)

@@ -100,7 +100,7 @@ def convert(src: PathLike, dst: PathLike, to: str | Format, *, src_format: str |
         else:
             ok = writer.check(name, value)
             if not ok and isinstance(value, QuantizedData) and value.scheme.low_order is not value.scheme:
-                low = value.in_low_order()  # a field order the target lacks (E6): the fields re-packed
+                low = value.in_low_order()  # a field order the target lacks: the fields re-packed
                 if writer.check(name, low):
                     value, ok = low, writer.check(name, low)
             if ok:

@@ -25,14 +25,14 @@ along the last axis: each shape below then gains the leading dims).
   `pack_to_int32(zp, bits, packed_dim=0)`: int32 `[..., ceil(m * bits / 32), n / G]`, each word
   holding `32 / bits` consecutive rows of one column, row k in bits `bits * k`, offset binary
   `z + 2^(bits-1)`, the unused fields of a last, partly filled word 0; fused experts are packed
-  expert by expert. For tensor and block it stays int8 in the scale's shape (`[1]`, `[m / bm,
-  n / bn]`). That is qcore's `q4f` / `q8f` `.../zero` (docs/spec.md E5): the same values and
-  scales, and the zero points as its offsets section, one int8 per slot in the grid's order. The
-  tool infers int8 from `num_bits` / `type`, so the written config gives no `zp_dtype` (as its
-  own `model_dump` does); a zero point not in that form (an unpacked one for group / channel, a
-  packed one for tensor / block, bits set past the last row, an int8 one outside a 4-bit range)
-  is refused, and so is one on a float weight (a float zero point, which qcore's integer zero
-  points are not).
+  expert by expert. For tensor and block it stays int8 in the scale's shape (`[1]`,
+  `[m / bm, n / bn]`). That is qcore's `q4f` / `q8f` `.../zero` (docs/spec.md, affine offsets): the
+  same values and scales, and the zero points as its offsets section, one int8 per slot in the
+  grid's order. The tool infers int8 from `num_bits` / `type`, so the written config gives no
+  `zp_dtype` (as its own `model_dump` does); a zero point not in that form (an unpacked one for
+  group / channel, a packed one for tensor / block, bits set past the last row, an int8 one outside
+  a 4-bit range) is refused, and so is one on a float weight (a float zero point, which qcore's
+  integer zero points are not).
 * `int-quantized` (the naive compressor's int format, W8A8's): `M.weight` int8 `[..., m, n]`, one
   code per byte whatever `num_bits` is (a 4-bit code is an int8 in [-8, 7]), `M.weight_scale` as
   above (or 2-D blocks), and with `symmetric: false` an int8 `M.weight_zero_point` in the scale's
@@ -46,18 +46,19 @@ along the last axis: each shape below then gains the leading dims).
 * `mxfp4-pack-quantized`: `M.weight_packed` uint8 `[m, n / 2]` (element 2k in the low nibble),
   `M.weight_scale` uint8 `[m, n / 32]` (E8M0: `2^(byte - 127)`, decoded in bf16); that is qcore's
   `mxfp4` payload byte for byte, for fused experts `[e, m, n / 2]` + `[e, m, n / 32]` too (the MX
-  blocks `[..., n / 32, 16]` of `_mx.join`). A scale byte of 255 (inf there, invalid in SPEC §1) is
-  refused.
+  blocks `[..., n / 32, 16]` of `_mx.join`). A scale byte of 255 (inf there, invalid in
+  docs/spec.md, schemes) is refused.
 * `nvfp4-pack-quantized`: `M.weight_packed` as mxfp4, `M.weight_scale` float8_e4m3fn `[m, n / 16]`
-  and `M.weight_global_scale` f32 `[1]` = `448 * 6 / amax`, the reciprocal of SPEC's global;
+  and `M.weight_global_scale` f32 `[1]` = `448 * 6 / amax`, the reciprocal of the spec's global;
   dequantize `q * (scale / global_scale)`. That is qcore's `e2m1/block16:ue4m3/tensor:f32:recip/
-  packed_native` (docs/spec.md E2) byte for byte: values, scale bytes, then the global. The global
-  is one per module whatever the weight's rank (the tool's `initialize_qparams` registers
-  `torch.empty(1)` for a `tensor_group` weight, `generate_gparam` returns shape `[1]`), so a
-  fused-expert `[e, m, n]` weight has one `[1]` global for all its experts, which is qcore's one
-  global per tensor; a global of more than one value (one per expert, which 0.20 does not write)
-  is refused. 0.20's FP4 compressors themselves take `[m, n]` only (`quantize_and_pack_fp4`:
-  "Expected 2D tensor"); its `dequantize` takes `[e, m, n]` whole (tests/data/ctensors).
+  packed_native` (docs/spec.md, reciprocal global scale) byte for byte: values, scale bytes, then
+  the global. The global is one per module whatever the weight's rank (the tool's
+  `initialize_qparams` registers `torch.empty(1)` for a `tensor_group` weight, `generate_gparam`
+  returns shape `[1]`), so a fused-expert `[e, m, n]` weight has one `[1]` global for all its
+  experts, which is qcore's one global per tensor; a global of more than one value (one per
+  expert, which 0.20 does not write) is refused. 0.20's FP4 compressors themselves take `[m, n]`
+  only (`quantize_and_pack_fp4`: "Expected 2D tensor"); its `dequantize` takes `[e, m, n]` whole
+  (tests/data/ctensors).
 
 With f16/bf16 scales `q * scale` is exact in float32 (a code of at most 8 significant bits
 times a scale of at most 11), so qcore's float32 dequantize rounded to the scale's dtype equals
@@ -212,7 +213,7 @@ def _zero_packed(s: QuantScheme) -> bool:
 
 
 def _read_zero(zp: np.ndarray, s: QuantScheme, grid: tuple[int, ...], where: str) -> bytes:
-    """qcore's offsets section (one int8 per slot, SPEC E5) of the tool's `weight_zero_point`:
+    """qcore's offsets section (affine offsets: one int8 per slot) of the tool's `weight_zero_point`:
     for group / channel int32 `[..., ceil(m * bits / 32), G]`, the signed zero points of each
     column of the `[..., m, G]` grid packed down the rows as `pack_to_int32(zp, bits,
     packed_dim=0)` writes them (element k of a word in bits `bits * k`, offset binary `z + 2^(bits-1)`,
@@ -265,8 +266,8 @@ def _write_zero(value: QuantizedData, scale_shape: tuple[int, ...]) -> np.ndarra
 def _scales_f32(scale: np.ndarray, where: str) -> np.ndarray:
     s = np.asarray(scale).astype(np.float32)
     if not np.all(np.isfinite(s)) or np.any(s < 0):
-        raise UnrepresentableError(f"{where}: scales must be finite and >= 0 (SPEC §2), got a negative or "
-                                   "non-finite one")
+        raise UnrepresentableError(f"{where}: scales must be finite and >= 0 (docs/spec.md, arithmetic), "
+                                   "got a negative or non-finite one")
     return s
 
 
@@ -470,8 +471,9 @@ class CompressedTensorsFormat(Format):
             if zp is not None and codes.dtype != (np.int32 if kind == "pack" else np.int8):
                 raise UnrepresentableError(
                     f"{where} is asymmetric ({mod}.{ZERO}) and not an int weight: a float weight's zero point "
-                    f"is a float, which qcore's zero points (integers of the value, docs/spec.md E5) are not; "
-                    "only pack-quantized int4 / int8 and int-quantized weights are read with zero points")
+                    "is a float, which qcore's zero points (integers of the value; docs/spec.md, affine "
+                    "offsets) are not; only pack-quantized int4 / int8 and int-quantized weights are read "
+                    "with zero points")
             if f"{mod}.{G_IDX}" in arrays:
                 raise UnrepresentableError(
                     f"{where} has {mod}.{G_IDX} (activation ordering: column k takes the scale of group g_idx[k]), "
@@ -532,7 +534,7 @@ class CompressedTensorsFormat(Format):
     @staticmethod
     def _read_fp4(mod: str, arrays: dict[str, np.ndarray], where: str) -> QuantizedData:
         """`mxfp4-pack-quantized` as qcore's mxfp4 and `nvfp4-pack-quantized` as qcore's nvfp4 with a
-        reciprocal global (docs/spec.md E2), bytes unchanged."""
+        reciprocal global (docs/spec.md, reciprocal global scale), bytes unchanged."""
         packed, scale = arrays[f"{mod}.{PACKED}"], arrays[f"{mod}.{SCALE}"]
         if f"{mod}.{GLOBAL}" in arrays:
             return _read_nvfp4(packed, scale, arrays[f"{mod}.{GLOBAL}"], where)
@@ -545,7 +547,7 @@ class CompressedTensorsFormat(Format):
                                        f"{list(scale.shape)} are not mxfp4 ([..., m, n/2] and [..., m, n/32])")
         if (scale == 255).any():
             raise UnrepresentableError(f"{where}: an E8M0 scale byte of 255, which compressed-tensors decodes as "
-                                       "inf and SPEC §1 holds invalid")
+                                       "inf and qcore holds invalid (docs/spec.md, schemes)")
         *lead, n = shape  # MX blocks [..., n/32, 16] and their scale bytes [..., n/32]: qcore's payload as it is
         return _mx.join(packed.reshape(*lead, n // _mx.BLOCK, _mx.BLOCK // 2), scale)
 

@@ -22,8 +22,8 @@ the config's `weight_block_size` when the scale's grid is `ceil` of the weight b
 kernel and vLLM use the config); otherwise from the grid itself when it divides the weight
 (`Fp8Dequantize`'s rule: block = weight / grid); a grid that is neither is refused. Activation
 scales (`M.activation_scale`, `M.input_scale`) and other tensors pass through as arrays. Refused,
-with the reason: scales that are negative, NaN or infinite (SPEC §2; an E8M0 byte of 255 is NaN),
-other scale dtypes, and weights of fewer than 2 dims.
+with the reason: scales that are negative, NaN or infinite (docs/spec.md, arithmetic; an E8M0 byte
+of 255 is NaN), other scale dtypes, and weights of fewer than 2 dims.
 
 Writing takes `e4m3` tensors with f32 scales on the native store, all with the same 2-D blocks
 (`weight_block_size`) or all per tensor (`weight_block_size: null`), and puts the config beside

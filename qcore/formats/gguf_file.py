@@ -3,21 +3,21 @@
 Quantized GGUF types with an exact qcore scheme (facts from gguf 0.19.0 `quants.py`):
 
 - **Q8_0** -> `q8s/block32:f16` (`q8f/block32:f16` when a code is -128, which Q8S excludes). A
-  block is `[d f16][32 x int8]`, value `int8 * f32(d)`: the same f32 product as SPEC §2.6 once the
-  f16 scales move from the blocks into their own section.
-- **Q4_0** -> `q4f/block32:f16/signed` (docs/spec.md E3; `q4f/block32:f16` when no scale is
-  negative). A block is `[d f16][16 B]`, byte j holding element j (low nibble) and element j + 16
-  (high nibble) as `q + 8`; value `(nibble - 8) * f32(d)`, where llama.cpp's `d = max / -8` is
-  negative whenever the block's extreme is positive. `nibble ^ 8` is the Q4F code; the nibbles
-  move to SPEC §3's order (element 2k low). Any 4-bit integer scheme with f16 blocks of 32 along
-  the last axis writes as Q4_0 (its codes are within Q4F's); the `q4_0` preset quantizes as
+  block is `[d f16][32 x int8]`, value `int8 * f32(d)`: the same f32 product as the spec's
+  dequantize once the f16 scales move from the blocks into their own section.
+- **Q4_0** -> `q4f/block32:f16/signed` (docs/spec.md, signed scales; `q4f/block32:f16` when no
+  scale is negative). A block is `[d f16][16 B]`, byte j holding element j (low nibble) and element
+  j + 16 (high nibble) as `q + 8`; value `(nibble - 8) * f32(d)`, where llama.cpp's `d = max / -8`
+  is negative whenever the block's extreme is positive. `nibble ^ 8` is the Q4F code; the nibbles
+  move to the byte layout's order (element 2k low). Any 4-bit integer scheme with f16 blocks of 32
+  along the last axis writes as Q4_0 (its codes are within Q4F's); the `q4_0` preset quantizes as
   llama.cpp does, bit for bit, but for near-zero blocks (docs/formats.md).
-- **Q4_1** -> `u4/block32:f16/min:f16` (docs/spec.md E5). A block is `[d f16][m f16][16 B]`, the
-  nibbles unsigned codes in Q4_0's split-half order; value `f32(q * f32(d)) + f32(m)`, SPEC E5's
-  MIN offset. The `q4_1` preset quantizes as llama.cpp does, bit for bit, but for near-zero
-  blocks: where `f32(1 / s)` of the raw scale overflows (`0 < s <= 2^-128`), gguf's codes are
-  casts of ±inf/NaN (undefined in C) and qcore's its rule's; both decode to zeros (the same holds
-  for the `q8_0` and `q4_0` presets).
+- **Q4_1** -> `u4/block32:f16/min:f16` (docs/spec.md, affine offsets). A block is
+  `[d f16][m f16][16 B]`, the nibbles unsigned codes in Q4_0's split-half order; value
+  `f32(q * f32(d)) + f32(m)`, the affine offsets' MIN offset. The `q4_1` preset quantizes as
+  llama.cpp does, bit for bit, but for near-zero blocks: where `f32(1 / s)` of the raw scale
+  overflows (`0 < s <= 2^-128`), gguf's codes are casts of ±inf/NaN (undefined in C) and qcore's
+  its rule's; both decode to zeros (the same holds for the `q8_0` and `q4_0` presets).
 - **MXFP4** -> `mxfp4`. A block is `[e u8][16 B]` where byte j holds element j (low nibble) and
   element j + 16 (high nibble); value = doubled E2M1 * 2^(e - 128) = E2M1 * 2^(e - 127), including
   e = 0 and 1 (`ggml_e8m0_to_fp32_half`). Nibble j is the E2M1 code itself; only the order moves.
@@ -111,7 +111,7 @@ def _q4_read(raw: np.ndarray, shape: tuple[int, ...]) -> QuantizedData:
     blocks = raw.reshape(-1, 18)
     d = blocks[:, :2]
     nib = _split_halves(blocks[:, 2:]) ^ np.uint8(8)                                      # Q4F codes, 0..31
-    packed = nib[:, 0::2] | (nib[:, 1::2] << np.uint8(4))                                 # SPEC §3: 2k low
+    packed = nib[:, 0::2] | (nib[:, 1::2] << np.uint8(4))                                 # byte layout: 2k low
     signed = (d.view("<u2") & np.uint16(0x8000)).any()
     return QuantizedData(shape, Q4_SCHEMES[0 if signed else 1], packed.tobytes() + np.ascontiguousarray(d).tobytes())
 
@@ -152,7 +152,7 @@ def _join_halves(nib: np.ndarray) -> np.ndarray:
 def _q41_read(raw: np.ndarray, shape: tuple[int, ...]) -> QuantizedData:
     blocks = raw.reshape(-1, 20)
     nib = _split_halves(blocks[:, 4:])
-    packed = nib[:, 0::2] | (nib[:, 1::2] << np.uint8(4))                                  # SPEC §3: 2k low
+    packed = nib[:, 0::2] | (nib[:, 1::2] << np.uint8(4))                                  # byte layout: 2k low
     d, m = np.ascontiguousarray(blocks[:, :2]), np.ascontiguousarray(blocks[:, 2:4])
     return QuantizedData(shape, Q4_1_SCHEME, packed.tobytes() + d.tobytes() + m.tobytes())
 
@@ -167,7 +167,7 @@ def _mx_read(raw: np.ndarray, shape: tuple[int, ...]) -> QuantizedData:
     blocks = raw.reshape(-1, 17)
     e, qs = blocks[:, 0], blocks[:, 1:]
     codes = _split_halves(qs)                                                  # elements 0..15, 16..31
-    packed = codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))                  # SPEC §3: element 2k low
+    packed = codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))                  # byte layout: element 2k low
     lead = (*shape[:-1], shape[-1] // 32)
     return _mx.join(packed.reshape(*lead, 16), e.reshape(lead))
 

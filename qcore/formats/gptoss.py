@@ -17,11 +17,12 @@ unconverted. So the patterns written are the source's own (its config.json's, re
 that would match a module holding an mxfp4 weight; without source patterns, the modules whose
 tensors are all plain and that are no prefix of such a module.
 
-Scale byte 0: SPEC §1 and the torch decode (`ldexp(lut, byte - 127)`) give 2^-127; the triton
-kernels gpt-oss runs on GPUs (`triton_kernels` `_upcast_from_mxfp`) shift the byte into the exponent
-field and get 0.0. A block with byte 0 and a non-zero code therefore decodes
-differently (by less than 6 * 2^-127 per element), so by default both directions refuse such a
-tensor; option `zero_scale=spec` accepts it (bytes unchanged, decoded per SPEC).
+Scale byte 0: the spec's UE8M0 (docs/spec.md, schemes) and the torch decode
+(`ldexp(lut, byte - 127)`) give 2^-127; the triton kernels gpt-oss runs on GPUs (`triton_kernels`
+`_upcast_from_mxfp`) shift the byte into the exponent field and get 0.0. A block with byte 0 and a
+non-zero code therefore decodes differently (by less than 6 * 2^-127 per element), so by default
+both directions refuse such a tensor; option `zero_scale=spec` accepts it (bytes unchanged, decoded
+per SPEC).
 """
 from __future__ import annotations
 

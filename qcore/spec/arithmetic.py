@@ -1,4 +1,5 @@
-"""SPEC §2 (Arithmetic) as plain numpy functions over whole arrays: the one home of each rule.
+"""The spec's arithmetic (docs/spec.md, arithmetic) as plain numpy functions over whole arrays:
+the one home of each rule.
 
 The statistic per slot, the raw scale and its round-up to the scale dtype (through the trait
 tables of `qcore.spec.codecs`), the two-level normalisation, the effective scale, encode and decode.
@@ -47,8 +48,8 @@ __all__ = [
 @dataclass(frozen=True)
 class QParams:
     """Stored scales (rounded up, decoded to f32) in the block-grid shape, the two-level global,
-    and an affine scheme's stored offsets (docs/spec.md E5: MIN values or ZERO points, f32, in the
-    block-grid shape)."""
+    and an affine scheme's stored offsets (docs/spec.md, affine offsets: MIN values or ZERO
+    points, f32, in the block-grid shape)."""
 
     scales: np.ndarray
     global_scale: float | None = None
@@ -93,7 +94,7 @@ def _slot_counts(shape: tuple[int, ...], block: tuple[int, ...]) -> np.ndarray:
 
 def signed_extreme(x: np.ndarray, scheme: QuantScheme) -> np.ndarray:
     """Per scale slot, the element of largest `|x|`, the first such in row-major order within
-    the slot (numpy's argmax; docs/spec.md E3), with its sign; 0 for an empty slot."""
+    the slot (numpy's argmax; docs/spec.md, signed scales), with its sign; 0 for an empty slot."""
     block = layout.block_extents(x.shape, scheme)
     if x.size == 0:
         return np.zeros(layout.grid_shape(x.shape, scheme), dtype=np.float32)
@@ -133,8 +134,8 @@ def slot_statistic(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -
 
 
 def slot_range(x: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray]:
-    """Per scale slot, (min x, max x) over its elements (signed; docs/spec.md E5); (0, 0) for an
-    empty tensor."""
+    """Per scale slot, (min x, max x) over its elements (signed; docs/spec.md, affine offsets);
+    (0, 0) for an empty tensor."""
     grid = layout.grid_shape(x.shape, scheme)
     if x.size == 0:
         return np.zeros(grid, np.float32), np.zeros(grid, np.float32)
@@ -148,10 +149,10 @@ def slot_range(x: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarr
 
 
 def affine_params(x: np.ndarray, scheme: QuantScheme) -> tuple[QParams, np.ndarray, np.ndarray]:
-    """docs/spec.md E5: (stored params, raw scales, raw offsets) of an affine scheme. MIN: `s =
-    (max - min) / (qmax - qmin)` by the scheme's rule, `m = min` rounded to nearest (ties to even)
-    into its dtype. ZERO: the range widened to hold 0, `s` the same way, then `z = clamp(qmin -
-    rint(lo / s_stored), qmin, qmax)` (0 where the stored scale is 0)."""
+    """docs/spec.md, affine offsets: (stored params, raw scales, raw offsets) of an affine scheme.
+    MIN: `s = (max - min) / (qmax - qmin)` by the scheme's rule, `m = min` rounded to nearest (ties
+    to even) into its dtype. ZERO: the range widened to hold 0, `s` the same way, then
+    `z = clamp(qmin - rint(lo / s_stored), qmin, qmax)` (0 where the stored scale is 0)."""
     lo, hi = slot_range(x, scheme)
     t = scheme.traits
     if scheme.offset.kind is OffsetKind.ZERO:
@@ -170,22 +171,24 @@ def affine_params(x: np.ndarray, scheme: QuantScheme) -> tuple[QParams, np.ndarr
 
 
 def round_offsets(m: np.ndarray, scheme: QuantScheme) -> np.ndarray:
-    """MIN offsets rounded to the nearest value of their dtype, ties to even, sign kept (E5)."""
+    """MIN offsets rounded to the nearest value of their dtype, ties to even, sign kept
+    (affine offsets)."""
     slot = SCALE_SLOTS[scale_slot_id(scheme.offset.dtype.value, "rne", 0)]
     m = np.asarray(m, dtype=np.float32)
     return np.copysign(slot.store(np.abs(m)).reshape(m.shape), m).astype(np.float32)
 
 
 def raw_scales(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -> np.ndarray:
-    """SPEC §2.1 per slot: the raw f32 scale `s = stat / h` (`stat / 1` under the MX rule,
-    `m / qmin` for signed scales), before any rounding."""
+    """Calibration (docs/spec.md, calibration) per slot: the raw f32 scale `s = stat / h`
+    (`stat / 1` under the MX rule, `m / qmin` for signed scales), before any rounding."""
     stat = slot_statistic(x, scheme, method)
     return (stat / np.float32(scheme.scale_divisor)).astype(np.float32)
 
 
 def calibrate(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -> QParams:
-    """SPEC §2.1-2.3: raw scale `s = stat / h` (`stat / 1` under the MX rule), two-level
-    normalisation, rounded into the dtype by the scheme's rule (v1: up)."""
+    """Calibration, two-level scales and scale storage (docs/spec.md): raw scale `s = stat / h`
+    (`stat / 1` under the MX rule), two-level normalisation, rounded into the dtype by the
+    scheme's rule (v1: up)."""
     if scheme.reciprocal_global:
         return store_reciprocal(slot_statistic(x, scheme, method), scheme)
     if scheme.affine:
@@ -195,16 +198,16 @@ def calibrate(x: np.ndarray, scheme: QuantScheme, method: str = "minmax") -> QPa
 
 
 def require_method(scheme: QuantScheme, method: str) -> None:
-    """The one home of which calibration methods a scheme takes: signed scales (docs/spec.md E3,
-    the slot's signed extreme) and affine offsets (E5, the slot's min and max) take minmax only."""
+    """The one home of which calibration methods a scheme takes: signed scales (the slot's signed
+    extreme) and affine offsets (the slot's min and max; docs/spec.md) take minmax only."""
     if (scheme.signed or scheme.affine) and method != "minmax":
-        raise InputError(f"{scheme} takes the minmax statistic (signed scales: the signed extreme, "
-                         f"docs/spec.md E3; affine offsets: the slot's min and max, E5), not {method!r}")
+        raise InputError(f"{scheme} takes the minmax statistic (signed scales: the signed extreme; "
+                         f"affine offsets: the slot's min and max; docs/spec.md), not {method!r}")
 
 
 def round_scales(s: np.ndarray, scheme: QuantScheme, slot: ScaleSlot | None = None) -> np.ndarray:
     """Raw f32 scales rounded into the slot dtype by `slot` (default: the scheme's rule). Signed
-    scales (docs/spec.md E3) round their magnitude and keep their sign, -0 included."""
+    scales (docs/spec.md, signed scales) round their magnitude and keep their sign, -0 included."""
     slot = slot or scheme.scale_rounding
     s = np.asarray(s, dtype=np.float32)
     if not scheme.signed:
@@ -213,8 +216,9 @@ def round_scales(s: np.ndarray, scheme: QuantScheme, slot: ScaleSlot | None = No
 
 
 def reciprocal_global(top: np.float32, scheme: QuantScheme) -> np.float32:
-    """docs/spec.md E2: `G = f32(M * h) / max(top, tiny)` for the largest statistic `top`, or 1.0
-    where that overflows (an all-zero or tiny tensor), as compressed-tensors computes it."""
+    """docs/spec.md, reciprocal global scale: `G = f32(M * h) / max(top, tiny)` for the largest
+    statistic `top`, or 1.0 where that overflows (an all-zero or tiny tensor), as
+    compressed-tensors computes it."""
     m_h = np.float32(np.float32(scheme.block.dtype.traits.max_value) * np.float32(scheme.half_range))
     with np.errstate(over="ignore", divide="ignore"):
         g = np.float32(m_h / np.maximum(np.float32(top), F32_TINY))
@@ -222,8 +226,9 @@ def reciprocal_global(top: np.float32, scheme: QuantScheme) -> np.float32:
 
 
 def store_reciprocal(stat: np.ndarray, scheme: QuantScheme) -> QParams:
-    """docs/spec.md E2: the reciprocal global `G` from the largest statistic, then each block's
-    raw scale `f32(G * f32(stat_b / h))` rounded into the block dtype by the scheme's rule."""
+    """docs/spec.md, reciprocal global scale: the reciprocal global `G` from the largest
+    statistic, then each block's raw scale `f32(G * f32(stat_b / h))` rounded into the block
+    dtype by the scheme's rule."""
     stat = np.asarray(stat, dtype=np.float32)
     g = reciprocal_global(np.max(stat, initial=np.float32(0)), scheme)
     with np.errstate(over="ignore"):
@@ -234,7 +239,7 @@ def store_reciprocal(stat: np.ndarray, scheme: QuantScheme) -> QParams:
 
 def store_scales(s: np.ndarray, scheme: QuantScheme, g: np.float32 | None = None) -> QParams:
     """Round raw scales into the slot dtype by the scheme's rule; two-level first divides by
-    the global `g` (§2.2)."""
+    the global `g` (two-level scales)."""
     s = np.asarray(s, dtype=np.float32)
     if scheme.reciprocal_global:
         raise ValueError(f"{scheme} takes its reciprocal global from the statistics: use store_reciprocal")
@@ -247,8 +252,8 @@ def store_scales(s: np.ndarray, scheme: QuantScheme, g: np.float32 | None = None
 
 
 def slot_effective(scales: np.ndarray, global_scale: float | None, scheme: QuantScheme) -> np.ndarray:
-    """SPEC §2.4 per slot: `e = s`, `e = g * s_b` (one f32 multiply), or with a reciprocal global
-    `e = s_b / G` (one f32 division, docs/spec.md E2)."""
+    """The effective scale (docs/spec.md) per slot: `e = s`, `e = g * s_b` (one f32 multiply), or
+    with a reciprocal global `e = s_b / G` (one f32 division; reciprocal global scale)."""
     s = np.asarray(scales, dtype=np.float32)
     if not scheme.two_level:
         return s
@@ -258,7 +263,7 @@ def slot_effective(scales: np.ndarray, global_scale: float | None, scheme: Quant
 
 
 def effective_scale(params: QParams, shape: tuple[int, ...], scheme: QuantScheme) -> np.ndarray:
-    """SPEC §2.4: the slot's effective scale (`slot_effective`), broadcast to every element."""
+    """Each element's effective scale (docs/spec.md): its slot's `slot_effective`, broadcast."""
     return layout.expand_to_elements(slot_effective(params.scales, params.global_scale, scheme), shape, scheme)
 
 
@@ -280,14 +285,14 @@ def _lookup_nearest(y: np.ndarray, table: np.ndarray) -> np.ndarray:
 
 
 def encode(y: np.ndarray, scheme: QuantScheme) -> np.ndarray:
-    """Codes of `y = x / e` (SPEC §2.5)."""
+    """Codes of `y = x / e` (docs/spec.md, quantize)."""
     if scheme.is_lookup:
         return _lookup_nearest(y, np.asarray(scheme.require_table(), dtype=np.float32))
     return scheme.traits.encode(y)
 
 
 def decode(codes: np.ndarray, scheme: QuantScheme) -> np.ndarray:
-    """f32 values of codes: the value format, or `table[i]` for LOOKUP (SPEC §2.6)."""
+    """f32 values of codes: the value format, or `table[i]` for LOOKUP (docs/spec.md, dequantize)."""
     if scheme.is_lookup:
         return np.asarray(scheme.require_table(), dtype=np.float32)[codes.astype(np.intp)]
     return scheme.traits.decode(codes)
@@ -302,9 +307,9 @@ def quantize_codes(x: np.ndarray, e: np.ndarray, scheme: QuantScheme) -> np.ndar
 
 def reciprocal_codes(x: np.ndarray, raw: np.ndarray, scheme: QuantScheme,
                      raw_offsets: np.ndarray | None = None) -> np.ndarray:
-    """docs/spec.md E4: `y = f32(x * r)` with `r = f32(1 / s)` of each slot's raw scale `s`
-    (0 where `s == 0`; `y = 0` where `x == 0`), coded by the scheme's code rule. With a MIN
-    offset (E5) `x` is first `f32(x - lo)`, lo the slot's raw minimum."""
+    """docs/spec.md, code rules: `y = f32(x * r)` with `r = f32(1 / s)` of each slot's raw scale
+    `s` (0 where `s == 0`; `y = 0` where `x == 0`), coded by the scheme's code rule. With a MIN
+    offset (affine offsets) `x` is first `f32(x - lo)`, lo the slot's raw minimum."""
     raw = np.asarray(raw, dtype=np.float32)
     with np.errstate(divide="ignore", over="ignore"):
         r = np.where(raw == 0, np.float32(0), np.float32(1) / raw).astype(np.float32)
@@ -323,8 +328,8 @@ MIDPOINT_FLOOR = np.float32(1e-38)
 
 
 def midpoint_codes(x: np.ndarray, raw: np.ndarray, scheme: QuantScheme) -> np.ndarray:
-    """docs/spec.md E4, `midpoint` (LOOKUP; bitsandbytes' quantize_4bit): per slot `s =
-    max(raw scale, 1e-38)`; `y = f32(x * f32(1 / s))` in a slot that holds a whole block,
+    """docs/spec.md, code rules: `midpoint` (LOOKUP; bitsandbytes' quantize_4bit): per slot
+    `s = max(raw scale, 1e-38)`; `y = f32(x * f32(1 / s))` in a slot that holds a whole block,
     `f32(x / s)` in a partial one; `y` clamped to the table's range; the code is the number of
     midpoints `f32((t[i] + t[i+1]) / 2)` below `y` (a tie takes the lower entry)."""
     table = np.asarray(scheme.require_table(), np.float32)
@@ -343,9 +348,9 @@ def midpoint_codes(x: np.ndarray, raw: np.ndarray, scheme: QuantScheme) -> np.nd
 
 def quantize(x: np.ndarray, scheme: QuantScheme, params: QParams | None = None,
              method: str = "minmax") -> QuantizedData:
-    """SPEC §2.1-2.5 in a row: f32 input checked finite, scales calibrated unless given, codes
-    (`x / e`, or under a code rule from the reciprocal of the raw scale: given scales are
-    their own raw scales)."""
+    """Calibration to quantize (docs/spec.md, arithmetic) in a row: f32 input checked finite,
+    scales calibrated unless given, codes (`x / e`, or under a code rule from the reciprocal of
+    the raw scale: given scales are their own raw scales)."""
     x = to_f32(x)
     raise_nonfinite(x)
     raw = raw_off = None
@@ -371,8 +376,9 @@ def quantize(x: np.ndarray, scheme: QuantScheme, params: QParams | None = None,
 
 
 def affine_codes(x: np.ndarray, params: QParams, scheme: QuantScheme) -> np.ndarray:
-    """docs/spec.md E5 under SPEC's division: MIN `y = f32(f32(x - m) / e)` then §2.5's rounding
-    and clamp; ZERO `clamp(rint(f32(x / e)) + z, qmin, qmax)`; y = 0 where e = 0."""
+    """docs/spec.md, affine offsets, under the spec's division: MIN `y = f32(f32(x - m) / e)` then
+    the quantize rule's rounding and clamp; ZERO `clamp(rint(f32(x / e)) + z, qmin, qmax)`; y = 0
+    where e = 0."""
     e = effective_scale(params, x.shape, scheme)
     o = layout.expand_to_elements(np.asarray(params.offsets, np.float32), x.shape, scheme)
     t = scheme.traits
@@ -385,17 +391,17 @@ def affine_codes(x: np.ndarray, params: QParams, scheme: QuantScheme) -> np.ndar
 
 
 def dequantize(data: QuantizedData) -> np.ndarray:
-    """SPEC §2.6: `x' = decode(q) * e` in f32; invalid codes (SPEC v1.1 §3) raise
-    `InvalidDataError` instead of decoding to NaN or an out-of-range value."""
+    """Dequantize (docs/spec.md): `x' = decode(q) * e` in f32; invalid codes (docs/spec.md, invalid
+    codes) raise `InvalidDataError` instead of decoding to NaN or an out-of-range value."""
     data.check_codes()
     params = QParams(data.scales(), data.global_scale(), data.offsets())
     return scaled_values(decode(data.codes(), data.scheme), params, data.shape, data.scheme)
 
 
 def scaled_values(q: np.ndarray, params: QParams, shape: tuple[int, ...], scheme: QuantScheme) -> np.ndarray:
-    """SPEC §2.6's product of decoded values `q` and their effective scales (`x' = q * e`), or
-    for an affine scheme (docs/spec.md E5) its two f32 operations in order: MIN `f32(q * e) + m`,
-    ZERO `f32(q - z) * e`."""
+    """The dequantize rule's product of decoded values `q` and their effective scales
+    (`x' = q * e`), or for an affine scheme (docs/spec.md, affine offsets) its two f32 operations
+    in order: MIN `f32(q * e) + m`, ZERO `f32(q - z) * e`."""
     e = effective_scale(params, shape, scheme)
     with np.errstate(over="ignore", invalid="ignore"):  # a valid huge scale times a code may exceed f32: inf
         if not scheme.affine:

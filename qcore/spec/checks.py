@@ -1,4 +1,4 @@
-"""Input checks shared by every backend (SPEC §2): dtypes, finiteness, explicit parameters."""
+"""Input checks shared by every backend (docs/spec.md, arithmetic): dtypes, finiteness, explicit parameters."""
 from __future__ import annotations
 
 from typing import Any

@@ -1,4 +1,4 @@
-"""Trait tables for quantized values and scale dtypes (SPEC §1, §2).
+"""Trait tables for quantized values and scale dtypes (docs/spec.md, schemes and arithmetic).
 
 One frozen row per value (`VALUES`) and per scale dtype (`SCALES`). Code reads the rows' fields;
 it never tests which value or dtype it holds. A new format is one new row.
@@ -84,12 +84,12 @@ class ValueTraits:
     bias: int = 0
     n_finite: int = 0  # count of finite non-negative codes, minifloats only
     special: Callable[[np.ndarray], np.ndarray] | None = field(default=None, compare=False, repr=False)
-    unsigned: bool = False  # integer codes 0 .. 2**bits - 1 (u8, u4, u2: affine schemes, docs/spec.md E5)
+    unsigned: bool = False  # integer codes 0 .. 2**bits - 1 (u8, u4, u2: docs/spec.md, affine offsets)
 
     @property
     def emax(self) -> int:
         """floor(log2(qmax)): the exponent of the largest value (E2M1 2, E4M3 8, E5M2 15, Q8 6,
-        Q4 2, Q2 0), which the OCP MX scale rule subtracts (SPEC extension, docs/spec.md)."""
+        Q4 2, Q2 0), which the OCP MX scale rule subtracts (docs/spec.md, scale rounding rules)."""
         return int(np.floor(np.log2(self.qmax)))
 
     @property
@@ -103,12 +103,12 @@ class ValueTraits:
     @property
     def code_dtype(self) -> np.dtype:
         """Dtype of unpacked codes: int8 for signed integers, uint8 for minifloat codes and
-        unsigned integers (SPEC §3, docs/spec.md E5)."""
+        unsigned integers (docs/spec.md, portable bytes; affine offsets and unsigned values)."""
         return np.dtype(np.uint8 if self.is_float or self.unsigned else np.int8)
 
     # ----------------------------------------------------------------- encode / decode
     def encode(self, y: np.ndarray) -> np.ndarray:
-        """Codes for f32 `y` = x / e (SPEC §2.5): integers round half to even and clamp;
+        """Codes for f32 `y` = x / e (docs/spec.md, quantize): integers round half to even and clamp;
         minifloats saturate at ±max and round to the nearest value, ties to even mantissa."""
         y = np.asarray(y, dtype=np.float32)
         if not self.is_float:
@@ -148,7 +148,7 @@ class ValueTraits:
         """bool per stored field 0 .. 2**bits - 1: whether it means a value of this format.
 
         Integer fields below `qmin` (Q8S -128, Q4S -8, Q2S -2) and minifloat NaN/Inf codes are
-        outside the value's set (SPEC v1.1 §3); quantize never writes them.
+        outside the value's set (docs/spec.md, invalid codes); quantize never writes them.
         """
         fields = np.arange(1 << self.bits)
         if self.is_float:
@@ -204,11 +204,12 @@ VALUES: dict[str, ValueTraits] = {
 
 
 # --------------------------------------------------------------------------- scale dtypes
-# SPEC §2.3 rounds a raw scale UP to the scale dtype. Every dtype follows one rule, read from its
-# row's numbers (`ScaleTraits.round_up`): clamp at `max_value`; at or below `least` give `least`
-# (UE8M0 has no zero); below `grid_below` (the dtype's smallest normal, where its grid is
-# uniform; for UE8M0 f32's smallest normal) round up to a multiple of `grid_quantum`; otherwise drop mantissa bits of the f32,
-# rounding up: `(bits + round_add) & round_mask`. Kernels use the same numbers (`SCALE_ARRAYS`).
+# Scale storage (docs/spec.md) rounds a raw scale UP to the scale dtype. Every dtype follows one
+# rule, read from its row's numbers (`ScaleTraits.round_up`): clamp at `max_value`; at or below
+# `least` give `least` (UE8M0 has no zero); below `grid_below` (the dtype's smallest normal, where
+# its grid is uniform; for UE8M0 f32's smallest normal) round up to a multiple of `grid_quantum`;
+# otherwise drop mantissa bits of the f32, rounding up: `(bits + round_add) & round_mask`. Kernels
+# use the same numbers (`SCALE_ARRAYS`).
 
 BF16_MAX = float(bits_f32(np.array([0x7F7F0000], dtype=np.uint32))[0])
 UE8M0_MIN = float(np.float32(2.0**-127))
@@ -264,7 +265,7 @@ def _dec_ue8m0(u):
 
 @dataclass(frozen=True)
 class ScaleTraits:
-    """One row of the scale-dtype table (SPEC §1, §2.3, §3).
+    """One row of the scale-dtype table (docs/spec.md: schemes, scale storage, portable bytes).
 
     The numbers say everything the kernels need: the round-up rule (module comment above) and
     the stored word of a representable scale, `(f32 bits >> (23 - man_bits)) - ((127 - bias) <<
@@ -283,7 +284,7 @@ class ScaleTraits:
     decode: Callable[[np.ndarray], np.ndarray] = field(default=None, compare=False, repr=False)
     grid_below: float = -1.0  # where rounding switches to the uniform grid (-1: sub_below)
     grid_quantum: float = -1.0  # and its step (-1: sub_quantum)
-    signed: bool = False  # the word has a sign bit (its top bit), which signed scales use (docs/spec.md E3)
+    signed: bool = False  # the word has a sign bit (its top bit), which signed scales use (docs/spec.md)
 
     def __post_init__(self) -> None:
         # Rounding and the stored word share the subnormal grid, except for UE8M0: its word has
@@ -322,7 +323,7 @@ class ScaleTraits:
         return np.dtype({1: "<u1", 2: "<u2", 4: "<u4"}[self.nbytes])
 
     def round_up(self, s: np.ndarray) -> np.ndarray:
-        """Round raw non-negative f32 scales UP to this dtype (SPEC §2.3), as f32."""
+        """Round raw non-negative f32 scales UP to this dtype (docs/spec.md, scale storage), as f32."""
         s = np.asarray(s, dtype=np.float32)
         b = f32_bits(s).astype(np.uint64)
         out = bits_f32(((b + np.uint64(self.round_add)) & np.uint64(self.round_mask)).astype(np.uint32))
@@ -372,7 +373,7 @@ class ScaleTraits:
 SCALES: dict[str, ScaleTraits] = {
     row.name: row
     for row in (
-        # F32 is the identity (SPEC §2.3): no clamp, even for a raw scale that overflowed to inf.
+        # F32 is the identity (scale storage): no clamp, even for a raw scale that overflowed to inf.
         ScaleTraits("f32", 4, float("inf"), 23, 127, encode=_enc_f32, decode=_dec_f32, signed=True),
         ScaleTraits("f16", 2, 65504.0, 10, 15, sub_below=2.0**-14, sub_quantum=2.0**-24,
                     encode=_enc_f16, decode=_dec_f16, signed=True),
@@ -390,8 +391,8 @@ SCALE_IDS: tuple[str, ...] = tuple(SCALES)
 
 
 SCALE_ROUNDS: tuple[str, ...] = ("up", "rne", "mx")
-"""The scale rounding rules (docs/spec.md "Extensions"): `up` is SPEC v1's; `rne` rounds to
-nearest, ties to even; `mx` is OCP MX's `2^(floor(log2 amax) - emax)` (UE8M0 scales only)."""
+"""The scale rounding rules (docs/spec.md, scale rounding rules): `up` is SPEC v1's; `rne` rounds
+to nearest, ties to even; `mx` is OCP MX's `2^(floor(log2 amax) - emax)` (UE8M0 scales only)."""
 
 
 @dataclass(frozen=True)
@@ -481,13 +482,13 @@ SCALE_ARRAYS = _scale_arrays()
 
 
 def scale_round_kernel(jit: Callable, f2u: Callable, u2f: Callable) -> Callable:
-    """The scale rounding of `ScaleSlot.store` (SPEC §2.3 and its rules) as one scalar function
-    for the kernels: `round_scale(s, slot)` rounds a raw f32 scale `s >= 0` (for rule `mx`: the
-    statistic) into the scale slot with id `slot` (`SCALE_SLOTS` position), reading this
-    module's `SCALE_ARRAYS`. Every kernel backend compiles this one source with its own
-    compiler: `jit` (numba's `njit(inline="always")` for the CPU, `cuda.jit(device=True,
-    inline="always")` for the GPU) and its f32 <-> u32 bit casts (`f2u`, `u2f`). The tests pin
-    it against `ScaleSlot.store` for every slot."""
+    """The scale rounding of `ScaleSlot.store` (scale storage and the scale rounding rules) as one
+    scalar function for the kernels: `round_scale(s, slot)` rounds a raw f32 scale `s >= 0` (for
+    rule `mx`: the statistic) into the scale slot with id `slot` (`SCALE_SLOTS` position), reading
+    this module's `SCALE_ARRAYS`. Every kernel backend compiles this one source with its own
+    compiler: `jit` (numba's `njit(inline="always")` for the CPU,
+    `cuda.jit(device=True, inline="always")` for the GPU) and its f32 <-> u32 bit casts (`f2u`,
+    `u2f`). The tests pin it against `ScaleSlot.store` for every slot."""
     import math
 
     from numba import float32, int32, uint32
@@ -529,12 +530,13 @@ def scale_round_kernel(jit: Callable, f2u: Callable, u2f: Callable) -> Callable:
 
 
 CODE_RULES = ("div", "away", "offset", "midpoint")  # midpoint: LOOKUP only (no kernel backend runs LOOKUP)
-"""Code rules by kernel id (docs/spec.md E4): SPEC v1's `x / e` (0), then the reciprocal rules."""
+"""Code rules by kernel id (docs/spec.md, code rules): the quantize rule's `x / e` (0), then the
+reciprocal rules."""
 
 
 def rule_codes(y: np.ndarray, rule: str, qmin: float, qmax: float) -> np.ndarray:
     """Integer codes (int8) of `y = f32(x * (1 / raw scale))` under code rule `rule`
-    (docs/spec.md E4), whole arrays: `away` rounds half away from zero and clamps to
+    (docs/spec.md, code rules), whole arrays: `away` rounds half away from zero and clamps to
     [qmin, qmax]; `offset` is `clamp(trunc(f32(y + f32(c0 + 0.5))), 0, qmax - qmin) - c0` with
     `c0 = -qmin` (llama.cpp's `trunc(x * id + 8.5)` for Q4_0). NaN (never from finite input)
     codes as 0. `code_rule_kernel` is the same rule per element for the kernels."""

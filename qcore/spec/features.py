@@ -1,4 +1,4 @@
-"""Scheme features beyond SPEC v1 (docs/spec.md E1-E7): what a backend opts in to.
+"""Scheme features beyond SPEC v1 (the *(qcore)* subsections of docs/spec.md): what a backend opts in to.
 
 A scheme that uses none of these features is a SPEC v1 scheme. Each feature is one row: its name
 (the scheme text's part that shows it), its spec section, and the field it reads. A backend lists
@@ -19,8 +19,9 @@ __all__ = ["SchemeFeature", "FEATURES", "ALL_FEATURES", "scheme_features", "decl
 
 @dataclass(frozen=True)
 class SchemeFeature:
-    """One feature beyond SPEC v1: `name` as a backend declares it, the docs/spec.md section and
-    concept it belongs to, and `uses(scheme)`, the test on the scheme's fields."""
+    """One feature beyond SPEC v1: `name` as a backend declares it, the docs/spec.md section
+    (named by its heading, e.g. "code rules") and concept it belongs to, and `uses(scheme)`, the
+    test on the scheme's fields."""
 
     name: str
     section: str
@@ -36,21 +37,25 @@ def _offset(kind: OffsetKind) -> Callable[[QuantScheme], bool]:
 
 
 FEATURES: dict[str, SchemeFeature] = {f.name: f for f in (
-    SchemeFeature("round:rne", "E1", "scale rounding rule", lambda s: s.scale_round is ScaleRound.RNE),
-    SchemeFeature("round:mx", "E1", "scale rounding rule", lambda s: s.scale_round is ScaleRound.MX),
-    SchemeFeature("recip", "E2", "reciprocal global scale", lambda s: s.reciprocal_global),
-    SchemeFeature("signed", "E3", "signed scales", lambda s: s.signed),
-    SchemeFeature("codes:away", "E4", "code rule", lambda s: s.code_rule is CodeRule.AWAY),
-    SchemeFeature("codes:offset", "E4", "code rule", lambda s: s.code_rule is CodeRule.OFFSET),
-    SchemeFeature("codes:midpoint", "E4", "code rule", lambda s: s.code_rule is CodeRule.MIDPOINT),
-    SchemeFeature("unsigned", "E5", "unsigned values (u8, u4, u2)", lambda s: s.traits.unsigned),
-    SchemeFeature("min", "E5", "affine min offsets", _offset(OffsetKind.MIN)),
-    SchemeFeature("zero", "E5", "affine zero points", _offset(OffsetKind.ZERO)),
-    SchemeFeature("order:high", "E6", "field order", lambda s: s.field_order is FieldOrder.HIGH),
-    SchemeFeature("order:split", "E6", "field order", lambda s: s.field_order is FieldOrder.SPLIT),
-    SchemeFeature("flat", "E7", "blocks over the flattened tensor", lambda s: s.flat_blocks),
+    SchemeFeature("round:rne", "scale rounding rules", "scale rounding rule",
+                  lambda s: s.scale_round is ScaleRound.RNE),
+    SchemeFeature("round:mx", "scale rounding rules", "scale rounding rule",
+                  lambda s: s.scale_round is ScaleRound.MX),
+    SchemeFeature("recip", "reciprocal global scale", "reciprocal global scale", lambda s: s.reciprocal_global),
+    SchemeFeature("signed", "signed scales", "signed scales", lambda s: s.signed),
+    SchemeFeature("codes:away", "code rules", "code rule", lambda s: s.code_rule is CodeRule.AWAY),
+    SchemeFeature("codes:offset", "code rules", "code rule", lambda s: s.code_rule is CodeRule.OFFSET),
+    SchemeFeature("codes:midpoint", "code rules", "code rule", lambda s: s.code_rule is CodeRule.MIDPOINT),
+    SchemeFeature("unsigned", "affine offsets and unsigned values", "unsigned values (u8, u4, u2)",
+                  lambda s: s.traits.unsigned),
+    SchemeFeature("min", "affine offsets", "affine min offsets", _offset(OffsetKind.MIN)),
+    SchemeFeature("zero", "affine offsets", "affine zero points", _offset(OffsetKind.ZERO)),
+    SchemeFeature("order:high", "field orders", "field order", lambda s: s.field_order is FieldOrder.HIGH),
+    SchemeFeature("order:split", "field orders", "field order", lambda s: s.field_order is FieldOrder.SPLIT),
+    SchemeFeature("flat", "blocks over the flattened tensor", "blocks over the flattened tensor",
+                  lambda s: s.flat_blocks),
 )}
-"""Every feature beyond SPEC v1, in the order of docs/spec.md's extensions."""
+"""Every feature beyond SPEC v1, in a fixed order (a refusal names the first one a scheme uses)."""
 
 ALL_FEATURES: frozenset[str] = frozenset(FEATURES)
 """What a backend that implements every extension declares (the reference backend)."""

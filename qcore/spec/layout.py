@@ -1,4 +1,4 @@
-"""Block grid, edge blocks and bit packing along an axis (SPEC §2.1, §3).
+"""Block grid, edge blocks and bit packing along an axis (docs/spec.md, calibration and portable bytes).
 
 Backends follow these rules rather than inventing their own; the functions here are the
 plain-numpy statement of them and are used by the reference backend and the payload codec.
@@ -40,7 +40,7 @@ __all__ = [
 
 
 def check_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    """A tensor shape: rank >= 1, non-negative ints (SPEC §2)."""
+    """A tensor shape: rank >= 1, non-negative ints (docs/spec.md, arithmetic)."""
     try:
         shape = tuple(int(d) for d in shape)
     except (TypeError, ValueError):
@@ -60,8 +60,8 @@ def check_shape(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def flat_form(shape: Sequence[int], scheme: QuantScheme) -> tuple[tuple[int, ...], QuantScheme]:
-    """(shape, scheme) as kernels see them (docs/spec.md E7). A scheme with blocks over the
-    flattened tensor stores a tensor of shape S as the 1-D tensor [prod(S)] of `scheme.unflat`;
+    """(shape, scheme) as kernels see them (docs/spec.md, flat blocks). A scheme with blocks over
+    the flattened tensor stores a tensor of shape S as the 1-D tensor [prod(S)] of `scheme.unflat`;
     where S's last axis holds whole blocks, whole words and whole split groups, those bytes are
     also S under `scheme.unflat` (blocks [B] never cross a row, no word is padded), and that form
     is returned, so the 2-D kernels (matmul) apply. Other schemes pass through."""
@@ -79,10 +79,10 @@ def flat_form(shape: Sequence[int], scheme: QuantScheme) -> tuple[tuple[int, ...
 
 def field_positions(extent: int, n: int, order: FieldOrder, group: int = 0) -> np.ndarray:
     """int64 [ceil(extent / n), n]: the element (position along the packing axis) that field f of
-    word j of a line holds, or `extent` for a padding field (docs/spec.md E6).
+    word j of a line holds, or `extent` for a padding field (docs/spec.md, field orders).
 
-    LOW (SPEC §3): j*n + f. HIGH: j*n + n-1-f. SPLIT with groups of G elements: the line is cut
-    into groups (the last may be shorter, L elements, W = ceil(L / n) words); word j of a group
+    LOW (the byte layout): j*n + f. HIGH: j*n + n-1-f. SPLIT with groups of G elements: the line is
+    cut into groups (the last may be shorter, L elements, W = ceil(L / n) words); word j of a group
     holds its elements j, j + W, ..., j + (n-1)W, field f the element f*W + j."""
     words = -(-extent // n)
     j = np.arange(words, dtype=np.int64)[:, None]
@@ -103,7 +103,7 @@ def field_positions(extent: int, n: int, order: FieldOrder, group: int = 0) -> n
 
 def full_block(shape: Sequence[int], scheme: QuantScheme) -> tuple[int, ...] | None:
     """Block dims padded with leading 1s to the tensor's rank; None when there is no block level.
-    Blocks over the flattened tensor (E7) have per-axis dims only in `flat_form`'s shape."""
+    Blocks over the flattened tensor have per-axis dims only in `flat_form`'s shape."""
     if scheme.block is None:
         return None
     if scheme.flat_blocks:
@@ -124,7 +124,7 @@ def block_extents(shape: Sequence[int], scheme: QuantScheme) -> tuple[int, ...] 
     """`full_block` with each dim clamped to its axis extent (at least 1); None per-tensor.
 
     A block larger than its axis covers the same elements as a block equal to the extent
-    (SPEC v1.1 §3), so work sized by these extents costs no more than the tensor itself.
+    (docs/spec.md, size claims), so work sized by these extents costs no more than the tensor itself.
     """
     block = full_block(shape, scheme)
     if block is None:
@@ -134,7 +134,7 @@ def block_extents(shape: Sequence[int], scheme: QuantScheme) -> tuple[int, ...] 
 
 def grid_shape(shape: Sequence[int], scheme: QuantScheme) -> tuple[int, ...]:
     """Shape of the scale slots: `ceil(dim / block)` per axis; `()` for one per-tensor slot;
-    `(ceil(prod / B),)` for blocks over the flattened tensor (E7), whatever `flat_form` gives."""
+    `(ceil(prod / B),)` for blocks over the flattened tensor, whatever `flat_form` gives."""
     if scheme.flat_blocks:
         return (-(-math.prod(shape) // scheme.block.dims[0]),)
     block = full_block(shape, scheme)
@@ -212,7 +212,7 @@ def expand_to_elements(per_slot: np.ndarray, shape: Sequence[int], scheme: Quant
 
 
 def pack(codes: np.ndarray, scheme: QuantScheme) -> np.ndarray:
-    """Codes (shape of the tensor) -> stored words as a flat uint8 array (SPEC §3).
+    """Codes (shape of the tensor) -> stored words as a flat uint8 array (docs/spec.md, portable bytes).
 
     Along the packing axis, runs of n codes fill one word; code k of a run goes to bits
     [k*bits, (k+1)*bits), code 0 lowest; the last word of each line is zero-padded.
@@ -236,7 +236,7 @@ def pack(codes: np.ndarray, scheme: QuantScheme) -> np.ndarray:
         [fields, np.zeros(fields.shape[:-1] + (padded - extent + 1,), np.uint32)], axis=-1)
     if scheme.store.order is FieldOrder.LOW:
         fields = fields[..., :padded].reshape(fields.shape[:-1] + (padded // n, n))
-    else:  # E6: field f of word j holds element field_positions[j, f] (`extent`: the zero pad)
+    else:  # field orders: field f of word j holds element field_positions[j, f] (`extent`: the zero pad)
         fields = fields[..., field_positions(extent, n, scheme.store.order, scheme.store.group)]
     shifts = (np.arange(n, dtype=np.uint32) * np.uint32(bits))
     words = np.bitwise_or.reduce(fields << shifts, axis=-1).astype(wdt)
@@ -246,8 +246,8 @@ def pack(codes: np.ndarray, scheme: QuantScheme) -> np.ndarray:
 
 @functools.lru_cache(maxsize=None)
 def _byte_fields(bits: int, signed: bool) -> np.ndarray:
-    """[256, 8 // bits]: the `bits`-wide fields of each byte value, lowest first (SPEC §3's order),
-    sign-extended two's complement when `signed` (int8), else uint8."""
+    """[256, 8 // bits]: the `bits`-wide fields of each byte value, lowest first (the byte layout's
+    order), sign-extended two's complement when `signed` (int8), else uint8."""
     shifts = np.arange(8 // bits, dtype=np.int32) * bits
     fields = (np.arange(256, dtype=np.int32)[:, None] >> shifts) & ((1 << bits) - 1)
     if signed:
@@ -257,7 +257,7 @@ def _byte_fields(bits: int, signed: bool) -> np.ndarray:
 
 def unpack(buf: np.ndarray | bytes, shape: Sequence[int], scheme: QuantScheme) -> np.ndarray:
     """Stored words (bytes) -> codes of `shape`: int8 (sign-extended) for integer values,
-    uint8 for minifloat codes and LOOKUP indices (SPEC §3)."""
+    uint8 for minifloat codes and LOOKUP indices (docs/spec.md, portable bytes)."""
     shape = tuple(shape)
     if math.prod(shape) == 0:
         return np.zeros(shape, dtype=scheme.code_dtype)
@@ -286,7 +286,7 @@ def unpack(buf: np.ndarray | bytes, shape: Sequence[int], scheme: QuantScheme) -
     fields = (words[..., None] >> shifts) & np.uint32((1 << bits) - 1)
     if scheme.store.order is FieldOrder.LOW:
         fields = fields.reshape(words.shape[:-1] + (words.shape[-1] * n,))[..., :extent]
-    else:  # E6: element field_positions[j, f] is in field f of word j (padding goes to `extent`)
+    else:  # field orders: element field_positions[j, f] is in field f of word j (padding goes to `extent`)
         pos = field_positions(extent, n, scheme.store.order, scheme.store.group)
         line = np.zeros(words.shape[:-1] + (extent + 1,), np.uint32)
         line[..., pos] = fields
@@ -299,8 +299,8 @@ def unpack(buf: np.ndarray | bytes, shape: Sequence[int], scheme: QuantScheme) -
 
 def reorder_values(payload: bytes, shape: Sequence[int], src: QuantScheme, dst: QuantScheme) -> bytes:
     """`payload` (of `shape` under `src`) with its values section packed as `dst` packs it: the
-    same codes, the fields in `dst`'s order (docs/spec.md E6); the other sections as they are.
-    `src` and `dst` differ only in their store's field order."""
+    same codes, the fields in `dst`'s order (docs/spec.md, field orders); the other sections as
+    they are. `src` and `dst` differ only in their store's field order."""
     n = values_nbytes(shape, src)
     codes = unpack(np.frombuffer(payload, np.uint8, count=n), shape, src)
     return pack(codes, dst).tobytes() + bytes(payload[n:])

@@ -66,7 +66,7 @@ class ScaleDtype(enum.Enum):
 
 
 class ScaleRound(enum.Enum):
-    """How a raw scale becomes a stored one (docs/spec.md "Extensions"): UP is SPEC v1's
+    """How a raw scale becomes a stored one (docs/spec.md, scale rounding rules): UP is SPEC v1's
     round-up; RNE rounds to the nearest value of the scale dtype, ties to even; MX is OCP MX's
     `2^(floor(log2 amax) - emax(value))` (one UE8M0 block level, symmetric values)."""
 
@@ -79,12 +79,12 @@ class ScaleRound(enum.Enum):
 
 
 class CodeRule(enum.Enum):
-    """How quantize turns `x` into codes (docs/spec.md E4). DIV is SPEC v1 §2.5: `y = x / e`,
-    round half to even (LOOKUP: the nearest entry). AWAY and OFFSET (integer values) multiply by
-    the reciprocal of the slot's raw scale and round as llama.cpp's quantizers do: half away
-    from zero (Q8_0), or `trunc(y + c0 + 0.5) - c0` on offset codes (Q4_0, `c0 = -qmin`).
-    MIDPOINT (LOOKUP) multiplies likewise and counts the table's f32 midpoints below `y`
-    (bitsandbytes' quantize_4bit)."""
+    """How quantize turns `x` into codes (docs/spec.md, code rules). DIV is the spec's quantize
+    rule: `y = x / e`, round half to even (LOOKUP: the nearest entry). AWAY and OFFSET (integer
+    values) multiply by the reciprocal of the slot's raw scale and round as llama.cpp's
+    quantizers do: half away from zero (Q8_0), or `trunc(y + c0 + 0.5) - c0` on offset codes
+    (Q4_0, `c0 = -qmin`). MIDPOINT (LOOKUP) multiplies likewise and counts the table's f32
+    midpoints below `y` (bitsandbytes' quantize_4bit)."""
 
     DIV = "div"
     AWAY = "away"
@@ -96,13 +96,13 @@ class CodeRule(enum.Enum):
 
 
 SIGNED_SCALE_DTYPES = tuple(name for name, row in SCALES.items() if row.signed)
-"""Scale dtypes with a sign bit (f32, f16, bf16), which signed scales (docs/spec.md E3) may use."""
+"""Scale dtypes with a sign bit (f32, f16, bf16), which signed scales (docs/spec.md, signed scales) may use."""
 
 
 class OffsetKind(enum.Enum):
-    """An affine scheme's per-slot offset (docs/spec.md E5). MIN: a float `m` added after the
-    scale, `x = f32(f32(q * e) + m)` (GGUF Q4_1). ZERO: an integer zero point `z` in the value's
-    range, `x = f32((q - z) * e)` (compressed-tensors / AWQ / GPTQ asymmetric)."""
+    """An affine scheme's per-slot offset (docs/spec.md, affine offsets). MIN: a float `m` added
+    after the scale, `x = f32(f32(q * e) + m)` (GGUF Q4_1). ZERO: an integer zero point `z` in the
+    value's range, `x = f32((q - z) * e)` (compressed-tensors / AWQ / GPTQ asymmetric)."""
 
     MIN = "min"
     ZERO = "zero"
@@ -143,9 +143,9 @@ class StoreKind(enum.Enum):
 
 
 class FieldOrder(enum.Enum):
-    """Which element of a line each field of a packed word holds (docs/spec.md E6)."""
+    """Which element of a line each field of a packed word holds (docs/spec.md, field orders)."""
 
-    LOW = "low"  # SPEC §3: element k of a run of n in field k (element 0 in the lowest bits)
+    LOW = "low"  # the byte layout: element k of a run of n in field k (element 0 in the lowest bits)
     HIGH = "high"  # element k of a run in field n - 1 - k (bitsandbytes: element 2k in the high nibble)
     SPLIT = "split"  # groups of G elements: word j of a group holds elements j, j + G/n, ... (GGUF)
 
@@ -155,7 +155,8 @@ class FieldOrder(enum.Enum):
 
 @dataclass(frozen=True)
 class QuantStore:
-    """Where codes live in the payload (SPEC §3). `dim` is the packing axis counted from the end.
+    """Where codes live in the payload (docs/spec.md, portable bytes). `dim` is the packing axis
+    counted from the end.
 
     PackedU32(d): 32/bits fields per little-endian u32 word along axis `rank - 1 - d`;
     PackedNative(d): 8/bits fields per byte. Element k of a run sits in bits [k*bits, (k+1)*bits):
@@ -163,9 +164,10 @@ class QuantStore:
         u32 word of Q4S, elements e0..e7:   | e7 | e6 | e5 | e4 | e3 | e2 | e1 | e0 |
                                             bit 31                          bit 0
 
-    `order` (docs/spec.md E6) moves elements between the fields of a line: HIGH puts element 0 of
-    a run in the highest field; SPLIT cuts the line into groups of `group` elements (the last may
-    be shorter) and word j of a group holds its elements j, j + W, j + 2W, ... (W words per group).
+    `order` (docs/spec.md, field orders) moves elements between the fields of a line: HIGH puts
+    element 0 of a run in the highest field; SPLIT cuts the line into groups of `group` elements
+    (the last may be shorter) and word j of a group holds its elements j, j + W, j + 2W, ... (W
+    words per group).
     """
 
     kind: StoreKind
@@ -216,21 +218,22 @@ def Native() -> QuantStore:
 
 
 def PackedU32(dim: int = 0, order: FieldOrder | str = FieldOrder.LOW, group: int = 0) -> QuantStore:
-    """32/bits fields per u32 word along axis `rank - 1 - dim` (fields in `order`, E6)."""
+    """32/bits fields per u32 word along axis `rank - 1 - dim` (fields in `order`: field orders)."""
     return QuantStore(StoreKind.PACKED_U32, dim, order, group)
 
 
 def PackedNative(dim: int = 0, order: FieldOrder | str = FieldOrder.LOW, group: int = 0) -> QuantStore:
     """8/bits fields per byte along axis `rank - 1 - dim` (sub-byte values only; fields in
-    `order`, E6)."""
+    `order`: field orders)."""
     return QuantStore(StoreKind.PACKED_NATIVE, dim, order, group)
 
 
 @dataclass(frozen=True)
 class BlockLevel:
-    """One scale per block of `dims`, aligned to the trailing tensor axes. `flat` (docs/spec.md
-    E7, one dim only): blocks of `dims[0]` consecutive elements of the row-major flattened
-    tensor, which is then stored as the 1-D tensor of that length (bitsandbytes)."""
+    """One scale per block of `dims`, aligned to the trailing tensor axes. `flat` (docs/spec.md,
+    blocks over the flattened tensor; one dim only): blocks of `dims[0]` consecutive elements of
+    the row-major flattened tensor, which is then stored as the 1-D tensor of that length
+    (bitsandbytes)."""
 
     dims: tuple[int, ...]
     dtype: ScaleDtype = ScaleDtype.F32
@@ -239,15 +242,16 @@ class BlockLevel:
 
 @dataclass(frozen=True)
 class TensorLevel:
-    """One scale for the whole tensor. `reciprocal` (two-level only, docs/spec.md E2): the
-    stored global is `G = 1 / g`, and the effective scale `s_b / G` (compressed-tensors' NVFP4)."""
+    """One scale for the whole tensor. `reciprocal` (two-level only; docs/spec.md, reciprocal
+    global scale): the stored global is `G = 1 / g`, and the effective scale `s_b / G`
+    (compressed-tensors' NVFP4)."""
 
     dtype: ScaleDtype = ScaleDtype.F32
     reciprocal: bool = False
 
 
 INT64_MAX = (1 << 63) - 1
-"""Largest number a scheme or a file's metadata may hold (SPEC v1.1 §3: size claims)."""
+"""Largest number a scheme or a file's metadata may hold (docs/spec.md, size claims)."""
 
 
 def _parse_int(digits: str, what: str, text: str) -> int:

@@ -1,4 +1,4 @@
-"""Portable bytes: `QuantizedData` = shape + scheme + payload (SPEC §3).
+"""Portable bytes: `QuantizedData` = shape + scheme + payload (docs/spec.md, portable bytes).
 
 Layout, little-endian, dense, no padding between sections:
 
@@ -29,7 +29,7 @@ class Sections:
     scales: int
     global_: int
     table: int
-    offsets: int = 0  # an affine scheme's per-slot offsets, last (docs/spec.md E5)
+    offsets: int = 0  # an affine scheme's per-slot offsets, last (docs/spec.md, affine offsets)
 
     @property
     def total(self) -> int:
@@ -48,8 +48,8 @@ def sections(shape: Sequence[int], scheme: QuantScheme) -> Sections:
 
 
 def offset_nbytes(scheme: QuantScheme) -> int:
-    """Bytes of one stored offset (docs/spec.md E5): the MIN dtype's, 1 for a ZERO point, 0 when
-    the scheme is not affine."""
+    """Bytes of one stored offset (docs/spec.md, affine offsets): the MIN dtype's, 1 for a ZERO
+    point, 0 when the scheme is not affine."""
     if scheme.offset is None:
         return 0
     return scheme.offset.dtype.traits.nbytes if scheme.offset.kind is OffsetKind.MIN else 1
@@ -159,8 +159,8 @@ class QuantizedData:
         return layout.unpack(np.frombuffer(self.values_bytes(), np.uint8), self.shape, self.scheme)
 
     def first_invalid_code(self) -> tuple[int, ...] | None:
-        """Index of the first element whose stored field is outside the value's set (SPEC v1.1
-        §3: Q8S/Q4S/Q2S below qmin, E4M3/E5M2 NaN/Inf), row-major; None when all are valid.
+        """Index of the first element whose stored field is outside the value's set (invalid
+        codes: Q8S/Q4S/Q2S below qmin, E4M3/E5M2 NaN/Inf), row-major; None when all are valid.
 
         Padding bits of a packed word are not elements and are ignored.
         """
@@ -204,8 +204,8 @@ class QuantizedData:
         return float(np.frombuffer(self.payload, "<f4", count=1, offset=b)[0])
 
     def offsets(self) -> np.ndarray | None:
-        """An affine scheme's per-slot offsets (docs/spec.md E5) in the block-grid shape: MIN as
-        float32, ZERO points as float32 integers; None for other schemes."""
+        """An affine scheme's per-slot offsets (docs/spec.md, affine offsets) in the block-grid
+        shape: MIN as float32, ZERO points as float32 integers; None for other schemes."""
         sch = self.scheme
         if sch.offset is None:
             return None
@@ -226,8 +226,8 @@ class QuantizedData:
         return np.asarray(self.scheme.table, dtype=np.float32)
 
     def in_low_order(self) -> "QuantizedData":
-        """The same tensor with its values in SPEC §3's field order (docs/spec.md E6): the same
-        codes, scales and decode; `self` when it is in that order already."""
+        """The same tensor with its values in the byte layout's field order (docs/spec.md, field
+        orders): the same codes, scales and decode; `self` when it is in that order already."""
         low = self.scheme.low_order
         if low is self.scheme:
             return self

@@ -1,4 +1,4 @@
-"""Quantization schemes as immutable values, their validity rules and text form (SPEC §1)."""
+"""Quantization schemes as immutable values, their validity rules and text form (docs/spec.md, schemes)."""
 from __future__ import annotations
 
 import re
@@ -41,7 +41,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """An immutable, hashable quantization scheme (SPEC §1).
+    """An immutable, hashable quantization scheme (docs/spec.md, schemes).
 
     Build with the builder methods, or parse text with `qcore.scheme(...)`:
 
@@ -56,9 +56,9 @@ class QuantScheme:
     tensor: TensorLevel | None = None
     _store: QuantStore | None = None  # None = the default store for the value
     scale_round: ScaleRound = ScaleRound.UP
-    signed: bool = False  # docs/spec.md E3: slot scales may be negative; raw s = m / qmin
+    signed: bool = False  # signed scales: slot scales may be negative; raw s = m / qmin
     code_rule: CodeRule = CodeRule.DIV
-    offset: Offset | None = None  # docs/spec.md E5: an affine scheme's per-slot offset
+    offset: Offset | None = None  # affine offsets: an affine scheme's per-slot offset
 
     def __post_init__(self) -> None:
         value = _coerce(QuantValue, self.value, "value")
@@ -107,23 +107,23 @@ class QuantScheme:
 
     @property
     def flat_blocks(self) -> bool:
-        """Blocks over the row-major flattened tensor (docs/spec.md E7)."""
+        """Blocks over the row-major flattened tensor (docs/spec.md, flat blocks)."""
         return self.block is not None and self.block.flat
 
     @property
     def unflat(self) -> "QuantScheme":
         """The same scheme with ordinary blocks: a flat-block tensor of shape S is stored as the
-        1-D tensor [prod(S)] of this scheme (docs/spec.md E7)."""
+        1-D tensor [prod(S)] of this scheme (docs/spec.md, flat blocks)."""
         return replace(self, block=replace(self.block, flat=False)) if self.flat_blocks else self
 
     @property
     def field_order(self) -> FieldOrder:
-        """The packed store's field order (docs/spec.md E6); LOW for v1 and Native."""
+        """The packed store's field order (docs/spec.md, field orders); LOW for v1 and Native."""
         return FieldOrder.LOW if self._store is None else self._store.order
 
     @property
     def low_order(self) -> "QuantScheme":
-        """The same scheme with SPEC §3's field order (the same codes, packed element 0 lowest)."""
+        """The same scheme in the byte layout's field order (the same codes, packed element 0 lowest)."""
         if self._store is None or self._store.order is FieldOrder.LOW:
             return self
         return replace(self, _store=QuantStore(self._store.kind, self._store.dim))
@@ -142,7 +142,8 @@ class QuantScheme:
 
     @property
     def reciprocal_global(self) -> bool:
-        """Two-level with the global stored as its reciprocal `G` (docs/spec.md E2): `e = s_b / G`."""
+        """Two-level with the global stored as its reciprocal `G` (docs/spec.md, reciprocal global
+        scale): `e = s_b / G`."""
         return self.two_level and self.tensor.reciprocal
 
     @property
@@ -163,23 +164,24 @@ class QuantScheme:
 
     @property
     def scale_divisor(self) -> float:
-        """What the statistic is divided by for the raw scale (SPEC §2.1): `h`
-        (`half_range`), 1 under the MX rule, which rounds the statistic itself, or `qmin` for
-        signed scales, whose statistic is the slot's signed extreme (docs/spec.md E3)."""
+        """What the statistic is divided by for the raw scale (docs/spec.md,
+        calibration): `h` (`half_range`), 1 under the MX rule, which rounds the statistic itself,
+        or `qmin` for signed scales, whose statistic is the slot's signed extreme (docs/spec.md,
+        signed scales)."""
         if self.signed:
             return self.traits.qmin
-        if self.offset is not None:  # the span max - min over the codes' span (E5)
+        if self.offset is not None:  # the span max - min over the codes' span (affine offsets)
             return self.traits.qmax - self.traits.qmin
         return 1.0 if self.scale_round is ScaleRound.MX else self.half_range
 
     @property
     def affine(self) -> bool:
-        """A per-slot offset after the scale (docs/spec.md E5)."""
+        """A per-slot offset after the scale (docs/spec.md, affine offsets)."""
         return self.offset is not None
 
     @property
     def reciprocal_codes(self) -> bool:
-        """Codes from `x * (1 / raw scale)` (docs/spec.md E4: AWAY, OFFSET) instead of `x / e`."""
+        """Codes from `x * (1 / raw scale)` (docs/spec.md, code rules: AWAY, OFFSET) instead of `x / e`."""
         return self.code_rule is not CodeRule.DIV
 
     @property
@@ -204,12 +206,12 @@ class QuantScheme:
     @property
     def code_dtype(self) -> np.dtype:
         """Dtype of unpacked codes: int8 for signed integer values, uint8 for minifloat codes,
-        unsigned integers and LOOKUP indices (SPEC §3)."""
+        unsigned integers and LOOKUP indices (docs/spec.md, portable bytes)."""
         return np.dtype(np.uint8 if (self.is_lookup or self.traits.code_dtype == np.uint8) else np.int8)
 
     @property
     def valid_fields(self) -> np.ndarray:
-        """bool per stored field 0 .. 2**bits - 1: whether a payload may hold it (SPEC v1.1 §3).
+        """bool per stored field 0 .. 2**bits - 1: whether a payload may hold it (docs/spec.md, invalid codes).
 
         LOOKUP indices are all valid (the table has 2**bits entries); otherwise the value's row.
         """
@@ -267,13 +269,13 @@ class QuantScheme:
     def per_block(self, dims: int | Iterable[int], dtype: ScaleDtype | str = ScaleDtype.F32, *,
                   flat: bool = False) -> "QuantScheme":
         """One scale per block of `dims`; `flat=True` (one dim): blocks over the row-major
-        flattened tensor (docs/spec.md E7)."""
+        flattened tensor (docs/spec.md, blocks over the flattened tensor)."""
         return replace(self, block=BlockLevel(_normalize_dims(dims), _coerce(ScaleDtype, dtype, "scale dtype"),
                                               bool(flat)))
 
     def with_field_order(self, order: FieldOrder | str, group: int = 0) -> "QuantScheme":
         """The same scheme with its packed fields in `order` (low, high, split with `group`
-        elements per group; docs/spec.md E6)."""
+        elements per group; docs/spec.md, field orders)."""
         st = self.store
         return replace(self, _store=QuantStore(st.kind, st.dim, _coerce(FieldOrder, order, "field order"), group))
 
@@ -286,17 +288,18 @@ class QuantScheme:
         return replace(self, scale_round=_coerce(ScaleRound, rule, "scale rounding rule"))
 
     def with_signed_scales(self, signed: bool = True) -> "QuantScheme":
-        """The same scheme with signed slot scales (docs/spec.md E3): the raw scale is the slot's
-        signed extreme over `qmin`, so that element codes as `qmin` (GGUF Q4_0)."""
+        """The same scheme with signed slot scales (docs/spec.md, signed scales): the raw scale is
+        the slot's signed extreme over `qmin`, so that element codes as `qmin` (GGUF Q4_0)."""
         return replace(self, signed=bool(signed))
 
     def with_offset(self, kind: OffsetKind | str | None, dtype: ScaleDtype | str | None = None) -> "QuantScheme":
-        """The same scheme with an affine offset (docs/spec.md E5): `min` (a float per slot, stored
-        in `dtype`, default f32) or `zero` (an integer zero point per slot); None removes it."""
+        """The same scheme with an affine offset (docs/spec.md, affine offsets): `min` (a float per
+        slot, stored in `dtype`, default f32) or `zero` (an integer zero point per slot); None
+        removes it."""
         return replace(self, offset=None if kind is None else Offset(kind, dtype))
 
     def with_code_rule(self, rule: CodeRule | str) -> "QuantScheme":
-        """The same scheme with codes computed by `rule` (div, away, offset; docs/spec.md E4);
+        """The same scheme with codes computed by `rule` (div, away, offset; docs/spec.md, code rules);
         the payload layout is unchanged."""
         return replace(self, code_rule=_coerce(CodeRule, rule, "code rule"))
 
@@ -320,8 +323,9 @@ class QuantScheme:
 
     @property
     def rule_parts(self) -> list[str]:
-        """The text parts, after the store, of the rules beyond SPEC v1 (docs/spec.md E1, E3-E6):
-        the field order, the offset, `signed`, `round:RULE`, `codes:RULE`; [] for none."""
+        """The text parts, after the store, of the rules beyond SPEC v1 (docs/spec.md: field orders,
+        affine offsets, signed scales, scale rounding rules, code rules): the field order, the
+        offset, `signed`, `round:RULE`, `codes:RULE`; [] for none."""
         parts = [self.store.order_text] if self.store.order_text else []
         if self.offset is not None:
             parts.append(str(self.offset))
@@ -343,7 +347,8 @@ class QuantScheme:
 
 def base_scheme(value: QuantValue | str) -> QuantScheme:
     """The simplest valid scheme of a value: `QuantScheme(value)`, or for an unsigned value (u8,
-    u4, u2), which needs an affine offset, that with a zero point (docs/spec.md E5)."""
+    u4, u2), which needs an affine offset, that with a zero point (docs/spec.md, affine offsets and
+    unsigned values)."""
     value = _coerce(QuantValue, value, "value")
     return QuantScheme(value, offset=Offset(OffsetKind.ZERO) if value.traits.unsigned else None)
 
@@ -354,7 +359,7 @@ PRESETS: dict[str, QuantScheme] = {
     "mxfp4": QuantScheme(QuantValue.E2M1).per_block([32], ScaleDtype.UE8M0).with_store(PackedNative(0)),
     "mxfp8": QuantScheme(QuantValue.E4M3).per_block([32], ScaleDtype.UE8M0).with_store(Native()),
     "nf4": QuantScheme(QuantValue.Q4S).with_mode(QuantMode.LOOKUP, "nf4").per_block([64], ScaleDtype.F32),
-    # llama.cpp's quantizers, bit for bit (docs/spec.md E3, E4; GGUF Q8_0 and Q4_0).
+    # llama.cpp's quantizers, bit for bit (docs/spec.md, signed scales and code rules; GGUF Q8_0 and Q4_0).
     "q8_0": QuantScheme(QuantValue.Q8S).per_block([32], ScaleDtype.F16).with_scale_round(ScaleRound.RNE)
     .with_code_rule(CodeRule.AWAY),
     "q4_0": QuantScheme(QuantValue.Q4F).per_block([32], ScaleDtype.F16).with_signed_scales()
@@ -407,7 +412,7 @@ def _over_preset(name: str, extra: list[str], text: str) -> str:
 
 
 def scheme(text: str | QuantScheme) -> QuantScheme:
-    """Parse the text form of a scheme (SPEC §1), or pass a `QuantScheme` through.
+    """Parse the text form of a scheme (docs/spec.md, schemes), or pass a `QuantScheme` through.
 
     >>> str(scheme("q4s/block32:f16"))
     'q4s/block32:f16'

@@ -35,7 +35,7 @@ def _within(y, x, W, bias, out_dtype):
 def test_linear_within_the_bound_in_x_dtype(backend, text, dtype):
     be = qcore.backend(backend)
     if not be.supports(text):
-        pytest.skip(f"{backend} does not run {text}")  # ndarray: Q8 values only (SPEC §4)
+        pytest.skip(f"{backend} does not run {text}")  # ndarray: Q8 values only (docs/spec.md, backends)
     q = be.quantize(_weight((40, 96)), text)
     W = np.asarray(be.dequantize(q), np.float64)
     x = _x((2, 3, 96), dtype)
@@ -150,7 +150,7 @@ def test_load_takes_a_shard_folder_and_its_index(tmp_path):
 @pytest.mark.parametrize("backend", ["reference", "ndarray"])
 def test_a_bad_code_is_invalid_data_in_the_products(backend):
     """A payload holding a code outside the value's set raises InvalidDataError naming the element
-    from matmul and linear, as from a first dequantize (SPEC v1.1 §3)."""
+    from matmul and linear, as from a first dequantize (docs/spec.md, invalid codes)."""
     from qcore.spec.payload import QuantizedData
 
     ref = qcore.backend("reference")
@@ -164,7 +164,7 @@ def test_a_bad_code_is_invalid_data_in_the_products(backend):
             call()
 
 
-# --------------------------------------------------------------------------- W8A8: docs/spec.md E9
+# --------------------------------------------------------- W8A8: docs/spec.md, quantized activations
 
 ACT = {"reference": "e4m3/block96:f32", "ndarray": "q8s/block96:f32", "cuda": "e4m3/block96:f32"}
 """Per-row activation schemes for K = 96, one each backend runs (ndarray: 8-bit integers only)."""
@@ -175,7 +175,7 @@ def _be(name, request):
 
 
 def _decoded(x, act):
-    """E9's xq: x read as float32, quantized under `act` and decoded, by the reference."""
+    """The quantized activations' xq: x read as float32, quantized under `act` and decoded, by the reference."""
     ref = qcore.backend("reference")
     return np.asarray(ref.dequantize(ref.quantize(np.asarray(x).astype(np.float32), act)))
 
@@ -183,7 +183,7 @@ def _decoded(x, act):
 @pytest.mark.parametrize("backend", ["reference", "ndarray", "cuda"])
 @pytest.mark.parametrize("act_block", [96, 32, 40])  # per row; whole blocks along K; an edge block (96 = 2 * 40 + 16)
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
-def test_act_products_are_e8_of_the_decoded_x(backend, act_block, dtype, request):
+def test_act_products_are_the_plain_products_of_the_decoded_x(backend, act_block, dtype, request):
     be, ref = _be(backend, request), qcore.backend("reference")
     act = ACT[backend].replace("block96", f"block{act_block}")
     w = be.quantize(_weight((40, 96)), "q8s/block32:f32")
@@ -191,7 +191,7 @@ def test_act_products_are_e8_of_the_decoded_x(backend, act_block, dtype, request
     x, bias = _x((2, 3, 96), dtype), _x((40,), np.float32, seed=5)
     xq = _decoded(x, act)
     y = be.to_numpy(be.linear(x, w, bias, act=act))
-    assert y.shape == (2, 3, 40) and y.dtype == np.dtype(dtype)  # x's dtype, as E8's linear
+    assert y.shape == (2, 3, 40) and y.dtype == np.dtype(dtype)  # x's dtype, as `linear`'s without act
     assert _within(y, xq, W, bias, dtype)
     assert not _within(y, x, W, bias, dtype)  # (the act was applied: x itself is far outside)
     ym = be.to_numpy(be.matmul(x, be.transpose(w), act=act))  # the same product as [K, N]
@@ -202,7 +202,7 @@ def test_act_products_are_e8_of_the_decoded_x(backend, act_block, dtype, request
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
 def test_act_rows_holding_a_non_finite_x_give_nan(backend, dtype, request):
     """act= does not refuse a non-finite x: its rows give NaN (bias included), every other row
-    the bits it has with those rows all zeros (docs/spec.md E9)."""
+    the bits it has with those rows all zeros (docs/spec.md, quantized activations)."""
     be = _be(backend, request)
     w = be.quantize(_weight((40, 96)), "q8s/block32:f32")
     x, bias = _x((2, 4, 96), dtype), _x((40,), np.float32, seed=5)

@@ -1,5 +1,6 @@
 """The `ndarray` plugin (backends/ndarray): capability table, bit-exactness against `reference`,
-explicit params, errors, determinism and tensor ops (SPEC §2-§4).
+explicit params, errors, determinism and tensor ops (docs/spec.md: arithmetic, portable bytes,
+backends).
 
 These tests are backend-specific; the shared conformance suite lives in qcore/conformance.
 Test ids are `<scheme>-<shape>[-<dtype>]`, so a failing case can be pasted back into `-k`.
@@ -88,8 +89,8 @@ def test_auto_ranks_ndarray_above_reference_for_q8_only():
 
 # --------------------------------------------------------------------------- capability table
 
-VALUE_NAMES = [v for v in VALUES if not VALUES[v].unsigned]  # unsigned values need an offset (E5): below
-ACCEPTED_VALUES = {"q8f", "q8s"}  # SPEC §4 table
+VALUE_NAMES = [v for v in VALUES if not VALUES[v].unsigned]  # unsigned values need an affine offset: below
+ACCEPTED_VALUES = {"q8f", "q8s"}  # docs/spec.md, backends: its table
 
 
 def _scheme_for(value: str, mode: str, level: str) -> qcore.QuantScheme:
@@ -224,7 +225,7 @@ def test_bit_exact_special_values(text):
 
 @pytest.mark.parametrize("text", ["q8s", "q8s/block8:f32", "q8s/packed_u32:1"])
 def test_true_division_not_reciprocal_multiply(text):
-    """SPEC §2.5: y = x / e. Near-ties where x * (1/e) rounds the other way must follow x / e."""
+    """The spec's quantize rule: y = x / e. Near-ties where x * (1/e) rounds the other way must follow x / e."""
     e = np.float32(np.float32(3) / np.float32(127) * np.float32(1.0001))
     x = ((np.arange(-508, 508, dtype=np.float32) * np.float32(0.25) + np.float32(0.5)) * e).astype(np.float32)
     x = x.reshape(8, 127)
@@ -315,7 +316,7 @@ def test_non_finite_input_names_the_first_index(text, bad):
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")
 def test_float64_overflow_is_reported_as_inf():
     x = np.zeros((2, 3))
-    x[1, 2] = 1e300  # becomes inf in float32 (SPEC §2: inputs are converted to f32 first)
+    x[1, 2] = 1e300  # becomes inf in float32 (docs/spec.md, arithmetic: inputs are converted to f32 first)
     with pytest.raises(InputError, match=r"input has inf at index \(1, 2\)"):
         nd.quantize(x, "q8s")
 

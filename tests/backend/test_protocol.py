@@ -38,7 +38,7 @@ def test_the_contract_lists_every_member_and_base_backend_has_them_all():
 
 
 def test_a_plugin_backend_lacking_a_member_is_refused_naming_them(fresh_registry):
-    class Duck:  # the methods of SPEC §4 alone, none of the optional capabilities
+    class Duck:  # the methods of docs/spec.md's backends alone, none of the optional capabilities
         name, priority = "duck", 1
 
         def __getattr__(self, attr):
@@ -92,7 +92,7 @@ def test_quantize_out_is_the_qtensor_given_the_new_data():
 
 
 def test_adopt_payload_parts_and_error_stats_defaults():
-    q = REF.quantize(W, "q4s/block32:f16/order:high")  # a field order the parts carry moved (E6)
+    q = REF.quantize(W, "q4s/block32:f16/order:high")  # a field order (docs/spec.md) the parts carry moved
     d = q.to_data()
     assert REF.adopt(d, np.frombuffer(d.payload, np.uint8)).to_data() == d
     assert b"".join(p.tobytes() for p in REF.payload_parts(q)) == d.payload

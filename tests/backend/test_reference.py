@@ -1,4 +1,5 @@
-"""SPEC §2 on the reference backend: calibration, two-level scales, quantize/dequantize, errors."""
+"""The spec's arithmetic (docs/spec.md, arithmetic) on the reference backend: calibration, two-level
+scales, quantize/dequantize, errors."""
 import ml_dtypes
 import numpy as np
 import pytest

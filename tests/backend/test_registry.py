@@ -1,4 +1,4 @@
-"""SPEC §4: plugin discovery through entry points, selection, auto, and error text."""
+"""Backends (docs/spec.md, backends): plugin discovery through entry points, selection, auto, and error text."""
 import textwrap
 
 import numpy as np

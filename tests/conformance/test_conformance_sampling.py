@@ -47,9 +47,9 @@ def test_rounding_rule_strata_hold_every_scheme_under_each_rule_that_differs():
 
 
 def test_signed_and_code_rule_strata_hold_the_space_under_each_variant():
-    """docs/spec.md E3, E4: strata per (rule, level kind) hold every scheme of the space under each
-    (signed, rounding, code rule) variant that is valid, the q8_0 / q4_0 presets among them, after
-    the v1 and rounding strata; the per-scheme groups keep v1's rules."""
+    """Signed scales and code rules (docs/spec.md): strata per (rule, level kind) hold every scheme of
+    the space under each (signed, rounding, code rule) variant that is valid, the q8_0 / q4_0
+    presets among them, after the v1 and rounding strata; the per-scheme groups keep v1's rules."""
     space = set(C.scheme_space(full=True)) | set(C.SPACE_PRESETS)
     ruled = [x for x in S.strata() if x.id.split("/")[0] in ("signed", "codes:away", "codes:offset", "codes:midpoint")]
     got = {s for x in ruled for s in x.candidates}
@@ -71,10 +71,11 @@ def test_signed_and_code_rule_strata_hold_the_space_under_each_variant():
     assert {s.traits.unsigned for s in affine["affine:zero/block"].candidates} == {True, False}
 
 
-def test_layout_strata_hold_each_packed_or_one_dim_block_scheme_under_e6_and_e7():
-    """docs/spec.md E6, E7: `order:high` / `order:split` per packed store kind hold every packed
-    scheme of the space in that order (split groups of max(16, 2n)), `flat/*` every one-dim block
-    scheme with its blocks over the flattened tensor; they come last and stay out of the groups."""
+def test_layout_strata_hold_each_packed_or_one_dim_block_scheme_in_field_orders_and_flat_blocks():
+    """Field orders and flat blocks (docs/spec.md): `order:high` / `order:split` per packed store kind
+    hold every packed scheme of the space in that order (split groups of max(16, 2n)), `flat/*` every
+    one-dim block scheme with its blocks over the flattened tensor; they come last and stay out of
+    the groups."""
     space = set(C.scheme_space(full=True)) | set(C.SPACE_PRESETS)
     layout_strata = {x.id: x for x in S.strata() if x.id.startswith(("order:", "flat/"))}
     assert set(layout_strata) == {f"order:{o}/{k}" for o in ("high", "split") for k in ("packed_u32", "packed_native")} \

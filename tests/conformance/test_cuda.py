@@ -1,5 +1,5 @@
-"""The conformance suite against the `cuda` backend (backends/cuda). SPEC §4: it supports
-everything except LOOKUP.
+"""The conformance suite against the `cuda` backend (backends/cuda). By docs/spec.md, backends,
+it supports everything except LOOKUP.
 
 CI runs it under Numba's CUDA simulator, which pays per launched thread: small tensors, one case
 per stratum, 12 strata and 12 groups keep it within minutes (tests/cuda/test_cuda_quantize.py runs

@@ -1,5 +1,6 @@
-"""The conformance suite against the `ndarray` backend (backends/ndarray). SPEC §4: it supports
-Q8F and Q8S in every level, store and scale dtype, and rejects everything else."""
+"""The conformance suite against the `ndarray` backend (backends/ndarray). By docs/spec.md,
+backends, it supports Q8F and Q8S in every level, store and scale dtype, and rejects everything
+else."""
 import pytest
 
 from qcore.conformance import ConformanceTests, installed_backend

@@ -117,8 +117,8 @@ def test_quantize_into_a_byte_buffer(be):
 @pytest.mark.parametrize("text", ["q4s/block32:f16", "e4m3", "q2s/packed_u32:1"])
 def test_invalid_codes_raise_with_out_and_stream(be, text, monkeypatch):
     """dequantize into `out=` and on a given stream reads the tensor's invalid-code flag too
-    (SPEC v1.1 §3): InvalidDataError naming the element, then the same tensor raises again and a
-    clean one decodes; a scheme whose every code is a value reads nothing back."""
+    (docs/spec.md, invalid codes): InvalidDataError naming the element, then the same tensor raises
+    again and a clean one decodes; a scheme whose every code is a value reads nothing back."""
     x = sample_x((4, 64), seed=20)
     d = REF.quantize(x, text).to_data()
     field = int(np.flatnonzero(~d.scheme.valid_fields)[-1])

@@ -281,9 +281,9 @@ def test_adopt_reads_a_device_payload_in_place(cuda_backend, text):
 @pytest.mark.parametrize("given", [False, True])
 def test_w8a8_runs_code_by_code_on_torchs_fp8_gemm(cuda_backend, wtext, given):
     """An e4m3 weight (per-row or per-tensor f32 scales) and per-row e4m3 activations, a bfloat16
-    result from LIBRARY_FROM_M rows: torch's `_scaled_mm` over both payloads, within docs/spec.md
-    E9's bound with the FP8 accumulator term against the reference's decoded x; the same bits
-    again; a float32 result or fewer rows take the decoded path."""
+    result from LIBRARY_FROM_M rows: torch's `_scaled_mm` over both payloads, within the bound of
+    docs/spec.md's quantized activations with the FP8 accumulator term against the reference's
+    decoded x; the same bits again; a float32 result or fewer rows take the decoded path."""
     torch = pytest.importorskip("torch")
     if not hasattr(torch, "_scaled_mm"):
         pytest.skip("this torch has no _scaled_mm")
@@ -319,7 +319,8 @@ def test_w8a8_runs_code_by_code_on_torchs_fp8_gemm(cuda_backend, wtext, given):
 def test_w8a8_reads_a_bfloat16_x_as_it_is(cuda_backend):
     """W8A8 quantizes a bfloat16 x per row from its own bits: the product is, bit for bit, the one
     of x.float() quantized by `quantize` (the reference's bytes), exact ties included; a row
-    holding a non-finite x gives NaN, the other rows what they give with it zeroed (E9)."""
+    holding a non-finite x gives NaN, the other rows what they give with it zeroed (docs/spec.md, quantized
+    activations)."""
     torch = pytest.importorskip("torch")
     if not hasattr(torch, "_scaled_mm"):
         pytest.skip("this torch has no _scaled_mm")

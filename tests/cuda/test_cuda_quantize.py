@@ -1,6 +1,6 @@
 """The `cuda` backend's quantize, dequantize and from_data against the reference, bit for bit
-(SPEC §2, §3): every value, scale level and store on ragged shapes, explicit parameters,
-non-finite input, input dtypes and device arrays."""
+(docs/spec.md, arithmetic and portable bytes): every value, scale level and store on ragged
+shapes, explicit parameters, non-finite input, input dtypes and device arrays."""
 from __future__ import annotations
 
 import numpy as np
@@ -22,7 +22,7 @@ from numba import cuda  # noqa: E402
 @pytest.mark.parametrize("text, shape", bit_exact_cases())
 def test_quantize_dequantize_bit_exact(cuda_backend, text, shape):
     """Calibrate + quantize: payload bytes (codes, scales, global) identical to the reference;
-    dequantize: identical float32 bits (SPEC §2, §3)."""
+    dequantize: identical float32 bits (docs/spec.md, arithmetic and portable bytes)."""
     x = sample_x(shape, seed=len(text) + sum(shape))
     q = cuda_backend.quantize(x, text)
     d = cuda_backend.into_data(q)
@@ -36,7 +36,7 @@ def test_quantize_dequantize_bit_exact(cuda_backend, text, shape):
 @pytest.mark.parametrize("text", ["q8s", "q4s/block32:f16", "e2m1/block16:ue4m3/tensor:f32/packed_native",
                                   "q2f/block4x8:ue8m0/packed_u32:1", "e5m2/tensor:bf16"])
 def test_absmean_calibration(cuda_backend, text):
-    """absmean (mean |x|, f64 sum, one f32 rounding) per block and per tensor (SPEC §2.1)."""
+    """absmean (mean |x|, f64 sum, one f32 rounding) per block and per tensor (docs/spec.md, calibration)."""
     x = sample_x((6, 70), seed=3)
     got = cuda_backend.into_data(cuda_backend.quantize(x, text, method="absmean"))
     want = REF.into_data(REF.quantize(x, text, method="absmean"))
@@ -48,7 +48,7 @@ def test_absmean_calibration(cuda_backend, text):
 @pytest.mark.parametrize("exp", [-140, -128, -100, -20, -8, 0, 12, 20, 100, 126])
 def test_scale_round_up_across_magnitudes(cuda_backend, sdt, exp):
     """Scales from 2**-140 to 2**126 hit every round-up branch: subnormal grids, clamps at the
-    dtype max, UE8M0's 2**-127 floor (SPEC §2.3)."""
+    dtype max, UE8M0's 2**-127 floor (docs/spec.md, scale storage)."""
     x = (sample_x((4, 64), seed=exp + 200, scale=1.0).astype(np.float64) * 2.0 ** exp).astype(np.float32)
     for text in (f"q8s/block32:{sdt}", f"e4m3/tensor:{sdt}"):
         got = cuda_backend.calibrate(x, text)
@@ -69,7 +69,8 @@ def _magnitudes_and_midpoints(value: str) -> tuple:
 @pytest.mark.parametrize("value", INT_VALUES + FLOAT_VALUES)
 def test_every_code_and_midpoint(cuda_backend, value):
     """With scale 1, y = x: every representable value, every midpoint between neighbours (ties
-    to even), values beyond max (saturate), and -0 encode exactly as the reference (SPEC §2.5)."""
+    to even), values beyond max (saturate), and -0 encode exactly as the reference (docs/spec.md,
+    quantize)."""
     t, mags, mids = _magnitudes_and_midpoints(value)
     pts = np.concatenate([mags, mids, mids * (1 + 1e-6), mids * (1 - 1e-6), [t.qmax * 1.01, t.qmax * 9]])
     x = np.concatenate([pts, -pts, [-0.0]]).astype(np.float32)
@@ -85,7 +86,7 @@ def test_every_code_and_midpoint_on_the_fast_layout(cuda_backend, value):
     """The same points as above on the fast kernels' layout (lines of whole runs of 16, padded
     with zeros): given scale 1, and calibrated per-tensor and two-level scales that are powers
     of two (a line's max |x| is qmax, or 6 for E2M1), so each point stays exact after the
-    division: every code, every tie (to even) and its neighbours (SPEC §2.5)."""
+    division: every code, every tie (to even) and its neighbours (docs/spec.md, quantize)."""
     from qcore_cuda import fast
 
     t, mags, mids = _magnitudes_and_midpoints(value)
@@ -109,7 +110,8 @@ def test_every_code_and_midpoint_on_the_fast_layout(cuda_backend, value):
                                   "q2s/block2x4:bf16/packed_u32:1", "e5m2/block8:ue8m0"])
 def test_explicit_params(cuda_backend, text):
     """Explicit params (rounded up by the core) quantize exactly as the reference, including a zero
-    scale (every code is the encoding of 0) and a two-level global (SPEC §2.3-2.5)."""
+    scale (every code is the encoding of 0) and a two-level global (docs/spec.md, scale
+    storage to quantize)."""
     x = sample_x((5, 37), seed=11)
     cal = REF.calibrate(x, text)
     s = np.asarray(cal.scales, np.float32) * np.float32(0.7)
@@ -123,7 +125,7 @@ def test_explicit_params(cuda_backend, text):
 
 def test_lookup_is_rejected(cuda_backend):
     """LOOKUP values are declared unsupported, and every entry point refuses them before touching
-    data (SPEC §4)."""
+    data (docs/spec.md, backends)."""
     sup = cuda_backend.supports("nf4")
     assert not sup and "LOOKUP" in sup.reason
     with pytest.raises(UnsupportedSchemeError, match=r"backend 'cuda' does not support q4s-lookup\[nf4\]"):
@@ -185,8 +187,9 @@ def test_device_array_inputs_are_not_copied(cuda_backend):
 def test_from_data_decodes_any_payload(cuda_backend, text, dtype, shape):
     """Random codes (every bit pattern) and random valid scales: a code outside the value's set
     (Q4S -8, E4M3/E5M2 NaN/Inf) raises InvalidDataError naming the same first element as the
-    reference (SPEC v1.1 §3); with those replaced, from_data keeps the bytes and dequantize matches
-    the reference in every output dtype (SPEC §2.6, §3)."""
+    reference (docs/spec.md, invalid codes); with those replaced, from_data keeps the bytes and
+    dequantize matches the reference in every output dtype (docs/spec.md, dequantize and portable
+    bytes)."""
     import ml_dtypes
 
     from qcore.conformance.invalid import with_valid_codes

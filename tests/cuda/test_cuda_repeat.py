@@ -141,7 +141,7 @@ def test_repeat_quantize_of_misaligned_input(be):
 @pytest.mark.parametrize("text", ["q4s/block32:f16", "e4m3/block32:f32"])
 def test_repeat_dequantize_raises_for_invalid_codes_then_recovers(be, text):
     """Bytes rewritten under a remembered tensor over the caller's memory (quantize's out=
-    array) to hold an invalid code (SPEC v1.1 §3): the repeat reads the flag, raises
+    array) to hold an invalid code (docs/spec.md, invalid codes): the repeat reads the flag, raises
     InvalidDataError naming the element, re-zeroes the flag, and decodes the good bytes again
     afterwards."""
     x = sample_x((4, 64), seed=38)
@@ -164,7 +164,7 @@ def test_repeat_dequantize_raises_for_invalid_codes_then_recovers(be, text):
 
 @pytest.mark.parametrize("text", ["q4s/block32:f16", "e4m3/block32:f32"])
 def test_codes_are_checked_once_per_tensor_of_the_backends_memory(be, text, monkeypatch):
-    """SPEC v1.1 §3: invalid codes raise no later than a tensor's first dequantize. A tensor in
+    """Invalid codes raise no later than a tensor's first dequantize (docs/spec.md). A tensor in
     the backend's own memory is read once: its first dequantize reads the flag, later ones (the
     whole way and repeats, quantize out= into it between them) read none, so they do not wait;
     a tensor made from bad bytes raises at every dequantize."""
@@ -196,7 +196,7 @@ def test_codes_are_checked_once_per_tensor_of_the_backends_memory(be, text, monk
 @pytest.mark.parametrize("text", ["q4s/block32:f16", "q4s/block32:f16/packed_native/order:high"])
 def test_repeat_matmul_gives_the_whole_ways_result(be, text):
     """A weight's second product with x of one shape launches the packed kernel directly, into a
-    new array or out=, and gives the first call's floats bit for bit (a field order, E6,
+    new array or out=, and gives the first call's floats bit for bit (a field order
     included); x of another shape or dtype takes the whole way. The simulator runs the field
     order at M = 1 only."""
     rng = np.random.default_rng(39)
@@ -235,8 +235,8 @@ def test_repeat_matmul_checks_out(be):
 @pytest.mark.parametrize("text", ["q4_0", "q4s/block32:f16/packed_native/order:high",
                                   "q4s/block32:f16/packed_native/order:split32", "q4s/block32:f16:flat"])
 def test_schemes_beyond_the_fast_kernels_always_go_the_whole_way(be, text):
-    """A scheme the fast kernels do not serve alone (signed scales, E3, on the general kernels; a
-    field order, E6, which k_reorder moves after them; flat blocks, E7, in their 2-D form) is
+    """A scheme the fast kernels do not serve alone (signed scales on the general kernels; a
+    field order, which k_reorder moves after them; flat blocks in their 2-D form) is
     noted once as no repeat: later calls take the whole way, with the reference's bytes each
     time."""
     x = sample_x((4, 64), seed=41)

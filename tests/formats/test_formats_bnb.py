@@ -60,7 +60,7 @@ ROWS_REF = os.path.join(DATA, "bnb_nf4_rows.ref.safetensors")
 @pytest.mark.parametrize("be_name", ["reference", "lutcpu"])
 def test_blocks_that_cross_rows_decode_like_dequantize_4bit(request, be_name):
     """Layers of in_features 96 and 37 (an odd element count: a half byte at the end), blocks of 64
-    over the flattened weight: read as blocks over the flattened tensor (docs/spec.md E7), decoded
+    over the flattened weight: read as blocks over the flattened tensor (docs/spec.md), decoded
     bit for bit as bitsandbytes' dequantize_4bit."""
     be = get_backend(be_name, request)
     ck, want = qf.read(ROWS), qf.read(ROWS_REF).tensors
@@ -209,8 +209,8 @@ def test_qcore_nf4_writes_what_bitsandbytes_decodes(tmp_path):
 @pytest.mark.parametrize("text", ["q4s-lookup[nf4]/block64:f32:flat", "q4s-lookup[nf4]/block64:f32:flat/packed_native/order:high",
                                   "q4s-lookup[nf4]/block128:f32:flat/packed_native"])
 def test_flat_nf4_of_any_shape_is_written_as_bitsandbytes_lays_it_out(tmp_path, text):
-    """Blocks over the flattened tensor (E7) are bitsandbytes' own blocks: any shape is written,
-    whatever qcore's store and field order, and decodes (documented layout) to qcore's values."""
+    """Blocks over the flattened tensor (docs/spec.md) are bitsandbytes' own blocks: any shape is
+    written, whatever qcore's store and field order, and decodes (documented layout) to qcore's values."""
     x = np.random.default_rng(5).standard_normal((5, 39)).astype(np.float32)
     q = qcore.quantize(x, text, backend="reference")
     qcore.save(tmp_path / "a.safetensors", {"w": q})
@@ -243,10 +243,10 @@ QUANTIZE = os.path.join(DATA, "bnb_nf4_quantize.safetensors")  # bitsandbytes' q
 
 @pytest.mark.parametrize("be_name", ["reference", "lutcpu"])
 def test_codes_midpoint_writes_bitsandbytes_quantize_bytes(tmp_path, request, be_name):
-    """`nf4/block<B>:f32:flat/packed_native/order:high/codes:midpoint` (docs/spec.md E4, E6, E7)
-    quantizes as bitsandbytes 0.50.2's own quantize_4bit: written in its layout, every case's
-    packed codes and absmax equal the tool's bytes (ties at every midpoint, zero, subnormal and
-    huge blocks, partial last blocks, an odd count, an f16 input)."""
+    """`nf4/block<B>:f32:flat/packed_native/order:high/codes:midpoint` (docs/spec.md: code rules, field
+    orders, flat blocks) quantizes as bitsandbytes 0.50.2's own quantize_4bit: written in its
+    layout, every case's packed codes and absmax equal the tool's bytes (ties at every midpoint,
+    zero, subnormal and huge blocks, partial last blocks, an odd count, an f16 input)."""
     be = get_backend(be_name, request)
     from safetensors import safe_open
 

@@ -31,7 +31,7 @@ SCHEMES = {  # module weight -> the qcore scheme it reads as
     "layers.0.up_proj.weight": "e4m3",  # fp8, tensor, f32 scale
     "layers.0.down_proj.weight": "e4m3/block8x16:bf16",  # fp8, 8 x 16 blocks
     "layers.0.gate_proj.weight": "mxfp4",  # mxfp4-pack-quantized: uint8 nibbles + E8M0 bytes
-    # nvfp4-pack-quantized: nibbles + FP8 block scales + the reciprocal global (docs/spec.md E2)
+    # nvfp4-pack-quantized: nibbles + FP8 block scales + the reciprocal global (docs/spec.md, reciprocal global scale)
     "layers.1.gate_proj.weight": "e2m1/block16:ue4m3/tensor:f32:recip/packed_native",
     # fused experts [2, 8, n]: int4 groups of 32 and fp8 per channel, blocks along the last axis
     "layers.2.experts.w1.weight": "q4f/block32:bf16/packed_u32",
@@ -39,7 +39,7 @@ SCHEMES = {  # module weight -> the qcore scheme it reads as
     # fused-expert FP4 [2, 4, 64]: mxfp4, and nvfp4 with the module's one [1] global
     "layers.3.experts.w1.weight": "mxfp4",
     "layers.3.experts.w2.weight": "e2m1/block16:ue4m3/tensor:f32:recip/packed_native",
-    # asymmetric int (weight_zero_point): zero points as qcore's per-slot offsets (docs/spec.md E5)
+    # asymmetric int (weight_zero_point): zero points as qcore's per-slot offsets (docs/spec.md, affine offsets)
     "layers.4.q_proj.weight": "q4f/block32:bf16/zero",  # int4, group 32, zero points packed down the rows
     "layers.4.k_proj.weight": "q8f/block64:f16/packed_u32/zero",  # int8, channel; 6 rows: a partly filled word
     "layers.4.v_proj.weight": "q4f/zero",  # int4, tensor: one f32 scale and one int8 zero point

@@ -50,7 +50,7 @@ def _gguf_file(path, tensors, kv=None):
     return path
 
 
-# ndarray holds 8-bit integers only (SPEC §4), so MXFP4 runs on reference and cuda
+# ndarray holds 8-bit integers only (docs/spec.md, backends), so MXFP4 runs on reference and cuda
 DECODERS = [pytest.param(kind, scheme, be, id=f"{kind.name}-{be}") for kind, scheme, bes in (
     (T.Q8_0, "q8s/block32:f16", BACKENDS), (T.Q4_0, "q4f/block32:f16/signed", ["reference", "cuda"]),
     (T.Q4_1, "u4/block32:f16/min:f16", ["reference", "cuda"]),
@@ -267,9 +267,9 @@ def _edge_x(seed):
                                              ("q4_1", T.Q4_1, ["reference", "cuda"])], ids=["q8_0", "q4_0", "q4_1"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_presets_encode_as_llama_cpp_does(tmp_path, request, preset, kind, bes, seed):
-    """The `q8_0` / `q4_0` / `q4_1` presets (docs/spec.md E3-E5) write the bytes gguf-py's quantizer
-    writes, block for block, except where its f16 scale or min overflows to inf (qcore saturates
-    at ±65504; the codes are the same)."""
+    """The `q8_0` / `q4_0` / `q4_1` presets (docs/spec.md: signed scales, code rules, affine offsets)
+    write the bytes gguf-py's quantizer writes, block for block, except where its f16 scale or min
+    overflows to inf (qcore saturates at ±65504; the codes are the same)."""
     x = _edge_x(seed)
     head = 4 if kind == T.Q4_1 else 2  # the f16 fields before a block's codes
     want = gguf.quants.quantize(x, kind).reshape(-1, {T.Q8_0: 34, T.Q4_0: 18, T.Q4_1: 20}[kind])

@@ -105,7 +105,7 @@ def test_scale_byte_zero_with_a_nonzero_code_is_refused_by_default(tmp_path):
                                                    r"zero_scale=spec"):
         qf.read(tmp_path / "z.safetensors")
     d = qf.read(tmp_path / "z.safetensors", zero_scale="spec").tensors["w"]
-    assert d.scales()[0] == np.float32(2.0 ** -127)   # decoded per SPEC §1
+    assert d.scales()[0] == np.float32(2.0 ** -127)   # decoded per docs/spec.md, schemes (UE8M0)
 
 
 def test_scale_byte_zero_with_zero_codes_reads(tmp_path):

@@ -129,8 +129,8 @@ def test_host_layers_pick_a_host_backend():
 
 def test_layers_on_a_named_backend_run_its_linear():
     """`backend=` picks the backend the layers run on (here the cuda backend, under the simulator in
-    CI: torch CPU tensors in and out): the same results as its own `linear`, within E8's bound of
-    the host backend's."""
+    CI: torch CPU tensors in and out): the same results as its own `linear`, within `linear`'s bound
+    (docs/spec.md, products with a quantized weight) of the host backend's."""
     try:
         be = qcore.backend("cuda")
     except qcore.QCoreError:

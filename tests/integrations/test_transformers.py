@@ -93,7 +93,7 @@ def test_from_pretrained_runs_it_as_the_dequantized_model(folders):
     ids = _ids(out)
     want_model = _with_dequantized_weights(src, out)
     got, want = _logits(model, ids), _logits(want_model, ids)
-    # linear's contract (docs/spec.md E8): f32 sums of exact products, so only summation order differs
+    # `linear`'s contract (docs/spec.md): f32 sums of exact products, so only summation order differs
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
     gen = dict(max_new_tokens=8, do_sample=False)
     assert torch.equal(model.generate(ids, **gen), want_model.generate(ids, **gen))

@@ -1,4 +1,4 @@
-"""Affine offsets and unsigned values (docs/spec.md E5): calibration against an independent
+"""Affine offsets and unsigned values (docs/spec.md): calibration against an independent
 oracle, the decode's two f32 operations (never fused), payload and params validity, and the ops
 (reshape, permute, slice, cat, matmul) on reference and cuda. GGUF Q4_1 against gguf itself is in
 test_formats_gguf.py; every backend against the reference in the conformance suite's `affine:*`

@@ -1,4 +1,4 @@
-"""SPEC §1-§2: value and scale-dtype trait tables (round-up, minifloat rounding)."""
+"""Value and scale-dtype trait tables (docs/spec.md, schemes and arithmetic): round-up, minifloat rounding."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -28,7 +28,7 @@ NARROW = {"f16": np.float16, "bf16": ml_dtypes.bfloat16, "ue4m3": ml_dtypes.floa
 
 @pytest.mark.parametrize("dtype", sorted(SCALES))
 def test_round_up_is_smallest_representable_at_or_above(dtype):
-    """Never rounds down (SPEC §2.3); result is representable; it is the next value up."""
+    """Never rounds down (docs/spec.md, scale storage); result is representable; it is the next value up."""
     rng = np.random.default_rng(1)
     s = np.concatenate([
         np.exp(rng.uniform(-30, 30, 4000)).astype(np.float32),

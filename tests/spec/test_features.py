@@ -40,7 +40,7 @@ ONE_EACH = {
 class V1Narrow(Narrow):
     """The narrow plugin of tests/mutants.py as its author wrote it for SPEC v1: `_supports`
     reads the fields v1 has and nothing else, so its own answer is yes for q8s F32 schemes
-    under the code rules and zero points (E4, E5), which its v1 arithmetic does not implement,
+    under the code rules and zero points (affine offsets), which its v1 arithmetic does not implement,
     and no declaration."""
 
     name = "v1-narrow"
@@ -76,8 +76,8 @@ def test_undeclared_feature_is_refused_with_a_reason():
     assert be._supports(s)  # the plugin's own hook would claim it
     sup = be.supports(s)
     assert not sup
-    assert sup.reason == ("backend 'v1-narrow' does not declare the scheme feature codes:away (code rule, "
-                          "docs/spec.md E4) in its scheme_features; use a scheme without it or a backend that "
+    assert sup.reason == ("backend 'v1-narrow' does not declare the scheme feature codes:away (code rule; "
+                          "docs/spec.md, code rules) in its scheme_features; use a scheme without it or a backend that "
                           "declares it (qcore backends)")
     assert be.supports("q8s/block32:f32")
     for text in ("q8s/block32:f32/zero", "q8s/block32:f32:flat"):

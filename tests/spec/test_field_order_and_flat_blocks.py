@@ -1,4 +1,4 @@
-"""Field orders (docs/spec.md E6) and blocks over the flattened tensor (E7): the text form and
+"""Field orders and blocks over the flattened tensor (docs/spec.md): the text form and
 its refusals, the field rule against independent statements of the formats' layouts (GGUF's
 split halves, bitsandbytes' high-first nibbles), the cuda field-order kernel against the
 reference's re-packing, the flattened bytes against the 1-D tensor's, and every backend against the
@@ -60,7 +60,7 @@ def test_builders_and_defaults():
     assert str(s) == "q4s/block64:f32:flat/packed_native/order:high"
     assert s.unflat == qcore.scheme("q4s/block64:f32/packed_native/order:high")
     assert s.low_order == qcore.scheme("q4s/block64:f32:flat/packed_native")
-    assert qcore.scheme("q4s/order:low") == qcore.scheme("q4s")  # SPEC §3's order is the default
+    assert qcore.scheme("q4s/order:low") == qcore.scheme("q4s")  # the byte layout's order is the default
     assert qcore.scheme("q4s/block32:flat") == qcore.scheme("q4s/block32:f32:flat")
     assert qcore.scheme("q4s").with_field_order("split", 16) == QuantScheme(QuantValue.Q4S).with_store(
         PackedU32(0, FieldOrder.SPLIT, 16))
@@ -134,7 +134,7 @@ REORDER_CASES = [(t, sh) for t in REORDER_SCHEMES for sh in [(3, 37), (5, 3, 20)
 
 @pytest.mark.parametrize("text,shape", REORDER_CASES, ids=[f"{t}-{'x'.join(map(str, sh))}" for t, sh in REORDER_CASES])
 def test_cuda_reorder_kernel_moves_fields_as_the_reference_does(text, shape, request):
-    """`k_reorder` both ways between SPEC §3's order and the scheme's (whole and partial groups,
+    """`k_reorder` both ways between the byte layout's order and the scheme's (whole and partial groups,
     packing axes 0 and 1, bytes and u32 words, a values section that ends inside a u32 and one
     shorter than a u32), the bytes after the values copied, against `layout.reorder_values`."""
     be = get_backend("cuda", request)
@@ -307,9 +307,9 @@ def test_the_midpoint_rule_is_for_lookup_schemes_with_one_level(text, ok):
 
 
 def test_the_midpoint_rule_divides_in_partial_blocks_and_takes_the_lower_entry_at_a_tie():
-    """docs/spec.md E4 `midpoint`, against a statement written out here: whole blocks multiply by
-    f32(1 / s), a partial block divides by s, y is clamped to the table, and the code counts the
-    f32 midpoints below y."""
+    """The `midpoint` code rule (docs/spec.md, code rules), against a statement written out here:
+    whole blocks multiply by f32(1 / s), a partial block divides by s, y is clamped to the table,
+    and the code counts the f32 midpoints below y."""
     s = qcore.scheme("nf4/block8:f32:flat/codes:midpoint")
     t = np.asarray(s.table, np.float32)
     mids = ((t[:-1] + t[1:]) / np.float32(2)).astype(np.float32)

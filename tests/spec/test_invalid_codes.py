@@ -1,6 +1,7 @@
-"""SPEC v1.1 §3: a payload holding a value code outside its value's set (Q8S/Q4S/Q2S below qmin,
-E4M3/E5M2 NaN/Inf) raises `InvalidDataError` naming the first bad element, no later than the
-first dequantize, on every backend; the backend stays usable and clean payloads still decode.
+"""Invalid codes (docs/spec.md): a payload holding a value code outside its value's set (Q8S/Q4S/Q2S
+below qmin, E4M3/E5M2 NaN/Inf) raises `InvalidDataError` naming the first bad element, no later
+than the first dequantize, on every backend; the backend stays usable and clean payloads still
+decode.
 
 The cuda cases run on the simulator with tiny shapes and cover its three dequantize kernels
 (the fast kernel, the row kernel and the general one), each checked to have run.
@@ -78,7 +79,7 @@ def test_cpu_backends_name_the_first_bad_element(text, backend):
 
 
 def test_padding_bits_are_not_elements():
-    """The unused fields of a padded word may hold anything (SPEC v1.1 §3)."""
+    """The unused fields of a padded word may hold anything (docs/spec.md, invalid codes)."""
     d = _data("q4s", (2, 3))  # 3 of 8 fields of each word used
     raw = bytearray(d.payload)
     raw[3] = 0x88  # fields 6, 7 of row 0: padding
@@ -170,7 +171,7 @@ def test_cuda_kernels_keep_their_ptx_signatures():
 
 # ------------------------------------------------------------------------------ the conformance check
 class DecodesAnything(ReferenceBackend):
-    """A backend that forgot SPEC v1.1 §3: it decodes invalid codes."""
+    """A backend that forgot the spec's invalid codes (docs/spec.md): it decodes them."""
 
     name = "decodes-anything"
 
@@ -190,7 +191,7 @@ def test_conformance_check_invalid_codes(text):
 
     case = Case(text, (3, 4))
     check_invalid_codes(REF, case)  # the reference conforms
-    with pytest.raises(ConformanceFailure, match=r"decoded without InvalidDataError \(SPEC v1.1 §3\)"):
+    with pytest.raises(ConformanceFailure, match=r"decoded without InvalidDataError \(docs/spec.md, invalid codes\)"):
         check_invalid_codes(DecodesAnything(), case)
 
 

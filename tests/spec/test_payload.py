@@ -1,4 +1,5 @@
-"""SPEC §3: the portable byte format, known-good payloads and validation of untrusted bytes."""
+"""The portable byte format (docs/spec.md, portable bytes): known-good payloads and validation of
+untrusted bytes."""
 import itertools
 
 import numpy as np
@@ -138,7 +139,7 @@ def test_bad_shape_or_scheme_is_invalid_data(shape, text, match):
 
 def test_random_bytes_decode_without_crashing():
     """Decode fuzz (as gguf-py does): a right-length payload with valid scales decodes, or, when a
-    code is outside the value's set (SPEC v1.1 §3), raises InvalidDataError naming it."""
+    code is outside the value's set (docs/spec.md, invalid codes), raises InvalidDataError naming it."""
     rng = np.random.default_rng(3)
     for text, shape in itertools.product(["e4m3/packed_u32", "e5m2", "q4f/packed_native:1", "q2s"], [(5, 7)]):
         s = qcore.scheme(text)

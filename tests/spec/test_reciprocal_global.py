@@ -1,4 +1,4 @@
-"""The reciprocal global scale (docs/spec.md E2, `tensor:f32:recip`): the two-level global stored
+"""The reciprocal global scale (`tensor:f32:recip`, docs/spec.md): the two-level global stored
 as `G = 1 / g`, effective scale `s_b / G`, as compressed-tensors' NVFP4 stores it."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The scale rounding rules (docs/spec.md "Extensions"): `up` (SPEC v1), `rne`, `mx`.
+"""The scale rounding rules (docs/spec.md, scale rounding rules): `up` (the v1 rule), `rne`, `mx`.
 
 Each rule is checked against an independent oracle (numpy's and ml_dtypes' casts, which round to
 nearest even; `np.frexp` for the MX exponent; an OCP MX quantizer written here), then through
@@ -95,7 +95,7 @@ def test_mx_rule_is_floor_log2_amax_minus_emax(value):
 def test_emax_of_every_value():
     assert {k: v.emax for k, v in VALUES.items()} == {
         "q8f": 6, "q8s": 6, "q4f": 2, "q4s": 2, "q2f": 0, "q2s": 0, "e4m3": 8, "e5m2": 15, "e2m1": 2,
-        "u8": 7, "u4": 3, "u2": 1}  # (unsigned values take no mx rule: affine only, docs/spec.md E5)
+        "u8": 7, "u4": 3, "u2": 1}  # (unsigned values take no mx rule: affine offsets only)
 
 
 # --------------------------------------------------------------------------- schemes

@@ -1,5 +1,5 @@
-"""One home for the scale rules (SPEC §2.3, §3, and the rounding rules of docs/spec.md
-"Extensions"): the numbers in `qcore.spec.codecs.SCALE_ARRAYS` give the same rounding and the same
+"""One home for the scale rules (docs/spec.md: scale storage, portable bytes and the scale rounding
+rules): the numbers in `qcore.spec.codecs.SCALE_ARRAYS` give the same rounding and the same
 stored words as the slot rows (`SCALE_SLOTS`: every scale dtype under every rule), and the cuda
 device functions built on them (`qcore_cuda.scales`) agree with both, bit for bit."""
 import numpy as np

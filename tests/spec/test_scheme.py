@@ -1,4 +1,4 @@
-"""SPEC §1: schemes as values, validity rules, presets and the text form."""
+"""Schemes as values (docs/spec.md, schemes): validity rules, presets and the text form."""
 import itertools
 
 import pytest
@@ -32,7 +32,7 @@ def all_valid_schemes():
         stores = [PackedU32(0), PackedU32(1)] + ([Native()] if value.bits == 8 else [PackedNative(0), PackedNative(2)])
         for base, level, store in itertools.product(modes, levels, stores):
             if base.affine and level(QuantScheme()).two_level:
-                continue  # an affine offset takes one scale level (docs/spec.md E5)
+                continue  # an affine offset takes one scale level (docs/spec.md, affine offsets)
             out.append(level(base).with_store(store))
     for text in ("u4/block32:f16/min:f16", "u8/tensor:bf16/min:f32/round:rne/codes:away", "q4f/block32:bf16/zero",
                  "u2/block4x8:f32/packed_native/zero", "q8s/block3:f16/zero/round:rne", "q4_1"):
@@ -48,7 +48,7 @@ def test_text_round_trip(s):
     parsed = qcore.scheme(str(s))
     assert str(parsed) == str(s)
     if s.is_lookup and s.table_name is None:
-        # A custom table is not in the text: it travels in the payload (SPEC §1, §3).
+        # A custom table is not in the text: it travels in the payload (docs/spec.md, schemes and portable bytes).
         assert parsed.table is None and parsed.with_mode("lookup", s.table) == s
     else:
         assert parsed == s and hash(parsed) == hash(s)

@@ -1,4 +1,4 @@
-"""Signed scales and the code rules (docs/spec.md E3, E4): text form and validity, the signed
+"""Signed scales and the code rules (docs/spec.md): text form and validity, the signed
 extreme, the rules' codes against independent oracles and against the kernels' one source, payload
 validity, explicit params. Bit-identity with llama.cpp's quantizers is in test_formats_gguf.py;
 every backend against the reference in the conformance suite's `signed/*` and `codes:*` strata."""

@@ -1,4 +1,4 @@
-"""qcore-cuda: the `cuda` backend of qcore (Numba-CUDA kernels; SPEC §4).
+"""qcore-cuda: the `cuda` backend of qcore (Numba-CUDA kernels; docs/spec.md, backends).
 
 Registered through the `qcore` entry point group. Importing this package does not import numba:
 the backend reports a missing GPU through `available()` / `describe()`.

@@ -43,7 +43,7 @@ class TensorCache:
     code_flag: Any = None
     """The int32 flag the dequantize kernels set on a code outside the value's set (`_flags.new`)."""
     low: CudaData | None = None
-    """E6: a copy of the payload with the values in SPEC §3's field order (`CudaBackend.kernel_data`)."""
+    """Field orders: a copy of the payload with the values in the `low` order (`CudaBackend.kernel_data`)."""
     payload_view: Any = None
     """`_array.view_of(payload)`, for repeat quantize calls into this tensor (`_repeat`)."""
     # ---- decoded scales
@@ -96,14 +96,14 @@ class CudaData:
 
     shape: tuple[int, ...]
     scheme: QuantScheme
-    payload: Any  # numba device array, uint8, the SPEC §3 bytes
+    payload: Any  # numba device array, uint8, the portable bytes
     cache: TensorCache = field(default_factory=TensorCache, compare=False, repr=False)
 
-    # SPEC v1.1 §3 wants a payload's invalid codes found no later than its first dequantize. The
-    # payload of memory the backend allocated changes only through the quantize kernels, which
-    # never write an invalid code, so one clean check holds for the tensor's life and later
-    # dequantizes read no flag (and wait for nothing). Memory the caller passed (quantize's out=
-    # array) can change under the tensor: it is checked at every dequantize.
+    # The spec wants a payload's invalid codes found no later than its first dequantize. The payload
+    # of memory the backend allocated changes only through the quantize kernels, which never write
+    # an invalid code, so one clean check holds for the tensor's life and later dequantizes read no
+    # flag (and wait for nothing). Memory the caller passed (quantize's out= array) can change under
+    # the tensor: it is checked at every dequantize.
     def codes_checked(self) -> bool:
         """Whether a dequantize has found every code of this payload a value (and the payload
         is the backend's own memory)."""

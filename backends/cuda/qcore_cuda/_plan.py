@@ -1,9 +1,10 @@
 """Host-side geometry of the cuda kernels: a tensor shape + scheme -> the `P` / `F` arrays.
 
 The kernels see a *canonical* shape: the tensor's axes after dropping extent-1 axes and merging
-neighbours that the block grid and the payload layout treat alike (SPEC §2.1, §3), so a
-[B, T, D] tensor with block [32] is a 2-D (B*T, D) problem and a per-tensor scheme on a Native
-store is 1-D. Merging keeps the row-major order of elements, scale slots and words:
+neighbours that the block grid and the payload layout treat alike (docs/spec.md, calibration
+and portable bytes), so a [B, T, D] tensor with block [32] is a 2-D (B*T, D) problem and a
+per-tensor scheme on a Native store is 1-D. Merging keeps the row-major order of elements,
+scale slots and words:
 
 * two block-1 axes merge into a block-1 axis;
 * any axis merges with a right neighbour that one block spans whole (extent e, block e):
@@ -75,13 +76,14 @@ def _row_major(ext):
 
 def lut(scheme: QuantScheme) -> np.ndarray:
     """float32 value of every `bits`-wide field: two's-complement ints or minifloat codes; NaN
-    for a field outside the value's set (SPEC v1.1 §3), which the dequantize kernels flag."""
+    for a field outside the value's set (docs/spec.md, invalid codes), which the dequantize
+    kernels flag."""
     t = scheme.traits
     f = np.arange(1 << t.bits, dtype=np.int64)
     if t.is_float:
         values = np.asarray(t.decode_table, dtype=np.float32)
     else:
-        half = 0 if t.unsigned else 1 << (t.bits - 1)  # unsigned values (E5): the field itself
+        half = 0 if t.unsigned else 1 << (t.bits - 1)  # unsigned values (affine offsets): the field itself
         values = ((f ^ half) - half).astype(np.float32)
     return np.ascontiguousarray(np.where(scheme.valid_fields, values, np.float32(np.nan)), dtype=np.float32)
 
@@ -125,11 +127,11 @@ def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") ->
     values_nbytes = layout.values_nbytes(shape, scheme)
     soff = values_nbytes
     goff = soff + nslots * snb
-    total = goff + (4 if scheme.two_level else 0) + nslots * offset_nbytes(scheme)  # E5: offsets last
+    total = goff + (4 if scheme.two_level else 0) + nslots * offset_nbytes(scheme)  # affine offsets last
     sdt = scheme.scale_slot  # the slot dtype under the scheme's rounding rule
     absmean = 1 if method == "absmean" else 0
     affine = {}
-    if scheme.offset is not None:  # E5: the offsets section follows the scales (no global, no table)
+    if scheme.offset is not None:  # affine offsets: their section follows the scales (no global, no table)
         is_min = scheme.offset.kind is OffsetKind.MIN
         affine = dict(M_AFFINE=K.AFFINE_MIN if is_min else K.AFFINE_ZERO, M_OOFF=goff, M_ONB=offset_nbytes(scheme),
                       # a MIN offset's dtype; a zero point's byte: int8 for a signed value, uint8 for an unsigned one
@@ -138,14 +140,14 @@ def plan(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax") ->
     P = K.P_LAYOUT.pack(
         M_CR=cr, M_RAX=r, M_RL=rl, M_NF=nf, M_BITS=t.bits, M_WB=wb, M_NRL=nrl, M_NRUNS=nrl * lines,
         M_NSLOTS=nslots, M_N=n, M_PERT=scheme.block is None,
-        M_TWO=2 if scheme.reciprocal_global else int(scheme.two_level),  # 2: the global is 1/g (E2)
+        M_TWO=2 if scheme.reciprocal_global else int(scheme.two_level),  # 2: a reciprocal global scale (1/g)
         M_SDT=sdt, M_SOFF=soff, M_GOFF=goff, M_METHOD=absmean, M_ISF=t.is_float, M_MB=t.man_bits,
         M_BIAS=t.bias, M_SNB=snb, M_KFIRST=next((k for k in range(cr) if k != r), 0), M_SIGNED=scheme.signed,
         M_CODES=CODE_RULES.index(scheme.code_rule.value), **affine,
         O_S=S, O_B=B, O_G=G, O_XS=_row_major(S), O_WS=_row_major(W), O_GS=_row_major(G))
     F = K.F_LAYOUT.pack(
         F_H=scheme.scale_divisor,  # h, or 1 under the MX rule
-        F_M=scheme.block.dtype.traits.max_value if scheme.two_level else 1.0,  # M of SPEC §2.2
+        F_M=scheme.block.dtype.traits.max_value if scheme.two_level else 1.0,  # M of the spec's two-level scales
         F_QMIN=t.qmin, F_QMAX=t.qmax, F_FMAX=t.qmax)
     RP, TP, tile_one_level, rows_stats, rows_shape = None, None, False, False, (0, 0)
     last_packs = not packed or axes[-1][2]
@@ -200,7 +202,7 @@ def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, sim: bo
             chunk = c
             break
     kc = -(-k_ // chunk)
-    fast = pa == 1 and rowb * 8 // bits >= ng * K.MM_COLS and not scheme.affine  # E5: the per-code path
+    fast = pa == 1 and rowb * 8 // bits >= ng * K.MM_COLS and not scheme.affine  # affine offsets: the per-code path
     affine = {}
     if scheme.offset is not None:
         affine = dict(MM_AFF=K.AFFINE_MIN if scheme.offset.kind is OffsetKind.MIN else K.AFFINE_ZERO,
@@ -214,8 +216,8 @@ def matmul_geometry(shape: tuple[int, int], scheme: QuantScheme, m: int, sim: bo
 
 def order_geometry(shape: tuple[int, ...], src: QuantScheme, dst: QuantScheme, tail: int = 0) -> np.ndarray:
     """The `R` array of k_reorder: the values section of `shape` packed by `src`, re-packed in
-    `dst`'s field order (docs/spec.md E6; the two differ only in their store's order), and the
-    `tail` bytes after it copied."""
+    `dst`'s field order (docs/spec.md, field orders; the two differ only in their store's order),
+    and the `tail` bytes after it copied."""
     axis = layout.packing_axis(shape, src)
     words = layout.words_shape(shape, src)
     nf = layout.fields_per_word(src)

@@ -46,8 +46,8 @@ class Prepared:
     F: Any  # float32[F_LEN]: their constants
     P_explicit: Any  # P in explicit-scales mode (M_MODE = 1)
     stored: Any  # float32[nslots]: the stored scales of the staged quantize
-    raw: Any  # float32: its raw scales (nslots, or 2 nslots with the offsets after them, E5; at least 2)
-    first: Any  # int64[2]: a per-tensor signed extreme's index (E3)
+    raw: Any  # float32: its raw scales (nslots, or 2 nslots with the affine offsets after them; at least 2)
+    first: Any  # int64[2]: a per-tensor signed extreme's index (signed scales)
     lut: Any  # float32: every field's value (`_plan.lut`), NaN for a field outside the value's set
     fast: FastGeometry | None = None  # None: the fast kernels do not take this layout (or are off)
     TP: Any = None  # int64[T_LEN]: the tile kernel's geometry, where it applies
@@ -86,8 +86,8 @@ class Plans:
             plan=pl, P=cuda.to_device(pl.P), F=cuda.to_device(pl.F),
             P_explicit=cuda.to_device(K.P_LAYOUT.replace(pl.P, M_MODE=1)),
             stored=cuda.device_array(pl.nslots, dtype=np.float32),
-            raw=cuda.device_array(max(pl.nslots * (2 if scheme.affine else 1), 2), dtype=np.float32),  # E5: + offsets
-            first=cuda.device_array(2, dtype=np.int64),  # a per-tensor signed extreme's index (E3)
+            raw=cuda.device_array(max(pl.nslots * (2 if scheme.affine else 1), 2), dtype=np.float32),  # affine offsets
+            first=cuda.device_array(2, dtype=np.int64),  # a per-tensor signed extreme's index (signed scales)
             lut=cuda.to_device(_plan.lut(scheme)),
         )
         fg = fast.geometry(shape, scheme, method) if self.fast else None

@@ -1,20 +1,19 @@
 """Repeat calls: quantize and dequantize of a shape and scheme already served, without the
 checks and the path choice that the first such call made.
 
-A call through `BaseBackend` parses the scheme, asks whether this backend supports it, checks
-x's dtype, shape and layout, works out the hooks' form (E6, E7) and the plan, and picks a path:
-several hundred Python operations, all of them before the first kernel starts. Their outcome
-depends only on the scheme as given, the method and x's shape (the dtype and alignment are
-checked again), so after a call that took the fast kernels the backend keeps what it decided in
-a `QuantizeRepeat` (`CudaState.repeats`, keyed by `(scheme as given, method, shape)`), a
-tensor keeps its `DequantizeRepeat` in its cache (`TensorCache.dequantize_repeat`) and a weight its
-`MatmulRepeat` per shape of x (`TensorCache.matmul_repeats`).
-A later call that matches allocates its result (or takes `out=`: a float32 array, or for
-quantize a tensor of the same shape and scheme or a uint8 array of the payload's length),
-launches the same packed kernels and reads the flag (a dequantize only until one read has
-found the tensor's codes valid: `CudaData.codes_checked`); anything else (another dtype, a misaligned
-x, `params=`, `stream=`, an `out=` of another kind, a failed allocation) takes the whole way,
-which raises what it should.
+A call through `BaseBackend` parses the scheme, asks whether this backend supports it, checks x's
+dtype, shape and layout, works out the hooks' form (field orders, flat blocks) and the plan, and
+picks a path: several hundred Python operations, all of them before the first kernel starts. Their
+outcome depends only on the scheme as given, the method and x's shape (the dtype and alignment are
+checked again), so after a call that took the fast kernels the backend keeps what it decided in a
+`QuantizeRepeat` (`CudaState.repeats`, keyed by `(scheme as given, method, shape)`), a tensor keeps
+its `DequantizeRepeat` in its cache (`TensorCache.dequantize_repeat`) and a weight its
+`MatmulRepeat` per shape of x (`TensorCache.matmul_repeats`). A later call that matches allocates
+its result (or takes `out=`: a float32 array, or for quantize a tensor of the same shape and scheme
+or a uint8 array of the payload's length), launches the same packed kernels and reads the flag (a
+dequantize only until one read has found the tensor's codes valid: `CudaData.codes_checked`);
+anything else (another dtype, a misaligned x, `params=`, `stream=`, an `out=` of another kind, a
+failed allocation) takes the whole way, which raises what it should.
 
 A float32 torch CUDA tensor, as x or as a float32 out=, is read through `_array.torch_f32` (its
 pointer, shape and device, a few of torch's C attributes) rather than the generic `view_of`, and
@@ -66,7 +65,7 @@ class QuantizeRepeat:
 @dataclass(frozen=True)
 class DequantizeRepeat:
     """A tensor's packed fast dequantize launch (only the output changes), the shape of its
-    result and whether its scheme has invalid codes to look for (SPEC v1.1 §3)."""
+    result and whether its scheme has invalid codes to look for (docs/spec.md, invalid codes)."""
 
     launch: Any
     shape: tuple[int, ...]
@@ -222,7 +221,7 @@ def remember_quantize(be: Any, x: Any, scheme_arg: Any, method: str, q: QTensor)
     repeats[key] = None  # not served by the fast kernels alone: no repeat (and no second look)
     if q.scheme.flat_blocks or q.scheme.low_order is not q.scheme or \
             math.prod(q.shape) == 0:
-        return  # E7's other form; E6's field orders (k_reorder moves them after the kernels); no elements
+        return  # flat blocks' other form; field orders (k_reorder moves them after the kernels); no elements
     pp = state.plans.get(q.shape, q.scheme, method)
     call = QuantizeCall(be, None, v, q.shape, q.scheme, None, pp, None, _streams.DEFAULT)
     if not isinstance(QUANTIZE[0], FastQuantize) or not QUANTIZE[0].applies(call):
@@ -264,7 +263,7 @@ def dequantize_again(be: Any, q: Any, out: Any = None) -> Any:
 
 def remember_dequantize(be: Any, q: QTensor) -> None:
     """After a whole-way float32 dequantize of `q` (into a new array or `out=`): keep its packed fast
-    launch (FastDequantize made it) when q needs no other form (E6, E7)."""
+    launch (FastDequantize made it) when q needs no other form (field orders, flat blocks)."""
     data = q.data
     if type(data) is not CudaData:
         return

@@ -68,7 +68,8 @@ class Scratch:
     @functools.cached_property
     def act_sink(self) -> Any:
         """A device int32 flag the kernels may set and nothing reads: the non-finite flag of a
-        quantize that does not wait to check x (`act`'s rows of NaN instead, docs/spec.md E9)."""
+        quantize that does not wait to check x (`act`'s rows of NaN instead, docs/spec.md,
+        quantized activations)."""
         return numba_cuda().to_device(np.zeros(1, np.int32))
 
     def is_act_sink(self, flag: Any) -> bool:

@@ -1,9 +1,9 @@
-"""The `cuda` backend: Numba-CUDA kernels for every non-LOOKUP scheme (SPEC §4).
+"""The `cuda` backend: Numba-CUDA kernels for every non-LOOKUP scheme (docs/spec.md, backends).
 
-A quantized tensor lives on the device as its portable payload (SPEC §3): one uint8 device
-array `[values][scales][global]` that the kernels write directly, so `into_data` is one copy to
-the host and `from_data` one copy to the device. numba is imported lazily: importing this module
-(and registering the backend) never touches a driver.
+A quantized tensor lives on the device as its portable payload (docs/spec.md, portable bytes):
+one uint8 device array `[values][scales][global]` that the kernels write directly, so `into_data`
+is one copy to the host and `from_data` one copy to the device. numba is imported lazily:
+importing this module (and registering the backend) never touches a driver.
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def _torch_on_host(x: Any) -> bool:
 
 
 class CudaBackend(BaseBackend):
-    """Numba-CUDA kernels; every scheme except LOOKUP (SPEC §4).
+    """Numba-CUDA kernels; every scheme except LOOKUP (docs/spec.md, backends).
 
     Besides the Backend API, the paths (`paths/`) and the repeat calls (`_repeat.py`) use the
     device-level methods on this backend's tensors (`CudaData`) and arrays: `own`,
@@ -146,7 +146,7 @@ class CudaBackend(BaseBackend):
     # every extension of docs/spec.md but LOOKUP's midpoint code rule (cuda runs no LOOKUP scheme)
     scheme_features = {"round:rne", "round:mx", "recip", "signed", "codes:away", "codes:offset", "unsigned",
                        "min", "zero", "order:high", "order:split", "flat"}
-    packs_field_orders = True  # k_order.k_reorder on the device (docs/spec.md E6)
+    packs_field_orders = True  # k_order.k_reorder on the device (docs/spec.md, field orders)
     device = "cuda"  # where its tensors live (a torch device type: `qcore.Backend.device`)
 
     @functools.cached_property
@@ -250,7 +250,7 @@ class CudaBackend(BaseBackend):
                 return None, CudaData(shape, scheme, cuda.to_device(got, stream=s.numba))
             payload.copy_to_device(got, stream=s.numba)
             return None, CudaData(shape, scheme, payload)
-        low = scheme.low_order  # the kernels pack SPEC §3's order; k_reorder moves the fields (E6)
+        low = scheme.low_order  # the kernels pack the `low` order; k_reorder moves the fields (field orders)
         pl = self.state.plans.get(shape, low, method).plan
         if payload is None:
             payload, target = _array.empty_view((pl.total_nbytes,), np.dtype(np.uint8), s)
@@ -263,20 +263,20 @@ class CudaBackend(BaseBackend):
         except BaseException:
             self.state.scratch.drop(s)  # the statistics may not have been consumed
             raise
-        if low is not scheme:  # E6: the fields moved into the scheme's order, the rest copied
+        if low is not scheme:  # field orders: the fields moved into the scheme's order, the rest copied
             self.launch_reorder(low_target, target, shape, low, scheme, s)
         return (self.state.scratch.buffers(s).flag, xd, ready), CudaData(shape, scheme, payload)
 
     def launch_reorder(self, src, dst, shape: tuple[int, ...], src_scheme: QuantScheme, dst_scheme: QuantScheme,
                        s: Any = _streams.DEFAULT) -> None:
-        """Enqueue k_reorder: dst = src's payload with the values' fields in dst_scheme's order (E6)."""
+        """Enqueue k_reorder: dst = src's payload with the values' fields in dst_scheme's field order."""
         R, items = self.state.plans.order(shape, src_scheme, dst_scheme)
         if items:
             _streams.on(_k().k_reorder, _k().launch(items), s)(src, dst, R)
 
     def kernel_data(self, data: CudaData, s: Any = _streams.DEFAULT) -> CudaData:
-        """`data` as the dequantize and matmul kernels read it: in SPEC §3's field order. A tensor
-        in another order (E6) keeps a copy of its payload with the values re-packed, made once
+        """`data` as the dequantize and matmul kernels read it: in the `low` field order. A tensor
+        in another field order keeps a copy of its payload with the values re-packed, made once
         (and again when quantize `out=` rewrites the tensor)."""
         if data.scheme.store.order.value == "low":
             return data
@@ -312,7 +312,7 @@ class CudaBackend(BaseBackend):
 
     def quantize(self, x: Any, scheme: QuantScheme | str, *, params: QParams | None = None,
                  method: str = "minmax", out: Any = None, stream: Any = None) -> QTensor:
-        """Quantize `x` (SPEC §2), as every backend does, plus:
+        """Quantize `x` (the spec's arithmetic), as every backend does, plus:
 
         * `out=`: write the payload into existing device memory, for loops that reuse it: a
           QTensor of this backend with the same shape and scheme (it is overwritten and returned;
@@ -341,7 +341,7 @@ class CudaBackend(BaseBackend):
         if params is not None:
             params = self._check_params(params, shape, scheme)
         s = _streams.resolve(stream, x)
-        x, inner, params = self._inner_call(x, shape, scheme, params)  # E6, E7: the hooks' form
+        x, inner, params = self._inner_call(x, shape, scheme, params)  # field orders, flat blocks: the hooks' form
         with quiet():
             target, payload = self._quantize_target(out, shape, scheme)
             data = self._quantize(x, inner, params, method, s, payload)
@@ -373,7 +373,7 @@ class CudaBackend(BaseBackend):
         tensor and set of cached arrays (a loop that quantizes into one tensor pays a
         `cuLaunchKernel` each)."""
         twin = data.cache.low
-        if twin is not None:  # E6: the kernels' copy, re-packed from the new bytes
+        if twin is not None:  # field orders: the kernels' copy, re-packed from the new bytes
             self.launch_reorder(data.payload, twin.payload, data.shape, data.scheme, twin.scheme, s)
             data = twin
         cache = data.cache
@@ -420,7 +420,8 @@ class CudaBackend(BaseBackend):
             cuda, K = _cuda(), _k()
             pp = self.state.plans.get(data.shape, data.scheme, "minmax")
             nslots = pp.plan.nslots
-            scales = cuda.device_array(max(nslots, 1) * (2 if data.scheme.affine else 1), dtype=np.float32)  # E5
+            # the affine offsets follow the scales
+            scales = cuda.device_array(max(nslots, 1) * (2 if data.scheme.affine else 1), dtype=np.float32)
             gbuf = cuda.device_array(1, dtype=np.float32)
             _streams.on(K.k_decode_scales, K.launch(nslots), s)(data.payload, pp.P, scales, gbuf)
             got = data.cache.scales = (scales, gbuf)
@@ -438,7 +439,7 @@ class CudaBackend(BaseBackend):
     @staticmethod
     def _code_flag(data: CudaData):
         """The tensor's int32 flag (`_flags.new`), set by the dequantize kernels on a code outside
-        the value's set (SPEC v1.1 §3); zero except between such a launch and `raise_if_bad_codes`."""
+        the value's set (the spec's invalid codes); zero except between such a launch and `raise_if_bad_codes`."""
         flag = data.cache.code_flag
         if flag is None:
             flag = data.cache.code_flag = _flags.new()
@@ -495,7 +496,7 @@ class CudaBackend(BaseBackend):
                 self._launch_dequantize(data, v.arg if dtype != _BF16 else _array.reinterpret(v.arg, np.uint16), s)
                 self.raise_if_bad_codes(data, s)
             return out
-        if not n:  # nothing to launch, whatever the other extents claim (SPEC v1.1 §3)
+        if not n:  # nothing to launch, whatever the other extents claim (the spec's size claims)
             return self._empty_output(tuple(data.shape), dtype, s)
         if dtype == _BF16:
             # numba has no bfloat16 device dtype: the bits made on the device, the array on the host
@@ -509,17 +510,17 @@ class CudaBackend(BaseBackend):
         return res
 
     def dequantize(self, q: QTensor, dtype: Any = None, *, out: Any = None, stream: Any = None) -> Any:
-        """`decode(q) * e` (SPEC §2.6) as a new device array (`QArray`: numba's array with DLPack;
-        `.torch()` gives a torch tensor over it), or into `out=`, a C-contiguous torch, CuPy or
-        numba device array of q's shape (or size) whose dtype (float32, float16, float64, or a
-        torch bfloat16 tensor) is the result's; `out` is returned. A bfloat16 result without
-        `out=` is made on the device and comes back as a host `ml_dtypes.bfloat16` array (numba
-        has no bfloat16 device arrays). `stream=` as for `quantize` (default: the stream of a torch
-        or CuPy `out`, else the default stream). `dtype` defaults to out's dtype, else float32.
-        Where the scheme has invalid codes (SPEC v1.1 §3: Q8S/Q4S/Q2S, E4M3, E5M2), the tensor's
-        first dequantize waits for that stream, after a 4-byte read of the invalid-code flag;
-        later ones, other schemes, and tensors over a caller's out= array aside, return without
-        waiting (`CudaData.codes_checked`)."""
+        """`decode(q) * e` (the spec's dequantize) as a new device array (`QArray`: numba's array
+        with DLPack; `.torch()` gives a torch tensor over it), or into `out=`, a C-contiguous torch,
+        CuPy or numba device array of q's shape (or size) whose dtype (float32, float16, float64, or
+        a torch bfloat16 tensor) is the result's; `out` is returned. A bfloat16 result without
+        `out=` is made on the device and comes back as a host `ml_dtypes.bfloat16` array (numba has
+        no bfloat16 device arrays). `stream=` as for `quantize` (default: the stream of a torch or
+        CuPy `out`, else the default stream). `dtype` defaults to out's dtype, else float32. Where
+        the scheme has invalid codes (docs/spec.md, invalid codes: Q8S/Q4S/Q2S, E4M3, E5M2), the
+        tensor's first dequantize waits for that stream, after a 4-byte read of the invalid-code
+        flag; later ones, other schemes, and tensors over a caller's out= array aside, return
+        without waiting (`CudaData.codes_checked`)."""
         if stream is None and (dtype is None or dtype is np.float32):
             y = _repeat.dequantize_again(self, q, out)
             if y is not None:
@@ -536,7 +537,7 @@ class CudaBackend(BaseBackend):
         return y if out is not None or tuple(y.shape) == q.shape else self._reshape_output(y, q.shape)
 
     def _reshape_output(self, y: Any, shape: tuple[int, ...]) -> Any:
-        """A dequantized result in the tensor's shape (E7): a QArray over the same memory."""
+        """A dequantized result in the tensor's shape (flat blocks): a QArray over the same memory."""
         from numba import config
 
         if config.ENABLE_CUDASIM or isinstance(y, np.ndarray):
@@ -620,11 +621,12 @@ class CudaBackend(BaseBackend):
         bfloat16 or none) dequantize the weight to bfloat16 for the call and take torch's GEMM
         (docs/spec.md's bfloat16-weight rule), where that is faster than the kernels.
 
-        `act=SCHEME` (e.g. `e4m3/block{K}:f32`) quantizes x per row on the device and multiplies
-        by its decoded value; x may also be a QTensor of this backend (docs/spec.md E9,
-        `_product_x`). An e4m3 weight with per-row (or per-tensor) f32 scales and per-row e4m3
-        activations with a bfloat16 result, from `LIBRARY_FROM_M` rows of a torch x, multiply
-        code by code on torch's FP8 GEMM instead (`paths/fp8.py`, E9's FP8 accumulator rule).
+        `act=SCHEME` (e.g. `e4m3/block{K}:f32`) quantizes x per row on the device and multiplies by
+        its decoded value; x may also be a QTensor of this backend (docs/spec.md, quantized
+        activations; `_product_x`). An e4m3 weight with per-row (or per-tensor) f32 scales and
+        per-row e4m3 activations with a bfloat16 result, from `LIBRARY_FROM_M` rows of a torch x,
+        multiply code by code on torch's FP8 GEMM instead (`paths/fp8.py`, the FP8 accumulator rule
+        of quantized activations).
         """
         if _torch_on_host(x):
             return self._on_host_tensors(
@@ -646,10 +648,11 @@ class CudaBackend(BaseBackend):
             return _linear_path.run(self, x, w, bias, out, dtype, stream)
 
     def _product_x(self, what: str, x: Any, w: QTensor, act: Any, dtype: Any, stream: Any = None) -> tuple[Any, Any]:
-        """(x as the products read it, the result dtype) (docs/spec.md E9), on the device: a
-        QTensor x dequantized here (float32); with `act`, x (read as float32, E8) quantized and
-        dequantized by this backend's own kernels, `dtype=None` still meaning x's dtype, and a
-        torch x handed on as a torch tensor over the decoded array, so the result is torch."""
+        """(x as the products read it, the result dtype) (docs/spec.md, quantized activations), on
+        the device: a QTensor x dequantized here (float32); with `act`, x (read as float32, as
+        `linear` reads it) quantized and dequantized by this backend's own kernels, `dtype=None`
+        still meaning x's dtype, and a torch x handed on as a torch tensor over the decoded array,
+        so the result is torch."""
         from qcore.backend import act as _act
         from qcore.backend.activations import as_torch, product_dims, torch_dtype_as_numpy
 
@@ -666,7 +669,7 @@ class CudaBackend(BaseBackend):
         if is_torch and x.dtype == torch.bfloat16:
             x = x.float()  # (read as float32: exact)
         elif isinstance(x, np.ndarray) and x.dtype != np.float32:
-            x = x.astype(np.float32)  # (exact, or float64 rounded to nearest: E8's reading)
+            x = x.astype(np.float32)  # (exact, or float64 rounded to nearest: as `linear` reads x)
         try:
             xd = self.dequantize(self.quantize(x, scheme, stream=stream), stream=stream)
         except InputError:
@@ -676,9 +679,9 @@ class CudaBackend(BaseBackend):
         return (as_torch(xd) if is_torch else xd), (xdt if dtype is None else dtype)
 
     def _act_of_nonfinite(self, x: Any, scheme: QuantScheme, stream: Any) -> Any | None:
-        """`act`'s decoded x where `quantize` refused x (docs/spec.md E9, a non-finite x): read
-        on the host, each row holding a non-finite value quantized as zeros and decoded as NaN,
-        the decoded array back on the device; None where every value is finite."""
+        """`act`'s decoded x where `quantize` refused x (docs/spec.md, quantized activations: a
+        non-finite x): read on the host, each row holding a non-finite value quantized as zeros and
+        decoded as NaN, the decoded array back on the device; None where every value is finite."""
         from qcore.backend import act as _act
 
         torch = sys.modules.get("torch")
@@ -721,7 +724,7 @@ class CudaBackend(BaseBackend):
         `dtype=` other than float32 (None: x's dtype) rounds the f32 sums once to it, on the host
         for bfloat16 and float64 (a host array), on the device for float16.
 
-        `act=` and a QTensor x: as for `linear` (docs/spec.md E9).
+        `act=` and a QTensor x: as for `linear` (docs/spec.md, quantized activations).
         """
         if _torch_on_host(x):
             return self._on_host_tensors(
@@ -757,7 +760,7 @@ class CudaBackend(BaseBackend):
         _k()  # the kernels, the memory pool and the disk cache, before the first allocation
         if len(w.shape) != 2:
             raise InputError(f"matmul needs a 2-D weight [K, N], got shape {w.shape}")
-        if w.data.shape != w.shape:  # E7: flattened blocks that cross rows: the core's matmul
+        if w.data.shape != w.shape:  # flat blocks that cross rows: the core's matmul
             return self._host_matmul(x, w, out, stream)
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16:
@@ -792,7 +795,7 @@ class CudaBackend(BaseBackend):
     def _host_matmul(self, x: Any, w: QTensor, out: Any, stream: Any) -> Any:
         """`qcore.backend.ops.matmul` (the weight dequantized here, the product on the host), the result
         put on the device as `matmul` returns it: for weights no kernel reads in [K, N] form
-        (blocks over the flattened tensor that cross rows, docs/spec.md E7)."""
+        (blocks over the flattened tensor that cross rows, docs/spec.md)."""
         from qcore.backend import ops
 
         with quiet():

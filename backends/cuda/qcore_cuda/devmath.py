@@ -17,7 +17,7 @@ from qcore.spec.codecs import code_rule_kernel
 from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: E402
 
 rule_code = code_rule_kernel(cuda.jit(device=True, inline="always"))
-"""The int64 code of `y` under a code rule (docs/spec.md E4): `qcore.spec.codecs`' one source."""
+"""The int64 code of `y` under a code rule (docs/spec.md, code rules): `qcore.spec.codecs`' one source."""
 
 MAGIC = 12582912.0  # 1.5 * 2**23: y + MAGIC rounds y half-to-even into the low mantissa bits
 P2_M60 = 8.673617379884035e-19
@@ -44,9 +44,9 @@ def fast_div_ok(e):
 
 @cuda.jit(device=True, inline="always")
 def affine_value(d, e, o, kind):
-    """x' of decoded value `d` with effective scale `e` and offset `o` (docs/spec.md E5): MIN
-    `f32(f32(d * e) + o)` (the product rounded on its own: `mul_rn`, never an fma), ZERO
-    `f32(f32(d - o) * e)`, else SPEC §2.6's `d * e`."""
+    """x' of decoded value `d` with effective scale `e` and offset `o` (docs/spec.md, affine
+    offsets): MIN `f32(f32(d * e) + o)` (the product rounded on its own: `mul_rn`, never an fma),
+    ZERO `f32(f32(d - o) * e)`, else the spec's dequantize, `d * e`."""
     if kind == AFFINE_MIN:
         return float32(mul_rn(d, e) + o)
     if kind == AFFINE_ZERO:
@@ -56,8 +56,8 @@ def affine_value(d, e, o, kind):
 
 @cuda.jit(device=True, inline="always")
 def zero_code(y, z, qmin, qmax):
-    """E5's zero-point code of `y = x / e`: `clamp(rint(y) + z, qmin, qmax)` (y clamped first to
-    a range that keeps the result, so that the integer conversion is safe)."""
+    """The zero-point code (affine offsets) of `y = x / e`: `clamp(rint(y) + z, qmin, qmax)` (y
+    clamped first to a range that keeps the result, so that the integer conversion is safe)."""
     span = qmax - qmin
     q = int64(round(min(max(y, -span), span))) + int64(z)
     return min(max(q, int64(qmin)), int64(qmax))
@@ -65,8 +65,8 @@ def zero_code(y, z, qmin, qmax):
 
 @cuda.jit(device=True, inline="always")
 def read_offset(payload, sl, P):
-    """Slot `sl`'s stored offset as f32 (E5): a MIN word of its dtype, or a ZERO byte (int8 when
-    P[M_ODT] says the value is signed, else uint8)."""
+    """Slot `sl`'s stored offset as f32 (affine offsets): a MIN word of its dtype, or a ZERO byte
+    (int8 when P[M_ODT] says the value is signed, else uint8)."""
     off = P[M_OOFF] + sl * P[M_ONB]
     if P[M_AFFINE] == AFFINE_MIN:
         return word_scale(get_le(payload, off, P[M_ONB]), P[M_ODT])
@@ -78,7 +78,7 @@ def read_offset(payload, sl, P):
 
 @cuda.jit(device=True, inline="always")
 def affine_slot(raw, sl, n, P, F, explicit, payload):
-    """`k_scales` for one slot of an affine scheme (docs/spec.md E5); returns the stored scale.
+    """`k_scales` for one slot of a scheme with affine offsets (docs/spec.md); returns the stored scale.
 
     raw[sl], raw[n + sl] hold (max, min) when calibrating, (stored scale, stored offset) when
     given. Writes the offset word, leaves the raw scale in raw[sl] (code rules) and in raw[n + sl]
@@ -96,7 +96,7 @@ def affine_slot(raw, sl, n, P, F, explicit, payload):
         if kind == AFFINE_ZERO:
             lo = min(lo, float32(0.0))
             hi = max(hi, float32(0.0))
-        lo = float32(lo + float32(0.0))  # a zero is +0 (E5), as in qcore.spec.arithmetic.affine_params
+        lo = float32(lo + float32(0.0))  # a zero is +0 (affine offsets), as in qcore.spec.arithmetic.affine_params
         hi = float32(hi + float32(0.0))
         s = float32(float32(hi - lo) / F[F_H])
         st = round_scale(s, P[M_SDT])
@@ -138,9 +138,9 @@ else:
 
 @cuda.jit(device=True, inline="always")
 def mf_code(a, mb, bias):
-    """Code of `a >= 0` (finite) in a sign-less float with `mb` mantissa bits and `bias`:
-    nearest value, ties to the even code, subnormals included (SPEC §2.5). Exact: frexp/ldexp
-    move exponents only, and `round` is round-half-even."""
+    """Code of `a >= 0` (finite) in a sign-less float with `mb` mantissa bits and `bias`: nearest
+    value, ties to the even code, subnormals included (the spec's quantize). Exact: frexp/ldexp move
+    exponents only, and `round` is round-half-even."""
     if a < ldexp(float32(1.0), (int64(1) - bias)):
         return int64(round(ldexp(a, (bias + mb - int64(1)))))
     m, e = math.frexp(a)  # a = m * 2**e, m in [0.5, 1)
@@ -160,8 +160,8 @@ def mf_value(c, mb, bias):
 
 @cuda.jit(device=True, inline="always")
 def encode(y, isf, qmin, qmax, fmax, mb, bias, bits):
-    """The `bits`-wide field of `y = x / e` (SPEC §2.5). Integers: clamp then round half to even
-    (same as clamp(rint)); minifloats: saturate at ±max, nearest, ties to even, sign of y."""
+    """The `bits`-wide field of `y = x / e` (the spec's quantize). Integers: clamp then round half to
+    even (same as clamp(rint)); minifloats: saturate at ±max, nearest, ties to even, sign of y."""
     if isf:
         c = mf_code(min(abs(y), fmax), mb, bias)
         if math.copysign(float32(1.0), y) < float32(0.0):
@@ -188,8 +188,8 @@ def get_le(buf, off, nbytes):
 
 @cuda.jit(device=True, inline="always")
 def two_level_g(gstat, h, mx):
-    """SPEC §2.2: g = max(max_b s_b / M, tiny); max_b(stat_b / h) == (max_b stat_b) / h exactly,
-    since correctly rounded division by h > 0 is monotone."""
+    """Two-level scales: g = max(max_b s_b / M, tiny); max_b(stat_b / h) == (max_b stat_b) / h
+    exactly, since correctly rounded division by h > 0 is monotone."""
     return max(float32(float32(gstat / h) / mx), float32(TINY))
 
 
@@ -198,7 +198,7 @@ FLT_MAX = float(np.finfo(np.float32).max)
 
 @cuda.jit(device=True, inline="always")
 def reciprocal_g(gstat, h, mx):
-    """docs/spec.md E2: the reciprocal global G = f32(M * h) / max(max_b stat_b, tiny), or 1 where
+    """docs/spec.md, reciprocal global scale: G = f32(M * h) / max(max_b stat_b, tiny), or 1 where
     that overflows (qcore.spec.arithmetic.reciprocal_global)."""
     big = float32(float32(mx * h) / max(gstat, float32(TINY)))
     if not big <= float32(FLT_MAX):
@@ -208,9 +208,9 @@ def reciprocal_g(gstat, h, mx):
 
 @cuda.jit(device=True, inline="always")
 def two_level_e(g, s):
-    """SPEC §2.4 two-level effective scale: `g * s_b` (one f32 multiply). A negative `g` carries a
-    reciprocal global `-g = G` (docs/spec.md E2; `k_decode_scales` and `k_scales` put it there):
-    `s_b / G` (one f32 division)."""
+    """The spec's two-level effective scale: `g * s_b` (one f32 multiply). A negative `g` carries a
+    reciprocal global `-g = G` (reciprocal global scale; `k_decode_scales` and `k_scales` put it
+    there): `s_b / G` (one f32 division)."""
     if g < float32(0.0):
         return float32(s / float32(-g))
     return float32(g * s)

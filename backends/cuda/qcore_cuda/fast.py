@@ -1,4 +1,5 @@
-"""Fast kernels for the commonest layout: one code stream along the last axis (SPEC §2, §3).
+"""Fast kernels for the commonest layout: one code stream along the last axis (docs/spec.md,
+arithmetic and portable bytes).
 
 Eligible (`geometry()`): Native, or packing along the last axis; lines a multiple of 16
 elements; one scale for the tensor, or one per block of `B` elements along the last axis only
@@ -17,7 +18,7 @@ and one 16- or 8-byte store of whole u32 words. The kernels are specialised per 
 * integers: clamp, add 1.5 * 2**23 (round half to even, the code in the low mantissa bits);
 * E4M3 / E5M2: the sm_89+ `cvt.rn.satfinite.e4m3x2.f32` conversion (two codes per
   instruction); E2M1: the least of three roundings of |y| (`e2m1_code`);
-* the division `y = x / e` of SPEC §2.4 as `q = x * r`, `q + fma(-q, e, x) * r` with
+* the division `y = x / e` of the spec's quantize as `q = x * r`, `q + fma(-q, e, x) * r` with
   `r = 1 / e` rounded once per block: Markstein's correction, the correctly rounded quotient
   whenever e's significand is not all ones and nothing overflows or underflows; the kernels
   check that per block (`fast_div_ok`) and divide with `div.rn` otherwise;
@@ -135,12 +136,12 @@ def geometry(shape: tuple[int, ...], scheme: QuantScheme, method: str = "minmax"
     nslots = 1 if scheme.block is None else n >> lb
     G = G_LAYOUT.pack(
         G_NRUNS=n // 16, G_LB=lb, G_LGW=lgw, G_MODE=mode, G_TWO=scheme.two_level,
-        G_QMIN=int(t.qmin) if not t.is_float else -(1 << 62),  # dequantize flags codes below it (v1.1)
+        G_QMIN=int(t.qmin) if not t.is_float else -(1 << 62),  # dequantize flags codes below it (invalid codes)
         G_SDT=scheme.scale_slot,  # the slot dtype under the scheme's rounding rule
         G_SNB=snb, G_SOFF=soff, G_GOFF=soff + nslots * snb)
     C = C_LAYOUT.pack(
         C_H=scheme.scale_divisor,  # h, or 1 under the MX rule
-        C_M=scheme.block.dtype.traits.max_value if scheme.two_level else 1.0,  # M of SPEC §2.2
+        C_M=scheme.block.dtype.traits.max_value if scheme.two_level else 1.0,  # M of the spec's two-level scales
         C_QMIN=t.qmin, C_QMAX=t.qmax)
     return kind, G, C
 
@@ -200,7 +201,7 @@ def put_word(payload, off, w, nb):
 
 @cuda.jit(device=True, inline="always")
 def e2m1_code(y):
-    """E2M1 code of y (SPEC §2.5): saturate at 6, nearest, ties to the even code, sign of y.
+    """E2M1 code of y (the spec's quantize): saturate at 6, nearest, ties to the even code, sign of y.
 
     The E2M1 values of a = min(|y|, 6) are q / 2 (code q) on [0, 2], q (code q + 2) on [2, 4]
     and 2q (code q + 4) on [4, 6]. Adding 1.5 * 2**23 (plus 0, 2 or 4) rounds each
@@ -478,7 +479,7 @@ def _dequant_kernel(kind: int, R: int | None = None, preload: bool = True, bf16:
                 u = u0 + int64(32 * j)
                 if u < nut:
                     decode(wv[j], tab, val, 0)
-                    for i in range(upc):  # SPEC v1.1 §3: below qmin, or a NaN/Inf minifloat code
+                    for i in range(upc):  # invalid codes: below qmin, or a NaN/Inf minifloat code
                         if val[i] < qlo or not math.isfinite(val[i]):
                             bad = True
                     base = u << int64(lupc)
@@ -541,7 +542,7 @@ def k_amax_py(x, gs, flag, nruns):
 @cuda.jit(device=True, inline="always")
 def code_in_hardware(y, P):
     """`kernels.code_by_encode` with the sm_89 conversions: E4M3 / E5M2 by `cvt.rn.satfinite`
-    (saturating at the largest value, as SPEC §2.5 wants, the sign of a zero kept)."""
+    (saturating at the largest value, as the spec's quantize wants, the sign of a zero kept)."""
     if not P[0]:
         return f2u(min(max(y, P[2]), P[3]) + float32(MAGIC)) & uint32(0xFF)
     if P[1]:

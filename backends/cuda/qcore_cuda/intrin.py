@@ -16,10 +16,10 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
 * `fmax_nan(a, b)`: max that returns NaN when either is NaN (`max.NaN.f32`, sm_80+); with
   `abs` it folds a block's max |x| and its non-finite check into one instruction per element.
 * `mul_rn(a, b)`: the f32 product rounded on its own (`mul.rn.f32`, which PTX never contracts
-  into an fma with a following add): for `f32(q * e) + m` (docs/spec.md E5).
+  into an fma with a following add): for `f32(q * e) + m` (docs/spec.md, affine offsets).
 * `e4m3x2(hi, lo)` / `e5m2x2(hi, lo)`: two f32 -> two FP8 codes (hi in bits 8-15), round to
-  nearest even, saturating (`cvt.rn.satfinite.e4m3x2.f32`, sm_89+), as SPEC §2.5 wants for
-  |y| <= max (the kernels clamp first).
+  nearest even, saturating (`cvt.rn.satfinite.e4m3x2.f32`, sm_89+), as the spec's quantize wants
+  for |y| <= max (the kernels clamp first).
 * `e4m3x2_f32(c)` / `e5m2x2_f32(c)`: the reverse, exact (`cvt.rn.f16x2.e4m3x2`, then f16 -> f32).
 * `f16_bits(x)`: f32 -> f16 bits (round to nearest; exact for the already-rounded scales the
   kernels pass).

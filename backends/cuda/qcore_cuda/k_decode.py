@@ -144,7 +144,7 @@ else:
 
 @cuda.jit(device=True, inline="always")
 def e2m1_value(c):
-    """The E2M1 value of the 4-bit code c (SPEC §2.5: 0, 0.5, 1, 1.5, 2, 3, 4, 6, the sign in bit 3)."""
+    """The E2M1 value of the 4-bit code c (docs/spec.md, schemes: 0, 0.5, 1, 1.5, 2, 3, 4, 6, the sign in bit 3)."""
     mag = c & int64(7)
     if mag < int64(4):
         v = float32(0.5) * float32(mag)

@@ -54,8 +54,9 @@ def k_error_partials(x, y, sig, noise, mx):
 
 @cuda.jit
 def k_tensor_stats(x, amax, asum, flag):
-    """Per-tensor statistic: max |x| into amax[0] and sum |x| (f64) into asum[0] (SPEC §2.1);
-    flag[0] = 1 on any NaN/Inf. One shared-memory atomic per thread, one global per block."""
+    """Per-tensor statistic: max |x| into amax[0] and sum |x| (f64) into asum[0] (the spec's
+    calibration); flag[0] = 1 on any NaN/Inf. One shared-memory atomic per thread, one global per
+    block."""
     sh_max = cuda.shared.array(1, float32)
     sh_sum = cuda.shared.array(1, float64)
     if cuda.threadIdx.x == 0:
@@ -95,8 +96,8 @@ def k_fill2(a, v0, v1):
 @cuda.jit
 def k_tensor_range(x, lohi, flag):
     """Per-tensor max x into lohi[0] and min x into lohi[1] (preset -inf / +inf; an affine
-    per-tensor scheme, docs/spec.md E5), in parallel: shared-memory atomics per block, one global
-    pair per block; flag[0] = 1 on NaN/Inf (counted as 0)."""
+    per-tensor scheme, docs/spec.md, affine offsets), in parallel: shared-memory atomics per block,
+    one global pair per block; flag[0] = 1 on NaN/Inf (counted as 0)."""
     sh = cuda.shared.array(2, float32)
     if cuda.threadIdx.x == 0:
         sh[0] = float32(-math.inf)
@@ -126,7 +127,8 @@ def k_tensor_range(x, lohi, flag):
 @cuda.jit
 def k_first_extreme(x, amax, first):
     """The first flat index whose |x| is amax[0] into first[0] (preset past the end): the signed
-    extreme of a per-tensor signed scheme (docs/spec.md E3) is x at it; non-finite x is skipped."""
+    extreme of a per-tensor signed scheme (docs/spec.md, signed scales) is x at it; non-finite x is
+    skipped."""
     start, step = cuda.grid(1), cuda.gridsize(1)
     top = amax[0]
     for i in range(start, x.size, step):
@@ -147,10 +149,10 @@ def k_take_extreme(x, first, raw):
 @cuda.jit
 def k_slot_stats(x, P, stat, gstat, flag):
     """Per block slot: max |x| or mean |x| (f64 sum, one f32 rounding) over its elements, edge
-    blocks cropped (SPEC §2.1); gstat[0] = max over slots (for two-level). Thread per slot,
-    walking the block in row-major order, so that for signed scales (docs/spec.md E3) the
-    statistic is the first element of largest |x|, with its sign. An affine scheme (E5) gets the
-    slot's max x here and its min x at stat[nslots + slot]."""
+    blocks cropped (the spec's calibration); gstat[0] = max over slots (for two-level). Thread per
+    slot, walking the block in row-major order, so that for signed scales (docs/spec.md) the
+    statistic is the first element of largest |x|, with its sign. An affine scheme gets the slot's
+    max x here and its min x at stat[nslots + slot]."""
     idx = cuda.local.array(MAXR, int64)
     ext = cuda.local.array(MAXR, int64)
     cr = P[M_CR]
@@ -206,7 +208,7 @@ def k_slot_stats(x, P, stat, gstat, flag):
         if absmean:
             m = float32(s / float64(cnt))
         stat[sl] = sv if signed else m
-        if affine:  # E5: the slot's max, and its min after the slots
+        if affine:  # affine offsets: the slot's max, and its min after the slots
             stat[sl] = hi
             stat[nslots + sl] = lo
         gm = max(gm, m)
@@ -218,17 +220,18 @@ def k_slot_stats(x, P, stat, gstat, flag):
 
 @cuda.jit
 def k_scales(raw, asum, P, F, stored, gbuf, payload):
-    """Scale slots -> stored scales (f32) and their payload bytes (SPEC §2.1-2.3, §3).
+    """Scale slots -> stored scales (f32) and their payload bytes (docs/spec.md, calibration to scale
+    storage, portable bytes).
 
     MODE 0: raw = statistic per slot (per-tensor: amax in raw[0], f64 sum in asum[0]);
     s = stat / h, two-level s /= g (g from gbuf[1] = max statistic), rounded by the slot's rule.
-    A reciprocal global (P[M_TWO] == 2, docs/spec.md E2): G from the max statistic, s = G * s,
-    and g = -G (`two_level_e` divides by it).
+    A reciprocal global (P[M_TWO] == 2, docs/spec.md, reciprocal global scale): G from the max
+    statistic, s = G * s, and g = -G (`two_level_e` divides by it).
     MODE 1: raw = explicit stored scales (already rounded by the core), g in gbuf[0] (-G for a
     reciprocal global). Two-level: gbuf[0] = g and the f32 bytes of |g| follow the scales.
-    Signed scales (E3): h is qmin and the statistic signed; the magnitude is rounded, the sign
-    kept. A code rule (E4, P[M_CODES]): raw[sl] becomes the raw scale s, for `k_quant`.
-    An affine offset (E5): raw[sl] = max, raw[nslots + sl] = min (MODE 0) or the given stored
+    Signed scales: h is qmin and the statistic signed; the magnitude is rounded, the sign
+    kept. A code rule (code rules, P[M_CODES]): raw[sl] becomes the raw scale s, for `k_quant`.
+    An affine offset: raw[sl] = max, raw[nslots + sl] = min (MODE 0) or the given stored
     offset (MODE 1); the offset goes into its section, and raw[nslots + sl] becomes what
     `k_quant` subtracts: the stored min (SPEC's division), the raw min (a code rule) or z.
     """
@@ -274,10 +277,11 @@ def k_scales(raw, asum, P, F, stored, gbuf, payload):
 
 @cuda.jit
 def k_quant(x, P, F, stored, gbuf, payload, flag, asum, raw):
-    """Quantize and pack with given stored scales (SPEC §2.4-2.5, §3). Thread per run of RL
-    elements (whole words) along the run axis; e = s, or g * s_b (one f32 multiply). Under a
-    code rule (docs/spec.md E4) the codes come from `x * (1 / raw[slot])` instead, the raw
-    scales `k_scales` left there (or the given ones), through `codecs.code_rule_kernel`.
+    """Quantize and pack with given stored scales (docs/spec.md, effective scale, quantize, portable
+    bytes). Thread per run of RL elements (whole words) along the run axis; e = s, or g * s_b (one
+    f32 multiply). Under a code rule (docs/spec.md, code rules) the codes come from
+    `x * (1 / raw[slot])` instead, the raw scales `k_scales` left there (or the given ones), through
+    `codecs.code_rule_kernel`.
 
     The statistics scratch (asum[0], gbuf[1], gbuf[2]) is consumed by now (k_scales ran before,
     in stream order), so thread 0 zeroes it for the next call: no memset launch per call."""
@@ -365,8 +369,9 @@ def k_quant(x, P, F, stored, gbuf, payload, flag, asum, raw):
 
 @cuda.jit
 def k_quant_fused(x, P, F, payload, flag):
-    """Calibrate and quantize one block slot per run, in one pass (SPEC §2.1-2.5, §3): the run
-    is exactly the block (one-level, block along the run axis only, whole words per block)."""
+    """Calibrate and quantize one block slot per run, in one pass (docs/spec.md, calibration to
+    quantize, portable bytes): the run is exactly the block (one-level, block along the run axis
+    only, whole words per block)."""
     r = P[M_RAX]
     nf = P[M_NF]
     bits = P[M_BITS]
@@ -425,7 +430,7 @@ def k_quant_fused(x, P, F, payload, flag):
 @cuda.jit
 def k_decode_scales(payload, P, scales, gbuf):
     """Stored scale words -> float32 (and the two-level global into gbuf[0]; a reciprocal global
-    as -G; an affine scheme's offsets into scales[nslots:], E5)."""
+    as -G; an affine scheme's offsets into scales[nslots:])."""
     sdt = P[M_SDT]
     snb = P[M_SNB]
     soff = P[M_SOFF]
@@ -433,7 +438,7 @@ def k_decode_scales(payload, P, scales, gbuf):
     start, step = cuda.grid(1), cuda.gridsize(1)
     for sl in range(start, nslots, step):
         scales[sl] = word_scale(get_le(payload, soff + sl * snb, snb), sdt)
-        if P[M_AFFINE] != 0:  # E5: the offsets after the scales
+        if P[M_AFFINE] != 0:  # affine offsets: after the scales
             scales[nslots + sl] = read_offset(payload, sl, P)
     if start == 0:
         gbuf[0] = float32(1.0)
@@ -445,10 +450,10 @@ def k_decode_scales(payload, P, scales, gbuf):
 
 @cuda.jit
 def k_dequant(payload, P, lut, scales, gbuf, out, flag):
-    """Unpack codes and scale: x' = decode(q) * e in f32 (affine, E5: `affine_value`), stored in
-    out's dtype (SPEC §2.6).
+    """Unpack codes and scale: x' = decode(q) * e in f32 (affine offsets: `affine_value`), stored in
+    out's dtype (the spec's dequantize).
     Thread per run, same runs as k_quant. `lut` holds NaN for codes outside the value's set
-    (SPEC v1.1 §3); meeting one sets flag[0] and the host names the element."""
+    (the spec's invalid codes); meeting one sets flag[0] and the host names the element."""
     r = P[M_RAX]
     nf = P[M_NF]
     bits = P[M_BITS]

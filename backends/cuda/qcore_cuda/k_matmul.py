@@ -118,7 +118,7 @@ def k_matmul(x, payload, p32, MQ, lut, scales, gbuf, out):
                             e = scales[kb * g1 + sc[c]]
                             if two:
                                 e = two_level_e(g, e)
-                            if aff != 0:  # E5: the weight's value, then the product
+                            if aff != 0:  # affine offsets: the weight's value, then the product
                                 acc[c] += xv * affine_value(lut[code], e, scales[ns + kb * g1 + sc[c]], aff)
                             else:
                                 acc[c] += (xv * e) * lut[code]

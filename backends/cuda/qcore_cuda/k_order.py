@@ -1,7 +1,7 @@
-"""The field-order kernel (docs/spec.md E6): the values section of a payload packed in one field
-order, re-packed in another. The quantize, dequantize and matmul kernels pack and read SPEC §3's
-order (LOW); a scheme in HIGH or SPLIT order runs them on a LOW copy of its values and this kernel
-moves the fields, on the device, in the stream's order.
+"""The field-order kernel (docs/spec.md, field orders): the values section of a payload packed in
+one field order, re-packed in another. The quantize, dequantize and matmul kernels pack and read the
+`low` order (LOW); a scheme in HIGH or SPLIT order runs them on a LOW copy of its values and this
+kernel moves the fields, on the device, in the stream's order.
 
 The rule is `qcore.spec.layout.field_positions` (the reference's statement), written here per field;
 tests/spec/test_field_order_and_flat_blocks.py checks the kernel against `qcore.spec.layout.reorder_values`

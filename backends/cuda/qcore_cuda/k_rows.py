@@ -26,10 +26,11 @@ def launch_rows(L: int, R: int) -> tuple[tuple[int, int], int]:
 
 @jit_regs(64)
 def k_rows_quant(x, RP, F, stored, gbuf, words, payload, flag, stat):
-    """Row kernel, two modes: GIVEN (quantize with stored scales; codes of nf lanes OR into one
-    word written by the word's first lane, SPEC §2, §3) and STATS (per-slot statistic by lane
-    groups into stat[], and the max over slots into gbuf[1] for two-level). Calibrated one-level
-    blocks go to k_tile_quant, which rounds each scale once per block."""
+    """Row kernel, two modes: GIVEN (quantize with stored scales; codes of nf lanes OR into one word
+    written by the word's first lane; docs/spec.md, arithmetic and portable bytes) and STATS
+    (per-slot statistic by lane groups into stat[], and the max over slots into gbuf[1] for
+    two-level). Calibrated one-level blocks go to k_tile_quant, which rounds each scale once per
+    block."""
     sh_f = cuda.shared.array(ROW_TPB, float32)
     sh_d = cuda.shared.array(ROW_TPB, float64)
     sh_i = cuda.shared.array(ROW_TPB, int64)
@@ -243,9 +244,9 @@ def wide_slot_where(RP, sl):
 def wide_slot_scale_of(m, RP, F, stored, payload, sl):
     """(e, the reciprocal r where `fast_div_ok(e)` else 0) of slot `sl` from its maximum m (the
     block's): as k_scales s = max / h rounded by the slot's rule into stored[sl] and the scale
-    bytes (SPEC §2.3). An infinite m (a non-finite x, `wide_slot_max`) gives codes 0 (e = 0 here)
-    and a NaN scale, so that a product that does not wait for the flag (W8A8's `act`) gives NaN
-    for its row (docs/spec.md E9)."""
+    bytes (docs/spec.md, scale storage). An infinite m (a non-finite x, `wide_slot_max`) gives
+    codes 0 (e = 0 here) and a NaN scale, so that a product that does not wait for the flag
+    (W8A8's `act`) gives NaN for its row (docs/spec.md, quantized activations)."""
     sdt = RP[R_SDT]
     nonfinite = math.isinf(m)
     e = float32(0.0) if nonfinite else round_scale(float32(m / F[F_H]), sdt)
@@ -261,8 +262,8 @@ def wide_slot_scale_of(m, RP, F, stored, payload, sl):
 
 @cuda.jit(device=True, inline="always")
 def wide_quotient(v, e, r, isf):
-    """y = RN(v / e) of SPEC §2.4 (0 where e is 0): from the slot's reciprocal `r` as the fast
-    kernels divide (`qdiv`; a minifloat's zero keeps v's sign), by `div.rn` where r is 0."""
+    """y = RN(v / e) of the spec's quantize (0 where e is 0): from the slot's reciprocal `r` as
+    the fast kernels divide (`qdiv`; a minifloat's zero keeps v's sign), by `div.rn` where r is 0."""
     if r != float32(0.0):
         y = qdiv(v, e, r)
         if isf:
@@ -365,9 +366,9 @@ k_wide_quant = cuda.jit(make_wide_quant(code_by_encode))
 
 @jit_regs(40)
 def k_rows_dequant(words, RP, lut, scales, gbuf, out, flag):
-    """Row kernel: out[line, c] = decode(field c of its word) * e, coalesced (SPEC §2.6). Four
-    lines per step, loads first, so each thread keeps four loads in flight. A NaN from `lut` (a
-    code outside the value's set, SPEC v1.1 §3) sets flag[0]."""
+    """Row kernel: out[line, c] = decode(field c of its word) * e, coalesced (the spec's
+    dequantize). Four lines per step, loads first, so each thread keeps four loads in flight. A NaN
+    from `lut` (a code outside the value's set: the spec's invalid codes) sets flag[0]."""
     R = RP[R_R]
     L = RP[R_L]
     W = RP[R_W]

@@ -19,7 +19,8 @@ TILE_SHW = TILE_WARPS * 33 * 8  # staged u32 words: up to 8 per block (B = 32, 8
 @jit_regs(64)
 def k_tile_quant(x, TP, F, w32, w8, payload, flag, stat, gbuf):
     """Fused calibrate+quantize (MODE 1) or block statistics only (MODE 2: stat[slot], and the
-    max over slots into gbuf[1] for two-level), one block per lane (SPEC §2.1-2.5, §3)."""
+    max over slots into gbuf[1] for two-level), one block per lane (docs/spec.md, calibration to
+    quantize, portable bytes)."""
     sh = cuda.shared.array(TILE_SH, float32)
     shw = cuda.shared.array(TILE_SHW, uint32)
     L = TP[T_L]

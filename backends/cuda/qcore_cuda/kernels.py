@@ -1,11 +1,12 @@
-"""Numba-CUDA kernels of the `cuda` backend (SPEC §2, §3): the general, row, tile and matmul
-kernels, gathered here for the backend and the paths (`K.k_quant`, `K.launch`, ...).
+"""Numba-CUDA kernels of the `cuda` backend (docs/spec.md, arithmetic and portable bytes): the
+general, row, tile and matmul kernels, gathered here for the backend and the paths (`K.k_quant`,
+`K.launch`, ...).
 
 By concern: `layouts.py` (the parameter arrays `P`, `F`, `RP`, `TP`, `MQ`, `OR`, one table each,
 `_params.ParamLayout`, unique field names), `grids.py` (launch configuration: register caps, SM
 count, grid-stride sizes), `devmath.py` (codes, words, group reductions), `scales.py` (the
 round-up and scale words), and one module per kernel family: `k_general.py`, `k_rows.py`,
-`k_tile.py`, `k_matmul.py`, `k_order.py` (field orders, docs/spec.md E6). The fast kernels are
+`k_tile.py`, `k_matmul.py`, `k_order.py` (docs/spec.md, field orders). The fast kernels are
 in `fast.py`, the GEMV in `gemv.py`, the tensor-core GEMV in `tc.py`.
 
 Kernels live at module level in modules that import `numba.cuda` at the top: the CUDA simulator

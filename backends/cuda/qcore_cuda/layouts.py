@@ -27,10 +27,10 @@ P_LAYOUT = ParamLayout("P", "int64", [
     ("M_NSLOTS", "scale slots"),
     ("M_N", "elements"),
     ("M_PERT", "1: one scale for the tensor"),
-    ("M_TWO", "1: two-level; 2: two-level with a reciprocal global (E2)"),
+    ("M_TWO", "1: two-level; 2: two-level with a reciprocal global scale"),
     ("M_SDT", "the slot dtype's id under the scheme's rounding rule (`scale_slot`)"),
     ("M_SOFF", "byte offset of the scales section"),
-    ("M_GOFF", "byte offset of the global scale (two-level) or of the offsets section (E5)"),
+    ("M_GOFF", "byte offset of the global scale (two-level) or of the offsets section (affine offsets)"),
     ("M_METHOD", "calibration: 0 minmax, 1 absmean"),
     ("M_ISF", "1: minifloat values"),
     ("M_MB", "the value's mantissa bits"),
@@ -38,13 +38,13 @@ P_LAYOUT = ParamLayout("P", "int64", [
     ("M_SNB", "bytes per stored scale"),
     ("M_KFIRST", "the first canonical axis other than the run axis (where a run's line index starts)"),
     ("M_MODE", "0: calibrate; 1: explicit scales (given, in `raw`)"),
-    ("M_SIGNED", "1: signed scales (E3)"),
-    ("M_CODES", "the code rule's id (E4, `codecs.CODE_RULES`)"),
-    ("M_AFFINE", "0, or an offset (E5): AFFINE_MIN or AFFINE_ZERO; the decoded scales (and `raw`) hold "
+    ("M_SIGNED", "1: signed scales"),
+    ("M_CODES", "the code rule's id (code rules, `codecs.CODE_RULES`)"),
+    ("M_AFFINE", "0, or an affine offset: AFFINE_MIN or AFFINE_ZERO; the decoded scales (and `raw`) hold "
                  "the offsets after the scales, [nslots:2 nslots]"),
-    ("M_OOFF", "byte offset of the offsets section (E5)"),
+    ("M_OOFF", "byte offset of the offsets section (affine offsets)"),
     ("M_ODT", "a MIN offset's dtype id (round to nearest); for ZERO, 1 when the zero-point byte is signed"),
-    ("M_ONB", "bytes per stored offset (E5)"),
+    ("M_ONB", "bytes per stored affine offset"),
     ("O_S", MAXR, "extents of the canonical axes"),
     ("O_B", MAXR, "block extents (per-tensor: the extents themselves)"),
     ("O_G", MAXR, "block-grid extents ceil(S / B)"),
@@ -56,14 +56,14 @@ P_LAYOUT.define(globals())
 
 F_LAYOUT = ParamLayout("F", "float32", [
     ("F_H", "h: the scale divisor (1 under the MX rule)"),
-    ("F_M", "M of SPEC §2.2: the block scale dtype's max for two-level schemes, else 1"),
+    ("F_M", "M of the spec's two-level scales: the block scale dtype's max for two-level schemes, else 1"),
     ("F_QMIN", "the value's smallest code value"),
     ("F_QMAX", "the value's largest code value"),
     ("F_FMAX", "the value's largest magnitude (= qmax)"),
 ], length=8, length_name="F_LEN")  # (three entries of padding)
 F_LAYOUT.define(globals())
 SDT_F32 = SCALE_IDS.index("f32")  # the global scale of a two-level scheme is always F32
-TINY = float(F32_TINY)  # smallest normal f32: floor of a two-level global scale (SPEC §2.2)
+TINY = float(F32_TINY)  # smallest normal f32: floor of a two-level global scale (docs/spec.md, two-level scales)
 
 # RP: the row kernels (k_rows.py)
 # The common layout, coalesced: the block grid splits only the last canonical axis (or the
@@ -140,8 +140,8 @@ MQ_LAYOUT = ParamLayout("MQ", "int64", [
     ("MM_W32", "1: those words are read as u32 loads"),
     ("MM_SAME", "1: a thread's 8 columns share a scale slot"),
     ("MM_ISF", "1: minifloat values"),
-    ("MM_AFF", "P's M_AFFINE (E5)"),
-    ("MM_NS", "scale slots (the offsets follow them, E5)"),
+    ("MM_AFF", "P's M_AFFINE (affine offsets)"),
+    ("MM_NS", "scale slots (the affine offsets follow them)"),
 ], length=24, length_name="MM_LEN")  # (three entries of padding)
 MQ_LAYOUT.define(globals())
 

@@ -34,7 +34,7 @@ K into contiguous ranges (`plan`). Under the simulator every warp runs the same 
 chunk 0 with B zero.
 
 Eligible (`applies`): a 2-D weight of 4- or 8-bit integer or minifloat codes (Q8*, Q4*, E4M3,
-E5M2, E2M1; no offsets, no lookup table) in SPEC §3's field order, packed along K (Native, or
+E5M2, E2M1; no offsets, no lookup table) in the `low` field order, packed along K (Native, or
 packed along the last axis), K a multiple of 32, one scale for the tensor, or blocks that span
 one row each along K: 32 * 2**j elements, or at least K.
 """
@@ -99,7 +99,7 @@ def geometry(shape: tuple[int, ...], scheme: QuantScheme) -> tuple[int, np.ndarr
     store = scheme.store
     if store.kind is not StoreKind.NATIVE and store.dim != 0:
         return None
-    if store.order.value != "low":  # (the backend hands kernels SPEC §3's order: `kernel_data`)
+    if store.order.value != "low":  # (the backend hands kernels the `low` order: `kernel_data`)
         return None
     if scheme.block is None:
         nsb, lb = 0, 62

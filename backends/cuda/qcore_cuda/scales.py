@@ -1,4 +1,5 @@
-"""Scale rounding and scale words on the device (SPEC §1, §2.3, §3), for every cuda kernel.
+"""Scale rounding and scale words on the device (docs/spec.md: schemes, scale storage,
+portable bytes), for every cuda kernel.
 
 The rules and their numbers live in `qcore.spec.codecs` (`ScaleSlot`: a scale dtype with its
 rounding rule; one row of `SCALE_SLOTS` each); these device functions index
@@ -28,14 +29,14 @@ _SIGN = SCALE_ARRAYS.word_sign
 
 round_scale = scale_round_kernel(cuda.jit(device=True, inline="always"), f2u, u2f)
 """Round a raw scale `s >= 0` into scale slot `slot` (a `qcore.spec.codecs.SCALE_SLOTS` id: the
-dtype and its rounding rule, SPEC §2.3): `qcore.spec.codecs`' one kernel source, compiled for the
-device. A dtype's v1 (round-up) slot id is its `SCALE_IDS` position."""
+dtype and its rounding rule: scale storage): `qcore.spec.codecs`' one kernel source, compiled for
+the device. A dtype's v1 (round-up) slot id is its `SCALE_IDS` position."""
 
 
 @cuda.jit(device=True, inline="always")
 def scale_word(e, sdt):
     """The stored word (uint32) of a scale `e` already representable in dtype `sdt`; a negative
-    `e` (signed scales, docs/spec.md E3; -0 included) sets the word's sign bit."""
+    `e` (docs/spec.md, signed scales; -0 included) sets the word's sign bit."""
     b = f2u(e)
     a = u2f(b & uint32(0x7FFFFFFF))
     if a < _SUB_BELOW[sdt]:

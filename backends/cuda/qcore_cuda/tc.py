@@ -414,10 +414,10 @@ def slot_scale_args(scales, gbuf, Q: np.ndarray, et=None) -> tuple:
 
 
 def slot_scales(scales, gbuf, Q: np.ndarray):
-    """The effective f32 scales of a [K, N] weight (SPEC §2.4: `g * s_b` for two-level scales,
-    decoded and global from `scales` and `gbuf`) by slot: [slots per row, K] (one row of K for a
-    scale per tensor), so that a lane's scales of consecutive rows are one vector load (the
-    backend keeps it with the weight: 4 bytes per scale slot, as many as the decoded scales)."""
+    """The effective f32 scales of a [K, N] weight (the spec's effective scale: `g * s_b` for
+    two-level scales, decoded and global from `scales` and `gbuf`) by slot: [slots per row, K] (one
+    row of K for a scale per tensor), so that a lane's scales of consecutive rows are one vector load
+    (the backend keeps it with the weight: 4 bytes per scale slot, as many as the decoded scales)."""
     cfg, args = slot_scale_args(scales, gbuf, Q)
     k_slot_scales[cfg](*args)
     return args[2]

@@ -1,4 +1,4 @@
-"""qcore-ndarray: the `ndarray` backend plugin of qcore (SPEC §4).
+"""qcore-ndarray: the `ndarray` backend plugin of qcore (docs/spec.md, backends).
 
 Q8F and Q8S quantization of numpy arrays with numba CPU kernels, bit-identical to qcore's
 `reference` backend. qcore finds it through the `qcore` entry point group, exactly as it would

@@ -1,7 +1,7 @@
-"""The `ndarray` backend: Q8F/Q8S on numpy arrays with numba CPU kernels (SPEC §4).
+"""The `ndarray` backend: Q8F/Q8S on numpy arrays with numba CPU kernels (docs/spec.md, backends).
 
-Capability (SPEC §4 table): the 8-bit integer values Q8F and Q8S, symmetric mode, every level
-(per-tensor, per-block up to 5-D, two-level), every store valid for an 8-bit value (Native,
+Capability (the spec's backends table): the 8-bit integer values Q8F and Q8S, symmetric mode, every
+level (per-tensor, per-block up to 5-D, two-level), every store valid for an 8-bit value (Native,
 PackedU32(d)) and every scale dtype. Everything else gets `Support.no(reason)`, and
 `qcore.BaseBackend` turns that into `UnsupportedSchemeError` at every entry point.
 
@@ -15,8 +15,9 @@ Results are bit-identical to the `reference` backend. The paths, by scheme:
 | explicit params               | one: quantize with the non-finite check fused in            |
 
 The two-level normalisation and the round-up of whole scale grids use `qcore.spec.codecs` (numpy,
-small arrays) in the order SPEC §2.2-2.3 fixes; the fused path rounds up inside the kernel with
-`kernels.round_scale_scalar`, which the tests pin against `qcore.spec.codecs` bit for bit.
+small arrays) in the order the spec's two-level scales and scale storage fix; the fused path rounds
+up inside the kernel with `kernels.round_scale_scalar`, which the tests pin against
+`qcore.spec.codecs` bit for bit.
 """
 from __future__ import annotations
 
@@ -43,16 +44,17 @@ from .plan import TASK_ELEMENTS, Plan, make_plan
 __all__ = ["NdarrayBackend", "NdQuantized", "SUPPORTED_STORES"]
 
 SUPPORTED_STORES = frozenset({StoreKind.NATIVE, StoreKind.PACKED_U32})
-"""Stores the kernels write; with an 8-bit value these are all the valid ones (SPEC §1)."""
+"""Stores the kernels write; with an 8-bit value these are all the valid ones (docs/spec.md, validity rules)."""
 
 
 @dataclass(frozen=True, eq=False)
 class NdQuantized:
     """`QTensor.data` of this backend: the payload's value bytes, stored scales, global scale.
 
-    `values` is exactly the `[values]` section of SPEC §3 (flat uint8); `scales` are the stored
-    (rounded-up) scales decoded to f32 in the block-grid shape; `global_scale` is the two-level
-    f32, else None; `offsets` an affine scheme's stored offsets (docs/spec.md E5), else None.
+    `values` is exactly the `[values]` section of the portable bytes (flat uint8); `scales` are the
+    stored (rounded-up) scales decoded to f32 in the block-grid shape; `global_scale` is the
+    two-level f32, else None; `offsets` an affine scheme's stored offsets (docs/spec.md, affine
+    offsets), else None.
     """
 
     shape: tuple[int, ...]
@@ -78,7 +80,7 @@ def _checked_f32(x: Any) -> np.ndarray:
 
 
 def _flat_f32(x: Any) -> np.ndarray:
-    """Input as a flat, C-contiguous float32 array (no copy for contiguous float32, SPEC §2)."""
+    """Input as a flat, C-contiguous float32 array (no copy for contiguous float32, the spec's arithmetic)."""
     return np.ascontiguousarray(to_f32(x)).reshape(-1)
 
 
@@ -87,9 +89,9 @@ class NdarrayBackend(BaseBackend):
 
     name = "ndarray"
     priority = 20
-    # docs/spec.md E1-E7 for its 8-bit values: the rounding rules and code rules in its kernels,
-    # signed scales and zero points through qcore.spec.arithmetic, field orders and flat blocks through
-    # the core; not unsigned values, min offsets or LOOKUP's midpoint rule
+    # the extensions of docs/spec.md for its 8-bit values: the rounding rules and code rules in its
+    # kernels, signed scales and zero points through qcore.spec.arithmetic, field orders and flat
+    # blocks through the core; not unsigned values, min offsets or LOOKUP's midpoint rule
     scheme_features = {"round:rne", "round:mx", "recip", "signed", "codes:away", "codes:offset", "zero",
                        "order:high", "order:split", "flat"}
 
@@ -109,7 +111,7 @@ class NdarrayBackend(BaseBackend):
         return f"numba {numba.__version__} CPU kernels on {numba.get_num_threads()} threads; Q8F/Q8S only"
 
     def _supports(self, scheme: QuantScheme) -> Support:
-        """SPEC §4: Q8F and Q8S, symmetric, any level, store and scale dtype."""
+        """The spec's backends table: Q8F and Q8S, symmetric, any level, store and scale dtype."""
         if scheme.is_lookup:
             return Support.no("LOOKUP mode is not implemented (only symmetric q8f and q8s are)")
         t = scheme.traits
@@ -122,8 +124,9 @@ class NdarrayBackend(BaseBackend):
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def _effective(scales: np.ndarray, g: float | None, scheme: QuantScheme) -> np.ndarray:
-        """Per slot `e = s`, `e = f32(g * s_b)` (SPEC §2.4) or `e = f32(s_b / G)` (a reciprocal
-        global, docs/spec.md E2): `qcore.spec.arithmetic.slot_effective`, flat, at least one entry."""
+        """Per slot `e = s`, `e = f32(g * s_b)` (the spec's effective scale) or `e = f32(s_b / G)`
+        (a reciprocal global scale, docs/spec.md): `qcore.spec.arithmetic.slot_effective`, flat, at
+        least one entry."""
         e = slot_effective(scales, g, scheme).reshape(-1)
         return e if e.size else np.zeros(1, np.float32)
 
@@ -135,7 +138,7 @@ class NdarrayBackend(BaseBackend):
         return store_scales((stat / np.float32(scheme.scale_divisor)).astype(np.float32), scheme)
 
     def _stats(self, flat: np.ndarray, plan: Plan, scheme: QuantScheme, method: str) -> np.ndarray:
-        """Per-slot statistic (SPEC §2.1) in the grid shape; raises InputError on NaN/Inf."""
+        """Per-slot statistic (the spec's calibration) in the grid shape; raises InputError on NaN/Inf."""
         k = _kernels()
         mcode = k.METHOD_CODES[method]
         if plan.grid == ():
@@ -173,7 +176,7 @@ class NdarrayBackend(BaseBackend):
 
     # ------------------------------------------------------------------ hooks
     def _calibrate(self, x: Any, scheme: QuantScheme, method: str) -> QParams:
-        if scheme.signed or scheme.affine:  # the signed extreme, min and max: the core's (docs/spec.md E3, E5)
+        if scheme.signed or scheme.affine:  # signed scales, affine offsets: the core's signed extreme, min and max
             return arithmetic.calibrate(_checked_f32(x), scheme, method)
         flat = _flat_f32(x)
         plan = make_plan(np.shape(x), scheme)
@@ -181,9 +184,9 @@ class NdarrayBackend(BaseBackend):
         return self._store(stat, scheme)
 
     def _quantize(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> NdQuantized:
-        if scheme.signed or scheme.affine:  # docs/spec.md E3, E5: the core's arithmetic
+        if scheme.signed or scheme.affine:  # signed scales, affine offsets: the core's arithmetic
             return self._from_data(arithmetic.quantize(_checked_f32(x), scheme, params, method))
-        if scheme.reciprocal_codes:  # E4: the kernels' code rule, from the raw scales' reciprocals
+        if scheme.reciprocal_codes:  # code rules: the kernels' code rule, from the raw scales' reciprocals
             return self._quantize_rule(x, scheme, params, method)
         k = _kernels()
         flat = _flat_f32(x)
@@ -204,9 +207,9 @@ class NdarrayBackend(BaseBackend):
         return NdQuantized(shape, scheme, values, stored, params.global_scale)
 
     def _quantize_rule(self, x: Any, scheme: QuantScheme, params: QParams | None, method: str) -> NdQuantized:
-        """docs/spec.md E4 on the kernels: the statistics pass, raw scales `stat / h` (given scales
-        are their own raw scales) stored by the scheme's rule, then MODE_APPLY with the raw
-        scales' reciprocals (0 for a zero scale) and the rule's id."""
+        """The code rules (docs/spec.md) on the kernels: the statistics pass, raw scales `stat / h`
+        (given scales are their own raw scales) stored by the scheme's rule, then MODE_APPLY with
+        the raw scales' reciprocals (0 for a zero scale) and the rule's id."""
         k = _kernels()
         flat = _flat_f32(x)
         shape = tuple(np.shape(x))
@@ -238,7 +241,7 @@ class NdarrayBackend(BaseBackend):
         return sqnr_db(float(signal), float(noise)), float(np.max(maxima))
 
     def _dequantize(self, data: NdQuantized, dtype: np.dtype) -> np.ndarray:
-        if data.scheme.affine:  # docs/spec.md E5: the core's decode
+        if data.scheme.affine:  # affine offsets: the core's decode
             return arithmetic.dequantize(self._into_data(data)).astype(dtype)
         k = _kernels()
         plan = make_plan(data.shape, data.scheme)
@@ -314,11 +317,11 @@ class NdarrayBackend(BaseBackend):
     def matmul(self, x: Any, w: Any, *, dtype: Any = np.float32, act: Any = None, out: Any = None,
                stream: Any = None) -> Any:
         """`x @ dequantize(w)` for float x [..., K] and w [K, N], `MATMUL_ROWS` rows of w at a time
-        (whole blocks) dequantized by the numba kernel (`_row_bands`), so the full float weight
-        never exists; the core's `qcore.backend.ops.matmul` does the rest (checks, activation and result
+        (whole blocks) dequantized by the numba kernel (`_row_bands`), so the full float weight never
+        exists; the core's `qcore.backend.ops.matmul` does the rest (checks, activation and result
         dtypes, its own decode for weights `_row_bands` does not read). `act=` and a QTensor x:
-        `BaseBackend._product_x` (docs/spec.md E9); `out=` as `BaseBackend` writes it (`stream=`
-        ignored: this backend runs on the calling thread)."""
+        `BaseBackend._product_x` (docs/spec.md, quantized activations); `out=` as `BaseBackend` writes
+        it (`stream=` ignored: this backend runs on the calling thread)."""
         w = self._own(w)
         x, dtype = self._product_x("matmul", x, w, act, dtype)
         bands = self._row_bands if self._bands_apply(w) else None

@@ -1,4 +1,4 @@
-"""Numba CPU kernels of the `ndarray` backend (SPEC §2, §3).
+"""Numba CPU kernels of the `ndarray` backend (docs/spec.md, arithmetic and portable bytes).
 
 All kernels work on the canonical 8-axis view that `qcore_ndarray.plan` builds from a shape and
 a scheme: eight extents `shp`, block dims `blk` (per-tensor: a partition of the last axis whose
@@ -7,17 +7,18 @@ strides of the stored values `ost`, slot strides `gst`, and the packing axis `pa
 Native). Axis 7 is the contiguous one.
 
 Along a packing axis (PackedU32) element i lands in word `i // npw`, byte `i % npw` of that
-little-endian word (8-bit fields: field k sits in bits [8k, 8k+8), i.e. byte k, SPEC §3).
-Output bytes are written directly in that layout; padding bytes stay as allocated (zeros).
+little-endian word (8-bit fields: field k sits in bits [8k, 8k+8), i.e. byte k, as in the portable
+bytes). Output bytes are written directly in that layout; padding bytes stay as allocated (zeros).
 
-Numeric rules, in the order SPEC §2 fixes them (all float32, every literal cast explicitly so
-numba never promotes to float64):
+Numeric rules, in the order the spec's arithmetic fixes them (all float32, every literal cast
+explicitly so numba never promotes to float64):
 
 * statistic per slot: `amax = max |x|` as the max of the f32 bit patterns with the sign cleared
   (monotone for finite floats; a pattern >= 0x7F800000 is a NaN or Inf, so the same reduction is
   the non-finite check), or `absmean` = f64 sum of |x| over the slot's real elements, divided by
   their count, rounded once to f32;
-* raw scale `s = f32(stat) / f32(h)`, rounded into the scale slot (`round_scale_scalar`: the dtype and its rounding rule, SPEC §2.3);
+* raw scale `s = f32(stat) / f32(h)`, rounded into the scale slot (`round_scale_scalar`: the dtype
+  and its rounding rule, the spec's scale storage);
 * `y = x / e` as a true f32 division (never a reciprocal multiply), `q = clamp(rint(y))`
   computed as `rint(clamp(y))` (identical: the bounds are integers and rint is monotone);
   `e == 0` gives code 0;
@@ -85,9 +86,10 @@ def _bits_f32(typingctx, b):
 # tests pin the result against qcore.spec.codecs).
 round_scale_scalar = scale_round_kernel(njit(inline="always"), _f32_bits, _bits_f32)
 rule_code = code_rule_kernel(njit(inline="always"))
-"""The int64 code of `y` under a code rule (docs/spec.md E4): `qcore.spec.codecs`' one source."""
-"""Round a raw scale `s >= 0` (f32) into scale slot `sdt` (`qcore.spec.codecs.SCALE_SLOTS`: the dtype
-and its rounding rule, SPEC §2.3), as f32: `qcore.spec.codecs`' one kernel source, compiled for the CPU."""
+"""The int64 code of `y` under a code rule (docs/spec.md, code rules): `qcore.spec.codecs`' one source."""
+"""Round a raw scale `s >= 0` (f32) into scale slot `sdt` (`qcore.spec.codecs.SCALE_SLOTS`: the
+dtype and its rounding rule, the spec's scale storage), as f32: `qcore.spec.codecs`' one kernel
+source, compiled for the CPU."""
 
 
 @njit(cache=True)
@@ -115,7 +117,7 @@ def _amax_bits(xb):
 
 @njit(cache=True, inline="always")
 def _abs_sum(x):
-    """f64 sum of |x| over a float32 slice (SPEC §2.1 absmean)."""
+    """f64 sum of |x| over a float32 slice (absmean, the spec's calibration)."""
     sm = 0.0
     for j in range(x.size):
         sm += np.float64(abs(x[j]))
@@ -124,9 +126,9 @@ def _abs_sum(x):
 
 @njit(cache=True, inline="always")
 def _encode_contig(xs, os, e, qmin, qmax, rule):
-    """os = clamp(rint(xs / e)) as int8; e == 0 gives code 0 (SPEC §2.5). Under a code rule
-    (`rule` > 0, docs/spec.md E4) `e` is the reciprocal of the raw scale: y = f32(x * e), coded
-    by `rule_code`."""
+    """os = clamp(rint(xs / e)) as int8; e == 0 gives code 0 (the spec's quantize). Under a code
+    rule (`rule` > 0, docs/spec.md, code rules) `e` is the reciprocal of the raw scale:
+    y = f32(x * e), coded by `rule_code`."""
     if rule != 0:
         for j in range(xs.size):
             v = xs[j]
@@ -160,7 +162,8 @@ def _encode_strided(xs, out, ob, istr, e, qmin, qmax, rule):
 
 @njit(cache=True, inline="always")
 def _decode_contig(cs, ys, e, qmin):
-    """ys = f32(cs) * e (SPEC §2.6); returns 1 when a code is below `qmin` (SPEC v1.1 §3)."""
+    """ys = f32(cs) * e (the spec's dequantize); returns 1 when a code is below `qmin` (an invalid
+    code)."""
     low = 0
     for j in range(cs.size):
         c = cs[j]
@@ -188,7 +191,8 @@ def _decode_strided(codes, ob, istr, ys, e, qmin):
 @njit(parallel=True, cache=True)
 def tensor_stats(x, xb, method, chunk):
     """One pass over flat f32 `x` (and its uint32 view `xb`): the max |x| bit pattern and, for
-    absmean, the f64 sum of |x| (SPEC §2.1). A max pattern >= 0x7F800000 means non-finite input.
+    absmean, the f64 sum of |x| (the spec's calibration). A max pattern >= 0x7F800000 means
+    non-finite input.
     """
     n = x.size
     nch = (n + chunk - 1) // chunk
@@ -346,8 +350,9 @@ def _spread4(src, dst, n):
 
 @njit(cache=True, error_model="numpy")
 def _encode_per_element(xs, es, os, qmin, qmax):
-    """os[j] = clamp(rint(xs[j] / es[j])), 0 where es[j] == 0 (true f32 division, SPEC §2.5).
-    The numpy error model keeps numba from raising on the (discarded) division by zero."""
+    """os[j] = clamp(rint(xs[j] / es[j])), 0 where es[j] == 0 (true f32 division, the spec's
+    quantize). The numpy error model keeps numba from raising on the (discarded) division by
+    zero."""
     for j in range(xs.size):
         e = es[j]
         nz = e != np.float32(0.0)
@@ -466,15 +471,15 @@ def _quantize_row(r, c, x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, mod
 @njit(parallel=True, cache=True)
 def quantize_blocks(x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows, mode, method, check,
                     h, qmin, qmax, sdt, escales, scales_out, out, bad, logb, rule):
-    """Block-wise pass over flat f32 `x` (SPEC §2.1-2.5).
+    """Block-wise pass over flat f32 `x` (the spec's calibration to quantize).
 
-    mode MODE_STATS: `scales_out[slot]` = the slot statistic. MODE_FUSED: statistic -> raw
-    scale `stat / h` -> round up to `sdt` -> `scales_out[slot]`, then quantize the block while it
-    is in cache. MODE_APPLY: quantize with `escales[slot]` (with `check`, scan the block for
-    NaN/Inf first). Codes go to `out` (int8 view of the stored value bytes). A task (`rows` task
-    rows x `chunk` blocks along axis 7) that meets a non-finite value sets `bad[task]` and stops.
+    mode MODE_STATS: `scales_out[slot]` = the slot statistic. MODE_FUSED: statistic -> raw scale
+    `stat / h` -> round up to `sdt` -> `scales_out[slot]`, then quantize the block while it is in
+    cache. MODE_APPLY: quantize with `escales[slot]` (with `check`, scan the block for NaN/Inf
+    first). Codes go to `out` (int8 view of the stored value bytes). A task (`rows` task rows x
+    `chunk` blocks along axis 7) that meets a non-finite value sets `bad[task]` and stops.
     `logb` >= 1 when the plan allows the fused fast path (blocks of 2^logb along axis 7 only,
-    contiguous codes), else -1. `rule` > 0: MODE_APPLY under a code rule (docs/spec.md E4), with
+    contiguous codes), else -1. `rule` > 0: MODE_APPLY under a code rule (docs/spec.md, code rules), with
     `escales` the reciprocals of the raw scales.
     """
     n_outer = 1
@@ -500,9 +505,10 @@ def quantize_blocks(x, xb, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows, m
 
 @njit(parallel=True, cache=True)
 def dequantize_blocks(codes, shp, blk, grd, xst, ost, gst, pa, npw, chunk, rows, escales, y, qmin, bad):
-    """`y = f32(q) * e` block by block (SPEC §2.6), reading the stored value bytes as int8.
+    """`y = f32(q) * e` block by block (the spec's dequantize), reading the stored value bytes as
+    int8.
 
-    A task that meets a code below `qmin` (Q8S -128, SPEC v1.1 §3) sets `bad[task]`; the host
+    A task that meets a code below `qmin` (Q8S -128, an invalid code) sets `bad[task]`; the host
     then names the element."""
     n_outer = 1
     for k in range(7):

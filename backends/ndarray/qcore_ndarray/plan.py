@@ -1,4 +1,5 @@
-"""The canonical 8-axis view the kernels work on (SPEC §2.1 block grid, §3 value layout).
+"""The canonical 8-axis view the kernels work on (the block grid and the value layout of
+docs/spec.md).
 
 `make_plan(shape, scheme)` folds a tensor of any rank into eight axes, so one compiled kernel
 serves every rank, block shape and store:

@@ -2,8 +2,8 @@
 
 qcore's `BaseBackend` does the contract work (parsing schemes, refusing unsupported ones with
 `UnsupportedSchemeError`, checking shapes, dtypes and explicit params); this class fills in the
-`_hooks`. The rules each kernel follows are SPEC §2 and §3, cited inline; the conformance suite
-checks them bit for bit against qcore's reference.
+`_hooks`. The rules each kernel follows are docs/spec.md's arithmetic and portable bytes, cited
+inline by name; the conformance suite checks them bit for bit against qcore's reference.
 
 The backend keeps tensors unpacked (`LutTensor`: one uint8 index per element, f32 scales in the
 block-grid shape), and packs them only when asked for portable bytes.
@@ -49,7 +49,7 @@ def _block(shape: tuple[int, ...], scheme: QuantScheme) -> tuple[int, ...] | Non
 
 
 def slot_stat(x: np.ndarray, block: tuple[int, ...] | None, method: str) -> np.ndarray:
-    """Per scale slot, max |x| or mean |x| (SPEC §2.1; absmean sums in f64, rounds once)."""
+    """Per scale slot, max |x| or mean |x| (calibration; absmean sums in f64, rounds once)."""
     a = np.abs(x)
     if block is None:
         if method == "minmax":
@@ -73,22 +73,22 @@ def slot_stat(x: np.ndarray, block: tuple[int, ...] | None, method: str) -> np.n
 
 
 def raw_scales(x: np.ndarray, scheme: QuantScheme, table: np.ndarray, method: str) -> np.ndarray:
-    """SPEC §2.1: the raw scale s = stat / max|table| per slot."""
+    """Calibration: the raw scale s = stat / max|table| per slot."""
     return (slot_stat(x, _block(x.shape, scheme), method) / np.float32(np.max(np.abs(table)))).astype(np.float32)
 
 
 def calibrate(x: np.ndarray, scheme: QuantScheme, table: np.ndarray, method: str,
               raw: np.ndarray | None = None) -> QParams:
-    """SPEC §2.1-2.3: s = stat / max|table| (`raw`, when the caller has it); two-level divides by
-    g; rounded into the dtype by the scheme's rule (`scheme.scale_rounding`: v1's round-up, or
-    round to nearest even)."""
-    if scheme.reciprocal_global:  # the global stored as 1/g (docs/spec.md E2): qcore's own rule
+    """Calibration, two-level scales and scale storage: s = stat / max|table| (`raw`, when the
+    caller has it); two-level divides by g; rounded into the dtype by the scheme's rule
+    (`scheme.scale_rounding`: v1's round-up, or round to nearest even)."""
+    if scheme.reciprocal_global:  # the global stored as 1/g (reciprocal global scale): qcore's own rule
         return store_reciprocal(slot_stat(x, _block(x.shape, scheme), method), scheme)
     s = raw_scales(x, scheme, table, method) if raw is None else raw
     g = None
     if scheme.two_level:
         top = np.float32(s.max()) if s.size else np.float32(0)
-        m = np.float32(scheme.block.dtype.traits.max_value)  # M of SPEC §2.2: 448 or 65504
+        m = np.float32(scheme.block.dtype.traits.max_value)  # M of the two-level scales: 448 or 65504
         g = np.maximum(np.float32(top / m), F32_TINY)
         s = (s / g).astype(np.float32)
     stored = scheme.scale_rounding.store(np.asarray(s, np.float32)).reshape(np.shape(s))
@@ -96,8 +96,8 @@ def calibrate(x: np.ndarray, scheme: QuantScheme, table: np.ndarray, method: str
 
 
 def element_scales(p: QParams, shape: tuple[int, ...], scheme: QuantScheme) -> np.ndarray:
-    """SPEC §2.4: e = s (or g * s_b in one f32 multiply; s_b / G for a reciprocal global,
-    docs/spec.md E2), gathered to every element."""
+    """Effective scale: e = s (or g * s_b in one f32 multiply; s_b / G for a reciprocal global
+    scale), gathered to every element."""
     s = slot_effective(p.scales, p.global_scale, scheme)
     block = _block(shape, scheme)
     if block is None:
@@ -106,7 +106,7 @@ def element_scales(p: QParams, shape: tuple[int, ...], scheme: QuantScheme) -> n
 
 
 def nearest(y: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """SPEC §2.5 LOOKUP: the index minimising |y - table[i]| in f32; ties keep the lower index
+    """Quantize, LOOKUP: the index minimising |y - table[i]| in f32; ties keep the lower index
     (a strict `<` while scanning the table upwards). `y` is first clamped to the table's range
     (docs/spec-choices.md): beyond it f32 distances would all round alike."""
     y = np.clip(y, table[0], table[-1]).astype(np.float32)
@@ -121,7 +121,7 @@ def nearest(y: np.ndarray, table: np.ndarray) -> np.ndarray:
 
 
 def pack(index: np.ndarray, scheme: QuantScheme) -> bytes:
-    """SPEC §3: along axis rank-1-d, runs of n = word_bits/bits indices fill a little-endian
+    """Portable bytes: along axis rank-1-d, runs of n = word_bits/bits indices fill a little-endian
     word, element k in bits [k*bits, (k+1)*bits); the last word of a line is zero-padded."""
     if scheme.store.kind is StoreKind.NATIVE:
         return np.ascontiguousarray(index, np.uint8).tobytes()
@@ -190,18 +190,18 @@ class LutCpuBackend(BaseBackend):
             if scheme.code_rule is CodeRule.MIDPOINT:  # the rule codes from the raw scales
                 raw = raw_scales(x, scheme, table, method)
             params = calibrate(x, scheme, table, method, raw)
-        if scheme.code_rule is CodeRule.MIDPOINT:  # docs/spec.md E4: the core's statement of the rule
+        if scheme.code_rule is CodeRule.MIDPOINT:  # code rules: the core's statement of the rule
             index = midpoint_codes(x, np.asarray(params.scales if raw is None else raw, np.float32), scheme)
         else:
             e = element_scales(params, x.shape, scheme)
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-                y = np.where(e == 0, np.float32(0), x / e).astype(np.float32)  # SPEC §2.5, e == 0 -> 0
+                y = np.where(e == 0, np.float32(0), x / e).astype(np.float32)  # quantize: e == 0 -> 0
             index = nearest(y, table)
         return LutTensor(x.shape, scheme, index, np.asarray(params.scales, np.float32), params.global_scale, table)
 
     def _dequantize(self, data: LutTensor, dtype: np.dtype) -> np.ndarray:
         e = element_scales(QParams(data.scales, data.global_scale), data.shape, data.scheme)
-        return (data.table[data.index] * e).astype(np.float32).astype(dtype)  # SPEC §2.6
+        return (data.table[data.index] * e).astype(np.float32).astype(dtype)  # dequantize
 
     def _into_data(self, data: LutTensor) -> QuantizedData:
         s = data.scheme

@@ -57,7 +57,7 @@ class FastDequantize:
         from .. import fast
 
         return c.prepared.fast is not None and c.out.dtype == (np.uint16 if c.bf16 else np.float32) and \
-            fast.aligned(c.out) and not c.data.scheme.affine  # E5: the general kernel only
+            fast.aligned(c.out) and not c.data.scheme.affine  # affine offsets: the general kernel only
 
     def launch(self, c: DequantizeCall) -> None:
         from .. import _array, fast

@@ -1,10 +1,10 @@
 """W8A8 `linear` on the cuda backend: an e4m3 weight times e4m3 activations, code by code, on
 torch's FP8 GEMM (`torch._scaled_mm`, cuBLASLt), the two per-row scales applied to the f32 sums
-in its epilogue (docs/spec.md E9, the FP8 accumulator rule).
+in its epilogue (docs/spec.md, quantized activations: the FP8 accumulator rule).
 
 `run` serves `linear(x, w, act=e4m3/block{B}:f32)` (B >= K: one f32 scale per row of x), or x a
-QTensor of such a scheme on this backend, and returns None (the caller takes E9's decoded path)
-unless all of these hold:
+QTensor of such a scheme on this backend, and returns None (the caller takes the decoded path of
+quantized activations) unless all of these hold:
 
 * w is e4m3 `[N, K]`, codes one per byte, with one f32 scale per row (blocks along K of at
   least K) or one for the tensor;
@@ -14,15 +14,15 @@ unless all of these hold:
 * K and N are multiples of 16 (the FP8 GEMM's alignment) and torch has `_scaled_mm` and
   `float8_e4m3fn`.
 
-x is quantized by the backend's own kernel (SPEC §2: the same codes and scales every backend
-gives; a bfloat16 x read as it is, `paths.quantize.quantize_bf16_rows`). Nothing waits for x's
-non-finite flag: a row of x holding a NaN or an infinity gets a NaN scale, so its results are
-NaN, as docs/spec.md E9 wants (a float16 or float32 x quantized by `quantize`, which refuses it,
-goes to the decoded path, which does the same). Both payloads are
-read in place as torch tensors: the codes as `float8_e4m3fn` [M, K] and [N, K] (the weight's
-transpose is the column-major operand cuBLASLt wants), the scales as f32 [M, 1] and [1, N].
-`use_fast_accum=False`: cuBLAS promotes the tensor core's partial sums to f32 from time to time;
-the spec's bound holds without that.
+x is quantized by the backend's own kernel (the spec's arithmetic: the same codes and scales every
+backend gives; a bfloat16 x read as it is, `paths.quantize.quantize_bf16_rows`). Nothing waits for
+x's non-finite flag: a row of x holding a NaN or an infinity gets a NaN scale, so its results are
+NaN, as the spec's quantized activations want (a float16 or float32 x quantized by `quantize`, which
+refuses it, goes to the decoded path, which does the same). Both payloads are read in place as torch
+tensors: the codes as `float8_e4m3fn` [M, K] and [N, K] (the weight's transpose is the column-major
+operand cuBLASLt wants), the scales as f32 [M, 1] and [1, N]. `use_fast_accum=False`: cuBLAS
+promotes the tensor core's partial sums to f32 from time to time; the spec's bound holds without
+that.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ A repeat call (`again`) with a torch CUDA x of a shape, dtype and bias kind the 
 the decode or tensor-core path, no `out=`, `dtype=` or `stream=`, skips the checks and the path
 choice: a result tensor, two views and the packed launch.
 
-The first `linear` of a tensor whose scheme has invalid codes (SPEC v1.1 §3) dequantizes it once
+The first `linear` of a tensor whose scheme has invalid codes (docs/spec.md) dequantizes it once
 to check them, as a first dequantize does, so a bad code is an `InvalidDataError`, never a value.
 """
 from __future__ import annotations
@@ -56,11 +56,11 @@ _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float
 
 @dataclass
 class LinearCall:
-    """One `linear`: the weight `w` (its `data` in SPEC §3's field order), x as given and as the
-    kernels read it (`xd`: u32 pairs of 16-bit values for `xt` XT_BF16/XT_F16, float32 for
-    XT_F32; None: no tensor-core form), m rows, the result type `ot` and arrays (`out32`,
-    `out16`: one is a placeholder), the bias (f32 [N], or a placeholder), the stream; x's
-    dtype, the result as `linear` returns it and the bias as the caller gave it."""
+    """One `linear`: the weight `w` (its `data` in the `low` field order), x as given and as the
+    kernels read it (`xd`: u32 pairs of 16-bit values for `xt` XT_BF16/XT_F16, float32 for XT_F32;
+    None: no tensor-core form), m rows, the result type `ot` and arrays (`out32`, `out16`: one is a
+    placeholder), the bias (f32 [N], or a placeholder), the stream; x's dtype, the result as
+    `linear` returns it and the bias as the caller gave it."""
 
     be: Any
     w: Any
@@ -234,7 +234,7 @@ class TransposedLinear:
         y32 = c.out32 if c.ot == linear.OT_F32 and not c.has_bias else _array.empty((c.m * n_,), np.float32, c.s)
         if k_ == 0:
             _streams.on(K.k_zero, K.launch(c.m * n_), c.s)(y32)
-        elif c.data.shape != c.w.shape:  # blocks over the flattened tensor that cross rows (E7): the core's sums
+        elif c.data.shape != c.w.shape:  # blocks over the flattened tensor that cross rows: the core's sums
             from qcore.backend import ops
 
             host = ops.linear(c.be, c.be.to_numpy(_f32_source(c.x)) if not isinstance(c.x, np.ndarray) else c.x, c.w,
@@ -405,8 +405,8 @@ def _outputs(x: Any, out: Any, shape: tuple[int, ...], dt: np.dtype, s: Any) -> 
 
 
 def _check_codes_once(be: Any, w: Any, s: Any) -> None:
-    """A tensor whose scheme has invalid codes is dequantized once before its first product, so
-    a bad code raises `InvalidDataError` (SPEC v1.1 §3) as at a first dequantize."""
+    """A tensor whose scheme has invalid codes is dequantized once before its first product, so a
+    bad code raises `InvalidDataError` (docs/spec.md, invalid codes) as at a first dequantize."""
     if w.scheme.valid_fields.all() or w.data.codes_checked() or w.data.cache.linear_codes_checked:
         return
     be.dequantize(w, _F16, stream=s)

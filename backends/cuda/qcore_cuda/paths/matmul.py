@@ -35,7 +35,7 @@ class MatmulCall:
     def gemv_geometry(self) -> tuple | None:
         """(kind, Q) of the GEMV kernels for this weight (cached on it), None when its layout has
         none or the device lacks the fast kernels."""
-        if not self.be.state.fast.usable or self.data.scheme.affine:  # E5: the general kernel only
+        if not self.be.state.fast.usable or self.data.scheme.affine:  # affine offsets: the general kernel only
             return None
         from .. import gemv
 

@@ -58,8 +58,8 @@ class QuantizeCall:
 
     @property
     def general_only(self) -> bool:
-        """Signed scales, code rules and affine offsets (docs/spec.md E3-E5) run on the general
-        kernels only: `k_slot_stats` (the signed extreme; min and max), `k_scales`, `k_quant`."""
+        """Signed scales, code rules and affine offsets (docs/spec.md) run on the general kernels
+        only: `k_slot_stats` (the signed extreme; min and max), `k_scales`, `k_quant`."""
         return self.scheme.signed or self.scheme.reciprocal_codes or self.scheme.affine
 
     @cached_property
@@ -286,13 +286,13 @@ def run_wide_quantize(be: Any, K: Any, prepared: Prepared, x_words: Any, bf16: b
 def quantize_bf16_rows(be: Any, x: Any, scheme: QuantScheme, s: Any,
                        wait: bool = True) -> tuple[QTensor, Callable[[], None]] | None:
     """`be.quantize(x.float(), scheme)` for x [rows, L] (L even) on stream `s`, a C-contiguous
-    torch bfloat16 CUDA tensor or a device array of bfloat16 bits (uint16), read as it is:
-    bfloat16 values are exact in float32, so `WideQuantize`'s kernel reading x's bits writes the
-    same bytes, without the float32 copy. Returns (the QTensor, `check`), or None where that
-    path does not take the scheme (`WideQuantize.applies`). Nothing waits: `check()` waits for
-    the stream and raises InputError naming x's first non-finite element, so a caller queues
-    its next kernels first. With `wait=False` nothing is checked (`check()` does nothing): a
-    slot holding a non-finite x gets a NaN scale, as `act` wants (docs/spec.md E9)."""
+    torch bfloat16 CUDA tensor or a device array of bfloat16 bits (uint16), read as it is: bfloat16
+    values are exact in float32, so `WideQuantize`'s kernel reading x's bits writes the same bytes,
+    without the float32 copy. Returns (the QTensor, `check`), or None where that path does not take
+    the scheme (`WideQuantize.applies`). Nothing waits: `check()` waits for the stream and raises
+    InputError naming x's first non-finite element, so a caller queues its next kernels first. With
+    `wait=False` nothing is checked (`check()` does nothing): a slot holding a non-finite x gets a
+    NaN scale, as `act` wants (docs/spec.md, quantized activations)."""
     shape = tuple(int(d) for d in x.shape)
     if len(shape) != 2 or shape[1] % 2 or 0 in shape or scheme.low_order is not scheme:
         return None
@@ -347,7 +347,7 @@ class StagedQuantize:
 
         K, pp, pl, s = c.K, c.prepared, c.plan, c.s
         asum, fs, flag = c.scratch.buffers(c.s)
-        if c.params is not None:  # given scales (and offsets after them, E5): copied up, explicit mode
+        if c.params is not None:  # given scales (and affine offsets after them): copied up, explicit mode
             given = [np.asarray(c.params.scales, dtype=np.float32).reshape(-1)]
             if c.scheme.affine:
                 given.append(np.asarray(c.params.offsets, dtype=np.float32).reshape(-1))
@@ -361,15 +361,16 @@ class StagedQuantize:
             raw = fs[2:3]
             on(K.k_tensor_stats, K.launch(math.prod(c.shape)), s)(c.xd, raw, asum, flag)
             return raw, fs, pp.P
-        if c.scheme.block is None:  # per-tensor E3-E5: in parallel into the plan's own raw array
+        # per-tensor signed scales, code rules and affine offsets: in parallel into the plan's own raw array
+        if c.scheme.block is None:
             raw, n = pp.raw, math.prod(c.shape)
-            if c.scheme.affine:  # max and min (E5)
+            if c.scheme.affine:  # max and min (affine offsets)
                 on(K.k_fill2, (1, 1), s)(raw, np.float32(-np.inf), np.float32(np.inf))
                 on(K.k_tensor_range, K.launch(n), s)(c.xd, raw, flag)
                 return raw, fs, pp.P
             on(K.k_fill2, (1, 1), s)(raw, np.float32(0), np.float32(0))
             on(K.k_tensor_stats, K.launch(n), s)(c.xd, raw, asum, flag)  # max |x|, sum |x|
-            if c.scheme.signed:  # the first element of that magnitude, with its sign (E3)
+            if c.scheme.signed:  # the first element of that magnitude, with its sign (signed scales)
                 first = pp.first
                 on(K.k_fill2, (1, 1), s)(first, np.int64(n), np.int64(n))
                 on(K.k_first_extreme, K.launch(n), s)(c.xd, raw, first)
