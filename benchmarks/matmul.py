@@ -18,8 +18,9 @@ For a linear layer's weight W [N, K] (out features, in features) and bfloat16 ac
   `torch._weight_int8pack_mm` where torch has them for CUDA; torchao's int4 / int8 weight-only
   linear where torchao is installed; a peer that cannot run says why (`peer_setup`, the cells);
 * per shape, a device copy of a bf16 [N, K] tensor (`dst.copy_(src)`): the bandwidth reference;
-* `--paths`: each scheme's two bfloat16 paths forced (the tensor-core kernel, and the weight
-  dequantized to bfloat16 then torch's GEMM), whatever the plan picks at that M;
+* `--paths`: each scheme's bfloat16 paths forced (the decode kernel at M <= 4, the tensor-core
+  kernel, and the weight dequantized to bfloat16 then torch's GEMM), whatever the plan picks at
+  that M;
 * `--w8a8`: W8A8, the weight and x in `W8A8` (e4m3, one f32 scale per row), x quantized per
   row inside the timed call (`be.linear(x, qw, act=W8A8)`).
 
@@ -312,14 +313,16 @@ def plan(args):
 
 
 def case_names(schemes, peers, paths: bool = False, w8a8: bool = False) -> list:
-    """Every timed case of a cell as (case, scheme, peer, label); with `paths`, each scheme's two
-    bfloat16 paths forced as well ("[kernel]": the tensor-core kernel, "[dequantize-gemm]": the
-    weight dequantized to bfloat16, then torch's GEMM), whatever the plan would pick at that M."""
+    """Every timed case of a cell as (case, scheme, peer, label); with `paths`, each scheme's
+    bfloat16 paths forced as well ("[decode]": the decode kernel, k_decode.py, at M <= 4;
+    "[kernel]": the tensor-core kernel; "[dequantize-gemm]": the weight dequantized to bfloat16,
+    then torch's GEMM), whatever the plan would pick at that M."""
     out = []
     for s in schemes:
         out += [("linear", s, None, s), ("linear_out", s, None, s + " out=")]
         if paths:
-            out += [("linear_kernel", s, None, s + " [kernel]"), ("linear_gemm", s, None, s + " [dequantize-gemm]")]
+            out += [("linear_decode", s, None, s + " [decode]"), ("linear_kernel", s, None, s + " [kernel]"),
+                    ("linear_gemm", s, None, s + " [dequantize-gemm]")]
     if w8a8:
         out.append(("w8a8", W8A8, None, "w8a8 (e4m3 per row, x quantized in the call)"))
     out += [("peer", None, p, p) for p in peers]
@@ -460,7 +463,8 @@ def main(argv=None) -> int:
     ap.add_argument("--w8a8", action="store_true",
                     help=f"also time W8A8: weight and x in {W8A8}, x quantized per row in the call (act=)")
     ap.add_argument("--paths", action="store_true",
-                    help="also time each scheme's two bfloat16 paths forced (tensor-core kernel, dequantize + GEMM)")
+                    help="also time each scheme's bfloat16 paths forced (decode kernel at M <= 4, tensor-core kernel, "
+                         "dequantize + GEMM)")
     ap.add_argument("--dry-run", action="store_true", help="list the cells and targets and exit (no GPU needed)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -691,17 +695,23 @@ def make_fn(torch, be, S, case, scheme, peer, x, y, m, cell):
     if case == "w8a8":
         qw = S.qw[scheme]
         return lambda: be.linear(x["bf16"], qw, act=W8A8)
-    if case in ("linear_kernel", "linear_gemm"):
+    if case in ("linear_decode", "linear_kernel", "linear_gemm"):
+        from qcore_cuda import k_decode
         from qcore_cuda.paths import linear as linear_paths
 
+        if case == "linear_decode" and m > k_decode.MBS[-1]:
+            cell["error"] = f"the decode kernel takes M <= {k_decode.MBS[-1]}"
+            return None
         qw, at = S.qw[scheme], (1 if case == "linear_gemm" else 1 << 62)
+        dm = k_decode.MBS[-1] if case == "linear_decode" else 0
 
         def forced():  # (stream= given: a repeat call's kept plan is neither used nor made)
-            keep, linear_paths.LIBRARY_FROM_M = linear_paths.LIBRARY_FROM_M, at
+            keep = linear_paths.LIBRARY_FROM_M, linear_paths.DECODE_MAX_M
+            linear_paths.LIBRARY_FROM_M, linear_paths.DECODE_MAX_M = at, dm
             try:
                 return be.linear(x["bf16"], qw, stream=torch.cuda.current_stream())
             finally:
-                linear_paths.LIBRARY_FROM_M = keep
+                linear_paths.LIBRARY_FROM_M, linear_paths.DECODE_MAX_M = keep
         return forced
     if peer == "torch_bf16":
         wb = S.wb

@@ -66,15 +66,26 @@ _TC_CASES = ([(t, xt, _MS[(i + j) % 3]) for i, t in enumerate(TC_SCHEMES) for j,
 
 
 @pytest.mark.parametrize("text,xt,m", _TC_CASES)
-def test_tensor_core_linear(cuda_backend, text, xt, m):
+def test_tensor_core_linear(cuda_backend, text, xt, m, monkeypatch):
     """The kernel's results lie within the bound (odd N: a partial 16-row tile), take the
-    tensor-core path, and repeat bit for bit."""
+    tensor-core path (at every M: the decode path, k_decode.py, turned off), and repeat bit for
+    bit."""
+    from qcore_cuda.paths import linear as paths_linear
+
+    monkeypatch.setattr(paths_linear, "DECODE_MAX_M", 0)
     before = _paths().get("TensorCoreLinear", 0)
     n, k = (20, 64) if SIM else (200, 1024)
     q, x, b, y = _check(cuda_backend, text, n, k, m, xt)
     assert _paths().get("TensorCoreLinear", 0) > before
     again = _host(cuda_backend, cuda_backend.linear(x, q, b))
     assert np.array_equal(again.view(np.uint8), y.view(np.uint8))
+
+
+@pytest.mark.parametrize("text,m", [("q4f/block64:bf16", 9), ("q8s/block64:f16", 2)])
+def test_a_rows_last_block_may_be_partial(cuda_backend, text, m):
+    """K = 96 under blocks of 64: each row has two scale slots, the second over 32 columns
+    (the tensor-core kernel at M = 9, the decode kernel at M = 2)."""
+    _check(cuda_backend, text, 7, 96, m, "f32")
 
 
 @pytest.mark.parametrize("text", OTHER_SCHEMES)

@@ -11,11 +11,12 @@ from qcore_cuda._params import ParamLayout
 
 def _modules_and_layouts():
     """(module, its layouts) for every module that declares parameter arrays."""
-    from qcore_cuda import fast, gemv, layouts, linear
+    from qcore_cuda import fast, gemv, k_decode, layouts, linear
 
     return [(layouts, [layouts.P_LAYOUT, layouts.F_LAYOUT, layouts.RP_LAYOUT, layouts.TP_LAYOUT, layouts.MQ_LAYOUT,
                        layouts.OR_LAYOUT]),
-            (fast, [fast.G_LAYOUT, fast.C_LAYOUT]), (gemv, [gemv.Q_LAYOUT]), (linear, [linear.LP_LAYOUT])]
+            (fast, [fast.G_LAYOUT, fast.C_LAYOUT]), (gemv, [gemv.Q_LAYOUT]), (linear, [linear.LP_LAYOUT]),
+            (k_decode, [k_decode.DL_LAYOUT])]
 
 
 def test_each_layout_defines_its_index_constants_as_ints_in_its_module():
@@ -49,7 +50,7 @@ def test_the_known_lengths_and_padding_are_kept():
 
     got = {lay.name: lay.length for _, lays in _modules_and_layouts() for lay in lays}
     assert got == {"P": 28 + 6 * layouts.MAXR, "F": 8, "RP": 16, "TP": 20, "MQ": 24, "OR": 16, "G": 10, "C": 4,
-                   "Q": 8, "LP": 10}
+                   "Q": 8, "LP": 10, "DL": 9}
     assert (fast.G_LAYOUT.arg, fast.C_LAYOUT.arg, gemv.Q_LAYOUT.arg) == ("int64[::1]", "float32[::1]",
                                                                           "UniTuple(int64, 8)")
     assert linear.LP_LAYOUT.arg == "int64[::1]"

@@ -54,7 +54,7 @@ def test_unavailable_without_gpu_or_simulator():
 PTX_PARTS = 4  # the compile list in parts of about equal cost, so parallel test workers share it
 PTX_COST = {"k_tc": 6.0, "k_tile_quant": 6.0, "k_gemv": 4.7, "k_scales": 4.4, "k_quant": 4.2, "k_fast_quant": 4.0,
             "k_quant_fused": 3.5, "k_matmul": 3.1, "k_frag": 2.8, "k_dequant": 1.7, "k_reorder": 2.2,
-            "k_decode_scales": 1.9}
+            "k_decode_scales": 1.9, "k_decode_linear": 5.0}
 """Seconds of NVVM time per kernel by family, from one single-process compile of the default set
 on the 2-core CI machine kind (2026-12-03; others about 1 s or less): `_ptx_parts` uses them only
 to balance the parts."""

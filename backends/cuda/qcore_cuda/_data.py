@@ -75,8 +75,9 @@ class TensorCache:
     # ---- linear: a weight [N, K]
     linear_geometry: tuple | None | _NotYet = NOT_YET
     """(kind, P) of the tensor-core linear kernel (`linear.geometry`), None where it does not take it."""
-    linear: dict[tuple[int, int, int, bool], Packed] = field(default_factory=dict)
-    """The tensor-core linear kernel's packed launch by (m, x type, result type, bias)."""
+    linear: dict[tuple, Packed] = field(default_factory=dict)
+    """The tensor-core linear kernel's packed launch by (m, x type, result type, bias); the decode
+    kernel's (k_decode.py) by ("decode", m, x type, result type, bias)."""
     linear_scales: Any = None
     """A two-level weight's effective scale per slot (`linear.k_effective`)."""
     linear_codes_checked: bool = False

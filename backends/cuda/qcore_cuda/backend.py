@@ -614,7 +614,9 @@ class CudaBackend(BaseBackend):
         tensor or blocks along K of 32 * 2**j (or at least K) take the tensor-core kernel
         (`linear.py`): the codes and 16-bit x exact as mma inputs, float32 x as three exact
         bfloat16 parts, the scales applied in f32 to each 32-k partial sum; results repeat bit
-        for bit. Others are transposed once (kept with the weight) and go through `matmul`.
+        for bit. Up to `paths.linear.DECODE_MAX_M` rows of x (decoding) the same weights take
+        the decode kernel (`k_decode.py`: exact products on the CUDA cores, the scale applied
+        to each unit's f32 sum, the same repeatability). Others are transposed once (kept with the weight) and go through `matmul`.
         bfloat16 x and result from `paths.linear.LIBRARY_FROM_M` rows of a torch CUDA x (bias
         bfloat16 or none) dequantize the weight to bfloat16 for the call and take torch's GEMM
         (docs/spec.md's bfloat16-weight rule), where that is faster than the kernels.

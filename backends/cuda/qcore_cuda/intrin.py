@@ -8,6 +8,9 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
   accesses of `a[i..i+3]` (`a[i..i+1]`); `ld1(a, i)` is `a[i]` without the negative-index fix-up;
   `ldcg_f32(a, i)` reads a float32 past L1 (`ld.global.cg`: data other blocks wrote); the caller guarantees the alignment (`i` a multiple of 4 (2) and a 16-byte
   aligned base) and the bounds: there is no wraparound and no bounds check.
+* `lds4(a, i)`: the 16-byte access of `a[i..i+3]` through the array's own (generic) pointer,
+  for a shared-memory array (`ld4` casts to the global space); the caller guarantees `i` a
+  multiple of 4 and an array declared with `alignment=16`.
 * `f2u(x)` / `u2f(u)`: float32 <-> uint32 bit patterns; `prmt(a, b, sel)`: byte permute
   (`prmt.b32`, byte k of the result is byte `sel >> 4k & 7` of `b:a`; `sel` a literal).
 * `fmax_nan(a, b)`: max that returns NaN when either is NaN (`max.NaN.f32`, sm_80+); with
@@ -75,6 +78,9 @@ if config.ENABLE_CUDASIM:
 
     def ld2(a, i):
         return a[i], a[i + 1]
+
+    def lds4(a, i):
+        return a[i], a[i + 1], a[i + 2], a[i + 3]
 
     def ld1(a, i):
         return a[i]
@@ -327,6 +333,22 @@ else:
     @intrinsic
     def ld2(typingctx, a, i):
         return _load(2)(typingctx, a, i)
+
+    @intrinsic
+    def lds4(typingctx, a, i):
+        sig = types.UniTuple(a.dtype, 4)(a, i)
+
+        def codegen(context, builder, sig, args):
+            aty = sig.args[0]
+            ary = context.make_array(aty)(context, builder, value=args[0])
+            k = context.cast(builder, args[1], sig.args[1], types.int64)
+            vt = ir.VectorType(context.get_value_type(aty.dtype), 4)
+            p = builder.bitcast(builder.gep(ary.data, [k]), vt.as_pointer())  # (generic: NVVM infers shared)
+            v = builder.load(p, align=16)
+            vals = [builder.extract_element(v, ir.Constant(_I32, j)) for j in range(4)]
+            return context.make_tuple(builder, sig.return_type, vals)
+
+        return sig, codegen
 
     @intrinsic
     def ld1(typingctx, a, i):

@@ -112,8 +112,8 @@ def geometry(shape: tuple[int, ...], scheme: QuantScheme) -> tuple[int, np.ndarr
         b = dims[-1]
         if b >= k_:
             nsb, lb = 1, 62
-        elif b % 32 == 0 and (b // 32) & (b // 32 - 1) == 0:
-            nsb, lb = k_ // b, (b // 32).bit_length() - 1
+        elif b % 32 == 0 and (b // 32) & (b // 32 - 1) == 0:  # (a row's last block may be partial)
+            nsb, lb = -(-k_ // b), (b // 32).bit_length() - 1
         else:
             return None
     return kind, LP_LAYOUT.pack(LP_N=n_, LP_K=k_, LP_WPR=k_ * fast.KIND_BITS[kind] // 32,

@@ -3,7 +3,7 @@
 
 `targets()` is the one list of kernels with the signatures they are launched with: the general
 kernels of kernels.py (each of its `SIGNATURES`), and the generated variants of fast.py, gemv.py,
-tc.py, frag.py and linear.py (their `ptx_targets()`). The CI test (`tests/cuda/test_cuda_platform.py`) compiles it for
+tc.py, frag.py, linear.py and k_decode.py (their `ptx_targets()`). The CI test (`tests/cuda/test_cuda_platform.py`) compiles it for
 sm_90 and sm_75; `scripts/kernel_stats.py` `assemble`s any of it once and prints its
 `sass_stats`, which is how a kernel change can be sized before it reaches a GPU: every sm_90
 instruction is 16 bytes, so the size of a kernel's `.text` section in the cubin is its
@@ -44,13 +44,13 @@ class Target(NamedTuple):
 
 def targets() -> list[Target]:
     """Every kernel and signature the backend launches."""
-    from . import fast, frag, gemv, kernels as K, linear, tc
+    from . import fast, frag, gemv, k_decode, kernels as K, linear, tc
 
     out = [Target(f"{name}#{i}", getattr(K, name).py_func, sig, True, K.register_cap(getattr(K, name)))
            for name, sigs in K.SIGNATURES.items() for i, sig in enumerate(sigs)]
     out += [Target(name, fn, sig, False, regs)
             for name, fn, sig, regs in fast.ptx_targets() + gemv.ptx_targets() + tc.ptx_targets()
-                                       + frag.ptx_targets() + linear.ptx_targets()]
+                                       + frag.ptx_targets() + linear.ptx_targets() + k_decode.ptx_targets()]
     return out
 
 

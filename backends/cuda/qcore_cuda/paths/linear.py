@@ -12,14 +12,17 @@ Paths:
   fast dequantize kernel's bf16 variant, or float32 rounded once), then torch's GEMM (cuBLAS).
   docs/spec.md's bfloat16-weight rule allows the one rounding of each weight value; cuBLAS
   repeats its results bit for bit for the same shapes on the same GPU and library version.
+- `DecodeLinear` (`k_decode.py`): at most `DECODE_MAX_M` rows of x (decoding a token), the same
+  weights as the tensor-core kernel: warps stream the weight's rows with 16-byte loads and add
+  exact products on the CUDA cores (x staged in shared memory); bit-repeatable.
 - `TensorCoreLinear` (`linear.py`): the weight's payload read as it is; bit-repeatable.
 - `TransposedLinear`: any other weight. Its transpose ([K, N], `permute`: exact) is made once and
   kept with the weight, multiplied by the matmul paths in f32 (`CudaBackend.matmul`), and
   `k_finish` adds the bias and rounds once to the result dtype.
 
 A repeat call (`again`) with a torch CUDA x of a shape, dtype and bias kind the weight has seen on
-the tensor-core path, no `out=`, `dtype=` or `stream=`, skips the checks and the path choice: a
-result tensor, two views and the packed launch.
+the decode or tensor-core path, no `out=`, `dtype=` or `stream=`, skips the checks and the path
+choice: a result tensor, two views and the packed launch.
 
 The first `linear` of a tensor whose scheme has invalid codes (docs/spec.md) dequantizes it once
 to check them, as a first dequantize does, so a bad code is an `InvalidDataError`, never a value.
@@ -44,8 +47,8 @@ from .._data import NOT_YET
 from .._launch import Packed
 from . import choose
 
-__all__ = ["LINEAR", "LIBRARY_FROM_M", "LinearCall", "DequantizedGemmLinear", "TensorCoreLinear", "TransposedLinear",
-           "LinearRepeat", "run", "again", "rounded", "placeholders"]
+__all__ = ["LINEAR", "LIBRARY_FROM_M", "DECODE_MAX_M", "LinearCall", "DequantizedGemmLinear", "DecodeLinear",
+           "TensorCoreLinear", "TransposedLinear", "LinearRepeat", "run", "again", "rounded", "placeholders"]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
@@ -115,10 +118,60 @@ class DequantizedGemmLinear:
             torch.addmm(c.bias_given, x2, wb.t(), out=y2)
 
 
+DECODE_MAX_M = int(os.environ.get("QCORE_CUDA_LINEAR_DECODE_M", "1"))
+"""The most rows of x `DecodeLinear` takes (at most `k_decode.MBS[-1]`, 4; 0: never); the environment
+variable of that name replaces it at import (benchmarks compare the paths). One row by
+measurement (docs/gpu.md): the kernel reads the weight once whatever M, but its FMAs per code grow
+with M, and from M = 2 the tensor-core kernel is faster (H200, 8192 x 8192 q8s/block32:f16: 43.5
+against 31.7 us at M = 2; 23.6 against ~31 us at M = 1 for q4s/block32:f16)."""
+
+
+class DecodeLinear:
+    """k_decode.py: a few rows of x, warps streaming the weight's rows (module text there)."""
+
+    name = "decode-linear"
+
+    @staticmethod
+    def key(c: LinearCall) -> tuple:
+        """The packed launch's key in the weight's `cache.linear`."""
+        return ("decode", c.m, c.xt, c.ot, c.has_bias)
+
+    def applies(self, c: LinearCall) -> bool:
+        from .. import fast, k_decode
+
+        if c.xt is None or c.m > min(DECODE_MAX_M, k_decode.MBS[-1]):
+            return False
+        g = TensorCoreLinear.geometry(c.data)
+        if g is None or (g[0] in k_decode.FP8_KINDS and not c.be.state.fast.usable):  # (sm_89+ FP8 conversions)
+            return False
+        return self.key(c) in c.data.cache.linear or fast.aligned(c.be.state.plans.code_words(c.data))  # (ld4)
+
+    def launch(self, c: LinearCall) -> None:
+        from .. import k_decode
+
+        key = self.key(c)
+        st = c.data.cache.linear.get(key)
+        if st is None:
+            from numba import cuda
+
+            kind, P = c.data.cache.linear_geometry
+            q, grid, block = k_decode.plan(kind, P, c.m, c.ot, c.has_bias)
+            args = [c.xd, c.be.state.plans.code_words(c.data), _effective_scales(c), c.bias, c.out32, c.out16,
+                    cuda.to_device(np.asarray(q, np.int64))]
+            st = c.data.cache.linear[key] = Packed(k_decode.kernel(kind, c.xt, k_decode.mb_for(c.m)), grid, block,
+                                                   args, dynamic=(0, 4, 5, 3))
+        st(c.xd, c.out32, c.out16, c.bias, stream=c.s)
+
+
 class TensorCoreLinear:
     """linear.py: mma over the payload as it is (module text there)."""
 
     name = "tensor-core-linear"
+
+    @staticmethod
+    def key(c: LinearCall) -> tuple:
+        """The packed launch's key in the weight's `cache.linear`."""
+        return (c.m, c.xt, c.ot, c.has_bias)
 
     @staticmethod
     def geometry(data: Any) -> tuple | None:
@@ -135,7 +188,7 @@ class TensorCoreLinear:
     def launch(self, c: LinearCall) -> None:
         from .. import linear
 
-        key = (c.m, c.xt, c.ot, c.has_bias)
+        key = self.key(c)
         st = c.data.cache.linear.get(key)
         if st is None:
             from numba import cuda
@@ -198,7 +251,7 @@ class TransposedLinear:
                                                                    int(c.has_bias))
 
 
-LINEAR = (DequantizedGemmLinear(), TensorCoreLinear(), TransposedLinear())
+LINEAR = (DequantizedGemmLinear(), DecodeLinear(), TensorCoreLinear(), TransposedLinear())
 """The linear paths in the order the backend tries them."""
 
 
@@ -388,8 +441,8 @@ def run(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -
                       p16 if out16 is None else out16, bias_d, s, xdt, res, bias)
     path = choose(LINEAR, call)
     path.launch(call)
-    if type(path) is TensorCoreLinear and out is None and dtype is None and stream is None:
-        _remember(call, x, tuple(xshape[:-1]) + (n_,), bias)
+    if type(path) in (DecodeLinear, TensorCoreLinear) and out is None and dtype is None and stream is None:
+        _remember(call, path.key(call), x, tuple(xshape[:-1]) + (n_,), bias)
     return finish(res)
 
 
@@ -409,9 +462,10 @@ class LinearRepeat:
     p16: Any
 
 
-def _remember(c: LinearCall, x: Any, out_shape: tuple, bias: Any) -> None:
-    """Keep what `again` needs after a tensor-core call with a torch CUDA x (and a float32 CUDA
-    bias or none), unless the payload is the caller's memory (checked on every call)."""
+def _remember(c: LinearCall, key: tuple, x: Any, out_shape: tuple, bias: Any) -> None:
+    """Keep what `again` needs after a decode or tensor-core call (its packed launch under `key`)
+    with a torch CUDA x (and a float32 CUDA bias or none), unless the payload is the caller's
+    memory (checked on every call)."""
     from .. import linear
 
     torch = _torch()
@@ -419,7 +473,7 @@ def _remember(c: LinearCall, x: Any, out_shape: tuple, bias: Any) -> None:
             or x.dtype not in (torch.bfloat16, torch.float16, torch.float32)
             or (bias is not None and not (type(bias) is torch.Tensor and bias.dtype == torch.float32 and bias.is_cuda))):
         return
-    st = c.data.cache.linear.get((c.m, c.xt, c.ot, c.has_bias))
+    st = c.data.cache.linear.get(key)
     if st is None:
         return
     wide = c.ot == linear.OT_F32

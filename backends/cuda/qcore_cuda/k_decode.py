@@ -1,0 +1,337 @@
+"""Decode `linear` (a few rows of x, M <= `MBS[-1]`) on the CUDA cores, over a weight [N, K] as
+checkpoints store it: `y[m, n] = sum_k x[m, k] * decode(w[n, k]) * e[n, k] (+ bias[n])`, x in
+bfloat16, float16 or float32, the result in float32, float16 or bfloat16. The weights it takes
+are `linear.geometry`'s (the tensor-core kernel's): 4- and 8-bit integer and minifloat codes
+packed along K in the low field order, K a multiple of 32, one scale for the tensor or blocks
+along K of 32 * 2**j or at least K, two-level weights through their effective f32 scales.
+
+At M = 1 a linear is a stream over the weight: its bytes are read once and each is used for a
+few multiply-adds, so the kernel is built to keep the weight's loads in flight.
+
+Work. A warp owns `RW` consecutive rows of the weight (a row group) at a time; lane l reads 16
+contiguous bytes of each row with one `ld4` (a unit: 32 4-bit codes, one 32-k chunk, or 16 8-bit
+codes, half of one), so a warp's load instruction covers 512 contiguous bytes of a row. Each lane
+issues `U` units of each of its rows (`U * RW` 16-byte loads, and their scales) before it decodes
+any of them; the loop over whole groups of `U` units has no bounds checks, the units left over go
+one at a time. Blocks of `WARPS` warps; a persistent grid of at most `PER_SM` blocks per SM whose
+warps take row groups in turn (rounds).
+
+x in shared memory. A block stages x as float32 (exact for bfloat16 and float16 x) into `XS`
+floats of shared memory, `SEGK` columns of each of the `mb` rows of x at a time (a segment: all
+of K when `mb * K` fits, which is K <= 8192 at M = 1; else K in segments, each staged once per
+round). Within a segment, the 32 units a warp reads per load instruction form a group of
+`32 * UC` columns; lane l's unit holds columns `UC * l .. UC * l + UC - 1` of the group, which
+are stored at `(j // 4) * 128 + 4 * l + j % 4` for column `UC * l + j`: at each step the
+warp's lanes read 32 consecutive 16-byte words (`lds4`), one shared-memory wavefront per
+quarter warp, no bank conflicts. The staging threads write in the same order.
+
+Arithmetic (docs/spec.md, "Products with a quantized weight"). Each code is decoded to its exact
+value in float32 (`fast.decoder`: byte permutes under 2**23 for integers, the FP8 conversions,
+E2M1 from a 16-entry table), so each term `x * value` is exact for 16-bit x (their product has
+at most 19 significant bits) and an f32 FMA for float32 x. A unit's terms lie under one scale
+slot; they are summed in f32 from k = 0 up (one FMA each, into a zeroed sum), then `acc += e *
+sum` with e the slot's f32 effective scale. A lane adds its units in increasing k; the 32 lanes'
+sums are then added by a butterfly of warp shuffles (xor 16, 8, 4, 2, 1: every lane ends with
+the same bits), the bias added in f32 and the result rounded once to the result type. The order
+depends on the shapes only (K, the unit size), not on the grid, the segments or the scheduling:
+results repeat bit for bit, and are the same whatever `WARPS`, `XS` or the SM count. Nothing is
+added with atomics.
+
+Under the simulator, which has no shuffles, the butterfly goes through shared memory with the
+same additions in the same order; every warp of a block makes the same barrier calls (the rounds,
+segments and reductions are uniform across the block; a warp without a row group in the last
+round joins them with nothing to add).
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import numpy as np
+
+from . import fast, linear
+from ._params import ParamLayout
+from .intrin import f16_bits, f16x2_f32, ld1, ld2, ld4, lds4, u2f
+from .linear import OT_F16, OT_F32, XT_BF16, XT_F16, XT_F32, _bf16_rn_bits as bf16_rn_bits
+
+from numba import config, cuda, float32, int32, int64, uint16, uint32  # noqa: E402
+
+SIM = bool(config.ENABLE_CUDASIM)
+TUNE_ENV = "QCORE_CUDA_DECODE_TUNE"
+"""'WARPS,U,RW' in the environment replaces the defaults below on a GPU (tuning runs); read at import."""
+WARPS, U, RW = (2, 2, 2) if SIM else tuple(int(v) for v in os.environ.get(TUNE_ENV, "8,4,2").split(","))
+MBS = (1, 2, 4)
+"""Variants: rows of x per launch (a call of m rows takes the least that holds m)."""
+XS = 4096 if SIM else 8192
+"""float32 words of x in shared memory per block (32 KB on a GPU: K up to 8192 at M = 1 in one
+segment). It must hold `MBS[-1]` groups of the largest unit (4 x 1024 columns)."""
+PER_SM = 2  # resident blocks per SM the grid is sized for (8 warps of at most 128 registers: 2 fill an SM)
+REGS = 128
+FP8_KINDS = (fast.KIND_E4M3, fast.KIND_E5M2)
+"""Kinds decoded by the sm_89+ FP8 conversions (`backend.FAST_MIN_CC`)."""
+DL_LAYOUT = ParamLayout("DL", "int64", [
+    ("DL_N", "rows of the weight (output columns)"),
+    ("DL_K", "columns of the weight (the reduction extent)"),
+    ("DL_M", "rows of x"),
+    ("DL_NSB", "scale slots per row of the weight (0: one for the tensor)"),
+    ("DL_LB", "chunk (32 columns) -> slot shift (62: one slot per row or tensor)"),
+    ("DL_WPR", "u32 words of codes per row"),
+    ("DL_SEGK", "columns of x per staged segment (a multiple of the warp's group, `group`)"),
+    ("DL_OT", "the result's type: linear.OT_F32, OT_F16 or OT_BF16"),
+    ("DL_BIAS", "1: add the bias"),
+], length_name="DL_LEN")
+"""DL: the decode kernel's int64 parameters (`plan`)."""
+DL_LAYOUT.define(globals())
+
+
+def unit_codes(kind: int) -> int:
+    """Codes per 16-byte unit (a lane's load): 32 of 4 bits, 16 of 8."""
+    return 128 // fast.KIND_BITS[kind]
+
+
+def group(kind: int) -> int:
+    """Columns a warp's load instruction covers: 32 units."""
+    return 32 * unit_codes(kind)
+
+
+def mb_for(m: int) -> int:
+    """Rows of x per launch for m rows: the least variant that holds m."""
+    return next(v for v in MBS if v >= m)
+
+
+def segment(kind: int, k: int, mb: int) -> int:
+    """Columns of x per staged segment: as many whole groups as `XS` holds for `mb` rows, at
+    most K's groups."""
+    g = group(kind)
+    return min((XS // mb) // g * g, -(-k // g) * g)
+
+
+def plan(kind: int, P: np.ndarray, m: int, out_type: int, has_bias: bool) -> tuple[tuple, tuple[int], tuple[int]]:
+    """(the kernel's DL tuple, grid, block) for `linear.geometry`'s P and m rows of x."""
+    n_, k_ = int(P[linear.LP_N]), int(P[linear.LP_K])
+    mb = mb_for(m)
+    q = DL_LAYOUT.pack(DL_N=n_, DL_K=k_, DL_M=m, DL_NSB=int(P[linear.LP_NSB]), DL_LB=int(P[linear.LP_LB]),
+                       DL_WPR=int(P[linear.LP_WPR]), DL_SEGK=segment(kind, k_, mb), DL_OT=out_type,
+                       DL_BIAS=int(has_bias))
+    blocks = -(-(-(-n_ // RW)) // WARPS)
+    cap = 2 if SIM else fast.K.sm_count() * PER_SM
+    return tuple(int(v) for v in q), (max(1, min(blocks, cap)),), (32 * WARPS,)
+
+
+if SIM:
+    @cuda.jit(device=True)
+    def warp_sum(v, sh, tid):
+        """The sum of v over the warp's lanes, every lane the same bits (module text): the
+        butterfly through shared memory, the shuffles' additions in their order."""
+        off = 16
+        while off > 0:
+            sh[tid] = v
+            cuda.syncthreads()
+            u = sh[tid ^ off]
+            cuda.syncthreads()
+            v = float32(v + u)
+            off >>= 1
+        return v
+else:
+    @cuda.jit(device=True, inline="always")
+    def warp_sum(v, sh, tid):
+        """The sum of v over the warp's lanes by a butterfly of shuffles (xor 16 .. 1): every lane
+        ends with the same bits (each addition is of the same two values)."""
+        for off in (16, 8, 4, 2, 1):
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, int32(off))
+        return v
+
+
+@cuda.jit(device=True, inline="always")
+def e2m1_value(c):
+    """The E2M1 value of the 4-bit code c (docs/spec.md, schemes: 0, 0.5, 1, 1.5, 2, 3, 4, 6, the sign in bit 3)."""
+    mag = c & int64(7)
+    if mag < int64(4):
+        v = float32(0.5) * float32(mag)
+    elif mag < int64(6):
+        v = float32(mag - int64(2))
+    else:
+        v = float32(int64(2) * mag - int64(8))
+    return -v if (c & int64(8)) != int64(0) else v
+
+
+def _decode_kernel(kind: int, xt: int, mb: int):
+    """The kernel for value kind `kind`, x type `xt` (linear.XT_*) and `mb` rows of x."""
+    bits = fast.KIND_BITS[kind]
+    pw = 32 // bits  # codes per u32 word
+    qpw = pw // 4  # x quads per word
+    uc = unit_codes(kind)
+    grp = group(kind)
+    gq = grp // 4  # x quads per group
+    ushift = 0 if bits == 4 else 1  # unit -> 32-k chunk
+    decode = fast.decoder(kind)
+    is_e2m1 = kind == fast.KIND_E2M1
+    nt = 32 * WARPS
+    nacc = RW * mb
+    nwv, nev, nval = 4 * U * RW, U * RW, RW * pw  # (local array sizes: constants)
+    align = None if SIM else 16  # (the simulator takes no alignment; lds4 needs 16 bytes)
+    red_n = nt if SIM else 1
+    x_f32, x_bf16 = xt == XT_F32, xt == XT_BF16  # (constants: numba prunes the other branches)
+
+    @cuda.jit(device=True, inline="always")
+    def stage(x, xs, k0, K, M, segk, tid):
+        """Segment k0 of x's mb rows into xs (float32, the module text's order; zeros past K and
+        for rows past M)."""
+        seglen = min(segk, K - k0)
+        nq = ((seglen + int64(grp - 1)) // int64(grp)) * int64(gq)
+        q = tid
+        while q < int64(mb) * nq:
+            m = q // nq
+            qq = q - m * nq
+            g = qq // int64(gq)
+            rem = qq - g * int64(gq)
+            jq = rem >> int64(5)
+            ln = rem & int64(31)
+            k = k0 + g * int64(grp) + ln * int64(uc) + jq * int64(4)
+            d = m * segk + g * int64(grp) + jq * int64(128) + ln * int64(4)
+            v0 = v1 = v2 = v3 = float32(0.0)
+            if m < M and k < K:
+                if x_f32:
+                    v0, v1, v2, v3 = ld4(x, m * K + k)
+                else:
+                    w0, w1 = ld2(x, (m * K + k) >> int64(1))
+                    if x_bf16:
+                        v0 = u2f(w0 << uint32(16))
+                        v1 = u2f(w0 & uint32(0xFFFF0000))
+                        v2 = u2f(w1 << uint32(16))
+                        v3 = u2f(w1 & uint32(0xFFFF0000))
+                    else:
+                        v0, v1 = f16x2_f32(w0)
+                        v2, v3 = f16x2_f32(w1)
+            xs[d] = v0
+            xs[d + int64(1)] = v1
+            xs[d + int64(2)] = v2
+            xs[d + int64(3)] = v3
+            q += int64(nt)
+
+    @cuda.jit(device=True, inline="always")
+    def load_unit(w32, es, wv, ev, j, rows, u, wpr, nsb, lb):
+        """Unit u of the group's rows into slot j: four code words and the slot's scale per row."""
+        for r in range(RW):
+            b = (j * RW + r) * 4
+            wv[b], wv[b + 1], wv[b + 2], wv[b + 3] = ld4(w32, rows[r] * wpr + u * int64(4))
+            ev[j * RW + r] = ld1(es, rows[r] * nsb + ((u >> int64(ushift)) >> lb))
+
+    @cuda.jit(device=True, inline="always")
+    def use_unit(wv, ev, j, xs, xo, segk, tab, val, part, acc):
+        """The terms of slot j's unit for every row and row of x: per row of x a zeroed f32 sum of
+        the unit's products in k order, then acc += e * sum. `xo`: the lane's x offset (group, lane)."""
+        for a in range(nacc):
+            part[a] = float32(0.0)
+        for wi in range(4):
+            for r in range(RW):
+                decode(wv[(j * RW + r) * 4 + wi], tab, val, r * pw)
+            for q in range(qpw):
+                for m in range(mb):
+                    x0, x1, x2, x3 = lds4(xs, int64(m) * segk + xo + int64((wi * qpw + q) * 128))
+                    for r in range(RW):
+                        p = part[r * mb + m]
+                        p = cuda.fma(x0, val[r * pw + 4 * q], p)
+                        p = cuda.fma(x1, val[r * pw + 4 * q + 1], p)
+                        p = cuda.fma(x2, val[r * pw + 4 * q + 2], p)
+                        p = cuda.fma(x3, val[r * pw + 4 * q + 3], p)
+                        part[r * mb + m] = p
+        for r in range(RW):
+            e = ev[j * RW + r]
+            for m in range(mb):
+                acc[r * mb + m] += e * part[r * mb + m]
+
+    def k_decode_linear(x, w32, es, bias, out32, out16, P):
+        xs = cuda.shared.array(XS, float32, alignment=align)
+        tab = cuda.shared.array(16, float32)
+        red = cuda.shared.array(red_n, float32)
+        acc = cuda.local.array(nacc, float32)
+        part = cuda.local.array(nacc, float32)
+        val = cuda.local.array(nval, float32)
+        wv = cuda.local.array(nwv, uint32)
+        ev = cuda.local.array(nev, float32)
+        rows = cuda.local.array(RW, int64)
+        tid = int64(cuda.threadIdx.x)
+        warp = tid >> int64(5)
+        lane = tid & int64(31)
+        N = P[DL_N]
+        K = P[DL_K]
+        M = P[DL_M]
+        nsb = P[DL_NSB]
+        lb = P[DL_LB]
+        wpr = P[DL_WPR]
+        segk = P[DL_SEGK]
+        if is_e2m1 and tid < int64(16):
+            tab[tid] = e2m1_value(tid)  # (read after the first staging barrier)
+        ng = (N + int64(RW - 1)) // int64(RW)
+        nseg = (K + segk - int64(1)) // segk
+        bid = int64(cuda.blockIdx.x)
+        nblk = int64(cuda.gridDim.x)
+        rnd = int64(0)
+        while (rnd * nblk + bid) * int64(WARPS) < ng:  # (uniform across the block)
+            gi = (rnd * nblk + bid) * int64(WARPS) + warp
+            ok = gi < ng
+            for r in range(RW):
+                rows[r] = min(gi * int64(RW) + int64(r), N - int64(1))
+            for a in range(nacc):
+                acc[a] = float32(0.0)
+            for s in range(nseg):
+                k0 = s * segk
+                if rnd == int64(0) or nseg > int64(1):
+                    cuda.syncthreads()  # (every warp is done with the previous segment)
+                    stage(x, xs, k0, K, M, segk, tid)
+                    cuda.syncthreads()
+                if ok:
+                    u0 = k0 // int64(uc)
+                    nus = min(segk, K - k0) // int64(uc)  # units of a row in this segment
+                    i = int64(0)
+                    while (i + int64(U)) * int64(32) <= nus:  # U units per row in flight, then their terms
+                        for j in range(U):
+                            load_unit(w32, es, wv, ev, j, rows, u0 + (i + int64(j)) * int64(32) + lane, wpr, nsb, lb)
+                        for j in range(U):
+                            use_unit(wv, ev, j, xs, (i + int64(j)) * int64(grp) + lane * int64(4), segk, tab, val,
+                                     part, acc)
+                        i += int64(U)
+                    while i * int64(32) < nus:  # the units left, one at a time
+                        if i * int64(32) + lane < nus:
+                            load_unit(w32, es, wv, ev, 0, rows, u0 + i * int64(32) + lane, wpr, nsb, lb)
+                            use_unit(wv, ev, 0, xs, i * int64(grp) + lane * int64(4), segk, tab, val, part, acc)
+                        i += int64(1)
+            for a in range(nacc):
+                acc[a] = warp_sum(acc[a], red, tid)
+            if ok:
+                for a in range(nacc):  # lane a writes sum a (constant indices: acc stays in registers)
+                    n = gi * int64(RW) + int64(a // mb)
+                    m = int64(a % mb)
+                    if lane == int64(a) and n < N and m < M:
+                        v = acc[a]
+                        if P[DL_BIAS] != int64(0):
+                            v += bias[n]
+                        o = m * N + n
+                        if P[DL_OT] == int64(OT_F32):
+                            out32[o] = v
+                        elif P[DL_OT] == int64(OT_F16):
+                            out16[o] = uint16(f16_bits(v))
+                        else:
+                            out16[o] = uint16(bf16_rn_bits(v))
+            rnd += int64(1)
+
+    return k_decode_linear
+
+
+@lru_cache(maxsize=None)
+def kernel(kind: int, xt: int, mb: int):
+    """The compiled variant for value kind `kind`, x type `xt` and `mb` rows of x."""
+    return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb))
+
+
+def signature(xt: int) -> str:
+    """The launch signature: linear.py's (the same arguments, DL an int64 array in LP's place)."""
+    assert DL_LAYOUT.arg == linear.LP_LAYOUT.arg
+    return linear.signature(xt)
+
+
+def ptx_targets():
+    """(name, python function, signature, register cap) of every variant (`ptx.targets`)."""
+    return [(f"k_decode_linear[{kind},{xt},{mb}]", _decode_kernel(kind, xt, mb), signature(xt), REGS)
+            for kind in linear.KINDS for xt in (XT_BF16, XT_F16, XT_F32) for mb in MBS]

@@ -1,0 +1,177 @@
+"""`linear` of the `cuda` backend at a few rows of x: the decode kernel (`qcore_cuda/k_decode.py`,
+the path `DecodeLinear`) for every value kind it decodes, per-tensor scales, blocks of 32, 64,
+128 and at least K, a two-level weight, M = 1 up to its largest variant, K of one unit up to
+several staged segments, odd N, bfloat16 / float16 / float32 x, with and without a bias, each
+result dtype.
+
+Every result lies within docs/spec.md's products' bound and repeats bit for bit. Where the
+kernel's order of operations fixes the bits they are checked too: a row of x gives the same f32
+sums alone and among other rows (each row's sums are its own, in the same order, whatever the
+variant or the number of staged segments), and a float16 / bfloat16 result is the float32
+result rounded once."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qcore.backend.reference import ReferenceBackend
+from qcore.conformance.checks import product_bound
+
+from tests.cuda_cases import SIM
+
+REF = ReferenceBackend()
+BF16 = np.dtype(ml_dtypes.bfloat16)
+XDT = {"bf16": BF16, "f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
+# every value kind the kernel decodes; per-tensor, blocks of 32 / 64 / 128, a block of at least K
+# (per row), two-level (E2M1 under UE4M3 blocks of 32 and an f32 global), MX
+SCHEMES = ["q4s/block32:f16", "q4f/block64:bf16", "q8s", "q8f/block128:f32", "e4m3/block32:f32", "e5m2",
+           "mxfp8", "mxfp4", "e2m1/block32:ue4m3/tensor:f32", "q4s/block4096:f16", "q8s/block32:ue8m0", "q4_0"]
+
+
+@pytest.fixture(autouse=True)
+def every_variant(monkeypatch):
+    """The decode path at every M it has a variant for (1..4), whatever the default."""
+    from qcore_cuda import k_decode
+    from qcore_cuda.paths import linear as paths_linear
+
+    monkeypatch.setattr(paths_linear, "DECODE_MAX_M", k_decode.MBS[-1])
+
+
+def _taken(name):
+    from qcore_cuda.paths import TAKEN
+
+    return TAKEN.get(name, 0)
+
+
+def _host(be, y):
+    return y if isinstance(y, np.ndarray) else be.to_numpy(y)
+
+
+def _weight(n, k, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+
+
+def _x(m, k, dt, seed=1):
+    return np.random.default_rng(seed).standard_normal((m, k)).astype(dt)
+
+
+def _within_bound(x, W, b, y):
+    exact, bound = product_bound(x, W, b, y.dtype)
+    err = np.abs(y.astype(np.float64) - exact)
+    assert (err <= bound).all(), f"max err {err.max()} (bound there {bound.flat[err.argmax()]})"
+
+
+def _bits(a):
+    a = np.ascontiguousarray(a)
+    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+# (scheme, x type, M, bias): on the simulator the x types, M and the bias in turn over the schemes
+_MS = [1, 2, 3, 4]
+_CASES = [(t, xt, _MS[(i + j) % 4], (i + j) % 2 == 0) for i, t in enumerate(SCHEMES)
+          for j, xt in enumerate(XDT)] if SIM else \
+    [(t, xt, m, b) for t in SCHEMES for xt in XDT for m in _MS for b in (False, True)]
+
+
+@pytest.mark.parametrize("text,xt,m,bias", _CASES)
+def test_decode_linear(cuda_backend, text, xt, m, bias):
+    """Within the bound (odd N: a row group of one row), the decode path taken, the same bits
+    again on a repeat call."""
+    be = cuda_backend
+    n, k = (7, 96) if SIM else (203, 1024)
+    w = _weight(n, k)
+    q = be.quantize(w, text)
+    W = np.asarray(REF.dequantize(REF.quantize(w, text)), np.float64)
+    x = _x(m, k, XDT[xt])
+    b = _x(1, n, np.float32, 2)[0] if bias else None
+    before = _taken("DecodeLinear")
+    y = _host(be, be.linear(x, q, b))
+    assert _taken("DecodeLinear") == before + 1
+    assert y.dtype == XDT[xt] and y.shape == (m, n)
+    _within_bound(x, W, b, y)
+    assert np.array_equal(_bits(_host(be, be.linear(x, q, b))), _bits(y))
+
+
+@pytest.mark.parametrize("text", ["q4s/block32:f16", "q8s/block64:f16", "e2m1/block32:ue8m0"])
+@pytest.mark.parametrize("k", [32, 64, 1056] + ([] if SIM else [2080, 8192, 8224, 20000 // 32 * 32]))
+def test_k_from_one_unit_to_several_segments_and_rows_alone_or_together(cuda_backend, text, k):
+    """K of one 16-byte unit (32: one lane of 4-bit codes, two of 8-bit), two, and past a
+    warp's group (1056 = 1024 + 32 for 4-bit codes: a whole U-step and a tail; for 8-bit a step of
+    512 and more); on a GPU past one staged segment too. Each row of x gives the same f32 bits
+    alone (M = 1) as among four (M = 4: another variant, and on the simulator from 1024 columns
+    two staged segments), and a float16 / bfloat16 result is that f32 result rounded once."""
+    be = cuda_backend
+    n = 5
+    w = _weight(n, k, 3)
+    q = be.quantize(w, text)
+    W = np.asarray(REF.dequantize(REF.quantize(w, text)), np.float64)
+    x = _x(4, k, BF16, 4)
+    b = _x(1, n, np.float32, 5)[0]
+    before = _taken("DecodeLinear")
+    y4 = _host(be, be.linear(x, q, b, dtype=np.float32))
+    _within_bound(x, W, b, y4)
+    for i in (0, 3):
+        y1 = _host(be, be.linear(x[i:i + 1], q, b, dtype=np.float32))
+        assert np.array_equal(_bits(y1[0]), _bits(y4[i])), (text, k, i)
+    yb = _host(be, be.linear(x, q, b))
+    assert yb.dtype == BF16 and np.array_equal(_bits(yb), _bits(y4.astype(BF16)))
+    yh = _host(be, be.linear(x[:2], q, b, dtype=np.float16))
+    assert np.array_equal(_bits(yh), _bits(y4[:2].astype(np.float16)))
+    assert _taken("DecodeLinear") == before + 5
+
+
+def test_segments_on_the_simulator_are_real(cuda_backend):
+    """The simulator's shared memory holds 4 x 1024 columns: at M = 4 a 4-bit weight of 1056
+    columns is staged in two segments (the test above then compares it with one segment)."""
+    from qcore_cuda import fast, k_decode
+
+    if not SIM:
+        pytest.skip("the simulator's segment size")
+    assert k_decode.segment(fast.KIND_I4, 1056, 4) == 1024 < 1056
+    assert k_decode.segment(fast.KIND_I4, 1056, 1) == 2048
+
+
+def test_only_a_few_rows_take_the_decode_path(cuda_backend, monkeypatch):
+    """Past `DECODE_MAX_M` rows (and past the largest variant) the tensor-core kernel; with
+    DECODE_MAX_M = 0 none; weights the kernel does not read (blocks of 16, 2-bit codes) the
+    transposed matmul at any M."""
+    from qcore_cuda import k_decode
+    from qcore_cuda.paths import linear as paths_linear
+
+    be = cuda_backend
+    q = be.quantize(_weight(6, 64), "q4s/block32:f16")
+    top = min(paths_linear.DECODE_MAX_M, k_decode.MBS[-1])
+    for m, path in ((top, "DecodeLinear"), (top + 1, "TensorCoreLinear")):
+        before = _taken(path)
+        be.linear(_x(m, 64, np.float16), q)
+        assert _taken(path) == before + 1, (m, path)
+    monkeypatch.setattr(paths_linear, "DECODE_MAX_M", 0)
+    before = _taken("TensorCoreLinear")
+    be.linear(_x(1, 64, np.float16), q)
+    assert _taken("TensorCoreLinear") == before + 1
+    monkeypatch.undo()
+    for text in ("nvfp4", "q2s/block32:f16"):
+        before = _taken("TransposedLinear")
+        be.linear(_x(1, 64, np.float32), be.quantize(_weight(6, 64), text))
+        assert _taken("TransposedLinear") == before + 1, text
+
+
+def test_zero_codes_sum_to_zero_and_x_is_read_exactly(cuda_backend):
+    """A row of zero codes under a nonzero scale gives exactly the bias (each code is decoded to
+    its exact value before the multiply); x of one nonzero column picks that column's weight
+    times x exactly (the products are exact), in each x type."""
+    be = cuda_backend
+    n, k = 4, 64
+    w = _weight(n, k, 7)
+    w[1] = 0.0
+    w[2, :32] = 0.0  # (a zero block among nonzero ones)
+    q = be.quantize(w, "q4s/block32:f16")
+    W = np.asarray(REF.dequantize(REF.quantize(w, "q4s/block32:f16")), np.float32)
+    b = np.array([0.5, -1.25, 2.0, 0.0], np.float32)
+    for dt in XDT.values():
+        x = np.zeros((1, k), dt)
+        x[0, 37] = 3
+        y = _host(be, be.linear(x, q, b, dtype=np.float32))
+        assert y[0, 1] == b[1]
+        assert np.array_equal(y[0], (W[:, 37] * np.float32(3) + b).astype(np.float32)), dt
