@@ -72,10 +72,6 @@ class Scratch:
         quantized activations)."""
         return numba_cuda().to_device(np.zeros(1, np.int32))
 
-    def is_act_sink(self, flag: Any) -> bool:
-        """Whether `flag` is `act_sink` (without making the sink)."""
-        return flag is self.__dict__.get("act_sink")
-
     @property
     def tail_mark(self) -> Any:
         """The `_flags.Mark` recorded after an early call's last kernels (None before the first)."""

@@ -264,16 +264,17 @@ def wide_bytes(K: Any, plan: Any, scheme: QuantScheme) -> bool:
 
 
 def run_wide_quantize(be: Any, K: Any, prepared: Prepared, x_words: Any, bf16: bool, payload: Any, flag: Any,
-                      s: Any) -> None:
+                      s: Any, sink: bool = False) -> None:
     """Enqueue the wide quantize kernel over `x_words` (float32 bits, or bfloat16 pairs where
     `bf16`) into `payload`: `fast.k_wide_quant` (the sm_89 conversions) where the backend runs
     the fast kernels, else `kernels.k_wide_quant`; a launch packed once per plan, kind of x and
-    flag (`_launch.Packed`, kept in `prepared.wide_quant`)."""
+    kind of flag (`_launch.Packed`, kept in `prepared.wide_quant`): the stream's scratch flag, or
+    where `sink` the backend's flag that nothing reads (`Scratch.act_sink`)."""
     from .. import fast
 
     state = be.state
     kernel = fast.k_wide_quant if state.fast.usable else K.k_wide_quant
-    key = (bf16, kernel, state.scratch.is_act_sink(flag))
+    key = (bf16, kernel, sink)
     got = prepared.wide_quant.get(key)
     if got is None or got[0] is not flag:  # a new scratch after a non-finite input: pack again
         grid, tpb = K.launch_wide(prepared.plan.nslots)
@@ -306,7 +307,7 @@ def quantize_bf16_rows(be: Any, x: Any, scheme: QuantScheme, s: Any,
     payload, target = _array.empty_view((call.plan.total_nbytes,), np.dtype(np.uint8), s)
     flag = scratch.buffers(s).flag if wait else scratch.act_sink
     with quiet():
-        run_wide_quantize(be, K, call.prepared, words.arg, True, target.arg, flag, s)
+        run_wide_quantize(be, K, call.prepared, words.arg, True, target.arg, flag, s, sink=not wait)
 
     def check() -> None:
         if not wait:
