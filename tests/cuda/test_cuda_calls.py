@@ -224,9 +224,9 @@ def test_calls_on_a_given_stream(be):
         be.dequantize(q, stream="default")
 
 
-def test_stream_handles():
-    """What `stream=` accepts: an int handle, torch's `.cuda_stream`, CuPy's `.ptr`."""
-    from qcore_cuda import _streams
+def test_stream_handles(be):
+    """What `stream=` accepts: an int handle, torch's `.cuda_stream`, CuPy's `.ptr` (here each the
+    default stream's 0), or None; anything else is an InputError naming the kinds."""
 
     class TorchLike:
         cuda_stream = 0
@@ -234,11 +234,13 @@ def test_stream_handles():
     class CupyLike:
         ptr = 0
 
-    assert _streams._handle_of(0) == 0
-    assert _streams._handle_of(TorchLike()) == 0 and _streams._handle_of(CupyLike()) == 0
-    assert _streams.resolve(None, np.zeros(2)) is _streams.DEFAULT
+    x = sample_x((4, 64), seed=11)
+    want = REF.dequantize(REF.quantize(x, W4))
+    for st in (0, TorchLike(), CupyLike(), None):
+        q = be.quantize(cuda.to_device(x), W4, stream=st)
+        assert_same_floats(be.to_numpy(be.dequantize(q, stream=st)), want, f"stream={st!r}")
     with pytest.raises(InputError, match="cudaStream_t"):
-        _streams._handle_of(object())
+        be.quantize(cuda.to_device(x), W4, stream=object())
 
 
 # ----------------------------------------------------------------------------- warnings
