@@ -41,7 +41,7 @@ class _RunnerHelp(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         from qcore.conformance import runner
 
-        rp = runner._parser()
+        rp = runner.parser()
         rp.prog = "qcore conformance"
         rp.print_help()
         parser.exit()

@@ -33,6 +33,7 @@ __all__ = [
     "rules_label",
     "STORES_8BIT",
     "STORES_SUBBYTE",
+    "head_bits",
     "SHAPES",
     "FULL_SHAPES",
     "DISTRIBUTIONS",
@@ -102,7 +103,8 @@ STORES_SUBBYTE = ("packed_u32", "packed_u32:1", "packed_native", "packed_native:
 """Every valid store for 8-bit and for sub-byte values (packing axis 0 and 1)."""
 
 
-def _head_bits(head: str) -> int:
+def head_bits(head: str) -> int:
+    """The bit width of a scheme head's value (`q4s-lookup` -> 4)."""
     return parse_scheme(head.split("-")[0]).bits
 
 
@@ -172,26 +174,26 @@ def scheme_space(full: bool = False) -> list[QuantScheme]:
 
     if full:
         for head in VALUE_MODES:
-            stores = STORES_8BIT if _head_bits(head) == 8 else STORES_SUBBYTE
+            stores = STORES_8BIT if head_bits(head) == 8 else STORES_SUBBYTE
             for level in LEVELS:
                 for store in stores:
                     add(_build(head, level, store))
     else:
         i = 0
         for head in VALUE_MODES:  # every value x mode x store, levels rotating
-            stores = STORES_8BIT if _head_bits(head) == 8 else STORES_SUBBYTE
+            stores = STORES_8BIT if head_bits(head) == 8 else STORES_SUBBYTE
             for store in stores:
                 add(_build(head, LEVELS[(i * 7) % len(LEVELS)], store))
                 i += 1
         for j, level in enumerate(LEVELS):  # every level with two more values, default store
             for k in (0, 1):
                 head = VALUE_MODES[(j * 4 + k * 7) % len(VALUE_MODES)]
-                stores = STORES_8BIT if _head_bits(head) == 8 else STORES_SUBBYTE
+                stores = STORES_8BIT if head_bits(head) == 8 else STORES_SUBBYTE
                 add(_build(head, level, stores[(j + k) % len(stores)]))
     for p in SPACE_PRESETS:
         add(p)
     for i, head in enumerate(VALUE_MODES):  # the reciprocal global, after the v1 space
-        stores = STORES_8BIT if _head_bits(head) == 8 else STORES_SUBBYTE
+        stores = STORES_8BIT if head_bits(head) == 8 else STORES_SUBBYTE
         for j, level in enumerate(RECIP_LEVELS):
             for k, store in enumerate(stores):
                 if full or (k == 0 and j == i % len(RECIP_LEVELS)):  # the sample: one level per value

@@ -36,7 +36,7 @@ from qcore.conformance import checks as K
 from qcore.conformance import sampling as S
 from qcore.conformance.expect import parse_expect, per_backend
 
-__all__ = ["main", "run", "run_cases", "plan", "Report", "CHECK_KINDS"]
+__all__ = ["main", "parser", "run", "run_cases", "plan", "Report", "CHECK_KINDS"]
 
 CHECK_KINDS = ("case", "bad-input", "ops", "cross", "inputs")
 
@@ -227,7 +227,8 @@ def matrix_tables(report: Report, backend: str):
     return t, d
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """The runner's command line (`qcore conformance` shows its help)."""
     p = argparse.ArgumentParser(
         prog="qcore conformance",
         description="Check backends against the reference, bit for bit, over the scheme space.")
@@ -275,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console()
     err = Console(stderr=True)
     try:
-        args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+        args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as e:
         return int(e.code) if isinstance(e.code, int) else 2
     kinds = [k.strip() for k in args.checks.split(",") if k.strip()]

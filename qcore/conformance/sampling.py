@@ -49,7 +49,8 @@ from qcore.conformance import cases as C
 from qcore.conformance import checks as K
 
 __all__ = ["Settings", "Stratum", "level_kind", "is_v1_stratum", "strata", "groups", "group_of", "subset", "strata_subset", "stratum_cases",
-           "check_stratum", "check_group", "tested_nothing", "supports_nothing"]
+           "check_stratum", "check_group", "tested_nothing", "supports_nothing", "whole_space", "rule_variant",
+           "layout_variants"]
 
 GROUP_KINDS = ("bad-input", "ops", "cross", "inputs")
 
@@ -99,7 +100,9 @@ RULE_VARIANTS: tuple[tuple[bool, ScaleRound, CodeRule], ...] = (
 space is taken under (the integer rules on integer values, `midpoint` on LOOKUP ones)."""
 
 
-def _variant(s: QuantScheme, signed: bool, rule: ScaleRound, codes: CodeRule) -> QuantScheme | None:
+def rule_variant(s: QuantScheme, signed: bool, rule: ScaleRound, codes: CodeRule) -> QuantScheme | None:
+    """`s` under one of `RULE_VARIANTS` (signed scales, a scale rounding rule, a code rule), or
+    None where the scheme would be invalid or the same as `s` (rne on F32 scales)."""
     if rule is ScaleRound.RNE and s.slot_dtype is ScaleDtype.F32:
         return None  # rne on F32 is the identity
     try:
@@ -128,7 +131,10 @@ def _affine_variants(s: QuantScheme) -> list[QuantScheme]:
 
 
 @lru_cache(maxsize=1)
-def _space() -> tuple[QuantScheme, ...]:
+def whole_space() -> tuple[QuantScheme, ...]:
+    """Every scheme the sampler draws from, in a fixed order: the v1 space and presets, then each
+    under the other scale rounding rules, signed scales and code rules, affine offsets, field
+    orders and flat blocks, where they apply."""
     seen = dict.fromkeys(C.scheme_space(True))
     for p in C.SPACE_PRESETS:
         seen.setdefault(p)
@@ -145,19 +151,19 @@ def _space() -> tuple[QuantScheme, ...]:
         seen.setdefault(p)
     for s in v1:  # signed scales and the code rules, where they apply
         for variant in RULE_VARIANTS:
-            v = _variant(s, *variant)
+            v = rule_variant(s, *variant)
             if v is not None:
                 seen.setdefault(v)
     for s in v1:  # affine offsets
         for v in _affine_variants(s):
             seen.setdefault(v)
     for s in v1:  # field orders and blocks over the flattened tensor
-        for v in _layout_variants(s):
+        for v in layout_variants(s):
             seen.setdefault(v)
     return tuple(seen)
 
 
-def _layout_variants(s: QuantScheme) -> list[QuantScheme]:
+def layout_variants(s: QuantScheme) -> list[QuantScheme]:
     """docs/spec.md's field orders and flat blocks on a v1 scheme: a packed store's fields HIGH and
     SPLIT (groups of max(16, 2n) elements, so lines end in a partial group), and a one-dim block
     level over the flattened tensor (packing axis 0); [] where neither applies."""
@@ -200,7 +206,7 @@ def _group_key(s: QuantScheme) -> str:
 def _cut(by_group: bool) -> tuple[Stratum, ...]:
     keyf = _group_key if by_group else _key
     out: dict[str, list[QuantScheme]] = {}
-    for s in _space():
+    for s in whole_space():
         if by_group and C.rules_label(s):
             continue  # the per-scheme checks run on v1's rules; the other rules have their strata
         out.setdefault(keyf(s), []).append(s)

@@ -312,7 +312,7 @@ def test_default_sample_covers_every_value_mode_store_and_level():
     space = C.scheme_space()
     got = {(C.value_label(s), C.store_label(s)) for s in space}
     for head in C.VALUE_MODES:
-        stores = C.STORES_8BIT if C._head_bits(head) == 8 else C.STORES_SUBBYTE
+        stores = C.STORES_8BIT if C.head_bits(head) == 8 else C.STORES_SUBBYTE
         for st in stores:
             assert (head, st) in got, (head, st)
     levels = {C.level_label(s) for s in space}
@@ -324,9 +324,9 @@ def test_default_sample_covers_every_value_mode_store_and_level():
 
 def test_full_space_is_the_whole_product():
     space = C.scheme_space(full=True)
-    n = sum(len(C.LEVELS) * len(C.STORES_8BIT if C._head_bits(h) == 8 else C.STORES_SUBBYTE)
+    n = sum(len(C.LEVELS) * len(C.STORES_8BIT if C.head_bits(h) == 8 else C.STORES_SUBBYTE)
             for h in C.VALUE_MODES)
-    recip = sum(len(C.RECIP_LEVELS) * len(C.STORES_8BIT if C._head_bits(h) == 8 else C.STORES_SUBBYTE)
+    recip = sum(len(C.RECIP_LEVELS) * len(C.STORES_8BIT if C.head_bits(h) == 8 else C.STORES_SUBBYTE)
                 for h in C.VALUE_MODES)
     presets = sum(p not in space[:n] for p in C.SPACE_PRESETS)
     assert len(space) == n + presets + recip

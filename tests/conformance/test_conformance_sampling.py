@@ -53,7 +53,7 @@ def test_signed_and_code_rule_strata_hold_the_space_under_each_variant():
     space = set(C.scheme_space(full=True)) | set(C.SPACE_PRESETS)
     ruled = [x for x in S.strata() if x.id.split("/")[0] in ("signed", "codes:away", "codes:offset", "codes:midpoint")]
     got = {s for x in ruled for s in x.candidates}
-    want = {v for s in space for var in S.RULE_VARIANTS if (v := S._variant(s, *var)) is not None}
+    want = {v for s in space for var in S.RULE_VARIANTS if (v := S.rule_variant(s, *var)) is not None}
     assert got == want and qcore.PRESETS["q8_0"] in got and qcore.PRESETS["q4_0"] in got
     assert {x.id for x in ruled} == {f"{r}/{k}" for r in ("signed", "codes:away", "codes:offset", "codes:midpoint")
                                      for k in ("tensor", "block")}
@@ -81,7 +81,7 @@ def test_layout_strata_hold_each_packed_or_one_dim_block_scheme_in_field_orders_
     assert set(layout_strata) == {f"order:{o}/{k}" for o in ("high", "split") for k in ("packed_u32", "packed_native")} \
         | {f"flat/{lv}" for lv in ("block", "two-level", "two-level-recip")}
     got = {s for x in layout_strata.values() for s in x.candidates}
-    assert got == {v for s in space for v in S._layout_variants(s)}
+    assert got == {v for s in space for v in S.layout_variants(s)}
     packed = [s for s in space if s.store.kind.value != "native"]
     assert {s.with_field_order("high") for s in packed} <= got
     assert all(s.flat_blocks and len(s.block.dims) == 1 for s in layout_strata["flat/block"].candidates)
