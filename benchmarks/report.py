@@ -325,24 +325,24 @@ def render_rules(res: dict) -> str:
 def render_linear(res: dict, separate: bool = False, moved: tuple[set, set] = (set(), set())) -> str:
     """`linear` with a quantized [N, K] weight against torch, from `benchmarks/matmul.py`;
     `separate`: a run of some cases on their own (`matmul_*.json`), as a subsection; `moved`: the
-    case labels and target names such runs hold, which this table leaves to them."""
+    cells (case label, shape, M) and target names such runs hold, which this table leaves to them
+    (a cell shows "below")."""
     timing = res.get("timing", {})
     how = ("GPU time of each call, its host launch hidden behind a GPU sleep" if timing.get("hide_launch")
            else "whole calls between CUDA events")
-    labels, targets = moved
+    moved_cells, targets = moved
     head = ["## GPU: `linear` with a quantized weight [N, K] against torch", ""] if not separate else \
-        [f"### {', '.join(sorted(_own_labels(res)))}: {res['run']['date']}, {res['run']['hardware']}", ""]
+        [f"### {_run_title(res)}: {res['run']['date']}, {res['run']['hardware']}", ""]
     lines = head + [_run_line(res["run"]), "",
              f"y = x @ W^T for bfloat16 x [M, K] (torch CUDA tensors) and a weight [N, K] (out x in features), "
              f"the result bfloat16; {how}, median of {timing.get('reps', '?')}"
              + (", the weight evicted from L2 before each call" if timing.get("evict_bytes") else "")
              + ". A cell is microseconds / speed-up over torch bf16 dense `x @ W.T` in the same run (above 1: "
                "faster). qcore rows are `be.linear(x, qw)` on the cuda backend (docs/gpu.md, `linear`)."
-             + (" Cases timed in a run of their own are in the subsections below." if labels else ""), ""]
+             + (" Cases timed in a run of their own are in the subsections below." if moved_cells else ""), ""]
     cells = [c for c in res["cells"] if c.get("m") is not None]
     for shape in res.get("shapes", sorted({c["shape"] for c in cells})):
-        rows = [c for c in cells if c["shape"] == shape and not c.get("label", "").endswith("out=")
-                and c.get("label") not in labels]
+        rows = [c for c in cells if c["shape"] == shape and not c.get("label", "").endswith("out=")]
         ms = sorted({c["m"] for c in rows})
         if not ms:
             continue
@@ -353,7 +353,9 @@ def render_linear(res: dict, separate: bool = False, moved: tuple[set, set] = (s
             row = []
             for m in ms:
                 c = next((c for c in rows if c["label"] == name and c["m"] == m), None)
-                if c is None or c.get("us") is None:
+                if (name, shape, m) in moved_cells:
+                    row.append("below")
+                elif c is None or c.get("us") is None:
                     row.append("-" if c is None or not c.get("error") else "error")
                 else:
                     r = c.get("ratios", {}).get("vs_torch_bf16")
@@ -371,10 +373,20 @@ def render_linear(res: dict, separate: bool = False, moved: tuple[set, set] = (s
     return "\n".join(lines)
 
 
-def _own_labels(res: dict) -> set:
-    """The qcore case labels of a `benchmarks/matmul.py` run (its peers' rows left out)."""
+def _own_cells(res: dict) -> set:
+    """The qcore cells (case label, shape, M) of a `benchmarks/matmul.py` run (its peers' rows
+    left out)."""
     peers = set(res.get("peers", [])) | {"torch_bf16"}
-    return {c["label"] for c in res["cells"] if c.get("m") is not None and c.get("label") not in peers}
+    return {(c["label"], c["shape"], c["m"]) for c in res["cells"]
+            if c.get("m") is not None and c.get("label") not in peers}
+
+
+def _run_title(res: dict) -> str:
+    """A separate run's heading: its schemes (the forced paths and `out=` folded in) and its M."""
+    cells = _own_cells(res)
+    cases = sorted({label.split(" [")[0].removesuffix(" out=") for label, _, _ in cells})
+    ms = sorted({m for _, _, m in cells})
+    return f"{', '.join(cases)} at M = {', '.join(map(str, ms))}"
 
 
 def render_inference(runs: list[dict]) -> str:
@@ -411,9 +423,9 @@ def render(results: Path = RESULTS) -> str:
     path = results / "matmul.json"
     if path.exists():  # with the runs of some cases on their own (`matmul_*.json`) as its subsections
         runs = [json.loads(p.read_text()) for p in sorted(results.glob("matmul_*.json"))]
-        labels = set().union(*(_own_labels(r) for r in runs))
+        cells = set().union(*(_own_cells(r) for r in runs))
         names = {t["name"] for r in runs for t in r.get("targets", []) if t["status"] != "not measured"}
-        parts.append(render_linear(json.loads(path.read_text()), moved=(labels, names)))
+        parts.append(render_linear(json.loads(path.read_text()), moved=(cells, names)))
         parts += [render_linear(r, separate=True) for r in runs]
     whole = sorted(results.glob("cli*.json"))
     if whole:
