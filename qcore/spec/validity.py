@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Callable
 
 from qcore.errors import SchemeError
 from qcore.spec.codecs import MX_DTYPES
-from qcore.spec.parts import SIGNED_SCALE_DTYPES, CodeRule, FieldOrder, OffsetKind, QuantMode, ScaleRound, StoreKind
+from qcore.spec.parts import (SIGNED_SCALE_DTYPES, CodeRule, FieldOrder, OffsetKind, QuantMode, ScaleDtype, ScaleRound,
+                              StoreKind)
 
 if TYPE_CHECKING:
     from qcore.spec.schemes import QuantScheme
@@ -66,11 +67,11 @@ RULES: tuple[Rule, ...] = (
          lambda s: f"blocks over the flattened tensor store it as one line: the packing axis is 0, got {s.store}; "
                    f"drop ':{s.store.dim}'"),
     Rule("two-level block dtype", "two-level block scales are f16 or ue4m3",
-         lambda s: not s.two_level or s.block.dtype.value in ("f16", "ue4m3"),
+         lambda s: not s.two_level or s.block.dtype in (ScaleDtype.F16, ScaleDtype.UE4M3),
          lambda s: f"two-level scales need block dtype f16 or ue4m3, got {s.block.dtype}; "
                    "use per_block(dims, UE4M3) + per_tensor(F32)"),
     Rule("two-level tensor dtype", "a two-level global scale is f32",
-         lambda s: not s.two_level or s.tensor.dtype.value == "f32",
+         lambda s: not s.two_level or s.tensor.dtype is ScaleDtype.F32,
          lambda s: f"two-level scales need tensor dtype f32, got {s.tensor.dtype}; use per_tensor(F32)"),
     Rule("reciprocal global", "a reciprocal global scale has a block level under it",
          lambda s: s.two_level or s.tensor is None or not s.tensor.reciprocal,
