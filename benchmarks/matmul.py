@@ -2,7 +2,7 @@
 
     NUMBA_ENABLE_CUDASIM=0 python benchmarks/matmul.py [--out DIR] [--quick] [--m 1,16,256] [--shapes 8192x8192]
         [--schemes q4s/block32:f16,nvfp4] [--peers torch_bf16,torch_fp16] [--budget-s 420] [--reps 15]
-        [--no-evict] [--hide-launch] [--max-call-ms 200] [--paths] [--w8a8] [--dry-run]
+        [--no-evict] [--hide-launch] [--max-call-ms 200] [--paths] [--w8a8] [--orientation] [--dry-run]
 
 For a linear layer's weight W [N, K] (out features, in features) and bfloat16 activations x [M, K]
 (torch CUDA tensors) it times y = x @ W^T, y bfloat16 [M, N], for M in `MS` and (N, K) in `SHAPES`:
@@ -22,7 +22,11 @@ For a linear layer's weight W [N, K] (out features, in features) and bfloat16 ac
   kernel, and the weight dequantized to bfloat16 then torch's GEMM), whatever the plan picks at
   that M;
 * `--w8a8`: W8A8, the weight and x in `W8A8` (e4m3, one f32 scale per row), x quantized per
-  row inside the timed call (`be.linear(x, qw, act=W8A8)`).
+  row inside the timed call (`be.linear(x, qw, act=W8A8)`);
+* `--orientation`: each scheme's weight also quantized in the other orientation, W^T [K, N] with
+  the scheme's blocks along N, and timed as `be.matmul(x, qkn)` (its float32 device result: the
+  [K, N] form's fastest call; a bfloat16 result is rounded on the host). The target
+  `nk_not_slower` compares the two: the [N, K] weight's plain `linear` against its [K, N] form.
 
 Timing: CUDA events around each whole call (the GPU idle before it, so host time counts as a
 user sees it; `--hide-launch` queues a GPU sleep first and times the GPU's span alone), the cases
@@ -34,7 +38,8 @@ the schemes' rounding is in it) and timed alone: a case whose call takes over `-
 (a host path) is not timed, nor at larger M on shapes at least as large.
 
 Each cell records us (median) and the ratios `vs_torch_bf16` = torch bf16 us / us (> 1: faster
-than torch), `vs_torch_fp16` and `vs_torch_scaled_mm`; `TARGETS` are evaluated on the plain
+than torch), `vs_torch_fp16` and `vs_torch_scaled_mm` (and for a plain `linear` with `--orientation`,
+`vs_kn_matmul` = its scheme's [K, N] matmul us / us); `TARGETS` are evaluated on the plain
 `be.linear(x, qw)` call and printed as met / missed / not measured. Shapes run in `SHAPES` order
 (8192x8192 first: most targets are there), M ascending; once the wall time passes `--budget-s`
 no new cell starts and the cells left are listed in `skipped` (the device run has a hard
@@ -74,8 +79,10 @@ EVICT_BYTES = 512 * 2**20  # the buffer of benchmarks/gpu.py's l2_flushes
 SUSPECT_REL_ERR = 0.25  # results farther from x @ wb.T (largest error / largest |ref|) are listed under the table
 
 BITS = {"q4s": 4, "mxfp4": 4, "nvfp4": 4, "q8s": 8, "e4m3": 8, "mxfp8": 8}  # by the scheme text's first piece
-# Each target: the plain `be.linear(x, qw)` cells of the schemes of `bits` (None: every scheme; all
-# of SCHEMES are weight-only) on `shapes` (None: all of SHAPES) at `m`, ratio `vs_torch_bf16` >= `min`.
+# Each target: the plain `be.linear(x, qw)` cells (`case`: another case's) of the schemes of `bits`
+# (None: every scheme; all of SCHEMES are weight-only) on `shapes` (None: all of SHAPES) at `m` (None:
+# every M of the run), ratio `ratio` (default `vs_torch_bf16`) >= `min`; `measured_only`: over the
+# cells the run has (a scheme, shape or M it did not run is not counted missing).
 TARGETS = [
     {"name": "4bit_m1", "bits": 4, "shapes": ["8192x8192"], "m": [1], "min": 3.0,
      "description": "4-bit schemes (q4s*, mxfp4, nvfp4) at 8192x8192, M = 1: >= 3.0x torch bf16"},
@@ -85,6 +92,11 @@ TARGETS = [
      "description": "8-bit weight-only schemes (q8s*, e4m3*, mxfp8) at 8192x8192, M = 1..16: >= 1.7x torch bf16"},
     {"name": "weight_only_large_m", "bits": None, "shapes": None, "m": [256, 512, 1024, 2048, 4096, 8192], "min": 0.9,
      "description": "every weight-only scheme, M = 256..8192, every shape: >= 0.9x torch bf16"},
+    {"name": "nk_not_slower", "case": "linear", "ratio": "vs_kn_matmul", "bits": None, "shapes": None, "m": None,
+     "measured_only": True,
+     "min": 1.0, "description": "a weight [N, K] as checkpoints store it (`linear`) never slower than its [K, N] form "
+                                "(`matmul` of the weight quantized as W^T, blocks along N), every scheme, shape and M "
+                                "measured with --orientation: ratio to the [K, N] call >= 1.0"},
     {"name": "w8a8_large_m", "case": "w8a8", "bits": None, "shapes": None, "m": [1024, 2048, 4096, 8192], "min": 1.3,
      "description": "FP8 weights with FP8 activations (W8A8, x quantized per row in the call), M = 1024..8192, "
                     "every shape: >= 1.3x torch bf16"},
@@ -144,7 +156,7 @@ def result_note(torch, got, m, n, dtype) -> str | None:
 class Shape:
     """One shape's weights (qcore's quantized ones and the peers'); at most one alive at a time."""
 
-    def __init__(self, torch, be, n, k, schemes, peers, probe_x):
+    def __init__(self, torch, be, n, k, schemes, peers, probe_x, orientation=False):
         self.n, self.k, self.text = n, k, shape_text((n, k))
         self.setup_errors: dict = {}  # case name -> message (every M of this shape)
         self.notes: dict = {}
@@ -161,6 +173,14 @@ class Shape:
             except Exception as e:  # noqa: BLE001 -- recorded per cell
                 self.setup_errors[text] = "quantize: " + one_line(e)
             self.first_quantize_s[text] = time.perf_counter() - t0
+        self.qkn: dict = {}  # scheme -> the weight quantized as W^T [K, N] (`--orientation`)
+        self.kn_errors: dict = {}
+        for text in schemes if orientation else ():
+            try:
+                self.qkn[text] = be.quantize(w.T.contiguous(), text)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 -- recorded in the [K, N] cells
+                self.kn_errors[text] = "quantize [K, N]: " + one_line(e)
         self.wb = w.to(torch.bfloat16)
         del w
         torch.cuda.empty_cache()
@@ -312,17 +332,20 @@ def plan(args):
     return shapes, ms, schemes, peers
 
 
-def case_names(schemes, peers, paths: bool = False, w8a8: bool = False) -> list:
+def case_names(schemes, peers, paths: bool = False, w8a8: bool = False, orientation: bool = False) -> list:
     """Every timed case of a cell as (case, scheme, peer, label); with `paths`, each scheme's
     bfloat16 paths forced as well ("[decode]": the decode kernel, k_decode.py, at M <= 4;
     "[kernel]": the tensor-core kernel; "[dequantize-gemm]": the weight dequantized to bfloat16,
-    then torch's GEMM), whatever the plan would pick at that M."""
+    then torch's GEMM), whatever the plan would pick at that M; with `orientation`, the scheme's
+    [K, N] weight's `matmul` ("[K, N] matmul")."""
     out = []
     for s in schemes:
         out += [("linear", s, None, s), ("linear_out", s, None, s + " out=")]
         if paths:
             out += [("linear_decode", s, None, s + " [decode]"), ("linear_kernel", s, None, s + " [kernel]"),
                     ("linear_gemm", s, None, s + " [dequantize-gemm]")]
+        if orientation:
+            out.append(("matmul_kn", s, None, s + " [K, N] matmul"))
     if w8a8:
         out.append(("w8a8", W8A8, None, "w8a8 (e4m3 per row, x quantized in the call)"))
     out += [("peer", None, p, p) for p in peers]
@@ -342,15 +365,19 @@ def evaluate_targets(cells, schemes) -> list:
         own = t.get("case")
         tschemes = [W8A8] if own == "w8a8" else \
             [s for s in all_schemes if s != W8A8 and scheme_bits(s) is not None and t["bits"] in (None, scheme_bits(s))]
-        entry = {k: t[k] for k in ("name", "description", "m", "min")}
-        entry["shapes"], entry["schemes"] = tshapes, tschemes
+        tms = t["m"] or sorted({c["m"] for c in cells if c["m"] is not None})
+        ratio = t.get("ratio", "vs_torch_bf16")
+        entry = {k: t[k] for k in ("name", "description", "min")}
+        entry["shapes"], entry["schemes"], entry["m"], entry["ratio"] = tshapes, tschemes, tms, ratio
         for case, key in ((own, "status"),) if own else (("linear", "status"), ("linear_out", "status_out")):
             figures, missing = [], []
             for s in tschemes:
                 for sh in tshapes:
-                    for m in t["m"]:
+                    for m in tms:
                         c = by.get((case, s, sh, m))
-                        r = None if c is None else c["ratios"].get("vs_torch_bf16")
+                        if c is None and t.get("measured_only"):
+                            continue
+                        r = None if c is None else c["ratios"].get(ratio)
                         if r is None:
                             missing.append({"scheme": s, "shape": sh, "m": m,
                                             "why": "not run" if c is None else (c["error"] or "no ratio")})
@@ -465,11 +492,14 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", action="store_true",
                     help="also time each scheme's bfloat16 paths forced (decode kernel at M <= 4, tensor-core kernel, "
                          "dequantize + GEMM)")
+    ap.add_argument("--orientation", action="store_true",
+                    help="also time each scheme's weight quantized as W^T [K, N] (blocks along N) through matmul: "
+                         "the target nk_not_slower")
     ap.add_argument("--dry-run", action="store_true", help="list the cells and targets and exit (no GPU needed)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     shapes, ms, schemes, peers = plan(args)
-    cases = case_names(schemes, peers, args.paths, args.w8a8)
+    cases = case_names(schemes, peers, args.paths, args.w8a8, args.orientation)
     command = "NUMBA_ENABLE_CUDASIM=0 python benchmarks/matmul.py " + shlex.join(sys.argv[1:] if argv is None else argv)
 
     if args.dry_run:
@@ -539,7 +569,7 @@ def main(argv=None) -> int:
                 continue
             t0 = time.perf_counter()
             probe_x = torch.randn(16, k, device="cuda").to(torch.bfloat16)
-            S = Shape(torch, be, n, k, schemes + ([W8A8] if args.w8a8 else []), peers, probe_x)
+            S = Shape(torch, be, n, k, schemes + ([W8A8] if args.w8a8 else []), peers, probe_x, args.orientation)
             del probe_x
             res["peer_setup"][sh] = {"errors": dict(S.setup_errors), "notes": dict(S.notes),
                                      "quantize_s": S.first_quantize_s, "weight_bytes": dict(S.weight_bytes),
@@ -633,8 +663,9 @@ def run_cell(torch, be, S, m, cases, args, flush, slow) -> list:
                 raise RuntimeError(f"CUDA context lost after {label} at {sh} M={m}: {one_line(e2)}") from e
             continue
         try:  # what came back: a result that is not bf16 [M, N] or far from x @ wb.T is noted, and still timed
-            note = result_note(torch, got, got.shape[0] if peer == "torch_scaled_mm" else m, n,
-                               torch.float16 if peer == "torch_fp16" else torch.bfloat16)
+            note = None if case == "matmul_kn" else result_note(  # (matmul: a float32 device array)
+                torch, got, got.shape[0] if peer == "torch_scaled_mm" else m, n,
+                torch.float16 if peer == "torch_fp16" else torch.bfloat16)
             if note:
                 cell["result"] = note
             cell["rel_err"] = rel_err(torch, got, ref)
@@ -671,6 +702,10 @@ def run_cell(torch, be, S, m, cases, args, flush, slow) -> list:
                     c["ratios"][key] = peer_us[p] / c["us"]
             if c["weight_bytes"]:
                 c["weight_gbs"] = c["weight_bytes"] / c["us"] / 1e3
+    kn_us = {c["scheme"]: c["us"] for c in cells.values() if c["case"] == "matmul_kn" and c["us"]}
+    for c in cells.values():
+        if c["case"] == "linear" and c["us"] and kn_us.get(c["scheme"]):
+            c["ratios"]["vs_kn_matmul"] = kn_us[c["scheme"]] / c["us"]
     del x, y, ref
     return list(cells.values())
 
@@ -695,6 +730,12 @@ def make_fn(torch, be, S, case, scheme, peer, x, y, m, cell):
     if case == "w8a8":
         qw = S.qw[scheme]
         return lambda: be.linear(x["bf16"], qw, act=W8A8)
+    if case == "matmul_kn":
+        if scheme in S.kn_errors:
+            cell["error"] = S.kn_errors[scheme]
+            return None
+        qkn = S.qkn[scheme]
+        return lambda: be.matmul(x["bf16"], qkn)
     if case in ("linear_decode", "linear_kernel", "linear_gemm"):
         from qcore_cuda import k_decode
         from qcore_cuda.paths import linear as linear_paths

@@ -362,7 +362,7 @@ def render_linear(res: dict, separate: bool = False, moved: tuple[set, set] = (s
                     row.append(f"{c['us']:.1f} / {r:.2f}x" if r else f"{c['us']:.1f}")
             lines.append(f"| {name} | " + " | ".join(row) + " |")
         lines.append("")
-    lines += ["Targets (the plain call's ratio to torch bf16):", ""]
+    lines += ["Targets (the plain call's ratio to torch bf16, or to the reference a target names):", ""]
     for t in res.get("targets", []):
         if t["name"] in targets or separate and t["status"] == "not measured":
             continue

@@ -1,0 +1,49 @@
+"""benchmarks/matmul.py judges its targets from the cells it measured (no GPU: synthetic cells)."""
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def matmul():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import matmul
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return matmul
+
+
+def _cell(case, scheme, m, us, **ratios):
+    return {"case": case, "scheme": scheme, "shape": "8192x8192", "m": m, "us": us, "ratios": ratios, "error": None}
+
+
+def _target(matmul, cells, name):
+    return next(t for t in matmul.evaluate_targets(cells, ["nvfp4"]) if t["name"] == name)
+
+
+def test_the_orientation_target_compares_linear_with_the_kn_matmul(matmul):
+    """`nk_not_slower`: met where every plain linear cell measured is at least as fast as its
+    scheme's [K, N] matmul, missed where one is slower, not measured without `--orientation`;
+    it reads every M the run measured, and leaves the torch targets to their own ratio."""
+    cells = [_cell("linear", "nvfp4", 1, 20.0, vs_torch_bf16=2.0, vs_kn_matmul=1.5),
+             _cell("linear", "nvfp4", 256, 100.0, vs_torch_bf16=0.5, vs_kn_matmul=1.0)]
+    t = _target(matmul, cells, "nk_not_slower")
+    assert t["status"] == "met" and t["m"] == [1, 256] and t["ratio"] == "vs_kn_matmul"
+    assert {f["m"] for f in t["figures"]} == {1, 256} and t["worst"]["ratio"] == 1.0
+    assert "status_out" not in t
+    cells[1]["ratios"]["vs_kn_matmul"] = 0.98
+    assert _target(matmul, cells, "nk_not_slower")["status"] == "missed"
+    for c in cells:
+        del c["ratios"]["vs_kn_matmul"]
+    assert _target(matmul, cells, "nk_not_slower")["status"] == "not measured"
+    assert _target(matmul, cells, "4bit_m1")["worst"]["ratio"] == 2.0
+
+
+def test_orientation_adds_one_kn_case_per_scheme(matmul):
+    names = matmul.case_names(["q4s/block32:f16", "nvfp4"], ["torch_bf16"], orientation=True)
+    assert [n[3] for n in names if n[0] == "matmul_kn"] == ["q4s/block32:f16 [K, N] matmul", "nvfp4 [K, N] matmul"]
+    assert not [n for n in matmul.case_names(["nvfp4"], ["torch_bf16"]) if n[0] == "matmul_kn"]
