@@ -156,7 +156,7 @@ def result_note(torch, got, m, n, dtype) -> str | None:
 class Shape:
     """One shape's weights (qcore's quantized ones and the peers'); at most one alive at a time."""
 
-    def __init__(self, torch, be, n, k, schemes, peers, probe_x, orientation=False):
+    def __init__(self, torch, be, n, k, schemes, peers, probe_x, kn_schemes=()):
         self.n, self.k, self.text = n, k, shape_text((n, k))
         self.setup_errors: dict = {}  # case name -> message (every M of this shape)
         self.notes: dict = {}
@@ -173,9 +173,9 @@ class Shape:
             except Exception as e:  # noqa: BLE001 -- recorded per cell
                 self.setup_errors[text] = "quantize: " + one_line(e)
             self.first_quantize_s[text] = time.perf_counter() - t0
-        self.qkn: dict = {}  # scheme -> the weight quantized as W^T [K, N] (`--orientation`)
+        self.qkn: dict = {}  # scheme of `kn_schemes` -> the weight quantized as W^T [K, N] (`--orientation`)
         self.kn_errors: dict = {}
-        for text in schemes if orientation else ():
+        for text in kn_schemes:
             try:
                 self.qkn[text] = be.quantize(w.T.contiguous(), text)
                 torch.cuda.synchronize()
@@ -569,7 +569,8 @@ def main(argv=None) -> int:
                 continue
             t0 = time.perf_counter()
             probe_x = torch.randn(16, k, device="cuda").to(torch.bfloat16)
-            S = Shape(torch, be, n, k, schemes + ([W8A8] if args.w8a8 else []), peers, probe_x, args.orientation)
+            S = Shape(torch, be, n, k, schemes + ([W8A8] if args.w8a8 else []), peers, probe_x,
+                      schemes if args.orientation else ())
             del probe_x
             res["peer_setup"][sh] = {"errors": dict(S.setup_errors), "notes": dict(S.notes),
                                      "quantize_s": S.first_quantize_s, "weight_bytes": dict(S.weight_bytes),
