@@ -175,3 +175,48 @@ def test_zero_codes_sum_to_zero_and_x_is_read_exactly(cuda_backend):
         y = _host(be, be.linear(x, q, b, dtype=np.float32))
         assert y[0, 1] == b[1]
         assert np.array_equal(y[0], (W[:, 37] * np.float32(3) + b).astype(np.float32)), dt
+
+
+# (WARPS, U, RW, FLAGS) against the default (the simulator's 2, 2, 2, 0): pipelined, the first
+# loads before the staging, both, at one unit per step (K = 3104: three whole steps of 4-bit codes
+# and a tail, the pipeline's both buffers), two units, one row per warp
+_TUNES = [(2, 1, 2, 1), (2, 1, 2, 2), (2, 1, 2, 3), (2, 2, 2, 3), (2, 1, 1, 3)]
+
+
+_TUNED = ["q4s/block32:f16", "q8s/block64:f16", "e2m1/block32:ue8m0", "mxfp8", "e2m1/block32:ue4m3/tensor:f32"]
+
+
+@pytest.mark.parametrize("text,k", [(t, k) for t in _TUNED for k in (32, 64, 1056)]
+                         + [(t, 3104) for t in _TUNED[::4]])
+def test_tuning_variants_give_the_default_bits(cuda_backend, monkeypatch, text, k):
+    """The tuning variants (`k_decode.FLAGS`: register double buffering, the first loads before
+    x's staging; other U and RW) add the same terms in the same order: the same bits as the
+    default kernel, in each x type, with a bias, at M = 1 and up to K = 1056 at M = 4 (on the
+    simulator two staged segments at K = 1056: 8-bit codes two whole steps of one unit in each)."""
+    from qcore_cuda import k_decode
+
+    if not SIM:
+        pytest.skip("the simulator's variants (a GPU compiles the tuning of its environment)")
+    be = cuda_backend
+    n = 5
+    w = _weight(n, k, 11)
+    b = _x(1, n, np.float32, 12)[0]
+    xs = {xt: _x(4, k, dt, 13) for xt, dt in XDT.items()}
+
+    def run(tn):
+        for name, v in zip(("WARPS", "U", "RW", "FLAGS"), tn):
+            monkeypatch.setattr(k_decode, name, v)
+        q = be.quantize(w, text)  # (a fresh weight: the packed launch is kept with it)
+        before = _taken("DecodeLinear")
+        out = [_bits(_host(be, be.linear(x[:1], q, b, dtype=np.float32))) for x in xs.values()]
+        if k <= 1056:
+            out.append(_bits(_host(be, be.linear(xs["bf16"], q, b, dtype=np.float32))))
+        out.append(_bits(_host(be, be.linear(xs["f16"][:1], q, b))))
+        assert _taken("DecodeLinear") == before + len(out)
+        return out
+
+    want = run(k_decode.tune())
+    for tn in _TUNES:
+        got = run(tn)
+        for i, (g, e) in enumerate(zip(got, want)):
+            assert np.array_equal(g, e), (text, k, tn, i)

@@ -16,6 +16,14 @@ any of them; the loop over whole groups of `U` units has no bounds checks, the u
 one at a time. Blocks of `WARPS` warps; a persistent grid of at most `PER_SM` blocks per SM whose
 warps take row groups in turn (rounds).
 
+Pipelining (tuning, `FLAGS` of `QCORE_CUDA_DECODE_TUNE`; default off until measured). With
+`PIPELINE`, a lane holds two buffers of a step (U units of each row) and issues step t+1's loads
+before it decodes step t, so every warp keeps loads in flight while it computes (twice the
+registers for codes and scales: U = 2 with it holds what U = 4 holds without). With `EARLY`, a
+segment's first step of loads is issued before the block stages x (the loads do not depend on x),
+so the weight streams during the staging. Either way the units are used in the same order as
+without: the same bits.
+
 x in shared memory. A block stages x as float32 (exact for bfloat16 and float16 x) into `XS`
 floats of shared memory, `SEGK` columns of each of the `mb` rows of x at a time (a segment: all
 of K when `mb * K` fits, which is K <= 8192 at M = 1; else K in segments, each staged once per
@@ -58,8 +66,26 @@ from numba import config, cuda, float32, int32, int64, uint16, uint32  # noqa: E
 
 SIM = bool(config.ENABLE_CUDASIM)
 TUNE_ENV = "QCORE_CUDA_DECODE_TUNE"
-"""'WARPS,U,RW' in the environment replaces the defaults below on a GPU (tuning runs); read at import."""
-WARPS, U, RW = (2, 2, 2) if SIM else tuple(int(v) for v in os.environ.get(TUNE_ENV, "8,4,2").split(","))
+"""'WARPS,U,RW[,FLAGS]' in the environment replaces the defaults below on a GPU (tuning runs); read
+at import."""
+PIPELINE = 1
+"""FLAGS bit: register double buffering (module text, "Pipelining")."""
+EARLY = 2
+"""FLAGS bit: a segment's first step of loads issued before the block stages x."""
+FLAG_BITS = PIPELINE | EARLY
+
+
+def _parse_tune(text: str) -> tuple[int, int, int, int]:
+    v = tuple(int(t) for t in text.split(","))
+    if len(v) not in (3, 4) or min(v[:3]) < 1 or (len(v) == 4 and v[3] & ~FLAG_BITS):
+        raise ValueError(f"{TUNE_ENV}={text!r}: write WARPS,U,RW or WARPS,U,RW,FLAGS (FLAGS: bits {FLAG_BITS:#x})")
+    return v if len(v) == 4 else v + (0,)
+
+
+WARPS, U, RW, FLAGS = (2, 2, 2, 0) if SIM else _parse_tune(os.environ.get(TUNE_ENV, "8,4,2,0"))
+EXTRA_TUNES = ((8, 4, 2, EARLY), (8, 2, 2, PIPELINE | EARLY), (8, 4, 2, PIPELINE | EARLY))
+"""(WARPS, U, RW, FLAGS) compiled besides the default by `ptx_targets` (at M = 1): the variants a
+tuning run compares."""
 MBS = (1, 2, 4)
 """Variants: rows of x per launch (a call of m rows takes the least that holds m)."""
 XS = 4096 if SIM else 8192
@@ -104,6 +130,11 @@ def segment(kind: int, k: int, mb: int) -> int:
     most K's groups."""
     g = group(kind)
     return min((XS // mb) // g * g, -(-k // g) * g)
+
+
+def tune() -> tuple[int, int, int, int]:
+    """(WARPS, U, RW, FLAGS) as the module has them now (`kernel` compiles that variant)."""
+    return WARPS, U, RW, FLAGS
 
 
 def plan(kind: int, P: np.ndarray, m: int, out_type: int, has_bias: bool) -> tuple[tuple, tuple[int], tuple[int]]:
@@ -155,8 +186,12 @@ def e2m1_value(c):
     return -v if (c & int64(8)) != int64(0) else v
 
 
-def _decode_kernel(kind: int, xt: int, mb: int):
-    """The kernel for value kind `kind`, x type `xt` (linear.XT_*) and `mb` rows of x."""
+def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | None = None):
+    """The kernel for value kind `kind`, x type `xt` (linear.XT_*), `mb` rows of x and the tuning
+    `tn` (WARPS, U, RW, FLAGS; default `tune()`)."""
+    WARPS, U, RW, FLAGS = tn or tune()  # (closure constants from here on)
+    pipelined, early = bool(FLAGS & PIPELINE), bool(FLAGS & EARLY)
+    nbuf = 2 if pipelined else 1
     bits = fast.KIND_BITS[kind]
     pw = 32 // bits  # codes per u32 word
     qpw = pw // 4  # x quads per word
@@ -168,7 +203,7 @@ def _decode_kernel(kind: int, xt: int, mb: int):
     is_e2m1 = kind == fast.KIND_E2M1
     nt = 32 * WARPS
     nacc = RW * mb
-    nwv, nev, nval = 4 * U * RW, U * RW, RW * pw  # (local array sizes: constants)
+    nwv, nev, nval = 4 * U * RW * nbuf, U * RW * nbuf, RW * pw  # (local array sizes: constants)
     align = None if SIM else 16  # (the simulator takes no alignment; lds4 needs 16 bytes)
     red_n = nt if SIM else 1
     x_f32, x_bf16 = xt == XT_F32, xt == XT_BF16  # (constants: numba prunes the other branches)
@@ -241,6 +276,18 @@ def _decode_kernel(kind: int, xt: int, mb: int):
             for m in range(mb):
                 acc[r * mb + m] += e * part[r * mb + m]
 
+    @cuda.jit(device=True, inline="always")
+    def load_step(w32, es, wv, ev, buf, rows, ub, wpr, nsb, lb):
+        """The U units of a step (its first unit `ub`, this lane's) into buffer `buf`'s slots."""
+        for j in range(U):
+            load_unit(w32, es, wv, ev, buf * U + j, rows, ub + int64(j * 32), wpr, nsb, lb)
+
+    @cuda.jit(device=True, inline="always")
+    def use_step(wv, ev, buf, xs, xo, segk, tab, val, part, acc):
+        """The terms of buffer `buf`'s U units in k order (`xo`: the step's first unit's x offset)."""
+        for j in range(U):
+            use_unit(wv, ev, buf * U + j, xs, xo + int64(j * grp), segk, tab, val, part, acc)
+
     def k_decode_linear(x, w32, es, bias, out32, out16, P):
         xs = cuda.shared.array(XS, float32, alignment=align)
         tab = cuda.shared.array(16, float32)
@@ -277,21 +324,54 @@ def _decode_kernel(kind: int, xt: int, mb: int):
                 acc[a] = float32(0.0)
             for s in range(nseg):
                 k0 = s * segk
+                u0 = k0 // int64(uc)
+                nus = min(segk, K - k0) // int64(uc)  # units of a row in this segment
+                nst = nus // int64(32 * U)  # whole steps (U units of each row per lane)
+                if early:
+                    if ok and nst > int64(0):  # (the weight's loads do not wait for x)
+                        load_step(w32, es, wv, ev, 0, rows, u0 + lane, wpr, nsb, lb)
                 if rnd == int64(0) or nseg > int64(1):
                     cuda.syncthreads()  # (every warp is done with the previous segment)
                     stage(x, xs, k0, K, M, segk, tid)
                     cuda.syncthreads()
                 if ok:
-                    u0 = k0 // int64(uc)
-                    nus = min(segk, K - k0) // int64(uc)  # units of a row in this segment
                     i = int64(0)
-                    while (i + int64(U)) * int64(32) <= nus:  # U units per row in flight, then their terms
-                        for j in range(U):
-                            load_unit(w32, es, wv, ev, j, rows, u0 + (i + int64(j)) * int64(32) + lane, wpr, nsb, lb)
-                        for j in range(U):
-                            use_unit(wv, ev, j, xs, (i + int64(j)) * int64(grp) + lane * int64(4), segk, tab, val,
-                                     part, acc)
-                        i += int64(U)
+                    if pipelined:  # step t+1's loads in flight while step t's terms are made
+                        if not early:
+                            if nst > int64(0):
+                                load_step(w32, es, wv, ev, 0, rows, u0 + lane, wpr, nsb, lb)
+                        t = int64(0)
+                        while t < nst:  # (two steps per turn: constant buffer indices)
+                            if t + int64(1) < nst:
+                                load_step(w32, es, wv, ev, 1, rows, u0 + (t + int64(1)) * int64(32 * U) + lane, wpr,
+                                          nsb, lb)
+                            use_step(wv, ev, 0, xs, t * int64(U * grp) + lane * int64(4), segk, tab, val, part, acc)
+                            t += int64(1)
+                            if t < nst:
+                                if t + int64(1) < nst:
+                                    load_step(w32, es, wv, ev, 0, rows, u0 + (t + int64(1)) * int64(32 * U) + lane,
+                                              wpr, nsb, lb)
+                                use_step(wv, ev, 1, xs, t * int64(U * grp) + lane * int64(4), segk, tab, val, part,
+                                         acc)
+                                t += int64(1)
+                        i = nst * int64(U)
+                    elif early:
+                        t = int64(0)
+                        while t < nst:  # (step 0's loads were issued before the staging)
+                            if t > int64(0):
+                                load_step(w32, es, wv, ev, 0, rows, u0 + t * int64(32 * U) + lane, wpr, nsb, lb)
+                            use_step(wv, ev, 0, xs, t * int64(U * grp) + lane * int64(4), segk, tab, val, part, acc)
+                            t += int64(1)
+                        i = nst * int64(U)
+                    else:
+                        while (i + int64(U)) * int64(32) <= nus:  # U units per row in flight, then their terms
+                            for j in range(U):
+                                load_unit(w32, es, wv, ev, j, rows, u0 + (i + int64(j)) * int64(32) + lane, wpr, nsb,
+                                          lb)
+                            for j in range(U):
+                                use_unit(wv, ev, j, xs, (i + int64(j)) * int64(grp) + lane * int64(4), segk, tab, val,
+                                         part, acc)
+                            i += int64(U)
                     while i * int64(32) < nus:  # the units left, one at a time
                         if i * int64(32) + lane < nus:
                             load_unit(w32, es, wv, ev, 0, rows, u0 + i * int64(32) + lane, wpr, nsb, lb)
@@ -319,10 +399,14 @@ def _decode_kernel(kind: int, xt: int, mb: int):
     return k_decode_linear
 
 
-@lru_cache(maxsize=None)
 def kernel(kind: int, xt: int, mb: int):
-    """The compiled variant for value kind `kind`, x type `xt` and `mb` rows of x."""
-    return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb))
+    """The compiled variant for value kind `kind`, x type `xt`, `mb` rows of x and `tune()`."""
+    return _kernel(kind, xt, mb, tune())
+
+
+@lru_cache(maxsize=None)
+def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int]):
+    return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb, tn))
 
 
 def signature(xt: int) -> str:
@@ -333,5 +417,9 @@ def signature(xt: int) -> str:
 
 def ptx_targets():
     """(name, python function, signature, register cap) of every variant (`ptx.targets`)."""
-    return [(f"k_decode_linear[{kind},{xt},{mb}]", _decode_kernel(kind, xt, mb), signature(xt), REGS)
-            for kind in linear.KINDS for xt in (XT_BF16, XT_F16, XT_F32) for mb in MBS]
+    out = [(f"k_decode_linear[{kind},{xt},{mb}]", _decode_kernel(kind, xt, mb), signature(xt), REGS)
+           for kind in linear.KINDS for xt in (XT_BF16, XT_F16, XT_F32) for mb in MBS]
+    out += [(f"k_decode_linear[{kind},{xt},1,{'-'.join(map(str, tn))}]", _decode_kernel(kind, xt, 1, tn),
+             signature(xt), REGS)
+            for tn in EXTRA_TUNES if tn != tune() for kind in linear.KINDS for xt in (XT_BF16, XT_F16, XT_F32)]
+    return out
