@@ -179,27 +179,40 @@ def test_zero_codes_sum_to_zero_and_x_is_read_exactly(cuda_backend):
 
 # (WARPS, U, RW, FLAGS) against the default (the simulator's 2, 2, 2, 0): pipelined, the first
 # loads before the staging, both, at one unit per step (K = 3104: three whole steps of 4-bit codes
-# and a tail, the pipeline's both buffers), two units, one row per warp
-_TUNES = [(2, 1, 2, 1), (2, 1, 2, 2), (2, 1, 2, 3), (2, 2, 2, 3), (2, 1, 1, 3)]
+# and a tail, the pipeline's both buffers), two units, one row per warp; the stored 16-bit scales
+# (FLAGS 4) alone and with both
+_TUNES = [(2, 1, 2, 1), (2, 1, 2, 2), (2, 1, 2, 3), (2, 2, 2, 3), (2, 1, 1, 3), (2, 2, 2, 4), (2, 1, 2, 7)]
 
 
-_TUNED = ["q4s/block32:f16", "q8s/block64:f16", "e2m1/block32:ue8m0", "mxfp8", "e2m1/block32:ue4m3/tensor:f32"]
+# f16 and bf16 slots (the stored scales with FLAGS 4; q4_0's signed), UE8M0 slots and a two-level
+# weight (the f32 scales whatever FLAGS)
+_TUNED = ["q4s/block32:f16", "q8s/block64:bf16", "e2m1/block32:ue8m0", "mxfp8", "e2m1/block32:ue4m3/tensor:f32",
+          "q4_0"]
+_STORED16 = {"q4s/block32:f16": "SC_F16", "q8s/block64:bf16": "SC_BF16", "q4_0": "SC_F16"}
 
 
 @pytest.mark.parametrize("text,k", [(t, k) for t in _TUNED for k in (32, 64, 1056)]
                          + [(t, 3104) for t in _TUNED[::4]])
 def test_tuning_variants_give_the_default_bits(cuda_backend, monkeypatch, text, k):
     """The tuning variants (`k_decode.FLAGS`: register double buffering, the first loads before
-    x's staging; other U and RW) add the same terms in the same order: the same bits as the
-    default kernel, in each x type, with a bias, at M = 1 and up to K = 1056 at M = 4 (on the
-    simulator two staged segments at K = 1056: 8-bit codes two whole steps of one unit in each)."""
+    x's staging, the stored f16 / bf16 scales read from the payload; other U and RW) add the same
+    terms in the same order with the same scales: the same bits as the default kernel, in each x
+    type, with a bias, at M = 1 and up to K = 1056 at M = 4 (on the simulator two staged segments
+    at K = 1056: 8-bit codes two whole steps of one unit in each). FLAGS 4 reads the stored
+    words exactly where the weight is one-level with 16-bit slots, else the f32 scales."""
     from qcore_cuda import k_decode
 
     if not SIM:
         pytest.skip("the simulator's variants (a GPU compiles the tuning of its environment)")
     be = cuda_backend
+    forms = []
+    compiled = k_decode.kernel
+    monkeypatch.setattr(k_decode, "kernel", lambda kind, xt, mb, sc=k_decode.SC_F32: forms.append(sc) or
+                        compiled(kind, xt, mb, sc))
     n = 5
     w = _weight(n, k, 11)
+    w[3] *= np.float32(1e-5)  # (subnormal f16 scales)
+    w[4, : k // 2] *= np.float32(3e-37)  # (subnormal bf16 scales, zero f16 ones)
     b = _x(1, n, np.float32, 12)[0]
     xs = {xt: _x(4, k, dt, 13) for xt, dt in XDT.items()}
 
@@ -213,8 +226,12 @@ def test_tuning_variants_give_the_default_bits(cuda_backend, monkeypatch, text, 
             out.append(_bits(_host(be, be.linear(xs["bf16"], q, b, dtype=np.float32))))
         out.append(_bits(_host(be, be.linear(xs["f16"][:1], q, b))))
         assert _taken("DecodeLinear") == before + len(out)
+        stored = tn[3] & k_decode.SCALES16 and text in _STORED16
+        assert forms == [getattr(k_decode, _STORED16[text]) if stored else k_decode.SC_F32] * len(out), (text, tn)
+        forms.clear()
         return out
 
+    assert k_decode.tune()[3] == 0
     want = run(k_decode.tune())
     for tn in _TUNES:
         got = run(tn)

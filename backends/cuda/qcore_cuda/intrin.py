@@ -47,6 +47,8 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
 * `bf16x2_rn(hi, lo)`: two f32 rounded to nearest-even bf16, `hi` in the upper half
   (`cvt.rn.bf16x2.f32`); the caller passes finite values below bf16's largest.
 * `f16x2_f32(u)`: the two f16 of `u` as f32 (low half first), exact.
+* `f16_f32(u)`: the f16 in the low half of `u` as f32, exact (`cvt.f32.f16`: subnormals kept, the sign
+  of a zero kept).
 * Thread-block clusters (sm_90): `cluster_size()` is the launch's blocks per cluster (1 for a
   launch without clusters); `cluster_arrive()` / `cluster_wait()` are the two halves of the
   cluster-wide barrier (`barrier.cluster.arrive.relaxed`, then `wait`): arrive at a kernel's
@@ -220,6 +222,9 @@ if config.ENABLE_CUDASIM:
         u = int(u)
         return (np.float32(np.uint16(u & 0xFFFF).view(np.float16)),
                 np.float32(np.uint16((u >> 16) & 0xFFFF).view(np.float16)))
+
+    def f16_f32(u):
+        return np.float32(np.uint16(int(u) & 0xFFFF).view(np.float16))
 
     def cluster_size():
         return np.uint32(1)
@@ -631,6 +636,14 @@ else:
             return context.make_tuple(builder, ret, [builder.extract_value(r, 0), builder.extract_value(r, 1)])
 
         return ret(u), codegen
+
+    @intrinsic
+    def f16_f32(typingctx, u):
+        def codegen(context, builder, sig, args):
+            f = _asm(_F32, [_I32], "{ .reg .b16 l, h; mov.b32 {l, h}, $1; cvt.f32.f16 $0, l; }", "=f,r")
+            return builder.call(f, [context.cast(builder, args[0], sig.args[0], types.uint32)])
+
+        return types.float32(u), codegen
 
     @intrinsic
     def cluster_size(typingctx):

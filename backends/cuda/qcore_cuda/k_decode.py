@@ -24,6 +24,17 @@ segment's first step of loads is issued before the block stages x (the loads do 
 so the weight streams during the staging. Either way the units are used in the same order as
 without: the same bits.
 
+Scales (`SCALES16`, FLAGS bit 4; default off until measured). By default a unit's scale is an f32
+read from `es`: the decoded scales (`k_general.k_decode_scales`), or a two-level weight's effective
+scales. With `SCALES16`, a one-level weight of f16 or bf16 slots (`scale_form`) passes instead the
+payload's scales section as uint16 (slot i's little-endian word at byte `soff + 2 i`; the section
+must start at an even address, else the f32 array as before): half the scale bytes streamed, no
+f32 copy. A word is widened where it is used: `cvt.f32.f16` (`f16_f32`) or the bf16 word as an
+f32's top half. Both are exact, and for every finite word they give `scales.word_scale`'s bits
+(subnormals, zeros and the sign bit of signed scales included: checked over all 2 x 65536 words).
+A NaN or infinite scale word is invalid data, rejected when a payload is read (`QuantizedData`)
+and never written by a quantize. So each `e` is the same f32: the same bits.
+
 x in shared memory. A block stages x as float32 (exact for bfloat16 and float16 x) into `XS`
 floats of shared memory, `SEGK` columns of each of the `mb` rows of x at a time (a segment: all
 of K when `mb * K` fits, which is K <= 8192 at M = 1; else K in segments, each staged once per
@@ -38,12 +49,12 @@ value in float32 (`fast.decoder`: byte permutes under 2**23 for integers, the FP
 E2M1 from a 16-entry table), so each term `x * value` is exact for 16-bit x (their product has
 at most 19 significant bits) and an f32 FMA for float32 x. A unit's terms lie under one scale
 slot; they are summed in f32 from k = 0 up (one FMA each, into a zeroed sum), then `acc += e *
-sum` with e the slot's f32 effective scale. A lane adds its units in increasing k; the 32 lanes'
-sums are then added by a butterfly of warp shuffles (xor 16, 8, 4, 2, 1: every lane ends with
-the same bits), the bias added in f32 and the result rounded once to the result type. The order
-depends on the shapes only (K, the unit size), not on the grid, the segments or the scheduling:
-results repeat bit for bit, and are the same whatever `WARPS`, `XS` or the SM count. Nothing is
-added with atomics.
+sum` with e the slot's f32 effective scale ("Scales" above). A lane adds its units in increasing
+k; the 32 lanes' sums are then added by a butterfly of warp shuffles (xor 16, 8, 4, 2, 1: every
+lane ends with the same bits), the bias added in f32 and the result rounded once to the result
+type. The order depends on the shapes only (K, the unit size), not on the grid, the segments or
+the scheduling: results repeat bit for bit, and are the same whatever `WARPS`, `XS` or the SM
+count. Nothing is added with atomics.
 
 Under the simulator, which has no shuffles, the butterfly goes through shared memory with the
 same additions in the same order; every warp of a block makes the same barrier calls (the rounds,
@@ -59,7 +70,7 @@ import numpy as np
 
 from . import fast, linear
 from ._params import ParamLayout
-from .intrin import f16_bits, f16x2_f32, ld1, ld2, ld4, lds4, u2f
+from .intrin import f16_bits, f16_f32, f16x2_f32, ld1, ld2, ld4, lds4, u2f
 from .linear import OT_F16, OT_F32, XT_BF16, XT_F16, XT_F32, _bf16_rn_bits as bf16_rn_bits
 
 from numba import config, cuda, float32, int32, int64, uint16, uint32  # noqa: E402
@@ -72,7 +83,12 @@ PIPELINE = 1
 """FLAGS bit: register double buffering (module text, "Pipelining")."""
 EARLY = 2
 """FLAGS bit: a segment's first step of loads issued before the block stages x."""
-FLAG_BITS = PIPELINE | EARLY
+SCALES16 = 4
+"""FLAGS bit: a one-level weight's f16 or bf16 scales read as stored, from the payload (module text,
+"Scales"; `DecodeLinear` takes it where `scale_form` says so)."""
+FLAG_BITS = PIPELINE | EARLY | SCALES16
+SC_F32, SC_F16, SC_BF16 = 0, 1, 2
+"""Scale forms a kernel reads: the f32 effective scales, or the stored f16 or bf16 words."""
 
 
 def _parse_tune(text: str) -> tuple[int, int, int, int]:
@@ -89,6 +105,10 @@ tuning run compares. ptxas for sm_90 at the 128-register cap (bf16 x, M = 1): th
 117-128 registers, no spills; 8,4,2,2 117-128, no spills; 8,2,2,3 123-128, no spills; 8,4,2,3
 (PIPELINE at U = 4: twice the default's 40 buffer registers) spills 96-160 bytes, so it is left
 out: a pipelined run takes U = 2."""
+SCALES16_TARGETS = ((fast.KIND_I4, SC_F16), (fast.KIND_I8, SC_BF16))
+"""(kind, scale form) compiled by `ptx_targets` with `SCALES16` (the default tuning, bf16 x, M = 1).
+ptxas for sm_90 at the 128-register cap (M = 1, each x type; I4, I8, E2M1, E4M3): no spills with
+FLAGS 4 (8,4,2: 116-128 registers, I4 +1 over the f32 scales), 6 (8,4,2) or 5 and 7 (8,2,2)."""
 MBS = (1, 2, 4)
 """Variants: rows of x per launch (a call of m rows takes the least that holds m)."""
 XS = 4096 if SIM else 8192
@@ -140,6 +160,15 @@ def tune() -> tuple[int, int, int, int]:
     return WARPS, U, RW, FLAGS
 
 
+def scale_form(scheme, soff: int) -> int:
+    """The scales a kernel for `scheme`'s weight reads under `tune()`: the stored 16-bit words
+    (SC_F16, SC_BF16) with `SCALES16` for a one-level scheme of f16 or bf16 slots whose scales
+    section starts at an even byte `soff`; else SC_F32 (the decoded or effective f32 scales)."""
+    if not FLAGS & SCALES16 or scheme.two_level or soff % 2:
+        return SC_F32
+    return {"f16": SC_F16, "bf16": SC_BF16}.get(scheme.slot_dtype.value, SC_F32)
+
+
 def plan(kind: int, P: np.ndarray, m: int, out_type: int, has_bias: bool) -> tuple[tuple, tuple[int], tuple[int]]:
     """(the kernel's DL tuple, grid, block) for `linear.geometry`'s P and m rows of x."""
     n_, k_ = int(P[linear.LP_N]), int(P[linear.LP_K])
@@ -189,9 +218,10 @@ def e2m1_value(c):
     return -v if (c & int64(8)) != int64(0) else v
 
 
-def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | None = None):
-    """The kernel for value kind `kind`, x type `xt` (linear.XT_*), `mb` rows of x and the tuning
-    `tn` (WARPS, U, RW, FLAGS; default `tune()`)."""
+def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | None = None, sc: int = SC_F32):
+    """The kernel for value kind `kind`, x type `xt` (linear.XT_*), `mb` rows of x, the tuning
+    `tn` (WARPS, U, RW, FLAGS; default `tune()`) and the scale form `sc` (SC_*: `es` float32, or
+    the payload's stored scale words as uint16)."""
     WARPS, U, RW, FLAGS = tn or tune()  # (closure constants from here on)
     pipelined, early = bool(FLAGS & PIPELINE), bool(FLAGS & EARLY)
     nbuf = 2 if pipelined else 1
@@ -210,6 +240,8 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
     align = None if SIM else 16  # (the simulator takes no alignment; lds4 needs 16 bytes)
     red_n = nt if SIM else 1
     x_f32, x_bf16 = xt == XT_F32, xt == XT_BF16  # (constants: numba prunes the other branches)
+    s_f16, s_bf16 = sc == SC_F16, sc == SC_BF16
+    ev_t = float32 if sc == SC_F32 else uint32  # (a stored word is widened where it is used)
 
     @cuda.jit(device=True, inline="always")
     def stage(x, xs, k0, K, M, segk, tid):
@@ -253,7 +285,7 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
         for r in range(RW):
             b = (j * RW + r) * 4
             wv[b], wv[b + 1], wv[b + 2], wv[b + 3] = ld4(w32, rows[r] * wpr + u * int64(4))
-            ev[j * RW + r] = ld1(es, rows[r] * nsb + ((u >> int64(ushift)) >> lb))
+            ev[j * RW + r] = ld1(es, rows[r] * nsb + ((u >> int64(ushift)) >> lb))  # (f32, or a u16 word)
 
     @cuda.jit(device=True, inline="always")
     def use_unit(wv, ev, j, xs, xo, segk, tab, val, part, acc):
@@ -275,7 +307,12 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
                         p = cuda.fma(x3, val[r * pw + 4 * q + 3], p)
                         part[r * mb + m] = p
         for r in range(RW):
-            e = ev[j * RW + r]
+            if s_f16:
+                e = f16_f32(ev[j * RW + r])  # (exact: module text, "Scales")
+            elif s_bf16:
+                e = u2f(ev[j * RW + r] << uint32(16))
+            else:
+                e = ev[j * RW + r]
             for m in range(mb):
                 acc[r * mb + m] += e * part[r * mb + m]
 
@@ -299,7 +336,7 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
         part = cuda.local.array(nacc, float32)
         val = cuda.local.array(nval, float32)
         wv = cuda.local.array(nwv, uint32)
-        ev = cuda.local.array(nev, float32)
+        ev = cuda.local.array(nev, ev_t)
         rows = cuda.local.array(RW, int64)
         tid = int64(cuda.threadIdx.x)
         warp = tid >> int64(5)
@@ -402,20 +439,27 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
     return k_decode_linear
 
 
-def kernel(kind: int, xt: int, mb: int):
-    """The compiled variant for value kind `kind`, x type `xt`, `mb` rows of x and `tune()`."""
-    return _kernel(kind, xt, mb, tune())
+def kernel(kind: int, xt: int, mb: int, sc: int = SC_F32):
+    """The compiled variant for value kind `kind`, x type `xt`, `mb` rows of x, `tune()` and the
+    scale form `sc` (`scale_form`)."""
+    return _kernel(kind, xt, mb, tune(), sc)
 
 
 @lru_cache(maxsize=None)
-def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int]):
-    return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb, tn))
+def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int], sc: int):
+    return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb, tn, sc))
 
 
-def signature(xt: int) -> str:
-    """The launch signature: linear.py's (the same arguments, DL an int64 array in LP's place)."""
+def signature(xt: int, sc: int = SC_F32) -> str:
+    """The launch signature: linear.py's (the same arguments, DL an int64 array in LP's place;
+    the scales uint16 for a stored 16-bit form)."""
     assert DL_LAYOUT.arg == linear.LP_LAYOUT.arg
-    return linear.signature(xt)
+    s = linear.signature(xt)
+    if sc == SC_F32:
+        return s
+    head, tail = s.split("uint32[::1], float32[::1], ", 1)  # (w32 and es: the second and third arguments)
+    assert head.count("[::1]") == 1, s
+    return head + "uint32[::1], uint16[::1], " + tail
 
 
 def ptx_targets():
@@ -425,4 +469,8 @@ def ptx_targets():
     out += [(f"k_decode_linear[{kind},{xt},1,{'-'.join(map(str, tn))}]", _decode_kernel(kind, xt, 1, tn),
              signature(xt), REGS)
             for tn in EXTRA_TUNES if tn != tune() for kind in linear.KINDS for xt in (XT_BF16, XT_F16, XT_F32)]
+    tn = tune()[:3] + (tune()[3] | SCALES16,)
+    out += [(f"k_decode_linear[{kind},{XT_BF16},1,{'-'.join(map(str, tn))},{sc}]",
+             _decode_kernel(kind, XT_BF16, 1, tn, sc), signature(XT_BF16, sc), REGS)
+            for kind, sc in SCALES16_TARGETS]
     return out

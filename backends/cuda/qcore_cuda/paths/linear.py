@@ -156,9 +156,10 @@ class DecodeLinear:
 
             kind, P = c.data.cache.linear_geometry
             q, grid, block = k_decode.plan(kind, P, c.m, c.ot, c.has_bias)
-            args = [c.xd, c.be.state.plans.code_words(c.data), _effective_scales(c), c.bias, c.out32, c.out16,
+            sc, scales = _decode_scales(c)
+            args = [c.xd, c.be.state.plans.code_words(c.data), scales, c.bias, c.out32, c.out16,
                     cuda.to_device(np.asarray(q, np.int64))]
-            st = c.data.cache.linear[key] = Packed(k_decode.kernel(kind, c.xt, k_decode.mb_for(c.m)), grid, block,
+            st = c.data.cache.linear[key] = Packed(k_decode.kernel(kind, c.xt, k_decode.mb_for(c.m), sc), grid, block,
                                                    args, dynamic=(0, 4, 5, 3))
         st(c.xd, c.out32, c.out16, c.bias, stream=c.s)
 
@@ -200,6 +201,25 @@ class TensorCoreLinear:
                     cuda.to_device(np.asarray(q, np.int64))]
             st = c.data.cache.linear[key] = Packed(linear.kernel(kind, c.xt, nb), grid, block, args, dynamic=(0, 4, 5, 3))
         st(c.xd, c.out32, c.out16, c.bias, stream=c.s)
+
+
+def _decode_scales(c: LinearCall) -> tuple[int, Any]:
+    """(`k_decode`'s scale form, the scales it reads): the payload's stored f16 or bf16 scale words
+    as uint16 where `k_decode.scale_form` takes them and the section's device address is even,
+    else `_effective_scales`."""
+    from numba import config
+
+    from .. import k_decode
+    from ..layouts import M_NSLOTS, M_SOFF
+
+    P = c.be.state.plans.get(c.data.shape, c.data.scheme, "minmax").plan.P
+    soff, nslots = int(P[M_SOFF]), int(P[M_NSLOTS])
+    sc = k_decode.scale_form(c.data.scheme, soff)
+    if sc != k_decode.SC_F32:
+        words = c.data.payload[soff: soff + 2 * nslots].view(np.uint16)
+        if config.ENABLE_CUDASIM or words.__cuda_array_interface__["data"][0] % 2 == 0:
+            return sc, words
+    return k_decode.SC_F32, _effective_scales(c)
 
 
 def _effective_scales(c: LinearCall) -> Any:
