@@ -205,19 +205,6 @@ else:
         return v
 
 
-@cuda.jit(device=True, inline="always")
-def e2m1_value(c):
-    """The E2M1 value of the 4-bit code c (docs/spec.md, schemes: 0, 0.5, 1, 1.5, 2, 3, 4, 6, the sign in bit 3)."""
-    mag = c & int64(7)
-    if mag < int64(4):
-        v = float32(0.5) * float32(mag)
-    elif mag < int64(6):
-        v = float32(mag - int64(2))
-    else:
-        v = float32(int64(2) * mag - int64(8))
-    return -v if (c & int64(8)) != int64(0) else v
-
-
 def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | None = None, sc: int = SC_F32):
     """The kernel for value kind `kind`, x type `xt` (linear.XT_*), `mb` rows of x, the tuning
     `tn` (WARPS, U, RW, FLAGS; default `tune()`) and the scale form `sc` (SC_*: `es` float32, or
@@ -328,7 +315,7 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
         for j in range(U):
             use_unit(wv, ev, buf * U + j, xs, xo + int64(j * grp), segk, tab, val, part, acc)
 
-    def k_decode_linear(x, w32, es, bias, out32, out16, P):
+    def k_decode_linear(x, w32, es, bias, out32, out16, P, lut):
         xs = cuda.shared.array(XS, float32, alignment=align)
         tab = cuda.shared.array(16, float32)
         red = cuda.shared.array(red_n, float32)
@@ -349,7 +336,7 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
         wpr = P[DL_WPR]
         segk = P[DL_SEGK]
         if is_e2m1 and tid < int64(16):
-            tab[tid] = e2m1_value(tid)  # (read after the first staging barrier)
+            tab[tid] = lut[tid]  # the value table (read after the first staging barrier)
         ng = (N + int64(RW - 1)) // int64(RW)
         nseg = (K + segk - int64(1)) // segk
         bid = int64(cuda.blockIdx.x)
@@ -452,9 +439,11 @@ def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int], sc: int)
 
 def signature(xt: int, sc: int = SC_F32) -> str:
     """The launch signature: linear.py's (the same arguments, DL an int64 array in LP's place;
-    the scales uint16 for a stored 16-bit form)."""
+    the scales uint16 for a stored 16-bit form), then the value table (`Prepared.lut`, float32)."""
     assert DL_LAYOUT.arg == linear.LP_LAYOUT.arg
     s = linear.signature(xt)
+    assert s.endswith(")"), s
+    s = s[:-1] + ", float32[::1])"
     if sc == SC_F32:
         return s
     head, tail = s.split("uint32[::1], float32[::1], ", 1)  # (w32 and es: the second and third arguments)

@@ -157,8 +157,9 @@ class DecodeLinear:
             kind, P = c.data.cache.linear_geometry
             q, grid, block = k_decode.plan(kind, P, c.m, c.ot, c.has_bias)
             sc, scales = _decode_scales(c)
+            lut = c.be.state.plans.get(c.data.shape, c.data.scheme, "minmax").lut  # (E2M1's values)
             args = [c.xd, c.be.state.plans.code_words(c.data), scales, c.bias, c.out32, c.out16,
-                    cuda.to_device(np.asarray(q, np.int64))]
+                    cuda.to_device(np.asarray(q, np.int64)), lut]
             st = c.data.cache.linear[key] = Packed(k_decode.kernel(kind, c.xt, k_decode.mb_for(c.m), sc), grid, block,
                                                    args, dynamic=(0, 4, 5, 3))
         st(c.xd, c.out32, c.out16, c.bias, stream=c.s)
