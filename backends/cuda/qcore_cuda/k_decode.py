@@ -98,7 +98,9 @@ def _parse_tune(text: str) -> tuple[int, int, int, int]:
     return v if len(v) == 4 else v + (0,)
 
 
-WARPS, U, RW, FLAGS = (2, 2, 2, 0) if SIM else _parse_tune(os.environ.get(TUNE_ENV, "8,4,2,0"))
+GPU_TUNE = (8, 4, 2, 0)
+"""The default tuning on a GPU (the simulator's is 2, 2, 2, 0)."""
+WARPS, U, RW, FLAGS = (2, 2, 2, 0) if SIM else _parse_tune(os.environ.get(TUNE_ENV, ",".join(map(str, GPU_TUNE))))
 EXTRA_TUNES = ((8, 4, 2, EARLY), (8, 2, 2, PIPELINE), (8, 2, 2, PIPELINE | EARLY))
 """(WARPS, U, RW, FLAGS) compiled besides the default by `ptx_targets` (at M = 1): the variants a
 tuning run compares. ptxas for sm_90 at the 128-register cap (bf16 x, M = 1): the default
@@ -458,7 +460,7 @@ def ptx_targets():
     out += [(f"k_decode_linear[{kind},{xt},1,{'-'.join(map(str, tn))}]", _decode_kernel(kind, xt, 1, tn),
              signature(xt), REGS)
             for tn in EXTRA_TUNES if tn != tune() for kind in linear.KINDS for xt in (XT_BF16, XT_F16, XT_F32)]
-    tn = tune()[:3] + (tune()[3] | SCALES16,)
+    tn = GPU_TUNE[:3] + (GPU_TUNE[3] | SCALES16,)  # (not `tune()`: the names must not depend on the simulator)
     out += [(f"k_decode_linear[{kind},{XT_BF16},1,{'-'.join(map(str, tn))},{sc}]",
              _decode_kernel(kind, XT_BF16, 1, tn, sc), signature(XT_BF16, sc), REGS)
             for kind, sc in SCALES16_TARGETS]
