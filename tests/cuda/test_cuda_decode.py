@@ -1,5 +1,5 @@
 """`linear` of the `cuda` backend at a few rows of x: the decode kernel (`qcore_cuda/k_decode.py`,
-the path `DecodeLinear`) for every value kind it decodes, per-tensor scales, blocks of 32, 64,
+the path `DecodeLinear`) for every value kind it decodes, per-tensor scales, blocks of 16, 32, 64,
 128 and at least K, a two-level weight, M = 1 up to its largest variant, K of one unit up to
 several staged segments, odd N, bfloat16 / float16 / float32 x, with and without a bias, each
 result dtype.
@@ -23,10 +23,12 @@ from tests.cuda_cases import SIM
 REF = ReferenceBackend()
 BF16 = np.dtype(ml_dtypes.bfloat16)
 XDT = {"bf16": BF16, "f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
-# every value kind the kernel decodes; per-tensor, blocks of 32 / 64 / 128, a block of at least K
-# (per row), two-level (E2M1 under UE4M3 blocks of 32 and an f32 global), MX
+# every value kind the kernel decodes; per-tensor, blocks of 16 / 32 / 64 / 128 (4-bit codes under
+# blocks of 16: two slots a unit, the `split` variant), a block of at least K (per row), two-level
+# (E2M1 under UE4M3 blocks of 32 and an f32 global; nvfp4's blocks of 16), MX
 SCHEMES = ["q4s/block32:f16", "q4f/block64:bf16", "q8s", "q8f/block128:f32", "e4m3/block32:f32", "e5m2",
-           "mxfp8", "mxfp4", "e2m1/block32:ue4m3/tensor:f32", "q4s/block4096:f16", "q8s/block32:ue8m0", "q4_0"]
+           "mxfp8", "mxfp4", "e2m1/block32:ue4m3/tensor:f32", "q4s/block4096:f16", "q8s/block32:ue8m0", "q4_0",
+           "nvfp4", "q4s/block16:f16", "q8s/block16:bf16"]
 
 
 @pytest.fixture(autouse=True)
@@ -134,8 +136,8 @@ def test_segments_on_the_simulator_are_real(cuda_backend):
 
 def test_only_a_few_rows_take_the_decode_path(cuda_backend, monkeypatch):
     """Past `DECODE_MAX_M` rows (and past the largest variant) the tensor-core kernel; with
-    DECODE_MAX_M = 0 none; weights the kernel does not read (blocks of 16, 2-bit codes) the
-    transposed matmul at any M."""
+    DECODE_MAX_M = 0 none; weights the kernel does not read (blocks over the flattened tensor,
+    2-bit codes) the transposed matmul at any M."""
     from qcore_cuda import k_decode
     from qcore_cuda.paths import linear as paths_linear
 
@@ -151,7 +153,7 @@ def test_only_a_few_rows_take_the_decode_path(cuda_backend, monkeypatch):
     be.linear(_x(1, 64, np.float16), q)
     assert _taken("TensorCoreLinear") == before + 1
     monkeypatch.undo()
-    for text in ("nvfp4", "q2s/block32:f16"):
+    for text in ("q4s/block128:f16:flat", "q2s/block32:f16"):
         before = _taken("TransposedLinear")
         be.linear(_x(1, 64, np.float32), be.quantize(_weight(6, 64), text))
         assert _taken("TransposedLinear") == before + 1, text
@@ -188,11 +190,11 @@ _TUNES = [(2, 1, 2, 1), (2, 1, 2, 2), (2, 1, 2, 3), (2, 2, 2, 3), (2, 1, 1, 3), 
 # weight (the f32 scales whatever FLAGS)
 _TUNED = ["q4s/block32:f16", "q8s/block64:bf16", "e2m1/block32:ue8m0", "mxfp8", "e2m1/block32:ue4m3/tensor:f32",
           "q4_0"]
-_STORED16 = {"q4s/block32:f16": "SC_F16", "q8s/block64:bf16": "SC_BF16", "q4_0": "SC_F16"}
+_STORED16 = {"q4s/block32:f16": "SC_F16", "q8s/block64:bf16": "SC_BF16", "q4_0": "SC_F16", "q4s/block16:f16": "SC_F16"}
 
 
 @pytest.mark.parametrize("text,k", [(t, k) for t in _TUNED for k in (32, 64, 1056)]
-                         + [(t, 3104) for t in _TUNED[::4]])
+                         + [(t, 3104) for t in _TUNED[::4]] + [("q4s/block16:f16", 1056)])
 def test_tuning_variants_give_the_default_bits(cuda_backend, monkeypatch, text, k):
     """The tuning variants (`k_decode.FLAGS`: register double buffering, the first loads before
     x's staging, the stored f16 / bf16 scales read from the payload; other U and RW) add the same
@@ -207,8 +209,8 @@ def test_tuning_variants_give_the_default_bits(cuda_backend, monkeypatch, text, 
     be = cuda_backend
     forms = []
     compiled = k_decode.kernel
-    monkeypatch.setattr(k_decode, "kernel", lambda kind, xt, mb, sc=k_decode.SC_F32: forms.append(sc) or
-                        compiled(kind, xt, mb, sc))
+    monkeypatch.setattr(k_decode, "kernel", lambda kind, xt, mb, sc=k_decode.SC_F32, halves=False:
+                        forms.append(sc) or compiled(kind, xt, mb, sc, halves))
     n = 5
     w = _weight(n, k, 11)
     w[3] *= np.float32(1e-5)  # (subnormal f16 scales)

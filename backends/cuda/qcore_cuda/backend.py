@@ -611,7 +611,7 @@ class CudaBackend(BaseBackend):
         `ml_dtypes.bfloat16` array. `stream=` as for `quantize`.
 
         Weights of 4- and 8-bit values with codes along K, K a multiple of 32 and one scale per
-        tensor or blocks along K of 32 * 2**j (or at least K) take the tensor-core kernel
+        tensor or blocks along K of 16 * 2**j (or at least K) take the tensor-core kernel
         (`linear.py`): the codes and 16-bit x exact as mma inputs, float32 x as three exact
         bfloat16 parts, the scales applied in f32 to each 32-k partial sum; results repeat bit
         for bit. Up to `paths.linear.DECODE_MAX_M` rows of x (decoding) the same weights take

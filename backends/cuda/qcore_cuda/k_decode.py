@@ -3,7 +3,7 @@ checkpoints store it: `y[m, n] = sum_k x[m, k] * decode(w[n, k]) * e[n, k] (+ bi
 bfloat16, float16 or float32, the result in float32, float16 or bfloat16. The weights it takes
 are `linear.geometry`'s (the tensor-core kernel's): 4- and 8-bit integer and minifloat codes
 packed along K in the low field order, K a multiple of 32, one scale for the tensor or blocks
-along K of 32 * 2**j or at least K, two-level weights through their effective f32 scales.
+along K of 16 * 2**j or at least K, two-level weights through their effective f32 scales.
 
 At M = 1 a linear is a stream over the weight: its bytes are read once and each is used for a
 few multiply-adds, so the kernel is built to keep the weight's loads in flight.
@@ -111,6 +111,10 @@ SCALES16_TARGETS = ((fast.KIND_I4, SC_F16), (fast.KIND_I8, SC_BF16))
 """(kind, scale form) compiled by `ptx_targets` with `SCALES16` (the default tuning, bf16 x, M = 1).
 ptxas for sm_90 at the 128-register cap (M = 1, each x type; I4, I8, E2M1, E4M3): no spills with
 FLAGS 4 (8,4,2: 116-128 registers, I4 +1 over the f32 scales), 6 (8,4,2) or 5 and 7 (8,2,2)."""
+SPLIT_TARGETS = tuple((kind, xt, 1) for kind in (fast.KIND_I4, fast.KIND_E2M1) for xt in (XT_BF16, XT_F16, XT_F32)) \
+    + ((fast.KIND_E2M1, XT_BF16, 4),)
+"""(kind, x type, mb) of the `split` variants (4-bit codes under blocks of 16) `ptx_targets` compiles:
+each x type at M = 1 (the decode path's default), and nvfp4's largest variant."""
 MBS = (1, 2, 4)
 """Variants: rows of x per launch (a call of m rows takes the least that holds m)."""
 XS = 4096 if SIM else 8192
@@ -125,7 +129,7 @@ DL_LAYOUT = ParamLayout("DL", "int64", [
     ("DL_K", "columns of the weight (the reduction extent)"),
     ("DL_M", "rows of x"),
     ("DL_NSB", "scale slots per row of the weight (0: one for the tensor)"),
-    ("DL_LB", "chunk (32 columns) -> slot shift (62: one slot per row or tensor)"),
+    ("DL_LB", "half chunk (16 columns) -> slot shift (`linear.geometry`'s LP_LB)"),
     ("DL_WPR", "u32 words of codes per row"),
     ("DL_SEGK", "columns of x per staged segment (a multiple of the warp's group, `group`)"),
     ("DL_OT", "the result's type: linear.OT_F32, OT_F16 or OT_BF16"),
@@ -207,10 +211,19 @@ else:
         return v
 
 
-def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | None = None, sc: int = SC_F32):
+def split(kind: int, P: np.ndarray) -> bool:
+    """Whether a unit of `linear.geometry`'s weight (`P`) holds two scale slots: 4-bit codes under
+    blocks of 16 (a unit of 8-bit codes is one half chunk, under one slot whatever the blocks)."""
+    return fast.KIND_BITS[kind] == 4 and linear.split(P)
+
+
+def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | None = None, sc: int = SC_F32,
+                   halves: bool = False):
     """The kernel for value kind `kind`, x type `xt` (linear.XT_*), `mb` rows of x, the tuning
-    `tn` (WARPS, U, RW, FLAGS; default `tune()`) and the scale form `sc` (SC_*: `es` float32, or
-    the payload's stored scale words as uint16)."""
+    `tn` (WARPS, U, RW, FLAGS; default `tune()`), the scale form `sc` (SC_*: `es` float32, or
+    the payload's stored scale words as uint16) and `halves` (`split`: each unit's two halves
+    under their own slots)."""
+    assert not halves or fast.KIND_BITS[kind] == 4
     WARPS, U, RW, FLAGS = tn or tune()  # (closure constants from here on)
     pipelined, early = bool(FLAGS & PIPELINE), bool(FLAGS & EARLY)
     nbuf = 2 if pipelined else 1
@@ -220,12 +233,13 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
     uc = unit_codes(kind)
     grp = group(kind)
     gq = grp // 4  # x quads per group
-    ushift = 0 if bits == 4 else 1  # unit -> 32-k chunk
+    hshift = 1 if bits == 4 else 0  # unit -> its first 16-k half chunk
+    nh = 2 if halves else 1  # scale slots per unit
     decode = fast.decoder(kind)
     is_e2m1 = kind == fast.KIND_E2M1
     nt = 32 * WARPS
     nacc = RW * mb
-    nwv, nev, nval = 4 * U * RW * nbuf, U * RW * nbuf, RW * pw  # (local array sizes: constants)
+    nwv, nev, nval = 4 * U * RW * nbuf, U * RW * nbuf * nh, RW * pw  # (local array sizes: constants)
     align = None if SIM else 16  # (the simulator takes no alignment; lds4 needs 16 bytes)
     red_n = nt if SIM else 1
     x_f32, x_bf16 = xt == XT_F32, xt == XT_BF16  # (constants: numba prunes the other branches)
@@ -270,11 +284,28 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
 
     @cuda.jit(device=True, inline="always")
     def load_unit(w32, es, wv, ev, j, rows, u, wpr, nsb, lb):
-        """Unit u of the group's rows into slot j: four code words and the slot's scale per row."""
+        """Unit u of the group's rows into slot j: four code words and the scale of each of the
+        unit's slots (one, or two with `halves`) per row."""
         for r in range(RW):
             b = (j * RW + r) * 4
             wv[b], wv[b + 1], wv[b + 2], wv[b + 3] = ld4(w32, rows[r] * wpr + u * int64(4))
-            ev[j * RW + r] = ld1(es, rows[r] * nsb + ((u >> int64(ushift)) >> lb))  # (f32, or a u16 word)
+            si = rows[r] * nsb + ((u << int64(hshift)) >> lb)
+            for h in range(nh):
+                ev[(j * RW + r) * nh + h] = ld1(es, si + int64(h))  # (f32, or a u16 word)
+
+    @cuda.jit(device=True, inline="always")
+    def scale_in(ev, j, h, part, acc):
+        """acc += e * part for every row and row of x, e the f32 scale of slot h of unit slot j."""
+        for r in range(RW):
+            v = ev[(j * RW + r) * nh + h]
+            if s_f16:
+                e = f16_f32(v)  # (exact: module text, "Scales")
+            elif s_bf16:
+                e = u2f(v << uint32(16))
+            else:
+                e = v
+            for m in range(mb):
+                acc[r * mb + m] += e * part[r * mb + m]
 
     @cuda.jit(device=True, inline="always")
     def use_unit(wv, ev, j, xs, xo, segk, tab, val, part, acc):
@@ -295,15 +326,11 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
                         p = cuda.fma(x2, val[r * pw + 4 * q + 2], p)
                         p = cuda.fma(x3, val[r * pw + 4 * q + 3], p)
                         part[r * mb + m] = p
-        for r in range(RW):
-            if s_f16:
-                e = f16_f32(ev[j * RW + r])  # (exact: module text, "Scales")
-            elif s_bf16:
-                e = u2f(ev[j * RW + r] << uint32(16))
-            else:
-                e = ev[j * RW + r]
-            for m in range(mb):
-                acc[r * mb + m] += e * part[r * mb + m]
+            if halves and wi == 1:  # the unit's first half (16 codes, words 0 and 1) ends here
+                scale_in(ev, j, 0, part, acc)
+                for a in range(nacc):
+                    part[a] = float32(0.0)
+        scale_in(ev, j, nh - 1, part, acc)
 
     @cuda.jit(device=True, inline="always")
     def load_step(w32, es, wv, ev, buf, rows, ub, wpr, nsb, lb):
@@ -428,15 +455,15 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
     return k_decode_linear
 
 
-def kernel(kind: int, xt: int, mb: int, sc: int = SC_F32):
-    """The compiled variant for value kind `kind`, x type `xt`, `mb` rows of x, `tune()` and the
-    scale form `sc` (`scale_form`)."""
-    return _kernel(kind, xt, mb, tune(), sc)
+def kernel(kind: int, xt: int, mb: int, sc: int = SC_F32, halves: bool = False):
+    """The compiled variant for value kind `kind`, x type `xt`, `mb` rows of x, `tune()`, the
+    scale form `sc` (`scale_form`) and `halves` (`split`)."""
+    return _kernel(kind, xt, mb, tune(), sc, halves)
 
 
 @lru_cache(maxsize=None)
-def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int], sc: int):
-    return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb, tn, sc))
+def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int], sc: int, halves: bool):
+    return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb, tn, sc, halves))
 
 
 def signature(xt: int, sc: int = SC_F32) -> str:
@@ -464,4 +491,6 @@ def ptx_targets():
     out += [(f"k_decode_linear[{kind},{XT_BF16},1,{'-'.join(map(str, tn))},{sc}]",
              _decode_kernel(kind, XT_BF16, 1, tn, sc), signature(XT_BF16, sc), REGS)
             for kind, sc in SCALES16_TARGETS]
+    out += [(f"k_decode_linear[{kind},{xt},{mb},split]", _decode_kernel(kind, xt, mb, halves=True), signature(xt), REGS)
+            for kind, xt, mb in SPLIT_TARGETS]
     return out

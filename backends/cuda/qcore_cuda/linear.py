@@ -6,9 +6,12 @@ Arithmetic (docs/spec.md, "Products with a quantized weight"). The codes of ever
 value kind are exact in float16 and in bfloat16, so the weight is the A operand of
 `mma.sync.m16n8k16` in x's type (bf16 or f16, f32 accumulate) with no scale in it: each product
 is exact. A 32-k chunk of a row lies under one scale slot (blocks along K of 32 * 2**j, a block
-of at least K, or one scale for the tensor), so its two mma steps sum into zeroed accumulators
+of at least K, or one scale for the tensor) or, under blocks of 16, two; its two mma steps sum into zeroed accumulators
 and the thread then adds `e * partial` (f32) to its sums: the scale multiplies the f32 sum of one
-block's terms, as the spec allows. `e` is read as one f32 per slot: the decoded scales, or for a
+block's terms, as the spec allows. Under blocks of 16 (nvfp4's) a chunk holds two slots: lanes
+t = 0, 1 hold its first 16 codes, lanes 2 and 3 the second (below), so the chunk takes each half
+in turn, its two mma steps with B zero in the other half's lanes (A is finite: a decoded code),
+then `acc += e * partial` with that half's slot (a `split` variant: four mma steps per chunk). `e` is read as one f32 per slot: the decoded scales, or for a
 two-level weight its effective scales (`k_effective`, made once and kept with the weight). float32 x enters as three bfloat16 parts per element, each
 the next 8 significant bits of x, cut by truncation (`x = hi + mid + lo` exactly for normal
 parts; truncation never rounds up past the largest float), and the three mma products add into
@@ -36,7 +39,8 @@ chunk 0 with B zero.
 Eligible (`applies`): a 2-D weight of 4- or 8-bit integer or minifloat codes (Q8*, Q4*, E4M3,
 E5M2, E2M1; no offsets, no lookup table) in the `low` field order, packed along K (Native, or
 packed along the last axis), K a multiple of 32, one scale for the tensor, or blocks that span
-one row each along K: 32 * 2**j elements, or at least K.
+one row each along K: 16 * 2**j elements, or at least K. Slots are found from 16-column halves
+of a chunk: half h of row n lies in slot `n * NSB + (h >> LB)`.
 """
 from __future__ import annotations
 
@@ -74,7 +78,7 @@ LP_LAYOUT = ParamLayout("LP", "int64", [
     ("LP_K", "columns of the weight (the reduction extent)"),
     ("LP_M", "rows of x (set per launch: `plan`)"),
     ("LP_NSB", "scale slots per row of the weight (0: one for the tensor)"),
-    ("LP_LB", "chunk (32 columns) -> slot shift (62: one slot per row or tensor)"),
+    ("LP_LB", "half chunk (16 columns) -> slot shift (0: blocks of 16, two slots a chunk; 62: one slot per row or tensor)"),
     ("LP_TWO", "1: two-level"),
     ("LP_WPR", "u32 words of codes per row"),
     ("LP_CPW", "chunks per warp (set per launch)"),
@@ -112,12 +116,18 @@ def geometry(shape: tuple[int, ...], scheme: QuantScheme) -> tuple[int, np.ndarr
         b = dims[-1]
         if b >= k_:
             nsb, lb = 1, 62
-        elif b % 32 == 0 and (b // 32) & (b // 32 - 1) == 0:  # (a row's last block may be partial)
-            nsb, lb = -(-k_ // b), (b // 32).bit_length() - 1
+        elif b % 16 == 0 and (b // 16) & (b // 16 - 1) == 0:  # (a row's last block may be partial)
+            nsb, lb = -(-k_ // b), (b // 16).bit_length() - 1
         else:
             return None
     return kind, LP_LAYOUT.pack(LP_N=n_, LP_K=k_, LP_WPR=k_ * fast.KIND_BITS[kind] // 32,
                                 LP_TWO=1 if scheme.two_level else 0, LP_NSB=nsb, LP_LB=lb)
+
+
+def split(P: np.ndarray) -> bool:
+    """Whether a 32-k chunk of `geometry`'s weight holds two scale slots (blocks of 16): the
+    kernels' `split` variants."""
+    return int(P[LP_LB]) == 0
 
 
 def plan(P: np.ndarray, m: int, nb: int, out_type: int, has_bias: bool) -> tuple[tuple, tuple[int, int], tuple[int]]:
@@ -197,7 +207,9 @@ def _split_pair(lo, hi, part):
     return (f2u(b) & uint32(0xFFFF0000)) | (f2u(a) >> uint32(16))
 
 
-def _linear_kernel(kind: int, xt: int, nb: int):
+def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False):
+    """The kernel for value kind `kind`, x type `xt`, `nb` n8 tiles of x per pass; `halves`: the
+    `split` variant (blocks of 16: a chunk's halves under their own slots)."""
     bits = fast.KIND_BITS[kind]
     bf = xt != XT_F16
     mma = mma_f16 if xt == XT_F16 else mma_bf16
@@ -208,15 +220,17 @@ def _linear_kernel(kind: int, xt: int, nb: int):
     red_n = WARPS * 16 * mt
     nt = 32 * WARPS
     pairs = _decoder(kind, bf)
-    acc_n, bx_n, w_n = 4 * nb, 4 * nxs * nb, 2 * U  # (local array sizes: constants)
+    uf = 2 if halves and nb == 4 and U > 2 else U  # chunks in flight (two for split nb = 4: fewer spills)
+    acc_n, bx_n, w_n = 4 * nb, 4 * nxs * nb, 2 * uf  # (local array sizes: constants)
 
     ws = 1 if bits == 4 else 2  # u32 words of a lane's 8 codes
     cw = 4 * ws  # u32 words of a row's 32-code chunk
 
     @cuda.jit(device=True, inline="always")
-    def load_x(x, bx, o, xo, cc):
-        """The B pairs of one row of x at chunk cc into bx[o .. o + 4 nxs); `xo` is the lane's
-        offset into the row at chunk 0, or -1 for a row past M (zeros)."""
+    def load_x(x, bx, o, xo, cc, mk):
+        """The B pairs of one row of x at chunk cc into bx[o .. o + 4 nxs), masked by `mk` (all
+        ones, or zero in the lanes outside a split chunk's half); `xo` is the lane's offset into
+        the row at chunk 0, or -1 for a row past M (zeros)."""
         if xo < int64(0):
             for i in range(4 * nxs):
                 bx[o + i] = uint32(0)
@@ -226,28 +240,20 @@ def _linear_kernel(kind: int, xt: int, nb: int):
             v0, v1, v2, v3 = ld4(x, xi)
             v4, v5, v6, v7 = ld4(x, xi + int64(4))
             for s in range(nxs):
-                bx[o + 4 * s] = _split_pair(v0, v4, s)
-                bx[o + 4 * s + 1] = _split_pair(v1, v5, s)
-                bx[o + 4 * s + 2] = _split_pair(v2, v6, s)
-                bx[o + 4 * s + 3] = _split_pair(v3, v7, s)
+                bx[o + 4 * s] = _split_pair(v0, v4, s) & mk
+                bx[o + 4 * s + 1] = _split_pair(v1, v5, s) & mk
+                bx[o + 4 * s + 2] = _split_pair(v2, v6, s) & mk
+                bx[o + 4 * s + 3] = _split_pair(v3, v7, s) & mk
         else:
             x0, x1, x2, x3 = ld4(x, xo + cc * int64(16))
-            bx[o] = prmt(x0, x2, 0x5410)
-            bx[o + 1] = prmt(x0, x2, 0x7632)
-            bx[o + 2] = prmt(x1, x3, 0x5410)
-            bx[o + 3] = prmt(x1, x3, 0x7632)
+            bx[o] = prmt(x0, x2, 0x5410) & mk
+            bx[o + 1] = prmt(x0, x2, 0x7632) & mk
+            bx[o + 2] = prmt(x1, x3, 0x5410) & mk
+            bx[o + 3] = prmt(x1, x3, 0x7632) & mk
 
     @cuda.jit(device=True, inline="always")
-    def chunk(x, es, cc, wa0, wa1, wb0, wb1, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base):
-        """One 32-k chunk: the rows' scales, codes and x, two mma steps into zeroed sums, then
-        `acc += e * sums` (f32)."""
-        slot = cc >> lb
-        ea = es[sra + slot]
-        eb = es[srb + slot]
-        pa0, pa1, pa2, pa3 = pairs(wa0, wa1)
-        pb0, pb1, pb2, pb3 = pairs(wb0, wb1)
-        for j in range(nb):
-            load_x(x, bx, 4 * nxs * j, xo[j], cc)
+    def steps(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, bx, tmp, scr, lane, base):
+        """The chunk's two mma steps (A the rows' pairs, B `bx`) into zeroed sums `tmp`."""
         for i in range(4 * nb):
             tmp[i] = float32(0.0)
         for j in range(nb):
@@ -259,11 +265,37 @@ def _linear_kernel(kind: int, xt: int, nb: int):
                 tmp[4 * j], tmp[4 * j + 1], tmp[4 * j + 2], tmp[4 * j + 3] = mma(
                     pa2, pb2, pa3, pb3, bx[b + 2], bx[b + 3], tmp[4 * j], tmp[4 * j + 1], tmp[4 * j + 2],
                     tmp[4 * j + 3], scr, lane, base)
+
+    @cuda.jit(device=True, inline="always")
+    def scaled(ea, eb, tmp, acc):
+        """acc += e * sums (f32), rows g (`ea`) and g + 8 (`eb`)."""
         for j in range(nb):
             acc[4 * j] += ea * tmp[4 * j]
             acc[4 * j + 1] += ea * tmp[4 * j + 1]
             acc[4 * j + 2] += eb * tmp[4 * j + 2]
             acc[4 * j + 3] += eb * tmp[4 * j + 3]
+
+    @cuda.jit(device=True, inline="always")
+    def chunk(x, es, cc, wa0, wa1, wb0, wb1, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base):
+        """One 32-k chunk: the rows' scales, codes and x, two mma steps into zeroed sums, then
+        `acc += e * sums` (f32); a split chunk (`halves`) does so for each half, x read for each
+        with zeros in the other half's lanes (the same registers: no masked copies)."""
+        h0 = (cc << int64(1)) >> lb  # (the slot of the chunk's first half)
+        pa0, pa1, pa2, pa3 = pairs(wa0, wa1)
+        pb0, pb1, pb2, pb3 = pairs(wb0, wb1)
+        if halves:
+            hi = (lane >> int64(1)) & int64(1)  # (t >> 1: the half this lane's codes lie in)
+            for h in range(2):
+                mk = uint32(0xFFFFFFFF) if hi == int64(h) else uint32(0)
+                for j in range(nb):
+                    load_x(x, bx, 4 * nxs * j, xo[j], cc, mk)
+                steps(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, bx, tmp, scr, lane, base)
+                scaled(es[sra + h0 + int64(h)], es[srb + h0 + int64(h)], tmp, acc)
+        else:
+            for j in range(nb):
+                load_x(x, bx, 4 * nxs * j, xo[j], cc, uint32(0xFFFFFFFF))
+            steps(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, bx, tmp, scr, lane, base)
+            scaled(es[sra + h0], es[srb + h0], tmp, acc)
 
     def k_linear(x, w32, es, bias, out32, out16, P):
         red = cuda.shared.array(red_n, float32)
@@ -321,8 +353,8 @@ def _linear_kernel(kind: int, xt: int, nb: int):
                 chunk(x, es, cc, wa[0], wa[1], wb[0], wb[1], sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
         else:
             c = c0
-            while c + int64(U) <= c1:  # U chunks' code words in flight, then their sums
-                for u in range(U):
+            while c + int64(uf) <= c1:  # U chunks' code words in flight, then their sums
+                for u in range(uf):
                     o = (c + int64(u)) * int64(cw)
                     if ws == 1:
                         wa[2 * u] = ld1(w32, wra + o)
@@ -330,10 +362,10 @@ def _linear_kernel(kind: int, xt: int, nb: int):
                     else:
                         wa[2 * u], wa[2 * u + 1] = ld2(w32, wra + o)
                         wb[2 * u], wb[2 * u + 1] = ld2(w32, wrb + o)
-                for u in range(U):
+                for u in range(uf):
                     chunk(x, es, c + int64(u), wa[2 * u], wa[2 * u + 1], wb[2 * u], wb[2 * u + 1], sra, srb, lb, xo,
                           bx, tmp, acc, scr, lane, base)
-                c += int64(U)
+                c += int64(uf)
             while c < c1:
                 o = c * int64(cw)
                 if ws == 1:
@@ -387,9 +419,10 @@ def _bf16_rn_bits(v):
 
 
 @lru_cache(maxsize=None)
-def kernel(kind: int, xt: int, nb: int):
-    """The compiled variant for value kind `kind`, x type `xt`, `nb` n8 tiles per pass."""
-    return fast.K.jit_regs(REGS)(_linear_kernel(kind, xt, nb))
+def kernel(kind: int, xt: int, nb: int, halves: bool = False):
+    """The compiled variant for value kind `kind`, x type `xt`, `nb` n8 tiles per pass, `split`
+    chunks or not (`halves`)."""
+    return fast.K.jit_regs(REGS)(_linear_kernel(kind, xt, nb, halves))
 
 
 def signature(xt: int) -> str:
@@ -397,9 +430,17 @@ def signature(xt: int) -> str:
     return f"void({xs}[::1], uint32[::1], float32[::1], float32[::1], float32[::1], uint16[::1], {LP_LAYOUT.arg})"
 
 
+SPLIT_TARGETS = tuple((kind, xt, nb) for kind in (fast.KIND_I4, fast.KIND_E2M1) for xt in (XT_BF16, XT_F16, XT_F32)
+                      for nb in NBS) + ((fast.KIND_I8, XT_BF16, 1), (fast.KIND_E4M3, XT_BF16, 1))
+"""(kind, x type, nb) of the `split` variants `ptx_targets` compiles: every one of the 4-bit kinds
+(nvfp4 and int4 under blocks of 16), one of two 8-bit kinds (the same code, other decoders)."""
+
+
 def _variants():
-    return [(f"k_linear[{kind},{xt},{nb}]", _linear_kernel(kind, xt, nb), signature(xt), REGS)
-            for kind in KINDS for xt in (XT_BF16, XT_F16, XT_F32) for nb in NBS]
+    return ([(f"k_linear[{kind},{xt},{nb}]", _linear_kernel(kind, xt, nb), signature(xt), REGS)
+             for kind in KINDS for xt in (XT_BF16, XT_F16, XT_F32) for nb in NBS]
+            + [(f"k_linear[{kind},{xt},{nb},split]", _linear_kernel(kind, xt, nb, True), signature(xt), REGS)
+               for kind, xt, nb in SPLIT_TARGETS])
 
 
 EFFECTIVE_SIG = "void(float32[::1], float32[::1], float32[::1], int64)"

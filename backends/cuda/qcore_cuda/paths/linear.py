@@ -160,7 +160,8 @@ class DecodeLinear:
             lut = c.be.state.plans.get(c.data.shape, c.data.scheme, "minmax").lut  # (E2M1's values)
             args = [c.xd, c.be.state.plans.code_words(c.data), scales, c.bias, c.out32, c.out16,
                     cuda.to_device(np.asarray(q, np.int64)), lut]
-            st = c.data.cache.linear[key] = Packed(k_decode.kernel(kind, c.xt, k_decode.mb_for(c.m), sc), grid, block,
+            st = c.data.cache.linear[key] = Packed(k_decode.kernel(kind, c.xt, k_decode.mb_for(c.m), sc,
+                                                                   k_decode.split(kind, P)), grid, block,
                                                    args, dynamic=(0, 4, 5, 3))
         st(c.xd, c.out32, c.out16, c.bias, stream=c.s)
 
@@ -200,7 +201,8 @@ class TensorCoreLinear:
             q, grid, block = linear.plan(P, c.m, nb, c.ot, c.has_bias)
             args = [c.xd, c.be.state.plans.code_words(c.data), _effective_scales(c), c.bias, c.out32, c.out16,
                     cuda.to_device(np.asarray(q, np.int64))]
-            st = c.data.cache.linear[key] = Packed(linear.kernel(kind, c.xt, nb), grid, block, args, dynamic=(0, 4, 5, 3))
+            st = c.data.cache.linear[key] = Packed(linear.kernel(kind, c.xt, nb, linear.split(P)), grid, block, args,
+                                                   dynamic=(0, 4, 5, 3))
         st(c.xd, c.out32, c.out16, c.bias, stream=c.s)
 
 
