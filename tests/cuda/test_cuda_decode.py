@@ -95,6 +95,29 @@ def test_decode_linear(cuda_backend, text, xt, m, bias):
     assert np.array_equal(_bits(_host(be, be.linear(x, q, b))), _bits(y))
 
 
+# 2-bit codes: a unit of 64 codes under four slots (blocks of 16), two (32) or one (128, per tensor);
+# M = 1, 2 (the simulator's shared memory holds two rows of a 2048-column group)
+_CASES_2BIT = [(t, xt, 1 + (i + j) % 2, (i + j) % 2 == 1) for i, t in enumerate(
+    ["q2f/block16:f16", "q2s/block32:bf16", "q2s/block128:f32", "q2s"]) for j, xt in enumerate(XDT)]
+
+
+@pytest.mark.parametrize("text,xt,m,bias", _CASES_2BIT)
+def test_decode_linear_two_bit(cuda_backend, text, xt, m, bias):
+    """2-bit weights on the decode path: within the bound, the same bits again."""
+    be = cuda_backend
+    n, k = (5, 2112) if SIM else (203, 4160)  # (a whole group of 2048 columns and a tail)
+    w = _weight(n, k, 21)
+    q = be.quantize(w, text)
+    W = np.asarray(REF.dequantize(REF.quantize(w, text)), np.float64)
+    x = _x(m, k, XDT[xt], 22)
+    b = _x(1, n, np.float32, 23)[0] if bias else None
+    before = _taken("DecodeLinear")
+    y = _host(be, be.linear(x, q, b))
+    assert _taken("DecodeLinear") == before + 1
+    _within_bound(x, W, b, y)
+    assert np.array_equal(_bits(_host(be, be.linear(x, q, b))), _bits(y))
+
+
 @pytest.mark.parametrize("text", ["q4s/block32:f16", "q8s/block64:f16", "e2m1/block32:ue8m0"])
 @pytest.mark.parametrize("k", [32, 64, 1056] + ([] if SIM else [2080, 8192, 8224, 20000 // 32 * 32]))
 def test_k_from_one_unit_to_several_segments_and_rows_alone_or_together(cuda_backend, text, k):
@@ -136,8 +159,8 @@ def test_segments_on_the_simulator_are_real(cuda_backend):
 
 def test_only_a_few_rows_take_the_decode_path(cuda_backend, monkeypatch):
     """Past `DECODE_MAX_M` rows (and past the largest variant) the tensor-core kernel; with
-    DECODE_MAX_M = 0 none; weights the kernel does not read (blocks over the flattened tensor,
-    2-bit codes) the transposed matmul at any M."""
+    DECODE_MAX_M = 0 none; weights the kernel does not read (blocks over the flattened tensor
+    across rows, affine offsets) the transposed matmul at any M."""
     from qcore_cuda import k_decode
     from qcore_cuda.paths import linear as paths_linear
 
@@ -153,7 +176,7 @@ def test_only_a_few_rows_take_the_decode_path(cuda_backend, monkeypatch):
     be.linear(_x(1, 64, np.float16), q)
     assert _taken("TensorCoreLinear") == before + 1
     monkeypatch.undo()
-    for text in ("q4s/block128:f16:flat", "q2s/block32:f16"):
+    for text in ("q4s/block128:f16:flat", "q4_1"):
         before = _taken("TransposedLinear")
         be.linear(_x(1, 64, np.float32), be.quantize(_weight(6, 64), text))
         assert _taken("TransposedLinear") == before + 1, text
@@ -209,8 +232,8 @@ def test_tuning_variants_give_the_default_bits(cuda_backend, monkeypatch, text, 
     be = cuda_backend
     forms = []
     compiled = k_decode.kernel
-    monkeypatch.setattr(k_decode, "kernel", lambda kind, xt, mb, sc=k_decode.SC_F32, halves=False:
-                        forms.append(sc) or compiled(kind, xt, mb, sc, halves))
+    monkeypatch.setattr(k_decode, "kernel", lambda kind, xt, mb, sc=k_decode.SC_F32, nh=1:
+                        forms.append(sc) or compiled(kind, xt, mb, sc, nh))
     n = 5
     w = _weight(n, k, 11)
     w[3] *= np.float32(1e-5)  # (subnormal f16 scales)

@@ -20,10 +20,12 @@ from numba import cuda  # noqa: E402  (conftest.py has set the simulator mode)
 REF = ReferenceBackend()
 BF16 = np.dtype(ml_dtypes.bfloat16)
 XDT = {"bf16": BF16, "f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
-# blocks of 16 (nvfp4, q4s/block16, q8s/block16): two scale slots a chunk, the `split` variants
+# blocks of 16 (nvfp4, q4s/block16, q8s/block16, q2f/block16): two scale slots a chunk, the `split`
+# variants; 2-bit codes widened to 4-bit ones as they are loaded
 TC_SCHEMES = ["q4s/block32:f16", "q4f/block64:bf16", "q8s", "q8f/block32:f32", "e4m3/block32:f32", "e5m2", "mxfp8",
-              "mxfp4", "q4_0", "q8s/block128:ue8m0", "nvfp4", "q4s/block16:f16", "q8s/block16:f32"]
-OTHER_SCHEMES = ["q4_1", "q2s/block32:f16", "q8s/block48:f32", "q4s/block128:f16:flat"]  # (flat blocks across rows)
+              "mxfp4", "q4_0", "q8s/block128:ue8m0", "nvfp4", "q4s/block16:f16", "q8s/block16:f32", "q2s/block32:f16",
+              "q2f/block16:bf16", "q2s"]
+OTHER_SCHEMES = ["q4_1", "q8s/block48:f32", "q4s/block128:f16:flat"]  # (flat blocks across rows)
 
 
 def _weight(n, k, seed=0):

@@ -610,7 +610,7 @@ class CudaBackend(BaseBackend):
         array (`QArray`); a bfloat16 result of a non-torch x comes back as a host
         `ml_dtypes.bfloat16` array. `stream=` as for `quantize`.
 
-        Weights of 4- and 8-bit values with codes along K, K a multiple of 32 and one scale per
+        Weights of 2-, 4- and 8-bit values with codes along K, K a multiple of 32 and one scale per
         tensor or blocks along K of 16 * 2**j (or at least K) take the tensor-core kernel
         (`linear.py`): the codes and 16-bit x exact as mma inputs, float32 x as three exact
         bfloat16 parts, the scales applied in f32 to each 32-k partial sum; results repeat bit

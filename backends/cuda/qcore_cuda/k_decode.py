@@ -1,7 +1,7 @@
 """Decode `linear` (a few rows of x, M <= `MBS[-1]`) on the CUDA cores, over a weight [N, K] as
 checkpoints store it: `y[m, n] = sum_k x[m, k] * decode(w[n, k]) * e[n, k] (+ bias[n])`, x in
 bfloat16, float16 or float32, the result in float32, float16 or bfloat16. The weights it takes
-are `linear.geometry`'s (the tensor-core kernel's): 4- and 8-bit integer and minifloat codes
+are `linear.geometry`'s (the tensor-core kernel's): 2-, 4- and 8-bit integer and minifloat codes
 packed along K in the low field order, K a multiple of 32, one scale for the tensor or blocks
 along K of 16 * 2**j or at least K, two-level weights through their effective f32 scales.
 
@@ -111,15 +111,18 @@ SCALES16_TARGETS = ((fast.KIND_I4, SC_F16), (fast.KIND_I8, SC_BF16))
 """(kind, scale form) compiled by `ptx_targets` with `SCALES16` (the default tuning, bf16 x, M = 1).
 ptxas for sm_90 at the 128-register cap (M = 1, each x type; I4, I8, E2M1, E4M3): no spills with
 FLAGS 4 (8,4,2: 116-128 registers, I4 +1 over the f32 scales), 6 (8,4,2) or 5 and 7 (8,2,2)."""
-SPLIT_TARGETS = tuple((kind, xt, 1) for kind in (fast.KIND_I4, fast.KIND_E2M1) for xt in (XT_BF16, XT_F16, XT_F32)) \
-    + ((fast.KIND_E2M1, XT_BF16, 4),)
-"""(kind, x type, mb) of the `split` variants (4-bit codes under blocks of 16) `ptx_targets` compiles:
-each x type at M = 1 (the decode path's default), and nvfp4's largest variant."""
+SPLIT_TARGETS = tuple((kind, xt, 1, 2) for kind in (fast.KIND_I4, fast.KIND_E2M1) for xt in (XT_BF16, XT_F16, XT_F32)) \
+    + ((fast.KIND_E2M1, XT_BF16, 4, 2), (fast.KIND_I2, XT_BF16, 1, 2), (fast.KIND_I2, XT_BF16, 1, 4))
+"""(kind, x type, mb, slots a unit) of the variants with units under several slots (4-bit codes
+under blocks of 16, 2-bit under 32 or 16) `ptx_targets` compiles: each x type at M = 1 (the
+decode path's default), nvfp4's largest variant, 2-bit codes at M = 1."""
 MBS = (1, 2, 4)
 """Variants: rows of x per launch (a call of m rows takes the least that holds m)."""
 XS = 4096 if SIM else 8192
 """float32 words of x in shared memory per block (32 KB on a GPU: K up to 8192 at M = 1 in one
-segment). It must hold `MBS[-1]` groups of the largest unit (4 x 1024 columns)."""
+segment). On a GPU it holds `MBS[-1]` groups of the largest unit (4 x 2048 columns of 2-bit
+codes); the simulator's holds two of those, so there 2-bit weights take the decode path up to M = 2
+(`segment` 0: `DecodeLinear` does not apply)."""
 PER_SM = 2  # resident blocks per SM the grid is sized for (8 warps of at most 128 registers: 2 fill an SM)
 REGS = 128
 FP8_KINDS = (fast.KIND_E4M3, fast.KIND_E5M2)
@@ -211,19 +214,25 @@ else:
         return v
 
 
-def split(kind: int, P: np.ndarray) -> bool:
-    """Whether a unit of `linear.geometry`'s weight (`P`) holds two scale slots: 4-bit codes under
-    blocks of 16 (a unit of 8-bit codes is one half chunk, under one slot whatever the blocks)."""
-    return fast.KIND_BITS[kind] == 4 and linear.split(P)
+def unit_halves(kind: int) -> int:
+    """16-column half chunks per unit: 1 (8-bit codes), 2 (4-bit), 4 (2-bit)."""
+    return unit_codes(kind) // 16
+
+
+def slots_per_unit(kind: int, P: np.ndarray) -> int:
+    """Scale slots a unit of `linear.geometry`'s weight (`P`) holds: more than one where its blocks
+    are shorter than a unit (4-bit codes under blocks of 16; 2-bit under blocks of 16 or 32)."""
+    lb = int(P[linear.LP_LB])
+    return 1 if lb >= 62 else max(1, unit_halves(kind) >> lb)
 
 
 def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | None = None, sc: int = SC_F32,
-                   halves: bool = False):
+                   nh: int = 1):
     """The kernel for value kind `kind`, x type `xt` (linear.XT_*), `mb` rows of x, the tuning
     `tn` (WARPS, U, RW, FLAGS; default `tune()`), the scale form `sc` (SC_*: `es` float32, or
-    the payload's stored scale words as uint16) and `halves` (`split`: each unit's two halves
-    under their own slots)."""
-    assert not halves or fast.KIND_BITS[kind] == 4
+    the payload's stored scale words as uint16) and `nh`, the scale slots a unit holds
+    (`slots_per_unit`: its parts summed apart, each under its slot)."""
+    assert nh in (1, 2, 4) and nh <= unit_halves(kind), (kind, nh)
     WARPS, U, RW, FLAGS = tn or tune()  # (closure constants from here on)
     pipelined, early = bool(FLAGS & PIPELINE), bool(FLAGS & EARLY)
     nbuf = 2 if pipelined else 1
@@ -233,8 +242,8 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
     uc = unit_codes(kind)
     grp = group(kind)
     gq = grp // 4  # x quads per group
-    hshift = 1 if bits == 4 else 0  # unit -> its first 16-k half chunk
-    nh = 2 if halves else 1  # scale slots per unit
+    hshift = unit_halves(kind).bit_length() - 1  # unit -> its first 16-k half chunk
+    wps = 4 // nh  # code words per slot of a unit
     decode = fast.decoder(kind)
     is_e2m1 = kind == fast.KIND_E2M1
     nt = 32 * WARPS
@@ -285,7 +294,7 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
     @cuda.jit(device=True, inline="always")
     def load_unit(w32, es, wv, ev, j, rows, u, wpr, nsb, lb):
         """Unit u of the group's rows into slot j: four code words and the scale of each of the
-        unit's slots (one, or two with `halves`) per row."""
+        unit's `nh` slots per row."""
         for r in range(RW):
             b = (j * RW + r) * 4
             wv[b], wv[b + 1], wv[b + 2], wv[b + 3] = ld4(w32, rows[r] * wpr + u * int64(4))
@@ -326,8 +335,8 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
                         p = cuda.fma(x2, val[r * pw + 4 * q + 2], p)
                         p = cuda.fma(x3, val[r * pw + 4 * q + 3], p)
                         part[r * mb + m] = p
-            if halves and wi == 1:  # the unit's first half (16 codes, words 0 and 1) ends here
-                scale_in(ev, j, 0, part, acc)
+            if nh > 1 and wi < 3 and (wi + 1) % wps == 0:  # a slot's part of the unit ends here
+                scale_in(ev, j, (wi + 1) // wps - 1, part, acc)
                 for a in range(nacc):
                     part[a] = float32(0.0)
         scale_in(ev, j, nh - 1, part, acc)
@@ -455,15 +464,15 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
     return k_decode_linear
 
 
-def kernel(kind: int, xt: int, mb: int, sc: int = SC_F32, halves: bool = False):
+def kernel(kind: int, xt: int, mb: int, sc: int = SC_F32, nh: int = 1):
     """The compiled variant for value kind `kind`, x type `xt`, `mb` rows of x, `tune()`, the
-    scale form `sc` (`scale_form`) and `halves` (`split`)."""
-    return _kernel(kind, xt, mb, tune(), sc, halves)
+    scale form `sc` (`scale_form`) and `nh` slots a unit (`slots_per_unit`)."""
+    return _kernel(kind, xt, mb, tune(), sc, nh)
 
 
 @lru_cache(maxsize=None)
-def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int], sc: int, halves: bool):
-    return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb, tn, sc, halves))
+def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int], sc: int, nh: int):
+    return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb, tn, sc, nh))
 
 
 def signature(xt: int, sc: int = SC_F32) -> str:
@@ -491,6 +500,6 @@ def ptx_targets():
     out += [(f"k_decode_linear[{kind},{XT_BF16},1,{'-'.join(map(str, tn))},{sc}]",
              _decode_kernel(kind, XT_BF16, 1, tn, sc), signature(XT_BF16, sc), REGS)
             for kind, sc in SCALES16_TARGETS]
-    out += [(f"k_decode_linear[{kind},{xt},{mb},split]", _decode_kernel(kind, xt, mb, halves=True), signature(xt), REGS)
-            for kind, xt, mb in SPLIT_TARGETS]
+    out += [(f"k_decode_linear[{kind},{xt},{mb},split{nh}]", _decode_kernel(kind, xt, mb, nh=nh), signature(xt), REGS)
+            for kind, xt, mb, nh in SPLIT_TARGETS]
     return out

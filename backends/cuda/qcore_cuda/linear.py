@@ -24,7 +24,9 @@ it reads the u32 word(s) of codes 8t .. 8t + 7 of the chunk (one word of 4-bit c
 not care which k sits in which mma position, as long as A and B agree: position pair p of the
 lane (A/B register halves) is codes (8t + p, 8t + p + 4), p = 0..3, which is one shift of a
 word of 4-bit codes (`code4_bf16x2` and friends read bits 0-3 and 16-19) and one byte permute of
-two words of 8-bit codes; step 0 of the chunk takes pairs 0 and 1, step 1 pairs 2 and 3. B is
+two words of 8-bit codes; step 0 of the chunk takes pairs 0 and 1, step 1 pairs 2 and 3. 2-bit
+codes: lanes t = 2i and 2i + 1 read word i of the chunk's two and take its low and high 16 bits,
+widened to a word of 4-bit codes (`widen2`: the same values), which the 4-bit decoders read. B is
 x's rows m0 + 8j + g (j < NB), whose 8 values at the same k are one 16-byte load, permuted into
 the same pairs. `U` chunks' code words are loaded before any of them is used, so a warp keeps
 U * 16 bytes per row in flight; the loop over whole groups of U chunks has no bounds checks (a
@@ -36,8 +38,8 @@ K into contiguous ranges (`plan`). Under the simulator every warp runs the same 
 (its mma twin needs every thread of the block at each call); steps past a warp's range read
 chunk 0 with B zero.
 
-Eligible (`applies`): a 2-D weight of 4- or 8-bit integer or minifloat codes (Q8*, Q4*, E4M3,
-E5M2, E2M1; no offsets, no lookup table) in the `low` field order, packed along K (Native, or
+Eligible (`applies`): a 2-D weight of 2-, 4- or 8-bit integer or minifloat codes (Q8*, Q4*, Q2*,
+E4M3, E5M2, E2M1; no offsets, no lookup table) in the `low` field order, packed along K (Native, or
 packed along the last axis), K a multiple of 32, one scale for the tensor, or blocks that span
 one row each along K: 16 * 2**j elements, or at least K. Slots are found from 16-column halves
 of a chunk: half h of row n lies in slot `n * NSB + (h >> LB)`.
@@ -63,7 +65,7 @@ XT_BF16, XT_F16, XT_F32 = range(3)
 """x's type as the kernel reads it: bfloat16 or float16 bits (u32 pairs), float32 (split in three)."""
 OT_F32, OT_F16, OT_BF16 = range(3)
 """The result's type: float32, or float16 / bfloat16 bits."""
-KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_E4M3, fast.KIND_E5M2, fast.KIND_E2M1)
+KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_I2, fast.KIND_E4M3, fast.KIND_E5M2, fast.KIND_E2M1)
 """Value kinds (`fast.KINDS`) the kernel decodes."""
 TUNE_ENV = "QCORE_CUDA_LINEAR_TUNE"
 """'WARPS,U' in the environment replaces the defaults below on a GPU (benchmarks/gpu_tune.py-style
@@ -192,6 +194,19 @@ def _decoder(kind: int, bf: bool):
 
 
 @cuda.jit(device=True, inline="always")
+def widen2(h):
+    """The eight 2-bit two's-complement codes in bits 0-15 of h (code i at bits 2i, 2i + 1) as a
+    word of 4-bit two's-complement codes (code i in nibble i, its sign bit copied into bits 2
+    and 3): the same values, which the 4-bit pair decoders read."""
+    x = h & uint32(0xFFFF)
+    x = (x | (x << uint32(8))) & uint32(0x00FF00FF)
+    x = (x | (x << uint32(4))) & uint32(0x0F0F0F0F)
+    x = (x | (x << uint32(2))) & uint32(0x33333333)
+    s = x & uint32(0x22222222)
+    return x | (s << uint32(1)) | (s << uint32(2))
+
+
+@cuda.jit(device=True, inline="always")
 def _trunc_bf16(v):
     """v's top 16 bits (bfloat16, cut toward zero) as an f32."""
     return u2f(f2u(v) & uint32(0xFFFF0000))
@@ -219,12 +234,20 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False):
     scr_n = SCR * WARPS if masked else 1
     red_n = WARPS * 16 * mt
     nt = 32 * WARPS
-    pairs = _decoder(kind, bf)
+    pairs = _decoder(fast.KIND_I4 if bits == 2 else kind, bf)  # (2-bit codes widened to 4: `widen2`)
     uf = 2 if halves and nb == 4 and U > 2 else U  # chunks in flight (two for split nb = 4: fewer spills)
     acc_n, bx_n, w_n = 4 * nb, 4 * nxs * nb, 2 * uf  # (local array sizes: constants)
 
-    ws = 1 if bits == 4 else 2  # u32 words of a lane's 8 codes
-    cw = 4 * ws  # u32 words of a row's 32-code chunk
+    ws = 2 if bits == 8 else 1  # u32 words of a lane's 8 codes (2-bit: half of one, widened)
+    cw = 2 if bits == 2 else 4 * ws  # u32 words of a row's 32-code chunk
+
+    @cuda.jit(device=True, inline="always")
+    def load1(w32, i, sh):
+        """The lane's word of 8 codes at word i: 2-bit codes (bits `sh` .. `sh` + 15 of the
+        word) widened to a word of 4-bit codes (`widen2`)."""
+        if bits == 2:
+            return widen2(ld1(w32, i) >> sh)
+        return ld1(w32, i)
 
     @cuda.jit(device=True, inline="always")
     def load_x(x, bx, o, xo, cc, mk):
@@ -320,8 +343,10 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False):
         m0 = int64(cuda.blockIdx.y) * int64(mt)
         ra = min(n0 + g, N - int64(1))
         rb = min(n0 + g + int64(8), N - int64(1))
-        wra = ra * P[LP_WPR] + t * int64(ws)  # the lane's code words at chunk 0
-        wrb = rb * P[LP_WPR] + t * int64(ws)
+        lw = (t >> int64(1)) if bits == 2 else t * int64(ws)  # (2-bit: lanes 2i, 2i + 1 share word i)
+        sh = uint32(16) * uint32(t & int64(1)) if bits == 2 else uint32(0)  # (and take its halves)
+        wra = ra * P[LP_WPR] + lw  # the lane's code words at chunk 0
+        wrb = rb * P[LP_WPR] + lw
         sra = ra * P[LP_NSB]  # the rows' first scale slots
         srb = rb * P[LP_NSB]
         for j in range(nb):  # the lane's offset into its row of x at chunk 0 (-1: past M)
@@ -343,9 +368,9 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False):
                 c = c0 + s
                 ok = c < c1
                 cc = c if ok else int64(0)
-                wa[0], wa[1] = (ld1(w32, wra + cc * int64(cw)), uint32(0)) if ws == 1 else \
+                wa[0], wa[1] = (load1(w32, wra + cc * int64(cw), sh), uint32(0)) if ws == 1 else \
                     ld2(w32, wra + cc * int64(cw))
-                wb[0], wb[1] = (ld1(w32, wrb + cc * int64(cw)), uint32(0)) if ws == 1 else \
+                wb[0], wb[1] = (load1(w32, wrb + cc * int64(cw), sh), uint32(0)) if ws == 1 else \
                     ld2(w32, wrb + cc * int64(cw))
                 if not ok:
                     for j in range(nb):
@@ -357,8 +382,8 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False):
                 for u in range(uf):
                     o = (c + int64(u)) * int64(cw)
                     if ws == 1:
-                        wa[2 * u] = ld1(w32, wra + o)
-                        wb[2 * u] = ld1(w32, wrb + o)
+                        wa[2 * u] = load1(w32, wra + o, sh)
+                        wb[2 * u] = load1(w32, wrb + o, sh)
                     else:
                         wa[2 * u], wa[2 * u + 1] = ld2(w32, wra + o)
                         wb[2 * u], wb[2 * u + 1] = ld2(w32, wrb + o)
@@ -369,8 +394,8 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False):
             while c < c1:
                 o = c * int64(cw)
                 if ws == 1:
-                    wa[0] = ld1(w32, wra + o)
-                    wb[0] = ld1(w32, wrb + o)
+                    wa[0] = load1(w32, wra + o, sh)
+                    wb[0] = load1(w32, wrb + o, sh)
                 else:
                     wa[0], wa[1] = ld2(w32, wra + o)
                     wb[0], wb[1] = ld2(w32, wrb + o)
@@ -431,7 +456,7 @@ def signature(xt: int) -> str:
 
 
 SPLIT_TARGETS = tuple((kind, xt, nb) for kind in (fast.KIND_I4, fast.KIND_E2M1) for xt in (XT_BF16, XT_F16, XT_F32)
-                      for nb in NBS) + ((fast.KIND_I8, XT_BF16, 1), (fast.KIND_E4M3, XT_BF16, 1))
+                      for nb in NBS) + ((fast.KIND_I8, XT_BF16, 1), (fast.KIND_E4M3, XT_BF16, 1), (fast.KIND_I2, XT_BF16, 1))
 """(kind, x type, nb) of the `split` variants `ptx_targets` compiles: every one of the 4-bit kinds
 (nvfp4 and int4 under blocks of 16), one of two 8-bit kinds (the same code, other decoders)."""
 

@@ -144,7 +144,10 @@ class DecodeLinear:
         g = TensorCoreLinear.geometry(c.data)
         if g is None or (g[0] in k_decode.FP8_KINDS and not c.be.state.fast.usable):  # (sm_89+ FP8 conversions)
             return False
-        return self.key(c) in c.data.cache.linear or fast.aligned(c.be.state.plans.code_words(c.data))  # (ld4)
+        if self.key(c) in c.data.cache.linear:
+            return True
+        return (k_decode.segment(g[0], c.data.shape[1], k_decode.mb_for(c.m)) > 0  # (x's shared memory holds a group)
+                and fast.aligned(c.be.state.plans.code_words(c.data)))  # (ld4)
 
     def launch(self, c: LinearCall) -> None:
         from .. import k_decode
@@ -161,7 +164,7 @@ class DecodeLinear:
             args = [c.xd, c.be.state.plans.code_words(c.data), scales, c.bias, c.out32, c.out16,
                     cuda.to_device(np.asarray(q, np.int64)), lut]
             st = c.data.cache.linear[key] = Packed(k_decode.kernel(kind, c.xt, k_decode.mb_for(c.m), sc,
-                                                                   k_decode.split(kind, P)), grid, block,
+                                                                   k_decode.slots_per_unit(kind, P)), grid, block,
                                                    args, dynamic=(0, 4, 5, 3))
         st(c.xd, c.out32, c.out16, c.bias, stream=c.s)
 
