@@ -2,20 +2,21 @@
 along K): `y[m, n] = sum_k x[m, k] * decode(w[n, k]) * e[n, k] (+ bias[n])`, x in bfloat16,
 float16 or float32, the result in float32, float16 or bfloat16.
 
-Arithmetic (docs/spec.md, "Products with a quantized weight"). The codes of every 4- and 8-bit
+Arithmetic (docs/spec.md, "Products with a quantized weight"). The codes of every 2-, 4- and 8-bit
 value kind are exact in float16 and in bfloat16, so the weight is the A operand of
-`mma.sync.m16n8k16` in x's type (bf16 or f16, f32 accumulate) with no scale in it: each product
-is exact. A 32-k chunk of a row lies under one scale slot (blocks along K of 32 * 2**j, a block
-of at least K, or one scale for the tensor) or, under blocks of 16, two; its two mma steps sum into zeroed accumulators
-and the thread then adds `e * partial` (f32) to its sums: the scale multiplies the f32 sum of one
-block's terms, as the spec allows. Under blocks of 16 (nvfp4's) a chunk holds two slots: lanes
-t = 0, 1 hold its first 16 codes, lanes 2 and 3 the second (below), so the chunk takes each half
-in turn, its two mma steps with B zero in the other half's lanes (A is finite: a decoded code),
-then `acc += e * partial` with that half's slot (a `split` variant: four mma steps per chunk). `e` is read as one f32 per slot: the decoded scales, or for a
-two-level weight its effective scales (`k_effective`, made once and kept with the weight). float32 x enters as three bfloat16 parts per element, each
-the next 8 significant bits of x, cut by truncation (`x = hi + mid + lo` exactly for normal
-parts; truncation never rounds up past the largest float), and the three mma products add into
-the same accumulators. Nothing is added with atomics: the warps' sums meet in shared memory and
+`mma.sync.m16n8k16` in x's type (bf16 or f16, f32 accumulate) with no scale in it: each product is
+exact. A 32-k chunk of a row lies under one scale slot (blocks along K of 32 * 2**j, a block of at
+least K, or one scale for the tensor) or, under blocks of 16, two; its two mma steps sum into zeroed
+accumulators and the thread then adds `e * partial` (f32) to its sums: the scale multiplies the f32
+sum of one block's terms, as the spec allows. Under blocks of 16 (nvfp4's) a chunk holds two slots:
+lanes t = 0, 1 hold its first 16 codes, lanes 2 and 3 the second (below), so the chunk takes each
+half in turn, its two mma steps with B zero in the other half's lanes (A is finite: a decoded code),
+then `acc += e * partial` with that half's slot (a `split` variant: four mma steps per chunk). `e`
+is read as one f32 per slot: the decoded scales, or for a two-level weight its effective scales
+(`k_effective`, made once and kept with the weight). float32 x enters as three bfloat16 parts per
+element, each the next 8 significant bits of x, cut by truncation (`x = hi + mid + lo` exactly for
+normal parts; truncation never rounds up past the largest float), and the three mma products add
+into the same accumulators. Nothing is added with atomics: the warps' sums meet in shared memory and
 are added in warp order, so results repeat bit for bit.
 
 Fragments. Lane (g, t) of a warp holds rows g and g + 8 of the block's 16-row tile; in chunk c
@@ -80,7 +81,7 @@ LP_LAYOUT = ParamLayout("LP", "int64", [
     ("LP_K", "columns of the weight (the reduction extent)"),
     ("LP_M", "rows of x (set per launch: `plan`)"),
     ("LP_NSB", "scale slots per row of the weight (0: one for the tensor)"),
-    ("LP_LB", "half chunk (16 columns) -> slot shift (0: blocks of 16, two slots a chunk; 62: one slot per row or tensor)"),
+    ("LP_LB", "half chunk (16 columns) -> slot shift (0: blocks of 16; 62: one slot per row or tensor)"),
     ("LP_TWO", "1: two-level"),
     ("LP_WPR", "u32 words of codes per row"),
     ("LP_CPW", "chunks per warp (set per launch)"),
@@ -455,10 +456,12 @@ def signature(xt: int) -> str:
     return f"void({xs}[::1], uint32[::1], float32[::1], float32[::1], float32[::1], uint16[::1], {LP_LAYOUT.arg})"
 
 
-SPLIT_TARGETS = tuple((kind, xt, nb) for kind in (fast.KIND_I4, fast.KIND_E2M1) for xt in (XT_BF16, XT_F16, XT_F32)
-                      for nb in NBS) + ((fast.KIND_I8, XT_BF16, 1), (fast.KIND_E4M3, XT_BF16, 1), (fast.KIND_I2, XT_BF16, 1))
+SPLIT_TARGETS = (tuple((kind, xt, nb) for kind in (fast.KIND_I4, fast.KIND_E2M1) for xt in (XT_BF16, XT_F16, XT_F32)
+                       for nb in NBS)
+                 + tuple((kind, XT_BF16, 1) for kind in (fast.KIND_I8, fast.KIND_E4M3, fast.KIND_I2)))
 """(kind, x type, nb) of the `split` variants `ptx_targets` compiles: every one of the 4-bit kinds
-(nvfp4 and int4 under blocks of 16), one of two 8-bit kinds (the same code, other decoders)."""
+(nvfp4 and int4 under blocks of 16), one each of the 8-bit and 2-bit kinds (the same code, other
+decoders)."""
 
 
 def _variants():
