@@ -118,6 +118,21 @@ def test_decode_linear_two_bit(cuda_backend, text, xt, m, bias):
     assert np.array_equal(_bits(_host(be, be.linear(x, q, b))), _bits(y))
 
 
+def test_two_bit_rows_not_16_byte_aligned_take_the_tensor_core_kernel(cuda_backend):
+    """The decode kernel reads 16 bytes of a row at a time, so every row must start on 16 bytes:
+    2-bit codes with K = 96 (24 bytes a row) take the tensor-core kernel at M = 1, K = 128 the
+    decode kernel; both within the bound."""
+    be = cuda_backend
+    for k, path in ((96, "TensorCoreLinear"), (128, "DecodeLinear")):
+        w = _weight(5, k, 41)
+        q = be.quantize(w, "q2s/block32:f16")
+        x = _x(1, k, BF16, 42)
+        before = _taken(path)
+        y = _host(be, be.linear(x, q))
+        assert _taken(path) == before + 1, (k, path)
+        _within_bound(x, np.asarray(REF.dequantize(REF.quantize(w, "q2s/block32:f16")), np.float64), None, y)
+
+
 @pytest.mark.parametrize("text", ["q4s/block32:f16", "q8s/block64:f16", "e2m1/block32:ue8m0"])
 @pytest.mark.parametrize("k", [32, 64, 1056] + ([] if SIM else [2080, 8192, 8224, 20000 // 32 * 32]))
 def test_k_from_one_unit_to_several_segments_and_rows_alone_or_together(cuda_backend, text, k):

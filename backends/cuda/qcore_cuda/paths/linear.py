@@ -137,7 +137,7 @@ class DecodeLinear:
         return ("decode", c.m, c.xt, c.ot, c.has_bias)
 
     def applies(self, c: LinearCall) -> bool:
-        from .. import fast, k_decode
+        from .. import fast, k_decode, linear
 
         if c.xt is None or c.m > min(DECODE_MAX_M, k_decode.MBS[-1]):
             return False
@@ -147,6 +147,7 @@ class DecodeLinear:
         if self.key(c) in c.data.cache.linear:
             return True
         return (k_decode.segment(g[0], c.data.shape[1], k_decode.mb_for(c.m)) > 0  # (x's shared memory holds a group)
+                and int(g[1][linear.LP_WPR]) % 4 == 0  # (every row 16-byte aligned: 2-bit codes, K % 64 == 0)
                 and fast.aligned(c.be.state.plans.code_words(c.data)))  # (ld4)
 
     def launch(self, c: LinearCall) -> None:
