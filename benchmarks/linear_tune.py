@@ -1,0 +1,127 @@
+"""Tuning runs of the cuda backend's `linear` kernels: each variant a `benchmarks/matmul.py` run of its own.
+
+    NUMBA_ENABLE_CUDASIM=0 python benchmarks/linear_tune.py [--out DIR] [--decode 8,4,2,0 8,2,2,1 ...]
+        [--tc 8,4,0 8,4,1 ...] [--decode-m 1] [--tc-m 1,8,16] [--shapes 8192x8192] [--schemes ...]
+        [--reps 10] [--budget-s 50] [--timeout-s 90] [--dry-run]
+
+The kernels' tunings are read when the backend is imported (`QCORE_CUDA_DECODE_TUNE` =
+WARPS,U,RW,FLAGS for the decode kernel, k_decode.py; `QCORE_CUDA_LINEAR_TUNE` = WARPS,U,FLAGS for
+the tensor-core kernel, linear.py), so each variant runs in a process of its own:
+`benchmarks/matmul.py` with the variant in its environment, GPU time (`--hide-launch`), torch
+bf16 as the peer in the same process, the weight evicted from L2 before each call. A tensor-core
+variant runs with the decode path off (`QCORE_CUDA_LINEAR_DECODE_M=0`), so M = 1 takes it too.
+
+Each run's `matmul.json` lands in `DIR/decode-<variant>` or `DIR/tc-<variant>` (commas as dashes);
+then one table per kernel: a row per variant, a column per (scheme, shape, M), each cell the plain
+`linear` call's speed-up over torch bf16 in that variant's own run. `linear_tune.json` in DIR holds
+the same (and each run's command, return code and wall time).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DECODE_ENV, TC_ENV = "QCORE_CUDA_DECODE_TUNE", "QCORE_CUDA_LINEAR_TUNE"
+DECODE_VARIANTS = ["8,4,2,0", "8,2,2,1", "8,4,2,2", "8,2,2,3", "8,4,2,4", "8,2,2,5", "8,2,2,7"]
+"""The decode kernel's default and its FLAGS variants (1 pipeline, 2 early loads, 4 stored scales)."""
+TC_VARIANTS = ["8,4,0", "8,8,0", "8,4,1", "8,2,1", "16,4,0"]
+"""The tensor-core kernel's default, more chunks in flight, the pipeline (FLAGS 1), more warps."""
+SCHEMES = "q4s/block32:f16,q8s/block32:f16,mxfp4,nvfp4"
+
+
+def runs(args) -> list[dict]:
+    """Every variant's run: kernel, variant, environment additions, output folder, command."""
+    out = []
+    for kernel, variants, env, m in (("decode", args.decode, DECODE_ENV, args.decode_m),
+                                     ("tc", args.tc, TC_ENV, args.tc_m)):
+        for v in variants:
+            folder = os.path.join(args.out, f"{kernel}-{v.replace(',', '-')}")
+            extra = {env: v, "NUMBA_ENABLE_CUDASIM": "0"}
+            if kernel == "tc":
+                extra["QCORE_CUDA_LINEAR_DECODE_M"] = "0"
+            cmd = [sys.executable, os.path.join(HERE, "matmul.py"), "--m", m, "--shapes", args.shapes, "--schemes",
+                   args.schemes, "--peers", "torch_bf16", "--hide-launch", "--reps", str(args.reps), "--budget-s",
+                   str(args.budget_s), "--out", folder]
+            out.append({"kernel": kernel, "variant": v, "env": extra, "out": folder, "cmd": cmd})
+    return out
+
+
+def ratios(matmul_json: dict) -> dict:
+    """(scheme, shape, M) -> the plain `linear` call's speed-up over torch bf16, of one run."""
+    return {(c["scheme"], c["shape"], c["m"]): c["ratios"]["vs_torch_bf16"] for c in matmul_json.get("cells", [])
+            if c.get("case") == "linear" and c.get("ratios", {}).get("vs_torch_bf16") is not None}
+
+
+def tables(done: list[dict]) -> str:
+    """One table per kernel: a row per variant, a column per (scheme, shape, M) any run measured."""
+    lines = []
+    for kernel in ("decode", "tc"):
+        mine = [r for r in done if r["kernel"] == kernel]
+        cols = sorted({k for r in mine for k in r["ratios"]}, key=lambda k: (k[0], k[1], k[2]))
+        if not mine:
+            continue
+        lines.append(f"{kernel} ({DECODE_ENV if kernel == 'decode' else TC_ENV}): speed-up over torch bf16")
+        lines.append("variant".ljust(12) + "".join(f"{s} {sh} M={m}".rjust(max(14, len(f'{s} {sh} M={m}') + 2))
+                                                  for s, sh, m in cols))
+        for r in mine:
+            cells = []
+            for s, sh, m in cols:
+                w = max(14, len(f"{s} {sh} M={m}") + 2)
+                v = r["ratios"].get((s, sh, m))
+                cells.append((f"{v:.2f}x" if v is not None else "-").rjust(w))
+            lines.append(r["variant"].ljust(12) + "".join(cells) + (f"  (rc {r['rc']})" if r["rc"] else ""))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "linear_tune"), help="folder of the runs")
+    ap.add_argument("--decode", nargs="*", default=DECODE_VARIANTS, help=f"{DECODE_ENV} values (none: skip)")
+    ap.add_argument("--tc", nargs="*", default=TC_VARIANTS, help=f"{TC_ENV} values (none: skip)")
+    ap.add_argument("--decode-m", default="1", help="M of the decode runs (default 1)")
+    ap.add_argument("--tc-m", default="1,8,16", help="M of the tensor-core runs (default 1,8,16)")
+    ap.add_argument("--shapes", default="8192x8192", help="NxK, comma-separated (default 8192x8192)")
+    ap.add_argument("--schemes", default=SCHEMES, help=f"comma-separated (default {SCHEMES})")
+    ap.add_argument("--reps", type=int, default=10, help="timed calls per case (default 10)")
+    ap.add_argument("--budget-s", type=float, default=50.0, help="each run's --budget-s (default 50)")
+    ap.add_argument("--timeout-s", type=float, default=90.0, help="each run's wall-time limit (default 90)")
+    ap.add_argument("--dry-run", action="store_true", help="print the runs and exit")
+    args = ap.parse_args(argv)
+    plan = runs(args)
+    if args.dry_run:
+        for r in plan:
+            env = " ".join(f"{k}={v}" for k, v in r["env"].items())
+            print(f"{env} {' '.join(r['cmd'])}")
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    done = []
+    for r in plan:
+        t0 = time.perf_counter()
+        try:
+            rc = subprocess.run(r["cmd"], env={**os.environ, **r["env"]}, timeout=args.timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        path = os.path.join(r["out"], "matmul.json")
+        got = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                got = ratios(json.load(f))
+        done.append({**r, "rc": rc, "wall_s": time.perf_counter() - t0, "ratios": got})
+        print(f"{r['kernel']} {r['variant']}: rc {rc}, {len(got)} cells, {done[-1]['wall_s']:.0f} s", flush=True)
+    print(tables(done))
+    res = [{k: v for k, v in r.items() if k != "ratios"} | {"ratios": [{"scheme": s, "shape": sh, "m": m, "ratio": v}
+                                                                    for (s, sh, m), v in r["ratios"].items()]}
+           for r in done]
+    with open(os.path.join(args.out, "linear_tune.json"), "w") as f:
+        json.dump({"runs": res}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
