@@ -1,4 +1,5 @@
-"""benchmarks/matmul.py judges its targets from the cells it measured (no GPU: synthetic cells)."""
+"""benchmarks/matmul.py judges its targets from the cells it measured, and benchmarks/linear_tune.py
+plans and tabulates its runs (no GPU: synthetic cells)."""
 import argparse
 import sys
 from pathlib import Path
@@ -8,14 +9,20 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def matmul():
+def _bench(name):
+    """The benchmark script `benchmarks/<name>.py` as a module (its folder on sys.path while imported)."""
+    import importlib
+
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import matmul
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    return matmul
+
+
+@pytest.fixture(scope="module")
+def matmul():
+    return _bench("matmul")
 
 
 def _cell(case, scheme, m, us, **ratios):
@@ -52,12 +59,7 @@ def test_orientation_adds_one_kn_case_per_scheme(matmul):
 
 @pytest.fixture(scope="module")
 def linear_tune():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import linear_tune
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return linear_tune
+    return _bench("linear_tune")
 
 
 def test_linear_tune_runs_each_variant_in_its_own_environment(linear_tune, tmp_path):
