@@ -359,8 +359,7 @@ def test_qtensor_dequantize_to_a_torch_dtype_stays_on_the_gpu(cuda_backend, dt):
 # (scheme, chunks per warp) over the GPU's chunk loop: 4-bit, 8-bit (two words a lane), blocks of 16
 # (split), 2-bit; 6 chunks a warp (three groups of two: both buffers and an odd last group), 5 (two
 # groups and a chunk alone)
-_LOOP_CASES = [("q4s/block32:f16", 6), ("q4s/block32:f16", 5), ("q8s/block64:f16", 5), ("nvfp4", 6),
-               ("q2s/block32:f16", 5)]
+_LOOP_CASES = [("q4s/block32:f16", 6), ("q8s/block64:f16", 5), ("nvfp4", 5), ("q2s/block32:f16", 5)]
 
 
 @pytest.mark.parametrize("text,cpw", _LOOP_CASES)
