@@ -1,11 +1,11 @@
 """Tuning runs of the cuda backend's `linear` kernels: each variant a `benchmarks/matmul.py` run of its own.
 
-    NUMBA_ENABLE_CUDASIM=0 python benchmarks/linear_tune.py [--out DIR] [--decode 8,4,2,0 8,2,2,1 ...]
-        [--tc 8,4,0 8,4,1 ...] [--decode-m 1] [--tc-m 1,8,16] [--shapes 8192x8192] [--schemes ...]
+    NUMBA_ENABLE_CUDASIM=0 python benchmarks/linear_tune.py [--out DIR] [--decode 8,4,2 8,2,2 ...]
+        [--tc 8,4 8,8 ...] [--decode-m 1] [--tc-m 1,8,16] [--shapes 8192x8192] [--schemes ...]
         [--reps 10] [--budget-s 50] [--timeout-s 90] [--dry-run]
 
 The kernels' tunings are read when the backend is imported (`QCORE_CUDA_DECODE_TUNE` =
-WARPS,U,RW,FLAGS for the decode kernel, k_decode.py; `QCORE_CUDA_LINEAR_TUNE` = WARPS,U,FLAGS for
+WARPS,U,RW for the decode kernel, k_decode.py; `QCORE_CUDA_LINEAR_TUNE` = WARPS,U for
 the tensor-core kernel, linear.py), so each variant runs in a process of its own:
 `benchmarks/matmul.py` with the variant in its environment, GPU time (`--hide-launch`), torch
 bf16 as the peer in the same process, the weight evicted from L2 before each call. A tensor-core
@@ -27,10 +27,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DECODE_ENV, TC_ENV = "QCORE_CUDA_DECODE_TUNE", "QCORE_CUDA_LINEAR_TUNE"
-DECODE_VARIANTS = ["8,4,2,0", "8,2,2,1", "8,4,2,2", "8,2,2,3", "8,4,2,4", "8,2,2,5", "8,2,2,7"]
-"""The decode kernel's default and its FLAGS variants (1 pipeline, 2 early loads, 4 stored scales)."""
-TC_VARIANTS = ["8,4,0", "8,8,0", "8,4,1", "8,2,1", "16,4,0"]
-"""The tensor-core kernel's default, more chunks in flight, the pipeline (FLAGS 1), more warps."""
+DECODE_VARIANTS = ["8,4,2", "8,2,2", "8,4,1", "4,4,2", "8,8,1"]
+"""The decode kernel's default, fewer units in flight, one row a warp, fewer warps, more units."""
+TC_VARIANTS = ["8,4", "8,8", "8,2", "16,4"]
+"""The tensor-core kernel's default, more or fewer chunks in flight, more warps."""
 SCHEMES = "q4s/block32:f16,q8s/block32:f16,mxfp4,nvfp4"
 
 

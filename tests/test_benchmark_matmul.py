@@ -66,16 +66,16 @@ def test_linear_tune_runs_each_variant_in_its_own_environment(linear_tune, tmp_p
     """benchmarks/linear_tune.py: a matmul.py run per variant with the kernel's tuning variable
     (the tensor-core runs with the decode path off), and a table of each run's own ratios."""
     plan = linear_tune.runs(argparse.Namespace(
-        out=str(tmp_path), decode=["8,4,2,0"], tc=["8,4,1"], decode_m="1", tc_m="1,16", shapes="8192x8192",
+        out=str(tmp_path), decode=["8,4,2"], tc=["8,8"], decode_m="1", tc_m="1,16", shapes="8192x8192",
         schemes="nvfp4", reps=10, budget_s=50.0))
     assert [(r["kernel"], r["env"]) for r in plan] == [
-        ("decode", {"QCORE_CUDA_DECODE_TUNE": "8,4,2,0", "NUMBA_ENABLE_CUDASIM": "0"}),
-        ("tc", {"QCORE_CUDA_LINEAR_TUNE": "8,4,1", "NUMBA_ENABLE_CUDASIM": "0", "QCORE_CUDA_LINEAR_DECODE_M": "0"})]
-    assert plan[1]["out"].endswith("tc-8-4-1") and plan[1]["cmd"][plan[1]["cmd"].index("--m") + 1] == "1,16"
+        ("decode", {"QCORE_CUDA_DECODE_TUNE": "8,4,2", "NUMBA_ENABLE_CUDASIM": "0"}),
+        ("tc", {"QCORE_CUDA_LINEAR_TUNE": "8,8", "NUMBA_ENABLE_CUDASIM": "0", "QCORE_CUDA_LINEAR_DECODE_M": "0"})]
+    assert plan[1]["out"].endswith("tc-8-8") and plan[1]["cmd"][plan[1]["cmd"].index("--m") + 1] == "1,16"
     cells = [{"case": "linear", "scheme": "nvfp4", "shape": "8192x8192", "m": 1, "ratios": {"vs_torch_bf16": 1.5}},
              {"case": "linear_out", "scheme": "nvfp4", "shape": "8192x8192", "m": 1, "ratios": {"vs_torch_bf16": 9.0}},
              {"case": "peer", "scheme": None, "shape": "8192x8192", "m": 1, "ratios": {"vs_torch_bf16": 1.0}}]
     got = linear_tune.ratios({"cells": cells})
     assert got == {("nvfp4", "8192x8192", 1): 1.5}
     text = linear_tune.tables([{**plan[0], "rc": 0, "ratios": got}, {**plan[1], "rc": 1, "ratios": {}}])
-    assert "8,4,2,0" in text and "1.50x" in text and "(rc 1)" in text.splitlines()[-1]
+    assert "8,4,2" in text and "1.50x" in text and "(rc 1)" in text.splitlines()[-1]

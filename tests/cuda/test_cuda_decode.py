@@ -217,15 +217,13 @@ def test_zero_codes_sum_to_zero_and_x_is_read_exactly(cuda_backend):
         assert np.array_equal(y[0], (W[:, 37] * np.float32(3) + b).astype(np.float32)), dt
 
 
-# (WARPS, U, RW, FLAGS) against the default (the simulator's 2, 2, 2, 0): pipelined at one unit per
-# step (K = 3104: three whole steps of 4-bit codes and a tail, the pipeline's both buffers), with the
-# first loads before the staging too at one row per warp; the stored 16-bit scales (FLAGS 4) at two
-# units, and everything at once
-_TUNES = [(2, 1, 2, 1), (2, 1, 1, 3), (2, 2, 2, 4), (2, 1, 2, 7)]
+# (WARPS, U, RW) against the default (the simulator's 2, 2, 2): one unit a step (K = 3104: three
+# whole steps of 4-bit codes and a tail), and one row a warp
+_TUNES = [(2, 1, 2), (2, 1, 1)]
 
 
-# f16 and bf16 slots (the stored scales with FLAGS 4; q4_0's signed), UE8M0 slots and a two-level
-# weight (the f32 scales whatever FLAGS)
+# f16 and bf16 slots (the stored scales; q4_0's signed), UE8M0 slots and a two-level weight (the f32
+# scales)
 _TUNED = ["q4s/block32:f16", "q8s/block64:bf16", "e2m1/block32:ue8m0", "mxfp8", "e2m1/block32:ue4m3/tensor:f32",
           "q4_0"]
 _STORED16 = {"q4s/block32:f16": "SC_F16", "q8s/block64:bf16": "SC_BF16", "q4_0": "SC_F16", "q4s/block16:f16": "SC_F16"}
@@ -233,13 +231,13 @@ _STORED16 = {"q4s/block32:f16": "SC_F16", "q8s/block64:bf16": "SC_BF16", "q4_0":
 
 @pytest.mark.parametrize("text,k", [(t, 1056) for t in _TUNED] + [(_TUNED[1], 64), (_TUNED[0], 3104),
                                                                     ("q4s/block16:f16", 1056)])
-def test_tuning_variants_give_the_default_bits(cuda_backend, monkeypatch, text, k):
-    """The tuning variants (`k_decode.FLAGS`: register double buffering, the first loads before
-    x's staging, the stored f16 / bf16 scales read from the payload; other U and RW) add the same
-    terms in the same order with the same scales: the same bits as the default kernel, in each x
-    type, with a bias, at M = 1 and up to K = 1056 at M = 4 (on the simulator two staged segments
-    at K = 1056: 8-bit codes two whole steps of one unit in each). FLAGS 4 reads the stored
-    words exactly where the weight is one-level with 16-bit slots, else the f32 scales."""
+def test_tunings_and_scale_forms_give_the_default_bits(cuda_backend, monkeypatch, text, k):
+    """Other tunings (`k_decode.tune()`: U units a step, RW rows a warp) add the same terms in the
+    same order with the same scales: the same bits as the default kernel, in each x type, with a
+    bias, at M = 1 and up to K = 1056 at M = 4 (on the simulator two staged segments at K = 1056:
+    8-bit codes two whole steps of one unit in each). The kernel reads the stored f16 / bf16 scale
+    words exactly where the weight is one-level with 16-bit slots (`scale_form`), else the f32
+    scales; the stored words give the f32 scales' bits (subnormal scales included)."""
     from qcore_cuda import k_decode
 
     if not SIM:
@@ -256,8 +254,8 @@ def test_tuning_variants_give_the_default_bits(cuda_backend, monkeypatch, text, 
     b = _x(1, n, np.float32, 12)[0]
     xs = {xt: _x(4, k, dt, 13) for xt, dt in XDT.items()}
 
-    def run(tn):
-        for name, v in zip(("WARPS", "U", "RW", "FLAGS"), tn):
+    def run(tn, form):
+        for name, v in zip(("WARPS", "U", "RW"), tn):
             monkeypatch.setattr(k_decode, name, v)
         q = be.quantize(w, text)  # (a fresh weight: the packed launch is kept with it)
         before = _taken("DecodeLinear")
@@ -266,14 +264,18 @@ def test_tuning_variants_give_the_default_bits(cuda_backend, monkeypatch, text, 
             out.append(_bits(_host(be, be.linear(xs["bf16"], q, b, dtype=np.float32))))
         out.append(_bits(_host(be, be.linear(xs["f16"][:1], q, b))))
         assert _taken("DecodeLinear") == before + len(out)
-        stored = tn[3] & k_decode.SCALES16 and text in _STORED16
-        assert forms == [getattr(k_decode, _STORED16[text]) if stored else k_decode.SC_F32] * len(out), (text, tn)
+        assert forms == [form] * len(out), (text, tn)
         forms.clear()
         return out
 
-    assert k_decode.tune()[3] == 0
-    want = run(k_decode.tune())
+    stored = getattr(k_decode, _STORED16.get(text, "SC_F32"))
+    want = run(k_decode.tune(), stored)
     for tn in _TUNES:
-        got = run(tn)
+        got = run(tn, stored)
         for i, (g, e) in enumerate(zip(got, want)):
             assert np.array_equal(g, e), (text, k, tn, i)
+    if stored != k_decode.SC_F32:  # the same weight through its decoded f32 scales
+        monkeypatch.setattr(k_decode, "scale_form", lambda scheme, soff: k_decode.SC_F32)
+        got = run(k_decode.tune(), k_decode.SC_F32)
+        for i, (g, e) in enumerate(zip(got, want)):
+            assert np.array_equal(g, e), (text, k, "f32 scales", i)

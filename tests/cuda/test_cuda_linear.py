@@ -357,16 +357,14 @@ def test_qtensor_dequantize_to_a_torch_dtype_stays_on_the_gpu(cuda_backend, dt):
 
 
 # (scheme, chunks per warp) over the GPU's chunk loop: 4-bit, 8-bit (two words a lane), blocks of 16
-# (split), 2-bit; 6 chunks a warp (three groups of two: both buffers and an odd last group), 5 (two
-# groups and a chunk alone)
+# (split), 2-bit; 6 chunks a warp (three groups of two), 5 (two groups and a chunk alone)
 _LOOP_CASES = [("q4s/block32:f16", 6), ("q8s/block64:f16", 5), ("nvfp4", 5), ("q2s/block32:f16", 5)]
 
 
 @pytest.mark.parametrize("text,cpw", _LOOP_CASES)
-def test_the_gpu_chunk_loop_and_its_pipelined_variant_give_the_lockstep_bits(cuda_backend, monkeypatch, text, cpw):
-    """The GPU's chunk loop (groups of U chunks' loads, then their sums; the tail one by one) and
-    its `PIPELINE` variant (the next group's loads before the current group's sums), run under the
-    simulator where K gives every warp the same chunks (`SIM_GPU_LOOP`), add the same terms in the
+def test_the_gpu_chunk_loop_gives_the_lockstep_bits(cuda_backend, monkeypatch, text, cpw):
+    """The GPU's chunk loop (groups of U chunks' loads, then their sums; the tail one by one), run
+    under the simulator where K gives every warp the same chunks (`SIM_GPU_LOOP`), add the same terms in the
     same order as the simulator's lockstep loop: the same bits, for bf16 x at one n8 tile and f16
     x at three; K = 32 * 4 warps * `cpw` chunks."""
     from qcore_cuda import linear
@@ -374,7 +372,7 @@ def test_the_gpu_chunk_loop_and_its_pipelined_variant_give_the_lockstep_bits(cud
 
     if not SIM:
         pytest.skip("the simulator's loop against the GPU's (a GPU runs only its own)")
-    assert (linear.WARPS, linear.U, linear.FLAGS) == (4, 2, 0)
+    assert (linear.WARPS, linear.U) == (4, 2)
     monkeypatch.setattr(paths_linear, "DECODE_MAX_M", 0)
     be, n = cuda_backend, 20
     for k in (32 * 4 * cpw,):
@@ -382,9 +380,8 @@ def test_the_gpu_chunk_loop_and_its_pipelined_variant_give_the_lockstep_bits(cud
         xs = {xt: _x(17, k, dt, 32) for xt, dt in XDT.items()}
         b = _x(1, n, np.float32, 33)[0]
 
-        def run(loop, flags):
+        def run(loop):
             monkeypatch.setattr(linear, "SIM_GPU_LOOP", loop)
-            monkeypatch.setattr(linear, "FLAGS", flags)
             q = be.quantize(w, text)  # (a fresh weight: the packed launch is kept with it)
             before = _paths().get("TensorCoreLinear", 0)
             out = [_host(be, be.linear(xs[xt][:m], q, b, dtype=np.float32)).view(np.uint32)
@@ -392,11 +389,10 @@ def test_the_gpu_chunk_loop_and_its_pipelined_variant_give_the_lockstep_bits(cud
             assert _paths().get("TensorCoreLinear", 0) == before + len(out)
             return out
 
-        want = run(False, 0)
+        want = run(False)
         W = np.asarray(REF.dequantize(REF.quantize(w, text)), np.float64)
         exact, bound = product_bound(xs["f16"][:17], W, b, np.dtype(np.float32))
         assert (np.abs(want[1].view(np.float32).astype(np.float64) - exact) <= bound).all()
-        for loop, flags in ((True, 0), (True, linear.PIPELINE)):
-            got = run(loop, flags)
-            for i, (g, e) in enumerate(zip(got, want)):
-                assert np.array_equal(g, e), (text, k, loop, flags, i)
+        got = run(True)
+        for i, (g, e) in enumerate(zip(got, want)):
+            assert np.array_equal(g, e), (text, k, i)

@@ -16,20 +16,11 @@ any of them; the loop over whole groups of `U` units has no bounds checks, the u
 one at a time. Blocks of `WARPS` warps; a persistent grid of at most `PER_SM` blocks per SM whose
 warps take row groups in turn (rounds).
 
-Pipelining (tuning, `FLAGS` of `QCORE_CUDA_DECODE_TUNE`; default off until measured). With
-`PIPELINE`, a lane holds two buffers of a step (U units of each row) and issues step t+1's loads
-before it decodes step t, so every warp keeps loads in flight while it computes (twice the
-registers for codes and scales: U = 2 with it holds what U = 4 holds without). With `EARLY`, a
-segment's first step of loads is issued before the block stages x (the loads do not depend on x),
-so the weight streams during the staging. Either way the units are used in the same order as
-without: the same bits.
-
-Scales (`SCALES16`, FLAGS bit 4; default off until measured). By default a unit's scale is an f32
-read from `es`: the decoded scales (`k_general.k_decode_scales`), or a two-level weight's effective
-scales. With `SCALES16`, a one-level weight of f16 or bf16 slots (`scale_form`) passes instead the
-payload's scales section as uint16 (slot i's little-endian word at byte `soff + 2 i`; the section
-must start at an even address, else the f32 array as before): half the scale bytes streamed, no
-f32 copy. A word is widened where it is used: `cvt.f32.f16` (`f16_f32`) or the bf16 word as an
+Scales (`scale_form`). A one-level weight of f16 or bf16 slots passes the payload's scales
+section as uint16 (slot i's little-endian word at byte `soff + 2 i`; where the section starts at an
+odd address, the f32 array below instead): half the scale bytes of f32 streamed, no f32 copy. Other
+weights pass `es`, f32: the decoded scales (`k_general.k_decode_scales`), or a two-level weight's
+effective scales. A word is widened where it is used: `cvt.f32.f16` (`f16_f32`) or the bf16 word as an
 f32's top half. Both are exact, and for every finite word they give `scales.word_scale`'s bits
 (subnormals, zeros and the sign bit of signed scales included: checked over all 2 x 65536 words).
 A NaN or infinite scale word is invalid data, rejected when a payload is read (`QuantizedData`)
@@ -77,40 +68,22 @@ from numba import config, cuda, float32, int32, int64, uint16, uint32  # noqa: E
 
 SIM = bool(config.ENABLE_CUDASIM)
 TUNE_ENV = "QCORE_CUDA_DECODE_TUNE"
-"""'WARPS,U,RW[,FLAGS]' in the environment replaces the defaults below on a GPU (tuning runs); read
-at import."""
-PIPELINE = 1
-"""FLAGS bit: register double buffering (module text, "Pipelining")."""
-EARLY = 2
-"""FLAGS bit: a segment's first step of loads issued before the block stages x."""
-SCALES16 = 4
-"""FLAGS bit: a one-level weight's f16 or bf16 scales read as stored, from the payload (module text,
-"Scales"; `DecodeLinear` takes it where `scale_form` says so)."""
-FLAG_BITS = PIPELINE | EARLY | SCALES16
+"""'WARPS,U,RW' in the environment replaces the defaults below on a GPU (tuning runs); read at
+import."""
 SC_F32, SC_F16, SC_BF16 = 0, 1, 2
 """Scale forms a kernel reads: the f32 effective scales, or the stored f16 or bf16 words."""
 
 
-def _parse_tune(text: str) -> tuple[int, int, int, int]:
+def _parse_tune(text: str) -> tuple[int, int, int]:
     v = tuple(int(t) for t in text.split(","))
-    if len(v) not in (3, 4) or min(v[:3]) < 1 or (len(v) == 4 and v[3] & ~FLAG_BITS):
-        raise ValueError(f"{TUNE_ENV}={text!r}: write WARPS,U,RW or WARPS,U,RW,FLAGS (FLAGS: bits {FLAG_BITS:#x})")
-    return v if len(v) == 4 else v + (0,)
+    if len(v) != 3 or min(v) < 1:
+        raise ValueError(f"{TUNE_ENV}={text!r}: write WARPS,U,RW (three positive integers)")
+    return v
 
 
-GPU_TUNE = (8, 4, 2, 0)
-"""The default tuning on a GPU (the simulator's is 2, 2, 2, 0)."""
-WARPS, U, RW, FLAGS = (2, 2, 2, 0) if SIM else _parse_tune(os.environ.get(TUNE_ENV, ",".join(map(str, GPU_TUNE))))
-EXTRA_TUNES = ((8, 4, 2, EARLY), (8, 2, 2, PIPELINE), (8, 2, 2, PIPELINE | EARLY))
-"""(WARPS, U, RW, FLAGS) compiled besides the default by `ptx_targets` (at M = 1): the variants a
-tuning run compares. ptxas for sm_90 at the 128-register cap (bf16 x, M = 1): the default
-117-128 registers, no spills; 8,4,2,2 117-128, no spills; 8,2,2,3 123-128, no spills; 8,4,2,3
-(PIPELINE at U = 4: twice the default's 40 buffer registers) spills 96-160 bytes, so it is left
-out: a pipelined run takes U = 2."""
-SCALES16_TARGETS = ((fast.KIND_I4, SC_F16), (fast.KIND_I8, SC_BF16))
-"""(kind, scale form) compiled by `ptx_targets` with `SCALES16` (the default tuning, bf16 x, M = 1).
-ptxas for sm_90 at the 128-register cap (M = 1, each x type; I4, I8, E2M1, E4M3): no spills with
-FLAGS 4 (8,4,2: 116-128 registers, I4 +1 over the f32 scales), 6 (8,4,2) or 5 and 7 (8,2,2)."""
+GPU_TUNE = (8, 4, 2)
+"""The default tuning on a GPU (the simulator's is 2, 2, 2)."""
+WARPS, U, RW = (2, 2, 2) if SIM else _parse_tune(os.environ.get(TUNE_ENV, ",".join(map(str, GPU_TUNE))))
 SPLIT_TARGETS = tuple((kind, xt, 1, 2) for kind in (fast.KIND_I4, fast.KIND_E2M1) for xt in (XT_BF16, XT_F16, XT_F32)) \
     + ((fast.KIND_E2M1, XT_BF16, 4, 2), (fast.KIND_I2, XT_BF16, 1, 2), (fast.KIND_I2, XT_BF16, 1, 4))
 """(kind, x type, mb, slots a unit) of the variants with units under several slots (4-bit codes
@@ -118,6 +91,13 @@ under blocks of 16, 2-bit under 32 or 16) `ptx_targets` compiles: each x type at
 decode path's default), nvfp4's largest variant, 2-bit codes at M = 1."""
 MBS = (1, 2, 4)
 """Variants: rows of x per launch (a call of m rows takes the least that holds m)."""
+STORED_SCALE_TARGETS = tuple((fast.KIND_I4, xt, mb, SC_F16) for xt in (XT_BF16, XT_F16, XT_F32) for mb in MBS) \
+    + ((fast.KIND_I8, XT_BF16, 1, SC_BF16), (fast.KIND_I8, XT_F16, 4, SC_F16), (fast.KIND_I2, XT_BF16, 1, SC_F16),
+       (fast.KIND_I4, XT_BF16, 1, SC_BF16))
+"""(kind, x type, mb, scale form) of the variants reading stored 16-bit scales `ptx_targets`
+compiles (the others: f32 scales): every 4-bit one of f16 scales (q4s/block32:f16, q4_0), the 8-bit
+and 2-bit kinds at the ends, bf16 scales. ptxas for sm_90 at the 128-register cap (8,4,2): 118-128
+registers, no spills (I4, bf16 x, M = 1: 122, four more than with the f32 scales)."""
 XS = 4096 if SIM else 8192
 """float32 words of x in shared memory per block (32 KB on a GPU: K up to 8192 at M = 1 in one
 segment). On a GPU it holds `MBS[-1]` groups of the largest unit (4 x 2048 columns of 2-bit
@@ -164,16 +144,16 @@ def segment(kind: int, k: int, mb: int) -> int:
     return min((XS // mb) // g * g, -(-k // g) * g)
 
 
-def tune() -> tuple[int, int, int, int]:
-    """(WARPS, U, RW, FLAGS) as the module has them now (`kernel` compiles that variant)."""
-    return WARPS, U, RW, FLAGS
+def tune() -> tuple[int, int, int]:
+    """(WARPS, U, RW) as the module has them now (`kernel` compiles that variant)."""
+    return WARPS, U, RW
 
 
 def scale_form(scheme, soff: int) -> int:
-    """The scales a kernel for `scheme`'s weight reads under `tune()`: the stored 16-bit words
-    (SC_F16, SC_BF16) with `SCALES16` for a one-level scheme of f16 or bf16 slots whose scales
-    section starts at an even byte `soff`; else SC_F32 (the decoded or effective f32 scales)."""
-    if not FLAGS & SCALES16 or scheme.two_level or soff % 2:
+    """The scales a kernel for `scheme`'s weight reads (module text, "Scales"): the stored 16-bit
+    words (SC_F16, SC_BF16) for a one-level scheme of f16 or bf16 slots whose scales section starts
+    at an even byte `soff`; else SC_F32 (the decoded or effective f32 scales)."""
+    if scheme.two_level or soff % 2:
         return SC_F32
     return {"f16": SC_F16, "bf16": SC_BF16}.get(scheme.slot_dtype.value, SC_F32)
 
@@ -226,16 +206,14 @@ def slots_per_unit(kind: int, P: np.ndarray) -> int:
     return 1 if lb >= 62 else max(1, unit_halves(kind) >> lb)
 
 
-def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | None = None, sc: int = SC_F32,
+def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None = None, sc: int = SC_F32,
                    nh: int = 1):
     """The kernel for value kind `kind`, x type `xt` (linear.XT_*), `mb` rows of x, the tuning
-    `tn` (WARPS, U, RW, FLAGS; default `tune()`), the scale form `sc` (SC_*: `es` float32, or
+    `tn` (WARPS, U, RW; default `tune()`), the scale form `sc` (SC_*: `es` float32, or
     the payload's stored scale words as uint16) and `nh`, the scale slots a unit holds
     (`slots_per_unit`: its parts summed apart, each under its slot)."""
     assert nh in (1, 2, 4) and nh <= unit_halves(kind), (kind, nh)
-    WARPS, U, RW, FLAGS = tn or tune()  # (closure constants from here on)
-    pipelined, early = bool(FLAGS & PIPELINE), bool(FLAGS & EARLY)
-    nbuf = 2 if pipelined else 1
+    WARPS, U, RW = tn or tune()  # (closure constants from here on)
     bits = fast.KIND_BITS[kind]
     pw = 32 // bits  # codes per u32 word
     qpw = pw // 4  # x quads per word
@@ -248,7 +226,7 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
     is_e2m1 = kind == fast.KIND_E2M1
     nt = 32 * WARPS
     nacc = RW * mb
-    nwv, nev, nval = 4 * U * RW * nbuf, U * RW * nbuf * nh, RW * pw  # (local array sizes: constants)
+    nwv, nev, nval = 4 * U * RW, U * RW * nh, RW * pw  # (local array sizes: constants)
     align = None if SIM else 16  # (the simulator takes no alignment; lds4 needs 16 bytes)
     red_n = nt if SIM else 1
     x_f32, x_bf16 = xt == XT_F32, xt == XT_BF16  # (constants: numba prunes the other branches)
@@ -341,18 +319,6 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
                     part[a] = float32(0.0)
         scale_in(ev, j, nh - 1, part, acc)
 
-    @cuda.jit(device=True, inline="always")
-    def load_step(w32, es, wv, ev, buf, rows, ub, wpr, nsb, lb):
-        """The U units of a step (its first unit `ub`, this lane's) into buffer `buf`'s slots."""
-        for j in range(U):
-            load_unit(w32, es, wv, ev, buf * U + j, rows, ub + int64(j * 32), wpr, nsb, lb)
-
-    @cuda.jit(device=True, inline="always")
-    def use_step(wv, ev, buf, xs, xo, segk, tab, val, part, acc):
-        """The terms of buffer `buf`'s U units in k order (`xo`: the step's first unit's x offset)."""
-        for j in range(U):
-            use_unit(wv, ev, buf * U + j, xs, xo + int64(j * grp), segk, tab, val, part, acc)
-
     def k_decode_linear(x, w32, es, bias, out32, out16, P, lut):
         xs = cuda.shared.array(XS, float32, alignment=align)
         tab = cuda.shared.array(16, float32)
@@ -391,52 +357,19 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int] | 
                 k0 = s * segk
                 u0 = k0 // int64(uc)
                 nus = min(segk, K - k0) // int64(uc)  # units of a row in this segment
-                nst = nus // int64(32 * U)  # whole steps (U units of each row per lane)
-                if early:
-                    if ok and nst > int64(0):  # (the weight's loads do not wait for x)
-                        load_step(w32, es, wv, ev, 0, rows, u0 + lane, wpr, nsb, lb)
                 if rnd == int64(0) or nseg > int64(1):
                     cuda.syncthreads()  # (every warp is done with the previous segment)
                     stage(x, xs, k0, K, M, segk, tid)
                     cuda.syncthreads()
                 if ok:
                     i = int64(0)
-                    if pipelined:  # step t+1's loads in flight while step t's terms are made
-                        if not early:
-                            if nst > int64(0):
-                                load_step(w32, es, wv, ev, 0, rows, u0 + lane, wpr, nsb, lb)
-                        t = int64(0)
-                        while t < nst:  # (two steps per turn: constant buffer indices)
-                            if t + int64(1) < nst:
-                                load_step(w32, es, wv, ev, 1, rows, u0 + (t + int64(1)) * int64(32 * U) + lane, wpr,
-                                          nsb, lb)
-                            use_step(wv, ev, 0, xs, t * int64(U * grp) + lane * int64(4), segk, tab, val, part, acc)
-                            t += int64(1)
-                            if t < nst:
-                                if t + int64(1) < nst:
-                                    load_step(w32, es, wv, ev, 0, rows, u0 + (t + int64(1)) * int64(32 * U) + lane,
-                                              wpr, nsb, lb)
-                                use_step(wv, ev, 1, xs, t * int64(U * grp) + lane * int64(4), segk, tab, val, part,
-                                         acc)
-                                t += int64(1)
-                        i = nst * int64(U)
-                    elif early:
-                        t = int64(0)
-                        while t < nst:  # (step 0's loads were issued before the staging)
-                            if t > int64(0):
-                                load_step(w32, es, wv, ev, 0, rows, u0 + t * int64(32 * U) + lane, wpr, nsb, lb)
-                            use_step(wv, ev, 0, xs, t * int64(U * grp) + lane * int64(4), segk, tab, val, part, acc)
-                            t += int64(1)
-                        i = nst * int64(U)
-                    else:
-                        while (i + int64(U)) * int64(32) <= nus:  # U units per row in flight, then their terms
-                            for j in range(U):
-                                load_unit(w32, es, wv, ev, j, rows, u0 + (i + int64(j)) * int64(32) + lane, wpr, nsb,
-                                          lb)
-                            for j in range(U):
-                                use_unit(wv, ev, j, xs, (i + int64(j)) * int64(grp) + lane * int64(4), segk, tab, val,
-                                         part, acc)
-                            i += int64(U)
+                    while (i + int64(U)) * int64(32) <= nus:  # U units per row in flight, then their terms
+                        for j in range(U):
+                            load_unit(w32, es, wv, ev, j, rows, u0 + (i + int64(j)) * int64(32) + lane, wpr, nsb, lb)
+                        for j in range(U):
+                            use_unit(wv, ev, j, xs, (i + int64(j)) * int64(grp) + lane * int64(4), segk, tab, val,
+                                     part, acc)
+                        i += int64(U)
                     while i * int64(32) < nus:  # the units left, one at a time
                         if i * int64(32) + lane < nus:
                             load_unit(w32, es, wv, ev, 0, rows, u0 + i * int64(32) + lane, wpr, nsb, lb)
@@ -471,7 +404,7 @@ def kernel(kind: int, xt: int, mb: int, sc: int = SC_F32, nh: int = 1):
 
 
 @lru_cache(maxsize=None)
-def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int, int], sc: int, nh: int):
+def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int], sc: int, nh: int):
     return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb, tn, sc, nh))
 
 
@@ -493,13 +426,8 @@ def ptx_targets():
     """(name, python function, signature, register cap) of every variant (`ptx.targets`)."""
     out = [(f"k_decode_linear[{kind},{xt},{mb}]", _decode_kernel(kind, xt, mb), signature(xt), REGS)
            for kind in linear.KINDS for xt in (XT_BF16, XT_F16, XT_F32) for mb in MBS]
-    out += [(f"k_decode_linear[{kind},{xt},1,{'-'.join(map(str, tn))}]", _decode_kernel(kind, xt, 1, tn),
-             signature(xt), REGS)
-            for tn in EXTRA_TUNES if tn != tune() for kind in linear.KINDS for xt in (XT_BF16, XT_F16, XT_F32)]
-    tn = GPU_TUNE[:3] + (GPU_TUNE[3] | SCALES16,)  # (not `tune()`: the names must not depend on the simulator)
-    out += [(f"k_decode_linear[{kind},{XT_BF16},1,{'-'.join(map(str, tn))},{sc}]",
-             _decode_kernel(kind, XT_BF16, 1, tn, sc), signature(XT_BF16, sc), REGS)
-            for kind, sc in SCALES16_TARGETS]
+    out += [(f"k_decode_linear[{kind},{xt},{mb},sc{sc}]", _decode_kernel(kind, xt, mb, sc=sc), signature(xt, sc), REGS)
+            for kind, xt, mb, sc in STORED_SCALE_TARGETS]
     out += [(f"k_decode_linear[{kind},{xt},{mb},split{nh}]", _decode_kernel(kind, xt, mb, nh=nh), signature(xt), REGS)
             for kind, xt, mb, nh in SPLIT_TARGETS]
     return out

@@ -34,11 +34,6 @@ U * 16 bytes per row in flight; the loop over whole groups of U chunks has no bo
 warp's last chunks run one by one), and the lane's offsets into its rows of w, of the scales and
 of x are computed once.
 
-Pipelining (`PIPELINE`, FLAGS of `QCORE_CUDA_LINEAR_TUNE`; default off until measured). A warp keeps
-two register buffers of U chunks' code words and issues group g + 1's loads before it uses group g,
-so its loads stay in flight while it decodes and multiplies. The chunks are used in the same order
-as without: the same bits.
-
 Grid: (ceil(N / 16), ceil(M / (8 NB))) blocks (NB = 1, 2 or 4: `nb_for`) of `WARPS` warps; the warps split the chunks of
 K into contiguous ranges (`plan`). Under the simulator every warp runs the same number of steps
 (its mma twin needs every thread of the block at each call); steps past a warp's range read
@@ -74,21 +69,17 @@ OT_F32, OT_F16, OT_BF16 = range(3)
 KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_I2, fast.KIND_E4M3, fast.KIND_E5M2, fast.KIND_E2M1)
 """Value kinds (`fast.KINDS`) the kernel decodes."""
 TUNE_ENV = "QCORE_CUDA_LINEAR_TUNE"
-"""'WARPS,U[,FLAGS]' in the environment replaces the defaults below on a GPU (tuning runs); read at
-import."""
-PIPELINE = 1
-"""FLAGS bit: a warp issues its next group of U chunks' code loads before it uses the current one
-(two register buffers; module text, "Pipelining")."""
+"""'WARPS,U' in the environment replaces the defaults below on a GPU (tuning runs); read at import."""
 
 
-def _parse_tune(text: str) -> tuple[int, int, int]:
+def _parse_tune(text: str) -> tuple[int, int]:
     v = tuple(int(t) for t in text.split(","))
-    if len(v) not in (2, 3) or min(v[:2]) < 1 or (len(v) == 3 and v[2] & ~PIPELINE):
-        raise ValueError(f"{TUNE_ENV}={text!r}: write WARPS,U or WARPS,U,FLAGS (FLAGS: bits {PIPELINE:#x})")
-    return v if len(v) == 3 else v + (0,)
+    if len(v) != 2 or min(v) < 1:
+        raise ValueError(f"{TUNE_ENV}={text!r}: write WARPS,U (two positive integers)")
+    return v
 
 
-WARPS, U, FLAGS = (4, 2, 0) if config.ENABLE_CUDASIM else _parse_tune(os.environ.get(TUNE_ENV, "8,4,0"))
+WARPS, U = (4, 2) if config.ENABLE_CUDASIM else _parse_tune(os.environ.get(TUNE_ENV, "8,4"))
 SIM_GPU_LOOP = False
 """Under the simulator, compile the GPU's chunk loop instead of the simulator's lockstep one (tests:
 with K giving every warp the same number of chunks, its mma twin meets every thread at each call)."""
@@ -243,12 +234,10 @@ def _split_pair(lo, hi, part):
     return (f2u(b) & uint32(0xFFFF0000)) | (f2u(a) >> uint32(16))
 
 
-def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, flags: int | None = None,
-                   sim_gpu_loop: bool | None = None):
+def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_loop: bool | None = None):
     """The kernel for value kind `kind`, x type `xt`, `nb` n8 tiles of x per pass; `halves`: the
-    `split` variant (blocks of 16: a chunk's halves under their own slots); `flags` (default
-    `FLAGS`) and `sim_gpu_loop` (default `SIM_GPU_LOOP`)."""
-    pipelined = bool((FLAGS if flags is None else flags) & PIPELINE)
+    `split` variant (blocks of 16: a chunk's halves under their own slots); `sim_gpu_loop`
+    (default `SIM_GPU_LOOP`)."""
     sim = bool(config.ENABLE_CUDASIM)
     bits = fast.KIND_BITS[kind]
     bf = xt != XT_F16
@@ -261,7 +250,7 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, flags: int
     nt = 32 * WARPS
     pairs = _decoder(fast.KIND_I4 if bits == 2 else kind, bf)  # (2-bit codes widened to 4: `widen2`)
     uf = 2 if halves and nb == 4 and U > 2 else U  # chunks in flight (two for split nb = 4: fewer spills)
-    acc_n, bx_n, w_n = 4 * nb, 4 * nxs * nb, 2 * uf * (2 if pipelined else 1)  # (local array sizes: constants)
+    acc_n, bx_n, w_n = 4 * nb, 4 * nxs * nb, 2 * uf  # (local array sizes: constants)
 
     ws = 2 if bits == 8 else 1  # u32 words of a lane's 8 codes (2-bit: half of one, widened)
     cw = 2 if bits == 2 else 4 * ws  # u32 words of a row's 32-code chunk
@@ -346,11 +335,11 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, flags: int
             scaled(es[sra + h0], es[srb + h0], tmp, acc)
 
     @cuda.jit(device=True, inline="always")
-    def load_group(w32, wa, wb, buf, c, wra, wrb, sh):
-        """The code words of chunks c .. c + uf - 1 of the lane's two rows into buffer `buf`."""
+    def load_group(w32, wa, wb, c, wra, wrb, sh):
+        """The code words of chunks c .. c + uf - 1 of the lane's two rows."""
         for u in range(uf):
             o = (c + int64(u)) * int64(cw)
-            i = (buf * uf + u) * 2
+            i = u * 2
             if ws == 1:
                 wa[i] = load1(w32, wra + o, sh)
                 wb[i] = load1(w32, wrb + o, sh)
@@ -359,10 +348,10 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, flags: int
                 wb[i], wb[i + 1] = ld2(w32, wrb + o)
 
     @cuda.jit(device=True, inline="always")
-    def use_group(x, es, wa, wb, buf, c, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base):
-        """The sums of chunks c .. c + uf - 1 from buffer `buf`, in k order."""
+    def use_group(x, es, wa, wb, c, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base):
+        """The sums of chunks c .. c + uf - 1 (`load_group`'s words), in k order."""
         for u in range(uf):
-            i = (buf * uf + u) * 2
+            i = u * 2
             chunk(x, es, c + int64(u), wa[i], wa[i + 1], wb[i], wb[i + 1], sra, srb, lb, xo, bx, tmp, acc, scr, lane,
                   base)
 
@@ -424,28 +413,10 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, flags: int
                 chunk(x, es, cc, wa[0], wa[1], wb[0], wb[1], sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
         else:
             c = c0
-            if pipelined:  # group g + 1's loads in flight while group g's sums are made
-                ng = (c1 - c0) // int64(uf)
-                if ng > int64(0):
-                    load_group(w32, wa, wb, 0, c, wra, wrb, sh)
-                gi = int64(0)
-                while gi < ng:  # (two groups per turn: constant buffer indices)
-                    if gi + int64(1) < ng:
-                        load_group(w32, wa, wb, 1, c + int64(uf), wra, wrb, sh)
-                    use_group(x, es, wa, wb, 0, c, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
-                    c += int64(uf)
-                    gi += int64(1)
-                    if gi < ng:
-                        if gi + int64(1) < ng:
-                            load_group(w32, wa, wb, 0, c + int64(uf), wra, wrb, sh)
-                        use_group(x, es, wa, wb, 1, c, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
-                        c += int64(uf)
-                        gi += int64(1)
-            else:
-                while c + int64(uf) <= c1:  # U chunks' code words in flight, then their sums
-                    load_group(w32, wa, wb, 0, c, wra, wrb, sh)
-                    use_group(x, es, wa, wb, 0, c, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
-                    c += int64(uf)
+            while c + int64(uf) <= c1:  # U chunks' code words in flight, then their sums
+                load_group(w32, wa, wb, c, wra, wrb, sh)
+                use_group(x, es, wa, wb, c, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
+                c += int64(uf)
             while c < c1:
                 o = c * int64(cw)
                 if ws == 1:
@@ -500,13 +471,13 @@ def _bf16_rn_bits(v):
 
 def kernel(kind: int, xt: int, nb: int, halves: bool = False):
     """The compiled variant for value kind `kind`, x type `xt`, `nb` n8 tiles per pass, `split`
-    chunks or not (`halves`), `FLAGS` (and under the simulator `SIM_GPU_LOOP`) as they are now."""
-    return _kernel(kind, xt, nb, halves, FLAGS, SIM_GPU_LOOP)
+    chunks or not (`halves`), and under the simulator `SIM_GPU_LOOP` as it is now."""
+    return _kernel(kind, xt, nb, halves, SIM_GPU_LOOP)
 
 
 @lru_cache(maxsize=None)
-def _kernel(kind: int, xt: int, nb: int, halves: bool, flags: int, sim_gpu_loop: bool):
-    return fast.K.jit_regs(REGS)(_linear_kernel(kind, xt, nb, halves, flags, sim_gpu_loop))
+def _kernel(kind: int, xt: int, nb: int, halves: bool, sim_gpu_loop: bool):
+    return fast.K.jit_regs(REGS)(_linear_kernel(kind, xt, nb, halves, sim_gpu_loop))
 
 
 def signature(xt: int) -> str:
@@ -522,21 +493,11 @@ SPLIT_TARGETS = (tuple((kind, xt, nb) for kind in (fast.KIND_I4, fast.KIND_E2M1)
 decoders)."""
 
 
-PIPE_TARGETS = ((fast.KIND_I4, XT_BF16, 1, False), (fast.KIND_I8, XT_BF16, 2, False),
-                (fast.KIND_E2M1, XT_F16, 2, False), (fast.KIND_E2M1, XT_BF16, 1, True))
-"""(kind, x type, nb, split) of the `PIPELINE` variants `ptx_targets` compiles (a tuning run's).
-ptxas for sm_90 at the 128-register cap, U = 4: nb = 1 and 2 and split nb = 1 without spills; nb = 4
-spills (152 bytes for bf16 E2M1), so a pipelined run there wants U = 2."""
-
-
 def _variants():
     return ([(f"k_linear[{kind},{xt},{nb}]", _linear_kernel(kind, xt, nb), signature(xt), REGS)
              for kind in KINDS for xt in (XT_BF16, XT_F16, XT_F32) for nb in NBS]
             + [(f"k_linear[{kind},{xt},{nb},split]", _linear_kernel(kind, xt, nb, True), signature(xt), REGS)
-               for kind, xt, nb in SPLIT_TARGETS]
-            + [(f"k_linear[{kind},{xt},{nb},{'split-' * halves}pipe]",
-                _linear_kernel(kind, xt, nb, halves, FLAGS | PIPELINE, False), signature(xt), REGS)
-               for kind, xt, nb, halves in PIPE_TARGETS])
+               for kind, xt, nb in SPLIT_TARGETS])
 
 
 EFFECTIVE_SIG = "void(float32[::1], float32[::1], float32[::1], int64)"
