@@ -218,24 +218,25 @@ def test_zero_codes_sum_to_zero_and_x_is_read_exactly(cuda_backend):
 
 
 # (WARPS, U, RW) against the default (the simulator's 2, 2, 2): one unit a step, one row a warp
-_TUNES = [(2, 1, 1)]
+_TUNE = (2, 1, 1)
 
 
-# f16 and bf16 slots (the stored scales; q4_0's signed), UE8M0 slots and a two-level weight (the f32
-# scales)
-_TUNED = ["q4s/block32:f16", "q8s/block64:bf16", "e2m1/block32:ue8m0", "mxfp8", "e2m1/block32:ue4m3/tensor:f32",
-          "q4_0"]
+# (scheme, K, another tuning too): f16 and bf16 slots (the stored scales; q4_0's signed, blocks of
+# 16's two slots a unit), UE8M0 slots and a two-level weight (the f32 scales)
 _STORED16 = {"q4s/block32:f16": "SC_F16", "q8s/block64:bf16": "SC_BF16", "q4_0": "SC_F16", "q4s/block16:f16": "SC_F16"}
+_FORM_CASES = [("q4s/block32:f16", 1056, True), ("q8s/block64:bf16", 64, True), ("q8s/block64:bf16", 1056, False),
+               ("q4_0", 1056, False), ("q4s/block16:f16", 1056, False), ("e2m1/block32:ue8m0", 1056, False),
+               ("mxfp8", 1056, False), ("e2m1/block32:ue4m3/tensor:f32", 1056, False)]
 
 
-@pytest.mark.parametrize("text,k", [(t, 1056) for t in _TUNED] + [(_TUNED[1], 64), ("q4s/block16:f16", 1056)])
-def test_tunings_and_scale_forms_give_the_default_bits(cuda_backend, monkeypatch, text, k):
-    """Other tunings (`k_decode.tune()`: U units a step, RW rows a warp) add the same terms in the
-    same order with the same scales: the same bits as the default kernel, in each x type, with a
-    bias, at M = 1 and up to K = 1056 at M = 4 (on the simulator two staged segments at K = 1056:
-    8-bit codes two whole steps of one unit in each). The kernel reads the stored f16 / bf16 scale
-    words exactly where the weight is one-level with 16-bit slots (`scale_form`), else the f32
-    scales; the stored words give the f32 scales' bits (subnormal scales included)."""
+@pytest.mark.parametrize("text,k,tuned", _FORM_CASES)
+def test_tunings_and_scale_forms_give_the_default_bits(cuda_backend, monkeypatch, text, k, tuned):
+    """The kernel reads the stored f16 / bf16 scale words exactly where the weight is one-level
+    with 16-bit slots (`scale_form`), else the f32 scales; the stored words give the f32 scales'
+    bits (subnormal scales included), in each x type, with a bias, at M = 1 and up to K = 1056 at
+    M = 4 (on the simulator two staged segments at K = 1056: 8-bit codes two whole steps of one
+    unit in each). Another tuning (`k_decode.tune()`: U units a step, RW rows a warp) adds the
+    same terms in the same order: the same bits."""
     from qcore_cuda import k_decode
 
     if not SIM:
@@ -267,13 +268,14 @@ def test_tunings_and_scale_forms_give_the_default_bits(cuda_backend, monkeypatch
         return out
 
     stored = getattr(k_decode, _STORED16.get(text, "SC_F32"))
-    want = run(k_decode.tune(), stored)
-    for tn in _TUNES:
-        got = run(tn, stored)
+    default = k_decode.tune()
+    want = run(default, stored)
+    if tuned:
+        got = run(_TUNE, stored)
         for i, (g, e) in enumerate(zip(got, want)):
-            assert np.array_equal(g, e), (text, k, tn, i)
+            assert np.array_equal(g, e), (text, k, _TUNE, i)
     if stored != k_decode.SC_F32:  # the same weight through its decoded f32 scales
         monkeypatch.setattr(k_decode, "scale_form", lambda scheme, soff: k_decode.SC_F32)
-        got = run(k_decode.tune(), k_decode.SC_F32)
+        got = run(default, k_decode.SC_F32)
         for i, (g, e) in enumerate(zip(got, want)):
             assert np.array_equal(g, e), (text, k, "f32 scales", i)
