@@ -397,3 +397,14 @@ def test_the_gpu_chunk_loop_gives_the_lockstep_bits(cuda_backend, monkeypatch, t
         got = run(True)
         for i, (g, e) in enumerate(zip(got, want)):
             assert np.array_equal(g, e), (text, k, i)
+
+
+@pytest.mark.parametrize("text", ["8", "8,4,2", "8,0", "8,x", ""])
+def test_a_bad_tuning_is_a_one_line_error(text):
+    """A kernel tuning from the environment (`linear.parse_tune`, read at import on a GPU): one
+    positive integer per field, else a ValueError naming the variable and the fields."""
+    from qcore_cuda import linear
+
+    assert linear.parse_tune("QCORE_CUDA_LINEAR_TUNE", "16,2", "WARPS,U") == (16, 2)
+    with pytest.raises(ValueError, match=r"QCORE_CUDA_LINEAR_TUNE=.*: write WARPS,U \(2 positive integers\)$"):
+        linear.parse_tune("QCORE_CUDA_LINEAR_TUNE", text, "WARPS,U")

@@ -72,18 +72,10 @@ TUNE_ENV = "QCORE_CUDA_DECODE_TUNE"
 import."""
 SC_F32, SC_F16, SC_BF16 = 0, 1, 2
 """Scale forms a kernel reads: the f32 effective scales, or the stored f16 or bf16 words."""
-
-
-def _parse_tune(text: str) -> tuple[int, int, int]:
-    v = tuple(int(t) for t in text.split(","))
-    if len(v) != 3 or min(v) < 1:
-        raise ValueError(f"{TUNE_ENV}={text!r}: write WARPS,U,RW (three positive integers)")
-    return v
-
-
 GPU_TUNE = (8, 4, 2)
 """The default tuning on a GPU (the simulator's is 2, 2, 2)."""
-WARPS, U, RW = (2, 2, 2) if SIM else _parse_tune(os.environ.get(TUNE_ENV, ",".join(map(str, GPU_TUNE))))
+WARPS, U, RW = (2, 2, 2) if SIM else linear.parse_tune(TUNE_ENV, os.environ.get(TUNE_ENV, ",".join(map(str, GPU_TUNE))),
+                                                         "WARPS,U,RW")
 SPLIT_TARGETS = tuple((kind, xt, 1, 2) for kind in (fast.KIND_I4, fast.KIND_E2M1) for xt in (XT_BF16, XT_F16, XT_F32)) \
     + ((fast.KIND_E2M1, XT_BF16, 4, 2), (fast.KIND_I2, XT_BF16, 1, 2), (fast.KIND_I2, XT_BF16, 1, 4))
 """(kind, x type, mb, slots a unit) of the variants with units under several slots (4-bit codes

@@ -72,14 +72,20 @@ TUNE_ENV = "QCORE_CUDA_LINEAR_TUNE"
 """'WARPS,U' in the environment replaces the defaults below on a GPU (tuning runs); read at import."""
 
 
-def _parse_tune(text: str) -> tuple[int, int]:
-    v = tuple(int(t) for t in text.split(","))
-    if len(v) != 2 or min(v) < 1:
-        raise ValueError(f"{TUNE_ENV}={text!r}: write WARPS,U (two positive integers)")
+def parse_tune(env: str, text: str, fields: str) -> tuple[int, ...]:
+    """A kernel's tuning from the value `text` of the environment variable `env`: one positive
+    integer per comma-separated name of `fields` ('WARPS,U'); a one-line ValueError otherwise."""
+    n = len(fields.split(","))
+    try:
+        v = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        v = ()
+    if len(v) != n or min(v) < 1:
+        raise ValueError(f"{env}={text!r}: write {fields} ({n} positive integers)")
     return v
 
 
-WARPS, U = (4, 2) if config.ENABLE_CUDASIM else _parse_tune(os.environ.get(TUNE_ENV, "8,4"))
+WARPS, U = (4, 2) if config.ENABLE_CUDASIM else parse_tune(TUNE_ENV, os.environ.get(TUNE_ENV, "8,4"), "WARPS,U")
 SIM_GPU_LOOP = False
 """Under the simulator, compile the GPU's chunk loop instead of the simulator's lockstep one (tests:
 with K giving every warp the same number of chunks, its mma twin meets every thread at each call)."""
