@@ -404,14 +404,7 @@ def signature(xt: int, sc: int = SC_F32) -> str:
     """The launch signature: linear.py's (the same arguments, DL an int64 array in LP's place;
     the scales uint16 for a stored 16-bit form), then the value table (`Prepared.lut`, float32)."""
     assert DL_LAYOUT.arg == linear.LP_LAYOUT.arg
-    s = linear.signature(xt)
-    assert s.endswith(")"), s
-    s = s[:-1] + ", float32[::1])"
-    if sc == SC_F32:
-        return s
-    head, tail = s.split("uint32[::1], float32[::1], ", 1)  # (w32 and es: the second and third arguments)
-    assert head.count("[::1]") == 1, s
-    return head + "uint32[::1], uint16[::1], " + tail
+    return linear.signature(xt, "float32" if sc == SC_F32 else "uint16", ", float32[::1]")
 
 
 def ptx_targets():

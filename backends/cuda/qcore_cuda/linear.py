@@ -486,9 +486,12 @@ def _kernel(kind: int, xt: int, nb: int, halves: bool, sim_gpu_loop: bool):
     return fast.K.jit_regs(REGS)(_linear_kernel(kind, xt, nb, halves, sim_gpu_loop))
 
 
-def signature(xt: int) -> str:
+def signature(xt: int, scales: str = "float32", tail: str = "") -> str:
+    """The launch signature for x type `xt`: x, the code words, the scales (array of `scales`), the
+    bias, the two results and the parameters, then `tail` (further arguments, each after a comma)."""
     xs = "float32" if xt == XT_F32 else "uint32"
-    return f"void({xs}[::1], uint32[::1], float32[::1], float32[::1], float32[::1], uint16[::1], {LP_LAYOUT.arg})"
+    return (f"void({xs}[::1], uint32[::1], {scales}[::1], float32[::1], float32[::1], uint16[::1], "
+            f"{LP_LAYOUT.arg}{tail})")
 
 
 SPLIT_TARGETS = (tuple((kind, xt, nb) for kind in (fast.KIND_I4, fast.KIND_E2M1) for xt in (XT_BF16, XT_F16, XT_F32)
