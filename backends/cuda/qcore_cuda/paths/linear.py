@@ -160,10 +160,10 @@ class DecodeLinear:
 
             kind, P = c.data.cache.linear_geometry
             q, grid, block = k_decode.plan(kind, P, c.m, c.ot, c.has_bias)
-            sc, scales = _decode_scales(c)
-            lut = c.be.state.plans.get(c.data.shape, c.data.scheme, "minmax").lut  # (E2M1's values)
+            prepared = c.be.state.plans.get(c.data.shape, c.data.scheme, "minmax")
+            sc, scales = _decode_scales(c, prepared)
             args = [c.xd, c.be.state.plans.code_words(c.data), scales, c.bias, c.out32, c.out16,
-                    cuda.to_device(np.asarray(q, np.int64)), lut]
+                    cuda.to_device(np.asarray(q, np.int64)), prepared.lut]  # (lut: E2M1's values)
             st = c.data.cache.linear[key] = Packed(k_decode.kernel(kind, c.xt, k_decode.mb_for(c.m), sc,
                                                                    k_decode.slots_per_unit(kind, P)), grid, block,
                                                    args, dynamic=(0, 4, 5, 3))
@@ -210,16 +210,16 @@ class TensorCoreLinear:
         st(c.xd, c.out32, c.out16, c.bias, stream=c.s)
 
 
-def _decode_scales(c: LinearCall) -> tuple[int, Any]:
-    """(`k_decode`'s scale form, the scales it reads): the payload's stored f16 or bf16 scale words
-    as uint16 where `k_decode.scale_form` takes them and the section's device address is even,
-    else `_effective_scales`."""
+def _decode_scales(c: LinearCall, prepared: Any) -> tuple[int, Any]:
+    """(`k_decode`'s scale form, the scales it reads) for the weight's prepared plan: the payload's
+    stored f16 or bf16 scale words as uint16 where `k_decode.scale_form` takes them and the
+    section's device address is even, else `_effective_scales`."""
     from numba import config
 
     from .. import k_decode
     from ..layouts import M_NSLOTS, M_SOFF
 
-    P = c.be.state.plans.get(c.data.shape, c.data.scheme, "minmax").plan.P
+    P = prepared.plan.P
     soff, nslots = int(P[M_SOFF]), int(P[M_NSLOTS])
     sc = k_decode.scale_form(c.data.scheme, soff)
     if sc != k_decode.SC_F32:
