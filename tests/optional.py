@@ -6,7 +6,7 @@ import pytest
 
 # Which $QCORE_REQUIRE_* flag (set to 1 by scripts/test.sh) makes each package required.
 FLAGS = {"torch": "QCORE_REQUIRE_TORCH", "transformers": "QCORE_REQUIRE_TRANSFORMERS",
-         "compressed_tensors": "QCORE_REQUIRE_COMPRESSED_TENSORS"}
+         "compressed_tensors": "QCORE_REQUIRE_COMPRESSED_TENSORS", "triton": "QCORE_REQUIRE_TRITON"}
 
 
 def need(module: str, reason: str):

@@ -212,15 +212,16 @@ def test_torch_x_on_the_transposed_matmul(cuda_backend, text, dt):
 @pytest.mark.parametrize("text", ["q4s/block32:f16", "q8s/block32:f16", "e4m3/block32:f32", "nvfp4", "q4_1",
                                   "q2s/block32:f16"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_prefill_dequantizes_to_bfloat16_then_takes_torchs_gemm(cuda_backend, text, bias):
-    """bfloat16 x of at least LIBRARY_FROM_M rows: the weight rounded once to bfloat16, then
-    torch's GEMM: the same bits as torch's own `linear` over the reference's dequantized weight
-    rounded to bfloat16, within docs/spec.md's bound with the bfloat16-weight term, the same bits
-    again on a repeat; fewer rows, float16 x, a float32 result or a float32 bias take the kernels
-    that keep f32 weights."""
+def test_prefill_dequantizes_to_bfloat16_then_takes_torchs_gemm(cuda_backend, monkeypatch, text, bias):
+    """bfloat16 x of at least LIBRARY_FROM_M rows, the fused GEMM off (q4_1: a weight it does not
+    read): the weight rounded once to bfloat16, then torch's GEMM: the same bits as torch's own
+    `linear` over the reference's dequantized weight rounded to bfloat16, within docs/spec.md's
+    bound with the bfloat16-weight term, the same bits again on a repeat; fewer rows, float16 x, a
+    float32 result or a float32 bias take the kernels that keep f32 weights."""
     torch = pytest.importorskip("torch")
     from qcore_cuda.paths import linear as paths_linear
 
+    monkeypatch.setattr(paths_linear, "FUSED_FROM_M", 0)
     be = cuda_backend
     m = paths_linear.LIBRARY_FROM_M + 3
     w = _weight(96, 256)

@@ -7,6 +7,9 @@ caller gave x: a torch tensor for a torch x, else a device array (`QArray`), or 
 dtype, as for `dequantize`). A float64 result is the f32 sums widened.
 
 Paths:
+- `FusedGemmLinear` (`fused.py`): off unless `QCORE_CUDA_LINEAR_FUSED_M` sets the fewest rows it
+  takes: bfloat16 x and result, a torch CUDA x, Triton installed; a Triton GEMM that dequantizes
+  the weight's tiles to bfloat16 (the same rule as the next path) inside its main loop.
 - `DequantizedGemmLinear`: bfloat16 x and result, a torch CUDA x of at least `LIBRARY_FROM_M`
   rows (prefill, batched serving): the weight dequantized to bfloat16 into a torch tensor (the
   fast dequantize kernel's bf16 variant, or float32 rounded once), then torch's GEMM (cuBLAS).
@@ -47,7 +50,8 @@ from .._data import NOT_YET
 from .._launch import Packed
 from . import choose
 
-__all__ = ["LINEAR", "LIBRARY_FROM_M", "DECODE_MAX_M", "LinearCall", "DequantizedGemmLinear", "DecodeLinear",
+__all__ = ["LINEAR", "FUSED_FROM_M", "LIBRARY_FROM_M", "DECODE_MAX_M", "LinearCall", "FusedGemmLinear",
+           "DequantizedGemmLinear", "DecodeLinear",
            "TensorCoreLinear", "TransposedLinear", "LinearRepeat", "run", "again", "rounded", "placeholders"]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -89,22 +93,60 @@ reads the payload as it is, is faster: benchmarks/matmul.py, docs/performance.md
 environment variable of that name replaces it at import (benchmarks compare both paths)."""
 
 
+FUSED_FROM_M = int(os.environ.get("QCORE_CUDA_LINEAR_FUSED_M", "0"))
+"""The fewest rows of x `FusedGemmLinear` takes (0: never, the default: benchmarks/matmul.py
+measured it slower than `DequantizedGemmLinear` at every M, docs/performance.md); the environment
+variable of that name replaces it at import (benchmarks compare the paths)."""
+
+
+def _bf16_library_call(c: LinearCall) -> bool:
+    """Whether a call suits a GEMM of bfloat16 operands launched on torch's side (docs/spec.md's
+    bfloat16-weight rule): bfloat16 x and result as torch CUDA tensors, K > 0, a bfloat16 bias or
+    none, torch's current stream (where torch and Triton launch)."""
+    from .. import linear
+
+    if c.ot != linear.OT_BF16 or c.xdt != _BF16 or c.data.shape != c.w.shape:
+        return False
+    if not (_is_torch(c.x) and c.x.is_cuda and _is_torch(c.result) and c.w.shape[1] > 0):
+        return False
+    b = c.bias_given
+    if b is not None and not (_is_torch(b) and b.dtype == c.x.dtype and b.device == c.x.device):
+        return False  # (a bias of another dtype would be rounded to bfloat16 first: the kernels add it in f32)
+    return c.s.handle == _streams.torch_handle(c.x.device.index)
+
+
+class FusedGemmLinear:
+    """fused.py: a Triton GEMM that dequantizes the weight's tiles to bfloat16 as it multiplies
+    (module text there), for the weights of the tensor-core kernel's geometry."""
+
+    name = "fused-gemm"
+
+    def applies(self, c: LinearCall) -> bool:
+        from .. import fused
+
+        if FUSED_FROM_M == 0 or c.m < FUSED_FROM_M or not _bf16_library_call(c):
+            return False
+        g = TensorCoreLinear.geometry(c.data)
+        return g is not None and g[0] in fused.KINDS and fused.available()
+
+    def launch(self, c: LinearCall) -> None:
+        from .. import fused
+
+        torch = _torch()
+        kind, P = c.data.cache.linear_geometry
+        n_, k_ = c.w.shape
+        codes = torch.as_tensor(c.be.state.plans.code_words(c.data), device=c.x.device).view(torch.uint8)
+        scales = torch.as_tensor(_effective_scales(c), device=c.x.device)
+        fused.launch(kind, P, c.x.reshape(c.m, k_), codes, scales, c.bias_given, c.result.view(c.m, n_))
+
+
 class DequantizedGemmLinear:
     """The weight dequantized to bfloat16 per call, then torch's GEMM (module text)."""
 
     name = "dequantize-gemm"
 
     def applies(self, c: LinearCall) -> bool:
-        from .. import linear
-
-        if c.m < LIBRARY_FROM_M or c.ot != linear.OT_BF16 or c.xdt != _BF16 or c.data.shape != c.w.shape:
-            return False
-        if not (_is_torch(c.x) and c.x.is_cuda and _is_torch(c.result) and c.w.shape[1] > 0):
-            return False
-        b = c.bias_given
-        if b is not None and not (_is_torch(b) and b.dtype == c.x.dtype and b.device == c.x.device):
-            return False  # (a bias of another dtype would be rounded to bfloat16 first: the kernels add it in f32)
-        return c.s.handle == _streams.torch_handle(c.x.device.index)  # (torch's GEMM runs on its current stream)
+        return c.m >= LIBRARY_FROM_M and _bf16_library_call(c)
 
     def launch(self, c: LinearCall) -> None:
         torch = _torch()
@@ -278,7 +320,7 @@ class TransposedLinear:
                                                                    int(c.has_bias))
 
 
-LINEAR = (DequantizedGemmLinear(), DecodeLinear(), TensorCoreLinear(), TransposedLinear())
+LINEAR = (FusedGemmLinear(), DequantizedGemmLinear(), DecodeLinear(), TensorCoreLinear(), TransposedLinear())
 """The linear paths in the order the backend tries them."""
 
 

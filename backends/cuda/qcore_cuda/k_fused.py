@@ -1,0 +1,135 @@
+"""The Triton kernel of `fused` (its module text): imported on first use, when Triton reads its
+interpreter switch (`TRITON_INTERPRET`)."""
+import triton
+import triton.language as tl
+
+from . import fast
+
+I8, I4, I2, E4M3, E5M2 = (tl.constexpr(k) for k in (fast.KIND_I8, fast.KIND_I4, fast.KIND_I2, fast.KIND_E4M3,
+                                                    fast.KIND_E5M2))
+
+
+@triton.jit
+def decode(c, KIND: tl.constexpr):
+    """Codes (int32, the field's bits) -> their values, f32, exact."""
+    if KIND == I8:  # (two's complement: the code offset by 128 in 2**23's mantissa, minus 2**23 + 128)
+        v = ((c ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    elif KIND == I4:
+        v = ((c ^ 0x8) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    elif KIND == I2:
+        v = ((c ^ 0x2) | 0x4B000000).to(tl.float32, bitcast=True) - 8388610.0
+    elif KIND == E4M3:  # s eeee mmm, bias 7 (codes S.1111.111 are invalid: checked before)
+        e = (c >> 3) & 0xF
+        mant = c & 0x7
+        normal = (((e + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
+        mag = tl.where(e == 0, mant.to(tl.float32) * 0.001953125, normal)  # (subnormals: m * 2**-9)
+        v = tl.where((c & 0x80) != 0, -mag, mag)
+    elif KIND == E5M2:  # s eeeee mm, bias 15 (exponent 31 is invalid: checked before)
+        e = (c >> 2) & 0x1F
+        mant = c & 0x3
+        normal = (((e + 112) << 23) | (mant << 21)).to(tl.float32, bitcast=True)
+        mag = tl.where(e == 0, mant.to(tl.float32) * 0.0000152587890625, normal)  # (m * 2**-16)
+        v = tl.where((c & 0x80) != 0, -mag, mag)
+    else:  # E2M1: s ee m, bias 1; the f32 bits built whole (e = 0: m * 0.5, 0x3F000000 or 0)
+        e = (c >> 1) & 0x3
+        bits = tl.where(e == 0, (c & 0x1) * 0x3F000000, ((e + 126) << 23) | ((c & 0x1) << 22))
+        v = (bits | ((c & 0x8) << 28)).to(tl.float32, bitcast=True)
+    return v
+
+@triton.jit
+def to_bf16(v, INTERPRETED: tl.constexpr):
+    """f32 -> bfloat16, nearest even (finite v). The interpreter's own cast cuts toward zero, so
+    there the rounding is done on the bits."""
+    if INTERPRETED:
+        u = v.to(tl.uint32, bitcast=True)
+        u = u + 0x7FFF + ((u >> 16) & 1)
+        r = (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        r = v.to(tl.bfloat16)
+    return r
+
+
+@triton.jit
+def fused_linear(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
+                 KIND: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, FORM: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
+    """y [M, N] (+)= x [M, K] @ W^T (module text of `fused`); K a multiple of BK. FORM 2: the weight
+    tile is the product's A operand [BN, BK] (from registers), x's the B operand [BK, BM]; FORM 3:
+    x's tile [BM, BK] is A and the weight's [BK, BN] is B."""
+    PER: tl.constexpr = 8 // BITS
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BM)
+    pid_m, pid_n = pid % tiles_m, pid // tiles_m  # (programs that share a weight tile run together)
+    rows = pid_n * BN + tl.arange(0, BN)
+    xrows = pid_m * BM + tl.arange(0, BM)
+    rn, rm = rows % N, xrows % M  # (rows past the edges read rows inside; their results are not stored)
+    kk = tl.arange(0, BK)
+    if FORM == 3:
+        w_ptrs = w_ptr + rn[None, :] * row_bytes + (kk // PER)[:, None]
+        shift = ((kk % PER) * BITS)[:, None]
+        x_ptrs = x_ptr + rm[:, None] * K + kk[None, :]
+        if B == 0 or BK <= 2 * B:
+            s_ptrs = s_ptr + rn * nsb
+        else:
+            s_ptrs = s_ptr + rn[None, :] * nsb + (kk // B)[:, None]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    else:
+        w_ptrs = w_ptr + rn[:, None] * row_bytes + (kk // PER)[None, :]
+        shift = ((kk % PER) * BITS)[None, :]
+        x_ptrs = x_ptr + rm[None, :] * K + kk[:, None]
+        if B == 0 or BK <= 2 * B:
+            s_ptrs = s_ptr + rn * nsb
+        else:
+            s_ptrs = s_ptr + rn[:, None] * nsb + (kk // B)[None, :]
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        b = tl.load(w_ptrs).to(tl.int32)
+        if BITS == 8:
+            c = b
+        else:
+            c = (b >> shift) & ((1 << BITS) - 1)
+        if B == 0:
+            s = tl.load(s_ptrs)
+        elif B >= BK:
+            s = tl.load(s_ptrs + k0 // B)
+        elif BK == 2 * B:  # (two slots a step: one load of each, the first for k < B)
+            s = tl.load(s_ptrs + k0 // B)
+            s1 = tl.load(s_ptrs + k0 // B + 1)
+        else:
+            s = tl.load(s_ptrs)
+            s_ptrs += BK // B
+        if B == 0 or BK <= 2 * B:
+            if FORM == 3:
+                s = s[None, :]
+                if BK == 2 * B:
+                    s = tl.where(kk[:, None] < B, s, s1[None, :])
+            else:
+                s = s[:, None]
+                if BK == 2 * B:
+                    s = tl.where(kk[None, :] < B, s, s1[:, None])
+        w = to_bf16(decode(c, KIND) * s, INTERPRETED)
+        xs = tl.load(x_ptrs)
+        if FORM == 3:
+            if INTERPRETED:  # (its bfloat16 tl.dot gives wrong sums; the same products in f32)
+                acc = tl.dot(xs.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xs, w, acc)
+        else:
+            if INTERPRETED:
+                acc = tl.dot(w.to(tl.float32), xs.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, xs, acc)
+        w_ptrs += BK // PER
+        x_ptrs += BK
+    n_ok, m_ok = rows < N, xrows < M
+    if FORM == 3:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+        tl.store(y_ptr + xrows.to(tl.int64)[:, None] * N + rows[None, :], to_bf16(acc, INTERPRETED),
+                 mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
+        tl.store(y_ptr + xrows.to(tl.int64)[None, :] * N + rows[:, None], to_bf16(acc, INTERPRETED),
+                 mask=n_ok[:, None] & m_ok[None, :])

@@ -1,0 +1,107 @@
+"""The cuda backend's fused Triton GEMM for `linear` at prefill sizes (`qcore_cuda/fused.py`): every
+value kind and scale layout it reads, within docs/spec.md's bound with the bfloat16-weight term,
+tails of N, K and M against the tile, bias, the same bits on a repeat. Without a GPU the kernel
+runs in Triton's interpreter (tests/conftest.py sets `TRITON_INTERPRET`) on CPU tensors made
+from the reference's portable bytes; on a GPU through `linear` itself."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qcore.backend.reference import ReferenceBackend
+from qcore.conformance.checks import product_bound
+from qcore.spec.arithmetic import slot_effective
+
+from tests.cuda_cases import SIM
+from tests.optional import need
+
+torch = need("torch", "the fused GEMM takes torch tensors")
+need("triton", "the fused GEMM is a Triton kernel")
+
+REF = ReferenceBackend()
+BF16 = np.dtype(ml_dtypes.bfloat16)
+# every value kind (8-, 4-, 2-bit integers, E4M3, E5M2, E2M1) under per-tensor, per-row, blocks of
+# 16 (several slots a BK step), 32, 128 (one slot across steps), UE8M0 / UE4M3 / bf16 scales, two-level
+SCHEMES = ["q4s/block32:f16", "q8s/block32:f16", "q2s/block32:f16", "q4f/block64:bf16", "q8s", "q2f/block16:bf16",
+           "e4m3/block32:f32", "e5m2", "mxfp4", "mxfp8", "nvfp4", "q4s/block16:f16", "q8s/block128:ue8m0",
+           "q4_0", "q4s/block256:f16"]
+
+
+def _bf16(a: np.ndarray) -> "torch.Tensor":
+    return torch.from_numpy(np.ascontiguousarray(a).view(np.uint16).copy()).view(torch.bfloat16)
+
+
+def _case(text: str, n: int, k: int, m: int, bias: bool, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * np.exp2(rng.integers(-32, 1, (n, k)))).astype(np.float32)  # (minifloat subnormals)
+    x = rng.standard_normal((m, k)).astype(BF16)
+    b = rng.standard_normal(n).astype(BF16) if bias else None
+    return w, x, b
+
+
+def _check(y: np.ndarray, q, x: np.ndarray, b, label: str) -> None:
+    W = np.asarray(REF.dequantize(q), np.float64)
+    exact, bound = product_bound(x, W, b, BF16)
+    err = np.abs(y.astype(np.float64) - exact)
+    assert (err <= bound).all(), f"{label}: max err {err.max()} (bound there {bound.flat[err.argmax()]})"
+
+
+@pytest.mark.skipif(not SIM, reason="on a GPU the same kernel runs through linear (the test below)")
+@pytest.mark.parametrize("text", SCHEMES)
+@pytest.mark.parametrize("n,k,m,bias", [(40, 96, 20, True), (16, 256, 3, False)])
+@pytest.mark.parametrize("form", [2, 3])
+def test_fused_kernel_is_within_the_bfloat16_weight_bound(text, n, k, m, bias, form):
+    """The kernel over the reference's bytes and effective scales (Triton's interpreter): N, M
+    and K past a tile's edge (tile 32 x 16 x 64), the result within the bound, the same bits
+    again; with x the identity, each weight value rounded once to bfloat16."""
+    from qcore_cuda import fused, linear
+
+    w, x, b = _case(text, n, k, m, bias)
+    q = REF.quantize(w, text)
+    data = q.to_data()
+    kind, P = linear.geometry((n, k), q.scheme)
+    codes = torch.from_numpy(np.frombuffer(data.payload, np.uint8)[: n * int(P[linear.LP_WPR]) * 4].copy())
+    g = data.global_scale() if q.scheme.two_level else None
+    scales = torch.from_numpy(np.ascontiguousarray(slot_effective(data.scales(), g, q.scheme), np.float32).reshape(-1))
+    tile = fused.Tile(32, 16, 64, 4, 1, form)
+    runs = []
+    for _ in range(2):
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        fused.launch(kind, P, _bf16(x), codes, scales, None if b is None else _bf16(b), y, tile)
+        runs.append(y.view(torch.int16).numpy().copy())
+    assert np.array_equal(runs[0], runs[1])
+    _check(runs[0].view(np.uint16).view(BF16), q, x, b, f"{text} N={n} K={k} M={m}")
+    # x = the identity: y = W^T, each weight value rounded to bfloat16 as the rule says (every code
+    # decoded exactly, subnormal minifloats included)
+    y = torch.empty(k, n, dtype=torch.bfloat16)
+    fused.launch(kind, P, _bf16(np.eye(k, dtype=BF16)), codes, scales, None, y, tile)
+    want = np.asarray(REF.dequantize(q), np.float32).astype(BF16).T
+    assert np.array_equal(y.float().numpy(), want.astype(np.float32))  # (-0.0 == 0.0: a sum from +0)
+
+
+@pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
+@pytest.mark.parametrize("text", SCHEMES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bias):
+    """bfloat16 x of at least FUSED_FROM_M rows (64 here) through `linear`: the fused GEMM (N, K and M past
+    its tiles' edges), within the bound, the same bits on a repeat; with x the identity, each
+    weight value rounded once to bfloat16."""
+    from qcore_cuda.paths import TAKEN
+    from qcore_cuda.paths import linear as paths_linear
+
+    monkeypatch.setattr(paths_linear, "FUSED_FROM_M", 64)  # (on, whatever the default)
+    be = cuda_backend
+    m, n, k = 64 + 77, 200, 352
+    w, x, b = _case(text, n, k, m, bias)
+    q, qd = REF.quantize(w, text), be.quantize(w, text)
+    xt, bt = _bf16(x).cuda(), (None if b is None else _bf16(b).cuda())
+    before = TAKEN["FusedGemmLinear"]
+    y = be.linear(xt, qd, bt)
+    assert TAKEN["FusedGemmLinear"] == before + 1
+    assert torch.equal(be.linear(xt, qd, bt).view(torch.int16), y.view(torch.int16))
+    _check(y.view(torch.int16).cpu().numpy().view(np.uint16).view(BF16), q, x, b, f"{text} M={m}")
+    want = np.asarray(REF.dequantize(q), np.float32).astype(BF16).T  # (x = the identity: y = W^T)
+    y = be.linear(_bf16(np.eye(k, dtype=BF16)).cuda(), qd)
+    assert TAKEN["FusedGemmLinear"] == before + 3
+    assert np.array_equal(y.float().cpu().numpy(), want.astype(np.float32))
