@@ -23,7 +23,7 @@ bfloat16 `tl.dot` gives wrong sums and its cast to bfloat16 cuts toward zero.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -86,11 +86,18 @@ def launch(kind: int, P: Any, x: Any, codes: Any, scales: Any, bias: Any, y: Any
     nsb, lb = int(P[LP_NSB]), int(P[LP_LB])
     block = 0 if nsb <= 1 else 16 << lb
     t = tile or tile_for(m)
+    per = 8 // fast.KIND_BITS[kind]
+    if t.form == 4:  # (a field's product needs 16 columns; a step reads one or two scale slots)
+        bk = max(16 * per, min(t.bk, 2 * block) if block else t.bk)
+        t = replace(t, bk=bk) if k_ % bk == 0 and not (block and bk > 2 * block) else replace(t, form=3)
     if k_ % t.bk:  # (K is a multiple of 32: `linear.geometry`)
-        t = Tile(t.bn, t.bm, 32, t.warps, t.stages, t.form)
+        t = replace(t, bk=32)
+    if t.form == 4 and per > 1:  # (each step's columns grouped by field: k0 + PER * j + f at f * BK / PER + j)
+        x = x.reshape(m, k_ // t.bk, t.bk // per, per).transpose(2, 3).contiguous().reshape(m, k_)
     grid = (-(-m // t.bm) * -(-n_ // t.bn),)
     from .k_fused import fused_linear
 
     fused_linear[grid](x, codes, scales, bias if bias is not None else y, y, m, n_, k_, 4 * int(P[LP_WPR]), nsb,
                        KIND=kind, BITS=fast.KIND_BITS[kind], B=block, HAS_BIAS=bias is not None,
-                       BN=t.bn, BM=t.bm, BK=t.bk, FORM=t.form, INTERPRETED=_interpreted(), num_warps=t.warps, num_stages=t.stages)
+                       BN=t.bn, BM=t.bm, BK=t.bk, FORM=t.form, INTERPRETED=_interpreted(), num_warps=t.warps,
+                       num_stages=t.stages)

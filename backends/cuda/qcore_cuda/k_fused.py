@@ -65,6 +65,10 @@ def fused_linear(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
     xrows = pid_m * BM + tl.arange(0, BM)
     rn, rm = rows % N, xrows % M  # (rows past the edges read rows inside; their results are not stored)
     kk = tl.arange(0, BK)
+    if FORM == 4:
+        fused_fields(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb, rows, xrows, rn, rm, KIND, BITS, B,
+                     HAS_BIAS, BN, BM, BK, INTERPRETED)
+        return
     if FORM == 3:
         w_ptrs = w_ptr + rn[None, :] * row_bytes + (kk // PER)[:, None]
         shift = ((kk % PER) * BITS)[:, None]
@@ -133,3 +137,45 @@ def fused_linear(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
             acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
         tl.store(y_ptr + xrows.to(tl.int64)[None, :] * N + rows[:, None], to_bf16(acc, INTERPRETED),
                  mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def fused_fields(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb, rows, xrows, rn, rm,
+                 KIND: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, INTERPRETED: tl.constexpr):
+    """FORM 4: a step's code bytes [BN, BK / PER] loaded once; field f of every byte (columns
+    k0 + PER * j + f) is the A operand of its own product, against x's columns in the same order
+    (x given with each step's columns grouped by field: `fused.launch`)."""
+    PER: tl.constexpr = 8 // BITS
+    J: tl.constexpr = BK // PER
+    jj = tl.arange(0, J)
+    w_ptrs = w_ptr + rn[:, None] * row_bytes + jj[None, :]
+    x_ptrs = x_ptr + rm[None, :] * K + jj[:, None]
+    s_ptrs = s_ptr + rn * nsb
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        b = tl.load(w_ptrs).to(tl.int32)
+        if B == 0:
+            s = tl.load(s_ptrs)[:, None]
+        elif B >= BK:
+            s = tl.load(s_ptrs + k0 // B)[:, None]
+        else:  # (BK == 2 * B: byte j lies in the step's first slot for PER * j < B)
+            s = tl.where(jj[None, :] * PER < B, tl.load(s_ptrs + k0 // B)[:, None],
+                         tl.load(s_ptrs + k0 // B + 1)[:, None])
+        for f in tl.static_range(PER):
+            if BITS == 8:
+                c = b
+            else:
+                c = (b >> (f * BITS)) & ((1 << BITS) - 1)
+            w = to_bf16(decode(c, KIND) * s, INTERPRETED)
+            xs = tl.load(x_ptrs + f * J)
+            if INTERPRETED:  # (its bfloat16 tl.dot gives wrong sums; the same products in f32)
+                acc = tl.dot(w.to(tl.float32), xs.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, xs, acc)
+        w_ptrs += J
+        x_ptrs += BK
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
+    tl.store(y_ptr + xrows.to(tl.int64)[None, :] * N + rows[:, None], to_bf16(acc, INTERPRETED),
+             mask=(rows < N)[:, None] & (xrows < M)[None, :])
