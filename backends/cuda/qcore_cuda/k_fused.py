@@ -1,5 +1,10 @@
-"""The Triton kernel of `fused` (its module text): imported on first use, when Triton reads its
-interpreter switch (`TRITON_INTERPRET`)."""
+"""The Triton kernels of `fused` (its module text): imported on first use, when Triton reads its
+interpreter switch (`TRITON_INTERPRET`).
+
+Two forms of the main loop, `fused.FORM_FIELDS` and `fused.FORM_COLUMNS`; both compute
+y [M, N] = x [M, K] @ W^T (+ bias) over tiles of BN weight rows by BM rows of x, K a multiple of
+the step BK, rows past N or M read rows inside (their results are not stored), each step's weight
+values `round_bf16(decode(code) * e)`."""
 import triton
 import triton.language as tl
 
@@ -36,6 +41,7 @@ def decode(c, KIND: tl.constexpr):
         v = (bits | ((c & 0x8) << 28)).to(tl.float32, bitcast=True)
     return v
 
+
 @triton.jit
 def to_bf16(v, INTERPRETED: tl.constexpr):
     """f32 -> bfloat16, nearest even (finite v). The interpreter's own cast cuts toward zero, so
@@ -50,104 +56,32 @@ def to_bf16(v, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def fused_linear(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
+def dot(a, b, acc, INTERPRETED: tl.constexpr):
+    """acc + a @ b, f32 sums of exact products of bfloat16 values. The interpreter's bfloat16
+    `tl.dot` gives wrong sums, so there the same products run in f32."""
+    if INTERPRETED:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        r = tl.dot(a, b, acc)
+    return r
+
+
+@triton.jit
+def fused_fields(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
                  KIND: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, FORM: tl.constexpr,
-                 INTERPRETED: tl.constexpr):
-    """y [M, N] (+)= x [M, K] @ W^T (module text of `fused`); K a multiple of BK. FORM 2: the weight
-    tile is the product's A operand [BN, BK] (from registers), x's the B operand [BK, BM]; FORM 3:
-    x's tile [BM, BK] is A and the weight's [BK, BN] is B."""
+                 BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, INTERPRETED: tl.constexpr):
+    """`FORM_FIELDS`: a step's code bytes [BN, BK / PER] are loaded once (contiguous, pipelined);
+    field f of every byte (columns k0 + PER * j + f) is the A operand of its own product, against
+    x's tile [BK / PER, BM] of the same columns (x given with each step's columns grouped by field:
+    `fused.launch`). A step reads one scale slot a row, or two (BK = 2 * B)."""
     PER: tl.constexpr = 8 // BITS
+    J: tl.constexpr = BK // PER
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BM)
     pid_m, pid_n = pid % tiles_m, pid // tiles_m  # (programs that share a weight tile run together)
     rows = pid_n * BN + tl.arange(0, BN)
     xrows = pid_m * BM + tl.arange(0, BM)
-    rn, rm = rows % N, xrows % M  # (rows past the edges read rows inside; their results are not stored)
-    kk = tl.arange(0, BK)
-    if FORM == 4:
-        fused_fields(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb, rows, xrows, rn, rm, KIND, BITS, B,
-                     HAS_BIAS, BN, BM, BK, INTERPRETED)
-        return
-    if FORM == 3:
-        w_ptrs = w_ptr + rn[None, :] * row_bytes + (kk // PER)[:, None]
-        shift = ((kk % PER) * BITS)[:, None]
-        x_ptrs = x_ptr + rm[:, None] * K + kk[None, :]
-        if B == 0 or BK <= 2 * B:
-            s_ptrs = s_ptr + rn * nsb
-        else:
-            s_ptrs = s_ptr + rn[None, :] * nsb + (kk // B)[:, None]
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-    else:
-        w_ptrs = w_ptr + rn[:, None] * row_bytes + (kk // PER)[None, :]
-        shift = ((kk % PER) * BITS)[None, :]
-        x_ptrs = x_ptr + rm[None, :] * K + kk[:, None]
-        if B == 0 or BK <= 2 * B:
-            s_ptrs = s_ptr + rn * nsb
-        else:
-            s_ptrs = s_ptr + rn[:, None] * nsb + (kk // B)[None, :]
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        b = tl.load(w_ptrs).to(tl.int32)
-        if BITS == 8:
-            c = b
-        else:
-            c = (b >> shift) & ((1 << BITS) - 1)
-        if B == 0:
-            s = tl.load(s_ptrs)
-        elif B >= BK:
-            s = tl.load(s_ptrs + k0 // B)
-        elif BK == 2 * B:  # (two slots a step: one load of each, the first for k < B)
-            s = tl.load(s_ptrs + k0 // B)
-            s1 = tl.load(s_ptrs + k0 // B + 1)
-        else:
-            s = tl.load(s_ptrs)
-            s_ptrs += BK // B
-        if B == 0 or BK <= 2 * B:
-            if FORM == 3:
-                s = s[None, :]
-                if BK == 2 * B:
-                    s = tl.where(kk[:, None] < B, s, s1[None, :])
-            else:
-                s = s[:, None]
-                if BK == 2 * B:
-                    s = tl.where(kk[None, :] < B, s, s1[:, None])
-        w = to_bf16(decode(c, KIND) * s, INTERPRETED)
-        xs = tl.load(x_ptrs)
-        if FORM == 3:
-            if INTERPRETED:  # (its bfloat16 tl.dot gives wrong sums; the same products in f32)
-                acc = tl.dot(xs.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xs, w, acc)
-        else:
-            if INTERPRETED:
-                acc = tl.dot(w.to(tl.float32), xs.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, xs, acc)
-        w_ptrs += BK // PER
-        x_ptrs += BK
-    n_ok, m_ok = rows < N, xrows < M
-    if FORM == 3:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-        tl.store(y_ptr + xrows.to(tl.int64)[:, None] * N + rows[None, :], to_bf16(acc, INTERPRETED),
-                 mask=m_ok[:, None] & n_ok[None, :])
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
-        tl.store(y_ptr + xrows.to(tl.int64)[None, :] * N + rows[:, None], to_bf16(acc, INTERPRETED),
-                 mask=n_ok[:, None] & m_ok[None, :])
-
-
-@triton.jit
-def fused_fields(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb, rows, xrows, rn, rm,
-                 KIND: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, INTERPRETED: tl.constexpr):
-    """FORM 4: a step's code bytes [BN, BK / PER] loaded once; field f of every byte (columns
-    k0 + PER * j + f) is the A operand of its own product, against x's columns in the same order
-    (x given with each step's columns grouped by field: `fused.launch`)."""
-    PER: tl.constexpr = 8 // BITS
-    J: tl.constexpr = BK // PER
+    rn, rm = rows % N, xrows % M
     jj = tl.arange(0, J)
     w_ptrs = w_ptr + rn[:, None] * row_bytes + jj[None, :]
     x_ptrs = x_ptr + rm[None, :] * K + jj[:, None]
@@ -167,15 +101,57 @@ def fused_fields(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb, row
                 c = b
             else:
                 c = (b >> (f * BITS)) & ((1 << BITS) - 1)
-            w = to_bf16(decode(c, KIND) * s, INTERPRETED)
-            xs = tl.load(x_ptrs + f * J)
-            if INTERPRETED:  # (its bfloat16 tl.dot gives wrong sums; the same products in f32)
-                acc = tl.dot(w.to(tl.float32), xs.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, xs, acc)
+            acc = dot(to_bf16(decode(c, KIND) * s, INTERPRETED), tl.load(x_ptrs + f * J), acc, INTERPRETED)
         w_ptrs += J
         x_ptrs += BK
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
     tl.store(y_ptr + xrows.to(tl.int64)[None, :] * N + rows[:, None], to_bf16(acc, INTERPRETED),
              mask=(rows < N)[:, None] & (xrows < M)[None, :])
+
+
+@triton.jit
+def fused_columns(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
+                  KIND: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, INTERPRETED: tl.constexpr):
+    """`FORM_COLUMNS`: x's tile [BM, BK] is the A operand and the weight's [BK, BN], in column
+    order, the B operand: each element loads its code's byte and shifts its field out. Any step
+    (scale slots of 16 columns included)."""
+    PER: tl.constexpr = 8 // BITS
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BM)
+    pid_m, pid_n = pid % tiles_m, pid // tiles_m
+    rows = pid_n * BN + tl.arange(0, BN)
+    xrows = pid_m * BM + tl.arange(0, BM)
+    rn, rm = rows % N, xrows % M
+    kk = tl.arange(0, BK)
+    w_ptrs = w_ptr + rn[None, :] * row_bytes + (kk // PER)[:, None]
+    shift = ((kk % PER) * BITS)[:, None]
+    x_ptrs = x_ptr + rm[:, None] * K + kk[None, :]
+    if B == 0 or BK <= 2 * B:
+        s_ptrs = s_ptr + rn * nsb
+    else:
+        s_ptrs = s_ptr + rn[None, :] * nsb + (kk // B)[:, None]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        b = tl.load(w_ptrs).to(tl.int32)
+        if BITS == 8:
+            c = b
+        else:
+            c = (b >> shift) & ((1 << BITS) - 1)
+        if B == 0:
+            s = tl.load(s_ptrs)[None, :]
+        elif B >= BK:
+            s = tl.load(s_ptrs + k0 // B)[None, :]
+        elif BK == 2 * B:  # (two slots a step: one load of each, the first for k < B)
+            s = tl.where(kk[:, None] < B, tl.load(s_ptrs + k0 // B)[None, :], tl.load(s_ptrs + k0 // B + 1)[None, :])
+        else:
+            s = tl.load(s_ptrs)
+            s_ptrs += BK // B
+        acc = dot(tl.load(x_ptrs), to_bf16(decode(c, KIND) * s, INTERPRETED), acc, INTERPRETED)
+        w_ptrs += BK // PER
+        x_ptrs += BK
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+    tl.store(y_ptr + xrows.to(tl.int64)[:, None] * N + rows[None, :], to_bf16(acc, INTERPRETED),
+             mask=(xrows < M)[:, None] & (rows < N)[None, :])
