@@ -60,14 +60,22 @@ class Tile:
 
 
 def tile_for(m: int) -> Tile:
-    """The tile for m rows of x (or `TUNE_ENV`'s)."""
+    """The tile for m rows of x (or `TUNE_ENV`'s): the fields form, steps of 32 columns (the code
+    bytes then pipeline into shared memory and reach the tensor cores' A registers with no
+    layout change: ptxas sm_90, Triton 3.6), wider x tiles for more rows."""
     text = os.environ.get(TUNE_ENV)
     if text:
         t = Tile(*parse_tune(TUNE_ENV, text, "BN,BM,BK,WARPS,STAGES,FORM"))
         if t.form not in (FORM_COLUMNS, FORM_FIELDS):
             raise ValueError(f"{TUNE_ENV}={text!r}: FORM is {FORM_COLUMNS} (columns) or {FORM_FIELDS} (fields)")
         return t
-    return Tile(128, 256, 64, 8, 3, FORM_FIELDS)
+    if m <= 64:
+        return Tile(64, 64, 32, 4, 4)
+    if m <= 128:
+        return Tile(64, 128, 32, 4, 4)
+    if m <= 512:
+        return Tile(128, 128, 32, 8, 3)
+    return Tile(128, 256, 32, 8, 3)
 
 
 @lru_cache(maxsize=1)
