@@ -1,8 +1,9 @@
 """Tuning runs of the cuda backend's `linear` kernels: each variant a `benchmarks/matmul.py` run of its own.
 
     NUMBA_ENABLE_CUDASIM=0 python benchmarks/linear_tune.py [--out DIR] [--decode 8,4,2 8,2,2 ...]
-        [--tc 8,4 8,8 ...] [--decode-m 1] [--tc-m 1,8,16] [--shapes 8192x8192] [--schemes ...]
-        [--reps 10] [--budget-s 50] [--timeout-s 90] [--dry-run]
+        [--tc 8,4 8,8 ...] [--fused off 128,128,32,8,3,2 ...] [--decode-m 1] [--tc-m 1,8,16]
+        [--fused-m 64,256,2048] [--shapes 8192x8192] [--schemes ...] [--reps 10] [--budget-s 50]
+        [--timeout-s 90] [--dry-run]
 
 The kernels' tunings are read when the backend is imported (`QCORE_CUDA_DECODE_TUNE` =
 WARPS,U,RW for the decode kernel, k_decode.py; `QCORE_CUDA_LINEAR_TUNE` = WARPS,U for
@@ -10,8 +11,11 @@ the tensor-core kernel, linear.py), so each variant runs in a process of its own
 `benchmarks/matmul.py` with the variant in its environment, GPU time (`--hide-launch`), torch
 bf16 as the peer in the same process, the weight evicted from L2 before each call. A tensor-core
 variant runs with the decode path off (`QCORE_CUDA_LINEAR_DECODE_M=0`), so M = 1 takes it too.
+A fused-GEMM variant (`QCORE_CUDA_FUSED_TUNE` = BN,BM,BK,WARPS,STAGES,FORM, fused.py) runs with
+that path on from one row (`QCORE_CUDA_LINEAR_FUSED_M=1`); its variant `off` runs the path that
+takes its place otherwise (dequantize + cuBLAS), in the same table.
 
-Each run's `matmul.json` lands in `DIR/decode-<variant>` or `DIR/tc-<variant>` (commas as dashes);
+Each run's `matmul.json` lands in `DIR/<kernel>-<variant>` (commas as dashes);
 then one table per kernel: a row per variant, a column per (scheme, shape, M), each cell the plain
 `linear` call's speed-up over torch bf16 in that variant's own run. `linear_tune.json` in DIR holds
 the same (and each run's command, return code and wall time).
@@ -26,24 +30,32 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DECODE_ENV, TC_ENV = "QCORE_CUDA_DECODE_TUNE", "QCORE_CUDA_LINEAR_TUNE"
+DECODE_ENV, TC_ENV, FUSED_ENV = "QCORE_CUDA_DECODE_TUNE", "QCORE_CUDA_LINEAR_TUNE", "QCORE_CUDA_FUSED_TUNE"
+ENVS = {"decode": DECODE_ENV, "tc": TC_ENV, "fused": FUSED_ENV}
+"""Each kernel's tuning variable."""
 DECODE_VARIANTS = ["8,4,2", "8,2,2", "8,4,1", "4,4,2", "8,8,1"]
 """The decode kernel's default, fewer units in flight, one row a warp, fewer warps, more units."""
 TC_VARIANTS = ["8,4", "8,8", "8,2", "16,4"]
 """The tensor-core kernel's default, more or fewer chunks in flight, more warps."""
+FUSED_VARIANTS = ["off", "64,64,32,4,4,2", "64,128,32,4,4,2", "128,128,32,8,3,2", "128,256,32,8,3,2",
+                  "128,256,64,8,3,2", "128,128,32,8,3,1"]
+"""The fused GEMM off (dequantize + cuBLAS), `fused.tile_for`'s tiles, a wider step, the columns form."""
 SCHEMES = "q4s/block32:f16,q8s/block32:f16,mxfp4,nvfp4"
 
 
 def runs(args) -> list[dict]:
     """Every variant's run: kernel, variant, environment additions, output folder, command."""
     out = []
-    for kernel, variants, env, m in (("decode", args.decode, DECODE_ENV, args.decode_m),
-                                     ("tc", args.tc, TC_ENV, args.tc_m)):
+    for kernel, variants, m in (("decode", args.decode, args.decode_m), ("tc", args.tc, args.tc_m),
+                                ("fused", args.fused, args.fused_m)):
         for v in variants:
             folder = os.path.join(args.out, f"{kernel}-{v.replace(',', '-')}")
-            extra = {env: v, "NUMBA_ENABLE_CUDASIM": "0"}
+            extra = {ENVS[kernel]: v, "NUMBA_ENABLE_CUDASIM": "0"}
             if kernel == "tc":
                 extra["QCORE_CUDA_LINEAR_DECODE_M"] = "0"
+            if kernel == "fused":
+                extra = ({"NUMBA_ENABLE_CUDASIM": "0", "QCORE_CUDA_LINEAR_FUSED_M": "0"} if v == "off" else
+                         {**extra, "QCORE_CUDA_LINEAR_FUSED_M": "1"})
             cmd = [sys.executable, os.path.join(HERE, "matmul.py"), "--m", m, "--shapes", args.shapes, "--schemes",
                    args.schemes, "--peers", "torch_bf16", "--hide-launch", "--reps", str(args.reps), "--budget-s",
                    str(args.budget_s), "--out", folder]
@@ -60,13 +72,14 @@ def ratios(matmul_json: dict) -> dict:
 def tables(done: list[dict]) -> str:
     """One table per kernel: a row per variant, a column per (scheme, shape, M) any run measured."""
     lines = []
-    for kernel in ("decode", "tc"):
+    for kernel in ENVS:
         mine = [r for r in done if r["kernel"] == kernel]
         cols = sorted({k for r in mine for k in r["ratios"]}, key=lambda k: (k[0], k[1], k[2]))
         if not mine:
             continue
-        lines.append(f"{kernel} ({DECODE_ENV if kernel == 'decode' else TC_ENV}): speed-up over torch bf16")
-        lines.append("variant".ljust(12) + "".join(f"{s} {sh} M={m}".rjust(max(14, len(f'{s} {sh} M={m}') + 2))
+        wv = max(12, max(len(r["variant"]) for r in mine) + 2)
+        lines.append(f"{kernel} ({ENVS[kernel]}): speed-up over torch bf16")
+        lines.append("variant".ljust(wv) + "".join(f"{s} {sh} M={m}".rjust(max(14, len(f'{s} {sh} M={m}') + 2))
                                                   for s, sh, m in cols))
         for r in mine:
             cells = []
@@ -74,7 +87,7 @@ def tables(done: list[dict]) -> str:
                 w = max(14, len(f"{s} {sh} M={m}") + 2)
                 v = r["ratios"].get((s, sh, m))
                 cells.append((f"{v:.2f}x" if v is not None else "-").rjust(w))
-            lines.append(r["variant"].ljust(12) + "".join(cells) + (f"  (rc {r['rc']})" if r["rc"] else ""))
+            lines.append(r["variant"].ljust(wv) + "".join(cells) + (f"  (rc {r['rc']})" if r["rc"] else ""))
         lines.append("")
     return "\n".join(lines)
 
@@ -84,8 +97,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "linear_tune"), help="folder of the runs")
     ap.add_argument("--decode", nargs="*", default=DECODE_VARIANTS, help=f"{DECODE_ENV} values (none: skip)")
     ap.add_argument("--tc", nargs="*", default=TC_VARIANTS, help=f"{TC_ENV} values (none: skip)")
+    ap.add_argument("--fused", nargs="*", default=[], help=f"{FUSED_ENV} values, or off (none, the default: skip; "
+                                                          f"e.g. {' '.join(FUSED_VARIANTS)})")
     ap.add_argument("--decode-m", default="1", help="M of the decode runs (default 1)")
     ap.add_argument("--tc-m", default="1,8,16", help="M of the tensor-core runs (default 1,8,16)")
+    ap.add_argument("--fused-m", default="64,256,2048", help="M of the fused-GEMM runs (default 64,256,2048)")
     ap.add_argument("--shapes", default="8192x8192", help="NxK, comma-separated (default 8192x8192)")
     ap.add_argument("--schemes", default=SCHEMES, help=f"comma-separated (default {SCHEMES})")
     ap.add_argument("--reps", type=int, default=10, help="timed calls per case (default 10)")
