@@ -36,6 +36,8 @@ GPU_NOTES = _note("gpu")
 
 GEMV_NOTES = _note("gemv")
 
+LINEAR_NOTES = _note("linear")
+
 
 def _run_line(run: dict) -> str:
     parts = [f"Run of {run['date']} on {run['hardware']}", f"software: {run['software']}",
@@ -340,6 +342,8 @@ def render_linear(res: dict, separate: bool = False, moved: tuple[set, set] = (s
              + ". A cell is microseconds / speed-up over torch bf16 dense `x @ W.T` in the same run (above 1: "
                "faster). qcore rows are `be.linear(x, qw)` on the cuda backend (docs/gpu.md, `linear`)."
              + (" Cases timed in a run of their own are in the subsections below." if moved_cells else ""), ""]
+    if not separate:
+        lines += [LINEAR_NOTES.strip(), ""]
     cells = [c for c in res["cells"] if c.get("m") is not None]
     for shape in res.get("shapes", sorted({c["shape"] for c in cells})):
         rows = [c for c in cells if c["shape"] == shape and not c.get("label", "").endswith("out=")]
