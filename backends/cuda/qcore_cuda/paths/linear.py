@@ -94,9 +94,10 @@ environment variable of that name replaces it at import (benchmarks compare both
 
 
 FUSED_FROM_M = int(os.environ.get("QCORE_CUDA_LINEAR_FUSED_M", "0"))
-"""The fewest rows of x `FusedGemmLinear` takes (0: never, the default: benchmarks/matmul.py
-measured it slower than `DequantizedGemmLinear` at every M, docs/performance.md); the environment
-variable of that name replaces it at import (benchmarks compare the paths)."""
+"""The fewest rows of x `FusedGemmLinear` takes (0: never, the default until it is timed faster
+than `DequantizedGemmLinear`: its first loop was slower at every M, its current one is not yet
+timed, docs/performance.md); the environment variable of that name replaces it at import
+(benchmarks compare the paths)."""
 
 
 def _bf16_library_call(c: LinearCall) -> bool:
