@@ -61,10 +61,10 @@ import numpy as np
 
 from . import fast, linear
 from ._params import ParamLayout
-from .intrin import f16_bits, f16_f32, f16x2_f32, ld1, ld2, ld4, lds4, u2f
-from .linear import OT_F16, OT_F32, XT_BF16, XT_F16, XT_F32, _bf16_rn_bits as bf16_rn_bits
+from .intrin import f16_f32, f16x2_f32, ld1, ld2, ld4, lds4, u2f
+from .linear import XT_BF16, XT_F16, XT_F32, store_out
 
-from numba import config, cuda, float32, int32, int64, uint16, uint32  # noqa: E402
+from numba import config, cuda, float32, int32, int64, uint32  # noqa: E402
 
 SIM = bool(config.ENABLE_CUDASIM)
 TUNE_ENV = "QCORE_CUDA_DECODE_TUNE"
@@ -377,13 +377,7 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
                         v = acc[a]
                         if P[DL_BIAS] != int64(0):
                             v += bias[n]
-                        o = m * N + n
-                        if P[DL_OT] == int64(OT_F32):
-                            out32[o] = v
-                        elif P[DL_OT] == int64(OT_F16):
-                            out16[o] = uint16(f16_bits(v))
-                        else:
-                            out16[o] = uint16(bf16_rn_bits(v))
+                        store_out(out32, out16, m * N + n, v, P[DL_OT])
             rnd += int64(1)
 
     return k_decode_linear

@@ -341,17 +341,22 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
             scaled(es[sra + h0], es[srb + h0], tmp, acc)
 
     @cuda.jit(device=True, inline="always")
+    def load_chunk(w32, wa, wb, i, c, wra, wrb, sh):
+        """The code word(s) of chunk c of the lane's two rows into wa[i], wb[i] (and wa[i + 1],
+        wb[i + 1] for 8-bit codes)."""
+        o = c * int64(cw)
+        if ws == 1:
+            wa[i] = load1(w32, wra + o, sh)
+            wb[i] = load1(w32, wrb + o, sh)
+        else:
+            wa[i], wa[i + 1] = ld2(w32, wra + o)
+            wb[i], wb[i + 1] = ld2(w32, wrb + o)
+
+    @cuda.jit(device=True, inline="always")
     def load_group(w32, wa, wb, c, wra, wrb, sh):
         """The code words of chunks c .. c + uf - 1 of the lane's two rows."""
         for u in range(uf):
-            o = (c + int64(u)) * int64(cw)
-            i = u * 2
-            if ws == 1:
-                wa[i] = load1(w32, wra + o, sh)
-                wb[i] = load1(w32, wrb + o, sh)
-            else:
-                wa[i], wa[i + 1] = ld2(w32, wra + o)
-                wb[i], wb[i + 1] = ld2(w32, wrb + o)
+            load_chunk(w32, wa, wb, u * 2, c + int64(u), wra, wrb, sh)
 
     @cuda.jit(device=True, inline="always")
     def use_group(x, es, wa, wb, c, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base):
@@ -409,10 +414,7 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
                 c = c0 + s
                 ok = c < c1
                 cc = c if ok else int64(0)
-                wa[0], wa[1] = (load1(w32, wra + cc * int64(cw), sh), uint32(0)) if ws == 1 else \
-                    ld2(w32, wra + cc * int64(cw))
-                wb[0], wb[1] = (load1(w32, wrb + cc * int64(cw), sh), uint32(0)) if ws == 1 else \
-                    ld2(w32, wrb + cc * int64(cw))
+                load_chunk(w32, wa, wb, 0, cc, wra, wrb, sh)
                 if not ok:
                     for j in range(nb):
                         xo[j] = int64(-1)
@@ -424,13 +426,7 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
                 use_group(x, es, wa, wb, c, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
                 c += int64(uf)
             while c < c1:
-                o = c * int64(cw)
-                if ws == 1:
-                    wa[0] = load1(w32, wra + o, sh)
-                    wb[0] = load1(w32, wrb + o, sh)
-                else:
-                    wa[0], wa[1] = ld2(w32, wra + o)
-                    wb[0], wb[1] = ld2(w32, wrb + o)
+                load_chunk(w32, wa, wb, 0, c, wra, wrb, sh)
                 chunk(x, es, c, wa[0], wa[1], wb[0], wb[1], sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
                 c += int64(1)
         # C of tile j: lane (g, t) holds rows g, g + 8 and columns 8j + 2t, 8j + 2t + 1
@@ -454,13 +450,7 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
                     v += red[int64(w * 16 * mt) + idx]
                 if P[LP_BIAS] != int64(0):
                     v += bias[n]
-                o = m * N + n
-                if P[LP_OT] == int64(OT_F32):
-                    out32[o] = v
-                elif P[LP_OT] == int64(OT_F16):
-                    out16[o] = uint16(f16_bits(v))
-                else:
-                    out16[o] = uint16(_bf16_rn_bits(v))
+                store_out(out32, out16, m * N + n, v, P[LP_OT])
             idx += int64(nt)
 
     return k_linear
@@ -473,6 +463,18 @@ def _bf16_rn_bits(v):
     if (u & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
         return (u >> uint32(16)) | uint32(0x40)
     return (u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))) >> uint32(16)
+
+
+@cuda.jit(device=True, inline="always")
+def store_out(out32, out16, o, v, ot):
+    """Result element o = the f32 sum v rounded once to the result type `ot` (OT_F32: out32;
+    OT_F16, OT_BF16: their bits in out16, nearest even): the one rounding of every linear kernel."""
+    if ot == int64(OT_F32):
+        out32[o] = v
+    elif ot == int64(OT_F16):
+        out16[o] = uint16(f16_bits(v))
+    else:
+        out16[o] = uint16(_bf16_rn_bits(v))
 
 
 def kernel(kind: int, xt: int, nb: int, halves: bool = False):
@@ -535,12 +537,7 @@ def k_finish(y, bias, out32, out16, n, cols, ot, has_bias):
         v = y[i]
         if has_bias != int64(0):
             v += bias[i % cols]
-        if ot == int64(OT_F32):
-            out32[i] = v
-        elif ot == int64(OT_F16):
-            out16[i] = uint16(f16_bits(v))
-        else:
-            out16[i] = uint16(_bf16_rn_bits(v))
+        store_out(out32, out16, i, v, ot)
         i += int64(cuda.gridsize(1))
 
 
