@@ -67,6 +67,18 @@ def dot(a, b, acc, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def tile(M, N, BN: tl.constexpr, BM: tl.constexpr):
+    """This program's weight rows and x rows, and the same clamped inside N and M (the rows
+    past an edge read rows inside; their results are not stored). Programs that share a weight
+    tile are consecutive, so they run together."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BM)
+    rows = (pid // tiles_m) * BN + tl.arange(0, BN)
+    xrows = (pid % tiles_m) * BM + tl.arange(0, BM)
+    return rows, xrows, rows % N, xrows % M
+
+
+@triton.jit
 def fused_fields(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
                  KIND: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -76,12 +88,7 @@ def fused_fields(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
     `fused.launch`). A step reads one scale slot a row, or two (BK = 2 * B)."""
     PER: tl.constexpr = 8 // BITS
     J: tl.constexpr = BK // PER
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BM)
-    pid_m, pid_n = pid % tiles_m, pid // tiles_m  # (programs that share a weight tile run together)
-    rows = pid_n * BN + tl.arange(0, BN)
-    xrows = pid_m * BM + tl.arange(0, BM)
-    rn, rm = rows % N, xrows % M
+    rows, xrows, rn, rm = tile(M, N, BN, BM)
     jj = tl.arange(0, J)
     w_ptrs = w_ptr + rn[:, None] * row_bytes + jj[None, :]
     x_ptrs = x_ptr + rm[None, :] * K + jj[:, None]
@@ -118,12 +125,7 @@ def fused_columns(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
     order, the B operand: each element loads its code's byte and shifts its field out. Any step
     (scale slots of 16 columns included)."""
     PER: tl.constexpr = 8 // BITS
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BM)
-    pid_m, pid_n = pid % tiles_m, pid // tiles_m
-    rows = pid_n * BN + tl.arange(0, BN)
-    xrows = pid_m * BM + tl.arange(0, BM)
-    rn, rm = rows % N, xrows % M
+    rows, xrows, rn, rm = tile(M, N, BN, BM)
     kk = tl.arange(0, BK)
     w_ptrs = w_ptr + rn[None, :] * row_bytes + (kk // PER)[:, None]
     shift = ((kk % PER) * BITS)[:, None]
