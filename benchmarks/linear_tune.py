@@ -12,8 +12,9 @@ the tensor-core kernel, linear.py), so each variant runs in a process of its own
 bf16 as the peer in the same process, the weight evicted from L2 before each call. A tensor-core
 variant runs with the decode path off (`QCORE_CUDA_LINEAR_DECODE_M=0`), so M = 1 takes it too.
 A fused-GEMM variant (`QCORE_CUDA_FUSED_TUNE` = BN,BM,BK,WARPS,STAGES,FORM, fused.py) runs with
-that path on from one row (`QCORE_CUDA_LINEAR_FUSED_M=1`); its variant `off` runs the path that
-takes its place otherwise (dequantize + cuBLAS), in the same table.
+that path on from one row and for every value kind (`QCORE_CUDA_LINEAR_FUSED_M=1`,
+`QCORE_CUDA_LINEAR_FUSED_KINDS=all`); its variant `off` (`QCORE_CUDA_LINEAR_FUSED_M=0`) runs the
+paths that take each M otherwise (the tensor-core kernel, dequantize + cuBLAS), in the same table.
 
 Each run's `matmul.json` lands in `DIR/<kernel>-<variant>` (commas as dashes);
 then one table per kernel: a row per variant, a column per (scheme, shape, M), each cell the plain
@@ -37,9 +38,10 @@ DECODE_VARIANTS = ["8,4,2", "8,2,2", "8,4,1", "4,4,2", "8,8,1"]
 """The decode kernel's default, fewer units in flight, one row a warp, fewer warps, more units."""
 TC_VARIANTS = ["8,4", "8,8", "8,2", "16,4"]
 """The tensor-core kernel's default, more or fewer chunks in flight, more warps."""
-FUSED_VARIANTS = ["off", "64,64,32,4,4,2", "64,128,32,4,4,2", "128,128,32,8,3,2", "128,256,32,8,3,2",
+FUSED_VARIANTS = ["off", "64,64,64,4,4,2", "64,32,64,4,4,2", "64,128,32,4,4,2", "128,128,64,8,3,2",
                   "128,256,64,8,3,2", "128,128,32,8,3,1"]
-"""The fused GEMM off (dequantize + cuBLAS), `fused.tile_for`'s tiles, a wider step, the columns form."""
+"""The fused GEMM off (the paths that take each M otherwise), `fused.tile_for`'s tiles, fewer x
+rows, a narrower step, the columns form."""
 SCHEMES = "q4s/block32:f16,q8s/block32:f16,mxfp4,nvfp4"
 
 
@@ -55,7 +57,7 @@ def runs(args) -> list[dict]:
                 extra["QCORE_CUDA_LINEAR_DECODE_M"] = "0"
             if kernel == "fused":
                 extra = ({"NUMBA_ENABLE_CUDASIM": "0", "QCORE_CUDA_LINEAR_FUSED_M": "0"} if v == "off" else
-                         {**extra, "QCORE_CUDA_LINEAR_FUSED_M": "1"})
+                         {**extra, "QCORE_CUDA_LINEAR_FUSED_M": "1", "QCORE_CUDA_LINEAR_FUSED_KINDS": "all"})
             cmd = [sys.executable, os.path.join(HERE, "matmul.py"), "--m", m, "--shapes", args.shapes, "--schemes",
                    args.schemes, "--peers", "torch_bf16", "--hide-launch", "--reps", str(args.reps), "--budget-s",
                    str(args.budget_s), "--out", folder]

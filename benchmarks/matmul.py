@@ -746,17 +746,21 @@ def make_fn(torch, be, S, case, scheme, peer, x, y, m, cell):
             cell["error"] = f"the decode kernel takes M <= {k_decode.MBS[-1]}"
             return None
         qw, never = S.qw[scheme], 1 << 62
-        # (FUSED_FROM_M, LIBRARY_FROM_M, DECODE_MAX_M): the one path the case forces
-        force = {"linear_decode": (never, never, k_decode.MBS[-1]), "linear_kernel": (never, never, 0),
-                 "linear_gemm": (never, 1, 0), "linear_fused": (1, never, 0)}[case]
+        # (FUSED_M, FUSED_ALL_KINDS, LIBRARY_FROM_M, DECODE_MAX_M): the one path the case forces
+        off = (0, 0)
+        force = {"linear_decode": (off, False, never, k_decode.MBS[-1]), "linear_kernel": (off, False, never, 0),
+                 "linear_gemm": (off, False, 1, 0), "linear_fused": ((1, never), True, never, 0)}[case]
+        names = ("FUSED_M", "FUSED_ALL_KINDS", "LIBRARY_FROM_M", "DECODE_MAX_M")
 
         def forced():  # (stream= given: a repeat call's kept plan is neither used nor made)
-            keep = linear_paths.FUSED_FROM_M, linear_paths.LIBRARY_FROM_M, linear_paths.DECODE_MAX_M
-            linear_paths.FUSED_FROM_M, linear_paths.LIBRARY_FROM_M, linear_paths.DECODE_MAX_M = force
+            keep = [getattr(linear_paths, n) for n in names]
+            for n, v in zip(names, force):
+                setattr(linear_paths, n, v)
             try:
                 return be.linear(x["bf16"], qw, stream=torch.cuda.current_stream())
             finally:
-                linear_paths.FUSED_FROM_M, linear_paths.LIBRARY_FROM_M, linear_paths.DECODE_MAX_M = keep
+                for n, v in zip(names, keep):
+                    setattr(linear_paths, n, v)
         return forced
     if peer == "torch_bf16":
         wb = S.wb

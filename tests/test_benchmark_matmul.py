@@ -64,7 +64,7 @@ def linear_tune():
 
 def test_linear_tune_runs_each_variant_in_its_own_environment(linear_tune, tmp_path):
     """benchmarks/linear_tune.py: a matmul.py run per variant with the kernel's tuning variable
-    (the tensor-core runs with the decode path off, the fused GEMM's on from one row, or `off`),
+    (the tensor-core runs with the decode path off, the fused GEMM's on from one row for every kind, or `off`),
     and a table of each run's own ratios."""
     plan = linear_tune.runs(argparse.Namespace(
         out=str(tmp_path), decode=["8,4,2"], tc=["8,8"], fused=["off", "128,128,32,8,3,2"], decode_m="1", tc_m="1,16",
@@ -74,7 +74,7 @@ def test_linear_tune_runs_each_variant_in_its_own_environment(linear_tune, tmp_p
         ("tc", {"QCORE_CUDA_LINEAR_TUNE": "8,8", "NUMBA_ENABLE_CUDASIM": "0", "QCORE_CUDA_LINEAR_DECODE_M": "0"}),
         ("fused", {"NUMBA_ENABLE_CUDASIM": "0", "QCORE_CUDA_LINEAR_FUSED_M": "0"}),
         ("fused", {"QCORE_CUDA_FUSED_TUNE": "128,128,32,8,3,2", "NUMBA_ENABLE_CUDASIM": "0",
-                   "QCORE_CUDA_LINEAR_FUSED_M": "1"})]
+                   "QCORE_CUDA_LINEAR_FUSED_M": "1", "QCORE_CUDA_LINEAR_FUSED_KINDS": "all"})]
     assert plan[3]["cmd"][plan[3]["cmd"].index("--m") + 1] == "256"
     assert plan[1]["out"].endswith("tc-8-8") and plan[1]["cmd"][plan[1]["cmd"].index("--m") + 1] == "1,16"
     cells = [{"case": "linear", "scheme": "nvfp4", "shape": "8192x8192", "m": 1, "ratios": {"vs_torch_bf16": 1.5}},

@@ -84,13 +84,14 @@ def test_fused_kernel_is_within_the_bfloat16_weight_bound(text, n, k, m, bias, f
 @pytest.mark.parametrize("text", SCHEMES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bias):
-    """bfloat16 x of at least FUSED_FROM_M rows (64 here) through `linear`: the fused GEMM (N, K and M past
-    its tiles' edges), within the bound, the same bits on a repeat; with x the identity, each
-    weight value rounded once to bfloat16."""
+    """bfloat16 x through `linear` with the fused GEMM on for every kind: the fused GEMM (N, K and
+    M past its tiles' edges), within the bound, the same bits on a repeat; with x the identity,
+    each weight value rounded once to bfloat16."""
     from qcore_cuda.paths import TAKEN
     from qcore_cuda.paths import linear as paths_linear
 
-    monkeypatch.setattr(paths_linear, "FUSED_FROM_M", 64)  # (on, whatever the default)
+    monkeypatch.setattr(paths_linear, "FUSED_M", (64, 1 << 20))  # (on, whatever the default)
+    monkeypatch.setattr(paths_linear, "FUSED_ALL_KINDS", True)
     be = cuda_backend
     m, n, k = 64 + 77, 200, 352
     w, x, b = _case(text, n, k, m, bias)
@@ -118,7 +119,7 @@ sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "b_ptr": "*bf16", "y_
        "K": "i32", "row_bytes": "i32", "nsb": "i32"}
 out = []
 for kind, block in json.loads(sys.argv[1]):
-    t = fused.step_for(fused.tile_for(1 << 12), kind, 1 << 12, block)
+    t = fused.step_for(fused.tile_for(128), kind, 1 << 12, block)  # (the default plan's tile)
     const = {"KIND": kind, "BITS": fast.KIND_BITS[kind], "B": block, "HAS_BIAS": True, "BN": t.bn, "BM": t.bm, "BK": t.bk,
              "INTERPRETED": False}
     fn = k_fused.fused_fields if t.form == fused.FORM_FIELDS else k_fused.fused_columns
@@ -137,10 +138,10 @@ print(json.dumps(out))
 
 
 def test_fused_kernel_compiles_for_sm90_without_spills(tmp_path):
-    """The default tile's kernel for every value kind (one scale slot a step, two, per row; both
-    forms) compiles
-    for sm_90 with Triton's own toolchain, no GPU needed, its product on wgmma and nothing in local
-    memory (ptxas's stack frame 0: no spills; in a process without the interpreter switch)."""
+    """The default plan's tile's kernel for every value kind (one scale slot a step, two, per row;
+    both forms) compiles for sm_90 with Triton's own toolchain, no GPU needed, its product on
+    wgmma and nothing in local memory (ptxas's stack frame 0: no spills; in a process without the
+    interpreter switch)."""
     import json
     import os
     import subprocess
@@ -157,3 +158,40 @@ def test_fused_kernel_compiles_for_sm90_without_spills(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     for c in json.loads(r.stdout.strip().splitlines()[-1]):
         assert c["wgmma"] > 0 and c["stack"] == 0, c
+
+
+@pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
+@pytest.mark.parametrize("text,m,path", [("q4s/block32:f16", 64, "FusedGemmLinear"), ("q8s", 128, "FusedGemmLinear"),
+                                         ("q4s/block32:f16", 32, "TensorCoreLinear"),
+                                         ("q4s/block32:f16", 256, "DequantizedGemmLinear"),
+                                         ("mxfp4", 64, "DequantizedGemmLinear")])
+def test_the_default_plan_takes_the_fused_gemm_where_it_was_timed_faster(cuda_backend, text, m, path):
+    """With the defaults (`paths.linear.FUSED_M`, integer kinds): the fused GEMM takes integer
+    weights at 48..128 rows of bfloat16 x; fewer rows the tensor-core kernel, more rows or a
+    minifloat weight dequantize + cuBLAS."""
+    from qcore_cuda.paths import TAKEN
+    from qcore_cuda.paths import linear as paths_linear
+
+    w, x, _ = _case(text, 96, 256, m, False)
+    qd = cuda_backend.quantize(w, text)
+    names = [type(p).__name__ for p in paths_linear.LINEAR]
+    before = [TAKEN[n] for n in names]
+    cuda_backend.linear(_bf16(x).cuda(), qd)
+    assert [n for n, b in zip(names, before) if TAKEN[n] != b] == [path]
+
+
+@pytest.mark.parametrize("text,want", [("48,128", (48, 128)), ("1", (1, 1 << 62)), ("0", (0, 1 << 62))])
+def test_fused_rows_read_from_the_environment(text, want):
+    """`QCORE_CUDA_LINEAR_FUSED_M`: FROM,TO; FROM alone has no upper bound; 0 is never; anything
+    else a one-line error naming the variable."""
+    from qcore_cuda.paths import linear as paths_linear
+
+    assert paths_linear._fused_rows(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "a,b", "1,2,3", "-1"])
+def test_bad_fused_rows_are_refused(text):
+    from qcore_cuda.paths import linear as paths_linear
+
+    with pytest.raises(ValueError, match="QCORE_CUDA_LINEAR_FUSED_M"):
+        paths_linear._fused_rows(text)

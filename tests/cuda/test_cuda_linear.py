@@ -221,7 +221,7 @@ def test_prefill_dequantizes_to_bfloat16_then_takes_torchs_gemm(cuda_backend, mo
     torch = pytest.importorskip("torch")
     from qcore_cuda.paths import linear as paths_linear
 
-    monkeypatch.setattr(paths_linear, "FUSED_FROM_M", 0)
+    monkeypatch.setattr(paths_linear, "FUSED_M", (0, 0))
     be = cuda_backend
     m = paths_linear.LIBRARY_FROM_M + 3
     w = _weight(96, 256)

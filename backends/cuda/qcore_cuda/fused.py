@@ -36,10 +36,12 @@ from typing import Any
 from . import fast
 from .linear import LP_K, LP_LB, LP_N, LP_NSB, LP_WPR, parse_tune
 
-__all__ = ["KINDS", "FORM_COLUMNS", "FORM_FIELDS", "Tile", "TUNE_ENV", "available", "tile_for", "launch"]
+__all__ = ["KINDS", "INT_KINDS", "FORM_COLUMNS", "FORM_FIELDS", "Tile", "TUNE_ENV", "available", "tile_for", "launch"]
 
 KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_I2, fast.KIND_E4M3, fast.KIND_E5M2, fast.KIND_E2M1)
 """Value kinds (`fast.KINDS`) the kernels decode: those of `linear.geometry`."""
+INT_KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_I2)
+"""The kinds `paths.linear.FusedGemmLinear` takes by default (timed faster than the paths it replaces)."""
 FORM_COLUMNS, FORM_FIELDS = 1, 2
 """The loop's forms (module text)."""
 TUNE_ENV = "QCORE_CUDA_FUSED_TUNE"
@@ -60,22 +62,20 @@ class Tile:
 
 
 def tile_for(m: int) -> Tile:
-    """The tile for m rows of x (or `TUNE_ENV`'s): the fields form, steps of 32 columns (the code
-    bytes then pipeline into shared memory and reach the tensor cores' A registers with no
-    layout change: ptxas sm_90, Triton 3.6), wider x tiles for more rows."""
+    """The tile for m rows of x (or `TUNE_ENV`'s): the fields form, steps of 64 columns; 64 x 64
+    up to 128 rows (where `paths.linear` takes this GEMM: the fastest of the tiles timed there,
+    H100, docs/performance.md), wider tiles beyond (tuning runs)."""
     text = os.environ.get(TUNE_ENV)
     if text:
         t = Tile(*parse_tune(TUNE_ENV, text, "BN,BM,BK,WARPS,STAGES,FORM"))
         if t.form not in (FORM_COLUMNS, FORM_FIELDS):
             raise ValueError(f"{TUNE_ENV}={text!r}: FORM is {FORM_COLUMNS} (columns) or {FORM_FIELDS} (fields)")
         return t
-    if m <= 64:
-        return Tile(64, 64, 32, 4, 4)
     if m <= 128:
-        return Tile(64, 128, 32, 4, 4)
+        return Tile(64, 64, 64, 4, 4)
     if m <= 512:
-        return Tile(128, 128, 32, 8, 3)
-    return Tile(128, 256, 32, 8, 3)
+        return Tile(128, 128, 64, 8, 3)
+    return Tile(128, 256, 64, 8, 3)
 
 
 @lru_cache(maxsize=1)

@@ -7,9 +7,10 @@ caller gave x: a torch tensor for a torch x, else a device array (`QArray`), or 
 dtype, as for `dequantize`). A float64 result is the f32 sums widened.
 
 Paths:
-- `FusedGemmLinear` (`fused.py`): off unless `QCORE_CUDA_LINEAR_FUSED_M` sets the fewest rows it
-  takes: bfloat16 x and result, a torch CUDA x, Triton installed; a Triton GEMM that dequantizes
-  the weight's tiles to bfloat16 (the same rule as the next path) inside its main loop.
+- `FusedGemmLinear` (`fused.py`): bfloat16 x and result, a torch CUDA x of `FUSED_M` rows (48 to
+  128: between the tensor-core kernel's range and where dequantize + cuBLAS wins), an integer
+  weight (`fused.INT_KINDS`), Triton installed; a Triton GEMM that dequantizes the weight's tiles to
+  bfloat16 (the same rule as the next path) inside its main loop.
 - `DequantizedGemmLinear`: bfloat16 x and result, a torch CUDA x of at least `LIBRARY_FROM_M`
   rows (prefill, batched serving): the weight dequantized to bfloat16 into a torch tensor (the
   fast dequantize kernel's bf16 variant, or float32 rounded once), then torch's GEMM (cuBLAS).
@@ -50,7 +51,7 @@ from .._data import NOT_YET
 from .._launch import Packed
 from . import choose
 
-__all__ = ["LINEAR", "FUSED_FROM_M", "LIBRARY_FROM_M", "DECODE_MAX_M", "LinearCall", "FusedGemmLinear",
+__all__ = ["LINEAR", "FUSED_M", "FUSED_ALL_KINDS", "LIBRARY_FROM_M", "DECODE_MAX_M", "LinearCall", "FusedGemmLinear",
            "DequantizedGemmLinear", "DecodeLinear",
            "TensorCoreLinear", "TransposedLinear", "LinearRepeat", "run", "again", "rounded", "placeholders"]
 
@@ -93,11 +94,28 @@ reads the payload as it is, is faster: benchmarks/matmul.py, docs/performance.md
 environment variable of that name replaces it at import (benchmarks compare both paths)."""
 
 
-FUSED_FROM_M = int(os.environ.get("QCORE_CUDA_LINEAR_FUSED_M", "0"))
-"""The fewest rows of x `FusedGemmLinear` takes (0: never, the default until it is timed faster
-than `DequantizedGemmLinear`: its first loop was slower at every M, its current one is not yet
-timed, docs/performance.md); the environment variable of that name replaces it at import
-(benchmarks compare the paths)."""
+def _fused_rows(text: str) -> tuple[int, int]:
+    """`QCORE_CUDA_LINEAR_FUSED_M`: 'FROM,TO' (rows of x, both taken), 'FROM' (no upper bound) or '0' (never)."""
+    try:
+        parts = [int(p) for p in text.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (1, 2) or min(parts) < 0:
+        raise ValueError(f"QCORE_CUDA_LINEAR_FUSED_M={text!r}: FROM,TO rows, FROM (no upper bound) or 0 (never)")
+    return (parts[0], parts[1] if len(parts) == 2 else 1 << 62)
+
+
+FUSED_M = _fused_rows(os.environ.get("QCORE_CUDA_LINEAR_FUSED_M", "48,128"))
+"""(fewest, most) rows of x `FusedGemmLinear` takes (fewest 0: never). By measurement (H100,
+8192 x 8192, `benchmarks/linear_tune.py`, docs/performance.md): at M = 48..128 it beats the path
+it replaces for integer weights (q4s/block32:f16 0.61x against 0.41x torch bf16 at M = 64); the
+tensor-core kernel is faster up to M = 32, dequantize + cuBLAS from M = 256. The environment
+variable of that name replaces it at import (benchmarks compare the paths)."""
+
+FUSED_ALL_KINDS = os.environ.get("QCORE_CUDA_LINEAR_FUSED_KINDS", "int") == "all"
+"""`FusedGemmLinear` takes the integer kinds (`fused.INT_KINDS`: its minifloat decode made mxfp4
+and nvfp4 slower than the paths it replaces, in the same runs), or with
+`QCORE_CUDA_LINEAR_FUSED_KINDS=all` at import every kind of `fused.KINDS` (tuning runs)."""
 
 
 def _bf16_library_call(c: LinearCall) -> bool:
@@ -125,20 +143,26 @@ class FusedGemmLinear:
     def applies(self, c: LinearCall) -> bool:
         from .. import fused
 
-        if FUSED_FROM_M == 0 or c.m < FUSED_FROM_M or not _bf16_library_call(c):
+        lo, hi = FUSED_M
+        if lo == 0 or not lo <= c.m <= hi or not _bf16_library_call(c):
             return False
         g = TensorCoreLinear.geometry(c.data)
-        return g is not None and g[0] in fused.KINDS and fused.available()
+        return g is not None and g[0] in fused.KINDS and (FUSED_ALL_KINDS or g[0] in fused.INT_KINDS) and fused.available()
 
     def launch(self, c: LinearCall) -> None:
         from .. import fused
 
-        torch = _torch()
-        kind, P = c.data.cache.linear_geometry
+        cache = c.data.cache
+        kind, P = cache.linear_geometry
         n_, k_ = c.w.shape
-        codes = torch.as_tensor(c.be.state.plans.code_words(c.data), device=c.x.device).view(torch.uint8)
-        scales = torch.as_tensor(_effective_scales(c), device=c.x.device)
-        fused.launch(kind, P, c.x.reshape(c.m, k_), codes, scales, c.bias_given, c.result.view(c.m, n_))
+        operands = cache.fused_operands
+        if operands is None:
+            torch = _torch()
+            operands = (torch.as_tensor(c.be.state.plans.code_words(c.data), device=c.x.device).view(torch.uint8),
+                        torch.as_tensor(_effective_scales(c), device=c.x.device))
+            if not cache.caller_memory:
+                cache.fused_operands = operands
+        fused.launch(kind, P, c.x.reshape(c.m, k_), *operands, c.bias_given, c.result.view(c.m, n_))
 
 
 class DequantizedGemmLinear:
