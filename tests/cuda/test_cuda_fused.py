@@ -195,3 +195,12 @@ def test_bad_fused_rows_are_refused(text):
 
     with pytest.raises(ValueError, match="QCORE_CUDA_LINEAR_FUSED_M"):
         paths_linear._fused_rows(text)
+
+
+def test_fused_kinds_read_from_the_environment():
+    """`QCORE_CUDA_LINEAR_FUSED_KINDS`: int or all; anything else a one-line error naming it."""
+    from qcore_cuda.paths import linear as paths_linear
+
+    assert paths_linear._fused_all_kinds("all") and not paths_linear._fused_all_kinds("int")
+    with pytest.raises(ValueError, match="QCORE_CUDA_LINEAR_FUSED_KINDS='al'"):
+        paths_linear._fused_all_kinds("al")

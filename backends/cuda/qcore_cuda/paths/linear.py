@@ -108,11 +108,20 @@ def _fused_rows(text: str) -> tuple[int, int]:
 FUSED_M = _fused_rows(os.environ.get("QCORE_CUDA_LINEAR_FUSED_M", "48,128"))
 """(fewest, most) rows of x `FusedGemmLinear` takes (fewest 0: never). By measurement (H100,
 8192 x 8192, `benchmarks/linear_tune.py`, docs/performance.md): at M = 48..128 it beats the path
-it replaces for integer weights (q4s/block32:f16 0.61x against 0.41x torch bf16 at M = 64); the
-tensor-core kernel is faster up to M = 32, dequantize + cuBLAS from M = 256. The environment
-variable of that name replaces it at import (benchmarks compare the paths)."""
+it replaces for integer weights (timed: q4s/block32:f16 0.61x against 0.41x torch bf16 at
+M = 64, q8s/block32:f16 0.56x against 0.38x); the tensor-core kernel is faster up to M = 32,
+dequantize + cuBLAS from M = 256. The environment variable of that name replaces it at import
+(benchmarks compare the paths)."""
 
-FUSED_ALL_KINDS = os.environ.get("QCORE_CUDA_LINEAR_FUSED_KINDS", "int") == "all"
+
+def _fused_all_kinds(text: str) -> bool:
+    """`QCORE_CUDA_LINEAR_FUSED_KINDS`: 'int' (the default) or 'all'."""
+    if text not in ("int", "all"):
+        raise ValueError(f"QCORE_CUDA_LINEAR_FUSED_KINDS={text!r}: int (integer weights) or all")
+    return text == "all"
+
+
+FUSED_ALL_KINDS = _fused_all_kinds(os.environ.get("QCORE_CUDA_LINEAR_FUSED_KINDS", "int"))
 """`FusedGemmLinear` takes the integer kinds (`fused.INT_KINDS`: its minifloat decode made mxfp4
 and nvfp4 slower than the paths it replaces, in the same runs), or with
 `QCORE_CUDA_LINEAR_FUSED_KINDS=all` at import every kind of `fused.KINDS` (tuning runs)."""
@@ -147,7 +156,7 @@ class FusedGemmLinear:
         if lo == 0 or not lo <= c.m <= hi or not _bf16_library_call(c):
             return False
         g = TensorCoreLinear.geometry(c.data)
-        return g is not None and g[0] in fused.KINDS and (FUSED_ALL_KINDS or g[0] in fused.INT_KINDS) and fused.available()
+        return g is not None and g[0] in (fused.KINDS if FUSED_ALL_KINDS else fused.INT_KINDS) and fused.available()
 
     def launch(self, c: LinearCall) -> None:
         from .. import fused
