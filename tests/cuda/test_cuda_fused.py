@@ -80,26 +80,39 @@ def test_fused_kernel_is_within_the_bfloat16_weight_bound(text, n, k, m, bias, f
     assert np.array_equal(y.float().numpy(), want.astype(np.float32))  # (-0.0 == 0.0: a sum from +0)
 
 
+STAGED_TILE = "128,128,64,8,3,3"
+"""A `fused.FORM_STAGED` tile (`QCORE_CUDA_FUSED_TUNE`)."""
+
+
 @pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
 @pytest.mark.parametrize("text", SCHEMES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bias):
-    """bfloat16 x through `linear` with the fused GEMM on for every kind: the fused GEMM (N, K and
-    M past its tiles' edges), within the bound, the same bits on a repeat; with x the identity,
-    each weight value rounded once to bfloat16."""
+@pytest.mark.parametrize("tune", [None, STAGED_TILE])
+def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bias, tune):
+    """bfloat16 x through `linear` with the fused GEMM on for every kind, in its default tile and
+    in the staged form (a Hopper GPU: the Gluon kernel): N, K and M past its tiles' edges, within
+    the bound, the same bits on a repeat; with x the identity, each weight value rounded once to
+    bfloat16."""
+    from qcore_cuda import fused
     from qcore_cuda.paths import TAKEN
     from qcore_cuda.paths import linear as paths_linear
 
     monkeypatch.setattr(paths_linear, "FUSED_M", (64, 1 << 20))  # (on, whatever the default)
     monkeypatch.setattr(paths_linear, "FUSED_ALL_KINDS", True)
+    staged = tune is not None
+    if staged:
+        if torch.cuda.get_device_capability()[0] < 9 or not fused.staged_available():
+            pytest.skip("the staged form needs a Hopper GPU and Triton's Gluon")
+        monkeypatch.setenv(fused.TUNE_ENV, tune)
     be = cuda_backend
-    m, n, k = 64 + 77, 200, 352
+    m, n, k = 64 + 77, 200, (384 if staged else 352)  # (the staged form's step: 64 columns, 128 with 2-bit codes)
     w, x, b = _case(text, n, k, m, bias)
     q, qd = REF.quantize(w, text), be.quantize(w, text)
     xt, bt = _bf16(x).cuda(), (None if b is None else _bf16(b).cuda())
-    before = TAKEN["FusedGemmLinear"]
+    before, staged_before = TAKEN["FusedGemmLinear"], fused.LAUNCHED[fused.FORM_STAGED]
     y = be.linear(xt, qd, bt)
     assert TAKEN["FusedGemmLinear"] == before + 1
+    assert fused.LAUNCHED[fused.FORM_STAGED] == staged_before + staged
     assert torch.equal(be.linear(xt, qd, bt).view(torch.int16), y.view(torch.int16))
     _check(y.view(torch.int16).cpu().numpy().view(np.uint16).view(BF16), q, x, b, f"{text} M={m}")
     want = np.asarray(REF.dequantize(q), np.float32).astype(BF16).T  # (x = the identity: y = W^T)
@@ -117,24 +130,53 @@ from qcore_cuda import fast, fused, k_fused
 
 sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
        "K": "i32", "row_bytes": "i32", "nsb": "i32"}
+bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 out = []
-for kind, block in json.loads(sys.argv[1]):
-    t = fused.step_for(fused.tile_for(128), kind, 1 << 12, block)  # (the default plan's tile)
-    const = {"KIND": kind, "BITS": fast.KIND_BITS[kind], "B": block, "HAS_BIAS": True, "BN": t.bn, "BM": t.bm, "BK": t.bk,
-             "INTERPRETED": False}
-    fn = k_fused.fused_fields if t.form == fused.FORM_FIELDS else k_fused.fused_columns
-    src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in range(9)})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": t.warps, "num_stages": t.stages})
+for kind, block, tile in json.loads(sys.argv[1]):
+    t = fused.step_for(fused.Tile(*tile) if tile else fused.tile_for(128), kind, 1 << 12, block)  # (default: the plan's)
+    const = {"KIND": kind, "BITS": fast.KIND_BITS[kind], "B": block, "HAS_BIAS": True, "BN": t.bn, "BM": t.bm, "BK": t.bk}
+    if t.form == fused.FORM_STAGED:
+        from triton.experimental.gluon._runtime import GluonASTSource
+        from qcore_cuda import k_staged
+
+        const |= {"STAGES": t.stages, "num_warps": t.warps}
+        src = GluonASTSource(fn=k_staged.fused_staged, signature={**sig, **{c: "constexpr" for c in const}},
+                             constexprs=const, attrs={(i,): [["tt.divisibility", 16]] for i in range(10)})
+        options = {"num_warps": t.warps}
+    else:
+        const["INTERPRETED"] = False
+        fn = k_fused.fused_fields if t.form == fused.FORM_FIELDS else k_fused.fused_columns
+        src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const,
+                        attrs={(i,): [["tt.divisibility", 16]] for i in range(9)})
+        options = {"num_warps": t.warps, "num_stages": t.stages}
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
-        res = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"),
-                              "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
     out.append({"kind": kind, "block": block, "form": t.form, "wgmma": k.asm["ptx"].count("wgmma.mma_async"),
-                "regs": int(re.search(r"REG:(\d+)", res).group(1)), "stack": int(re.search(r"STACK:(\d+)", res).group(1))})
+                "regs": int(re.search(r"REG:(\d+)", res).group(1)), "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
+                "hgmma": len(re.findall(r"\bHGMMA\.", sass)), "depbar": len(re.findall(r"WARPGROUP\.DEPBAR", sass))})
 print(json.dumps(out))
 """
+
+
+def _compiled(cases: list, tmp_path) -> list[dict]:
+    """`_COMPILE` over (kind, block, tile or None) in a process without the interpreter switch."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    r = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def test_fused_kernel_compiles_for_sm90_without_spills(tmp_path):
@@ -142,22 +184,30 @@ def test_fused_kernel_compiles_for_sm90_without_spills(tmp_path):
     both forms) compiles for sm_90 with Triton's own toolchain, no GPU needed, its product on
     wgmma and nothing in local memory (ptxas's stack frame 0: no spills; in a process without the
     interpreter switch)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     from qcore_cuda import fast
 
-    cases = [(fast.KIND_I4, 32), (fast.KIND_I8, 32), (fast.KIND_I2, 0), (fast.KIND_E4M3, 128), (fast.KIND_E5M2, 0),
-             (fast.KIND_E2M1, 16), (fast.KIND_I2, 16)]  # (the last: FORM_COLUMNS)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    r = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    for c in json.loads(r.stdout.strip().splitlines()[-1]):
+    cases = [(fast.KIND_I4, 32, None), (fast.KIND_I8, 32, None), (fast.KIND_I2, 0, None), (fast.KIND_E4M3, 128, None),
+             (fast.KIND_E5M2, 0, None), (fast.KIND_E2M1, 16, None), (fast.KIND_I2, 16, None)]  # (the last: FORM_COLUMNS)
+    for c in _compiled(cases, tmp_path):
         assert c["wgmma"] > 0 and c["stack"] == 0, c
+
+
+def test_staged_kernel_compiles_for_sm90_with_its_products_in_flight(tmp_path):
+    """The staged form's Gluon kernel for every value kind and scale layout (one slot a step, two,
+    four: a gather, per row) compiles for sm_90 with no spills, and for 4-bit codes in 8 warps and
+    8-bit codes in 4 its `wgmma`s stay asynchronous: fewer warpgroup waits than products in the
+    code (ptxas serializes them where it cannot keep the accumulators apart)."""
+    from qcore_cuda import fast, fused
+
+    if not fused.staged_available():
+        pytest.skip("the staged form needs Triton's Gluon (Triton 3.5 or later)")
+    wide, narrow = [128, 128, 64, 8, 3, fused.FORM_STAGED], [64, 128, 64, 4, 3, fused.FORM_STAGED]
+    cases = [(fast.KIND_I4, 32, wide), (fast.KIND_E2M1, 16, wide), (fast.KIND_E2M1, 32, wide), (fast.KIND_I8, 32, narrow),
+             (fast.KIND_E4M3, 128, narrow), (fast.KIND_E5M2, 0, narrow), (fast.KIND_I2, 0, wide), (fast.KIND_I4, 16, wide)]
+    for c in _compiled(cases, tmp_path):
+        assert c["form"] == fused.FORM_STAGED and c["wgmma"] > 0 and c["stack"] == 0, c
+        if c["kind"] in (fast.KIND_I4, fast.KIND_I8):
+            assert c["depbar"] < c["hgmma"], c
 
 
 @pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")

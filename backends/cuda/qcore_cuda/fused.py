@@ -16,7 +16,11 @@ Two forms of the loop (k_fused.py): `FORM_FIELDS` loads each code byte once and 
 of the bytes (every PER-th column) as its own product, against x's columns grouped by field (a
 copy of x made per call with each step's columns reordered); `FORM_COLUMNS` builds the weight
 tile in column order, each element loading its byte (any step, blocks of 16 with 2-bit codes
-included). `launch` falls back from the first to the second where a step cannot be formed.
+included). `FORM_STAGED` (k_staged.py, Gluon, a Hopper GPU) decodes each step's tile into shared
+memory in column order and multiplies it from there by asynchronous `wgmma`, the decode of the next
+step overlapping the product of this one; x is read as it is. It is reached through `TUNE_ENV`
+only until it is timed (docs/gpu.md). `launch` falls back from the staged form to the fields form
+and from that to the columns form where a step cannot be formed.
 
 The weight's bytes are read once per `BM` rows of x and never written in another form (the
 dequantize-then-GEMM path writes and reads a bfloat16 copy of the whole weight per call).
@@ -29,6 +33,7 @@ bfloat16 `tl.dot` gives wrong sums and its cast to bfloat16 cuts toward zero.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -36,14 +41,16 @@ from typing import Any
 from . import fast
 from .linear import LP_K, LP_LB, LP_N, LP_NSB, LP_WPR, parse_tune
 
-__all__ = ["KINDS", "INT_KINDS", "FORM_COLUMNS", "FORM_FIELDS", "Tile", "TUNE_ENV", "available", "tile_for", "launch"]
+__all__ = ["KINDS", "INT_KINDS", "FORM_COLUMNS", "FORM_FIELDS", "FORM_STAGED", "Tile", "TUNE_ENV", "available", "tile_for", "launch"]
 
 KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_I2, fast.KIND_E4M3, fast.KIND_E5M2, fast.KIND_E2M1)
 """Value kinds (`fast.KINDS`) the kernels decode: those of `linear.geometry`."""
 INT_KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_I2)
 """The kinds `paths.linear.FusedGemmLinear` takes by default (timed faster than the paths it replaces)."""
-FORM_COLUMNS, FORM_FIELDS = 1, 2
-"""The loop's forms (module text)."""
+FORM_COLUMNS, FORM_FIELDS, FORM_STAGED = 1, 2, 3
+"""The loop's forms (module text; `FORM_STAGED`: k_staged.py)."""
+LAUNCHED: Counter = Counter()
+"""How often each loop form ran in this process (`launch`; the tests read it)."""
 TUNE_ENV = "QCORE_CUDA_FUSED_TUNE"
 """'BN,BM,BK,WARPS,STAGES,FORM' in the environment replaces `tile_for`'s choice (tuning runs)."""
 
@@ -68,8 +75,9 @@ def tile_for(m: int) -> Tile:
     text = os.environ.get(TUNE_ENV)
     if text:
         t = Tile(*parse_tune(TUNE_ENV, text, "BN,BM,BK,WARPS,STAGES,FORM"))
-        if t.form not in (FORM_COLUMNS, FORM_FIELDS):
-            raise ValueError(f"{TUNE_ENV}={text!r}: FORM is {FORM_COLUMNS} (columns) or {FORM_FIELDS} (fields)")
+        if t.form not in (FORM_COLUMNS, FORM_FIELDS, FORM_STAGED):
+            raise ValueError(f"{TUNE_ENV}={text!r}: FORM is {FORM_COLUMNS} (columns), {FORM_FIELDS} (fields) or "
+                             f"{FORM_STAGED} (staged)")
         return t
     if m <= 128:
         return Tile(64, 64, 64, 4, 4)
@@ -93,12 +101,30 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def step_for(t: Tile, kind: int, k: int, block: int) -> Tile:
+@lru_cache(maxsize=1)
+def staged_available() -> bool:
+    """Whether `FORM_STAGED`'s Gluon kernel imports (Triton 3.5 and later)."""
+    try:
+        from . import k_staged  # noqa: F401
+    except Exception:  # (an older Triton lacks Gluon or one of the Hopper builtins the kernel takes)
+        return False
+    return True
+
+
+def step_for(t: Tile, kind: int, k: int, block: int, staged_ok: bool = True) -> Tile:
     """The tile `launch` runs for a weight of `kind` with K columns and scale blocks of `block`
-    columns (0: one slot a row or for the tensor): `FORM_FIELDS` takes a step of at least 16
-    columns a field and at most two scale slots, dividing K; else `FORM_COLUMNS`, whose step
-    divides K (K is a multiple of 32: `linear.geometry`)."""
+    columns (0: one slot a row or for the tensor): `FORM_STAGED` where `staged_ok` (a Hopper GPU,
+    Gluon), its step dividing K with at least 32 code bytes a row, its x rows a power of two from
+    64 to 256 and its weight rows 16 a warp; else `FORM_FIELDS`, a step of at least 16 columns a
+    field and at most two scale slots, dividing K; else `FORM_COLUMNS`, whose step divides K (K is
+    a multiple of 32: `linear.geometry`)."""
     per = 8 // fast.KIND_BITS[kind]
+    if t.form == FORM_STAGED:
+        bk = max(t.bk, 32 * per)
+        if (staged_ok and k % bk == 0 and t.bm in (64, 128, 256) and t.bn % (16 * t.warps) == 0
+                and t.warps in (4, 8) and t.stages >= 3):
+            return replace(t, bk=bk)
+        t = replace(t, form=FORM_FIELDS)
     if t.form == FORM_FIELDS:
         bk = max(16 * per, min(t.bk, 2 * block) if block else t.bk)
         if k % bk == 0 and not (block and bk > 2 * block):
@@ -119,12 +145,30 @@ def launch(kind: int, P: Any, x: Any, codes: Any, scales: Any, bias: Any, y: Any
     assert int(P[LP_K]) == k_ and tuple(y.shape) == (m, n_) and kind in KINDS
     nsb, lb = int(P[LP_NSB]), int(P[LP_LB])
     block = 0 if nsb <= 1 else 16 << lb
-    t = step_for(tile or tile_for(m), kind, k_, block)
+    t = tile or tile_for(m)
+    staged_ok = (t.form == FORM_STAGED and not _interpreted() and staged_available()
+                 and x.device.type == "cuda" and _capability(x.device)[0] >= 9)
+    t = step_for(t, kind, k_, block, staged_ok)
     per = 8 // fast.KIND_BITS[kind]
+    common = (x, codes, scales, bias if bias is not None else y, y, m, n_, k_, 4 * int(P[LP_WPR]), nsb)
+    grid = (-(-m // t.bm) * -(-n_ // t.bn),)
+    LAUNCHED[t.form] += 1
+    if t.form == FORM_STAGED:
+        from . import k_staged
+
+        k_staged.fused_staged[grid](*common, KIND=kind, BITS=fast.KIND_BITS[kind], B=block, HAS_BIAS=bias is not None,
+                                    BN=t.bn, BM=t.bm, BK=t.bk, STAGES=t.stages, num_warps=t.warps)
+        return
     if t.form == FORM_FIELDS and per > 1:  # (each step's column k0 + PER * j + f moved to k0 + f * BK / PER + j)
         x = x.reshape(m, k_ // t.bk, t.bk // per, per).transpose(2, 3).contiguous().reshape(m, k_)
+        common = (x,) + common[1:]
     kernel = k_fused.fused_fields if t.form == FORM_FIELDS else k_fused.fused_columns
-    kernel[(-(-m // t.bm) * -(-n_ // t.bn),)](
-        x, codes, scales, bias if bias is not None else y, y, m, n_, k_, 4 * int(P[LP_WPR]), nsb, KIND=kind,
-        BITS=fast.KIND_BITS[kind], B=block, HAS_BIAS=bias is not None, BN=t.bn, BM=t.bm, BK=t.bk,
-        INTERPRETED=_interpreted(), num_warps=t.warps, num_stages=t.stages)
+    kernel[grid](*common, KIND=kind, BITS=fast.KIND_BITS[kind], B=block, HAS_BIAS=bias is not None, BN=t.bn, BM=t.bm,
+                 BK=t.bk, INTERPRETED=_interpreted(), num_warps=t.warps, num_stages=t.stages)
+
+
+@lru_cache(maxsize=None)
+def _capability(device: Any) -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability(device)

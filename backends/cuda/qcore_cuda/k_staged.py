@@ -1,0 +1,135 @@
+"""The Gluon kernel of `fused.FORM_STAGED` (Triton's lower-level language, Hopper and later):
+y [M, N] = x [M, K] @ W^T (+ bias), the weight tile decoded into shared memory and multiplied
+from there by asynchronous `wgmma`, so that the decode of step i + 1 runs while the product of
+step i is on the tensor cores.
+
+A program computes BN weight rows by BM rows of x. Per step of BK columns: x's tile [BM, BK] and
+the code bytes [BN, BK / PER] arrive by `cp.async` in a ring of STAGES buffers (STAGES - 2 steps
+ahead); the warps load the bytes, decode each field exactly (`k_fused.decode`), multiply by its
+f32 scale slot and round to bfloat16 (docs/spec.md's bfloat16-weight rule), and store the tile in
+column order into one of two bfloat16 buffers; `wgmma` multiplies that buffer by x's (both read
+from shared memory) into f32 sums, and the program waits for the product of the step before
+(`warpgroup_mma_wait(1)`) before it issues the next. Three barriers a step order the warps: a
+buffer is refilled only once every warpgroup's product that read it is done. Rows past N or M
+read rows inside (their results are not stored); K is a multiple of BK. The bias is added in f32
+and each sum rounded once to bfloat16. Sums run in a fixed order: results repeat bit for bit.
+
+Imported on first use of that form (Gluon comes with Triton 3.5 and later)."""
+from triton.experimental import gluon
+from triton.runtime.jit import constexpr_function
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .k_fused import decode
+
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+"""cp.async of a pointer tensor into shared memory (Triton 3.9 renamed Triton 3.6's builtin)."""
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+"""A barrier of the program's threads (bar.sync; likewise renamed)."""
+
+
+@constexpr_function
+def _spread(rows, cols, vec, warps):
+    """A blocked layout of [rows, cols] (row-major) with `vec` consecutive elements a thread
+    where the tile allows, each element held by one thread."""
+    per_thread = max(1, min(vec, rows * cols // (32 * warps)))
+    tpw_c = max(1, min(32, cols // per_thread))
+    return gl.BlockedLayout([1, per_thread], [32 // tpw_c, tpw_c], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _fields(b, s, KIND: gl.constexpr, BITS: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+    """Code bytes b [BN, BK / PER] (int32) and their scales -> the weight values [BN, BK] in
+    column order (byte j's field f is column PER * j + f), bfloat16."""
+    if BITS == 8:
+        w = (decode(b, KIND) * s).to(gl.bfloat16)
+    elif BITS == 4:
+        w = gl.reshape(gl.join((decode(b & 0xF, KIND) * s).to(gl.bfloat16),
+                               (decode((b >> 4) & 0xF, KIND) * s).to(gl.bfloat16)), [BN, BK])
+    else:  # (fields 0..3: join(join(f0, f2), join(f1, f3)) flattens to f0 f1 f2 f3)
+        f0 = (decode(b & 0x3, KIND) * s).to(gl.bfloat16)
+        f1 = (decode((b >> 2) & 0x3, KIND) * s).to(gl.bfloat16)
+        f2 = (decode((b >> 4) & 0x3, KIND) * s).to(gl.bfloat16)
+        f3 = (decode((b >> 6) & 0x3, KIND) * s).to(gl.bfloat16)
+        w = gl.reshape(gl.join(gl.join(f0, f2), gl.join(f1, f3)), [BN, BK])
+    return w
+
+
+@gluon.jit
+def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
+                 KIND: gl.constexpr, BITS: gl.constexpr, B: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                 num_warps: gl.constexpr):
+    PER: gl.constexpr = 8 // BITS
+    JB: gl.constexpr = BK // PER
+    pid = gl.program_id(0)
+    tiles_m = gl.cdiv(M, BM)
+    row0 = (pid // tiles_m) * BN
+    xrow0 = (pid % tiles_m) * BM
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BM, 16])
+    a_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
+    x_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
+    c_shared: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    x_copy: gl.constexpr = _spread(BM, BK, 8, num_warps)  # (16-byte copies)
+    c_copy: gl.constexpr = _spread(BN, JB, 16, num_warps)
+    c_regs: gl.constexpr = _spread(BN, JB, 16, num_warps)
+
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_shared)
+    c_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, JB], c_shared)
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, BK], a_shared)
+
+    xr = xrow0 + gl.arange(0, BM, layout=gl.SliceLayout(1, x_copy))
+    xk = gl.arange(0, BK, layout=gl.SliceLayout(0, x_copy))
+    x_ptrs = x_ptr + (xr % M).to(gl.int64)[:, None] * K + xk[None, :]
+    cr = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, c_copy))
+    cj = gl.arange(0, JB, layout=gl.SliceLayout(0, c_copy))
+    c_ptrs = w_ptr + (cr % N).to(gl.int64)[:, None] * row_bytes + cj[None, :]
+    dr = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, c_regs))
+    dj = gl.arange(0, JB, layout=gl.SliceLayout(0, c_regs))
+    s_ptrs = s_ptr + (dr % N).to(gl.int64) * nsb
+
+    steps = K // BK
+    for p in gl.static_range(STAGES - 2):
+        _async_load(x_smem.index(p), x_ptrs + p * BK)
+        _async_load(c_smem.index(p), c_ptrs + p * JB)
+        async_copy.commit_group()
+    acc = gl.zeros((BN, BM), dtype=gl.float32, layout=mma)
+    for i in range(steps):
+        _barrier()  # (every warpgroup waited for its product i - 2: its buffers may be refilled)
+        nxt = i + STAGES - 2
+        src = gl.minimum(nxt, steps - 1)  # (past the last step: a copy of it into a buffer never read)
+        _async_load(x_smem.index(nxt % STAGES), x_ptrs + src * BK)
+        _async_load(c_smem.index(nxt % STAGES), c_ptrs + src * JB)
+        async_copy.commit_group()
+        async_copy.wait_group(STAGES - 2)
+        _barrier()  # (step i's copies, made by every thread, have landed)
+        b = c_smem.index(i % STAGES).load(c_regs).to(gl.int32)
+        k0 = i * BK
+        if B == 0:
+            s = gl.load(s_ptrs)[:, None]
+        elif B >= BK:
+            s = gl.load(s_ptrs + k0 // B)[:, None]
+        elif B * 2 == BK:
+            s = gl.where(dj[None, :] * PER < B, gl.load(s_ptrs + k0 // B)[:, None],
+                         gl.load(s_ptrs + k0 // B + 1)[:, None])
+        else:  # (several slots a step: each byte's own)
+            s = gl.load(s_ptrs[:, None] + ((k0 + dj * PER) // B)[None, :])
+        a_smem.index(i % 2).store(_fields(b, s, KIND, BITS, BN, BK))
+        fence_async_shared()
+        _barrier()  # (the whole tile stored before any warpgroup's product reads it)
+        acc = warpgroup_mma(a_smem.index(i % 2), x_smem.index(i % STAGES).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    async_copy.wait_group(0)
+
+    out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, num_warps], [0, 1])  # (y's rows along N)
+    out = gl.convert_layout(acc, out_layout)
+    orow = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
+    ocol = xrow0 + gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
+    if HAS_BIAS:
+        out = out + gl.load(b_ptr + orow % N).to(gl.float32)[:, None]
+    gl.store(y_ptr + ocol.to(gl.int64)[None, :] * N + orow[:, None], out.to(gl.bfloat16),
+             mask=(orow < N)[:, None] & (ocol < M)[None, :])
