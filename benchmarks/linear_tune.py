@@ -39,9 +39,9 @@ DECODE_VARIANTS = ["8,4,2", "8,2,2", "8,4,1", "4,4,2", "8,8,1"]
 TC_VARIANTS = ["8,4", "8,8", "8,2", "16,4"]
 """The tensor-core kernel's default, more or fewer chunks in flight, more warps."""
 FUSED_VARIANTS = ["off", "64,64,64,4,4,2", "64,32,64,4,4,2", "64,128,32,4,4,2", "128,128,64,8,3,2",
-                  "128,256,64,8,3,2", "128,128,32,8,3,1", "128,128,64,8,3,3", "64,128,64,4,3,3"]
+                  "128,256,64,8,3,2", "128,128,32,8,3,1", "128,128,64,8,3,3", "128,256,64,8,3,3", "64,128,64,4,3,3"]
 """The fused GEMM off (the paths that take each M otherwise), `fused.tile_for`'s tiles, fewer x
-rows, a narrower step, the columns form, the staged form (4-bit and 8-bit codes' tiles)."""
+rows, a narrower step, the columns form, the staged form's tiles."""
 SCHEMES = "q4s/block32:f16,q8s/block32:f16,mxfp4,nvfp4"
 
 

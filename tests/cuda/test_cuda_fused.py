@@ -194,63 +194,32 @@ def test_fused_kernel_compiles_for_sm90_without_spills(tmp_path):
 
 def test_staged_kernel_compiles_for_sm90_with_its_products_in_flight(tmp_path):
     """The staged form's Gluon kernel for every value kind and scale layout (one slot a step, two,
-    four: a gather, per row) compiles for sm_90 with no spills, and for 4-bit codes in 8 warps and
-    8-bit codes in 4 its `wgmma`s stay asynchronous: fewer warpgroup waits than products in the
-    code (ptxas serializes them where it cannot keep the accumulators apart)."""
+    four: a gather, per row) compiles for sm_90 with no spills and its `wgmma`s asynchronous: fewer
+    warpgroup waits than products in the code (ptxas serializes them where it cannot keep the
+    accumulators apart), in tiles of 8 warps and of 4, 128 x 256 included."""
     from qcore_cuda import fast, fused
 
     if not fused.staged_available():
         pytest.skip("the staged form needs Triton's Gluon (Triton 3.5 or later)")
-    wide, narrow = [128, 128, 64, 8, 3, fused.FORM_STAGED], [64, 128, 64, 4, 3, fused.FORM_STAGED]
-    cases = [(fast.KIND_I4, 32, wide), (fast.KIND_E2M1, 16, wide), (fast.KIND_E2M1, 32, wide), (fast.KIND_I8, 32, narrow),
-             (fast.KIND_E4M3, 128, narrow), (fast.KIND_E5M2, 0, narrow), (fast.KIND_I2, 0, wide), (fast.KIND_I4, 16, wide)]
+    wide, narrow, big = ([128, 128, 64, 8, 3, fused.FORM_STAGED], [64, 128, 64, 4, 3, fused.FORM_STAGED],
+                         [128, 256, 64, 8, 3, fused.FORM_STAGED])
+    cases = [(fast.KIND_I4, 32, wide), (fast.KIND_E2M1, 16, wide), (fast.KIND_E2M1, 32, narrow), (fast.KIND_I8, 32, wide),
+             (fast.KIND_E4M3, 128, narrow), (fast.KIND_E5M2, 0, wide), (fast.KIND_I2, 0, wide), (fast.KIND_I4, 16, big),
+             (fast.KIND_I8, 32, big)]
     for c in _compiled(cases, tmp_path):
         assert c["form"] == fused.FORM_STAGED and c["wgmma"] > 0 and c["stack"] == 0, c
-        if c["kind"] in (fast.KIND_I4, fast.KIND_I8):
-            assert c["depbar"] < c["hgmma"], c
+        assert c["depbar"] < c["hgmma"], c
 
 
-@pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
-@pytest.mark.parametrize("text,m,path", [("q4s/block32:f16", 64, "FusedGemmLinear"), ("q8s", 128, "FusedGemmLinear"),
-                                         ("q4s/block32:f16", 32, "TensorCoreLinear"),
-                                         ("q4s/block32:f16", 256, "DequantizedGemmLinear"),
-                                         ("mxfp4", 64, "DequantizedGemmLinear")])
-def test_the_default_plan_takes_the_fused_gemm_where_it_was_timed_faster(cuda_backend, text, m, path):
-    """With the defaults (`paths.linear.FUSED_M`, integer kinds): the fused GEMM takes integer
-    weights at 48..128 rows of bfloat16 x; fewer rows the tensor-core kernel, more rows or a
-    minifloat weight dequantize + cuBLAS."""
-    from qcore_cuda.paths import TAKEN
-    from qcore_cuda.paths import linear as paths_linear
+def test_staged_tiles_fall_back_where_they_cannot_run():
+    """`fused.step_for`: a staged tile runs as the fields form where it cannot be formed: no
+    Hopper GPU or Gluon, K not a multiple of its step (64 columns; 128 with 2-bit codes), or
+    buffers past a block's shared memory."""
+    from qcore_cuda import fast, fused
 
-    w, x, _ = _case(text, 96, 256, m, False)
-    qd = cuda_backend.quantize(w, text)
-    names = [type(p).__name__ for p in paths_linear.LINEAR]
-    before = [TAKEN[n] for n in names]
-    cuda_backend.linear(_bf16(x).cuda(), qd)
-    assert [n for n, b in zip(names, before) if TAKEN[n] != b] == [path]
-
-
-@pytest.mark.parametrize("text,want", [("48,128", (48, 128)), ("1", (1, 1 << 62)), ("0", (0, 1 << 62))])
-def test_fused_rows_read_from_the_environment(text, want):
-    """`QCORE_CUDA_LINEAR_FUSED_M`: FROM,TO; FROM alone has no upper bound; 0 is never; anything
-    else a one-line error naming the variable."""
-    from qcore_cuda.paths import linear as paths_linear
-
-    assert paths_linear._fused_rows(text) == want
-
-
-@pytest.mark.parametrize("text", ["", "a,b", "1,2,3", "-1"])
-def test_bad_fused_rows_are_refused(text):
-    from qcore_cuda.paths import linear as paths_linear
-
-    with pytest.raises(ValueError, match="QCORE_CUDA_LINEAR_FUSED_M"):
-        paths_linear._fused_rows(text)
-
-
-def test_fused_kinds_read_from_the_environment():
-    """`QCORE_CUDA_LINEAR_FUSED_KINDS`: int or all; anything else a one-line error naming it."""
-    from qcore_cuda.paths import linear as paths_linear
-
-    assert paths_linear._fused_all_kinds("all") and not paths_linear._fused_all_kinds("int")
-    with pytest.raises(ValueError, match="QCORE_CUDA_LINEAR_FUSED_KINDS='al'"):
-        paths_linear._fused_all_kinds("al")
+    t = fused.Tile(128, 128, 64, 8, 3, fused.FORM_STAGED)
+    assert fused.step_for(t, fast.KIND_I4, 4096, 32).form == fused.FORM_STAGED
+    assert fused.step_for(t, fast.KIND_I2, 4096, 0).bk == 128
+    assert fused.step_for(t, fast.KIND_I4, 4096, 32, staged_ok=False).form == fused.FORM_FIELDS
+    assert fused.step_for(t, fast.KIND_I4, 4096 + 32, 32).form != fused.FORM_STAGED
+    assert fused.step_for(fused.Tile(128, 256, 64, 8, 3, fused.FORM_STAGED), fast.KIND_I2, 4096, 0).form != fused.FORM_STAGED

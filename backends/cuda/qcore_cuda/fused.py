@@ -49,6 +49,9 @@ INT_KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_I2)
 """The kinds `paths.linear.FusedGemmLinear` takes by default (timed faster than the paths it replaces)."""
 FORM_COLUMNS, FORM_FIELDS, FORM_STAGED = 1, 2, 3
 """The loop's forms (module text; `FORM_STAGED`: k_staged.py)."""
+STAGED_SHARED = 227 * 1024
+"""The most shared memory a program of `FORM_STAGED` may take (a Hopper SM's limit for one block):
+its x and code-byte rings and two bfloat16 tiles."""
 LAUNCHED: Counter = Counter()
 """How often each loop form ran in this process (`launch`; the tests read it)."""
 TUNE_ENV = "QCORE_CUDA_FUSED_TUNE"
@@ -115,14 +118,15 @@ def step_for(t: Tile, kind: int, k: int, block: int, staged_ok: bool = True) -> 
     """The tile `launch` runs for a weight of `kind` with K columns and scale blocks of `block`
     columns (0: one slot a row or for the tensor): `FORM_STAGED` where `staged_ok` (a Hopper GPU,
     Gluon), its step dividing K with at least 32 code bytes a row, its x rows a power of two from
-    64 to 256 and its weight rows 16 a warp; else `FORM_FIELDS`, a step of at least 16 columns a
+    64 to 256, its weight rows 16 a warp and its buffers within `STAGED_SHARED`; else `FORM_FIELDS`, a step of at least 16 columns a
     field and at most two scale slots, dividing K; else `FORM_COLUMNS`, whose step divides K (K is
     a multiple of 32: `linear.geometry`)."""
     per = 8 // fast.KIND_BITS[kind]
     if t.form == FORM_STAGED:
         bk = max(t.bk, 32 * per)
+        shared = t.stages * (t.bm * bk * 2 + t.bn * bk // per) + 2 * t.bn * bk * 2
         if (staged_ok and k % bk == 0 and t.bm in (64, 128, 256) and t.bn % (16 * t.warps) == 0
-                and t.warps in (4, 8) and t.stages >= 3):
+                and t.warps in (4, 8) and t.stages >= 3 and shared <= STAGED_SHARED):
             return replace(t, bk=bk)
         t = replace(t, form=FORM_FIELDS)
     if t.form == FORM_FIELDS:

@@ -92,6 +92,8 @@ def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
     s_ptrs = s_ptr + (dr % N).to(gl.int64) * nsb
 
     steps = K // BK
+    gl.assume(steps > 0)  # (no path around the loop: ptxas then keeps the products in flight, where a
+    # zero-trip path's zeroed accumulators made it serialize them)
     for p in gl.static_range(STAGES - 2):
         _async_load(x_smem.index(p), x_ptrs + p * BK)
         _async_load(c_smem.index(p), c_ptrs + p * JB)
