@@ -223,3 +223,49 @@ def test_staged_tiles_fall_back_where_they_cannot_run():
     assert fused.step_for(t, fast.KIND_I4, 4096, 32, staged_ok=False).form == fused.FORM_FIELDS
     assert fused.step_for(t, fast.KIND_I4, 4096 + 32, 32).form != fused.FORM_STAGED
     assert fused.step_for(fused.Tile(128, 256, 64, 8, 3, fused.FORM_STAGED), fast.KIND_I2, 4096, 0).form != fused.FORM_STAGED
+
+
+@pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
+@pytest.mark.parametrize("text,m,path", [("q4s/block32:f16", 64, "FusedGemmLinear"), ("q8s", 128, "FusedGemmLinear"),
+                                         ("q4s/block32:f16", 32, "TensorCoreLinear"),
+                                         ("q4s/block32:f16", 256, "DequantizedGemmLinear"),
+                                         ("mxfp4", 64, "DequantizedGemmLinear")])
+def test_the_default_plan_takes_the_fused_gemm_where_it_was_timed_faster(cuda_backend, text, m, path):
+    """With the defaults (`paths.linear.FUSED_M`, integer kinds): the fused GEMM takes integer
+    weights at 48..128 rows of bfloat16 x; fewer rows the tensor-core kernel, more rows or a
+    minifloat weight dequantize + cuBLAS."""
+    from qcore_cuda.paths import TAKEN
+    from qcore_cuda.paths import linear as paths_linear
+
+    w, x, _ = _case(text, 96, 256, m, False)
+    qd = cuda_backend.quantize(w, text)
+    names = [type(p).__name__ for p in paths_linear.LINEAR]
+    before = [TAKEN[n] for n in names]
+    cuda_backend.linear(_bf16(x).cuda(), qd)
+    assert [n for n, b in zip(names, before) if TAKEN[n] != b] == [path]
+
+
+@pytest.mark.parametrize("text,want", [("48,128", (48, 128)), ("1", (1, 1 << 62)), ("0", (0, 1 << 62))])
+def test_fused_rows_read_from_the_environment(text, want):
+    """`QCORE_CUDA_LINEAR_FUSED_M`: FROM,TO; FROM alone has no upper bound; 0 is never; anything
+    else a one-line error naming the variable."""
+    from qcore_cuda.paths import linear as paths_linear
+
+    assert paths_linear._fused_rows(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "a,b", "1,2,3", "-1"])
+def test_bad_fused_rows_are_refused(text):
+    from qcore_cuda.paths import linear as paths_linear
+
+    with pytest.raises(ValueError, match="QCORE_CUDA_LINEAR_FUSED_M"):
+        paths_linear._fused_rows(text)
+
+
+def test_fused_kinds_read_from_the_environment():
+    """`QCORE_CUDA_LINEAR_FUSED_KINDS`: int or all; anything else a one-line error naming it."""
+    from qcore_cuda.paths import linear as paths_linear
+
+    assert paths_linear._fused_all_kinds("all") and not paths_linear._fused_all_kinds("int")
+    with pytest.raises(ValueError, match="QCORE_CUDA_LINEAR_FUSED_KINDS='al'"):
+        paths_linear._fused_all_kinds("al")
