@@ -222,7 +222,8 @@ def test_staged_tiles_fall_back_where_they_cannot_run():
     assert fused.step_for(t, fast.KIND_I2, 4096, 0).bk == 128
     assert fused.step_for(t, fast.KIND_I4, 4096, 32, staged_ok=False).form == fused.FORM_FIELDS
     assert fused.step_for(t, fast.KIND_I4, 4096 + 32, 32).form != fused.FORM_STAGED
-    assert fused.step_for(fused.Tile(128, 256, 64, 8, 3, fused.FORM_STAGED), fast.KIND_I2, 4096, 0).form != fused.FORM_STAGED
+    big = fused.Tile(128, 256, 64, 8, 3, fused.FORM_STAGED)  # (2-bit: steps of 128 columns, 274 KiB)
+    assert fused.step_for(big, fast.KIND_I2, 4096, 0).form != fused.FORM_STAGED
 
 
 @pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")

@@ -41,7 +41,8 @@ from typing import Any
 from . import fast
 from .linear import LP_K, LP_LB, LP_N, LP_NSB, LP_WPR, parse_tune
 
-__all__ = ["KINDS", "INT_KINDS", "FORM_COLUMNS", "FORM_FIELDS", "FORM_STAGED", "Tile", "TUNE_ENV", "available", "tile_for", "launch"]
+__all__ = ["KINDS", "INT_KINDS", "FORM_COLUMNS", "FORM_FIELDS", "FORM_STAGED", "STAGED_SHARED", "LAUNCHED", "Tile",
+           "TUNE_ENV", "available", "staged_available", "step_for", "tile_for", "launch"]
 
 KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_I2, fast.KIND_E4M3, fast.KIND_E5M2, fast.KIND_E2M1)
 """Value kinds (`fast.KINDS`) the kernels decode: those of `linear.geometry`."""
@@ -118,9 +119,9 @@ def step_for(t: Tile, kind: int, k: int, block: int, staged_ok: bool = True) -> 
     """The tile `launch` runs for a weight of `kind` with K columns and scale blocks of `block`
     columns (0: one slot a row or for the tensor): `FORM_STAGED` where `staged_ok` (a Hopper GPU,
     Gluon), its step dividing K with at least 32 code bytes a row, its x rows a power of two from
-    64 to 256, its weight rows 16 a warp and its buffers within `STAGED_SHARED`; else `FORM_FIELDS`, a step of at least 16 columns a
-    field and at most two scale slots, dividing K; else `FORM_COLUMNS`, whose step divides K (K is
-    a multiple of 32: `linear.geometry`)."""
+    64 to 256, its weight rows 16 a warp and its buffers within `STAGED_SHARED`; else
+    `FORM_FIELDS`, a step of at least 16 columns a field and at most two scale slots, dividing K;
+    else `FORM_COLUMNS`, whose step divides K (K is a multiple of 32: `linear.geometry`)."""
     per = 8 // fast.KIND_BITS[kind]
     if t.form == FORM_STAGED:
         bk = max(t.bk, 32 * per)
