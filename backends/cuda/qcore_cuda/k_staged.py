@@ -74,8 +74,7 @@ def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
     x_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
     c_shared: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     x_copy: gl.constexpr = _spread(BM, BK, 8, num_warps)  # (16-byte copies)
-    c_copy: gl.constexpr = _spread(BN, JB, 16, num_warps)
-    c_regs: gl.constexpr = _spread(BN, JB, 16, num_warps)
+    c_layout: gl.constexpr = _spread(BN, JB, 16, num_warps)  # (the code bytes: copied and decoded in one layout)
 
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_shared)
     c_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, JB], c_shared)
@@ -84,12 +83,10 @@ def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
     xr = xrow0 + gl.arange(0, BM, layout=gl.SliceLayout(1, x_copy))
     xk = gl.arange(0, BK, layout=gl.SliceLayout(0, x_copy))
     x_ptrs = x_ptr + (xr % M).to(gl.int64)[:, None] * K + xk[None, :]
-    cr = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, c_copy))
-    cj = gl.arange(0, JB, layout=gl.SliceLayout(0, c_copy))
-    c_ptrs = w_ptr + (cr % N).to(gl.int64)[:, None] * row_bytes + cj[None, :]
-    dr = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, c_regs))
-    dj = gl.arange(0, JB, layout=gl.SliceLayout(0, c_regs))
-    s_ptrs = s_ptr + (dr % N).to(gl.int64) * nsb
+    cr = (row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, c_layout))) % N
+    cj = gl.arange(0, JB, layout=gl.SliceLayout(0, c_layout))
+    c_ptrs = w_ptr + cr.to(gl.int64)[:, None] * row_bytes + cj[None, :]
+    s_ptrs = s_ptr + cr.to(gl.int64) * nsb
 
     steps = K // BK
     gl.assume(steps > 0)  # (no path around the loop: ptxas then keeps the products in flight, where a
@@ -108,17 +105,17 @@ def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
         async_copy.commit_group()
         async_copy.wait_group(STAGES - 2)
         _barrier()  # (step i's copies, made by every thread, have landed)
-        b = c_smem.index(i % STAGES).load(c_regs).to(gl.int32)
+        b = c_smem.index(i % STAGES).load(c_layout).to(gl.int32)
         k0 = i * BK
         if B == 0:
             s = gl.load(s_ptrs)[:, None]
         elif B >= BK:
             s = gl.load(s_ptrs + k0 // B)[:, None]
         elif B * 2 == BK:
-            s = gl.where(dj[None, :] * PER < B, gl.load(s_ptrs + k0 // B)[:, None],
+            s = gl.where(cj[None, :] * PER < B, gl.load(s_ptrs + k0 // B)[:, None],
                          gl.load(s_ptrs + k0 // B + 1)[:, None])
         else:  # (several slots a step: each byte's own)
-            s = gl.load(s_ptrs[:, None] + ((k0 + dj * PER) // B)[None, :])
+            s = gl.load(s_ptrs[:, None] + ((k0 + cj * PER) // B)[None, :])
         a_smem.index(i % 2).store(_fields(b, s, KIND, BITS, BN, BK))
         fence_async_shared()
         _barrier()  # (the whole tile stored before any warpgroup's product reads it)
