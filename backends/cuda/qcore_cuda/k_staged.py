@@ -4,15 +4,18 @@ from there by asynchronous `wgmma`, so that the decode of step i + 1 runs while 
 step i is on the tensor cores.
 
 A program computes BN weight rows by BM rows of x. Per step of BK columns: x's tile [BM, BK] and
-the code bytes [BN, BK / PER] arrive by `cp.async` in a ring of STAGES buffers (STAGES - 2 steps
-ahead); the warps load the bytes, decode each field exactly (`k_fused.decode`), multiply by its
-f32 scale slot and round to bfloat16 (docs/spec.md's bfloat16-weight rule), and store the tile in
-column order into one of two bfloat16 buffers; `wgmma` multiplies that buffer by x's (both read
-from shared memory) into f32 sums, and the program waits for the product of the step before
-(`warpgroup_mma_wait(1)`) before it issues the next. Three barriers a step order the warps: a
-buffer is refilled only once every warpgroup's product that read it is done. Rows past N or M
-read rows inside (their results are not stored); K is a multiple of BK. The bias is added in f32
-and each sum rounded once to bfloat16. Sums run in a fixed order: results repeat bit for bit.
+the code bytes [BN, BK / PER] arrive by `cp.async` in a ring of STAGES buffers (issued STAGES - 2
+steps ahead); the warps load the bytes, decode each field exactly (`k_fused.decode`), multiply by
+its f32 scale slot (loaded a step ahead) and round to bfloat16 (docs/spec.md's bfloat16-weight
+rule), and store the tile in column order into one of two bfloat16 buffers; `wgmma` multiplies
+that buffer by x's (both read from shared memory) into f32 sums, and the program waits for the
+product of the step before (`warpgroup_mma_wait(1)`) before it issues the next. The copies and
+the scales' loads are issued after the fence that makes the stored tile visible to `wgmma`: the
+fence waits for the thread's earlier memory operations, so issued before it they would be waited
+for there. Two barriers a step order the warps: a buffer is refilled only once
+every warpgroup's product that read it is done. Rows past N or M read rows inside (their results
+are not stored); K is a multiple of BK. The bias is added in f32 and each sum rounded once to
+bfloat16. Sums run in a fixed order: results repeat bit for bit.
 
 Imported on first use of that form (Gluon comes with Triton 3.5 and later)."""
 from triton.experimental import gluon
@@ -57,6 +60,22 @@ def _fields(b, s, KIND: gl.constexpr, BITS: gl.constexpr, BN: gl.constexpr, BK: 
 
 
 @gluon.jit
+def _scales(s_ptrs, cj, k0, B: gl.constexpr, BK: gl.constexpr, PER: gl.constexpr):
+    """The f32 scale slots of the step at column k0, for the code bytes' rows (`s_ptrs`) and byte
+    columns (`cj`): one a row (per row, or a block covering the step), two a row (blocks of half a
+    step), or each byte's own (smaller blocks); broadcastable to the bytes' tile."""
+    if B == 0:
+        s = gl.load(s_ptrs)[:, None]
+    elif B >= BK:
+        s = gl.load(s_ptrs + k0 // B)[:, None]
+    elif B * 2 == BK:
+        s = gl.where(cj[None, :] * PER < B, gl.load(s_ptrs + k0 // B)[:, None], gl.load(s_ptrs + k0 // B + 1)[:, None])
+    else:
+        s = gl.load(s_ptrs[:, None] + ((k0 + cj * PER) // B)[None, :])
+    return s
+
+
+@gluon.jit
 def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
                  KIND: gl.constexpr, BITS: gl.constexpr, B: gl.constexpr, HAS_BIAS: gl.constexpr,
                  BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
@@ -95,29 +114,21 @@ def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
         _async_load(x_smem.index(p), x_ptrs + p * BK)
         _async_load(c_smem.index(p), c_ptrs + p * JB)
         async_copy.commit_group()
+    s = _scales(s_ptrs, cj, 0, B, BK, PER)
     acc = gl.zeros((BN, BM), dtype=gl.float32, layout=mma)
     for i in range(steps):
-        _barrier()  # (every warpgroup waited for its product i - 2: its buffers may be refilled)
-        nxt = i + STAGES - 2
+        async_copy.wait_group(STAGES - 3)  # (this thread's copies of step i have landed)
+        _barrier()  # (every thread's have; every warpgroup waited for its product i - 2)
+        b = c_smem.index(i % STAGES).load(c_layout).to(gl.int32)
+        a_smem.index(i % 2).store(_fields(b, s, KIND, BITS, BN, BK))
+        fence_async_shared()  # (a wait for this thread's memory operations before it: the copies and
+        # the scales' loads below are issued after it, to run across the product)
+        s = _scales(s_ptrs, cj, gl.minimum(i + 1, steps - 1) * BK, B, BK, PER)
+        nxt = i + STAGES - 2  # (into the buffers of step i - 2, whose product is done)
         src = gl.minimum(nxt, steps - 1)  # (past the last step: a copy of it into a buffer never read)
         _async_load(x_smem.index(nxt % STAGES), x_ptrs + src * BK)
         _async_load(c_smem.index(nxt % STAGES), c_ptrs + src * JB)
         async_copy.commit_group()
-        async_copy.wait_group(STAGES - 2)
-        _barrier()  # (step i's copies, made by every thread, have landed)
-        b = c_smem.index(i % STAGES).load(c_layout).to(gl.int32)
-        k0 = i * BK
-        if B == 0:
-            s = gl.load(s_ptrs)[:, None]
-        elif B >= BK:
-            s = gl.load(s_ptrs + k0 // B)[:, None]
-        elif B * 2 == BK:
-            s = gl.where(cj[None, :] * PER < B, gl.load(s_ptrs + k0 // B)[:, None],
-                         gl.load(s_ptrs + k0 // B + 1)[:, None])
-        else:  # (several slots a step: each byte's own)
-            s = gl.load(s_ptrs[:, None] + ((k0 + cj * PER) // B)[None, :])
-        a_smem.index(i % 2).store(_fields(b, s, KIND, BITS, BN, BK))
-        fence_async_shared()
         _barrier()  # (the whole tile stored before any warpgroup's product reads it)
         acc = warpgroup_mma(a_smem.index(i % 2), x_smem.index(i % STAGES).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
