@@ -38,10 +38,10 @@ DECODE_VARIANTS = ["8,4,2", "8,2,2", "8,4,1", "4,4,2", "8,8,1"]
 """The decode kernel's default, fewer units in flight, one row a warp, fewer warps, more units."""
 TC_VARIANTS = ["8,4", "8,8", "8,2", "16,4"]
 """The tensor-core kernel's default, more or fewer chunks in flight, more warps."""
-FUSED_VARIANTS = ["off", "64,64,64,4,4,2", "64,32,64,4,4,2", "64,128,32,4,4,2", "128,128,64,8,3,2",
-                  "128,256,64,8,3,2", "128,128,32,8,3,1", "128,128,64,8,3,3", "128,256,64,8,3,3", "64,128,64,4,3,3"]
-"""The fused GEMM off (the paths that take each M otherwise), `fused.tile_for`'s tiles, fewer x
-rows, a narrower step, the columns form, the staged form's tiles."""
+FUSED_VARIANTS = ["off", "64,64,64,4,4,2", "64,128,64,4,4,3", "64,256,64,4,4,3", "128,256,64,8,4,3",
+                  "64,32,64,4,4,2", "128,128,32,8,3,1", "128,128,64,8,3,3"]
+"""The fused GEMM off (the paths that take each M otherwise), `fused.tile_for`'s tiles (fields,
+then staged), the staged form's widest, fewer x rows, the columns form, a ring of three."""
 SCHEMES = "q4s/block32:f16,q8s/block32:f16,mxfp4,nvfp4"
 
 

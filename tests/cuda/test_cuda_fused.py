@@ -80,8 +80,9 @@ def test_fused_kernel_is_within_the_bfloat16_weight_bound(text, n, k, m, bias, f
     assert np.array_equal(y.float().numpy(), want.astype(np.float32))  # (-0.0 == 0.0: a sum from +0)
 
 
-STAGED_TILE = "128,128,64,8,3,3"
-"""A `fused.FORM_STAGED` tile (`QCORE_CUDA_FUSED_TUNE`)."""
+STAGED_TILES = ["128,128,64,8,3,3", "64,256,64,4,4,3"]
+"""`fused.FORM_STAGED` tiles (`QCORE_CUDA_FUSED_TUNE`): two warpgroups and a ring of three; the
+plan's widest, one warpgroup and a ring of four."""
 
 
 def _need_gluon() -> None:
@@ -98,13 +99,13 @@ def _need_gluon() -> None:
 @pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
 @pytest.mark.parametrize("text", SCHEMES)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("tune", [None, STAGED_TILE])
+@pytest.mark.parametrize("tune", [None] + STAGED_TILES)
 def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bias, tune):
     """bfloat16 x through `linear` with the fused GEMM on for every kind, in its default tile and
     in the staged form (a Hopper GPU: the Gluon kernel): N, K and M past its tiles' edges, within
     the bound, the same bits on a repeat; with x the identity, each weight value rounded once to
     bfloat16."""
-    from qcore_cuda import fused
+    from qcore_cuda import fused, linear
     from qcore_cuda.paths import TAKEN
     from qcore_cuda.paths import linear as paths_linear
 
@@ -112,22 +113,28 @@ def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bi
     monkeypatch.setattr(paths_linear, "FUSED_ALL_KINDS", True)
     staged = tune is not None
     if staged:
-        if torch.cuda.get_device_capability()[0] < 9:
-            pytest.skip("the staged form needs a Hopper GPU")
+        if torch.cuda.get_device_capability()[0] != 9:
+            pytest.skip("the staged form needs a Hopper GPU (wgmma)")
         _need_gluon()
         monkeypatch.setenv(fused.TUNE_ENV, tune)
     be = cuda_backend
-    m, n, k = 64 + 77, 200, (384 if staged else 352)  # (the staged form's step: 64 columns, 128 with 2-bit codes)
+    # (the staged form's step: 64 columns, 128 with 2-bit codes; without a tune, rows the fields form
+    # takes on any GPU: K = 352 sends the plan's staged tile to it on a Hopper GPU too)
+    m, n, k = (64 + 77, 200, 384) if staged else (64 + 45, 200, 352)
     w, x, b = _case(text, n, k, m, bias)
     q, qd = REF.quantize(w, text), be.quantize(w, text)
     xt, bt = _bf16(x).cuda(), (None if b is None else _bf16(b).cuda())
     before, staged_before = TAKEN["FusedGemmLinear"], fused.LAUNCHED[fused.FORM_STAGED]
     y = be.linear(xt, qd, bt)
     assert TAKEN["FusedGemmLinear"] == before + 1
-    assert fused.LAUNCHED[fused.FORM_STAGED] == staged_before + staged
+    kind, P = linear.geometry((n, k), q.scheme)  # (a tile past shared memory, 2-bit's 64 x 256: the fields form)
+    assert fused.LAUNCHED[fused.FORM_STAGED] == staged_before + (
+        staged and fused.step_for(fused.tile_for(m), kind, k, fused.block_of(P)).form == fused.FORM_STAGED)
     assert torch.equal(be.linear(xt, qd, bt).view(torch.int16), y.view(torch.int16))
     _check(y.view(torch.int16).cpu().numpy().view(np.uint16).view(BF16), q, x, b, f"{text} M={m}")
     want = np.asarray(REF.dequantize(q), np.float32).astype(BF16).T  # (x = the identity: y = W^T)
+    if not staged:  # (K rows of x, past the fields form's: its tile named, as the plan has none there)
+        monkeypatch.setenv(fused.TUNE_ENV, "64,64,64,4,4,2")
     y = be.linear(_bf16(np.eye(k, dtype=BF16)).cuda(), qd)
     assert TAKEN["FusedGemmLinear"] == before + 3
     assert np.array_equal(y.float().cpu().numpy(), want.astype(np.float32))
@@ -239,13 +246,20 @@ def test_staged_tiles_fall_back_where_they_cannot_run():
 
 @pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
 @pytest.mark.parametrize("text,m,path", [("q4s/block32:f16", 64, "FusedGemmLinear"), ("q8s", 128, "FusedGemmLinear"),
+                                         ("q4s/block32:f16", 256, "FusedGemmLinear"), ("mxfp4", 64, "FusedGemmLinear"),
+                                         ("mxfp4", 48, "TensorCoreLinear"),
                                          ("q4s/block32:f16", 32, "TensorCoreLinear"),
-                                         ("q4s/block32:f16", 256, "DequantizedGemmLinear"),
-                                         ("mxfp4", 64, "DequantizedGemmLinear")])
+                                         ("q4s/block32:f16", 384, "DequantizedGemmLinear"),
+                                         ("nvfp4", 64, "DequantizedGemmLinear"),
+                                         ("q2s/block32:f16", 256, "DequantizedGemmLinear"),
+                                         ("e4m3/block32:f32", 128, "DequantizedGemmLinear")])
 def test_the_default_plan_takes_the_fused_gemm_where_it_was_timed_faster(cuda_backend, text, m, path):
-    """With the defaults (`paths.linear.FUSED_M`, integer kinds): the fused GEMM takes integer
-    weights at 48..128 rows of bfloat16 x; fewer rows the tensor-core kernel, more rows or a
-    minifloat weight dequantize + cuBLAS."""
+    """With the defaults (`paths.linear.FUSED_M`, `fused.plan_takes`): the fused GEMM takes integer
+    and mxfp4 weights at 48..256 rows of bfloat16 x (past 128 on a Hopper GPU; elsewhere
+    dequantize + cuBLAS there), its staged form from 81 rows on a Hopper GPU; fewer rows the
+    tensor-core kernel, more rows, nvfp4, an 8-bit minifloat weight or a staged tile past shared
+    memory (2-bit codes' steps of 128 columns at 256 rows) dequantize + cuBLAS."""
+    from qcore_cuda import fused
     from qcore_cuda.paths import TAKEN
     from qcore_cuda.paths import linear as paths_linear
 
@@ -253,8 +267,14 @@ def test_the_default_plan_takes_the_fused_gemm_where_it_was_timed_faster(cuda_ba
     qd = cuda_backend.quantize(w, text)
     names = [type(p).__name__ for p in paths_linear.LINEAR]
     before = [TAKEN[n] for n in names]
+    hopper = fused.staged_ready(torch.device("cuda"))
+    if path == "FusedGemmLinear" and m > fused.FIELDS_MAX_M and not hopper:
+        path = "DequantizedGemmLinear"
+    staged_before = fused.LAUNCHED[fused.FORM_STAGED]
     cuda_backend.linear(_bf16(x).cuda(), qd)
     assert [n for n, b in zip(names, before) if TAKEN[n] != b] == [path]
+    staged = path == "FusedGemmLinear" and m > 80 and hopper
+    assert fused.LAUNCHED[fused.FORM_STAGED] == staged_before + staged
 
 
 @pytest.mark.parametrize("text,want", [("48,128", (48, 128)), ("1", (1, 1 << 62)), ("0", (0, 1 << 62))])
@@ -281,3 +301,50 @@ def test_fused_kinds_read_from_the_environment():
     assert paths_linear._fused_all_kinds("all") and not paths_linear._fused_all_kinds("int")
     with pytest.raises(ValueError, match="QCORE_CUDA_LINEAR_FUSED_KINDS='al'"):
         paths_linear._fused_all_kinds("al")
+
+
+def test_the_plan_tiles_by_rows_of_x(monkeypatch):
+    """`fused.tile_for`: the fields form's 64 x 64 up to 80 rows, then on a Hopper GPU the staged
+    form's 64 weight rows by 128 rows of x up to 128 and by 256 beyond; elsewhere the fields form
+    (64 x 64 up to `FIELDS_MAX_M`, 128 x 128 beyond); the tune variable replaces the choice."""
+    from qcore_cuda import fused
+
+    monkeypatch.delenv(fused.TUNE_ENV, raising=False)
+    assert fused.tile_for(80) == fused.Tile(64, 64, 64, 4, 4, fused.FORM_FIELDS)
+    assert fused.tile_for(81) == fused.Tile(64, 128, 64, 4, 4, fused.FORM_STAGED)
+    assert fused.tile_for(129) == fused.Tile(64, 256, 64, 4, 4, fused.FORM_STAGED)
+    assert fused.tile_for(128, staged=False) == fused.Tile(64, 64, 64, 4, 4, fused.FORM_FIELDS)
+    assert fused.tile_for(129, staged=False).form == fused.FORM_FIELDS
+    monkeypatch.setenv(fused.TUNE_ENV, "128,256,64,8,4,3")
+    assert fused.tile_for(1) == fused.Tile(128, 256, 64, 8, 4, fused.FORM_STAGED)
+
+
+def test_the_plan_takes_integer_and_mxfp4_weights():
+    """`fused.plan_takes`: integer codes with any scales from 48 rows of x, E2M1 in blocks of 32
+    or more (mxfp4) from 64; not nvfp4's blocks of 16 nor the 8-bit minifloats; `block_of` reads
+    the block from the kernel geometry."""
+    from qcore_cuda import fast, fused, linear
+
+    def takes(text, m):
+        q = REF.quantize(np.ones((16, 256), np.float32), text)
+        kind, P = linear.geometry((16, 256), q.scheme)
+        return fused.plan_takes(kind, fused.block_of(P), m)
+
+    assert all(takes(t, 48) for t in ("q4s/block32:f16", "q8s", "q2s/block32:f16", "q4_0"))
+    assert takes("mxfp4", 64) and not takes("mxfp4", 48) and not takes("q8s", 47)
+    assert not any(takes(t, 128) for t in ("nvfp4", "e4m3/block32:f32", "mxfp8", "e5m2"))
+    assert not fused.plan_takes(fast.KIND_E2M1, 16, 128)
+
+
+def test_past_the_fields_rows_the_plan_needs_the_staged_form(monkeypatch):
+    """`fused.plan_runs`: up to `FIELDS_MAX_M` rows any form; past them only where the staged form
+    runs (not on the CPU, whose tiles are the fields form's; not where its step does not divide
+    K), unless the tune variable names the tile."""
+    from qcore_cuda import fast, fused
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(fused.TUNE_ENV, raising=False)
+    assert fused.plan_runs(fused.FIELDS_MAX_M, fast.KIND_I4, 4096, 32, cpu)
+    assert not fused.plan_runs(fused.FIELDS_MAX_M + 1, fast.KIND_I4, 4096, 32, cpu)
+    monkeypatch.setenv(fused.TUNE_ENV, "64,64,64,4,4,2")
+    assert fused.plan_runs(fused.FIELDS_MAX_M + 1, fast.KIND_I4, 4096, 32, cpu)

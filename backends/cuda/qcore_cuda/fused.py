@@ -1,5 +1,5 @@
-"""A Triton GEMM that dequantizes the weight inside its main loop: `linear` for bfloat16 x and
-result at prefill sizes (many rows of x), docs/spec.md's bfloat16-weight rule.
+"""A GEMM that dequantizes the weight inside its main loop (Triton; Gluon on a Hopper GPU): `linear`
+for bfloat16 x and result at prefill sizes (many rows of x), docs/spec.md's bfloat16-weight rule.
 
 y[m, n] = round_bf16(sum_k x[m, k] * round_bf16(decode(q[n, k]) * e[n, k]) (+ bias[n])), the sum
 in f32 on the tensor cores. A program computes one tile of `BN` weight rows by `BM` rows of x: per
@@ -18,9 +18,9 @@ copy of x made per call with each step's columns reordered); `FORM_COLUMNS` buil
 tile in column order, each element loading its byte (any step, blocks of 16 with 2-bit codes
 included). `FORM_STAGED` (k_staged.py, Gluon, a Hopper GPU) decodes each step's tile into shared
 memory in column order and multiplies it from there by asynchronous `wgmma`, the decode of the next
-step overlapping the product of this one; x is read as it is. It is reached through `TUNE_ENV`
-only until it is timed (docs/gpu.md). `launch` falls back from the staged form to the fields form
-and from that to the columns form where a step cannot be formed.
+step overlapping the product of this one; x is read as it is. `tile_for` picks the form and tile
+by rows of x; `launch` falls back from the staged form to the fields form and from that to the
+columns form where a step cannot be formed.
 
 The weight's bytes are read once per `BM` rows of x and never written in another form (the
 dequantize-then-GEMM path writes and reads a bfloat16 copy of the whole weight per call).
@@ -42,12 +42,13 @@ from . import fast
 from .linear import LP_K, LP_LB, LP_N, LP_NSB, LP_WPR, parse_tune
 
 __all__ = ["KINDS", "INT_KINDS", "FORM_COLUMNS", "FORM_FIELDS", "FORM_STAGED", "STAGED_SHARED", "LAUNCHED", "Tile",
-           "TUNE_ENV", "available", "staged_available", "step_for", "tile_for", "launch"]
+           "TUNE_ENV", "FIELDS_MAX_M", "available", "staged_available", "staged_ready", "step_for", "tile_for",
+           "block_of", "PLAN_FROM_M", "plan_takes", "plan_tile", "plan_runs", "launch"]
 
 KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_I2, fast.KIND_E4M3, fast.KIND_E5M2, fast.KIND_E2M1)
 """Value kinds (`fast.KINDS`) the kernels decode: those of `linear.geometry`."""
 INT_KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_I2)
-"""The kinds `paths.linear.FusedGemmLinear` takes by default (timed faster than the paths it replaces)."""
+"""The integer kinds (`plan_takes`)."""
 FORM_COLUMNS, FORM_FIELDS, FORM_STAGED = 1, 2, 3
 """The loop's forms (module text; `FORM_STAGED`: k_staged.py)."""
 STAGED_SHARED = 227 * 1024
@@ -72,10 +73,17 @@ class Tile:
     form: int = FORM_FIELDS
 
 
-def tile_for(m: int) -> Tile:
-    """The tile for m rows of x (or `TUNE_ENV`'s): the fields form, steps of 64 columns; 64 x 64
-    up to 128 rows (where `paths.linear` takes this GEMM: the fastest of the tiles timed there,
-    H100, docs/performance.md), wider tiles beyond (tuning runs)."""
+FIELDS_MAX_M = 128
+"""The most rows of x the plan gives the fields form (`tile_for`); more take the staged form, so
+the plan takes this GEMM past them only where that form runs (`staged_ready`)."""
+
+
+def tile_for(m: int, staged: bool = True) -> Tile:
+    """The tile for m rows of x (or `TUNE_ENV`'s), the fastest of those timed at each size (H100,
+    8192 x 8192, docs/performance.md): the fields form's 64 x 64 up to 80 rows, then where `staged`
+    (a Hopper GPU with Gluon: `staged_ready`) the staged form's 64 weight rows by 128 rows of x up
+    to 128 rows and by 256 beyond, in steps of 64 columns, four warps, a ring of four; where not,
+    the fields form's 64 x 64 up to `FIELDS_MAX_M` rows and 128 x 128 beyond (tuning runs)."""
     text = os.environ.get(TUNE_ENV)
     if text:
         t = Tile(*parse_tune(TUNE_ENV, text, "BN,BM,BK,WARPS,STAGES,FORM"))
@@ -83,11 +91,47 @@ def tile_for(m: int) -> Tile:
             raise ValueError(f"{TUNE_ENV}={text!r}: FORM is {FORM_COLUMNS} (columns), {FORM_FIELDS} (fields) or "
                              f"{FORM_STAGED} (staged)")
         return t
-    if m <= 128:
+    if m <= (80 if staged else FIELDS_MAX_M):
         return Tile(64, 64, 64, 4, 4)
-    if m <= 512:
+    if not staged:
         return Tile(128, 128, 64, 8, 3)
-    return Tile(128, 256, 64, 8, 3)
+    return Tile(64, 128 if m <= 128 else 256, 64, 4, 4, FORM_STAGED)
+
+
+def block_of(P: Any) -> int:
+    """The scale block's columns of `linear.geometry`'s P (0: one slot a row or for the tensor)."""
+    nsb, lb = int(P[LP_NSB]), int(P[LP_LB])
+    return 0 if nsb <= 1 else 16 << lb
+
+
+PLAN_FROM_M = {fast.KIND_I8: 48, fast.KIND_I4: 48, fast.KIND_I2: 48, fast.KIND_E2M1: 64}
+"""The fewest rows of x at which the plan (`paths.linear.FusedGemmLinear`) takes this GEMM, per
+value kind it takes (`plan_takes`): where it was timed faster than the paths it replaces (H100,
+docs/performance.md; E2M1 at 48 rows: the tensor-core kernel)."""
+
+
+def plan_takes(kind: int, block: int, m: int) -> bool:
+    """Whether the plan takes this GEMM for m rows of x and weights of `kind` with scale blocks of
+    `block` columns: integer codes, and E2M1 codes in blocks of 32 or more (mxfp4), from
+    `PLAN_FROM_M` rows (`paths.linear.FUSED_M` bounds the rest). Not E2M1 in blocks of 16 (nvfp4: a
+    scale gathered per code byte, slower in the same runs) nor the 8-bit minifloats (not timed)."""
+    if kind == fast.KIND_E2M1 and block < 32:
+        return False
+    return m >= PLAN_FROM_M.get(kind, 1 << 62)
+
+
+def plan_tile(m: int, kind: int, k: int, block: int, device: Any) -> Tile:
+    """The tile `launch` runs without a tile given: `tile_for`'s, through `step_for`."""
+    staged = staged_ready(device)
+    return step_for(tile_for(m, staged), kind, k, block, staged)
+
+
+def plan_runs(m: int, kind: int, k: int, block: int, device: Any) -> bool:
+    """Whether `plan_tile` runs as timed: any form up to `FIELDS_MAX_M` rows of x, past them only
+    the staged form (the fields form was slower there than dequantize + cuBLAS), unless `TUNE_ENV`
+    names the tile (tuning runs take it as it falls)."""
+    return (m <= FIELDS_MAX_M or bool(os.environ.get(TUNE_ENV))
+            or plan_tile(m, kind, k, block, device).form == FORM_STAGED)
 
 
 @lru_cache(maxsize=1)
@@ -113,6 +157,13 @@ def staged_available() -> bool:
     except Exception:  # (an older Triton lacks Gluon or one of the Hopper builtins the kernel takes)
         return False
     return True
+
+
+def staged_ready(device: Any) -> bool:
+    """Whether `FORM_STAGED` runs for x on this torch device: a Hopper GPU (`wgmma` is sm_90's
+    alone), outside the interpreter, with the kernel importable."""
+    return (device.type == "cuda" and not _interpreted() and _capability(device)[0] == 9
+            and staged_available())
 
 
 def step_for(t: Tile, kind: int, k: int, block: int, staged_ok: bool = True) -> Tile:
@@ -148,12 +199,8 @@ def launch(kind: int, P: Any, x: Any, codes: Any, scales: Any, bias: Any, y: Any
     m, k_ = x.shape
     n_ = int(P[LP_N])
     assert int(P[LP_K]) == k_ and tuple(y.shape) == (m, n_) and kind in KINDS
-    nsb, lb = int(P[LP_NSB]), int(P[LP_LB])
-    block = 0 if nsb <= 1 else 16 << lb
-    t = tile or tile_for(m)
-    staged_ok = (t.form == FORM_STAGED and not _interpreted() and staged_available()
-                 and x.device.type == "cuda" and _capability(x.device)[0] >= 9)
-    t = step_for(t, kind, k_, block, staged_ok)
+    nsb, block = int(P[LP_NSB]), block_of(P)
+    t = step_for(tile, kind, k_, block, staged_ready(x.device)) if tile else plan_tile(m, kind, k_, block, x.device)
     per = 8 // fast.KIND_BITS[kind]
     common = (x, codes, scales, bias if bias is not None else y, y, m, n_, k_, 4 * int(P[LP_WPR]), nsb)
     grid = (-(-m // t.bm) * -(-n_ // t.bn),)

@@ -11,8 +11,8 @@ first path in the operation's list that applies. The lists, most specialised fir
   given scales, two-level schemes, per-tensor scales);
 * dequantize (`dequantize.py`): `FastDequantize`, `RowsDequantize`, `RoundedDequantize`
   (bfloat16 results no bf16 kernel writes), `GeneralDequantize`;
-* linear (`linear.py`): `FusedGemmLinear` (fused.py, a Triton GEMM that dequantizes as it
-  multiplies; integer weights at `FUSED_M` rows), `DequantizedGemmLinear` (bfloat16 from `LIBRARY_FROM_M` rows: the weight
+* linear (`linear.py`): `FusedGemmLinear` (fused.py, a GEMM that dequantizes as it multiplies;
+  integer and mxfp4 weights at `FUSED_M` rows), `DequantizedGemmLinear` (bfloat16 from `LIBRARY_FROM_M` rows: the weight
   dequantized to bfloat16, then torch's GEMM), `DecodeLinear` (k_decode.py, a few rows of x),
   `TensorCoreLinear` (linear.py), `TransposedLinear`;
   W8A8 (`fp8.py`: e4m3 x e4m3 on torch's `_scaled_mm`) is tried first for `act=` and quantized x;

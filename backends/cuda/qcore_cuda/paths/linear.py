@@ -8,9 +8,10 @@ dtype, as for `dequantize`). A float64 result is the f32 sums widened.
 
 Paths:
 - `FusedGemmLinear` (`fused.py`): bfloat16 x and result, a torch CUDA x of `FUSED_M` rows (48 to
-  128: between the tensor-core kernel's range and where dequantize + cuBLAS wins), an integer
-  weight (`fused.INT_KINDS`), Triton installed; a Triton GEMM that dequantizes the weight's tiles to
-  bfloat16 (the same rule as the next path) inside its main loop.
+  256, past 128 only on a Hopper GPU: between the tensor-core kernel's range and where dequantize
+  + cuBLAS wins), an integer or mxfp4 weight (`fused.plan_takes`), Triton installed; a GEMM that
+  dequantizes the weight's tiles to bfloat16 (the same rule as the next path) inside its main
+  loop, in Triton or (Hopper, from 81 rows) Gluon.
 - `DequantizedGemmLinear`: bfloat16 x and result, a torch CUDA x of at least `LIBRARY_FROM_M`
   rows (prefill, batched serving): the weight dequantized to bfloat16 into a torch tensor (the
   fast dequantize kernel's bf16 variant, or float32 rounded once), then torch's GEMM (cuBLAS).
@@ -105,13 +106,13 @@ def _fused_rows(text: str) -> tuple[int, int]:
     return (parts[0], parts[1] if len(parts) == 2 else 1 << 62)
 
 
-FUSED_M = _fused_rows(os.environ.get("QCORE_CUDA_LINEAR_FUSED_M", "48,128"))
-"""(fewest, most) rows of x `FusedGemmLinear` takes (fewest 0: never). By measurement (H100,
-8192 x 8192, `benchmarks/linear_tune.py`, docs/performance.md): at M = 48..128 it beats the path
-it replaces for integer weights (timed: q4s/block32:f16 0.61x against 0.41x torch bf16 at
-M = 64, q8s/block32:f16 0.56x against 0.38x); the tensor-core kernel is faster up to M = 32,
-dequantize + cuBLAS from M = 256. The environment variable of that name replaces it at import
-(benchmarks compare the paths)."""
+FUSED_M = _fused_rows(os.environ.get("QCORE_CUDA_LINEAR_FUSED_M", "48,256"))
+"""(fewest, most) rows of x `FusedGemmLinear` takes (fewest 0: never); past `fused.FIELDS_MAX_M`
+rows only where its staged form runs (a Hopper GPU). By measurement (H100, 8192 x 8192,
+docs/performance.md): at M = 48..256 it beats the paths it replaces for the weights
+`fused.plan_takes` names; the tensor-core kernel is faster up to M = 32, dequantize + cuBLAS from
+M = 384. The environment variable of that name replaces it at import (benchmarks compare the
+paths)."""
 
 
 def _fused_all_kinds(text: str) -> bool:
@@ -122,8 +123,7 @@ def _fused_all_kinds(text: str) -> bool:
 
 
 FUSED_ALL_KINDS = _fused_all_kinds(os.environ.get("QCORE_CUDA_LINEAR_FUSED_KINDS", "int"))
-"""`FusedGemmLinear` takes the integer kinds (`fused.INT_KINDS`: its minifloat decode made mxfp4
-and nvfp4 slower than the paths it replaces, in the same runs), or with
+"""`FusedGemmLinear` takes the weights `fused.plan_takes` names (integer codes, mxfp4), or with
 `QCORE_CUDA_LINEAR_FUSED_KINDS=all` at import every kind of `fused.KINDS` (tuning runs)."""
 
 
@@ -156,7 +156,12 @@ class FusedGemmLinear:
         if lo == 0 or not lo <= c.m <= hi or not _bf16_library_call(c):
             return False
         g = TensorCoreLinear.geometry(c.data)
-        return g is not None and g[0] in (fused.KINDS if FUSED_ALL_KINDS else fused.INT_KINDS) and fused.available()
+        if g is None or not fused.available():
+            return False
+        kind, block = g[0], fused.block_of(g[1])
+        if not (FUSED_ALL_KINDS or fused.plan_takes(kind, block, c.m)):
+            return False
+        return fused.plan_runs(c.m, kind, c.w.shape[1], block, c.x.device)
 
     def launch(self, c: LinearCall) -> None:
         from .. import fused
