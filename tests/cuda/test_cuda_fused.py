@@ -99,13 +99,13 @@ def _need_gluon() -> None:
 @pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
 @pytest.mark.parametrize("text", SCHEMES)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("tune", [None] + STAGED_TILES)
-def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bias, tune):
+@pytest.mark.parametrize("tune,split", [(None, False)] + [(t, False) for t in STAGED_TILES] + [(STAGED_TILES[-1], True)])
+def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bias, tune, split):
     """bfloat16 x through `linear` with the fused GEMM on for every kind, in its default tile and
-    in the staged form (a Hopper GPU: the Gluon kernel): N, K and M past its tiles' edges, within
-    the bound, the same bits on a repeat; with x the identity, each weight value rounded once to
-    bfloat16."""
-    from qcore_cuda import fused, linear
+    in the staged form (a Hopper GPU: the Gluon kernel), with its split-scale product allowed (4-bit
+    integer weights with short scales take it): N, K and M past its tiles' edges, within the bound,
+    the same bits on a repeat; with x the identity, each weight value rounded once to bfloat16."""
+    from qcore_cuda import fast, fused, linear
     from qcore_cuda.paths import TAKEN
     from qcore_cuda.paths import linear as paths_linear
 
@@ -117,6 +117,7 @@ def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bi
             pytest.skip("the staged form needs a Hopper GPU (wgmma)")
         _need_gluon()
         monkeypatch.setenv(fused.TUNE_ENV, tune)
+    monkeypatch.setenv(fused.SPLIT_ENV, "1" if split else "0")
     be = cuda_backend
     # (the staged form's step: 64 columns, 128 with 2-bit codes; without a tune, rows the fields form
     # takes on any GPU: K = 352 sends the plan's staged tile to it on a Hopper GPU too)
@@ -124,12 +125,15 @@ def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bi
     w, x, b = _case(text, n, k, m, bias)
     q, qd = REF.quantize(w, text), be.quantize(w, text)
     xt, bt = _bf16(x).cuda(), (None if b is None else _bf16(b).cuda())
-    before, staged_before = TAKEN["FusedGemmLinear"], fused.LAUNCHED[fused.FORM_STAGED]
+    before, staged_before, split_before = (TAKEN["FusedGemmLinear"], fused.LAUNCHED[fused.FORM_STAGED],
+                                           fused.LAUNCHED["split"])
     y = be.linear(xt, qd, bt)
     assert TAKEN["FusedGemmLinear"] == before + 1
     kind, P = linear.geometry((n, k), q.scheme)  # (a tile past shared memory, 2-bit's 64 x 256: the fields form)
     assert fused.LAUNCHED[fused.FORM_STAGED] == staged_before + (
         staged and fused.step_for(fused.tile_for(m), kind, k, fused.block_of(P)).form == fused.FORM_STAGED)
+    short = kind == fast.KIND_I4 and not q.scheme.two_level and q.scheme.slot_dtype.value in ("f16", "bf16", "ue8m0")
+    assert fused.LAUNCHED["split"] == split_before + (split and short)
     assert torch.equal(be.linear(xt, qd, bt).view(torch.int16), y.view(torch.int16))
     _check(y.view(torch.int16).cpu().numpy().view(np.uint16).view(BF16), q, x, b, f"{text} M={m}")
     want = np.asarray(REF.dequantize(q), np.float32).astype(BF16).T  # (x = the identity: y = W^T)
@@ -151,15 +155,16 @@ sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "b_ptr": "*bf16", "y_
        "K": "i32", "row_bytes": "i32", "nsb": "i32"}
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 out = []
-for kind, block, tile in json.loads(sys.argv[1]):
+for kind, block, tile, *split in json.loads(sys.argv[1]):
     t = fused.step_for(fused.Tile(*tile) if tile else fused.tile_for(128), kind, 1 << 12, block)  # (default: the plan's)
     const = {"KIND": kind, "BITS": fast.KIND_BITS[kind], "B": block, "HAS_BIAS": True, "BN": t.bn, "BM": t.bm, "BK": t.bk}
     if t.form == fused.FORM_STAGED:
         from triton.experimental.gluon._runtime import GluonASTSource
         from qcore_cuda import k_staged
 
-        const |= {"STAGES": t.stages, "num_warps": t.warps}
-        src = GluonASTSource(fn=k_staged.fused_staged, signature={**sig, **{c: "constexpr" for c in const}},
+        const |= {"STAGES": t.stages, "num_warps": t.warps, "SPLIT": bool(split and split[0])}
+        words = {"w_ptr": "*i32"} if const["SPLIT"] else {}  # (SPLIT reads the codes as words)
+        src = GluonASTSource(fn=k_staged.fused_staged, signature={**sig, **words, **{c: "constexpr" for c in const}},
                              constexprs=const, attrs={(i,): [["tt.divisibility", 16]] for i in range(10)})
         options = {"num_warps": t.warps}
     else:
@@ -176,7 +181,7 @@ for kind, block, tile in json.loads(sys.argv[1]):
                              check=True).stdout
         sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
-    out.append({"kind": kind, "block": block, "form": t.form, "wgmma": k.asm["ptx"].count("wgmma.mma_async"),
+    out.append({"kind": kind, "block": block, "form": t.form, "split": bool(split and split[0]), "wgmma": k.asm["ptx"].count("wgmma.mma_async"),
                 "regs": int(re.search(r"REG:(\d+)", res).group(1)), "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
                 "hgmma": len(re.findall(r"\bHGMMA\.", sass)), "depbar": len(re.findall(r"WARPGROUP\.DEPBAR", sass))})
 print(json.dumps(out))
@@ -215,16 +220,22 @@ def test_staged_kernel_compiles_for_sm90_with_its_products_in_flight(tmp_path):
     """The staged form's Gluon kernel for every value kind and scale layout (one slot a step, two,
     four: a gather, per row) compiles for sm_90 with no spills and its `wgmma`s asynchronous: fewer
     warpgroup waits than products in the code (ptxas serializes them where it cannot keep the
-    accumulators apart), in tiles of 8 warps and of 4, 128 x 256 included."""
+    accumulators apart), in tiles of 8 warps and of 4, 128 x 256 included; and its split-scale
+    product for 4-bit integer codes under every scale layout."""
     from qcore_cuda import fast, fused
 
     _need_gluon()
-    wide, narrow, big = ([128, 128, 64, 8, 3, fused.FORM_STAGED], [64, 128, 64, 4, 3, fused.FORM_STAGED],
+    wide, narrow, big = ([128, 128, 64, 8, 3, fused.FORM_STAGED], [64, 256, 64, 4, 4, fused.FORM_STAGED],
                          [128, 256, 64, 8, 3, fused.FORM_STAGED])
     cases = [(fast.KIND_I4, 32, wide), (fast.KIND_E2M1, 16, wide), (fast.KIND_E2M1, 32, narrow), (fast.KIND_I8, 32, wide),
              (fast.KIND_E4M3, 128, narrow), (fast.KIND_E5M2, 0, wide), (fast.KIND_I2, 0, wide), (fast.KIND_I4, 16, big),
              (fast.KIND_I8, 32, big)]
-    for c in _compiled(cases, tmp_path):
+    # the split-scale product (4-bit integer codes read as words): one slot a step, two, a gather, per row
+    cases += [(fast.KIND_I4, 32, big, True), (fast.KIND_I4, 64, narrow, True), (fast.KIND_I4, 16, narrow, True),
+              (fast.KIND_I4, 0, wide, True)]
+    done = _compiled(cases, tmp_path)
+    assert [c["split"] for c in done] == [len(c) > 3 for c in cases]
+    for c in done:
         assert c["form"] == fused.FORM_STAGED and c["wgmma"] > 0 and c["stack"] == 0, c
         assert c["depbar"] < c["hgmma"], c
 
@@ -348,3 +359,22 @@ def test_past_the_fields_rows_the_plan_needs_the_staged_form(monkeypatch):
     assert not fused.plan_runs(fused.FIELDS_MAX_M + 1, fast.KIND_I4, 4096, 32, cpu)
     monkeypatch.setenv(fused.TUNE_ENV, "64,64,64,4,4,2")
     assert fused.plan_runs(fused.FIELDS_MAX_M + 1, fast.KIND_I4, 4096, 32, cpu)
+
+
+def test_the_split_scale_product_takes_4_bit_integer_weights_with_short_scales(monkeypatch):
+    """`fused.splits`: 4-bit integer codes whose effective scales leave s - round_bf16(s) of at most 5
+    significant bits (every f16, bfloat16 or UE8M0 slot) take the staged form's bfloat16 product
+    where the variable allows it; a longer remainder, a non-finite scale or another kind do not."""
+    from qcore_cuda import fast, fused
+
+    f16 = torch.tensor(np.random.default_rng(0).standard_normal(64).astype(np.float16).astype(np.float32))
+    monkeypatch.delenv(fused.SPLIT_ENV, raising=False)
+    assert not fused.splits(fast.KIND_I4, f16)  # (off unless the variable says 1)
+    monkeypatch.setenv(fused.SPLIT_ENV, "1")
+    f16 = torch.tensor(np.random.default_rng(0).standard_normal(64).astype(np.float16).astype(np.float32))
+    assert fused.splits(fast.KIND_I4, f16)
+    assert fused.splits(fast.KIND_I4, torch.tensor([2.0 ** -130, 0.0, -3.0, 2.0 ** 100]))  # (UE8M0-like, zero, sign)
+    assert not fused.splits(fast.KIND_I8, f16) and not fused.splits(fast.KIND_E2M1, f16)
+    assert fused.splits(fast.KIND_I4, torch.tensor([1.0 + 2.0 ** -20]))  # (a remainder of one bit)
+    assert not fused.splits(fast.KIND_I4, torch.tensor([1.0 + 2.0 ** -9 + 2.0 ** -20]))  # (a remainder of 12 bits)
+    assert not fused.splits(fast.KIND_I4, torch.tensor([1.0, float("inf")]))

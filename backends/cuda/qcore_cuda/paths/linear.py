@@ -172,11 +172,13 @@ class FusedGemmLinear:
         operands = cache.fused_operands
         if operands is None:
             torch = _torch()
+            scales = torch.as_tensor(_effective_scales(c), device=c.x.device)
             operands = (torch.as_tensor(c.be.state.plans.code_words(c.data), device=c.x.device).view(torch.uint8),
-                        torch.as_tensor(_effective_scales(c), device=c.x.device))
+                        scales, fused.splits(kind, scales))
             if not cache.caller_memory:
                 cache.fused_operands = operands
-        fused.launch(kind, P, c.x.reshape(c.m, k_), *operands, c.bias_given, c.result.view(c.m, n_))
+        codes, scales, split = operands
+        fused.launch(kind, P, c.x.reshape(c.m, k_), codes, scales, c.bias_given, c.result.view(c.m, n_), split=split)
 
 
 class DequantizedGemmLinear:
