@@ -12,10 +12,14 @@ that buffer by x's (both read from shared memory) into f32 sums, and the program
 product of the step before (`warpgroup_mma_wait(1)`) before it issues the next. The copies and
 the scales' loads are issued after the fence that makes the stored tile visible to `wgmma`: the
 fence waits for the thread's earlier memory operations, so issued before it they would be waited
-for there. Two barriers a step order the warps: a buffer is refilled only once
-every warpgroup's product that read it is done. Rows past N or M read rows inside (their results
-are not stored); K is a multiple of BK. The bias is added in f32 and each sum rounded once to
-bfloat16. Sums run in a fixed order: results repeat bit for bit.
+for there. Two barriers a step order the warps: a buffer is refilled only once every warpgroup's
+product that read it is done. Rows past N or M read rows inside (their results are not stored);
+K is a multiple of BK. The bias is added in f32 and each sum rounded once to bfloat16. Sums run in
+a fixed order: results repeat bit for bit.
+
+With SPLIT (`fused.splits`: 4-bit integer codes, scales that split exactly into two bfloat16
+parts) the codes arrive as 32-bit words and each word's eight values come from bfloat16
+arithmetic (`_I4_WORD`): the same values as the f32 product rounded once, in fewer instructions.
 
 Imported on first use of that form (Gluon comes with Triton 3.5 and later)."""
 from triton.experimental import gluon
