@@ -56,17 +56,16 @@ s_hi + s_lo (`_split`) -> the eight weight values round_bf16(v * s), in pairs of
 each code's offset value u = code ^ 8 set under 128's exponent (128 + u, exact), less 136 (v,
 exact), v * s_lo exact (at most 3 + 5 significant bits), and one fused multiply-add rounding
 v * s_hi + v * s_lo once: the f32 product rounded once, as docs/spec.md's bfloat16-weight rule has
-it, in 2.5 instructions a value where the f32 path takes about six."""
+it, in 2.5 instructions a value where the f32 path takes about six. (A zero code's value may be
+-0 where the f32 path gives +0 or the reverse; the sums start at +0, so no result differs.)"""
 
 
 @gluon.jit
 def _split(s):
     """f32 scales -> (s_hi, s_lo), bfloat16 with s_hi + s_lo == s exactly where s_lo has at most 5
-    significant bits (`fused.splits` checks a weight's scales), s_lo carrying the sign of s where it
-    is zero (a zero code's product then keeps the sign of the f32 product)."""
+    significant bits (`fused.splits` checks a weight's scales)."""
     s_hi = s.to(gl.bfloat16)
-    s_lo = (s - s_hi.to(gl.float32)).to(gl.bfloat16)
-    return s_hi, gl.where(s_lo == 0.0, s_hi * 0.0, s_lo).to(gl.bfloat16)
+    return s_hi, (s - s_hi.to(gl.float32)).to(gl.bfloat16)
 
 
 @gluon.jit
