@@ -362,19 +362,55 @@ def test_past_the_fields_rows_the_plan_needs_the_staged_form(monkeypatch):
 
 
 def test_the_split_scale_product_takes_4_bit_integer_weights_with_short_scales(monkeypatch):
-    """`fused.splits`: 4-bit integer codes whose effective scales leave s - round_bf16(s) of at most 5
-    significant bits (every f16, bfloat16 or UE8M0 slot) take the staged form's bfloat16 product
-    where the variable allows it; a longer remainder, a non-finite scale or another kind do not."""
+    """`fused.splits`: 4-bit integer codes whose effective scales have at most 13 significant bits
+    (every f16, bfloat16 or UE8M0 slot) take the staged form's bfloat16 product where the variable
+    allows it; a longer scale, a non-finite one or another kind do not."""
     from qcore_cuda import fast, fused
 
     f16 = torch.tensor(np.random.default_rng(0).standard_normal(64).astype(np.float16).astype(np.float32))
     monkeypatch.delenv(fused.SPLIT_ENV, raising=False)
     assert not fused.splits(fast.KIND_I4, f16)  # (off unless the variable says 1)
     monkeypatch.setenv(fused.SPLIT_ENV, "1")
-    f16 = torch.tensor(np.random.default_rng(0).standard_normal(64).astype(np.float16).astype(np.float32))
     assert fused.splits(fast.KIND_I4, f16)
     assert fused.splits(fast.KIND_I4, torch.tensor([2.0 ** -130, 0.0, -3.0, 2.0 ** 100]))  # (UE8M0-like, zero, sign)
     assert not fused.splits(fast.KIND_I8, f16) and not fused.splits(fast.KIND_E2M1, f16)
-    assert fused.splits(fast.KIND_I4, torch.tensor([1.0 + 2.0 ** -20]))  # (a remainder of one bit)
-    assert not fused.splits(fast.KIND_I4, torch.tensor([1.0 + 2.0 ** -9 + 2.0 ** -20]))  # (a remainder of 12 bits)
+    assert not fused.splits(fast.KIND_I4, torch.tensor([1.0 + 2.0 ** -20]))  # (21 significant bits)
     assert not fused.splits(fast.KIND_I4, torch.tensor([1.0, float("inf")]))
+
+
+def _round_bf16(x: np.ndarray) -> np.ndarray:
+    """float64 -> the nearest bfloat16 value (ties to even), rounded once (as float64)."""
+    m, e = np.frexp(x)
+    return np.ldexp(np.rint(m * 256.0), e - 8)
+
+
+def test_every_scale_the_split_product_takes_gives_the_rules_values(monkeypatch):
+    """For every scale `fused.splits` accepts (all finite f16 values, and the short ones among random
+    f32 scales), the split product's steps (k_staged._I4_WORD in bfloat16 arithmetic:
+    v exact, v * s_lo exact, one rounding of v * s_hi + v * s_lo) give docs/spec.md's
+    bfloat16-weight value round_bf16(f32(v * s)) for every 4-bit code."""
+    from qcore_cuda import fast, fused
+
+    monkeypatch.setenv(fused.SPLIT_ENV, "1")
+    h = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    rng = np.random.default_rng(3)
+    bits = rng.integers(8, 25, 2000)
+    wide = (rng.choice([-1.0, 1.0], 2000) * (1 + np.floor(rng.random(2000) * 2.0 ** (bits - 1)) / 2.0 ** (bits - 1))
+            * np.exp2(rng.integers(-40, 40, 2000)))
+    # and a bfloat16 value plus a remainder of at most 5 bits 9 to 23 bits below it (those within
+    # 13 bits in all are taken)
+    near = _round_bf16(wide) + rng.integers(-16, 17, 2000) * np.exp2(np.floor(np.log2(np.abs(wide))) - rng.integers(9, 24, 2000))
+    wide = np.concatenate([wide, near]).astype(np.float32)
+    taken = [v for v in wide if fused.splits(fast.KIND_I4, torch.tensor([v]))]
+    assert fused.splits(fast.KIND_I4, torch.from_numpy(h[np.isfinite(h)].astype(np.float32)))
+    assert 0 < len(taken) < len(wide)
+    s = np.concatenate([h[np.isfinite(h)].astype(np.float32), np.array(taken, np.float32)]).astype(np.float64)
+    v = (np.arange(16) ^ 8).astype(np.float64) - 8.0
+    s_hi = _round_bf16(s)
+    s_lo = s - s_hi
+    assert np.array_equal(_round_bf16(s_lo), s_lo)  # (s_lo a bfloat16 value)
+    lo = v[None, :] * s_lo[:, None]
+    assert np.array_equal(_round_bf16(lo), lo)  # (v * s_lo exact)
+    split = _round_bf16(v[None, :] * s_hi[:, None] + lo)  # (float64 holds the sum exactly)
+    rule = _round_bf16((v[None, :].astype(np.float32) * s.astype(np.float32)[:, None]).astype(np.float64))
+    assert np.array_equal(split, rule)

@@ -196,16 +196,17 @@ def step_for(t: Tile, kind: int, k: int, block: int, staged_ok: bool = True) -> 
 def splits(kind: int, scales: Any) -> bool:
     """Whether the staged form may take its split-scale product for a weight (`k_staged._I4_WORD`:
     the same values in bfloat16 arithmetic), where `SPLIT_ENV` allows it: 4-bit integer codes and
-    finite effective scales (a torch tensor) whose remainders s - round_bf16(s) have at most 5
-    significant bits, as every scale of at most 13 has (one-level weights with f16, bfloat16,
-    UE8M0 or UE4M3 slots). One reduction on the scales' device: call it once per weight."""
+    finite effective scales (a torch tensor) of at most 13 significant bits (the low 10 of the f32
+    significand zero), as one-level weights with f16, bfloat16, UE8M0 or UE4M3 slots have. Then each
+    product v * s (v of at most 3 significant bits) is exact in f32, so rounding it once to bfloat16
+    is docs/spec.md's value, and s - round_bf16(s) has at most 5 bits (v * s_lo exact in bfloat16).
+    One reduction on the scales' device: call it once per weight."""
     if kind != fast.KIND_I4 or os.environ.get(SPLIT_ENV, "0") != "1":
         return False
     import torch
 
     s = scales.float()
-    rest = s - s.bfloat16().float()
-    return bool(torch.isfinite(s).all()) and bool(((rest.view(torch.int32) & 0x7FFFF) == 0).all())
+    return bool(torch.isfinite(s).all()) and bool(((s.view(torch.int32) & 0x3FF) == 0).all())
 
 
 def launch(kind: int, P: Any, x: Any, codes: Any, scales: Any, bias: Any, y: Any, tile: Tile | None = None,

@@ -17,8 +17,8 @@ product that read it is done. Rows past N or M read rows inside (their results a
 K is a multiple of BK. The bias is added in f32 and each sum rounded once to bfloat16. Sums run in
 a fixed order: results repeat bit for bit.
 
-With SPLIT (`fused.splits`: 4-bit integer codes, scales that split exactly into two bfloat16
-parts) the codes arrive as 32-bit words and each word's eight values come from bfloat16
+With SPLIT (`fused.splits`: 4-bit integer codes, scales of at most 13 significant bits, which
+split exactly into two bfloat16 parts) the codes arrive as 32-bit words and each word's eight values come from bfloat16
 arithmetic (`_I4_WORD`): the same values as the f32 product rounded once, in fewer instructions.
 
 Imported on first use of that form (Gluon comes with Triton 3.5 and later)."""
@@ -62,8 +62,8 @@ it, in 2.5 instructions a value where the f32 path takes about six. (A zero code
 
 @gluon.jit
 def _split(s):
-    """f32 scales -> (s_hi, s_lo), bfloat16 with s_hi + s_lo == s exactly where s_lo has at most 5
-    significant bits (`fused.splits` checks a weight's scales)."""
+    """f32 scales of at most 13 significant bits (`fused.splits` checks a weight's) -> (s_hi, s_lo),
+    bfloat16 with s_hi + s_lo == s exactly, s_lo of at most 5 significant bits."""
     s_hi = s.to(gl.bfloat16)
     return s_hi, (s - s_hi.to(gl.float32)).to(gl.bfloat16)
 
