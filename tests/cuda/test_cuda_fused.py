@@ -181,7 +181,8 @@ for kind, block, tile, *split in json.loads(sys.argv[1]):
                              check=True).stdout
         sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
-    out.append({"kind": kind, "block": block, "form": t.form, "split": bool(split and split[0]), "wgmma": k.asm["ptx"].count("wgmma.mma_async"),
+    out.append({"kind": kind, "block": block, "form": t.form, "split": bool(split and split[0]),
+                "wgmma": k.asm["ptx"].count("wgmma.mma_async"),
                 "regs": int(re.search(r"REG:(\d+)", res).group(1)), "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
                 "hgmma": len(re.findall(r"\bHGMMA\.", sass)), "depbar": len(re.findall(r"WARPGROUP\.DEPBAR", sass))})
 print(json.dumps(out))
@@ -399,7 +400,8 @@ def test_every_scale_the_split_product_takes_gives_the_rules_values(monkeypatch)
             * np.exp2(rng.integers(-40, 40, 2000)))
     # and a bfloat16 value plus a remainder of at most 5 bits 9 to 23 bits below it (those within
     # 13 bits in all are taken)
-    near = _round_bf16(wide) + rng.integers(-16, 17, 2000) * np.exp2(np.floor(np.log2(np.abs(wide))) - rng.integers(9, 24, 2000))
+    gap = np.floor(np.log2(np.abs(wide))) - rng.integers(9, 24, 2000)
+    near = _round_bf16(wide) + rng.integers(-16, 17, 2000) * np.exp2(gap)
     wide = np.concatenate([wide, near]).astype(np.float32)
     taken = [v for v in wide if fused.splits(fast.KIND_I4, torch.tensor([v]))]
     assert fused.splits(fast.KIND_I4, torch.from_numpy(h[np.isfinite(h)].astype(np.float32)))
