@@ -79,6 +79,24 @@ def tile(M, N, BN: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
+def scale_slots(s_ptrs, cj, k0, B: tl.constexpr, BK: tl.constexpr, PER: tl.constexpr):
+    """The f32 scale slots of the step at column k0, for the code bytes' rows (`s_ptrs`) and byte
+    columns (`cj`, each byte's first within the step): one a row (per row, or a block covering the
+    step), two a row (blocks of half a step: byte j lies in the first for PER * j < B), or each
+    byte's own (smaller blocks); broadcastable to the bytes' tile. (Also the staged form's, whose
+    Gluon kernel calls it.)"""
+    if B == 0:
+        s = tl.load(s_ptrs)[:, None]
+    elif B >= BK:
+        s = tl.load(s_ptrs + k0 // B)[:, None]
+    elif B * 2 == BK:
+        s = tl.where(cj[None, :] * PER < B, tl.load(s_ptrs + k0 // B)[:, None], tl.load(s_ptrs + k0 // B + 1)[:, None])
+    else:
+        s = tl.load(s_ptrs[:, None] + ((k0 + cj * PER) // B)[None, :])
+    return s
+
+
+@triton.jit
 def fused_fields(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
                  KIND: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -96,13 +114,7 @@ def fused_fields(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(0, K, BK):
         b = tl.load(w_ptrs).to(tl.int32)
-        if B == 0:
-            s = tl.load(s_ptrs)[:, None]
-        elif B >= BK:
-            s = tl.load(s_ptrs + k0 // B)[:, None]
-        else:  # (BK == 2 * B: byte j lies in the step's first slot for PER * j < B)
-            s = tl.where(jj[None, :] * PER < B, tl.load(s_ptrs + k0 // B)[:, None],
-                         tl.load(s_ptrs + k0 // B + 1)[:, None])
+        s = scale_slots(s_ptrs, jj, k0, B, BK, PER)  # (BK <= 2 * B: `fused.step_for`)
         for f in tl.static_range(PER):
             if BITS == 8:
                 c = b

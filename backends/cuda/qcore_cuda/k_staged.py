@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .k_fused import I4, decode
+from .k_fused import I4, decode, scale_slots
 
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 """cp.async of a pointer tensor into shared memory (Triton 3.9 renamed Triton 3.6's builtin)."""
@@ -105,22 +105,6 @@ def _fields(b, s, KIND: gl.constexpr, BITS: gl.constexpr, BN: gl.constexpr, BK: 
 
 
 @gluon.jit
-def _scales(s_ptrs, cj, k0, B: gl.constexpr, BK: gl.constexpr, PER: gl.constexpr):
-    """The f32 scale slots of the step at column k0, for the code bytes' rows (`s_ptrs`) and byte
-    columns (`cj`): one a row (per row, or a block covering the step), two a row (blocks of half a
-    step), or each byte's own (smaller blocks); broadcastable to the bytes' tile."""
-    if B == 0:
-        s = gl.load(s_ptrs)[:, None]
-    elif B >= BK:
-        s = gl.load(s_ptrs + k0 // B)[:, None]
-    elif B * 2 == BK:
-        s = gl.where(cj[None, :] * PER < B, gl.load(s_ptrs + k0 // B)[:, None], gl.load(s_ptrs + k0 // B + 1)[:, None])
-    else:
-        s = gl.load(s_ptrs[:, None] + ((k0 + cj * PER) // B)[None, :])
-    return s
-
-
-@gluon.jit
 def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
                  KIND: gl.constexpr, BITS: gl.constexpr, B: gl.constexpr, HAS_BIAS: gl.constexpr,
                  BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
@@ -162,7 +146,7 @@ def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
         _async_load(x_smem.index(p), x_ptrs + p * BK)
         _async_load(c_smem.index(p), c_ptrs + p * JE)
         async_copy.commit_group()
-    s = _scales(s_ptrs, cj, 0, B, BK, PER)
+    s = scale_slots(s_ptrs, cj, 0, B, BK, PER)
     acc = gl.zeros((BN, BM), dtype=gl.float32, layout=mma)
     for i in range(steps):
         async_copy.wait_group(STAGES - 3)  # (this thread's copies of step i have landed)
@@ -171,7 +155,7 @@ def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
         a_smem.index(i % 2).store(_fields(b, s, KIND, BITS, BN, BK, SPLIT))
         fence_async_shared()  # (a wait for this thread's memory operations before it: the copies and
         # the scales' loads below are issued after it, to run across the product)
-        s = _scales(s_ptrs, cj, gl.minimum(i + 1, steps - 1) * BK, B, BK, PER)
+        s = scale_slots(s_ptrs, cj, gl.minimum(i + 1, steps - 1) * BK, B, BK, PER)
         nxt = i + STAGES - 2  # (into the buffers of step i - 2, whose product is done)
         src = gl.minimum(nxt, steps - 1)  # (past the last step: a copy of it into a buffer never read)
         _async_load(x_smem.index(nxt % STAGES), x_ptrs + src * BK)
