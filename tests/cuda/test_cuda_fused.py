@@ -99,13 +99,13 @@ def _need_gluon() -> None:
 @pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
 @pytest.mark.parametrize("text", SCHEMES)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("tune,split", [(None, False)] + [(t, False) for t in STAGED_TILES] + [(STAGED_TILES[-1], True)])
-def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bias, tune, split):
+@pytest.mark.parametrize("tune", [None] + STAGED_TILES)
+def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bias, tune):
     """bfloat16 x through `linear` with the fused GEMM on for every kind, in its default tile and
-    in the staged form (a Hopper GPU: the Gluon kernel), with its split-scale product allowed (4-bit
-    integer weights with short scales take it): N, K and M past its tiles' edges, within the bound,
-    the same bits on a repeat; with x the identity, each weight value rounded once to bfloat16."""
-    from qcore_cuda import fast, fused, linear
+    in the staged form (a Hopper GPU: the Gluon kernel): N, K and M past its tiles' edges, within
+    the bound, the same bits on a repeat; with x the identity, each weight value rounded once to
+    bfloat16."""
+    from qcore_cuda import fused, linear
     from qcore_cuda.paths import TAKEN
     from qcore_cuda.paths import linear as paths_linear
 
@@ -117,7 +117,6 @@ def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bi
             pytest.skip("the staged form needs a Hopper GPU (wgmma)")
         _need_gluon()
         monkeypatch.setenv(fused.TUNE_ENV, tune)
-    monkeypatch.setenv(fused.SPLIT_ENV, "1" if split else "0")
     be = cuda_backend
     # (the staged form's step: 64 columns, 128 with 2-bit codes; without a tune, rows the fields form
     # takes on any GPU: K = 352 sends the plan's staged tile to it on a Hopper GPU too)
@@ -125,15 +124,12 @@ def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bi
     w, x, b = _case(text, n, k, m, bias)
     q, qd = REF.quantize(w, text), be.quantize(w, text)
     xt, bt = _bf16(x).cuda(), (None if b is None else _bf16(b).cuda())
-    before, staged_before, split_before = (TAKEN["FusedGemmLinear"], fused.LAUNCHED[fused.FORM_STAGED],
-                                           fused.LAUNCHED["split"])
+    before, staged_before = TAKEN["FusedGemmLinear"], fused.LAUNCHED[fused.FORM_STAGED]
     y = be.linear(xt, qd, bt)
     assert TAKEN["FusedGemmLinear"] == before + 1
     kind, P = linear.geometry((n, k), q.scheme)  # (a tile past shared memory, 2-bit's 64 x 256: the fields form)
     assert fused.LAUNCHED[fused.FORM_STAGED] == staged_before + (
         staged and fused.step_for(fused.tile_for(m), kind, k, fused.block_of(P)).form == fused.FORM_STAGED)
-    short = kind == fast.KIND_I4 and not q.scheme.two_level and q.scheme.slot_dtype.value in ("f16", "bf16", "ue8m0")
-    assert fused.LAUNCHED["split"] == split_before + (split and short)
     assert torch.equal(be.linear(xt, qd, bt).view(torch.int16), y.view(torch.int16))
     _check(y.view(torch.int16).cpu().numpy().view(np.uint16).view(BF16), q, x, b, f"{text} M={m}")
     want = np.asarray(REF.dequantize(q), np.float32).astype(BF16).T  # (x = the identity: y = W^T)
@@ -155,16 +151,15 @@ sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "b_ptr": "*bf16", "y_
        "K": "i32", "row_bytes": "i32", "nsb": "i32"}
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 out = []
-for kind, block, tile, *split in json.loads(sys.argv[1]):
+for kind, block, tile in json.loads(sys.argv[1]):
     t = fused.step_for(fused.Tile(*tile) if tile else fused.tile_for(128), kind, 1 << 12, block)  # (default: the plan's)
     const = {"KIND": kind, "BITS": fast.KIND_BITS[kind], "B": block, "HAS_BIAS": True, "BN": t.bn, "BM": t.bm, "BK": t.bk}
     if t.form == fused.FORM_STAGED:
         from triton.experimental.gluon._runtime import GluonASTSource
         from qcore_cuda import k_staged
 
-        const |= {"STAGES": t.stages, "num_warps": t.warps, "SPLIT": bool(split and split[0])}
-        words = {"w_ptr": "*i32"} if const["SPLIT"] else {}  # (SPLIT reads the codes as words)
-        src = GluonASTSource(fn=k_staged.fused_staged, signature={**sig, **words, **{c: "constexpr" for c in const}},
+        const |= {"STAGES": t.stages, "num_warps": t.warps}
+        src = GluonASTSource(fn=k_staged.fused_staged, signature={**sig, **{c: "constexpr" for c in const}},
                              constexprs=const, attrs={(i,): [["tt.divisibility", 16]] for i in range(10)})
         options = {"num_warps": t.warps}
     else:
@@ -181,7 +176,7 @@ for kind, block, tile, *split in json.loads(sys.argv[1]):
                              check=True).stdout
         sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
-    out.append({"kind": kind, "block": block, "form": t.form, "split": bool(split and split[0]),
+    out.append({"kind": kind, "block": block, "form": t.form,
                 "wgmma": k.asm["ptx"].count("wgmma.mma_async"),
                 "regs": int(re.search(r"REG:(\d+)", res).group(1)), "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
                 "hgmma": len(re.findall(r"\bHGMMA\.", sass)), "depbar": len(re.findall(r"WARPGROUP\.DEPBAR", sass))})
@@ -221,8 +216,7 @@ def test_staged_kernel_compiles_for_sm90_with_its_products_in_flight(tmp_path):
     """The staged form's Gluon kernel for every value kind and scale layout (one slot a step, two,
     four: a gather, per row) compiles for sm_90 with no spills and its `wgmma`s asynchronous: fewer
     warpgroup waits than products in the code (ptxas serializes them where it cannot keep the
-    accumulators apart), in tiles of 8 warps and of 4, 128 x 256 included; and its split-scale
-    product for 4-bit integer codes under every scale layout."""
+    accumulators apart), in tiles of 8 warps and of 4, 128 x 256 included."""
     from qcore_cuda import fast, fused
 
     _need_gluon()
@@ -231,12 +225,7 @@ def test_staged_kernel_compiles_for_sm90_with_its_products_in_flight(tmp_path):
     cases = [(fast.KIND_I4, 32, wide), (fast.KIND_E2M1, 16, wide), (fast.KIND_E2M1, 32, narrow), (fast.KIND_I8, 32, wide),
              (fast.KIND_E4M3, 128, narrow), (fast.KIND_E5M2, 0, wide), (fast.KIND_I2, 0, wide), (fast.KIND_I4, 16, big),
              (fast.KIND_I8, 32, big)]
-    # the split-scale product (4-bit integer codes read as words): one slot a step, two, a gather, per row
-    cases += [(fast.KIND_I4, 32, big, True), (fast.KIND_I4, 64, narrow, True), (fast.KIND_I4, 16, narrow, True),
-              (fast.KIND_I4, 0, wide, True)]
-    done = _compiled(cases, tmp_path)
-    assert [c["split"] for c in done] == [len(c) > 3 for c in cases]
-    for c in done:
+    for c in _compiled(cases, tmp_path):
         assert c["form"] == fused.FORM_STAGED and c["wgmma"] > 0 and c["stack"] == 0, c
         assert c["depbar"] < c["hgmma"], c
 
@@ -360,59 +349,3 @@ def test_past_the_fields_rows_the_plan_needs_the_staged_form(monkeypatch):
     assert not fused.plan_runs(fused.FIELDS_MAX_M + 1, fast.KIND_I4, 4096, 32, cpu)
     monkeypatch.setenv(fused.TUNE_ENV, "64,64,64,4,4,2")
     assert fused.plan_runs(fused.FIELDS_MAX_M + 1, fast.KIND_I4, 4096, 32, cpu)
-
-
-def test_the_split_scale_product_takes_4_bit_integer_weights_with_short_scales(monkeypatch):
-    """`fused.splits`: 4-bit integer codes whose effective scales have at most 13 significant bits
-    (every f16, bfloat16 or UE8M0 slot) take the staged form's bfloat16 product where the variable
-    allows it; a longer scale, a non-finite one or another kind do not."""
-    from qcore_cuda import fast, fused
-
-    f16 = torch.tensor(np.random.default_rng(0).standard_normal(64).astype(np.float16).astype(np.float32))
-    monkeypatch.delenv(fused.SPLIT_ENV, raising=False)
-    assert not fused.splits(fast.KIND_I4, f16)  # (off unless the variable says 1)
-    monkeypatch.setenv(fused.SPLIT_ENV, "1")
-    assert fused.splits(fast.KIND_I4, f16)
-    assert fused.splits(fast.KIND_I4, torch.tensor([2.0 ** -130, 0.0, -3.0, 2.0 ** 100]))  # (UE8M0-like, zero, sign)
-    assert not fused.splits(fast.KIND_I8, f16) and not fused.splits(fast.KIND_E2M1, f16)
-    assert not fused.splits(fast.KIND_I4, torch.tensor([1.0 + 2.0 ** -20]))  # (21 significant bits)
-    assert not fused.splits(fast.KIND_I4, torch.tensor([1.0, float("inf")]))
-
-
-def _round_bf16(x: np.ndarray) -> np.ndarray:
-    """float64 -> the nearest bfloat16 value (ties to even), rounded once (as float64)."""
-    m, e = np.frexp(x)
-    return np.ldexp(np.rint(m * 256.0), e - 8)
-
-
-def test_every_scale_the_split_product_takes_gives_the_rules_values(monkeypatch):
-    """For every scale `fused.splits` accepts (all finite f16 values, and the short ones among random
-    f32 scales), the split product's steps (k_staged._I4_WORD in bfloat16 arithmetic:
-    v exact, v * s_lo exact, one rounding of v * s_hi + v * s_lo) give docs/spec.md's
-    bfloat16-weight value round_bf16(f32(v * s)) for every 4-bit code."""
-    from qcore_cuda import fast, fused
-
-    monkeypatch.setenv(fused.SPLIT_ENV, "1")
-    h = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
-    rng = np.random.default_rng(3)
-    bits = rng.integers(8, 25, 2000)
-    wide = (rng.choice([-1.0, 1.0], 2000) * (1 + np.floor(rng.random(2000) * 2.0 ** (bits - 1)) / 2.0 ** (bits - 1))
-            * np.exp2(rng.integers(-40, 40, 2000)))
-    # and a bfloat16 value plus a remainder of at most 5 bits 9 to 23 bits below it (those within
-    # 13 bits in all are taken)
-    gap = np.floor(np.log2(np.abs(wide))) - rng.integers(9, 24, 2000)
-    near = _round_bf16(wide) + rng.integers(-16, 17, 2000) * np.exp2(gap)
-    wide = np.concatenate([wide, near]).astype(np.float32)
-    taken = [v for v in wide if fused.splits(fast.KIND_I4, torch.tensor([v]))]
-    assert fused.splits(fast.KIND_I4, torch.from_numpy(h[np.isfinite(h)].astype(np.float32)))
-    assert 0 < len(taken) < len(wide)
-    s = np.concatenate([h[np.isfinite(h)].astype(np.float32), np.array(taken, np.float32)]).astype(np.float64)
-    v = (np.arange(16) ^ 8).astype(np.float64) - 8.0
-    s_hi = _round_bf16(s)
-    s_lo = s - s_hi
-    assert np.array_equal(_round_bf16(s_lo), s_lo)  # (s_lo a bfloat16 value)
-    lo = v[None, :] * s_lo[:, None]
-    assert np.array_equal(_round_bf16(lo), lo)  # (v * s_lo exact)
-    split = _round_bf16(v[None, :] * s_hi[:, None] + lo)  # (float64 holds the sum exactly)
-    rule = _round_bf16((v[None, :].astype(np.float32) * s.astype(np.float32)[:, None]).astype(np.float64))
-    assert np.array_equal(split, rule)

@@ -80,9 +80,9 @@ class TensorCache:
     kernel's (k_decode.py) by ("decode", m, x type, result type, bias)."""
     linear_scales: Any = None
     """A two-level weight's effective scale per slot (`linear.k_effective`)."""
-    fused_operands: tuple[Any, Any, bool] | None = None
-    """The fused GEMM's torch views of the code words (uint8) and the effective scales, and
-    `fused.splits` of them (`paths.linear.FusedGemmLinear`; not kept for caller memory)."""
+    fused_operands: tuple[Any, Any] | None = None
+    """The fused GEMM's torch views of the code words (uint8) and the effective scales
+    (`paths.linear.FusedGemmLinear`; not kept for caller memory)."""
     linear_codes_checked: bool = False
     """A linear's first dequantize found every code a value (and the payload is not caller memory)."""
     transposed: QTensor | None = None

@@ -42,8 +42,8 @@ from . import fast
 from .linear import LP_K, LP_LB, LP_N, LP_NSB, LP_WPR, parse_tune
 
 __all__ = ["KINDS", "INT_KINDS", "FORM_COLUMNS", "FORM_FIELDS", "FORM_STAGED", "STAGED_SHARED", "LAUNCHED", "Tile",
-           "TUNE_ENV", "SPLIT_ENV", "FIELDS_MAX_M", "available", "staged_available", "staged_ready", "step_for",
-           "tile_for", "block_of", "PLAN_FROM_M", "plan_takes", "plan_tile", "plan_runs", "splits", "launch"]
+           "TUNE_ENV", "FIELDS_MAX_M", "available", "staged_available", "staged_ready", "step_for",
+           "tile_for", "block_of", "PLAN_FROM_M", "plan_takes", "plan_tile", "plan_runs", "launch"]
 
 KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_I2, fast.KIND_E4M3, fast.KIND_E5M2, fast.KIND_E2M1)
 """Value kinds (`fast.KINDS`) the kernels decode: those of `linear.geometry`."""
@@ -55,13 +55,9 @@ STAGED_SHARED = 227 * 1024
 """The most shared memory a program of `FORM_STAGED` may take (a Hopper SM's limit for one block):
 its x and code-byte rings and two bfloat16 tiles."""
 LAUNCHED: Counter = Counter()
-"""How often each loop form ran in this process, and "split" the staged form's split-scale product
-(`launch`; the tests read it)."""
+"""How often each loop form ran in this process (`launch`; the tests read it)."""
 TUNE_ENV = "QCORE_CUDA_FUSED_TUNE"
 """'BN,BM,BK,WARPS,STAGES,FORM' in the environment replaces `tile_for`'s choice (tuning runs)."""
-SPLIT_ENV = "QCORE_CUDA_FUSED_SPLIT"
-"""'1' in the environment lets the staged form take its split-scale product (`splits`), which CI
-compiles but no GPU has run yet: off by default until the GPU tests and a timing have."""
 
 
 @dataclass(frozen=True)
@@ -193,30 +189,11 @@ def step_for(t: Tile, kind: int, k: int, block: int, staged_ok: bool = True) -> 
     return t if k % t.bk == 0 else replace(t, bk=32)
 
 
-def splits(kind: int, scales: Any) -> bool:
-    """Whether the staged form may take its split-scale product for a weight (`k_staged._I4_WORD`:
-    the same values in bfloat16 arithmetic), where `SPLIT_ENV` allows it: 4-bit integer codes and
-    finite effective scales (a torch tensor) of at most 13 significant bits (the low 10 of the f32
-    significand zero), as one-level weights with f16, bfloat16, UE8M0 or UE4M3 slots have. Then each
-    product v * s (v of at most 3 significant bits) is exact in f32, so rounding it once to bfloat16
-    is docs/spec.md's value, and s - round_bf16(s) has at most 5 bits (v * s_lo exact in bfloat16).
-    One reduction on the scales' device: call it once per weight."""
-    if kind != fast.KIND_I4 or os.environ.get(SPLIT_ENV, "0") != "1":
-        return False
-    import torch
-
-    s = scales.float()
-    return bool(torch.isfinite(s).all()) and bool(((s.view(torch.int32) & 0x3FF) == 0).all())
-
-
-def launch(kind: int, P: Any, x: Any, codes: Any, scales: Any, bias: Any, y: Any, tile: Tile | None = None,
-           split: bool = False) -> None:
+def launch(kind: int, P: Any, x: Any, codes: Any, scales: Any, bias: Any, y: Any, tile: Tile | None = None) -> None:
     """y [M, N] = x [M, K] @ W^T (+ bias) for the weight of `linear.geometry`'s (kind, P): `codes`
     its values section as bytes (uint8, N rows of `LP_WPR` u32 words), `scales` one f32 per slot,
     `bias` [N] bfloat16 or None; x and y bfloat16 torch tensors, C-contiguous, on one device
-    (CPU tensors under the interpreter); launched on torch's current stream. `split`: what
-    `splits` says of the weight (the staged form then reads the codes as words and multiplies in
-    bfloat16 arithmetic)."""
+    (CPU tensors under the interpreter); launched on torch's current stream."""
     from . import k_fused
 
     m, k_ = x.shape
@@ -231,13 +208,8 @@ def launch(kind: int, P: Any, x: Any, codes: Any, scales: Any, bias: Any, y: Any
     if t.form == FORM_STAGED:
         from . import k_staged
 
-        if split:  # (the codes as words: `k_staged._words_i4`)
-            import torch
-
-            LAUNCHED["split"] += 1
-            common = (x, codes.view(torch.int32)) + common[2:]
         k_staged.fused_staged[grid](*common, KIND=kind, BITS=fast.KIND_BITS[kind], B=block, HAS_BIAS=bias is not None,
-                                    BN=t.bn, BM=t.bm, BK=t.bk, STAGES=t.stages, num_warps=t.warps, SPLIT=split)
+                                    BN=t.bn, BM=t.bm, BK=t.bk, STAGES=t.stages, num_warps=t.warps)
         return
     if t.form == FORM_FIELDS and per > 1:  # (each step's column k0 + PER * j + f moved to k0 + f * BK / PER + j)
         x = x.reshape(m, k_ // t.bk, t.bk // per, per).transpose(2, 3).contiguous().reshape(m, k_)

@@ -17,10 +17,6 @@ product that read it is done. Rows past N or M read rows inside (their results a
 K is a multiple of BK. The bias is added in f32 and each sum rounded once to bfloat16. Sums run in
 a fixed order: results repeat bit for bit.
 
-With SPLIT (`fused.splits`: 4-bit integer codes, scales of at most 13 significant bits, which
-split exactly into two bfloat16 parts) the codes arrive as 32-bit words and each word's eight values come from bfloat16
-arithmetic (`_I4_WORD`): the same values as the f32 product rounded once, in fewer instructions.
-
 Imported on first use of that form (Gluon comes with Triton 3.5 and later)."""
 from triton.experimental import gluon
 from triton.runtime.jit import constexpr_function
@@ -28,7 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .k_fused import I4, decode, scale_slots
+from .k_fused import decode, scale_slots
 
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 """cp.async of a pointer tensor into shared memory (Triton 3.9 renamed Triton 3.6's builtin)."""
@@ -45,52 +41,11 @@ def _spread(rows, cols, vec, warps):
     return gl.BlockedLayout([1, per_thread], [32 // tpw_c, tpw_c], [warps, 1], [1, 0])
 
 
-_I4_WORD = gl.constexpr("\n".join(
-    ["{", ".reg .b32 q, t, r0, r1, r2, r3, lo, sh, sl, off;", "xor.b32 q, $8, 0x88888888;", "mov.b32 sh, {$9, $9};",
-     "mov.b32 sl, {$10, $10};", "mov.b32 off, 0x43084308;", "lop3.b32 r0, q, 0x000F000F, 0x43004300, 0xEA;"]
-    + [f"shr.b32 t, q, {4 * n};\nlop3.b32 r{n}, t, 0x000F000F, 0x43004300, 0xEA;" for n in (1, 2, 3)]
-    + [f"sub.rn.bf16x2 r{n}, r{n}, off;\nmul.rn.bf16x2 lo, r{n}, sl;\nfma.rn.bf16x2 r{n}, r{n}, sh, lo;\n"
-       f"mov.b32 {{${n}, ${n + 4}}}, r{n};" for n in range(4)] + ["}"]))
-"""A word of eight 4-bit two's-complement codes (column n in bits 4n..4n+3) and a scale split as
-s_hi + s_lo (`_split`) -> the eight weight values round_bf16(v * s), in pairs of bfloat16 lanes:
-each code's offset value u = code ^ 8 set under 128's exponent (128 + u, exact), less 136 (v,
-exact), v * s_lo exact (at most 3 + 5 significant bits), and one fused multiply-add rounding
-v * s_hi + v * s_lo once: the f32 product rounded once, as docs/spec.md's bfloat16-weight rule has
-it, in 2.5 instructions a value where the f32 path takes about six. (A zero code's value may be
--0 where the f32 path gives +0 or the reverse; the sums start at +0, so no result differs.)"""
-
-
 @gluon.jit
-def _split(s):
-    """f32 scales of at most 13 significant bits (`fused.splits` checks a weight's) -> (s_hi, s_lo),
-    bfloat16 with s_hi + s_lo == s exactly, s_lo of at most 5 significant bits."""
-    s_hi = s.to(gl.bfloat16)
-    return s_hi, (s - s_hi.to(gl.float32)).to(gl.bfloat16)
-
-
-@gluon.jit
-def _words_i4(q, s, BN: gl.constexpr, BK: gl.constexpr):
-    """Words q [BN, BK / 8] of 4-bit integer codes and their scales -> the weight values [BN, BK]
-    in column order, bfloat16 (`_I4_WORD`)."""
-    s_hi, s_lo = _split(s)
-    c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
-        _I4_WORD, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [q, s_hi, s_lo],
-        (gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
-        is_pure=True, pack=1)
-    # (the innermost join pairs columns n and n + 4, the next n and n + 2, the outermost n and n + 1)
-    w = gl.join(gl.join(gl.join(c0, c4), gl.join(c2, c6)), gl.join(gl.join(c1, c5), gl.join(c3, c7)))
-    return gl.reshape(w, [BN, BK])
-
-
-@gluon.jit
-def _fields(b, s, KIND: gl.constexpr, BITS: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, SPLIT: gl.constexpr):
-    """Code bytes b [BN, BK / PER] (int32; with SPLIT, words of 4-bit integer codes [BN, BK / 8])
-    and their scales -> the weight values [BN, BK] in column order (byte j's field f is column
-    PER * j + f), bfloat16."""
-    if SPLIT:
-        gl.static_assert(KIND == I4, "SPLIT reads words of 4-bit integer codes")
-        w = _words_i4(b, s, BN, BK)
-    elif BITS == 8:
+def _fields(b, s, KIND: gl.constexpr, BITS: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+    """Code bytes b [BN, BK / PER] (int32) and their scales -> the weight values [BN, BK] in column
+    order (byte j's field f is column PER * j + f), bfloat16."""
+    if BITS == 8:
         w = (decode(b, KIND) * s).to(gl.bfloat16)
     elif BITS == 4:
         w = gl.reshape(gl.join((decode(b & 0xF, KIND) * s).to(gl.bfloat16),
@@ -108,7 +63,7 @@ def _fields(b, s, KIND: gl.constexpr, BITS: gl.constexpr, BN: gl.constexpr, BK: 
 def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
                  KIND: gl.constexpr, BITS: gl.constexpr, B: gl.constexpr, HAS_BIAS: gl.constexpr,
                  BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                 num_warps: gl.constexpr, SPLIT: gl.constexpr = False):
+                 num_warps: gl.constexpr):
     PER: gl.constexpr = 8 // BITS
     JB: gl.constexpr = BK // PER
     pid = gl.program_id(0)
@@ -122,21 +77,18 @@ def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
     x_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
     c_shared: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     x_copy: gl.constexpr = _spread(BM, BK, 8, num_warps)  # (16-byte copies)
-    CU: gl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # (bytes a code element: 1, or
-    # 4 where SPLIT reads words)
-    JE: gl.constexpr = JB // CU
-    c_layout: gl.constexpr = _spread(BN, JE, 16 // CU, num_warps)  # (the code elements: copied and decoded in one layout)
+    c_layout: gl.constexpr = _spread(BN, JB, 16, num_warps)  # (the code bytes: copied and decoded in one layout)
 
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_shared)
-    c_smem = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [STAGES, BN, JE], c_shared)
+    c_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, JB], c_shared)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, BK], a_shared)
 
     xr = xrow0 + gl.arange(0, BM, layout=gl.SliceLayout(1, x_copy))
     xk = gl.arange(0, BK, layout=gl.SliceLayout(0, x_copy))
     x_ptrs = x_ptr + (xr % M).to(gl.int64)[:, None] * K + xk[None, :]
     cr = (row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, c_layout))) % N
-    cj = gl.arange(0, JE, layout=gl.SliceLayout(0, c_layout)) * CU  # (each element's first byte in the step)
-    c_ptrs = w_ptr + cr.to(gl.int64)[:, None] * (row_bytes // CU) + (cj // CU)[None, :]
+    cj = gl.arange(0, JB, layout=gl.SliceLayout(0, c_layout))
+    c_ptrs = w_ptr + cr.to(gl.int64)[:, None] * row_bytes + cj[None, :]
     s_ptrs = s_ptr + cr.to(gl.int64) * nsb
 
     steps = K // BK
@@ -144,7 +96,7 @@ def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
     # zero-trip path's zeroed accumulators made it serialize them)
     for p in gl.static_range(STAGES - 2):
         _async_load(x_smem.index(p), x_ptrs + p * BK)
-        _async_load(c_smem.index(p), c_ptrs + p * JE)
+        _async_load(c_smem.index(p), c_ptrs + p * JB)
         async_copy.commit_group()
     s = scale_slots(s_ptrs, cj, 0, B, BK, PER)
     acc = gl.zeros((BN, BM), dtype=gl.float32, layout=mma)
@@ -152,14 +104,14 @@ def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
         async_copy.wait_group(STAGES - 3)  # (this thread's copies of step i have landed)
         _barrier()  # (every thread's have; every warpgroup waited for its product i - 2)
         b = c_smem.index(i % STAGES).load(c_layout).to(gl.int32)
-        a_smem.index(i % 2).store(_fields(b, s, KIND, BITS, BN, BK, SPLIT))
+        a_smem.index(i % 2).store(_fields(b, s, KIND, BITS, BN, BK))
         fence_async_shared()  # (a wait for this thread's memory operations before it: the copies and
         # the scales' loads below are issued after it, to run across the product)
         s = scale_slots(s_ptrs, cj, gl.minimum(i + 1, steps - 1) * BK, B, BK, PER)
         nxt = i + STAGES - 2  # (into the buffers of step i - 2, whose product is done)
         src = gl.minimum(nxt, steps - 1)  # (past the last step: a copy of it into a buffer never read)
         _async_load(x_smem.index(nxt % STAGES), x_ptrs + src * BK)
-        _async_load(c_smem.index(nxt % STAGES), c_ptrs + src * JE)
+        _async_load(c_smem.index(nxt % STAGES), c_ptrs + src * JB)
         async_copy.commit_group()
         _barrier()  # (the whole tile stored before any warpgroup's product reads it)
         acc = warpgroup_mma(a_smem.index(i % 2), x_smem.index(i % STAGES).permute((1, 0)), acc, is_async=True)

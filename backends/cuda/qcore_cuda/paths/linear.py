@@ -174,11 +174,11 @@ class FusedGemmLinear:
             torch = _torch()
             scales = torch.as_tensor(_effective_scales(c), device=c.x.device)
             operands = (torch.as_tensor(c.be.state.plans.code_words(c.data), device=c.x.device).view(torch.uint8),
-                        scales, fused.splits(kind, scales))
+                        scales)
             if not cache.caller_memory:
                 cache.fused_operands = operands
-        codes, scales, split = operands
-        fused.launch(kind, P, c.x.reshape(c.m, k_), codes, scales, c.bias_given, c.result.view(c.m, n_), split=split)
+        codes, scales = operands
+        fused.launch(kind, P, c.x.reshape(c.m, k_), codes, scales, c.bias_given, c.result.view(c.m, n_))
 
 
 class DequantizedGemmLinear:
