@@ -54,7 +54,7 @@ def _check(y: np.ndarray, q, x: np.ndarray, b, label: str) -> None:
 def test_fused_kernel_is_within_the_bfloat16_weight_bound(text, n, k, m, bias, form):
     """The kernel over the reference's bytes and effective scales (Triton's interpreter): N, M
     and K past a tile's edge (tile 32 x 16 x 64), the result within the bound, the same bits
-    again; with x the identity, each weight value rounded once to bfloat16."""
+    from the launch's second call; with x the identity, each weight value rounded once to bfloat16."""
     from qcore_cuda import fused, linear
 
     w, x, b = _case(text, n, k, m, bias)
@@ -65,10 +65,10 @@ def test_fused_kernel_is_within_the_bfloat16_weight_bound(text, n, k, m, bias, f
     g = data.global_scale() if q.scheme.two_level else None
     scales = torch.from_numpy(np.ascontiguousarray(slot_effective(data.scales(), g, q.scheme), np.float32).reshape(-1))
     tile = fused.Tile(32, 16, 64, 4, 1, form)
-    runs = []
+    runs, go = [], fused.FusedLaunch(kind, P, m, torch.device("cpu"), tile, b is not None)  # (one launch, called twice)
     for _ in range(2):
         y = torch.empty(m, n, dtype=torch.bfloat16)
-        fused.launch(kind, P, _bf16(x), codes, scales, None if b is None else _bf16(b), y, tile)
+        go(_bf16(x), codes, scales, None if b is None else _bf16(b), y)
         runs.append(y.view(torch.int16).numpy().copy())
     assert np.array_equal(runs[0], runs[1])
     _check(runs[0].view(np.uint16).view(BF16), q, x, b, f"{text} N={n} K={k} M={m}")
@@ -136,8 +136,66 @@ def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bi
     if not staged:  # (K rows of x, past the fields form's: its tile named, as the plan has none there)
         monkeypatch.setenv(fused.TUNE_ENV, "64,64,64,4,4,2")
     y = be.linear(_bf16(np.eye(k, dtype=BF16)).cuda(), qd)
-    assert TAKEN["FusedGemmLinear"] == before + 3
+    assert TAKEN["FusedGemmLinear"] == before + 2  # (the repeat above skipped the path choice)
     assert np.array_equal(y.float().cpu().numpy(), want.astype(np.float32))
+
+
+@pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
+@pytest.mark.parametrize("text,m", [("q4s/block32:f16", 64), ("q4s/block32:f16", 200), ("q8s/block32:f16", 128),
+                                    ("q4s/block32:f16", 640)])
+def test_repeat_linear_calls_launch_what_the_first_call_made(cuda_backend, text, m):
+    """A repeat `linear` (same x shape, dtype and bias kind) on the fused GEMM (the compiled kernel
+    launched directly, `fused.FusedLaunch`) or on dequantize + GEMM (M = 640: the packed dequantize
+    launch) skips the path
+    choice and gives the bits the whole way gives (a call with `stream=` takes it), for new x and
+    bias values, into a new tensor or `out=`; an x or a bias off a 16-byte boundary, or a bias of another dtype, still gives them."""
+    from qcore_cuda import fused
+    from qcore_cuda.paths import TAKEN
+    from qcore_cuda.paths import linear as paths_linear
+
+    names = {type(p).__name__ for p in paths_linear.LINEAR}
+
+    def chosen():  # (the linear paths chosen so far; a dequantize inside one counts its own)
+        return {k_: v for k_, v in TAKEN.items() if k_ in names}
+
+    be = cuda_backend
+    n, k = 192, 512
+    w, x, b = _case(text, n, k, m, True, seed=5)
+    qd = be.quantize(w, text)
+    xt, bt = _bf16(x).cuda(), _bf16(b).cuda()
+    fused_path = m <= 256
+
+    def whole(x_, b_):  # (stream= given: the whole way, the path chosen again)
+        return be.linear(x_, qd, b_, stream=torch.cuda.current_stream())
+
+    first = be.linear(xt, qd, bt)
+    assert torch.equal(first.view(torch.int16), whole(xt, bt).view(torch.int16))
+    taken, launched = chosen(), fused.LAUNCHED.copy()
+    rng = np.random.default_rng(6)
+    for _ in range(3):
+        x2 = _bf16(rng.standard_normal((m, k)).astype(BF16)).cuda()
+        b2 = _bf16(rng.standard_normal(n).astype(BF16)).cuda()
+        y = be.linear(x2, qd, b2)
+        assert chosen() == taken  # (no path chosen: the repeat)
+        out = torch.full_like(y, float("nan"))
+        assert be.linear(x2, qd, b2, out=out) is out and chosen() == taken  # (out=: the repeat too)
+        assert torch.equal(y.view(torch.int16), whole(x2, b2).view(torch.int16))
+        assert torch.equal(out.view(torch.int16), y.view(torch.int16))
+        taken = chosen()
+    if fused_path:
+        assert sum(fused.LAUNCHED.values()) - sum(launched.values()) == 9
+        assert all(go._compiled is not None for go in qd.data.cache.fused_launches.values())
+    # x and bias off a 16-byte boundary (views 2 bytes in), and a float32 bias: the same bits as the whole way
+    xs = torch.empty(m * k + 1, dtype=torch.bfloat16, device="cuda")[1:].view(m, k)
+    xs.copy_(xt)
+    bs = torch.empty(n + 1, dtype=torch.bfloat16, device="cuda")[1:]
+    bs.copy_(bt)
+    for x_, b_ in [(xs, bt), (xt, bs), (xt, bt.float())]:
+        assert torch.equal(be.linear(x_, qd, b_).view(torch.int16), whole(x_, b_).view(torch.int16))
+    assert torch.equal(be.linear(xt, qd, bt).view(torch.int16), first.view(torch.int16))
+    rep = qd.data.cache.linear_repeats[(torch.bfloat16, xt.shape, True)]
+    assert type(rep) is (paths_linear.FusedRepeat if fused_path else paths_linear.DequantizedRepeat)
+    assert fused_path or rep.dequantize is not None  # (the packed bfloat16 dequantize launch)
 
 
 _COMPILE = r"""

@@ -189,6 +189,10 @@ def test_repeat_calls_skip_the_path_choice_and_give_the_same_bits(cuda_backend, 
         got = be.linear(x2, q, bias)  # new data through the repeat path
         assert np.array_equal(got.cpu().view(torch.int16 if dt != "float32" else torch.int32).numpy(),
                               _host(be, want).view(np.int16 if dt != "float32" else np.int32))
+        out = torch.full_like(got, float("nan"))
+        taken = sum(TAKEN.values())
+        assert be.linear(x2, q, bias, out=out) is out  # (an out= of the result's dtype: the repeat too)
+        assert sum(TAKEN.values()) == taken and torch.equal(out, got)
 
 
 @pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
@@ -234,7 +238,8 @@ def test_prefill_dequantizes_to_bfloat16_then_takes_torchs_gemm(cuda_backend, mo
     assert _paths().get("DequantizedGemmLinear", 0) == before + 1
     wb = torch.from_numpy(W.astype(np.float32)).to("cuda").to(torch.bfloat16)
     assert torch.equal(y, torch.nn.functional.linear(x, wb, b))
-    assert torch.equal(be.linear(x, q, b), y)
+    assert torch.equal(be.linear(x, q, b), y)  # (a repeat: the path not chosen again)
+    assert _paths().get("DequantizedGemmLinear", 0) == before + 1
     xh = x.float().cpu().numpy().astype(BF16)
     bh = None if b is None else b.float().cpu().numpy().astype(BF16)
     exact, bound = product_bound(xh, W, bh, BF16)
@@ -242,7 +247,7 @@ def test_prefill_dequantizes_to_bfloat16_then_takes_torchs_gemm(cuda_backend, mo
     for other in (lambda: be.linear(x[: m - 4], q, b), lambda: be.linear(x.half(), q),
                   lambda: be.linear(x, q, None if b is None else b.float()) if bias else be.linear(x, q, dtype=np.float32)):
         other()
-        assert _paths().get("DequantizedGemmLinear", 0) == before + 2
+        assert _paths().get("DequantizedGemmLinear", 0) == before + 1
 
 
 @pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
     from ._launch import Packed
     from ._repeat import DequantizeRepeat, MatmulRepeat
-    from .paths.linear import LinearRepeat
+    from .paths.linear import DequantizedRepeat, FusedRepeat, LinearRepeat
     from .paths.matmul import GeneralMatmulPlan
 
 __all__ = ["CudaData", "TensorCache", "NOT_YET"]
@@ -83,11 +83,13 @@ class TensorCache:
     fused_operands: tuple[Any, Any] | None = None
     """The fused GEMM's torch views of the code words (uint8) and the effective scales
     (`paths.linear.FusedGemmLinear`; not kept for caller memory)."""
+    fused_launches: dict[tuple[int, bool], Any] = field(default_factory=dict)
+    """The fused GEMM's launch (`fused.FusedLaunch`) by (rows of x, bias given); not kept for caller memory."""
     linear_codes_checked: bool = False
     """A linear's first dequantize found every code a value (and the payload is not caller memory)."""
     transposed: QTensor | None = None
     """The weight's transpose [K, N], for the matmul paths (`paths.linear.TransposedLinear`)."""
-    linear_repeats: dict[tuple, LinearRepeat] = field(default_factory=dict)
+    linear_repeats: dict[tuple, LinearRepeat | FusedRepeat | DequantizedRepeat] = field(default_factory=dict)
     """A repeat linear's launch by (x's torch dtype, x's shape, bias given) (`paths.linear.again`)."""
 
 

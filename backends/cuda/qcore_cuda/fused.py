@@ -43,7 +43,7 @@ from .linear import LP_K, LP_LB, LP_N, LP_NSB, LP_WPR, parse_tune
 
 __all__ = ["KINDS", "INT_KINDS", "FORM_COLUMNS", "FORM_FIELDS", "FORM_STAGED", "STAGED_SHARED", "LAUNCHED", "Tile",
            "TUNE_ENV", "FIELDS_MAX_M", "available", "staged_available", "staged_ready", "step_for",
-           "tile_for", "block_of", "PLAN_FROM_M", "plan_takes", "plan_tile", "plan_runs", "launch"]
+           "tile_for", "block_of", "PLAN_FROM_M", "plan_takes", "plan_tile", "plan_runs", "FusedLaunch", "launch"]
 
 KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_I2, fast.KIND_E4M3, fast.KIND_E5M2, fast.KIND_E2M1)
 """Value kinds (`fast.KINDS`) the kernels decode: those of `linear.geometry`."""
@@ -189,34 +189,90 @@ def step_for(t: Tile, kind: int, k: int, block: int, staged_ok: bool = True) -> 
     return t if k % t.bk == 0 else replace(t, bk=32)
 
 
+class FusedLaunch:
+    """The GEMM for one weight's (kind, P) of `linear.geometry` and m rows of x, decided once: the
+    plan's tile (`plan_tile`, or `step_for` of `tile`), its grid, kernel and constants. A call
+    launches it on torch's current stream. The first call goes through Triton's JIT (argument
+    specialization, compile cache) and keeps the compiled kernel; later calls whose five tensors
+    start on 16-byte boundaries, as the first call's did, launch that kernel directly, as the JIT
+    would (the same kernel and arguments; Triton's launch hooks still called): a repeat call's
+    host time is then the launch's alone."""
+
+    def __init__(self, kind: int, P: Any, m: int, device: Any, tile: Tile | None = None,
+                 has_bias: bool = False) -> None:
+        assert kind in KINDS
+        self.kind, self.m, self.n, self.k = kind, m, int(P[LP_N]), int(P[LP_K])
+        block = block_of(P)
+        t = step_for(tile, kind, self.k, block, staged_ready(device)) if tile else plan_tile(m, kind, self.k, block,
+                                                                                              device)
+        self.tile = t
+        self.grid = (-(-m // t.bm) * -(-self.n // t.bn),)
+        self.sizes = (m, self.n, self.k, 4 * int(P[LP_WPR]), int(P[LP_NSB]))
+        per = 8 // fast.KIND_BITS[kind]
+        self.regroup = t.form == FORM_FIELDS and per > 1  # (each step's column k0 + PER * j + f moved to
+        # k0 + f * BK / PER + j: a copy of x per call)
+        const = dict(KIND=kind, BITS=fast.KIND_BITS[kind], B=block, HAS_BIAS=has_bias, BN=t.bn, BM=t.bm, BK=t.bk)
+        if t.form == FORM_STAGED:
+            from . import k_staged
+
+            self.kernel, self.const = k_staged.fused_staged, const | dict(STAGES=t.stages, num_warps=t.warps)
+        else:
+            from . import k_fused
+
+            self.kernel = k_fused.fused_fields if t.form == FORM_FIELDS else k_fused.fused_columns
+            self.const = const | dict(INTERPRETED=_interpreted(), num_warps=t.warps, num_stages=t.stages)
+        self._compiled: Any = None  # (the JIT's kernel, once a call with aligned tensors made it)
+        self._tail: tuple = ()  # (the constants in the kernel's parameter order, after the tensors and sizes)
+
+    def __call__(self, x: Any, codes: Any, scales: Any, bias: Any, y: Any) -> None:
+        """y [m, N] = x [m, K] @ W^T (+ bias): `codes` the weight's values section as bytes (uint8,
+        N rows of `LP_WPR` u32 words), `scales` one f32 per slot, `bias` [N] bfloat16 or None
+        (as the launch was made: `has_bias`); x and y bfloat16 torch tensors, C-contiguous, on
+        one device (CPU tensors under the interpreter)."""
+        assert tuple(x.shape) == (self.m, self.k) and tuple(y.shape) == (self.m, self.n)
+        LAUNCHED[self.tile.form] += 1
+        if self.regroup:
+            t, per = self.tile, 8 // fast.KIND_BITS[self.kind]
+            x = x.reshape(self.m, self.k // t.bk, t.bk // per, per).transpose(2, 3).contiguous().reshape(self.m, self.k)
+        tensors = (x, codes, scales, bias if bias is not None else y, y)
+        aligned = all(a.data_ptr() % 16 == 0 for a in tensors)
+        if self._compiled is not None and aligned:
+            _launch_compiled(self._compiled, self.grid, tensors + self.sizes + self._tail)
+            return
+        compiled = self.kernel[self.grid](*tensors, *self.sizes, **self.const)
+        if aligned and self._compiled is None:
+            self._keep(compiled)
+
+    def _keep(self, compiled: Any) -> None:
+        """Keep the JIT's kernel where it can be launched directly: a compiled kernel (not the
+        interpreter's), every parameter after the tensors and sizes a constant given."""
+        names = list(getattr(self.kernel, "arg_names", ()))
+        rest = names[10:]
+        if (len(names) < 10 or any(r not in self.const for r in rest)
+                or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))):
+            return
+        self._tail = tuple(self.const[r] for r in rest)
+        self._compiled = compiled
+
+
+def _launch_compiled(compiled: Any, grid: tuple, args: tuple) -> None:
+    """A kernel Triton's JIT compiled, launched with every parameter's value in order on the
+    current device's current stream (torch's), as `JITFunction.run` launches it."""
+    from triton import knobs
+    from triton.runtime import driver
+
+    device = driver.active.get_current_device()
+    stream = driver.active.get_current_stream(device)
+    meta = compiled.launch_metadata(grid, stream, *args)
+    compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata, meta,
+                 knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)
+
+
 def launch(kind: int, P: Any, x: Any, codes: Any, scales: Any, bias: Any, y: Any, tile: Tile | None = None) -> None:
-    """y [M, N] = x [M, K] @ W^T (+ bias) for the weight of `linear.geometry`'s (kind, P): `codes`
-    its values section as bytes (uint8, N rows of `LP_WPR` u32 words), `scales` one f32 per slot,
-    `bias` [N] bfloat16 or None; x and y bfloat16 torch tensors, C-contiguous, on one device
-    (CPU tensors under the interpreter); launched on torch's current stream."""
-    from . import k_fused
-
-    m, k_ = x.shape
-    n_ = int(P[LP_N])
-    assert int(P[LP_K]) == k_ and tuple(y.shape) == (m, n_) and kind in KINDS
-    nsb, block = int(P[LP_NSB]), block_of(P)
-    t = step_for(tile, kind, k_, block, staged_ready(x.device)) if tile else plan_tile(m, kind, k_, block, x.device)
-    per = 8 // fast.KIND_BITS[kind]
-    common = (x, codes, scales, bias if bias is not None else y, y, m, n_, k_, 4 * int(P[LP_WPR]), nsb)
-    grid = (-(-m // t.bm) * -(-n_ // t.bn),)
-    LAUNCHED[t.form] += 1
-    if t.form == FORM_STAGED:
-        from . import k_staged
-
-        k_staged.fused_staged[grid](*common, KIND=kind, BITS=fast.KIND_BITS[kind], B=block, HAS_BIAS=bias is not None,
-                                    BN=t.bn, BM=t.bm, BK=t.bk, STAGES=t.stages, num_warps=t.warps)
-        return
-    if t.form == FORM_FIELDS and per > 1:  # (each step's column k0 + PER * j + f moved to k0 + f * BK / PER + j)
-        x = x.reshape(m, k_ // t.bk, t.bk // per, per).transpose(2, 3).contiguous().reshape(m, k_)
-        common = (x,) + common[1:]
-    kernel = k_fused.fused_fields if t.form == FORM_FIELDS else k_fused.fused_columns
-    kernel[grid](*common, KIND=kind, BITS=fast.KIND_BITS[kind], B=block, HAS_BIAS=bias is not None, BN=t.bn, BM=t.bm,
-                 BK=t.bk, INTERPRETED=_interpreted(), num_warps=t.warps, num_stages=t.stages)
+    """y [M, N] = x [M, K] @ W^T (+ bias) for the weight of `linear.geometry`'s (kind, P) through a
+    `FusedLaunch` made for this call (the plan's tile, or `tile` through `step_for`); the
+    arguments as its call takes them."""
+    FusedLaunch(kind, P, x.shape[0], x.device, tile, bias is not None)(x, codes, scales, bias, y)
 
 
 @lru_cache(maxsize=None)

@@ -25,9 +25,13 @@ Paths:
   kept with the weight, multiplied by the matmul paths in f32 (`CudaBackend.matmul`), and
   `k_finish` adds the bias and rounds once to the result dtype.
 
-A repeat call (`again`) with a torch CUDA x of a shape, dtype and bias kind the weight has seen on
-the decode or tensor-core path, no `out=`, `dtype=` or `stream=`, skips the checks and the path
-choice: a result tensor, two views and the packed launch.
+A repeat call (`again`) with a torch CUDA x of a shape, dtype and bias kind the weight has seen
+(x on a 16-byte boundary), no `dtype=` or `stream=`, no `out=` or a torch `out=` of the result's
+dtype and size (on a 16-byte boundary), skips the checks and the path choice and does what the path the
+first call took does: a result tensor, two views and the packed launch (decode, tensor-core
+kernel); a result tensor and the compiled kernel's launch (fused GEMM, `fused.FusedLaunch`); the
+weight's dequantize into a bfloat16 tensor and torch's GEMM (dequantize + GEMM). A weight whose
+payload is the caller's memory takes the whole way every call (its bytes may change).
 
 The first `linear` of a tensor whose scheme has invalid codes (docs/spec.md) dequantizes it once
 to check them, as a first dequantize does, so a bad code is an `InvalidDataError`, never a value.
@@ -54,7 +58,8 @@ from . import choose
 
 __all__ = ["LINEAR", "FUSED_M", "FUSED_ALL_KINDS", "LIBRARY_FROM_M", "DECODE_MAX_M", "LinearCall", "FusedGemmLinear",
            "DequantizedGemmLinear", "DecodeLinear",
-           "TensorCoreLinear", "TransposedLinear", "LinearRepeat", "run", "again", "rounded", "placeholders"]
+           "TensorCoreLinear", "TransposedLinear", "LinearRepeat", "FusedRepeat", "DequantizedRepeat", "run", "again", "rounded",
+           "placeholders"]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
@@ -153,8 +158,8 @@ class FusedGemmLinear:
         from .. import fused
 
         lo, hi = FUSED_M
-        if lo == 0 or not lo <= c.m <= hi or not _bf16_library_call(c):
-            return False
+        if lo == 0 or not lo <= c.m <= hi or not _bf16_library_call(c) or c.x.data_ptr() % 16:
+            return False  # (x's rows arrive by 16-byte copies in the staged form)
         g = TensorCoreLinear.geometry(c.data)
         if g is None or not fused.available():
             return False
@@ -164,21 +169,36 @@ class FusedGemmLinear:
         return fused.plan_runs(c.m, kind, c.w.shape[1], block, c.x.device)
 
     def launch(self, c: LinearCall) -> None:
-        from .. import fused
+        codes, scales = self.operands(c)
+        self.prepared(c)(c.x.reshape(c.m, c.w.shape[1]), codes, scales, c.bias_given, c.result.view(c.m, c.w.shape[0]))
 
+    @staticmethod
+    def operands(c: LinearCall) -> tuple[Any, Any]:
+        """The weight's code bytes and effective scales as torch tensors on x's device (kept with
+        the weight unless its payload is the caller's memory)."""
         cache = c.data.cache
-        kind, P = cache.linear_geometry
-        n_, k_ = c.w.shape
         operands = cache.fused_operands
         if operands is None:
             torch = _torch()
-            scales = torch.as_tensor(_effective_scales(c), device=c.x.device)
             operands = (torch.as_tensor(c.be.state.plans.code_words(c.data), device=c.x.device).view(torch.uint8),
-                        scales)
+                        torch.as_tensor(_effective_scales(c), device=c.x.device))
             if not cache.caller_memory:
                 cache.fused_operands = operands
-        codes, scales = operands
-        fused.launch(kind, P, c.x.reshape(c.m, k_), codes, scales, c.bias_given, c.result.view(c.m, n_))
+        return operands
+
+    @staticmethod
+    def prepared(c: LinearCall) -> Any:
+        """The `fused.FusedLaunch` for this weight, m rows and bias kind (kept likewise)."""
+        from .. import fused
+
+        cache, key = c.data.cache, (c.m, c.has_bias)
+        go = cache.fused_launches.get(key)
+        if go is None:
+            kind, P = cache.linear_geometry
+            go = fused.FusedLaunch(kind, P, c.m, c.x.device, has_bias=c.has_bias)
+            if not cache.caller_memory:
+                cache.fused_launches[key] = go
+        return go
 
 
 class DequantizedGemmLinear:
@@ -190,15 +210,26 @@ class DequantizedGemmLinear:
         return c.m >= LIBRARY_FROM_M and _bf16_library_call(c)
 
     def launch(self, c: LinearCall) -> None:
+        self.gemm(c.be, c.w, c.x, c.bias_given, c.result, c.s)
+
+    @staticmethod
+    def gemm(be: Any, w: Any, x: Any, bias: Any, y: Any, s: Any) -> None:
+        """y = x @ W^T (+ bias): the weight dequantized into a bfloat16 tensor on stream `s`
+        (torch's current one), then torch's GEMM; x, y and bias bfloat16 torch tensors."""
+        wb = _torch().empty(w.shape, dtype=_torch().bfloat16, device=x.device)
+        be.dequantize(w, _BF16, out=wb, stream=s)
+        DequantizedGemmLinear.multiply(x, wb, bias, y)
+
+    @staticmethod
+    def multiply(x: Any, wb: Any, bias: Any, y: Any) -> None:
+        """y = x @ wb^T (+ bias) by torch's GEMM, wb the bfloat16 weight [N, K]."""
         torch = _torch()
-        n_, k_ = c.w.shape
-        wb = torch.empty((n_, k_), dtype=torch.bfloat16, device=c.x.device)
-        c.be.dequantize(c.w, _BF16, out=wb, stream=c.s)
-        x2, y2 = c.x.reshape(c.m, k_), c.result.view(c.m, n_)
-        if c.bias_given is None:
+        n_, k_ = wb.shape
+        x2, y2 = x.reshape(-1, k_), y.view(-1, n_)
+        if bias is None:
             torch.mm(x2, wb.t(), out=y2)
         else:
-            torch.addmm(c.bias_given, x2, wb.t(), out=y2)
+            torch.addmm(bias, x2, wb.t(), out=y2)
 
 
 DECODE_MAX_M = int(os.environ.get("QCORE_CUDA_LINEAR_DECODE_M", "1"))
@@ -551,19 +582,19 @@ def run(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -
                       p16 if out16 is None else out16, bias_d, s, xdt, res, bias)
     path = choose(LINEAR, call)
     path.launch(call)
-    if type(path) in (DecodeLinear, TensorCoreLinear) and out is None and dtype is None and stream is None:
-        _remember(call, path.key(call), x, tuple(xshape[:-1]) + (n_,), bias)
+    if out is None and dtype is None and stream is None:
+        _remember(call, path, x, tuple(xshape[:-1]) + (n_,), bias)
     return finish(res)
 
 
 @dataclass(frozen=True)
 class LinearRepeat:
-    """What a repeat call (`again`) needs: the packed launch, the result's shape and torch dtype, the
-    element types and counts of the views of x and of the result, the placeholders."""
+    """A repeat call on the decode or tensor-core path (`again`): the packed launch, the result's
+    shape, the element types and counts of the views of x and of the result, the
+    placeholders."""
 
     launch: Any
     out_shape: tuple
-    out_torch: Any
     out_words: np.dtype
     n_out: int
     x_words: np.dtype
@@ -571,32 +602,112 @@ class LinearRepeat:
     p32: Any
     p16: Any
 
+    def run(self, be: Any, w: Any, x: Any, bias: Any, res: Any) -> Any:
+        """`res` written, or None where the bias is not a float32 CUDA tensor [N] (the whole way)."""
+        torch = _torch()
+        bd = self.p32
+        if bias is not None:
+            if (type(bias) is not torch.Tensor or bias.dtype != torch.float32 or not bias.is_cuda
+                    or not bias.is_contiguous() or bias.numel() != self.out_shape[-1] or bias.dim() != 1):
+                return None
+            bd = _array.DevView(bias.data_ptr(), (bias.numel(),), _F32, bias)
+        od = _array.DevView(res.data_ptr(), (self.n_out,), self.out_words, res)
+        xd = _array.DevView(x.data_ptr(), (self.n_x,), self.x_words, x)
+        self.launch(xd, od if self.out_words == _F32 else self.p32, self.p16 if self.out_words == _F32 else od, bd,
+                    stream=_streams.resolve(None, x))
+        return res
 
-def _remember(c: LinearCall, key: tuple, x: Any, out_shape: tuple, bias: Any) -> None:
-    """Keep what `again` needs after a decode or tensor-core call (its packed launch under `key`)
-    with a torch CUDA x (and a float32 CUDA bias or none), unless the payload is the caller's
-    memory (checked on every call)."""
+
+def _same_kind_bias(bias: Any, x: Any, n: int) -> bool:
+    """Whether a repeat's bias is what the bfloat16 library paths took: none, or a C-contiguous
+    torch tensor [N] of x's dtype on x's device."""
+    torch = _torch()
+    return bias is None or (type(bias) is torch.Tensor and bias.dtype == x.dtype and bias.device == x.device
+                            and bias.dim() == 1 and bias.numel() == n and bias.is_contiguous())
+
+
+@dataclass(frozen=True)
+class FusedRepeat:
+    """A repeat call on the fused GEMM (`again`): its launch (`fused.FusedLaunch`, which launches
+    the compiled kernel directly after its first call), the weight's operands, the result's shape."""
+
+    launch: Any
+    codes: Any
+    scales: Any
+    out_shape: tuple
+
+    def run(self, be: Any, w: Any, x: Any, bias: Any, res: Any) -> Any:
+        """`res` written, or None where the bias is not of the kind the first call's was."""
+        m, n, k = self.launch.m, self.launch.n, self.launch.k
+        if not _same_kind_bias(bias, x, n):
+            return None
+        self.launch(x.view(m, k), self.codes, self.scales, bias, res.view(m, n))
+        return res
+
+
+@dataclass(frozen=True)
+class DequantizedRepeat:
+    """A repeat call on dequantize + torch's GEMM (`again`): the result's shape, and the weight's
+    packed bfloat16 dequantize launch (`FastDequantize`'s, only the output changes) where that
+    kernel served the first call and the codes are checked (None: `CudaBackend.dequantize`)."""
+
+    out_shape: tuple
+    dequantize: Any = None
+
+    def run(self, be: Any, w: Any, x: Any, bias: Any, res: Any) -> Any:
+        """`res` written, or None where the bias is not of the kind the first call's was."""
+        if not _same_kind_bias(bias, x, w.shape[0]):
+            return None
+        s = _streams.resolve(None, x)
+        if self.dequantize is None:
+            DequantizedGemmLinear.gemm(be, w, x, bias, res, s)
+            return res
+        torch = _torch()
+        wb = torch.empty(w.shape, dtype=torch.bfloat16, device=x.device)
+        self.dequantize(_array.reinterpret(_array.DevView(wb.data_ptr(), (wb.numel(),), np.dtype(np.uint16), wb),
+                                           np.dtype(np.uint32)), stream=s)
+        DequantizedGemmLinear.multiply(x, wb, bias, res)
+        return res
+
+
+def _remember(c: LinearCall, path: Any, x: Any, out_shape: tuple, bias: Any) -> None:
+    """Keep what `again` needs after a call with a torch CUDA x (bfloat16, float16 or float32, on a
+    16-byte boundary) on
+    the fused GEMM, dequantize + GEMM, or the decode or tensor-core kernel (its packed launch; a
+    float32 CUDA bias or none), unless the payload is the caller's memory (checked on every call)."""
     from .. import linear
 
     torch = _torch()
     if (torch is None or type(x) is not torch.Tensor or not x.is_cuda or c.data.cache.caller_memory
-            or x.dtype not in (torch.bfloat16, torch.float16, torch.float32)
-            or (bias is not None and not (type(bias) is torch.Tensor and bias.dtype == torch.float32 and bias.is_cuda))):
+            or x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.data_ptr() % 16):
+        return  # (`again` serves x on a 16-byte boundary alone: the path chosen for such an x)
+    key = (x.dtype, x.shape, bias is not None)
+    repeats = c.w.data.cache.linear_repeats
+    if type(path) is FusedGemmLinear:
+        repeats[key] = FusedRepeat(path.prepared(c), *path.operands(c), out_shape)
         return
-    st = c.data.cache.linear.get(key)
+    if type(path) is DequantizedGemmLinear:
+        w = c.w
+        checked = w.scheme.valid_fields.all() or w.data.codes_checked() or w.data.cache.linear_codes_checked
+        repeats[key] = DequantizedRepeat(out_shape, c.data.cache.dequant_bf16 if checked else None)
+        return
+    if type(path) not in (DecodeLinear, TensorCoreLinear) or (
+            bias is not None and not (type(bias) is torch.Tensor and bias.dtype == torch.float32 and bias.is_cuda)):
+        return
+    st = c.data.cache.linear.get(path.key(c))
     if st is None:
         return
     wide = c.ot == linear.OT_F32
     x_words = _F32 if c.xt == linear.XT_F32 else np.dtype(np.uint32)
     n_out = math.prod(out_shape)
-    c.w.data.cache.linear_repeats[(x.dtype, x.shape, bias is not None)] = LinearRepeat(
-        st, out_shape, x.dtype, _F32 if wide else np.dtype(np.uint16), n_out, x_words,
+    repeats[key] = LinearRepeat(
+        st, out_shape, _F32 if wide else np.dtype(np.uint16), n_out, x_words,
         x.numel() if c.xt == linear.XT_F32 else x.numel() // 2, *placeholders(c.s))
 
 
 def again(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -> Any:
     """A repeat call's result (module text), or None when the call needs the whole way."""
-    if out is not None or dtype is not None or stream is not None or type(w) is not QTensor or w.backend is not be:
+    if dtype is not None or stream is not None or type(w) is not QTensor or w.backend is not be:
         return None
     plans = w.data.cache.linear_repeats
     torch = _torch()
@@ -605,18 +716,14 @@ def again(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any)
     p = plans.get((x.dtype, x.shape, bias is not None))
     if p is None or not x.is_cuda or not x.is_contiguous() or x.data_ptr() % 16:
         return None
-    bd = p.p32
-    if bias is not None:
-        if (type(bias) is not torch.Tensor or bias.dtype != torch.float32 or not bias.is_cuda
-                or not bias.is_contiguous() or bias.numel() != p.out_shape[-1] or bias.dim() != 1):
-            return None
-        bd = _array.DevView(bias.data_ptr(), (bias.numel(),), _F32, bias)
-    res = torch.empty(p.out_shape, dtype=p.out_torch, device=x.device)
-    od = _array.DevView(res.data_ptr(), (p.n_out,), p.out_words, res)
-    xd = _array.DevView(x.data_ptr(), (p.n_x,), p.x_words, x)
-    p.launch(xd, od if p.out_words == _F32 else p.p32, p.p16 if p.out_words == _F32 else od, bd,
-             stream=_streams.resolve(None, x))
-    return res
+    if out is None:
+        res = torch.empty(p.out_shape, dtype=x.dtype, device=x.device)
+    elif (type(out) is torch.Tensor and out.dtype == x.dtype and out.device == x.device and out.is_contiguous()
+          and out.numel() == math.prod(p.out_shape) and out.data_ptr() % 16 == 0):
+        res = out  # (an out= of the result's dtype: the path the call without it took)
+    else:
+        return None
+    return p.run(be, w, x, bias, res)
 
 
 def rounded(y: Any, dt: np.dtype, s: Any) -> Any:
