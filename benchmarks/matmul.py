@@ -2,7 +2,7 @@
 
     NUMBA_ENABLE_CUDASIM=0 python benchmarks/matmul.py [--out DIR] [--quick] [--m 1,16,256] [--shapes 8192x8192]
         [--schemes q4s/block32:f16,nvfp4] [--peers torch_bf16,torch_fp16] [--budget-s 420] [--reps 15]
-        [--no-evict] [--hide-launch] [--max-call-ms 200] [--paths] [--w8a8] [--orientation] [--dry-run]
+        [--no-evict] [--hide-launch] [--max-call-ms 200] [--paths] [--w8a8] [--orientation] [--host] [--dry-run]
 
 For a linear layer's weight W [N, K] (out features, in features) and bfloat16 activations x [M, K]
 (torch CUDA tensors) it times y = x @ W^T, y bfloat16 [M, N], for M in `MS` and (N, K) in `SHAPES`:
@@ -26,7 +26,11 @@ For a linear layer's weight W [N, K] (out features, in features) and bfloat16 ac
 * `--orientation`: each scheme's weight also quantized in the other orientation, W^T [K, N] with
   the scheme's blocks along N, and timed as `be.matmul(x, qkn)` (its float32 device result: the
   [K, N] form's fastest call; a bfloat16 result is rounded on the host). The target
-  `nk_not_slower` compares the two: the [N, K] weight's plain `linear` against its [K, N] form.
+  `nk_not_slower` compares the two: the [N, K] weight's plain `linear` against its [K, N] form;
+* `--host`: each case's host time per call, 50 calls back to back with the GPU kept busy (a sleep
+  kernel queued first: launches never wait for the device), median of 5 runs (`host_loop_us`,
+  ratio `host_vs_torch_bf16`): the pace at which a model's forward can issue the calls. Where it
+  passes the GPU time (`--hide-launch`), the host sets the pace.
 
 Timing: CUDA events around each whole call (the GPU idle before it, so host time counts as a
 user sees it; `--hide-launch` queues a GPU sleep first and times the GPU's span alone), the cases
@@ -62,7 +66,7 @@ import sys
 import time
 
 import runinfo  # benchmarks/runinfo.py (this folder is on sys.path when the script runs)
-from gpu import l2_flushes, samples_in_turn  # benchmarks/gpu.py: the same timing and L2 eviction
+from gpu import _host_loop_us, l2_flushes, samples_in_turn  # benchmarks/gpu.py: the same timing and L2 eviction
 
 SCHEMES = ["q4s/block32:f16", "q4s/block128:bf16", "q8s/block32:f16", "q8s", "e4m3/block32:f32", "mxfp8", "mxfp4",
            "nvfp4"]
@@ -400,14 +404,24 @@ def fmt_us(us) -> str:
     return f"{us:.1f}" if us < 1000 else f"{us:.0f}"
 
 
-def table(cells, shape: str, ms, labels) -> str:
-    """Rows: cases, columns: M, each cell `us/ratio vs torch bf16` (err: an error, slow: not timed)."""
+def table(cells, shape: str, ms, labels, key: str = "us") -> str:
+    """Rows: cases, columns: M, each cell `us/ratio vs torch bf16` (err: an error, slow: not timed);
+    `key` "host_loop_us": the host per call back to back (`--host`) instead."""
     got = {(c["label"], c["m"]): c for c in cells if c["shape"] == shape and c["m"] is not None}
     cols = [m for m in ms if any((lb, m) in got for lb in labels)]
     if not cols:
         return f"{shape}: nothing measured"
     w = max(len(lb) for lb in labels) + 1
     copy = [c for c in cells if c["shape"] == shape and c["case"] == "copy" and c["us"]]
+    if key != "us":
+        got = {k: c for k, c in got.items() if c.get(key)}
+        lines = [f"{shape}  host us per call, back to back (/ torch bf16's over ours)",
+                 " " * w + "".join(f"{'M=' + str(m):>14}" for m in cols)]
+        for lb in labels:
+            row = [(fmt_us(c[key]) + f"/{c['ratios'].get('host_vs_torch_bf16', 0):.2f}x") if (c := got.get((lb, m)))
+                   else "-" for m in cols]
+            lines.append(f"{lb:<{w}}" + "".join(f"{v:>14}" for v in row))
+        return "\n".join(lines)
     head = f"{shape}  (us / speed-up vs torch bf16)" + (
         f"; copy of a bf16 [N, K]: {fmt_us(copy[0]['us'])} us, {copy[0]['gbs']:.0f} GB/s" if copy else "")
     lines = [head, " " * w + "".join(f"{'M=' + str(m):>14}" for m in cols)]
@@ -496,6 +510,9 @@ def main(argv=None) -> int:
     ap.add_argument("--orientation", action="store_true",
                     help="also time each scheme's weight quantized as W^T [K, N] (blocks along N) through matmul: "
                          "the target nk_not_slower")
+    ap.add_argument("--host", action="store_true",  # (module text)
+                    help="also time the host per call of each case, 50 calls back to back with the GPU kept busy "
+                         "(a model's forward: launches never wait for the device); median of 5 runs")
     ap.add_argument("--dry-run", action="store_true", help="list the cells and targets and exit (no GPU needed)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -535,6 +552,7 @@ def main(argv=None) -> int:
            "describe": None, "schemes": schemes, "peers": peers, "shapes": [shape_text(s) for s in shapes], "ms": ms,
            "timing": {"reps": args.reps, "warm_s": args.warm_s, "evict_bytes": EVICT_BYTES if args.evict else 0,
                       "hide_launch": args.hide_launch, "max_call_ms": args.max_call_ms, "budget_s": args.budget_s,
+                      "host": args.host,
                       "statistic": "median us of whole calls between CUDA events"},
            "ratio_keys": RATIO_PEERS, "notes": {"torch_scaled_mm": "e4m3 x and w, rowwise float32 scales, bf16 out, "
                                                 "use_fast_accum=True; x quantized outside the timed call"},
@@ -599,6 +617,8 @@ def main(argv=None) -> int:
                 print(f"  {sh} M={m}: {time.perf_counter() - tc:.1f} s (run {time.perf_counter() - t_start:.0f} s)",
                       file=sys.stderr, flush=True)
             print(table(res["cells"], sh, ms, labels), flush=True)
+            if args.host:
+                print(table(res["cells"], sh, ms, labels, "host_loop_us"), flush=True)
             del S
             gc.collect()
             torch.cuda.empty_cache()
@@ -704,6 +724,14 @@ def run_cell(torch, be, S, m, cases, args, flush, slow) -> list:
                     c["ratios"][key] = peer_us[p] / c["us"]
             if c["weight_bytes"]:
                 c["weight_gbs"] = c["weight_bytes"] / c["us"] / 1e3
+    if args.host:  # (host per call back to back, each case in turn; the GPU busy ahead of the calls)
+        for label, fn in fns.items():
+            if cells[label]["us"]:
+                cells[label]["host_loop_us"] = _host_loop_us(torch, fn, calls=50, rounds=5)
+        host_peer = {c["peer"]: c["host_loop_us"] for c in cells.values() if c["peer"] and c.get("host_loop_us")}
+        for c in cells.values():
+            if c.get("host_loop_us") and host_peer.get("torch_bf16"):
+                c["ratios"]["host_vs_torch_bf16"] = host_peer["torch_bf16"] / c["host_loop_us"]
     kn_us = {c["scheme"]: c["us"] for c in cells.values() if c["case"] == "matmul_kn" and c["us"]}
     for c in cells.values():
         if c["case"] == "linear" and c["us"] and kn_us.get(c["scheme"]):
