@@ -366,6 +366,8 @@ def render_linear(res: dict, separate: bool = False, moved: tuple[set, set] = (s
                     row.append(f"{c['us']:.1f} / {r:.2f}x" if r else f"{c['us']:.1f}")
             lines.append(f"| {name} | " + " | ".join(row) + " |")
         lines.append("")
+        if timing.get("host"):
+            lines += _host_table(rows, names, ms, shape)
     lines += ["Targets (the plain call's ratio to torch bf16, or to the reference a target names):", ""]
     for t in res.get("targets", []):
         if t["name"] in targets or separate and t["status"] == "not measured":
@@ -375,6 +377,23 @@ def render_linear(res: dict, separate: bool = False, moved: tuple[set, set] = (s
         lines.append(f"- {t['description']}: **{t['status']}**{fig}")
     lines.append("")
     return "\n".join(lines)
+
+
+def _host_table(rows: list, names: list, ms: list, shape: str) -> list:
+    """A `--host` run's host time per call back to back (`host_loop_us`), as table lines."""
+    lines = [f"Host time per call, {shape}: 50 calls back to back with the GPU kept busy, median of 5 runs; "
+             "a cell is microseconds / torch bf16's host time over ours (below 1: more host time than torch's). "
+             "Where it passes the GPU time above, the host sets the pace of back-to-back calls.", "",
+             "| case | " + " | ".join(f"M={m}" for m in ms) + " |", "|---|" + "---|" * len(ms)]
+    for name in names:
+        row = []
+        for m in ms:
+            c = next((c for c in rows if c["label"] == name and c["m"] == m), None)
+            h = None if c is None else c.get("host_loop_us")
+            r = None if c is None else c.get("ratios", {}).get("host_vs_torch_bf16")
+            row.append("-" if h is None else (f"{h:.1f} / {r:.2f}x" if r else f"{h:.1f}"))
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    return lines + [""]
 
 
 def _own_cells(res: dict) -> set:

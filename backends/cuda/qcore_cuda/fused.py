@@ -19,8 +19,10 @@ tile in column order, each element loading its byte (any step, blocks of 16 with
 included). `FORM_STAGED` (k_staged.py, Gluon, a Hopper GPU) decodes each step's tile into shared
 memory in column order and multiplies it from there by asynchronous `wgmma`, the decode of the next
 step overlapping the product of this one; x is read as it is. `tile_for` picks the form and tile
-by rows of x; `launch` falls back from the staged form to the fields form and from that to the
-columns form where a step cannot be formed.
+by rows of x; `step_for` falls back from the staged form to the fields form and from that to the
+columns form where a step cannot be formed. `FusedLaunch` holds one weight's launch for m rows of
+x (tile, grid, kernel, constants) and, after its first call, the kernel Triton's JIT compiled,
+which later calls launch directly (`paths.linear` keeps one per weight, rows and bias kind).
 
 The weight's bytes are read once per `BM` rows of x and never written in another form (the
 dequantize-then-GEMM path writes and reads a bfloat16 copy of the whole weight per call).
