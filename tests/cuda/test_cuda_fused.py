@@ -288,6 +288,73 @@ def test_staged_kernel_compiles_for_sm90_with_its_products_in_flight(tmp_path):
         assert c["depbar"] < c["hgmma"], c
 
 
+def test_a_launch_repeats_its_first_calls_kernel_with_every_argument_in_order(monkeypatch):
+    """`fused.FusedLaunch`: after a first call with every tensor on a 16-byte boundary it launches
+    the kernel the JIT returned directly, on the current stream, with the kernel's parameters in
+    order (tensors, sizes, then the constants by name) as the JIT does; a call with a tensor off a
+    16-byte boundary goes through the JIT again (its specialization assumed the boundary). A stand-in
+    kernel and compiled kernel record the calls (no GPU or compiler needed)."""
+    from qcore_cuda import fused, linear
+
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def launch_metadata(self, grid, stream, *args):
+            return None
+
+        def run(self, g0, g1, g2, stream, function, packed, meta, enter, leave, *args):
+            calls.append(("direct", (g0, g1, g2), stream, args))
+
+    class Kernel:  # (fused_columns' parameters)
+        arg_names = ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "M", "N", "K", "row_bytes", "nsb", "KIND", "BITS",
+                     "B", "HAS_BIAS", "BN", "BM", "BK", "INTERPRETED"]
+
+        def __getitem__(self, grid):
+            def jit(*args, **const):
+                calls.append(("jit", grid, args, const))
+                return Compiled()
+            return jit
+
+    class Ptr:
+        def __init__(self, p):
+            self.p = p
+
+        def data_ptr(self):
+            return self.p
+
+    n, k, m = 96, 256, 20
+    kind, P = linear.geometry((n, k), REF.quantize(np.ones((n, k), np.float32), "q8s/block32:f16").scheme)
+    go = fused.FusedLaunch(kind, P, m, torch.device("cpu"), fused.Tile(32, 16, 64, 4, 1, fused.FORM_COLUMNS), True)
+    monkeypatch.setattr(go, "kernel", Kernel())
+    import triton.runtime
+
+    class Driver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 1234
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", Driver())  # (what `driver.active` returns)
+    x, w, sc, b, y = (Ptr(256 * i) for i in range(1, 6))
+    x.shape, y.shape = (m, k), (m, n)
+    go(x, w, sc, b, y)
+    go(x, w, sc, b, y)
+    off = Ptr(256 * 7 + 2)
+    off.shape = (m, k)
+    go(off, w, sc, b, y)
+    go(x, w, sc, b, y)
+    assert [c[0] for c in calls] == ["jit", "direct", "jit", "direct"]
+    _, grid, args, const = calls[0]
+    order = dict(zip(Kernel.arg_names, list(args) + [None] * len(const)))
+    order.update(const)
+    want = tuple(order[a] for a in Kernel.arg_names)
+    assert calls[1] == ("direct", (grid[0], 1, 1), 1234, want)
+    assert want[:5] == (x, w, sc, b, y) and want[5:10] == go.sizes and want[10:14] == (kind, 8, 32, True)
+
+
 def test_staged_tiles_fall_back_where_they_cannot_run():
     """`fused.step_for`: a staged tile runs as the fields form where it cannot be formed: no
     Hopper GPU or Gluon, K not a multiple of its step (64 columns; 128 with 2-bit codes), or
