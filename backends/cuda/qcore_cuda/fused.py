@@ -57,7 +57,7 @@ STAGED_SHARED = 227 * 1024
 """The most shared memory a program of `FORM_STAGED` may take (a Hopper SM's limit for one block):
 its x and code-byte rings and two bfloat16 tiles."""
 LAUNCHED: Counter = Counter()
-"""How often each loop form ran in this process (`launch`; the tests read it)."""
+"""How often each loop form ran in this process (`FusedLaunch`; the tests read it)."""
 TUNE_ENV = "QCORE_CUDA_FUSED_TUNE"
 """'BN,BM,BK,WARPS,STAGES,FORM' in the environment replaces `tile_for`'s choice (tuning runs)."""
 
@@ -123,7 +123,7 @@ def plan_takes(kind: int, block: int, m: int) -> bool:
 
 
 def plan_tile(m: int, kind: int, k: int, block: int, device: Any) -> Tile:
-    """The tile `launch` runs without a tile given: `tile_for`'s, through `step_for`."""
+    """The tile `FusedLaunch` runs without a tile given: `tile_for`'s, through `step_for`."""
     staged = staged_ready(device)
     return step_for(tile_for(m, staged), kind, k, block, staged)
 
@@ -169,7 +169,7 @@ def staged_ready(device: Any) -> bool:
 
 
 def step_for(t: Tile, kind: int, k: int, block: int, staged_ok: bool = True) -> Tile:
-    """The tile `launch` runs for a weight of `kind` with K columns and scale blocks of `block`
+    """The tile `FusedLaunch` runs for a weight of `kind` with K columns and scale blocks of `block`
     columns (0: one slot a row or for the tensor): `FORM_STAGED` where `staged_ok` (a Hopper GPU,
     Gluon), its step dividing K with at least 32 code bytes a row, its x rows a power of two from
     64 to 256, its weight rows 16 a warp and its buffers within `STAGED_SHARED`; else

@@ -103,7 +103,7 @@ def fused_fields(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
     """`FORM_FIELDS`: a step's code bytes [BN, BK / PER] are loaded once (contiguous, pipelined);
     field f of every byte (columns k0 + PER * j + f) is the A operand of its own product, against
     x's tile [BK / PER, BM] of the same columns (x given with each step's columns grouped by field:
-    `fused.launch`). A step reads one scale slot a row, or two (BK = 2 * B)."""
+    `fused.FusedLaunch`). A step reads one scale slot a row, or two (BK = 2 * B)."""
     PER: tl.constexpr = 8 // BITS
     J: tl.constexpr = BK // PER
     rows, xrows, rn, rm = tile(M, N, BN, BM)
