@@ -146,9 +146,9 @@ def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bi
 def test_repeat_linear_calls_launch_what_the_first_call_made(cuda_backend, text, m):
     """A repeat `linear` (same x shape, dtype and bias kind) on the fused GEMM (the compiled kernel
     launched directly, `fused.FusedLaunch`) or on dequantize + GEMM (M = 640: the packed dequantize
-    launch) skips the path
-    choice and gives the bits the whole way gives (a call with `stream=` takes it), for new x and
-    bias values, into a new tensor or `out=`; an x or a bias off a 16-byte boundary, or a bias of another dtype, still gives them."""
+    launch) skips the path choice and gives the bits the whole way gives (a call with `stream=`
+    takes it), for new x and bias values, into a new tensor or `out=`; an x or a bias off a 16-byte
+    boundary, or a bias of another dtype, still gives them."""
     from qcore_cuda import fused
     from qcore_cuda.paths import TAKEN
     from qcore_cuda.paths import linear as paths_linear

@@ -27,8 +27,8 @@ Paths:
 
 A repeat call (`again`) with a torch CUDA x of a shape, dtype and bias kind the weight has seen
 (x on a 16-byte boundary), no `dtype=` or `stream=`, no `out=` or a torch `out=` of the result's
-dtype and size (on a 16-byte boundary), skips the checks and the path choice and does what the path the
-first call took does: a result tensor, two views and the packed launch (decode, tensor-core
+dtype and size (on a 16-byte boundary), skips the checks and the path choice and does what the
+path the first call took does: a result tensor, two views and the packed launch (decode, tensor-core
 kernel); a result tensor and the compiled kernel's launch (fused GEMM, `fused.FusedLaunch`); the
 weight's dequantize into a bfloat16 tensor and torch's GEMM (dequantize + GEMM). A weight whose
 payload is the caller's memory takes the whole way every call (its bytes may change).
@@ -58,8 +58,8 @@ from . import choose
 
 __all__ = ["LINEAR", "FUSED_M", "FUSED_ALL_KINDS", "LIBRARY_FROM_M", "DECODE_MAX_M", "LinearCall", "FusedGemmLinear",
            "DequantizedGemmLinear", "DecodeLinear",
-           "TensorCoreLinear", "TransposedLinear", "LinearRepeat", "FusedRepeat", "DequantizedRepeat", "run", "again", "rounded",
-           "placeholders"]
+           "TensorCoreLinear", "TransposedLinear", "LinearRepeat", "FusedRepeat", "DequantizedRepeat", "run", "again",
+           "rounded", "placeholders"]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
@@ -672,9 +672,9 @@ class DequantizedRepeat:
 
 def _remember(c: LinearCall, path: Any, x: Any, out_shape: tuple, bias: Any) -> None:
     """Keep what `again` needs after a call with a torch CUDA x (bfloat16, float16 or float32, on a
-    16-byte boundary) on
-    the fused GEMM, dequantize + GEMM, or the decode or tensor-core kernel (its packed launch; a
-    float32 CUDA bias or none), unless the payload is the caller's memory (checked on every call)."""
+    16-byte boundary) on the fused GEMM, dequantize + GEMM, or the decode or tensor-core kernel
+    (its packed launch; a float32 CUDA bias or none), unless the payload is the caller's memory
+    (checked on every call)."""
     from .. import linear
 
     torch = _torch()
