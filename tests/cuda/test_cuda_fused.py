@@ -148,7 +148,7 @@ def test_repeat_linear_calls_launch_what_the_first_call_made(cuda_backend, text,
     launched directly, `fused.FusedLaunch`) or on dequantize + GEMM (M = 640: the packed dequantize
     launch) skips the path choice and gives the bits the whole way gives (a call with `stream=`
     takes it), for new x and bias values, into a new tensor or `out=`; an x or a bias off a 16-byte
-    boundary, or a bias of another dtype, still gives them."""
+    boundary, or a bias of another dtype, still gives them; a strided bias is read as it is."""
     from qcore_cuda import fused
     from qcore_cuda.paths import TAKEN
     from qcore_cuda.paths import linear as paths_linear
@@ -192,6 +192,11 @@ def test_repeat_linear_calls_launch_what_the_first_call_made(cuda_backend, text,
     bs.copy_(bt)
     for x_, b_ in [(xs, bt), (xt, bs), (xt, bt.float())]:
         assert torch.equal(be.linear(x_, qd, b_).view(torch.int16), whole(x_, b_).view(torch.int16))
+    strided = torch.empty(2 * n, dtype=torch.bfloat16, device="cuda")[::2]  # (a bias the GEMMs cannot read as it is)
+    strided.copy_(bt)
+    ys = be.linear(xt, qd, strided)
+    _check(ys.view(torch.int16).cpu().numpy().view(np.uint16).view(BF16), REF.quantize(w, text), x, b,
+           f"{text} M={m}, strided bias")
     assert torch.equal(be.linear(xt, qd, bt).view(torch.int16), first.view(torch.int16))
     rep = qd.data.cache.linear_repeats[(torch.bfloat16, xt.shape, True)]
     assert type(rep) is (paths_linear.FusedRepeat if fused_path else paths_linear.DequantizedRepeat)

@@ -134,17 +134,18 @@ FUSED_ALL_KINDS = _fused_all_kinds(os.environ.get("QCORE_CUDA_LINEAR_FUSED_KINDS
 
 def _bf16_library_call(c: LinearCall) -> bool:
     """Whether a call suits a GEMM of bfloat16 operands launched on torch's side (docs/spec.md's
-    bfloat16-weight rule): bfloat16 x and result as torch CUDA tensors, K > 0, a bfloat16 bias or
-    none, torch's current stream (where torch and Triton launch)."""
+    bfloat16-weight rule): bfloat16 x and result as torch CUDA tensors, K > 0, a bias of
+    `_same_kind_bias` (contiguous bfloat16) or none, torch's current stream (where torch and Triton
+    launch)."""
     from .. import linear
 
     if c.ot != linear.OT_BF16 or c.xdt != _BF16 or c.data.shape != c.w.shape:
         return False
     if not (_is_torch(c.x) and c.x.is_cuda and _is_torch(c.result) and c.w.shape[1] > 0):
         return False
-    b = c.bias_given
-    if b is not None and not (_is_torch(b) and b.dtype == c.x.dtype and b.device == c.x.device):
-        return False  # (a bias of another dtype would be rounded to bfloat16 first: the kernels add it in f32)
+    if not _same_kind_bias(c.bias_given, c.x, c.w.shape[0]):
+        return False  # (a bias of another dtype would be rounded to bfloat16 first: the kernels add it in f32;
+        # the fused GEMM reads the bias as contiguous elements)
     return c.s.handle == _streams.torch_handle(c.x.device.index)
 
 
@@ -619,8 +620,8 @@ class LinearRepeat:
 
 
 def _same_kind_bias(bias: Any, x: Any, n: int) -> bool:
-    """Whether a repeat's bias is what the bfloat16 library paths took: none, or a C-contiguous
-    torch tensor [N] of x's dtype on x's device."""
+    """Whether a bias is one the bfloat16 library paths take (`_bf16_library_call`, and their
+    repeats): none, or a C-contiguous torch tensor [N] of x's dtype on x's device."""
     torch = _torch()
     return bias is None or (type(bias) is torch.Tensor and bias.dtype == x.dtype and bias.device == x.device
                             and bias.dim() == 1 and bias.numel() == n and bias.is_contiguous())
