@@ -203,16 +203,16 @@ class FusedLaunch:
     def __init__(self, kind: int, P: Any, m: int, device: Any, tile: Tile | None = None,
                  has_bias: bool = False) -> None:
         assert kind in KINDS
-        self.kind, self.m, self.n, self.k = kind, m, int(P[LP_N]), int(P[LP_K])
+        self.m, self.n, self.k = m, int(P[LP_N]), int(P[LP_K])
         block = block_of(P)
         t = step_for(tile, kind, self.k, block, staged_ready(device)) if tile else plan_tile(m, kind, self.k, block,
                                                                                               device)
         self.tile = t
         self.grid = (-(-m // t.bm) * -(-self.n // t.bn),)
         self.sizes = (m, self.n, self.k, 4 * int(P[LP_WPR]), int(P[LP_NSB]))
-        per = 8 // fast.KIND_BITS[kind]
-        self.regroup = t.form == FORM_FIELDS and per > 1  # (each step's column k0 + PER * j + f moved to
-        # k0 + f * BK / PER + j: a copy of x per call)
+        self.per = 8 // fast.KIND_BITS[kind]
+        self.regroup = t.form == FORM_FIELDS and self.per > 1  # (each step's column k0 + PER * j + f moved
+        # to k0 + f * BK / PER + j: a copy of x per call)
         const = dict(KIND=kind, BITS=fast.KIND_BITS[kind], B=block, HAS_BIAS=has_bias, BN=t.bn, BM=t.bm, BK=t.bk)
         if t.form == FORM_STAGED:
             from . import k_staged
@@ -234,8 +234,8 @@ class FusedLaunch:
         assert tuple(x.shape) == (self.m, self.k) and tuple(y.shape) == (self.m, self.n)
         LAUNCHED[self.tile.form] += 1
         if self.regroup:
-            t, per = self.tile, 8 // fast.KIND_BITS[self.kind]
-            x = x.reshape(self.m, self.k // t.bk, t.bk // per, per).transpose(2, 3).contiguous().reshape(self.m, self.k)
+            bk, per = self.tile.bk, self.per
+            x = x.reshape(self.m, self.k // bk, bk // per, per).transpose(2, 3).contiguous().reshape(self.m, self.k)
         tensors = (x, codes, scales, bias if bias is not None else y, y)
         aligned = all(a.data_ptr() % 16 == 0 for a in tensors)
         if self._compiled is not None and aligned:
@@ -249,8 +249,9 @@ class FusedLaunch:
         """Keep the JIT's kernel where it can be launched directly: a compiled kernel (not the
         interpreter's), every parameter after the tensors and sizes a constant given."""
         names = list(getattr(self.kernel, "arg_names", ()))
-        rest = names[10:]
-        if (len(names) < 10 or any(r not in self.const for r in rest)
+        given = 5 + len(self.sizes)  # (the five tensors and the sizes, by position)
+        rest = names[given:]
+        if (len(names) < given or any(r not in self.const for r in rest)
                 or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))):
             return
         self._tail = tuple(self.const[r] for r in rest)
