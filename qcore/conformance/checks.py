@@ -899,7 +899,8 @@ def product_bound(x: np.ndarray, W: np.ndarray, bias: np.ndarray | None, out_dty
                   rel: float = 2.0, fp8_codes: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(exact y* = x @ W^T + bias in float64, the bound on |y - y*|) of docs/spec.md's products
     for x [M, K], the dequantized weight W [N, K] (float64) and the result dtype; for bfloat16 x,
-    result and bias (or none), with the bfloat16-weight rule's term; with `fp8_codes` (x and W
+    result and bias (or none), with the bfloat16-weight rule's term, and for float16 ones the
+    float16-weight rule's (`max|W|` over W); with `fp8_codes` (x and W
     decoded e4m3, a bfloat16 result), with the quantized activations' FP8 accumulator term."""
     x64 = x.astype(np.float32).astype(np.float64)
     K = W.shape[1]
@@ -911,6 +912,10 @@ def product_bound(x: np.ndarray, W: np.ndarray, bias: np.ndarray | None, out_dty
     bound = a + u * (np.abs(exact) + a) + d
     if x.dtype == _BF16 and np.dtype(out_dtype) == _BF16 and (bias is None or bias.dtype == _BF16):
         bound = bound + 2.0 ** -6 * T + 2.0 ** -133 * np.abs(x64).sum(axis=-1, keepdims=True)
+    f16 = np.dtype(np.float16)
+    if x.dtype == f16 and np.dtype(out_dtype) == f16 and (bias is None or bias.dtype == f16):
+        top = float(np.abs(W).max()) if W.size else 0.0
+        bound = bound + 2.0 ** -10 * T + 2.0 ** -36 * top * np.abs(x64).sum(axis=-1, keepdims=True)
     if fp8_codes and np.dtype(out_dtype) == _BF16:
         bound = bound + (2.0 ** -8 + K * 2.0 ** -18) * T
     return exact, bound
