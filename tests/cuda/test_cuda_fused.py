@@ -80,6 +80,78 @@ def test_fused_kernel_is_within_the_bfloat16_weight_bound(text, n, k, m, bias, f
     assert np.array_equal(y.float().numpy(), want.astype(np.float32))  # (-0.0 == 0.0: a sum from +0)
 
 
+def _f16_operands(q, codes_scales):
+    """(scales times 2**p, 2**-p) as `paths.linear` makes them: p from the weight's largest
+    magnitude in a bfloat16 dequantize."""
+    from qcore_cuda import fused
+
+    top = float(np.abs(np.asarray(REF.dequantize(q), np.float32).astype(BF16).astype(np.float32)).max())
+    p = fused.f16_shift(top)
+    return fused.f16_scales(codes_scales, p), 2.0 ** -p, p
+
+
+@pytest.mark.skipif(not SIM, reason="on a GPU the same kernel runs through linear (the test below)")
+@pytest.mark.parametrize("text", ["q4s/block32:f16", "q2f/block16:bf16", "e5m2", "nvfp4"])
+@pytest.mark.parametrize("mag", [0, 20, -20])
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # (x the identity, 2**20: inf)
+@pytest.mark.parametrize("form", [1, 2])
+def test_fused_kernel_in_float16_is_within_the_float16_weight_bound(text, mag, form):
+    """The float16 launch (Triton's interpreter) for weights of magnitude 2**mag (2**20: past
+    float16's range unless shifted; 2**-20: below its normal range): the result within docs/spec.md's
+    bound with the float16-weight term, the same bits from a second call; with x the identity,
+    each weight value `round_f16(W * 2**p)` times 2**-p, rounded to float16."""
+    from qcore_cuda import fused, linear
+
+    n, k, m = 40, 96, 20
+    w, x, b = _case(text, n, k, m, True, seed=3)
+    w = w * np.float32(2.0 ** mag)
+    x = (x.astype(np.float32) * np.float32(2.0 ** (-mag if mag >= 0 else 12))).astype(np.float16)
+    b = b.astype(np.float16)
+    q = REF.quantize(w, text)
+    data = q.to_data()
+    kind, P = linear.geometry((n, k), q.scheme)
+    codes = torch.from_numpy(np.frombuffer(data.payload, np.uint8)[: n * int(P[linear.LP_WPR]) * 4].copy())
+    g = data.global_scale() if q.scheme.two_level else None
+    scales = torch.from_numpy(np.ascontiguousarray(slot_effective(data.scales(), g, q.scheme), np.float32).reshape(-1))
+    shifted, unscale, p = _f16_operands(q, scales)
+    tile = fused.Tile(32, 16, 64, 4, 1, form)
+    go = fused.FusedLaunch(kind, P, m, torch.device("cpu"), tile, True, True, unscale)
+    runs = []
+    for _ in range(2):
+        y = torch.empty(m, n, dtype=torch.float16)
+        go(torch.from_numpy(x), codes, shifted, torch.from_numpy(b), y)
+        runs.append(y.numpy().copy())
+    assert np.array_equal(runs[0].view(np.uint16), runs[1].view(np.uint16))
+    W = np.asarray(REF.dequantize(q), np.float64)
+    assert 2.0 ** 12 <= 2.0 ** p * np.abs(W).max() <= 2.0 ** 15
+    exact, bound = product_bound(x, W, b, np.float16)
+    err = np.abs(runs[0].astype(np.float64) - exact)
+    assert (err <= bound).all(), f"{text} 2**{mag}: max err {err.max()} (bound there {bound.flat[err.argmax()]})"
+    y = torch.empty(k, n, dtype=torch.float16)
+    fused.launch(kind, P, torch.eye(k, dtype=torch.float16), codes, shifted, None, y, tile, unscale)
+    W32 = np.asarray(REF.dequantize(q), np.float32)
+    with np.errstate(over="ignore"):
+        want = ((W32 * np.float32(2.0 ** p)).astype(np.float16).astype(np.float32) * np.float32(unscale)).astype(np.float16)
+    assert np.array_equal(y.numpy().astype(np.float32), want.T.astype(np.float32))
+
+
+def test_the_float16_shift_keeps_the_largest_weight_in_range():
+    """`fused.f16_shift`: 2**p * top in [2**13, 2**14); 0 for an all-zero weight; None for a
+    non-finite top or |p| past `F16_SHIFT_MOST`. `fused.f16_scales`: scales times 2**p, a product
+    past f32's range held at its largest finite value (0 * it stays 0)."""
+    from qcore_cuda import fused
+
+    for top in (1.0, 0.75, 2.0 ** -30, 3.0e9, 65504.0, 2.0 ** 14):
+        p = fused.f16_shift(top)
+        assert 2.0 ** 13 <= top * 2.0 ** p < 2.0 ** 14, (top, p)
+    assert fused.f16_shift(0.0) == 0
+    assert fused.f16_shift(float("inf")) is None and fused.f16_shift(2.0 ** -120) is None
+    assert fused.f16_shift(2.0 ** 120) is None
+    s = fused.f16_scales(torch.tensor([1.5, -2.0 ** 100, 2.0 ** -90], dtype=torch.float32), 60)
+    assert s.tolist() == [1.5 * 2.0 ** 60, -float(torch.finfo(torch.float32).max), 2.0 ** -30]
+    assert (s * 0).tolist() == [0.0, 0.0, 0.0]
+
+
 STAGED_TILES = ["128,128,64,8,3,3", "64,256,64,4,4,3"]
 """`fused.FORM_STAGED` tiles (`QCORE_CUDA_FUSED_TUNE`): two warpgroups and a ring of three; the
 plan's widest, one warpgroup and a ring of four."""
@@ -96,6 +168,25 @@ def _need_gluon() -> None:
     from qcore_cuda import k_staged  # noqa: F401
 
 
+def _fused_on(monkeypatch, tune: str | None) -> tuple[int, int, int]:
+    """The fused GEMM on for every kind and from 64 rows, in `tune`'s staged tile where given (a
+    Hopper GPU with Gluon, else a skip); (M, N, K) of a case past its tiles' edges: the staged
+    form's step is 64 columns (128 with 2-bit codes); without a tune, rows the fields form takes on
+    any GPU (K = 352 sends the plan's staged tile to it on a Hopper GPU too)."""
+    from qcore_cuda import fused
+    from qcore_cuda.paths import linear as paths_linear
+
+    monkeypatch.setattr(paths_linear, "FUSED_M", (64, 1 << 20))  # (on, whatever the default)
+    monkeypatch.setattr(paths_linear, "FUSED_ALL_KINDS", True)
+    if tune is None:
+        return 64 + 45, 200, 352
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the staged form needs a Hopper GPU (wgmma)")
+    _need_gluon()
+    monkeypatch.setenv(fused.TUNE_ENV, tune)
+    return 64 + 77, 200, 384
+
+
 @pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
 @pytest.mark.parametrize("text", SCHEMES)
 @pytest.mark.parametrize("bias", [False, True])
@@ -107,20 +198,9 @@ def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bi
     bfloat16."""
     from qcore_cuda import fused, linear
     from qcore_cuda.paths import TAKEN
-    from qcore_cuda.paths import linear as paths_linear
 
-    monkeypatch.setattr(paths_linear, "FUSED_M", (64, 1 << 20))  # (on, whatever the default)
-    monkeypatch.setattr(paths_linear, "FUSED_ALL_KINDS", True)
     staged = tune is not None
-    if staged:
-        if torch.cuda.get_device_capability()[0] != 9:
-            pytest.skip("the staged form needs a Hopper GPU (wgmma)")
-        _need_gluon()
-        monkeypatch.setenv(fused.TUNE_ENV, tune)
-    be = cuda_backend
-    # (the staged form's step: 64 columns, 128 with 2-bit codes; without a tune, rows the fields form
-    # takes on any GPU: K = 352 sends the plan's staged tile to it on a Hopper GPU too)
-    m, n, k = (64 + 77, 200, 384) if staged else (64 + 45, 200, 352)
+    be, (m, n, k) = cuda_backend, _fused_on(monkeypatch, tune)
     w, x, b = _case(text, n, k, m, bias)
     q, qd = REF.quantize(w, text), be.quantize(w, text)
     xt, bt = _bf16(x).cuda(), (None if b is None else _bf16(b).cuda())
@@ -138,6 +218,91 @@ def test_prefill_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, bi
     y = be.linear(_bf16(np.eye(k, dtype=BF16)).cuda(), qd)
     assert TAKEN["FusedGemmLinear"] == before + 2  # (the repeat above skipped the path choice)
     assert np.array_equal(y.float().cpu().numpy(), want.astype(np.float32))
+
+
+def _f16_case(text: str, n: int, k: int, m: int, mag: int, seed: int = 0):
+    """A weight of magnitude 2**mag, float16 x scaled so that the results stay in float16's range, a
+    float16 bias."""
+    w, x, b = _case(text, n, k, m, True, seed)
+    w = w * np.float32(2.0 ** mag)
+    x = (x.astype(np.float32) * np.float32(2.0 ** (-mag if mag >= 0 else 12))).astype(np.float16)
+    return w, x, b.astype(np.float16)
+
+
+def _check16(y: "torch.Tensor", q, x: np.ndarray, b, label: str) -> None:
+    W = np.asarray(REF.dequantize(q), np.float64)
+    exact, bound = product_bound(x, W, b, np.float16)
+    err = np.abs(y.cpu().numpy().astype(np.float64) - exact)
+    assert (err <= bound).all(), f"{label}: max err {err.max()} (bound there {bound.flat[err.argmax()]})"
+
+
+@pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
+@pytest.mark.parametrize("text", ["q4s/block32:f16", "q8s", "q2f/block16:bf16", "e5m2", "mxfp4", "nvfp4", "q4_0"])
+@pytest.mark.parametrize("mag", [0, 20, -20])
+@pytest.mark.parametrize("tune", [None] + STAGED_TILES)
+def test_float16_linear_takes_the_fused_gemm(cuda_backend, monkeypatch, text, mag, tune):
+    """float16 x through `linear` with the fused GEMM on for every kind (docs/spec.md's
+    float16-weight rule), weights of magnitude 1, 2**20 and 2**-20, in the default tile and in the
+    staged form (a Hopper GPU): a float16 result within the bound with the float16-weight term,
+    the same bits on a repeat."""
+    from qcore_cuda.paths import TAKEN
+
+    be, (m, n, k) = cuda_backend, _fused_on(monkeypatch, tune)
+    w, x, b = _f16_case(text, n, k, m, mag)
+    q, qd = REF.quantize(w, text), be.quantize(w, text)
+    xt, bt = torch.from_numpy(x).cuda(), torch.from_numpy(b).cuda()
+    before = TAKEN["FusedGemmLinear"]
+    y = be.linear(xt, qd, bt)
+    assert TAKEN["FusedGemmLinear"] == before + 1 and y.dtype == torch.float16
+    assert torch.equal(be.linear(xt, qd, bt).view(torch.int16), y.view(torch.int16))
+    _check16(y, q, x, b, f"{text} 2**{mag} M={m}")
+
+
+@pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
+def test_float16_linear_after_new_bytes_go_into_the_weight(cuda_backend):
+    """`quantize(..., out=q)` into a weight the float16 fused GEMM has read: the next `linear`
+    finds p again (a weight 2**24 times larger would overflow float16 under the old p), within the
+    bound for the new values; a repeat of the first call's shape too."""
+    from qcore_cuda.paths import TAKEN
+
+    be, text, m, n, k = cuda_backend, "q4s/block32:f16", 200, 192, 512
+    w, x, b = _f16_case(text, n, k, m, 0, seed=7)
+    qd = be.quantize(w, text)
+    xt, bt = torch.from_numpy(x).cuda(), torch.from_numpy(b).cuda()
+    before = TAKEN["FusedGemmLinear"]
+    be.linear(xt, qd, bt)
+    be.linear(xt, qd, bt)
+    w2, x2, _ = _f16_case(text, n, k, m, 24, seed=8)
+    assert be.quantize(w2, text, out=qd) is qd
+    x2t = torch.from_numpy(x2).cuda()
+    y = be.linear(x2t, qd, bt)
+    assert TAKEN["FusedGemmLinear"] == before + 2  # (the first call's, then this one's: the repeat was dropped)
+    _check16(y, REF.quantize(w2, text), x2, b, f"{text} after new bytes")
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
+@pytest.mark.parametrize("text,m,path", [("q4s/block32:f16", 48, "FusedGemmLinear"),
+                                         ("q4s/block32:f16", 384, "FusedGemmLinear"),
+                                         ("q8s/block32:f16", 2048, "FusedGemmLinear"),
+                                         ("mxfp4", 512, "FusedGemmLinear"),
+                                         ("q4s/block32:f16", 32, "TensorCoreLinear"),
+                                         ("nvfp4", 256, "TensorCoreLinear"),
+                                         ("e4m3/block32:f32", 256, "TensorCoreLinear")])
+def test_the_default_plan_takes_the_fused_gemm_for_float16_from_48_rows(cuda_backend, text, m, path):
+    """float16 x and result: the fused GEMM takes integer and mxfp4 weights from 48 rows (64 for
+    mxfp4) with no upper bound, on any GPU (no library path takes float16: docs/spec.md's
+    bfloat16-weight rule is bfloat16's); the rest the tensor-core kernel."""
+    from qcore_cuda.paths import TAKEN
+    from qcore_cuda.paths import linear as paths_linear
+
+    w, x, b = _f16_case(text, 96, 256, m, 0)
+    qd = cuda_backend.quantize(w, text)
+    names = [type(p).__name__ for p in paths_linear.LINEAR]
+    before = [TAKEN[n] for n in names]
+    y = cuda_backend.linear(torch.from_numpy(x).cuda(), qd)
+    assert [n for n, b_ in zip(names, before) if TAKEN[n] != b_] == [path]
+    _check16(y, REF.quantize(w, text), x, None, f"{text} M={m}")
 
 
 @pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
@@ -211,12 +376,16 @@ from triton.compiler import ASTSource
 from qcore_cuda import fast, fused, k_fused
 
 sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
-       "K": "i32", "row_bytes": "i32", "nsb": "i32"}
+       "K": "i32", "row_bytes": "i32", "nsb": "i32", "unscale": "fp32"}
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 out = []
-for kind, block, tile in json.loads(sys.argv[1]):
+for kind, block, tile, *f16 in json.loads(sys.argv[1]):
+    f16 = bool(f16 and f16[0])
     t = fused.step_for(fused.Tile(*tile) if tile else fused.tile_for(128), kind, 1 << 12, block)  # (default: the plan's)
-    const = {"KIND": kind, "BITS": fast.KIND_BITS[kind], "B": block, "HAS_BIAS": True, "BN": t.bn, "BM": t.bm, "BK": t.bk}
+    const = {"KIND": kind, "BITS": fast.KIND_BITS[kind], "B": block, "HAS_BIAS": True, "F16": f16, "BN": t.bn,
+             "BM": t.bm, "BK": t.bk}
+    half = "*fp16" if f16 else "*bf16"
+    sig = {**sig, "x_ptr": half, "b_ptr": half, "y_ptr": half}
     if t.form == fused.FORM_STAGED:
         from triton.experimental.gluon._runtime import GluonASTSource
         from qcore_cuda import k_staged
@@ -239,7 +408,7 @@ for kind, block, tile in json.loads(sys.argv[1]):
                              check=True).stdout
         sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
-    out.append({"kind": kind, "block": block, "form": t.form,
+    out.append({"kind": kind, "block": block, "form": t.form, "f16": f16,
                 "wgmma": k.asm["ptx"].count("wgmma.mma_async"),
                 "regs": int(re.search(r"REG:(\d+)", res).group(1)), "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
                 "hgmma": len(re.findall(r"\bHGMMA\.", sass)), "depbar": len(re.findall(r"WARPGROUP\.DEPBAR", sass))})
@@ -264,13 +433,14 @@ def _compiled(cases: list, tmp_path) -> list[dict]:
 
 def test_fused_kernel_compiles_for_sm90_without_spills(tmp_path):
     """The default plan's tile's kernel for every value kind (one scale slot a step, two, per row;
-    both forms) compiles for sm_90 with Triton's own toolchain, no GPU needed, its product on
+    both forms; bfloat16 and float16) compiles for sm_90 with Triton's own toolchain, no GPU needed, its product on
     wgmma and nothing in local memory (ptxas's stack frame 0: no spills; in a process without the
     interpreter switch)."""
     from qcore_cuda import fast
 
     cases = [(fast.KIND_I4, 32, None), (fast.KIND_I8, 32, None), (fast.KIND_I2, 0, None), (fast.KIND_E4M3, 128, None),
-             (fast.KIND_E5M2, 0, None), (fast.KIND_E2M1, 16, None), (fast.KIND_I2, 16, None)]  # (the last: FORM_COLUMNS)
+             (fast.KIND_E5M2, 0, None), (fast.KIND_E2M1, 16, None), (fast.KIND_I2, 16, None),  # (FORM_COLUMNS)
+             (fast.KIND_I4, 32, None, True), (fast.KIND_I2, 16, None, True)]  # (float16)
     for c in _compiled(cases, tmp_path):
         assert c["wgmma"] > 0 and c["stack"] == 0, c
 
@@ -279,7 +449,7 @@ def test_staged_kernel_compiles_for_sm90_with_its_products_in_flight(tmp_path):
     """The staged form's Gluon kernel for every value kind and scale layout (one slot a step, two,
     four: a gather, per row) compiles for sm_90 with no spills and its `wgmma`s asynchronous: fewer
     warpgroup waits than products in the code (ptxas serializes them where it cannot keep the
-    accumulators apart), in tiles of 8 warps and of 4, 128 x 256 included."""
+    accumulators apart), in tiles of 8 warps and of 4, 128 x 256 included; bfloat16 and float16."""
     from qcore_cuda import fast, fused
 
     _need_gluon()
@@ -287,7 +457,7 @@ def test_staged_kernel_compiles_for_sm90_with_its_products_in_flight(tmp_path):
                          [128, 256, 64, 8, 3, fused.FORM_STAGED])
     cases = [(fast.KIND_I4, 32, wide), (fast.KIND_E2M1, 16, wide), (fast.KIND_E2M1, 32, narrow), (fast.KIND_I8, 32, wide),
              (fast.KIND_E4M3, 128, narrow), (fast.KIND_E5M2, 0, wide), (fast.KIND_I2, 0, wide), (fast.KIND_I4, 16, big),
-             (fast.KIND_I8, 32, big)]
+             (fast.KIND_I8, 32, big), (fast.KIND_I4, 32, narrow, True), (fast.KIND_E2M1, 32, wide, True)]  # (float16)
     for c in _compiled(cases, tmp_path):
         assert c["form"] == fused.FORM_STAGED and c["wgmma"] > 0 and c["stack"] == 0, c
         assert c["depbar"] < c["hgmma"], c
@@ -313,8 +483,8 @@ def test_a_launch_repeats_its_first_calls_kernel_with_every_argument_in_order(mo
             calls.append(("direct", (g0, g1, g2), stream, args))
 
     class Kernel:  # (fused_columns' parameters)
-        arg_names = ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "M", "N", "K", "row_bytes", "nsb", "KIND", "BITS",
-                     "B", "HAS_BIAS", "BN", "BM", "BK", "INTERPRETED"]
+        arg_names = ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "M", "N", "K", "row_bytes", "nsb", "unscale", "KIND",
+                     "BITS", "B", "HAS_BIAS", "F16", "BN", "BM", "BK", "INTERPRETED"]
 
         def __getitem__(self, grid):
             def jit(*args, **const):
@@ -357,7 +527,7 @@ def test_a_launch_repeats_its_first_calls_kernel_with_every_argument_in_order(mo
     order.update(const)
     want = tuple(order[a] for a in Kernel.arg_names)
     assert calls[1] == ("direct", (grid[0], 1, 1), 1234, want)
-    assert want[:5] == (x, w, sc, b, y) and want[5:10] == go.sizes and want[10:14] == (kind, 8, 32, True)
+    assert want[:5] == (x, w, sc, b, y) and want[5:11] == go.sizes and want[11:16] == (kind, 8, 32, True, False)
 
 
 def test_staged_tiles_fall_back_where_they_cannot_run():
@@ -470,12 +640,13 @@ def test_the_plan_takes_integer_and_mxfp4_weights():
 def test_past_the_fields_rows_the_plan_needs_the_staged_form(monkeypatch):
     """`fused.plan_runs`: up to `FIELDS_MAX_M` rows any form; past them only where the staged form
     runs (not on the CPU, whose tiles are the fields form's; not where its step does not divide
-    K), unless the tune variable names the tile."""
+    K), unless x is float16 or the tune variable names the tile."""
     from qcore_cuda import fast, fused
 
     cpu = torch.device("cpu")
     monkeypatch.delenv(fused.TUNE_ENV, raising=False)
     assert fused.plan_runs(fused.FIELDS_MAX_M, fast.KIND_I4, 4096, 32, cpu)
     assert not fused.plan_runs(fused.FIELDS_MAX_M + 1, fast.KIND_I4, 4096, 32, cpu)
+    assert fused.plan_runs(fused.FIELDS_MAX_M + 1, fast.KIND_I4, 4096, 32, cpu, f16=True)  # (float16: any form)
     monkeypatch.setenv(fused.TUNE_ENV, "64,64,64,4,4,2")
     assert fused.plan_runs(fused.FIELDS_MAX_M + 1, fast.KIND_I4, 4096, 32, cpu)

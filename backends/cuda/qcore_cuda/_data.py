@@ -83,14 +83,29 @@ class TensorCache:
     fused_operands: tuple[Any, Any] | None = None
     """The fused GEMM's torch views of the code words (uint8) and the effective scales
     (`paths.linear.FusedGemmLinear`; not kept for caller memory)."""
-    fused_launches: dict[tuple[int, bool], Any] = field(default_factory=dict)
-    """The fused GEMM's launch (`fused.FusedLaunch`) by (rows of x, bias given); not kept for caller memory."""
+    fused_f16: tuple[Any, float] | None | _NotYet = NOT_YET
+    """The float16 fused GEMM's scales times 2**p and its 2**-p (docs/spec.md's float16-weight rule,
+    p from the weight's largest magnitude: `fused.f16_shift`), None where p is out of range; not
+    kept for caller memory, dropped when new bytes go into the payload (`forget_values`)."""
+    fused_launches: dict[tuple[int, bool, bool], Any] = field(default_factory=dict)
+    """The fused GEMM's launch (`fused.FusedLaunch`) by (rows of x, bias given, float16); not kept
+    for caller memory."""
     linear_codes_checked: bool = False
     """A linear's first dequantize found every code a value (and the payload is not caller memory)."""
     transposed: QTensor | None = None
     """The weight's transpose [K, N], for the matmul paths (`paths.linear.TransposedLinear`)."""
     linear_repeats: dict[tuple, LinearRepeat | FusedRepeat | DequantizedRepeat] = field(default_factory=dict)
     """A repeat linear's launch by (x's torch dtype, x's shape, bias given) (`paths.linear.again`)."""
+
+    def forget_values(self) -> None:
+        """After new bytes went into the payload: drop what was derived from the weight's values
+        themselves rather than decoded into arrays again (`CudaBackend.refresh_decoded`): the
+        float16 fused GEMM's p, its launches, and the repeats of float16 x that may hold them."""
+        if self.fused_f16 is not NOT_YET:
+            self.fused_f16 = NOT_YET
+            self.fused_launches = {k: v for k, v in self.fused_launches.items() if not k[2]}
+        if self.linear_repeats:
+            self.linear_repeats = {k: v for k, v in self.linear_repeats.items() if str(k[0]) != "torch.float16"}
 
 
 @dataclass(frozen=True)

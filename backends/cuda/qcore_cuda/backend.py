@@ -372,11 +372,14 @@ class CudaBackend(BaseBackend):
         its cached launches point at (so those stay valid), through launches packed once per
         tensor and set of cached arrays (a loop that quantizes into one tensor pays a
         `cuLaunchKernel` each)."""
+        data.cache.forget_values()  # (a linear's repeats live here, its kernels' data in the twin's)
         twin = data.cache.low
         if twin is not None:  # field orders: the kernels' copy, re-packed from the new bytes
             self.launch_reorder(data.payload, twin.payload, data.shape, data.scheme, twin.scheme, s)
             data = twin
         cache = data.cache
+        if twin is not None:
+            cache.forget_values()
         if cache.scales is None:
             return
         key = (cache.tc_scales is not None, cache.frag is not None)

@@ -12,6 +12,12 @@ tile of those values meets x's (read as it is, bfloat16) in `tl.dot`, f32 sums o
 fixed by the shapes and the tile, so results repeat bit for bit. The bias is added in f32 and the
 sum rounded once to bfloat16.
 
+For float16 x and result (docs/spec.md's float16-weight rule) the same kernels run in float16: the
+scales come times 2**p (`f16_scales`, `f16_shift`: p from the weight's largest magnitude, so every value
+`round_f16(decode(q) * e * 2**p)` lies within float16's range), the tile product in float16, and
+the f32 sums are multiplied by `unscale` = 2**-p before the bias is added and the sum rounded to
+float16.
+
 Two forms of the loop (k_fused.py): `FORM_FIELDS` loads each code byte once and takes each field
 of the bytes (every PER-th column) as its own product, against x's columns grouped by field (a
 copy of x made per call with each step's columns reordered); `FORM_COLUMNS` builds the weight
@@ -34,6 +40,7 @@ bfloat16 `tl.dot` gives wrong sums and its cast to bfloat16 cuts toward zero.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -45,7 +52,8 @@ from .linear import LP_K, LP_LB, LP_N, LP_NSB, LP_WPR, parse_tune
 
 __all__ = ["KINDS", "INT_KINDS", "FORM_COLUMNS", "FORM_FIELDS", "FORM_STAGED", "STAGED_SHARED", "LAUNCHED", "Tile",
            "TUNE_ENV", "FIELDS_MAX_M", "available", "staged_available", "staged_ready", "step_for",
-           "tile_for", "block_of", "PLAN_FROM_M", "plan_takes", "plan_tile", "plan_runs", "FusedLaunch", "launch"]
+           "tile_for", "block_of", "F16_SHIFT_MOST", "f16_shift", "f16_scales", "PLAN_FROM_M", "plan_takes",
+           "plan_tile", "plan_runs", "FusedLaunch", "launch"]
 
 KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_I2, fast.KIND_E4M3, fast.KIND_E5M2, fast.KIND_E2M1)
 """Value kinds (`fast.KINDS`) the kernels decode: those of `linear.geometry`."""
@@ -128,12 +136,43 @@ def plan_tile(m: int, kind: int, k: int, block: int, device: Any) -> Tile:
     return step_for(tile_for(m, staged), kind, k, block, staged)
 
 
-def plan_runs(m: int, kind: int, k: int, block: int, device: Any) -> bool:
+def plan_runs(m: int, kind: int, k: int, block: int, device: Any, f16: bool = False) -> bool:
     """Whether `plan_tile` runs as timed: any form up to `FIELDS_MAX_M` rows of x, past them only
-    the staged form (the fields form was slower there than dequantize + cuBLAS), unless `TUNE_ENV`
-    names the tile (tuning runs take it as it falls)."""
-    return (m <= FIELDS_MAX_M or bool(os.environ.get(TUNE_ENV))
+    the staged form for bfloat16 x (the fields form was slower there than dequantize + cuBLAS),
+    any form for float16 x (no library path; the fields form's 128 x 128 tile 2.6-3.5x faster than
+    the tensor-core kernel at 256-2048 rows on an H100, docs/performance.md), and any form where
+    `TUNE_ENV` names the tile (tuning runs take it as it falls)."""
+    return (m <= FIELDS_MAX_M or f16 or bool(os.environ.get(TUNE_ENV))
             or plan_tile(m, kind, k, block, device).form == FORM_STAGED)
+
+
+F16_SHIFT_MOST = 100
+"""The largest |p| `f16_shift` gives (2**p and 2**-p normal f32 values)."""
+
+
+def f16_shift(top: float) -> int | None:
+    """p of docs/spec.md's float16-weight rule for a weight whose largest magnitude is `top` to
+    within 2**-8 (a bfloat16 dequantize's largest): 2**p * top in [2**13, 2**14), so 2**p * max|W|
+    lies in [2**12, 2**15]; 0 for an all-zero weight; None where |p| would pass `F16_SHIFT_MOST`
+    (the kernels then do not take the weight in float16)."""
+    if top == 0.0:
+        return 0
+    if not math.isfinite(top):
+        return None
+    p = 14 - math.frexp(top)[1]
+    return p if abs(p) <= F16_SHIFT_MOST else None
+
+
+def f16_scales(scales: Any, p: int) -> Any:
+    """The effective scales (a torch f32 tensor) times 2**p, as the float16 launches read them:
+    exact in f32 (a product below f32's normal range makes values far below float16's smallest).
+    A product past f32's range is held at its largest finite value: only a slot whose codes all
+    decode to 0 can have one (a nonzero code is at least 2**-16, and 2**p * |W| <= 2**15), and
+    0 * inf would be NaN."""
+    import torch
+
+    big = float(torch.finfo(torch.float32).max)
+    return torch.clamp(scales * (2.0 ** p), -big, big)
 
 
 @lru_cache(maxsize=1)
@@ -201,7 +240,7 @@ class FusedLaunch:
     host time is then the launch's alone."""
 
     def __init__(self, kind: int, P: Any, m: int, device: Any, tile: Tile | None = None,
-                 has_bias: bool = False) -> None:
+                 has_bias: bool = False, f16: bool = False, unscale: float = 1.0) -> None:
         assert kind in KINDS
         self.m, self.n, self.k = m, int(P[LP_N]), int(P[LP_K])
         block = block_of(P)
@@ -209,11 +248,13 @@ class FusedLaunch:
                                                                                               device)
         self.tile = t
         self.grid = (-(-m // t.bm) * -(-self.n // t.bn),)
-        self.sizes = (m, self.n, self.k, 4 * int(P[LP_WPR]), int(P[LP_NSB]))
+        self.sizes = (m, self.n, self.k, 4 * int(P[LP_WPR]), int(P[LP_NSB]), float(unscale))  # (and the
+        # sums' multiplier: positional, after the sizes)
         self.per = 8 // fast.KIND_BITS[kind]
         self.regroup = t.form == FORM_FIELDS and self.per > 1  # (each step's column k0 + PER * j + f moved
         # to k0 + f * BK / PER + j: a copy of x per call)
-        const = dict(KIND=kind, BITS=fast.KIND_BITS[kind], B=block, HAS_BIAS=has_bias, BN=t.bn, BM=t.bm, BK=t.bk)
+        const = dict(KIND=kind, BITS=fast.KIND_BITS[kind], B=block, HAS_BIAS=has_bias, F16=f16, BN=t.bn, BM=t.bm,
+                     BK=t.bk)
         if t.form == FORM_STAGED:
             from . import k_staged
 
@@ -228,9 +269,10 @@ class FusedLaunch:
 
     def __call__(self, x: Any, codes: Any, scales: Any, bias: Any, y: Any) -> None:
         """y [m, N] = x [m, K] @ W^T (+ bias): `codes` the weight's values section as bytes (uint8,
-        N rows of `LP_WPR` u32 words), `scales` one f32 per slot, `bias` [N] bfloat16 or None
-        (as the launch was made: `has_bias`); x and y bfloat16 torch tensors, C-contiguous, on
-        one device (CPU tensors under the interpreter)."""
+        N rows of `LP_WPR` u32 words), `scales` one f32 per slot (times 2**p for float16: the
+        module text), `bias` [N] of x's dtype or None (as the launch was made: `has_bias`); x and
+        y bfloat16 (float16 for a launch made with `f16`) torch tensors, C-contiguous, on one
+        device (CPU tensors under the interpreter)."""
         assert tuple(x.shape) == (self.m, self.k) and tuple(y.shape) == (self.m, self.n)
         LAUNCHED[self.tile.form] += 1
         if self.regroup:
@@ -271,11 +313,15 @@ def _launch_compiled(compiled: Any, grid: tuple, args: tuple) -> None:
                  knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)
 
 
-def launch(kind: int, P: Any, x: Any, codes: Any, scales: Any, bias: Any, y: Any, tile: Tile | None = None) -> None:
+def launch(kind: int, P: Any, x: Any, codes: Any, scales: Any, bias: Any, y: Any, tile: Tile | None = None,
+           unscale: float = 1.0) -> None:
     """y [M, N] = x [M, K] @ W^T (+ bias) for the weight of `linear.geometry`'s (kind, P) through a
-    `FusedLaunch` made for this call (the plan's tile, or `tile` through `step_for`); the
-    arguments as its call takes them."""
-    FusedLaunch(kind, P, x.shape[0], x.device, tile, bias is not None)(x, codes, scales, bias, y)
+    `FusedLaunch` made for this call (the plan's tile, or `tile` through `step_for`; float16 where
+    x is); the arguments as its call takes them."""
+    import torch
+
+    FusedLaunch(kind, P, x.shape[0], x.device, tile, bias is not None, x.dtype == torch.float16,
+                unscale)(x, codes, scales, bias, y)
 
 
 @lru_cache(maxsize=None)

@@ -4,7 +4,8 @@ interpreter switch (`TRITON_INTERPRET`).
 Two forms of the main loop, `fused.FORM_FIELDS` and `fused.FORM_COLUMNS`; both compute
 y [M, N] = x [M, K] @ W^T (+ bias) over tiles of BN weight rows by BM rows of x, K a multiple of
 the step BK, rows past N or M read rows inside (their results are not stored), each step's weight
-values `round_bf16(decode(code) * e)`."""
+values `round_bf16(decode(code) * e)`; with F16, x, those values and y float16 and the values
+`round_f16(decode(code) * e)` of scales e given times 2**p, the sums times `unscale` (2**-p)."""
 import triton
 import triton.language as tl
 
@@ -56,9 +57,20 @@ def to_bf16(v, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def to_half(v, F16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """f32 -> float16 (F16) or bfloat16, nearest even (finite v; float16: numpy's cast under the
+    interpreter, which rounds to nearest even)."""
+    if F16:
+        r = v.to(tl.float16)
+    else:
+        r = to_bf16(v, INTERPRETED)
+    return r
+
+
+@triton.jit
 def dot(a, b, acc, INTERPRETED: tl.constexpr):
-    """acc + a @ b, f32 sums of exact products of bfloat16 values. The interpreter's bfloat16
-    `tl.dot` gives wrong sums, so there the same products run in f32."""
+    """acc + a @ b, f32 sums of exact products of bfloat16 (or float16) values. The interpreter's
+    bfloat16 `tl.dot` gives wrong sums, so there the same products run in f32."""
     if INTERPRETED:
         r = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
@@ -97,8 +109,8 @@ def scale_slots(s_ptrs, cj, k0, B: tl.constexpr, BK: tl.constexpr, PER: tl.const
 
 
 @triton.jit
-def fused_fields(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
-                 KIND: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, HAS_BIAS: tl.constexpr,
+def fused_fields(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb, unscale,
+                 KIND: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, HAS_BIAS: tl.constexpr, F16: tl.constexpr,
                  BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, INTERPRETED: tl.constexpr):
     """`FORM_FIELDS`: a step's code bytes [BN, BK / PER] are loaded once (contiguous, pipelined);
     field f of every byte (columns k0 + PER * j + f) is the A operand of its own product, against
@@ -120,18 +132,19 @@ def fused_fields(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
                 c = b
             else:
                 c = (b >> (f * BITS)) & ((1 << BITS) - 1)
-            acc = dot(to_bf16(decode(c, KIND) * s, INTERPRETED), tl.load(x_ptrs + f * J), acc, INTERPRETED)
+            acc = dot(to_half(decode(c, KIND) * s, F16, INTERPRETED), tl.load(x_ptrs + f * J), acc, INTERPRETED)
         w_ptrs += J
         x_ptrs += BK
+    acc = acc * unscale
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
-    tl.store(y_ptr + xrows.to(tl.int64)[None, :] * N + rows[:, None], to_bf16(acc, INTERPRETED),
+    tl.store(y_ptr + xrows.to(tl.int64)[None, :] * N + rows[:, None], to_half(acc, F16, INTERPRETED),
              mask=(rows < N)[:, None] & (xrows < M)[None, :])
 
 
 @triton.jit
-def fused_columns(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
-                  KIND: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, HAS_BIAS: tl.constexpr,
+def fused_columns(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb, unscale,
+                  KIND: tl.constexpr, BITS: tl.constexpr, B: tl.constexpr, HAS_BIAS: tl.constexpr, F16: tl.constexpr,
                   BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, INTERPRETED: tl.constexpr):
     """`FORM_COLUMNS`: x's tile [BM, BK] is the A operand and the weight's [BK, BN], in column
     order, the B operand: each element loads its code's byte and shifts its field out. Any step
@@ -162,10 +175,11 @@ def fused_columns(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
         else:
             s = tl.load(s_ptrs)
             s_ptrs += BK // B
-        acc = dot(tl.load(x_ptrs), to_bf16(decode(c, KIND) * s, INTERPRETED), acc, INTERPRETED)
+        acc = dot(tl.load(x_ptrs), to_half(decode(c, KIND) * s, F16, INTERPRETED), acc, INTERPRETED)
         w_ptrs += BK // PER
         x_ptrs += BK
+    acc = acc * unscale
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-    tl.store(y_ptr + xrows.to(tl.int64)[:, None] * N + rows[None, :], to_bf16(acc, INTERPRETED),
+    tl.store(y_ptr + xrows.to(tl.int64)[:, None] * N + rows[None, :], to_half(acc, F16, INTERPRETED),
              mask=(xrows < M)[:, None] & (rows < N)[None, :])

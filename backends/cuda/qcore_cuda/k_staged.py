@@ -15,7 +15,8 @@ fence waits for the thread's earlier memory operations, so issued before it they
 for there. Two barriers a step order the warps: a buffer is refilled only once every warpgroup's
 product that read it is done. Rows past N or M read rows inside (their results are not stored);
 K is a multiple of BK. The bias is added in f32 and each sum rounded once to bfloat16. Sums run in
-a fixed order: results repeat bit for bit.
+a fixed order: results repeat bit for bit. With F16, x, the weight tile and y are float16 (docs/spec.md's
+float16-weight rule: the scales given times 2**p, the sums times `unscale`, 2**-p, before the bias).
 
 Imported on first use of that form (Gluon comes with Triton 3.5 and later)."""
 from triton.experimental import gluon
@@ -42,28 +43,29 @@ def _spread(rows, cols, vec, warps):
 
 
 @gluon.jit
-def _fields(b, s, KIND: gl.constexpr, BITS: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+def _fields(b, s, KIND: gl.constexpr, BITS: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, DT: gl.constexpr):
     """Code bytes b [BN, BK / PER] (int32) and their scales -> the weight values [BN, BK] in column
-    order (byte j's field f is column PER * j + f), bfloat16."""
+    order (byte j's field f is column PER * j + f), of type DT (bfloat16 or float16)."""
     if BITS == 8:
-        w = (decode(b, KIND) * s).to(gl.bfloat16)
+        w = (decode(b, KIND) * s).to(DT)
     elif BITS == 4:
-        w = gl.reshape(gl.join((decode(b & 0xF, KIND) * s).to(gl.bfloat16),
-                               (decode((b >> 4) & 0xF, KIND) * s).to(gl.bfloat16)), [BN, BK])
+        w = gl.reshape(gl.join((decode(b & 0xF, KIND) * s).to(DT), (decode((b >> 4) & 0xF, KIND) * s).to(DT)),
+                       [BN, BK])
     else:  # (fields 0..3: join(join(f0, f2), join(f1, f3)) flattens to f0 f1 f2 f3)
-        f0 = (decode(b & 0x3, KIND) * s).to(gl.bfloat16)
-        f1 = (decode((b >> 2) & 0x3, KIND) * s).to(gl.bfloat16)
-        f2 = (decode((b >> 4) & 0x3, KIND) * s).to(gl.bfloat16)
-        f3 = (decode((b >> 6) & 0x3, KIND) * s).to(gl.bfloat16)
+        f0 = (decode(b & 0x3, KIND) * s).to(DT)
+        f1 = (decode((b >> 2) & 0x3, KIND) * s).to(DT)
+        f2 = (decode((b >> 4) & 0x3, KIND) * s).to(DT)
+        f3 = (decode((b >> 6) & 0x3, KIND) * s).to(DT)
         w = gl.reshape(gl.join(gl.join(f0, f2), gl.join(f1, f3)), [BN, BK])
     return w
 
 
 @gluon.jit
-def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
-                 KIND: gl.constexpr, BITS: gl.constexpr, B: gl.constexpr, HAS_BIAS: gl.constexpr,
+def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb, unscale,
+                 KIND: gl.constexpr, BITS: gl.constexpr, B: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr,
                  BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                  num_warps: gl.constexpr):
+    DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
     PER: gl.constexpr = 8 // BITS
     JB: gl.constexpr = BK // PER
     pid = gl.program_id(0)
@@ -73,15 +75,15 @@ def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BM, 16])
-    a_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
-    x_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
+    a_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], DT)
+    x_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], DT)
     c_shared: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     x_copy: gl.constexpr = _spread(BM, BK, 8, num_warps)  # (16-byte copies)
     c_layout: gl.constexpr = _spread(BN, JB, 16, num_warps)  # (the code bytes: copied and decoded in one layout)
 
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_shared)
+    x_smem = gl.allocate_shared_memory(DT, [STAGES, BM, BK], x_shared)
     c_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, JB], c_shared)
-    a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, BK], a_shared)
+    a_smem = gl.allocate_shared_memory(DT, [2, BN, BK], a_shared)
 
     xr = xrow0 + gl.arange(0, BM, layout=gl.SliceLayout(1, x_copy))
     xk = gl.arange(0, BK, layout=gl.SliceLayout(0, x_copy))
@@ -104,7 +106,7 @@ def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
         async_copy.wait_group(STAGES - 3)  # (this thread's copies of step i have landed)
         _barrier()  # (every thread's have; every warpgroup waited for its product i - 2)
         b = c_smem.index(i % STAGES).load(c_layout).to(gl.int32)
-        a_smem.index(i % 2).store(_fields(b, s, KIND, BITS, BN, BK))
+        a_smem.index(i % 2).store(_fields(b, s, KIND, BITS, BN, BK, DT))
         fence_async_shared()  # (a wait for this thread's memory operations before it: the copies and
         # the scales' loads below are issued after it, to run across the product)
         s = scale_slots(s_ptrs, cj, gl.minimum(i + 1, steps - 1) * BK, B, BK, PER)
@@ -120,10 +122,10 @@ def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb,
     async_copy.wait_group(0)
 
     out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, num_warps], [0, 1])  # (y's rows along N)
-    out = gl.convert_layout(acc, out_layout)
+    out = gl.convert_layout(acc, out_layout) * unscale
     orow = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
     ocol = xrow0 + gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
     if HAS_BIAS:
         out = out + gl.load(b_ptr + orow % N).to(gl.float32)[:, None]
-    gl.store(y_ptr + ocol.to(gl.int64)[None, :] * N + orow[:, None], out.to(gl.bfloat16),
+    gl.store(y_ptr + ocol.to(gl.int64)[None, :] * N + orow[:, None], out.to(DT),
              mask=(orow < N)[:, None] & (ocol < M)[None, :])

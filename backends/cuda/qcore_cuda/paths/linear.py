@@ -11,7 +11,10 @@ Paths:
   256, past 128 only on a Hopper GPU: between the tensor-core kernel's range and where dequantize
   + cuBLAS wins), an integer or mxfp4 weight (`fused.plan_takes`), Triton installed; a GEMM that
   dequantizes the weight's tiles to bfloat16 (the same rule as the next path) inside its main
-  loop, in Triton or (Hopper, from 81 rows) Gluon.
+  loop, in Triton or (Hopper, from 81 rows) Gluon. Float16 x and result likewise from `FUSED_M`'s
+  fewest rows with no upper bound, on any GPU (no library path takes them), under docs/spec.md's
+  float16-weight rule (the weight values times 2**p rounded to float16; p found once per weight
+  from a bfloat16 dequantize's largest magnitude, `fused.f16_shift`).
 - `DequantizedGemmLinear`: bfloat16 x and result, a torch CUDA x of at least `LIBRARY_FROM_M`
   rows (prefill, batched serving): the weight dequantized to bfloat16 into a torch tensor (the
   fast dequantize kernel's bf16 variant, or float32 rounded once), then torch's GEMM (cuBLAS).
@@ -132,19 +135,19 @@ FUSED_ALL_KINDS = _fused_all_kinds(os.environ.get("QCORE_CUDA_LINEAR_FUSED_KINDS
 `QCORE_CUDA_LINEAR_FUSED_KINDS=all` at import every kind of `fused.KINDS` (tuning runs)."""
 
 
-def _bf16_library_call(c: LinearCall) -> bool:
-    """Whether a call suits a GEMM of bfloat16 operands launched on torch's side (docs/spec.md's
-    bfloat16-weight rule): bfloat16 x and result as torch CUDA tensors, K > 0, a bias of
-    `_same_kind_bias` (contiguous bfloat16) or none, torch's current stream (where torch and Triton
-    launch)."""
+def _half_library_call(c: LinearCall, dtypes: tuple[np.dtype, ...]) -> bool:
+    """Whether a call suits a GEMM of 16-bit operands launched on torch's side (docs/spec.md's
+    bfloat16-weight and float16-weight rules): x and result of one of `dtypes` (bfloat16, float16)
+    as torch CUDA tensors, K > 0, a bias of `_same_kind_bias` (contiguous, x's dtype) or none,
+    torch's current stream (where torch and Triton launch)."""
     from .. import linear
 
-    if c.ot != linear.OT_BF16 or c.xdt != _BF16 or c.data.shape != c.w.shape:
+    if c.xdt not in dtypes or c.ot != {_BF16: linear.OT_BF16, _F16: linear.OT_F16}[c.xdt] or c.data.shape != c.w.shape:
         return False
     if not (_is_torch(c.x) and c.x.is_cuda and _is_torch(c.result) and c.w.shape[1] > 0):
         return False
     if not _same_kind_bias(c.bias_given, c.x, c.w.shape[0]):
-        return False  # (a bias of another dtype would be rounded to bfloat16 first: the kernels add it in f32;
+        return False  # (a bias of another dtype would be rounded to x's first: the kernels add it in f32;
         # the fused GEMM reads the bias as contiguous elements)
     return c.s.handle == _streams.torch_handle(c.x.device.index)
 
@@ -159,7 +162,9 @@ class FusedGemmLinear:
         from .. import fused
 
         lo, hi = FUSED_M
-        if lo == 0 or not lo <= c.m <= hi or not _bf16_library_call(c) or c.x.data_ptr() % 16:
+        if lo == 0 or not (lo <= c.m and (c.m <= hi or c.xdt == _F16)):
+            return False  # (float16: no library path past the fused GEMM's rows)
+        if not _half_library_call(c, (_BF16, _F16)) or c.x.data_ptr() % 16:
             return False  # (x's rows arrive by 16-byte copies in the staged form)
         g = TensorCoreLinear.geometry(c.data)
         if g is None or not fused.available():
@@ -167,7 +172,9 @@ class FusedGemmLinear:
         kind, block = g[0], fused.block_of(g[1])
         if not (FUSED_ALL_KINDS or fused.plan_takes(kind, block, c.m)):
             return False
-        return fused.plan_runs(c.m, kind, c.w.shape[1], block, c.x.device)
+        if not fused.plan_runs(c.m, kind, c.w.shape[1], block, c.x.device, c.xdt == _F16):
+            return False
+        return c.xdt != _F16 or self.f16_operands(c) is not None  # (p out of range: the tensor-core kernel)
 
     def launch(self, c: LinearCall) -> None:
         codes, scales = self.operands(c)
@@ -175,6 +182,13 @@ class FusedGemmLinear:
 
     @staticmethod
     def operands(c: LinearCall) -> tuple[Any, Any]:
+        """The weight's code bytes and the scales x's dtype reads: `stored`'s, or for float16 x
+        the effective scales times 2**p (`f16_operands`)."""
+        codes, scales = FusedGemmLinear.stored(c)
+        return (codes, FusedGemmLinear.f16_operands(c)[0]) if c.xdt == _F16 else (codes, scales)
+
+    @staticmethod
+    def stored(c: LinearCall) -> tuple[Any, Any]:
         """The weight's code bytes and effective scales as torch tensors on x's device (kept with
         the weight unless its payload is the caller's memory)."""
         cache = c.data.cache
@@ -188,15 +202,39 @@ class FusedGemmLinear:
         return operands
 
     @staticmethod
-    def prepared(c: LinearCall) -> Any:
-        """The `fused.FusedLaunch` for this weight, m rows and bias kind (kept likewise)."""
+    def f16_operands(c: LinearCall) -> tuple[Any, float] | None:
+        """(the effective scales times 2**p, 2**-p) of docs/spec.md's float16-weight rule, p from
+        the weight's largest magnitude in a bfloat16 dequantize (`fused.f16_shift`), or None where
+        p is out of range; found once and kept likewise (dropped when new bytes go into the
+        payload: `TensorCache.forget_values`)."""
         from .. import fused
 
-        cache, key = c.data.cache, (c.m, c.has_bias)
+        cache = c.data.cache
+        got = cache.fused_f16
+        if got is NOT_YET:
+            torch = _torch()
+            wb = torch.empty(c.w.shape, dtype=torch.bfloat16, device=c.x.device)
+            c.be.dequantize(c.w, _BF16, out=wb, stream=c.s)
+            lo, hi = torch.aminmax(wb)
+            p = fused.f16_shift(max(-float(lo), float(hi)))
+            del wb
+            got = None if p is None else (fused.f16_scales(FusedGemmLinear.stored(c)[1], p), 2.0 ** -p)
+            if not cache.caller_memory:
+                cache.fused_f16 = got
+        return got
+
+    @staticmethod
+    def prepared(c: LinearCall) -> Any:
+        """The `fused.FusedLaunch` for this weight, m rows, bias kind and x's dtype (kept likewise)."""
+        from .. import fused
+
+        f16 = c.xdt == _F16
+        cache, key = c.data.cache, (c.m, c.has_bias, f16)
         go = cache.fused_launches.get(key)
         if go is None:
             kind, P = cache.linear_geometry
-            go = fused.FusedLaunch(kind, P, c.m, c.x.device, has_bias=c.has_bias)
+            go = fused.FusedLaunch(kind, P, c.m, c.x.device, has_bias=c.has_bias, f16=f16,
+                                   unscale=FusedGemmLinear.f16_operands(c)[1] if f16 else 1.0)
             if not cache.caller_memory:
                 cache.fused_launches[key] = go
         return go
@@ -208,7 +246,7 @@ class DequantizedGemmLinear:
     name = "dequantize-gemm"
 
     def applies(self, c: LinearCall) -> bool:
-        return c.m >= LIBRARY_FROM_M and _bf16_library_call(c)
+        return c.m >= LIBRARY_FROM_M and _half_library_call(c, (_BF16,))
 
     def launch(self, c: LinearCall) -> None:
         self.gemm(c.be, c.w, c.x, c.bias_given, c.result, c.s)
@@ -620,7 +658,7 @@ class LinearRepeat:
 
 
 def _same_kind_bias(bias: Any, x: Any, n: int) -> bool:
-    """Whether a bias is one the bfloat16 library paths take (`_bf16_library_call`, and their
+    """Whether a bias is one the 16-bit library paths take (`_half_library_call`, and their
     repeats): none, or a C-contiguous torch tensor [N] of x's dtype on x's device."""
     torch = _torch()
     return bias is None or (type(bias) is torch.Tensor and bias.dtype == x.dtype and bias.device == x.device
