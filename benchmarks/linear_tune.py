@@ -3,7 +3,7 @@
     NUMBA_ENABLE_CUDASIM=0 python benchmarks/linear_tune.py [--out DIR] [--decode 8,4,2 8,2,2 ...]
         [--tc 8,4 8,8 ...] [--fused off 128,128,32,8,3,2 ...] [--decode-m 1] [--tc-m 1,8,16]
         [--fused-m 64,256,2048] [--shapes 8192x8192] [--schemes ...] [--reps 10] [--budget-s 50]
-        [--timeout-s 90] [--dry-run]
+        [--timeout-s 90] [--f16] [--dry-run]
 
 The kernels' tunings are read when the backend is imported (`QCORE_CUDA_DECODE_TUNE` =
 WARPS,U,RW for the decode kernel, k_decode.py; `QCORE_CUDA_LINEAR_TUNE` = WARPS,U for
@@ -15,6 +15,10 @@ A fused-GEMM variant (`QCORE_CUDA_FUSED_TUNE` = BN,BM,BK,WARPS,STAGES,FORM, fuse
 that path on from one row and for every value kind (`QCORE_CUDA_LINEAR_FUSED_M=1`,
 `QCORE_CUDA_LINEAR_FUSED_KINDS=all`); its variant `off` (`QCORE_CUDA_LINEAR_FUSED_M=0`) runs the
 paths that take each M otherwise (the tensor-core kernel, dequantize + cuBLAS), in the same table.
+
+With `--f16` the runs time float16 x (`matmul.py --f16`, torch fp16 the peer) and the tables
+read that case (`f16 x`, speed-up over torch fp16 dense): with `--fused off 128,128,64,8,3,2` the
+fields form's wide tile against the tensor-core kernel float16 x takes without the fused GEMM.
 
 Each run's `matmul.json` lands in `DIR/<kernel>-<variant>` (commas as dashes);
 then one table per kernel: a row per variant, a column per (scheme, shape, M), each cell the plain
@@ -60,18 +64,20 @@ def runs(args) -> list[dict]:
                          {**extra, "QCORE_CUDA_LINEAR_FUSED_M": "1", "QCORE_CUDA_LINEAR_FUSED_KINDS": "all"})
             cmd = [sys.executable, os.path.join(HERE, "matmul.py"), "--m", m, "--shapes", args.shapes, "--schemes",
                    args.schemes, "--peers", "torch_bf16", "--hide-launch", "--reps", str(args.reps), "--budget-s",
-                   str(args.budget_s), "--out", folder]
+                   str(args.budget_s), "--out", folder] + (["--f16"] if args.f16 else [])
             out.append({"kernel": kernel, "variant": v, "env": extra, "out": folder, "cmd": cmd})
     return out
 
 
-def ratios(matmul_json: dict) -> dict:
-    """(scheme, shape, M) -> the plain `linear` call's speed-up over torch bf16, of one run."""
-    return {(c["scheme"], c["shape"], c["m"]): c["ratios"]["vs_torch_bf16"] for c in matmul_json.get("cells", [])
-            if c.get("case") == "linear" and c.get("ratios", {}).get("vs_torch_bf16") is not None}
+def ratios(matmul_json: dict, f16: bool = False) -> dict:
+    """(scheme, shape, M) -> the plain `linear` call's speed-up over torch bf16 (with `f16`: the
+    float16-x call's over torch fp16), of one run."""
+    case, peer = ("linear_f16", "vs_torch_fp16") if f16 else ("linear", "vs_torch_bf16")
+    return {(c["scheme"], c["shape"], c["m"]): c["ratios"][peer] for c in matmul_json.get("cells", [])
+            if c.get("case") == case and c.get("ratios", {}).get(peer) is not None}
 
 
-def tables(done: list[dict]) -> str:
+def tables(done: list[dict], f16: bool = False) -> str:
     """One table per kernel: a row per variant, a column per (scheme, shape, M) any run measured."""
     lines = []
     for kernel in ENVS:
@@ -80,7 +86,7 @@ def tables(done: list[dict]) -> str:
         if not mine:
             continue
         wv = max(12, max(len(r["variant"]) for r in mine) + 2)
-        lines.append(f"{kernel} ({ENVS[kernel]}): speed-up over torch bf16")
+        lines.append(f"{kernel} ({ENVS[kernel]}): speed-up over torch " + ("fp16, float16 x" if f16 else "bf16"))
         lines.append("variant".ljust(wv) + "".join(f"{s} {sh} M={m}".rjust(max(14, len(f'{s} {sh} M={m}') + 2))
                                                   for s, sh, m in cols))
         for r in mine:
@@ -109,6 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10, help="timed calls per case (default 10)")
     ap.add_argument("--budget-s", type=float, default=50.0, help="each run's --budget-s (default 50)")
     ap.add_argument("--timeout-s", type=float, default=90.0, help="each run's wall-time limit (default 90)")
+    ap.add_argument("--f16", action="store_true", help="time float16 x against torch fp16 (matmul.py --f16)")
     ap.add_argument("--dry-run", action="store_true", help="print the runs and exit")
     args = ap.parse_args(argv)
     plan = runs(args)
@@ -129,10 +136,10 @@ def main(argv=None) -> int:
         got = {}
         if os.path.exists(path):
             with open(path) as f:
-                got = ratios(json.load(f))
+                got = ratios(json.load(f), args.f16)
         done.append({**r, "rc": rc, "wall_s": time.perf_counter() - t0, "ratios": got})
         print(f"{r['kernel']} {r['variant']}: rc {rc}, {len(got)} cells, {done[-1]['wall_s']:.0f} s", flush=True)
-    print(tables(done))
+    print(tables(done, args.f16))
     res = [{k: v for k, v in r.items() if k != "ratios"} | {"ratios": [{"scheme": s, "shape": sh, "m": m, "ratio": v}
                                                                     for (s, sh, m), v in r["ratios"].items()]}
            for r in done]

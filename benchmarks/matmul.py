@@ -2,7 +2,8 @@
 
     NUMBA_ENABLE_CUDASIM=0 python benchmarks/matmul.py [--out DIR] [--quick] [--m 1,16,256] [--shapes 8192x8192]
         [--schemes q4s/block32:f16,nvfp4] [--peers torch_bf16,torch_fp16] [--budget-s 420] [--reps 15]
-        [--no-evict] [--hide-launch] [--max-call-ms 200] [--paths] [--w8a8] [--orientation] [--host] [--dry-run]
+        [--no-evict] [--hide-launch] [--max-call-ms 200] [--paths] [--f16] [--w8a8] [--orientation] [--host]
+        [--dry-run]
 
 For a linear layer's weight W [N, K] (out features, in features) and bfloat16 activations x [M, K]
 (torch CUDA tensors) it times y = x @ W^T, y bfloat16 [M, N], for M in `MS` and (N, K) in `SHAPES`:
@@ -21,6 +22,8 @@ For a linear layer's weight W [N, K] (out features, in features) and bfloat16 ac
 * `--paths`: each scheme's bfloat16 paths forced (the decode kernel at M <= 4, the tensor-core
   kernel, the fused Triton GEMM, and the weight dequantized to bfloat16 then torch's GEMM),
   whatever the plan picks at that M;
+* `--f16`: each scheme's `linear` with float16 x as well (a float16 result; docs/spec.md's
+  float16-weight rule), with torch fp16 dense in the same run (ratio `vs_torch_fp16`);
 * `--w8a8`: W8A8, the weight and x in `W8A8` (e4m3, one f32 scale per row), x quantized per
   row inside the timed call (`be.linear(x, qw, act=W8A8)`);
 * `--orientation`: each scheme's weight also quantized in the other orientation, W^T [K, N] with
@@ -331,18 +334,21 @@ def plan(args):
         raise SystemExit(f"unknown peers {unknown}; known: {','.join(PEERS)}")
     if "torch_bf16" not in peers:
         peers = ["torch_bf16"] + peers
+    if args.f16 and "torch_fp16" not in peers:
+        peers = peers + ["torch_fp16"]
     if any(m < 1 for m in ms) or any(n < 1 or k < 1 for n, k in shapes):
         raise SystemExit("M, N and K must be positive")
     return shapes, ms, schemes, peers
 
 
-def case_names(schemes, peers, paths: bool = False, w8a8: bool = False, orientation: bool = False) -> list:
+def case_names(schemes, peers, paths: bool = False, w8a8: bool = False, orientation: bool = False,
+               f16: bool = False) -> list:
     """Every timed case of a cell as (case, scheme, peer, label); with `paths`, each scheme's
     bfloat16 paths forced as well ("[decode]": the decode kernel, k_decode.py, at M <= 4;
     "[kernel]": the tensor-core kernel; "[fused-gemm]": the Triton GEMM that dequantizes as it
     multiplies; "[dequantize-gemm]": the weight dequantized to bfloat16,
     then torch's GEMM), whatever the plan would pick at that M; with `orientation`, the scheme's
-    [K, N] weight's `matmul` ("[K, N] matmul")."""
+    [K, N] weight's `matmul` ("[K, N] matmul"); with `f16`, its `linear` of float16 x ("f16 x")."""
     out = []
     for s in schemes:
         out += [("linear", s, None, s), ("linear_out", s, None, s + " out=")]
@@ -351,6 +357,8 @@ def case_names(schemes, peers, paths: bool = False, w8a8: bool = False, orientat
                     ("linear_fused", s, None, s + " [fused-gemm]"), ("linear_gemm", s, None, s + " [dequantize-gemm]")]
         if orientation:
             out.append(("matmul_kn", s, None, s + " [K, N] matmul"))
+        if f16:
+            out.append(("linear_f16", s, None, s + " f16 x"))
     if w8a8:
         out.append(("w8a8", W8A8, None, "w8a8 (e4m3 per row, x quantized in the call)"))
     out += [("peer", None, p, p) for p in peers]
@@ -507,6 +515,8 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", action="store_true",
                     help="also time each scheme's bfloat16 paths forced (decode kernel at M <= 4, tensor-core kernel, "
                          "fused Triton GEMM, dequantize + GEMM)")
+    ap.add_argument("--f16", action="store_true",
+                    help="also time each scheme's linear with float16 x (float16 result), with torch_fp16 as a peer")
     ap.add_argument("--orientation", action="store_true",
                     help="also time each scheme's weight quantized as W^T [K, N] (blocks along N) through matmul: "
                          "the target nk_not_slower")
@@ -517,7 +527,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     shapes, ms, schemes, peers = plan(args)
-    cases = case_names(schemes, peers, args.paths, args.w8a8, args.orientation)
+    cases = case_names(schemes, peers, args.paths, args.w8a8, args.orientation, args.f16)
     command = "NUMBA_ENABLE_CUDASIM=0 python benchmarks/matmul.py " + shlex.join(sys.argv[1:] if argv is None else argv)
 
     if args.dry_run:
@@ -687,7 +697,7 @@ def run_cell(torch, be, S, m, cases, args, flush, slow) -> list:
         try:  # what came back: a result that is not bf16 [M, N] or far from x @ wb.T is noted, and still timed
             note = None if case == "matmul_kn" else result_note(  # (matmul: a float32 device array)
                 torch, got, got.shape[0] if peer == "torch_scaled_mm" else m, n,
-                torch.float16 if peer == "torch_fp16" else torch.bfloat16)
+                torch.float16 if peer == "torch_fp16" or case == "linear_f16" else torch.bfloat16)
             if note:
                 cell["result"] = note
             cell["rel_err"] = rel_err(torch, got, ref)
@@ -757,6 +767,9 @@ def make_fn(torch, be, S, case, scheme, peer, x, y, m, cell):
     if case == "linear_out":
         qw = S.qw[scheme]
         return lambda: be.linear(x["bf16"], qw, out=y)
+    if case == "linear_f16":
+        qw = S.qw[scheme]
+        return lambda: be.linear(x["f16"], qw)
     if case == "w8a8":
         qw = S.qw[scheme]
         return lambda: be.linear(x["bf16"], qw, act=W8A8)

@@ -57,6 +57,15 @@ def test_orientation_adds_one_kn_case_per_scheme(matmul):
     assert not [n for n in matmul.case_names(["nvfp4"], ["torch_bf16"]) if n[0] == "matmul_kn"]
 
 
+def test_f16_adds_one_float16_case_per_scheme_and_the_fp16_peer(matmul):
+    names = matmul.case_names(["q4s/block32:f16", "nvfp4"], ["torch_bf16"], f16=True)
+    assert [n[3] for n in names if n[0] == "linear_f16"] == ["q4s/block32:f16 f16 x", "nvfp4 f16 x"]
+    assert not [n for n in matmul.case_names(["nvfp4"], ["torch_bf16"]) if n[0] == "linear_f16"]
+    args = matmul.argparse.Namespace(shapes="8192x8192", m="16", schemes="nvfp4", peers="torch_bf16", quick=False,
+                                     f16=True)
+    assert matmul.plan(args)[3] == ["torch_bf16", "torch_fp16"]
+
+
 @pytest.fixture(scope="module")
 def linear_tune():
     return _bench("linear_tune")
@@ -68,7 +77,7 @@ def test_linear_tune_runs_each_variant_in_its_own_environment(linear_tune, tmp_p
     and a table of each run's own ratios."""
     plan = linear_tune.runs(argparse.Namespace(
         out=str(tmp_path), decode=["8,4,2"], tc=["8,8"], fused=["off", "128,128,32,8,3,2"], decode_m="1", tc_m="1,16",
-        fused_m="256", shapes="8192x8192", schemes="nvfp4", reps=10, budget_s=50.0))
+        fused_m="256", shapes="8192x8192", schemes="nvfp4", reps=10, budget_s=50.0, f16=False))
     assert [(r["kernel"], r["env"]) for r in plan] == [
         ("decode", {"QCORE_CUDA_DECODE_TUNE": "8,4,2", "NUMBA_ENABLE_CUDASIM": "0"}),
         ("tc", {"QCORE_CUDA_LINEAR_TUNE": "8,8", "NUMBA_ENABLE_CUDASIM": "0", "QCORE_CUDA_LINEAR_DECODE_M": "0"}),
@@ -84,3 +93,18 @@ def test_linear_tune_runs_each_variant_in_its_own_environment(linear_tune, tmp_p
     assert got == {("nvfp4", "8192x8192", 1): 1.5}
     text = linear_tune.tables([{**plan[0], "rc": 0, "ratios": got}, {**plan[1], "rc": 1, "ratios": {}}])
     assert "8,4,2" in text and "1.50x" in text and "(rc 1)" in text.splitlines()[-1]
+
+
+def test_linear_tune_f16_times_float16_x_against_torch_fp16(linear_tune, tmp_path):
+    """`--f16`: each run passes --f16 to matmul.py, and the tables read the float16-x case's ratio
+    to torch fp16."""
+    plan = linear_tune.runs(argparse.Namespace(
+        out=str(tmp_path), decode=[], tc=[], fused=["off"], decode_m="1", tc_m="1", fused_m="1024",
+        shapes="8192x8192", schemes="q4s/block32:f16", reps=10, budget_s=50.0, f16=True))
+    assert plan[0]["cmd"][-1] == "--f16"
+    cells = [{"case": "linear", "scheme": "q4s/block32:f16", "shape": "8192x8192", "m": 1024,
+              "ratios": {"vs_torch_bf16": 0.7, "vs_torch_fp16": 0.7}},
+             {"case": "linear_f16", "scheme": "q4s/block32:f16", "shape": "8192x8192", "m": 1024,
+              "ratios": {"vs_torch_bf16": 0.5, "vs_torch_fp16": 0.49}}]
+    assert linear_tune.ratios({"cells": cells}, f16=True) == {("q4s/block32:f16", "8192x8192", 1024): 0.49}
+    assert "torch fp16, float16 x" in linear_tune.tables([{**plan[0], "rc": 0, "ratios": {}}], f16=True)
