@@ -98,6 +98,20 @@ def test_other_layouts_take_the_transposed_matmul(cuda_backend, text):
     assert _paths().get("TransposedLinear", 0) > before
 
 
+@pytest.mark.parametrize("text", ["nvfp4", "q4s/block32:f16", "q4s/block32:f16/packed_native/order:high"])
+def test_linear_after_new_bytes_go_into_the_weight(cuda_backend, text):
+    """`quantize(..., out=q)` into a weight `linear` has read (its kernels' arrays made): the next
+    `linear` gives the bits a fresh tensor of the new values gives (a two-level weight's effective
+    scales, a field-order copy, decoded again)."""
+    be = cuda_backend
+    x = _x(4, 64, np.float32)
+    q = be.quantize(_weight(32, 64, seed=2), text)
+    be.linear(x, q)
+    w2 = _weight(32, 64, seed=3) * np.float32(100.0)
+    assert be.quantize(w2, text, out=q) is q
+    assert np.array_equal(_host(be, be.linear(x, q)), _host(be, be.linear(x, be.quantize(w2, text))))
+
+
 def test_k_not_a_multiple_of_32_and_k_zero(cuda_backend):
     _check(cuda_backend, "q8s/block16:f32", 12, 48, 2, "f16")
     q = cuda_backend.quantize(np.zeros((5, 0), np.float32), "q8s")

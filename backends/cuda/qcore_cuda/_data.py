@@ -49,9 +49,9 @@ class TensorCache:
     # ---- decoded scales
     scales: tuple[Any, Any] | None = None
     """(float32 scales, gbuf: the global in gbuf[0]) decoded on the device (`CudaBackend.decoded_scales`)."""
-    refresh: dict[tuple[bool, bool], tuple[Packed, ...]] = field(default_factory=dict)
+    refresh: dict[tuple[bool, bool, bool], tuple[Packed, ...]] = field(default_factory=dict)
     """The packed launches that decode the scales again into the cached arrays, by which of
-    `tc_scales` and `frag` they include (`CudaBackend.refresh_decoded`)."""
+    `tc_scales`, `frag` and `linear_scales` they include (`CudaBackend.refresh_decoded`)."""
     # ---- dequantize
     dequant: Packed | None = None
     """The fast dequantize kernel's packed launch into float32 (only the output changes)."""

@@ -382,7 +382,7 @@ class CudaBackend(BaseBackend):
             cache.forget_values()
         if cache.scales is None:
             return
-        key = (cache.tc_scales is not None, cache.frag is not None)
+        key = (cache.tc_scales is not None, cache.frag is not None, cache.linear_scales is not None)
         launches = cache.refresh.get(key)
         if launches is None:
             launches = cache.refresh[key] = self._refresh_launches(data)
@@ -391,8 +391,8 @@ class CudaBackend(BaseBackend):
 
     def _refresh_launches(self, data: CudaData) -> tuple:
         """The packed launches that decode `data`'s scales into its cached arrays: the decoded
-        scales (and global), then the tensor-core kernels' per-slot scales and the fragment
-        GEMV's copy where it has them."""
+        scales (and global), then the tensor-core kernels' per-slot scales, the fragment GEMV's
+        copy and a two-level weight's effective scales for `linear` where it has them."""
         K, plans = _k(), self.state.plans
         pp = plans.get(data.shape, data.scheme, "minmax")
         cache = data.cache
@@ -413,6 +413,12 @@ class CudaBackend(BaseBackend):
                                                                 cache.gemv_geometry[1], frag.half_scales(data.scheme),
                                                                 pp.plan.nslots, fc):
                 launches.append(Packed(kern, grid, block, args, dynamic=()))
+        es = cache.linear_scales
+        if es is not None:  # (`paths.linear._effective_scales`' copy)
+            from . import linear
+
+            grid, block = K.launch(int(scales.size))
+            launches.append(Packed(linear.k_effective, grid, block, [scales, gbuf, es, int(scales.size)], dynamic=()))
         return tuple(launches)
 
     # ------------------------------------------------------------------ dequantize
