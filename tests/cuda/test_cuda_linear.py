@@ -184,20 +184,31 @@ def test_torch_in_torch_out(cuda_backend):
 @pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
 @pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
 def test_repeat_calls_skip_the_path_choice_and_give_the_same_bits(cuda_backend, dt):
-    torch = pytest.importorskip("torch")
+    """A repeat call (decode and tensor-core kernels: M = 1 and 3) chooses no path, launches the
+    packed kernel with plain addresses (one raw launch), and gives the whole way's bits for new x,
+    with and without a bias, into a new tensor or `out=`."""
+    pytest.importorskip("torch")
+    q = cuda_backend.quantize(_weight(128, 256), "q8s/block32:f16")
+    for m in (1, 3):
+        _repeat_case(cuda_backend, q, dt, m)
+
+
+def _repeat_case(be, q, dt: str, m: int) -> None:
+    """The test above for m rows of x."""
+    import torch
+    from qcore_cuda._launch import COUNTS
     from qcore_cuda.paths import TAKEN
 
-    be = cuda_backend
-    q = be.quantize(_weight(128, 256), "q8s/block32:f16")
-    x = torch.randn(3, 256, dtype=getattr(torch, dt), device="cuda")
+    x = torch.randn(m, 256, dtype=getattr(torch, dt), device="cuda")
     b = torch.randn(128, dtype=torch.float32, device="cuda")
     for bias in (None, b):
         first = be.linear(x, q, bias)
-        taken = sum(TAKEN.values())
+        taken, raw = sum(TAKEN.values()), COUNTS["raw"]
         again = be.linear(x, q, bias)
         assert sum(TAKEN.values()) == taken  # the repeat call chose no path
+        assert COUNTS["raw"] == raw + 1  # (one launch, of the C argument array)
         assert again.dtype == first.dtype and torch.equal(again, first)
-        x2 = torch.randn(3, 256, dtype=getattr(torch, dt), device="cuda")
+        x2 = torch.randn(m, 256, dtype=getattr(torch, dt), device="cuda")
         want = be.linear(x2.cpu().numpy() if dt != "bfloat16" else x2.float().cpu().numpy().astype(BF16), q,
                          None if bias is None else bias.cpu().numpy())
         got = be.linear(x2, q, bias)  # new data through the repeat path

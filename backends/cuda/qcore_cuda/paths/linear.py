@@ -629,8 +629,8 @@ def run(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -
 @dataclass(frozen=True)
 class LinearRepeat:
     """A repeat call on the decode or tensor-core path (`again`): the packed launch, the result's
-    shape, the element types and counts of the views of x and of the result, the
-    placeholders."""
+    shape, the element types and counts of the views of x and of the result, the placeholders
+    and their device addresses."""
 
     launch: Any
     out_shape: tuple
@@ -640,17 +640,27 @@ class LinearRepeat:
     n_x: int
     p32: Any
     p16: Any
+    p32_ptr: int
+    p16_ptr: int
 
     def run(self, be: Any, w: Any, x: Any, bias: Any, res: Any) -> Any:
-        """`res` written, or None where the bias is not a float32 CUDA tensor [N] (the whole way)."""
+        """`res` written, or None where the bias is not a float32 CUDA tensor [N] (the whole way).
+        The launch takes plain addresses where it is held as a C argument array (x, the result
+        and the bias have the packed dtypes and sizes: `again` checked them), else views."""
         torch = _torch()
-        bd = self.p32
+        bptr = self.p32_ptr
         if bias is not None:
             if (type(bias) is not torch.Tensor or bias.dtype != torch.float32 or not bias.is_cuda
                     or not bias.is_contiguous() or bias.numel() != self.out_shape[-1] or bias.dim() != 1):
                 return None
-            bd = _array.DevView(bias.data_ptr(), (bias.numel(),), _F32, bias)
-        od = _array.DevView(res.data_ptr(), (self.n_out,), self.out_words, res)
+            bptr = bias.data_ptr()
+        optr = res.data_ptr()
+        wide = self.out_words == _F32
+        if self.launch.launch_values((x.data_ptr(), optr if wide else self.p32_ptr, self.p16_ptr if wide else optr,
+                                      bptr), _streams.torch_handle(x.device.index)):
+            return res
+        bd = self.p32 if bias is None else _array.DevView(bptr, (bias.numel(),), _F32, bias)
+        od = _array.DevView(optr, (self.n_out,), self.out_words, res)
         xd = _array.DevView(x.data_ptr(), (self.n_x,), self.x_words, x)
         self.launch(xd, od if self.out_words == _F32 else self.p32, self.p16 if self.out_words == _F32 else od, bd,
                     stream=_streams.resolve(None, x))
@@ -739,9 +749,11 @@ def _remember(c: LinearCall, path: Any, x: Any, out_shape: tuple, bias: Any) -> 
     wide = c.ot == linear.OT_F32
     x_words = _F32 if c.xt == linear.XT_F32 else np.dtype(np.uint32)
     n_out = math.prod(out_shape)
+    p32, p16 = placeholders(c.s)
     repeats[key] = LinearRepeat(
         st, out_shape, _F32 if wide else np.dtype(np.uint16), n_out, x_words,
-        x.numel() if c.xt == linear.XT_F32 else x.numel() // 2, *placeholders(c.s))
+        x.numel() if c.xt == linear.XT_F32 else x.numel() // 2, p32, p16,
+        *(a.__cuda_array_interface__["data"][0] for a in (p32, p16)))
 
 
 def again(be: Any, x: Any, w: Any, bias: Any, out: Any, dtype: Any, stream: Any) -> Any:
