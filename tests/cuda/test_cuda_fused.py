@@ -557,7 +557,7 @@ def test_staged_tiles_fall_back_where_they_cannot_run():
 def test_the_default_plan_takes_the_fused_gemm_where_it_was_timed_faster(cuda_backend, text, m, path):
     """With the defaults (`paths.linear.FUSED_M`, `fused.plan_takes`): the fused GEMM takes integer
     and mxfp4 weights at 48..256 rows of bfloat16 x (past 128 on a Hopper GPU; elsewhere
-    dequantize + cuBLAS there), its staged form from 81 rows on a Hopper GPU; fewer rows the
+    dequantize + cuBLAS there), its staged form from 65 rows on a Hopper GPU; fewer rows the
     tensor-core kernel, more rows, nvfp4, an 8-bit minifloat weight or a staged tile past shared
     memory (2-bit codes' steps of 128 columns at 256 rows) dequantize + cuBLAS."""
     from qcore_cuda import fused
@@ -574,7 +574,7 @@ def test_the_default_plan_takes_the_fused_gemm_where_it_was_timed_faster(cuda_ba
     staged_before = fused.LAUNCHED[fused.FORM_STAGED]
     cuda_backend.linear(_bf16(x).cuda(), qd)
     assert [n for n, b in zip(names, before) if TAKEN[n] != b] == [path]
-    staged = path == "FusedGemmLinear" and m > 80 and hopper
+    staged = path == "FusedGemmLinear" and m > 64 and hopper
     assert fused.LAUNCHED[fused.FORM_STAGED] == staged_before + staged
 
 
@@ -605,14 +605,14 @@ def test_fused_kinds_read_from_the_environment():
 
 
 def test_the_plan_tiles_by_rows_of_x(monkeypatch):
-    """`fused.tile_for`: the fields form's 64 x 64 up to 80 rows, then on a Hopper GPU the staged
+    """`fused.tile_for`: the fields form's 64 x 64 up to 64 rows, then on a Hopper GPU the staged
     form's 64 weight rows by 128 rows of x up to 128 and by 256 beyond; elsewhere the fields form
     (64 x 64 up to `FIELDS_MAX_M`, 128 x 128 beyond); the tune variable replaces the choice."""
     from qcore_cuda import fused
 
     monkeypatch.delenv(fused.TUNE_ENV, raising=False)
-    assert fused.tile_for(80) == fused.Tile(64, 64, 64, 4, 4, fused.FORM_FIELDS)
-    assert fused.tile_for(81) == fused.Tile(64, 128, 64, 4, 4, fused.FORM_STAGED)
+    assert fused.tile_for(64) == fused.Tile(64, 64, 64, 4, 4, fused.FORM_FIELDS)
+    assert fused.tile_for(65) == fused.Tile(64, 128, 64, 4, 4, fused.FORM_STAGED)
     assert fused.tile_for(129) == fused.Tile(64, 256, 64, 4, 4, fused.FORM_STAGED)
     assert fused.tile_for(128, staged=False) == fused.Tile(64, 64, 64, 4, 4, fused.FORM_FIELDS)
     assert fused.tile_for(129, staged=False).form == fused.FORM_FIELDS

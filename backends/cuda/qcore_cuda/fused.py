@@ -90,7 +90,7 @@ the plan takes this GEMM past them only where that form runs (`staged_ready`).""
 
 def tile_for(m: int, staged: bool = True) -> Tile:
     """The tile for m rows of x (or `TUNE_ENV`'s), the fastest of those timed at each size (H100,
-    8192 x 8192, docs/performance.md): the fields form's 64 x 64 up to 80 rows, then where `staged`
+    8192 x 8192, docs/performance.md): the fields form's 64 x 64 up to 64 rows, then where `staged`
     (a Hopper GPU with Gluon: `staged_ready`) the staged form's 64 weight rows by 128 rows of x up
     to 128 rows and by 256 beyond, in steps of 64 columns, four warps, a ring of four; where not,
     the fields form's 64 x 64 up to `FIELDS_MAX_M` rows and 128 x 128 beyond (tuning runs)."""
@@ -101,7 +101,7 @@ def tile_for(m: int, staged: bool = True) -> Tile:
             raise ValueError(f"{TUNE_ENV}={text!r}: FORM is {FORM_COLUMNS} (columns), {FORM_FIELDS} (fields) or "
                              f"{FORM_STAGED} (staged)")
         return t
-    if m <= (80 if staged else FIELDS_MAX_M):
+    if m <= (64 if staged else FIELDS_MAX_M):  # (65 to 80 rows: two of the fields form's row tiles)
         return Tile(64, 64, 64, 4, 4)
     if not staged:
         return Tile(128, 128, 64, 8, 3)

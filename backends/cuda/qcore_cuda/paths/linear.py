@@ -11,7 +11,7 @@ Paths:
   256, past 128 only on a Hopper GPU: between the tensor-core kernel's range and where dequantize
   + cuBLAS wins), an integer or mxfp4 weight (`fused.plan_takes`), Triton installed; a GEMM that
   dequantizes the weight's tiles to bfloat16 (the same rule as the next path) inside its main
-  loop, in Triton or (Hopper, from 81 rows) Gluon. Float16 x and result likewise from `FUSED_M`'s
+  loop, in Triton or (Hopper, from 65 rows) Gluon. Float16 x and result likewise from `FUSED_M`'s
   fewest rows with no upper bound, on any GPU (no library path takes them), under docs/spec.md's
   float16-weight rule (the weight values times 2**p rounded to float16; p found once per weight
   from a bfloat16 dequantize's largest magnitude, `fused.f16_shift`).
