@@ -308,7 +308,7 @@ def test_the_default_plan_takes_the_fused_gemm_for_float16_from_48_rows(cuda_bac
 @pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
 @pytest.mark.parametrize("text,m", [("q4s/block32:f16", 64), ("q4s/block32:f16", 200), ("q8s/block32:f16", 128),
                                     ("q4s/block32:f16", 640)])
-def test_repeat_linear_calls_launch_what_the_first_call_made(cuda_backend, text, m):
+def test_repeat_linear_calls_launch_what_the_first_call_made(cuda_backend, monkeypatch, text, m):
     """A repeat `linear` (same x shape, dtype and bias kind) on the fused GEMM (the compiled kernel
     launched directly, `fused.FusedLaunch`) or on dequantize + GEMM (M = 640: the packed dequantize
     launch) skips the path choice and gives the bits the whole way gives (a call with `stream=`
@@ -323,6 +323,7 @@ def test_repeat_linear_calls_launch_what_the_first_call_made(cuda_backend, text,
     def chosen():  # (the linear paths chosen so far; a dequantize inside one counts its own)
         return {k_: v for k_, v in TAKEN.items() if k_ in names}
 
+    monkeypatch.setattr(fused, "FILL_MIN", 0.0)  # (a small weight on the fused GEMM at 64+ rows)
     be = cuda_backend
     n, k = 192, 512
     w, x, b = _case(text, n, k, m, True, seed=5)
@@ -553,18 +554,23 @@ def test_staged_tiles_fall_back_where_they_cannot_run():
                                          ("q4s/block32:f16", 384, "DequantizedGemmLinear"),
                                          ("nvfp4", 64, "DequantizedGemmLinear"),
                                          ("q2s/block32:f16", 256, "DequantizedGemmLinear"),
-                                         ("e4m3/block32:f32", 128, "DequantizedGemmLinear")])
+                                         ("e4m3/block32:f32", 128, "DequantizedGemmLinear"),
+                                         ("q4s/block32:f16 small", 128, "DequantizedGemmLinear"),
+                                         ("q4s/block32:f16 small", 48, "TensorCoreLinear")])
 def test_the_default_plan_takes_the_fused_gemm_where_it_was_timed_faster(cuda_backend, text, m, path):
-    """With the defaults (`paths.linear.FUSED_M`, `fused.plan_takes`): the fused GEMM takes integer
-    and mxfp4 weights at 48..256 rows of bfloat16 x (past 128 on a Hopper GPU; elsewhere
-    dequantize + cuBLAS there), its staged form from 65 rows on a Hopper GPU; fewer rows the
-    tensor-core kernel, more rows, nvfp4, an 8-bit minifloat weight or a staged tile past shared
-    memory (2-bit codes' steps of 128 columns at 256 rows) dequantize + cuBLAS."""
+    """With the defaults (`paths.linear.FUSED_M`, `fused.plan_takes`, `fused.fills`): the fused GEMM
+    takes integer and mxfp4 weights that fill the GPU (8192 rows) at 48..256 rows of bfloat16 x
+    (past 128 on a Hopper GPU; elsewhere dequantize + cuBLAS there), its staged form from 65 rows
+    on a Hopper GPU; fewer rows the tensor-core kernel, more rows, nvfp4, an 8-bit minifloat
+    weight, a staged tile past shared memory (2-bit codes' steps of 128 columns at 256 rows) or a
+    weight too small to fill the GPU (96 rows) dequantize + cuBLAS (from 64 rows; the tensor-core
+    kernel below)."""
     from qcore_cuda import fused
     from qcore_cuda.paths import TAKEN
     from qcore_cuda.paths import linear as paths_linear
 
-    w, x, _ = _case(text, 96, 256, m, False)
+    text, _, small = text.partition(" ")
+    w, x, _ = _case(text, 96 if small else 8192, 256, m, False)
     qd = cuda_backend.quantize(w, text)
     names = [type(p).__name__ for p in paths_linear.LINEAR]
     before = [TAKEN[n] for n in names]
@@ -618,6 +624,17 @@ def test_the_plan_tiles_by_rows_of_x(monkeypatch):
     assert fused.tile_for(129, staged=False).form == fused.FORM_FIELDS
     monkeypatch.setenv(fused.TUNE_ENV, "128,256,64,8,4,3")
     assert fused.tile_for(1) == fused.Tile(128, 256, 64, 8, 4, fused.FORM_STAGED)
+
+
+def test_the_plan_needs_a_weight_that_fills_the_gpu(monkeypatch):
+    """`fused.fills`: at least `FILL_MIN` 64-row weight tiles per SM (on a 132-SM GPU: 8192 rows
+    fill it, 4096 do not; the edge at 119 tiles)."""
+    from qcore_cuda import fused
+
+    monkeypatch.setattr(fused, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert fused.fills(8192, cuda) and fused.fills(28672, cuda) and fused.fills(119 * 64, cuda)
+    assert not fused.fills(4096, cuda) and not fused.fills(118 * 64, cuda)
 
 
 def test_the_plan_takes_integer_and_mxfp4_weights():

@@ -52,7 +52,7 @@ from .linear import LP_K, LP_LB, LP_N, LP_NSB, LP_WPR, parse_tune
 
 __all__ = ["KINDS", "INT_KINDS", "FORM_COLUMNS", "FORM_FIELDS", "FORM_STAGED", "STAGED_SHARED", "LAUNCHED", "Tile",
            "TUNE_ENV", "FIELDS_MAX_M", "available", "staged_available", "staged_ready", "step_for",
-           "tile_for", "block_of", "F16_SHIFT_MOST", "f16_shift", "f16_scales", "PLAN_FROM_M", "plan_takes",
+           "tile_for", "block_of", "F16_SHIFT_MOST", "f16_shift", "f16_scales", "PLAN_FROM_M", "FILL_MIN", "fills", "plan_takes",
            "plan_tile", "plan_runs", "FusedLaunch", "launch"]
 
 KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_I2, fast.KIND_E4M3, fast.KIND_E5M2, fast.KIND_E2M1)
@@ -118,6 +118,21 @@ PLAN_FROM_M = {fast.KIND_I8: 48, fast.KIND_I4: 48, fast.KIND_I2: 48, fast.KIND_E
 """The fewest rows of x at which the plan (`paths.linear.FusedGemmLinear`) takes this GEMM, per
 value kind it takes (`plan_takes`): where it was timed faster than the paths it replaces (H100,
 docs/performance.md; E2M1 at 48 rows: the tensor-core kernel)."""
+
+
+FILL_MIN = 0.9
+"""The fewest 64-row weight tiles per SM (`fills`) at which the plan takes this GEMM for bfloat16 x
+(the tensor-core kernel and dequantize + cuBLAS are the alternatives)."""
+
+
+def fills(n: int, device: Any) -> bool:
+    """Whether a weight of n rows fills the GPU with this GEMM's 64-row tiles: at least `FILL_MIN`
+    tiles per SM. By measurement (H100, 132 SMs, 64 to 256 rows of bfloat16 x, q4s/block32:f16,
+    q8s/block32:f16, mxfp4, docs/performance.md): 8192 rows (128 tiles) 0.56-0.62x torch bf16
+    against 0.38-0.42x for dequantize + cuBLAS; 4096 rows (64 tiles) at most 0.50x, every tile
+    timed, against 0.47-0.53x; at 48 rows there 0.37-0.38x against the tensor-core kernel's
+    0.52x (mxfp4, the same run)."""
+    return -(-n // 64) >= FILL_MIN * _sm_count(device)
 
 
 def plan_takes(kind: int, block: int, m: int) -> bool:
@@ -322,6 +337,15 @@ def launch(kind: int, P: Any, x: Any, codes: Any, scales: Any, bias: Any, y: Any
 
     FusedLaunch(kind, P, x.shape[0], x.device, tile, bias is not None, x.dtype == torch.float16,
                 unscale)(x, codes, scales, bias, y)
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device: Any) -> int:
+    import torch
+
+    if device.type != "cuda":
+        return 1
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 @lru_cache(maxsize=None)

@@ -9,7 +9,7 @@ dtype, as for `dequantize`). A float64 result is the f32 sums widened.
 Paths:
 - `FusedGemmLinear` (`fused.py`): bfloat16 x and result, a torch CUDA x of `FUSED_M` rows (48 to
   256, past 128 only on a Hopper GPU: between the tensor-core kernel's range and where dequantize
-  + cuBLAS wins), an integer or mxfp4 weight (`fused.plan_takes`), Triton installed; a GEMM that
+  + cuBLAS wins; only a weight whose 64-row tiles fill the GPU, `fused.fills`), an integer or mxfp4 weight (`fused.plan_takes`), Triton installed; a GEMM that
   dequantizes the weight's tiles to bfloat16 (the same rule as the next path) inside its main
   loop, in Triton or (Hopper, from 65 rows) Gluon. Float16 x and result likewise from `FUSED_M`'s
   fewest rows with no upper bound, on any GPU (no library path takes them), under docs/spec.md's
@@ -131,8 +131,9 @@ def _fused_all_kinds(text: str) -> bool:
 
 
 FUSED_ALL_KINDS = _fused_all_kinds(os.environ.get("QCORE_CUDA_LINEAR_FUSED_KINDS", "int"))
-"""`FusedGemmLinear` takes the weights `fused.plan_takes` names (integer codes, mxfp4), or with
-`QCORE_CUDA_LINEAR_FUSED_KINDS=all` at import every kind of `fused.KINDS` (tuning runs)."""
+"""`FusedGemmLinear` takes the weights `fused.plan_takes` names (integer codes, mxfp4) where
+`fused.fills` allows, or with `QCORE_CUDA_LINEAR_FUSED_KINDS=all` at import every kind of
+`fused.KINDS` and weight size (tuning runs)."""
 
 
 def _half_library_call(c: LinearCall, dtypes: tuple[np.dtype, ...]) -> bool:
@@ -174,6 +175,8 @@ class FusedGemmLinear:
             return False
         if not fused.plan_runs(c.m, kind, c.w.shape[1], block, c.x.device, c.xdt == _F16):
             return False
+        if c.xdt == _BF16 and not (FUSED_ALL_KINDS or fused.fills(c.w.shape[0], c.x.device)):
+            return False  # (a weight too small to fill the GPU: the tensor-core kernel, dequantize + cuBLAS were faster)
         return c.xdt != _F16 or self.f16_operands(c) is not None  # (p out of range: the tensor-core kernel)
 
     def launch(self, c: LinearCall) -> None:
