@@ -52,8 +52,8 @@ from .linear import LP_K, LP_LB, LP_N, LP_NSB, LP_WPR, parse_tune
 
 __all__ = ["KINDS", "INT_KINDS", "FORM_COLUMNS", "FORM_FIELDS", "FORM_STAGED", "STAGED_SHARED", "LAUNCHED", "Tile",
            "TUNE_ENV", "FIELDS_MAX_M", "available", "staged_available", "staged_ready", "step_for",
-           "tile_for", "block_of", "F16_SHIFT_MOST", "f16_shift", "f16_scales", "PLAN_FROM_M", "FILL_MIN", "fills", "plan_takes",
-           "plan_tile", "plan_runs", "FusedLaunch", "launch"]
+           "tile_for", "block_of", "F16_SHIFT_MOST", "f16_shift", "f16_scales", "PLAN_FROM_M", "FILL_MIN", "fills",
+           "plan_takes", "plan_tile", "plan_runs", "FusedLaunch", "launch"]
 
 KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_I2, fast.KIND_E4M3, fast.KIND_E5M2, fast.KIND_E2M1)
 """Value kinds (`fast.KINDS`) the kernels decode: those of `linear.geometry`."""
