@@ -288,15 +288,19 @@ def test_float16_linear_after_new_bytes_go_into_the_weight(cuda_backend):
                                          ("mxfp4", 512, "FusedGemmLinear"),
                                          ("q4s/block32:f16", 32, "TensorCoreLinear"),
                                          ("nvfp4", 256, "TensorCoreLinear"),
-                                         ("e4m3/block32:f32", 256, "TensorCoreLinear")])
+                                         ("e4m3/block32:f32", 256, "TensorCoreLinear"),
+                                         ("q4s/block32:f16 small", 64, "TensorCoreLinear"),
+                                         ("q4s/block32:f16 small", 65, "FusedGemmLinear")])
 def test_the_default_plan_takes_the_fused_gemm_for_float16_from_48_rows(cuda_backend, text, m, path):
-    """float16 x and result: the fused GEMM takes integer and mxfp4 weights from 48 rows (64 for
-    mxfp4) with no upper bound, on any GPU (no library path takes float16: docs/spec.md's
-    bfloat16-weight rule is bfloat16's); the rest the tensor-core kernel."""
+    """float16 x and result: the fused GEMM takes integer and mxfp4 weights that fill the GPU (8192
+    rows) from 48 rows (64 for mxfp4) with no upper bound, on any GPU (no library path takes
+    float16: docs/spec.md's bfloat16-weight rule is bfloat16's), and smaller weights (96 rows)
+    from 65 rows; the rest the tensor-core kernel."""
     from qcore_cuda.paths import TAKEN
     from qcore_cuda.paths import linear as paths_linear
 
-    w, x, b = _f16_case(text, 96, 256, m, 0)
+    text, _, small = text.partition(" ")
+    w, x, b = _f16_case(text, 96 if small else 8192, 256, m, 0)
     qd = cuda_backend.quantize(w, text)
     names = [type(p).__name__ for p in paths_linear.LINEAR]
     before = [TAKEN[n] for n in names]
@@ -635,6 +639,7 @@ def test_the_plan_needs_a_weight_that_fills_the_gpu(monkeypatch):
     cuda = torch.device("cuda")
     assert fused.fills(8192, cuda) and fused.fills(28672, cuda) and fused.fills(119 * 64, cuda)
     assert not fused.fills(4096, cuda) and not fused.fills(118 * 64, cuda)
+    assert fused.SMALL_F16_FROM_M == 65
 
 
 def test_the_plan_takes_integer_and_mxfp4_weights():

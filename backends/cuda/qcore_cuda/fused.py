@@ -53,7 +53,7 @@ from .linear import LP_K, LP_LB, LP_N, LP_NSB, LP_WPR, parse_tune
 __all__ = ["KINDS", "INT_KINDS", "FORM_COLUMNS", "FORM_FIELDS", "FORM_STAGED", "STAGED_SHARED", "LAUNCHED", "Tile",
            "TUNE_ENV", "FIELDS_MAX_M", "available", "staged_available", "staged_ready", "step_for",
            "tile_for", "block_of", "F16_SHIFT_MOST", "f16_shift", "f16_scales", "PLAN_FROM_M", "FILL_MIN", "fills",
-           "plan_takes", "plan_tile", "plan_runs", "FusedLaunch", "launch"]
+           "SMALL_F16_FROM_M", "plan_takes", "plan_tile", "plan_runs", "FusedLaunch", "launch"]
 
 KINDS = (fast.KIND_I8, fast.KIND_I4, fast.KIND_I2, fast.KIND_E4M3, fast.KIND_E5M2, fast.KIND_E2M1)
 """Value kinds (`fast.KINDS`) the kernels decode: those of `linear.geometry`."""
@@ -123,6 +123,13 @@ docs/performance.md; E2M1 at 48 rows: the tensor-core kernel)."""
 FILL_MIN = 0.9
 """The fewest 64-row weight tiles per SM (`fills`) at which the plan takes this GEMM for bfloat16 x
 (the tensor-core kernel and dequantize + cuBLAS are the alternatives)."""
+
+
+SMALL_F16_FROM_M = 65
+"""The fewest rows of float16 x at which the plan takes this GEMM for a weight `fills` rejects (no
+library path takes float16; the tensor-core kernel is faster below). H100, 4096 x 4096,
+q4s/block32:f16, float16 x (docs/performance.md): the tensor-core kernel 30.0 / 32.5 / 59.0 /
+112.7 us at M = 48 / 64 / 128 / 256 against 44.2 / 44.1 / 41.3 / 48.1 us here."""
 
 
 def fills(n: int, device: Any) -> bool:

@@ -13,7 +13,8 @@ Paths:
   mxfp4 weight (`fused.plan_takes`), Triton installed; a GEMM that dequantizes the weight's tiles
   to bfloat16 (the same rule as the next path) inside its main loop, in Triton or (Hopper, from
   65 rows) Gluon. Float16 x and result likewise from `FUSED_M`'s fewest rows with no upper bound,
-  on any GPU, any weight size (no library path takes them), under docs/spec.md's float16-weight
+  on any GPU (no library path takes them; a weight `fused.fills` rejects from
+  `fused.SMALL_F16_FROM_M` rows), under docs/spec.md's float16-weight
   rule (the weight values times 2**p rounded to float16; p found once per weight from a bfloat16
   dequantize's largest magnitude, `fused.f16_shift`).
 - `DequantizedGemmLinear`: bfloat16 x and result, a torch CUDA x of at least `LIBRARY_FROM_M`
@@ -176,7 +177,8 @@ class FusedGemmLinear:
             return False
         if not fused.plan_runs(c.m, kind, c.w.shape[1], block, c.x.device, c.xdt == _F16):
             return False
-        if c.xdt == _BF16 and not (FUSED_ALL_KINDS or fused.fills(c.w.shape[0], c.x.device)):
+        if not (FUSED_ALL_KINDS or (c.xdt == _F16 and c.m >= fused.SMALL_F16_FROM_M)
+                or fused.fills(c.w.shape[0], c.x.device)):
             return False  # (a weight too small to fill the GPU: the other paths were faster)
         return c.xdt != _F16 or self.f16_operands(c) is not None  # (p out of range: the tensor-core kernel)
 
