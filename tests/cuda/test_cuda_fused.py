@@ -319,7 +319,7 @@ def test_repeat_linear_calls_launch_what_the_first_call_made(cuda_backend, monke
     takes it), for new x and bias values, into a new tensor or `out=`; an x or a bias off a 16-byte
     boundary, or a bias of another dtype, still gives them; a strided bias is read as it is."""
     from qcore_cuda import fused
-    from qcore_cuda.paths import TAKEN
+    from qcore_cuda.paths import TAKEN, linear_repeat
     from qcore_cuda.paths import linear as paths_linear
 
     names = {type(p).__name__ for p in paths_linear.LINEAR}
@@ -369,7 +369,7 @@ def test_repeat_linear_calls_launch_what_the_first_call_made(cuda_backend, monke
            f"{text} M={m}, strided bias")
     assert torch.equal(be.linear(xt, qd, bt).view(torch.int16), first.view(torch.int16))
     rep = qd.data.cache.linear_repeats[(torch.bfloat16, xt.shape, True)]
-    assert type(rep) is (paths_linear.FusedRepeat if fused_path else paths_linear.DequantizedRepeat)
+    assert type(rep) is (linear_repeat.FusedRepeat if fused_path else linear_repeat.DequantizedRepeat)
     assert fused_path or rep.dequantize is not None  # (the packed bfloat16 dequantize launch)
 
 

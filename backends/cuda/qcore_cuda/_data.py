@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
     from ._launch import Packed
     from ._repeat import DequantizeRepeat, MatmulRepeat
-    from .paths.linear import DequantizedRepeat, FusedRepeat, LinearRepeat
+    from .paths.linear_repeat import DequantizedRepeat, FusedRepeat, LinearRepeat
     from .paths.matmul import GeneralMatmulPlan
 
 __all__ = ["CudaData", "TensorCache", "NOT_YET"]
@@ -95,7 +95,7 @@ class TensorCache:
     transposed: QTensor | None = None
     """The weight's transpose [K, N], for the matmul paths (`paths.linear.TransposedLinear`)."""
     linear_repeats: dict[tuple, LinearRepeat | FusedRepeat | DequantizedRepeat] = field(default_factory=dict)
-    """A repeat linear's launch by (x's torch dtype, x's shape, bias given) (`paths.linear.again`)."""
+    """A repeat linear's launch by (x's torch dtype, x's shape, bias given) (`paths.linear_repeat.again`)."""
 
     def forget_values(self) -> None:
         """After new bytes went into the payload: drop what was derived from the weight's values

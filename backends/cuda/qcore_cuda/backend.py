@@ -648,8 +648,9 @@ class CudaBackend(BaseBackend):
                 return y
             x, dtype = self._product_x("linear", x, w, act, dtype, stream)
         from .paths import linear as _linear_path
+        from .paths.linear_repeat import again
 
-        y = _linear_path.again(self, x, w, bias, out, dtype, stream)
+        y = again(self, x, w, bias, out, dtype, stream)
         if y is not None:
             return y
         _k()  # the kernels, the memory pool and the disk cache, before the first allocation
