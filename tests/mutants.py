@@ -773,6 +773,22 @@ class FullLinearBf16Sums(Full):
         return y.astype(xa.dtype if dtype is None else dtype)
 
 
+class FullLinearF16Unshifted(Full):
+    """`linear` of float16 x and result rounds each dequantized weight to float16 as it is: docs/spec.md's
+    float16-weight rule scales the weight by 2**p first, so that its values stay inside float16's range
+    and above its subnormals."""
+
+    name = "full-linear-f16-unshifted"
+
+    def linear(self, x, w, bias=None, *, dtype=None, act=None):
+        xa = np.asarray(x)
+        if xa.dtype != np.float16 or dtype not in (None, np.float16) or act is not None:
+            return super().linear(x, w, bias, dtype=dtype, act=act)
+        wh = self.to_numpy(self.dequantize(w)).astype(np.float16).astype(np.float32)
+        y = xa.astype(np.float32) @ wh.T + (0 if bias is None else np.asarray(bias, np.float32))
+        return y.astype(np.float16)
+
+
 class FullActIgnored(Full):
     """`linear` and `matmul` ignore `act=`: x enters the product unquantized (docs/spec.md, quantized activations)."""
 
@@ -854,6 +870,7 @@ MUTANTS: list[tuple[str, str, type, str]] = [
     ("full", "linear-drops-bias", FullLinearDropsBias, "linear ignores its bias"),
     ("full", "linear-f32-result", FullLinearF32Result, "linear returns float32 for any x"),
     ("full", "linear-bf16-weights", FullLinearBf16Sums, "linear rounds the dequantized weight to bfloat16"),
+    ("full", "linear-f16-unshifted", FullLinearF16Unshifted, "linear rounds the weight to float16 unscaled"),
     ("full", "act-ignored", FullActIgnored, "linear and matmul ignore act="),
     ("full", "act-refuses-nonfinite", FullActRefusesNonfinite, "act= refuses a non-finite x"),
     ("full", "act-per-tensor", FullActPerTensor, "linear's act= quantizes x per tensor, not per row"),

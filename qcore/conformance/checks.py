@@ -956,23 +956,31 @@ def _refused_alike(ctx: _Ctx, check: str, werr: Any, gerr: Any) -> bool:
 def check_products(ctx: _Ctx, backend, ref, case: Case, q: QTensor, rq: QTensor, tol: Tolerances) -> None:
     """`matmul` and `linear` with the case's 2-D tensor as the weight, in both orientations (as
     [K, N] for matmul, as [N, K] for linear), with float32, float16 and bfloat16 x and a bias,
-    within docs/spec.md's bound for each result dtype; where the reference raises a qcore error,
-    the backend raises the same type."""
+    within docs/spec.md's bound for each result dtype; float16 x also with a weight of values
+    near 2**-20 (below float16's normal range: the float16-weight rule's shift, x times 2**12);
+    where the reference raises a qcore error, the backend raises the same type."""
     rows, cols = case.shape
     side = cols if cols <= 256 else 64  # a square weight: an untransposed product passes no other case
     xs = make_input((side, side), "normal", "f32", case.input_seed + 30)
     sq = ctx.call("quantize", backend.quantize, xs, case.qscheme)
     rsq = ref.quantize(xs, case.qscheme)
+    xsmall = make_input((rows, cols), "normal", "f32", case.input_seed + 31) * np.float32(2.0 ** -20)
+    smq = ctx.call("quantize", backend.quantize, xsmall, case.qscheme)
+    rsmq = ref.quantize(xsmall, case.qscheme)
     weights = {"": (q, rq, np.asarray(ref.dequantize(rq), np.float64)),
-               "square": (sq, rsq, np.asarray(ref.dequantize(rsq), np.float64))}
+               "square": (sq, rsq, np.asarray(ref.dequantize(rsq), np.float64)),
+               "small": (smq, rsmq, np.asarray(ref.dequantize(rsmq), np.float64))}
     plans = [("ops.matmul", "f32", "", None), ("ops.matmul[bf16]", "bf16", "", None),
              ("ops.matmul[square]", "f32", "square", None)]
     plans += [(f"ops.linear[{dt}]", dt, "", None) for dt in ("f32", "f16", "bf16")]
-    plans += [("ops.linear[bias]", "f32", "", rows), ("ops.linear[square]", "bf16", "square", side)]
+    plans += [("ops.linear[bias]", "f32", "", rows), ("ops.linear[square]", "bf16", "square", side),
+              ("ops.linear[f16, small weight]", "f16", "small", None)]
     for i, (check, dt, which, nbias) in enumerate(plans):
         qw, rw, W = weights[which]
         is_matmul = check.startswith("ops.matmul")
         x = make_input((3, W.shape[0] if is_matmul else W.shape[1]), "normal", dt, case.input_seed + 2 + i)
+        if which == "small":  # (results in float16's normal range)
+            x = (x.astype(np.float32) * np.float32(2.0 ** 12)).astype(x.dtype)
         bias = None if nbias is None else make_input((nbias,), "normal", "f32", case.input_seed + 20)
         if is_matmul:
             want, werr = _result(lambda: ref.matmul(x, rw))
