@@ -135,6 +135,21 @@ def test_fused_kernel_in_float16_is_within_the_float16_weight_bound(text, mag, f
     assert np.array_equal(y.numpy().astype(np.float32), want.T.astype(np.float32))
 
 
+def test_new_bytes_drop_what_a_float16_linear_derived_from_the_values():
+    """`TensorCache.forget_values` (after `quantize(..., out=)` writes new bytes): the float16 p,
+    the float16 launches and the repeats of float16 x go; the bfloat16 ones, whose scales are
+    decoded again in place, stay."""
+    from qcore_cuda._data import NOT_YET, TensorCache
+
+    cache = TensorCache()
+    cache.fused_f16 = ("scales times 2**p", 2.0 ** -13)
+    cache.fused_launches = {(64, False, True): "f16", (64, False, False): "bf16"}
+    cache.linear_repeats = {(torch.float16, (64, 256), False): "f16", (torch.bfloat16, (64, 256), False): "bf16"}
+    cache.forget_values()
+    assert cache.fused_f16 is NOT_YET
+    assert list(cache.fused_launches.values()) == ["bf16"] and list(cache.linear_repeats.values()) == ["bf16"]
+
+
 def test_the_float16_shift_keeps_the_largest_weight_in_range():
     """`fused.f16_shift`: 2**p * top in [2**13, 2**14); 0 for an all-zero weight; None for a
     non-finite top or |p| past `F16_SHIFT_MOST`. `fused.f16_scales`: scales times 2**p, a product
