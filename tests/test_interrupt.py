@@ -222,8 +222,13 @@ def _before_any_qcore_code(err: str) -> bool:
     the script with no source shown) or imports `_qcore_launch`, or that module's own first
     imports run (`import signal`), so every frame of ours (the console script, `_qcore_launch.py`,
     the qcore package) is a module-level line of the console script or of `_qcore_launch.py`
-    (seen at 0.1-0.6 s on slow-starting or loaded machines). Frames in `main`, `_import_cli` or
-    the qcore package mean the launcher was running, and a traceback there is a bug."""
+    (seen at 0.1-0.6 s on slow-starting or loaded machines); or a bare "KeyboardInterrupt" with no
+    frame at all, which Python prints when it comes while its start-up imports run (their frames
+    are the import machinery's, which Python leaves out: seen once at 0.05 s in CI). Frames in
+    `main`, `_import_cli` or the qcore package mean the launcher was running, and a traceback there
+    is a bug."""
+    if err.strip() == "KeyboardInterrupt":
+        return True
     frames = re.findall(r'File "([^"]+)", line \d+, in (\S+)', err)
     entry = [fn for f, fn in frames if f.endswith(("_qcore_launch.py", f"{os.sep}qcore"))]
     in_package = any(f"{os.sep}qcore{os.sep}" in f for f, _ in frames)
