@@ -183,6 +183,24 @@ def _need_gluon() -> None:
     from qcore_cuda import k_staged  # noqa: F401
 
 
+def _plan_weight(text: str) -> tuple[str, int]:
+    """A plan test's (scheme, weight rows): 8192 rows, which fill the GPU (`fused.fills`), or 96 for
+    a scheme text ending in " small"."""
+    scheme, _, small = text.partition(" ")
+    return scheme, 96 if small else 8192
+
+
+def _paths_taken(call) -> tuple[list[str], object]:
+    """(the linear paths `call` took, by class name, in `paths.linear.LINEAR`'s order; its result)."""
+    from qcore_cuda.paths import TAKEN
+    from qcore_cuda.paths import linear as paths_linear
+
+    names = [type(p).__name__ for p in paths_linear.LINEAR]
+    before = [TAKEN[n] for n in names]
+    y = call()
+    return [n for n, b in zip(names, before) if TAKEN[n] != b], y
+
+
 def _fused_on(monkeypatch, tune: str | None) -> tuple[int, int, int]:
     """The fused GEMM on for every kind and from 64 rows, in `tune`'s staged tile where given (a
     Hopper GPU with Gluon, else a skip); (M, N, K) of a case past its tiles' edges: the staged
@@ -311,16 +329,11 @@ def test_the_default_plan_takes_the_fused_gemm_for_float16_from_48_rows(cuda_bac
     rows) from 48 rows (64 for mxfp4) with no upper bound, on any GPU (no library path takes
     float16: docs/spec.md's bfloat16-weight rule is bfloat16's), and smaller weights (96 rows)
     from 65 rows; the rest the tensor-core kernel."""
-    from qcore_cuda.paths import TAKEN
-    from qcore_cuda.paths import linear as paths_linear
-
-    text, _, small = text.partition(" ")
-    w, x, b = _f16_case(text, 96 if small else 8192, 256, m, 0)
+    text, n = _plan_weight(text)
+    w, x, _ = _f16_case(text, n, 256, m, 0)
     qd = cuda_backend.quantize(w, text)
-    names = [type(p).__name__ for p in paths_linear.LINEAR]
-    before = [TAKEN[n] for n in names]
-    y = cuda_backend.linear(torch.from_numpy(x).cuda(), qd)
-    assert [n for n, b_ in zip(names, before) if TAKEN[n] != b_] == [path]
+    taken, y = _paths_taken(lambda: cuda_backend.linear(torch.from_numpy(x).cuda(), qd))
+    assert taken == [path]
     _check16(y, REF.quantize(w, text), x, None, f"{text} M={m}")
 
 
@@ -585,20 +598,15 @@ def test_the_default_plan_takes_the_fused_gemm_where_it_was_timed_faster(cuda_ba
     weight too small to fill the GPU (96 rows) dequantize + cuBLAS (from 64 rows; the tensor-core
     kernel below)."""
     from qcore_cuda import fused
-    from qcore_cuda.paths import TAKEN
-    from qcore_cuda.paths import linear as paths_linear
 
-    text, _, small = text.partition(" ")
-    w, x, _ = _case(text, 96 if small else 8192, 256, m, False)
+    text, n = _plan_weight(text)
+    w, x, _ = _case(text, n, 256, m, False)
     qd = cuda_backend.quantize(w, text)
-    names = [type(p).__name__ for p in paths_linear.LINEAR]
-    before = [TAKEN[n] for n in names]
     hopper = fused.staged_ready(torch.device("cuda"))
     if path == "FusedGemmLinear" and m > fused.FIELDS_MAX_M and not hopper:
         path = "DequantizedGemmLinear"
     staged_before = fused.LAUNCHED[fused.FORM_STAGED]
-    cuda_backend.linear(_bf16(x).cuda(), qd)
-    assert [n for n, b in zip(names, before) if TAKEN[n] != b] == [path]
+    assert _paths_taken(lambda: cuda_backend.linear(_bf16(x).cuda(), qd))[0] == [path]
     staged = path == "FusedGemmLinear" and m > 64 and hopper
     assert fused.LAUNCHED[fused.FORM_STAGED] == staged_before + staged
 
