@@ -658,10 +658,9 @@ def test_the_plan_needs_a_weight_that_fills_the_gpu(monkeypatch):
     fill it, 4096 do not; the edge at 119 tiles)."""
     from qcore_cuda import fused
 
-    monkeypatch.setattr(fused, "_sm_count", lambda device: 132)
-    cuda = torch.device("cuda")
-    assert fused.fills(8192, cuda) and fused.fills(28672, cuda) and fused.fills(119 * 64, cuda)
-    assert not fused.fills(4096, cuda) and not fused.fills(118 * 64, cuda)
+    monkeypatch.setattr(fused, "sm_count", lambda: 132)
+    assert fused.fills(8192) and fused.fills(28672) and fused.fills(119 * 64)
+    assert not fused.fills(4096) and not fused.fills(118 * 64)
     assert fused.SMALL_F16_FROM_M == 65
 
 

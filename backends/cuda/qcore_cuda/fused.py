@@ -48,6 +48,7 @@ from functools import lru_cache
 from typing import Any
 
 from . import fast
+from .grids import sm_count
 from .linear import LP_K, LP_LB, LP_N, LP_NSB, LP_WPR, parse_tune
 
 __all__ = ["KINDS", "INT_KINDS", "FORM_COLUMNS", "FORM_FIELDS", "FORM_STAGED", "STAGED_SHARED", "LAUNCHED", "Tile",
@@ -132,14 +133,14 @@ q4s/block32:f16, float16 x (docs/performance.md): the tensor-core kernel 30.0 / 
 112.7 us at M = 48 / 64 / 128 / 256 against 44.2 / 44.1 / 41.3 / 48.1 us here."""
 
 
-def fills(n: int, device: Any) -> bool:
+def fills(n: int) -> bool:
     """Whether a weight of n rows fills the GPU with this GEMM's 64-row tiles: at least `FILL_MIN`
-    tiles per SM. By measurement (H100, 132 SMs, 64 to 256 rows of bfloat16 x, q4s/block32:f16,
+    tiles per SM of the current device (`grids.sm_count`). By measurement (H100, 132 SMs, 64 to 256 rows of bfloat16 x, q4s/block32:f16,
     q8s/block32:f16, mxfp4, docs/performance.md): 8192 rows (128 tiles) 0.56-0.62x torch bf16
     against 0.38-0.42x for dequantize + cuBLAS; 4096 rows (64 tiles) at most 0.50x, every tile
     timed, against 0.47-0.53x; at 48 rows there 0.37-0.38x against the tensor-core kernel's
     0.52x (mxfp4, the same run)."""
-    return -(-n // 64) >= FILL_MIN * _sm_count(device)
+    return -(-n // 64) >= FILL_MIN * sm_count()
 
 
 def plan_takes(kind: int, block: int, m: int) -> bool:
@@ -344,15 +345,6 @@ def launch(kind: int, P: Any, x: Any, codes: Any, scales: Any, bias: Any, y: Any
 
     FusedLaunch(kind, P, x.shape[0], x.device, tile, bias is not None, x.dtype == torch.float16,
                 unscale)(x, codes, scales, bias, y)
-
-
-@lru_cache(maxsize=None)
-def _sm_count(device: Any) -> int:
-    import torch
-
-    if device.type != "cuda":
-        return 1
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 @lru_cache(maxsize=None)

@@ -181,7 +181,7 @@ class FusedGemmLinear:
         if not fused.plan_runs(c.m, kind, c.w.shape[1], block, c.x.device, c.xdt == _F16):
             return False
         if not (FUSED_ALL_KINDS or (c.xdt == _F16 and c.m >= fused.SMALL_F16_FROM_M)
-                or fused.fills(c.w.shape[0], c.x.device)):
+                or fused.fills(c.w.shape[0])):
             return False  # (a weight too small to fill the GPU: the other paths were faster)
         return c.xdt != _F16 or self.f16_operands(c) is not None  # (p out of range: the tensor-core kernel)
 
