@@ -70,7 +70,8 @@ class LinearCall:
     kernels read it (`xd`: u32 pairs of 16-bit values for `xt` XT_BF16/XT_F16, float32 for XT_F32;
     None: no tensor-core form), m rows, the result type `ot` and arrays (`out32`, `out16`: one is a
     placeholder), the bias (f32 [N], or a placeholder), the stream; x's dtype, the result as
-    `linear` returns it and the bias as the caller gave it."""
+    `linear` returns it and the bias as the caller gave it; the float16 fused GEMM's operands once
+    this call has found them (`FusedGemmLinear.f16_operands`)."""
 
     be: Any
     w: Any
@@ -87,6 +88,7 @@ class LinearCall:
     xdt: np.dtype
     result: Any
     bias_given: Any
+    fused_f16: Any = NOT_YET
 
     @property
     def has_bias(self) -> bool:
@@ -215,11 +217,12 @@ class FusedGemmLinear:
         """(the effective scales times 2**p, 2**-p) of docs/spec.md's float16-weight rule, p from
         the weight's largest magnitude in a bfloat16 dequantize (`fused.f16_shift`), or None where
         p is out of range; found once and kept likewise (dropped when new bytes go into the
-        payload: `TensorCache.forget_values`)."""
+        payload: `TensorCache.forget_values`), and with the call (a weight over the caller's memory
+        finds them once a call, not at each of the path's steps)."""
         from .. import fused
 
         cache = c.data.cache
-        got = cache.fused_f16
+        got = c.fused_f16 if c.fused_f16 is not NOT_YET else cache.fused_f16
         if got is NOT_YET:
             torch = _torch()
             wb = torch.empty(c.w.shape, dtype=torch.bfloat16, device=c.x.device)
@@ -230,6 +233,7 @@ class FusedGemmLinear:
             got = None if p is None else (fused.f16_scales(FusedGemmLinear.stored(c)[1], p), 2.0 ** -p)
             if not cache.caller_memory:
                 cache.fused_f16 = got
+        c.fused_f16 = got
         return got
 
     @staticmethod
