@@ -64,8 +64,7 @@ class LinearRepeat:
         bd = self.p32 if bias is None else _array.DevView(bptr, (bias.numel(),), _F32, bias)
         od = _array.DevView(optr, (self.n_out,), self.out_words, res)
         xd = _array.DevView(x.data_ptr(), (self.n_x,), self.x_words, x)
-        self.launch(xd, od if self.out_words == _F32 else self.p32, self.p16 if self.out_words == _F32 else od, bd,
-                    stream=_streams.resolve(None, x))
+        self.launch(xd, od if wide else self.p32, self.p16 if wide else od, bd, stream=_streams.resolve(None, x))
         return res
 
 
