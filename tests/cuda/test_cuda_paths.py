@@ -132,6 +132,7 @@ BF16_WIDE = [
     ("q8s/block33:f32", (3, 130)),  # odd slots: a last element alone, then slots starting mid-word
     ("e5m2/block512:f32", (3, 602)),
     ("e4m3/block2048:f32", (2, 2100)),  # a slot longer than the words a thread block holds: read twice
+    ("q8s/block256:f32", (3, 512)),  # int8 codes, 16 bytes of x at a time
 ]
 
 
@@ -158,3 +159,26 @@ def test_wide_rows_read_bfloat16_bits_as_their_float32_values(monkeypatch, text,
     q, check = quantize_bf16_rows(be, cuda.to_device(x.view(np.uint16)), parse_scheme(text), s)
     with pytest.raises(qcore.InputError, match=r"\(1, 7\)"):
         check()
+
+
+@pytest.mark.parametrize("offset", [2, 4, 8], ids=lambda o: f"offset{o}")
+def test_wide_rows_of_bfloat16_off_a_16_byte_boundary(monkeypatch, offset):
+    """x starting 4, 8 or 16 bytes into its allocation: off a 16-byte boundary the GPU takes the
+    kernel that reads a word at a time, on one the 16-byte kernel; the same bytes either way."""
+    import ml_dtypes
+    from numba import cuda
+
+    from qcore.spec.schemes import scheme as parse_scheme
+    from qcore_cuda import _streams
+    from qcore_cuda.paths.quantize import quantize_bf16_rows
+
+    be = _backend(True, monkeypatch)
+    text, shape = "e4m3/block1024:f32", (4, 1024)
+    x = sample_x(shape, seed=13).astype(ml_dtypes.bfloat16)
+    x[2, 100] = -300.0
+    flat = np.zeros(x.size + offset, np.uint16)
+    flat[offset:] = x.view(np.uint16).ravel()
+    d = cuda.to_device(flat)[offset:].reshape(shape)
+    q, check = quantize_bf16_rows(be, d, parse_scheme(text), _streams.resolve(None, None))
+    check()
+    assert be.into_data(q).payload == REF.into_data(REF.quantize(x.astype(np.float32), text)).payload

@@ -550,13 +550,34 @@ def code_in_hardware(y, P):
     return e5m2x2(float32(0.0), y) & uint32(0xFF)
 
 
+@cuda.jit(device=True, inline="always")
+def pair_int8(hi, lo, P):
+    """Two int8 codes (lo's in the low byte) as `code_in_hardware` writes them."""
+    return (f2u(min(max(lo, P[2]), P[3]) + float32(MAGIC)) & uint32(0xFF)) | \
+        ((f2u(min(max(hi, P[2]), P[3]) + float32(MAGIC)) & uint32(0xFF)) << uint32(8))
+
+
+@cuda.jit(device=True, inline="always")
+def pair_e4m3(hi, lo, P):
+    """Two E4M3 codes (lo's in the low byte): one `cvt.rn.satfinite.e4m3x2.f32`."""
+    return e4m3x2(hi, lo)
+
+
+@cuda.jit(device=True, inline="always")
+def pair_e5m2(hi, lo, P):
+    """Two E5M2 codes (lo's in the low byte): one `cvt.rn.satfinite.e5m2x2.f32`."""
+    return e5m2x2(hi, lo)
+
+
 k_wide_quant_py = K.make_wide_quant(code_in_hardware)
+k_wide_quant_quads_py = K.make_wide_quant(code_in_hardware, quads=True, pairs=(pair_int8, pair_e4m3, pair_e5m2))
 
 
 JIT_REGS = 64  # register cap of the fast kernels
 _jit = K.jit_regs(JIT_REGS)
 k_amax = _jit(k_amax_py)
 k_wide_quant = _jit(k_wide_quant_py)
+k_wide_quant_quads = _jit(k_wide_quant_quads_py)
 
 
 @lru_cache(maxsize=None)
@@ -579,7 +600,8 @@ WIDE_SIG = K.SIGNATURES["k_wide_quant"][0]  # (kernels.k_wide_quant's arguments)
 
 def ptx_targets():
     """(name, python function, signature, register cap) of every fast kernel (`ptx.targets`)."""
-    out = [("k_amax", k_amax_py, AMAX_SIG, JIT_REGS), ("k_wide_quant_fast", k_wide_quant_py, WIDE_SIG, JIT_REGS)]
+    out = [("k_amax", k_amax_py, AMAX_SIG, JIT_REGS), ("k_wide_quant_fast", k_wide_quant_py, WIDE_SIG, JIT_REGS),
+           ("k_wide_quant_quads_fast", k_wide_quant_quads_py, WIDE_SIG, JIT_REGS)]
     for kind in range(len(KIND_BITS)):
         out.append((f"k_fast_quant[{kind}]", _quant_kernel(kind), QUANT_SIG, JIT_REGS))
         out.append((f"k_fast_dequant[{kind}]", _dequant_kernel(kind),

@@ -8,6 +8,9 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
   accesses of `a[i..i+3]` (`a[i..i+1]`); `ld1(a, i)` is `a[i]` without the negative-index fix-up;
   `ldcg_f32(a, i)` reads a float32 past L1 (`ld.global.cg`: data other blocks wrote); the caller guarantees the alignment (`i` a multiple of 4 (2) and a 16-byte
   aligned base) and the bounds: there is no wraparound and no bounds check.
+* `stb4(a, i, w)` / `stb8(a, i, w0, w1)`: one or two u32 words (little-endian, w0 first) into
+  the bytes `a[i..i+3]` (`a[i..i+7]`) of a uint8 array, one 4- or 8-byte store; the caller
+  guarantees `i` a multiple of 4 (8) and a base aligned to as much.
 * `lds4(a, i)`: the 16-byte access of `a[i..i+3]` through the array's own (generic) pointer,
   for a shared-memory array (`ld4` casts to the global space); the caller guarantees `i` a
   multiple of 4 and an array declared with `alignment=16`.
@@ -103,6 +106,14 @@ if config.ENABLE_CUDASIM:
     def st2(a, i, v0, v1):
         a[i] = v0
         a[i + 1] = v1
+
+    def stb4(a, i, w):
+        for k in range(4):
+            a[i + k] = (int(w) >> (8 * k)) & 0xFF
+
+    def stb8(a, i, w0, w1):
+        stb4(a, i, w0)
+        stb4(a, i + 4, w1)
 
     def f2u(x):
         return np.float32(x).view(np.uint32)
@@ -308,11 +319,12 @@ else:
 
     _I16, _I32, _I64, _F32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
-    def _gptr(context, builder, aryty, ary, idxty, idx, width):
-        """Global-space pointer to `width` elements at ary.data + idx (no wraparound)."""
+    def _gptr(context, builder, aryty, ary, idxty, idx, width, elt=None):
+        """Global-space pointer to `width` elements at element idx of the array (no wraparound);
+        with `elt` (an IR type), to `width` values of that type from there."""
         a = context.make_array(aryty)(context, builder, value=ary)
         i = context.cast(builder, idx, idxty, types.int64)
-        elt = context.get_value_type(aryty.dtype)
+        elt = context.get_value_type(aryty.dtype) if elt is None else elt
         p = builder.gep(a.data, [i])
         vt = ir.VectorType(elt, width)
         return builder.addrspacecast(builder.bitcast(p, vt.as_pointer()), ir.PointerType(vt, 1)), vt
@@ -374,16 +386,18 @@ else:
 
         return types.float32(a, i), codegen
 
-    def _store(n):
+    def _store(n, words=False):
+        """The typer of a store of n elements of the array at element i, or (`words`) of n u32
+        words into its bytes from byte i."""
         def typer(typingctx, a, i, *vs):
             sig = types.void(a, i, *vs)
 
             def codegen(context, builder, sig, args):
                 aty = sig.args[0]
-                p, vt = _gptr(context, builder, aty, args[0], sig.args[1], args[1], n)
+                p, vt = _gptr(context, builder, aty, args[0], sig.args[1], args[1], n, _I32 if words else None)
                 v = ir.Constant(vt, ir.Undefined)
                 for k in range(n):
-                    x = context.cast(builder, args[2 + k], sig.args[2 + k], aty.dtype)
+                    x = context.cast(builder, args[2 + k], sig.args[2 + k], types.uint32 if words else aty.dtype)
                     v = builder.insert_element(v, x, ir.Constant(_I32, k))
                 builder.store(v, p, align=4 * n)
 
@@ -398,6 +412,14 @@ else:
     @intrinsic
     def st2(typingctx, a, i, v0, v1):
         return _store(2)(typingctx, a, i, v0, v1)
+
+    @intrinsic
+    def stb4(typingctx, a, i, w):
+        return _store(1, words=True)(typingctx, a, i, w)
+
+    @intrinsic
+    def stb8(typingctx, a, i, w0, w1):
+        return _store(2, words=True)(typingctx, a, i, w0, w1)
 
     @intrinsic
     def f2u(typingctx, x):

@@ -7,7 +7,7 @@ import math
 from .devmath import *  # noqa: F401,F403
 from .grids import jit_regs, launch, sm_count  # noqa: F401
 from .layouts import *  # noqa: F401,F403
-from .intrin import f2u, u2f
+from .intrin import f2u, fmax_nan, ld4, stb4, stb8, u2f
 from .scales import SCALE_IDS, round_scale, scale_word, word_scale  # noqa: F401
 
 from numba import config, cuda, float32, float64, int32, int64, uint32  # noqa: E402,F401
@@ -122,6 +122,54 @@ def wide_pairs(xbf, base, cnt):
     """Whether a wide slot's elements are read a u32 word at a time, two bfloat16 per word: x is
     bfloat16 and the slot starts on a word (an odd count leaves one last element)."""
     return xbf and (base & int64(1)) == int64(0)
+
+
+@cuda.jit(device=True, inline="always")
+def wide_quads(xbf, base, cnt, out):
+    """Whether a wide slot is read 16 bytes at a time (`wide_slot_max_quads`): its elements
+    start and end on 16-byte boundaries of x (8 bfloat16 or 4 float32) and its codes on 8-byte
+    (4-byte) boundaries of the payload; the caller's x starts on a 16-byte boundary."""
+    per = int64(8) if xbf else int64(4)
+    return base % per == int64(0) and cnt % per == int64(0) and out % per == int64(0)
+
+
+@cuda.jit(device=True, inline="always")
+def quad_absmax(a0, a1, a2, a3, xbf, m):
+    """max(m, |x|) over the elements of four words of x (bfloat16 pairs where `xbf`), NaN as soon
+    as one is NaN (`fmax_nan`)."""
+    if xbf:
+        hi = uint32(0xFFFF0000)
+        m = fmax_nan(m, fmax_nan(abs(u2f(a0 << uint32(16))), abs(u2f(a0 & hi))))
+        m = fmax_nan(m, fmax_nan(abs(u2f(a1 << uint32(16))), abs(u2f(a1 & hi))))
+        m = fmax_nan(m, fmax_nan(abs(u2f(a2 << uint32(16))), abs(u2f(a2 & hi))))
+        return fmax_nan(m, fmax_nan(abs(u2f(a3 << uint32(16))), abs(u2f(a3 & hi))))
+    return fmax_nan(m, fmax_nan(fmax_nan(abs(u2f(a0)), abs(u2f(a1))), fmax_nan(abs(u2f(a2)), abs(u2f(a3)))))
+
+
+@cuda.jit(device=True, inline="always")
+def wide_slot_max_quads(x, xbf, base, cnt, sh):
+    """`wide_slot_max` of a slot that `wide_quads` takes: 16-byte loads, two in flight per
+    thread, adjacent across the thread block; |x| folded by `fmax_nan`, so a NaN or an infinity
+    leaves a maximum that is not finite (which then counts as infinite)."""
+    t = int64(cuda.threadIdx.x)
+    tpb = int64(cuda.blockDim.x)
+    w0 = (base >> int64(1)) if xbf else base
+    nq = cnt >> int64(3) if xbf else cnt >> int64(2)
+    m = float32(0.0)
+    q = t
+    while q + tpb < nq:
+        a0, a1, a2, a3 = ld4(x, w0 + int64(4) * q)
+        b0, b1, b2, b3 = ld4(x, w0 + int64(4) * (q + tpb))
+        m = quad_absmax(a0, a1, a2, a3, xbf, m)
+        m = quad_absmax(b0, b1, b2, b3, xbf, m)
+        q += int64(2) * tpb
+    if q < nq:
+        a0, a1, a2, a3 = ld4(x, w0 + int64(4) * q)
+        m = quad_absmax(a0, a1, a2, a3, xbf, m)
+    bad = not m <= float32(FLT_MAX)
+    if bad:
+        m = float32(math.inf)
+    return block_max(m, sh), bad
 
 
 @cuda.jit(device=True, inline="always")
@@ -293,19 +341,82 @@ def code_by_encode(y, P):
     return f2u(min(max(y, P[2]), P[3]) + float32(MAGIC)) & uint32(0xFF)
 
 
-def make_wide_quant(code):
+def pairs_of(code):
+    """(int8, E4M3, E5M2) pair coders for `make_wide_quant` from a one-code function: each
+    `pair(hi, lo, P)` is code(lo) | code(hi) << 8."""
+
+    @cuda.jit(device=True, inline="always")
+    def pair(hi, lo, P):
+        return code(lo, P) | (code(hi, P) << uint32(8))
+
+    return pair, pair, pair
+
+
+def make_wide_quant(code, quads=False, pairs=None):
     """The wide quantize kernel (a Python function for `cuda.jit`) writing each 8-bit code as
     `code(y, P)` gives it: one-level row blocks wider than a warp of int8, E4M3 or E5M2 codes
     one per byte, calibrated by max |x|. Statistic (`wide_slot_max`), scale (`wide_slot_scale_of`)
     and codes of a slot by one thread block, x read twice (the second time mostly from L2), four
     loads in flight per thread, bfloat16 a word at a time (`wide_pairs`). `code_by_encode` gives `k_wide_quant`, the path of every GPU; `fast.k_wide_quant` converts
-    in hardware."""
+    in hardware. With `quads` (x on a 16-byte boundary: the caller checks) a slot that
+    `wide_quads` takes is read 16 bytes at a time (`wide_slot_max_quads`) and, where its scale
+    has a reciprocal (`wide_slot_scale_of`'s r), its codes written 4 or 8 bytes at a time by a
+    loop per value kind (`pairs`: int8, E4M3, E5M2 coders of two codes, `pairs_of(code)` by
+    default; the kind chosen once per slot): y = RN(x / e) by the reciprocal (`qdiv`) with x's
+    sign, no finiteness check (a non-finite x makes the slot's scale 0, which has no
+    reciprocal). The same bytes in fewer instructions."""
+    pair_int, pair_e4m3, pair_e5m2 = pairs_of(code) if pairs is None else pairs
 
     @cuda.jit(device=True, inline="always")
     def put_pair(payload, o, a, e, r, isf, P):
         """The codes of the two bfloat16 of word `a` into payload[o], payload[o + 1]."""
         payload[o] = code(wide_y(a << uint32(16), e, r, isf), P)
         payload[o + int64(1)] = code(wide_y(a & uint32(0xFFFF0000), e, r, isf), P)
+
+    def quads_loop(pair):
+        """The codes of a slot that `wide_quads` takes, its scale e with reciprocal r, two codes
+        at a time by `pair`; two 16-byte loads in flight per thread."""
+
+        @cuda.jit(device=True, inline="always")
+        def y_of(bits, e, r):
+            v = u2f(bits)
+            return float32(math.copysign(qdiv(v, e, r), v))
+
+        @cuda.jit(device=True, inline="always")
+        def word_pair(a, e, r, P):
+            """The codes of the two bfloat16 of word `a`, the low half's in the low byte."""
+            return pair(y_of(a & uint32(0xFFFF0000), e, r), y_of(a << uint32(16), e, r), P)
+
+        @cuda.jit(device=True, inline="always")
+        def put_quad(payload, o, a0, a1, a2, a3, xbf, e, r, P):
+            if xbf:
+                stb8(payload, o, word_pair(a0, e, r, P) | (word_pair(a1, e, r, P) << uint32(16)),
+                     word_pair(a2, e, r, P) | (word_pair(a3, e, r, P) << uint32(16)))
+            else:
+                stb4(payload, o, pair(y_of(a1, e, r), y_of(a0, e, r), P) |
+                     (pair(y_of(a3, e, r), y_of(a2, e, r), P) << uint32(16)))
+
+        @cuda.jit(device=True, inline="always")
+        def put_quads(x, xbf, base, cnt, out, payload, e, r, P):
+            t = int64(cuda.threadIdx.x)
+            tpb = int64(cuda.blockDim.x)
+            w0 = (base >> int64(1)) if xbf else base
+            nq = cnt >> int64(3) if xbf else cnt >> int64(2)
+            ob = int64(8) if xbf else int64(4)
+            q = t
+            while q + tpb < nq:
+                a0, a1, a2, a3 = ld4(x, w0 + int64(4) * q)
+                b0, b1, b2, b3 = ld4(x, w0 + int64(4) * (q + tpb))
+                put_quad(payload, out + ob * q, a0, a1, a2, a3, xbf, e, r, P)
+                put_quad(payload, out + ob * (q + tpb), b0, b1, b2, b3, xbf, e, r, P)
+                q += int64(2) * tpb
+            if q < nq:
+                a0, a1, a2, a3 = ld4(x, w0 + int64(4) * q)
+                put_quad(payload, out + ob * q, a0, a1, a2, a3, xbf, e, r, P)
+
+        return put_quads
+
+    quads_int, quads_e4m3, quads_e5m2 = quads_loop(pair_int), quads_loop(pair_e4m3), quads_loop(pair_e5m2)
 
     def k_wide_quant(x, xbf, RP, F, stored, payload, flag):
         sh = cuda.shared.array(ROW_TPB, float32)
@@ -316,10 +427,21 @@ def make_wide_quant(code):
         bad = False
         for sl in range(int64(cuda.blockIdx.x), RP[R_R] * RP[R_GL], int64(cuda.gridDim.x)):
             base, cnt, out = wide_slot_where(RP, sl)
-            m, b = wide_slot_max(x, xbf, base, cnt, sh)
+            vq = quads and wide_quads(xbf, base, cnt, out)
+            if vq:
+                m, b = wide_slot_max_quads(x, xbf, base, cnt, sh)
+            else:
+                m, b = wide_slot_max(x, xbf, base, cnt, sh)
             bad = bad or b
             e, r = wide_slot_scale_of(m, RP, F, stored, payload, sl)
-            if wide_pairs(xbf, base, cnt):
+            if vq and r != float32(0.0):
+                if not isf:
+                    quads_int(x, xbf, base, cnt, out, payload, e, r, P)
+                elif P[1]:
+                    quads_e4m3(x, xbf, base, cnt, out, payload, e, r, P)
+                else:
+                    quads_e5m2(x, xbf, base, cnt, out, payload, e, r, P)
+            elif wide_pairs(xbf, base, cnt):
                 w0 = base >> int64(1)
                 nw = cnt >> int64(1)
                 j = t
@@ -362,6 +484,7 @@ def make_wide_quant(code):
 
 
 k_wide_quant = cuda.jit(make_wide_quant(code_by_encode))
+k_wide_quant_quads = cuda.jit(make_wide_quant(code_by_encode, quads=True))
 
 
 @jit_regs(40)
