@@ -311,20 +311,22 @@ def test_adopt_reads_a_device_payload_in_place(cuda_backend, text):
 
 
 @pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
-@pytest.mark.parametrize("wtext", ["e4m3/block256:f32", "e4m3"])
+@pytest.mark.parametrize("wtext", ["e4m3/block{k}:f32", "e4m3"])
 @pytest.mark.parametrize("given", [False, True])
-def test_w8a8_runs_code_by_code_on_torchs_fp8_gemm(cuda_backend, wtext, given):
+@pytest.mark.parametrize("k", [256, 8192])
+def test_w8a8_runs_code_by_code_on_torchs_fp8_gemm(cuda_backend, wtext, given, k):
     """An e4m3 weight (per-row or per-tensor f32 scales) and per-row e4m3 activations, a bfloat16
     result from LIBRARY_FROM_M rows: torch's `_scaled_mm` over both payloads, within the bound of
     docs/spec.md's quantized activations with the FP8 accumulator term against the reference's
-    decoded x; the same bits again; a float32 result or fewer rows take the decoded path."""
+    decoded x (K = 8192: 256 of the tensor core's 32-product groups in each sum); the same bits
+    again; a float32 result or fewer rows take the decoded path."""
     torch = pytest.importorskip("torch")
     if not hasattr(torch, "_scaled_mm"):
         pytest.skip("this torch has no _scaled_mm")
     from qcore_cuda.paths import linear as paths_linear
 
     be = cuda_backend
-    m, n, k, act = paths_linear.LIBRARY_FROM_M + 5, 48, 256, "e4m3/block256:f32"
+    m, n, act, wtext = paths_linear.LIBRARY_FROM_M + 5, 48, f"e4m3/block{k}:f32", wtext.format(k=k)
     w = _weight(n, k)
     q = be.quantize(w, wtext)
     W = np.asarray(REF.dequantize(REF.quantize(w, wtext)), np.float64)

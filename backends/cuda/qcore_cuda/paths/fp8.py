@@ -1,6 +1,6 @@
 """W8A8 `linear` on the cuda backend: an e4m3 weight times e4m3 activations, code by code, on
-torch's FP8 GEMM (`torch._scaled_mm`, cuBLASLt), the two per-row scales applied to the f32 sums
-in its epilogue (docs/spec.md, quantized activations: the FP8 accumulator rule).
+torch's FP8 GEMM (`torch._scaled_mm`), the two per-row scales applied to the f32 sums in its
+epilogue (docs/spec.md, quantized activations: the FP8 accumulator rule).
 
 `run` serves `linear(x, w, act=e4m3/block{B}:f32)` (B >= K: one f32 scale per row of x), or x a
 QTensor of such a scheme on this backend, and returns None (the caller takes the decoded path of
@@ -20,9 +20,9 @@ x's non-finite flag: a row of x holding a NaN or an infinity gets a NaN scale, s
 NaN, as the spec's quantized activations want (a float16 or float32 x quantized by `quantize`, which
 refuses it, goes to the decoded path, which does the same). Both payloads are read in place as torch
 tensors: the codes as `float8_e4m3fn` [M, K] and [N, K] (the weight's transpose is the column-major
-operand cuBLASLt wants), the scales as f32 [M, 1] and [1, N]. `use_fast_accum=False`: cuBLAS
-promotes the tensor core's partial sums to f32 from time to time; the spec's bound holds without
-that.
+operand `_scaled_mm` wants), the scales as f32 [M, 1] and [1, N]. `use_fast_accum=True` (`FAST_ACCUM`):
+the tensor core's own sums, never promoted to f32 along K, which is what the spec's FP8 accumulator
+rule bounds (each group of 32 products cut to 14 bits, the running sum kept with 13 fraction bits).
 """
 from __future__ import annotations
 
@@ -40,7 +40,12 @@ from qcore.spec.schemes import QuantScheme, QuantValue, ScaleDtype, StoreKind, s
 from .. import _streams
 from .quantize import quantize_bf16_rows
 
-__all__ = ["per_row_e4m3", "run"]
+__all__ = ["FAST_ACCUM", "per_row_e4m3", "run"]
+
+FAST_ACCUM = True
+"""`_scaled_mm`'s `use_fast_accum`: True keeps the FP8 tensor core's sums as they are (the FP8
+accumulator rule of docs/spec.md bounds them); False has cuBLAS promote them to f32 every few
+groups (inside the same bound, slower: docs/performance.md)."""
 
 
 def per_row_e4m3(scheme: QuantScheme, k: int, per_tensor: bool) -> bool:
@@ -132,5 +137,5 @@ def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, 
     a, sa = _operands(torch, xq, m, k_)
     b, sb = _operands(torch, w, n_, k_)
     y = torch._scaled_mm(a, b.t(), scale_a=sa.view(m, 1), scale_b=sb.view(1, n_), out_dtype=torch.bfloat16,
-                         use_fast_accum=False)
+                         use_fast_accum=FAST_ACCUM)
     return y.view(*lead, n_)
