@@ -570,7 +570,7 @@ def pair_e5m2(hi, lo, P):
 
 
 k_wide_quant_py = K.make_wide_quant(code_in_hardware)
-k_wide_quant_quads_py = K.make_wide_quant(code_in_hardware, quads=True, pairs=(pair_int8, pair_e4m3, pair_e5m2))
+k_wide_quant_quads_py = K.make_wide_quant(code_in_hardware, pairs=(pair_int8, pair_e4m3, pair_e5m2))
 
 
 JIT_REGS = 64  # register cap of the fast kernels

@@ -341,31 +341,22 @@ def code_by_encode(y, P):
     return f2u(min(max(y, P[2]), P[3]) + float32(MAGIC)) & uint32(0xFF)
 
 
-def pairs_of(code):
-    """(int8, E4M3, E5M2) pair coders for `make_wide_quant` from a one-code function: each
-    `pair(hi, lo, P)` is code(lo) | code(hi) << 8."""
-
-    @cuda.jit(device=True, inline="always")
-    def pair(hi, lo, P):
-        return code(lo, P) | (code(hi, P) << uint32(8))
-
-    return pair, pair, pair
-
-
-def make_wide_quant(code, quads=False, pairs=None):
+def make_wide_quant(code, pairs=None):
     """The wide quantize kernel (a Python function for `cuda.jit`) writing each 8-bit code as
     `code(y, P)` gives it: one-level row blocks wider than a warp of int8, E4M3 or E5M2 codes
     one per byte, calibrated by max |x|. Statistic (`wide_slot_max`), scale (`wide_slot_scale_of`)
     and codes of a slot by one thread block, x read twice (the second time mostly from L2), four
-    loads in flight per thread, bfloat16 a word at a time (`wide_pairs`). `code_by_encode` gives `k_wide_quant`, the path of every GPU; `fast.k_wide_quant` converts
-    in hardware. With `quads` (x on a 16-byte boundary: the caller checks) a slot that
-    `wide_quads` takes is read 16 bytes at a time (`wide_slot_max_quads`) and, where its scale
-    has a reciprocal (`wide_slot_scale_of`'s r), its codes written 4 or 8 bytes at a time by a
-    loop per value kind (`pairs`: int8, E4M3, E5M2 coders of two codes, `pairs_of(code)` by
-    default; the kind chosen once per slot): y = RN(x / e) by the reciprocal (`qdiv`) with x's
-    sign, no finiteness check (a non-finite x makes the slot's scale 0, which has no
-    reciprocal). The same bytes in fewer instructions."""
-    pair_int, pair_e4m3, pair_e5m2 = pairs_of(code) if pairs is None else pairs
+    loads in flight per thread, bfloat16 a word at a time (`wide_pairs`). `code_by_encode` gives
+    `k_wide_quant`, the path of GPUs below the fast kernels'; `fast.k_wide_quant` converts in
+    hardware. Given `pairs` (int8, E4M3 and E5M2 coders of two codes, `pair(hi, lo, P)` = code(lo)
+    | code(hi) << 8: `fast.k_wide_quant_quads`, for x on a 16-byte boundary, which the caller
+    checks), a slot that `wide_quads` takes is read 16 bytes at a time (`wide_slot_max_quads`) and,
+    where its scale has a reciprocal (`wide_slot_scale_of`'s r), its codes are written 4 or 8 bytes
+    at a time by a loop per value kind (chosen once per slot): y = RN(x / e) by the reciprocal
+    (`qdiv`) with x's sign, no finiteness check (a non-finite x makes the slot's scale 0, which
+    has no reciprocal). The same bytes in fewer instructions."""
+    quads = pairs is not None
+    pair_int, pair_e4m3, pair_e5m2 = pairs if quads else (None, None, None)
 
     @cuda.jit(device=True, inline="always")
     def put_pair(payload, o, a, e, r, isf, P):
@@ -416,7 +407,14 @@ def make_wide_quant(code, quads=False, pairs=None):
 
         return put_quads
 
-    quads_int, quads_e4m3, quads_e5m2 = quads_loop(pair_int), quads_loop(pair_e4m3), quads_loop(pair_e5m2)
+    if quads:
+        quads_int, quads_e4m3, quads_e5m2 = quads_loop(pair_int), quads_loop(pair_e4m3), quads_loop(pair_e5m2)
+    else:
+        @cuda.jit(device=True, inline="always")
+        def no_quads(x, xbf, base, cnt, out, payload, e, r, P):
+            """(never called: `vq` is False in a kernel without `pairs`)"""
+
+        quads_int = quads_e4m3 = quads_e5m2 = no_quads
 
     def k_wide_quant(x, xbf, RP, F, stored, payload, flag):
         sh = cuda.shared.array(ROW_TPB, float32)
@@ -484,7 +482,6 @@ def make_wide_quant(code, quads=False, pairs=None):
 
 
 k_wide_quant = cuda.jit(make_wide_quant(code_by_encode))
-k_wide_quant_quads = cuda.jit(make_wide_quant(code_by_encode, quads=True))
 
 
 @jit_regs(40)

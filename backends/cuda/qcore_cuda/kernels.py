@@ -29,7 +29,7 @@ from .k_general import (  # noqa: E402,F401
 from .k_order import k_reorder  # noqa: E402,F401
 from .k_matmul import MM_BDX, MM_BDY, MM_COLS, MM_SH, k_matmul, k_zero, launch_matmul  # noqa: E402,F401
 from .k_rows import (  # noqa: E402,F401
-    ROW_TPB, k_rows_dequant, k_rows_quant, k_wide_quant, k_wide_quant_quads, k_wide_stats, launch_rows, launch_wide,
+    ROW_TPB, k_rows_dequant, k_rows_quant, k_wide_quant, k_wide_stats, launch_rows, launch_wide,
     make_wide_quant,
 )
 from .k_tile import TILE_SH, TILE_SHW, TILE_WARPS, k_tile_quant, launch_tiles  # noqa: E402,F401
@@ -47,7 +47,6 @@ SIGNATURES: dict[str, list[str]] = {
     "k_slot_stats": [f"void(float32[::1], {_P}, float32[::1], float32[::1], int32[::1])"],
     "k_wide_stats": [f"void(uint32[::1], boolean, {_RP}, float32[::1], float32[::1], int32[::1])"],
     "k_wide_quant": [f"void(uint32[::1], boolean, {_RP}, {_F}, float32[::1], uint8[::1], int32[::1])"],
-    "k_wide_quant_quads": [f"void(uint32[::1], boolean, {_RP}, {_F}, float32[::1], uint8[::1], int32[::1])"],
     "k_fill2": ["void(float32[::1], float32, float32)", "void(int64[::1], int64, int64)"],
     "k_tensor_range": ["void(float32[::1], float32[::1], int32[::1])"],
     "k_first_extreme": ["void(float32[::1], float32[::1], int64[::1])"],

@@ -267,18 +267,19 @@ def run_wide_quantize(be: Any, K: Any, prepared: Prepared, x_words: Any, bf16: b
                       s: Any, sink: bool = False) -> None:
     """Enqueue the wide quantize kernel over `x_words` (float32 bits, or bfloat16 pairs where
     `bf16`) into `payload`: `fast.k_wide_quant` (the sm_89 conversions) where the backend runs
-    the fast kernels, else `kernels.k_wide_quant`, each in its 16-byte form (`_quads`) where x and
-    the payload start on 16-byte boundaries; a launch packed once per plan, kernel, kind of x and
+    the fast kernels, its 16-byte form `fast.k_wide_quant_quads` where x and the payload start on
+    16-byte boundaries too, else `kernels.k_wide_quant`; a launch packed once per plan, kernel, kind of x and
     kind of flag (`_launch.Packed`, kept in `prepared.wide_quant`): the stream's scratch flag, or
     where `sink` the backend's flag that nothing reads (`Scratch.act_sink`)."""
     from .. import fast
 
     state = be.state
-    quads = fast.aligned(x_words) and fast.aligned(payload)
-    if state.fast.usable:
-        kernel = fast.k_wide_quant_quads if quads else fast.k_wide_quant
+    if not state.fast.usable:
+        kernel = K.k_wide_quant
+    elif fast.aligned(x_words) and fast.aligned(payload):
+        kernel = fast.k_wide_quant_quads
     else:
-        kernel = K.k_wide_quant_quads if quads else K.k_wide_quant
+        kernel = fast.k_wide_quant
     key = (bf16, kernel, sink)
     got = prepared.wide_quant.get(key)
     if got is None or got[0] is not flag:  # a new scratch after a non-finite input: pack again
