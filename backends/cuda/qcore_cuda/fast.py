@@ -539,12 +539,15 @@ def k_amax_py(x, gs, flag, nruns):
         cuda.atomic.max(gs, 1, shm[0])
 
 
+code_int8 = K.code_int8  # (the int8 code rule's one home: kernels.code_int8)
+
+
 @cuda.jit(device=True, inline="always")
 def code_in_hardware(y, P):
     """`kernels.code_by_encode` with the sm_89 conversions: E4M3 / E5M2 by `cvt.rn.satfinite`
     (saturating at the largest value, as the spec's quantize wants, the sign of a zero kept)."""
     if not P[0]:
-        return f2u(min(max(y, P[2]), P[3]) + float32(MAGIC)) & uint32(0xFF)
+        return code_int8(y, P)
     if P[1]:
         return e4m3x2(float32(0.0), y) & uint32(0xFF)
     return e5m2x2(float32(0.0), y) & uint32(0xFF)
@@ -553,8 +556,7 @@ def code_in_hardware(y, P):
 @cuda.jit(device=True, inline="always")
 def pair_int8(hi, lo, P):
     """Two int8 codes (lo's in the low byte) as `code_in_hardware` writes them."""
-    return (f2u(min(max(lo, P[2]), P[3]) + float32(MAGIC)) & uint32(0xFF)) | \
-        ((f2u(min(max(hi, P[2]), P[3]) + float32(MAGIC)) & uint32(0xFF)) << uint32(8))
+    return code_int8(lo, P) | (code_int8(hi, P) << uint32(8))
 
 
 @cuda.jit(device=True, inline="always")

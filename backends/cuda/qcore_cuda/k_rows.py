@@ -333,12 +333,19 @@ def wide_y(bits, e, r, isf):
 
 
 @cuda.jit(device=True, inline="always")
+def code_int8(y, P):
+    """The int8 code of y (P as `code_by_encode`'s): clamped to [qmin, qmax], then rounded half to
+    even into the low mantissa bits (1.5 * 2**23)."""
+    return f2u(min(max(y, P[2]), P[3]) + float32(MAGIC)) & uint32(0xFF)
+
+
+@cuda.jit(device=True, inline="always")
 def code_by_encode(y, P):
-    """The 8-bit code of y (P = (isf, e4, qmin, qmax, fmax, mb, bias, bits)): integers clamped,
-    then rounded half to even into the low mantissa bits (1.5 * 2**23); FP8 by `encode`."""
+    """The 8-bit code of y (P = (isf, e4, qmin, qmax, fmax, mb, bias, bits)): integers by
+    `code_int8`; FP8 by `encode`."""
     if P[0]:
         return uint32(encode(y, P[0], P[2], P[3], P[4], P[5], P[6], P[7]) & int64(0xFF))
-    return f2u(min(max(y, P[2]), P[3]) + float32(MAGIC)) & uint32(0xFF)
+    return code_int8(y, P)
 
 
 def make_wide_quant(code, pairs=None):
@@ -356,7 +363,6 @@ def make_wide_quant(code, pairs=None):
     (`qdiv`) with x's sign, no finiteness check (a non-finite x makes the slot's scale 0, which
     has no reciprocal). The same bytes in fewer instructions."""
     quads = pairs is not None
-    pair_int, pair_e4m3, pair_e5m2 = pairs if quads else (None, None, None)
 
     @cuda.jit(device=True, inline="always")
     def put_pair(payload, o, a, e, r, isf, P):
@@ -408,7 +414,7 @@ def make_wide_quant(code, pairs=None):
         return put_quads
 
     if quads:
-        quads_int, quads_e4m3, quads_e5m2 = quads_loop(pair_int), quads_loop(pair_e4m3), quads_loop(pair_e5m2)
+        quads_int, quads_e4m3, quads_e5m2 = (quads_loop(pair) for pair in pairs)
     else:
         @cuda.jit(device=True, inline="always")
         def no_quads(x, xbf, base, cnt, out, payload, e, r, P):

@@ -268,8 +268,8 @@ def run_wide_quantize(be: Any, K: Any, prepared: Prepared, x_words: Any, bf16: b
     """Enqueue the wide quantize kernel over `x_words` (float32 bits, or bfloat16 pairs where
     `bf16`) into `payload`: `fast.k_wide_quant` (the sm_89 conversions) where the backend runs
     the fast kernels, its 16-byte form `fast.k_wide_quant_quads` where x and the payload start on
-    16-byte boundaries too, else `kernels.k_wide_quant`; a launch packed once per plan, kernel, kind of x and
-    kind of flag (`_launch.Packed`, kept in `prepared.wide_quant`): the stream's scratch flag, or
+    16-byte boundaries too, else `kernels.k_wide_quant`; a launch packed once per plan, kernel,
+    kind of x and kind of flag (`_launch.Packed`, kept in `prepared.wide_quant`): the stream's scratch flag, or
     where `sink` the backend's flag that nothing reads (`Scratch.act_sink`)."""
     from .. import fast
 
