@@ -125,13 +125,16 @@ def test_wide_row_blocks_equal_the_reference(monkeypatch, text, shape, fast):
 
 # bfloat16 x read two elements to a word (W8A8's read of a torch bfloat16 x): slots that start on
 # a word and slots that do not, an odd count with one last element, the rows read four words a
-# thread at a time; the bytes those of quantizing x.astype(float32).
+# thread at a time, 16-byte quads held in registers (`fast.WIDE_HELD` a thread) or read twice;
+# the bytes those of quantizing x.astype(float32).
 BF16_WIDE = [
     ("e4m3/block1024:f32", (3, 1024)),  # one slot per row, as W8A8 quantizes x
     ("e4m3/block256:f32", (5, 300)),  # an edge slot of 44, starting on a word
     ("q8s/block33:f32", (3, 130)),  # odd slots: a last element alone, then slots starting mid-word
     ("e5m2/block512:f32", (3, 602)),
-    ("e4m3/block2048:f32", (2, 2100)),  # a slot longer than the words a thread block holds: read twice
+    ("e4m3/block2048:f32", (2, 2100)),  # 8 quads a thread under the simulator's 32 threads: held
+    ("e4m3/block4096:f32", (2, 4200)),  # a slot longer than a thread block holds: read twice
+    ("q8s/block264:f32", (2, 528)),  # 33 quads a slot: one thread holds a second quad
     ("q8s/block256:f32", (3, 512)),  # int8 codes, 16 bytes of x at a time
 ]
 

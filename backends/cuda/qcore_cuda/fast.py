@@ -43,6 +43,7 @@ uniform branches):
 from __future__ import annotations
 
 import math
+import os
 from functools import lru_cache
 
 import numpy as np
@@ -572,7 +573,13 @@ def pair_e5m2(hi, lo, P):
 
 
 k_wide_quant_py = K.make_wide_quant(code_in_hardware)
-k_wide_quant_quads_py = K.make_wide_quant(code_in_hardware, pairs=(pair_int8, pair_e4m3, pair_e5m2))
+WIDE_HELD_ENV = "QCORE_CUDA_WIDE_HELD"
+"""An integer in the environment replaces `WIDE_HELD` (0: the 16-byte wide kernel reads x twice, as
+the max and then the codes; tuning runs); read at import."""
+WIDE_HELD = int(os.environ.get(WIDE_HELD_ENV, "8"))
+"""16-byte quads of x a thread of the 16-byte wide kernel holds in registers (`K.make_wide_quant`'s
+`held`; `K.launch_held` sizes its blocks)."""
+k_wide_quant_quads_py = K.make_wide_quant(code_in_hardware, pairs=(pair_int8, pair_e4m3, pair_e5m2), held=WIDE_HELD)
 
 
 JIT_REGS = 64  # register cap of the fast kernels

@@ -108,6 +108,18 @@ def launch_wide(nslots: int) -> tuple[int, int]:
     return max(1, min(nslots, sm_count() * 16)), ROW_TPB
 
 
+def launch_held(nslots: int, width: int, bf16: bool, held: int) -> tuple[int, int]:
+    """(blocks, threads) for a wide kernel holding `held` quads a thread (`make_wide_quant`) over
+    slots of at most `width` elements: the fewest whole warps whose quads cover a slot (at least
+    two, at most 1024 threads), a block per slot, as many per SM as 2048 threads make
+    (grid-stride past)."""
+    if config.ENABLE_CUDASIM:
+        return launch_wide(nslots)
+    nq = -(-width // (8 if bf16 else 4))
+    tpb = min(1024, max(64, 32 * -(-nq // (32 * held))))
+    return max(1, min(nslots, sm_count() * (2048 // tpb))), tpb
+
+
 @cuda.jit(device=True, inline="always")
 def wide_value(x, xbf, i):
     """Element i of x as the wide kernels read it: float32 bits one per u32 word, or (xbf)
@@ -348,7 +360,7 @@ def code_by_encode(y, P):
     return code_int8(y, P)
 
 
-def make_wide_quant(code, pairs=None):
+def make_wide_quant(code, pairs=None, held=0):
     """The wide quantize kernel (a Python function for `cuda.jit`) writing each 8-bit code as
     `code(y, P)` gives it: one-level row blocks wider than a warp of int8, E4M3 or E5M2 codes
     one per byte, calibrated by max |x|. Statistic (`wide_slot_max`), scale (`wide_slot_scale_of`)
@@ -361,8 +373,14 @@ def make_wide_quant(code, pairs=None):
     where its scale has a reciprocal (`wide_slot_scale_of`'s r), its codes are written 4 or 8 bytes
     at a time by a loop per value kind (chosen once per slot): y = RN(x / e) by the reciprocal
     (`qdiv`) with x's sign, no finiteness check (a non-finite x makes the slot's scale 0, which
-    has no reciprocal). The same bytes in fewer instructions."""
+    has no reciprocal). The same bytes in fewer instructions. With `held` (> 0, with `pairs`), a
+    slot of at most `held` 16-byte quads per thread (`held_fits`) is read once: each thread loads
+    its quads into registers, all in flight together, takes their maximum and writes their codes
+    from the registers (no second read of x); `launch_held` sizes the thread block so that the
+    plan's slots fit."""
     quads = pairs is not None
+    assert held == 0 or quads, "held quads need the pair coders"
+    hn = max(1, 4 * held)  # (u32 words of x a thread holds; a constant)
 
     @cuda.jit(device=True, inline="always")
     def put_pair(payload, o, a, e, r, isf, P):
@@ -411,34 +429,86 @@ def make_wide_quant(code, pairs=None):
                 a0, a1, a2, a3 = ld4(x, w0 + int64(4) * q)
                 put_quad(payload, out + ob * q, a0, a1, a2, a3, xbf, e, r, P)
 
-        return put_quads
+        @cuda.jit(device=True, inline="always")
+        def put_held(hv, xbf, nq, out, payload, e, r, P):
+            """The codes of the quads a thread holds (`held_max`) into the payload."""
+            t = int64(cuda.threadIdx.x)
+            tpb = int64(cuda.blockDim.x)
+            ob = int64(8) if xbf else int64(4)
+            for j in range(held):
+                q = t + int64(j) * tpb
+                if q < nq:
+                    put_quad(payload, out + ob * q, hv[4 * j], hv[4 * j + 1], hv[4 * j + 2], hv[4 * j + 3], xbf, e, r,
+                             P)
+
+        return put_quads, put_held
 
     if quads:
-        quads_int, quads_e4m3, quads_e5m2 = (quads_loop(pair) for pair in pairs)
+        (quads_int, held_int), (quads_e4m3, held_e4m3), (quads_e5m2, held_e5m2) = (quads_loop(pair) for pair in pairs)
     else:
         @cuda.jit(device=True, inline="always")
         def no_quads(x, xbf, base, cnt, out, payload, e, r, P):
             """(never called: `vq` is False in a kernel without `pairs`)"""
 
+        @cuda.jit(device=True, inline="always")
+        def no_held(hv, xbf, nq, out, payload, e, r, P):
+            """(never called: `hq` is False in a kernel without `pairs`)"""
+
         quads_int = quads_e4m3 = quads_e5m2 = no_quads
+        held_int = held_e4m3 = held_e5m2 = no_held
+
+    @cuda.jit(device=True, inline="always")
+    def held_max(x, xbf, base, cnt, hv, sh):
+        """`wide_slot_max_quads` of a slot that `held_fits` takes, its quads kept in `hv`: thread t
+        holds quads t, t + tpb, ... (all loads issued before any is used; quads past the slot
+        are zeros)."""
+        t = int64(cuda.threadIdx.x)
+        tpb = int64(cuda.blockDim.x)
+        w0 = (base >> int64(1)) if xbf else base
+        nq = cnt >> int64(3) if xbf else cnt >> int64(2)
+        for j in range(held):
+            q = t + int64(j) * tpb
+            a0 = a1 = a2 = a3 = uint32(0)
+            if q < nq:
+                a0, a1, a2, a3 = ld4(x, w0 + int64(4) * q)
+            hv[4 * j], hv[4 * j + 1], hv[4 * j + 2], hv[4 * j + 3] = a0, a1, a2, a3
+        m = float32(0.0)
+        for j in range(held):
+            m = quad_absmax(hv[4 * j], hv[4 * j + 1], hv[4 * j + 2], hv[4 * j + 3], xbf, m)
+        bad = not m <= float32(FLT_MAX)
+        if bad:
+            m = float32(math.inf)
+        return block_max(m, sh), bad
 
     def k_wide_quant(x, xbf, RP, F, stored, payload, flag):
         sh = cuda.shared.array(ROW_TPB, float32)
         isf = RP[R_ISF] != 0
         P = (isf, RP[R_MB] == 3, F[F_QMIN], F[F_QMAX], F[F_FMAX], RP[R_MB], RP[R_BIAS], RP[R_BITS])
+        hv = cuda.local.array(hn, uint32)
         t = int64(cuda.threadIdx.x)
         tpb = int64(cuda.blockDim.x)
         bad = False
         for sl in range(int64(cuda.blockIdx.x), RP[R_R] * RP[R_GL], int64(cuda.gridDim.x)):
             base, cnt, out = wide_slot_where(RP, sl)
             vq = quads and wide_quads(xbf, base, cnt, out)
-            if vq:
+            nq = cnt >> int64(3) if xbf else cnt >> int64(2)
+            hq = held > 0 and vq and nq <= int64(held) * tpb
+            if hq:
+                m, b = held_max(x, xbf, base, cnt, hv, sh)
+            elif vq:
                 m, b = wide_slot_max_quads(x, xbf, base, cnt, sh)
             else:
                 m, b = wide_slot_max(x, xbf, base, cnt, sh)
             bad = bad or b
             e, r = wide_slot_scale_of(m, RP, F, stored, payload, sl)
-            if vq and r != float32(0.0):
+            if hq and r != float32(0.0):
+                if not isf:
+                    held_int(hv, xbf, nq, out, payload, e, r, P)
+                elif P[1]:
+                    held_e4m3(hv, xbf, nq, out, payload, e, r, P)
+                else:
+                    held_e5m2(hv, xbf, nq, out, payload, e, r, P)
+            elif vq and r != float32(0.0):
                 if not isf:
                     quads_int(x, xbf, base, cnt, out, payload, e, r, P)
                 elif P[1]:

@@ -29,7 +29,7 @@ from .k_general import (  # noqa: E402,F401
 from .k_order import k_reorder  # noqa: E402,F401
 from .k_matmul import MM_BDX, MM_BDY, MM_COLS, MM_SH, k_matmul, k_zero, launch_matmul  # noqa: E402,F401
 from .k_rows import (  # noqa: E402,F401
-    ROW_TPB, code_int8, k_rows_dequant, k_rows_quant, k_wide_quant, k_wide_stats, launch_rows, launch_wide,
+    ROW_TPB, code_int8, k_rows_dequant, k_rows_quant, k_wide_quant, k_wide_stats, launch_held, launch_rows, launch_wide,
     make_wide_quant,
 )
 from .k_tile import TILE_SH, TILE_SHW, TILE_WARPS, k_tile_quant, launch_tiles  # noqa: E402,F401

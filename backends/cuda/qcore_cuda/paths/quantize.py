@@ -283,7 +283,10 @@ def run_wide_quantize(be: Any, K: Any, prepared: Prepared, x_words: Any, bf16: b
     key = (bf16, kernel, sink)
     got = prepared.wide_quant.get(key)
     if got is None or got[0] is not flag:  # a new scratch after a non-finite input: pack again
-        grid, tpb = K.launch_wide(prepared.plan.nslots)
+        if kernel is fast.k_wide_quant_quads and fast.WIDE_HELD:
+            grid, tpb = K.launch_held(prepared.plan.nslots, int(prepared.plan.RP[K.R_B]), bf16, fast.WIDE_HELD)
+        else:
+            grid, tpb = K.launch_wide(prepared.plan.nslots)
         got = prepared.wide_quant[key] = (flag, Packed(kernel, grid, tpb, [x_words, bf16, prepared.RP_given,
                                                                            prepared.F, prepared.stored, payload, flag],
                                                        dynamic=(0, 5)))
