@@ -33,7 +33,9 @@ round). Within a segment, the 32 units a warp reads per load instruction form a 
 `32 * UC` columns; lane l's unit holds columns `UC * l .. UC * l + UC - 1` of the group, which
 are stored at `(j // 4) * 128 + 4 * l + j % 4` for column `UC * l + j`: at each step the
 warp's lanes read 32 consecutive 16-byte words (`lds4`), one shared-memory wavefront per
-quarter warp, no bank conflicts. The staging threads write in the same order.
+quarter warp, no bank conflicts. The staging threads write in the same order, each loading
+`STAGE_BATCH` quads of x before it stores any (one wait for the batch, not one per quad: the
+weight's loads start only after the staging barrier).
 
 Arithmetic (docs/spec.md, "Products with a quantized weight"). Each code is decoded to its exact
 value in float32 (`fast.decoder`: byte permutes under 2**23 for integers, the FP8 conversions,
@@ -95,6 +97,9 @@ XS = 4096 if SIM else 8192
 segment). On a GPU it holds `MBS[-1]` groups of the largest unit (4 x 2048 columns of 2-bit
 codes); the simulator's holds two of those, so there 2-bit weights take the decode path up to M = 2
 (`segment` 0: `DecodeLinear` does not apply)."""
+STAGE_BATCH = 8
+"""Quads of x (4 elements) a thread loads before it stores them into shared memory, staging x
+(read when a kernel is built)."""
 PER_SM = 2  # resident blocks per SM the grid is sized for (8 warps of at most 128 registers: 2 fill an SM)
 REGS = 128
 FP8_KINDS = (fast.KIND_E4M3, fast.KIND_E5M2)
@@ -224,30 +229,55 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
     x_f32, x_bf16 = xt == XT_F32, xt == XT_BF16  # (constants: numba prunes the other branches)
     s_f16, s_bf16 = sc == SC_F16, sc == SC_BF16
     ev_t = float32 if sc == SC_F32 else uint32  # (a stored word is widened where it is used)
+    sb = STAGE_BATCH
+    sv_t = float32 if x_f32 else uint32  # (x's words as a thread holds them while staging)
+    nsv = 4 * sb
 
     @cuda.jit(device=True, inline="always")
-    def stage(x, xs, k0, K, M, segk, tid):
-        """Segment k0 of x's mb rows into xs (float32, the module text's order; zeros past K and
-        for rows past M)."""
-        seglen = min(segk, K - k0)
-        nq = ((seglen + int64(grp - 1)) // int64(grp)) * int64(gq)
-        q = tid
-        while q < int64(mb) * nq:
+    def quad_at(q, nq, k0, K, segk):
+        """(x's element index of staging quad q, its float index in xs, whether x has it)."""
+        if mb == 1:
+            m = int64(0)
+            qq = q
+        else:
             m = q // nq
             qq = q - m * nq
-            g = qq // int64(gq)
-            rem = qq - g * int64(gq)
-            jq = rem >> int64(5)
-            ln = rem & int64(31)
-            k = k0 + g * int64(grp) + ln * int64(uc) + jq * int64(4)
-            d = m * segk + g * int64(grp) + jq * int64(128) + ln * int64(4)
-            v0 = v1 = v2 = v3 = float32(0.0)
-            if m < M and k < K:
-                if x_f32:
-                    v0, v1, v2, v3 = ld4(x, m * K + k)
-                else:
-                    w0, w1 = ld2(x, (m * K + k) >> int64(1))
-                    if x_bf16:
+        g = qq // int64(gq)
+        rem = qq - g * int64(gq)
+        jq = rem >> int64(5)
+        ln = rem & int64(31)
+        k = k0 + g * int64(grp) + ln * int64(uc) + jq * int64(4)
+        d = m * segk + g * int64(grp) + jq * int64(128) + ln * int64(4)
+        return m * K + k, d, k < K
+
+    @cuda.jit(device=True, inline="always")
+    def stage(x, xs, sv, k0, K, M, segk, tid):
+        """Segment k0 of x's mb rows into xs (float32, the module text's order; zeros past K and
+        for rows past M). A thread loads `STAGE_BATCH` quads (all in flight together) before it
+        stores any."""
+        seglen = min(segk, K - k0)
+        nq = ((seglen + int64(grp - 1)) // int64(grp)) * int64(gq)
+        nm = min(int64(mb), M) * nq  # (quads of x's rows; rows past M are zeros)
+        q = tid
+        while q < int64(mb) * nq:
+            for b in range(sb):
+                qb = q + int64(b * nt)
+                i, d, inside = quad_at(qb, nq, k0, K, segk)
+                w0 = w1 = w2 = w3 = sv_t(0)
+                if qb < nm and inside:
+                    if x_f32:
+                        w0, w1, w2, w3 = ld4(x, i)
+                    else:
+                        w0, w1 = ld2(x, i >> int64(1))
+                sv[4 * b], sv[4 * b + 1], sv[4 * b + 2], sv[4 * b + 3] = w0, w1, w2, w3
+            for b in range(sb):
+                qb = q + int64(b * nt)
+                if qb < int64(mb) * nq:
+                    i, d, inside = quad_at(qb, nq, k0, K, segk)
+                    w0, w1, w2, w3 = sv[4 * b], sv[4 * b + 1], sv[4 * b + 2], sv[4 * b + 3]
+                    if x_f32:
+                        v0, v1, v2, v3 = w0, w1, w2, w3
+                    elif x_bf16:
                         v0 = u2f(w0 << uint32(16))
                         v1 = u2f(w0 & uint32(0xFFFF0000))
                         v2 = u2f(w1 << uint32(16))
@@ -255,11 +285,11 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
                     else:
                         v0, v1 = f16x2_f32(w0)
                         v2, v3 = f16x2_f32(w1)
-            xs[d] = v0
-            xs[d + int64(1)] = v1
-            xs[d + int64(2)] = v2
-            xs[d + int64(3)] = v3
-            q += int64(nt)
+                    xs[d] = v0
+                    xs[d + int64(1)] = v1
+                    xs[d + int64(2)] = v2
+                    xs[d + int64(3)] = v3
+            q += int64(sb * nt)
 
     @cuda.jit(device=True, inline="always")
     def load_unit(w32, es, wv, ev, j, rows, u, wpr, nsb, lb):
@@ -321,6 +351,7 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
         wv = cuda.local.array(nwv, uint32)
         ev = cuda.local.array(nev, ev_t)
         rows = cuda.local.array(RW, int64)
+        sv = cuda.local.array(nsv, sv_t)
         tid = int64(cuda.threadIdx.x)
         warp = tid >> int64(5)
         lane = tid & int64(31)
@@ -351,7 +382,7 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
                 nus = min(segk, K - k0) // int64(uc)  # units of a row in this segment
                 if rnd == int64(0) or nseg > int64(1):
                     cuda.syncthreads()  # (every warp is done with the previous segment)
-                    stage(x, xs, k0, K, M, segk, tid)
+                    stage(x, xs, sv, k0, K, M, segk, tid)
                     cuda.syncthreads()
                 if ok:
                     i = int64(0)
