@@ -367,7 +367,8 @@ def case_names(schemes, peers, paths: bool = False, w8a8: bool = False, orientat
 
 def evaluate_targets(cells, schemes) -> list:
     """Each target of TARGETS with status met / missed / not measured: missed where a measured
-    cell is below its ratio, not measured where none is below and some are missing (no time);
+    cell is below its ratio, not measured where none is below and some are missing (no time) or
+    none was measured (a target of cells the run did not ask for);
     `status_out` the same for the `out=` calls."""
     by = {(c["case"], c["scheme"], c["shape"], c["m"]): c for c in cells
           if c["case"] in ("linear", "linear_out", "w8a8")}
@@ -397,7 +398,8 @@ def evaluate_targets(cells, schemes) -> list:
                         else:
                             figures.append({"scheme": s, "shape": sh, "m": m, "us": c["us"], "ratio": r,
                                             "ok": r >= t["min"]})
-            status = "missed" if any(not f["ok"] for f in figures) else ("not measured" if missing else "met")
+            status = "missed" if any(not f["ok"] for f in figures) else \
+                ("not measured" if missing or not figures else "met")
             entry[key] = status
             if case != "linear_out":
                 entry["figures"], entry["missing"] = figures, missing

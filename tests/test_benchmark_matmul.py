@@ -51,6 +51,14 @@ def test_the_orientation_target_compares_linear_with_the_kn_matmul(matmul):
     assert _target(matmul, cells, "4bit_m1")["worst"]["ratio"] == 2.0
 
 
+def test_a_target_of_no_measured_cell_is_not_measured(matmul):
+    """A run without the cells a target reads (W8A8 alone: no weight-only `linear`, no `[K, N]`
+    matmul) leaves those targets not measured, not met."""
+    cells = [_cell("w8a8", matmul.W8A8, 1024, 100.0, vs_torch_bf16=1.5)]
+    assert _target(matmul, cells, "nk_not_slower")["status"] == "not measured"
+    assert _target(matmul, cells, "w8a8_large_m")["status"] == "not measured"  # (the other shapes: not run)
+
+
 def test_orientation_adds_one_kn_case_per_scheme(matmul):
     names = matmul.case_names(["q4s/block32:f16", "nvfp4"], ["torch_bf16"], orientation=True)
     assert [n[3] for n in names if n[0] == "matmul_kn"] == ["q4s/block32:f16 [K, N] matmul", "nvfp4 [K, N] matmul"]
