@@ -374,7 +374,7 @@ def make_wide_quant(code, pairs=None, held=0):
     at a time by a loop per value kind (chosen once per slot): y = RN(x / e) by the reciprocal
     (`qdiv`) with x's sign, no finiteness check (a non-finite x makes the slot's scale 0, which
     has no reciprocal). The same bytes in fewer instructions. With `held` (> 0, with `pairs`), a
-    slot of at most `held` 16-byte quads per thread (`held_fits`) is read once: each thread loads
+    slot that `wide_quads` takes and whose quads number at most `held` per thread is read once: each thread loads
     its quads into registers, all in flight together, takes their maximum and writes their codes
     from the registers (no second read of x); `launch_held` sizes the thread block so that the
     plan's slots fit."""
@@ -459,7 +459,7 @@ def make_wide_quant(code, pairs=None, held=0):
 
     @cuda.jit(device=True, inline="always")
     def held_max(x, xbf, base, cnt, hv, sh):
-        """`wide_slot_max_quads` of a slot that `held_fits` takes, its quads kept in `hv`: thread t
+        """`wide_slot_max_quads` of a slot of at most `held` quads a thread, its quads kept in `hv`: thread t
         holds quads t, t + tpb, ... (all loads issued before any is used; quads past the slot
         are zeros)."""
         t = int64(cuda.threadIdx.x)
