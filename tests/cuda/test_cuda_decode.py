@@ -282,10 +282,10 @@ def test_tunings_and_scale_forms_give_the_default_bits(cuda_backend, monkeypatch
 
 
 @pytest.mark.parametrize("text,n,k", [
-    ("q4s/block32:f16", 40, 4096),  # whole steps in one segment: each round's first step loaded in the last
+    ("q4s/block32:f16", 24, 4096),  # whole steps in one segment: each round's first step loaded in the last
     ("q8s/block32:f16", 12, 1056),  # units left over after the steps: no loads across rounds
     ("q4s/block32:f16", 9, 8192),  # two staged segments (the simulator's 4096 floats of x)
-    ("nvfp4", 17, 2048),  # two slots a unit
+    ("nvfp4", 9, 2048),  # two slots a unit
 ])
 def test_the_rolling_refill_gives_the_same_bits(cuda_backend, monkeypatch, text, n, k):
     """`k_decode.ROLL` (each unit slot refilled with the next step's unit once its terms are taken,
