@@ -104,7 +104,7 @@ ROLL = os.environ.get(ROLL_ENV, "0") == "1"
 loads, and at a round's last step the warp's next round's first, issued while step b computes;
 the last step reads its own units again, from L1, so that the loop has no branch), instead of
 loading a whole step and then computing it. The same terms in the same order: the same bits.
-ptxas for sm_90 (q4s, bf16 x, M = 1): 127 registers, no spills, the refills in the last third of
+ptxas for sm_90 (q4s, bf16 x, M = 1): 126 registers, no spills, the refills about 3/4 into
 the step's code. Off until a GPU run shows it faster (read when a kernel is built)."""
 STAGE_BATCH = 8
 """Quads of x (4 elements) a thread loads before it stores them into shared memory, staging x
@@ -213,11 +213,12 @@ def slots_per_unit(kind: int, P: np.ndarray) -> int:
 
 
 def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None = None, sc: int = SC_F32,
-                   nh: int = 1):
+                   nh: int = 1, roll: bool | None = None, sb: int | None = None):
     """The kernel for value kind `kind`, x type `xt` (linear.XT_*), `mb` rows of x, the tuning
     `tn` (WARPS, U, RW; default `tune()`), the scale form `sc` (SC_*: `es` float32, or
-    the payload's stored scale words as uint16) and `nh`, the scale slots a unit holds
-    (`slots_per_unit`: its parts summed apart, each under its slot)."""
+    the payload's stored scale words as uint16), `nh`, the scale slots a unit holds
+    (`slots_per_unit`: its parts summed apart, each under its slot), the loop `roll` (default
+    `ROLL`) and the staging batch `sb` (default `STAGE_BATCH`)."""
     assert nh in (1, 2, 4) and nh <= unit_halves(kind), (kind, nh)
     WARPS, U, RW = tn or tune()  # (closure constants from here on)
     bits = fast.KIND_BITS[kind]
@@ -238,8 +239,8 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
     x_f32, x_bf16 = xt == XT_F32, xt == XT_BF16  # (constants: numba prunes the other branches)
     s_f16, s_bf16 = sc == SC_F16, sc == SC_BF16
     ev_t = float32 if sc == SC_F32 else uint32  # (a stored word is widened where it is used)
-    sb = STAGE_BATCH
-    roll = ROLL
+    sb = STAGE_BATCH if sb is None else sb
+    roll = ROLL if roll is None else roll
     sv_t = float32 if x_f32 else uint32  # (x's words as a thread holds them while staging)
     nsv = 4 * sb
 
@@ -411,17 +412,14 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
                             nu = u0 + (b + int64(1)) * int64(32 * U)
                             for r in range(RW):
                                 nrows[r] = rows[r]
-                            if not nxt and nseg == int64(1) and whole:  # the warp's next round's first step
-                                gn = gi + nblk * int64(WARPS)
-                                nxt = gn < ng
+                            gn = gi + nblk * int64(WARPS)
+                            if not nxt and nseg == int64(1) and whole and gn < ng:  # the next round's first step
+                                nxt = held = True
                                 nu = u0
                                 for r in range(RW):
                                     nrows[r] = min(gn * int64(RW) + int64(r), N - int64(1))
-                                held = nxt
                             if not nxt:  # (no next step: step b's units again, from L1; no branch in the loop)
                                 nu = u0 + b * int64(32 * U)
-                                for r in range(RW):
-                                    nrows[r] = rows[r]
                             for j in range(U):
                                 use_unit(wv, ev, j, xs, (b * int64(U) + int64(j)) * int64(grp) + lane * int64(4), segk,
                                          tab, val, part, acc)
@@ -464,7 +462,7 @@ def kernel(kind: int, xt: int, mb: int, sc: int = SC_F32, nh: int = 1):
 
 @lru_cache(maxsize=None)
 def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int], sc: int, nh: int, roll: bool, sb: int):
-    return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb, tn, sc, nh))
+    return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb, tn, sc, nh, roll, sb))
 
 
 def signature(xt: int, sc: int = SC_F32) -> str:
@@ -482,11 +480,7 @@ def ptx_targets():
             for kind, xt, mb, sc in STORED_SCALE_TARGETS]
     out += [(f"k_decode_linear[{kind},{xt},{mb},split{nh}]", _decode_kernel(kind, xt, mb, nh=nh), signature(xt), REGS)
             for kind, xt, mb, nh in SPLIT_TARGETS]
-    global ROLL
-    roll, ROLL = ROLL, not ROLL  # (the other loop: q4s's stored f16 scales, bf16 x, M = 1)
-    try:
-        out.append((f"k_decode_linear[{fast.KIND_I4},{XT_BF16},1,sc{SC_F16},roll{int(ROLL)}]",
-                    _decode_kernel(fast.KIND_I4, XT_BF16, 1, sc=SC_F16), signature(XT_BF16, SC_F16), REGS))
-    finally:
-        ROLL = roll
+    other = not ROLL  # (the other loop: q4s's stored f16 scales, bf16 x, M = 1)
+    out.append((f"k_decode_linear[{fast.KIND_I4},{XT_BF16},1,sc{SC_F16},roll{int(other)}]",
+                _decode_kernel(fast.KIND_I4, XT_BF16, 1, sc=SC_F16, roll=other), signature(XT_BF16, SC_F16), REGS))
     return out

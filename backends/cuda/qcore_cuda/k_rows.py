@@ -146,6 +146,23 @@ def wide_quads(xbf, base, cnt, out):
 
 
 @cuda.jit(device=True, inline="always")
+def quad_span(xbf, base, cnt):
+    """(x's u32 word where a `wide_quads` slot starts, its 16-byte quads): 8 bfloat16 or 4 float32
+    a quad."""
+    return (base >> int64(1)) if xbf else base, cnt >> int64(3) if xbf else cnt >> int64(2)
+
+
+@cuda.jit(device=True, inline="always")
+def finish_max(m, sh):
+    """(the block's maximum of the threads' m, whether this thread's was not finite, which then
+    counts as infinite): the end of the 16-byte max loops, whose `fmax_nan` keeps a NaN."""
+    bad = not m <= float32(FLT_MAX)
+    if bad:
+        m = float32(math.inf)
+    return block_max(m, sh), bad
+
+
+@cuda.jit(device=True, inline="always")
 def quad_absmax(a0, a1, a2, a3, xbf, m):
     """max(m, |x|) over the elements of four words of x (bfloat16 pairs where `xbf`), NaN as soon
     as one is NaN (`fmax_nan`)."""
@@ -165,8 +182,7 @@ def wide_slot_max_quads(x, xbf, base, cnt, sh):
     leaves a maximum that is not finite (which then counts as infinite)."""
     t = int64(cuda.threadIdx.x)
     tpb = int64(cuda.blockDim.x)
-    w0 = (base >> int64(1)) if xbf else base
-    nq = cnt >> int64(3) if xbf else cnt >> int64(2)
+    w0, nq = quad_span(xbf, base, cnt)
     m = float32(0.0)
     q = t
     while q + tpb < nq:
@@ -178,10 +194,7 @@ def wide_slot_max_quads(x, xbf, base, cnt, sh):
     if q < nq:
         a0, a1, a2, a3 = ld4(x, w0 + int64(4) * q)
         m = quad_absmax(a0, a1, a2, a3, xbf, m)
-    bad = not m <= float32(FLT_MAX)
-    if bad:
-        m = float32(math.inf)
-    return block_max(m, sh), bad
+    return finish_max(m, sh)
 
 
 @cuda.jit(device=True, inline="always")
@@ -415,8 +428,7 @@ def make_wide_quant(code, pairs=None, held=0):
         def put_quads(x, xbf, base, cnt, out, payload, e, r, P):
             t = int64(cuda.threadIdx.x)
             tpb = int64(cuda.blockDim.x)
-            w0 = (base >> int64(1)) if xbf else base
-            nq = cnt >> int64(3) if xbf else cnt >> int64(2)
+            w0, nq = quad_span(xbf, base, cnt)
             ob = int64(8) if xbf else int64(4)
             q = t
             while q + tpb < nq:
@@ -459,13 +471,12 @@ def make_wide_quant(code, pairs=None, held=0):
 
     @cuda.jit(device=True, inline="always")
     def held_max(x, xbf, base, cnt, hv, sh):
-        """`wide_slot_max_quads` of a slot of at most `held` quads a thread, its quads kept in `hv`: thread t
-        holds quads t, t + tpb, ... (all loads issued before any is used; quads past the slot
-        are zeros)."""
+        """`wide_slot_max_quads` of a slot of at most `held` quads a thread, its quads kept in
+        `hv`: thread t holds quads t, t + tpb, ... (all loads issued before any is used; quads
+        past the slot are zeros)."""
         t = int64(cuda.threadIdx.x)
         tpb = int64(cuda.blockDim.x)
-        w0 = (base >> int64(1)) if xbf else base
-        nq = cnt >> int64(3) if xbf else cnt >> int64(2)
+        w0, nq = quad_span(xbf, base, cnt)
         for j in range(held):
             q = t + int64(j) * tpb
             a0 = a1 = a2 = a3 = uint32(0)
@@ -475,10 +486,7 @@ def make_wide_quant(code, pairs=None, held=0):
         m = float32(0.0)
         for j in range(held):
             m = quad_absmax(hv[4 * j], hv[4 * j + 1], hv[4 * j + 2], hv[4 * j + 3], xbf, m)
-        bad = not m <= float32(FLT_MAX)
-        if bad:
-            m = float32(math.inf)
-        return block_max(m, sh), bad
+        return finish_max(m, sh)
 
     def k_wide_quant(x, xbf, RP, F, stored, payload, flag):
         sh = cuda.shared.array(ROW_TPB, float32)
@@ -491,7 +499,7 @@ def make_wide_quant(code, pairs=None, held=0):
         for sl in range(int64(cuda.blockIdx.x), RP[R_R] * RP[R_GL], int64(cuda.gridDim.x)):
             base, cnt, out = wide_slot_where(RP, sl)
             vq = quads and wide_quads(xbf, base, cnt, out)
-            nq = cnt >> int64(3) if xbf else cnt >> int64(2)
+            nq = quad_span(xbf, base, cnt)[1]
             hq = held > 0 and vq and nq <= int64(held) * tpb
             if hq:
                 m, b = held_max(x, xbf, base, cnt, hv, sh)
