@@ -279,32 +279,3 @@ def test_tunings_and_scale_forms_give_the_default_bits(cuda_backend, monkeypatch
         got = run(default, k_decode.SC_F32)
         for i, (g, e) in enumerate(zip(got, want)):
             assert np.array_equal(g, e), (text, k, "f32 scales", i)
-
-
-@pytest.mark.parametrize("text,n,k", [
-    ("q4s/block32:f16", 24, 4096),  # whole steps in one segment: each round's first step loaded in the last
-    ("q8s/block32:f16", 12, 1056),  # units left over after the steps: no loads across rounds
-    ("q4s/block32:f16", 9, 8192),  # two staged segments (the simulator's 4096 floats of x)
-    ("nvfp4", 9, 2048),  # two slots a unit
-])
-def test_the_rolling_refill_gives_the_same_bits(cuda_backend, monkeypatch, text, n, k):
-    """`k_decode.ROLL` (each unit slot refilled with the next step's unit once its terms are taken,
-    the next round's first step loaded during a round's last) adds the same terms in the same
-    order as the step-at-a-time loop: the same bits, at M = 1 and 4, with rounds, segments and
-    units left over."""
-    from qcore_cuda import k_decode
-
-    if not SIM:
-        pytest.skip("the simulator's variants (a GPU compiles the loop of its environment)")
-    be = cuda_backend
-    w = _weight(n, k, 21)
-    x = _x(4, k, BF16, 22)
-    got = {}
-    for roll in (False, True):
-        monkeypatch.setattr(k_decode, "ROLL", roll)
-        q = be.quantize(w, text)  # (a fresh weight: the packed launch is kept with it)
-        before = _taken("DecodeLinear")
-        got[roll] = [_bits(_host(be, be.linear(x[:m], q, dtype=np.float32))) for m in (1, 4)]
-        assert _taken("DecodeLinear") == before + 2
-    for a, b in zip(got[False], got[True]):
-        assert np.array_equal(a, b), text

@@ -97,15 +97,6 @@ XS = 4096 if SIM else 8192
 segment). On a GPU it holds `MBS[-1]` groups of the largest unit (4 x 2048 columns of 2-bit
 codes); the simulator's holds two of those, so there 2-bit weights take the decode path up to M = 2
 (`segment` 0: `DecodeLinear` does not apply)."""
-ROLL_ENV = "QCORE_CUDA_DECODE_ROLL"
-"""1 in the environment sets `ROLL` (tuning runs); read at import."""
-ROLL = os.environ.get(ROLL_ENV, "0") == "1"
-"""Refill each unit slot with the next step's unit right after its terms are taken (step b + 1's
-loads, and at a round's last step the warp's next round's first, issued while step b computes;
-the last step reads its own units again, from L1, so that the loop has no branch), instead of
-loading a whole step and then computing it. The same terms in the same order: the same bits.
-ptxas for sm_90 (q4s, bf16 x, M = 1): 126 registers, no spills, the refills about 3/4 into
-the step's code. Off until a GPU run shows it faster (read when a kernel is built)."""
 STAGE_BATCH = 8
 """Quads of x (4 elements) a thread loads before it stores them into shared memory, staging x
 (read when a kernel is built)."""
@@ -213,12 +204,12 @@ def slots_per_unit(kind: int, P: np.ndarray) -> int:
 
 
 def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None = None, sc: int = SC_F32,
-                   nh: int = 1, roll: bool | None = None, sb: int | None = None):
+                   nh: int = 1, sb: int | None = None):
     """The kernel for value kind `kind`, x type `xt` (linear.XT_*), `mb` rows of x, the tuning
     `tn` (WARPS, U, RW; default `tune()`), the scale form `sc` (SC_*: `es` float32, or
     the payload's stored scale words as uint16), `nh`, the scale slots a unit holds
-    (`slots_per_unit`: its parts summed apart, each under its slot), the loop `roll` (default
-    `ROLL`) and the staging batch `sb` (default `STAGE_BATCH`)."""
+    (`slots_per_unit`: its parts summed apart, each under its slot) and the staging batch `sb`
+    (default `STAGE_BATCH`)."""
     assert nh in (1, 2, 4) and nh <= unit_halves(kind), (kind, nh)
     WARPS, U, RW = tn or tune()  # (closure constants from here on)
     bits = fast.KIND_BITS[kind]
@@ -240,7 +231,6 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
     s_f16, s_bf16 = sc == SC_F16, sc == SC_BF16
     ev_t = float32 if sc == SC_F32 else uint32  # (a stored word is widened where it is used)
     sb = STAGE_BATCH if sb is None else sb
-    roll = ROLL if roll is None else roll
     sv_t = float32 if x_f32 else uint32  # (x's words as a thread holds them while staging)
     nsv = 4 * sb
 
@@ -362,7 +352,6 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
         wv = cuda.local.array(nwv, uint32)
         ev = cuda.local.array(nev, ev_t)
         rows = cuda.local.array(RW, int64)
-        nrows = cuda.local.array(RW, int64)
         sv = cuda.local.array(nsv, sv_t)
         tid = int64(cuda.threadIdx.x)
         warp = tid >> int64(5)
@@ -381,7 +370,6 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
         bid = int64(cuda.blockIdx.x)
         nblk = int64(cuda.gridDim.x)
         rnd = int64(0)
-        held = False  # (the slots hold this round's first step, loaded during the last round)
         while (rnd * nblk + bid) * int64(WARPS) < ng:  # (uniform across the block)
             gi = (rnd * nblk + bid) * int64(WARPS) + warp
             ok = gi < ng
@@ -399,34 +387,7 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
                     cuda.syncthreads()
                 if ok:
                     i = int64(0)
-                    if roll:
-                        nfull = nus // int64(32 * U)  # whole steps of U units
-                        whole = nfull * int64(32 * U) == nus  # (no units left over after them)
-                        if nfull > int64(0) and not held:
-                            for j in range(U):
-                                load_unit(w32, es, wv, ev, j, rows, u0 + int64(j * 32) + lane, wpr, nsb, lb)
-                        held = False
-                        b = int64(0)
-                        while b < nfull:  # step b's units in the slots; each slot refilled once used
-                            nxt = b + int64(1) < nfull
-                            nu = u0 + (b + int64(1)) * int64(32 * U)
-                            for r in range(RW):
-                                nrows[r] = rows[r]
-                            gn = gi + nblk * int64(WARPS)
-                            if not nxt and nseg == int64(1) and whole and gn < ng:  # the next round's first step
-                                nxt = held = True
-                                nu = u0
-                                for r in range(RW):
-                                    nrows[r] = min(gn * int64(RW) + int64(r), N - int64(1))
-                            if not nxt:  # (no next step: step b's units again, from L1; no branch in the loop)
-                                nu = u0 + b * int64(32 * U)
-                            for j in range(U):
-                                use_unit(wv, ev, j, xs, (b * int64(U) + int64(j)) * int64(grp) + lane * int64(4), segk,
-                                         tab, val, part, acc)
-                                load_unit(w32, es, wv, ev, j, nrows, nu + int64(j * 32) + lane, wpr, nsb, lb)
-                            b += int64(1)
-                        i = nfull * int64(U)
-                    while not roll and (i + int64(U)) * int64(32) <= nus:  # U units per row in flight, then their terms
+                    while (i + int64(U)) * int64(32) <= nus:  # U units per row in flight, then their terms
                         for j in range(U):
                             load_unit(w32, es, wv, ev, j, rows, u0 + (i + int64(j)) * int64(32) + lane, wpr, nsb, lb)
                         for j in range(U):
@@ -457,12 +418,12 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
 def kernel(kind: int, xt: int, mb: int, sc: int = SC_F32, nh: int = 1):
     """The compiled variant for value kind `kind`, x type `xt`, `mb` rows of x, `tune()`, the
     scale form `sc` (`scale_form`) and `nh` slots a unit (`slots_per_unit`)."""
-    return _kernel(kind, xt, mb, tune(), sc, nh, ROLL, STAGE_BATCH)
+    return _kernel(kind, xt, mb, tune(), sc, nh, STAGE_BATCH)
 
 
 @lru_cache(maxsize=None)
-def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int], sc: int, nh: int, roll: bool, sb: int):
-    return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb, tn, sc, nh, roll, sb))
+def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int], sc: int, nh: int, sb: int):
+    return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb, tn, sc, nh, sb))
 
 
 def signature(xt: int, sc: int = SC_F32) -> str:
@@ -480,7 +441,4 @@ def ptx_targets():
             for kind, xt, mb, sc in STORED_SCALE_TARGETS]
     out += [(f"k_decode_linear[{kind},{xt},{mb},split{nh}]", _decode_kernel(kind, xt, mb, nh=nh), signature(xt), REGS)
             for kind, xt, mb, nh in SPLIT_TARGETS]
-    other = not ROLL  # (the other loop: q4s's stored f16 scales, bf16 x, M = 1)
-    out.append((f"k_decode_linear[{fast.KIND_I4},{XT_BF16},1,sc{SC_F16},roll{int(other)}]",
-                _decode_kernel(fast.KIND_I4, XT_BF16, 1, sc=SC_F16, roll=other), signature(XT_BF16, SC_F16), REGS))
     return out
