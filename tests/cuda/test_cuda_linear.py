@@ -11,6 +11,7 @@ import pytest
 
 from qcore.conformance.checks import product_bound
 from qcore.errors import InputError
+from qcore.spec.schemes import scheme as parse_scheme
 from qcore.backend.reference import ReferenceBackend
 
 from tests.cuda_cases import SIM
@@ -430,6 +431,60 @@ def test_the_gpu_chunk_loop_gives_the_lockstep_bits(cuda_backend, monkeypatch, t
         got = run(True)
         for i, (g, e) in enumerate(zip(got, want)):
             assert np.array_equal(g, e), (text, k, i)
+
+
+# (scheme, x type, M): two tiles of w a warp for each kind of chunk: 4-bit integers, 8-bit (two words a
+# lane), FP8 and E2M1 decoders, 2-bit (widened), blocks of 16 (the `split` variants); one and two n8
+# tiles of x, each x type
+_TILE_CASES = [("q4s/block32:f16", "bf16", 1), ("q8s/block64:f16", "f16", 9), ("mxfp4", "f32", 3),
+               ("e4m3/block32:f32", "bf16", 16), ("q2s/block32:f16", "f16", 2), ("nvfp4", "bf16", 10),
+               ("q4s/block16:f16", "f32", 1)]
+
+
+@pytest.mark.parametrize("text,xt,m", _TILE_CASES)
+def test_two_tiles_of_w_a_warp_give_the_one_tile_bits(cuda_backend, monkeypatch, text, xt, m):
+    """A warp over two 16-row tiles of w (`linear.TILES` = 2: each chunk's B fragments of x serve
+    both) adds the same terms in the same order as one tile a warp: the same bits, with N = 40
+    leaving a block's second tile partly past N, and within docs/spec.md's products' bound."""
+    from qcore_cuda import linear
+    from qcore_cuda.paths import linear as paths_linear
+
+    monkeypatch.setattr(paths_linear, "DECODE_MAX_M", 0)
+    be, n, k = cuda_backend, 40, 256
+    kind = linear.geometry((n, k), parse_scheme(text))[0]
+    w = _weight(n, k, 41)
+    x = _x(m, k, XDT[xt], 42)
+    b = _x(1, n, np.float32, 43)[0]
+    got = {}
+    for tiles in (1, 2):
+        monkeypatch.setattr(linear, "TILES", tiles)
+        assert linear.rt_for(kind, n, m) == tiles
+        q = be.quantize(w, text)  # (a fresh weight: the packed launch is kept with it)
+        before = _paths().get("TensorCoreLinear", 0)
+        got[tiles] = _host(be, be.linear(x, q, b, dtype=np.float32))
+        assert _paths().get("TensorCoreLinear", 0) == before + 1
+    assert np.array_equal(got[1].view(np.uint32), got[2].view(np.uint32)), text
+    W = np.asarray(REF.dequantize(REF.quantize(w, text)), np.float64)
+    exact, bound = product_bound(x, W, b, np.dtype(np.float32))
+    assert (np.abs(got[2].astype(np.float64) - exact) <= bound).all()
+
+
+def test_two_tiles_of_w_only_where_measured_faster(monkeypatch):
+    """`linear.rt_for`: two 16-row tiles a warp for 4-bit codes in unsplit chunks at 5 to 16 rows
+    of x where the blocks of 32 rows fill `RT_FILL` of the resident block slots, else one; `TILES` overrides
+    wherever a two-tile variant exists (one or two n8 tiles of x)."""
+    from qcore_cuda import fast, linear
+
+    monkeypatch.setattr(linear, "TILES", 0)
+    monkeypatch.setattr(fast.K, "sm_count", lambda: 132)
+    i4, e2m1, i8 = fast.KIND_I4, fast.KIND_E2M1, fast.KIND_I8
+    assert linear.rt_for(i4, 8192, 5) == 2 and linear.rt_for(e2m1, 8192, 16) == 2  # 256 blocks of 264 slots
+    assert linear.rt_for(i4, 4096, 16) == 1  # 128 blocks: half the GPU
+    assert linear.rt_for(i4, 8192, 4) == 1 and linear.rt_for(i4, 8192, 17) == 1  # (outside RT_M)
+    assert linear.rt_for(i8, 8192, 16) == 1  # (8-bit codes: slower with two)
+    assert linear.rt_for(e2m1, 8192, 16, halves=True) == 1  # (blocks of 16: not timed)
+    monkeypatch.setattr(linear, "TILES", 2)
+    assert linear.rt_for(i8, 4096, 2) == 2 and linear.rt_for(i4, 8192, 17) == 1
 
 
 @pytest.mark.parametrize("text", ["8", "8,4,2", "8,0", "8,x", ""])

@@ -34,8 +34,15 @@ U * 16 bytes per row in flight; the loop over whole groups of U chunks has no bo
 warp's last chunks run one by one), and the lane's offsets into its rows of w, of the scales and
 of x are computed once.
 
-Grid: (ceil(N / 16), ceil(M / (8 NB))) blocks (NB = 1, 2 or 4: `nb_for`) of `WARPS` warps; the warps split the chunks of
-K into contiguous ranges (`plan`). Under the simulator every warp runs the same number of steps
+Tiles of w (`rt_for`). A warp takes RT = 1 or 2 tiles of 16 rows of w (rows 16 r + g and 16 r + g + 8
+of the block's for lane (g, t)); each chunk's B pairs of x are loaded once and multiplied with
+every tile, so x's reads through L1 (at M = 16 four times the weight's bytes with one tile) are
+divided by RT. Each output's terms, their order and its scale steps are those of one tile: the
+same bits. With two tiles a lane keeps U / 2 chunks in flight per row (the same code words as
+one tile at U).
+
+Grid: (ceil(N / (16 RT)), ceil(M / (8 NB))) blocks (NB = 1, 2 or 4: `nb_for`) of `WARPS` warps; the warps split
+the chunks of K into contiguous ranges (`plan`). Under the simulator every warp runs the same number of steps
 (its mma twin needs every thread of the block at each call); steps past a warp's range read
 chunk 0 with B zero.
 
@@ -150,17 +157,54 @@ def split(P: np.ndarray) -> bool:
     return int(P[LP_LB]) == 0
 
 
-def plan(P: np.ndarray, m: int, nb: int, out_type: int, has_bias: bool) -> tuple[tuple, tuple[int, int], tuple[int]]:
-    """(P as the kernel's tuple, grid, block) for m rows of x with `nb` n8 tiles per pass."""
+def plan(P: np.ndarray, m: int, nb: int, out_type: int, has_bias: bool,
+         rt: int = 1) -> tuple[tuple, tuple[int, int], tuple[int]]:
+    """(P as the kernel's tuple, grid, block) for m rows of x with `nb` n8 tiles per pass and `rt`
+    16-row tiles of w a warp."""
     nch = int(P[LP_K]) // 32
     q = LP_LAYOUT.replace(P, LP_M=m, LP_CPW=-(-nch // WARPS), LP_OT=out_type, LP_BIAS=int(has_bias))
-    grid = (-(-int(q[LP_N]) // 16), -(-m // (8 * nb)))
+    grid = (-(-int(q[LP_N]) // (16 * rt)), -(-m // (8 * nb)))
     return tuple(int(v) for v in q), grid, (32 * WARPS,)
 
 
 def nb_for(m: int) -> int:
     """n8 tiles per pass for m rows of x: the fewest that hold m, at most four."""
     return 1 if m <= 8 else 2 if m <= 16 else 4
+
+
+TILES_ENV = "QCORE_CUDA_LINEAR_TILES"
+"""1 or 2 in the environment: the 16-row tiles of w a warp wherever a two-tile variant exists,
+whatever `rt_for` would pick (tuning runs); read at import."""
+TILES = int(os.environ.get(TILES_ENV, "0") or 0)
+RT_NBS = (1, 2)
+"""n8 tiles of x of the two-tile variants (four with two tiles of w pass the register cap)."""
+RT_KINDS = (fast.KIND_I4, fast.KIND_E2M1)
+"""Value kinds that take two tiles by default. By measurement (H100, below): 4-bit codes gain from
+5 rows of x on; 8-bit codes (two words a lane a chunk) lose at every M, 2-bit are not timed."""
+RT_M = (5, 16)
+"""Rows of x (first, last) that take two tiles by default: at 2 and 4 rows they lost on 28672 x 8192."""
+RT_FILL = 0.9
+"""Two tiles of w a warp only where their blocks fill at least this many of the GPU's resident
+block slots (`RT_PER_SM` a SM): fewer, larger blocks leave SMs idle on a small weight."""
+RT_PER_SM = 2  # resident blocks of 8 warps at up to 128 registers
+
+
+def rt_for(kind: int, n: int, m: int, halves: bool = False) -> int:
+    """16-row tiles of w a warp for value kind `kind`, N = n, m rows of x and `split` chunks or not
+    (`halves`): two for the kinds of `RT_KINDS` at `RT_M` rows where the blocks of 32 rows fill the
+    GPU (`RT_FILL`) and chunks are not split (blocks of 16: not timed, and their two-tile variants
+    spill at two n8 tiles), else one;
+    `TILES` overrides wherever the x tiles allow two (`RT_NBS`). Each chunk's B fragments of x then
+    serve 32 rows of w, halving x's reads through L1. H100, `QCORE_CUDA_LINEAR_TILES=1` against
+    `=2`, `NUMBA_ENABLE_CUDASIM=0 python benchmarks/matmul.py --schemes
+    q4s/block32:f16,q8s/block32:f16,mxfp4 --peers torch_bf16 --hide-launch --reps 15 --m 2,4,8,16
+    --shapes 8192x8192,28672x8192` (docs/gpu.md has the figures)."""
+    if nb_for(m) not in RT_NBS:
+        return 1
+    if TILES:
+        return TILES
+    ok = kind in RT_KINDS and RT_M[0] <= m <= RT_M[1] and not halves
+    return 2 if ok and -(-n // 32) >= RT_FILL * RT_PER_SM * fast.K.sm_count() else 1
 
 
 _TO_F16X2 = {fast.KIND_I4: code4_f16x2, fast.KIND_E2M1: e2m1x2_f16x2, fast.KIND_I8: i8x2_f16x2,
@@ -240,10 +284,11 @@ def _split_pair(lo, hi, part):
     return (f2u(b) & uint32(0xFFFF0000)) | (f2u(a) >> uint32(16))
 
 
-def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_loop: bool | None = None):
+def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_loop: bool | None = None,
+                   rt: int = 1):
     """The kernel for value kind `kind`, x type `xt`, `nb` n8 tiles of x per pass; `halves`: the
     `split` variant (blocks of 16: a chunk's halves under their own slots); `sim_gpu_loop`
-    (default `SIM_GPU_LOOP`)."""
+    (default `SIM_GPU_LOOP`); `rt` 16-row tiles of w a warp (each chunk's B used for all)."""
     sim = bool(config.ENABLE_CUDASIM)
     bits = fast.KIND_BITS[kind]
     bf = xt != XT_F16
@@ -252,11 +297,13 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
     mt = 8 * nb
     masked = sim and not (SIM_GPU_LOOP if sim_gpu_loop is None else sim_gpu_loop)
     scr_n = SCR * WARPS if sim else 1
-    red_n = WARPS * 16 * mt
+    red_n = WARPS * 16 * rt * mt
     nt = 32 * WARPS
     pairs = _decoder(fast.KIND_I4 if bits == 2 else kind, bf)  # (2-bit codes widened to 4: `widen2`)
-    uf = 2 if halves and nb == 4 and U > 2 else U  # chunks in flight (two for split nb = 4: fewer spills)
-    acc_n, bx_n, w_n = 4 * nb, 4 * nxs * nb, 2 * uf  # (local array sizes: constants)
+    uf = 2 if halves and nb == 4 and U > 2 else max(1, U // rt)  # chunks in flight (two for split nb = 4,
+    # U / rt for rt tiles of w: the same code words in flight a lane, no spills)
+    acc_n, bx_n, w_n = 4 * nb, 4 * nxs * nb, 2 * uf  # (per tile; local array sizes: constants)
+    acc_all, w_all = acc_n * rt, w_n * rt
 
     ws = 2 if bits == 8 else 1  # u32 words of a lane's 8 codes (2-bit: half of one, widened)
     cw = 2 if bits == 2 else 4 * ws  # u32 words of a row's 32-code chunk
@@ -310,47 +357,59 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
                     tmp[4 * j + 3], scr, lane, base)
 
     @cuda.jit(device=True, inline="always")
-    def scaled(ea, eb, tmp, acc):
-        """acc += e * sums (f32), rows g (`ea`) and g + 8 (`eb`)."""
+    def scaled(ea, eb, tmp, acc, r):
+        """acc of tile r += e * sums (f32), rows g (`ea`) and g + 8 (`eb`)."""
         for j in range(nb):
-            acc[4 * j] += ea * tmp[4 * j]
-            acc[4 * j + 1] += ea * tmp[4 * j + 1]
-            acc[4 * j + 2] += eb * tmp[4 * j + 2]
-            acc[4 * j + 3] += eb * tmp[4 * j + 3]
+            a = r * acc_n + 4 * j
+            acc[a] += ea * tmp[4 * j]
+            acc[a + 1] += ea * tmp[4 * j + 1]
+            acc[a + 2] += eb * tmp[4 * j + 2]
+            acc[a + 3] += eb * tmp[4 * j + 3]
 
     @cuda.jit(device=True, inline="always")
-    def chunk(x, es, cc, wa0, wa1, wb0, wb1, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base):
-        """One 32-k chunk: the rows' scales, codes and x, two mma steps into zeroed sums, then
-        `acc += e * sums` (f32); a split chunk (`halves`) does so for each half, x read for each
-        with zeros in the other half's lanes (the same registers: no masked copies)."""
+    def tile_terms(es, wa, wb, i, r, sra, srb, h0, h, bx, tmp, acc, scr, lane, base):
+        """Tile r's part of a chunk (or of a split chunk's half h): its rows' words at wa, wb
+        [r * w_n + i ..], two mma steps against `bx` into zeroed sums, then `acc += e * sums`."""
+        o = r * w_n + i
+        pa0, pa1, pa2, pa3 = pairs(wa[o], wa[o + 1])
+        pb0, pb1, pb2, pb3 = pairs(wb[o], wb[o + 1])
+        steps(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, bx, tmp, scr, lane, base)
+        scaled(es[sra[r] + h0 + int64(h)], es[srb[r] + h0 + int64(h)], tmp, acc, r)
+
+    @cuda.jit(device=True, inline="always")
+    def chunk(x, es, cc, wa, wb, i, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base):
+        """One 32-k chunk, code words at wa, wb [r * w_n + i ..] for tile r: x's B pairs once, then
+        per tile the rows' codes, two mma steps into zeroed sums and `acc += e * sums` (f32); a
+        split chunk (`halves`) does so for each half, x read for each with zeros in the other
+        half's lanes (the same registers: no masked copies)."""
         h0 = (cc << int64(1)) >> lb  # (the slot of the chunk's first half)
-        pa0, pa1, pa2, pa3 = pairs(wa0, wa1)
-        pb0, pb1, pb2, pb3 = pairs(wb0, wb1)
         if halves:
             hi = (lane >> int64(1)) & int64(1)  # (t >> 1: the half this lane's codes lie in)
             for h in range(2):
                 mk = uint32(0xFFFFFFFF) if hi == int64(h) else uint32(0)
                 for j in range(nb):
                     load_x(x, bx, 4 * nxs * j, xo[j], cc, mk)
-                steps(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, bx, tmp, scr, lane, base)
-                scaled(es[sra + h0 + int64(h)], es[srb + h0 + int64(h)], tmp, acc)
+                for r in range(rt):
+                    tile_terms(es, wa, wb, i, r, sra, srb, h0, h, bx, tmp, acc, scr, lane, base)
         else:
             for j in range(nb):
                 load_x(x, bx, 4 * nxs * j, xo[j], cc, uint32(0xFFFFFFFF))
-            steps(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, bx, tmp, scr, lane, base)
-            scaled(es[sra + h0], es[srb + h0], tmp, acc)
+            for r in range(rt):
+                tile_terms(es, wa, wb, i, r, sra, srb, h0, 0, bx, tmp, acc, scr, lane, base)
 
     @cuda.jit(device=True, inline="always")
     def load_chunk(w32, wa, wb, i, c, wra, wrb, sh):
-        """The code word(s) of chunk c of the lane's two rows into wa[i], wb[i] (and wa[i + 1],
-        wb[i + 1] for 8-bit codes)."""
+        """The code word(s) of chunk c of the lane's two rows of each tile r into wa[r * w_n + i],
+        wb[r * w_n + i] (and the next for 8-bit codes)."""
         o = c * int64(cw)
-        if ws == 1:
-            wa[i] = load1(w32, wra + o, sh)
-            wb[i] = load1(w32, wrb + o, sh)
-        else:
-            wa[i], wa[i + 1] = ld2(w32, wra + o)
-            wb[i], wb[i + 1] = ld2(w32, wrb + o)
+        for r in range(rt):
+            ri = r * w_n + i
+            if ws == 1:
+                wa[ri] = load1(w32, wra[r] + o, sh)
+                wb[ri] = load1(w32, wrb[r] + o, sh)
+            else:
+                wa[ri], wa[ri + 1] = ld2(w32, wra[r] + o)
+                wb[ri], wb[ri + 1] = ld2(w32, wrb[r] + o)
 
     @cuda.jit(device=True, inline="always")
     def load_group(w32, wa, wb, c, wra, wrb, sh):
@@ -362,19 +421,21 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
     def use_group(x, es, wa, wb, c, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base):
         """The sums of chunks c .. c + uf - 1 (`load_group`'s words), in k order."""
         for u in range(uf):
-            i = u * 2
-            chunk(x, es, c + int64(u), wa[i], wa[i + 1], wb[i], wb[i + 1], sra, srb, lb, xo, bx, tmp, acc, scr, lane,
-                  base)
+            chunk(x, es, c + int64(u), wa, wb, u * 2, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
 
     def k_linear(x, w32, es, bias, out32, out16, P):
         red = cuda.shared.array(red_n, float32)
         scr = cuda.shared.array(scr_n, float32)
-        acc = cuda.local.array(acc_n, float32)
+        acc = cuda.local.array(acc_all, float32)
         tmp = cuda.local.array(acc_n, float32)
         bx = cuda.local.array(bx_n, uint32)
-        wa = cuda.local.array(w_n, uint32)
-        wb = cuda.local.array(w_n, uint32)
+        wa = cuda.local.array(w_all, uint32)
+        wb = cuda.local.array(w_all, uint32)
         xo = cuda.local.array(nb, int64)
+        wra = cuda.local.array(rt, int64)
+        wrb = cuda.local.array(rt, int64)
+        sra = cuda.local.array(rt, int64)
+        srb = cuda.local.array(rt, int64)
         tid = int64(cuda.threadIdx.x)
         warp = tid >> int64(5)
         lane = tid & int64(31)
@@ -385,16 +446,17 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
         M = P[LP_M]
         lb = P[LP_LB]
         cpw = P[LP_CPW]
-        n0 = int64(cuda.blockIdx.x) * int64(16)
+        n0 = int64(cuda.blockIdx.x) * int64(16 * rt)
         m0 = int64(cuda.blockIdx.y) * int64(mt)
-        ra = min(n0 + g, N - int64(1))
-        rb = min(n0 + g + int64(8), N - int64(1))
         lw = (t >> int64(1)) if bits == 2 else t * int64(ws)  # (2-bit: lanes 2i, 2i + 1 share word i)
         sh = uint32(16) * uint32(t & int64(1)) if bits == 2 else uint32(0)  # (and take its halves)
-        wra = ra * P[LP_WPR] + lw  # the lane's code words at chunk 0
-        wrb = rb * P[LP_WPR] + lw
-        sra = ra * P[LP_NSB]  # the rows' first scale slots
-        srb = rb * P[LP_NSB]
+        for r in range(rt):  # tile r: rows n0 + 16 r + g and + 8
+            ra = min(n0 + int64(16 * r) + g, N - int64(1))
+            rb = min(n0 + int64(16 * r + 8) + g, N - int64(1))
+            wra[r] = ra * P[LP_WPR] + lw  # the lane's code words at chunk 0
+            wrb[r] = rb * P[LP_WPR] + lw
+            sra[r] = ra * P[LP_NSB]  # the rows' first scale slots
+            srb[r] = rb * P[LP_NSB]
         for j in range(nb):  # the lane's offset into its row of x at chunk 0 (-1: past M)
             m = m0 + int64(8 * j) + g
             if m >= M:
@@ -407,7 +469,7 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
         c0 = warp * cpw
         c1 = min(c0 + cpw, nch)
         base = warp * int64(SCR)
-        for i in range(4 * nb):
+        for i in range(acc_all):
             acc[i] = float32(0.0)
         if masked:  # the simulator: every warp the same steps (past its range: chunk 0, B zero)
             for s in range(cpw):
@@ -418,7 +480,7 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
                 if not ok:
                     for j in range(nb):
                         xo[j] = int64(-1)
-                chunk(x, es, cc, wa[0], wa[1], wb[0], wb[1], sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
+                chunk(x, es, cc, wa, wb, 0, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
         else:
             c = c0
             while c + int64(uf) <= c1:  # U chunks' code words in flight, then their sums
@@ -427,19 +489,23 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
                 c += int64(uf)
             while c < c1:
                 load_chunk(w32, wa, wb, 0, c, wra, wrb, sh)
-                chunk(x, es, c, wa[0], wa[1], wb[0], wb[1], sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
+                chunk(x, es, c, wa, wb, 0, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
                 c += int64(1)
-        # C of tile j: lane (g, t) holds rows g, g + 8 and columns 8j + 2t, 8j + 2t + 1
-        wo = warp * int64(16 * mt)
-        for j in range(nb):
-            col = int64(8 * j) + t * int64(2)
-            red[wo + g * int64(mt) + col] = acc[4 * j]
-            red[wo + g * int64(mt) + col + int64(1)] = acc[4 * j + 1]
-            red[wo + (g + int64(8)) * int64(mt) + col] = acc[4 * j + 2]
-            red[wo + (g + int64(8)) * int64(mt) + col + int64(1)] = acc[4 * j + 3]
+        # C of w tile r, x tile j: lane (g, t) holds rows 16 r + g, + 8 and columns 8j + 2t, + 1
+        wo = warp * int64(16 * rt * mt)
+        for r in range(rt):
+            for j in range(nb):
+                a = r * acc_n + 4 * j
+                col = int64(8 * j) + t * int64(2)
+                ga = (int64(16 * r) + g) * int64(mt) + col
+                gb = ga + int64(8 * mt)
+                red[wo + ga] = acc[a]
+                red[wo + ga + int64(1)] = acc[a + 1]
+                red[wo + gb] = acc[a + 2]
+                red[wo + gb + int64(1)] = acc[a + 3]
         cuda.syncthreads()
         idx = tid
-        while idx < int64(16 * mt):
+        while idx < int64(16 * rt * mt):
             row = idx // int64(mt)
             col = idx - row * int64(mt)
             n = n0 + row
@@ -447,7 +513,7 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
             if n < N and m < M:
                 v = red[idx]
                 for w in range(1, WARPS):
-                    v += red[int64(w * 16 * mt) + idx]
+                    v += red[int64(w * 16 * rt * mt) + idx]
                 if P[LP_BIAS] != int64(0):
                     v += bias[n]
                 store_out(out32, out16, m * N + n, v, P[LP_OT])
@@ -477,15 +543,16 @@ def store_out(out32, out16, o, v, ot):
         out16[o] = uint16(_bf16_rn_bits(v))
 
 
-def kernel(kind: int, xt: int, nb: int, halves: bool = False):
+def kernel(kind: int, xt: int, nb: int, halves: bool = False, rt: int = 1):
     """The compiled variant for value kind `kind`, x type `xt`, `nb` n8 tiles per pass, `split`
-    chunks or not (`halves`), and under the simulator `SIM_GPU_LOOP` as it is now."""
-    return _kernel(kind, xt, nb, halves, SIM_GPU_LOOP)
+    chunks or not (`halves`), `rt` tiles of w a warp, and under the simulator `SIM_GPU_LOOP` as
+    it is now."""
+    return _kernel(kind, xt, nb, halves, SIM_GPU_LOOP, rt)
 
 
 @lru_cache(maxsize=None)
-def _kernel(kind: int, xt: int, nb: int, halves: bool, sim_gpu_loop: bool):
-    return fast.K.jit_regs(REGS)(_linear_kernel(kind, xt, nb, halves, sim_gpu_loop))
+def _kernel(kind: int, xt: int, nb: int, halves: bool, sim_gpu_loop: bool, rt: int):
+    return fast.K.jit_regs(REGS)(_linear_kernel(kind, xt, nb, halves, sim_gpu_loop, rt))
 
 
 def signature(xt: int, scales: str = "float32", tail: str = "") -> str:
@@ -508,7 +575,11 @@ def _variants():
     return ([(f"k_linear[{kind},{xt},{nb}]", _linear_kernel(kind, xt, nb), signature(xt), REGS)
              for kind in KINDS for xt in (XT_BF16, XT_F16, XT_F32) for nb in NBS]
             + [(f"k_linear[{kind},{xt},{nb},split]", _linear_kernel(kind, xt, nb, True), signature(xt), REGS)
-               for kind, xt, nb in SPLIT_TARGETS])
+               for kind, xt, nb in SPLIT_TARGETS]
+            + [(f"k_linear[{kind},{xt},{nb},rt2]", _linear_kernel(kind, xt, nb, rt=2), signature(xt), REGS)
+               for kind in KINDS for xt in (XT_BF16, XT_F16, XT_F32) for nb in RT_NBS]
+            + [(f"k_linear[{kind},{xt},{nb},split,rt2]", _linear_kernel(kind, xt, nb, True, rt=2), signature(xt),
+                REGS) for kind, xt, nb in SPLIT_TARGETS if nb in RT_NBS])
 
 
 EFFECTIVE_SIG = "void(float32[::1], float32[::1], float32[::1], int64)"
