@@ -7,7 +7,10 @@
 
 The kernels' tunings are read when the backend is imported (`QCORE_CUDA_DECODE_TUNE` =
 WARPS,U,RW for the decode kernel, k_decode.py; `QCORE_CUDA_LINEAR_TUNE` = WARPS,U for
-the tensor-core kernel, linear.py), so each variant runs in a process of its own:
+the tensor-core kernel, linear.py; a fourth decode field sets the decode kernel's register cap,
+`QCORE_CUDA_DECODE_REGS`, and with it its blocks a SM: `--decode 4,2,2,80`; a third tensor-core
+field the tiles of w a warp, `QCORE_CUDA_LINEAR_TILES`: `--tc 8,4,2`), so each variant runs in a
+process of its own:
 `benchmarks/matmul.py` with the variant in its environment, GPU time (`--hide-launch`), torch
 bf16 as the peer in the same process, the weight evicted from L2 before each call. A tensor-core
 variant runs with the decode path off (`QCORE_CUDA_LINEAR_DECODE_M=0`), so M = 1 takes it too.
@@ -47,6 +50,11 @@ FUSED_VARIANTS = ["off", "64,64,64,4,4,2", "64,128,64,4,4,3", "64,256,64,4,4,3",
 """The fused GEMM off (the paths that take each M otherwise), `fused.tile_for`'s tiles (fields,
 then staged), the staged form's widest, fewer x rows, the columns form, a ring of three."""
 SCHEMES = "q4s/block32:f16,q8s/block32:f16,mxfp4,nvfp4"
+TUNE_FIELDS = {"decode": 3, "tc": 2}
+"""Fields of each kernel's tuning variable; a variant's further fields set `MORE_ENVS`."""
+MORE_ENVS = {"decode": ("QCORE_CUDA_DECODE_REGS",), "tc": ("QCORE_CUDA_LINEAR_TILES",)}
+"""A variant's fields past the tuning: the decode kernel's register cap (k_decode.REGS, which sets
+its blocks a SM and staging batch), the tensor-core kernel's tiles of w a warp (linear.TILES)."""
 
 
 def runs(args) -> list[dict]:
@@ -56,7 +64,10 @@ def runs(args) -> list[dict]:
                                 ("fused", args.fused, args.fused_m)):
         for v in variants:
             folder = os.path.join(args.out, f"{kernel}-{v.replace(',', '-')}")
-            extra = {ENVS[kernel]: v, "NUMBA_ENABLE_CUDASIM": "0"}
+            fields = v.split(",")
+            n = TUNE_FIELDS.get(kernel, len(fields))
+            extra = {ENVS[kernel]: ",".join(fields[:n]), "NUMBA_ENABLE_CUDASIM": "0"}
+            extra.update(zip(MORE_ENVS.get(kernel, ()), fields[n:]))
             if kernel == "tc":
                 extra["QCORE_CUDA_LINEAR_DECODE_M"] = "0"
             if kernel == "fused":

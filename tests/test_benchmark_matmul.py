@@ -103,6 +103,19 @@ def test_linear_tune_runs_each_variant_in_its_own_environment(linear_tune, tmp_p
     assert "8,4,2" in text and "1.50x" in text and "(rc 1)" in text.splitlines()[-1]
 
 
+def test_linear_tune_fields_past_a_tuning_set_their_own_variables(linear_tune, tmp_path):
+    """A decode variant's fourth field is the register cap (`QCORE_CUDA_DECODE_REGS`), a
+    tensor-core variant's third the tiles of w a warp (`QCORE_CUDA_LINEAR_TILES`)."""
+    plan = linear_tune.runs(argparse.Namespace(
+        out=str(tmp_path), decode=["4,2,2,80"], tc=["8,4,2"], fused=[], decode_m="1", tc_m="16",
+        fused_m="256", shapes="8192x8192", schemes="nvfp4", reps=10, budget_s=50.0, f16=False))
+    assert plan[0]["env"] == {"QCORE_CUDA_DECODE_TUNE": "4,2,2", "QCORE_CUDA_DECODE_REGS": "80",
+                              "NUMBA_ENABLE_CUDASIM": "0"}
+    assert plan[1]["env"] == {"QCORE_CUDA_LINEAR_TUNE": "8,4", "QCORE_CUDA_LINEAR_TILES": "2",
+                              "NUMBA_ENABLE_CUDASIM": "0", "QCORE_CUDA_LINEAR_DECODE_M": "0"}
+    assert plan[0]["out"].endswith("decode-4-2-2-80")
+
+
 def test_linear_tune_f16_times_float16_x_against_torch_fp16(linear_tune, tmp_path):
     """`--f16`: each run passes --f16 to matmul.py, and the tables read the float16-x case's ratio
     to torch fp16."""

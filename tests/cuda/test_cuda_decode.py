@@ -279,3 +279,16 @@ def test_tunings_and_scale_forms_give_the_default_bits(cuda_backend, monkeypatch
         got = run(default, k_decode.SC_F32)
         for i, (g, e) in enumerate(zip(got, want)):
             assert np.array_equal(g, e), (text, k, "f32 scales", i)
+
+
+def test_the_grid_takes_the_blocks_an_sm_holds(monkeypatch):
+    """`k_decode.per_sm`: the persistent grid's blocks a SM are as many as its registers (at the
+    cap `REGS` a thread), shared memory (x's `XS` floats a block) and warps hold: two 8-warp blocks
+    at 128 registers, four 4-warp ones, six at 80 registers (shared memory's limit too)."""
+    from qcore_cuda import k_decode
+
+    monkeypatch.setattr(k_decode, "XS", 8192)
+    for warps, regs, want in ((8, 128, 2), (4, 128, 4), (4, 80, 6), (2, 64, 6), (8, 80, 3)):
+        monkeypatch.setattr(k_decode, "WARPS", warps)
+        monkeypatch.setattr(k_decode, "REGS", regs)
+        assert k_decode.per_sm() == want, (warps, regs)

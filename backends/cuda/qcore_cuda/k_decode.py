@@ -13,7 +13,7 @@ contiguous bytes of each row with one `ld4` (a unit: 32 4-bit codes, one 32-k ch
 codes, half of one), so a warp's load instruction covers 512 contiguous bytes of a row. Each lane
 issues `U` units of each of its rows (`U * RW` 16-byte loads, and their scales) before it decodes
 any of them; the loop over whole groups of `U` units has no bounds checks, the units left over go
-one at a time. Blocks of `WARPS` warps; a persistent grid of at most `PER_SM` blocks per SM whose
+one at a time. Blocks of `WARPS` warps; a persistent grid of at most `per_sm()` blocks per SM whose
 warps take row groups in turn (rounds).
 
 Scales (`scale_form`). A one-level weight of f16 or bf16 slots passes the payload's scales
@@ -97,11 +97,16 @@ XS = 4096 if SIM else 8192
 segment). On a GPU it holds `MBS[-1]` groups of the largest unit (4 x 2048 columns of 2-bit
 codes); the simulator's holds two of those, so there 2-bit weights take the decode path up to M = 2
 (`segment` 0: `DecodeLinear` does not apply)."""
-STAGE_BATCH = 8
+REGS_ENV = "QCORE_CUDA_DECODE_REGS"
+"""The register cap in the environment replaces `REGS` (tuning runs); read at import."""
+REGS = 128 if SIM else int(os.environ.get(REGS_ENV, "128"))
+"""ptxas's register cap (-maxrregcount) for the kernel; with `WARPS` it sets the blocks a SM holds
+(`per_sm`)."""
+STAGE_BATCH = 8 if REGS >= 96 else 4
 """Quads of x (4 elements) a thread loads before it stores them into shared memory, staging x
-(read when a kernel is built)."""
-PER_SM = 2  # resident blocks per SM the grid is sized for (8 warps of at most 128 registers: 2 fill an SM)
-REGS = 128
+(read when a kernel is built): 8, or 4 under a cap below 96 registers (8 spill there)."""
+SM_REGS, SM_SMEM, SM_WARPS = 65536, 228 * 1024, 64
+"""A SM's registers, shared memory (bytes) and resident warps (compute capability 8.0-9.0)."""
 FP8_KINDS = (fast.KIND_E4M3, fast.KIND_E5M2)
 """Kinds decoded by the sm_89+ FP8 conversions (`backend.FAST_MIN_CC`)."""
 DL_LAYOUT = ParamLayout("DL", "int64", [
@@ -141,6 +146,15 @@ def segment(kind: int, k: int, mb: int) -> int:
     return min((XS // mb) // g * g, -(-k // g) * g)
 
 
+def per_sm() -> int:
+    """Resident blocks per SM the persistent grid is sized for: as many as the SM's registers (at
+    `REGS` a thread), shared memory (`XS` floats of x a block, and 1 KB the driver keeps) and
+    warps hold; 2 at the default 8 warps of 128 registers."""
+    by_regs = SM_REGS // (32 * WARPS * REGS)
+    by_smem = SM_SMEM // (4 * XS + 16 * 4 + 4 + 1024)
+    return max(1, min(by_regs, by_smem, SM_WARPS // WARPS))
+
+
 def tune() -> tuple[int, int, int]:
     """(WARPS, U, RW) as the module has them now (`kernel` compiles that variant)."""
     return WARPS, U, RW
@@ -163,7 +177,7 @@ def plan(kind: int, P: np.ndarray, m: int, out_type: int, has_bias: bool) -> tup
                        DL_WPR=int(P[linear.LP_WPR]), DL_SEGK=segment(kind, k_, mb), DL_OT=out_type,
                        DL_BIAS=int(has_bias))
     blocks = -(-(-(-n_ // RW)) // WARPS)
-    cap = 2 if SIM else fast.K.sm_count() * PER_SM
+    cap = 2 if SIM else fast.K.sm_count() * per_sm()
     return tuple(int(v) for v in q), (max(1, min(blocks, cap)),), (32 * WARPS,)
 
 
