@@ -281,6 +281,35 @@ def test_tunings_and_scale_forms_give_the_default_bits(cuda_backend, monkeypatch
             assert np.array_equal(g, e), (text, k, "f32 scales", i)
 
 
+@pytest.mark.parametrize("text,n,k,ms", [
+    ("q4s/block32:f16", 12, 4096, (1, 4)),  # one segment, two rounds, whole steps
+    ("q8s/block32:f16", 12, 1056, (1, 4)),  # units left over after the steps (and fewer than a step)
+    ("q4s/block32:f16", 9, 8192, (1, 4)),  # two staged segments (the simulator's 4096 floats of x)
+    ("q2s/block32:f16", 10, 2048, (1, 2)),  # 2-bit units (64 codes; the simulator's decode path to M = 2)
+])
+def test_the_staging_order_and_the_early_loads_give_the_same_bits(cuda_backend, monkeypatch, text, n, k, ms):
+    """`k_decode.LANES` (x staged by lane groups, 16-byte shared stores) and `PREFETCH` (a warp's
+    first step of weight loads issued before the staging) put the same floats of x in the same
+    places and add the same terms in the same order: the same bits as the default, at one row of x
+    and more."""
+    from qcore_cuda import k_decode
+
+    be = cuda_backend
+    w = _weight(n, k, 21)
+    x = _x(4, k, BF16, 22)
+    got = {}
+    for lanes, pre in ((False, False), (True, False), (False, True)):
+        monkeypatch.setattr(k_decode, "LANES", lanes)
+        monkeypatch.setattr(k_decode, "PREFETCH", pre)
+        q = be.quantize(w, text)  # (a fresh weight: the packed launch is kept with it)
+        before = _taken("DecodeLinear")
+        got[lanes, pre] = [_bits(_host(be, be.linear(x[:m], q, dtype=np.float32))) for m in ms]
+        assert _taken("DecodeLinear") == before + len(ms)
+    for key, bits in got.items():
+        for a, b in zip(got[False, False], bits):
+            assert np.array_equal(a, b), (text, key)
+
+
 def test_the_grid_takes_the_blocks_an_sm_holds(monkeypatch):
     """`k_decode.per_sm`: the persistent grid's blocks a SM are as many as its registers (at the
     cap `REGS` a thread), shared memory (x's `XS` floats a block) and warps hold: two 8-warp blocks

@@ -11,9 +11,9 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
 * `stb4(a, i, w)` / `stb8(a, i, w0, w1)`: one or two u32 words (little-endian, w0 first) into
   the bytes `a[i..i+3]` (`a[i..i+7]`) of a uint8 array, one 4- or 8-byte store; the caller
   guarantees `i` a multiple of 4 (8) and a base aligned to as much.
-* `lds4(a, i)`: the 16-byte access of `a[i..i+3]` through the array's own (generic) pointer,
-  for a shared-memory array (`ld4` casts to the global space); the caller guarantees `i` a
-  multiple of 4 and an array declared with `alignment=16`.
+* `lds4(a, i)` / `sts4(a, i, v0..v3)`: the 16-byte load / store of `a[i..i+3]` through the
+  array's own (generic) pointer, for a shared-memory array (`ld4` and `st4` cast to the global
+  space); the caller guarantees `i` a multiple of 4 and an array declared with `alignment=16`.
 * `f2u(x)` / `u2f(u)`: float32 <-> uint32 bit patterns; `prmt(a, b, sel)`: byte permute
   (`prmt.b32`, byte k of the result is byte `sel >> 4k & 7` of `b:a`; `sel` a literal).
 * `fmax_nan(a, b)`: max that returns NaN when either is NaN (`max.NaN.f32`, sm_80+); with
@@ -86,6 +86,12 @@ if config.ENABLE_CUDASIM:
 
     def lds4(a, i):
         return a[i], a[i + 1], a[i + 2], a[i + 3]
+
+    def sts4(a, i, v0, v1, v2, v3):
+        a[i] = v0
+        a[i + 1] = v1
+        a[i + 2] = v2
+        a[i + 3] = v3
 
     def ld1(a, i):
         return a[i]
@@ -364,6 +370,24 @@ else:
             v = builder.load(p, align=16)
             vals = [builder.extract_element(v, ir.Constant(_I32, j)) for j in range(4)]
             return context.make_tuple(builder, sig.return_type, vals)
+
+        return sig, codegen
+
+    @intrinsic
+    def sts4(typingctx, a, i, v0, v1, v2, v3):
+        sig = types.void(a, i, v0, v1, v2, v3)
+
+        def codegen(context, builder, sig, args):
+            aty = sig.args[0]
+            ary = context.make_array(aty)(context, builder, value=args[0])
+            k = context.cast(builder, args[1], sig.args[1], types.int64)
+            et = context.get_value_type(aty.dtype)
+            vt = ir.VectorType(et, 4)
+            v = ir.Constant(vt, ir.Undefined)
+            for j in range(4):
+                v = builder.insert_element(v, context.cast(builder, args[2 + j], sig.args[2 + j], aty.dtype),
+                                           ir.Constant(_I32, j))
+            builder.store(v, builder.bitcast(builder.gep(ary.data, [k]), vt.as_pointer()), align=16)  # (generic)
 
         return sig, codegen
 

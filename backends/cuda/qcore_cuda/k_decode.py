@@ -63,7 +63,7 @@ import numpy as np
 
 from . import fast, linear
 from ._params import ParamLayout
-from .intrin import f16_f32, f16x2_f32, ld1, ld2, ld4, lds4, u2f
+from .intrin import f16_f32, f16x2_f32, ld1, ld2, ld4, lds4, sts4, u2f
 from .linear import XT_BF16, XT_F16, XT_F32, store_out
 
 from numba import config, cuda, float32, int32, int64, uint32  # noqa: E402
@@ -105,6 +105,18 @@ REGS = 128 if SIM else int(os.environ.get(REGS_ENV, "128"))
 STAGE_BATCH = 8 if REGS >= 96 else 4
 """Quads of x (4 elements) a thread loads before it stores them into shared memory, staging x
 (read when a kernel is built): 8, or 4 under a cap below 96 registers (8 spill there)."""
+LANES_ENV, PREFETCH_ENV = "QCORE_CUDA_DECODE_LANES", "QCORE_CUDA_DECODE_PREFETCH"
+"""1 in the environment sets `LANES` / `PREFETCH` (tuning runs); read at import."""
+LANES = os.environ.get(LANES_ENV, "0") == "1"
+"""Stage x with the lanes of a warp over 8 units' first 4 quads each (lane = 8 jq + ln in the low
+bits): a warp's load instruction reads whole 32-byte sectors (bfloat16 x: 8 sectors, against 32
+sectors a quarter used by consecutive units), and each lane stores its quad with one 16-byte
+shared store, a quarter warp's 8 quads in distinct banks. The same floats in the same places: the
+same bits. Off until a GPU run times it (read when a kernel is built)."""
+PREFETCH = os.environ.get(PREFETCH_ENV, "0") == "1"
+"""Issue a warp's first step of weight loads before the block stages x (its first round's first
+segment), so that the weight's first bytes are in flight during the staging. The same terms in the
+same order: the same bits. Off until a GPU run times it (read when a kernel is built)."""
 SM_REGS, SM_SMEM, SM_WARPS = 65536, 228 * 1024, 64
 """A SM's registers, shared memory (bytes) and resident warps (compute capability 8.0-9.0)."""
 FP8_KINDS = (fast.KIND_E4M3, fast.KIND_E5M2)
@@ -218,12 +230,13 @@ def slots_per_unit(kind: int, P: np.ndarray) -> int:
 
 
 def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None = None, sc: int = SC_F32,
-                   nh: int = 1, sb: int | None = None):
+                   nh: int = 1, sb: int | None = None, lanes: bool | None = None, pre: bool | None = None):
     """The kernel for value kind `kind`, x type `xt` (linear.XT_*), `mb` rows of x, the tuning
     `tn` (WARPS, U, RW; default `tune()`), the scale form `sc` (SC_*: `es` float32, or
     the payload's stored scale words as uint16), `nh`, the scale slots a unit holds
-    (`slots_per_unit`: its parts summed apart, each under its slot) and the staging batch `sb`
-    (default `STAGE_BATCH`)."""
+    (`slots_per_unit`: its parts summed apart, each under its slot), the staging batch `sb`
+    (default `STAGE_BATCH`), the staging order `lanes` (default `LANES`) and the first step's
+    loads before the staging, `pre` (default `PREFETCH`)."""
     assert nh in (1, 2, 4) and nh <= unit_halves(kind), (kind, nh)
     WARPS, U, RW = tn or tune()  # (closure constants from here on)
     bits = fast.KIND_BITS[kind]
@@ -245,6 +258,9 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
     s_f16, s_bf16 = sc == SC_F16, sc == SC_BF16
     ev_t = float32 if sc == SC_F32 else uint32  # (a stored word is widened where it is used)
     sb = STAGE_BATCH if sb is None else sb
+    lanes = LANES if lanes is None else lanes
+    pre = PREFETCH if pre is None else pre
+    jqh = (uc // 16).bit_length() - 1  # (lanes: bits of a unit's quad index above its low two)
     sv_t = float32 if x_f32 else uint32  # (x's words as a thread holds them while staging)
     nsv = 4 * sb
 
@@ -259,8 +275,13 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
             qq = q - m * nq
         g = qq // int64(gq)
         rem = qq - g * int64(gq)
-        jq = rem >> int64(5)
-        ln = rem & int64(31)
+        if lanes:  # rem: ln_lo (3 bits), jq_lo (2), jq_hi (jqh), ln_hi (2)
+            rest = rem >> int64(5)
+            jq = ((rest & int64((1 << jqh) - 1)) << int64(2)) | ((rem >> int64(3)) & int64(3))
+            ln = ((rest >> int64(jqh)) << int64(3)) | (rem & int64(7))
+        else:
+            jq = rem >> int64(5)
+            ln = rem & int64(31)
         k = k0 + g * int64(grp) + ln * int64(uc) + jq * int64(4)
         d = m * segk + g * int64(grp) + jq * int64(128) + ln * int64(4)
         return m * K + k, d, k < K
@@ -300,10 +321,13 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
                     else:
                         v0, v1 = f16x2_f32(w0)
                         v2, v3 = f16x2_f32(w1)
-                    xs[d] = v0
-                    xs[d + int64(1)] = v1
-                    xs[d + int64(2)] = v2
-                    xs[d + int64(3)] = v3
+                    if lanes:
+                        sts4(xs, d, v0, v1, v2, v3)
+                    else:
+                        xs[d] = v0
+                        xs[d + int64(1)] = v1
+                        xs[d + int64(2)] = v2
+                        xs[d + int64(3)] = v3
             q += int64(sb * nt)
 
     @cuda.jit(device=True, inline="always")
@@ -395,15 +419,23 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
                 k0 = s * segk
                 u0 = k0 // int64(uc)
                 nus = min(segk, K - k0) // int64(uc)  # units of a row in this segment
+                held = False  # (the first step's units are in the slots: `pre`)
                 if rnd == int64(0) or nseg > int64(1):
+                    if pre and ok and rnd == int64(0) and s == 0 and int64(U * 32) <= nus:
+                        for j in range(U):
+                            load_unit(w32, es, wv, ev, j, rows, u0 + int64(j * 32) + lane, wpr, nsb, lb)
+                        held = True
                     cuda.syncthreads()  # (every warp is done with the previous segment)
                     stage(x, xs, sv, k0, K, M, segk, tid)
                     cuda.syncthreads()
                 if ok:
                     i = int64(0)
                     while (i + int64(U)) * int64(32) <= nus:  # U units per row in flight, then their terms
-                        for j in range(U):
-                            load_unit(w32, es, wv, ev, j, rows, u0 + (i + int64(j)) * int64(32) + lane, wpr, nsb, lb)
+                        if not held:
+                            for j in range(U):
+                                load_unit(w32, es, wv, ev, j, rows, u0 + (i + int64(j)) * int64(32) + lane, wpr, nsb,
+                                          lb)
+                        held = False
                         for j in range(U):
                             use_unit(wv, ev, j, xs, (i + int64(j)) * int64(grp) + lane * int64(4), segk, tab, val,
                                      part, acc)
@@ -432,12 +464,13 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
 def kernel(kind: int, xt: int, mb: int, sc: int = SC_F32, nh: int = 1):
     """The compiled variant for value kind `kind`, x type `xt`, `mb` rows of x, `tune()`, the
     scale form `sc` (`scale_form`) and `nh` slots a unit (`slots_per_unit`)."""
-    return _kernel(kind, xt, mb, tune(), sc, nh, STAGE_BATCH)
+    return _kernel(kind, xt, mb, tune(), sc, nh, STAGE_BATCH, LANES, PREFETCH)
 
 
 @lru_cache(maxsize=None)
-def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int], sc: int, nh: int, sb: int):
-    return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb, tn, sc, nh, sb))
+def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int], sc: int, nh: int, sb: int, lanes: bool,
+            pre: bool):
+    return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb, tn, sc, nh, sb, lanes, pre))
 
 
 def signature(xt: int, sc: int = SC_F32) -> str:
@@ -455,4 +488,7 @@ def ptx_targets():
             for kind, xt, mb, sc in STORED_SCALE_TARGETS]
     out += [(f"k_decode_linear[{kind},{xt},{mb},split{nh}]", _decode_kernel(kind, xt, mb, nh=nh), signature(xt), REGS)
             for kind, xt, mb, nh in SPLIT_TARGETS]
+    out += [(f"k_decode_linear[{kind},{xt},{mb},sc{SC_F16},lanes{int(not LANES)},pre{int(not PREFETCH)}]",
+             _decode_kernel(kind, xt, mb, sc=SC_F16, lanes=not LANES, pre=not PREFETCH), signature(xt, SC_F16), REGS)
+            for kind, xt, mb in ((fast.KIND_I4, XT_BF16, 1), (fast.KIND_I8, XT_F32, 4))]
     return out
