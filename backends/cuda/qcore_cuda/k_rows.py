@@ -373,7 +373,17 @@ def code_by_encode(y, P):
     return code_int8(y, P)
 
 
-def make_wide_quant(code, pairs=None, held=0):
+WIDE_KINDS = ("int8", "e4m3", "e5m2")
+"""The wide kernel's value kinds, by `make_wide_quant`'s `only` (`wide_kind`)."""
+
+
+def wide_kind(RP) -> int:
+    """The value kind (`WIDE_KINDS` index) of a wide plan's parameters (host array): int8 codes, or
+    the FP8 kind its mantissa bits say."""
+    return 0 if int(RP[R_ISF]) == 0 else 1 if int(RP[R_MB]) == 3 else 2
+
+
+def make_wide_quant(code, pairs=None, held=0, only=None):
     """The wide quantize kernel (a Python function for `cuda.jit`) writing each 8-bit code as
     `code(y, P)` gives it: one-level row blocks wider than a warp of int8, E4M3 or E5M2 codes
     one per byte, calibrated by max |x|. Statistic (`wide_slot_max`), scale (`wide_slot_scale_of`)
@@ -390,7 +400,9 @@ def make_wide_quant(code, pairs=None, held=0):
     slot that `wide_quads` takes and whose quads number at most `held` per thread is read once: each thread loads
     its quads into registers, all in flight together, takes their maximum and writes their codes
     from the registers (no second read of x); `launch_held` sizes the thread block so that the
-    plan's slots fit."""
+    plan's slots fit. With `only` (0 int8, 1 E4M3, 2 E5M2: `WIDE_KINDS`) the kernel takes that
+    value kind alone (the caller checks the scheme's): the kind is a constant, so the other kinds'
+    loops are not compiled (a smaller kernel: fewer instruction fetches)."""
     quads = pairs is not None
     assert held == 0 or quads, "held quads need the pair coders"
     hn = max(1, 4 * held)  # (u32 words of x a thread holds; a constant)
@@ -490,8 +502,12 @@ def make_wide_quant(code, pairs=None, held=0):
 
     def k_wide_quant(x, xbf, RP, F, stored, payload, flag):
         sh = cuda.shared.array(ROW_TPB, float32)
-        isf = RP[R_ISF] != 0
-        P = (isf, RP[R_MB] == 3, F[F_QMIN], F[F_QMAX], F[F_FMAX], RP[R_MB], RP[R_BIAS], RP[R_BITS])
+        if only is None:
+            isf = RP[R_ISF] != 0
+            e4 = RP[R_MB] == 3
+        else:
+            isf, e4 = only != 0, only == 1  # (constants: the other kinds' branches are pruned)
+        P = (isf, e4, F[F_QMIN], F[F_QMAX], F[F_FMAX], RP[R_MB], RP[R_BIAS], RP[R_BITS])
         hv = cuda.local.array(hn, uint32)
         t = int64(cuda.threadIdx.x)
         tpb = int64(cuda.blockDim.x)

@@ -29,8 +29,8 @@ from .k_general import (  # noqa: E402,F401
 from .k_order import k_reorder  # noqa: E402,F401
 from .k_matmul import MM_BDX, MM_BDY, MM_COLS, MM_SH, k_matmul, k_zero, launch_matmul  # noqa: E402,F401
 from .k_rows import (  # noqa: E402,F401
-    ROW_TPB, code_int8, k_rows_dequant, k_rows_quant, k_wide_quant, k_wide_stats, launch_held, launch_rows, launch_wide,
-    make_wide_quant,
+    ROW_TPB, WIDE_KINDS, code_int8, k_rows_dequant, k_rows_quant, k_wide_quant, k_wide_stats, launch_held, launch_rows,
+    launch_wide, make_wide_quant, wide_kind,
 )
 from .k_tile import TILE_SH, TILE_SHW, TILE_WARPS, k_tile_quant, launch_tiles  # noqa: E402,F401
 from .layouts import *  # noqa: E402,F401,F403
