@@ -471,6 +471,16 @@ def test_two_tiles_of_w_a_warp_give_the_one_tile_bits(cuda_backend, monkeypatch,
     assert (np.abs(got[2].astype(np.float64) - exact) <= bound).all()
 
 
+def test_a_tuning_past_the_shared_memory_is_a_one_line_error(monkeypatch):
+    """Warps x tiles of w x rows of x whose sums pass 48 KB of shared memory (16 warps, four tiles,
+    16 rows of x): the kernel is refused with the variables named, not left to fail at launch."""
+    from qcore_cuda import fast, linear
+
+    monkeypatch.setattr(linear, "WARPS", 16)
+    with pytest.raises(ValueError, match="QCORE_CUDA_LINEAR_TILES.*48 KB"):
+        linear.kernel(fast.KIND_I4, linear.XT_BF16, 2, rt=4)
+
+
 def test_two_tiles_of_w_only_where_measured_faster(monkeypatch):
     """`linear.rt_for`: two 16-row tiles a warp for 4-bit codes in unsplit chunks at 5 to 16 rows
     of x where the blocks of 32 rows fill `RT_FILL` of the resident block slots, else one; `TILES` overrides

@@ -302,6 +302,9 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
     masked = sim and not (SIM_GPU_LOOP if sim_gpu_loop is None else sim_gpu_loop)
     scr_n = SCR * WARPS if sim else 1
     red_n = WARPS * 16 * rt * mt
+    if 4 * red_n > 48 * 1024:  # (a tuning's warps x tiles x rows of x: numba's static shared memory)
+        raise ValueError(f"{TUNE_ENV}/{TILES_ENV}: {WARPS} warps x {rt} tiles of w x {mt} rows of x pass 48 KB of "
+                         "shared memory for the warps' sums")
     nt = 32 * WARPS
     pairs = _decoder(fast.KIND_I4 if bits == 2 else kind, bf)  # (2-bit codes widened to 4: `widen2`)
     uf = 2 if halves and nb == 4 and U > 2 else max(1, U // rt)  # chunks in flight (two for split nb = 4,
