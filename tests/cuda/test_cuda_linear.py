@@ -488,6 +488,7 @@ def test_two_tiles_of_w_only_where_measured_faster(monkeypatch):
     from qcore_cuda import fast, linear
 
     monkeypatch.setattr(linear, "TILES", 0)
+    monkeypatch.setattr(linear, "WARPS", 8)  # (a GPU's default: two blocks of 128 registers a SM)
     monkeypatch.setattr(fast.K, "sm_count", lambda: 132)
     i4, e2m1, i8 = fast.KIND_I4, fast.KIND_E2M1, fast.KIND_I8
     assert linear.rt_for(i4, 8192, 5) == 2 and linear.rt_for(e2m1, 8192, 16) == 2  # 256 blocks of 264 slots

@@ -579,8 +579,15 @@ the max and then the codes; tuning runs); read at import."""
 WIDE_HELD = int(os.environ.get(WIDE_HELD_ENV, "8"))
 """16-byte quads of x a thread of the 16-byte wide kernel holds in registers (`K.make_wide_quant`'s
 `held`; `K.launch_held` sizes its blocks)."""
-WIDE_PAIRS = (pair_int8, pair_e4m3, pair_e5m2)
-k_wide_quant_quads_py = K.make_wide_quant(code_in_hardware, pairs=WIDE_PAIRS, held=WIDE_HELD)
+
+
+def wide_quads_py(only: int | None = None):
+    """The 16-byte wide kernel's Python function (`K.make_wide_quant` with the pair coders and
+    `WIDE_HELD`), for every value kind or for `only` (`K.wide_kind`) alone."""
+    return K.make_wide_quant(code_in_hardware, pairs=(pair_int8, pair_e4m3, pair_e5m2), held=WIDE_HELD, only=only)
+
+
+k_wide_quant_quads_py = wide_quads_py()
 WIDE_ONE_KIND_ENV = "QCORE_CUDA_WIDE_ONE_KIND"
 """1 in the environment sets `WIDE_ONE_KIND` (tuning runs); read at import."""
 WIDE_ONE_KIND = os.environ.get(WIDE_ONE_KIND_ENV, "0") == "1"
@@ -598,8 +605,8 @@ k_wide_quant_quads = _jit(k_wide_quant_quads_py)
 
 @lru_cache(maxsize=None)
 def wide_quads_kernel(only: int):
-    """The 16-byte wide kernel for value kind `only` alone (`K.WIDE_KINDS` index)."""
-    return _jit(K.make_wide_quant(code_in_hardware, pairs=WIDE_PAIRS, held=WIDE_HELD, only=only))
+    """The 16-byte wide kernel for value kind `only` alone (`K.wide_kind`)."""
+    return _jit(wide_quads_py(only))
 
 
 @lru_cache(maxsize=None)
@@ -624,8 +631,7 @@ def ptx_targets():
     """(name, python function, signature, register cap) of every fast kernel (`ptx.targets`)."""
     out = [("k_amax", k_amax_py, AMAX_SIG, JIT_REGS), ("k_wide_quant_fast", k_wide_quant_py, WIDE_SIG, JIT_REGS),
            ("k_wide_quant_quads_fast", k_wide_quant_quads_py, WIDE_SIG, JIT_REGS),
-           ("k_wide_quant_quads_fast[e4m3]",
-            K.make_wide_quant(code_in_hardware, pairs=WIDE_PAIRS, held=WIDE_HELD, only=1), WIDE_SIG, JIT_REGS)]
+           ("k_wide_quant_quads_fast[e4m3]", wide_quads_py(1), WIDE_SIG, JIT_REGS)]
     for kind in range(len(KIND_BITS)):
         out.append((f"k_fast_quant[{kind}]", _quant_kernel(kind), QUANT_SIG, JIT_REGS))
         out.append((f"k_fast_dequant[{kind}]", _dequant_kernel(kind),

@@ -1,5 +1,6 @@
 """Launch configuration shared by the general, row, tile and matmul kernels: the register cap
-(`jit_regs`), the device's SM count, and `launch(n)` for a grid-stride kernel over n items."""
+(`jit_regs`), the device's SM count, the blocks a SM holds (`resident_blocks`), and `launch(n)`
+for a grid-stride kernel over n items."""
 from __future__ import annotations
 
 import functools
@@ -32,6 +33,16 @@ def sm_count() -> int:
     if config.ENABLE_CUDASIM:
         return 1
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+SM_REGS, SM_SMEM, SM_WARPS = 65536, 228 * 1024, 64
+"""A SM's registers, shared memory (bytes) and resident warps (compute capability 8.0-9.0)."""
+
+
+def resident_blocks(warps: int, regs: int, smem: int = 0) -> int:
+    """Blocks of `warps` warps at `regs` registers a thread and `smem` bytes of shared memory a
+    block that a SM holds at once (the driver keeps 1 KB a block besides): at least 1."""
+    return max(1, min(SM_REGS // (32 * warps * regs), SM_SMEM // (smem + 1024), SM_WARPS // warps))
 
 
 def launch(n: int) -> tuple[int, int]:

@@ -117,8 +117,6 @@ PREFETCH = os.environ.get(PREFETCH_ENV, "0") == "1"
 """Issue a warp's first step of weight loads before the block stages x (its first round's first
 segment), so that the weight's first bytes are in flight during the staging. The same terms in the
 same order: the same bits. Off until a GPU run times it (read when a kernel is built)."""
-SM_REGS, SM_SMEM, SM_WARPS = 65536, 228 * 1024, 64
-"""A SM's registers, shared memory (bytes) and resident warps (compute capability 8.0-9.0)."""
 FP8_KINDS = (fast.KIND_E4M3, fast.KIND_E5M2)
 """Kinds decoded by the sm_89+ FP8 conversions (`backend.FAST_MIN_CC`)."""
 DL_LAYOUT = ParamLayout("DL", "int64", [
@@ -162,9 +160,7 @@ def per_sm() -> int:
     """Resident blocks per SM the persistent grid is sized for: as many as the SM's registers (at
     `REGS` a thread), shared memory (`XS` floats of x a block, and 1 KB the driver keeps) and
     warps hold; 2 at the default 8 warps of 128 registers."""
-    by_regs = SM_REGS // (32 * WARPS * REGS)
-    by_smem = SM_SMEM // (4 * XS + 16 * 4 + 4 + 1024)
-    return max(1, min(by_regs, by_smem, SM_WARPS // WARPS))
+    return fast.K.resident_blocks(WARPS, REGS, 4 * XS + 16 * 4 + 4)
 
 
 def tune() -> tuple[int, int, int]:

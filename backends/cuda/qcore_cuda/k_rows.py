@@ -373,13 +373,9 @@ def code_by_encode(y, P):
     return code_int8(y, P)
 
 
-WIDE_KINDS = ("int8", "e4m3", "e5m2")
-"""The wide kernel's value kinds, by `make_wide_quant`'s `only` (`wide_kind`)."""
-
-
 def wide_kind(RP) -> int:
-    """The value kind (`WIDE_KINDS` index) of a wide plan's parameters (host array): int8 codes, or
-    the FP8 kind its mantissa bits say."""
+    """The value kind of a wide plan's parameters (host array) as `make_wide_quant`'s `only` takes
+    it: 0 int8 codes, 1 E4M3, 2 E5M2 (the FP8 kind its mantissa bits say)."""
     return 0 if int(RP[R_ISF]) == 0 else 1 if int(RP[R_MB]) == 3 else 2
 
 
@@ -400,7 +396,7 @@ def make_wide_quant(code, pairs=None, held=0, only=None):
     slot that `wide_quads` takes and whose quads number at most `held` per thread is read once: each thread loads
     its quads into registers, all in flight together, takes their maximum and writes their codes
     from the registers (no second read of x); `launch_held` sizes the thread block so that the
-    plan's slots fit. With `only` (0 int8, 1 E4M3, 2 E5M2: `WIDE_KINDS`) the kernel takes that
+    plan's slots fit. With `only` (0 int8, 1 E4M3, 2 E5M2: `wide_kind`) the kernel takes that
     value kind alone (the caller checks the scheme's): the kind is a constant, so the other kinds'
     loops are not compiled (a smaller kernel: fewer instruction fetches)."""
     quads = pairs is not None

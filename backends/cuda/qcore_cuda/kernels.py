@@ -21,7 +21,7 @@ promote differently otherwise.
 from __future__ import annotations
 
 from .devmath import *  # noqa: E402,F401,F403
-from .grids import jit_regs, launch, register_cap, sm_count  # noqa: E402,F401
+from .grids import jit_regs, launch, register_cap, resident_blocks, sm_count  # noqa: E402,F401
 from .k_general import (  # noqa: E402,F401
     k_convert_f16, k_convert_f64, k_decode_scales, k_dequant, k_error_partials, k_fill2, k_first_extreme, k_quant,
     k_quant_fused, k_scales, k_slot_stats, k_take_extreme, k_tensor_range, k_tensor_stats, k_zero_stats,
@@ -29,7 +29,7 @@ from .k_general import (  # noqa: E402,F401
 from .k_order import k_reorder  # noqa: E402,F401
 from .k_matmul import MM_BDX, MM_BDY, MM_COLS, MM_SH, k_matmul, k_zero, launch_matmul  # noqa: E402,F401
 from .k_rows import (  # noqa: E402,F401
-    ROW_TPB, WIDE_KINDS, code_int8, k_rows_dequant, k_rows_quant, k_wide_quant, k_wide_stats, launch_held, launch_rows,
+    ROW_TPB, code_int8, k_rows_dequant, k_rows_quant, k_wide_quant, k_wide_stats, launch_held, launch_rows,
     launch_wide, make_wide_quant, wide_kind,
 )
 from .k_tile import TILE_SH, TILE_SHW, TILE_WARPS, k_tile_quant, launch_tiles  # noqa: E402,F401

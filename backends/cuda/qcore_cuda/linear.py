@@ -189,8 +189,7 @@ RT_M = (5, 16)
 """Rows of x (first, last) that take two tiles by default: at 2 and 4 rows they lost on 28672 x 8192."""
 RT_FILL = 0.9
 """Two tiles of w a warp only where their blocks fill at least this many of the GPU's resident
-block slots (`RT_PER_SM` a SM): fewer, larger blocks leave SMs idle on a small weight."""
-RT_PER_SM = 2  # resident blocks of 8 warps at up to 128 registers
+block slots (`grids.resident_blocks` a SM): fewer, larger blocks leave SMs idle on a small weight."""
 
 
 def rt_for(kind: int, n: int, m: int, halves: bool = False) -> int:
@@ -208,7 +207,8 @@ def rt_for(kind: int, n: int, m: int, halves: bool = False) -> int:
     if TILES:
         return TILES
     ok = kind in RT_KINDS and RT_M[0] <= m <= RT_M[1] and not halves
-    return 2 if ok and -(-n // 32) >= RT_FILL * RT_PER_SM * fast.K.sm_count() else 1
+    slots = fast.K.resident_blocks(WARPS, REGS) * fast.K.sm_count()
+    return 2 if ok and -(-n // 32) >= RT_FILL * slots else 1
 
 
 _TO_F16X2 = {fast.KIND_I4: code4_f16x2, fast.KIND_E2M1: e2m1x2_f16x2, fast.KIND_I8: i8x2_f16x2,

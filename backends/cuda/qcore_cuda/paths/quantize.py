@@ -274,19 +274,20 @@ def run_wide_quantize(be: Any, K: Any, prepared: Prepared, x_words: Any, bf16: b
     from .. import fast
 
     state = be.state
+    held = 0  # (quads a thread holds: the 16-byte kernel's)
     if not state.fast.usable:
         kernel = K.k_wide_quant
     elif fast.aligned(x_words) and fast.aligned(payload):
-        kernel = fast.k_wide_quant_quads
-        if fast.WIDE_ONE_KIND:
-            kernel = fast.wide_quads_kernel(K.wide_kind(prepared.plan.RP))
+        kernel = fast.wide_quads_kernel(K.wide_kind(prepared.plan.RP)) if fast.WIDE_ONE_KIND else \
+            fast.k_wide_quant_quads
+        held = fast.WIDE_HELD
     else:
         kernel = fast.k_wide_quant
     key = (bf16, kernel, sink)
     got = prepared.wide_quant.get(key)
     if got is None or got[0] is not flag:  # a new scratch after a non-finite input: pack again
-        if kernel not in (K.k_wide_quant, fast.k_wide_quant) and fast.WIDE_HELD:
-            grid, tpb = K.launch_held(prepared.plan.nslots, int(prepared.plan.RP[K.R_B]), bf16, fast.WIDE_HELD)
+        if held:
+            grid, tpb = K.launch_held(prepared.plan.nslots, int(prepared.plan.RP[K.R_B]), bf16, held)
         else:
             grid, tpb = K.launch_wide(prepared.plan.nslots)
         got = prepared.wide_quant[key] = (flag, Packed(kernel, grid, tpb, [x_words, bf16, prepared.RP_given,
