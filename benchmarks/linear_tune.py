@@ -8,9 +8,9 @@
 The kernels' tunings are read when the backend is imported (`QCORE_CUDA_DECODE_TUNE` =
 WARPS,U,RW for the decode kernel, k_decode.py; `QCORE_CUDA_LINEAR_TUNE` = WARPS,U for
 the tensor-core kernel, linear.py; a fourth decode field sets the decode kernel's register cap,
-`QCORE_CUDA_DECODE_REGS`, and with it its blocks a SM: `--decode 4,2,2,80`; a fifth and sixth its
-staging order and early loads, `QCORE_CUDA_DECODE_LANES` and `_PREFETCH`: `--decode 8,4,2,128,1,1`; a third tensor-core
-field the tiles of w a warp, `QCORE_CUDA_LINEAR_TILES`: `--tc 8,4,2`), so each variant runs in a
+`QCORE_CUDA_DECODE_REGS`, and with it its blocks a SM: `--decode 4,2,2,80`; a fifth its staging
+order, `QCORE_CUDA_DECODE_LANES`: `--decode 8,4,2,128,0`; a third tensor-core field the tiles of w
+a warp, `QCORE_CUDA_LINEAR_TILES`: `--tc 8,4,2`), so each variant runs in a
 process of its own:
 `benchmarks/matmul.py` with the variant in its environment, GPU time (`--hide-launch`), torch
 bf16 as the peer in the same process, the weight evicted from L2 before each call. A tensor-core
@@ -53,11 +53,10 @@ then staged), the staged form's widest, fewer x rows, the columns form, a ring o
 SCHEMES = "q4s/block32:f16,q8s/block32:f16,mxfp4,nvfp4"
 TUNE_FIELDS = {"decode": 3, "tc": 2}
 """Fields of each kernel's tuning variable; a variant's further fields set `MORE_ENVS`."""
-MORE_ENVS = {"decode": ("QCORE_CUDA_DECODE_REGS", "QCORE_CUDA_DECODE_LANES", "QCORE_CUDA_DECODE_PREFETCH"),
+MORE_ENVS = {"decode": ("QCORE_CUDA_DECODE_REGS", "QCORE_CUDA_DECODE_LANES"),
              "tc": ("QCORE_CUDA_LINEAR_TILES",)}
 """A variant's fields past the tuning: the decode kernel's register cap (k_decode.REGS, which sets
-its blocks a SM and staging batch), its staging order and early loads (k_decode.LANES, PREFETCH:
-0 or 1); the tensor-core kernel's tiles of w a warp (linear.TILES)."""
+its blocks a SM and staging batch), its staging order (k_decode.LANES: 0 or 1); the tensor-core kernel's tiles of w a warp (linear.TILES)."""
 
 
 def runs(args) -> list[dict]:

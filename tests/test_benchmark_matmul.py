@@ -105,15 +105,15 @@ def test_linear_tune_runs_each_variant_in_its_own_environment(linear_tune, tmp_p
 
 def test_linear_tune_fields_past_a_tuning_set_their_own_variables(linear_tune, tmp_path):
     """A decode variant's fourth field is the register cap (`QCORE_CUDA_DECODE_REGS`), its fifth
-    and sixth the staging order and early loads; a tensor-core variant's third the tiles of w a
+    the staging order; a tensor-core variant's third the tiles of w a
     warp (`QCORE_CUDA_LINEAR_TILES`)."""
     plan = linear_tune.runs(argparse.Namespace(
-        out=str(tmp_path), decode=["4,2,2,80", "8,4,2,128,1,0"], tc=["8,4,2"], fused=[], decode_m="1", tc_m="16",
+        out=str(tmp_path), decode=["4,2,2,80", "8,4,2,128,0"], tc=["8,4,2"], fused=[], decode_m="1", tc_m="16",
         fused_m="256", shapes="8192x8192", schemes="nvfp4", reps=10, budget_s=50.0, f16=False))
     assert plan[0]["env"] == {"QCORE_CUDA_DECODE_TUNE": "4,2,2", "QCORE_CUDA_DECODE_REGS": "80",
                               "NUMBA_ENABLE_CUDASIM": "0"}
     assert plan[1]["env"] == {"QCORE_CUDA_DECODE_TUNE": "8,4,2", "QCORE_CUDA_DECODE_REGS": "128",
-                              "QCORE_CUDA_DECODE_LANES": "1", "QCORE_CUDA_DECODE_PREFETCH": "0",
+                              "QCORE_CUDA_DECODE_LANES": "0",
                               "NUMBA_ENABLE_CUDASIM": "0"}
     assert plan[2]["env"] == {"QCORE_CUDA_LINEAR_TUNE": "8,4", "QCORE_CUDA_LINEAR_TILES": "2",
                               "NUMBA_ENABLE_CUDASIM": "0", "QCORE_CUDA_LINEAR_DECODE_M": "0"}

@@ -105,18 +105,14 @@ REGS = 128 if SIM else int(os.environ.get(REGS_ENV, "128"))
 STAGE_BATCH = 8 if REGS >= 96 else 4
 """Quads of x (4 elements) a thread loads before it stores them into shared memory, staging x
 (read when a kernel is built): 8, or 4 under a cap below 96 registers (8 spill there)."""
-LANES_ENV, PREFETCH_ENV = "QCORE_CUDA_DECODE_LANES", "QCORE_CUDA_DECODE_PREFETCH"
-"""1 in the environment sets `LANES` / `PREFETCH` (tuning runs); read at import."""
-LANES = os.environ.get(LANES_ENV, "0") == "1"
+LANES_ENV = "QCORE_CUDA_DECODE_LANES"
+"""0 in the environment clears `LANES` (tuning runs); read at import."""
+LANES = os.environ.get(LANES_ENV, "1") == "1"
 """Stage x with the lanes of a warp over 8 units' first 4 quads each (lane = 8 jq + ln in the low
 bits): a warp's load instruction reads whole 32-byte sectors (bfloat16 x: 8 sectors, against 32
 sectors a quarter used by consecutive units), and each lane stores its quad with one 16-byte
 shared store, a quarter warp's 8 quads in distinct banks. The same floats in the same places: the
-same bits. Off until a GPU run times it (read when a kernel is built)."""
-PREFETCH = os.environ.get(PREFETCH_ENV, "0") == "1"
-"""Issue a warp's first step of weight loads before the block stages x (its first round's first
-segment), so that the weight's first bytes are in flight during the staging. The same terms in the
-same order: the same bits. Off until a GPU run times it (read when a kernel is built)."""
+same bits (read when a kernel is built; docs/gpu.md has the timings)."""
 FP8_KINDS = (fast.KIND_E4M3, fast.KIND_E5M2)
 """Kinds decoded by the sm_89+ FP8 conversions (`backend.FAST_MIN_CC`)."""
 DL_LAYOUT = ParamLayout("DL", "int64", [
@@ -226,13 +222,12 @@ def slots_per_unit(kind: int, P: np.ndarray) -> int:
 
 
 def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None = None, sc: int = SC_F32,
-                   nh: int = 1, sb: int | None = None, lanes: bool | None = None, pre: bool | None = None):
+                   nh: int = 1, sb: int | None = None, lanes: bool | None = None):
     """The kernel for value kind `kind`, x type `xt` (linear.XT_*), `mb` rows of x, the tuning
     `tn` (WARPS, U, RW; default `tune()`), the scale form `sc` (SC_*: `es` float32, or
     the payload's stored scale words as uint16), `nh`, the scale slots a unit holds
     (`slots_per_unit`: its parts summed apart, each under its slot), the staging batch `sb`
-    (default `STAGE_BATCH`), the staging order `lanes` (default `LANES`) and the first step's
-    loads before the staging, `pre` (default `PREFETCH`)."""
+    (default `STAGE_BATCH`) and the staging order `lanes` (default `LANES`)."""
     assert nh in (1, 2, 4) and nh <= unit_halves(kind), (kind, nh)
     WARPS, U, RW = tn or tune()  # (closure constants from here on)
     bits = fast.KIND_BITS[kind]
@@ -255,7 +250,6 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
     ev_t = float32 if sc == SC_F32 else uint32  # (a stored word is widened where it is used)
     sb = STAGE_BATCH if sb is None else sb
     lanes = LANES if lanes is None else lanes
-    pre = PREFETCH if pre is None else pre
     jqh = (uc // 16).bit_length() - 1  # (lanes: bits of a unit's quad index above its low two)
     sv_t = float32 if x_f32 else uint32  # (x's words as a thread holds them while staging)
     nsv = 4 * sb
@@ -415,23 +409,15 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
                 k0 = s * segk
                 u0 = k0 // int64(uc)
                 nus = min(segk, K - k0) // int64(uc)  # units of a row in this segment
-                held = False  # (the first step's units are in the slots: `pre`)
                 if rnd == int64(0) or nseg > int64(1):
-                    if pre and ok and rnd == int64(0) and s == 0 and int64(U * 32) <= nus:
-                        for j in range(U):
-                            load_unit(w32, es, wv, ev, j, rows, u0 + int64(j * 32) + lane, wpr, nsb, lb)
-                        held = True
                     cuda.syncthreads()  # (every warp is done with the previous segment)
                     stage(x, xs, sv, k0, K, M, segk, tid)
                     cuda.syncthreads()
                 if ok:
                     i = int64(0)
                     while (i + int64(U)) * int64(32) <= nus:  # U units per row in flight, then their terms
-                        if not held:
-                            for j in range(U):
-                                load_unit(w32, es, wv, ev, j, rows, u0 + (i + int64(j)) * int64(32) + lane, wpr, nsb,
-                                          lb)
-                        held = False
+                        for j in range(U):
+                            load_unit(w32, es, wv, ev, j, rows, u0 + (i + int64(j)) * int64(32) + lane, wpr, nsb, lb)
                         for j in range(U):
                             use_unit(wv, ev, j, xs, (i + int64(j)) * int64(grp) + lane * int64(4), segk, tab, val,
                                      part, acc)
@@ -460,13 +446,12 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
 def kernel(kind: int, xt: int, mb: int, sc: int = SC_F32, nh: int = 1):
     """The compiled variant for value kind `kind`, x type `xt`, `mb` rows of x, `tune()`, the
     scale form `sc` (`scale_form`) and `nh` slots a unit (`slots_per_unit`)."""
-    return _kernel(kind, xt, mb, tune(), sc, nh, STAGE_BATCH, LANES, PREFETCH)
+    return _kernel(kind, xt, mb, tune(), sc, nh, STAGE_BATCH, LANES)
 
 
 @lru_cache(maxsize=None)
-def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int], sc: int, nh: int, sb: int, lanes: bool,
-            pre: bool):
-    return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb, tn, sc, nh, sb, lanes, pre))
+def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int], sc: int, nh: int, sb: int, lanes: bool):
+    return fast.K.jit_regs(REGS)(_decode_kernel(kind, xt, mb, tn, sc, nh, sb, lanes))
 
 
 def signature(xt: int, sc: int = SC_F32) -> str:
@@ -484,7 +469,7 @@ def ptx_targets():
             for kind, xt, mb, sc in STORED_SCALE_TARGETS]
     out += [(f"k_decode_linear[{kind},{xt},{mb},split{nh}]", _decode_kernel(kind, xt, mb, nh=nh), signature(xt), REGS)
             for kind, xt, mb, nh in SPLIT_TARGETS]
-    out += [(f"k_decode_linear[{kind},{xt},{mb},sc{SC_F16},lanes{int(not LANES)},pre{int(not PREFETCH)}]",
-             _decode_kernel(kind, xt, mb, sc=SC_F16, lanes=not LANES, pre=not PREFETCH), signature(xt, SC_F16), REGS)
+    out += [(f"k_decode_linear[{kind},{xt},{mb},sc{SC_F16},lanes{int(not LANES)}]",
+             _decode_kernel(kind, xt, mb, sc=SC_F16, lanes=not LANES), signature(xt, SC_F16), REGS)
             for kind, xt, mb in ((fast.KIND_I4, XT_BF16, 1), (fast.KIND_I8, XT_F32, 4))]
     return out
