@@ -173,15 +173,14 @@ def nb_for(m: int) -> int:
 
 
 TILES_ENV = "QCORE_CUDA_LINEAR_TILES"
-"""1, 2 or 4 in the environment: the 16-row tiles of w a warp wherever such variants exist, whatever
-`rt_for` would pick (tuning runs; four tiles are compiled with one chunk in flight a row and are
-not yet timed); read at import."""
+"""1 or 2 in the environment: the 16-row tiles of w a warp wherever two-tile variants exist,
+whatever `rt_for` would pick (tuning runs); read at import."""
 TILES = int(os.environ.get(TILES_ENV, "0") or 0)
-if TILES not in (0, 1, 2, 4):
-    raise ValueError(f"{TILES_ENV}={TILES}: write 1, 2 or 4")
+if TILES not in (0, 1, 2):
+    raise ValueError(f"{TILES_ENV}={TILES}: write 1 or 2")
 RT_NBS = (1, 2)
-"""n8 tiles of x of the two- and four-tile variants (four n8 tiles with more than one tile of w pass
-the register cap)."""
+"""n8 tiles of x of the two-tile variants (four n8 tiles with two tiles of w pass the register
+cap)."""
 RT_KINDS = (fast.KIND_I4, fast.KIND_E2M1)
 """Value kinds that take two tiles by default. By measurement (H100, below): 4-bit codes gain from
 5 rows of x on; 8-bit codes (two words a lane a chunk) lose at every M, 2-bit are not timed."""
@@ -586,9 +585,7 @@ def _variants():
             + [(f"k_linear[{kind},{xt},{nb},rt2]", _linear_kernel(kind, xt, nb, rt=2), signature(xt), REGS)
                for kind in KINDS for xt in (XT_BF16, XT_F16, XT_F32) for nb in RT_NBS]
             + [(f"k_linear[{kind},{xt},{nb},split,rt2]", _linear_kernel(kind, xt, nb, True, rt=2), signature(xt),
-                REGS) for kind, xt, nb in SPLIT_TARGETS if nb in RT_NBS]
-            + [(f"k_linear[{kind},{xt},{nb},rt4]", _linear_kernel(kind, xt, nb, rt=4), signature(xt), REGS)
-               for kind in RT_KINDS for xt in (XT_BF16, XT_F16, XT_F32) for nb in RT_NBS])
+                REGS) for kind, xt, nb in SPLIT_TARGETS if nb in RT_NBS])
 
 
 EFFECTIVE_SIG = "void(float32[::1], float32[::1], float32[::1], int64)"
