@@ -139,22 +139,19 @@ BF16_WIDE = [
 ]
 
 
-@pytest.mark.parametrize("fast", [True, False, "one-kind"], ids=["fast", "no-fast", "one-kind"])
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "no-fast"])
 @pytest.mark.parametrize("text,shape", BF16_WIDE)
 def test_wide_rows_read_bfloat16_bits_as_their_float32_values(monkeypatch, text, shape, fast):
     """The bytes of quantizing x.astype(float32), read from x's bfloat16 bits (the cases above),
-    with the fast kernels, without them, and with the 16-byte kernel compiled for the scheme's
-    value kind alone (`fast.WIDE_ONE_KIND`); a NaN named by the check."""
+    with the fast kernels (the 16-byte kernel of the scheme's value kind) and without them; a NaN
+    named by the check."""
     import ml_dtypes
     from numba import cuda
 
     from qcore.spec.schemes import scheme as parse_scheme
     from qcore_cuda import _streams
-    from qcore_cuda import fast as fast_kernels
     from qcore_cuda.paths.quantize import quantize_bf16_rows
 
-    if fast == "one-kind":
-        monkeypatch.setattr(fast_kernels, "WIDE_ONE_KIND", True)
     be = _backend(bool(fast), monkeypatch)
     x = sample_x(shape, seed=11).astype(ml_dtypes.bfloat16)
     x[0, :4] = [448.0, 1.0625, -1.1875, 0.0]  # ties of e4m3 under a scale of 1

@@ -581,32 +581,30 @@ WIDE_HELD = int(os.environ.get(WIDE_HELD_ENV, "8"))
 `held`; `K.launch_held` sizes its blocks)."""
 
 
-def wide_quads_py(only: int | None = None):
+def wide_quads_py(only: int):
     """The 16-byte wide kernel's Python function (`K.make_wide_quant` with the pair coders and
-    `WIDE_HELD`), for every value kind or for `only` (`K.wide_kind`) alone."""
+    `WIDE_HELD`) for value kind `only` (`K.wide_kind`) alone: the other kinds' loops are not
+    compiled, a smaller kernel (ptxas for sm_90, E4M3: 4632 SASS instructions against 7432 for
+    one kernel of the three kinds; docs/gpu.md, W8A8, has the timings)."""
     return K.make_wide_quant(code_in_hardware, pairs=(pair_int8, pair_e4m3, pair_e5m2), held=WIDE_HELD, only=only)
-
-
-k_wide_quant_quads_py = wide_quads_py()
-WIDE_ONE_KIND_ENV = "QCORE_CUDA_WIDE_ONE_KIND"
-"""1 in the environment sets `WIDE_ONE_KIND` (tuning runs); read at import."""
-WIDE_ONE_KIND = os.environ.get(WIDE_ONE_KIND_ENV, "0") == "1"
-"""The 16-byte wide kernel compiled for the plan's value kind alone (`wide_quads_kernel`): the
-same bytes from a smaller kernel (ptxas for sm_90, E4M3: see docs/gpu.md). Off until a GPU run
-times it (read per launch plan)."""
 
 
 JIT_REGS = 64  # register cap of the fast kernels
 _jit = K.jit_regs(JIT_REGS)
+WIDE_REGS_ENV = "QCORE_CUDA_WIDE_REGS"
+"""An integer in the environment replaces `WIDE_REGS` (tuning runs); read at import."""
+WIDE_REGS = int(os.environ.get(WIDE_REGS_ENV, str(JIT_REGS)))
+"""Register cap of the 16-byte wide kernels (`K.launch_held` fits its blocks a SM to it)."""
+_wide_jit = K.jit_regs(WIDE_REGS)
 k_amax = _jit(k_amax_py)
 k_wide_quant = _jit(k_wide_quant_py)
-k_wide_quant_quads = _jit(k_wide_quant_quads_py)
 
 
 @lru_cache(maxsize=None)
 def wide_quads_kernel(only: int):
-    """The 16-byte wide kernel for value kind `only` alone (`K.wide_kind`)."""
-    return _jit(wide_quads_py(only))
+    """The 16-byte wide kernel for value kind `only` (`K.wide_kind`): x and the payload on 16-byte
+    boundaries, which the caller checks."""
+    return _wide_jit(wide_quads_py(only))
 
 
 @lru_cache(maxsize=None)
@@ -630,8 +628,8 @@ WIDE_SIG = K.SIGNATURES["k_wide_quant"][0]  # (kernels.k_wide_quant's arguments)
 def ptx_targets():
     """(name, python function, signature, register cap) of every fast kernel (`ptx.targets`)."""
     out = [("k_amax", k_amax_py, AMAX_SIG, JIT_REGS), ("k_wide_quant_fast", k_wide_quant_py, WIDE_SIG, JIT_REGS),
-           ("k_wide_quant_quads_fast", k_wide_quant_quads_py, WIDE_SIG, JIT_REGS),
-           ("k_wide_quant_quads_fast[e4m3]", wide_quads_py(1), WIDE_SIG, JIT_REGS)]
+           *((f"k_wide_quant_quads_fast[{name}]", wide_quads_py(only), WIDE_SIG, WIDE_REGS)
+             for only, name in enumerate(("int8", "e4m3", "e5m2")))]
     for kind in range(len(KIND_BITS)):
         out.append((f"k_fast_quant[{kind}]", _quant_kernel(kind), QUANT_SIG, JIT_REGS))
         out.append((f"k_fast_dequant[{kind}]", _dequant_kernel(kind),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from .devmath import *  # noqa: F401,F403
-from .grids import jit_regs, launch, sm_count  # noqa: F401
+from .grids import jit_regs, launch, resident_blocks, sm_count  # noqa: F401
 from .layouts import *  # noqa: F401,F403
 from .intrin import f2u, fmax_nan, ld4, stb4, stb8, u2f
 from .scales import SCALE_IDS, round_scale, scale_word, word_scale  # noqa: F401
@@ -108,16 +108,16 @@ def launch_wide(nslots: int) -> tuple[int, int]:
     return max(1, min(nslots, sm_count() * 16)), ROW_TPB
 
 
-def launch_held(nslots: int, width: int, bf16: bool, held: int) -> tuple[int, int]:
-    """(blocks, threads) for a wide kernel holding `held` quads a thread (`make_wide_quant`) over
-    slots of at most `width` elements: the fewest whole warps whose quads cover a slot (at least
-    two, at most 1024 threads), a block per slot, as many per SM as 2048 threads make
-    (grid-stride past)."""
+def launch_held(nslots: int, width: int, bf16: bool, held: int, regs: int) -> tuple[int, int]:
+    """(blocks, threads) for a wide kernel holding `held` quads a thread (`make_wide_quant`) at
+    `regs` registers a thread over slots of at most `width` elements: the fewest whole warps whose
+    quads cover a slot (at least two, at most 1024 threads), a block per slot, as many per SM as
+    its registers and warps allow (grid-stride past)."""
     if config.ENABLE_CUDASIM:
         return launch_wide(nslots)
     nq = -(-width // (8 if bf16 else 4))
     tpb = min(1024, max(64, 32 * -(-nq // (32 * held))))
-    return max(1, min(nslots, sm_count() * (2048 // tpb))), tpb
+    return max(1, min(nslots, sm_count() * resident_blocks(tpb // 32, regs))), tpb
 
 
 @cuda.jit(device=True, inline="always")
@@ -387,7 +387,7 @@ def make_wide_quant(code, pairs=None, held=0, only=None):
     loads in flight per thread, bfloat16 a word at a time (`wide_pairs`). `code_by_encode` gives
     `k_wide_quant`, the path of GPUs below the fast kernels'; `fast.k_wide_quant` converts in
     hardware. Given `pairs` (int8, E4M3 and E5M2 coders of two codes, `pair(hi, lo, P)` = code(lo)
-    | code(hi) << 8: `fast.k_wide_quant_quads`, for x on a 16-byte boundary, which the caller
+    | code(hi) << 8: `fast.wide_quads_kernel`, for x on a 16-byte boundary, which the caller
     checks), a slot that `wide_quads` takes is read 16 bytes at a time (`wide_slot_max_quads`) and,
     where its scale has a reciprocal (`wide_slot_scale_of`'s r), its codes are written 4 or 8 bytes
     at a time by a loop per value kind (chosen once per slot): y = RN(x / e) by the reciprocal

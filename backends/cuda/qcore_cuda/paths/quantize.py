@@ -267,7 +267,7 @@ def run_wide_quantize(be: Any, K: Any, prepared: Prepared, x_words: Any, bf16: b
                       s: Any, sink: bool = False) -> None:
     """Enqueue the wide quantize kernel over `x_words` (float32 bits, or bfloat16 pairs where
     `bf16`) into `payload`: `fast.k_wide_quant` (the sm_89 conversions) where the backend runs
-    the fast kernels, its 16-byte form `fast.k_wide_quant_quads` where x and the payload start on
+    the fast kernels, its 16-byte form for the plan's value kind (`fast.wide_quads_kernel`) where x and the payload start on
     16-byte boundaries too, else `kernels.k_wide_quant`; a launch packed once per plan, kernel,
     kind of x and kind of flag (`_launch.Packed`, kept in `prepared.wide_quant`): the stream's scratch flag, or
     where `sink` the backend's flag that nothing reads (`Scratch.act_sink`)."""
@@ -278,8 +278,7 @@ def run_wide_quantize(be: Any, K: Any, prepared: Prepared, x_words: Any, bf16: b
     if not state.fast.usable:
         kernel = K.k_wide_quant
     elif fast.aligned(x_words) and fast.aligned(payload):
-        kernel = fast.wide_quads_kernel(K.wide_kind(prepared.plan.RP)) if fast.WIDE_ONE_KIND else \
-            fast.k_wide_quant_quads
+        kernel = fast.wide_quads_kernel(K.wide_kind(prepared.plan.RP))
         held = fast.WIDE_HELD
     else:
         kernel = fast.k_wide_quant
@@ -287,7 +286,7 @@ def run_wide_quantize(be: Any, K: Any, prepared: Prepared, x_words: Any, bf16: b
     got = prepared.wide_quant.get(key)
     if got is None or got[0] is not flag:  # a new scratch after a non-finite input: pack again
         if held:
-            grid, tpb = K.launch_held(prepared.plan.nslots, int(prepared.plan.RP[K.R_B]), bf16, held)
+            grid, tpb = K.launch_held(prepared.plan.nslots, int(prepared.plan.RP[K.R_B]), bf16, held, fast.WIDE_REGS)
         else:
             grid, tpb = K.launch_wide(prepared.plan.nslots)
         got = prepared.wide_quant[key] = (flag, Packed(kernel, grid, tpb, [x_words, bf16, prepared.RP_given,
