@@ -68,8 +68,12 @@ def runs(args) -> list[dict]:
             folder = os.path.join(args.out, f"{kernel}-{v.replace(',', '-')}")
             fields = v.split(",")
             n = TUNE_FIELDS.get(kernel, len(fields))
+            more = MORE_ENVS.get(kernel, ())
+            if len(fields) > n + len(more):
+                raise SystemExit(f"--{kernel} {v}: at most {n + len(more)} fields (the tuning, then "
+                                 f"{', '.join(more) or 'nothing'})")
             extra = {ENVS[kernel]: ",".join(fields[:n]), "NUMBA_ENABLE_CUDASIM": "0"}
-            extra.update(zip(MORE_ENVS.get(kernel, ()), fields[n:]))
+            extra.update(zip(more, fields[n:]))
             if kernel == "tc":
                 extra["QCORE_CUDA_LINEAR_DECODE_M"] = "0"
             if kernel == "fused":

@@ -106,7 +106,7 @@ def test_linear_tune_runs_each_variant_in_its_own_environment(linear_tune, tmp_p
 def test_linear_tune_fields_past_a_tuning_set_their_own_variables(linear_tune, tmp_path):
     """A decode variant's fourth field is the register cap (`QCORE_CUDA_DECODE_REGS`), its fifth
     the staging order; a tensor-core variant's third the tiles of w a
-    warp (`QCORE_CUDA_LINEAR_TILES`)."""
+    warp (`QCORE_CUDA_LINEAR_TILES`); a field past those is a one-line error."""
     plan = linear_tune.runs(argparse.Namespace(
         out=str(tmp_path), decode=["4,2,2,80", "8,4,2,128,0"], tc=["8,4,2"], fused=[], decode_m="1", tc_m="16",
         fused_m="256", shapes="8192x8192", schemes="nvfp4", reps=10, budget_s=50.0, f16=False))
@@ -118,6 +118,10 @@ def test_linear_tune_fields_past_a_tuning_set_their_own_variables(linear_tune, t
     assert plan[2]["env"] == {"QCORE_CUDA_LINEAR_TUNE": "8,4", "QCORE_CUDA_LINEAR_TILES": "2",
                               "NUMBA_ENABLE_CUDASIM": "0", "QCORE_CUDA_LINEAR_DECODE_M": "0"}
     assert plan[0]["out"].endswith("decode-4-2-2-80")
+    with pytest.raises(SystemExit, match="at most 5 fields"):
+        linear_tune.runs(argparse.Namespace(
+            out=str(tmp_path), decode=["8,4,2,128,1,0"], tc=[], fused=[], decode_m="1", tc_m="16", fused_m="256",
+            shapes="8192x8192", schemes="nvfp4", reps=10, budget_s=50.0, f16=False))
 
 
 def test_linear_tune_f16_times_float16_x_against_torch_fp16(linear_tune, tmp_path):
