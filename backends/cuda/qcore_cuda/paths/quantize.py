@@ -267,28 +267,31 @@ def run_wide_quantize(be: Any, K: Any, prepared: Prepared, x_words: Any, bf16: b
                       s: Any, sink: bool = False) -> None:
     """Enqueue the wide quantize kernel over `x_words` (float32 bits, or bfloat16 pairs where
     `bf16`) into `payload`: `fast.k_wide_quant` (the sm_89 conversions) where the backend runs
-    the fast kernels, its 16-byte form for the plan's value kind (`fast.wide_quads_kernel`) where x and the payload start on
-    16-byte boundaries too, else `kernels.k_wide_quant`; a launch packed once per plan, kernel,
-    kind of x and kind of flag (`_launch.Packed`, kept in `prepared.wide_quant`): the stream's scratch flag, or
+    the fast kernels, its 16-byte form for the plan's value kind (`fast.wide_quads_kernel`) where
+    x and the payload start on 16-byte boundaries too, else `kernels.k_wide_quant`; a launch packed
+    once per plan, form of kernel, kind of x and kind of flag (`_launch.Packed`, kept in
+    `prepared.wide_quant`, so a repeat call picks nothing again): the stream's scratch flag, or
     where `sink` the backend's flag that nothing reads (`Scratch.act_sink`)."""
     from .. import fast
 
-    state = be.state
-    held = 0  # (quads a thread holds: the 16-byte kernel's)
-    if not state.fast.usable:
-        kernel = K.k_wide_quant
+    if not be.state.fast.usable:
+        form = "general"
     elif fast.aligned(x_words) and fast.aligned(payload):
-        kernel = fast.wide_quads_kernel(K.wide_kind(prepared.plan.RP))
-        held = fast.WIDE_HELD
+        form = "quads"
     else:
-        kernel = fast.k_wide_quant
-    key = (bf16, kernel, sink)
+        form = "fast"
+    key = (bf16, form, sink)
     got = prepared.wide_quant.get(key)
     if got is None or got[0] is not flag:  # a new scratch after a non-finite input: pack again
-        if held:
-            grid, tpb = K.launch_held(prepared.plan.nslots, int(prepared.plan.RP[K.R_B]), bf16, held, fast.WIDE_REGS)
+        plan = prepared.plan
+        if form == "quads":
+            kernel = fast.wide_quads_kernel(K.wide_kind(plan.RP))
         else:
-            grid, tpb = K.launch_wide(prepared.plan.nslots)
+            kernel = K.k_wide_quant if form == "general" else fast.k_wide_quant
+        if form == "quads" and fast.WIDE_HELD:
+            grid, tpb = K.launch_held(plan.nslots, int(plan.RP[K.R_B]), bf16, fast.WIDE_HELD, fast.WIDE_REGS)
+        else:
+            grid, tpb = K.launch_wide(plan.nslots)
         got = prepared.wide_quant[key] = (flag, Packed(kernel, grid, tpb, [x_words, bf16, prepared.RP_given,
                                                                            prepared.F, prepared.stored, payload, flag],
                                                        dynamic=(0, 5)))
