@@ -52,12 +52,18 @@ def test_unavailable_without_gpu_or_simulator():
 
 
 PTX_PARTS = 4  # the compile list in parts of about equal cost, so parallel test workers share it
-PTX_COST = {"k_tc": 6.0, "k_tile_quant": 6.0, "k_gemv": 4.7, "k_scales": 4.4, "k_quant": 4.2, "k_fast_quant": 4.0,
-            "k_quant_fused": 3.5, "k_matmul": 3.1, "k_frag": 2.8, "k_dequant": 1.7, "k_reorder": 2.2,
-            "k_decode_scales": 1.9, "k_decode_linear": 5.0}
+PTX_COST = {"k_wide_quant": 58.0, "k_wide_quant_quads_fast": 39.0, "k_wide_quant_fast": 15.0, "k_frag": 10.6,
+            "k_tc": 9.2, "k_decode_linear": 6.3, "k_wide_stats": 6.2, "k_scales": 4.1, "k_linear": 3.7,
+            "k_gemv": 3.4, "k_tile_quant": 3.2, "k_quant": 3.0, "k_quant_fused": 2.7, "k_fast_quant": 2.2,
+            "k_matmul": 2.1, "k_reorder": 1.8}
 """Seconds of NVVM time per kernel by family, from one single-process compile of the default set
-on the 2-core CI machine kind (2026-12-03; others about 1 s or less): `_ptx_parts` uses them only
+on the 2-core CI machine kind (2026-12-06; others about 1 s or less): `_ptx_parts` uses them only
 to balance the parts."""
+ONE_FOR_ALL = {"k_wide_quant_quads_fast": "e4m3"}
+"""Generated families of which the default set compiles one variant (the value named): their
+variants differ only in device code that another kernel of the set compiles for every value. The
+16-byte W8A8 quantize's variants per value kind differ in their pair coder alone (`fast.pair_int8`,
+the E4M3 and E5M2 conversions), which `k_wide_quant_fast` compiles for every kind; e4m3 is W8A8's."""
 PTX_ALL = os.environ.get("QCORE_PTX_ALL", "") not in ("", "0")
 """Compile every variant of the generated kernels; by default a covering set of them (below)."""
 
@@ -110,14 +116,18 @@ def _covering(names: list[str]) -> list[str]:
     variants of one parameter (a kernel per kind: every kind in the fast kernels) all stay, then
     the variant that adds the most values not yet kept, until none adds one (GEMV 41 variants ->
     4, the decode kernel 78 -> 8); plain kernels (`name#signature`) all stay. Each variant costs
-    seconds of NVVM time: CI compiles this set, a run with QCORE_PTX_ALL=1 all of them."""
+    seconds of NVVM time: CI compiles this set, a run with QCORE_PTX_ALL=1 all of them. A family of
+    `ONE_FOR_ALL` keeps its one variant."""
     seen: set[tuple[str, int, str]] = set()
     keep = [n for n in names if "[" not in n]
     families: dict[str, list[str]] = {}
     for name in names:
         if "[" in name:
             families.setdefault(name.split("[")[0], []).append(name)
-    for group in families.values():
+    for family, group in families.items():
+        if family in ONE_FOR_ALL:
+            keep.append(f"{family}[{ONE_FOR_ALL[family]}]")
+            continue
         single = [n for n in group if "," not in n]
         for name in single:
             seen |= _param_keys(name)
@@ -169,7 +179,7 @@ def test_ptx_parts_cover_the_list_once():
 
 def test_ptx_covering_set_keeps_every_parameter_value():
     """The default compile set holds every kernel, and every value each template parameter of a
-    generated kernel takes in the full list."""
+    generated kernel takes in the full list (a family of `ONE_FOR_ALL`: its one variant)."""
     from qcore_cuda import ptx
 
     full = [t.name for t in ptx.targets()]
@@ -177,9 +187,10 @@ def test_ptx_covering_set_keeps_every_parameter_value():
     assert len(cut) < len(full)
 
     def params(names):
-        return set().union(*(_param_keys(n) for n in names if "[" in n))
+        return set().union(*(_param_keys(n) for n in names if "[" in n and n.split("[")[0] not in ONE_FOR_ALL))
 
     assert params(cut) == params(full)
+    assert {n for n in cut if n.split("[")[0] in ONE_FOR_ALL} == {f"{f}[{v}]" for f, v in ONE_FOR_ALL.items()}
     assert {n.split("[")[0] for n in cut} == {n.split("[")[0] for n in full}
     kinds = {n[:-1].split("[")[1].split(",")[0] for n in full if n.startswith("k_fast_quant[")}
     fast = {n for n in cut if n.startswith("k_fast_")}
