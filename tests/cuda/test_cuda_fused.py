@@ -167,9 +167,10 @@ def test_the_float16_shift_keeps_the_largest_weight_in_range():
     assert (s * 0).tolist() == [0.0, 0.0, 0.0]
 
 
-STAGED_TILES = ["128,128,64,8,3,3", "64,256,64,4,4,3"]
-"""`fused.FORM_STAGED` tiles (`QCORE_CUDA_FUSED_TUNE`): two warpgroups and a ring of three; the
-plan's widest, one warpgroup and a ring of four."""
+STAGED_TILES = ["128,128,64,8,3,3", "64,256,64,4,4,3", "64,256,64,8,4,3"]
+"""`fused.FORM_STAGED` tiles (`QCORE_CUDA_FUSED_TUNE`): two warpgroups over the weight's rows and a
+ring of three; 64 x 256 on one warpgroup and a ring of four; the plan's past 128 rows, two
+warpgroups over x's rows."""
 
 
 def _need_gluon() -> None:
@@ -482,15 +483,18 @@ def test_staged_kernel_compiles_for_sm90_with_its_products_in_flight(tmp_path):
     """The staged form's Gluon kernel for every value kind and scale layout (one slot a step, two,
     four: a gather, per row) compiles for sm_90 with no spills and its `wgmma`s asynchronous: fewer
     warpgroup waits than products in the code (ptxas serializes them where it cannot keep the
-    accumulators apart), in tiles of 8 warps and of 4, 128 x 256 included; bfloat16 and float16."""
+    accumulators apart), in tiles of 8 warps and of 4, 128 x 256 included, and 8 warps on 64 weight
+    rows (x's rows split between the warpgroups); bfloat16 and float16."""
     from qcore_cuda import fast, fused
 
     _need_gluon()
     wide, narrow, big = ([128, 128, 64, 8, 3, fused.FORM_STAGED], [64, 256, 64, 4, 4, fused.FORM_STAGED],
                          [128, 256, 64, 8, 3, fused.FORM_STAGED])
+    split_x = [64, 256, 64, 8, 4, fused.FORM_STAGED]  # (the plan's past 128 rows: two warpgroups over x's rows)
     cases = [(fast.KIND_I4, 32, wide), (fast.KIND_E2M1, 16, wide), (fast.KIND_E2M1, 32, narrow), (fast.KIND_I8, 32, wide),
              (fast.KIND_E4M3, 128, narrow), (fast.KIND_E5M2, 0, wide), (fast.KIND_I2, 0, wide), (fast.KIND_I4, 16, big),
-             (fast.KIND_I8, 32, big), (fast.KIND_I4, 32, narrow, True), (fast.KIND_E2M1, 32, wide, True)]  # (float16)
+             (fast.KIND_I8, 32, big), (fast.KIND_I4, 32, split_x), (fast.KIND_E2M1, 32, split_x),
+             (fast.KIND_I4, 32, narrow, True), (fast.KIND_E2M1, 32, wide, True), (fast.KIND_I8, 32, split_x, True)]
     for c in _compiled(cases, tmp_path):
         assert c["form"] == fused.FORM_STAGED and c["wgmma"] > 0 and c["stack"] == 0, c
         assert c["depbar"] < c["hgmma"], c
@@ -576,6 +580,12 @@ def test_staged_tiles_fall_back_where_they_cannot_run():
     assert fused.step_for(t, fast.KIND_I4, 4096 + 32, 32).form != fused.FORM_STAGED
     big = fused.Tile(128, 256, 64, 8, 3, fused.FORM_STAGED)  # (2-bit: steps of 128 columns, 274 KiB)
     assert fused.step_for(big, fast.KIND_I2, 4096, 0).form != fused.FORM_STAGED
+    split_x = fused.Tile(64, 256, 64, 8, 4, fused.FORM_STAGED)  # (8 warps on 64 weight rows: x's rows split)
+    assert fused.step_for(split_x, fast.KIND_I4, 4096, 32).form == fused.FORM_STAGED
+    assert fused.step_for(fused.Tile(64, 128, 64, 8, 4, fused.FORM_STAGED), fast.KIND_I4, 4096, 32).form == \
+        fused.FORM_STAGED
+    assert fused.step_for(fused.Tile(64, 64, 64, 8, 4, fused.FORM_STAGED), fast.KIND_I4, 4096, 32).form != \
+        fused.FORM_STAGED  # (32 rows of x a warpgroup: not a tile the kernel takes)
 
 
 @pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
@@ -639,14 +649,14 @@ def test_fused_kinds_read_from_the_environment():
 
 def test_the_plan_tiles_by_rows_of_x(monkeypatch):
     """`fused.tile_for`: the fields form's 64 x 64 up to 64 rows, then on a Hopper GPU the staged
-    form's 64 weight rows by 128 rows of x up to 128 and by 256 beyond; elsewhere the fields form
+    form's 64 weight rows by 128 rows of x on 4 warps up to 128 and by 256 on 8 beyond; elsewhere the fields form
     (64 x 64 up to `FIELDS_MAX_M`, 128 x 128 beyond); the tune variable replaces the choice."""
     from qcore_cuda import fused
 
     monkeypatch.delenv(fused.TUNE_ENV, raising=False)
     assert fused.tile_for(64) == fused.Tile(64, 64, 64, 4, 4, fused.FORM_FIELDS)
     assert fused.tile_for(65) == fused.Tile(64, 128, 64, 4, 4, fused.FORM_STAGED)
-    assert fused.tile_for(129) == fused.Tile(64, 256, 64, 4, 4, fused.FORM_STAGED)
+    assert fused.tile_for(129) == fused.Tile(64, 256, 64, 8, 4, fused.FORM_STAGED)
     assert fused.tile_for(128, staged=False) == fused.Tile(64, 64, 64, 4, 4, fused.FORM_FIELDS)
     assert fused.tile_for(129, staged=False).form == fused.FORM_FIELDS
     monkeypatch.setenv(fused.TUNE_ENV, "128,256,64,8,4,3")

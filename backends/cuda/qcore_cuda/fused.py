@@ -92,8 +92,8 @@ the plan takes this GEMM past them only where that form runs (`staged_ready`).""
 def tile_for(m: int, staged: bool = True) -> Tile:
     """The tile for m rows of x (or `TUNE_ENV`'s), the fastest of those timed at each size (H100,
     8192 x 8192, docs/performance.md): the fields form's 64 x 64 up to 64 rows, then where `staged`
-    (a Hopper GPU with Gluon: `staged_ready`) the staged form's 64 weight rows by 128 rows of x up
-    to 128 rows and by 256 beyond, in steps of 64 columns, four warps, a ring of four; where not,
+    (a Hopper GPU with Gluon: `staged_ready`) the staged form's 64 weight rows by 128 rows of x on
+    four warps up to 128 rows and by 256 on eight beyond, in steps of 64 columns, a ring of four; where not,
     the fields form's 64 x 64 up to `FIELDS_MAX_M` rows and 128 x 128 beyond (tuning runs)."""
     text = os.environ.get(TUNE_ENV)
     if text:
@@ -106,7 +106,7 @@ def tile_for(m: int, staged: bool = True) -> Tile:
         return Tile(64, 64, 64, 4, 4)
     if not staged:
         return Tile(128, 128, 64, 8, 3)
-    return Tile(64, 128 if m <= 128 else 256, 64, 4, 4, FORM_STAGED)
+    return Tile(64, 128, 64, 4, 4, FORM_STAGED) if m <= 128 else Tile(64, 256, 64, 8, 4, FORM_STAGED)
 
 
 def block_of(P: Any) -> int:
@@ -234,14 +234,16 @@ def step_for(t: Tile, kind: int, k: int, block: int, staged_ok: bool = True) -> 
     """The tile `FusedLaunch` runs for a weight of `kind` with K columns and scale blocks of `block`
     columns (0: one slot a row or for the tensor): `FORM_STAGED` where `staged_ok` (a Hopper GPU,
     Gluon), its step dividing K with at least 32 code bytes a row, its x rows a power of two from
-    64 to 256, its weight rows 16 a warp and its buffers within `STAGED_SHARED`; else
+    64 to 256, its weight rows 16 a warp (or 64 of them on 8 warps, x's rows then split between
+    two warpgroups, at least 128) and its buffers within `STAGED_SHARED`; else
     `FORM_FIELDS`, a step of at least 16 columns a field and at most two scale slots, dividing K;
     else `FORM_COLUMNS`, whose step divides K (K is a multiple of 32: `linear.geometry`)."""
     per = 8 // fast.KIND_BITS[kind]
     if t.form == FORM_STAGED:
         bk = max(t.bk, 32 * per)
         shared = t.stages * (t.bm * bk * 2 + t.bn * bk // per) + 2 * t.bn * bk * 2
-        if (staged_ok and k % bk == 0 and t.bm in (64, 128, 256) and t.bn % (16 * t.warps) == 0
+        rows_ok = t.bn % (16 * t.warps) == 0 or (t.bn == 64 and t.bm >= 16 * t.warps)  # (k_staged._x_groups)
+        if (staged_ok and k % bk == 0 and t.bm in (64, 128, 256) and rows_ok
                 and t.warps in (4, 8) and t.stages >= 3 and shared <= STAGED_SHARED):
             return replace(t, bk=bk)
         t = replace(t, form=FORM_FIELDS)

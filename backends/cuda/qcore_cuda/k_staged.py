@@ -3,7 +3,9 @@ y [M, N] = x [M, K] @ W^T (+ bias), the weight tile decoded into shared memory a
 from there by asynchronous `wgmma`, so that the decode of step i + 1 runs while the product of
 step i is on the tensor cores.
 
-A program computes BN weight rows by BM rows of x. Per step of BK columns: x's tile [BM, BK] and
+A program computes BN weight rows by BM rows of x. Its warpgroups split the weight rows, 16 a
+warp, or where there are fewer (8 warps on 64 rows) x's rows (`_x_groups`): each warpgroup then
+multiplies the whole decoded tile by its half of x's tile, and the decode is shared by all warps. Per step of BK columns: x's tile [BM, BK] and
 the code bytes [BN, BK / PER] arrive by `cp.async` in a ring of STAGES buffers (issued STAGES - 2
 steps ahead); the warps load the bytes, decode each field exactly (`k_fused.decode`), multiply by
 its f32 scale slot (loaded a step ahead) and round to bfloat16 (docs/spec.md's bfloat16-weight
@@ -42,6 +44,14 @@ def _spread(rows, cols, vec, warps):
     return gl.BlockedLayout([1, per_thread], [32 // tpw_c, tpw_c], [warps, 1], [1, 0])
 
 
+@constexpr_function
+def _x_groups(bn, warps):
+    """The warpgroups that split x's rows: 1 where the weight rows give each warp 16, else all of
+    them (8 warps on 64 weight rows: two warpgroups, each the whole decoded tile by half of x's
+    rows)."""
+    return 1 if bn >= 16 * warps else warps // 4
+
+
 @gluon.jit
 def _fields(b, s, KIND: gl.constexpr, BITS: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, DT: gl.constexpr):
     """Code bytes b [BN, BK / PER] (int32) and their scales -> the weight values [BN, BK] in column
@@ -73,8 +83,9 @@ def fused_staged(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, nsb, uns
     row0 = (pid // tiles_m) * BN
     xrow0 = (pid % tiles_m) * BM
 
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BM, 16])
+    WGX: gl.constexpr = _x_groups(BN, num_warps)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WGX, WGX],
+                                                  instr_shape=[16, BM // WGX, 16])
     a_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], DT)
     x_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], DT)
     c_shared: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
