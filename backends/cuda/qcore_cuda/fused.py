@@ -93,8 +93,9 @@ def tile_for(m: int, staged: bool = True) -> Tile:
     """The tile for m rows of x (or `TUNE_ENV`'s), the fastest of those timed at each size (H100,
     8192 x 8192, docs/performance.md): the fields form's 64 x 64 up to 64 rows, then where `staged`
     (a Hopper GPU with Gluon: `staged_ready`) the staged form's 64 weight rows by 128 rows of x on
-    four warps up to 128 rows and by 256 on eight beyond, in steps of 64 columns, a ring of four; where not,
-    the fields form's 64 x 64 up to `FIELDS_MAX_M` rows and 128 x 128 beyond (tuning runs)."""
+    four warps up to 128 rows and by 256 on eight beyond, in steps of 64 columns, a ring of four;
+    where not, the fields form's 64 x 64 up to `FIELDS_MAX_M` rows and 128 x 128 beyond (tuning
+    runs)."""
     text = os.environ.get(TUNE_ENV)
     if text:
         t = Tile(*parse_tune(TUNE_ENV, text, "BN,BM,BK,WARPS,STAGES,FORM"))
@@ -135,8 +136,8 @@ q4s/block32:f16, float16 x (docs/performance.md): the tensor-core kernel 30.0 / 
 
 def fills(n: int) -> bool:
     """Whether a weight of n rows fills the GPU with this GEMM's 64-row tiles: at least `FILL_MIN`
-    tiles per SM of the current device (`grids.sm_count`). By measurement (H100, 132 SMs, 64 to 256 rows of bfloat16 x, q4s/block32:f16,
-    q8s/block32:f16, mxfp4, docs/performance.md): 8192 rows (128 tiles) 0.56-0.62x torch bf16
+    tiles per SM of the current device (`grids.sm_count`). By measurement (H100, 132 SMs, 64 to
+    256 rows of bfloat16 x, q4s/block32:f16, q8s/block32:f16, mxfp4, docs/performance.md): 8192 rows (128 tiles) 0.56-0.62x torch bf16
     against 0.38-0.42x for dequantize + cuBLAS; 4096 rows (64 tiles) at most 0.50x, every tile
     timed, against 0.47-0.53x; at 48 rows there 0.37-0.38x against the tensor-core kernel's
     0.52x (mxfp4, the same run)."""
