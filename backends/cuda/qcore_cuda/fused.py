@@ -137,10 +137,10 @@ q4s/block32:f16, float16 x (docs/performance.md): the tensor-core kernel 30.0 / 
 def fills(n: int) -> bool:
     """Whether a weight of n rows fills the GPU with this GEMM's 64-row tiles: at least `FILL_MIN`
     tiles per SM of the current device (`grids.sm_count`). By measurement (H100, 132 SMs, 64 to
-    256 rows of bfloat16 x, q4s/block32:f16, q8s/block32:f16, mxfp4, docs/performance.md): 8192 rows (128 tiles) 0.56-0.62x torch bf16
-    against 0.38-0.42x for dequantize + cuBLAS; 4096 rows (64 tiles) at most 0.50x, every tile
-    timed, against 0.47-0.53x; at 48 rows there 0.37-0.38x against the tensor-core kernel's
-    0.52x (mxfp4, the same run)."""
+    256 rows of bfloat16 x, q4s/block32:f16, q8s/block32:f16, mxfp4, docs/performance.md): 8192
+    rows (128 tiles) 0.56-0.62x torch bf16 against 0.38-0.42x for dequantize + cuBLAS; 4096 rows
+    (64 tiles) at most 0.50x, every tile timed, against 0.47-0.53x; at 48 rows there 0.37-0.38x
+    against the tensor-core kernel's 0.52x (mxfp4, the same run)."""
     return -(-n // 64) >= FILL_MIN * sm_count()
 
 
