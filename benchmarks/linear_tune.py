@@ -19,6 +19,8 @@ A fused-GEMM variant (`QCORE_CUDA_FUSED_TUNE` = BN,BM,BK,WARPS,STAGES,FORM, fuse
 that path on from one row and for every value kind (`QCORE_CUDA_LINEAR_FUSED_M=1`,
 `QCORE_CUDA_LINEAR_FUSED_KINDS=all`); its variant `off` (`QCORE_CUDA_LINEAR_FUSED_M=0`) runs the
 paths that take each M otherwise (the tensor-core kernel, dequantize + cuBLAS), in the same table.
+Without `--decode`, `--tc` or `--fused` the decode and tensor-core defaults run; naming any of them
+runs only the kernels named (`--fused off 64,256,64,8,4,3` times the fused GEMM alone).
 
 With `--f16` the runs time float16 x (`matmul.py --f16`, torch fp16 the peer) and the tables
 read that case (`f16 x`, speed-up over torch fp16 dense): with `--fused off 128,128,64,8,3,2` the
@@ -120,10 +122,12 @@ def tables(done: list[dict], f16: bool = False) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(HERE, "results", "linear_tune"), help="folder of the runs")
-    ap.add_argument("--decode", nargs="*", default=DECODE_VARIANTS, help=f"{DECODE_ENV} values (none: skip)")
-    ap.add_argument("--tc", nargs="*", default=TC_VARIANTS, help=f"{TC_ENV} values (none: skip)")
-    ap.add_argument("--fused", nargs="*", default=[], help=f"{FUSED_ENV} values, or off (none, the default: skip; "
-                                                          f"e.g. {' '.join(FUSED_VARIANTS)})")
+    ap.add_argument("--decode", nargs="*", help=f"{DECODE_ENV} values (none: skip; default {' '.join(DECODE_VARIANTS)} "
+                                                "where no kernel is named)")
+    ap.add_argument("--tc", nargs="*", help=f"{TC_ENV} values (none: skip; default {' '.join(TC_VARIANTS)} where no "
+                                            "kernel is named)")
+    ap.add_argument("--fused", nargs="*", help=f"{FUSED_ENV} values, or off (none, the default: skip; "
+                                               f"e.g. {' '.join(FUSED_VARIANTS)})")
     ap.add_argument("--decode-m", default="1", help="M of the decode runs (default 1)")
     ap.add_argument("--tc-m", default="1,8,16", help="M of the tensor-core runs (default 1,8,16)")
     ap.add_argument("--fused-m", default="64,256,2048", help="M of the fused-GEMM runs (default 64,256,2048)")
@@ -135,6 +139,10 @@ def main(argv=None) -> int:
     ap.add_argument("--f16", action="store_true", help="time float16 x against torch fp16 (matmul.py --f16)")
     ap.add_argument("--dry-run", action="store_true", help="print the runs and exit")
     args = ap.parse_args(argv)
+    named = any(v is not None for v in (args.decode, args.tc, args.fused))
+    args.decode = args.decode if args.decode is not None else ([] if named else DECODE_VARIANTS)
+    args.tc = args.tc if args.tc is not None else ([] if named else TC_VARIANTS)
+    args.fused = args.fused or []
     plan = runs(args)
     if args.dry_run:
         for r in plan:

@@ -103,6 +103,21 @@ def test_linear_tune_runs_each_variant_in_its_own_environment(linear_tune, tmp_p
     assert "8,4,2" in text and "1.50x" in text and "(rc 1)" in text.splitlines()[-1]
 
 
+def test_linear_tune_runs_only_the_kernels_named(linear_tune, tmp_path, capsys):
+    """Without --decode, --tc or --fused the decode and tensor-core defaults run; naming one kernel
+    runs that kernel's variants alone (`--dry-run` lists the runs)."""
+    def listed(*argv):
+        assert linear_tune.main(["--out", str(tmp_path), "--dry-run", *argv]) == 0
+        return [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+
+    everything = listed()
+    assert len(everything) == len(linear_tune.DECODE_VARIANTS) + len(linear_tune.TC_VARIANTS)
+    fused = listed("--fused", "off", "64,256,64,8,4,3")
+    assert len(fused) == 2 and all("QCORE_CUDA_LINEAR_FUSED_M=" in line for line in fused)
+    assert not any("QCORE_CUDA_DECODE_TUNE" in line or "QCORE_CUDA_LINEAR_TUNE" in line for line in fused)
+    assert listed("--tc", "8,4") == [line for line in everything if "QCORE_CUDA_LINEAR_TUNE=8,4 " in line]
+
+
 def test_linear_tune_fields_past_a_tuning_set_their_own_variables(linear_tune, tmp_path):
     """A decode variant's fourth field is the register cap (`QCORE_CUDA_DECODE_REGS`), its fifth
     the staging order; a tensor-core variant's third the tiles of w a
