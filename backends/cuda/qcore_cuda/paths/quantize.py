@@ -286,11 +286,10 @@ def run_wide_quantize(be: Any, K: Any, prepared: Prepared, x_words: Any, bf16: b
         plan = prepared.plan
         if form == "quads":
             kernel = fast.wide_quads_kernel(K.wide_kind(plan.RP))
+            grid, tpb = (K.launch_held(plan.nslots, int(plan.RP[K.R_B]), bf16, fast.WIDE_HELD, fast.WIDE_REGS)
+                         if fast.WIDE_HELD else K.launch_wide(plan.nslots))
         else:
             kernel = K.k_wide_quant if form == "general" else fast.k_wide_quant
-        if form == "quads" and fast.WIDE_HELD:
-            grid, tpb = K.launch_held(plan.nslots, int(plan.RP[K.R_B]), bf16, fast.WIDE_HELD, fast.WIDE_REGS)
-        else:
             grid, tpb = K.launch_wide(plan.nslots)
         got = prepared.wide_quant[key] = (flag, Packed(kernel, grid, tpb, [x_words, bf16, prepared.RP_given,
                                                                            prepared.F, prepared.stored, payload, flag],
