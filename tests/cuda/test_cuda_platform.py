@@ -128,6 +128,7 @@ def _covering(names: list[str]) -> list[str]:
         if family in ONE_FOR_ALL:
             keep.append(f"{family}[{ONE_FOR_ALL[family]}]")
             continue
+        start = len(keep)
         single = [n for n in group if "," not in n]
         for name in single:
             seen |= _param_keys(name)
@@ -135,7 +136,7 @@ def _covering(names: list[str]) -> list[str]:
         left = [n for n in group if "," in n]
         while left:
             best = max(left, key=lambda n: len(_param_keys(n) - seen))  # (ties: the first listed)
-            if not _param_keys(best) - seen and len(single) + len(left) < len(group):
+            if not _param_keys(best) - seen and len(keep) > start:
                 break  # (a family's first variant stays even where its values are all kept)
             seen |= _param_keys(best)
             keep.append(best)
