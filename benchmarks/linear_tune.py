@@ -58,7 +58,8 @@ TUNE_FIELDS = {"decode": 3, "tc": 2}
 MORE_ENVS = {"decode": ("QCORE_CUDA_DECODE_REGS", "QCORE_CUDA_DECODE_LANES"),
              "tc": ("QCORE_CUDA_LINEAR_TILES",)}
 """A variant's fields past the tuning: the decode kernel's register cap (k_decode.REGS, which sets
-its blocks a SM and staging batch), its staging order (k_decode.LANES: 0 or 1); the tensor-core kernel's tiles of w a warp (linear.TILES)."""
+its blocks a SM and staging batch), its staging order (k_decode.LANES: 0 or 1); the tensor-core
+kernel's tiles of w a warp (linear.TILES)."""
 
 
 def runs(args) -> list[dict]:

@@ -649,8 +649,9 @@ def test_fused_kinds_read_from_the_environment():
 
 def test_the_plan_tiles_by_rows_of_x(monkeypatch):
     """`fused.tile_for`: the fields form's 64 x 64 up to 64 rows, then on a Hopper GPU the staged
-    form's 64 weight rows by 128 rows of x on 4 warps up to 128 and by 256 on 8 beyond; elsewhere the fields form
-    (64 x 64 up to `FIELDS_MAX_M`, 128 x 128 beyond); the tune variable replaces the choice."""
+    form's 64 weight rows by 128 rows of x on 4 warps up to 128 and by 256 on 8 beyond; elsewhere
+    the fields form (64 x 64 up to `FIELDS_MAX_M`, 128 x 128 beyond); the tune variable replaces
+    the choice."""
     from qcore_cuda import fused
 
     monkeypatch.delenv(fused.TUNE_ENV, raising=False)

@@ -7,8 +7,8 @@ A program computes BN weight rows by BM rows of x. Its warpgroups split the weig
 warp, or where there are fewer (8 warps on 64 rows) x's rows (`_x_groups`): each warpgroup then
 multiplies the whole decoded tile by its half of x's tile, and all warps share the decode. Per
 step of BK columns: x's tile [BM, BK] and the code bytes [BN, BK / PER] arrive by `cp.async` in
-a ring of STAGES buffers (issued STAGES - 2 steps ahead); the warps load the bytes, decode each field exactly (`k_fused.decode`), multiply by
-its f32 scale slot (loaded a step ahead) and round to bfloat16 (docs/spec.md's bfloat16-weight
+a ring of STAGES buffers (issued STAGES - 2 steps ahead); the warps load the bytes, decode each
+field exactly (`k_fused.decode`), multiply by its f32 scale slot (loaded a step ahead) and round to bfloat16 (docs/spec.md's bfloat16-weight
 rule), and store the tile in column order into one of two bfloat16 buffers; `wgmma` multiplies
 that buffer by x's (both read from shared memory) into f32 sums, and the program waits for the
 product of the step before (`warpgroup_mma_wait(1)`) before it issues the next. The copies and
