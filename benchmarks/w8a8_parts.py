@@ -8,10 +8,12 @@ functions taking turns call by call (`gpu.samples_in_turn`, the host launch hidd
 sleep), median GPU microseconds of:
 
 * `copy_x`: `x.clone()` (the bytes x's quantize reads, written once: a bandwidth yardstick);
-* `quant_x`: x quantized per row as the call does it (`paths.quantize.quantize_bf16_rows`, x on a
-  16-byte boundary: the 16-byte kernel);
-* `quant_x_words`: the same x starting 4 bytes past a 16-byte boundary (the word-at-a-time
-  kernel); `same_bytes` says both wrote the same payload;
+* `quant_x`: x quantized per row as the call does it (`act_rows`, Triton), where Triton is
+  installed; `same_as_backend` says it wrote the bytes of the next one;
+* `quant_x_backend`: the backend's own kernel, the call's path without Triton
+  (`paths.quantize.quantize_bf16_rows`, x on a 16-byte boundary: the 16-byte kernel);
+* `quant_x_words`: that kernel with x starting 4 bytes past a 16-byte boundary (the
+  word-at-a-time kernel); `same_bytes` says both wrote the same payload;
 * `mm_fast_accum` / `mm_promoted`: torch's `_scaled_mm` over the two payloads with
   `use_fast_accum` True (what the call runs) and False;
 * `linear`: the whole `be.linear(x, w, act=...)` call; `torch_bf16`: `x @ W.T` in bfloat16.
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from gpu import samples_in_turn  # benchmarks/gpu.py
     from qcore.spec.schemes import scheme as parse_scheme
-    from qcore_cuda import CudaBackend, _streams
+    from qcore_cuda import CudaBackend, _streams, act_rows
     from qcore_cuda.paths import fp8
     from qcore_cuda.paths.quantize import quantize_bf16_rows
 
@@ -74,9 +76,16 @@ def main(argv: list[str] | None = None) -> int:
                 return torch._scaled_mm(a, b.t(), scale_a=sa.view(m, 1), scale_b=sb.view(1, n),
                                         out_dtype=torch.bfloat16, use_fast_accum=fast)
 
-            fns = {
-                "copy_x": lambda x=x: x.clone(),
-                "quant_x": lambda x=x, s=s: quantize_bf16_rows(be, x, act, s, wait=False),
+            fns = {"copy_x": lambda x=x: x.clone()}
+            same_as_backend = None
+            if act_rows.enabled():
+                launch = act_rows.for_row(k, act.scale_divisor, x.device.index)
+                fns["quant_x"] = lambda x=x, launch=launch: launch(x)
+                codes, scales = launch(x)
+                same_as_backend = bool(torch.equal(codes.view(torch.uint8), a.view(torch.uint8))
+                                       and torch.equal(scales.view(torch.int32), sa.view(torch.int32)))
+            fns |= {
+                "quant_x_backend": lambda x=x, s=s: quantize_bf16_rows(be, x, act, s, wait=False),
                 "quant_x_words": lambda off=off, s=s: quantize_bf16_rows(be, off, act, s, wait=False),
                 "mm_fast_accum": lambda: mm(True),
                 "mm_promoted": lambda: mm(False),
@@ -86,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             us = {key: round(1000 * statistics.median(v), 2)
                   for key, v in samples_in_turn(torch, fns, args.reps, hide_launch=True).items()}
             row = {"shape": f"{n}x{k}", "m": m, "us": us,
-                   "same_bytes": xq.to_data().payload == xw.to_data().payload,
-                   "quant_vs_copy": round(us["copy_x"] / us["quant_x"], 3),
+                   "same_bytes": xq.to_data().payload == xw.to_data().payload, "same_as_backend": same_as_backend,
+                   "quant_vs_copy": round(us["copy_x"] / us.get("quant_x", us["quant_x_backend"]), 3),
                    "linear_vs_torch_bf16": round(us["torch_bf16"] / us["linear"], 3)}
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -291,7 +291,7 @@ class FusedLaunch:
             self.kernel = k_fused.fused_fields if t.form == FORM_FIELDS else k_fused.fused_columns
             self.const = const | dict(INTERPRETED=_interpreted(), num_warps=t.warps, num_stages=t.stages)
         self._compiled: Any = None  # (the JIT's kernel, once a call with aligned tensors made it)
-        self._tail: tuple = ()  # (the constants in the kernel's parameter order, after the tensors and sizes)
+        self._tail: tuple | None = ()  # (the constants in the kernel's parameter order, after the tensors and sizes)
 
     def __call__(self, x: Any, codes: Any, scales: Any, bias: Any, y: Any) -> None:
         """y [m, N] = x [m, K] @ W^T (+ bias): `codes` the weight's values section as bytes (uint8,
@@ -307,26 +307,33 @@ class FusedLaunch:
         tensors = (x, codes, scales, bias if bias is not None else y, y)
         aligned = all(a.data_ptr() % 16 == 0 for a in tensors)
         if self._compiled is not None and aligned:
-            _launch_compiled(self._compiled, self.grid, tensors + self.sizes + self._tail)
+            launch_compiled(self._compiled, self.grid, tensors + self.sizes + self._tail)
             return
         compiled = self.kernel[self.grid](*tensors, *self.sizes, **self.const)
         if aligned and self._compiled is None:
             self._keep(compiled)
 
     def _keep(self, compiled: Any) -> None:
-        """Keep the JIT's kernel where it can be launched directly: a compiled kernel (not the
-        interpreter's), every parameter after the tensors and sizes a constant given."""
-        names = list(getattr(self.kernel, "arg_names", ()))
-        given = 5 + len(self.sizes)  # (the five tensors and the sizes, by position)
-        rest = names[given:]
-        if (len(names) < given or any(r not in self.const for r in rest)
-                or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))):
-            return
-        self._tail = tuple(self.const[r] for r in rest)
-        self._compiled = compiled
+        """Keep the JIT's kernel where it can be launched directly (`launch_tail`)."""
+        self._tail = launch_tail(self.kernel, compiled, 5 + len(self.sizes), self.const)  # (the five
+        # tensors and the sizes, by position)
+        if self._tail is not None:
+            self._compiled = compiled
 
 
-def _launch_compiled(compiled: Any, grid: tuple, args: tuple) -> None:
+def launch_tail(kernel: Any, compiled: Any, given: int, const: dict) -> tuple | None:
+    """The values of `kernel`'s parameters after its first `given` (passed by position) from
+    `const`, in order, for `launch_compiled`; None where `compiled` cannot be launched directly
+    (the interpreter's kernel, or a parameter past `given` that `const` lacks)."""
+    names = list(getattr(kernel, "arg_names", ()))
+    rest = names[given:]
+    if (len(names) < given or any(r not in const for r in rest)
+            or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))):
+        return None
+    return tuple(const[r] for r in rest)
+
+
+def launch_compiled(compiled: Any, grid: tuple, args: tuple) -> None:
     """A kernel Triton's JIT compiled, launched with every parameter's value in order on the
     current device's current stream (torch's), as `JITFunction.run` launches it."""
     from triton import knobs

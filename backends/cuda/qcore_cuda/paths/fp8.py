@@ -14,8 +14,10 @@ quantized activations) unless all of these hold:
 * K and N are multiples of 16 (the FP8 GEMM's alignment) and torch has `_scaled_mm` and
   `float8_e4m3fn`.
 
-x is quantized by the backend's own kernel (the spec's arithmetic: the same codes and scales every
-backend gives; a bfloat16 x read as it is, `paths.quantize.quantize_bf16_rows`). Nothing waits for
+x is quantized with the spec's arithmetic (the same codes and scales every backend gives): a
+C-contiguous bfloat16 x by Triton where it is installed (`act_rows`, codes and scales straight into
+torch tensors), else by the backend's own kernel (a bfloat16 x read as it is,
+`paths.quantize.quantize_bf16_rows`). Nothing waits for
 x's non-finite flag: a row of x holding a NaN or an infinity gets a NaN scale, so its results are
 NaN, as the spec's quantized activations want (a float16 or float32 x quantized by `quantize`, which
 refuses it, goes to the decoded path, which does the same). Both payloads are read in place as torch
@@ -37,7 +39,7 @@ from qcore.spec.payload import sections
 from qcore.backend.protocol import QTensor
 from qcore.spec.schemes import QuantScheme, QuantValue, ScaleDtype, StoreKind, scheme as parse_scheme
 
-from .. import _streams
+from .. import _streams, act_rows
 from .quantize import quantize_bf16_rows
 
 __all__ = ["FAST_ACCUM", "per_row_e4m3", "run"]
@@ -121,21 +123,33 @@ def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, 
     if s.handle != _streams.torch_handle(device.index):
         return None
     w = be.own(w)
-    if given:
-        xq = be.own(x)
-    else:
-        x2 = x.reshape(m, k_)
-        got = quantize_bf16_rows(be, x2, scheme, s, wait=False) \
-            if x2.dtype == torch.bfloat16 and x2.is_contiguous() else None
-        if got is not None:
-            xq = got[0]  # nothing waits: a row holding a non-finite x has a NaN scale
-        else:
-            try:
-                xq = be.quantize(x2.float() if x2.dtype == torch.bfloat16 else x2, scheme, stream=stream)
-            except InputError:
-                return None  # a non-finite x: the decoded path gives its rows NaN
-    a, sa = _operands(torch, xq, m, k_)
     b, sb = _operands(torch, w, n_, k_)
+    if given:
+        a, sa = _operands(torch, be.own(x), m, k_)
+    else:
+        a, sa = _quantized_x(be, torch, x.reshape(m, k_), scheme, s, stream)
+        if a is None:
+            return None
     y = torch._scaled_mm(a, b.t(), scale_a=sa.view(m, 1), scale_b=sb.view(1, n_), out_dtype=torch.bfloat16,
                          use_fast_accum=FAST_ACCUM)
     return y.view(*lead, n_)
+
+
+def _quantized_x(be: Any, torch: Any, x2: Any, scheme: QuantScheme, s: Any, stream: Any) -> tuple[Any, Any]:
+    """(codes [m, K] float8_e4m3fn, scales [m] f32) of x2 [m, K] quantized per row under `scheme`:
+    a C-contiguous bfloat16 x2 by Triton (`act_rows`) where it is installed and takes the scheme,
+    else by the backend's own kernel; (None, None) for a float16 / float32 x holding a non-finite
+    value (the decoded path gives its rows NaN)."""
+    m, k_ = (int(d) for d in x2.shape)
+    contiguous_bf16 = x2.dtype == torch.bfloat16 and x2.is_contiguous()
+    if contiguous_bf16 and act_rows.enabled() and act_rows.takes(scheme):
+        return act_rows.for_row(k_, scheme.scale_divisor, x2.device.index)(x2)
+    got = quantize_bf16_rows(be, x2, scheme, s, wait=False) if contiguous_bf16 else None
+    if got is not None:
+        xq = got[0]  # nothing waits: a row holding a non-finite x has a NaN scale
+    else:
+        try:
+            xq = be.quantize(x2.float() if x2.dtype == torch.bfloat16 else x2, scheme, stream=stream)
+        except InputError:
+            return None, None
+    return _operands(torch, xq, m, k_)

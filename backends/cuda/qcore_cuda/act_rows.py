@@ -1,0 +1,102 @@
+"""x quantized per row to E4M3 by Triton for W8A8 `linear` (`k_act.act_rows_e4m3`): the codes and
+scales as torch tensors, the operands `torch._scaled_mm` reads, with no payload around them.
+
+The bytes are those of the backend's quantize of `x.float()` under `e4m3/block{B}:f32` (B >= K)
+with `wait=False` (a row holding a non-finite x: codes 0 and a NaN scale). The GPU converts by
+`cvt.rn.satfinite`; Triton's interpreter (the tests) codes on the bits (`k_act.e4m3_bits`)."""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Any
+
+from qcore.spec.parts import CodeRule, ScaleRound
+from qcore.spec.schemes import QuantScheme
+
+__all__ = ["ENV", "HELD_MAX", "CHUNK", "ActRows", "enabled", "takes", "for_row"]
+
+ENV = "QCORE_CUDA_ACT_TRITON"
+"""0 in the environment turns this path off (W8A8's x then goes through `quantize_bf16_rows`)."""
+
+HELD_MAX = 8192
+"""Rows of at most this many elements are read once, the whole row one block of the program."""
+
+CHUNK = 4096
+"""Longer rows are read twice in chunks of this many elements (the maximum, then the codes)."""
+
+
+def enabled() -> bool:
+    """Whether Triton is installed and the path is not switched off (`ENV`)."""
+    if os.environ.get(ENV, "1") == "0":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def takes(scheme: QuantScheme) -> bool:
+    """Whether the kernel writes `scheme`'s bytes: the spec's plain calibration and code rule
+    (round to nearest, the maximum over h), no signed or affine scales (the caller has checked
+    e4m3 codes with one f32 scale a row)."""
+    return (scheme.code_rule is CodeRule.DIV and scheme.scale_round in (ScaleRound.UP, ScaleRound.RNE)
+            and not scheme.signed and scheme.offset is None and scheme.low_order is scheme)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class ActRows:
+    """The launch for rows of K elements under scale divisor h, decided once: the block, whether
+    the row is held, the warps. A call quantizes a bfloat16 torch tensor [m, K] (C-contiguous) on
+    torch's current stream into (codes [m, K] `float8_e4m3fn`, scales [m] f32). The first call
+    goes through Triton's JIT and keeps the compiled kernel; later calls launch it directly
+    (`fused.launch_compiled`), so a repeat's host time is the launch's."""
+
+    def __init__(self, k: int, h: float) -> None:
+        self.k, self.h = int(k), float(h)
+        held = self.k <= HELD_MAX
+        block = 1 << max(4, (self.k - 1).bit_length()) if held else CHUNK
+        self.const = dict(BLOCK=block, HELD=held, INTERPRETED=_interpreted(), num_warps=4 if block <= 4096 else 8)
+        self._compiled: Any = None
+        self._tail: tuple | None = ()
+
+    def __call__(self, x: Any) -> tuple[Any, Any]:
+        import torch
+
+        from .fused import launch_compiled
+        from . import k_act
+
+        m = int(x.shape[0])
+        assert x.dtype == torch.bfloat16 and tuple(x.shape) == (m, self.k) and x.is_contiguous()
+        if x.is_cuda and x.device.index != torch.cuda.current_device():
+            with torch.cuda.device(x.device):  # (Triton launches on the current device)
+                return self(x)
+        interp = self.const["INTERPRETED"]
+        codes = torch.empty((m, self.k), dtype=torch.uint8 if interp else torch.float8_e4m3fn, device=x.device)
+        scales = torch.empty((m,), dtype=torch.float32, device=x.device)
+        args = (x, codes, scales, self.k, self.h)
+        if self._compiled is not None and x.data_ptr() % 16 == 0:
+            launch_compiled(self._compiled, (m,), args + self._tail)
+        else:
+            compiled = k_act.act_rows_e4m3[(m,)](*args, **self.const)
+            if x.data_ptr() % 16 == 0 and not interp:
+                self._keep(compiled)
+        return (codes.view(torch.float8_e4m3fn) if interp and hasattr(torch, "float8_e4m3fn") else codes), scales
+
+    def _keep(self, compiled: Any) -> None:
+        from .fused import launch_tail
+        from . import k_act
+
+        self._tail = launch_tail(k_act.act_rows_e4m3, compiled, 5, self.const)
+        if self._tail is not None:
+            self._compiled = compiled
+
+
+@lru_cache(maxsize=64)
+def for_row(k: int, h: float, device: int) -> ActRows:
+    """The launch for rows of k elements under scale divisor h on CUDA device `device` (its index;
+    one launch per triple, kept: a compiled kernel belongs to one device)."""
+    return ActRows(k, h)
