@@ -635,15 +635,19 @@ class CudaBackend(BaseBackend):
         activations; `_product_x`). An e4m3 weight with per-row (or per-tensor) f32 scales and
         per-row e4m3 activations with a bfloat16 result, from `LIBRARY_FROM_M` rows of a torch x,
         multiply code by code on torch's FP8 GEMM instead (`paths/fp8.py`, the FP8 accumulator rule
-        of quantized activations).
+        of quantized activations); other calls with such activations and a bfloat16 torch x run
+        x's codes (exact in bfloat16) on the kernels above and scale each row's f32 sums
+        (`paths/act_codes.py`).
         """
         if _torch_on_host(x):
             return self._on_host_tensors(
                 "linear", lambda xh, bh: self.linear(xh, w, bh, dtype=dtype, stream=stream, act=act), x, bias, out)
         if act is not None or isinstance(x, QTensor):
-            from .paths import fp8
+            from .paths import act_codes, fp8
 
             y = fp8.run(self, x, w, bias, act, out, dtype, stream)  # W8A8 on torch's FP8 GEMM, where it applies
+            if y is None and act is not None:
+                y = act_codes.run(self, x, w, bias, act, out, dtype, stream)  # x's codes on the weight-only kernels
             if y is not None:
                 return y
             x, dtype = self._product_x("linear", x, w, act, dtype, stream)
