@@ -382,13 +382,14 @@ def test_w8a8_reads_a_bfloat16_x_as_it_is(cuda_backend):
 @pytest.mark.skipif(SIM, reason="torch CUDA tensors need a GPU")
 @pytest.mark.parametrize("wtext", ["e4m3/block256:f32", "q4s/block32:f16", "q8s"])
 @pytest.mark.parametrize("m", [1, 5, 70])
-@pytest.mark.parametrize("bias", [False, True])
-def test_act_on_a_bfloat16_x_runs_its_codes_on_the_weight_only_kernels(cuda_backend, monkeypatch, wtext, m, bias):
-    """Per-row e4m3 activations of a bfloat16 torch x where torch's FP8 GEMM does not take the
-    call (one row, a few, a bias, another weight): x's codes on the bfloat16 kernels, each row's
+@pytest.mark.parametrize("bias,xdt", [(False, "bfloat16"), (True, "bfloat16"), (False, "float32")])
+def test_act_runs_the_codes_of_x_on_the_weight_only_kernels(cuda_backend, monkeypatch, wtext, m, bias, xdt):
+    """Per-row e4m3 activations of a torch x where torch's FP8 GEMM does not take the call (one
+    row, a few, a bias, another weight, a float32 x): x's codes on the bfloat16 kernels, each row's
     scale on its f32 sums, never the decoded path; within docs/spec.md's bound against the
-    reference's `xq` (float32 x: no FP8 accumulator term); a row holding a NaN or an infinity gives
-    NaN, the others what they give with it zeroed; the same bits again; a float32 result too."""
+    reference's `xq` (no FP8 accumulator term); in a bfloat16 x a row holding a NaN or an infinity
+    gives NaN, the others what they give with it zeroed; the same bits again; a float32 result
+    too."""
     torch = pytest.importorskip("torch")
     from qcore_cuda.backend import CudaBackend
     from qcore_cuda.paths import linear as paths_linear
@@ -399,21 +400,23 @@ def test_act_on_a_bfloat16_x_runs_its_codes_on_the_weight_only_kernels(cuda_back
     w = _weight(n, k)
     q = be.quantize(w, wtext)
     W = np.asarray(REF.dequantize(REF.quantize(w, wtext)), np.float64)
-    x = (torch.randn(m, k, device="cuda") * 3).to(torch.bfloat16)
-    bad = [r for r in (1, 3) if r < m]
+    x = (torch.randn(m, k, device="cuda") * 3).to(getattr(torch, xdt))
+    bad = [r for r in (1, 3) if r < m] if xdt == "bfloat16" else []
     for r, v in zip(bad, (float("nan"), float("inf"))):
         x[r, 7] = v
     b = (torch.randn(n, device="cuda")).to(torch.bfloat16) if bias else None
     y = be.linear(x, q, b, act=act)
-    assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16 and tuple(y.shape) == (m, n)
+    assert isinstance(y, torch.Tensor) and y.dtype == x.dtype and tuple(y.shape) == (m, n)
     assert torch.equal(y, be.linear(x, q, b, act=act))
     xh = x.float().cpu().numpy()
     xh[bad] = 0
     xq = np.asarray(REF.dequantize(REF.quantize(xh, act)), np.float32)
     bh = None if b is None else b.float().cpu().numpy().astype(BF16)
     good = [r for r in range(m) if r not in bad]
-    fp8_gemm = wtext.startswith("e4m3") and m >= paths_linear.LIBRARY_FROM_M and not bias  # (`paths/fp8.py` takes it)
-    for dt, got in ((BF16, y), (np.dtype(np.float32), be.linear(x, q, b, act=act, dtype=np.float32))):
+    fp8_gemm = (wtext.startswith("e4m3") and m >= paths_linear.LIBRARY_FROM_M and not bias
+                and xdt == "bfloat16")  # (`paths/fp8.py` takes it)
+    for dt, got in ((np.dtype(getattr(ml_dtypes, xdt, np.float32)), y),
+                    (np.dtype(np.float32), be.linear(x, q, b, act=act, dtype=np.float32))):
         got = got.float().cpu().numpy()
         assert np.isnan(got[bad]).all() and not np.isnan(got[good]).any()
         exact, bound = product_bound(xq, W, bh, dt, fp8_codes=fp8_gemm)  # (the FP8 GEMM's term for a bfloat16 y)

@@ -42,7 +42,7 @@ from qcore.spec.schemes import QuantScheme, QuantValue, ScaleDtype, StoreKind, s
 from .. import _streams, act_rows
 from .quantize import quantize_bf16_rows
 
-__all__ = ["FAST_ACCUM", "per_row_e4m3", "run"]
+__all__ = ["FAST_ACCUM", "per_row_e4m3", "quantized_rows", "run"]
 
 FAST_ACCUM = True
 """`_scaled_mm`'s `use_fast_accum`: True keeps the FP8 tensor core's sums as they are (the FP8
@@ -127,7 +127,7 @@ def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, 
     if given:
         a, sa = _operands(torch, be.own(x), m, k_)
     else:
-        a, sa = _quantized_x(be, torch, x.reshape(m, k_), scheme, s, stream)
+        a, sa = quantized_rows(be, torch, x.reshape(m, k_), scheme, s, stream)
         if a is None:
             return None
     y = torch._scaled_mm(a, b.t(), scale_a=sa.view(m, 1), scale_b=sb.view(1, n_), out_dtype=torch.bfloat16,
@@ -135,7 +135,7 @@ def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, 
     return y.view(*lead, n_)
 
 
-def _quantized_x(be: Any, torch: Any, x2: Any, scheme: QuantScheme, s: Any, stream: Any) -> tuple[Any, Any]:
+def quantized_rows(be: Any, torch: Any, x2: Any, scheme: QuantScheme, s: Any, stream: Any) -> tuple[Any, Any]:
     """(codes [m, K] float8_e4m3fn, scales [m] f32) of x2 [m, K] quantized per row under `scheme`:
     a C-contiguous bfloat16 x2 by Triton (`act_rows`) where it is installed and takes the scheme,
     else by the backend's own kernel; (None, None) for a float16 / float32 x holding a non-finite
