@@ -9,7 +9,7 @@ sleep), median GPU microseconds of:
 
 * `copy_x`: `x.clone()` (the bytes x's quantize reads, written once: a bandwidth yardstick);
 * `quant_x`: x quantized per row as the call does it (`act_rows`, Triton), where Triton is
-  installed; `same_as_backend` says it wrote the bytes of the next one;
+  installed and takes rows of K; `same_as_backend` says it wrote the bytes of the next one;
 * `quant_x_backend`: the backend's own kernel, the call's path without Triton
   (`paths.quantize.quantize_bf16_rows`, x on a 16-byte boundary: the 16-byte kernel);
 * `quant_x_words`: that kernel with x starting 4 bytes past a 16-byte boundary (the
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
             fns = {"copy_x": lambda x=x: x.clone()}
             same_as_backend = None
-            if act_rows.enabled():
+            if act_rows.enabled() and act_rows.takes(act, k):
                 launch = act_rows.for_row(k, act.scale_divisor, x.device.index)
                 fns["quant_x"] = lambda x=x, launch=launch: launch(x)
                 codes, scales = launch(x)

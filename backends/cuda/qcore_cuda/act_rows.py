@@ -13,16 +13,22 @@ from typing import Any
 from qcore.spec.parts import CodeRule, ScaleRound
 from qcore.spec.schemes import QuantScheme
 
-__all__ = ["ENV", "HELD_MAX", "CHUNK", "ActRows", "enabled", "takes", "for_row"]
+from .fused import interpreted
+
+__all__ = ["ENV", "MAX_K", "WARPS", "ActRows", "enabled", "takes", "for_row"]
 
 ENV = "QCORE_CUDA_ACT_TRITON"
 """0 in the environment turns this path off (W8A8's x then goes through `quantize_bf16_rows`)."""
 
-HELD_MAX = 8192
-"""Rows of at most this many elements are read once, the whole row one block of the program."""
+MAX_K = 8192
+"""The longest row the kernel takes, read once and held in registers. Longer rows go to the
+backend's own kernel, which was faster there (H100, 1024 rows of 28672: 49.2 against 58.4 us for
+this kernel reading the row twice in chunks of 4096; docs/gpu.md, W8A8)."""
 
-CHUNK = 4096
-"""Longer rows are read twice in chunks of this many elements (the maximum, then the codes)."""
+
+WARPS = 4
+"""Warps of a program for rows of up to 4096 elements (8 for longer: H100, 1024 rows of 8192,
+11.4 against 16.0 us on 4)."""
 
 
 def enabled() -> bool:
@@ -36,30 +42,26 @@ def enabled() -> bool:
     return True
 
 
-def takes(scheme: QuantScheme) -> bool:
-    """Whether the kernel writes `scheme`'s bytes: the spec's plain calibration and code rule
-    (round to nearest, the maximum over h), no signed or affine scales (the caller has checked
-    e4m3 codes with one f32 scale a row)."""
-    return (scheme.code_rule is CodeRule.DIV and scheme.scale_round in (ScaleRound.UP, ScaleRound.RNE)
+def takes(scheme: QuantScheme, k: int) -> bool:
+    """Whether the kernel writes `scheme`'s bytes for rows of k elements: at most `MAX_K`, the
+    spec's plain calibration and code rule (round to nearest, the maximum over h), no signed or
+    affine scales (the caller has checked e4m3 codes with one f32 scale a row)."""
+    return (0 < k <= MAX_K and scheme.code_rule is CodeRule.DIV and scheme.scale_round in (ScaleRound.UP, ScaleRound.RNE)
             and not scheme.signed and scheme.offset is None and scheme.low_order is scheme)
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 class ActRows:
-    """The launch for rows of K elements under scale divisor h, decided once: the block, whether
-    the row is held, the warps. A call quantizes a bfloat16 torch tensor [m, K] (C-contiguous) on
-    torch's current stream into (codes [m, K] `float8_e4m3fn`, scales [m] f32). The first call
+    """The launch for rows of K elements (at most `MAX_K`) under scale divisor h, decided once: the
+    block (K up to a power of two), the warps. A call quantizes a bfloat16 torch tensor [m, K]
+    (C-contiguous) on torch's current stream into (codes [m, K] `float8_e4m3fn`, scales [m] f32). The first call
     goes through Triton's JIT and keeps the compiled kernel; later calls launch it directly
     (`fused.launch_compiled`), so a repeat's host time is the launch's."""
 
     def __init__(self, k: int, h: float) -> None:
+        assert 0 < k <= MAX_K
         self.k, self.h = int(k), float(h)
-        held = self.k <= HELD_MAX
-        block = 1 << max(4, (self.k - 1).bit_length()) if held else CHUNK
-        self.const = dict(BLOCK=block, HELD=held, INTERPRETED=_interpreted(), num_warps=4 if block <= 4096 else 8)
+        block = 1 << max(4, (self.k - 1).bit_length())
+        self.const = dict(BLOCK=block, INTERPRETED=interpreted(), num_warps=WARPS if block <= 4096 else 8)
         self._compiled: Any = None
         self._tail: tuple | None = ()
 

@@ -210,7 +210,8 @@ def available() -> bool:
     return True
 
 
-def _interpreted() -> bool:
+def interpreted() -> bool:
+    """Whether Triton runs its kernels in its interpreter (`TRITON_INTERPRET`: the tests, on CPU tensors)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -227,7 +228,7 @@ def staged_available() -> bool:
 def staged_ready(device: Any) -> bool:
     """Whether `FORM_STAGED` runs for x on this torch device: a Hopper GPU (`wgmma` is sm_90's
     alone), outside the interpreter, with the kernel importable."""
-    return (device.type == "cuda" and not _interpreted() and _capability(device)[0] == 9
+    return (device.type == "cuda" and not interpreted() and _capability(device)[0] == 9
             and staged_available())
 
 
@@ -289,7 +290,7 @@ class FusedLaunch:
             from . import k_fused
 
             self.kernel = k_fused.fused_fields if t.form == FORM_FIELDS else k_fused.fused_columns
-            self.const = const | dict(INTERPRETED=_interpreted(), num_warps=t.warps, num_stages=t.stages)
+            self.const = const | dict(INTERPRETED=interpreted(), num_warps=t.warps, num_stages=t.stages)
         self._compiled: Any = None  # (the JIT's kernel, once a call with aligned tensors made it)
         self._tail: tuple | None = ()  # (the constants in the kernel's parameter order, after the tensors and sizes)
 

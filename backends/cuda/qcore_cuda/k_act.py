@@ -26,50 +26,22 @@ def e4m3_bits(y):
 
 
 @triton.jit
-def act_rows_e4m3(x_ptr, codes_ptr, scales_ptr, K, h, BLOCK: tl.constexpr, HELD: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
-    """Row `program_id` of x [rows, K] (bfloat16) into codes [rows, K] (`*fp8e4nv`, or `*u8`
-    INTERPRETED: then coded on the bits) and scales [rows] (f32). HELD: the row fits one BLOCK,
-    read once; else BLOCK-wide chunks, read twice (the maximum, then the codes)."""
+def act_rows_e4m3(x_ptr, codes_ptr, scales_ptr, K, h, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Row `program_id` of x [rows, K] (bfloat16, K <= BLOCK: the row read once, held in
+    registers) into codes [rows, K] (`*fp8e4nv`, or `*u8` INTERPRETED: then coded on the bits)
+    and scales [rows] (f32)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    xr = x_ptr + row * K
-    cr = codes_ptr + row * K
-    if HELD:
-        mask = offs < K
-        x = tl.load(xr + offs, mask=mask, other=0.0).to(tl.float32)
-        a = tl.abs(x)
-        m = tl.max(tl.where(a == a, a, float("inf")), axis=0)
-        e = _scale(m, h, scales_ptr + row)
-        _codes(x, e, cr + offs, mask, INTERPRETED)
-    else:
-        m = tl.zeros((), tl.float32)
-        for k0 in range(0, K, BLOCK):
-            a = tl.abs(tl.load(xr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32))
-            m = tl.maximum(m, tl.max(tl.where(a == a, a, float("inf")), axis=0))
-        e = _scale(m, h, scales_ptr + row)
-        for k0 in range(0, K, BLOCK):
-            mask = k0 + offs < K
-            x = tl.load(xr + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-            _codes(x, e, cr + k0 + offs, mask, INTERPRETED)
-
-
-@triton.jit
-def _scale(m, h, at):
-    """The row's scale e = RN(m / h) from its maximum m (infinite for a non-finite x: then e = 0
-    and the stored scale NaN), stored at `at`."""
+    mask = offs < K
+    x = tl.load(x_ptr + row * K + offs, mask=mask, other=0.0).to(tl.float32)
+    a = tl.abs(x)
+    m = tl.max(tl.where(a == a, a, float("inf")), axis=0)  # (infinite for a NaN or an infinity)
     bad = m == float("inf")
     e = tl.where(bad, 0.0, tl.math.div_rn(m, h))
-    tl.store(at, tl.where(bad, float("nan"), e))
-    return e
-
-
-@triton.jit
-def _codes(x, e, at, mask, INTERPRETED: tl.constexpr):
-    """The codes of values x under scale e (all 0 where e is 0) stored at `at`."""
+    tl.store(scales_ptr + row, tl.where(bad, float("nan"), e))
     ez = e == 0.0
     y = tl.where(ez, 0.0, tl.math.div_rn(x, tl.where(ez, 1.0, e)))
     if INTERPRETED:
-        tl.store(at, e4m3_bits(y).to(tl.uint8), mask=mask)
+        tl.store(codes_ptr + row * K + offs, e4m3_bits(y).to(tl.uint8), mask=mask)
     else:
-        tl.store(at, y.to(tl.float8e4nv), mask=mask)
+        tl.store(codes_ptr + row * K + offs, y.to(tl.float8e4nv), mask=mask)

@@ -137,12 +137,12 @@ def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, 
 
 def quantized_rows(be: Any, torch: Any, x2: Any, scheme: QuantScheme, s: Any, stream: Any) -> tuple[Any, Any]:
     """(codes [m, K] float8_e4m3fn, scales [m] f32) of x2 [m, K] quantized per row under `scheme`:
-    a C-contiguous bfloat16 x2 by Triton (`act_rows`) where it is installed and takes the scheme,
-    else by the backend's own kernel; (None, None) for a float16 / float32 x holding a non-finite
+    a C-contiguous bfloat16 x2 by Triton (`act_rows`) where it is installed and takes the scheme
+    and K, else by the backend's own kernel; (None, None) for a float16 / float32 x holding a non-finite
     value (the decoded path gives its rows NaN)."""
     m, k_ = (int(d) for d in x2.shape)
     contiguous_bf16 = x2.dtype == torch.bfloat16 and x2.is_contiguous()
-    if contiguous_bf16 and act_rows.enabled() and act_rows.takes(scheme):
+    if contiguous_bf16 and act_rows.takes(scheme, k_) and act_rows.enabled():
         return act_rows.for_row(k_, scheme.scale_divisor, x2.device.index)(x2)
     got = quantize_bf16_rows(be, x2, scheme, s, wait=False) if contiguous_bf16 else None
     if got is not None:
