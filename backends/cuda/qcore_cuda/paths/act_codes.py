@@ -24,10 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from qcore.backend.activations import ACTIVATION_DTYPES
 from qcore.backend.protocol import QTensor
 
 from .. import _streams
 from .fp8 import per_row_e4m3, quantized_rows
+from .linear import torch_dtype
 
 __all__ = ["run"]
 
@@ -57,9 +59,15 @@ def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, 
     s = _streams.resolve(stream, x)
     if s.handle != _streams.torch_handle(x.device.index):
         return None
-    want = x.dtype if dtype is None else _torch_dtype(torch, np.dtype(dtype))
-    if want is None:
-        return None
+    want = x.dtype
+    if dtype is not None:
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            return None  # (the decoded path names the dtype)
+        if dt not in ACTIVATION_DTYPES:
+            return None
+        want = torch_dtype(dt)
     codes, scales = quantized_rows(be, torch, x.reshape(m, k_), scheme, s, stream)
     if codes is None:
         return None
@@ -69,8 +77,3 @@ def run(be: Any, x: Any, w: QTensor, bias: Any, act: Any, out: Any, dtype: Any, 
         y = y.add_(bias.to(torch.float32))
     return y.to(want).view(*lead, int(w.shape[0]))
 
-
-def _torch_dtype(torch: Any, dt: np.dtype) -> Any:
-    """The torch dtype of a float result dtype `linear` gives, or None."""
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-            "float64": torch.float64}.get(dt.name)

@@ -58,7 +58,7 @@ from . import choose
 
 __all__ = ["LINEAR", "FUSED_M", "FUSED_ALL_KINDS", "LIBRARY_FROM_M", "DECODE_MAX_M", "LinearCall", "FusedGemmLinear",
            "DequantizedGemmLinear", "DecodeLinear", "TensorCoreLinear", "TransposedLinear", "same_kind_bias", "run",
-           "rounded", "placeholders"]
+           "rounded", "placeholders", "torch_dtype"]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
@@ -459,7 +459,8 @@ def _is_torch(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _torch_dtype(dt: np.dtype) -> Any:
+def torch_dtype(dt: np.dtype) -> Any:
+    """The torch dtype of numpy dtype `dt` (ml_dtypes' bfloat16 included)."""
     torch = _torch()
     return torch.bfloat16 if dt == _BF16 else getattr(torch, dt.name)
 
@@ -580,7 +581,7 @@ def _outputs(x: Any, out: Any, shape: tuple[int, ...], dt: np.dtype, s: Any) -> 
     kdt = _F32 if wide else dt
     if _is_torch(x):
         torch = _torch()
-        res = torch.empty(shape, dtype=_torch_dtype(kdt), device=x.device)
+        res = torch.empty(shape, dtype=torch_dtype(kdt), device=x.device)
         v = _array.DevView(res.data_ptr(), (n,), np.dtype(np.uint16) if kdt != _F32 else _F32, res)
         return res, (v if kdt == _F32 else None), (None if kdt == _F32 else v), \
             ((lambda r: r.double()) if wide else (lambda r: r))
