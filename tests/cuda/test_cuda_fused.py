@@ -383,7 +383,7 @@ def test_repeat_linear_calls_launch_what_the_first_call_made(cuda_backend, monke
         taken = chosen()
     if fused_path:
         assert sum(fused.LAUNCHED.values()) - sum(launched.values()) == 9
-        assert all(go._compiled is not None for go in qd.data.cache.fused_launches.values())
+        assert all(go.kept.compiled is not None for go in qd.data.cache.fused_launches.values())
     # x and bias off a 16-byte boundary (views 2 bytes in), and a float32 bias: the same bits as the whole way
     xs = torch.empty(m * k + 1, dtype=torch.bfloat16, device="cuda")[1:].view(m, k)
     xs.copy_(xt)

@@ -13,7 +13,7 @@ from typing import Any
 from qcore.spec.parts import CodeRule, ScaleRound
 from qcore.spec.schemes import QuantScheme
 
-from .fused import interpreted
+from .fused import KeptKernel, interpreted
 
 __all__ = ["ENV", "MAX_K", "WARPS", "ActRows", "enabled", "takes", "for_row"]
 
@@ -53,22 +53,19 @@ def takes(scheme: QuantScheme, k: int) -> bool:
 class ActRows:
     """The launch for rows of K elements (at most `MAX_K`) under scale divisor h, decided once: the
     block (K up to a power of two), the warps. A call quantizes a bfloat16 torch tensor [m, K]
-    (C-contiguous) on torch's current stream into (codes [m, K] `float8_e4m3fn`, scales [m] f32). The first call
-    goes through Triton's JIT and keeps the compiled kernel; later calls launch it directly
-    (`fused.launch_compiled`), so a repeat's host time is the launch's."""
+    (C-contiguous) on torch's current stream into (codes [m, K] `float8_e4m3fn`, scales [m] f32).
+    Repeat calls launch the kernel Triton compiled at the first directly (`fused.KeptKernel`)."""
 
     def __init__(self, k: int, h: float) -> None:
         assert 0 < k <= MAX_K
         self.k, self.h = int(k), float(h)
         block = 1 << max(4, (self.k - 1).bit_length())
         self.const = dict(BLOCK=block, INTERPRETED=interpreted(), num_warps=WARPS if block <= 4096 else 8)
-        self._compiled: Any = None
-        self._tail: tuple | None = ()
+        self.kept = KeptKernel(self.const, 5)
 
     def __call__(self, x: Any) -> tuple[Any, Any]:
         import torch
 
-        from .fused import launch_compiled
         from . import k_act
 
         m = int(x.shape[0])
@@ -79,22 +76,8 @@ class ActRows:
         interp = self.const["INTERPRETED"]
         codes = torch.empty((m, self.k), dtype=torch.uint8 if interp else torch.float8_e4m3fn, device=x.device)
         scales = torch.empty((m,), dtype=torch.float32, device=x.device)
-        args = (x, codes, scales, self.k, self.h)
-        if self._compiled is not None and x.data_ptr() % 16 == 0:
-            launch_compiled(self._compiled, (m,), args + self._tail)
-        else:
-            compiled = k_act.act_rows_e4m3[(m,)](*args, **self.const)
-            if x.data_ptr() % 16 == 0 and not interp:
-                self._keep(compiled)
-        return (codes.view(torch.float8_e4m3fn) if interp and hasattr(torch, "float8_e4m3fn") else codes), scales
-
-    def _keep(self, compiled: Any) -> None:
-        from .fused import launch_tail
-        from . import k_act
-
-        self._tail = launch_tail(k_act.act_rows_e4m3, compiled, 5, self.const)
-        if self._tail is not None:
-            self._compiled = compiled
+        self.kept.launch(k_act.act_rows_e4m3, (m,), (x, codes, scales, self.k, self.h), x.data_ptr() % 16 == 0)
+        return (codes.view(torch.float8_e4m3fn) if interp else codes), scales
 
 
 @lru_cache(maxsize=64)

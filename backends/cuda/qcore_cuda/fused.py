@@ -291,8 +291,7 @@ class FusedLaunch:
 
             self.kernel = k_fused.fused_fields if t.form == FORM_FIELDS else k_fused.fused_columns
             self.const = const | dict(INTERPRETED=interpreted(), num_warps=t.warps, num_stages=t.stages)
-        self._compiled: Any = None  # (the JIT's kernel, once a call with aligned tensors made it)
-        self._tail: tuple | None = ()  # (the constants in the kernel's parameter order, after the tensors and sizes)
+        self.kept = KeptKernel(self.const, 5 + len(self.sizes))  # (the five tensors and the sizes, by position)
 
     def __call__(self, x: Any, codes: Any, scales: Any, bias: Any, y: Any) -> None:
         """y [m, N] = x [m, K] @ W^T (+ bias): `codes` the weight's values section as bytes (uint8,
@@ -306,20 +305,32 @@ class FusedLaunch:
             bk, per = self.tile.bk, self.per
             x = x.reshape(self.m, self.k // bk, bk // per, per).transpose(2, 3).contiguous().reshape(self.m, self.k)
         tensors = (x, codes, scales, bias if bias is not None else y, y)
-        aligned = all(a.data_ptr() % 16 == 0 for a in tensors)
-        if self._compiled is not None and aligned:
-            launch_compiled(self._compiled, self.grid, tensors + self.sizes + self._tail)
-            return
-        compiled = self.kernel[self.grid](*tensors, *self.sizes, **self.const)
-        if aligned and self._compiled is None:
-            self._keep(compiled)
+        self.kept.launch(self.kernel, self.grid, tensors + self.sizes, all(a.data_ptr() % 16 == 0 for a in tensors))
 
-    def _keep(self, compiled: Any) -> None:
-        """Keep the JIT's kernel where it can be launched directly (`launch_tail`)."""
-        self._tail = launch_tail(self.kernel, compiled, 5 + len(self.sizes), self.const)  # (the five
-        # tensors and the sizes, by position)
-        if self._tail is not None:
-            self._compiled = compiled
+
+class KeptKernel:
+    """A Triton kernel's launches with constants `const` after `given` arguments passed by
+    position: the first call whose tensors start on 16-byte boundaries goes through the JIT
+    (argument specialization, compile cache) and its compiled kernel is kept; later such calls
+    launch it directly (`launch_compiled`: the same kernel and arguments, Triton's launch hooks
+    still called), so a repeat's host time is the launch's. A call with a tensor off a boundary
+    goes through the JIT (its specialization differs)."""
+
+    def __init__(self, const: dict, given: int) -> None:
+        self.const, self.given = const, given
+        self.compiled: Any = None  # (the JIT's kernel, once a call with aligned tensors made it)
+        self.tail: tuple = ()  # (the constants in the kernel's parameter order, after the given arguments)
+
+    def launch(self, kernel: Any, grid: tuple, args: tuple, aligned: bool) -> None:
+        """`kernel[grid](*args, **const)` on torch's current stream, directly where it can be."""
+        if self.compiled is not None and aligned:
+            launch_compiled(self.compiled, grid, args + self.tail)
+            return
+        compiled = kernel[grid](*args, **self.const)
+        if aligned and self.compiled is None:
+            tail = launch_tail(kernel, compiled, self.given, self.const)
+            if tail is not None:
+                self.compiled, self.tail = compiled, tail
 
 
 def launch_tail(kernel: Any, compiled: Any, given: int, const: dict) -> tuple | None:
