@@ -446,16 +446,16 @@ def test_the_gpu_chunk_loop_gives_the_lockstep_bits(cuda_backend, monkeypatch, t
     """The GPU's chunk loop (groups of U chunks' loads, then their sums; the tail one by one), run
     under the simulator where K gives every warp the same chunks (`SIM_GPU_LOOP`), add the same terms in the
     same order as the simulator's lockstep loop: the same bits, for bf16 x at one n8 tile and f16
-    x at three; K = 32 * 4 warps * `cpw` chunks."""
+    x at three; K = 32 * `linear.WARPS` (2 under the simulator) * `cpw` chunks."""
     from qcore_cuda import linear
     from qcore_cuda.paths import linear as paths_linear
 
     if not SIM:
         pytest.skip("the simulator's loop against the GPU's (a GPU runs only its own)")
-    assert (linear.WARPS, linear.U) == (4, 2)
+    assert (linear.WARPS, linear.U) == (2, 2)
     monkeypatch.setattr(paths_linear, "DECODE_MAX_M", 0)
     be, n = cuda_backend, 20
-    for k in (32 * 4 * cpw,):
+    for k in (32 * linear.WARPS * cpw,):
         w = _weight(n, k, 31)
         xs = {xt: _x(17, k, dt, 32) for xt, dt in XDT.items()}
         b = _x(1, n, np.float32, 33)[0]

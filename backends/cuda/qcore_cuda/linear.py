@@ -92,7 +92,9 @@ def parse_tune(env: str, text: str, fields: str) -> tuple[int, ...]:
     return v
 
 
-WARPS, U = (4, 2) if config.ENABLE_CUDASIM else parse_tune(TUNE_ENV, os.environ.get(TUNE_ENV, "8,4"), "WARPS,U")
+WARPS, U = (2, 2) if config.ENABLE_CUDASIM else parse_tune(TUNE_ENV, os.environ.get(TUNE_ENV, "8,4"), "WARPS,U")
+"""Warps a block and chunks in flight a lane: 8, 4 on a GPU; under the simulator 2, 2 (its cost is
+per thread, and two warps still add their sums across warps)."""
 SIM_GPU_LOOP = False
 """Under the simulator, compile the GPU's chunk loop instead of the simulator's lockstep one (tests:
 with K giving every warp the same number of chunks, its mma twin meets every thread at each call)."""
