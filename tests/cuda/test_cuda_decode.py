@@ -282,9 +282,9 @@ def test_tunings_and_scale_forms_give_the_default_bits(cuda_backend, monkeypatch
 
 
 @pytest.mark.parametrize("text,n,k,ms", [
-    ("q4s/block32:f16", 12, 4096, (1, 4)),  # one segment, two rounds, whole steps
+    ("q4s/block32:f16", 9, 4096, (1, 4)),  # one segment at M = 1, four at M = 4; two rounds, whole steps
     ("q8s/block32:f16", 12, 1056, (1, 4)),  # units left over after the steps (and fewer than a step)
-    ("q4s/block32:f16", 5, 5120, (1, 4)),  # two staged segments (the simulator's 4096 floats of x)
+    ("q4s/block32:f16", 5, 5120, (1,)),  # two staged segments at M = 1 (the simulator's 4096 floats of x)
     ("q2s/block32:f16", 10, 2048, (1, 2)),  # 2-bit units (64 codes; the simulator's decode path to M = 2)
 ])
 def test_the_staging_order_gives_the_same_bits(cuda_backend, monkeypatch, text, n, k, ms):
