@@ -29,26 +29,21 @@ PYTEST_ROUTE = ("narrow-half-away", "narrow-big-endian-scales", "narrow-no-nonfi
 
 
 PRODUCT_BUGS = ("linear-", "act-")
-"""Mutants of the products with a quantized weight (bug names starting so): the default run checks
-`linear` in its `ops` groups, after every case stratum."""
-
-
-def _kinds(bug: str) -> tuple[str, ...]:
-    """The check kinds of the default run a mutant's run takes: a product mutant's the `ops` groups
-    alone, the same cases as in the whole run (each item draws its own from its index and the
-    seed: `runner.plan`), so it dies in about a second rather than after every case stratum; the
-    others every kind."""
-    return ("ops",) if bug.startswith(PRODUCT_BUGS) else runner.CHECK_KINDS
+"""Mutants of the products with a quantized weight (bug names starting so). The default run checks
+`linear` in its `ops` groups, after every case stratum; their runs take those groups alone, the same
+cases as in the whole run (each item draws its own from its index and the seed: `runner.plan`), so
+each dies in under a second rather than after every stratum."""
 
 
 @pytest.mark.parametrize(("model", "bug", "cls", "what"), MUTANTS, ids=IDS)
 def test_runner_default_run_kills(model, bug, cls, what):
-    kinds = _kinds(bug)
+    product = bug.startswith(PRODUCT_BUGS)
+    kinds = ("ops",) if product else runner.CHECK_KINDS
     report = runner.run([cls()], expect=parse_expect([EXPECT[model]]), max_failures=1, kinds=kinds)
     assert report.failed, f"{model} mutant '{bug}' ({what}) survived the default run ({', '.join(kinds)})"
     msg = report.failed[0].message
     assert f"backend '{cls.name}' failed check" in msg, msg
-    if bug.startswith(PRODUCT_BUGS):
+    if product:
         assert "failed check 'ops.linear" in msg, msg
 
 
