@@ -5,8 +5,6 @@ torch inputs; every result within docs/spec.md's products' bound, the tensor-cor
 for bit the same from call to call."""
 from __future__ import annotations
 
-import functools
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -523,8 +521,6 @@ def test_a_tuning_past_the_shared_memory_is_a_one_line_error(monkeypatch):
     from qcore_cuda import fast, linear
 
     monkeypatch.setattr(linear, "WARPS", 32)
-    monkeypatch.setattr(linear, "_kernel", functools.lru_cache(maxsize=None)(linear._kernel.__wrapped__))  # (no
-    # variant another test compiled at the usual tuning)
     with pytest.raises(ValueError, match="QCORE_CUDA_LINEAR_TILES.*48 KB"):
         linear.kernel(fast.KIND_I4, linear.XT_BF16, 2, rt=2)
 

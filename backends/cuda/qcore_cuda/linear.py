@@ -554,12 +554,13 @@ def store_out(out32, out16, o, v, ot):
 def kernel(kind: int, xt: int, nb: int, halves: bool = False, rt: int = 1):
     """The compiled variant for value kind `kind`, x type `xt`, `nb` n8 tiles per pass, `split`
     chunks or not (`halves`), `rt` tiles of w a warp, and under the simulator `SIM_GPU_LOOP` as
-    it is now."""
-    return _kernel(kind, xt, nb, halves, SIM_GPU_LOOP, rt)
+    it is now, at the tuning (`WARPS`, `U`) as it is now."""
+    return _kernel(kind, xt, nb, halves, SIM_GPU_LOOP, rt, (WARPS, U))
 
 
 @lru_cache(maxsize=None)
-def _kernel(kind: int, xt: int, nb: int, halves: bool, sim_gpu_loop: bool, rt: int):
+def _kernel(kind: int, xt: int, nb: int, halves: bool, sim_gpu_loop: bool, rt: int, tn: tuple[int, int]):
+    """(`tn`: the tuning `_linear_kernel` reads, in the key so that another tuning builds anew)"""
     return fast.K.jit_regs(REGS)(_linear_kernel(kind, xt, nb, halves, sim_gpu_loop, rt))
 
 
