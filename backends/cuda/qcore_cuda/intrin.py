@@ -6,6 +6,9 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
 
 * `ld4(a, i)` / `ld2(a, i)` / `st4(a, i, v0..v3)` / `st2(a, i, v0, v1)`: 16- and 8-byte
   accesses of `a[i..i+3]` (`a[i..i+1]`); `ld1(a, i)` is `a[i]` without the negative-index fix-up;
+  `ld1_at(a, row, i)` is `a[row + i]` (4-byte elements) for an int64 `row` and the low 32 bits of
+  `i`, its address one wide multiply-add of `i` onto the row's (which a loop over `i` computes once);
+  `shr_u32(a, s)` is the low 32 bits of `a` shifted right by `s` (< 32) in 32-bit arithmetic;
   `ldcg_f32(a, i)` reads a float32 past L1 (`ld.global.cg`: data other blocks wrote); the caller guarantees the alignment (`i` a multiple of 4 (2) and a 16-byte
   aligned base) and the bounds: there is no wraparound and no bounds check.
 * `stb4(a, i, w)` / `stb8(a, i, w0, w1)`: one or two u32 words (little-endian, w0 first) into
@@ -46,7 +49,11 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
   `scr[base : base + 384]`, with the same rule for the block's threads.
 * `code4_bf16x2(w)`: the 4-bit fields at bits 0-3 and 16-19 of `w`, stored offset by 8 (`c + 8`),
   as the bf16 pair (c_lo, c_hi) with c_lo in the low half: a `lop3` under the bf16 bits of 128
-  and one `fma.rn.bf16x2` (exact).
+  and one `fma.rn.bf16x2` (exact). `code4s_bf16x2(w)` / `code4s_f16x2(w)`: the same for fields
+  in two's complement (Q4), their offset folded into the `lop3` (`(w & m) ^ k`): one instruction
+  less a pair than flipping the word first. `e2m1x2_bf16x2(w)`: the E2M1 codes at bits 0-3 and
+  16-19 as a bf16 pair (exact; -0 for code 8): the bits under bf16's exponent and mantissa, times
+  2**126 by one `fma.rn.bf16x2` (no conversion through f16; `e2m1x2_f16x2` is the f16 pair).
 * `bf16x2_rn(hi, lo)`: two f32 rounded to nearest-even bf16, `hi` in the upper half
   (`cvt.rn.bf16x2.f32`); the caller passes finite values below bf16's largest.
 * `f16x2_f32(u)`: the two f16 of `u` as f32 (low half first), exact.
@@ -95,6 +102,12 @@ if config.ENABLE_CUDASIM:
 
     def ld1(a, i):
         return a[i]
+
+    def ld1_at(a, row, i):
+        return a[int(row) + (int(i) & 0xFFFFFFFF)]
+
+    def shr_u32(a, s):
+        return np.uint32((int(a) & 0xFFFFFFFF) >> int(s))
 
     def ldcg_f32(a, i):
         return a[i]
@@ -294,6 +307,12 @@ if config.ENABLE_CUDASIM:
         w = int(w)
         return _pair_f16((w & 0xF) - 8, ((w >> 16) & 0xF) - 8)
 
+    def code4s_f16x2(w):
+        return code4_f16x2(int(w) ^ 0x88888888)
+
+    def code4s_bf16x2(w):
+        return code4_bf16x2(int(w) ^ 0x88888888)
+
     def i8x2_f16x2(v):
         v = int(v)
         lo, hi = v & 0xFF, (v >> 16) & 0xFF
@@ -309,10 +328,17 @@ if config.ENABLE_CUDASIM:
 
     _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
-    def e2m1x2_f16x2(v):
+    def _e2m1_pair(v):
         v = int(v)
         lo, hi = v & 0xF, (v >> 16) & 0xF
-        return _pair_f16(-_E2M1[lo & 7] if lo & 8 else _E2M1[lo], -_E2M1[hi & 7] if hi & 8 else _E2M1[hi])
+        return -_E2M1[lo & 7] if lo & 8 else _E2M1[lo], -_E2M1[hi & 7] if hi & 8 else _E2M1[hi]
+
+    def e2m1x2_f16x2(v):
+        return _pair_f16(*_e2m1_pair(v))
+
+    def e2m1x2_bf16x2(v):
+        lo, hi = _e2m1_pair(v)
+        return np.uint32(_bf16_bits(hi) << 16 | _bf16_bits(lo))
 
     def f16x2_bf16x2(u):
         lo, hi = f16x2_f32(u)
@@ -398,6 +424,32 @@ else:
             return builder.extract_element(builder.load(p, align=a.dtype.bitwidth // 8), ir.Constant(_I32, 0))
 
         return a.dtype(a, i), codegen
+
+    @intrinsic
+    def ld1_at(typingctx, a, row, i):
+        if a.dtype.bitwidth != 32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            aty = sig.args[0]
+            ary = context.make_array(aty)(context, builder, value=args[0])
+            r = context.cast(builder, args[1], sig.args[1], types.int64)
+            p = builder.ptrtoint(builder.gep(ary.data, [r], inbounds=True), _I64)  # (the row: loop-invariant)
+            k = builder.trunc(context.cast(builder, args[2], sig.args[2], types.uint64), _I32)
+            f = _asm(_I32, [_I64, _I32], "{ .reg .b64 a; mad.wide.u32 a, $2, 4, $1; ld.global.b32 $0, [a]; }",
+                     "=r,l,r")  # (opaque to LLVM: no merging of the row into a 64-bit index)
+            return builder.bitcast(builder.call(f, [p, k]), context.get_value_type(aty.dtype))
+
+        return a.dtype(a, row, i), codegen
+
+    @intrinsic
+    def shr_u32(typingctx, a, s):
+        def codegen(context, builder, sig, args):
+            v = builder.trunc(context.cast(builder, args[0], sig.args[0], types.uint64), _I32)
+            n = builder.trunc(context.cast(builder, args[1], sig.args[1], types.uint64), _I32)
+            return builder.lshr(v, n)
+
+        return types.uint32(a, s), codegen
 
     @intrinsic
     def ldcg_f32(typingctx, a, i):
@@ -628,6 +680,11 @@ else:
                           "mov.b32 k, 0x64086408; sub.f16x2 $0, t, k; }")(typingctx, w)
 
     @intrinsic
+    def code4s_f16x2(typingctx, w):  # 1024 + (c ^ 8) = 1024 + (c + 8), less 1032: exact
+        return _u32_unary("{ .reg .b32 t, k; lop3.b32 t, $1, 0x000F000F, 0x64086408, 0x6A; "
+                          "mov.b32 k, 0x64086408; sub.f16x2 $0, t, k; }")(typingctx, w)
+
+    @intrinsic
     def i8x2_f16x2(typingctx, v):  # 1024 + (c + 128), less 1152: exact
         return _u32_unary("{ .reg .b32 t, k; lop3.b32 t, $1, 0x00FF00FF, 0x64806480, 0x6A; "
                           "mov.b32 k, 0x64806480; sub.f16x2 $0, t, k; }")(typingctx, v)
@@ -650,6 +707,12 @@ else:
                           "mov.b32 k, 0x74007400; mul.rn.f16x2 $0, t, k; }")(typingctx, v)
 
     @intrinsic
+    def e2m1x2_bf16x2(typingctx, v):  # (e1 e0 m) under bf16's exponent and mantissa, times 2**126 (+ -0)
+        return _u32_unary("{ .reg .b32 a, b, t, k, z; shl.b32 a, $1, 6; shl.b32 b, $1, 12; "
+                          "and.b32 t, a, 0x01C001C0; and.b32 b, b, 0x80008000; or.b32 t, t, b; "
+                          "mov.b32 k, 0x7E807E80; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, k, z; }")(typingctx, v)
+
+    @intrinsic
     def f16x2_bf16x2(typingctx, u):  # exact for values bf16 holds
         return _u32_unary("{ .reg .b16 l, h; .reg .f32 fl, fh; mov.b32 {l, h}, $1; cvt.f32.f16 fl, l; "
                           "cvt.f32.f16 fh, h; cvt.rn.bf16x2.f32 $0, fh, fl; }")(typingctx, u)
@@ -658,6 +721,15 @@ else:
     def code4_bf16x2(typingctx, w):
         def codegen(context, builder, sig, args):
             f = _asm(_I32, [_I32], "{ .reg .b32 t, o, c; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; "
+                     "mov.b32 o, 0x3F803F80; mov.b32 c, 0xC308C308; fma.rn.bf16x2 $0, t, o, c; }", "=r,r")
+            return builder.call(f, [context.cast(builder, args[0], sig.args[0], types.uint32)])
+
+        return types.uint32(w), codegen
+
+    @intrinsic
+    def code4s_bf16x2(typingctx, w):
+        def codegen(context, builder, sig, args):
+            f = _asm(_I32, [_I32], "{ .reg .b32 t, o, c; lop3.b32 t, $1, 0x000F000F, 0x43084308, 0x6A; "
                      "mov.b32 o, 0x3F803F80; mov.b32 c, 0xC308C308; fma.rn.bf16x2 $0, t, o, c; }", "=r,r")
             return builder.call(f, [context.cast(builder, args[0], sig.args[0], types.uint32)])
 

@@ -64,8 +64,8 @@ from qcore.spec.schemes import QuantScheme, StoreKind
 from . import fast
 from ._params import ParamLayout
 from .devmath import two_level_e
-from .intrin import (code4_bf16x2, code4_f16x2, e2m1x2_f16x2, e4m3x2_f16x2, e5m2x2_f16x2, f16_bits, f16x2_bf16x2,
-                     f2u, i8x2_f16x2, ld1, ld2, ld4, mma_bf16, mma_f16, prmt, u2f)
+from .intrin import (code4s_bf16x2, code4s_f16x2, e2m1x2_bf16x2, e2m1x2_f16x2, e4m3x2_f16x2, e5m2x2_f16x2, f16_bits, f16x2_bf16x2,
+                     f2u, i8x2_f16x2, ld1, ld1_at, ld2, ld4, mma_bf16, mma_f16, prmt, shr_u32, u2f)
 
 from numba import config, cuda, float32, int64, uint16, uint32  # noqa: E402
 
@@ -212,7 +212,7 @@ def rt_for(kind: int, n: int, m: int, halves: bool = False) -> int:
     return 2 if ok and -(-n // 32) >= RT_FILL * slots else 1
 
 
-_TO_F16X2 = {fast.KIND_I4: code4_f16x2, fast.KIND_E2M1: e2m1x2_f16x2, fast.KIND_I8: i8x2_f16x2,
+_TO_F16X2 = {fast.KIND_I4: code4s_f16x2, fast.KIND_E2M1: e2m1x2_f16x2, fast.KIND_I8: i8x2_f16x2,
              fast.KIND_E4M3: e4m3x2_f16x2, fast.KIND_E5M2: e5m2x2_f16x2}
 """Value kind -> the intrinsic that decodes a pair of its codes to an f16 pair (4-bit codes from
 bits 0-3 and 16-19, Q4 offset by 8; int8 from bytes 0 and 2; FP8 from bytes 0 and 1)."""
@@ -221,7 +221,9 @@ bits 0-3 and 16-19, Q4 offset by 8; int8 from bytes 0 and 2; FP8 from bytes 0 an
 def _pair_decoder(kind: int, bf: bool):
     """A pair of codes -> the pair of values in x's 16-bit type (exact)."""
     if kind == fast.KIND_I4 and bf:
-        return code4_bf16x2  # (straight to bf16: one lop3 and one fma)
+        return code4s_bf16x2  # (straight to bf16: one lop3 and one fma)
+    if kind == fast.KIND_E2M1 and bf:
+        return e2m1x2_bf16x2  # (straight to bf16: no conversions through f16 and f32)
     to_f16 = _TO_F16X2[kind]
     if not bf:
         return to_f16
@@ -237,12 +239,9 @@ def _decoder(kind: int, bf: bool):
     """A device function: a row's code word(s) of one chunk -> its four A pairs (module text)."""
     conv = _pair_decoder(kind, bf)
     if fast.KIND_BITS[kind] == 4:
-        flip = 0x88888888 if kind == fast.KIND_I4 else 0  # Q4: two's complement -> offset by 8
-
         @cuda.jit(device=True, inline="always")
         def pairs(w0, w1):  # nibbles p and p + 4 of w0
-            u = w0 ^ uint32(flip)
-            return conv(u), conv(u >> uint32(4)), conv(u >> uint32(8)), conv(u >> uint32(12))
+            return conv(w0), conv(w0 >> uint32(4)), conv(w0 >> uint32(8)), conv(w0 >> uint32(12))
 
         return pairs
     if kind == fast.KIND_I8:
@@ -382,7 +381,7 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
         pa0, pa1, pa2, pa3 = pairs(wa[o], wa[o + 1])
         pb0, pb1, pb2, pb3 = pairs(wb[o], wb[o + 1])
         steps(pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3, bx, tmp, scr, lane, base)
-        scaled(es[sra[r] + h0 + int64(h)], es[srb[r] + h0 + int64(h)], tmp, acc, r)
+        scaled(ld1_at(es, sra[r], h0 + uint32(h)), ld1_at(es, srb[r], h0 + uint32(h)), tmp, acc, r)
 
     @cuda.jit(device=True, inline="always")
     def chunk(x, es, cc, wa, wb, i, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base):
@@ -390,7 +389,7 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
         per tile the rows' codes, two mma steps into zeroed sums and `acc += e * sums` (f32); a
         split chunk (`halves`) does so for each half, x read for each with zeros in the other
         half's lanes (the same registers: no masked copies)."""
-        h0 = (cc << int64(1)) >> lb  # (the slot of the chunk's first half)
+        h0 = shr_u32(uint32(cc) << uint32(1), lb)  # (the slot of the chunk's first half: 32-bit, `lb` < 32)
         if halves:
             hi = (lane >> int64(1)) & int64(1)  # (t >> 1: the half this lane's codes lie in)
             for h in range(2):
@@ -452,7 +451,7 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
         N = P[LP_N]
         K = P[LP_K]
         M = P[LP_M]
-        lb = P[LP_LB]
+        lb = uint32(min(P[LP_LB], int64(31)))  # (62: one slot; a 32-bit shift reads at most 31)
         cpw = P[LP_CPW]
         n0 = int64(cuda.blockIdx.x) * int64(16 * rt)
         m0 = int64(cuda.blockIdx.y) * int64(mt)
