@@ -53,7 +53,7 @@ from qcore.spec.schemes import QuantScheme, QuantValue, StoreKind
 from . import kernels as K
 from ._params import Field, ParamLayout
 from .intrin import (and_xor, bf16x2_rn, bitsel, e4m3x2, e4m3x2_f32, e5m2x2, e5m2x2_f32, f2u, fmax_nan, ld1, ld4, prmt,
-                     st2, st4, u2f)
+                     prmt_r, st2, st4, u2f)
 from .scales import round_scale, scale_word
 from .devmath import MAGIC, fast_div_ok, qdiv, two_level_e
 
@@ -366,10 +366,22 @@ def _quant_kernel(kind: int):
     return k_fast_quant
 
 
-def decoder(kind: int):
+E2M1_POS = tuple(np.uint32(int.from_bytes(bytes(64 + int(2 * v) for v in half), "little"))
+                 for half in ((0.0, 0.5, 1.0, 1.5), (2.0, 3.0, 4.0, 6.0)))
+"""E2M1 codes 0-7 as bytes 64 + 2 v (two words, an 8-entry `prmt_r` table)."""
+E2M1_NEG = tuple(np.uint32(int.from_bytes(bytes(64 - int(2 * v) for v in half), "little"))
+                 for half in ((0.0, 0.5, 1.0, 1.5), (2.0, 3.0, 4.0, 6.0)))
+"""E2M1 codes 8-15 (the same magnitudes, negative) as bytes 64 + 2 v."""
+MAGIC_22 = np.uint32(0x4A800000)  # the f32 bits of 2**22: a byte o below it reads 2**22 + o / 2
+E2M1_BIAS = np.float32(4194304.0 + 32.0)  # 2**22 + 64 / 2
+
+
+def decoder(kind: int, signed_zero: bool = True):
     """Device function decode(w, tab, val, off): the `32 / bits` fields of u32 word `w` as
     float32 into val[off:]; integers by sign-flip + exponent magic (exact), FP8 by the hardware
-    conversion, E2M1 from the 16-entry table `tab` (shared memory)."""
+    conversion, E2M1 from the 16-entry table `tab` (shared memory), or where the sign of a zero
+    does not matter (`signed_zero` False: values only summed into sums that start at +0) by two
+    byte-table permutes a four codes under 2**22 (E2M1 code 8 then reads +0; no shared memory)."""
     bits = KIND_BITS[kind]
     per_word = 32 // bits
     is_int = kind <= KIND_I2
@@ -377,6 +389,14 @@ def decoder(kind: int):
     sign = np.uint32(sum(1 << (bits - 1 + bits * i) for i in range(per_word)))  # sign bit of every field
     bias = np.float32(8388608.0 + 2.0 ** (bits - 1))  # 2**23 + 2**(bits-1)
     k_e4m3, k_e5m2 = kind == KIND_E4M3, kind == KIND_E5M2
+    p0, p1, n0, n1 = E2M1_POS + E2M1_NEG
+
+    @cuda.jit(device=True, inline="always")
+    def e2m1_bytes(w):
+        """Bytes 64 + 2 v of the four E2M1 codes in bits 0-15 of w: codes 0-7 from the positive
+        table (a negative code's selector has its top bit set: 0, as no table byte has its top
+        bit), codes 8-15 from the negative one (the top bits flipped)."""
+        return prmt_r(p0, p1, w) | prmt_r(n0, n1, w ^ uint32(0x8888))
 
     @cuda.jit(device=True, inline="always")
     def decode(w, tab, val, off):
@@ -407,6 +427,17 @@ def decoder(kind: int):
         elif k_e5m2:
             val[off], val[off + 1] = e5m2x2_f32(w)
             val[off + 2], val[off + 3] = e5m2x2_f32(w >> uint32(16))
+        elif not signed_zero:  # E2M1, bytes 64 + 2 v under 2**22 (half steps): exact
+            lo = e2m1_bytes(w)
+            hi = e2m1_bytes(w >> uint32(16))
+            val[off] = u2f(prmt(lo, MAGIC_22, 0x7650)) - E2M1_BIAS
+            val[off + 1] = u2f(prmt(lo, MAGIC_22, 0x7651)) - E2M1_BIAS
+            val[off + 2] = u2f(prmt(lo, MAGIC_22, 0x7652)) - E2M1_BIAS
+            val[off + 3] = u2f(prmt(lo, MAGIC_22, 0x7653)) - E2M1_BIAS
+            val[off + 4] = u2f(prmt(hi, MAGIC_22, 0x7650)) - E2M1_BIAS
+            val[off + 5] = u2f(prmt(hi, MAGIC_22, 0x7651)) - E2M1_BIAS
+            val[off + 6] = u2f(prmt(hi, MAGIC_22, 0x7652)) - E2M1_BIAS
+            val[off + 7] = u2f(prmt(hi, MAGIC_22, 0x7653)) - E2M1_BIAS
         else:
             for i in range(8):
                 val[off + i] = tab[(w >> uint32(4 * i)) & uint32(0xF)]

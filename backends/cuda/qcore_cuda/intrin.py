@@ -18,7 +18,10 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
   array's own (generic) pointer, for a shared-memory array (`ld4` and `st4` cast to the global
   space); the caller guarantees `i` a multiple of 4 and an array declared with `alignment=16`.
 * `f2u(x)` / `u2f(u)`: float32 <-> uint32 bit patterns; `prmt(a, b, sel)`: byte permute
-  (`prmt.b32`, byte k of the result is byte `sel >> 4k & 7` of `b:a`; `sel` a literal).
+  (`prmt.b32`, byte k of the result is byte `sel >> 4k & 7` of `b:a`; `sel` a literal);
+  `prmt_r(a, b, sel)`: the same with `sel` a register, nibble k's top bit honoured (set: byte k
+  is the selected byte's top bit in all eight bits): an 8-entry byte table looked up by four
+  3-bit fields at once.
 * `fmax_nan(a, b)`: max that returns NaN when either is NaN (`max.NaN.f32`, sm_80+); with
   `abs` it folds a block's max |x| and its non-finite check into one instruction per element.
 * `mul_rn(a, b)`: the f32 product rounded on its own (`mul.rn.f32`, which PTX never contracts
@@ -115,6 +118,17 @@ if config.ENABLE_CUDASIM:
     def prmt(a, b, sel):
         src = int(a) & 0xFFFFFFFF | (int(b) & 0xFFFFFFFF) << 32
         return np.uint32(sum(((src >> (8 * ((sel >> (4 * k)) & 7))) & 0xFF) << (8 * k) for k in range(4)))
+
+    def prmt_r(a, b, sel):
+        src = int(a) & 0xFFFFFFFF | (int(b) & 0xFFFFFFFF) << 32
+        out = 0
+        for k in range(4):
+            s = (int(sel) >> (4 * k)) & 0xF
+            byte = (src >> (8 * (s & 7))) & 0xFF
+            if s & 8:  # (sign mode: the selected byte's top bit in all eight)
+                byte = 0xFF if byte & 0x80 else 0
+            out |= byte << (8 * k)
+        return np.uint32(out)
 
     def st4(a, i, v0, v1, v2, v3):
         a[i] = v0
@@ -594,6 +608,14 @@ else:
         return types.uint32(a, b, sel), codegen
 
     @intrinsic
+    def prmt_r(typingctx, a, b, sel):
+        def codegen(context, builder, sig, args):
+            f = _asm(_I32, [_I32, _I32, _I32], "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
+            return builder.call(f, [context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args)])
+
+        return types.uint32(a, b, sel), codegen
+
+    @intrinsic
     def f16_bits(typingctx, x):
         def codegen(context, builder, sig, args):
             f = _asm(_I32, [_F32], "{ .reg .b16 h; cvt.rn.f16.f32 h, $1; cvt.u32.u16 $0, h; }", "=r,f")
@@ -717,23 +739,18 @@ else:
         return _u32_unary("{ .reg .b16 l, h; .reg .f32 fl, fh; mov.b32 {l, h}, $1; cvt.f32.f16 fl, l; "
                           "cvt.f32.f16 fh, h; cvt.rn.bf16x2.f32 $0, fh, fl; }")(typingctx, u)
 
-    @intrinsic
-    def code4_bf16x2(typingctx, w):
-        def codegen(context, builder, sig, args):
-            f = _asm(_I32, [_I32], "{ .reg .b32 t, o, c; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; "
-                     "mov.b32 o, 0x3F803F80; mov.b32 c, 0xC308C308; fma.rn.bf16x2 $0, t, o, c; }", "=r,r")
-            return builder.call(f, [context.cast(builder, args[0], sig.args[0], types.uint32)])
-
-        return types.uint32(w), codegen
+    def _code4_bf16x2(lop3):
+        """128 + (c + 8) under bf16 by `lop3` (its constant and function), less 136: exact."""
+        return _u32_unary("{ .reg .b32 t, o, c; lop3.b32 t, $1, 0x000F000F, %s; mov.b32 o, 0x3F803F80; "
+                          "mov.b32 c, 0xC308C308; fma.rn.bf16x2 $0, t, o, c; }" % lop3)
 
     @intrinsic
-    def code4s_bf16x2(typingctx, w):
-        def codegen(context, builder, sig, args):
-            f = _asm(_I32, [_I32], "{ .reg .b32 t, o, c; lop3.b32 t, $1, 0x000F000F, 0x43084308, 0x6A; "
-                     "mov.b32 o, 0x3F803F80; mov.b32 c, 0xC308C308; fma.rn.bf16x2 $0, t, o, c; }", "=r,r")
-            return builder.call(f, [context.cast(builder, args[0], sig.args[0], types.uint32)])
+    def code4_bf16x2(typingctx, w):  # fields offset by 8: (w & m) | 128
+        return _code4_bf16x2("0x43004300, 0xEA")(typingctx, w)
 
-        return types.uint32(w), codegen
+    @intrinsic
+    def code4s_bf16x2(typingctx, w):  # two's complement fields: (w & m) ^ (128 + 8)
+        return _code4_bf16x2("0x43084308, 0x6A")(typingctx, w)
 
     @intrinsic
     def bf16x2_rn(typingctx, hi, lo):

@@ -39,7 +39,8 @@ weight's loads start only after the staging barrier).
 
 Arithmetic (docs/spec.md, "Products with a quantized weight"). Each code is decoded to its exact
 value in float32 (`fast.decoder`: byte permutes under 2**23 for integers, the FP8 conversions,
-E2M1 from a 16-entry table), so each term `x * value` is exact for 16-bit x (their product has
+E2M1 by two byte-table permutes a four codes under 2**22, its -0 read as +0, which no sum
+starting at +0 can tell apart), so each term `x * value` is exact for 16-bit x (their product has
 at most 19 significant bits) and an f32 FMA for float32 x. A unit's terms lie under one scale
 slot; they are summed in f32 from k = 0 up (one FMA each, into a zeroed sum), then `acc += e *
 sum` with e the slot's f32 effective scale ("Scales" above). A lane adds its units in increasing
@@ -238,8 +239,7 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
     gq = grp // 4  # x quads per group
     hshift = unit_halves(kind).bit_length() - 1  # unit -> its first 16-k half chunk
     wps = 4 // nh  # code words per slot of a unit
-    decode = fast.decoder(kind)
-    is_e2m1 = kind == fast.KIND_E2M1
+    decode = fast.decoder(kind, signed_zero=False)  # (sums from +0: an E2M1 -0 may read +0)
     nt = 32 * WARPS
     nacc = RW * mb
     nwv, nev, nval = 4 * U * RW, U * RW * nh, RW * pw  # (local array sizes: constants)
@@ -391,8 +391,6 @@ def _decode_kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int] | None 
         lb = P[DL_LB]
         wpr = P[DL_WPR]
         segk = P[DL_SEGK]
-        if is_e2m1 and tid < int64(16):
-            tab[tid] = lut[tid]  # the value table (read after the first staging barrier)
         ng = (N + int64(RW - 1)) // int64(RW)
         nseg = (K + segk - int64(1)) // segk
         bid = int64(cuda.blockIdx.x)
@@ -456,7 +454,8 @@ def _kernel(kind: int, xt: int, mb: int, tn: tuple[int, int, int], sc: int, nh: 
 
 def signature(xt: int, sc: int = SC_F32) -> str:
     """The launch signature: linear.py's (the same arguments, DL an int64 array in LP's place;
-    the scales uint16 for a stored 16-bit form), then the value table (`Prepared.lut`, float32)."""
+    the scales uint16 for a stored 16-bit form), then the value table (`Prepared.lut`, float32;
+    no variant reads it now: E2M1 decodes by byte permutes)."""
     assert DL_LAYOUT.arg == linear.LP_LAYOUT.arg
     return linear.signature(xt, "float32" if sc == SC_F32 else "uint16", ", float32[::1]")
 
