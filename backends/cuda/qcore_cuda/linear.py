@@ -32,7 +32,8 @@ x's rows m0 + 8j + g (j < NB), whose 8 values at the same k are one 16-byte load
 the same pairs. `U` chunks' code words are loaded before any of them is used, so a warp keeps
 U * 16 bytes per row in flight; the loop over whole groups of U chunks has no bounds checks (a
 warp's last chunks run one by one), and the lane's offsets into its rows of w, of the scales and
-of x are computed once.
+of x are computed once: a chunk's scale slot is found in 32-bit arithmetic and read by one wide
+multiply-add onto its row's address (`ld1_at`).
 
 Tiles of w (`rt_for`). A warp takes RT = 1 or 2 tiles of 16 rows of w (rows 16 r + g and 16 r + g + 8
 of the block's for lane (g, t)); each chunk's B pairs of x are loaded once and multiplied with
