@@ -381,7 +381,7 @@ def decoder(kind: int, signed_zero: bool = True):
     float32 into val[off:]; integers by sign-flip + exponent magic (exact), FP8 by the hardware
     conversion, E2M1 from the 16-entry table `tab` (shared memory), or where the sign of a zero
     does not matter (`signed_zero` False: values only summed into sums that start at +0) by two
-    byte-table permutes a four codes under 2**22 (E2M1 code 8 then reads +0; no shared memory)."""
+    byte-table permutes for every four codes under 2**22 (E2M1 code 8 then reads +0; no shared memory)."""
     bits = KIND_BITS[kind]
     per_word = 32 // bits
     is_int = kind <= KIND_I2

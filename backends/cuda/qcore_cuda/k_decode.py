@@ -39,7 +39,7 @@ weight's loads start only after the staging barrier).
 
 Arithmetic (docs/spec.md, "Products with a quantized weight"). Each code is decoded to its exact
 value in float32 (`fast.decoder`: byte permutes under 2**23 for integers, the FP8 conversions,
-E2M1 by two byte-table permutes a four codes under 2**22, its -0 read as +0, which no sum
+E2M1 by two byte-table permutes for every four codes under 2**22, its -0 read as +0, which no sum
 starting at +0 can tell apart), so each term `x * value` is exact for 16-bit x (their product has
 at most 19 significant bits) and an f32 FMA for float32 x. A unit's terms lie under one scale
 slot; they are summed in f32 from k = 0 up (one FMA each, into a zeroed sum), then `acc += e *

@@ -65,8 +65,8 @@ from qcore.spec.schemes import QuantScheme, StoreKind
 from . import fast
 from ._params import ParamLayout
 from .devmath import two_level_e
-from .intrin import (code4s_bf16x2, code4s_f16x2, e2m1x2_bf16x2, e2m1x2_f16x2, e4m3x2_f16x2, e5m2x2_f16x2, f16_bits, f16x2_bf16x2,
-                     f2u, i8x2_f16x2, ld1, ld1_at, ld2, ld4, mma_bf16, mma_f16, prmt, shr_u32, u2f)
+from .intrin import (code4s_bf16x2, code4s_f16x2, e2m1x2_bf16x2, e2m1x2_f16x2, e4m3x2_f16x2, e5m2x2_f16x2, f16_bits,
+                     f16x2_bf16x2, f2u, i8x2_f16x2, ld1, ld1_at, ld2, ld4, mma_bf16, mma_f16, prmt, shr_u32, u2f)
 
 from numba import config, cuda, float32, int64, uint16, uint32  # noqa: E402
 
@@ -216,7 +216,7 @@ def rt_for(kind: int, n: int, m: int, halves: bool = False) -> int:
 _TO_F16X2 = {fast.KIND_I4: code4s_f16x2, fast.KIND_E2M1: e2m1x2_f16x2, fast.KIND_I8: i8x2_f16x2,
              fast.KIND_E4M3: e4m3x2_f16x2, fast.KIND_E5M2: e5m2x2_f16x2}
 """Value kind -> the intrinsic that decodes a pair of its codes to an f16 pair (4-bit codes from
-bits 0-3 and 16-19, Q4 offset by 8; int8 from bytes 0 and 2; FP8 from bytes 0 and 1)."""
+bits 0-3 and 16-19, Q4 in two's complement; int8 from bytes 0 and 2; FP8 from bytes 0 and 1)."""
 
 
 def _pair_decoder(kind: int, bf: bool):
