@@ -7,7 +7,8 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
 * `ld4(a, i)` / `ld2(a, i)` / `st4(a, i, v0..v3)` / `st2(a, i, v0, v1)`: 16- and 8-byte
   accesses of `a[i..i+3]` (`a[i..i+1]`); `ld1(a, i)` is `a[i]` without the negative-index fix-up;
   `ld1_at(a, row, i)` is `a[row + i]` (4-byte elements) for an int64 `row` and the low 32 bits of
-  `i`, its address one wide multiply-add of `i` onto the row's (which a loop over `i` computes once);
+  `i`, its address one wide multiply-add of `i` onto the row's (which a loop over `i` computes once;
+  an asm block LLVM sees no memory access in: only for data no thread writes during the kernel);
   `shr_u32(a, s)` is the low 32 bits of `a` shifted right by `s` (< 32) in 32-bit arithmetic;
   `ldcg_f32(a, i)` reads a float32 past L1 (`ld.global.cg`: data other blocks wrote); the caller guarantees the alignment (`i` a multiple of 4 (2) and a 16-byte
   aligned base) and the bounds: there is no wraparound and no bounds check.
