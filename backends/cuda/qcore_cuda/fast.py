@@ -399,24 +399,23 @@ def decoder(kind: int, signed_zero: bool = True):
         return prmt_r(p0, p1, w) | prmt_r(n0, n1, w ^ uint32(0x8888))
 
     @cuda.jit(device=True, inline="always")
+    def bytes_under(x, magic, less, val, off, step):
+        """The four bytes of x, each under the f32 exponent bits of `magic` (an exact value), less
+        `less`, into val[off], val[off + step], val[off + 2 step], val[off + 3 step]."""
+        val[off] = u2f(prmt(x, magic, 0x7650)) - less
+        val[off + step] = u2f(prmt(x, magic, 0x7651)) - less
+        val[off + 2 * step] = u2f(prmt(x, magic, 0x7652)) - less
+        val[off + 3 * step] = u2f(prmt(x, magic, 0x7653)) - less
+
+    @cuda.jit(device=True, inline="always")
     def decode(w, tab, val, off):
         if is_int and bits == 8:  # byte k under the exponent 0x4B: one byte permute per field
-            w = w ^ sign
-            val[off] = u2f(prmt(w, MAGIC_HI, 0x7650)) - bias
-            val[off + 1] = u2f(prmt(w, MAGIC_HI, 0x7651)) - bias
-            val[off + 2] = u2f(prmt(w, MAGIC_HI, 0x7652)) - bias
-            val[off + 3] = u2f(prmt(w, MAGIC_HI, 0x7653)) - bias
+            bytes_under(w ^ sign, MAGIC_HI, bias, val, off, 1)
         elif is_int and bits == 4:  # even fields are the low nibbles of the bytes, odd the high
             lo = and_xor(w, uint32(0x0F0F0F0F), uint32(0x08080808))  # (w ^ sign) & 0x0F0F0F0F
             hi = and_xor(w >> uint32(4), uint32(0x0F0F0F0F), uint32(0x08080808))
-            val[off] = u2f(prmt(lo, MAGIC_HI, 0x7650)) - bias
-            val[off + 1] = u2f(prmt(hi, MAGIC_HI, 0x7650)) - bias
-            val[off + 2] = u2f(prmt(lo, MAGIC_HI, 0x7651)) - bias
-            val[off + 3] = u2f(prmt(hi, MAGIC_HI, 0x7651)) - bias
-            val[off + 4] = u2f(prmt(lo, MAGIC_HI, 0x7652)) - bias
-            val[off + 5] = u2f(prmt(hi, MAGIC_HI, 0x7652)) - bias
-            val[off + 6] = u2f(prmt(lo, MAGIC_HI, 0x7653)) - bias
-            val[off + 7] = u2f(prmt(hi, MAGIC_HI, 0x7653)) - bias
+            bytes_under(lo, MAGIC_HI, bias, val, off, 2)
+            bytes_under(hi, MAGIC_HI, bias, val, off + 1, 2)
         elif is_int:
             w = w ^ sign
             for i in range(per_word):
@@ -428,16 +427,8 @@ def decoder(kind: int, signed_zero: bool = True):
             val[off], val[off + 1] = e5m2x2_f32(w)
             val[off + 2], val[off + 3] = e5m2x2_f32(w >> uint32(16))
         elif not signed_zero:  # E2M1, bytes 64 + 2 v under 2**22 (half steps): exact
-            lo = e2m1_bytes(w)
-            hi = e2m1_bytes(w >> uint32(16))
-            val[off] = u2f(prmt(lo, MAGIC_22, 0x7650)) - E2M1_BIAS
-            val[off + 1] = u2f(prmt(lo, MAGIC_22, 0x7651)) - E2M1_BIAS
-            val[off + 2] = u2f(prmt(lo, MAGIC_22, 0x7652)) - E2M1_BIAS
-            val[off + 3] = u2f(prmt(lo, MAGIC_22, 0x7653)) - E2M1_BIAS
-            val[off + 4] = u2f(prmt(hi, MAGIC_22, 0x7650)) - E2M1_BIAS
-            val[off + 5] = u2f(prmt(hi, MAGIC_22, 0x7651)) - E2M1_BIAS
-            val[off + 6] = u2f(prmt(hi, MAGIC_22, 0x7652)) - E2M1_BIAS
-            val[off + 7] = u2f(prmt(hi, MAGIC_22, 0x7653)) - E2M1_BIAS
+            bytes_under(e2m1_bytes(w), MAGIC_22, E2M1_BIAS, val, off, 1)
+            bytes_under(e2m1_bytes(w >> uint32(16)), MAGIC_22, E2M1_BIAS, val, off + 4, 1)
         else:
             for i in range(8):
                 val[off + i] = tab[(w >> uint32(4 * i)) & uint32(0xF)]
