@@ -329,7 +329,7 @@ class DecodeLinear:
             prepared = c.be.state.plans.get(c.data.shape, c.data.scheme, "minmax")
             sc, scales = _decode_scales(c, prepared)
             args = [c.xd, c.be.state.plans.code_words(c.data), scales, c.bias, c.out32, c.out16,
-                    cuda.to_device(np.asarray(q, np.int64)), prepared.lut]  # (lut: E2M1's values)
+                    cuda.to_device(np.asarray(q, np.int64))]
             st = c.data.cache.linear[key] = Packed(k_decode.kernel(kind, c.xt, k_decode.mb_for(c.m), sc,
                                                                    k_decode.slots_per_unit(kind, P)), grid, block,
                                                    args, dynamic=(0, 4, 5, 3))
