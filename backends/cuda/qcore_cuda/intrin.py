@@ -63,6 +63,13 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
 * `f16x2_f32(u)`: the two f16 of `u` as f32 (low half first), exact.
 * `f16_f32(u)`: the f16 in the low half of `u` as f32, exact (`cvt.f32.f16`: subnormals kept, the sign
   of a zero kept).
+* `warp_sync()`: the warp's barrier (`bar.warp.sync`, and a memory fence for the compiler); the
+  simulator's twin is a block barrier, so there every thread of the block must call it the same
+  number of times.
+* `ldsm4(a, i)`: one warp-wide `ldmatrix.sync.aligned.m8n8.x4.shared.b16` from the shared u32
+  array `a`: lane 8j + r gives the address `a[i]` of row r of matrix j (16 bytes, 16-byte
+  aligned), and lane (g, t) receives word t of row g of matrices 0..3. The simulator has no twin
+  (a warp collective): a kernel there reads the lane's four words from `a` itself.
 * Thread-block clusters (sm_90): `cluster_size()` is the launch's blocks per cluster (1 for a
   launch without clusters); `cluster_arrive()` / `cluster_wait()` are the two halves of the
   cluster-wide barrier (`barrier.cluster.arrive.relaxed`, then `wait`): arrive at a kernel's
@@ -288,6 +295,14 @@ if config.ENABLE_CUDASIM:
 
     def mbar_try_wait(mb):
         return True
+
+    @_cuda_sim.jit(device=True)
+    def warp_sync():
+        _cuda_sim.syncthreads()
+
+    def ldsm4(a, i):
+        raise NotImplementedError("ldsm4 is a warp collective the simulator does not run: read the "
+                                  "lane's words from the shared array instead")
 
     @_cuda_sim.jit(device=True)
     def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base):
@@ -845,6 +860,29 @@ else:
             return context.get_dummy_value()
 
         return types.void(sh, i, rank, v, mb), codegen
+
+    @intrinsic
+    def warp_sync(typingctx):
+        def codegen(context, builder, sig, args):
+            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "bar.warp.sync -1;", "~{memory}",
+                                      side_effect=True), [])
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    @intrinsic
+    def ldsm4(typingctx, a, i):
+        sig = types.UniTuple(types.uint32, 4)(a, i)
+
+        def codegen(context, builder, sig, args):
+            f = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I64]),
+                             "{ .reg .u64 g; .reg .u32 s; cvta.to.shared.u64 g, $4; cvt.u32.u64 s, g; "
+                             "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [s]; }",
+                             "=r,=r,=r,=r,l,~{memory}", side_effect=True)
+            r = builder.call(f, [_generic_addr(builder, context, sig.args[0], args[0], sig.args[1], args[1])])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(r, k) for k in range(4)])
+
+        return sig, codegen
 
     @intrinsic
     def mbar_try_wait(typingctx, mb):
