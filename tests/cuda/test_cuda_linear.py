@@ -438,15 +438,19 @@ def test_qtensor_dequantize_to_a_torch_dtype_stays_on_the_gpu(cuda_backend, dt):
 # (scheme, chunks per warp) over the GPU's chunk loop, whose loads differ by code width only: 8-bit
 # (two words a lane) at 5 chunks a warp (two groups of two and a chunk alone), 2-bit (half a word a
 # lane, widened) at 6 (three groups)
-_LOOP_CASES = [("q8s/block64:f16", 5), ("q2s/block32:f16", 6)]
+_LOOP_CASES = [("q8s/block64:f16", 5, 4), ("q2s/block32:f16", 6, 4), ("q4s/block32:f16", 5, 0),
+               ("q4s/block32:f16", 5, 4), ("mxfp4", 9, 4), ("nvfp4", 3, 4)]
 
 
-@pytest.mark.parametrize("text,cpw", _LOOP_CASES)
-def test_the_gpu_chunk_loop_gives_the_lockstep_bits(cuda_backend, monkeypatch, text, cpw):
+@pytest.mark.parametrize("text,cpw,wide_m", _LOOP_CASES)
+def test_the_gpu_chunk_loop_gives_the_lockstep_bits(cuda_backend, monkeypatch, text, cpw, wide_m):
     """The GPU's chunk loop (groups of U chunks' loads, then their sums; the tail one by one), run
     under the simulator where K gives every warp the same chunks (`SIM_GPU_LOOP`), add the same terms in the
     same order as the simulator's lockstep loop: the same bits, for bf16 x at one n8 tile and f16
-    x at three; K = 32 * `linear.WARPS` (2 under the simulator) * `cpw` chunks."""
+    x at three; K = 32 * `linear.WARPS` (2 under the simulator) * `cpw` chunks. With `WIDE_M` at
+    4 the bf16 row of q4s and mxfp4 takes the wide form (groups of 2 U chunks through shared
+    memory, which the simulator reads where `ldmatrix` would put each lane's words): one group
+    and a tail, two groups and a tail."""
     from qcore_cuda import linear
     from qcore_cuda.paths import linear as paths_linear
 
@@ -454,6 +458,7 @@ def test_the_gpu_chunk_loop_gives_the_lockstep_bits(cuda_backend, monkeypatch, t
         pytest.skip("the simulator's loop against the GPU's (a GPU runs only its own)")
     assert (linear.WARPS, linear.U) == (2, 2)
     monkeypatch.setattr(paths_linear, "DECODE_MAX_M", 0)
+    monkeypatch.setattr(linear, "WIDE_M", wide_m)
     be, n = cuda_backend, 20
     for k in (32 * linear.WARPS * cpw,):
         w = _weight(n, k, 31)
@@ -542,6 +547,21 @@ def test_two_tiles_of_w_only_where_measured_faster(monkeypatch):
     assert linear.rt_for(e2m1, 8192, 16, halves=True) == 1  # (blocks of 16: not timed)
     monkeypatch.setattr(linear, "TILES", 2)
     assert linear.rt_for(i8, 4096, 2) == 2 and linear.rt_for(i4, 8192, 17) == 1
+
+
+def test_the_wide_form_takes_4_bit_codes_at_few_rows(monkeypatch):
+    """`linear.wide_for`: 4-bit codes under blocks of 32 or more (q4*, mxfp4) at one tile of w and
+    at most `WIDE_M` rows of x; not 8-bit or 2-bit codes, split chunks (blocks of 16) or two tiles."""
+    from qcore_cuda import fast, linear
+
+    monkeypatch.setattr(linear, "WIDE_M", 4)
+    i4, e2m1 = fast.KIND_I4, fast.KIND_E2M1
+    assert linear.wide_for(i4, 1, False, 1) and linear.wide_for(e2m1, 4, False, 1)
+    assert not linear.wide_for(i4, 5, False, 1) and not linear.wide_for(i4, 2, False, 2)
+    assert not linear.wide_for(e2m1, 2, True, 1)  # (nvfp4's split chunks)
+    assert not linear.wide_for(fast.KIND_I8, 1, False, 1) and not linear.wide_for(fast.KIND_I2, 1, False, 1)
+    monkeypatch.setattr(linear, "WIDE_M", 0)
+    assert not linear.wide_for(i4, 1, False, 1)
 
 
 @pytest.mark.parametrize("text", ["8", "8,4,2", "8,0", "8,x", ""])

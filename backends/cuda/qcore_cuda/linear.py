@@ -35,6 +35,14 @@ warp's last chunks run one by one), and the lane's offsets into its rows of w, o
 of x are computed once: a chunk's scale slot is found in 32-bit arithmetic and read by one wide
 multiply-add onto its row's address (`ld1_at`).
 
+The wide form (`wide_for`: 4-bit codes in unsplit chunks, one tile of w, few rows of x) keeps 2 U
+chunks in flight and loads them whole: a lane of a load instruction reads 16 contiguous bytes (one
+chunk) of one of the group's rows, so at U = 4 a warp instruction reads 4 rows x 128 bytes (the
+direct loads: 8 rows x 16 bytes), stores them to the warp's part of shared memory (chunk u of row
+g of a matrix at 16-byte slot g ^ (u << swz), so neither the stores nor `ldmatrix` meet a bank
+conflict) and takes them back with `ldmatrix` (`ldsm4`: a matrix is one chunk of 8 rows, whose row
+g's word t goes to lane (g, t), the lane's word of the direct loads). The same words, the same bits.
+
 Tiles of w (`rt_for`). A warp takes RT = 1 or 2 tiles of 16 rows of w (rows 16 r + g and 16 r + g + 8
 of the block's for lane (g, t)); each chunk's B pairs of x are loaded once and multiplied with
 every tile, so x's reads through L1 (at M = 16 four times the weight's bytes with one tile) are
@@ -66,7 +74,8 @@ from . import fast
 from ._params import ParamLayout
 from .devmath import two_level_e
 from .intrin import (code4s_bf16x2, code4s_f16x2, e2m1x2_bf16x2, e2m1x2_f16x2, e4m3x2_f16x2, e5m2x2_f16x2, f16_bits,
-                     f16x2_bf16x2, f2u, i8x2_f16x2, ld1, ld1_at, ld2, ld4, mma_bf16, mma_f16, prmt, shr_u32, u2f)
+                     f16x2_bf16x2, f2u, i8x2_f16x2, ld1, ld1_at, ld2, ld4, ldsm4, mma_bf16, mma_f16, prmt, shr_u32,
+                     sts4, u2f, warp_sync)
 
 from numba import config, cuda, float32, int64, uint16, uint32  # noqa: E402
 
@@ -194,6 +203,26 @@ RT_FILL = 0.9
 block slots (`grids.resident_blocks` a SM): fewer, larger blocks leave SMs idle on a small weight."""
 
 
+WIDE_ENV = "QCORE_CUDA_LINEAR_WIDE"
+"""The most rows of x of the wide form in the environment (0: never), replacing `WIDE_M` at import."""
+_WIDE_TEXT = os.environ.get(WIDE_ENV, "4")
+if not _WIDE_TEXT.isdigit():
+    raise ValueError(f"{WIDE_ENV}={_WIDE_TEXT!r}: write the most rows of x for the wide form (0: never)")
+WIDE_M = int(_WIDE_TEXT)
+"""The most rows of x that take the wide form (`wide_for`)."""
+
+
+def wide_for(kind: int, m: int, halves: bool, rt: int) -> bool:
+    """Whether the wide form runs: 4-bit codes under blocks of 32 or more (`RT_KINDS`, chunks not
+    split) at one tile of w and at most `WIDE_M` rows of x. Its lanes keep 2 U chunks of their rows
+    in flight (8 at the default U: 16 rows x 128 bytes a warp), loaded 16 contiguous bytes a lane
+    (a warp's load instruction reads 4 rows x 128 bytes, where the direct loads read 8 rows x 16
+    bytes), stored in shared memory and taken back as the A fragments by `ldmatrix`: the same words
+    in the same lanes, the same bits. By measurement (H100, docs/gpu.md): q4s and mxfp4 6-16% faster
+    at 2 and 4 rows of x; slower at 16 rows, and 8-bit codes through shared memory at every M timed."""
+    return kind in RT_KINDS and not halves and rt == 1 and m <= WIDE_M
+
+
 def rt_for(kind: int, n: int, m: int, halves: bool = False) -> int:
     """16-row tiles of w a warp for value kind `kind`, N = n, m rows of x and `split` chunks or not
     (`halves`): two for the kinds of `RT_KINDS` at `RT_M` rows where the blocks of 32 rows fill the
@@ -290,12 +319,14 @@ def _split_pair(lo, hi, part):
 
 
 def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_loop: bool | None = None,
-                   rt: int = 1):
+                   rt: int = 1, wide: bool = False):
     """The kernel for value kind `kind`, x type `xt`, `nb` n8 tiles of x per pass; `halves`: the
     `split` variant (blocks of 16: a chunk's halves under their own slots); `sim_gpu_loop`
-    (default `SIM_GPU_LOOP`); `rt` 16-row tiles of w a warp (each chunk's B used for all)."""
+    (default `SIM_GPU_LOOP`); `rt` 16-row tiles of w a warp (each chunk's B used for all); `wide`
+    the wide form (`wide_for`: 2 U chunks in flight, loaded through shared memory)."""
     sim = bool(config.ENABLE_CUDASIM)
     bits = fast.KIND_BITS[kind]
+    assert not wide or (bits == 4 and rt == 1 and not halves), (kind, rt, halves)
     bf = xt != XT_F16
     mma = mma_f16 if xt == XT_F16 else mma_bf16
     nxs = 3 if xt == XT_F32 else 1
@@ -308,13 +339,19 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
                          "shared memory for the warps' sums")
     nt = 32 * WARPS
     pairs = _decoder(fast.KIND_I4 if bits == 2 else kind, bf)  # (2-bit codes widened to 4: `widen2`)
-    uf = 2 if halves and nb == 4 and U > 2 else max(1, U // rt)  # chunks in flight (two for split nb = 4,
-    # U / rt for rt tiles of w: the same code words in flight a lane, no spills)
+    uf = 2 * U if wide else 2 if halves and nb == 4 and U > 2 else max(1, U // rt)  # chunks in flight (two for
+    # split nb = 4, U / rt for rt tiles of w: the same code words in flight a lane, no spills)
     acc_n, bx_n, w_n = 4 * nb, 4 * nxs * nb, 2 * uf  # (per tile; local array sizes: constants)
     acc_all, w_all = acc_n * rt, w_n * rt
 
     ws = 2 if bits == 8 else 1  # u32 words of a lane's 8 codes (2-bit: half of one, widened)
     cw = 2 if bits == 2 else 4 * ws  # u32 words of a row's 32-code chunk
+    ldm = wide and not masked  # (the group's words through shared memory: `load_group`)
+    nld = uf // 2 if ldm else 1  # 16-byte loads a lane a group (16 rows x uf chunks x 16 bytes / 512)
+    swz = 3 - (uf.bit_length() - 1)  # (chunk u of a row at 16-byte slot g ^ (u << swz): no bank conflicts)
+    shw_n = WARPS * 64 * uf if ldm else 1  # u32 words: 16 rows x uf chunks x 4 a warp
+    salign = None if sim else 16
+    raw_n = 4 * nld
 
     @cuda.jit(device=True, inline="always")
     def load1(w32, i, sh):
@@ -420,10 +457,49 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
                 wb[ri], wb[ri + 1] = ld2(w32, wrb[r] + o)
 
     @cuda.jit(device=True, inline="always")
-    def load_group(w32, wa, wb, c, wra, wrb, sh):
-        """The code words of chunks c .. c + uf - 1 of the lane's two rows."""
-        for u in range(uf):
-            load_chunk(w32, wa, wb, u * 2, c + int64(u), wra, wrb, sh)
+    def slot(mi, gg):
+        """The first u32 word (in a warp's part of `shw`) of row gg of matrix mi = h uf + u: chunk u
+        of row 8 h + gg of the group's 16."""
+        return (mi * 8 + (gg ^ (((mi % uf) << swz) & 7))) * 4
+
+    @cuda.jit(device=True, inline="always")
+    def put(wa, wb, mi, v):
+        """Matrix mi's word (`slot`) into the lane's words of its row half and chunk."""
+        o = 2 * (mi % uf)
+        if mi // uf:
+            wb[o] = v
+        else:
+            wa[o] = v
+
+    @cuda.jit(device=True, inline="always")
+    def load_group(w32, wa, wb, c, wra, wrb, sh, shw, lrow, lsl, ladr, raw, sho, lane):
+        """The code words of chunks c .. c + uf - 1 of the lane's two rows (of each tile); in the
+        wide form (`ldm`) the warp's 16 rows x uf chunks loaded 16 bytes a lane, stored in shared
+        memory (a warp barrier before and after) and taken back by `ldmatrix` as each lane's words."""
+        if not ldm:
+            for u in range(uf):
+                load_chunk(w32, wa, wb, u * 2, c + int64(u), wra, wrb, sh)
+            return
+        for s in range(nld):
+            raw[4 * s], raw[4 * s + 1], raw[4 * s + 2], raw[4 * s + 3] = ld4(w32, lrow[s] + c * int64(4))
+        warp_sync()  # (every lane has taken the previous group's words)
+        for s in range(nld):
+            sts4(shw, lsl[s], raw[4 * s], raw[4 * s + 1], raw[4 * s + 2], raw[4 * s + 3])
+        warp_sync()
+        g = lane >> int64(2)
+        t = lane & int64(3)
+        for p in range(nld):
+            if sim:
+                v0 = shw[sho + slot(4 * p, g) + t]
+                v1 = shw[sho + slot(4 * p + 1, g) + t]
+                v2 = shw[sho + slot(4 * p + 2, g) + t]
+                v3 = shw[sho + slot(4 * p + 3, g) + t]
+            else:
+                v0, v1, v2, v3 = ldsm4(shw, ladr[p])
+            put(wa, wb, 4 * p, v0)
+            put(wa, wb, 4 * p + 1, v1)
+            put(wa, wb, 4 * p + 2, v2)
+            put(wa, wb, 4 * p + 3, v3)
 
     @cuda.jit(device=True, inline="always")
     def use_group(x, es, wa, wb, c, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base):
@@ -437,6 +513,11 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
         acc = cuda.local.array(acc_all, float32)
         tmp = cuda.local.array(acc_n, float32)
         bx = cuda.local.array(bx_n, uint32)
+        shw = cuda.shared.array(shw_n, uint32, alignment=salign)
+        lrow = cuda.local.array(nld, int64)
+        lsl = cuda.local.array(nld, int64)
+        ladr = cuda.local.array(nld, int64)
+        raw = cuda.local.array(raw_n, uint32)
         wa = cuda.local.array(w_all, uint32)
         wb = cuda.local.array(w_all, uint32)
         xo = cuda.local.array(nb, int64)
@@ -473,6 +554,14 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
                 xo[j] = m * K + t * int64(8)
             else:
                 xo[j] = m * (K >> int64(1)) + t * int64(4)
+        sho = warp * int64(64 * uf)  # (the warp's part of shw)
+        if ldm:
+            for s in range(nld):  # load s: row q of the group's 16, chunk u, 16 bytes (4 words)
+                q = (int64(32 * s) + lane) // int64(uf)
+                u = lane % int64(uf)
+                lrow[s] = min(n0 + q, N - int64(1)) * P[LP_WPR] + u * int64(4)
+                lsl[s] = sho + slot((q >> int64(3)) * int64(uf) + u, q & int64(7))
+                ladr[s] = sho + slot(int64(4 * s) + (lane >> int64(3)), lane & int64(7))  # (ldmatrix p = s)
         nch = K >> int64(5)
         c0 = warp * cpw
         c1 = min(c0 + cpw, nch)
@@ -492,7 +581,7 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
         else:
             c = c0
             while c + int64(uf) <= c1:  # U chunks' code words in flight, then their sums
-                load_group(w32, wa, wb, c, wra, wrb, sh)
+                load_group(w32, wa, wb, c, wra, wrb, sh, shw, lrow, lsl, ladr, raw, sho, lane)
                 use_group(x, es, wa, wb, c, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
                 c += int64(uf)
             while c < c1:
@@ -551,17 +640,18 @@ def store_out(out32, out16, o, v, ot):
         out16[o] = uint16(_bf16_rn_bits(v))
 
 
-def kernel(kind: int, xt: int, nb: int, halves: bool = False, rt: int = 1):
+def kernel(kind: int, xt: int, nb: int, halves: bool = False, rt: int = 1, wide: bool = False):
     """The compiled variant for value kind `kind`, x type `xt`, `nb` n8 tiles per pass, `split`
-    chunks or not (`halves`), `rt` tiles of w a warp, and under the simulator `SIM_GPU_LOOP` as
-    it is now, at the tuning (`WARPS`, `U`) as it is now."""
-    return _kernel(kind, xt, nb, halves, SIM_GPU_LOOP, rt, (WARPS, U))
+    chunks or not (`halves`), `rt` tiles of w a warp, the wide form or not (`wide_for`), and under
+    the simulator `SIM_GPU_LOOP` as it is now, at the tuning (`WARPS`, `U`) as it is now."""
+    return _kernel(kind, xt, nb, halves, SIM_GPU_LOOP, rt, wide, (WARPS, U))
 
 
 @lru_cache(maxsize=None)
-def _kernel(kind: int, xt: int, nb: int, halves: bool, sim_gpu_loop: bool, rt: int, tn: tuple[int, int]):
+def _kernel(kind: int, xt: int, nb: int, halves: bool, sim_gpu_loop: bool, rt: int, wide: bool,
+            tn: tuple[int, int]):
     """(`tn`: the tuning `_linear_kernel` reads, in the key so that another tuning builds anew)"""
-    return fast.K.jit_regs(REGS)(_linear_kernel(kind, xt, nb, halves, sim_gpu_loop, rt))
+    return fast.K.jit_regs(REGS)(_linear_kernel(kind, xt, nb, halves, sim_gpu_loop, rt, wide))
 
 
 def signature(xt: int, scales: str = "float32", tail: str = "") -> str:
@@ -588,7 +678,9 @@ def _variants():
             + [(f"k_linear[{kind},{xt},{nb},rt2]", _linear_kernel(kind, xt, nb, rt=2), signature(xt), REGS)
                for kind in KINDS for xt in (XT_BF16, XT_F16, XT_F32) for nb in RT_NBS]
             + [(f"k_linear[{kind},{xt},{nb},split,rt2]", _linear_kernel(kind, xt, nb, True, rt=2), signature(xt),
-                REGS) for kind, xt, nb in SPLIT_TARGETS if nb in RT_NBS])
+                REGS) for kind, xt, nb in SPLIT_TARGETS if nb in RT_NBS]
+            + [(f"k_linear[{kind},{xt},1,wide]", _linear_kernel(kind, xt, 1, wide=True), signature(xt), REGS)
+               for kind in RT_KINDS for xt in (XT_BF16, XT_F16, XT_F32)])
 
 
 EFFECTIVE_SIG = "void(float32[::1], float32[::1], float32[::1], int64)"

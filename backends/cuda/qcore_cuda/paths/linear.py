@@ -370,10 +370,11 @@ class TensorCoreLinear:
             nb = linear.nb_for(c.m)
             rt = linear.rt_for(kind, c.data.shape[0], c.m, linear.split(P))
             q, grid, block = linear.plan(P, c.m, nb, c.ot, c.has_bias, rt)
+            wide = linear.wide_for(kind, c.m, linear.split(P), rt)
             args = [c.xd, c.be.state.plans.code_words(c.data), _effective_scales(c), c.bias, c.out32, c.out16,
                     cuda.to_device(np.asarray(q, np.int64))]
-            st = c.data.cache.linear[key] = Packed(linear.kernel(kind, c.xt, nb, linear.split(P), rt), grid, block, args,
-                                                   dynamic=(0, 4, 5, 3))
+            st = c.data.cache.linear[key] = Packed(linear.kernel(kind, c.xt, nb, linear.split(P), rt, wide), grid,
+                                                   block, args, dynamic=(0, 4, 5, 3))
         st(c.xd, c.out32, c.out16, c.bias, stream=c.s)
 
 
