@@ -449,7 +449,7 @@ def test_the_gpu_chunk_loop_gives_the_lockstep_bits(cuda_backend, monkeypatch, t
     same order as the simulator's lockstep loop: the same bits, for bf16 x at one n8 tile and f16
     x at three; K = 32 * `linear.WARPS` (2 under the simulator) * `cpw` chunks. With `WIDE_M` at
     4 the bf16 row of q4s and mxfp4 takes the wide form (groups of 2 U chunks through shared
-    memory, which the simulator reads where `ldmatrix` would put each lane's words): one group
+    memory and `ldmatrix`, whose simulator twin exchanges the lanes' row addresses): one group
     and a tail, two groups and a tail."""
     from qcore_cuda import linear
     from qcore_cuda.paths import linear as paths_linear

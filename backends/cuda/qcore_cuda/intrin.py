@@ -66,10 +66,12 @@ Each intrinsic has a plain-Python twin with the same results that the CUDA simul
 * `warp_sync()`: the warp's barrier (`bar.warp.sync`, and a memory fence for the compiler); the
   simulator's twin is a block barrier, so there every thread of the block must call it the same
   number of times.
-* `ldsm4(a, i)`: one warp-wide `ldmatrix.sync.aligned.m8n8.x4.shared.b16` from the shared u32
-  array `a`: lane 8j + r gives the address `a[i]` of row r of matrix j (16 bytes, 16-byte
-  aligned), and lane (g, t) receives word t of row g of matrices 0..3. The simulator has no twin
-  (a warp collective): a kernel there reads the lane's four words from `a` itself.
+* `ldsm4(a, i, scr, lane, base)`: one warp-wide `ldmatrix.sync.aligned.m8n8.x4.shared.b16` from
+  the shared u32 array `a`: lane 8j + r gives the address `a[i]` of row r of matrix j (16 bytes,
+  16-byte aligned), and lane (g, t) receives word t of row g of matrices 0..3. The simulator's twin
+  exchanges the addresses through `scr[base : base + 32]` (as the mma twins do, two block
+  barriers: every thread of the block calls it the same number of times); the GPU ignores `scr`,
+  `lane` and `base`.
 * Thread-block clusters (sm_90): `cluster_size()` is the launch's blocks per cluster (1 for a
   launch without clusters); `cluster_arrive()` / `cluster_wait()` are the two halves of the
   cluster-wide barrier (`barrier.cluster.arrive.relaxed`, then `wait`): arrive at a kernel's
@@ -300,9 +302,14 @@ if config.ENABLE_CUDASIM:
     def warp_sync():
         _cuda_sim.syncthreads()
 
-    def ldsm4(a, i):
-        raise NotImplementedError("ldsm4 is a warp collective the simulator does not run: read the "
-                                  "lane's words from the shared array instead")
+    @_cuda_sim.jit(device=True)
+    def ldsm4(a, i, scr, lane, base):
+        b, g, t = int(base), int(lane) >> 2, int(lane) & 3
+        scr[b + int(lane)] = i  # (the row address this lane gives)
+        _cuda_sim.syncthreads()
+        out = tuple(a[int(scr[b + 8 * j + g]) + t] for j in range(4))
+        _cuda_sim.syncthreads()
+        return out
 
     @_cuda_sim.jit(device=True)
     def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, lane, base):
@@ -871,8 +878,8 @@ else:
         return types.void(), codegen
 
     @intrinsic
-    def ldsm4(typingctx, a, i):
-        sig = types.UniTuple(types.uint32, 4)(a, i)
+    def ldsm4(typingctx, a, i, scr, lane, base):
+        sig = types.UniTuple(types.uint32, 4)(a, i, scr, lane, base)
 
         def codegen(context, builder, sig, args):
             f = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I64]),

@@ -472,7 +472,7 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
             wa[o] = v
 
     @cuda.jit(device=True, inline="always")
-    def load_group(w32, wa, wb, c, wra, wrb, sh, shw, lrow, lsl, ladr, raw, sho, lane):
+    def load_group(w32, wa, wb, c, wra, wrb, sh, shw, lrow, lsl, ladr, raw, scr, lane, base):
         """The code words of chunks c .. c + uf - 1 of the lane's two rows (of each tile); in the
         wide form (`ldm`) the warp's 16 rows x uf chunks loaded 16 bytes a lane, stored in shared
         memory (a warp barrier before and after) and taken back by `ldmatrix` as each lane's words."""
@@ -486,16 +486,8 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
         for s in range(nld):
             sts4(shw, lsl[s], raw[4 * s], raw[4 * s + 1], raw[4 * s + 2], raw[4 * s + 3])
         warp_sync()
-        g = lane >> int64(2)
-        t = lane & int64(3)
         for p in range(nld):
-            if sim:
-                v0 = shw[sho + slot(4 * p, g) + t]
-                v1 = shw[sho + slot(4 * p + 1, g) + t]
-                v2 = shw[sho + slot(4 * p + 2, g) + t]
-                v3 = shw[sho + slot(4 * p + 3, g) + t]
-            else:
-                v0, v1, v2, v3 = ldsm4(shw, ladr[p])
+            v0, v1, v2, v3 = ldsm4(shw, ladr[p], scr, lane, base)
             put(wa, wb, 4 * p, v0)
             put(wa, wb, 4 * p + 1, v1)
             put(wa, wb, 4 * p + 2, v2)
@@ -554,8 +546,8 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
                 xo[j] = m * K + t * int64(8)
             else:
                 xo[j] = m * (K >> int64(1)) + t * int64(4)
-        sho = warp * int64(64 * uf)  # (the warp's part of shw)
         if ldm:
+            sho = warp * int64(64 * uf)  # (the warp's part of shw)
             for s in range(nld):  # load s: row q of the group's 16, chunk u, 16 bytes (4 words)
                 q = (int64(32 * s) + lane) // int64(uf)
                 u = lane % int64(uf)
@@ -581,7 +573,7 @@ def _linear_kernel(kind: int, xt: int, nb: int, halves: bool = False, sim_gpu_lo
         else:
             c = c0
             while c + int64(uf) <= c1:  # U chunks' code words in flight, then their sums
-                load_group(w32, wa, wb, c, wra, wrb, sh, shw, lrow, lsl, ladr, raw, sho, lane)
+                load_group(w32, wa, wb, c, wra, wrb, sh, shw, lrow, lsl, ladr, raw, scr, lane, base)
                 use_group(x, es, wa, wb, c, sra, srb, lb, xo, bx, tmp, acc, scr, lane, base)
                 c += int64(uf)
             while c < c1:
