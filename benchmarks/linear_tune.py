@@ -11,8 +11,9 @@ the tensor-core kernel, linear.py; a fourth decode field sets the decode kernel'
 `QCORE_CUDA_DECODE_REGS`, and with it its blocks a SM: `--decode 4,2,2,80`; a fifth its staging
 order, `QCORE_CUDA_DECODE_LANES`: `--decode 8,4,2,128,0`; a third tensor-core field the tiles of w
 a warp, `QCORE_CUDA_LINEAR_TILES` (0: the plan's choice): `--tc 8,4,2`, a fourth the most rows
-of x of its wide form, `QCORE_CUDA_LINEAR_WIDE`: `--tc 8,4,0,0`), so each variant runs in a
-process of its own:
+of x of its wide form, `QCORE_CUDA_LINEAR_WIDE`: `--tc 8,4,0,0`, a fifth its register cap,
+`QCORE_CUDA_LINEAR_REGS`, and with it its blocks a SM: `--tc 8,2,0,4,80`), so each variant runs
+in a process of its own:
 `benchmarks/matmul.py` with the variant in its environment, GPU time (`--hide-launch`), torch
 bf16 as the peer in the same process, the weight evicted from L2 before each call. A tensor-core
 variant runs with the decode path off (`QCORE_CUDA_LINEAR_DECODE_M=0`), so M = 1 takes it too.
@@ -57,10 +58,11 @@ SCHEMES = "q4s/block32:f16,q8s/block32:f16,mxfp4,nvfp4"
 TUNE_FIELDS = {"decode": 3, "tc": 2}
 """Fields of each kernel's tuning variable; a variant's further fields set `MORE_ENVS`."""
 MORE_ENVS = {"decode": ("QCORE_CUDA_DECODE_REGS", "QCORE_CUDA_DECODE_LANES"),
-             "tc": ("QCORE_CUDA_LINEAR_TILES", "QCORE_CUDA_LINEAR_WIDE")}
+             "tc": ("QCORE_CUDA_LINEAR_TILES", "QCORE_CUDA_LINEAR_WIDE", "QCORE_CUDA_LINEAR_REGS")}
 """A variant's fields past the tuning: the decode kernel's register cap (k_decode.REGS, which sets
 its blocks a SM and staging batch), its staging order (k_decode.LANES: 0 or 1); the tensor-core
-kernel's tiles of w a warp (linear.TILES) and the most rows of x of its wide form (linear.WIDE_M)."""
+kernel's tiles of w a warp (linear.TILES), the most rows of x of its wide form (linear.WIDE_M) and
+its register cap (linear.REGS, which sets its blocks a SM)."""
 
 
 def runs(args) -> list[dict]:

@@ -121,10 +121,10 @@ def test_linear_tune_runs_only_the_kernels_named(linear_tune, tmp_path, capsys):
 def test_linear_tune_fields_past_a_tuning_set_their_own_variables(linear_tune, tmp_path):
     """A decode variant's fourth field is the register cap (`QCORE_CUDA_DECODE_REGS`), its fifth
     the staging order; a tensor-core variant's third the tiles of w a
-    warp (`QCORE_CUDA_LINEAR_TILES`), its fourth the rows of its wide form (`QCORE_CUDA_LINEAR_WIDE`);
-    a field past those is a one-line error."""
+    warp (`QCORE_CUDA_LINEAR_TILES`), its fourth the rows of its wide form (`QCORE_CUDA_LINEAR_WIDE`),
+    its fifth the register cap (`QCORE_CUDA_LINEAR_REGS`); a field past those is a one-line error."""
     plan = linear_tune.runs(argparse.Namespace(
-        out=str(tmp_path), decode=["4,2,2,80", "8,4,2,128,0"], tc=["8,4,2", "8,4,0,0"], fused=[], decode_m="1", tc_m="16",
+        out=str(tmp_path), decode=["4,2,2,80", "8,4,2,128,0"], tc=["8,4,2", "8,4,0,0", "8,2,0,4,80"], fused=[], decode_m="1", tc_m="16",
         fused_m="256", shapes="8192x8192", schemes="nvfp4", reps=10, budget_s=50.0, f16=False))
     assert plan[0]["env"] == {"QCORE_CUDA_DECODE_TUNE": "4,2,2", "QCORE_CUDA_DECODE_REGS": "80",
                               "NUMBA_ENABLE_CUDASIM": "0"}
@@ -136,14 +136,17 @@ def test_linear_tune_fields_past_a_tuning_set_their_own_variables(linear_tune, t
     assert plan[3]["env"] == {"QCORE_CUDA_LINEAR_TUNE": "8,4", "QCORE_CUDA_LINEAR_TILES": "0",
                               "QCORE_CUDA_LINEAR_WIDE": "0", "NUMBA_ENABLE_CUDASIM": "0",
                               "QCORE_CUDA_LINEAR_DECODE_M": "0"}
+    assert plan[4]["env"] == {"QCORE_CUDA_LINEAR_TUNE": "8,2", "QCORE_CUDA_LINEAR_TILES": "0",
+                              "QCORE_CUDA_LINEAR_WIDE": "4", "QCORE_CUDA_LINEAR_REGS": "80",
+                              "NUMBA_ENABLE_CUDASIM": "0", "QCORE_CUDA_LINEAR_DECODE_M": "0"}
     assert plan[0]["out"].endswith("decode-4-2-2-80")
     with pytest.raises(SystemExit, match="at most 5 fields"):
         linear_tune.runs(argparse.Namespace(
             out=str(tmp_path), decode=["8,4,2,128,1,0"], tc=[], fused=[], decode_m="1", tc_m="16", fused_m="256",
             shapes="8192x8192", schemes="nvfp4", reps=10, budget_s=50.0, f16=False))
-    with pytest.raises(SystemExit, match="at most 4 fields"):
+    with pytest.raises(SystemExit, match="at most 5 fields"):
         linear_tune.runs(argparse.Namespace(
-            out=str(tmp_path), decode=[], tc=["8,4,0,0,1"], fused=[], decode_m="1", tc_m="16", fused_m="256",
+            out=str(tmp_path), decode=[], tc=["8,4,0,0,128,1"], fused=[], decode_m="1", tc_m="16", fused_m="256",
             shapes="8192x8192", schemes="nvfp4", reps=10, budget_s=50.0, f16=False))
 
 

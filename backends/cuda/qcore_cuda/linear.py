@@ -111,7 +111,11 @@ with K giving every warp the same number of chunks, its mma twin meets every thr
 NBS = (1, 2, 4)
 """Variants: x rows per pass, in n8 tiles (8, 16 or 32 rows)."""
 SCR = 384  # simulator: f32 scratch per warp for the mma twin
-REGS = 128
+REGS_ENV = "QCORE_CUDA_LINEAR_REGS"
+"""The register cap in the environment replaces `REGS` on a GPU (tuning runs); read at import."""
+REGS = 128 if config.ENABLE_CUDASIM else int(os.environ.get(REGS_ENV, "128") or 128)
+"""ptxas's register cap (-maxrregcount) for every variant; with `WARPS` it sets the blocks a SM holds
+(at 128 and 8 warps: two, 16 warps a SM)."""
 LP_LAYOUT = ParamLayout("LP", "int64", [
     ("LP_N", "rows of the weight (output columns)"),
     ("LP_K", "columns of the weight (the reduction extent)"),
