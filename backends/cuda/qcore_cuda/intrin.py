@@ -119,6 +119,10 @@ if config.ENABLE_CUDASIM:
     def ld1_at(a, row, i):
         return a[int(row) + (int(i) & 0xFFFFFFFF)]
 
+    def ld4_at(a, row, i):
+        j = int(row) + (int(i) & 0xFFFFFFFF)
+        return a[j], a[j + 1], a[j + 2], a[j + 3]
+
     def shr_u32(a, s):
         return np.uint32((int(a) & 0xFFFFFFFF) >> int(s))
 
@@ -462,22 +466,51 @@ else:
 
         return a.dtype(a, i), codegen
 
+    def _row_ptr(context, builder, sig, args):
+        """(the address of element `row` of the array, the 32-bit element offset) of an `_at` load."""
+        aty = sig.args[0]
+        ary = context.make_array(aty)(context, builder, value=args[0])
+        r = context.cast(builder, args[1], sig.args[1], types.int64)
+        p = builder.ptrtoint(builder.gep(ary.data, [r], inbounds=True), _I64)  # (the row: loop-invariant)
+        return p, builder.trunc(context.cast(builder, args[2], sig.args[2], types.uint64), _I32)
+
     @intrinsic
     def ld1_at(typingctx, a, row, i):
-        if a.dtype.bitwidth != 32:
+        """a[row + i] for a 16- or 32-bit array, i a 32-bit offset: one wide multiply-add onto the
+        row's address (opaque to LLVM: no merging of the row into a 64-bit index)."""
+        bits = a.dtype.bitwidth
+        if bits not in (16, 32):
             return None
 
         def codegen(context, builder, sig, args):
-            aty = sig.args[0]
-            ary = context.make_array(aty)(context, builder, value=args[0])
-            r = context.cast(builder, args[1], sig.args[1], types.int64)
-            p = builder.ptrtoint(builder.gep(ary.data, [r], inbounds=True), _I64)  # (the row: loop-invariant)
-            k = builder.trunc(context.cast(builder, args[2], sig.args[2], types.uint64), _I32)
-            f = _asm(_I32, [_I64, _I32], "{ .reg .b64 a; mad.wide.u32 a, $2, 4, $1; ld.global.b32 $0, [a]; }",
-                     "=r,l,r")  # (opaque to LLVM: no merging of the row into a 64-bit index)
-            return builder.bitcast(builder.call(f, [p, k]), context.get_value_type(aty.dtype))
+            p, k = _row_ptr(context, builder, sig, args)
+            if bits == 32:
+                f = _asm(_I32, [_I64, _I32], "{ .reg .b64 a; mad.wide.u32 a, $2, 4, $1; ld.global.b32 $0, [a]; }",
+                         "=r,l,r")
+                return builder.bitcast(builder.call(f, [p, k]), context.get_value_type(sig.args[0].dtype))
+            f = _asm(_I16, [_I64, _I32], "{ .reg .b64 a; mad.wide.u32 a, $2, 2, $1; ld.global.b16 $0, [a]; }",
+                     "=h,l,r")
+            return builder.call(f, [p, k])
 
         return a.dtype(a, row, i), codegen
+
+    @intrinsic
+    def ld4_at(typingctx, a, row, i):
+        """a[row + i .. row + i + 3] of a u32 array (16 bytes, aligned), i a 32-bit offset: one wide
+        multiply-add onto the row's address, then one 16-byte load."""
+        if a.dtype != types.uint32:
+            return None
+        ret = types.UniTuple(types.uint32, 4)
+
+        def codegen(context, builder, sig, args):
+            p, k = _row_ptr(context, builder, sig, args)
+            st = ir.LiteralStructType([_I32] * 4)
+            f = _asm(st, [_I64, _I32], "{ .reg .b64 a; mad.wide.u32 a, $5, 4, $4; "
+                                       "ld.global.v4.u32 {$0, $1, $2, $3}, [a]; }", "=r,=r,=r,=r,l,r")
+            r = builder.call(f, [p, k])
+            return context.make_tuple(builder, ret, [builder.extract_value(r, j) for j in range(4)])
+
+        return ret(a, row, i), codegen
 
     @intrinsic
     def shr_u32(typingctx, a, s):
