@@ -345,7 +345,8 @@ def case_names(schemes, peers, paths: bool = False, w8a8: bool = False, orientat
                f16: bool = False) -> list:
     """Every timed case of a cell as (case, scheme, peer, label); with `paths`, each scheme's
     bfloat16 paths forced as well ("[decode]": the decode kernel, k_decode.py, at M <= 4;
-    "[kernel]": the tensor-core kernel; "[fused-gemm]": the Triton GEMM that dequantizes as it
+    "[mma-decode]": the tensor-core decode kernel, k_decode_mma.py, at M <= 2; "[kernel]": the
+    tensor-core kernel; "[fused-gemm]": the Triton GEMM that dequantizes as it
     multiplies; "[dequantize-gemm]": the weight dequantized to bfloat16,
     then torch's GEMM), whatever the plan would pick at that M; with `orientation`, the scheme's
     [K, N] weight's `matmul` ("[K, N] matmul"); with `f16`, its `linear` of float16 x ("f16 x")."""
@@ -353,7 +354,8 @@ def case_names(schemes, peers, paths: bool = False, w8a8: bool = False, orientat
     for s in schemes:
         out += [("linear", s, None, s), ("linear_out", s, None, s + " out=")]
         if paths:
-            out += [("linear_decode", s, None, s + " [decode]"), ("linear_kernel", s, None, s + " [kernel]"),
+            out += [("linear_decode", s, None, s + " [decode]"), ("linear_mma_decode", s, None, s + " [mma-decode]"),
+                    ("linear_kernel", s, None, s + " [kernel]"),
                     ("linear_fused", s, None, s + " [fused-gemm]"), ("linear_gemm", s, None, s + " [dequantize-gemm]")]
         if orientation:
             out.append(("matmul_kn", s, None, s + " [K, N] matmul"))
@@ -781,19 +783,23 @@ def make_fn(torch, be, S, case, scheme, peer, x, y, m, cell):
             return None
         qkn = S.qkn[scheme]
         return lambda: be.matmul(x["bf16"], qkn)
-    if case in ("linear_decode", "linear_kernel", "linear_gemm", "linear_fused"):
-        from qcore_cuda import k_decode
+    if case in ("linear_decode", "linear_mma_decode", "linear_kernel", "linear_gemm", "linear_fused"):
+        from qcore_cuda import k_decode, k_decode_mma
         from qcore_cuda.paths import linear as linear_paths
 
         if case == "linear_decode" and m > k_decode.MBS[-1]:
             cell["error"] = f"the decode kernel takes M <= {k_decode.MBS[-1]}"
             return None
+        if case == "linear_mma_decode" and m > k_decode_mma.MBS[-1]:
+            cell["error"] = f"the tensor-core decode kernel takes M <= {k_decode_mma.MBS[-1]}"
+            return None
         qw, never = S.qw[scheme], 1 << 62
-        # (FUSED_M, FUSED_ALL_KINDS, LIBRARY_FROM_M, DECODE_MAX_M): the one path the case forces
+        # (FUSED_M, FUSED_ALL_KINDS, LIBRARY_FROM_M, DECODE_MAX_M, MMA_DECODE_MAX_M): the one path the case forces
         off = (0, 0)
-        force = {"linear_decode": (off, False, never, k_decode.MBS[-1]), "linear_kernel": (off, False, never, 0),
-                 "linear_gemm": (off, False, 1, 0), "linear_fused": ((1, never), True, never, 0)}[case]
-        names = ("FUSED_M", "FUSED_ALL_KINDS", "LIBRARY_FROM_M", "DECODE_MAX_M")
+        force = {"linear_decode": (off, False, never, k_decode.MBS[-1], 0), "linear_kernel": (off, False, never, 0, 0),
+                 "linear_mma_decode": (off, False, never, 0, k_decode_mma.MBS[-1]),
+                 "linear_gemm": (off, False, 1, 0, 0), "linear_fused": ((1, never), True, never, 0, 0)}[case]
+        names = ("FUSED_M", "FUSED_ALL_KINDS", "LIBRARY_FROM_M", "DECODE_MAX_M", "MMA_DECODE_MAX_M")
 
         def forced():  # (stream= given: a repeat call's kept plan is neither used nor made)
             keep = [getattr(linear_paths, n) for n in names]

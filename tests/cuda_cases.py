@@ -137,3 +137,31 @@ def assert_f32_sums(got, want, bound, what) -> None:
     np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
     np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)])
     assert np.all(np.abs(got[fin] - want[fin]) <= bound[fin]), what
+
+
+# ----------------------------------------------------------------------------- `linear` checks
+def taken(name: str) -> int:
+    """How often the cuda backend chose the path class `name` in this process (`paths.TAKEN`)."""
+    from qcore_cuda.paths import TAKEN
+
+    return TAKEN.get(name, 0)
+
+
+def host(be, y):
+    """A backend result as a host numpy array."""
+    return y if isinstance(y, np.ndarray) else be.to_numpy(y)
+
+
+def within_bound(x, W, b, y):
+    """Assert `y` (x @ W.T + b in y's dtype) lies within docs/spec.md's products' bound."""
+    from qcore.conformance.checks import product_bound
+
+    exact, bound = product_bound(x, W, b, y.dtype)
+    err = np.abs(y.astype(np.float64) - exact)
+    assert (err <= bound).all(), f"max err {err.max()} (bound there {bound.flat[err.argmax()]})"
+
+
+def bits(a):
+    """The unsigned-integer view of a float array's elements (bit-for-bit compares)."""
+    a = np.ascontiguousarray(a)
+    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from qcore.backend.reference import ReferenceBackend
-from qcore.conformance.checks import product_bound
 
 from tests.cuda_cases import SIM
+from tests.cuda_cases import bits as _bits, host as _host, taken as _taken, within_bound as _within_bound
 
 REF = ReferenceBackend()
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -33,21 +33,13 @@ SCHEMES = ["q4s/block32:f16", "q4f/block64:bf16", "q8s", "q8f/block128:f32", "e4
 
 @pytest.fixture(autouse=True)
 def every_variant(monkeypatch):
-    """The decode path at every M it has a variant for (1..4), whatever the default."""
+    """The decode path at every M it has a variant for (1..4), whatever the default (the
+    tensor-core decode path, tests/cuda/test_cuda_decode_mma.py, off)."""
     from qcore_cuda import k_decode
     from qcore_cuda.paths import linear as paths_linear
 
     monkeypatch.setattr(paths_linear, "DECODE_MAX_M", k_decode.MBS[-1])
-
-
-def _taken(name):
-    from qcore_cuda.paths import TAKEN
-
-    return TAKEN.get(name, 0)
-
-
-def _host(be, y):
-    return y if isinstance(y, np.ndarray) else be.to_numpy(y)
+    monkeypatch.setattr(paths_linear, "MMA_DECODE_MAX_M", 0)
 
 
 def _weight(n, k, seed=0):
@@ -56,17 +48,6 @@ def _weight(n, k, seed=0):
 
 def _x(m, k, dt, seed=1):
     return np.random.default_rng(seed).standard_normal((m, k)).astype(dt)
-
-
-def _within_bound(x, W, b, y):
-    exact, bound = product_bound(x, W, b, y.dtype)
-    err = np.abs(y.astype(np.float64) - exact)
-    assert (err <= bound).all(), f"max err {err.max()} (bound there {bound.flat[err.argmax()]})"
-
-
-def _bits(a):
-    a = np.ascontiguousarray(a)
-    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
 
 
 # (scheme, x type, M, bias): on the simulator the x types, M and the bias in turn over the schemes

@@ -72,11 +72,12 @@ _TC_CASES = ([(t, xt, _MS[(i + j) % 3]) for i, t in enumerate(TC_SCHEMES) for j,
 @pytest.mark.parametrize("text,xt,m", _TC_CASES)
 def test_tensor_core_linear(cuda_backend, text, xt, m, monkeypatch):
     """The kernel's results lie within the bound (odd N: a partial 16-row tile), take the
-    tensor-core path (at every M: the decode path, k_decode.py, turned off), and repeat bit for
+    tensor-core path (at every M: the decode paths, k_decode.py and k_decode_mma.py, turned off), and repeat bit for
     bit."""
     from qcore_cuda.paths import linear as paths_linear
 
     monkeypatch.setattr(paths_linear, "DECODE_MAX_M", 0)
+    monkeypatch.setattr(paths_linear, "MMA_DECODE_MAX_M", 0)
     before = _paths().get("TensorCoreLinear", 0)
     n, k = (20, 64) if SIM else (200, 1024)
     q, x, b, y = _check(cuda_backend, text, n, k, m, xt)
@@ -458,6 +459,7 @@ def test_the_gpu_chunk_loop_gives_the_lockstep_bits(cuda_backend, monkeypatch, t
         pytest.skip("the simulator's loop against the GPU's (a GPU runs only its own)")
     assert (linear.WARPS, linear.U) == (2, 2)
     monkeypatch.setattr(paths_linear, "DECODE_MAX_M", 0)
+    monkeypatch.setattr(paths_linear, "MMA_DECODE_MAX_M", 0)
     monkeypatch.setattr(linear, "WIDE_M", wide_m)
     be, n = cuda_backend, 20
     for k in (32 * linear.WARPS * cpw,):
@@ -501,6 +503,7 @@ def test_two_tiles_of_w_a_warp_give_the_one_tile_bits(cuda_backend, monkeypatch,
     from qcore_cuda.paths import linear as paths_linear
 
     monkeypatch.setattr(paths_linear, "DECODE_MAX_M", 0)
+    monkeypatch.setattr(paths_linear, "MMA_DECODE_MAX_M", 0)
     be, n, k = cuda_backend, 40, 256
     kind = linear.geometry((n, k), parse_scheme(text))[0]
     w = _weight(n, k, 41)

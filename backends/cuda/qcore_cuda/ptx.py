@@ -44,13 +44,14 @@ class Target(NamedTuple):
 
 def targets() -> list[Target]:
     """Every kernel and signature the backend launches."""
-    from . import fast, frag, gemv, k_decode, kernels as K, linear, tc
+    from . import fast, frag, gemv, k_decode, k_decode_mma, kernels as K, linear, tc
 
     out = [Target(f"{name}#{i}", getattr(K, name).py_func, sig, True, K.register_cap(getattr(K, name)))
            for name, sigs in K.SIGNATURES.items() for i, sig in enumerate(sigs)]
     out += [Target(name, fn, sig, False, regs)
             for name, fn, sig, regs in fast.ptx_targets() + gemv.ptx_targets() + tc.ptx_targets()
-                                       + frag.ptx_targets() + linear.ptx_targets() + k_decode.ptx_targets()]
+                                       + frag.ptx_targets() + linear.ptx_targets() + k_decode.ptx_targets()
+                                       + k_decode_mma.ptx_targets()]
     return out
 
 

@@ -13,7 +13,8 @@ first path in the operation's list that applies. The lists, most specialised fir
   (bfloat16 results no bf16 kernel writes), `GeneralDequantize`;
 * linear (`linear.py`): `FusedGemmLinear` (fused.py, a GEMM that dequantizes as it multiplies;
   integer and mxfp4 weights at `FUSED_M` rows), `DequantizedGemmLinear` (bfloat16 from `LIBRARY_FROM_M` rows: the weight
-  dequantized to bfloat16, then torch's GEMM), `DecodeLinear` (k_decode.py, a few rows of x),
+  dequantized to bfloat16, then torch's GEMM), `MmaDecodeLinear` (k_decode_mma.py, one or two rows of
+  bfloat16 / float16 x), `DecodeLinear` (k_decode.py, a few rows of x),
   `TensorCoreLinear` (linear.py), `TransposedLinear`;
   W8A8 (`fp8.py`: e4m3 x e4m3 on torch's `_scaled_mm`) is tried first for `act=` and quantized x;
 * matmul (`matmul.py`): `TensorCoreMatmul` (tc.py, M >= 4), `GemvMatmul` (gemv.py),

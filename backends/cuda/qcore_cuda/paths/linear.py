@@ -22,6 +22,10 @@ Paths:
   fast dequantize kernel's bf16 variant, or float32 rounded once), then torch's GEMM (cuBLAS).
   docs/spec.md's bfloat16-weight rule allows the one rounding of each weight value; cuBLAS
   repeats its results bit for bit for the same shapes on the same GPU and library version.
+- `MmaDecodeLinear` (`k_decode_mma.py`): at most `MMA_DECODE_MAX_M` rows (2) of bfloat16 or float16
+  x on a weight whose 16-byte lane chunks each lie under one scale slot: the codes decoded into
+  `mma.sync` pairs, B block-diagonal over the lane chunks so that each chunk's sum meets its own
+  scale; bit-repeatable.
 - `DecodeLinear` (`k_decode.py`): at most `DECODE_MAX_M` rows of x (decoding a token), the same
   weights as the tensor-core kernel: warps stream the weight's rows with 16-byte loads and add
   exact products on the CUDA cores (x staged in shared memory); bit-repeatable.
@@ -56,9 +60,9 @@ from .._data import NOT_YET
 from .._launch import Packed
 from . import choose
 
-__all__ = ["LINEAR", "FUSED_M", "FUSED_ALL_KINDS", "LIBRARY_FROM_M", "DECODE_MAX_M", "LinearCall", "FusedGemmLinear",
-           "DequantizedGemmLinear", "DecodeLinear", "TensorCoreLinear", "TransposedLinear", "same_kind_bias", "run",
-           "rounded", "placeholders", "torch_dtype"]
+__all__ = ["LINEAR", "FUSED_M", "FUSED_ALL_KINDS", "LIBRARY_FROM_M", "DECODE_MAX_M", "MMA_DECODE_MAX_M", "LinearCall",
+           "FusedGemmLinear", "DequantizedGemmLinear", "MmaDecodeLinear", "DecodeLinear", "TensorCoreLinear",
+           "TransposedLinear", "same_kind_bias", "run", "rounded", "placeholders", "torch_dtype"]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
@@ -285,11 +289,47 @@ class DequantizedGemmLinear:
 
 
 DECODE_MAX_M = int(os.environ.get("QCORE_CUDA_LINEAR_DECODE_M", "1"))
+MMA_DECODE_MAX_M = int(os.environ.get("QCORE_CUDA_LINEAR_MMA_DECODE_M", "2"))
+"""The most rows of x `MmaDecodeLinear` takes (environment `QCORE_CUDA_LINEAR_MMA_DECODE_M`; 0: off)."""
 """The most rows of x `DecodeLinear` takes (at most `k_decode.MBS[-1]`, 4; 0: never); the environment
 variable of that name replaces it at import (benchmarks compare the paths). One row by
 measurement (docs/gpu.md): the kernel reads the weight once whatever M, but its FMAs per code grow
 with M, and from M = 2 the tensor-core kernel is faster (H200, 8192 x 8192 q8s/block32:f16: 43.5
 against 31.7 us at M = 2; 23.6 against ~31 us at M = 1 for q4s/block32:f16)."""
+
+
+class MmaDecodeLinear:
+    """k_decode_mma.py: a few rows of bfloat16 / float16 x, the codes decoded into tensor-core pairs
+    (module text there)."""
+
+    name = "mma-decode-linear"
+
+    @staticmethod
+    def key(c: LinearCall) -> tuple:
+        """The packed launch's key in the weight's `cache.linear`."""
+        return ("mma-decode", c.m, c.xt, c.ot, c.has_bias)
+
+    def applies(self, c: LinearCall) -> bool:
+        from .. import fast, k_decode, k_decode_mma, linear
+
+        if c.xt is None or c.m > MMA_DECODE_MAX_M:
+            return False
+        g = TensorCoreLinear.geometry(c.data)
+        if g is None or not k_decode_mma.applies(g[0], g[1], c.xt, c.m):
+            return False
+        if g[0] in k_decode.FP8_KINDS and not c.be.state.fast.usable:  # (sm_89+ FP8 conversions)
+            return False
+        if self.key(c) in c.data.cache.linear:
+            return True
+        return (int(g[1][linear.LP_WPR]) % 4 == 0  # (every row 16-byte aligned)
+                and fast.aligned(c.be.state.plans.code_words(c.data)))  # (16-byte loads)
+
+    def launch(self, c: LinearCall) -> None:
+        from .. import k_decode_mma
+
+        _launch_streaming(c, self.key(c), lambda kind, P, sc: (
+            k_decode_mma.kernel(kind, c.xt, k_decode_mma.mb_for(c.m), sc),
+            *k_decode_mma.plan(kind, P, c.m, c.ot, c.has_bias)))
 
 
 class DecodeLinear:
@@ -319,21 +359,28 @@ class DecodeLinear:
     def launch(self, c: LinearCall) -> None:
         from .. import k_decode
 
-        key = self.key(c)
-        st = c.data.cache.linear.get(key)
-        if st is None:
-            from numba import cuda
+        _launch_streaming(c, self.key(c), lambda kind, P, sc: (
+            k_decode.kernel(kind, c.xt, k_decode.mb_for(c.m), sc, k_decode.slots_per_unit(kind, P)),
+            *k_decode.plan(kind, P, c.m, c.ot, c.has_bias)))
 
-            kind, P = c.data.cache.linear_geometry
-            q, grid, block = k_decode.plan(kind, P, c.m, c.ot, c.has_bias)
-            prepared = c.be.state.plans.get(c.data.shape, c.data.scheme, "minmax")
-            sc, scales = _decode_scales(c, prepared)
-            args = [c.xd, c.be.state.plans.code_words(c.data), scales, c.bias, c.out32, c.out16,
-                    cuda.to_device(np.asarray(q, np.int64))]
-            st = c.data.cache.linear[key] = Packed(k_decode.kernel(kind, c.xt, k_decode.mb_for(c.m), sc,
-                                                                   k_decode.slots_per_unit(kind, P)), grid, block,
-                                                   args, dynamic=(0, 4, 5, 3))
-        st(c.xd, c.out32, c.out16, c.bias, stream=c.s)
+
+def _launch_streaming(c: LinearCall, key: tuple, build: Any) -> None:
+    """Launch a decode kernel (`k_decode`, `k_decode_mma`: x, the code words, the scales in
+    `_decode_scales`' form, the bias, the results, its parameters) through the packed launch kept
+    under `key` in the weight's `cache.linear`, made at the first call from `build(kind, P, scale
+    form)` -> (kernel, parameter tuple, grid, block)."""
+    st = c.data.cache.linear.get(key)
+    if st is None:
+        from numba import cuda
+
+        kind, P = c.data.cache.linear_geometry
+        prepared = c.be.state.plans.get(c.data.shape, c.data.scheme, "minmax")
+        sc, scales = _decode_scales(c, prepared)
+        kern, q, grid, block = build(kind, P, sc)
+        args = [c.xd, c.be.state.plans.code_words(c.data), scales, c.bias, c.out32, c.out16,
+                cuda.to_device(np.asarray(q, np.int64))]
+        st = c.data.cache.linear[key] = Packed(kern, grid, block, args, dynamic=(0, 4, 5, 3))
+    st(c.xd, c.out32, c.out16, c.bias, stream=c.s)
 
 
 class TensorCoreLinear:
@@ -446,7 +493,8 @@ class TransposedLinear:
                                                                    int(c.has_bias))
 
 
-LINEAR = (FusedGemmLinear(), DequantizedGemmLinear(), DecodeLinear(), TensorCoreLinear(), TransposedLinear())
+LINEAR = (FusedGemmLinear(), DequantizedGemmLinear(), MmaDecodeLinear(), DecodeLinear(), TensorCoreLinear(),
+          TransposedLinear())
 """The linear paths in the order the backend tries them."""
 
 

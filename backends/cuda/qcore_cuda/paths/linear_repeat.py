@@ -20,8 +20,8 @@ import numpy as np
 from qcore.backend.protocol import QTensor
 
 from .. import _array, _streams
-from .linear import (DecodeLinear, DequantizedGemmLinear, FusedGemmLinear, LinearCall, TensorCoreLinear, placeholders,
-                     same_kind_bias)
+from .linear import (DecodeLinear, DequantizedGemmLinear, FusedGemmLinear, LinearCall, MmaDecodeLinear,
+                     TensorCoreLinear, placeholders, same_kind_bias)
 
 __all__ = ["LinearRepeat", "FusedRepeat", "DequantizedRepeat", "remember", "again"]
 
@@ -133,7 +133,7 @@ def remember(c: LinearCall, path: Any, x: Any, out_shape: tuple, bias: Any) -> N
         checked = w.scheme.valid_fields.all() or w.data.codes_checked() or w.data.cache.linear_codes_checked
         repeats[key] = DequantizedRepeat(out_shape, c.data.cache.dequant_bf16 if checked else None)
         return
-    if type(path) not in (DecodeLinear, TensorCoreLinear) or (
+    if type(path) not in (MmaDecodeLinear, DecodeLinear, TensorCoreLinear) or (
             bias is not None and not (type(bias) is torch.Tensor and bias.dtype == torch.float32 and bias.is_cuda)):
         return
     st = c.data.cache.linear.get(path.key(c))
