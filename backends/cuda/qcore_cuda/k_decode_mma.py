@@ -15,7 +15,9 @@ contiguous ranges of super chunks (4 lane chunks, 64 bytes of a row). Lane (g, t
 rows g and g + 8 of the tile and reads, in super chunk s, the 16 bytes at byte 64 s + 16 t of each
 row: its lane chunk (32 4-bit codes or 16 8-bit codes). The sum over k does not care which k sits
 in which mma position as long as A and B agree: the lane's chunk feeds its A positions in every
-mma step of the super chunk (`linear.py`'s pairs: codes (p, p + 4) of each 8-code group).
+mma step of the super chunk (`linear.py`'s pairs: codes (p, p + 4) of each 8-code group). A lane
+loads `U` super chunks' code words and scales (a batch) before it uses any; a warp stages `SEG`
+super chunks of x at a time, while its segment's first batch is in flight.
 
 Scales, by the columns of B. The four lane chunks of an mma step lie under up to four different
 scale slots (blocks of 32 4-bit codes: one slot a chunk), and a slot's scale multiplies the f32 sum
@@ -31,11 +33,11 @@ quantized weight"; the tensor core's sums are the ones that spec's bound admits)
 
 Order. A lane adds its super chunks in increasing k; the four lanes of a row (t) are added by
 shuffles (xor 1, then 2), then the warps' sums in warp order through shared memory, the bias in
-f32 and one rounding to the result type. The order depends on the shapes only: results repeat bit
-for bit. Nothing is added with atomics.
+f32 and one rounding to the result type. The order depends on the shapes and the tuning only
+(`WARPS` splits K): results repeat bit for bit. Nothing is added with atomics.
 
-Every warp runs the same number of super chunks (its range rounded up; chunks past K read codes
-of the row's first chunk against zeros of x), so that under the simulator every lane meets the
+Every warp runs the same number of super chunks (its range rounded up to whole batches; a chunk past K
+reads the row's last chunk against zeros of x), so that under the simulator every lane meets the
 mma twin's barriers.
 """
 from __future__ import annotations
@@ -63,10 +65,14 @@ WARPS, U, SEG = (2, 2, 4) if SIM else linear.parse_tune(TUNE_ENV, os.environ.get
                                                         "WARPS,U,SEG")
 """Warps a block (each a range of K), super chunks a lane loads before it uses any of them (a
 batch), super chunks of x a warp stages at a time (a multiple of U)."""
+if SEG % U:
+    raise ValueError(f"{TUNE_ENV}: SEG ({SEG}) must be a multiple of U ({U})")
 REGS_ENV = "QCORE_CUDA_DECODE_MMA_REGS"
 REGS = 128 if SIM else int(os.environ.get(REGS_ENV, "128"))
 """ptxas's register cap for the kernel (environment `QCORE_CUDA_DECODE_MMA_REGS`, tuning runs)."""
 KINDS = (fast.KIND_I4, fast.KIND_E2M1, fast.KIND_I8, fast.KIND_E4M3, fast.KIND_E5M2)
+"""Value kinds the kernel decodes (`linear._decoder`'s pairs; 2-bit codes, whose 16-byte chunk spans
+64 codes, stay with the decode kernel)."""
 MBS = (1, 2)
 """Rows of x a launch (B's columns hold 4 chunks x 2 rows)."""
 SCR = 384  # simulator: f32 scratch per warp for the mma twin
