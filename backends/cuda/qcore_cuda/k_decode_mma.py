@@ -61,8 +61,8 @@ TUNE_ENV = "QCORE_CUDA_DECODE_MMA_TUNE"
 """'WARPS,U,SEG' in the environment replaces the defaults below on a GPU (tuning runs); read at
 import."""
 GPU_TUNE = (4, 4, 16)
-WARPS, U, SEG = (2, 2, 4) if SIM else linear.parse_tune(TUNE_ENV, os.environ.get(TUNE_ENV, ",".join(map(str, GPU_TUNE))),
-                                                        "WARPS,U,SEG")
+WARPS, U, SEG = (2, 2, 4) if SIM else linear.parse_tune(
+    TUNE_ENV, os.environ.get(TUNE_ENV, ",".join(map(str, GPU_TUNE))), "WARPS,U,SEG")
 """Warps a block (each a range of K), super chunks a lane loads before it uses any of them (a
 batch), super chunks of x a warp stages at a time (a multiple of U)."""
 if SEG % U:

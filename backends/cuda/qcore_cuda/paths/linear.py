@@ -289,18 +289,20 @@ class DequantizedGemmLinear:
 
 
 DECODE_MAX_M = int(os.environ.get("QCORE_CUDA_LINEAR_DECODE_M", "1"))
-MMA_DECODE_MAX_M = int(os.environ.get("QCORE_CUDA_LINEAR_MMA_DECODE_M", "2"))
-"""The most rows of x `MmaDecodeLinear` takes (environment `QCORE_CUDA_LINEAR_MMA_DECODE_M`; 0: off)."""
 """The most rows of x `DecodeLinear` takes (at most `k_decode.MBS[-1]`, 4; 0: never); the environment
 variable of that name replaces it at import (benchmarks compare the paths). One row by
 measurement (docs/gpu.md): the kernel reads the weight once whatever M, but its FMAs per code grow
 with M, and from M = 2 the tensor-core kernel is faster (H200, 8192 x 8192 q8s/block32:f16: 43.5
 against 31.7 us at M = 2; 23.6 against ~31 us at M = 1 for q4s/block32:f16)."""
+MMA_DECODE_MAX_M = int(os.environ.get("QCORE_CUDA_LINEAR_MMA_DECODE_M", "2"))
+"""The most rows of x `MmaDecodeLinear` takes (at most `k_decode_mma.MBS[-1]`, 2; 0: never); the
+environment variable of that name replaces it at import. Where that path applies it runs before
+`DecodeLinear` (faster at one row and than the tensor-core kernel at two: docs/gpu.md)."""
 
 
 class MmaDecodeLinear:
-    """k_decode_mma.py: a few rows of bfloat16 / float16 x, the codes decoded into tensor-core pairs
-    (module text there)."""
+    """k_decode_mma.py: one or two rows of bfloat16 / float16 x, the codes decoded into tensor-core
+    pairs (module text there)."""
 
     name = "mma-decode-linear"
 
