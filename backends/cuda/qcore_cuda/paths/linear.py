@@ -312,19 +312,12 @@ class MmaDecodeLinear:
         return ("mma-decode", c.m, c.xt, c.ot, c.has_bias)
 
     def applies(self, c: LinearCall) -> bool:
-        from .. import fast, k_decode, k_decode_mma, linear
+        from .. import k_decode_mma
 
         if c.xt is None or c.m > MMA_DECODE_MAX_M:
             return False
         g = TensorCoreLinear.geometry(c.data)
-        if g is None or not k_decode_mma.applies(g[0], g[1], c.xt, c.m):
-            return False
-        if g[0] in k_decode.FP8_KINDS and not c.be.state.fast.usable:  # (sm_89+ FP8 conversions)
-            return False
-        if self.key(c) in c.data.cache.linear:
-            return True
-        return (int(g[1][linear.LP_WPR]) % 4 == 0  # (every row 16-byte aligned)
-                and fast.aligned(c.be.state.plans.code_words(c.data)))  # (16-byte loads)
+        return g is not None and k_decode_mma.applies(g[0], g[1], c.xt, c.m) and _streamable(c, g, self.key(c))
 
     def launch(self, c: LinearCall) -> None:
         from .. import k_decode_mma
@@ -345,18 +338,14 @@ class DecodeLinear:
         return ("decode", c.m, c.xt, c.ot, c.has_bias)
 
     def applies(self, c: LinearCall) -> bool:
-        from .. import fast, k_decode, linear
+        from .. import k_decode
 
         if c.xt is None or c.m > min(DECODE_MAX_M, k_decode.MBS[-1]):
             return False
         g = TensorCoreLinear.geometry(c.data)
-        if g is None or (g[0] in k_decode.FP8_KINDS and not c.be.state.fast.usable):  # (sm_89+ FP8 conversions)
-            return False
-        if self.key(c) in c.data.cache.linear:
-            return True
-        return (k_decode.segment(g[0], c.data.shape[1], k_decode.mb_for(c.m)) > 0  # (x's shared memory holds a group)
-                and int(g[1][linear.LP_WPR]) % 4 == 0  # (every row 16-byte aligned: 2-bit codes, K % 64 == 0)
-                and fast.aligned(c.be.state.plans.code_words(c.data)))  # (ld4)
+        return (g is not None  # (x's shared memory holds a group)
+                and k_decode.segment(g[0], c.data.shape[1], k_decode.mb_for(c.m)) > 0
+                and _streamable(c, g, self.key(c)))
 
     def launch(self, c: LinearCall) -> None:
         from .. import k_decode
@@ -364,6 +353,20 @@ class DecodeLinear:
         _launch_streaming(c, self.key(c), lambda kind, P, sc: (
             k_decode.kernel(kind, c.xt, k_decode.mb_for(c.m), sc, k_decode.slots_per_unit(kind, P)),
             *k_decode.plan(kind, P, c.m, c.ot, c.has_bias)))
+
+
+def _streamable(c: LinearCall, g: tuple, key: tuple) -> bool:
+    """Whether a decode kernel (`k_decode`, `k_decode_mma`: 16-byte loads of each row's code words)
+    reads the weight of `linear.geometry` g: FP8 codes only with the sm_89+ conversions; every row
+    16-byte aligned (2-bit codes: K % 64 == 0) and the code words on a 16-byte boundary, checked
+    until a launch is kept under `key`."""
+    from .. import fast, k_decode, linear
+
+    if g[0] in k_decode.FP8_KINDS and not c.be.state.fast.usable:
+        return False
+    if key in c.data.cache.linear:
+        return True
+    return int(g[1][linear.LP_WPR]) % 4 == 0 and fast.aligned(c.be.state.plans.code_words(c.data))
 
 
 def _launch_streaming(c: LinearCall, key: tuple, build: Any) -> None:
